@@ -1,0 +1,119 @@
+"""The public entry point: ``ctxpar.attention`` on one rank's shard of the sequence."""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.distributed as dist
+
+from ctxpar.layout import Layout, get_layout
+from ctxpar.strategies import STRATEGIES
+
+_DTYPES = (torch.float32, torch.bfloat16, torch.float16, torch.float64)
+
+
+def attention_with_lse(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    *,
+    layout: str | Layout,
+    group: dist.ProcessGroup | None = None,
+    causal: bool = True,
+    scale: float | None = None,
+    strategy: str = "ring",
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Exact attention over a sequence sharded across the ranks of ``group``.
+
+    Each rank passes its own shard (as produced by ``layout.shard``) and gets back the
+    rows of full, unsplit attention for the positions it holds::
+
+        T = 8, P = 2, zigzag: rank 0 holds positions 0 1 6 7, rank 1 holds 2 3 4 5
+        causal: position 6 on rank 0 attends to keys 0..6, wherever they live
+
+    Args:
+        q: (B, H, S, D) local queries, S = T / P.
+        k, v: (B, H_kv, S, D) local keys and values; H must be a multiple of H_kv
+            (GQA / MQA). K/V are never repeated to H heads.
+        layout: ``"contiguous" | "zigzag" | "striped"`` or a ``Layout`` built for this
+            group's size; the causal mask follows its global positions.
+        group: the CP process group (default WORLD). Without an initialised process
+            group this is plain single-device attention.
+        causal: query at global position i sees keys at positions <= i.
+        scale: softmax scale, default D ** -0.5.
+        strategy: how K/V move between ranks; ``"ring"``.
+
+    Returns:
+        out (B, H, S, D) in q's dtype, differentiable w.r.t. q, k, v; and
+        lse (B, H, S) float32, the natural-log sum of exp(scaled scores) over all
+        visible keys of the whole sequence (not differentiable).
+
+    Raises:
+        ValueError: for any inconsistent input, on every rank, before communicating.
+    """
+    if strategy not in STRATEGIES:
+        raise ValueError(f"unknown strategy {strategy!r}; choose one of {', '.join(STRATEGIES)}")
+    world_size, rank = _group_size_and_rank(group)
+    layout = get_layout(layout, world_size)
+    scale = _validate(q, k, v, layout, group, scale)
+    return STRATEGIES[strategy](q, k, v, layout=layout, group=group, rank=rank, causal=causal, scale=scale)
+
+
+def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, **kwargs) -> torch.Tensor:
+    """Like ``attention_with_lse`` but returns only ``out`` (B, H, S, D)."""
+    return attention_with_lse(q, k, v, **kwargs)[0]
+
+
+def _group_size_and_rank(group: dist.ProcessGroup | None) -> tuple[int, int]:
+    if not (dist.is_available() and dist.is_initialized()):
+        if group is not None:
+            raise ValueError("a process group was given but torch.distributed is not initialised")
+        return 1, 0
+    rank = dist.get_rank(group)
+    if rank < 0:
+        raise ValueError(
+            f"global rank {dist.get_rank()} is not a member of the given process group; call "
+            f"ctxpar.attention only on the ranks of the CP group"
+        )
+    return dist.get_world_size(group), rank
+
+
+def _validate(q, k, v, layout: Layout, group, scale: float | None) -> float:
+    for name, t in (("q", q), ("k", k), ("v", v)):
+        if not isinstance(t, torch.Tensor) or t.dim() != 4:
+            got = tuple(t.shape) if isinstance(t, torch.Tensor) else type(t).__name__
+            raise ValueError(f"{name} must be a 4-D tensor (B, H, S, D), got {got}")
+    if k.shape != v.shape:
+        raise ValueError(f"k and v must have the same shape, got k {tuple(k.shape)} and v {tuple(v.shape)}")
+    (b, h, s, d), (bk, hk, sk, dk) = q.shape, k.shape
+    if (b, s, d) != (bk, sk, dk):
+        raise ValueError(
+            f"q {tuple(q.shape)} and k/v {tuple(k.shape)} must agree on batch, local sequence "
+            f"length and head dim (B, _, S, D)"
+        )
+    if hk == 0 or h % hk:
+        raise ValueError(f"query heads H={h} must be a multiple of key/value heads H_kv={hk}")
+    if s == 0:
+        raise ValueError("the local sequence is empty (S=0)")
+    if not (q.dtype == k.dtype == v.dtype):
+        raise ValueError(f"q, k, v dtypes differ: {q.dtype}, {k.dtype}, {v.dtype}; cast them to one dtype")
+    if q.dtype not in _DTYPES:
+        raise ValueError(f"dtype {q.dtype} is not supported; use one of {', '.join(map(str, _DTYPES))}")
+    if not (q.device == k.device == v.device):
+        raise ValueError(f"q, k, v are on different devices: {q.device}, {k.device}, {v.device}")
+    if layout.world_size > 1:
+        backend = dist.get_backend(group)
+        if backend == "nccl" and q.device.type != "cuda":
+            raise ValueError(f"the process group uses NCCL but the tensors are on {q.device}; move them to CUDA")
+        if backend == "gloo" and q.device.type != "cpu":
+            raise ValueError(f"the process group uses gloo but the tensors are on {q.device}; use NCCL for GPUs")
+    try:
+        layout.validate(s * layout.world_size)
+    except ValueError as e:
+        raise ValueError(f"local length S={s} on each of P={layout.world_size} ranks: {e}") from None
+    if scale is None:
+        return d**-0.5
+    if not (isinstance(scale, (int, float)) and math.isfinite(scale) and scale > 0):
+        raise ValueError(f"scale must be a positive finite number, got {scale!r}")
+    return float(scale)

@@ -1,0 +1,162 @@
+"""Sequence layouts: which global token positions each rank of a CP group holds.
+
+A layout maps a sequence of T tokens onto P ranks, T/P tokens each. Every rank's
+positions are returned in ascending order, so a rank's local tokens keep their
+relative order (the block plan relies on it). Example for T=16, P=4::
+
+    contiguous  rank 0: 0 1 2 3      rank 1: 4 5 6 7      ...  rank 3: 12 13 14 15
+    zigzag      rank 0: 0 1 14 15    rank 1: 2 3 12 13    ...  rank 3: 6 7 8 9
+    striped     rank 0: 0 4 8 12     rank 1: 1 5 9 13     ...  rank 3: 3 7 11 15
+
+Under causal attention a contiguous split gives the last rank (2P-1)/P times the mean
+work; zigzag (2P chunks, rank r holds chunks r and 2P-1-r) and striped (token t on rank
+t mod P) give every rank an equal share of early and late positions.
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from dataclasses import dataclass
+
+import torch
+
+LAYOUT_NAMES = ("contiguous", "zigzag", "striped")
+
+
+@dataclass(frozen=True)
+class Layout(ABC):
+    """Base class: subclasses say which positions a rank holds and what T must divide by.
+
+    Args:
+        world_size: P, the number of ranks in the CP group.
+    """
+
+    world_size: int
+
+    name = "layout"
+    multiple_formula = "P"  # how ``multiple`` is written in error messages
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.world_size, int) or self.world_size < 1:
+            raise ValueError(f"world_size must be a positive int, got {self.world_size!r}")
+
+    # -- what subclasses define -------------------------------------------------------
+    @property
+    def multiple(self) -> int:
+        """The sequence length must be a multiple of this."""
+        return self.world_size
+
+    @abstractmethod
+    def _positions(self, seq_len: int, rank: int) -> torch.Tensor:
+        """Ascending global positions of ``rank``; ``seq_len`` is already validated."""
+
+    # -- shared behaviour ---------------------------------------------------------------
+    def validate(self, seq_len: int) -> None:
+        """Raise ValueError unless ``seq_len`` splits evenly under this layout."""
+        m = self.multiple
+        if seq_len <= 0 or seq_len % m:
+            up = max(m, -(-seq_len // m) * m)
+            down = seq_len // m * m
+            alt = f" or trim to {down}" if down > 0 else ""
+            raise ValueError(
+                f"sequence length {seq_len} is not a multiple of {self.multiple_formula}={m} "
+                f"required by the {self.name} layout with P={self.world_size} ranks; "
+                f"pad to {up}{alt}"
+            )
+
+    def local_len(self, seq_len: int) -> int:
+        self.validate(seq_len)
+        return seq_len // self.world_size
+
+    def positions(self, seq_len: int, rank: int, device: torch.device | str | None = None) -> torch.Tensor:
+        """Global positions held by ``rank``, ascending, int64 of shape (T/P,).
+
+        Use them for RoPE and for any mask that depends on absolute position.
+        """
+        self.validate(seq_len)
+        self._check_rank(rank)
+        return self._positions(seq_len, rank).to(device)
+
+    def shard(self, x: torch.Tensor, rank: int, dim: int = 1) -> torch.Tensor:
+        """The part of ``x`` (global length T along ``dim``) that ``rank`` holds."""
+        idx = self.positions(x.shape[dim], rank, device=x.device)
+        return x.index_select(dim, idx)
+
+    def unshard(self, pieces: list[torch.Tensor] | tuple[torch.Tensor, ...], dim: int = 1) -> torch.Tensor:
+        """Inverse of ``shard``: the P local pieces (in rank order) back to the global tensor."""
+        if len(pieces) != self.world_size:
+            raise ValueError(f"unshard needs {self.world_size} pieces (one per rank), got {len(pieces)}")
+        local = pieces[0].shape[dim]
+        if any(p.shape != pieces[0].shape for p in pieces):
+            raise ValueError(f"unshard pieces differ in shape: {[tuple(p.shape) for p in pieces]}")
+        seq_len = local * self.world_size
+        shape = list(pieces[0].shape)
+        shape[dim] = seq_len
+        out = pieces[0].new_empty(shape)
+        for rank, piece in enumerate(pieces):
+            out.index_copy_(dim, self.positions(seq_len, rank, device=piece.device), piece)
+        return out
+
+    def _check_rank(self, rank: int) -> None:
+        if not 0 <= rank < self.world_size:
+            raise ValueError(f"rank {rank} is outside the {self.name} layout's {self.world_size} ranks")
+
+
+@dataclass(frozen=True)
+class ContiguousLayout(Layout):
+    """Rank r holds tokens [r*T/P, (r+1)*T/P). Causal work grows with r."""
+
+    name = "contiguous"
+
+    def _positions(self, seq_len: int, rank: int) -> torch.Tensor:
+        n = seq_len // self.world_size
+        return torch.arange(rank * n, (rank + 1) * n)
+
+
+@dataclass(frozen=True)
+class ZigzagLayout(Layout):
+    """2P chunks of T/(2P); rank r holds chunk r and chunk 2P-1-r."""
+
+    name = "zigzag"
+    multiple_formula = "2*P"
+
+    @property
+    def multiple(self) -> int:
+        return 2 * self.world_size
+
+    def _positions(self, seq_len: int, rank: int) -> torch.Tensor:
+        c = seq_len // (2 * self.world_size)
+        mirror = 2 * self.world_size - 1 - rank
+        return torch.cat([torch.arange(rank * c, (rank + 1) * c), torch.arange(mirror * c, (mirror + 1) * c)])
+
+
+@dataclass(frozen=True)
+class StripedLayout(Layout):
+    """Token t lives on rank t mod P (round-robin)."""
+
+    name = "striped"
+
+    def _positions(self, seq_len: int, rank: int) -> torch.Tensor:
+        return torch.arange(rank, seq_len, self.world_size)
+
+
+_LAYOUTS = {cls.name: cls for cls in (ContiguousLayout, ZigzagLayout, StripedLayout)}
+
+
+def get_layout(layout: str | Layout, world_size: int) -> Layout:
+    """A Layout from a name (``"contiguous" | "zigzag" | "striped"``) or an instance.
+
+    An instance must have been built for ``world_size`` ranks: a layout for 4 ranks used
+    with a group of 2 is an error, not a silent reinterpretation.
+    """
+    if isinstance(layout, Layout):
+        if layout.world_size != world_size:
+            raise ValueError(
+                f"the {layout.name} layout was built for P={layout.world_size} ranks but the "
+                f"process group has {world_size}; build it with world_size={world_size} or pass "
+                f"the group it was made for"
+            )
+        return layout
+    if layout not in _LAYOUTS:
+        raise ValueError(f"unknown layout {layout!r}; choose one of {', '.join(LAYOUT_NAMES)}")
+    return _LAYOUTS[layout](world_size)

@@ -1,0 +1,47 @@
+"""Exact combination of partial attention results (the online-softmax merge).
+
+A kernel that attended to one block of keys returns its normalised output ``o_b`` and
+log-sum-exp ``lse_b`` per query row. Two partials over disjoint key sets combine as
+
+    lse = log(exp(lse_a) + exp(lse_b))
+    o   = exp(lse_a - lse) * o_a + exp(lse_b - lse) * o_b
+
+which is the same identity as m = max(m_a, m_b), l = l_a e^(m_a-m) + l_b e^(m_b-m).
+Both exponents are <= 0, so nothing overflows. A row that has seen no key carries
+lse = -inf and output 0; merging two such rows must give (0, -inf), not NaN, so the
+weights are computed against a finite stand-in for lse in that case.
+"""
+
+from __future__ import annotations
+
+import torch
+
+
+def merge(
+    out_a: torch.Tensor, lse_a: torch.Tensor, out_b: torch.Tensor, lse_b: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Combine two partials over disjoint keys.
+
+    Args:
+        out_a, out_b: (..., S, D) partial outputs, each normalised over its own keys.
+        lse_a, lse_b: (..., S) float32 log-sum-exp of the scaled scores; -inf = no keys.
+
+    Returns:
+        (out, lse) in float32, shapes (..., S, D) and (..., S).
+    """
+    acc_out, acc_lse = out_a.float().clone(), lse_a.float().clone()
+    merge_into(acc_out, acc_lse, out_b, lse_b)
+    return acc_out, acc_lse
+
+
+def merge_into(acc_out: torch.Tensor, acc_lse: torch.Tensor, out_b: torch.Tensor, lse_b: torch.Tensor) -> None:
+    """In-place ``merge``: fold partial (out_b, lse_b) into float32 accumulators.
+
+    ``acc_out`` (..., S, D) and ``acc_lse`` (..., S) may be views (slices along S of a
+    larger accumulator); they are updated through the view. Start them at 0 and -inf.
+    """
+    lse = torch.logaddexp(acc_lse, lse_b)
+    ref = torch.where(torch.isneginf(lse), torch.zeros_like(lse), lse)
+    acc_out.mul_(torch.exp(acc_lse - ref).unsqueeze(-1))
+    acc_out.add_(torch.exp(lse_b - ref).unsqueeze(-1) * out_b)
+    acc_lse.copy_(lse)

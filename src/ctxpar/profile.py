@@ -1,0 +1,69 @@
+"""Per-rank counters for what attention calls did: bytes moved, compute and wait time.
+
+    with ctxpar.record() as rec:
+        out = ctxpar.attention(q, k, v, layout="zigzag")
+        out.sum().backward()
+    rec.bytes_sent, rec.bytes_received, rec.compute_seconds, rec.wait_seconds
+
+Counters are process-wide (not thread-local) because autograd may run backward on
+another thread. Timing on CUDA synchronises the device while a record is open, so only
+open one when measuring.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+
+import torch
+
+
+@dataclass
+class Record:
+    bytes_sent: int = 0
+    bytes_received: int = 0
+    compute_seconds: float = 0.0  # local kernels and merges
+    wait_seconds: float = 0.0  # blocked on communication that compute did not hide
+    messages: int = 0
+    extra: dict = field(default_factory=dict)
+
+
+_open: list[Record] = []
+
+
+@contextlib.contextmanager
+def record() -> Iterator[Record]:
+    """Count everything ctxpar does on this rank inside the block."""
+    rec = Record()
+    _open.append(rec)
+    try:
+        yield rec
+    finally:
+        _open.remove(rec)
+
+
+def add_traffic(sent: int, received: int) -> None:
+    for rec in _open:
+        rec.bytes_sent += sent
+        rec.bytes_received += received
+        rec.messages += 1
+
+
+@contextlib.contextmanager
+def timed(counter: str, device: torch.device) -> Iterator[None]:
+    """Add the wall time of the block to ``counter`` ('compute_seconds' | 'wait_seconds')."""
+    if not _open:
+        yield
+        return
+    sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
+    sync()
+    start = time.perf_counter()
+    try:
+        yield
+    finally:
+        sync()
+        elapsed = time.perf_counter() - start
+        for rec in _open:
+            setattr(rec, counter, getattr(rec, counter) + elapsed)

@@ -1,0 +1,66 @@
+"""One rank's attention work against one key/value shard, following the block plan.
+
+Every strategy reduces to these two loops; they differ only in how the K/V shards
+(and dK/dV) reach the rank. Benchmarks call them directly to time a rank's work
+without communication.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from ctxpar import kernels
+from ctxpar.blocks import Block
+from ctxpar.merge import merge_into
+
+
+def forward_blocks(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    blocks: tuple[Block, ...],
+    acc_out: torch.Tensor,
+    acc_lse: torch.Tensor,
+    scale: float,
+) -> None:
+    """Attend ``q`` to ``(k, v)`` block by block and merge into the accumulators.
+
+    Args:
+        q: (B, H, Sq, D) local queries; k, v: (B, H_kv, Sk, D) one key/value shard.
+        blocks: the plan between the two shards (``ctxpar.blocks``).
+        acc_out: (B, H, Sq, D) float32, acc_lse: (B, H, Sq) float32, updated in place.
+    """
+    for block in blocks:
+        qs, ks, causal = block.kernel_args()
+        out, lse = kernels.attention_forward(q[:, :, qs], k[:, :, ks], v[:, :, ks], causal=causal, scale=scale)
+        merge_into(acc_out[:, :, qs], acc_lse[:, :, qs], out, lse)
+
+
+def backward_blocks(
+    dout: torch.Tensor,
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    out: torch.Tensor,
+    lse: torch.Tensor,
+    blocks: tuple[Block, ...],
+    scale: float,
+    dq: torch.Tensor,
+    dk: torch.Tensor,
+    dv: torch.Tensor,
+) -> None:
+    """Add this shard's share of the gradients into float32 ``dq``, ``dk``, ``dv``.
+
+    Args:
+        dout, out: (B, H, Sq, D) and lse (B, H, Sq): the *global* (merged) values.
+        dq: (B, H, Sq, D); dk, dv: (B, H_kv, Sk, D), all float32, updated in place.
+    """
+    for block in blocks:
+        qs, ks, causal = block.kernel_args()
+        g_q, g_k, g_v = kernels.attention_backward(
+            dout[:, :, qs], q[:, :, qs], k[:, :, ks], v[:, :, ks], out[:, :, qs], lse[:, :, qs],
+            causal=causal, scale=scale,
+        )
+        dq[:, :, qs] += g_q
+        dk[:, :, ks] += g_k
+        dv[:, :, ks] += g_v

@@ -1,0 +1,115 @@
+"""Ring attention: K/V shards travel around the ring while each rank attends to them.
+
+Forward, P ranks, rank r, step i holds the K/V of rank s = (r - i) mod P::
+
+    step 0      step 1      ...   step P-1
+    kv[r]  -->  kv[r-1] -->  ...  kv[r+1]     (received from rank r-1, sent on to r+1)
+
+At every step the transfer of the next shard is posted before the current shard is
+computed, so communication hides behind compute when a block takes longer to compute
+than to send. Partial (out, lse) are merged in float32; blocks the plan says are
+invisible are skipped (their shard still passes through).
+
+Backward re-circulates K/V the same way and also circulates a float32 dK/dV
+accumulator for each shard: it starts on rank s+1, collects each rank's share, and
+after P-1 hops lands back on rank s, which adds its own share. dQ never moves.
+
+Traffic per rank (elements of size e, local length S = T/P):
+    forward:  (P-1) * 2*B*H_kv*S*D*e    sent and received
+    backward: (P-1) * 2*B*H_kv*S*D*(e + 4)
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+
+from ctxpar import profile
+from ctxpar.blocks import layout_plan
+from ctxpar.comm import RingComm
+from ctxpar.layout import Layout
+from ctxpar.strategies.blockwise import backward_blocks, forward_blocks
+
+_KV_TAG, _DKV_TAG = 0, 1
+
+
+class RingAttention(torch.autograd.Function):
+    """Inputs already validated by ``ctxpar.attention``; returns (out, lse)."""
+
+    @staticmethod
+    def forward(ctx, q, k, v, layout: Layout, group, rank: int, causal: bool, scale: float):
+        world = layout.world_size
+        seq_len = q.shape[2] * world
+        acc_out = torch.zeros(q.shape, dtype=torch.float32, device=q.device)  # (B, H, S, D)
+        acc_lse = torch.full(q.shape[:3], float("-inf"), dtype=torch.float32, device=q.device)  # (B, H, S)
+        kv = torch.stack([k, v])  # (2, B, H_kv, S, D): one message per step
+        comm = RingComm(group, tag=_KV_TAG) if world > 1 else None
+        spare = torch.empty_like(kv) if comm else None
+        for step in range(world):
+            last = step == world - 1
+            if not last:
+                comm.start(send=kv, recv=spare)
+            with profile.timed("compute_seconds", q.device):
+                plan = layout_plan(layout, seq_len, rank, (rank - step) % world, causal)
+                forward_blocks(q, kv[0], kv[1], plan, acc_out, acc_lse, scale)
+            if not last:
+                comm.wait()
+                kv, spare = spare, kv
+        out = acc_out.to(q.dtype)
+        ctx.save_for_backward(q, k, v, out, acc_lse)
+        ctx.layout, ctx.group, ctx.rank, ctx.causal, ctx.scale = layout, group, rank, causal, scale
+        ctx.mark_non_differentiable(acc_lse)
+        return out, acc_lse
+
+    @staticmethod
+    def backward(ctx, dout, _dlse):
+        q, k, v, out, lse = ctx.saved_tensors
+        layout, rank, causal, scale = ctx.layout, ctx.rank, ctx.causal, ctx.scale
+        world = layout.world_size
+        seq_len = q.shape[2] * world
+        dout = dout.contiguous()
+        dq = torch.zeros(q.shape, dtype=torch.float32, device=q.device)
+        own = torch.zeros((2, *k.shape), dtype=torch.float32, device=k.device)  # dK/dV of our own shard
+        kv = torch.stack([k, v])
+        if world > 1:
+            kv_comm, dkv_comm = RingComm(ctx.group, tag=_KV_TAG), RingComm(ctx.group, tag=_DKV_TAG)
+            kv_spare = torch.empty_like(kv)
+            # travelling accumulators: one being sent, one being received, one to compute into
+            send_acc, recv_acc, scratch = (torch.empty_like(own) for _ in range(3))
+        for step in range(world):
+            last = step == world - 1
+            if not last:
+                kv_comm.start(send=kv, recv=kv_spare)
+            target = own if step == 0 else send_acc if step == 1 else scratch
+            if step >= 1:
+                target.zero_()
+            with profile.timed("compute_seconds", q.device):
+                plan = layout_plan(layout, seq_len, rank, (rank - step) % world, causal)
+                backward_blocks(dout, q, kv[0], kv[1], out, lse, plan, scale, dq, target[0], target[1])
+            if step >= 2:  # add our share to the accumulator arriving from rank-1
+                dkv_comm.wait()
+                recv_acc += scratch
+                send_acc, recv_acc = recv_acc, send_acc
+            if step >= 1:
+                dkv_comm.start(send=send_acc, recv=recv_acc)
+            if not last:
+                kv_comm.wait()
+                kv, kv_spare = kv_spare, kv
+        if world > 1:  # our own shard's accumulator, after visiting every other rank
+            dkv_comm.wait()
+            own += recv_acc
+        return dq.to(q.dtype), own[0].to(k.dtype), own[1].to(v.dtype), None, None, None, None, None
+
+
+def ring_attention(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    *,
+    layout: Layout,
+    group: dist.ProcessGroup | None,
+    rank: int,
+    causal: bool,
+    scale: float,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    return RingAttention.apply(q, k, v, layout, group, rank, causal, scale)
