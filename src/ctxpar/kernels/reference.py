@@ -42,7 +42,7 @@ def attention_forward(
     """Kernel contract (see ``ctxpar.kernels``): (out (B,H,Sq,D) q.dtype, lse (B,H,Sq) fp32)."""
     c = _compute_dtype(q.dtype)
     out, lse = reference_attention(q.to(c), k.to(c), v.to(c), causal=causal, scale=scale)
-    return out.to(q.dtype), lse.float()
+    return out, lse.float()
 
 
 def attention_backward(
@@ -73,7 +73,7 @@ def attention_backward(
     ds = p * (torch.einsum("bhgqd,bhkd->bhgqk", do, v) - delta) * scale
     dq = torch.einsum("bhgqk,bhkd->bhgqd", ds, k).flatten(1, 2)
     dk = torch.einsum("bhgqk,bhgqd->bhkd", ds, _grouped(q, kv_heads))
-    return dq.to(dout.dtype), dk.to(dout.dtype), dv.to(dout.dtype)
+    return dq, dk, dv
 
 
 def reference_attention(

@@ -5,6 +5,11 @@ takes K/V with fewer heads than Q (GQA) directly and returns a float32 lse for e
 dtype. Its backward recomputes probabilities as exp(q k^T * scale - lse) and uses
 rowsum(dout * out) as delta, so handing it the merged, global (out, lse) yields this
 block's exact share of the gradient.
+
+bfloat16 / float16 blocks are computed in float32 (inputs upcast per block, a copy of
+O(S*D) against O(S^2*D) work). Rounding each block's output and dK/dV to bf16 before
+they are merged and summed over P blocks would add P roundings to the one that
+single-process attention makes; K/V still travel between ranks in bf16.
 """
 
 from __future__ import annotations
@@ -19,10 +24,15 @@ def supports(q: torch.Tensor) -> bool:
     return q.device.type == "cpu" and q.dtype in (torch.float32, torch.float64, torch.bfloat16, torch.float16)
 
 
+def _upcast(*tensors: torch.Tensor) -> tuple[torch.Tensor, ...]:
+    c = torch.promote_types(tensors[0].dtype, torch.float32)
+    return tuple(t.to(c) for t in tensors)
+
+
 def attention_forward(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, causal: bool, scale: float
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    out, lse = _cpu_fwd(q, k, v, 0.0, causal, scale=scale)
+    out, lse = _cpu_fwd(*_upcast(q, k, v), 0.0, causal, scale=scale)
     return out, lse.float()
 
 
@@ -37,6 +47,5 @@ def attention_backward(
     causal: bool,
     scale: float,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    # The op wants lse in its own accumulation dtype: float64 for float64 inputs.
-    lse = lse.to(torch.float64 if q.dtype == torch.float64 else torch.float32)
+    dout, q, k, v, out, lse = _upcast(dout, q, k, v, out, lse)
     return _cpu_bwd(dout, q, k, v, out, lse, 0.0, causal, scale=scale)

@@ -1,0 +1,65 @@
+"""Checking CP results against unsplit attention: the errors, and what counts as exact.
+
+Used by the tests and by ``ctxpar demo``. Tolerances:
+
+- float32 / float64: max |error| <= 1e-5 * max |reference| for each tensor.
+- bfloat16 / float16: no worse than 2x the error that single-process attention in the
+  same dtype makes against the float64 reference (``baseline``, from ``torch_sdpa``), plus the float32
+  allowance so tensors a low-precision kernel happens to get exactly right don't turn
+  into a zero tolerance.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from ctxpar import kernels
+
+TENSORS = ("out", "lse", "dq", "dk", "dv")
+FP32_RTOL = 1e-5
+LOW_PRECISION_FACTOR = 2.0
+
+
+def unsplit_attention(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, dout: torch.Tensor, *, causal: bool, scale: float
+) -> dict[str, torch.Tensor]:
+    """Single-process attention over the whole sequence, forward and backward, in q's dtype.
+
+    Uses the same fused kernels as ctxpar (memory-efficient, so T=16K in float64 fits).
+    Returns out, lse, dq, dk, dv.
+    """
+    out, lse = kernels.attention_forward(q, k, v, causal=causal, scale=scale)
+    dq, dk, dv = kernels.attention_backward(dout, q, k, v, out, lse, causal=causal, scale=scale)
+    return dict(out=out, lse=lse, dq=dq, dk=dk, dv=dv)
+
+
+def torch_sdpa(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, dout: torch.Tensor, *, causal: bool, scale: float
+) -> dict[str, torch.Tensor]:
+    """What a user gets from single-process ``F.scaled_dot_product_attention`` + autograd.
+
+    This is the baseline for low-precision tolerances; lse, which SDPA does not return,
+    comes from torch's fused forward op in the same dtype.
+    """
+    q, k, v = (t.detach().requires_grad_() for t in (q, k, v))
+    out = F.scaled_dot_product_attention(q, k, v, is_causal=causal, scale=scale, enable_gqa=True)
+    out.backward(dout)
+    lse = kernels.attention_forward(q.detach(), k.detach(), v.detach(), causal=causal, scale=scale)[1]
+    return dict(out=out.detach(), lse=lse, dq=q.grad, dk=k.grad, dv=v.grad)
+
+
+def max_abs_errors(got: dict[str, torch.Tensor], ref: dict[str, torch.Tensor]) -> dict[str, float]:
+    return {name: (got[name].double() - ref[name].double()).abs().max().item() for name in TENSORS}
+
+
+def tolerances(
+    dtype: torch.dtype, ref: dict[str, torch.Tensor], baseline: dict[str, float] | None = None
+) -> dict[str, float]:
+    """Allowed max abs error per tensor; ``baseline`` = same-dtype unsplit errors (low precision)."""
+    tol = {name: FP32_RTOL * ref[name].double().abs().max().item() for name in TENSORS}
+    if dtype in (torch.bfloat16, torch.float16):
+        if baseline is None:
+            raise ValueError(f"{dtype} tolerances need the single-process baseline errors")
+        tol = {name: LOW_PRECISION_FACTOR * baseline[name] + tol[name] for name in TENSORS}
+    return tol

@@ -1,0 +1,101 @@
+"""Block plans: exact coverage of the visible pairs, and the shapes each layout gets."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from ctxpar.blocks import Block, MaskKind, layout_plan, plan_blocks, rank_pairs
+from ctxpar.layout import LAYOUT_NAMES, get_layout
+
+
+def covered(blocks: tuple[Block, ...], sq: int, sk: int) -> torch.Tensor:
+    """(Sq, Sk) count of how many blocks cover each pair, from the mask kinds' definitions."""
+    hits = torch.zeros(sq, sk, dtype=torch.int64)
+    for b in blocks:
+        nq, nk = b.q_stop - b.q_start, b.kv_stop - b.kv_start
+        a = torch.arange(nq).unsqueeze(1)
+        c = torch.arange(nk).unsqueeze(0)
+        visible = {
+            MaskKind.FULL: torch.ones(nq, nk, dtype=torch.bool),
+            MaskKind.CAUSAL: c <= a,
+            MaskKind.CAUSAL_STRICT: c < a,
+        }[b.kind]
+        hits[b.q, b.kv] += visible.long()
+    return hits
+
+
+def brute_force(q_pos: torch.Tensor, kv_pos: torch.Tensor, causal: bool) -> torch.Tensor:
+    if not causal:
+        return torch.ones(len(q_pos), len(kv_pos), dtype=torch.int64)
+    return (kv_pos.unsqueeze(0) <= q_pos.unsqueeze(1)).long()
+
+
+@pytest.mark.parametrize("name", LAYOUT_NAMES)
+@pytest.mark.parametrize("world", [1, 2, 3, 4, 5])
+@pytest.mark.parametrize("causal", [True, False])
+def test_plans_cover_exactly_the_visible_pairs(name: str, world: int, causal: bool) -> None:
+    layout = get_layout(name, world)
+    seq_len = 2 * world * 6
+    for r in range(world):
+        for s in range(world):
+            blocks = layout_plan(layout, seq_len, r, s, causal)
+            want = brute_force(layout.positions(seq_len, r), layout.positions(seq_len, s), causal)
+            assert torch.equal(covered(blocks, *want.shape), want), (r, s)
+            assert sum(b.pairs for b in blocks) == int(want.sum())
+            assert all(b.pairs > 0 for b in blocks), "blocks with nothing visible must be skipped"
+
+
+@settings(max_examples=200, deadline=None)
+@given(
+    st.lists(st.integers(0, 60), min_size=1, max_size=20, unique=True),
+    st.lists(st.integers(0, 60), min_size=1, max_size=20, unique=True),
+)
+def test_any_ascending_positions_get_an_exact_plan(q_pos: list[int], kv_pos: list[int]) -> None:
+    q, kv = torch.tensor(sorted(q_pos)), torch.tensor(sorted(kv_pos))
+    blocks = plan_blocks(q, kv, causal=True)
+    assert torch.equal(covered(blocks, len(q), len(kv)), brute_force(q, kv, True))
+
+
+def test_zigzag_off_diagonal_steps_are_half_size_blocks() -> None:
+    layout, seq_len = get_layout("zigzag", 4), 64  # local shard 16 = two chunks of 8
+    (early,) = layout_plan(layout, seq_len, 2, 1, True)  # keys from an earlier rank
+    assert (early.q, early.kv, early.kind) == (slice(0, 16), slice(0, 8), MaskKind.FULL)
+    (late,) = layout_plan(layout, seq_len, 1, 2, True)  # keys from a later rank
+    assert (late.q, late.kv, late.kind) == (slice(8, 16), slice(0, 16), MaskKind.FULL)
+    (diag,) = layout_plan(layout, seq_len, 1, 1, True)
+    assert (diag.q, diag.kv, diag.kind) == (slice(0, 16), slice(0, 16), MaskKind.CAUSAL)
+
+
+def test_striped_later_ranks_give_the_shifted_causal_block() -> None:
+    layout, seq_len = get_layout("striped", 4), 32
+    (later,) = layout_plan(layout, seq_len, 1, 2, True)
+    assert (later.q, later.kv, later.kind) == (slice(0, 8), slice(0, 7), MaskKind.CAUSAL_STRICT)
+    assert later.kernel_args() == (slice(1, 8), slice(0, 7), True)
+    (earlier,) = layout_plan(layout, seq_len, 2, 1, True)
+    assert earlier.kind is MaskKind.CAUSAL
+
+
+def test_contiguous_skips_future_ranks_and_is_imbalanced() -> None:
+    layout, seq_len = get_layout("contiguous", 4), 64
+    assert layout_plan(layout, seq_len, 0, 3, True) == ()
+    pairs = [rank_pairs(layout, seq_len, r, True) for r in range(4)]
+    assert sum(pairs) == seq_len * (seq_len + 1) // 2
+    assert max(pairs) / (sum(pairs) / 4) == pytest.approx(1.75, abs=0.02)
+
+
+@pytest.mark.parametrize("name", ["zigzag", "striped"])
+def test_balanced_layouts_split_causal_work_evenly(name: str) -> None:
+    layout, seq_len = get_layout(name, 4), 16384
+    pairs = [rank_pairs(layout, seq_len, r, True) for r in range(4)]
+    assert sum(pairs) == seq_len * (seq_len + 1) // 2
+    assert max(pairs) / (sum(pairs) / 4) <= 1.001
+
+
+def test_malformed_blocks_are_rejected() -> None:
+    with pytest.raises(ValueError):
+        Block(0, 4, 0, 3, MaskKind.CAUSAL)
+    with pytest.raises(ValueError, match="ascending"):
+        plan_blocks(torch.tensor([3, 1]), torch.tensor([0, 1]), causal=True)

@@ -1,0 +1,79 @@
+"""Layouts: positions, shard/unshard round trips, validation messages."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import ctxpar
+from ctxpar.layout import LAYOUT_NAMES, get_layout
+
+
+@pytest.mark.parametrize("name", LAYOUT_NAMES)
+@pytest.mark.parametrize("world", [1, 2, 3, 4, 5, 8])
+def test_positions_partition_the_sequence(name: str, world: int) -> None:
+    layout = get_layout(name, world)
+    seq_len = 2 * world * 7
+    pos = [layout.positions(seq_len, r) for r in range(world)]
+    for p in pos:
+        assert p.dtype == torch.int64 and p.numel() == seq_len // world
+        assert bool((p[1:] > p[:-1]).all()), "positions must be ascending"
+    assert torch.equal(torch.sort(torch.cat(pos)).values, torch.arange(seq_len))
+
+
+def test_layout_definitions() -> None:
+    assert get_layout("contiguous", 4).positions(16, 1).tolist() == [4, 5, 6, 7]
+    assert get_layout("zigzag", 4).positions(16, 0).tolist() == [0, 1, 14, 15]
+    assert get_layout("zigzag", 4).positions(16, 3).tolist() == [6, 7, 8, 9]
+    assert get_layout("striped", 4).positions(16, 2).tolist() == [2, 6, 10, 14]
+
+
+@pytest.mark.parametrize("name", LAYOUT_NAMES)
+@pytest.mark.parametrize("world", [1, 2, 3, 4])
+@pytest.mark.parametrize("dim", [0, 1, 2, -1])
+def test_shard_unshard_round_trip_is_exact(name: str, world: int, dim: int) -> None:
+    layout = get_layout(name, world)
+    shape = [3, 4, 5, 6]
+    shape[dim] = 2 * world * 3
+    x = torch.randn(shape, dtype=torch.float64)
+    pieces = [layout.shard(x, r, dim=dim) for r in range(world)]
+    assert all(p.shape[dim] == x.shape[dim] // world for p in pieces)
+    assert torch.equal(layout.unshard(pieces, dim=dim), x)
+
+
+def test_zigzag_shard_holds_chunk_r_and_its_mirror() -> None:
+    x = torch.arange(24).view(1, 24)
+    layout = ctxpar.ZigzagLayout(3)  # 6 chunks of 4
+    assert layout.shard(x, 1).tolist() == [[4, 5, 6, 7, 16, 17, 18, 19]]
+
+
+@pytest.mark.parametrize(
+    "name, world, seq_len, fragments",
+    [
+        ("zigzag", 4, 1004, ["1004", "2*P=8", "P=4", "pad to 1008", "trim to 1000"]),
+        ("zigzag", 4, 1001, ["1001", "2*P=8", "pad to 1008", "trim to 1000"]),
+        ("contiguous", 3, 10, ["10", "P=3", "pad to 12", "trim to 9"]),
+        ("striped", 8, 5, ["5", "P=8", "pad to 8"]),
+    ],
+)
+def test_invalid_length_names_length_multiple_and_fix(name, world, seq_len, fragments) -> None:
+    layout = get_layout(name, world)
+    if seq_len % layout.multiple == 0:
+        pytest.fail("case must be invalid")
+    with pytest.raises(ValueError) as err:
+        layout.shard(torch.zeros(1, seq_len), 0)
+    for fragment in fragments:
+        assert fragment in str(err.value)
+
+
+def test_bad_layout_arguments() -> None:
+    with pytest.raises(ValueError, match="unknown layout"):
+        get_layout("spiral", 2)
+    with pytest.raises(ValueError, match="built for P=4"):
+        get_layout(ctxpar.ZigzagLayout(4), 2)
+    with pytest.raises(ValueError, match="positive int"):
+        ctxpar.StripedLayout(0)
+    with pytest.raises(ValueError, match="outside"):
+        ctxpar.StripedLayout(2).positions(8, 2)
+    with pytest.raises(ValueError, match="needs 2 pieces"):
+        ctxpar.StripedLayout(2).unshard([torch.zeros(1, 4)])

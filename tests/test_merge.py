@@ -1,0 +1,73 @@
+"""The online-softmax merge against a softmax over the concatenated scores."""
+
+from __future__ import annotations
+
+import math
+
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from ctxpar.merge import merge, merge_into
+
+
+def partial(scores: torch.Tensor, values: torch.Tensor, mask: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Normalised (out, lse) of one part; rows with no visible key give (0, -inf)."""
+    s = scores.masked_fill(~mask, float("-inf"))
+    lse = torch.logsumexp(s, dim=-1)
+    p = torch.exp(s - torch.where(torch.isneginf(lse), 0.0, lse).unsqueeze(-1))
+    return p @ values, lse
+
+
+@settings(max_examples=300, deadline=None)
+@given(
+    rows=st.integers(1, 6),
+    split=st.lists(st.integers(1, 5), min_size=2, max_size=4),
+    magnitude=st.sampled_from([0.1, 1.0, 30.0, 300.0]),
+    seed=st.integers(0, 2**16),
+    masked_fraction=st.sampled_from([0.0, 0.3, 0.7]),
+)
+def test_merging_parts_equals_softmax_over_all_keys(rows, split, magnitude, seed, masked_fraction) -> None:
+    gen = torch.Generator().manual_seed(seed)
+    n = sum(split)
+    scores = torch.randn(rows, n, generator=gen, dtype=torch.float64) * magnitude
+    values = torch.randn(n, 3, generator=gen, dtype=torch.float64)
+    mask = torch.rand(rows, n, generator=gen) >= masked_fraction
+    mask[0] = False  # a row that never sees a key
+    want_out, want_lse = partial(scores, values, mask)
+
+    out = torch.zeros(rows, 3, dtype=torch.float32)
+    lse = torch.full((rows,), -math.inf, dtype=torch.float32)
+    start = 0
+    for width in split:
+        cols = slice(start, start + width)
+        o, l_ = partial(scores[:, cols], values[cols], mask[:, cols])
+        merge_into(out, lse, o.float(), l_.float())
+        start += width
+    assert torch.isfinite(out).all(), "no NaN/inf, even for rows that saw nothing"
+    assert torch.equal(torch.isneginf(lse), torch.isneginf(want_lse))
+    assert torch.allclose(out.double(), want_out, atol=1e-5 * max(1.0, want_out.abs().max().item()))
+    seen = ~torch.isneginf(want_lse)
+    assert torch.allclose(lse.double()[seen], want_lse[seen], rtol=1e-6, atol=1e-5)
+    assert (out[0] == 0).all() and lse[0] == -math.inf
+
+
+def test_merge_is_symmetric_and_leaves_inputs_alone() -> None:
+    a, b = torch.randn(2, 5, 4), torch.randn(2, 5, 4)
+    la, lb = torch.randn(2, 5), torch.randn(2, 5)
+    la[0, 0] = -math.inf
+    lb[0, 0] = -math.inf
+    snapshot = (a.clone(), la.clone())
+    o1, l1 = merge(a, la, b, lb)
+    o2, l2 = merge(b, lb, a, la)
+    assert torch.allclose(o1, o2) and torch.equal(l1, l2)
+    assert torch.equal(a, snapshot[0]) and torch.equal(la, snapshot[1])
+    assert torch.equal(o1[0, 0], torch.zeros(4)) and l1[0, 0] == -math.inf
+
+
+def test_merge_into_a_slice_updates_the_accumulator() -> None:
+    acc = torch.zeros(1, 6, 2)
+    acc_lse = torch.full((1, 6), -math.inf)
+    merge_into(acc[:, 2:4], acc_lse[:, 2:4], torch.ones(1, 2, 2), torch.zeros(1, 2))
+    assert acc[:, 2:4].eq(1).all() and acc[:, :2].eq(0).all() and acc[:, 4:].eq(0).all()
+    assert acc_lse[:, 2:4].eq(0).all() and torch.isneginf(acc_lse[:, 4:]).all()
