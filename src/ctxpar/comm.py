@@ -56,7 +56,7 @@ class RingComm:
 
     def wait(self) -> None:
         """Block until the posted transfer has completed (both directions)."""
-        with profile.timed("wait_seconds", self._device):
+        with profile.timed("wait", self._device):
             for req in self._pending:
                 req.wait()
         self._pending = []

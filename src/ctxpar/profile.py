@@ -24,7 +24,8 @@ import torch
 class Record:
     bytes_sent: int = 0
     bytes_received: int = 0
-    compute_seconds: float = 0.0  # local kernels and merges
+    compute_seconds: float = 0.0  # local kernels and merges, wall clock
+    compute_cpu_seconds: float = 0.0  # the same, CPU time of this process (immune to time-sharing)
     wait_seconds: float = 0.0  # blocked on communication that compute did not hide
     messages: int = 0
     extra: dict = field(default_factory=dict)
@@ -53,17 +54,23 @@ def add_traffic(sent: int, received: int) -> None:
 
 @contextlib.contextmanager
 def timed(counter: str, device: torch.device) -> Iterator[None]:
-    """Add the wall time of the block to ``counter`` ('compute_seconds' | 'wait_seconds')."""
+    """Add the time the block takes to ``counter`` ('compute' | 'wait').
+
+    Wall time goes to ``<counter>_seconds``; for 'compute' the process CPU time also
+    goes to ``compute_cpu_seconds``.
+    """
     if not _open:
         yield
         return
     sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
     sync()
-    start = time.perf_counter()
+    wall, cpu = time.perf_counter(), time.process_time()
     try:
         yield
     finally:
         sync()
-        elapsed = time.perf_counter() - start
+        wall, cpu = time.perf_counter() - wall, time.process_time() - cpu
         for rec in _open:
-            setattr(rec, counter, getattr(rec, counter) + elapsed)
+            setattr(rec, f"{counter}_seconds", getattr(rec, f"{counter}_seconds") + wall)
+            if counter == "compute":
+                rec.compute_cpu_seconds += cpu

@@ -49,7 +49,7 @@ class RingAttention(torch.autograd.Function):
             last = step == world - 1
             if not last:
                 comm.start(send=kv, recv=spare)
-            with profile.timed("compute_seconds", q.device):
+            with profile.timed("compute", q.device):
                 plan = layout_plan(layout, seq_len, rank, (rank - step) % world, causal)
                 forward_blocks(q, kv[0], kv[1], plan, acc_out, acc_lse, scale)
             if not last:
@@ -83,7 +83,7 @@ class RingAttention(torch.autograd.Function):
             target = own if step == 0 else send_acc if step == 1 else scratch
             if step >= 1:
                 target.zero_()
-            with profile.timed("compute_seconds", q.device):
+            with profile.timed("compute", q.device):
                 plan = layout_plan(layout, seq_len, rank, (rank - step) % world, causal)
                 backward_blocks(dout, q, kv[0], kv[1], out, lse, plan, scale, dq, target[0], target[1])
             if step >= 2:  # add our share to the accumulator arriving from rank-1

@@ -1,0 +1,186 @@
+"""``ctxpar demo``: CP attention on P ranks, checked against the unsplit computation.
+
+Every rank builds the same seeded sequence, keeps its layout shard, runs CP forward and
+backward, and reports its work (pairs), time, traffic and peak memory. Rank 0 gathers
+the shards and compares them with single-process attention over the whole sequence in
+float64 (inputs cast up).
+"""
+
+from __future__ import annotations
+
+import os
+import resource
+import time
+from dataclasses import asdict, dataclass
+
+import torch
+import torch.distributed as dist
+
+import ctxpar
+from ctxpar.blocks import rank_pairs
+from ctxpar.launch import init_from_env, launched_by_torchrun, run_local
+from ctxpar.verify import TENSORS, max_abs_errors, tolerances, torch_sdpa, unsplit_attention
+
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+@dataclass(frozen=True)
+class DemoConfig:
+    nproc: int = 4
+    seq: int = 16384
+    heads: int = 8
+    kv_heads: int = 2
+    head_dim: int = 64
+    layout: str = "zigzag"
+    strategy: str = "ring"
+    dtype: str = "float32"
+    causal: bool = True
+    batch: int = 1
+    seed: int = 0
+
+    def validate(self) -> None:
+        """Reject a bad configuration before any process is started."""
+        ctxpar.get_layout(self.layout, self.nproc).validate(self.seq)
+        if self.heads % self.kv_heads:
+            raise ValueError(f"--heads {self.heads} must be a multiple of --kv-heads {self.kv_heads}")
+        if self.dtype == "float16" and not torch.cuda.is_available():
+            raise ValueError("float16 attention needs CUDA here; use --dtype bfloat16 or float32 on CPU")
+
+
+def _inputs(cfg: DemoConfig) -> tuple[torch.Tensor, ...]:
+    """Global q, k, v, dout (B, H, T, D) in the demo dtype, identical on every rank."""
+    gen = torch.Generator().manual_seed(cfg.seed)
+    b, t, d = cfg.batch, cfg.seq, cfg.head_dim
+    shapes = [(b, cfg.heads, t, d), (b, cfg.kv_heads, t, d), (b, cfg.kv_heads, t, d), (b, cfg.heads, t, d)]
+    return tuple(torch.randn(s, generator=gen).to(DTYPES[cfg.dtype]) for s in shapes)
+
+
+def _peak_memory(device: torch.device) -> tuple[int, str]:
+    if device.type == "cuda":
+        return torch.cuda.max_memory_allocated(device), "cuda_max_memory_allocated"
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024, "process_max_rss"
+
+
+def demo_rank(rank: int, world: int, cfg: DemoConfig, device: torch.device | None = None) -> dict | None:
+    """One rank's part; returns the full report on rank 0 and None elsewhere."""
+    device = device or torch.device("cpu")
+    layout = ctxpar.get_layout(cfg.layout, world)
+    q, k, v, dout = _inputs(cfg)
+    local = [layout.shard(t, rank, dim=2).to(device).requires_grad_() for t in (q, k, v)]
+    dout_local = layout.shard(dout, rank, dim=2).to(device)
+    if device.type == "cuda":
+        torch.cuda.reset_peak_memory_stats(device)
+
+    _warm_up(layout, device, cfg)
+    dist.barrier()
+    with ctxpar.record() as rec:
+        start = time.perf_counter()
+        out, lse = ctxpar.attention_with_lse(*local, layout=layout, causal=cfg.causal, strategy=cfg.strategy)
+        out.backward(dout_local)
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+        wall = time.perf_counter() - start
+    peak, peak_source = _peak_memory(device)
+    stats = dict(
+        rank=rank,
+        pairs=rank_pairs(layout, cfg.seq, rank, cfg.causal),
+        attn_seconds=rec.compute_cpu_seconds if device.type == "cpu" else rec.compute_seconds,
+        wall_seconds=wall,
+        wait_seconds=rec.wait_seconds,
+        bytes_sent=rec.bytes_sent,
+        bytes_received=rec.bytes_received,
+        peak_memory_bytes=peak,
+    )
+    results = dict(out=out, lse=lse, dq=local[0].grad, dk=local[1].grad, dv=local[2].grad)
+    gathered = {name: _gather(results[name].detach().float().contiguous(), rank, world) for name in TENSORS}
+    all_stats = [None] * world
+    dist.gather_object(stats, all_stats if rank == 0 else None, dst=0)
+    if rank != 0:
+        return None
+
+    torch.set_num_threads(os.cpu_count() or 1)  # the other ranks are done computing
+    got = {name: layout.unshard(pieces, dim=2) for name, pieces in gathered.items()}
+    scale = cfg.head_dim**-0.5
+    ref = unsplit_attention(*(t.double() for t in (q, k, v, dout)), causal=cfg.causal, scale=scale)
+    baseline = None
+    if cfg.dtype != "float32":
+        baseline = max_abs_errors(torch_sdpa(q, k, v, dout, causal=cfg.causal, scale=scale), ref)
+    errors, tol = max_abs_errors(got, ref), tolerances(DTYPES[cfg.dtype], ref, baseline)
+    mean = lambda key: sum(s[key] for s in all_stats) / world  # noqa: E731
+    return {
+        "config": dict(asdict(cfg), nproc=world),
+        "ok": all(errors[n] <= tol[n] for n in TENSORS),
+        "max_abs_err": errors,
+        "tolerance": tol,
+        "imbalance": {
+            "pairs": max(s["pairs"] for s in all_stats) / mean("pairs"),
+            "seconds": max(s["attn_seconds"] for s in all_stats) / mean("attn_seconds"),
+        },
+        "ranks": all_stats,
+        "device": str(device),
+        "backend": dist.get_backend(),
+        "attn_seconds_source": "process CPU time in kernels and merges"
+        if device.type == "cpu"
+        else "wall time in kernels and merges",
+        "peak_memory_source": peak_source,
+    }
+
+
+def _warm_up(layout: ctxpar.Layout, device: torch.device, cfg: DemoConfig) -> None:
+    """A tiny call first, so that connecting the ring's peers is not timed."""
+    shape = (1, 1, layout.multiple // layout.world_size, cfg.head_dim)
+    t = torch.zeros(shape, device=device, dtype=DTYPES[cfg.dtype], requires_grad=True)
+    ctxpar.attention(t, t, t, layout=layout, causal=cfg.causal, strategy=cfg.strategy).sum().backward()
+
+
+def _gather(t: torch.Tensor, rank: int, world: int) -> list[torch.Tensor] | None:
+    pieces = [torch.empty_like(t) for _ in range(world)] if rank == 0 else None
+    dist.gather(t.cpu() if dist.get_backend() == "gloo" else t, pieces, dst=0)
+    return [p.cpu() for p in pieces] if rank == 0 else None
+
+
+def run_demo(cfg: DemoConfig) -> dict | None:
+    """Run under torchrun if launched by it, else on ``cfg.nproc`` local gloo ranks.
+
+    Returns the report on the process that holds it (rank 0, or the local parent).
+    """
+    if launched_by_torchrun():
+        device = init_from_env()
+        try:
+            report = demo_rank(dist.get_rank(), dist.get_world_size(), cfg, device)
+        finally:
+            dist.destroy_process_group()
+        return report
+    cfg.validate()
+    return run_local(demo_rank, cfg.nproc, (cfg,))[0]
+
+
+def format_report(report: dict) -> str:
+    c = report["config"]
+    mib = 2**20
+    lines = [
+        f"ctxpar demo: {c['strategy']} attention, {c['layout']} layout, {c['nproc']} ranks "
+        f"({report['backend']}, {report['device']}), B={c['batch']} T={c['seq']} H={c['heads']} "
+        f"H_kv={c['kv_heads']} D={c['head_dim']}, {c['dtype']}, {'causal' if c['causal'] else 'non-causal'}",
+        "",
+        f"{'rank':>4} {'pairs':>14} {'attn s':>8} {'wall s':>8} {'wait s':>8} "
+        f"{'sent MiB':>9} {'recv MiB':>9} {'peak MiB':>9}",
+    ]
+    for s in report["ranks"]:
+        lines.append(
+            f"{s['rank']:>4} {s['pairs']:>14,} {s['attn_seconds']:>8.3f} {s['wall_seconds']:>8.3f} "
+            f"{s['wait_seconds']:>8.3f} {s['bytes_sent'] / mib:>9.2f} {s['bytes_received'] / mib:>9.2f} "
+            f"{s['peak_memory_bytes'] / mib:>9.1f}"
+        )
+    imb = report["imbalance"]
+    lines += [
+        "",
+        f"imbalance (max/mean): pairs {imb['pairs']:.3f}, attn seconds {imb['seconds']:.3f}",
+        f"attn s = {report['attn_seconds_source']}; peak = {report['peak_memory_source']}",
+        "",
+        f"{'':>4} {'max abs err':>12} {'tolerance':>10}   vs unsplit attention in float64",
+    ]
+    for name in TENSORS:
+        lines.append(f"{name:>4} {report['max_abs_err'][name]:>12.3e} {report['tolerance'][name]:>10.3e}")
+    lines += ["", "OK: CP matches unsplit attention" if report["ok"] else "MISMATCH: CP differs from unsplit attention"]
+    return "\n".join(lines)
