@@ -24,10 +24,11 @@ LOW_PRECISION_FACTOR = 2.0
 def unsplit_attention(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, dout: torch.Tensor, *, causal: bool, scale: float
 ) -> dict[str, torch.Tensor]:
-    """Single-process attention over the whole sequence, forward and backward, in q's dtype.
+    """Single-process attention over the whole sequence, forward and backward.
 
-    Uses the same fused kernels as ctxpar (memory-efficient, so T=16K in float64 fits).
-    Returns out, lse, dq, dk, dv.
+    Uses ctxpar's block kernels on one block (torch's fused op on CPU: memory-efficient,
+    so T=16K in float64 fits), hence results in float32 or wider. Returns out, lse, dq,
+    dk, dv.
     """
     out, lse = kernels.attention_forward(q, k, v, causal=causal, scale=scale)
     dq, dk, dv = kernels.attention_backward(dout, q, k, v, out, lse, causal=causal, scale=scale)

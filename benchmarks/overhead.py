@@ -1,0 +1,120 @@
+"""Overhead of splitting attention into a ring's blocks, without communication.
+
+Every rank's attention work (forward and backward, with the merges and gradient
+accumulation) runs here one rank at a time, in one process, against the other ranks'
+K/V shards held locally: exactly the compute the ring strategy does, with the
+communication taken out. Its sum over ranks is compared with one fused forward +
+backward over the unsplit sequence, in the same run, on one thread.
+
+    python benchmarks/overhead.py                       # T=16384, H=8, H_kv=2, D=64, P=4
+    python benchmarks/overhead.py --seq 4096 --json overhead.json
+
+Reports, per layout: each rank's seconds, the sum / unsplit ratio (the cost of
+splitting) and max / min over ranks (how evenly the layout spreads the work).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import platform
+import time
+
+import torch
+
+import ctxpar
+from ctxpar import kernels
+from ctxpar.blocks import layout_plan
+from ctxpar.strategies.blockwise import backward_blocks, forward_blocks
+
+
+def unsplit_step(q, k, v, dout, causal: bool, scale: float) -> None:
+    out, lse = kernels.attention_forward(q, k, v, causal=causal, scale=scale)
+    kernels.attention_backward(dout, q, k, v, out, lse, causal=causal, scale=scale)
+
+
+def rank_step(layout, seq_len: int, rank: int, shards: dict, causal: bool, scale: float) -> None:
+    """Rank ``rank``'s share of CP forward + backward, every K/V shard already local."""
+    q, dout = shards["q"][rank], shards["dout"][rank]
+    acc_out = torch.zeros(q.shape, dtype=torch.float32)
+    acc_lse = torch.full(q.shape[:3], float("-inf"))
+    for src in range(layout.world_size):
+        plan = layout_plan(layout, seq_len, rank, src, causal)
+        forward_blocks(q, shards["k"][src], shards["v"][src], plan, acc_out, acc_lse, scale)
+    out = acc_out.to(q.dtype)
+    dq = torch.zeros(q.shape, dtype=torch.float32)
+    for src in range(layout.world_size):
+        k = shards["k"][src]
+        dk = torch.zeros(k.shape, dtype=torch.float32)
+        dv = torch.zeros(k.shape, dtype=torch.float32)
+        plan = layout_plan(layout, seq_len, rank, src, causal)
+        backward_blocks(dout, q, k, shards["v"][src], out, acc_lse, plan, scale, dq, dk, dv)
+
+
+def seconds(fn) -> float:
+    start = time.perf_counter()
+    fn()
+    return time.perf_counter() - start
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--seq", type=int, default=16384)
+    p.add_argument("--heads", type=int, default=8)
+    p.add_argument("--kv-heads", type=int, default=2)
+    p.add_argument("--head-dim", type=int, default=64)
+    p.add_argument("--nproc", type=int, default=4, help="P, the simulated ranks")
+    p.add_argument("--layouts", default="zigzag,striped,contiguous")
+    p.add_argument("--no-causal", dest="causal", action="store_false")
+    p.add_argument("--threads", type=int, default=1)
+    p.add_argument("--repeat", type=int, default=3, help="best of N for every measurement")
+    p.add_argument("--json", metavar="PATH")
+    args = p.parse_args()
+    torch.set_num_threads(args.threads)
+
+    gen = torch.Generator().manual_seed(0)
+    shape_q = (1, args.heads, args.seq, args.head_dim)
+    shape_kv = (1, args.kv_heads, args.seq, args.head_dim)
+    q, k, v, dout = (torch.randn(s, generator=gen) for s in (shape_q, shape_kv, shape_kv, shape_q))
+    scale = args.head_dim**-0.5
+    layouts = [ctxpar.get_layout(name, args.nproc) for name in args.layouts.split(",")]
+    shards = {
+        layout.name: {
+            name: [layout.shard(t, r, dim=2) for r in range(args.nproc)]
+            for name, t in dict(q=q, k=k, v=v, dout=dout).items()
+        }
+        for layout in layouts
+    }
+
+    unsplit = []
+    per_rank = {layout.name: [[] for _ in range(args.nproc)] for layout in layouts}
+    for _ in range(args.repeat):  # interleaved, so drift on the machine hits every column alike
+        unsplit.append(seconds(lambda: unsplit_step(q, k, v, dout, args.causal, scale)))
+        for layout in layouts:
+            for r in range(args.nproc):
+                step = lambda: rank_step(layout, args.seq, r, shards[layout.name], args.causal, scale)  # noqa: E731
+                per_rank[layout.name][r].append(seconds(step))
+
+    base = min(unsplit)
+    rows = []
+    for layout in layouts:
+        times = [min(ts) for ts in per_rank[layout.name]]
+        rows.append(dict(layout=layout.name, rank_seconds=times, sum_seconds=sum(times),
+                         sum_over_unsplit=sum(times) / base, max_over_min=max(times) / min(times)))
+
+    print(f"T={args.seq} H={args.heads} H_kv={args.kv_heads} D={args.head_dim} P={args.nproc} "
+          f"{'causal' if args.causal else 'non-causal'} float32, {args.threads} thread(s), best of {args.repeat}")
+    print(f"unsplit fused forward+backward: {base:.3f} s")
+    print(f"{'layout':<11} " + " ".join(f"{'rank ' + str(r) + ' s':>9}" for r in range(args.nproc))
+          + f" {'sum s':>8} {'sum/unsplit':>12} {'max/min rank':>13}")
+    for row in rows:
+        print(f"{row['layout']:<11} " + " ".join(f"{t:>9.3f}" for t in row["rank_seconds"])
+              + f" {row['sum_seconds']:>8.3f} {row['sum_over_unsplit']:>12.3f} {row['max_over_min']:>13.3f}")
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(dict(config=vars(args), machine=platform.processor() or platform.machine(),
+                           torch=torch.__version__, unsplit_seconds=base, layouts=rows), f, indent=2)
+
+
+if __name__ == "__main__":
+    main()
