@@ -9,7 +9,7 @@ backward over the unsplit sequence, in the same run, on one thread.
     python benchmarks/overhead.py                       # T=16384, H=8, H_kv=2, D=64, P=4
     python benchmarks/overhead.py --seq 4096 --json overhead.json
 
-Reports, per layout: each rank's seconds, the sum / unsplit ratio (the cost of
+Reports, per layout: each rank's CPU seconds (best of --repeat), the sum / unsplit ratio (the cost of
 splitting) and max / min over ranks (how evenly the layout spreads the work).
 """
 
@@ -52,9 +52,11 @@ def rank_step(layout, seq_len: int, rank: int, shards: dict, causal: bool, scale
 
 
 def seconds(fn) -> float:
-    start = time.perf_counter()
+    """CPU seconds of ``fn`` (one thread): on a shared machine, wall time also counts the
+    moments the process was not running, which are noise, not work."""
+    start = time.process_time()
     fn()
-    return time.perf_counter() - start
+    return time.process_time() - start
 
 
 def main() -> None:
@@ -104,7 +106,7 @@ def main() -> None:
 
     print(f"T={args.seq} H={args.heads} H_kv={args.kv_heads} D={args.head_dim} P={args.nproc} "
           f"{'causal' if args.causal else 'non-causal'} float32, {args.threads} thread(s), best of {args.repeat}")
-    print(f"unsplit fused forward+backward: {base:.3f} s")
+    print(f"unsplit fused forward+backward: {base:.3f} s (CPU time)")
     print(f"{'layout':<11} " + " ".join(f"{'rank ' + str(r) + ' s':>9}" for r in range(args.nproc))
           + f" {'sum s':>8} {'sum/unsplit':>12} {'max/min rank':>13}")
     for row in rows:
