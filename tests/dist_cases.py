@@ -19,33 +19,48 @@ import ctxpar
 from ctxpar.kernels.reference import reference_attention
 from ctxpar.verify import TENSORS, max_abs_errors, tolerances, torch_sdpa
 
+STRATEGIES = ("ring", "allgather", "alltoall", "hybrid")
 LAYOUTS = ("contiguous", "zigzag", "striped")
-HEADS = {"mha": (4, 4), "gqa": (4, 2), "mqa": (4, 1)}
-DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
+# 12 query heads split over 1-4 ranks; 4 KV heads need 3 copies each for all-to-all on 3
+# ranks, 1 KV head needs P copies
+HEADS = {"mha": (12, 12), "gqa": (12, 4), "mqa": (12, 1)}
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float64": torch.float64}
+HYBRID_MESH = (2, 2)  # (ring, ulysses) degrees on 4 ranks
 
 
 @dataclass(frozen=True)
 class Case:
+    strategy: str
     layout: str
     causal: bool
     heads: str
     dtype: str
-    chunk: int = 5  # tokens per zigzag chunk: T = 2 * P * chunk
+    chunk: int = 3  # tokens per zigzag chunk: T = 2 * P * chunk
     scale: float | None = None
+    transposed: bool = False  # q/k/v as (B, S, H, D) memory viewed as (B, H, S, D)
 
     @property
     def id(self) -> str:
         mask = "causal" if self.causal else "full"
-        extra = f"-T{self.chunk}" if self.chunk != 5 else ""
+        extra = f"-T{self.chunk}" if self.chunk != 3 else ""
         extra += f"-scale{self.scale}" if self.scale is not None else ""
-        return f"{self.layout}-{mask}-{self.heads}-{self.dtype}{extra}"
+        extra += "-transposed" if self.transposed else ""
+        return f"{self.strategy}-{self.layout}-{mask}-{self.heads}-{self.dtype}{extra}"
+
+    def runs_on(self, world: int) -> bool:
+        if self.strategy == "hybrid":
+            return world == HYBRID_MESH[0] * HYBRID_MESH[1]
+        return self.strategy != "alltoall" or HEADS[self.heads][0] % world == 0
 
 
 def exactness_cases() -> list[Case]:
-    grid = [Case(*c) for c in itertools.product(LAYOUTS, (True, False), HEADS, DTYPES)]
-    # longer shards cross the fused kernel's internal tile boundaries; a custom scale
-    grid += [Case(layout, True, "gqa", "float32", chunk=80) for layout in LAYOUTS]
-    grid += [Case("zigzag", True, "mha", "float32", scale=0.3)]
+    grid = [Case(*c) for c in itertools.product(STRATEGIES, LAYOUTS, (True, False), HEADS, ("float32", "bfloat16"))]
+    for strategy in STRATEGIES:
+        # longer shards cross the fused kernel's internal tile boundaries
+        grid += [Case(strategy, layout, True, "gqa", "float32", chunk=40) for layout in LAYOUTS]
+        grid += [Case(strategy, "zigzag", True, "gqa", "float64"), Case(strategy, "striped", False, "mqa", "float64")]
+        grid += [Case(strategy, "zigzag", True, "mha", "float32", scale=0.3),
+                 Case(strategy, "striped", True, "gqa", "bfloat16", transposed=True)]
     return grid
 
 
@@ -53,15 +68,24 @@ def _inputs(case: Case, world: int, seed: int) -> tuple[torch.Tensor, ...]:
     """Global fp64 q, k, v, dout, already rounded to the case's dtype."""
     gen = torch.Generator().manual_seed(seed)
     h, hkv = HEADS[case.heads]
-    b, t, d = 2, 2 * world * case.chunk, 16
+    b, t, d = 2, 2 * world * case.chunk, 8
     shapes = [(b, h, t, d), (b, hkv, t, d), (b, hkv, t, d), (b, h, t, d)]
     dtype = DTYPES[case.dtype]
     return tuple(torch.randn(s, generator=gen, dtype=torch.float64).to(dtype).double() for s in shapes)
 
 
-def _check_case(case: Case, rank: int, world: int, group=None, group_rank: int | None = None) -> dict:
+def _local(t: torch.Tensor, dtype: torch.dtype, transposed: bool) -> torch.Tensor:
+    """A leaf in ``dtype``; if ``transposed``, a (B, H, S, D) view of (B, S, H, D) memory."""
+    if transposed:
+        return t.transpose(1, 2).contiguous().to(dtype).transpose(1, 2).detach().requires_grad_()
+    return t.to(dtype).requires_grad_()
+
+
+def _check_case(case: Case, rank: int, world: int, group=None, group_rank: int | None = None, mesh=None) -> dict:
     """Run one case through ctxpar on this rank; compare its shard with the fp64 reference."""
     group_rank = rank if group_rank is None else group_rank
+    if mesh is not None:
+        group_rank = ctxpar.hybrid_rank(mesh)
     layout = ctxpar.get_layout(case.layout, world)
     dtype = DTYPES[case.dtype]
     q, k, v, dout = _inputs(case, world, seed=zlib.crc32(case.id.encode()))
@@ -78,13 +102,14 @@ def _check_case(case: Case, rank: int, world: int, group=None, group_rank: int |
         baseline = max_abs_errors(low, ref)
 
     shard = lambda t: layout.shard(t, group_rank, dim=2)  # noqa: E731
-    local = [shard(t).to(dtype).requires_grad_() for t in (q, k, v)]
+    local = [_local(shard(t), dtype, case.transposed) for t in (q, k, v)]
     got_out, got_lse = ctxpar.attention_with_lse(
-        *local, layout=layout, group=group, causal=case.causal, scale=case.scale
+        *local, layout=layout, group=group, mesh=mesh, causal=case.causal, scale=case.scale, strategy=case.strategy
     )
     got_out.backward(shard(dout).to(dtype))
     got = dict(out=got_out, lse=got_lse, dq=local[0].grad, dk=local[1].grad, dv=local[2].grad)
-    dtypes_ok = got_out.dtype == dtype and got_lse.dtype == torch.float32 and local[1].grad.dtype == dtype
+    lse_dtype = torch.float64 if dtype == torch.float64 else torch.float32
+    dtypes_ok = got_out.dtype == dtype and got_lse.dtype == lse_dtype and all(t.grad.dtype == dtype for t in local)
     return dict(
         errors=max_abs_errors(got, {n: shard(t) for n, t in ref.items()}),
         tolerances=tolerances(dtype, ref, baseline),
@@ -93,13 +118,13 @@ def _check_case(case: Case, rank: int, world: int, group=None, group_rank: int |
     )
 
 
-def _bad_inputs(world: int) -> dict[str, tuple]:
+def _bad_inputs(world: int, mesh) -> dict[str, tuple]:
     """name -> (args, kwargs) of calls that must raise ValueError on every rank."""
     s = 5 if world > 1 else 3  # zigzag needs an even local length: 5 is odd for every P
     good = lambda h=4, dt=torch.float32, n=6: torch.randn(1, h, n, 8, dtype=dt)  # noqa: E731
     q, kv = good(), good(2)
     wrong_world = ctxpar.ZigzagLayout(world + 1)
-    return {
+    bad = {
         "length": ((good(n=s), good(2, n=s), good(2, n=s)), dict(layout="zigzag")),
         "heads": ((q, good(3), good(3)), dict(layout="zigzag")),
         "dtype": ((q, kv.double(), kv.double()), dict(layout="zigzag")),
@@ -112,12 +137,22 @@ def _bad_inputs(world: int) -> dict[str, tuple]:
         "strategy": ((q, kv, kv), dict(layout="zigzag", strategy="telepathy")),
         "scale": ((q, kv, kv), dict(layout="zigzag", scale=-1.0)),
         "int_dtype": ((q.long(), kv.long(), kv.long()), dict(layout="zigzag")),
+        "empty": ((good(n=0), good(2, n=0), good(2, n=0)), dict(layout="zigzag")),
+        "causal_type": ((q, kv, kv), dict(layout="zigzag", causal="no")),
+        "hybrid_without_mesh": ((q, kv, kv), dict(layout="zigzag", strategy="hybrid")),
+        "mesh_for_ring": ((q, kv, kv), dict(layout="zigzag", strategy="ring", mesh=object())),
     }
+    if world > 1:  # 5 query heads cannot be split over 2, 3 or 4 ranks
+        bad["alltoall_heads"] = ((good(5), good(5), good(5)), dict(layout="zigzag", strategy="alltoall"))
+    if mesh is not None:
+        bad["hybrid_layout_world"] = ((q, kv, kv), dict(layout=ctxpar.ZigzagLayout(2), strategy="hybrid", mesh=mesh))
+        bad["hybrid_heads"] = ((good(5), good(5), good(5)), dict(layout="zigzag", strategy="hybrid", mesh=mesh))
+    return bad
 
 
-def _check_bad_inputs(rank: int, world: int) -> dict[str, str]:
+def _check_bad_inputs(rank: int, world: int, mesh) -> dict[str, str]:
     messages = {}
-    for name, (args, kwargs) in _bad_inputs(world).items():
+    for name, (args, kwargs) in _bad_inputs(world, mesh).items():
         try:
             ctxpar.attention(*args, **kwargs)
             messages[name] = "NO ERROR"
@@ -133,22 +168,31 @@ def _check_bad_inputs(rank: int, world: int) -> dict[str, str]:
             except ValueError as e:
                 messages["non_member"] = str(e)
     # no rank was left inside a collective: a full attention call still works afterwards
-    messages["after"] = "ok" if _check_case(Case("zigzag", True, "gqa", "float32"), rank, world)["finite"] else "bad"
+    messages["after"] = "ok" if _check_case(Case("ring", "zigzag", True, "gqa", "float32"), rank, world)["finite"] else "bad"
     return messages
 
 
-def _check_traffic(rank: int, world: int) -> dict:
-    """Bytes counted by the comm layer in forward and in backward."""
-    b, h, hkv, s, d = 2, 4, 2, 6, 8
-    q = torch.randn(b, h, s, d, dtype=torch.bfloat16, requires_grad=True)
-    k = torch.randn(b, hkv, s, d, dtype=torch.bfloat16, requires_grad=True)
-    v = torch.randn(b, hkv, s, d, dtype=torch.bfloat16, requires_grad=True)
-    with ctxpar.record() as fwd:
-        out = ctxpar.attention(q, k, v, layout="zigzag")
-    with ctxpar.record() as bwd:
-        out.sum().backward()
-    return dict(shape=(b, h, hkv, s, d), element_size=2,
-                forward=(fwd.bytes_sent, fwd.bytes_received), backward=(bwd.bytes_sent, bwd.bytes_received))
+TRAFFIC_SHAPES = [(2, 12, 4, 6, 8), (1, 12, 1, 4, 8)]  # (B, H, H_kv, S, D): GQA, and MQA (KV copies)
+
+
+def _check_traffic(rank: int, world: int, mesh) -> dict:
+    """Bytes counted by the comm layer, forward and backward, per strategy, shape, dtype."""
+    counted = {}
+    for strategy, shape, dtype in itertools.product(STRATEGIES, TRAFFIC_SHAPES, (torch.bfloat16, torch.float64)):
+        if strategy == "hybrid" and mesh is None:
+            continue
+        b, h, hkv, s, d = shape
+        q = torch.randn(b, h, s, d, dtype=dtype, requires_grad=True)
+        k = torch.randn(b, hkv, s, d, dtype=dtype, requires_grad=True)
+        v = torch.randn(b, hkv, s, d, dtype=dtype, requires_grad=True)
+        kwargs = dict(mesh=mesh) if strategy == "hybrid" else {}
+        with ctxpar.record() as fwd:
+            out = ctxpar.attention(q, k, v, layout="zigzag", strategy=strategy, **kwargs)
+        with ctxpar.record() as bwd:
+            out.sum().backward()
+        counted[(strategy, shape, str(dtype))] = dict(
+            forward=(fwd.bytes_sent, fwd.bytes_received), backward=(bwd.bytes_sent, bwd.bytes_received))
+    return counted
 
 
 def _check_subgroups(rank: int, world: int) -> dict:
@@ -156,19 +200,29 @@ def _check_subgroups(rank: int, world: int) -> dict:
     half = world // 2
     groups = [dist.new_group(list(range(0, half))), dist.new_group(list(range(half, world)))]
     mine, group_rank = (groups[0], rank) if rank < half else (groups[1], rank - half)
-    return _check_case(Case("striped", True, "gqa", "float32"), rank, half, group=mine, group_rank=group_rank)
+    return {strategy: _check_case(Case(strategy, "striped", True, "gqa", "float32"), rank, half, group=mine,
+                                  group_rank=group_rank)
+            for strategy in ("ring", "allgather", "alltoall")}
 
 
 def run_all(rank: int, world: int) -> dict:
     """Every distributed check for one world size; failures are reported, not raised."""
+    mesh = None
+    if world == HYBRID_MESH[0] * HYBRID_MESH[1]:
+        from torch.distributed.device_mesh import init_device_mesh
+
+        mesh = init_device_mesh("cpu", HYBRID_MESH, mesh_dim_names=("ring", "ulysses"))
     results: dict = {"exactness": {}}
     for case in exactness_cases():
+        if not case.runs_on(world):
+            continue
         try:
-            results["exactness"][case.id] = _check_case(case, rank, world)
+            results["exactness"][case.id] = _check_case(
+                case, rank, world, mesh=mesh if case.strategy == "hybrid" else None)
         except Exception:
             results["exactness"][case.id] = dict(exception=traceback.format_exc())
-    results["bad_inputs"] = _check_bad_inputs(rank, world)
-    results["traffic"] = _check_traffic(rank, world)
+    results["bad_inputs"] = _check_bad_inputs(rank, world, mesh)
+    results["traffic"] = _check_traffic(rank, world, mesh)
     if world >= 4 and world % 2 == 0:
         results["subgroups"] = _check_subgroups(rank, world)
     return results

@@ -29,11 +29,11 @@ def test_block_kernel_matches_autograd_reference(backend, heads, causal) -> None
     want_out.backward(dout)
     out, lse = backend.attention_forward(q, k, v, causal=causal, scale=0.25)
     dq, dk, dv = backend.attention_backward(dout, q, k, v, out, lse, causal=causal, scale=0.25)
-    assert lse.dtype == torch.float32 and dk.shape == k.shape
-    torch.testing.assert_close(out, want_out, rtol=0, atol=1e-10)
-    torch.testing.assert_close(lse.double(), want_lse, rtol=0, atol=1e-5)  # lse is returned in fp32
+    assert out.dtype == lse.dtype == dq.dtype == dk.dtype == torch.float64 and dk.shape == k.shape
+    torch.testing.assert_close(out, want_out, rtol=0, atol=1e-12)
+    torch.testing.assert_close(lse, want_lse, rtol=0, atol=1e-12)
     for got, leaf in zip((dq, dk, dv), leaves):
-        torch.testing.assert_close(got, leaf.grad, rtol=0, atol=1e-5)
+        torch.testing.assert_close(got, leaf.grad, rtol=0, atol=1e-12)
 
 
 def test_block_gradients_from_global_lse_add_up_to_the_full_gradient() -> None:

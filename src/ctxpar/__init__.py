@@ -3,6 +3,7 @@
 from ctxpar.attention import attention, attention_with_lse
 from ctxpar.layout import ContiguousLayout, Layout, StripedLayout, ZigzagLayout, get_layout
 from ctxpar.profile import record
+from ctxpar.topology import hybrid_rank
 
 __version__ = "0.1.0"
 
@@ -15,4 +16,5 @@ __all__ = [
     "StripedLayout",
     "get_layout",
     "record",
+    "hybrid_rank",
 ]

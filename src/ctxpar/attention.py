@@ -7,6 +7,7 @@ import math
 import torch
 import torch.distributed as dist
 
+from ctxpar import topology
 from ctxpar.layout import Layout, get_layout
 from ctxpar.strategies import STRATEGIES
 
@@ -23,6 +24,7 @@ def attention_with_lse(
     causal: bool = True,
     scale: float | None = None,
     strategy: str = "ring",
+    mesh=None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Exact attention over a sequence sharded across the ranks of ``group``.
 
@@ -42,22 +44,32 @@ def attention_with_lse(
             group this is plain single-device attention.
         causal: query at global position i sees keys at positions <= i.
         scale: softmax scale, default D ** -0.5.
-        strategy: how K/V move between ranks; ``"ring"``.
+        strategy: how K/V move between ranks (all give the same result):
+            ``"ring"``: K/V circulate, overlapped with compute.
+            ``"allgather"``: every rank gathers all K/V (by head group).
+            ``"alltoall"``: Ulysses; heads for sequence, needs H % P == 0.
+            ``"hybrid"``: all-to-all over the mesh's "ulysses" dim, ring over "ring".
+            Traffic and memory of each: docs/strategies.md.
+        mesh: for ``"hybrid"`` only, a 2D DeviceMesh with dims "ulysses" and "ring";
+            the rank in the layout is ``ctxpar.hybrid_rank(mesh)``.
 
     Returns:
         out (B, H, S, D) in q's dtype, differentiable w.r.t. q, k, v; and
-        lse (B, H, S) float32, the natural-log sum of exp(scaled scores) over all
-        visible keys of the whole sequence (not differentiable).
+        lse (B, H, S) float32 (float64 for float64 inputs), the natural-log sum of
+        exp(scaled scores) over all visible keys of the whole sequence (not
+        differentiable).
 
     Raises:
         ValueError: for any inconsistent input, on every rank, before communicating.
     """
     if strategy not in STRATEGIES:
         raise ValueError(f"unknown strategy {strategy!r}; choose one of {', '.join(STRATEGIES)}")
-    world_size, rank = _group_size_and_rank(group)
-    layout = get_layout(layout, world_size)
-    scale = _validate(q, k, v, layout, group, scale)
-    return STRATEGIES[strategy](q, k, v, layout=layout, group=group, rank=rank, causal=causal, scale=scale)
+    chosen = STRATEGIES[strategy]
+    topo = _topology(chosen.axis, strategy, group, mesh)
+    layout = _layout_for(layout, topo)
+    scale = _validate(q, k, v, layout, topo, causal, scale)
+    chosen.check(q, k, topo)
+    return chosen.run(q, k, v, layout=layout, topo=topo, causal=causal, scale=scale)
 
 
 def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, **kwargs) -> torch.Tensor:
@@ -65,21 +77,27 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, **kwargs) -> to
     return attention_with_lse(q, k, v, **kwargs)[0]
 
 
-def _group_size_and_rank(group: dist.ProcessGroup | None) -> tuple[int, int]:
-    if not (dist.is_available() and dist.is_initialized()):
-        if group is not None:
-            raise ValueError("a process group was given but torch.distributed is not initialised")
-        return 1, 0
-    rank = dist.get_rank(group)
-    if rank < 0:
+def _topology(axis: str, strategy: str, group, mesh) -> topology.Topology:
+    if axis == "mesh":
+        if mesh is None or group is not None:
+            raise ValueError(f"strategy={strategy!r} takes mesh= (a 2D DeviceMesh with dims 'ulysses' and 'ring'), not group=")
+        return topology.from_mesh(mesh)
+    if mesh is not None:
+        raise ValueError(f"mesh= is for strategy='hybrid'; strategy={strategy!r} takes group=")
+    return topology.from_group(group, axis)
+
+
+def _layout_for(layout: str | Layout, topo: topology.Topology) -> Layout:
+    if topo.hybrid and isinstance(layout, Layout) and layout.world_size != topo.world_size:
         raise ValueError(
-            f"global rank {dist.get_rank()} is not a member of the given process group; call "
-            f"ctxpar.attention only on the ranks of the CP group"
+            f"the {layout.name} layout was built for P={layout.world_size} ranks but the hybrid mesh has "
+            f"ulysses degree {topo.ulysses_degree} x ring degree {topo.ring_degree} = {topo.world_size}; "
+            f"build it with world_size={topo.world_size} or change the mesh"
         )
-    return dist.get_world_size(group), rank
+    return get_layout(layout, topo.world_size)
 
 
-def _validate(q, k, v, layout: Layout, group, scale: float | None) -> float:
+def _validate(q, k, v, layout: Layout, topo: topology.Topology, causal: bool, scale: float | None) -> float:
     for name, t in (("q", q), ("k", k), ("v", v)):
         if not isinstance(t, torch.Tensor) or t.dim() != 4:
             got = tuple(t.shape) if isinstance(t, torch.Tensor) else type(t).__name__
@@ -92,10 +110,12 @@ def _validate(q, k, v, layout: Layout, group, scale: float | None) -> float:
             f"q {tuple(q.shape)} and k/v {tuple(k.shape)} must agree on batch, local sequence "
             f"length and head dim (B, _, S, D)"
         )
-    if hk == 0 or h % hk:
+    if 0 in q.shape or 0 in k.shape:
+        raise ValueError(f"empty input: q {tuple(q.shape)}, k/v {tuple(k.shape)}; every dim of (B, H, S, D) must be >= 1")
+    if h % hk:
         raise ValueError(f"query heads H={h} must be a multiple of key/value heads H_kv={hk}")
-    if s == 0:
-        raise ValueError("the local sequence is empty (S=0)")
+    if not isinstance(causal, bool):
+        raise ValueError(f"causal must be True or False, got {causal!r}")
     if not (q.dtype == k.dtype == v.dtype):
         raise ValueError(f"q, k, v dtypes differ: {q.dtype}, {k.dtype}, {v.dtype}; cast them to one dtype")
     if q.dtype not in _DTYPES:
@@ -103,17 +123,18 @@ def _validate(q, k, v, layout: Layout, group, scale: float | None) -> float:
     if not (q.device == k.device == v.device):
         raise ValueError(f"q, k, v are on different devices: {q.device}, {k.device}, {v.device}")
     if layout.world_size > 1:
-        backend = dist.get_backend(group)
-        if backend == "nccl" and q.device.type != "cuda":
-            raise ValueError(f"the process group uses NCCL but the tensors are on {q.device}; move them to CUDA")
-        if backend == "gloo" and q.device.type != "cpu":
-            raise ValueError(f"the process group uses gloo but the tensors are on {q.device}; use NCCL for GPUs")
+        for group in topo.process_groups:
+            backend = dist.get_backend(group)
+            if backend == "nccl" and q.device.type != "cuda":
+                raise ValueError(f"the process group uses NCCL but the tensors are on {q.device}; move them to CUDA")
+            if backend == "gloo" and q.device.type != "cpu":
+                raise ValueError(f"the process group uses gloo but the tensors are on {q.device}; use NCCL for GPUs")
     try:
         layout.validate(s * layout.world_size)
     except ValueError as e:
         raise ValueError(f"local length S={s} on each of P={layout.world_size} ranks: {e}") from None
     if scale is None:
         return d**-0.5
-    if not (isinstance(scale, (int, float)) and math.isfinite(scale) and scale > 0):
+    if isinstance(scale, bool) or not (isinstance(scale, (int, float)) and math.isfinite(scale) and scale > 0):
         raise ValueError(f"scale must be a positive finite number, got {scale!r}")
     return float(scale)

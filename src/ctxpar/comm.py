@@ -1,5 +1,14 @@
 """Communication for CP strategies, with every byte counted (see ``ctxpar.profile``).
 
+Bytes are counted per rank as what the operation must move in and out of that rank,
+independent of the algorithm the backend picks (the "bus bandwidth" convention of
+nccl-tests): a rank's own chunk of a collective is never counted.
+
+    ring step          sends its buffer, receives one of the same size
+    all_to_all         sends (W-1)/W of its input, receives (W-1)/W of its output
+    all_gather         sends its shard to W-1 ranks, receives W-1 shards
+    reduce_scatter     sends W-1 of its W chunks, receives W-1 chunks to add into its own
+
 ``RingComm`` is the ring's point-to-point exchange: each rank sends to rank+1 and
 receives from rank-1 of its group. ``start`` posts the transfer and returns at once;
 ``wait`` blocks until it has landed. A strategy posts the transfer of the next block
@@ -17,6 +26,9 @@ import torch
 import torch.distributed as dist
 
 from ctxpar import profile
+
+# torch renamed reduce_scatter_tensor (same signature); prefer the new name where present
+_reduce_scatter = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
 
 
 class RingComm:
@@ -60,3 +72,72 @@ class RingComm:
             for req in self._pending:
                 req.wait()
         self._pending = []
+
+
+def _nbytes(t: torch.Tensor) -> int:
+    return t.numel() * t.element_size()
+
+
+def _world_size(group: dist.ProcessGroup | None) -> int:
+    """1 without an initialised process group (single-rank use needs no communication)."""
+    return dist.get_world_size(group) if dist.is_available() and dist.is_initialized() else 1
+
+
+def all_to_all(x: torch.Tensor, scatter_dim: int, gather_dim: int, group: dist.ProcessGroup | None) -> torch.Tensor:
+    """Split ``x`` into W chunks along ``scatter_dim``, send chunk j to rank j, and
+    concatenate the chunks received (in rank order) along ``gather_dim``.
+
+    Ulysses' sequence -> heads: (B, H, S, D) with scatter_dim=1, gather_dim=2 gives
+    (B, H/W, W*S, D); heads -> sequence is the same call with the dims swapped.
+    """
+    world = _world_size(group)
+    if world == 1:
+        return x
+    send = torch.stack(x.chunk(world, dim=scatter_dim))  # (W, ...) contiguous, chunk j for rank j
+    recv = torch.empty_like(send)
+    dist.all_to_all_single(recv, send, group=group)
+    moved = _nbytes(send) * (world - 1) // world
+    profile.add_traffic(moved, moved)
+    return torch.cat(recv.unbind(0), dim=gather_dim)
+
+
+class PendingAllGather:
+    """An all-gather in flight; ``wait()`` returns the (W, *shard.shape) result."""
+
+    def __init__(self, shard: torch.Tensor, group: dist.ProcessGroup | None) -> None:
+        world = _world_size(group)
+        shard = shard.contiguous()
+        self._out, self._work = shard.unsqueeze(0), None
+        if world > 1:
+            self._out = shard.new_empty((world, *shard.shape))
+            # gloo wants the output as the shards concatenated along dim 0
+            flat = self._out.view(world * shard.shape[0], *shard.shape[1:])
+            self._work = dist.all_gather_into_tensor(flat, shard, group=group, async_op=True)
+            profile.add_traffic(_nbytes(shard) * (world - 1), _nbytes(shard) * (world - 1))
+
+    def wait(self) -> torch.Tensor:
+        if self._work is not None:
+            with profile.timed("wait", self._out.device):
+                self._work.wait()
+        return self._out
+
+
+class PendingReduceScatter:
+    """A reduce-scatter in flight: input (W, *shape), rank r gets the sum of every rank's
+    chunk r; ``wait()`` returns it."""
+
+    def __init__(self, chunks: torch.Tensor, group: dist.ProcessGroup | None) -> None:
+        world = chunks.shape[0]
+        self._out, self._work = chunks[0], None
+        if world > 1:
+            self._out = chunks.new_empty(chunks.shape[1:])
+            flat = chunks.contiguous().view(world * chunks.shape[1], *chunks.shape[2:])
+            self._work = _reduce_scatter(self._out, flat, group=group, async_op=True)
+            moved = _nbytes(self._out) * (world - 1)
+            profile.add_traffic(moved, moved)
+
+    def wait(self) -> torch.Tensor:
+        if self._work is not None:
+            with profile.timed("wait", self._out.device):
+                self._work.wait()
+        return self._out

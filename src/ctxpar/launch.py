@@ -3,7 +3,8 @@
 ``run_local(fn, nproc, ...)`` spawns ``nproc`` processes on this machine, joins them in
 a gloo group on 127.0.0.1, calls ``fn(rank, world_size, *args)`` in each and returns
 the list of results (rank order). A failing rank's traceback is re-raised in the
-parent; a rank stuck past ``timeout_s`` is killed and reported, never waited on forever.
+parent; ranks still running ``timeout_s`` after the start are killed and reported,
+never waited on forever.
 """
 
 from __future__ import annotations
@@ -12,6 +13,7 @@ import datetime
 import os
 import queue
 import socket
+import time
 import traceback
 from collections.abc import Callable
 from typing import Any
@@ -87,25 +89,28 @@ def run_local(
     for p in procs:
         p.start()
     outputs: dict[int, Any] = {}
-    failures: list[str] = []
+    failed: dict[int, str] = {}
+    deadline = time.monotonic() + timeout_s
     try:
-        while len(outputs) + len(failures) < nproc:
+        while len(outputs) + len(failed) < nproc:
+            # once one rank has failed, the others are likely blocked on it: don't wait long
+            wait = min(10.0, deadline - time.monotonic()) if failed else deadline - time.monotonic()
             try:
-                # once one rank has failed, the others are likely blocked on it: don't wait long
-                rank, ok, value = results.get(timeout=10 if failures else timeout_s)
+                rank, ok, value = results.get(timeout=max(wait, 0.01))
             except queue.Empty:
-                missing = sorted(set(range(nproc)) - set(outputs))
-                failures.append(f"ranks {missing} did not finish within {timeout_s:.0f} s")
+                missing = sorted(set(range(nproc)) - set(outputs) - set(failed))
+                why = "after another rank failed" if failed else f"within {timeout_s:.0f} s"
+                failed[-1] = f"ranks {missing} did not finish {why}; they were killed"
                 break
             if ok:
                 outputs[rank] = value
             else:
-                failures.append(f"rank {rank} failed:\n{value}")
+                failed[rank] = f"rank {rank} failed:\n{value}"
     finally:
         for p in procs:
             p.join(timeout=10)
             if p.is_alive():
                 p.kill()
-    if failures:
-        raise RuntimeError("\n".join(failures))
+    if failed:
+        raise RuntimeError("\n".join(failed[r] for r in sorted(failed)))
     return [outputs[r] for r in range(nproc)]

@@ -37,7 +37,7 @@ class Layout(ABC):
     multiple_formula = "P"  # how ``multiple`` is written in error messages
 
     def __post_init__(self) -> None:
-        if not isinstance(self.world_size, int) or self.world_size < 1:
+        if isinstance(self.world_size, bool) or not isinstance(self.world_size, int) or self.world_size < 1:
             raise ValueError(f"world_size must be a positive int, got {self.world_size!r}")
 
     # -- what subclasses define -------------------------------------------------------
@@ -138,6 +138,42 @@ class StripedLayout(Layout):
 
     def _positions(self, seq_len: int, rank: int) -> torch.Tensor:
         return torch.arange(rank, seq_len, self.world_size)
+
+
+@dataclass(frozen=True)
+class GroupedLayout(Layout):
+    """A layout seen by groups of ``group_size`` consecutive ranks, one member per group.
+
+    Member j of the grouped layout holds the union of the positions of ``base`` ranks
+    j*U .. j*U+U-1 (U = group_size), ascending. Hybrid CP uses it: after the all-to-all
+    inside a Ulysses group of U ranks, each group holds exactly that union and runs the
+    ring over the groups as if they were ranks of this layout.
+    """
+
+    base: Layout
+    group_size: int
+
+    name = "grouped"
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        if self.base.world_size != self.world_size * self.group_size:
+            raise ValueError(
+                f"{self.world_size} groups of {self.group_size} ranks do not cover the "
+                f"{self.base.world_size} ranks of the {self.base.name} layout"
+            )
+
+    @property
+    def multiple(self) -> int:
+        return self.base.multiple
+
+    @property
+    def multiple_formula(self) -> str:  # type: ignore[override]
+        return self.base.multiple_formula
+
+    def _positions(self, seq_len: int, rank: int) -> torch.Tensor:
+        members = range(rank * self.group_size, (rank + 1) * self.group_size)
+        return torch.sort(torch.cat([self.base.positions(seq_len, m) for m in members])).values
 
 
 _LAYOUTS = {cls.name: cls for cls in (ContiguousLayout, ZigzagLayout, StripedLayout)}

@@ -24,18 +24,19 @@ def merge(
 
     Args:
         out_a, out_b: (..., S, D) partial outputs, each normalised over its own keys.
-        lse_a, lse_b: (..., S) float32 log-sum-exp of the scaled scores; -inf = no keys.
+        lse_a, lse_b: (..., S) log-sum-exp of the scaled scores; -inf = no keys.
 
     Returns:
-        (out, lse) in float32, shapes (..., S, D) and (..., S).
+        (out, lse), shapes (..., S, D) and (..., S), in float32 or wider.
     """
-    acc_out, acc_lse = out_a.float().clone(), lse_a.float().clone()
+    acc = torch.promote_types(out_a.dtype, torch.float32)
+    acc_out, acc_lse = out_a.to(acc, copy=True), lse_a.to(acc, copy=True)
     merge_into(acc_out, acc_lse, out_b, lse_b)
     return acc_out, acc_lse
 
 
 def merge_into(acc_out: torch.Tensor, acc_lse: torch.Tensor, out_b: torch.Tensor, lse_b: torch.Tensor) -> None:
-    """In-place ``merge``: fold partial (out_b, lse_b) into float32 accumulators.
+    """In-place ``merge``: fold partial (out_b, lse_b) into the (float32 or wider) accumulators.
 
     ``acc_out`` (..., S, D) and ``acc_lse`` (..., S) may be views (slices along S of a
     larger accumulator); they are updated through the view. Start them at 0 and -inf.

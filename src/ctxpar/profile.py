@@ -15,7 +15,7 @@ from __future__ import annotations
 import contextlib
 import time
 from collections.abc import Iterator
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import torch
 
@@ -27,8 +27,6 @@ class Record:
     compute_seconds: float = 0.0  # local kernels and merges, wall clock
     compute_cpu_seconds: float = 0.0  # the same, CPU time of this process (immune to time-sharing)
     wait_seconds: float = 0.0  # blocked on communication that compute did not hide
-    messages: int = 0
-    extra: dict = field(default_factory=dict)
 
 
 _open: list[Record] = []
@@ -49,7 +47,6 @@ def add_traffic(sent: int, received: int) -> None:
     for rec in _open:
         rec.bytes_sent += sent
         rec.bytes_received += received
-        rec.messages += 1
 
 
 @contextlib.contextmanager

@@ -5,16 +5,16 @@ The contract every backend meets (shapes as in ``scaled_dot_product_attention``)
     attention_forward(q, k, v, *, causal, scale) -> (out, lse)
         q (B, H, Sq, D), k and v (B, H_kv, Sk, D) with H % H_kv == 0 (GQA: K/V keep
         their own heads, nothing is repeated), causal = square top-left mask
-        (Sq == Sk, query i sees keys 0..i). out (B, H, Sq, D) in float32 (float64
-        for float64 inputs), lse (B, H, Sq) float32, natural log of the sum of
-        exp(scaled scores).
+        (Sq == Sk, query i sees keys 0..i). out (B, H, Sq, D) and lse (B, H, Sq),
+        the natural log of the sum of exp(scaled scores), both in
+        ``accumulation_dtype(q.dtype)``: float32, or float64 for float64 inputs.
 
     attention_backward(dout, q, k, v, out, lse, *, causal, scale) -> (dq, dk, dv)
         out and lse are the *global* merged values for these query rows, so the block
         gradients of all blocks add up to the exact gradient. dk, dv have H_kv heads.
-        Gradients come in float32 (float64 for float64 inputs) like out: partial
-        results are merged and summed over blocks before anything is rounded to a
-        low-precision dtype.
+        Gradients come in the accumulation dtype like out: partial results are
+        merged and summed over blocks before anything is rounded to a low-precision
+        dtype.
 
 Dispatch: torch's fused CPU flash op where it applies; the plain-PyTorch kernel
 (``reference``) otherwise, which is exact but materialises the (Sq, Sk) scores.
@@ -25,6 +25,7 @@ from __future__ import annotations
 import torch
 
 from ctxpar.kernels import reference, sdpa
+from ctxpar.kernels.reference import accumulation_dtype
 
 
 def _backend(q: torch.Tensor):
@@ -51,4 +52,4 @@ def attention_backward(
     return _backend(q).attention_backward(dout, q, k, v, out, lse, causal=causal, scale=scale)
 
 
-__all__ = ["attention_forward", "attention_backward", "reference"]
+__all__ = ["accumulation_dtype", "attention_forward", "attention_backward", "reference"]

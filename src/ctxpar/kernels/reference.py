@@ -32,17 +32,17 @@ def _causal_mask(
     return kp.unsqueeze(0) <= qp.unsqueeze(1)
 
 
-def _compute_dtype(dtype: torch.dtype) -> torch.dtype:
+def accumulation_dtype(dtype: torch.dtype) -> torch.dtype:
+    """The dtype partial results are computed, merged and summed in: >= float32."""
     return torch.promote_types(dtype, torch.float32)
 
 
 def attention_forward(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, causal: bool, scale: float
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Kernel contract (see ``ctxpar.kernels``): (out (B,H,Sq,D) q.dtype, lse (B,H,Sq) fp32)."""
-    c = _compute_dtype(q.dtype)
-    out, lse = reference_attention(q.to(c), k.to(c), v.to(c), causal=causal, scale=scale)
-    return out, lse.float()
+    """Kernel contract (see ``ctxpar.kernels``)."""
+    c = accumulation_dtype(q.dtype)
+    return reference_attention(q.to(c), k.to(c), v.to(c), causal=causal, scale=scale)
 
 
 def attention_backward(
@@ -62,7 +62,7 @@ def attention_backward(
     delta = rowsum(dout * out_global), dS = P * (dout v^T - delta); the per-block
     (dq, dk, dv) then simply add up over blocks.
     """
-    kv_heads, c = k.shape[1], _compute_dtype(q.dtype)
+    kv_heads, c = k.shape[1], accumulation_dtype(q.dtype)
     q, k, v = q.to(c), k.to(c), v.to(c)
     mask = _causal_mask(q.shape[2], k.shape[2], q.device, None, None) if causal else None
     s = _scores(q, k, scale, mask)

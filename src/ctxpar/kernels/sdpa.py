@@ -1,8 +1,7 @@
 """torch's fused attention ops for one block: (out, lse) forward, and backward from lse.
 
 CPU: ``aten._scaled_dot_product_flash_attention_for_cpu`` (+ ``_backward``), which
-takes K/V with fewer heads than Q (GQA) directly and returns a float32 lse for every
-dtype. Its backward recomputes probabilities as exp(q k^T * scale - lse) and uses
+takes K/V with fewer heads than Q (GQA) directly. Its backward recomputes probabilities as exp(q k^T * scale - lse) and uses
 rowsum(dout * out) as delta, so handing it the merged, global (out, lse) yields this
 block's exact share of the gradient.
 
@@ -16,6 +15,8 @@ from __future__ import annotations
 
 import torch
 
+from ctxpar.kernels.reference import accumulation_dtype
+
 _cpu_fwd = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu.default
 _cpu_bwd = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward.default
 
@@ -25,7 +26,7 @@ def supports(q: torch.Tensor) -> bool:
 
 
 def _upcast(*tensors: torch.Tensor) -> tuple[torch.Tensor, ...]:
-    c = torch.promote_types(tensors[0].dtype, torch.float32)
+    c = accumulation_dtype(tensors[0].dtype)
     return tuple(t.to(c) for t in tensors)
 
 
@@ -33,7 +34,7 @@ def attention_forward(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, causal: bool, scale: float
 ) -> tuple[torch.Tensor, torch.Tensor]:
     out, lse = _cpu_fwd(*_upcast(q, k, v), 0.0, causal, scale=scale)
-    return out, lse.float()
+    return out, lse.to(out.dtype)
 
 
 def attention_backward(

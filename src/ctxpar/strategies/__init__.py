@@ -1,7 +1,50 @@
-"""CP attention strategies: each moves K/V (or heads) differently, all compute the same thing."""
+"""CP attention strategies: each moves K/V (or heads) differently, all compute the same thing.
 
+Every strategy is ``fn(q, k, v, *, layout, topo, causal, scale) -> (out, lse)`` with
+inputs already validated; ``check(q, k, topo)`` raises ValueError for shapes the strategy
+cannot take, before anything is sent.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+
+from ctxpar.strategies.allgather import allgather_attention
 from ctxpar.strategies.ring import ring_attention
+from ctxpar.strategies.ulysses import ulysses_attention
+from ctxpar.topology import Topology
 
-STRATEGIES = {"ring": ring_attention}
 
-__all__ = ["STRATEGIES", "ring_attention"]
+def _no_constraint(q: torch.Tensor, k: torch.Tensor, topo: Topology) -> None:
+    return None
+
+
+def _heads_split_over_ulysses(q: torch.Tensor, k: torch.Tensor, topo: Topology) -> None:
+    h, h_kv, u = q.shape[1], k.shape[1], topo.ulysses_degree
+    if h % u:
+        where = "ulysses degree" if topo.hybrid else "P"
+        raise ValueError(
+            f"all-to-all splits query heads over ranks: H={h} is not divisible by {where}={u} "
+            f"(H_kv={h_kv}); use strategy='ring' or 'allgather', or a hybrid mesh whose ulysses "
+            f"degree divides {h}"
+        )
+
+
+@dataclass(frozen=True)
+class Strategy:
+    run: Callable
+    check: Callable[[torch.Tensor, torch.Tensor, Topology], None]
+    axis: str  # how a plain process group is used: "ring" or "ulysses"
+
+
+STRATEGIES = {
+    "ring": Strategy(ring_attention, _no_constraint, "ring"),
+    "allgather": Strategy(allgather_attention, _no_constraint, "ring"),
+    "alltoall": Strategy(ulysses_attention, _heads_split_over_ulysses, "ulysses"),
+    "hybrid": Strategy(ulysses_attention, _heads_split_over_ulysses, "mesh"),
+}
+
+__all__ = ["STRATEGIES", "Strategy"]

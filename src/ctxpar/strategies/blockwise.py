@@ -28,7 +28,8 @@ def forward_blocks(
     Args:
         q: (B, H, Sq, D) local queries; k, v: (B, H_kv, Sk, D) one key/value shard.
         blocks: the plan between the two shards (``ctxpar.blocks``).
-        acc_out: (B, H, Sq, D) float32, acc_lse: (B, H, Sq) float32, updated in place.
+        acc_out: (B, H, Sq, D), acc_lse: (B, H, Sq), in the accumulation dtype
+            (``kernels.accumulation_dtype``), updated in place.
     """
     for block in blocks:
         qs, ks, causal = block.kernel_args()
@@ -49,11 +50,11 @@ def backward_blocks(
     dk: torch.Tensor,
     dv: torch.Tensor,
 ) -> None:
-    """Add this shard's share of the gradients into float32 ``dq``, ``dk``, ``dv``.
+    """Add this shard's share of the gradients into ``dq``, ``dk``, ``dv`` (accumulation dtype).
 
     Args:
         dout, out: (B, H, Sq, D) and lse (B, H, Sq): the *global* (merged) values.
-        dq: (B, H, Sq, D); dk, dv: (B, H_kv, Sk, D), all float32, updated in place.
+        dq: (B, H, Sq, D); dk, dv: (B, H_kv, Sk, D), updated in place.
     """
     for block in blocks:
         qs, ks, causal = block.kernel_args()

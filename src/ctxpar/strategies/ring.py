@@ -7,28 +7,30 @@ Forward, P ranks, rank r, step i holds the K/V of rank s = (r - i) mod P::
 
 At every step the transfer of the next shard is posted before the current shard is
 computed, so communication hides behind compute when a block takes longer to compute
-than to send. Partial (out, lse) are merged in float32; blocks the plan says are
+than to send. Partial (out, lse) are merged in float32 (float64 for float64 inputs); blocks the plan says are
 invisible are skipped (their shard still passes through).
 
-Backward re-circulates K/V the same way and also circulates a float32 dK/dV
-accumulator for each shard: it starts on rank s+1, collects each rank's share, and
+Backward re-circulates K/V the same way and also circulates a dK/dV
+accumulator (in the accumulation dtype: float32, or float64 for float64 inputs) for each shard: it starts on rank s+1, collects each rank's share, and
 after P-1 hops lands back on rank s, which adds its own share. dQ never moves.
 
 Traffic per rank (elements of size e, local length S = T/P):
     forward:  (P-1) * 2*B*H_kv*S*D*e    sent and received
-    backward: (P-1) * 2*B*H_kv*S*D*(e + 4)
+    backward: (P-1) * 2*B*H_kv*S*D*(e + a),  a = 4 (8 for float64): the accumulator
 """
 
 from __future__ import annotations
 
 import torch
-import torch.distributed as dist
+from torch.autograd.function import once_differentiable
 
 from ctxpar import profile
 from ctxpar.blocks import layout_plan
 from ctxpar.comm import RingComm
+from ctxpar.kernels import accumulation_dtype
 from ctxpar.layout import Layout
 from ctxpar.strategies.blockwise import backward_blocks, forward_blocks
+from ctxpar.topology import Topology
 
 _KV_TAG, _DKV_TAG = 0, 1
 
@@ -40,8 +42,9 @@ class RingAttention(torch.autograd.Function):
     def forward(ctx, q, k, v, layout: Layout, group, rank: int, causal: bool, scale: float):
         world = layout.world_size
         seq_len = q.shape[2] * world
-        acc_out = torch.zeros(q.shape, dtype=torch.float32, device=q.device)  # (B, H, S, D)
-        acc_lse = torch.full(q.shape[:3], float("-inf"), dtype=torch.float32, device=q.device)  # (B, H, S)
+        acc = accumulation_dtype(q.dtype)
+        acc_out = torch.zeros(q.shape, dtype=acc, device=q.device)  # (B, H, S, D)
+        acc_lse = torch.full(q.shape[:3], float("-inf"), dtype=acc, device=q.device)  # (B, H, S)
         kv = torch.stack([k, v])  # (2, B, H_kv, S, D): one message per step
         comm = RingComm(group, tag=_KV_TAG) if world > 1 else None
         spare = torch.empty_like(kv) if comm else None
@@ -62,14 +65,16 @@ class RingAttention(torch.autograd.Function):
         return out, acc_lse
 
     @staticmethod
+    @once_differentiable
     def backward(ctx, dout, _dlse):
         q, k, v, out, lse = ctx.saved_tensors
         layout, rank, causal, scale = ctx.layout, ctx.rank, ctx.causal, ctx.scale
         world = layout.world_size
         seq_len = q.shape[2] * world
         dout = dout.contiguous()
-        dq = torch.zeros(q.shape, dtype=torch.float32, device=q.device)
-        own = torch.zeros((2, *k.shape), dtype=torch.float32, device=k.device)  # dK/dV of our own shard
+        acc = accumulation_dtype(q.dtype)
+        dq = torch.zeros(q.shape, dtype=acc, device=q.device)
+        own = torch.zeros((2, *k.shape), dtype=acc, device=k.device)  # dK/dV of our own shard
         kv = torch.stack([k, v])
         if world > 1:
             kv_comm, dkv_comm = RingComm(ctx.group, tag=_KV_TAG), RingComm(ctx.group, tag=_DKV_TAG)
@@ -102,14 +107,6 @@ class RingAttention(torch.autograd.Function):
 
 
 def ring_attention(
-    q: torch.Tensor,
-    k: torch.Tensor,
-    v: torch.Tensor,
-    *,
-    layout: Layout,
-    group: dist.ProcessGroup | None,
-    rank: int,
-    causal: bool,
-    scale: float,
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, layout: Layout, topo: Topology, causal: bool, scale: float
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    return RingAttention.apply(q, k, v, layout, group, rank, causal, scale)
+    return RingAttention.apply(q, k, v, layout, topo.ring_group, topo.ring_rank, causal, scale)

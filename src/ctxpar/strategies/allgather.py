@@ -1,0 +1,111 @@
+"""All-gather attention (Llama 3 style): every rank gathers all K/V, keeps its queries.
+
+K/V are gathered one group of KV heads at a time, the next group's gather posted before
+the current group is computed, so at most two gathered groups are alive::
+
+    heads 0..c-1:  gather ──wait──▶ compute (local q x every rank's K/V, block plan)
+    heads c..2c-1:        gather ─────────────wait──▶ compute
+                                                   ...
+
+Queries see only the key blocks the plan lists: for causal layouts, invisible shards
+are never computed. Backward gathers K/V again, computes dQ locally and every shard's
+dK/dV share, and reduce-scatters those (fp32) so each rank receives the sum for its own
+shard. GQA: only H_kv heads are gathered, which makes this cheap for small H_kv.
+
+Traffic per rank (S = T/P local length, e element size): forward (P-1)*2*B*H_kv*S*D*e;
+backward (P-1)*2*B*H_kv*S*D*e for the re-gather plus (P-1)*2*B*H_kv*S*D*a for dK/dV
+(a = 4, or 8 for float64: the accumulation dtype).
+"""
+
+from __future__ import annotations
+
+import torch
+from torch.autograd.function import once_differentiable
+
+from ctxpar import profile
+from ctxpar.blocks import layout_plan
+from ctxpar.comm import PendingAllGather, PendingReduceScatter
+from ctxpar.kernels import accumulation_dtype
+from ctxpar.layout import Layout
+from ctxpar.strategies.blockwise import backward_blocks, forward_blocks
+from ctxpar.topology import Topology
+
+
+def _head_groups(kv_heads: int, per_group: int) -> list[slice]:
+    return [slice(h, min(h + per_group, kv_heads)) for h in range(0, kv_heads, per_group)]
+
+
+class AllGatherAttention(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, q, k, v, layout: Layout, group, rank: int, causal: bool, scale: float, kv_heads_per_step: int):
+        world, seq_len = layout.world_size, q.shape[2] * layout.world_size
+        g = q.shape[1] // k.shape[1]  # query heads per KV head
+        acc = accumulation_dtype(q.dtype)
+        acc_out = torch.zeros(q.shape, dtype=acc, device=q.device)  # (B, H, S, D)
+        acc_lse = torch.full(q.shape[:3], float("-inf"), dtype=acc, device=q.device)
+        kv = torch.stack([k, v])  # (2, B, H_kv, S, D)
+        heads = _head_groups(k.shape[1], kv_heads_per_step)
+        pending = PendingAllGather(kv[:, :, heads[0]], group)
+        for i, kvh in enumerate(heads):
+            gathered = pending.wait()  # (P, 2, B, c, S, D)
+            if i + 1 < len(heads):
+                pending = PendingAllGather(kv[:, :, heads[i + 1]], group)
+            qh = slice(kvh.start * g, kvh.stop * g)
+            with profile.timed("compute", q.device):
+                for src in range(world):
+                    plan = layout_plan(layout, seq_len, rank, src, causal)
+                    forward_blocks(q[:, qh], gathered[src, 0], gathered[src, 1], plan,
+                                   acc_out[:, qh], acc_lse[:, qh], scale)
+        out = acc_out.to(q.dtype)
+        ctx.save_for_backward(q, k, v, out, acc_lse)
+        ctx.args = (layout, group, rank, causal, scale, kv_heads_per_step)
+        ctx.mark_non_differentiable(acc_lse)
+        return out, acc_lse
+
+    @staticmethod
+    @once_differentiable
+    def backward(ctx, dout, _dlse):
+        q, k, v, out, lse = ctx.saved_tensors
+        layout, group, rank, causal, scale, kv_heads_per_step = ctx.args
+        world, seq_len = layout.world_size, q.shape[2] * layout.world_size
+        g = q.shape[1] // k.shape[1]
+        dout = dout.contiguous()
+        acc = accumulation_dtype(q.dtype)
+        dq = torch.zeros(q.shape, dtype=acc, device=q.device)
+        dkv = torch.empty((2, *k.shape), dtype=acc, device=k.device)  # our shard's dK, dV
+        kv = torch.stack([k, v])
+        heads = _head_groups(k.shape[1], kv_heads_per_step)
+        pending = PendingAllGather(kv[:, :, heads[0]], group)
+        reducing = None  # (heads, PendingReduceScatter) of the previous group, still in flight
+        for i, kvh in enumerate(heads):
+            gathered = pending.wait()
+            if i + 1 < len(heads):
+                pending = PendingAllGather(kv[:, :, heads[i + 1]], group)
+            qh = slice(kvh.start * g, kvh.stop * g)
+            shares = torch.zeros(gathered.shape, dtype=acc, device=q.device)  # (P, 2, B, c, S, D)
+            with profile.timed("compute", q.device):
+                for src in range(world):
+                    plan = layout_plan(layout, seq_len, rank, src, causal)
+                    backward_blocks(dout[:, qh], q[:, qh], gathered[src, 0], gathered[src, 1], out[:, qh],
+                                    lse[:, qh], plan, scale, dq[:, qh], shares[src, 0], shares[src, 1])
+            if reducing is not None:
+                dkv[:, :, reducing[0]] = reducing[1].wait()
+            reducing = (kvh, PendingReduceScatter(shares, group))
+        dkv[:, :, reducing[0]] = reducing[1].wait()
+        return dq.to(q.dtype), dkv[0].to(k.dtype), dkv[1].to(v.dtype), None, None, None, None, None, None
+
+
+def allgather_attention(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    *,
+    layout: Layout,
+    topo: Topology,
+    causal: bool,
+    scale: float,
+    kv_heads_per_step: int = 1,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """``kv_heads_per_step`` KV heads are gathered at a time (bounds the gathered buffer
+    to 2 * P * B * kv_heads_per_step * S * D elements, double-buffered)."""
+    return AllGatherAttention.apply(q, k, v, layout, topo.group, topo.rank, causal, scale, kv_heads_per_step)

@@ -1,0 +1,87 @@
+"""Bytes each rank sends per attention call, by strategy: the formulas of docs/strategies.md.
+
+Pure arithmetic, no torch.distributed: the planner uses these, and the tests assert
+that the bytes counted by ``ctxpar.comm`` equal them exactly. Counting convention
+(``ctxpar.comm``): what must leave the rank, never its own chunk; every rank sends as
+many bytes as it receives.
+
+Symbols: B batch, T global length, S = T/P local length, H query heads, H_kv KV heads,
+D head dim, e element size of q/k/v, a element size of the accumulators (4, or 8 for
+float64 inputs), U ulysses degree, R ring degree, f KV-head copies for all-to-all.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class Traffic:
+    forward: int
+    backward: int
+
+    @property
+    def total(self) -> int:
+        return self.forward + self.backward
+
+
+def kv_copies(kv_heads: int, ulysses_degree: int) -> int:
+    """f: copies of each KV head that make H_kv * f divisible by U (the fewest)."""
+    return ulysses_degree // math.gcd(kv_heads, ulysses_degree)
+
+
+def ring(*, batch: int, local_len: int, kv_heads: int, head_dim: int, world: int, elem: int, acc: int) -> Traffic:
+    """K/V (one buffer) P-1 hops forward; K/V again plus the dK/dV accumulator backward."""
+    kv = 2 * batch * kv_heads * local_len * head_dim
+    return Traffic(forward=(world - 1) * kv * elem, backward=(world - 1) * kv * (elem + acc))
+
+
+def allgather(*, batch: int, local_len: int, kv_heads: int, head_dim: int, world: int, elem: int, acc: int) -> Traffic:
+    """All-gather of K/V forward; again backward, plus the reduce-scatter of dK/dV."""
+    kv = 2 * batch * kv_heads * local_len * head_dim
+    return Traffic(forward=(world - 1) * kv * elem, backward=(world - 1) * kv * (elem + acc))
+
+
+def alltoall(
+    *, batch: int, local_len: int, heads: int, kv_heads: int, head_dim: int, ulysses: int, elem: int, acc: int
+) -> Traffic:
+    """Ulysses over U ranks: q, k, v in and out (+ lse) back; dout in and dq, dk, dv back."""
+    kv = kv_heads * kv_copies(kv_heads, ulysses)
+    tokens = batch * local_len
+    share = lambda n: n * (ulysses - 1) // ulysses  # noqa: E731  what leaves the rank
+    tensors = share(tokens * head_dim * elem * (2 * heads + 2 * kv))
+    return Traffic(forward=tensors + share(tokens * heads * acc), backward=tensors)
+
+
+def hybrid(
+    *, batch: int, local_len: int, heads: int, kv_heads: int, head_dim: int, ulysses: int, ring_degree: int,
+    elem: int, acc: int,
+) -> Traffic:
+    """All-to-all over U, then the ring over R groups with H/U heads of U*S tokens each."""
+    a2a = alltoall(batch=batch, local_len=local_len, heads=heads, kv_heads=kv_heads, head_dim=head_dim,
+                   ulysses=ulysses, elem=elem, acc=acc)
+    kv = kv_heads * kv_copies(kv_heads, ulysses)
+    rng = ring(batch=batch, local_len=ulysses * local_len, kv_heads=kv // ulysses, head_dim=head_dim,
+               world=ring_degree, elem=elem, acc=acc)
+    return Traffic(forward=a2a.forward + rng.forward, backward=a2a.backward + rng.backward)
+
+
+def per_rank(
+    strategy: str, *, batch: int, seq_len: int, heads: int, kv_heads: int, head_dim: int, world: int,
+    elem: int, acc: int, ulysses: int | None = None,
+) -> Traffic:
+    """Bytes one rank sends (and receives) for one forward and one backward."""
+    s = seq_len // world
+    if strategy in ("ring", "allgather"):
+        fn = ring if strategy == "ring" else allgather
+        return fn(batch=batch, local_len=s, kv_heads=kv_heads, head_dim=head_dim, world=world, elem=elem, acc=acc)
+    if strategy == "alltoall":
+        return alltoall(batch=batch, local_len=s, heads=heads, kv_heads=kv_heads, head_dim=head_dim,
+                        ulysses=world, elem=elem, acc=acc)
+    if strategy == "hybrid":
+        if not ulysses or world % ulysses:
+            raise ValueError(f"hybrid needs a ulysses degree dividing P={world}, got {ulysses}")
+        return hybrid(batch=batch, local_len=s, heads=heads, kv_heads=kv_heads, head_dim=head_dim,
+                      ulysses=ulysses, ring_degree=world // ulysses, elem=elem, acc=acc)
+    raise ValueError(f"unknown strategy {strategy!r}")

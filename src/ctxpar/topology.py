@@ -1,0 +1,85 @@
+"""Who talks to whom: the process groups a strategy uses, resolved once per call.
+
+Ring, all-gather and all-to-all use one CP group of P ranks. Hybrid uses a 2D
+``DeviceMesh`` with dims named ``"ulysses"`` (all-to-all, U ranks, best inside a node)
+and ``"ring"`` (R ranks, across nodes), U * R = P. Its rank in the CP layout is
+
+    cp_rank = ring_coordinate * U + ulysses_coordinate
+
+which is the global rank for ``init_device_mesh(device, (R, U), mesh_dim_names=("ring", "ulysses"))``.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch.distributed as dist
+
+
+@dataclass(frozen=True)
+class Topology:
+    rank: int  # position in the CP layout
+    world_size: int  # P
+    group: dist.ProcessGroup | None = None  # the whole CP group (None = WORLD)
+    ulysses_group: dist.ProcessGroup | None = None
+    ring_group: dist.ProcessGroup | None = None
+    ulysses_degree: int = 1
+    ring_degree: int = 1
+    ulysses_rank: int = 0
+    ring_rank: int = 0
+    hybrid: bool = False
+
+    @property
+    def process_groups(self) -> list[dist.ProcessGroup | None]:
+        """The groups the strategy will communicate on."""
+        return [self.ulysses_group, self.ring_group] if self.hybrid else [self.group]
+
+
+def _initialised() -> bool:
+    return dist.is_available() and dist.is_initialized()
+
+
+def from_group(group: dist.ProcessGroup | None, axis: str = "ring") -> Topology:
+    """One CP group used along one axis ("ring": K/V move around the group; "ulysses":
+    the whole group does all-to-alls). Without an initialised process group, one rank."""
+    if not _initialised():
+        if group is not None:
+            raise ValueError("a process group was given but torch.distributed is not initialised")
+        return Topology(rank=0, world_size=1)
+    if axis not in ("ring", "ulysses"):
+        raise ValueError(f"axis must be 'ring' or 'ulysses', got {axis!r}")
+    rank = dist.get_rank(group)
+    if rank < 0:
+        raise ValueError(
+            f"global rank {dist.get_rank()} is not a member of the given process group; call "
+            f"ctxpar.attention only on the ranks of the CP group"
+        )
+    world = dist.get_world_size(group)
+    if axis == "ulysses":
+        return Topology(rank=rank, world_size=world, group=group, ulysses_group=group, ulysses_degree=world,
+                        ulysses_rank=rank)
+    return Topology(rank=rank, world_size=world, group=group, ring_group=group, ring_degree=world, ring_rank=rank)
+
+
+def from_mesh(mesh) -> Topology:
+    """A 2D DeviceMesh with dims "ulysses" and "ring" (any order)."""
+    names = tuple(getattr(mesh, "mesh_dim_names", None) or ())
+    if mesh.ndim != 2 or set(names) != {"ulysses", "ring"}:
+        raise ValueError(
+            f"hybrid needs a 2D DeviceMesh with mesh_dim_names ('ring', 'ulysses'), got "
+            f"{mesh.ndim}D with names {names or None}"
+        )
+    if mesh.get_coordinate() is None:
+        raise ValueError(f"global rank {dist.get_rank()} is not in the hybrid mesh")
+    u, r = mesh.size(names.index("ulysses")), mesh.size(names.index("ring"))
+    u_rank, r_rank = mesh.get_local_rank("ulysses"), mesh.get_local_rank("ring")
+    return Topology(
+        rank=r_rank * u + u_rank, world_size=u * r,
+        ulysses_group=mesh.get_group("ulysses"), ring_group=mesh.get_group("ring"),
+        ulysses_degree=u, ring_degree=r, ulysses_rank=u_rank, ring_rank=r_rank, hybrid=True,
+    )
+
+
+def hybrid_rank(mesh) -> int:
+    """This rank's index in the CP layout under a hybrid mesh (use it to shard inputs)."""
+    return from_mesh(mesh).rank
