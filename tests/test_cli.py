@@ -20,7 +20,7 @@ def test_demo_matches_and_writes_the_documented_json(tmp_path) -> None:
     report = json.loads(path.read_text())
     assert report["config"] == {
         "nproc": 3, "seq": 384, "heads": 8, "kv_heads": 2, "head_dim": 64, "layout": "striped",
-        "strategy": "ring", "dtype": "bfloat16", "causal": True, "batch": 1, "seed": 0,
+        "strategy": "ring", "dtype": "bfloat16", "causal": True, "batch": 1, "seed": 0, "ulysses_degree": None,
     }
     assert report["ok"] is True
     assert set(report["max_abs_err"]) == {"out", "lse", "dq", "dk", "dv"}
@@ -42,8 +42,26 @@ def test_demo_contiguous_shows_the_causal_imbalance(tmp_path) -> None:
     assert abs(json.loads(path.read_text())["imbalance"]["pairs"] - 1.75) < 0.01
 
 
+def test_demo_hybrid_reports_its_strategy(tmp_path) -> None:
+    path = tmp_path / "demo.json"
+    proc = run_cli("demo", "--nproc", "4", "--seq", "256", "--heads", "4", "--kv-heads", "2",
+                   "--strategy", "hybrid", "--ulysses-degree", "2", "--json", str(path))
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert "hybrid (ulysses 2 x ring 2)" in proc.stdout
+    report = json.loads(path.read_text())
+    assert report["config"]["strategy"] == "hybrid" and report["config"]["ulysses_degree"] == 2
+    assert report["ok"] and report["imbalance"]["pairs"] < 1.02
+
+
 def test_demo_rejects_a_bad_length_before_starting_ranks() -> None:
     proc = run_cli("demo", "--nproc", "4", "--seq", "1004")
     assert proc.returncode == 2
     assert "sequence length 1004 is not a multiple of 2*P=8" in proc.stderr
     assert "Traceback" not in proc.stderr
+
+
+def test_demo_rejects_strategy_shapes_before_starting_ranks() -> None:
+    proc = run_cli("demo", "--nproc", "3", "--seq", "384", "--strategy", "alltoall")
+    assert proc.returncode == 2 and "--heads 8 over 3 ranks" in proc.stderr
+    proc = run_cli("demo", "--nproc", "4", "--seq", "256", "--strategy", "hybrid", "--ulysses-degree", "3")
+    assert proc.returncode == 2 and "--ulysses-degree dividing the 4 ranks" in proc.stderr

@@ -26,6 +26,8 @@ def _demo_parser(sub) -> None:
     p.add_argument("--head-dim", type=int, default=d.head_dim)
     p.add_argument("--layout", choices=LAYOUT_NAMES, default=d.layout)
     p.add_argument("--strategy", choices=sorted(STRATEGIES), default=d.strategy)
+    p.add_argument("--ulysses-degree", type=int, default=d.ulysses_degree,
+                   help="hybrid only: all-to-all degree; the ring degree is nproc / this")
     p.add_argument("--dtype", choices=sorted(DTYPES), default=d.dtype)
     p.add_argument("--causal", action=argparse.BooleanOptionalAction, default=d.causal)
     p.add_argument("--seed", type=int, default=d.seed)
@@ -36,7 +38,7 @@ def _run_demo(args: argparse.Namespace) -> int:
     cfg = DemoConfig(
         nproc=args.nproc, seq=args.seq, heads=args.heads, kv_heads=args.kv_heads, head_dim=args.head_dim,
         layout=args.layout, strategy=args.strategy, dtype=args.dtype, causal=args.causal,
-        batch=args.batch, seed=args.seed,
+        batch=args.batch, seed=args.seed, ulysses_degree=args.ulysses_degree,
     )
     report = run_demo(cfg)
     if report is None:  # a non-zero rank under torchrun

@@ -19,6 +19,7 @@ import torch.distributed as dist
 import ctxpar
 from ctxpar.blocks import rank_pairs
 from ctxpar.launch import init_from_env, launched_by_torchrun, run_local
+from ctxpar.layout import GroupedLayout
 from ctxpar.verify import TENSORS, max_abs_errors, tolerances, torch_sdpa, unsplit_attention
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -37,14 +38,27 @@ class DemoConfig:
     causal: bool = True
     batch: int = 1
     seed: int = 0
+    ulysses_degree: int | None = None  # hybrid only; the ring degree is nproc / ulysses_degree
 
-    def validate(self) -> None:
-        """Reject a bad configuration before any process is started."""
-        ctxpar.get_layout(self.layout, self.nproc).validate(self.seq)
+    def validate(self, world: int) -> None:
+        """Reject a bad configuration before any communication (``world`` = ranks used)."""
+        for flag in ("seq", "heads", "kv_heads", "head_dim", "batch"):
+            if getattr(self, flag) < 1:
+                raise ValueError(f"--{flag.replace('_', '-')} must be >= 1, got {getattr(self, flag)}")
+        ctxpar.get_layout(self.layout, world).validate(self.seq)
         if self.heads % self.kv_heads:
             raise ValueError(f"--heads {self.heads} must be a multiple of --kv-heads {self.kv_heads}")
-        if self.dtype == "float16" and not torch.cuda.is_available():
-            raise ValueError("float16 attention needs CUDA here; use --dtype bfloat16 or float32 on CPU")
+        if self.strategy == "hybrid":
+            if not self.ulysses_degree or world % self.ulysses_degree:
+                raise ValueError(
+                    f"--strategy hybrid needs --ulysses-degree dividing the {world} ranks "
+                    f"(ring degree = ranks / ulysses degree), got {self.ulysses_degree}"
+                )
+        elif self.ulysses_degree is not None:
+            raise ValueError("--ulysses-degree is only for --strategy hybrid")
+        u = self.ulysses_degree if self.strategy == "hybrid" else world if self.strategy == "alltoall" else 1
+        if self.heads % u:
+            raise ValueError(f"--strategy {self.strategy} splits --heads {self.heads} over {u} ranks; they must divide")
 
 
 def _inputs(cfg: DemoConfig) -> tuple[torch.Tensor, ...]:
@@ -61,21 +75,50 @@ def _peak_memory(device: torch.device) -> tuple[int, str]:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024, "process_max_rss"
 
 
+def _work_pairs(cfg: DemoConfig, layout: ctxpar.Layout, rank: int) -> float:
+    """(query, key) pairs this rank computes per head, averaged over the H heads.
+
+    Ring and all-gather: the pairs of the rank's own queries. All-to-all over U ranks:
+    all pairs of the U shards of its group, for H/U heads, i.e. those pairs / U.
+    """
+    u = {"alltoall": layout.world_size, "hybrid": cfg.ulysses_degree}.get(cfg.strategy, 1)
+    grouped = GroupedLayout(layout.world_size // u, layout, u)
+    return rank_pairs(grouped, cfg.seq, rank // u, cfg.causal) / u
+
+
+def _mesh(cfg: DemoConfig, world: int, device: torch.device):
+    if cfg.strategy != "hybrid":
+        return None
+    from torch.distributed.device_mesh import init_device_mesh
+
+    u = cfg.ulysses_degree
+    return init_device_mesh(device.type, (world // u, u), mesh_dim_names=("ring", "ulysses"))
+
+
 def demo_rank(rank: int, world: int, cfg: DemoConfig, device: torch.device | None = None) -> dict | None:
-    """One rank's part; returns the full report on rank 0 and None elsewhere."""
+    """One rank's part; returns the full report on rank 0 and None elsewhere.
+
+    Every rank builds the whole seeded sequence (the check needs it on rank 0), so the
+    CPU peak memory includes the unsplit inputs, not just this rank's CP working set.
+    """
     device = device or torch.device("cpu")
+    cfg.validate(world)
     layout = ctxpar.get_layout(cfg.layout, world)
+    mesh = _mesh(cfg, world, device)
+    kwargs = dict(layout=layout, causal=cfg.causal, strategy=cfg.strategy, mesh=mesh)
+    if mesh is not None and ctxpar.hybrid_rank(mesh) != rank:
+        raise RuntimeError("the hybrid mesh is expected to number CP ranks like the global ranks")
     q, k, v, dout = _inputs(cfg)
     local = [layout.shard(t, rank, dim=2).to(device).requires_grad_() for t in (q, k, v)]
     dout_local = layout.shard(dout, rank, dim=2).to(device)
     if device.type == "cuda":
         torch.cuda.reset_peak_memory_stats(device)
 
-    _warm_up(layout, device, cfg)
+    _warm_up(cfg, device, kwargs)
     dist.barrier()
     with ctxpar.record() as rec:
         start = time.perf_counter()
-        out, lse = ctxpar.attention_with_lse(*local, layout=layout, causal=cfg.causal, strategy=cfg.strategy)
+        out, lse = ctxpar.attention_with_lse(*local, **kwargs)
         out.backward(dout_local)
         if device.type == "cuda":
             torch.cuda.synchronize(device)
@@ -83,10 +126,11 @@ def demo_rank(rank: int, world: int, cfg: DemoConfig, device: torch.device | Non
     peak, peak_source = _peak_memory(device)
     stats = dict(
         rank=rank,
-        pairs=rank_pairs(layout, cfg.seq, rank, cfg.causal),
+        pairs=_work_pairs(cfg, layout, rank),
         attn_seconds=rec.compute_cpu_seconds if device.type == "cpu" else rec.compute_seconds,
         wall_seconds=wall,
         wait_seconds=rec.wait_seconds,
+        compute_wall_seconds=rec.compute_seconds,
         bytes_sent=rec.bytes_sent,
         bytes_received=rec.bytes_received,
         peak_memory_bytes=peak,
@@ -126,11 +170,14 @@ def demo_rank(rank: int, world: int, cfg: DemoConfig, device: torch.device | Non
     }
 
 
-def _warm_up(layout: ctxpar.Layout, device: torch.device, cfg: DemoConfig) -> None:
-    """A tiny call first, so that connecting the ring's peers is not timed."""
-    shape = (1, 1, layout.multiple // layout.world_size, cfg.head_dim)
-    t = torch.zeros(shape, device=device, dtype=DTYPES[cfg.dtype], requires_grad=True)
-    ctxpar.attention(t, t, t, layout=layout, causal=cfg.causal, strategy=cfg.strategy).sum().backward()
+def _warm_up(cfg: DemoConfig, device: torch.device, kwargs: dict) -> None:
+    """A tiny call first, so that connecting the peers and lazy imports are not timed."""
+    layout = kwargs["layout"]
+    q = torch.zeros((1, cfg.heads, layout.multiple // layout.world_size, cfg.head_dim), device=device,
+                    dtype=DTYPES[cfg.dtype], requires_grad=True)
+    kv = torch.zeros((1, cfg.kv_heads, *q.shape[2:]), device=device, dtype=q.dtype, requires_grad=True)
+    out = ctxpar.attention(q, kv, kv, **kwargs)
+    out.backward(torch.ones_like(out))  # the first backward with a given gradient imports sympy: ~1 s
 
 
 def _gather(t: torch.Tensor, rank: int, world: int) -> list[torch.Tensor] | None:
@@ -151,15 +198,18 @@ def run_demo(cfg: DemoConfig) -> dict | None:
         finally:
             dist.destroy_process_group()
         return report
-    cfg.validate()
+    cfg.validate(cfg.nproc)
     return run_local(demo_rank, cfg.nproc, (cfg,))[0]
 
 
 def format_report(report: dict) -> str:
     c = report["config"]
     mib = 2**20
+    strategy = c["strategy"]
+    if strategy == "hybrid":
+        strategy += f" (ulysses {c['ulysses_degree']} x ring {c['nproc'] // c['ulysses_degree']})"
     lines = [
-        f"ctxpar demo: {c['strategy']} attention, {c['layout']} layout, {c['nproc']} ranks "
+        f"ctxpar demo: {strategy} attention, {c['layout']} layout, {c['nproc']} ranks "
         f"({report['backend']}, {report['device']}), B={c['batch']} T={c['seq']} H={c['heads']} "
         f"H_kv={c['kv_heads']} D={c['head_dim']}, {c['dtype']}, {'causal' if c['causal'] else 'non-causal'}",
         "",
@@ -168,7 +218,7 @@ def format_report(report: dict) -> str:
     ]
     for s in report["ranks"]:
         lines.append(
-            f"{s['rank']:>4} {s['pairs']:>14,} {s['attn_seconds']:>8.3f} {s['wall_seconds']:>8.3f} "
+            f"{s['rank']:>4} {s['pairs']:>14,.0f} {s['attn_seconds']:>8.3f} {s['wall_seconds']:>8.3f} "
             f"{s['wait_seconds']:>8.3f} {s['bytes_sent'] / mib:>9.2f} {s['bytes_received'] / mib:>9.2f} "
             f"{s['peak_memory_bytes'] / mib:>9.1f}"
         )
