@@ -46,6 +46,8 @@ def test_plans_cover_exactly_the_visible_pairs(name: str, world: int, causal: bo
             assert torch.equal(covered(blocks, *want.shape), want), (r, s)
             assert sum(b.pairs for b in blocks) == int(want.sum())
             assert all(b.pairs > 0 for b in blocks), "blocks with nothing visible must be skipped"
+        plans = [layout_plan(layout, seq_len, r, s, causal) for s in range(world)]
+        assert rank_pairs(layout, seq_len, r, causal) == sum(b.pairs for plan in plans for b in plan)
 
 
 @settings(max_examples=200, deadline=None)

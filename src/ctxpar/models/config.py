@@ -1,0 +1,69 @@
+"""Shapes of the Llama-style reference decoder, with presets from test-sized to Llama 3."""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass, replace
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    """A Llama-style decoder's shape.
+
+    Args:
+        layers: number of decoder blocks.
+        hidden: model width d.
+        heads: query heads H; head_dim * heads is the attention width.
+        kv_heads: key/value heads H_kv (GQA when < heads); must divide heads.
+        head_dim: per-head width D.
+        ffn: SwiGLU hidden width.
+        vocab: vocabulary size.
+        rope_theta: RoPE base frequency.
+        norm_eps: RMSNorm epsilon.
+    """
+
+    layers: int
+    hidden: int
+    heads: int
+    kv_heads: int
+    head_dim: int
+    ffn: int
+    vocab: int
+    rope_theta: float = 500000.0
+    norm_eps: float = 1e-5
+
+    def __post_init__(self) -> None:
+        for name in ("layers", "hidden", "heads", "kv_heads", "head_dim", "ffn", "vocab"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
+        if self.heads % self.kv_heads:
+            raise ValueError(f"heads={self.heads} must be a multiple of kv_heads={self.kv_heads}")
+
+    def with_(self, **changes) -> ModelConfig:
+        return replace(self, **changes)
+
+    def as_dict(self) -> dict:
+        return asdict(self)
+
+    @property
+    def parameters(self) -> int:
+        """Parameter count: embeddings, untied LM head, attention, SwiGLU MLP and norms."""
+        attn = self.hidden * self.head_dim * (2 * self.heads + 2 * self.kv_heads)  # q, o; k, v
+        mlp = 3 * self.hidden * self.ffn
+        return 2 * self.vocab * self.hidden + self.layers * (attn + mlp + 2 * self.hidden) + self.hidden
+
+
+PRESETS: dict[str, ModelConfig] = {
+    "tiny": ModelConfig(layers=2, hidden=64, heads=4, kv_heads=2, head_dim=16, ffn=128, vocab=256),
+    "small": ModelConfig(layers=4, hidden=256, heads=8, kv_heads=2, head_dim=32, ffn=512, vocab=512),
+    "llama-3-8b": ModelConfig(layers=32, hidden=4096, heads=32, kv_heads=8, head_dim=128, ffn=14336, vocab=128256),
+    "llama-3-70b": ModelConfig(layers=80, hidden=8192, heads=64, kv_heads=8, head_dim=128, ffn=28672, vocab=128256),
+    "llama-3-405b": ModelConfig(layers=126, hidden=16384, heads=128, kv_heads=8, head_dim=128, ffn=53248,
+                                vocab=128256),
+}
+
+
+def get_config(name: str) -> ModelConfig:
+    key = name.lower()
+    if key not in PRESETS:
+        raise ValueError(f"unknown model preset {name!r}; choose one of {', '.join(PRESETS)}")
+    return PRESETS[key]
