@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import datetime
 import os
+import pickle
 import queue
 import socket
 import time
@@ -55,7 +56,9 @@ def _worker(rank, world_size, port, threads, timeout_s, fn, args, results) -> No
             world_size=world_size,
             timeout=datetime.timedelta(seconds=timeout_s),
         )
-        results.put((rank, True, fn(rank, world_size, *args)))
+        # plain pickle copies tensors into the message; the queue's default would share
+        # their memory with a process that is about to exit
+        results.put((rank, True, pickle.dumps(fn(rank, world_size, *args))))
     except BaseException:  # report everything, including failed asserts, to the parent
         results.put((rank, False, traceback.format_exc()))
     finally:
@@ -103,7 +106,7 @@ def run_local(
                 failed[-1] = f"ranks {missing} did not finish {why}; they were killed"
                 break
             if ok:
-                outputs[rank] = value
+                outputs[rank] = pickle.loads(value)
             else:
                 failed[rank] = f"rank {rank} failed:\n{value}"
     finally:

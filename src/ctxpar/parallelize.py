@@ -1,0 +1,100 @@
+"""Applying context parallelism to a model from outside, and the loss that goes with it.
+
+    model = Transformer(cfg)                                   # single-device code
+    apply_context_parallel(model, layout=layout, group=cp_group)
+    batch = shard_batch(tokens, layout=layout, rank=cp_rank)   # labels shifted before sharding
+    logits = model(batch.tokens, batch.positions)              # RoPE from global positions
+    share, loss = cp_loss(logits, batch.labels, group=None)    # token-weighted over all ranks
+
+The sharp edges this handles: labels are shifted on the unsplit sequence (shifting a
+shard would pair its last token with the wrong label), RoPE gets global positions, and
+the loss divides the token-weighted sum by the *global* number of labelled tokens, so
+shards with different numbers of ignored labels weigh exactly as in the unsplit batch.
+"""
+
+from __future__ import annotations
+
+import functools
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+import torch.nn.functional as F
+
+from ctxpar.attention import attention
+from ctxpar.layout import Layout
+
+IGNORE_INDEX = -100
+
+
+def shift_labels(tokens: torch.Tensor, labels: torch.Tensor | None = None) -> torch.Tensor:
+    """Next-token targets (B, T): position t is scored on labels[t + 1] (default: tokens);
+    the last position has none (IGNORE_INDEX). Apply to the unsplit sequence."""
+    labels = tokens if labels is None else labels
+    return F.pad(labels[:, 1:], (0, 1), value=IGNORE_INDEX)
+
+
+@dataclass
+class CPBatch:
+    tokens: torch.Tensor  # (B, T/P) int64, this rank's tokens
+    positions: torch.Tensor  # (T/P,) their global positions, for RoPE
+    labels: torch.Tensor  # (B, T/P) next-token targets, IGNORE_INDEX where none
+
+
+def shard_batch(
+    tokens: torch.Tensor, *, layout: Layout, rank: int, labels: torch.Tensor | None = None
+) -> CPBatch:
+    """This rank's part of a (B, T) batch: tokens, global positions, shifted labels."""
+    targets = shift_labels(tokens, labels)
+    return CPBatch(
+        tokens=layout.shard(tokens, rank, dim=1),
+        positions=layout.positions(tokens.shape[1], rank, device=tokens.device),
+        labels=layout.shard(targets, rank, dim=1),
+    )
+
+
+def apply_context_parallel(
+    model: nn.Module, *, layout: Layout, group: dist.ProcessGroup | None = None, strategy: str = "ring", mesh=None
+) -> nn.Module:
+    """Route every attention module's ``attention_fn`` through ``ctxpar.attention``.
+
+    Works on any module tree whose attention modules expose ``attention_fn(q, k, v)``
+    (the reference ``ctxpar.models.Transformer``); for Hugging Face models see
+    ``ctxpar.integrations.transformers``. Returns the model, changed in place.
+    """
+    cp_attention = functools.partial(attention, layout=layout, group=group, strategy=strategy, mesh=mesh, causal=True)
+    swapped = 0
+    for module in model.modules():
+        if hasattr(module, "attention_fn"):
+            module.attention_fn = cp_attention
+            swapped += 1
+    if swapped == 0:
+        raise ValueError(f"{type(model).__name__} has no module with an attention_fn to replace")
+    return model
+
+
+def cp_loss(
+    logits: torch.Tensor, labels: torch.Tensor, *, group: dist.ProcessGroup | None = None
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Cross-entropy over tokens spread across the ranks of ``group``.
+
+    Args:
+        logits: (B, S, vocab) this rank's logits; labels: (B, S), IGNORE_INDEX = skip.
+        group: every rank holding part of the batch (CP, or DP x CP); None = WORLD.
+
+    Returns:
+        (share, loss): ``share`` = this rank's token-weighted loss sum / the global token
+        count, differentiable; the shares of all ranks add up to the mean loss over the
+        global batch, ``loss`` (detached, the same on every rank).
+    """
+    total = F.cross_entropy(logits.flatten(0, 1).float(), labels.flatten(), ignore_index=IGNORE_INDEX,
+                            reduction="sum")
+    count = (labels != IGNORE_INDEX).sum().to(total.dtype)
+    if dist.is_initialized():
+        dist.all_reduce(count, group=group)
+    share = total / count.clamp(min=1)
+    loss = share.detach().clone()
+    if dist.is_initialized():
+        dist.all_reduce(loss, group=group)
+    return share, loss

@@ -1,0 +1,262 @@
+"""``ctxpar train``: train the reference model with CP (and FSDP2 data parallelism).
+
+Ranks form a 2D mesh ("dp", "cp"): each data-parallel group of ``cp`` ranks splits its
+sequences with the layout; FSDP2 shards parameters, gradients and optimizer state over
+all dp x cp ranks. The loss is the token-weighted mean over the whole global batch, so
+the run computes what single-process training on that batch computes, which
+``--compare`` checks by training the same model that way with the same seed and data.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import sys
+import time
+from collections.abc import Callable
+from dataclasses import asdict, dataclass
+
+import torch
+import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict, set_state_dict
+
+import ctxpar
+from ctxpar.data import RecallTask
+from ctxpar.launch import init_from_env, launched_by_torchrun, run_local
+from ctxpar.models import Transformer, get_config
+from ctxpar.parallelize import apply_context_parallel, cp_loss, shard_batch, shift_labels
+
+TRAIN_STRATEGIES = ("ring", "allgather", "alltoall")
+
+
+@dataclass(frozen=True)
+class TrainConfig:
+    nproc: int = 4
+    dp: int = 1  # data-parallel degree; the CP degree is nproc / dp
+    seq: int = 2048
+    batch: int = 1  # sequences per data-parallel group per step
+    steps: int = 20
+    lr: float = 3e-3
+    model: str = "tiny"
+    strategy: str = "ring"
+    layout: str = "zigzag"
+    seed: int = 0
+    activation_checkpointing: bool = False
+    compare: bool = False
+    checkpoint_dir: str | None = None
+    save_every: int = 0  # steps between checkpoints (0: never)
+    resume: bool = False  # continue from the latest checkpoint in checkpoint_dir
+    progress: bool = True
+    return_parameters: bool = False  # include the final full parameters in the report (tests)
+
+    def cp(self, world: int) -> int:
+        return world // self.dp
+
+    def validate(self, world: int) -> None:
+        if self.dp < 1 or world % self.dp:
+            raise ValueError(f"--dp {self.dp} must divide the {world} ranks (CP degree = ranks / dp)")
+        if self.strategy not in TRAIN_STRATEGIES:
+            raise ValueError(f"--strategy {self.strategy!r} is not supported by train; use one of "
+                             f"{', '.join(TRAIN_STRATEGIES)}")
+        for flag in ("seq", "batch", "steps"):
+            if getattr(self, flag) < 1:
+                raise ValueError(f"--{flag} must be >= 1, got {getattr(self, flag)}")
+        cfg = get_config(self.model)
+        ctxpar.get_layout(self.layout, self.cp(world)).validate(self.seq)
+        if self.strategy == "alltoall" and cfg.heads % self.cp(world):
+            raise ValueError(f"--strategy alltoall splits the {cfg.heads} heads of {self.model!r} over "
+                             f"{self.cp(world)} CP ranks; they must divide")
+        if (self.save_every or self.resume) and not self.checkpoint_dir:
+            raise ValueError("--save-every and --resume need --checkpoint-dir")
+        self.task()
+
+    def task(self) -> RecallTask:
+        return RecallTask(vocab=get_config(self.model).vocab, seq_len=self.seq)
+
+
+def build_model(cfg: TrainConfig, device: torch.device) -> Transformer:
+    torch.manual_seed(cfg.seed)  # identical initial weights on every rank and in the reference
+    model = Transformer(get_config(cfg.model)).to(device)
+    model.activation_checkpointing = cfg.activation_checkpointing
+    return model
+
+
+def _optimizer(model: torch.nn.Module, cfg: TrainConfig) -> torch.optim.Optimizer:
+    return torch.optim.AdamW(model.parameters(), lr=cfg.lr, betas=(0.9, 0.95), weight_decay=0.0)
+
+
+def _run_steps(
+    model: torch.nn.Module, optimizer: torch.optim.Optimizer, cfg: TrainConfig, start: int,
+    inputs: Callable[[int], tuple], after_step: Callable[[int], None], show: bool, grad_scale: float = 1.0,
+) -> dict[str, list[float]]:
+    """The training loop shared by CP and the single-process reference.
+
+    ``inputs(step)`` gives (tokens, positions, labels, recall) for this rank. The loss
+    shares of all ranks sum to the global mean loss; FSDP averages gradients over its
+    ranks, so ``grad_scale`` (= their number) turns that average back into the sum.
+    """
+    history: dict[str, list[float]] = {"loss": [], "recall_accuracy": [], "tokens_per_second": []}
+    global_tokens = cfg.batch * cfg.dp * cfg.seq
+    bar = None
+    if show and cfg.progress and sys.stderr.isatty():
+        from tqdm import tqdm
+
+        bar = tqdm(total=cfg.steps, initial=start, desc="train", unit="step")
+    for step in range(start, cfg.steps):
+        begin = time.perf_counter()
+        tokens, positions, labels, recall = inputs(step)
+        logits = model(tokens, positions)  # (B, S, vocab)
+        share, loss = cp_loss(logits, labels)
+        (share * grad_scale).backward()
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+        hits = torch.stack([((logits.argmax(-1) == labels) & recall).sum(), recall.sum()]).float()
+        if dist.is_initialized():
+            dist.all_reduce(hits)
+        seconds = time.perf_counter() - begin
+        history["loss"].append(loss.item())
+        history["recall_accuracy"].append((hits[0] / hits[1].clamp(min=1)).item())
+        history["tokens_per_second"].append(global_tokens / seconds)
+        if bar is not None:
+            bar.set_postfix(loss=f"{loss.item():.4f}", recall=f"{history['recall_accuracy'][-1]:.2f}",
+                            tok_s=f"{global_tokens / seconds:,.0f}")
+            bar.update()
+        after_step(step + 1)
+    if bar is not None:
+        bar.close()
+    return history
+
+
+def _checkpoint_path(cfg: TrainConfig, step: int) -> str:
+    return os.path.join(cfg.checkpoint_dir, f"step-{step:06d}")
+
+
+def latest_checkpoint(directory: str) -> tuple[int, str] | None:
+    steps = sorted(int(n.split("-")[1]) for n in os.listdir(directory) if n.startswith("step-")) if os.path.isdir(
+        directory) else []
+    return (steps[-1], os.path.join(directory, f"step-{steps[-1]:06d}")) if steps else None
+
+
+def _save(model, optimizer, path: str) -> None:
+    model_state, optim_state = get_state_dict(model, optimizer)
+    dcp.save({"model": model_state, "optim": optim_state}, checkpoint_id=path)
+
+
+def _load(model, optimizer, path: str) -> None:
+    model_state, optim_state = get_state_dict(model, optimizer)
+    state = {"model": model_state, "optim": optim_state}
+    dcp.load(state, checkpoint_id=path)
+    set_state_dict(model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"])
+
+
+def train_rank(rank: int, world: int, cfg: TrainConfig, device: torch.device | None = None) -> dict | None:
+    """One rank of a CP (x DP) training run; returns the report on rank 0."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+
+    device = device or torch.device("cpu")
+    cfg.validate(world)
+    cp = cfg.cp(world)
+    mesh = init_device_mesh(device.type, (cfg.dp, cp), mesh_dim_names=("dp", "cp"))
+    dp_rank, cp_rank = mesh.get_local_rank("dp"), mesh.get_local_rank("cp")
+    layout = ctxpar.get_layout(cfg.layout, cp)
+    task = cfg.task()
+
+    model = build_model(cfg, device)
+    apply_context_parallel(model, layout=layout, group=mesh.get_group("cp"), strategy=cfg.strategy)
+    shard_mesh = mesh["dp", "cp"]._flatten()
+    for layer in model.layers:
+        fully_shard(layer, mesh=shard_mesh)
+    fully_shard(model, mesh=shard_mesh)
+    optimizer = _optimizer(model, cfg)
+
+    start = 0
+    if cfg.resume:
+        found = latest_checkpoint(cfg.checkpoint_dir)
+        if found is None:
+            raise ValueError(f"--resume: no checkpoint in {cfg.checkpoint_dir}")
+        start, path = found
+        _load(model, optimizer, path)
+
+    rows = slice(dp_rank * cfg.batch, (dp_rank + 1) * cfg.batch)
+
+    def inputs(step: int) -> tuple:
+        tokens, recall = task.batch(cfg.batch * cfg.dp, cfg.seed, step)
+        local = shard_batch(tokens[rows], layout=layout, rank=cp_rank)
+        recall = layout.shard(recall[rows], cp_rank, dim=1)
+        return local.tokens.to(device), local.positions.to(device), local.labels.to(device), recall.to(device)
+
+    def after_step(done: int) -> None:
+        if cfg.save_every and done % cfg.save_every == 0:
+            _save(model, optimizer, _checkpoint_path(cfg, done))
+
+    history = _run_steps(model, optimizer, cfg, start, inputs, after_step, show=rank == 0, grad_scale=world)
+    params = None
+    if cfg.return_parameters:
+        full = get_state_dict(model, optimizer, options=StateDictOptions(full_state_dict=True, cpu_offload=True))[0]
+        params = {name: t.clone() for name, t in full.items()} if rank == 0 else None
+    if rank != 0:
+        return None
+    return dict(config=dict(asdict(cfg), nproc=world, cp=cp), start_step=start, parameters=params, **history)
+
+
+def train_reference(cfg: TrainConfig) -> dict:
+    """The same training on unsplit sequences in this process (no process group)."""
+    if dist.is_initialized():
+        raise RuntimeError("the reference run must not share a process group")
+    model = build_model(cfg, torch.device("cpu"))
+    optimizer = _optimizer(model, cfg)
+    task = cfg.task()
+
+    def inputs(step: int) -> tuple:
+        tokens, recall = task.batch(cfg.batch * cfg.dp, cfg.seed, step)
+        return tokens, None, shift_labels(tokens), recall
+
+    history = _run_steps(model, optimizer, cfg, 0, inputs, lambda done: None, show=False)
+    params = {n: p.detach().clone() for n, p in model.state_dict().items()} if cfg.return_parameters else None
+    return dict(parameters=params, **history)
+
+
+def run_train(cfg: TrainConfig) -> dict | None:
+    """Train on local gloo ranks (or torchrun's), then the reference if ``cfg.compare``."""
+    if launched_by_torchrun():
+        device = init_from_env()
+        try:
+            report = train_rank(dist.get_rank(), dist.get_world_size(), cfg, device)
+        finally:
+            dist.destroy_process_group()
+    else:
+        cfg.validate(cfg.nproc)
+        report = run_local(train_rank, cfg.nproc, (cfg,))[0]
+    if report is not None and cfg.compare:
+        reference = train_reference(cfg)
+        report["reference_loss"] = reference["loss"]
+        report["reference_parameters"] = reference["parameters"]
+        report["max_abs_loss_diff"] = max(abs(a - b) for a, b in zip(report["loss"], reference["loss"][report[
+            "start_step"]:]))
+    return report
+
+
+def format_report(report: dict) -> str:
+    c = report["config"]
+    lines = [f"ctxpar train: {c['model']} model, T={c['seq']}, {c['nproc']} ranks = dp {c['dp']} x cp {c['cp']} "
+             f"({c['strategy']}, {c['layout']}), {len(report['loss'])} steps"]
+    ref = report.get("reference_loss")
+    header = f"{'step':>5} {'loss':>10} {'recall':>7}" + (f" {'reference':>10} {'|diff|':>9}" if ref else "")
+    lines.append(header)
+    for i, loss in enumerate(report["loss"]):
+        step = report["start_step"] + i + 1
+        row = f"{step:>5} {loss:>10.5f} {report['recall_accuracy'][i]:>7.2f}"
+        if ref:
+            r = ref[step - 1]
+            row += f" {r:>10.5f} {abs(loss - r):>9.2e}"
+        lines.append(row)
+    tps = report["tokens_per_second"]
+    lines.append(f"tokens/s (median over steps): {sorted(tps)[len(tps) // 2]:,.0f}")
+    if ref:
+        lines.append(f"max |loss - reference_loss| = {report['max_abs_loss_diff']:.2e}")
+    falls = report["loss"][-1] < report["loss"][0]
+    lines.append(f"loss {'fell' if falls else 'did not fall'}: {report['loss'][0]:.4f} -> {report['loss'][-1]:.4f}"
+                 f" (ln vocab = {math.log(get_config(c['model']).vocab):.4f})")
+    return "\n".join(lines)

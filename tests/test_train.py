@@ -1,0 +1,86 @@
+"""CP training end to end: the same losses and parameters as single-process training."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from ctxpar.data import RecallTask
+from ctxpar.models import Transformer, get_config
+from ctxpar.parallelize import IGNORE_INDEX, cp_loss, shard_batch, shift_labels
+from ctxpar.train import TrainConfig, run_train
+
+BASE = dict(nproc=4, seq=256, steps=10, model="tiny", compare=True, progress=False, return_parameters=True)
+
+
+def assert_matches_reference(report: dict, rtol: float = 1e-4) -> None:
+    loss, ref = torch.tensor(report["loss"]), torch.tensor(report["reference_loss"][report["start_step"]:])
+    torch.testing.assert_close(loss, ref, rtol=rtol, atol=0)
+    got, want = report["parameters"], report["reference_parameters"]
+    assert set(got) == set(want)
+    for name in want:
+        torch.testing.assert_close(got[name], want[name], rtol=rtol, atol=rtol * want[name].abs().max().item(),
+                                   msg=lambda m, n=name: f"{n}: {m}")
+
+
+@pytest.mark.parametrize("strategy", ["ring", "allgather"])
+def test_cp_training_matches_single_process(strategy: str) -> None:
+    report = run_train(TrainConfig(strategy=strategy, layout="zigzag", **BASE))
+    assert_matches_reference(report)
+    assert report["loss"][-1] < report["loss"][0]
+
+
+def test_dp2_x_cp2_with_fsdp_matches_single_process_on_the_global_batch() -> None:
+    report = run_train(TrainConfig(dp=2, batch=2, layout="striped", activation_checkpointing=True, **BASE))
+    assert report["config"]["cp"] == 2 and report["config"]["dp"] == 2
+    assert_matches_reference(report)
+
+
+def test_resumed_run_continues_with_the_uninterrupted_losses(tmp_path) -> None:
+    common = dict(nproc=2, seq=128, model="tiny", progress=False, checkpoint_dir=str(tmp_path))
+    full = run_train(TrainConfig(steps=6, **common))
+    run_train(TrainConfig(steps=3, save_every=3, **dict(common, checkpoint_dir=str(tmp_path / "ckpt"))))
+    resumed = run_train(TrainConfig(steps=6, resume=True, **dict(common, checkpoint_dir=str(tmp_path / "ckpt"))))
+    assert resumed["start_step"] == 3
+    assert resumed["loss"] == full["loss"][3:]  # bit-identical
+
+
+def test_labels_are_shifted_before_sharding_and_positions_are_global() -> None:
+    from ctxpar.layout import get_layout
+
+    tokens = torch.arange(16).view(1, 16)
+    layout = get_layout("zigzag", 2)
+    batch = shard_batch(tokens, layout=layout, rank=0)  # positions 0-3 and 12-15
+    assert batch.positions.tolist() == [0, 1, 2, 3, 12, 13, 14, 15]
+    assert batch.tokens.tolist() == [[0, 1, 2, 3, 12, 13, 14, 15]]
+    assert batch.labels.tolist() == [[1, 2, 3, 4, 13, 14, 15, IGNORE_INDEX]]  # 3 -> 4 lives on rank 1
+
+
+def test_loss_is_weighted_by_the_global_token_count() -> None:
+    logits = torch.randn(1, 8, 5)
+    labels = torch.tensor([[0, 1, IGNORE_INDEX, IGNORE_INDEX, IGNORE_INDEX, 2, 3, 4]])
+    share, loss = cp_loss(logits, labels)  # single process: the share is the whole loss
+    want = torch.nn.functional.cross_entropy(logits[0], labels[0], ignore_index=IGNORE_INDEX)
+    torch.testing.assert_close(share, want)
+    torch.testing.assert_close(loss, want)
+
+
+def test_model_with_explicit_positions_equals_default_positions() -> None:
+    model = Transformer(get_config("tiny"))
+    tokens = torch.randint(0, 256, (2, 12))
+    torch.testing.assert_close(model(tokens), model(tokens, torch.arange(12)))
+
+
+def test_recall_task_places_queries_after_the_filler() -> None:
+    task = RecallTask(vocab=256, seq_len=128)
+    tokens, recall = task.batch(2, seed=0, step=0)
+    again, _ = task.batch(2, seed=0, step=0)
+    assert torch.equal(tokens, again), "batches must be a pure function of (seed, step)"
+    assert recall.sum() == 2 * task.queries and recall[:, : 128 - 2 * task.queries].sum() == 0
+    labels = shift_labels(tokens)
+    keys_at_start = tokens[0, 1 : 1 + 2 * task.pairs : 2].tolist()
+    for pos in recall[0].nonzero().flatten().tolist():
+        key, value = tokens[0, pos].item(), labels[0, pos].item()
+        assert value == tokens[0, 2 + 2 * keys_at_start.index(key)], "a query's value is the pair's value"
+    with pytest.raises(ValueError, match="too short"):
+        RecallTask(vocab=256, seq_len=20)
