@@ -15,7 +15,6 @@ from __future__ import annotations
 import argparse
 import json
 import platform
-import resource
 import time
 
 import torch
@@ -26,10 +25,6 @@ from ctxpar.launch import run_local
 from ctxpar.strategies import traffic
 
 STRATEGIES = ("ring", "allgather", "alltoall", "hybrid")
-
-
-def _rss() -> int:
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
 
 
 def one_rank(rank: int, world: int, args: dict) -> dict:
@@ -55,7 +50,8 @@ def one_rank(rank: int, world: int, args: dict) -> dict:
     layout = ctxpar.get_layout(args["layout"], world)
     small = layout.multiple // world
     step((1, args["heads"], small, args["head_dim"]), (1, args["kv_heads"], small, args["head_dim"]))  # warm-up
-    before = _rss()
+    cpu = torch.device("cpu")
+    before = ctxpar.profile.current_memory(cpu)
     walls, rec = [], None
     for _ in range(args["repeat"]):
         dist.barrier()
@@ -63,7 +59,7 @@ def one_rank(rank: int, world: int, args: dict) -> dict:
         rec = step(shape_q, shape_kv)
         walls.append(time.perf_counter() - start)
     return dict(wall_seconds=min(walls), compute_cpu_seconds=rec.compute_cpu_seconds,
-                bytes_sent=rec.bytes_sent, bytes_received=rec.bytes_received, peak_growth_bytes=_rss() - before)
+                bytes_sent=rec.bytes_sent, bytes_received=rec.bytes_received, peak_growth_bytes=ctxpar.profile.peak_memory(cpu)[0] - before)
 
 
 def main() -> None:

@@ -9,7 +9,6 @@ float64 (inputs cast up).
 from __future__ import annotations
 
 import os
-import resource
 import time
 from dataclasses import asdict, dataclass
 
@@ -69,12 +68,6 @@ def _inputs(cfg: DemoConfig) -> tuple[torch.Tensor, ...]:
     return tuple(torch.randn(s, generator=gen).to(DTYPES[cfg.dtype]) for s in shapes)
 
 
-def _peak_memory(device: torch.device) -> tuple[int, str]:
-    if device.type == "cuda":
-        return torch.cuda.max_memory_allocated(device), "cuda_max_memory_allocated"
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024, "process_max_rss"
-
-
 def _work_pairs(cfg: DemoConfig, layout: ctxpar.Layout, rank: int) -> float:
     """(query, key) pairs this rank computes per head, averaged over the H heads.
 
@@ -123,7 +116,7 @@ def demo_rank(rank: int, world: int, cfg: DemoConfig, device: torch.device | Non
         if device.type == "cuda":
             torch.cuda.synchronize(device)
         wall = time.perf_counter() - start
-    peak, peak_source = _peak_memory(device)
+    peak, peak_source = ctxpar.profile.peak_memory(device)
     stats = dict(
         rank=rank,
         pairs=_work_pairs(cfg, layout, rank),

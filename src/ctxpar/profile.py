@@ -13,6 +13,8 @@ open one when measuring.
 from __future__ import annotations
 
 import contextlib
+import os
+import resource
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -71,3 +73,19 @@ def timed(counter: str, device: torch.device) -> Iterator[None]:
             setattr(rec, f"{counter}_seconds", getattr(rec, f"{counter}_seconds") + wall)
             if counter == "compute":
                 rec.compute_cpu_seconds += cpu
+
+
+def peak_memory(device: torch.device) -> tuple[int, str]:
+    """(bytes, what was measured): the CUDA allocator's peak on GPU, else the process's
+    resident-set peak (which includes the Python runtime and torch itself)."""
+    if device.type == "cuda":
+        return torch.cuda.max_memory_allocated(device), "cuda_max_memory_allocated"
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024, "process_max_rss"
+
+
+def current_memory(device: torch.device) -> int:
+    """Bytes in use now: allocated CUDA memory, or the process's resident set."""
+    if device.type == "cuda":
+        return torch.cuda.memory_allocated(device)
+    with open("/proc/self/statm") as f:
+        return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")

@@ -22,6 +22,7 @@ import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict, set_state_dict
 
 import ctxpar
+from ctxpar import profile
 from ctxpar.data import RecallTask
 from ctxpar.launch import init_from_env, launched_by_torchrun, run_local
 from ctxpar.models import Transformer, get_config
@@ -191,14 +192,20 @@ def train_rank(rank: int, world: int, cfg: TrainConfig, device: torch.device | N
         if cfg.save_every and done % cfg.save_every == 0:
             _save(model, optimizer, _checkpoint_path(cfg, done))
 
+    if device.type == "cuda":
+        torch.cuda.reset_peak_memory_stats(device)
+    before = profile.current_memory(device)
     history = _run_steps(model, optimizer, cfg, start, inputs, after_step, show=rank == 0, grad_scale=world)
+    growth = [None] * world
+    dist.all_gather_object(growth, profile.peak_memory(device)[0] - before)
     params = None
     if cfg.return_parameters:
         full = get_state_dict(model, optimizer, options=StateDictOptions(full_state_dict=True, cpu_offload=True))[0]
         params = {name: t.clone() for name, t in full.items()} if rank == 0 else None
     if rank != 0:
         return None
-    return dict(config=dict(asdict(cfg), nproc=world, cp=cp), start_step=start, parameters=params, **history)
+    return dict(config=dict(asdict(cfg), nproc=world, cp=cp), start_step=start, parameters=params,
+                rank_peak_growth_bytes=growth, peak_memory_source=profile.peak_memory(device)[1], **history)
 
 
 def train_reference(cfg: TrainConfig) -> dict:

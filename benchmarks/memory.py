@@ -1,0 +1,81 @@
+"""Peak memory per rank for one training step of the reference model, P = 1, 2, 4.
+
+    python benchmarks/memory.py                          # model "small", T = 16384
+    python benchmarks/memory.py --seq 8192 --budget-gib 2 --json memory.json
+
+Every (P, T) runs ``ctxpar train`` for one step in fresh processes (the resident-set
+peak is a process-lifetime high-water mark). A rank's peak growth over the step is its
+resident-set peak minus its resident set just before the step.
+
+Separating the sequence-dependent part: the step is run at the target T and at a short
+T0; growth(T) - growth(T0) removes everything that does not scale with the sequence
+(parameters, gradients, Adam state, fixed buffers), leaving activations, logits, K/V and
+the strategy's buffers for T - T0 tokens. The largest T within a budget is extrapolated
+from those two points (memory linear in T: attention is flash-style, O(T) per rank) and
+stated as such.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import platform
+
+import torch
+
+import ctxpar
+from ctxpar.train import TrainConfig, run_train
+
+
+def step_growth(nproc: int, seq: int, args: argparse.Namespace) -> int:
+    """Max over ranks of the peak growth during one training step, bytes."""
+    report = run_train(TrainConfig(nproc=nproc, seq=seq, steps=1, model=args.model, strategy=args.strategy,
+                                   layout=args.layout, progress=False,
+                                   activation_checkpointing=args.activation_checkpointing))
+    return max(report["rank_peak_growth_bytes"])
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--model", default="small")
+    p.add_argument("--seq", type=int, default=16384)
+    p.add_argument("--short-seq", type=int, default=1024, help="T0, the short run subtracted")
+    p.add_argument("--nprocs", default="1,2,4")
+    p.add_argument("--strategy", default="ring")
+    p.add_argument("--layout", default="zigzag")
+    p.add_argument("--activation-checkpointing", action="store_true")
+    p.add_argument("--budget-gib", type=float, default=4.0, help="per-rank memory budget for the largest-T estimate")
+    p.add_argument("--json", metavar="PATH")
+    args = p.parse_args()
+
+    rows = []
+    for nproc in (int(n) for n in args.nprocs.split(",")):
+        short, full = step_growth(nproc, args.short_seq, args), step_growth(nproc, args.seq, args)
+        per_token = (full - short) / (args.seq - args.short_seq)
+        multiple = ctxpar.get_layout(args.layout, nproc).multiple
+        budget = args.budget_gib * 2**30
+        largest = int((budget - short) / per_token + args.short_seq) // multiple * multiple if per_token > 0 else None
+        rows.append(dict(nproc=nproc, growth_short=short, growth_full=full, sequence_part=full - short,
+                         bytes_per_token=per_token, largest_seq_in_budget=largest))
+    base = rows[0]["sequence_part"]
+    for row in rows:
+        row["sequence_part_vs_p1"] = row["sequence_part"] / base
+
+    mib = 2**20
+    print(f"model {args.model}, one training step, {args.strategy} {args.layout}, T={args.seq} (T0={args.short_seq}),"
+          f" activation checkpointing {'on' if args.activation_checkpointing else 'off'}; resident-set peak growth,"
+          f" max over ranks")
+    print(f"{'P':>2} {'step T0 MiB':>12} {'step T MiB':>11} {'seq part MiB':>13} {'vs P=1':>7} "
+          f"{'MiB/1K tok':>11} {f'largest T in {args.budget_gib:g} GiB (est.)':>30}")
+    for r in rows:
+        print(f"{r['nproc']:>2} {r['growth_short'] / mib:>12.1f} {r['growth_full'] / mib:>11.1f} "
+              f"{r['sequence_part'] / mib:>13.1f} {r['sequence_part_vs_p1']:>7.3f} "
+              f"{r['bytes_per_token'] * 1024 / mib:>11.2f} {r['largest_seq_in_budget'] or '-':>30}")
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(dict(config=vars(args), machine=platform.processor() or platform.machine(),
+                           torch=torch.__version__, rows=rows), f, indent=2)
+
+
+if __name__ == "__main__":
+    main()
