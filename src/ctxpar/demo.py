@@ -17,7 +17,8 @@ import torch.distributed as dist
 
 import ctxpar
 from ctxpar.blocks import rank_pairs
-from ctxpar.launch import init_from_env, launched_by_torchrun, run_local
+from ctxpar import launch
+from ctxpar.launch import launched_by_torchrun
 from ctxpar.layout import GroupedLayout
 from ctxpar.verify import TENSORS, max_abs_errors, tolerances, torch_sdpa, unsplit_attention
 
@@ -184,15 +185,9 @@ def run_demo(cfg: DemoConfig) -> dict | None:
 
     Returns the report on the process that holds it (rank 0, or the local parent).
     """
-    if launched_by_torchrun():
-        device = init_from_env()
-        try:
-            report = demo_rank(dist.get_rank(), dist.get_world_size(), cfg, device)
-        finally:
-            dist.destroy_process_group()
-        return report
-    cfg.validate(cfg.nproc)
-    return run_local(demo_rank, cfg.nproc, (cfg,))[0]
+    if not launched_by_torchrun():
+        cfg.validate(cfg.nproc)  # before spawning anything
+    return launch.run(demo_rank, cfg.nproc, (cfg,))
 
 
 def format_report(report: dict) -> str:

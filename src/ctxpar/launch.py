@@ -117,3 +117,19 @@ def run_local(
     if failed:
         raise RuntimeError("\n".join(failed[r] for r in sorted(failed)))
     return [outputs[r] for r in range(nproc)]
+
+
+def run(fn: Callable[..., Any], nproc: int, args: tuple = (), *, timeout_s: float = 600) -> Any:
+    """Run ``fn(rank, world_size, *args, device)`` on every rank.
+
+    Under torchrun this process is one of the launched ranks (NCCL on its GPU when
+    there is one) and gets its own rank's result; otherwise ``nproc`` local gloo ranks
+    are spawned and this process gets rank 0's result.
+    """
+    if launched_by_torchrun():
+        device = init_from_env()
+        try:
+            return fn(dist.get_rank(), dist.get_world_size(), *args, device)
+        finally:
+            dist.destroy_process_group()
+    return run_local(fn, nproc, (*args, torch.device("cpu")), timeout_s=timeout_s)[0]

@@ -24,7 +24,8 @@ from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_
 import ctxpar
 from ctxpar import profile
 from ctxpar.data import RecallTask
-from ctxpar.launch import init_from_env, launched_by_torchrun, run_local
+from ctxpar import launch
+from ctxpar.launch import launched_by_torchrun
 from ctxpar.models import Transformer, get_config
 from ctxpar.parallelize import apply_context_parallel, cp_loss, shard_batch, shift_labels
 
@@ -227,15 +228,9 @@ def train_reference(cfg: TrainConfig) -> dict:
 
 def run_train(cfg: TrainConfig) -> dict | None:
     """Train on local gloo ranks (or torchrun's), then the reference if ``cfg.compare``."""
-    if launched_by_torchrun():
-        device = init_from_env()
-        try:
-            report = train_rank(dist.get_rank(), dist.get_world_size(), cfg, device)
-        finally:
-            dist.destroy_process_group()
-    else:
-        cfg.validate(cfg.nproc)
-        report = run_local(train_rank, cfg.nproc, (cfg,))[0]
+    if not launched_by_torchrun():
+        cfg.validate(cfg.nproc)  # before spawning anything
+    report = launch.run(train_rank, cfg.nproc, (cfg,))
     if report is not None and cfg.compare:
         reference = train_reference(cfg)
         report["reference_loss"] = reference["loss"]
