@@ -168,7 +168,9 @@ def _check_bad_inputs(rank: int, world: int, mesh) -> dict[str, str]:
             except ValueError as e:
                 messages["non_member"] = str(e)
     # no rank was left inside a collective: a full attention call still works afterwards
-    messages["after"] = "ok" if _check_case(Case("ring", "zigzag", True, "gqa", "float32"), rank, world)["finite"] else "bad"
+    after = _check_case(Case("ring", "zigzag", True, "gqa", "float32"), rank, world)
+    exact = all(after["errors"][n] <= after["tolerances"][n] for n in TENSORS)
+    messages["after"] = "ok" if exact else f"wrong result after the rejected calls: {after['errors']}"
     return messages
 
 
@@ -205,6 +207,39 @@ def _check_subgroups(rank: int, world: int) -> dict:
             for strategy in ("ring", "allgather", "alltoall")}
 
 
+def _check_hybrid_meshes(rank: int, world: int) -> dict:
+    """Hybrid on meshes other than the square one: all-to-all only, ring only, and the
+    dims named in the other order (so the CP rank is not the global rank)."""
+    from torch.distributed.device_mesh import init_device_mesh
+
+    meshes = {"ring1xulysses4": ((1, 4), ("ring", "ulysses")), "ring4xulysses1": ((4, 1), ("ring", "ulysses")),
+              "ulysses2xring2": ((2, 2), ("ulysses", "ring"))}
+    out = {}
+    for name, (shape, names) in meshes.items():
+        mesh = init_device_mesh("cpu", shape, mesh_dim_names=names)
+        out[name] = _check_case(Case("hybrid", "zigzag", True, "gqa", "float32"), rank, world, mesh=mesh)
+        out[name]["cp_rank"] = ctxpar.hybrid_rank(mesh)
+    return out
+
+
+def _check_loss_weighting(rank: int, world: int) -> dict:
+    """cp_loss when ranks hold different numbers of labelled tokens (rank 0: none)."""
+    from ctxpar.parallelize import IGNORE_INDEX, cp_loss
+
+    gen = torch.Generator().manual_seed(7)
+    logits = torch.randn(1, 4 * world, 5, generator=gen, dtype=torch.float64)
+    labels = torch.randint(0, 5, (1, 4 * world), generator=gen)
+    if world > 1:
+        labels[0, :4] = IGNORE_INDEX  # every label of rank 0's contiguous shard
+    labels[0, -1] = IGNORE_INDEX
+    want = torch.nn.functional.cross_entropy(logits[0], labels[0], ignore_index=IGNORE_INDEX).item()
+    local = slice(4 * rank, 4 * rank + 4)
+    share, loss = cp_loss(logits[:, local], labels[:, local])
+    shares = torch.tensor([share.item()], dtype=torch.float64)
+    dist.all_reduce(shares)
+    return dict(want=want, loss=loss.item(), sum_of_shares=shares.item())
+
+
 def run_all(rank: int, world: int) -> dict:
     """Every distributed check for one world size; failures are reported, not raised."""
     mesh = None
@@ -223,6 +258,9 @@ def run_all(rank: int, world: int) -> dict:
             results["exactness"][case.id] = dict(exception=traceback.format_exc())
     results["bad_inputs"] = _check_bad_inputs(rank, world, mesh)
     results["traffic"] = _check_traffic(rank, world, mesh)
+    results["loss_weighting"] = _check_loss_weighting(rank, world)
     if world >= 4 and world % 2 == 0:
         results["subgroups"] = _check_subgroups(rank, world)
+    if world == 4:
+        results["hybrid_meshes"] = _check_hybrid_meshes(rank, world)
     return results

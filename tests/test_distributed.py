@@ -110,6 +110,26 @@ def test_ring_volume_by_hand() -> None:
     assert (t.forward, t.backward) == (3 * kv * 2, 3 * kv * (2 + 4))
 
 
+def test_hybrid_on_every_mesh_shape_and_dim_order() -> None:
+    seen_ranks = {}
+    for rank, res in enumerate(results(4)):
+        for mesh, r in res["hybrid_meshes"].items():
+            assert "exception" not in r, r.get("exception")
+            for name in TENSORS:
+                assert r["errors"][name] <= r["tolerances"][name], f"rank {rank} {mesh} {name}"
+            seen_ranks.setdefault(mesh, []).append(r["cp_rank"])
+    assert sorted(seen_ranks["ulysses2xring2"]) == [0, 1, 2, 3]
+    assert seen_ranks["ulysses2xring2"] != [0, 1, 2, 3], "with the dims swapped the CP rank is not the global rank"
+
+
+@pytest.mark.parametrize("world", WORLD_SIZES, ids=lambda w: f"P{w}")
+def test_loss_divides_by_the_global_token_count(world: int) -> None:
+    for res in results(world):
+        r = res["loss_weighting"]
+        assert r["loss"] == pytest.approx(r["want"], rel=1e-6)  # cp_loss works in float32
+        assert r["sum_of_shares"] == pytest.approx(r["want"], rel=1e-6)
+
+
 def test_any_process_group_not_only_world() -> None:
     for rank, res in enumerate(results(4)):
         for strategy, r in res["subgroups"].items():

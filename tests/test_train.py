@@ -23,7 +23,7 @@ def assert_matches_reference(report: dict, rtol: float = 1e-4) -> None:
                                    msg=lambda m, n=name: f"{n}: {m}")
 
 
-@pytest.mark.parametrize("strategy", ["ring", "allgather"])
+@pytest.mark.parametrize("strategy", ["ring", "allgather", "alltoall"])
 def test_cp_training_matches_single_process(strategy: str) -> None:
     report = run_train(TrainConfig(strategy=strategy, layout="zigzag", **BASE))
     assert_matches_reference(report)

@@ -40,6 +40,10 @@ def test_padding_masks_and_sliding_windows_are_refused() -> None:
         model(**inputs, attention_mask=padding)
     model(**inputs, attention_mask=torch.ones(1, 8, dtype=torch.long))  # all-ones is fine
 
+    shifted = dict(inputs, position_ids=inputs["position_ids"] + 3)  # not this rank's global positions
+    with pytest.raises(ValueError, match="global layout positions"):
+        model(**shifted)
+
     from transformers import MistralConfig, MistralForCausalLM
 
     mistral = MistralForCausalLM(MistralConfig(vocab_size=64, hidden_size=32, intermediate_size=64,

@@ -107,7 +107,7 @@ class PendingAllGather:
 
     def __init__(self, shard: torch.Tensor, group: dist.ProcessGroup | None) -> None:
         world = _world_size(group)
-        shard = shard.contiguous()
+        self._shard = shard = shard.contiguous()  # kept alive until the gather has read it
         self._out, self._work = shard.unsqueeze(0), None
         if world > 1:
             self._out = shard.new_empty((world, *shard.shape))
@@ -132,8 +132,8 @@ class PendingReduceScatter:
         self._out, self._work = chunks[0], None
         if world > 1:
             self._out = chunks.new_empty(chunks.shape[1:])
-            flat = chunks.contiguous().view(world * chunks.shape[1], *chunks.shape[2:])
-            self._work = _reduce_scatter(self._out, flat, group=group, async_op=True)
+            self._input = chunks.contiguous().view(world * chunks.shape[1], *chunks.shape[2:])  # kept alive
+            self._work = _reduce_scatter(self._out, self._input, group=group, async_op=True)
             moved = _nbytes(self._out) * (world - 1)
             profile.add_traffic(moved, moved)
 

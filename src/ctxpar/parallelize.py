@@ -90,10 +90,10 @@ def cp_loss(
     """
     total = F.cross_entropy(logits.flatten(0, 1).float(), labels.flatten(), ignore_index=IGNORE_INDEX,
                             reduction="sum")
-    count = (labels != IGNORE_INDEX).sum().to(total.dtype)
+    count = (labels != IGNORE_INDEX).sum()  # int64: exact whatever the token count
     if dist.is_initialized():
         dist.all_reduce(count, group=group)
-    share = total / count.clamp(min=1)
+    share = total / count.clamp(min=1).to(total.dtype)
     loss = share.detach().clone()
     if dist.is_initialized():
         dist.all_reduce(loss, group=group)

@@ -179,6 +179,9 @@ def train_rank(rank: int, world: int, cfg: TrainConfig, device: torch.device | N
         if found is None:
             raise ValueError(f"--resume: no checkpoint in {cfg.checkpoint_dir}")
         start, path = found
+        if start >= cfg.steps:
+            raise ValueError(f"--resume: the latest checkpoint is at step {start}, nothing left of --steps "
+                             f"{cfg.steps}; ask for more steps")
         _load(model, optimizer, path)
 
     rows = slice(dp_rank * cfg.batch, (dp_rank + 1) * cfg.batch)

@@ -12,9 +12,11 @@
 transformers' ``AttentionInterface`` and a mask function of the same name with its
 ``AttentionMaskInterface``. The causal mask is ctxpar's, from the layout's global
 positions; anything else a mask could carry is refused rather than dropped: a padding
-mask with padded tokens, sliding-window layers, dropout. ``shard_inputs`` passes global
-``position_ids`` (RoPE) and shifts labels before sharding; compute the loss with
-``cp_loss`` rather than the model's own (which would shift the shard again).
+mask with padded tokens, custom mask overlays, packed sequences, sliding-window
+layers, dropout. ``shard_inputs`` passes global ``position_ids`` (RoPE) and shifts
+labels before sharding; compute the loss with ``cp_loss`` rather than the model's own
+(which would shift the shard again). Pass the same kind of inputs on every rank: a
+padding mask refused on one rank only would leave the others waiting in attention.
 """
 
 from __future__ import annotations
@@ -27,6 +29,7 @@ import torch.distributed as dist
 from ctxpar.attention import attention
 from ctxpar.layout import Layout
 from ctxpar.parallelize import shard_batch
+from ctxpar.topology import hybrid_rank
 
 NAME = "ctxpar"
 
@@ -37,6 +40,14 @@ class _Settings:
     group: dist.ProcessGroup | None
     strategy: str
     mesh: object
+
+    def positions(self, local_len: int) -> torch.Tensor:
+        """The global positions this rank must be attending for."""
+        if self.mesh is not None:
+            rank = hybrid_rank(self.mesh)
+        else:
+            rank = dist.get_rank(self.group) if dist.is_initialized() else 0
+        return self.layout.positions(local_len * self.layout.world_size, rank)
 
 
 def _attention(module, query, key, value, attention_mask, dropout: float = 0.0, scaling=None, is_causal=None,
@@ -52,20 +63,28 @@ def _attention(module, query, key, value, attention_mask, dropout: float = 0.0, 
         raise ValueError("sliding-window attention layers are not supported by ctxpar yet")
     if attention_mask is not None:
         raise ValueError("ctxpar attention takes no explicit attention mask: its causal mask follows the layout")
+    positions = kwargs.get("position_ids")
+    if positions is not None and not bool((positions.cpu() == settings.positions(query.shape[2])).all()):
+        raise ValueError("position_ids must be this rank's global layout positions (use shard_inputs); packed "
+                         "sequences with restarting positions are not supported under context parallelism")
     causal = is_causal if is_causal is not None else getattr(module, "is_causal", True)
     out = attention(query, key, value, layout=settings.layout, group=settings.group, strategy=settings.strategy,
                     mesh=settings.mesh, causal=bool(causal), scale=scaling)
     return out.transpose(1, 2).contiguous(), None
 
 
-def _mask(*args, attention_mask: torch.Tensor | None = None, **kwargs):
+def _mask(*args, attention_mask: torch.Tensor | None = None, use_vmap: bool = False, **kwargs):
     """AttentionMaskInterface function: ctxpar builds the causal mask itself, so return
-    None, after refusing a padding mask that actually pads (it would be silently lost)."""
-    if attention_mask is not None and attention_mask.dim() == 2 and not bool(attention_mask.all()):
+    None, after refusing what that would silently lose: a padding mask that pads, or
+    mask overlays a model adds to the causal mask (transformers flags those with
+    use_vmap). Packed-sequence boundaries are caught in ``_attention`` from position_ids;
+    4-D masks never get here (transformers passes them straight to attention, which
+    refuses them)."""
+    if attention_mask is not None and not bool(attention_mask.all()):
         raise ValueError("padding masks are not supported under context parallelism: pack or crop the batch so "
                          "every token is real (attention_mask all ones), or leave attention_mask out")
-    if attention_mask is not None and attention_mask.dim() != 2:
-        raise ValueError("custom 4-D attention masks are not supported under context parallelism")
+    if use_vmap:
+        raise ValueError("this model adds custom mask overlays to the causal mask, which ctxpar does not support")
     return None
 
 

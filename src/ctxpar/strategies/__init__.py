@@ -37,7 +37,7 @@ def _heads_split_over_ulysses(q: torch.Tensor, k: torch.Tensor, topo: Topology) 
 class Strategy:
     run: Callable
     check: Callable[[torch.Tensor, torch.Tensor, Topology], None]
-    axis: str  # how a plain process group is used: "ring" or "ulysses"
+    axis: str  # "ring" or "ulysses": how it uses a plain process group; "mesh": needs a 2D DeviceMesh
 
 
 STRATEGIES = {

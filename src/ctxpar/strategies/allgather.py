@@ -1,11 +1,12 @@
 """All-gather attention (Llama 3 style): every rank gathers all K/V, keeps its queries.
 
-K/V are gathered one group of KV heads at a time, the next group's gather posted before
-the current group is computed, so at most two gathered groups are alive::
+K/V are gathered one KV head at a time (with the query heads that use it), the next
+head's gather posted before the current head is computed, so at most two gathered heads
+are alive: the gathered buffer is bounded by 2 * P * 2*B*S*D elements whatever H_kv::
 
-    heads 0..c-1:  gather ──wait──▶ compute (local q x every rank's K/V, block plan)
-    heads c..2c-1:        gather ─────────────wait──▶ compute
-                                                   ...
+    KV head 0:  gather ──wait──▶ compute (its query heads x every rank's K/V, block plan)
+    KV head 1:         gather ─────────────wait──▶ compute
+                                                  ...
 
 Queries see only the key blocks the plan lists: for causal layouts, invisible shards
 are never computed. Backward gathers K/V again, computes dQ locally and every shard's
@@ -31,23 +32,23 @@ from ctxpar.strategies.blockwise import backward_blocks, forward_blocks
 from ctxpar.topology import Topology
 
 
-def _head_groups(kv_heads: int, per_group: int) -> list[slice]:
-    return [slice(h, min(h + per_group, kv_heads)) for h in range(0, kv_heads, per_group)]
+def _head_groups(kv_heads: int) -> list[slice]:
+    return [slice(h, h + 1) for h in range(kv_heads)]
 
 
 class AllGatherAttention(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, q, k, v, layout: Layout, group, rank: int, causal: bool, scale: float, kv_heads_per_step: int):
+    def forward(ctx, q, k, v, layout: Layout, group, rank: int, causal: bool, scale: float):
         world, seq_len = layout.world_size, q.shape[2] * layout.world_size
         g = q.shape[1] // k.shape[1]  # query heads per KV head
         acc = accumulation_dtype(q.dtype)
         acc_out = torch.zeros(q.shape, dtype=acc, device=q.device)  # (B, H, S, D)
         acc_lse = torch.full(q.shape[:3], float("-inf"), dtype=acc, device=q.device)
         kv = torch.stack([k, v])  # (2, B, H_kv, S, D)
-        heads = _head_groups(k.shape[1], kv_heads_per_step)
+        heads = _head_groups(k.shape[1])
         pending = PendingAllGather(kv[:, :, heads[0]], group)
         for i, kvh in enumerate(heads):
-            gathered = pending.wait()  # (P, 2, B, c, S, D)
+            gathered = pending.wait()  # (P, 2, B, 1, S, D)
             if i + 1 < len(heads):
                 pending = PendingAllGather(kv[:, :, heads[i + 1]], group)
             qh = slice(kvh.start * g, kvh.stop * g)
@@ -58,7 +59,7 @@ class AllGatherAttention(torch.autograd.Function):
                                    acc_out[:, qh], acc_lse[:, qh], scale)
         out = acc_out.to(q.dtype)
         ctx.save_for_backward(q, k, v, out, acc_lse)
-        ctx.args = (layout, group, rank, causal, scale, kv_heads_per_step)
+        ctx.args = (layout, group, rank, causal, scale)
         ctx.mark_non_differentiable(acc_lse)
         return out, acc_lse
 
@@ -66,7 +67,7 @@ class AllGatherAttention(torch.autograd.Function):
     @once_differentiable
     def backward(ctx, dout, _dlse):
         q, k, v, out, lse = ctx.saved_tensors
-        layout, group, rank, causal, scale, kv_heads_per_step = ctx.args
+        layout, group, rank, causal, scale = ctx.args
         world, seq_len = layout.world_size, q.shape[2] * layout.world_size
         g = q.shape[1] // k.shape[1]
         dout = dout.contiguous()
@@ -74,7 +75,7 @@ class AllGatherAttention(torch.autograd.Function):
         dq = torch.zeros(q.shape, dtype=acc, device=q.device)
         dkv = torch.empty((2, *k.shape), dtype=acc, device=k.device)  # our shard's dK, dV
         kv = torch.stack([k, v])
-        heads = _head_groups(k.shape[1], kv_heads_per_step)
+        heads = _head_groups(k.shape[1])
         pending = PendingAllGather(kv[:, :, heads[0]], group)
         reducing = None  # (heads, PendingReduceScatter) of the previous group, still in flight
         for i, kvh in enumerate(heads):
@@ -82,7 +83,7 @@ class AllGatherAttention(torch.autograd.Function):
             if i + 1 < len(heads):
                 pending = PendingAllGather(kv[:, :, heads[i + 1]], group)
             qh = slice(kvh.start * g, kvh.stop * g)
-            shares = torch.zeros(gathered.shape, dtype=acc, device=q.device)  # (P, 2, B, c, S, D)
+            shares = torch.zeros(gathered.shape, dtype=acc, device=q.device)  # (P, 2, B, 1, S, D)
             with profile.timed("compute", q.device):
                 for src in range(world):
                     plan = layout_plan(layout, seq_len, rank, src, causal)
@@ -92,7 +93,7 @@ class AllGatherAttention(torch.autograd.Function):
                 dkv[:, :, reducing[0]] = reducing[1].wait()
             reducing = (kvh, PendingReduceScatter(shares, group))
         dkv[:, :, reducing[0]] = reducing[1].wait()
-        return dq.to(q.dtype), dkv[0].to(k.dtype), dkv[1].to(v.dtype), None, None, None, None, None, None
+        return dq.to(q.dtype), dkv[0].to(k.dtype), dkv[1].to(v.dtype), None, None, None, None, None
 
 
 def allgather_attention(
@@ -104,8 +105,5 @@ def allgather_attention(
     topo: Topology,
     causal: bool,
     scale: float,
-    kv_heads_per_step: int = 1,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """``kv_heads_per_step`` KV heads are gathered at a time (bounds the gathered buffer
-    to 2 * P * B * kv_heads_per_step * S * D elements, double-buffered)."""
-    return AllGatherAttention.apply(q, k, v, layout, topo.group, topo.rank, causal, scale, kv_heads_per_step)
+    return AllGatherAttention.apply(q, k, v, layout, topo.group, topo.rank, causal, scale)

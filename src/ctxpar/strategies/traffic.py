@@ -37,10 +37,9 @@ def ring(*, batch: int, local_len: int, kv_heads: int, head_dim: int, world: int
     return Traffic(forward=(world - 1) * kv * elem, backward=(world - 1) * kv * (elem + acc))
 
 
-def allgather(*, batch: int, local_len: int, kv_heads: int, head_dim: int, world: int, elem: int, acc: int) -> Traffic:
-    """All-gather of K/V forward; again backward, plus the reduce-scatter of dK/dV."""
-    kv = 2 * batch * kv_heads * local_len * head_dim
-    return Traffic(forward=(world - 1) * kv * elem, backward=(world - 1) * kv * (elem + acc))
+# All-gather of K/V forward; again backward, plus the reduce-scatter of dK/dV: counted
+# per rank (its shard to P-1 ranks, P-1 chunks out), exactly the ring's volume.
+allgather = ring
 
 
 def alltoall(

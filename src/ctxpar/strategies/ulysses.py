@@ -20,7 +20,8 @@ real traffic and are counted.
 
 Traffic per rank, all-to-all only (S = T/P, e element size, H_kv' = H_kv*f; each
 all-to-all moves (U-1)/U of its tensor): forward q, k, v in and out back,
-(U-1)/U * B*S*D*e*(2H + 2H_kv') plus the lse back, (U-1)/U * B*S*H*4; backward dout in,
+(U-1)/U * B*S*D*e*(2H + 2H_kv') plus the lse back, (U-1)/U * B*S*H*a (a = 4, 8 for float64);
+backward dout in,
 dq, dk, dv back, (U-1)/U * B*S*D*e*(2H + 2H_kv').
 """
 
@@ -57,14 +58,15 @@ def ulysses_attention(
     if copies > 1:
         k, v = k.repeat_interleave(copies, dim=1), v.repeat_interleave(copies, dim=1)
 
-    def seq_to_heads(x: torch.Tensor) -> torch.Tensor:  # (B, H, S, D) -> (B, H/U, U*S, D), ascending
-        return _AllToAll.apply(x, 1, 2, group).index_select(2, order)
-
     # the gathered tokens arrive member by member; sort them into global position order
     seq_len = q.shape[2] * layout.world_size
     members = range(topo.ring_rank * u, (topo.ring_rank + 1) * u)
     arrived = torch.cat([layout.positions(seq_len, m) for m in members])
     order = torch.argsort(arrived).to(q.device)
+
+    def seq_to_heads(x: torch.Tensor) -> torch.Tensor:  # (B, H, S, D) -> (B, H/U, U*S, D), ascending
+        return _AllToAll.apply(x, 1, 2, group).index_select(2, order)
+
     inner = GroupedLayout(topo.ring_degree, layout, u)
     out, lse = RingAttention.apply(
         seq_to_heads(q), seq_to_heads(k), seq_to_heads(v), inner, topo.ring_group, topo.ring_rank, causal, scale
