@@ -101,3 +101,14 @@ def test_malformed_blocks_are_rejected() -> None:
         Block(0, 4, 0, 3, MaskKind.CAUSAL)
     with pytest.raises(ValueError, match="ascending"):
         plan_blocks(torch.tensor([3, 1]), torch.tensor([0, 1]), causal=True)
+
+
+def test_group_pairs_are_the_pairs_of_the_grouped_layout() -> None:
+    from ctxpar.blocks import group_pairs
+    from ctxpar.layout import GroupedLayout
+
+    layout, seq_len = get_layout("zigzag", 4), 64
+    grouped = GroupedLayout(2, layout, 2)
+    for rank in range(4):
+        assert group_pairs(layout, seq_len, rank, True, 1) == rank_pairs(layout, seq_len, rank, True)
+        assert group_pairs(layout, seq_len, rank, True, 2) == rank_pairs(grouped, seq_len, rank // 2, True)

@@ -46,7 +46,11 @@ def test_merging_parts_equals_softmax_over_all_keys(rows, split, magnitude, seed
         start += width
     assert torch.isfinite(out).all(), "no NaN/inf, even for rows that saw nothing"
     assert torch.equal(torch.isneginf(lse), torch.isneginf(want_lse))
-    assert torch.allclose(out.double(), want_out, atol=1e-5 * max(1.0, want_out.abs().max().item()))
+    # float32 holds an lse of magnitude L to about L * 2^-24; a weight exp(lse_b - lse)
+    # inherits that as a relative error, hence the L-dependent part of the tolerance
+    lse_scale = want_lse[~torch.isneginf(want_lse)].abs().max().item() if (~torch.isneginf(want_lse)).any() else 0
+    rel = 1e-5 + 8 * torch.finfo(torch.float32).eps * lse_scale
+    assert torch.allclose(out.double(), want_out, atol=rel * max(1.0, want_out.abs().max().item()))
     seen = ~torch.isneginf(want_lse)
     assert torch.allclose(lse.double()[seen], want_lse[seen], rtol=1e-6, atol=1e-5)
     assert (out[0] == 0).all() and lse[0] == -math.inf

@@ -151,3 +151,13 @@ def rank_pairs(layout: Layout, seq_len: int, rank: int, causal: bool) -> int:
     """
     positions = layout.positions(seq_len, rank)
     return int((positions + 1).sum()) if causal else positions.numel() * seq_len
+
+
+def group_pairs(layout: Layout, seq_len: int, rank: int, causal: bool, group_size: int) -> int:
+    """Pairs of every query held by ``rank``'s group of ``group_size`` consecutive ranks.
+
+    An all-to-all over such a group computes exactly these, for H / group_size heads on
+    each member; with group_size 1 this is ``rank_pairs``.
+    """
+    first = rank - rank % group_size
+    return sum(rank_pairs(layout, seq_len, m, causal) for m in range(first, first + group_size))

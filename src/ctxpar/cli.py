@@ -7,8 +7,10 @@ import json
 import os
 import sys
 
+from ctxpar import plan as planning
 from ctxpar.demo import DTYPES, DemoConfig, format_report, run_demo
 from ctxpar.layout import LAYOUT_NAMES
+from ctxpar.models.config import PRESETS as MODEL_PRESETS
 from ctxpar.strategies import STRATEGIES
 from ctxpar.train import TRAIN_STRATEGIES, TrainConfig, run_train
 from ctxpar.train import format_report as format_train_report
@@ -102,7 +104,72 @@ def _run_train(args: argparse.Namespace) -> int:
     return 0
 
 
-COMMANDS = {"demo": (_demo_parser, _run_demo), "train": (_train_parser, _run_train)}
+def _plan_parser(sub) -> None:
+    p = sub.add_parser(
+        "plan",
+        help="memory, traffic and time per GPU for a model and sequence; when CP pays off, and which CP to use",
+        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+    )
+    shape = p.add_argument_group("model shape (fields not given come from --model)")
+    shape.add_argument("--model", choices=sorted(MODEL_PRESETS), help=f"preset (default {planning.DEFAULT_MODEL})")
+    for flag, what in (("layers", "decoder layers L"), ("hidden", "model width d"),
+                       ("heads", "query heads H (default hidden / head-dim when those are given)"),
+                       ("kv-heads", "key/value heads H_kv"), ("head-dim", "head dim D"), ("ffn", "SwiGLU width"),
+                       ("vocab", "vocabulary size V")):
+        shape.add_argument(f"--{flag}", type=int, help=what)
+    p.add_argument("--batch", type=int, default=1, help="sequences per step B")
+    p.add_argument("--seq", type=int, default=32768, help="sequence length T")
+    p.add_argument("--dtype", choices=sorted(planning.ELEMENT_BYTES), default="bfloat16")
+    p.add_argument("--cp", type=int, default=8, help="CP degree P")
+    p.add_argument("--strategy", choices=planning.STRATEGY_NAMES, default="ring")
+    p.add_argument("--layout", choices=LAYOUT_NAMES, default="zigzag")
+    p.add_argument("--ulysses-degree", type=int, help="hybrid only (default: the largest fitting in a node)")
+    p.add_argument("--causal", action=argparse.BooleanOptionalAction, default=True)
+    p.add_argument("--fsdp", type=int, default=1, help="degree sharding parameters, gradients, optimizer states")
+    p.add_argument("--checkpointing", choices=planning.CHECKPOINTING, default="none", help="activation checkpointing")
+    p.add_argument("--max-cp", type=int, help="largest CP degree to compare (default max(--cp, 16))")
+    hw = p.add_argument_group("hardware")
+    hw.add_argument("--hardware", default="H100-SXM", help=f"one of {', '.join(planning.HARDWARE_NAMES)}")
+    hw.add_argument("--bandwidth", help="link bytes/s per GPU per direction: 100GB/s, 400Gb/s")
+    hw.add_argument("--flops", help="peak FLOP/s: 989T, 2.25P")
+    hw.add_argument("--efficiency", type=float, help="achieved fraction of peak FLOP/s")
+    hw.add_argument("--calibrate", action="store_true", help="with --hardware local: measure this machine first")
+    hw.add_argument("--calibration", metavar="PATH", help="with --hardware local: a JSON from --calibrate --json")
+    p.add_argument("--json", metavar="PATH", help="write every figure (exact bytes, seconds) as JSON")
+    p.add_argument("--plot", metavar="PATH", help="write a PNG: efficiency vs sequence length, memory per GPU")
+
+
+def _run_plan(args: argparse.Namespace) -> int:
+    calibration = planning.plan_calibration(args.hardware, measure=args.calibrate, path=args.calibration)
+    if args.calibrate:
+        print(planning.format_calibration(calibration) + "\n")
+    hardware = planning.get_hardware(
+        args.hardware, calibration=calibration, efficiency=args.efficiency,
+        bandwidth=planning.parse_bandwidth(args.bandwidth) if args.bandwidth else None,
+        peak_flops=planning.parse_flops(args.flops) if args.flops else None)
+    model = planning.resolve_model(args.model, layers=args.layers, hidden=args.hidden, heads=args.heads,
+                                   kv_heads=args.kv_heads, head_dim=args.head_dim, ffn=args.ffn, vocab=args.vocab)
+    ulysses = args.ulysses_degree
+    if args.strategy == "hybrid" and ulysses is None:
+        ulysses = planning.default_ulysses(model.heads, args.cp, hardware.gpus_per_node)
+    workload = planning.Workload(
+        model, batch=args.batch, seq=args.seq, dtype=args.dtype, cp=args.cp, strategy=args.strategy,
+        layout=args.layout, ulysses=ulysses, fsdp=args.fsdp, checkpointing=args.checkpointing, causal=args.causal)
+    plan = planning.make_plan(workload, hardware, max_cp=args.max_cp, calibration=calibration)
+    print(planning.format_plan(plan))
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(planning.to_json(plan), f, indent=2)
+    if args.plot:
+        planning.write_plot(plan, args.plot)
+    return 0
+
+
+COMMANDS = {
+    "demo": (_demo_parser, _run_demo),
+    "train": (_train_parser, _run_train),
+    "plan": (_plan_parser, _run_plan),
+}
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -16,10 +16,9 @@ import torch
 import torch.distributed as dist
 
 import ctxpar
-from ctxpar.blocks import rank_pairs
+from ctxpar.blocks import group_pairs
 from ctxpar import launch
 from ctxpar.launch import launched_by_torchrun
-from ctxpar.layout import GroupedLayout
 from ctxpar.verify import TENSORS, max_abs_errors, tolerances, torch_sdpa, unsplit_attention
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -76,8 +75,7 @@ def _work_pairs(cfg: DemoConfig, layout: ctxpar.Layout, rank: int) -> float:
     all pairs of the U shards of its group, for H/U heads, i.e. those pairs / U.
     """
     u = {"alltoall": layout.world_size, "hybrid": cfg.ulysses_degree}.get(cfg.strategy, 1)
-    grouped = GroupedLayout(layout.world_size // u, layout, u)
-    return rank_pairs(grouped, cfg.seq, rank // u, cfg.causal) / u
+    return group_pairs(layout, cfg.seq, rank, cfg.causal, u) / u
 
 
 def _mesh(cfg: DemoConfig, world: int, device: torch.device):

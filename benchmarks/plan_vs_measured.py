@@ -1,0 +1,133 @@
+"""The planner's predictions against ``ctxpar demo`` runs on this machine: bytes and seconds per rank.
+
+    python benchmarks/plan_vs_measured.py                     # P in {2,4}, T in {4096,8192,16384}, ring + allgather
+    python benchmarks/plan_vs_measured.py --json plan_vs_measured.json
+
+First calibrates the ``local`` hardware preset (``ctxpar.plan.calibrate``: one-thread
+attention kernel FLOP/s, gloo bandwidth), then for every case runs the demo (P local gloo
+ranks, one thread each; H=8, H_kv=2, D=64, float32, causal, zigzag) and compares per rank:
+
+- bytes sent: ``ctxpar.plan.cost.layer_traffic`` (one layer), which must equal the
+  counted bytes exactly;
+- attention CPU seconds (the demo's ``attn_seconds``: process CPU time in kernels and
+  merges, forward + backward): predicted as (1 + 2.5) x 4·B·D·(pairs·heads of the rank) /
+  calibrated FLOP/s. CPU time does not grow when ranks time-share cores, so no
+  oversubscription term;
+- wall seconds of the forward + backward: the planner's pipeline
+  (``cost.attention_time``) with each rank's FLOP/s scaled by cores / P when P ranks
+  share fewer cores (time-sharing), at the calibrated bandwidth.
+
+Measured seconds are each rank's best of ``--repeat`` warm runs of the demo's code (see
+``measure``; 4 ranks time-sharing 2 cores make single runs noisy). Error = predicted /
+measured - 1, of the mean over ranks.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+from dataclasses import replace
+
+import torch
+
+from ctxpar.demo import DemoConfig, demo_rank
+from ctxpar.launch import run_local
+from ctxpar.models.config import ModelConfig
+from ctxpar.plan import cost
+from ctxpar.plan.calibrate import calibrate, format_calibration
+from ctxpar.plan.hardware import local_hardware
+from ctxpar.plan.workload import Workload
+
+
+def predict(cfg: DemoConfig, calibration: dict) -> dict:
+    """The planner's figures for one demo configuration (one attention layer)."""
+    model = ModelConfig(layers=1, hidden=cfg.heads * cfg.head_dim, heads=cfg.heads, kv_heads=cfg.kv_heads,
+                        head_dim=cfg.head_dim, ffn=1, vocab=1)  # only the attention shape matters here
+    w = Workload(model, batch=cfg.batch, seq=cfg.seq, dtype=cfg.dtype, cp=cfg.nproc, strategy=cfg.strategy,
+                 layout=cfg.layout, causal=cfg.causal)
+    hw = local_hardware(calibration)
+    passes = 1 + cost.BACKWARD_FLOPS_RATIO
+    share = min(1.0, (os.cpu_count() or 1) / cfg.nproc)  # of a core, per rank
+    shared = replace(hw, peak_flops=hw.peak_flops * share)
+    return dict(bytes_sent=cost.layer_traffic(w).total,
+                attn_seconds=[passes * f / hw.flops for f in cost.attention_forward_flops_per_rank(w)],
+                wall_seconds=cost.attention_time(w, shared).seconds)
+
+
+def repeated_demo(rank: int, world: int, cfg: DemoConfig, runs: int) -> list[dict] | None:
+    """``demo_rank`` ``runs`` times in the same processes: rank 0's reports, None elsewhere."""
+    threads = torch.get_num_threads()
+    reports = []
+    for _ in range(runs):
+        torch.set_num_threads(threads)  # rank 0's check of the previous run took every core
+        reports.append(demo_rank(rank, world, cfg))
+    return reports if rank == 0 else None
+
+
+def measure(cfg: DemoConfig, repeat: int) -> list[dict]:
+    """Per rank: bytes, and the best attention and wall seconds of ``repeat`` warm demo runs.
+
+    The demo's own code (``run_demo`` runs ``demo_rank`` once on fresh local ranks), run
+    1 + ``repeat`` times in the same ranks: the first run pays one-time costs (fresh
+    memory, first full-size messages) that the planner does not model, so it is dropped.
+    """
+    cfg.validate(cfg.nproc)
+    reports = run_local(repeated_demo, cfg.nproc, (cfg, repeat + 1))[0]
+    for report in reports:
+        if not report["ok"]:
+            raise RuntimeError(f"the demo's result does not match unsplit attention for {cfg}")
+    runs = [report["ranks"] for report in reports[1:]]
+    return [dict(runs[0][r], **{key: min(run[r][key] for run in runs) for key in ("attn_seconds", "wall_seconds")})
+            for r in range(cfg.nproc)]
+
+
+def compare(cfg: DemoConfig, calibration: dict, repeat: int) -> dict:
+    ranks = measure(cfg, repeat)
+    want = predict(cfg, calibration)
+    mean = lambda xs: sum(xs) / len(xs)  # noqa: E731
+    measured_attn = mean([r["attn_seconds"] for r in ranks])
+    measured_wall = mean([r["wall_seconds"] for r in ranks])
+    return dict(
+        nproc=cfg.nproc, seq=cfg.seq, strategy=cfg.strategy, load_average=os.getloadavg()[0],
+        bytes_predicted=want["bytes_sent"], bytes_measured=[r["bytes_sent"] for r in ranks],
+        bytes_match=all(r["bytes_sent"] == r["bytes_received"] == want["bytes_sent"] for r in ranks),
+        attn_seconds_predicted=mean(want["attn_seconds"]), attn_seconds_measured=measured_attn,
+        attn_error=mean(want["attn_seconds"]) / measured_attn - 1,
+        attn_seconds_per_rank=[r["attn_seconds"] for r in ranks],
+        wall_seconds_predicted=want["wall_seconds"], wall_seconds_measured=measured_wall,
+        wall_error=want["wall_seconds"] / measured_wall - 1,
+    )
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--nprocs", default="2,4")
+    p.add_argument("--seqs", default="4096,8192,16384")
+    p.add_argument("--strategies", default="ring,allgather")
+    p.add_argument("--repeat", type=int, default=2, help="demo runs per case; best seconds per rank")
+    p.add_argument("--json", metavar="PATH")
+    args = p.parse_args()
+
+    calibration = calibrate()
+    print(format_calibration(calibration))
+    rows = []
+    for nproc in (int(x) for x in args.nprocs.split(",")):
+        for seq in (int(x) for x in args.seqs.split(",")):
+            for strategy in args.strategies.split(","):
+                rows.append(compare(DemoConfig(nproc=nproc, seq=seq, strategy=strategy), calibration, args.repeat))
+    mib = 2**20
+    print(f"{'P':>2} {'T':>6} {'strategy':<10} {'sent MiB':>9} {'= plan':>6} {'attn s plan':>11} {'measured':>9} "
+          f"{'error':>7} {'wall s plan':>11} {'measured':>9} {'error':>7}")
+    for r in rows:
+        print(f"{r['nproc']:>2} {r['seq']:>6} {r['strategy']:<10} {r['bytes_predicted'] / mib:>9.2f} "
+              f"{'yes' if r['bytes_match'] else 'NO':>6} {r['attn_seconds_predicted']:>11.3f} "
+              f"{r['attn_seconds_measured']:>9.3f} {r['attn_error']:>+7.1%} {r['wall_seconds_predicted']:>11.3f} "
+              f"{r['wall_seconds_measured']:>9.3f} {r['wall_error']:>+7.1%}")
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(dict(config=vars(args), calibration=calibration, rows=rows), f, indent=2)
+
+
+if __name__ == "__main__":
+    main()

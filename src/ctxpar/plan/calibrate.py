@@ -1,0 +1,150 @@
+"""Measure this machine for the ``local`` hardware preset: attention FLOP/s and gloo bandwidth.
+
+The one part of ``ctxpar.plan`` that runs anything; imported only for ``--calibrate``.
+
+- Attention: ``ctxpar.kernels.attention_forward`` + ``attention_backward`` on one CPU
+  thread (what each local rank of ``ctxpar demo`` gets), causal attention over 4096
+  tokens with the demo's head shape, CPU seconds, best of ``repeats``. The rate is
+  3.5 x 4·B·H·D·T(T+1)/2 FLOPs over forward + backward seconds: the planner's own FLOP
+  convention (visible pairs only), so its predictions use the measured time per FLOP
+  directly. Causal, like FlashAttention's benchmark reports causal throughput, because
+  kernels compute the key tiles that straddle the diagonal whole: a causal rate carries
+  that waste, a full block's would not.
+- Bandwidth: two local gloo ranks exchange a buffer over ``ctxpar.comm.RingComm`` (each
+  sends and receives ``message_bytes`` at once, as a ring hop does); bytes per second per
+  direction, best of ``repeats``.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import platform
+import time
+
+import torch
+
+from ctxpar import kernels
+from ctxpar.launch import run_local
+from ctxpar.plan.hardware import LOCAL
+
+BLOCK = dict(batch=1, heads=8, kv_heads=2, head_dim=64, tokens=4096)  # the demo's head shape
+MESSAGE_BYTES = 16 * 2**20  # the size of a ring hop at T=16384 in the demo (8-16 MiB)
+
+
+def _cpu_seconds(fn) -> float:
+    start = time.process_time()
+    fn()
+    return time.process_time() - start
+
+
+def measure_attention(repeats: int = 3, threads: int = 1) -> dict:
+    """Forward and backward CPU seconds of causal attention; FLOP/s in the planner's convention."""
+    b, h, h_kv, d, s = (BLOCK[k] for k in ("batch", "heads", "kv_heads", "head_dim", "tokens"))
+    gen = torch.Generator().manual_seed(0)
+    q, dout = (torch.randn(b, h, s, d, generator=gen) for _ in range(2))
+    k, v = (torch.randn(b, h_kv, s, d, generator=gen) for _ in range(2))
+    scale = d**-0.5
+    previous = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        out, lse = kernels.attention_forward(q, k, v, causal=True, scale=scale)  # warm-up
+
+        def forward() -> None:
+            kernels.attention_forward(q, k, v, causal=True, scale=scale)
+
+        def backward() -> None:
+            kernels.attention_backward(dout, q, k, v, out, lse, causal=True, scale=scale)
+
+        backward()
+        fwd = min(_cpu_seconds(forward) for _ in range(repeats))
+        bwd = min(_cpu_seconds(backward) for _ in range(repeats))
+    finally:
+        torch.set_num_threads(previous)
+    flops = 4 * b * h * d * s * (s + 1) // 2  # visible (query, key) pairs of a causal mask
+    return dict(block=dict(BLOCK), threads=threads, forward_seconds=fwd, backward_seconds=bwd,
+                forward_flops=flops, backward_to_forward_seconds=bwd / fwd,
+                attention_flops=3.5 * flops / (fwd + bwd))
+
+
+def _exchange_rank(rank: int, world: int, message_bytes: int, repeats: int) -> float:
+    """Best seconds for one ring hop of ``message_bytes`` on this rank."""
+    import torch.distributed as dist
+
+    from ctxpar.comm import RingComm
+
+    comm = RingComm()
+    send, recv = torch.ones(message_bytes // 4), torch.empty(message_bytes // 4)
+    comm.start(send=send, recv=recv)  # the first exchange connects the peers: not timed
+    comm.wait()
+    times = []
+    for _ in range(repeats):
+        dist.barrier()
+        start = time.perf_counter()
+        comm.start(send=send, recv=recv)
+        comm.wait()
+        times.append(time.perf_counter() - start)
+    return min(times)
+
+
+def measure_bandwidth(message_bytes: int = MESSAGE_BYTES, repeats: int = 5) -> dict:
+    """Bytes/s per direction between two local gloo ranks."""
+    seconds = max(run_local(_exchange_rank, 2, (message_bytes, repeats), threads=1))
+    return dict(message_bytes=message_bytes, seconds=seconds, bandwidth=message_bytes / seconds)
+
+
+def machine() -> str:
+    """CPU model and core count, as docs/benchmarks.md states machines."""
+    name = platform.processor() or platform.machine()
+    try:
+        with open("/proc/cpuinfo") as f:
+            name = next(line.split(":", 1)[1].strip() for line in f if line.startswith("model name"))
+    except (OSError, StopIteration):
+        pass
+    return f"{name}, {os.cpu_count()} cores, torch {torch.__version__}"
+
+
+def calibrate() -> dict:
+    """Both measurements (a few seconds); the dict ``hardware.local_hardware`` reads."""
+    attention = measure_attention()
+    link = measure_bandwidth()
+    return dict(machine=machine(), attention_flops=attention["attention_flops"], bandwidth=link["bandwidth"],
+                attention=attention, link=link)
+
+
+def plan_calibration(hardware: str, *, measure: bool, path: str | None) -> dict | None:
+    """The calibration ``ctxpar plan`` uses: measured now, read from ``path``, or none.
+
+    ``path`` may be a JSON written by ``ctxpar plan --calibrate --json`` (its
+    "calibration" entry) or the calibration object itself.
+    """
+    if (measure or path) and hardware.lower() != LOCAL:
+        raise ValueError(f"--calibrate and --calibration describe this machine; use them with --hardware local, "
+                         f"not {hardware!r}")
+    if measure and path:
+        raise ValueError("give --calibrate (measure now) or --calibration PATH (measured before), not both")
+    if measure:
+        return calibrate()
+    if path is None:
+        return None
+    with open(path) as f:
+        data = json.load(f)
+    found = data.get("calibration") or data
+    if not isinstance(found, dict) or "attention_flops" not in found:
+        raise ValueError(f"{path} holds no calibration; write one with `ctxpar plan --hardware local --calibrate "
+                         f"--json {path}`")
+    return found
+
+
+def format_calibration(c: dict) -> str:
+    a, link = c["attention"], c["link"]
+    blk = a["block"]
+    return "\n".join([
+        f"calibration on {c['machine']}",
+        f"  attention kernel, {a['threads']} thread, block H={blk['heads']} H_kv={blk['kv_heads']} "
+        f"D={blk['head_dim']} T={blk['tokens']} causal float32: forward {a['forward_seconds'] * 1e3:.1f} ms, "
+        f"backward {a['backward_seconds'] * 1e3:.1f} ms ({a['backward_to_forward_seconds']:.2f}x)",
+        f"  -> {c['attention_flops'] / 1e9:.1f} GFLOP/s = 3.5 x {a['forward_flops']:,} FLOPs / (forward + backward)",
+        f"  gloo ring hop between 2 local ranks: {link['message_bytes'] / 2**20:.0f} MiB in "
+        f"{link['seconds'] * 1e3:.2f} ms -> {c['bandwidth'] / 1e9:.3f} GB/s per direction",
+    ])

@@ -1,0 +1,224 @@
+"""Work, traffic and time of one training step on the slowest rank of a CP group.
+
+Attention FLOPs follow FlashAttention's benchmark convention (Dao et al.,
+flash-attention ``benchmarks/benchmark_flash_attention.py``): forward 4·T²·D·H per
+sequence, halved for causal; backward 2.5x forward. Here T² (or T²/2) is replaced by the
+exact number of visible (query, key) pairs the rank computes (``ctxpar.blocks.rank_pairs``
+on the layout), which also gives the load-balance factor max/mean over ranks.
+
+Matmul FLOPs: 2 per parameter per token forward, 4 backward (Kaplan et al. 2020,
+arXiv:2001.08361, C = 6N), N excluding the embedding table; full checkpointing adds one
+more forward (Korthikanti et al. 2022).
+
+Bytes per rank are ``ctxpar.strategies.traffic.per_rank`` (the formulas the tests check
+against counted traffic), per layer.
+
+Time: each strategy's attention is a pipeline of ``stages`` (a lead transfer nobody can
+hide, then per stage max(compute, transfer) since the next transfer is posted before the
+current compute, the last stage's compute, then a tail transfer nobody can hide):
+
+    ring       forward  P stages, K/V hop per stage;      backward adds the dK/dV hop, the last one exposed
+    allgather  forward  H_kv stages (one KV head each), the first gather exposed;
+               backward the re-gather and the reduce-scatter per head, the first gather and last reduce-scatter exposed
+    alltoall   one stage: all-to-all traffic, then compute (nothing overlaps)
+    hybrid     the all-to-all over U as a lead, then the ring over R groups
+
+Per-stage compute is the rank's pairs spread evenly over its stages: exact for zigzag
+(every block holds S²/2 pairs), close for striped, optimistic for contiguous, where
+ranks idle on hidden blocks. Per-message latency is not modelled: it matters only for
+messages under ~1 MB (tens of microseconds against bandwidth terms).
+"""
+
+from __future__ import annotations
+
+import functools
+from dataclasses import dataclass
+
+from ctxpar.blocks import group_pairs
+from ctxpar.layout import get_layout
+from ctxpar.plan.hardware import Hardware
+from ctxpar.plan.workload import Workload
+from ctxpar.strategies import traffic
+
+BACKWARD_FLOPS_RATIO = 2.5  # FlashAttention: backward = 2.5 x forward FLOPs
+
+
+@functools.lru_cache(maxsize=4096)
+def _group_pairs(layout: str, seq: int, cp: int, causal: bool, group_size: int) -> tuple[int, ...]:
+    return tuple(group_pairs(get_layout(layout, cp), seq, rank, causal, group_size) for rank in range(cp))
+
+
+def head_pairs(w: Workload) -> tuple[int, ...]:
+    """Per rank, the (query, key) pairs x heads it computes for one sequence (exact).
+
+    Ring / all-gather (U = 1): the rank's own queries against all keys, all H heads.
+    All-to-all over U ranks: all queries of its group's U shards, H/U heads; a query's
+    pairs do not depend on which rank holds it, so the group's pairs are its members' sum.
+    """
+    u, heads = w.ulysses_degree, w.model.heads
+    return tuple(p * (heads // u) for p in _group_pairs(w.layout, w.seq, w.cp, w.causal, u))
+
+
+def load_balance(w: Workload) -> float:
+    """max / mean attention work over the ranks (1.0 = perfectly balanced)."""
+    pairs = head_pairs(w)
+    return max(pairs) * len(pairs) / sum(pairs)
+
+
+def attention_forward_flops_per_rank(w: Workload) -> tuple[int, ...]:
+    """Forward attention FLOPs of one layer on each rank: 4·B·D·(pairs·heads)."""
+    return tuple(4 * w.batch * w.model.head_dim * p for p in head_pairs(w))
+
+
+def attention_forward_flops(w: Workload) -> int:
+    """The busiest rank's forward attention FLOPs for one layer."""
+    return max(attention_forward_flops_per_rank(w))
+
+
+def matmul_flops_per_token(w: Workload) -> int:
+    """Forward matmul FLOPs per token, all layers and the LM head: 2·(N - V·d)."""
+    m = w.model
+    return 2 * (m.parameters - m.vocab * m.hidden)
+
+
+def layer_traffic(w: Workload) -> traffic.Traffic:
+    """Bytes one rank sends (= receives) for one layer's attention, forward and backward."""
+    m = w.model
+    return traffic.per_rank(w.strategy, batch=w.batch, seq_len=w.seq, heads=m.heads, kv_heads=m.kv_heads,
+                            head_dim=m.head_dim, world=w.cp, elem=w.elem, acc=w.acc,
+                            ulysses=w.ulysses if w.strategy == "hybrid" else None)
+
+
+@dataclass(frozen=True)
+class Pipeline:
+    """lead + (stages - 1)·max(compute, transfer) + compute + tail, in seconds (per stage)."""
+
+    stages: int
+    compute: float
+    transfer: float
+    lead: float = 0.0
+    tail: float = 0.0
+
+    @property
+    def seconds(self) -> float:
+        return self.lead + (self.stages - 1) * max(self.compute, self.transfer) + self.compute + self.tail
+
+    @property
+    def hidden(self) -> bool:
+        """The Ring Attention overlap condition: each stage's compute covers its transfer.
+
+        A one-stage pipeline overlaps nothing: hidden only if it moves nothing.
+        """
+        if self.stages == 1:
+            return self.lead + self.transfer + self.tail == 0
+        return self.compute >= self.transfer
+
+    @property
+    def exposed(self) -> float:
+        """Seconds communication adds beyond the compute alone."""
+        return self.seconds - self.stages * self.compute
+
+    def as_dict(self) -> dict:
+        return dict(stages=self.stages, compute_seconds_per_stage=self.compute,
+                    transfer_seconds_per_stage=self.transfer, lead_seconds=self.lead, tail_seconds=self.tail,
+                    seconds=self.seconds, exposed_seconds=self.exposed, transfer_hidden=self.hidden)
+
+
+@dataclass(frozen=True)
+class AttentionTime:
+    """One layer's attention on the busiest rank."""
+
+    forward: Pipeline
+    backward: Pipeline
+    link_bandwidth: float  # bytes/s of the link the K/V (or all-to-all) traffic crosses
+
+    @property
+    def seconds(self) -> float:
+        return self.forward.seconds + self.backward.seconds
+
+
+def _split(w: Workload) -> tuple[traffic.Traffic, traffic.Traffic]:
+    """(all-to-all part, ring/all-gather part) of the layer's traffic."""
+    total = layer_traffic(w)
+    if w.strategy != "hybrid":
+        return (total, traffic.Traffic(0, 0)) if w.strategy == "alltoall" else (traffic.Traffic(0, 0), total)
+    m = w.model
+    a2a = traffic.alltoall(batch=w.batch, local_len=w.local_len, heads=m.heads, kv_heads=m.kv_heads,
+                           head_dim=m.head_dim, ulysses=w.ulysses, elem=w.elem, acc=w.acc)
+    return a2a, traffic.Traffic(total.forward - a2a.forward, total.backward - a2a.backward)
+
+
+def attention_time(w: Workload, hw: Hardware) -> AttentionTime:
+    """Forward and backward pipelines of one layer (see the module docstring)."""
+    fwd_compute = attention_forward_flops(w) / hw.flops
+    bwd_compute = BACKWARD_FLOPS_RATIO * fwd_compute
+    a2a, rest = _split(w)
+    bw = hw.bandwidth(w.cp)
+    a2a_bw = hw.bandwidth(w.ulysses_degree)
+    if w.strategy == "allgather":
+        n = w.model.kv_heads  # one KV head gathered per stage
+        gather, reduce = rest.forward / n / bw, (rest.backward - rest.forward) / n / bw
+        return AttentionTime(
+            Pipeline(n, fwd_compute / n, gather, lead=gather),
+            Pipeline(n, bwd_compute / n, gather + reduce, lead=gather, tail=reduce), bw)
+    r = w.ring_degree
+    hops = max(r - 1, 1)
+    kv_hop, dkv_hop = rest.forward / hops / bw, (rest.backward - rest.forward) / hops / bw
+    return AttentionTime(
+        Pipeline(r, fwd_compute / r, kv_hop, lead=a2a.forward / a2a_bw),
+        Pipeline(r, bwd_compute / r, kv_hop + dkv_hop, lead=a2a.backward / a2a_bw, tail=dkv_hop),
+        bw if r > 1 else a2a_bw)
+
+
+@dataclass(frozen=True)
+class StepTime:
+    """One training step (forward + backward over all layers) on the busiest rank, seconds."""
+
+    matmul: float
+    attention: AttentionTime
+    layers: int
+    recompute: bool
+
+    @property
+    def attention_seconds(self) -> float:
+        """All layers; checkpointing runs each layer's attention forward (and its traffic) twice."""
+        per_layer = self.attention.seconds + (self.attention.forward.seconds if self.recompute else 0.0)
+        return self.layers * per_layer
+
+    @property
+    def seconds(self) -> float:
+        return self.matmul + self.attention_seconds
+
+    def as_dict(self) -> dict:
+        return dict(seconds=self.seconds, matmul_seconds=self.matmul, attention_seconds=self.attention_seconds,
+                    attention_per_layer=dict(forward=self.attention.forward.as_dict(),
+                                             backward=self.attention.backward.as_dict(),
+                                             link_bandwidth=self.attention.link_bandwidth))
+
+
+def step_time(w: Workload, hw: Hardware) -> StepTime:
+    """Matmuls (3 forwards' worth, 4 with checkpointing) plus every layer's attention."""
+    recompute = w.checkpointing == "full"
+    passes = 4 if recompute else 3
+    tokens = w.batch * w.local_len
+    matmul = passes * matmul_flops_per_token(w) * tokens / hw.flops
+    return StepTime(matmul, attention_time(w, hw), w.model.layers, recompute)
+
+
+def efficiency(w: Workload, hw: Hardware) -> float:
+    """Parallel efficiency: CP-1 step time / (P x CP-P step time); 1.0 = perfect scaling."""
+    single = step_time(w.unsplit(), hw).seconds
+    return single / (w.cp * step_time(w, hw).seconds)
+
+
+def overlap_local_len(w: Workload, pipeline: Pipeline) -> float | None:
+    """Tokens per rank S above which ``pipeline``'s transfers hide behind compute.
+
+    The Ring Attention overlap condition (Liu et al. 2023, arXiv:2310.01889: block size
+    >= F/B for MHA, non-causal, bf16), here for this workload's GQA ratio, mask, dtype and
+    layout: a stage's compute grows as S² and its transfer as S, so they meet at
+    S·transfer/compute. None where nothing overlaps (all-to-all) or nothing moves.
+    """
+    if pipeline.stages == 1 or pipeline.transfer == 0:
+        return None
+    return w.local_len * pipeline.transfer / pipeline.compute

@@ -1,0 +1,126 @@
+"""Hardware presets: one table of accelerators, plus ``local`` for this machine's measured figures.
+
+Figures are per GPU, from the vendors' datasheets (dense tensor-core peak, no sparsity;
+HBM in GB = 1e9 bytes as the datasheets give it; NVLink per direction = half the quoted
+bidirectional total; the inter-node link is one NIC per GPU as in the DGX/HGX reference
+systems). ``efficiency`` is the fraction of peak the planner assumes kernels achieve:
+FlashAttention-2 reports 50-73% of peak forward and up to 63% backward on A100
+(Dao 2023, arXiv:2307.08691), so 0.5 is a deliberately modest default; override it with
+``--efficiency`` or the whole rate with ``--flops``.
+
+``local`` has no datasheet: its rate and bandwidth come from ``ctxpar plan --calibrate``
+(``ctxpar.plan.calibrate``), measured here, and its memory is this machine's RAM.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import asdict, dataclass, replace
+
+
+@dataclass(frozen=True)
+class Hardware:
+    """One accelerator as the planner sees it.
+
+    Args:
+        name: preset name.
+        peak_flops: dense peak FLOP/s in the compute dtype (bf16/fp16 tensor cores).
+        efficiency: fraction of ``peak_flops`` that attention and matmuls achieve.
+        hbm_bytes: device memory, bytes.
+        gpus_per_node: GPUs joined by the intra-node link; larger CP groups cross nodes.
+        intra_node_bandwidth: bytes/s per GPU per direction inside a node.
+        inter_node_bandwidth: bytes/s per GPU per direction between nodes.
+        source: where the figures come from.
+    """
+
+    name: str
+    peak_flops: float
+    efficiency: float
+    hbm_bytes: int
+    gpus_per_node: int
+    intra_node_bandwidth: float
+    inter_node_bandwidth: float
+    source: str
+
+    @property
+    def flops(self) -> float:
+        """Achievable FLOP/s: peak x efficiency."""
+        return self.peak_flops * self.efficiency
+
+    def bandwidth(self, group_size: int) -> float:
+        """Bytes/s per GPU per direction for a collective over ``group_size`` consecutive GPUs.
+
+        A group that spans nodes is paced by its slowest hop, the inter-node link.
+        """
+        return self.intra_node_bandwidth if group_size <= self.gpus_per_node else self.inter_node_bandwidth
+
+    def as_dict(self) -> dict:
+        return dict(asdict(self), achievable_flops=self.flops)
+
+
+_DATASHEETS = "NVIDIA datasheets (dense peak, HBM in GB); NVLink per direction; one NDR/HDR NIC per GPU"
+GB = 10**9
+
+PRESETS: dict[str, Hardware] = {
+    h.name.lower(): h
+    for h in (
+        Hardware("H100-SXM", 989e12, 0.5, 80 * GB, 8, 450e9, 50e9, _DATASHEETS + " (NVLink 4 900 GB/s, 400 Gb/s)"),
+        Hardware("H200", 989e12, 0.5, 141 * GB, 8, 450e9, 50e9, _DATASHEETS + " (NVLink 4 900 GB/s, 400 Gb/s)"),
+        Hardware("A100-80GB", 312e12, 0.5, 80 * GB, 8, 300e9, 25e9, _DATASHEETS + " (NVLink 3 600 GB/s, 200 Gb/s)"),
+        Hardware("B200", 2250e12, 0.5, 180 * GB, 8, 900e9, 50e9,
+                 _DATASHEETS + " (HGX B200, NVLink 5 1.8 TB/s, 400 Gb/s)"),
+    )
+}
+LOCAL = "local"
+HARDWARE_NAMES = (*(h.name for h in PRESETS.values()), LOCAL)
+
+
+def local_hardware(calibration: dict) -> Hardware:
+    """This machine from measured figures: ``ctxpar.plan.calibrate.calibrate()``'s result.
+
+    The rate is one CPU rank's (one thread) attention forward + backward FLOP/s, taken as
+    achieved (efficiency 1); each core counts as a "GPU" and the loopback bandwidth joins
+    them all, so intra- and inter-node links are the same measured figure.
+    """
+    for key in ("attention_flops", "bandwidth"):
+        if key not in calibration:
+            raise ValueError(f"calibration has no {key!r}; produce one with `ctxpar plan --hardware local --calibrate "
+                             f"--json PATH` and pass --calibration PATH")
+    ram = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    bw = calibration["bandwidth"]
+    return Hardware(LOCAL, calibration["attention_flops"], 1.0, ram, os.cpu_count() or 1, bw, bw,
+                    f"measured on this machine ({calibration.get('machine', 'unknown CPU')}); memory = RAM")
+
+
+def get_hardware(
+    name: str,
+    *,
+    calibration: dict | None = None,
+    bandwidth: float | None = None,
+    peak_flops: float | None = None,
+    efficiency: float | None = None,
+) -> Hardware:
+    """A preset by name (case-insensitive), with optional overrides.
+
+    ``bandwidth`` replaces both links (intra- and inter-node); ``peak_flops`` the peak;
+    ``efficiency`` the achieved fraction. ``local`` needs ``calibration``.
+    """
+    key = name.lower()
+    if key == LOCAL:
+        if calibration is None:
+            raise ValueError("--hardware local needs measured figures: add --calibrate (a few seconds) or "
+                             "--calibration PATH (a JSON written by --calibrate --json PATH)")
+        hw = local_hardware(calibration)
+    elif key in PRESETS:
+        hw = PRESETS[key]
+    else:
+        raise ValueError(f"unknown hardware {name!r}; choose one of {', '.join(HARDWARE_NAMES)}, "
+                         f"or give --flops and --bandwidth")
+    if efficiency is not None and not 0 < efficiency <= 1:
+        raise ValueError(f"--efficiency {efficiency} must be in (0, 1]: the achieved fraction of peak FLOP/s")
+    changes = dict(intra_node_bandwidth=bandwidth, inter_node_bandwidth=bandwidth, peak_flops=peak_flops,
+                   efficiency=efficiency)
+    changes = {k: v for k, v in changes.items() if v is not None}
+    if changes:
+        hw = replace(hw, source=hw.source + "; overridden: " + ", ".join(sorted(changes)), **changes)
+    return hw

@@ -1,0 +1,89 @@
+"""``make_plan``: every figure the planner has for one workload on one piece of hardware.
+
+    from ctxpar.plan import Workload, get_hardware, make_plan, resolve_model
+    w = Workload(resolve_model("llama-3-70b"), batch=1, seq=131072, dtype="bfloat16", cp=8)
+    plan = make_plan(w, get_hardware("H100-SXM"))
+    plan.recommendation.reasons, plan.step.seconds, plan.memory.total
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from ctxpar.plan import cost
+from ctxpar.plan.hardware import Hardware
+from ctxpar.plan.memory import MemoryEstimate, SequenceTensors, memory_per_gpu, sequence_tensors
+from ctxpar.plan.recommend import (Crossover, Recommendation, SweepPoint, crossovers, fits_up_to, recommend,
+                                    sweep)
+from ctxpar.plan.workload import Workload
+from ctxpar.strategies.traffic import Traffic
+
+MIN_SWEEP_SEQ = 2**10
+MAX_SWEEP_SEQ = 2**20
+MIN_MAX_CP = 16  # the sweep covers at least two 8-GPU nodes
+
+
+@dataclass(frozen=True)
+class Plan:
+    workload: Workload
+    hardware: Hardware
+    tensors: SequenceTensors
+    memory: MemoryEstimate
+    traffic: Traffic  # bytes per GPU per layer
+    step: cost.StepTime
+    cp1_step: cost.StepTime
+    efficiency: float
+    cp1_fits_up_to: int  # longest T one GPU holds (0: none)
+    head_pairs: tuple[int, ...]  # per rank, one sequence
+    sweep: list[SweepPoint]
+    crossovers: list[Crossover]
+    recommendation: Recommendation
+    calibration: dict | None = None
+
+    @property
+    def load_balance(self) -> float:
+        return max(self.head_pairs) * len(self.head_pairs) / sum(self.head_pairs)
+
+
+def sweep_degrees(cp: int, max_cp: int | None = None) -> list[int]:
+    """1, 2, 4, ... up to ``max_cp`` (default max(cp, 16)), plus ``cp`` itself."""
+    top = max_cp or max(cp, MIN_MAX_CP)
+    if top < cp:
+        raise ValueError(f"--max-cp {top} is below --cp {cp}; raise it to at least {cp}")
+    degrees = {1, cp}
+    d = 2
+    while d <= top:
+        degrees.add(d)
+        d *= 2
+    return sorted(degrees)
+
+
+def sweep_seqs(seq: int) -> list[int]:
+    """Powers of two from 1K to max(1M, seq), plus ``seq``."""
+    seqs = {seq}
+    t = MIN_SWEEP_SEQ
+    while t <= max(MAX_SWEEP_SEQ, seq):
+        seqs.add(t)
+        t *= 2
+    return sorted(seqs)
+
+
+def make_plan(w: Workload, hw: Hardware, *, max_cp: int | None = None, calibration: dict | None = None) -> Plan:
+    """Memory, traffic, time, the sweep, crossovers and a recommendation for ``w`` on ``hw``."""
+    degrees, seqs = sweep_degrees(w.cp, max_cp), sweep_seqs(w.seq)
+    return Plan(
+        workload=w,
+        hardware=hw,
+        tensors=sequence_tensors(w),
+        memory=memory_per_gpu(w, hw.hbm_bytes),
+        traffic=cost.layer_traffic(w),
+        step=cost.step_time(w, hw),
+        cp1_step=cost.step_time(w.unsplit(), hw),
+        efficiency=cost.efficiency(w, hw),
+        cp1_fits_up_to=fits_up_to(w.unsplit(), hw),
+        head_pairs=cost.head_pairs(w),
+        sweep=sweep(w, hw, degrees, seqs),
+        crossovers=crossovers(w, hw, degrees, seqs),
+        recommendation=recommend(w, hw, degrees),
+        calibration=calibration,
+    )

@@ -1,0 +1,103 @@
+"""``--plot PATH``: a PNG with efficiency against sequence length, and memory per GPU by category.
+
+Left: parallel efficiency (CP-1 step time / (P x CP-P step time)) over the sweep, one
+colour per CP degree, one line style per strategy; a cross where a degree stops fitting
+in HBM, a dot where CP-P starts beating CP-1 (when that is inside the sweep), and a
+vertical line at the longest sequence CP-1 holds. Right: the memory per GPU of the plan's
+strategy at its sequence length, stacked by category, for every degree, against HBM.
+
+Needs matplotlib (``pip install 'ctxpar[plot]'``).
+"""
+
+from __future__ import annotations
+
+import math
+
+from ctxpar.plan.memory import memory_per_gpu
+from ctxpar.plan.planner import Plan
+from ctxpar.plan.recommend import variant
+from ctxpar.plan.report import MEMORY_LABELS
+from ctxpar.plan.units import format_tokens
+
+STYLES = {"ring": "-", "allgather": "--", "alltoall": ":", "hybrid": "-."}
+GIB = 2**30
+
+
+def write_plot(plan: Plan, path: str) -> None:
+    """Draw the two panels into ``path`` (PNG)."""
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError as e:
+        raise ValueError("--plot needs matplotlib: pip install 'ctxpar[plot]' (or pip install matplotlib)") from e
+    fig, (left, right) = plt.subplots(1, 2, figsize=(15, 6), gridspec_kw=dict(width_ratios=[3, 2]))
+    _efficiency_panel(plan, left)
+    _memory_panel(plan, right)
+    w, m, hw = plan.workload, plan.workload.model, plan.hardware
+    fig.suptitle(f"ctxpar plan: L={m.layers} d={m.hidden} H={m.heads} H_kv={m.kv_heads} D={m.head_dim}, "
+                 f"B={w.batch} {w.dtype}, {w.layout}, FSDP={w.fsdp}, checkpointing {w.checkpointing}, on {hw.name}")
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+def _efficiency_panel(plan: Plan, ax) -> None:
+    import matplotlib.pyplot as plt
+
+    degrees = sorted({p.cp for p in plan.sweep if p.cp > 1})
+    colours = dict(zip(degrees, plt.get_cmap("viridis")([i / max(len(degrees) - 1, 1) for i in range(len(degrees))])))
+    limits = {(c.strategy, c.cp): c for c in plan.crossovers}
+    for (strategy, cp), cross in limits.items():
+        points = sorted((p for p in plan.sweep if p.cp == cp and p.strategy == strategy), key=lambda p: p.seq)
+        if not points:
+            continue
+        seqs, eff = [p.seq for p in points], [p.efficiency for p in points]
+        ax.plot(seqs, eff, STYLES[strategy], color=colours[cp], label=f"CP-{cp} {strategy}")
+        fitting = [p for p in points if p.seq <= cross.fits_up_to]
+        if fitting and fitting[-1] is not points[-1]:
+            ax.plot(fitting[-1].seq, fitting[-1].efficiency, "x", color=colours[cp], markersize=9)
+        if cross.faster_from and cross.faster_from > seqs[0]:
+            ax.plot(cross.faster_from, _interpolate(seqs, eff, cross.faster_from), "o", color=colours[cp])
+    if plan.cp1_fits_up_to:
+        ax.axvline(plan.cp1_fits_up_to, color="grey", linewidth=1)
+        ax.annotate(f"CP-1 fits up to {format_tokens(plan.cp1_fits_up_to)}", (plan.cp1_fits_up_to, 0.02),
+                    xycoords=("data", "axes fraction"), rotation=90, fontsize=8, color="grey")
+    ax.set_xscale("log", base=2)
+    ax.set_xlabel("sequence length T (x: last length that fits in HBM; o: CP-P beats CP-1 from here)")
+    ax.set_ylabel("parallel efficiency")
+    ax.set_title("Efficiency against sequence length")
+    ax.grid(True, which="both", alpha=0.3)
+    ax.legend(fontsize=7, ncol=2, loc="lower right")
+
+
+def _interpolate(xs: list[int], ys: list[float], x: int) -> float:
+    """y at x on the plotted polyline (log-x, like the axis)."""
+    for (x0, y0), (x1, y1) in zip(zip(xs, ys), zip(xs[1:], ys[1:])):
+        if x0 <= x <= x1:
+            return y0 + (y1 - y0) * (math.log(x) - math.log(x0)) / (math.log(x1) - math.log(x0))
+    return ys[-1]
+
+
+def _memory_panel(plan: Plan, ax) -> None:
+    w, hw = plan.workload, plan.hardware
+    skipped = "activations_checkpointed" if w.checkpointing != "full" else "activations"
+    bars = []
+    for cp in sorted({p.cp for p in plan.sweep}):
+        v = variant(w, hw, strategy=w.strategy if cp > 1 else "ring", cp=cp)
+        if v is not None:
+            bars.append((cp, memory_per_gpu(v, hw.hbm_bytes).categories()))
+    bottom = [0.0] * len(bars)
+    x = [str(cp) for cp, _ in bars]
+    for key, label in MEMORY_LABELS.items():
+        if key == skipped:
+            continue
+        heights = [cats[key] / GIB for _, cats in bars]
+        ax.bar(x, heights, bottom=bottom, label=label)
+        bottom = [b + h for b, h in zip(bottom, heights)]
+    ax.axhline(hw.hbm_bytes / GIB, color="red", linewidth=1.5, label=f"{hw.name} memory")
+    ax.set_xlabel(f"CP degree ({w.strategy}; CP-1 without CP)")
+    ax.set_ylabel("GiB per GPU")
+    ax.set_title(f"Memory per GPU at T={format_tokens(w.seq)}")
+    ax.legend(fontsize=7, loc="upper right")

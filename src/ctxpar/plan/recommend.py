@@ -1,0 +1,242 @@
+"""The answer: step time and efficiency against sequence length, crossovers, a recommendation.
+
+For each CP degree and strategy the planner evaluates ``cost.step_time`` and
+``memory.memory_per_gpu`` over a grid of sequence lengths, then finds by bisection (on
+lengths the layout accepts):
+
+- the length from which CP-P is faster than CP-1 (the step-time crossover), and
+- the longest sequence that fits each degree in HBM, so that beyond CP-1's limit CP is
+  necessary, not merely faster.
+
+The recommendation takes the smallest degree that fits (more GPUs per sequence only pays
+if the efficiency stays high: any GPU not used for CP can run data parallelism at
+efficiency ~1), then the fastest strategy at that degree, with the layout of lowest
+load-balance factor, and prints why.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from dataclasses import dataclass, field
+
+from ctxpar.layout import LAYOUT_NAMES
+from ctxpar.plan import cost
+from ctxpar.plan.hardware import Hardware
+from ctxpar.plan.memory import memory_per_gpu
+from ctxpar.plan.units import format_bytes, format_seconds, format_tokens
+from ctxpar.plan.workload import STRATEGY_NAMES, Workload, default_ulysses
+
+MAX_SEQ = 2**30  # search bound for "fits up to"
+MAX_FSDP = 1024  # search bound for the FSDP degree that would make a step fit
+
+
+@dataclass(frozen=True)
+class SweepPoint:
+    strategy: str
+    cp: int
+    seq: int
+    layout: str
+    ulysses: int | None
+    step_seconds: float
+    efficiency: float
+    memory_bytes: int
+    fits: bool
+    transfer_hidden: bool
+    load_balance: float
+
+
+@dataclass(frozen=True)
+class Crossover:
+    """``faster_from``: first length where CP-P beats CP-1 (None: never up to ``searched_to``)."""
+
+    strategy: str
+    cp: int
+    faster_from: int | None
+    searched_to: int
+    fits_up_to: int  # longest sequence that fits, 0 if none
+
+
+@dataclass(frozen=True)
+class Recommendation:
+    workload: Workload | None  # None: nothing fits
+    step_seconds: float | None
+    efficiency: float | None
+    reasons: list[str] = field(default_factory=list)
+
+
+def variant(w: Workload, hw: Hardware, *, strategy: str, cp: int, seq: int | None = None) -> Workload | None:
+    """``w`` with another strategy / degree / length, or None where that combination is invalid."""
+    ulysses = default_ulysses(w.model.heads, cp, hw.gpus_per_node) if strategy == "hybrid" else None
+    if strategy == "hybrid" and w.strategy == "hybrid" and cp == w.cp and w.ulysses:
+        ulysses = w.ulysses
+    if strategy == "hybrid" and ulysses is None:
+        return None
+    try:
+        return w.with_(strategy=strategy, cp=cp, seq=w.seq if seq is None else seq, ulysses=ulysses)
+    except ValueError:  # e.g. alltoall with heads not divisible by P, or a length the layout rejects
+        return None
+
+
+def evaluate(w: Workload, hw: Hardware) -> SweepPoint:
+    mem = memory_per_gpu(w, hw.hbm_bytes)
+    step = cost.step_time(w, hw)
+    return SweepPoint(w.strategy, w.cp, w.seq, w.layout, w.ulysses, step.seconds, cost.efficiency(w, hw),
+                      mem.total, mem.fits, step.attention.forward.hidden, cost.load_balance(w))
+
+
+def sweep(w: Workload, hw: Hardware, degrees: Iterable[int], seqs: Iterable[int]) -> list[SweepPoint]:
+    """Every valid (strategy, degree, length) on the grid; degree 1 once, as "ring"."""
+    points = []
+    for seq in seqs:
+        for cp in degrees:
+            for strategy in STRATEGY_NAMES if cp > 1 else ("ring",):
+                v = variant(w, hw, strategy=strategy, cp=cp, seq=seq)
+                if v is not None:
+                    points.append(evaluate(v, hw))
+    return points
+
+
+def _faster(w: Workload, hw: Hardware) -> bool:
+    return cost.step_time(w, hw).seconds < cost.step_time(w.unsplit(), hw).seconds
+
+
+def _first_true(lo: int, hi: int, pred) -> int:
+    """Smallest k in (lo, hi] with pred(k), given pred(lo) false and pred(hi) true (monotone)."""
+    while hi - lo > 1:
+        mid = (lo + hi) // 2
+        lo, hi = (lo, mid) if pred(mid) else (mid, hi)
+    return hi
+
+
+def fits_up_to(w: Workload, hw: Hardware) -> int:
+    """Longest sequence (a multiple the layout accepts) whose step fits in HBM; 0 if none.
+
+    Memory grows with T, so bisect on the multiple.
+    """
+    step = w.layout_obj.multiple
+
+    def fits(k: int) -> bool:
+        return memory_per_gpu(w.with_(seq=k * step), hw.hbm_bytes).fits
+
+    if not fits(1):
+        return 0
+    hi = 2
+    while fits(hi) and hi * step < MAX_SEQ:
+        hi *= 2
+    if fits(hi):
+        return hi * step
+    return (_first_true(1, hi, lambda k: not fits(k)) - 1) * step
+
+
+def crossover(w: Workload, hw: Hardware, seqs: list[int]) -> Crossover:
+    """Where CP-P starts to beat CP-1 (bisected between grid points), and how far it fits."""
+    step = w.layout_obj.multiple
+    faster = None
+    previous = 0
+    for seq in sorted(s for s in seqs if s % step == 0):
+        if _faster(w.with_(seq=seq), hw):
+            k = _first_true(previous // step, seq // step, lambda k: _faster(w.with_(seq=k * step), hw)) \
+                if previous else seq // step
+            faster = k * step
+            break
+        previous = seq
+    return Crossover(w.strategy, w.cp, faster, max(seqs), fits_up_to(w, hw))
+
+
+def crossovers(w: Workload, hw: Hardware, degrees: Iterable[int], seqs: list[int]) -> list[Crossover]:
+    out = []
+    for cp in (d for d in degrees if d > 1):
+        for strategy in STRATEGY_NAMES:
+            v = variant(w, hw, strategy=strategy, cp=cp, seq=max(s for s in seqs))
+            if v is not None:
+                out.append(crossover(v, hw, seqs))
+    return out
+
+
+def best_layout(w: Workload) -> tuple[str, dict[str, float]]:
+    """The layout with the lowest load-balance factor (ties keep ``w.layout``), and all factors."""
+    factors = {}
+    for name in LAYOUT_NAMES:
+        try:
+            factors[name] = cost.load_balance(w.with_(layout=name))
+        except ValueError:  # the length does not split under this layout
+            continue
+    best = min(factors.values())
+    return (w.layout if factors.get(w.layout) == best else min(factors, key=factors.get)), factors
+
+
+def recommend(w: Workload, hw: Hardware, degrees: Iterable[int]) -> Recommendation:
+    """Smallest fitting degree, fastest strategy there, best-balanced layout; with reasons."""
+    degrees = sorted(set(degrees) | {1})
+    gib = format_bytes
+    reasons = []
+    for cp in degrees:
+        options = [v for s in (STRATEGY_NAMES if cp > 1 else ("ring",)) if (v := variant(w, hw, strategy=s, cp=cp))]
+        options = [v.with_(layout=best_layout(v)[0]) for v in options]
+        fitting = [v for v in options if memory_per_gpu(v, hw.hbm_bytes).fits]
+        if not fitting:
+            if options:
+                need = min(memory_per_gpu(v, hw.hbm_bytes).total for v in options)
+                reasons.append(f"CP-{cp} needs {gib(need)} per GPU > {gib(hw.hbm_bytes)} HBM ({hw.name})")
+            continue
+        times = {v.strategy: cost.step_time(v, hw).seconds for v in fitting}
+        best = min(fitting, key=lambda v: times[v.strategy])
+        mem = memory_per_gpu(best, hw.hbm_bytes)
+        reasons.append(f"CP-{cp} fits: {gib(mem.total)} of {gib(hw.hbm_bytes)} per GPU")
+        if cp == 1:
+            reasons.append("one GPU holds the whole sequence, so CP would only add communication; "
+                           "use the other GPUs for data parallelism")
+            return Recommendation(best, times["ring"], 1.0, reasons)
+        ranked = ", ".join(f"{s} {format_seconds(t)}" for s, t in sorted(times.items(), key=lambda kv: kv[1]))
+        reasons.append(f"fastest step at CP-{cp}: {ranked}")
+        reasons += _why_strategy(best, hw)
+        layout, factors = best_layout(best)
+        listed = ", ".join(f"{k} {v:.4f}" for k, v in factors.items())
+        reasons.append(f"{layout} layout: load-balance factor (max/mean pairs per rank) {listed}")
+        eff = cost.efficiency(best, hw)
+        reasons.append(f"parallel efficiency {eff:.3f} (CP-1 step time / ({cp} x CP-{cp} step time))")
+        return Recommendation(best, times[best.strategy], eff, reasons)
+    reasons.append(f"no CP degree up to {max(degrees)} fits; " + _remedies(w, hw, degrees))
+    return Recommendation(None, None, None, reasons)
+
+
+def _smallest_fitting(w: Workload, hw: Hardware, degrees: list[int]) -> tuple[int, int] | None:
+    """(degree, bytes per GPU) of the smallest degree at which some strategy fits."""
+    for cp in degrees:
+        totals = [memory_per_gpu(v, hw.hbm_bytes).total
+                  for s in (STRATEGY_NAMES if cp > 1 else ("ring",)) if (v := variant(w, hw, strategy=s, cp=cp))]
+        if totals and min(totals) <= hw.hbm_bytes:
+            return cp, min(totals)
+    return None
+
+
+def _remedies(w: Workload, hw: Hardware, degrees: list[int]) -> str:
+    """What would make it fit: full checkpointing, and the smallest FSDP degree (powers of two)."""
+    found = []
+    if w.checkpointing != "full" and (hit := _smallest_fitting(w.with_(checkpointing="full"), hw, degrees)):
+        found.append(f"with --checkpointing full, CP-{hit[0]} fits ({format_bytes(hit[1])})")
+    fsdp = w.fsdp * 2
+    while fsdp <= MAX_FSDP:
+        if hit := _smallest_fitting(w.with_(fsdp=fsdp), hw, degrees):
+            found.append(f"with --fsdp {fsdp}, CP-{hit[0]} fits ({format_bytes(hit[1])})")
+            break
+        fsdp *= 2
+    if not found:
+        return f"neither --checkpointing full nor --fsdp up to {MAX_FSDP} helps: raise --max-cp"
+    return "; ".join(found)
+
+
+def _why_strategy(w: Workload, hw: Hardware) -> list[str]:
+    attn = cost.attention_time(w, hw)
+    fwd = attn.forward
+    if w.strategy == "alltoall":
+        return [f"all-to-all moves {format_bytes(cost.layer_traffic(w).total)} per layer (falls as 1/P) and "
+                f"runs one unsplit kernel per head group; its {format_seconds(fwd.lead)} forward transfer is not "
+                f"overlapped"]
+    verdict = "hides" if fwd.hidden else "does not hide"
+    s_min = cost.overlap_local_len(w, fwd)
+    line = (f"{w.strategy}: each forward transfer ({format_seconds(fwd.transfer)}) {verdict} behind its "
+            f"compute ({format_seconds(fwd.compute)})")
+    if s_min is not None:
+        line += f"; it hides from {format_tokens(round(s_min))} tokens per GPU (now {format_tokens(w.local_len)})"
+    return [line]

@@ -1,0 +1,198 @@
+"""A Plan as a readable table (MiB/GiB, ms) and as JSON (exact bytes, seconds)."""
+
+from __future__ import annotations
+
+from ctxpar.plan.cost import overlap_local_len
+from ctxpar.plan.planner import Plan
+from ctxpar.plan.units import format_bandwidth, format_bytes, format_flops, format_seconds, format_tokens
+
+MEMORY_LABELS = {
+    "parameters": "parameters (N·b / FSDP)",
+    "gradients": "gradients (N·b / FSDP)",
+    "optimizer_states": "AdamW states (fp32 m, v [+ master]) / FSDP",
+    "fsdp_buffers": "FSDP unsharded units (current + prefetch)",
+    "activations": "saved activations, no checkpointing",
+    "activations_checkpointed": "saved activations, full checkpointing",
+    "logits": "logits (b) + fp32 log-probs, B·S·V",
+    "attention_workspace": "attention workspace (one call)",
+}
+TRAFFIC_FORMULAS = {
+    "ring": ("(P-1)·2·B·H_kv·S·D·e", "(P-1)·2·B·H_kv·S·D·(e+a)"),
+    "allgather": ("(P-1)·2·B·H_kv·S·D·e", "(P-1)·2·B·H_kv·S·D·(e+a)"),
+    "alltoall": ("(U-1)/U·B·S·[D·e·(2H+2H_kv')+H·a]", "(U-1)/U·B·S·D·e·(2H+2H_kv')"),
+    "hybrid": ("alltoall(U) + (R-1)·2·B·H_kv'·S·D·e", "alltoall(U) + (R-1)·2·B·H_kv'·S·D·(e+a)"),
+}
+
+
+def _sharded(s) -> dict:
+    return {"total_bytes": s.total, "per_gpu_bytes": s.per_gpu}
+
+
+def to_json(plan: Plan) -> dict:
+    """Every figure of the plan: bytes as exact integers, times in seconds."""
+    w, hw = plan.workload, plan.hardware
+    bw = plan.step.attention.link_bandwidth
+    mem = plan.memory
+    return {
+        "inputs": w.as_dict(),
+        "hardware": hw.as_dict(),
+        "conventions": {"MiB": 2**20, "GiB": 2**30, "GB": 10**9,
+                        "bandwidth": "bytes per second per GPU per direction; GB/s = 1e9 bytes/s"},
+        "sequence_tensors": {
+            "hidden_state": _sharded(plan.tensors.hidden_state),
+            "hidden_states_all_layers": _sharded(plan.tensors.hidden_states_all_layers),
+            "kv_one_layer": _sharded(plan.tensors.kv_one_layer),
+        },
+        "traffic_per_layer": {
+            "forward_bytes": plan.traffic.forward,
+            "backward_bytes": plan.traffic.backward,
+            "link_bandwidth": bw,
+            "forward_transfer_seconds": plan.traffic.forward / bw if bw else 0.0,
+            "backward_transfer_seconds": plan.traffic.backward / bw if bw else 0.0,
+        },
+        "work": {"head_pairs_per_rank": list(plan.head_pairs), "load_balance": plan.load_balance},
+        "memory_per_gpu": {**{f"{k}_bytes": v for k, v in mem.categories().items()},
+                           "checkpointing": mem.checkpointing, "total_bytes": mem.total,
+                           "hbm_bytes": mem.hbm_bytes, "fits": mem.fits},
+        "step": plan.step.as_dict(),
+        "cp1_step": plan.cp1_step.as_dict(),
+        "efficiency": plan.efficiency,
+        "cp1_fits_up_to": plan.cp1_fits_up_to,
+        "sweep": [vars(p) for p in plan.sweep],
+        "crossovers": [vars(c) for c in plan.crossovers],
+        "recommendation": {
+            "strategy": rec.strategy if (rec := plan.recommendation.workload) else None,
+            "cp": rec.cp if rec else None,
+            "layout": rec.layout if rec else None,
+            "ulysses": rec.ulysses if rec else None,
+            "step_seconds": plan.recommendation.step_seconds,
+            "efficiency": plan.recommendation.efficiency,
+            "reasons": plan.recommendation.reasons,
+        },
+        "calibration": plan.calibration,
+    }
+
+
+def format_plan(plan: Plan) -> str:
+    """The table the CLI prints."""
+    return "\n".join([*_header(plan), "", *_tensors(plan), "", *_traffic(plan), "", *_attention(plan), "",
+                      *_memory(plan), "", *_step(plan), "", *_degrees(plan), "", *_crossovers(plan), "",
+                      *_recommendation(plan)])
+
+
+def _header(plan: Plan) -> list[str]:
+    w, hw, m = plan.workload, plan.hardware, plan.workload.model
+    strategy = w.strategy + (f" (ulysses {w.ulysses} x ring {w.ring_degree})" if w.strategy == "hybrid" else "")
+    links = (format_bandwidth(hw.intra_node_bandwidth) if hw.intra_node_bandwidth == hw.inter_node_bandwidth else
+             f"{format_bandwidth(hw.intra_node_bandwidth)} in a node of {hw.gpus_per_node}, "
+             f"{format_bandwidth(hw.inter_node_bandwidth)} across nodes")
+    return [
+        f"ctxpar plan: B={w.batch} T={w.seq} ({format_tokens(w.seq)}) {w.dtype}, CP={w.cp} {strategy}, "
+        f"{w.layout} layout, {'causal' if w.causal else 'non-causal'}, FSDP={w.fsdp}, checkpointing {w.checkpointing}",
+        f"model: layers={m.layers} hidden={m.hidden} heads={m.heads} kv_heads={m.kv_heads} head_dim={m.head_dim} "
+        f"ffn={m.ffn} vocab={m.vocab} ({m.parameters:,} parameters)",
+        f"hardware: {hw.name}: {format_flops(hw.peak_flops)} x {hw.efficiency:g} = {format_flops(hw.flops)}; "
+        f"{format_bytes(hw.hbm_bytes)} memory; links {links} [{hw.source}]",
+        "units: MiB = 2^20 B, GiB = 2^30 B; bandwidth per GPU per direction, GB/s = 1e9 B/s",
+    ]
+
+
+def _tensors(plan: Plan) -> list[str]:
+    t, w = plan.tensors, plan.workload
+    rows = [("one hidden-state tensor", "B·T·d·b", t.hidden_state),
+            (f"one per layer, {w.model.layers} layers", "L·B·T·d·b", t.hidden_states_all_layers),
+            ("K/V for one layer", "2·B·T·H_kv·D·b", t.kv_one_layer)]
+    lines = [f"{'Sequence-shaped tensors':<44} {'whole':>12} {f'per GPU (/{w.cp})':>16}"]
+    lines += [f"  {name:<26}{formula:<16} {format_bytes(s.total):>12} {format_bytes(s.per_gpu):>16}"
+              for name, formula, s in rows]
+    return lines
+
+
+def _traffic(plan: Plan) -> list[str]:
+    w, tr = plan.workload, plan.traffic
+    bw = plan.step.attention.link_bandwidth
+    fwd_f, bwd_f = TRAFFIC_FORMULAS[w.strategy]
+    lines = [f"Attention traffic per GPU per layer ({w.strategy}; sent = received)",
+             f"  {'':<10}{'formula':<40} {'bytes':>12} {f'at {format_bandwidth(bw)}':>14}"]
+    for name, formula, n in (("forward", fwd_f, tr.forward), ("backward", bwd_f, tr.backward)):
+        lines.append(f"  {name:<10}{formula:<40} {format_bytes(n):>12} {format_seconds(n / bw if bw else 0):>14}")
+    return lines
+
+
+def _attention(plan: Plan) -> list[str]:
+    w, attn = plan.workload, plan.step.attention
+    lines = [f"Attention per layer, busiest rank: 4·B·D·(pairs·heads) FLOPs forward, 2.5x backward, "
+             f"at {format_flops(plan.hardware.flops)}",
+             f"  {'':<10}{'stages':>6} {'compute/stage':>14} {'transfer/stage':>15} {'exposed':>10} {'total':>11}"
+             f"  transfer hidden"]
+    for name, p in (("forward", attn.forward), ("backward", attn.backward)):
+        s_min = overlap_local_len(w, p)
+        when = f" (from {round(s_min)} tokens/GPU; now {w.local_len})" if s_min is not None else ""
+        lines.append(f"  {name:<10}{p.stages:>6} {format_seconds(p.compute):>14} {format_seconds(p.transfer):>15} "
+                     f"{format_seconds(p.exposed):>10} {format_seconds(p.seconds):>11}  "
+                     f"{'yes' if p.hidden else 'no'}{when}")
+    lines.append(f"  load balance (max/mean pairs per rank, {w.layout}): {plan.load_balance:.4f}")
+    return lines
+
+
+def _memory(plan: Plan) -> list[str]:
+    mem, w = plan.memory, plan.workload
+    chosen = "activations_checkpointed" if w.checkpointing == "full" else "activations"
+    lines = [f"Memory per GPU (CP={w.cp}, FSDP={w.fsdp})"]
+    for key, n in mem.categories().items():
+        skipped = key in ("activations", "activations_checkpointed") and key != chosen
+        lines.append(f"  {MEMORY_LABELS[key]:<46} {format_bytes(n):>12}{'  (not counted)' if skipped else ''}")
+    verdict = "fits" if mem.fits else "does NOT fit"
+    lines.append(f"  {'total':<46} {format_bytes(mem.total):>12}  of {format_bytes(mem.hbm_bytes)}: {verdict}")
+    return lines
+
+
+def _step(plan: Plan) -> list[str]:
+    s, w = plan.step, plan.workload
+    return [f"Step time, busiest rank: {format_seconds(s.seconds)} = matmuls {format_seconds(s.matmul)} "
+            f"(6·(N - V·d) FLOPs per token{', +1 forward recomputed' if s.recompute else ''}) + attention "
+            f"{format_seconds(s.attention_seconds)} over {s.layers} layers",
+            f"CP-1 step time {format_seconds(plan.cp1_step.seconds)}; parallel efficiency at CP={w.cp}: "
+            f"{plan.efficiency:.3f} (CP-1 time / (P x CP-P time))"]
+
+
+def _degrees(plan: Plan) -> list[str]:
+    w = plan.workload
+    here = [p for p in plan.sweep if p.seq == w.seq]
+    lines = [f"Every degree and strategy at T={format_tokens(w.seq)} ({w.layout} layout)",
+             f"  {'CP':>4} {'strategy':<10} {'step':>11} {'efficiency':>10} {'memory/GPU':>12} {'fits':>5} "
+             f"{'fwd hidden':>10} {'balance':>8}"]
+    for p in here:
+        lines.append(f"  {p.cp:>4} {p.strategy if p.cp > 1 else '-':<10} {format_seconds(p.step_seconds):>11} "
+                     f"{p.efficiency:>10.3f} {format_bytes(p.memory_bytes):>12} {'yes' if p.fits else 'no':>5} "
+                     f"{'yes' if p.transfer_hidden else 'no':>10} {p.load_balance:>8.4f}")
+    return lines
+
+
+def _crossovers(plan: Plan) -> list[str]:
+    smallest, largest = min(p.seq for p in plan.sweep), max(p.seq for p in plan.sweep)
+    limit = plan.cp1_fits_up_to
+    lines = [f"Crossovers (T searched {format_tokens(smallest)}..{format_tokens(largest)}): CP-P's step is faster "
+             f"than CP-1's from T on; the longest T that fits",
+             f"  CP-1 fits up to T={limit}: CP is necessary beyond it" if limit else
+             "  CP-1 does not fit at any length: CP (or more FSDP / checkpointing) is necessary",
+             f"  {'CP':>4} {'strategy':<10} {'faster from T':>14} {'fits up to T':>13}"]
+    for c in plan.crossovers:
+        faster = "never" if c.faster_from is None else (f"<= {smallest}" if c.faster_from <= smallest
+                                                          else str(c.faster_from))
+        lines.append(f"  {c.cp:>4} {c.strategy:<10} {faster:>14} {c.fits_up_to:>13}")
+    return lines
+
+
+def _recommendation(plan: Plan) -> list[str]:
+    rec = plan.recommendation
+    w = rec.workload
+    if w is None:
+        head = "Recommendation: none fits"
+    elif w.cp == 1:
+        head = "Recommendation: no CP (CP-1)"
+    else:
+        extra = f", ulysses {w.ulysses} x ring {w.ring_degree}" if w.strategy == "hybrid" else ""
+        head = (f"Recommendation: CP-{w.cp} {w.strategy}{extra}, {w.layout} layout: step "
+                f"{format_seconds(rec.step_seconds)}, efficiency {rec.efficiency:.3f}")
+    return [head, *(f"  - {r}" for r in rec.reasons)]

@@ -1,0 +1,91 @@
+"""Reading and writing quantities: bandwidths, FLOP rates, bytes and seconds.
+
+Conventions (stated in every report): bandwidth prefixes are decimal, as vendors and
+nccl-tests quote them, so ``100GB/s`` = 100e9 bytes/s and ``400Gb/s`` = 400e9 bits/s =
+50e9 bytes/s; ``GiB/s`` and ``MiB/s`` are binary. Sizes are printed in binary units
+(MiB = 2**20 bytes, GiB = 2**30 bytes), since that is how memory is allocated.
+"""
+
+from __future__ import annotations
+
+import re
+
+_DECIMAL = {"": 1.0, "k": 1e3, "m": 1e6, "g": 1e9, "t": 1e12, "p": 1e15, "e": 1e18}
+_BINARY = {"ki": 2.0**10, "mi": 2.0**20, "gi": 2.0**30, "ti": 2.0**40}
+_BANDWIDTH = re.compile(r"^\s*([0-9]*\.?[0-9]+(?:e[+-]?[0-9]+)?)\s*([kmgtp]i?)?([bB])?(?:/s|ps)?\s*$", re.I)
+_FLOPS = re.compile(r"^\s*([0-9]*\.?[0-9]+(?:e[+-]?[0-9]+)?)\s*([kmgtpe])?(?:flop/?s|flops)?\s*$", re.I)
+
+
+def parse_bandwidth(text: str) -> float:
+    """Bytes per second from ``100GB/s``, ``400Gb/s`` (bits), ``25GiB/s``, ``1.5e11`` (bytes/s).
+
+    A lower-case ``b`` means bits, upper-case ``B`` bytes; no unit letter means bytes/s.
+    """
+    m = _BANDWIDTH.match(str(text))
+    if not m:
+        raise ValueError(f"bandwidth {text!r} is not understood; write e.g. 100GB/s, 400Gb/s or 25GiB/s")
+    value, prefix, unit = float(m.group(1)), (m.group(2) or "").lower(), m.group(3)
+    if prefix and unit is None:
+        raise ValueError(f"bandwidth {text!r} has no unit; write {m.group(1)}{m.group(2)}B/s (bytes) "
+                         f"or {m.group(1)}{m.group(2)}b/s (bits)")
+    scale = _BINARY[prefix] if prefix.endswith("i") else _DECIMAL[prefix]
+    bytes_per_s = value * scale / (8 if unit == "b" else 1)
+    if bytes_per_s <= 0:
+        raise ValueError(f"bandwidth {text!r} must be positive")
+    return bytes_per_s
+
+
+def parse_flops(text: str) -> float:
+    """FLOP/s from ``989T``, ``989TFLOPS``, ``2.25P``, ``9.89e14``."""
+    m = _FLOPS.match(str(text))
+    if not m:
+        raise ValueError(f"FLOP rate {text!r} is not understood; write e.g. 989T, 989TFLOPS or 9.89e14")
+    rate = float(m.group(1)) * _DECIMAL[(m.group(2) or "").lower()]
+    if rate <= 0:
+        raise ValueError(f"FLOP rate {text!r} must be positive")
+    return rate
+
+
+def format_bytes(n: float) -> str:
+    """``268435456`` -> ``256 MiB``; up to three decimals, trailing zeros dropped."""
+    for unit, size in (("TiB", 2**40), ("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
+        if abs(n) >= size:
+            return f"{_trim(n / size)} {unit}"
+    return f"{_trim(n)} B"
+
+
+def format_seconds(s: float) -> str:
+    """``0.00100663296`` -> ``1.007 ms``."""
+    if s == 0:
+        return "0 s"
+    for unit, size in (("s", 1.0), ("ms", 1e-3), ("us", 1e-6)):
+        if abs(s) >= size:
+            return f"{_trim(s / size)} {unit}"
+    return f"{_trim(s / 1e-9)} ns"
+
+
+def format_bandwidth(bytes_per_s: float) -> str:
+    """Decimal, like the flags: ``1e11`` -> ``100 GB/s``."""
+    for unit, size in (("TB/s", 1e12), ("GB/s", 1e9), ("MB/s", 1e6)):
+        if bytes_per_s >= size:
+            return f"{_trim(bytes_per_s / size)} {unit}"
+    return f"{_trim(bytes_per_s)} B/s"
+
+
+def format_flops(rate: float) -> str:
+    for unit, size in (("PFLOP/s", 1e15), ("TFLOP/s", 1e12), ("GFLOP/s", 1e9)):
+        if rate >= size:
+            return f"{_trim(rate / size)} {unit}"
+    return f"{_trim(rate)} FLOP/s"
+
+
+def format_tokens(t: int) -> str:
+    """``32768`` -> ``32K``, ``1048576`` -> ``1M``; other lengths verbatim."""
+    for unit, size in (("M", 2**20), ("K", 2**10)):
+        if t >= size and t % size == 0:
+            return f"{t // size}{unit}"
+    return str(t)
+
+
+def _trim(x: float) -> str:
+    return f"{x:.3f}".rstrip("0").rstrip(".")

@@ -1,0 +1,153 @@
+"""What the planner is asked about: a model shape, a sequence, a CP configuration.
+
+``resolve_model`` turns ``--model NAME`` plus explicit shape flags into one
+``ModelConfig``; ``Workload`` holds everything else and validates it before anything is
+computed, with errors that name the flag to change.
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass, replace
+from functools import cached_property
+
+from ctxpar.layout import LAYOUT_NAMES, Layout, get_layout
+from ctxpar.models.config import ModelConfig, get_config
+from ctxpar.strategies.traffic import kv_copies
+
+DEFAULT_MODEL = "llama-3-8b"
+STRATEGY_NAMES = ("ring", "allgather", "alltoall", "hybrid")
+ELEMENT_BYTES = {"bfloat16": 2, "float16": 2, "float32": 4}
+CHECKPOINTING = ("none", "full")
+
+
+def resolve_model(name: str | None = None, **shape: int | None) -> ModelConfig:
+    """The preset ``name`` (default llama-3-8b) with the given shape fields replaced.
+
+    ``heads`` not given but ``hidden`` or ``head_dim`` given: heads = hidden / head_dim,
+    the Llama convention every preset follows.
+    """
+    base = get_config(name or DEFAULT_MODEL)
+    given = {k: v for k, v in shape.items() if v is not None}
+    unknown = set(given) - set(base.as_dict())
+    if unknown:
+        raise ValueError(f"unknown model field(s) {sorted(unknown)}")
+    if "heads" not in given and ({"hidden", "head_dim"} & set(given)):
+        hidden, head_dim = given.get("hidden", base.hidden), given.get("head_dim", base.head_dim)
+        if hidden % head_dim:
+            raise ValueError(f"--hidden {hidden} is not a multiple of --head-dim {head_dim}; give --heads explicitly")
+        given["heads"] = hidden // head_dim
+    return base.with_(**given)
+
+
+@dataclass(frozen=True)
+class Workload:
+    """One training step's shape and parallel layout.
+
+    Args:
+        model: the decoder's shape.
+        batch: sequences per step B (each split over the CP group).
+        seq: tokens per sequence T.
+        dtype: compute dtype of activations, parameters and K/V ("bfloat16" | "float16" | "float32").
+        cp: CP degree P: GPUs sharing one sequence.
+        strategy: "ring" | "allgather" | "alltoall" | "hybrid".
+        layout: "contiguous" | "zigzag" | "striped".
+        ulysses: hybrid only: the all-to-all degree U (ring degree P / U).
+        fsdp: degree over which parameters, gradients and optimizer states are sharded.
+        checkpointing: "none" or "full" (keep only each layer's input, recompute the rest).
+        causal: causal attention (decoder training).
+    """
+
+    model: ModelConfig
+    batch: int
+    seq: int
+    dtype: str
+    cp: int
+    strategy: str = "ring"
+    layout: str = "zigzag"
+    ulysses: int | None = None
+    fsdp: int = 1
+    checkpointing: str = "none"
+    causal: bool = True
+
+    def __post_init__(self) -> None:
+        for flag in ("batch", "seq", "cp", "fsdp"):
+            if getattr(self, flag) < 1:
+                raise ValueError(f"--{flag} must be >= 1, got {getattr(self, flag)}")
+        if self.dtype not in ELEMENT_BYTES:
+            raise ValueError(f"--dtype {self.dtype!r} is not one of {', '.join(ELEMENT_BYTES)}")
+        if self.strategy not in STRATEGY_NAMES:
+            raise ValueError(f"--strategy {self.strategy!r} is not one of {', '.join(STRATEGY_NAMES)}")
+        if self.layout not in LAYOUT_NAMES:
+            raise ValueError(f"--layout {self.layout!r} is not one of {', '.join(LAYOUT_NAMES)}")
+        if self.checkpointing not in CHECKPOINTING:
+            raise ValueError(f"--checkpointing {self.checkpointing!r} is not one of {', '.join(CHECKPOINTING)}")
+        self.layout_obj.validate(self.seq)
+        if self.strategy == "hybrid":
+            if not self.ulysses or self.cp % self.ulysses:
+                raise ValueError(f"--strategy hybrid needs --ulysses-degree dividing --cp {self.cp}, "
+                                 f"got {self.ulysses}")
+        elif self.ulysses is not None:
+            raise ValueError("--ulysses-degree is only for --strategy hybrid")
+        if self.model.heads % self.ulysses_degree:
+            raise ValueError(f"--strategy {self.strategy} splits the {self.model.heads} query heads over "
+                             f"{self.ulysses_degree} ranks; they must divide (use ring or allgather, or another "
+                             f"--cp / --ulysses-degree)")
+
+    @cached_property
+    def layout_obj(self) -> Layout:
+        return get_layout(self.layout, self.cp)
+
+    @property
+    def ulysses_degree(self) -> int:
+        """U: ranks an all-to-all spans (P for alltoall, 1 for ring and allgather)."""
+        return {"alltoall": self.cp, "hybrid": self.ulysses}.get(self.strategy) or 1
+
+    @property
+    def ring_degree(self) -> int:
+        """R: ranks K/V travel around (P / U)."""
+        return self.cp // self.ulysses_degree
+
+    @property
+    def kv_heads_sent(self) -> int:
+        """H_kv' = f * H_kv: KV heads after the copies an all-to-all needs (docs/strategies.md)."""
+        return self.model.kv_heads * kv_copies(self.model.kv_heads, self.ulysses_degree)
+
+    @property
+    def elem(self) -> int:
+        """e: bytes per element of activations, K/V and parameters."""
+        return ELEMENT_BYTES[self.dtype]
+
+    @property
+    def acc(self) -> int:
+        """a: bytes per accumulator element (float32 for every supported dtype)."""
+        return 4
+
+    @property
+    def local_len(self) -> int:
+        """S = T / P."""
+        return self.seq // self.cp
+
+    def with_(self, **changes) -> Workload:
+        return replace(self, **changes)
+
+    def unsplit(self) -> Workload:
+        """The same step on one GPU (CP-1), the baseline of every comparison."""
+        return replace(self, cp=1, strategy="ring", ulysses=None)
+
+    def as_dict(self) -> dict:
+        d = asdict(self)
+        d["model"] = self.model.as_dict()
+        return d
+
+
+def default_ulysses(heads: int, cp: int, gpus_per_node: int) -> int | None:
+    """Hybrid's all-to-all degree: the largest U < P dividing P and H with U <= GPUs per node.
+
+    All-to-all inside a node where bandwidth is high, the ring across (docs/strategies.md);
+    None when no U > 1 qualifies (hybrid would just be a ring).
+    """
+    best = None
+    for u in range(2, min(cp - 1, gpus_per_node) + 1):
+        if cp % u == 0 and heads % u == 0:
+            best = u
+    return best

@@ -1,0 +1,264 @@
+"""The planner: its figures against hand-computed references, and ``ctxpar plan`` end to end."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import pytest
+
+from ctxpar.models.config import ModelConfig
+from ctxpar.plan import cost, get_hardware, make_plan, parse_bandwidth, parse_flops, plan_calibration, resolve_model
+from ctxpar.cli import main
+from ctxpar.plan.calibrate import measure_bandwidth
+from ctxpar.plan.cost import Pipeline
+from ctxpar.plan.hardware import local_hardware
+from ctxpar.plan.memory import memory_per_gpu, saved_tensors_per_token, sequence_tensors
+from ctxpar.plan.recommend import crossover, fits_up_to, recommend
+from ctxpar.plan.units import format_bytes, format_seconds
+from ctxpar.plan.workload import Workload
+
+MiB, GiB = 2**20, 2**30
+WORKED = ["--seq", "32768", "--cp", "4", "--hidden", "4096", "--kv-heads", "8", "--head-dim", "128", "--layers", "32",
+          "--batch", "1", "--dtype", "bfloat16", "--bandwidth", "100GB/s"]
+
+
+def worked(**changes) -> Workload:
+    """The worked example of the issue and docs/planner.md: Llama-3-8B's attention shape."""
+    model = resolve_model(hidden=4096, kv_heads=8, head_dim=128, layers=32)
+    return Workload(model, batch=1, seq=32768, dtype="bfloat16", cp=4).with_(**changes)
+
+
+def attention_only(heads: int, kv_heads: int, head_dim: int) -> ModelConfig:
+    """A one-layer model: only the attention shape matters to traffic and attention time."""
+    return resolve_model(layers=1, hidden=heads * head_dim, heads=heads, kv_heads=kv_heads, head_dim=head_dim)
+
+
+# -- units -------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("text, expected", [
+    ("100GB/s", 100e9), ("400Gb/s", 50e9), ("25GiB/s", 25 * 2**30), ("1.5e11", 1.5e11), ("3.2 Tb/s", 400e9),
+])
+def test_bandwidth_units(text: str, expected: float) -> None:
+    assert parse_bandwidth(text) == expected
+
+
+def test_bad_units_name_the_value_and_the_fix() -> None:
+    with pytest.raises(ValueError, match=r"'100G' has no unit; write 100GB/s \(bytes\) or 100Gb/s \(bits\)"):
+        parse_bandwidth("100G")
+    with pytest.raises(ValueError, match="'fast' is not understood"):
+        parse_flops("fast")
+    assert parse_flops("989T") == parse_flops("989TFLOPS") == 989e12 and parse_flops("2.25P") == 2.25e15
+
+
+def test_formatting() -> None:
+    assert (format_bytes(256 * MiB), format_bytes(8 * GiB), format_bytes(36.09375 * MiB)) == \
+        ("256 MiB", "8 GiB", "36.094 MiB")
+    assert format_seconds(96 * MiB / 100e9) == "1.007 ms" and format_seconds(0) == "0 s"
+
+
+# -- the worked example ------------------------------------------------------------------------
+
+
+def test_worked_example_sizes_and_ring_transfer() -> None:
+    w = worked()
+    t = sequence_tensors(w)
+    assert (t.hidden_state.total, t.hidden_state.per_gpu) == (256 * MiB, 64 * MiB)
+    assert (t.hidden_states_all_layers.total, t.hidden_states_all_layers.per_gpu) == (8 * GiB, 2 * GiB)
+    assert (t.kv_one_layer.total, t.kv_one_layer.per_gpu) == (128 * MiB, 32 * MiB)
+    assert cost.layer_traffic(w).forward == 96 * MiB  # (P-1) shards of 32 MiB
+    assert cost.layer_traffic(w).forward / parse_bandwidth("100GB/s") == pytest.approx(1.00663296e-3, rel=1e-12)
+
+
+def test_traffic_matches_the_strategies_doc_table() -> None:
+    """docs/strategies.md: T=16384, H=8, D=64, P=4, fp32, forward + backward per rank."""
+    for kv_heads, expected in ((2, {"ring": 36, "allgather": 36, "alltoall": 36.09375, "hybrid": 32.0625}),
+                               (8, {"ring": 144, "allgather": 144, "alltoall": 48.09375, "hybrid": 80.0625})):
+        for strategy, mib in expected.items():
+            w = Workload(attention_only(8, kv_heads, 64), batch=1, seq=16384, dtype="float32", cp=4,
+                         strategy=strategy, ulysses=2 if strategy == "hybrid" else None)
+            assert cost.layer_traffic(w).total == mib * MiB, (strategy, kv_heads)
+
+
+# -- work and time -----------------------------------------------------------------------------
+
+
+def test_flops_follow_the_flashattention_convention() -> None:
+    w = Workload(attention_only(8, 2, 64), batch=2, seq=1024, dtype="bfloat16", cp=1, causal=False)
+    assert cost.attention_forward_flops(w) == 4 * 2 * 1024**2 * 8 * 64
+    causal = cost.attention_forward_flops(w.with_(causal=True))
+    assert causal == 4 * 2 * (1024 * 1025 // 2) * 8 * 64  # halved, counting the diagonal exactly
+
+
+def test_load_balance_from_exact_pair_counts() -> None:
+    w = Workload(attention_only(8, 2, 64), batch=1, seq=4096, dtype="float32", cp=4)
+    assert cost.load_balance(w) == 1.0  # zigzag: every rank holds the same pairs
+    s = 1024  # contiguous: the last rank's queries see 3*S + its own triangle
+    assert cost.load_balance(w.with_(layout="contiguous")) == (3 * s * s + s * (s + 1) // 2) * 4 / (4096 * 4097 // 2)
+    assert cost.load_balance(w.with_(layout="contiguous", strategy="alltoall")) == 1.0  # heads split, not tokens
+
+
+def test_pipeline_hides_transfers_only_when_compute_covers_them() -> None:
+    assert Pipeline(4, compute=1.0, transfer=0.5).seconds == 4.0
+    slow = Pipeline(4, compute=1.0, transfer=2.0)
+    assert (slow.seconds, slow.exposed, slow.hidden) == (7.0, 3.0, False)
+    assert Pipeline(1, compute=1.0, transfer=0.0, lead=0.25).hidden is False  # all-to-all: nothing overlaps
+
+
+@pytest.mark.parametrize("kv_heads, causal, factor", [(32, False, 1.0), (32, True, 2.0), (8, True, 0.5)])
+def test_overlap_condition_is_the_ring_attention_papers(kv_heads: int, causal: bool, factor: float) -> None:
+    """Liu et al.: block size >= F/B for MHA, bf16, non-causal; causal halves per-step work,
+    GQA shrinks the K/V message by H_kv/H."""
+    hw = get_hardware("H100-SXM")
+    w = Workload(attention_only(32, kv_heads, 128), batch=1, seq=65536, dtype="bfloat16", cp=4, causal=causal)
+    fwd = cost.attention_time(w, hw).forward
+    assert cost.overlap_local_len(w, fwd) == pytest.approx(factor * hw.flops / hw.bandwidth(4), rel=1e-3)
+
+
+def test_efficiency_is_one_with_free_communication_and_balance() -> None:
+    hw = get_hardware("H100-SXM", bandwidth=1e30)
+    assert cost.efficiency(worked(), hw) == pytest.approx(1.0, abs=1e-9)
+    assert cost.efficiency(worked(layout="contiguous"), hw) < 0.95
+
+
+# -- memory ------------------------------------------------------------------------------------
+
+
+def test_memory_categories() -> None:
+    w = worked()
+    mem = memory_per_gpu(w, 80 * 10**9)
+    n = w.model.parameters
+    assert (mem.parameters, mem.gradients, mem.optimizer_states) == (2 * n, 2 * n, 12 * n)  # ZeRO's 16 bytes/param
+    assert memory_per_gpu(w.with_(dtype="float32"), 1).optimizer_states == 8 * n  # no master copy
+    sharded = memory_per_gpu(w.with_(fsdp=8), 1)
+    assert sharded.optimizer_states == -(-12 * n // 8) and sharded.fsdp_buffers > 0
+    m = w.model  # a Llama block's saved tensors, per token and layer
+    per_token = (4 * m.hidden + (2 * m.heads + 2 * m.kv_heads) * m.head_dim + 4 * m.ffn) * 2 + m.heads * 4
+    assert sum(saved_tensors_per_token(w).values()) == per_token
+    assert mem.activations == 32 * 8192 * per_token
+    assert mem.activations_checkpointed == 32 * 8192 * 4096 * 2 + 8192 * per_token
+    assert memory_per_gpu(w.with_(cp=8), 1).activations == mem.activations // 2
+    assert not mem.fits and mem.total == sum(v for k, v in mem.categories().items() if k != "activations_checkpointed")
+
+
+def test_fits_up_to_is_the_longest_fitting_length() -> None:
+    hw = get_hardware("H100-SXM")
+    w = worked(fsdp=8, checkpointing="full")
+    limit = fits_up_to(w, hw)
+    step = w.layout_obj.multiple
+    assert memory_per_gpu(w.with_(seq=limit), hw.hbm_bytes).fits
+    assert not memory_per_gpu(w.with_(seq=limit + step), hw.hbm_bytes).fits
+
+
+# -- the answer --------------------------------------------------------------------------------
+
+
+def test_crossover_is_where_cp_starts_to_win() -> None:
+    hw = get_hardware("H100-SXM", bandwidth=parse_bandwidth("1GB/s"))  # slow links: CP loses on short sequences
+    w = Workload(resolve_model("small"), batch=1, seq=2**16, dtype="bfloat16", cp=4)
+    c = crossover(w, hw, [2**k for k in range(10, 21)])
+    assert 2**10 < c.faster_from < 2**20
+
+    def faster(seq: int) -> bool:
+        v = w.with_(seq=seq)
+        return cost.step_time(v, hw).seconds < cost.step_time(v.with_(cp=1), hw).seconds
+
+    assert faster(c.faster_from) and not faster(c.faster_from - w.layout_obj.multiple)
+
+
+def test_recommendation_picks_the_smallest_fitting_degree() -> None:
+    hw = get_hardware("H100-SXM")
+    rec = recommend(worked(fsdp=8), hw, [1, 2, 4, 8])
+    assert (rec.workload.cp, rec.workload.layout) == (4, "zigzag")
+    assert rec.reasons[0].startswith("CP-1 needs") and rec.reasons[2].startswith("CP-4 fits")
+    assert any("load-balance factor" in r and "contiguous 1.7500" in r for r in rec.reasons)
+    short = recommend(worked(fsdp=64, seq=4096), hw, [1, 2, 4])
+    assert short.workload.cp == 1 and "data parallelism" in short.reasons[-1]
+    none = recommend(worked(), hw, [1, 2, 4])
+    assert none.workload is None and none.reasons[-1].endswith("with --fsdp 8, CP-4 fits (64.036 GiB)")
+
+
+def test_make_plan_sweeps_every_valid_combination() -> None:
+    plan = make_plan(worked(), get_hardware("H100-SXM"), max_cp=8)
+    combos = {(p.cp, p.strategy) for p in plan.sweep}
+    assert combos == {(1, "ring"), *((p, s) for p in (2, 4, 8) for s in ("ring", "allgather", "alltoall")),
+                      (4, "hybrid"), (8, "hybrid")}  # hybrid needs a ring degree > 1
+    assert plan.efficiency == pytest.approx(plan.cp1_step.seconds / (4 * plan.step.seconds))
+
+
+# -- hardware and calibration -------------------------------------------------------------------
+
+
+def test_hardware_errors_and_overrides() -> None:
+    with pytest.raises(ValueError, match="unknown hardware 'TPU'; choose one of H100-SXM, H200, A100-80GB, B200, lo"):
+        get_hardware("TPU")
+    with pytest.raises(ValueError, match="--hardware local needs measured figures: add --calibrate"):
+        get_hardware("local")
+    hw = get_hardware("h200", bandwidth=1e11, efficiency=0.4)
+    assert (hw.bandwidth(4), hw.bandwidth(64), hw.flops) == (1e11, 1e11, 989e12 * 0.4)
+    assert get_hardware("H200").bandwidth(16) == 50e9  # beyond one node: the NIC
+
+
+def test_local_hardware_from_a_calibration_file(tmp_path) -> None:
+    path = tmp_path / "plan.json"
+    path.write_text(json.dumps({"calibration": {"attention_flops": 1e11, "bandwidth": 2e9, "machine": "test"}}))
+    hw = local_hardware(plan_calibration("local", measure=False, path=str(path)))
+    assert (hw.flops, hw.bandwidth(2)) == (1e11, 2e9)
+    with pytest.raises(ValueError, match="use them with --hardware local"):
+        plan_calibration("H100-SXM", measure=False, path=str(path))
+
+
+def test_gloo_bandwidth_is_measured() -> None:
+    link = measure_bandwidth(message_bytes=MiB, repeats=2)
+    assert link["bandwidth"] == MiB / link["seconds"] > 1e6
+
+
+# -- the command -------------------------------------------------------------------------------
+
+
+def run_cli(*args: str) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "ctxpar.cli", "plan", *args], capture_output=True, text=True,
+                          timeout=120)
+
+
+def test_cli_prints_the_worked_example() -> None:
+    proc = run_cli(*WORKED)
+    assert proc.returncode == 0, proc.stderr
+    lines = proc.stdout.splitlines()
+
+    def row(start: str) -> list[str]:
+        return next(line for line in lines if line.strip().startswith(start)).split()
+
+    assert row("one hidden-state tensor")[-4:] == ["256", "MiB", "64", "MiB"]
+    assert row("one per layer, 32 layers")[-4:] == ["8", "GiB", "2", "GiB"]
+    assert row("K/V for one layer")[-4:] == ["128", "MiB", "32", "MiB"]
+    assert row("forward   (P-1)")[-4:] == ["96", "MiB", "1.007", "ms"]
+    assert "GB/s = 1e9 B/s" in proc.stdout and "at 100 GB/s" in proc.stdout
+
+
+def test_cli_json_carries_exact_bytes_and_seconds_and_plots(tmp_path) -> None:
+    out, png = tmp_path / "plan.json", tmp_path / "plan.png"
+    proc = run_cli(*WORKED, "--json", str(out), "--plot", str(png))
+    assert proc.returncode == 0, proc.stderr
+    report = json.loads(out.read_text())
+    tensors = report["sequence_tensors"]
+    assert tensors["hidden_state"] == {"total_bytes": 268435456, "per_gpu_bytes": 67108864}
+    assert tensors["hidden_states_all_layers"] == {"total_bytes": 8589934592, "per_gpu_bytes": 2147483648}
+    assert tensors["kv_one_layer"] == {"total_bytes": 134217728, "per_gpu_bytes": 33554432}
+    traffic = report["traffic_per_layer"]
+    assert (traffic["forward_bytes"], traffic["link_bandwidth"]) == (100663296, 1e11)
+    assert traffic["forward_transfer_seconds"] == 100663296 / 1e11
+    assert report["memory_per_gpu"]["total_bytes"] > report["memory_per_gpu"]["hbm_bytes"]
+    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_cli_errors_name_the_flag(capsys) -> None:
+    assert main(["plan", "--calibrate"]) == 2
+    assert "ctxpar plan: error: --calibrate and --calibration describe this machine; use them with --hardware local, " \
+        "not 'H100-SXM'" in capsys.readouterr().err
+    assert main(["plan", "--bandwidth", "100G"]) == 2
+    assert "'100G' has no unit" in capsys.readouterr().err
+    assert main(["plan", "--seq", "1004", "--cp", "4"]) == 2
+    assert "sequence length 1004 is not a multiple of 2*P=8" in capsys.readouterr().err
