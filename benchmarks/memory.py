@@ -18,13 +18,10 @@ stated as such.
 from __future__ import annotations
 
 import argparse
-import json
-import platform
-
-import torch
 
 import ctxpar
 from ctxpar.train import TrainConfig, run_train
+from report import write_json
 
 
 def step_growth(nproc: int, seq: int, args: argparse.Namespace) -> int:
@@ -72,9 +69,7 @@ def main() -> None:
               f"{r['sequence_part'] / mib:>13.1f} {r['sequence_part_vs_p1']:>7.3f} "
               f"{r['bytes_per_token'] * 1024 / mib:>11.2f} {r['largest_seq_in_budget'] or '-':>30}")
     if args.json:
-        with open(args.json, "w") as f:
-            json.dump(dict(config=vars(args), machine=platform.processor() or platform.machine(),
-                           torch=torch.__version__, rows=rows), f, indent=2)
+        write_json(args.json, args, rows=rows)
 
 
 if __name__ == "__main__":

@@ -16,8 +16,6 @@ splitting) and max / min over ranks (how evenly the layout spreads the work).
 from __future__ import annotations
 
 import argparse
-import json
-import platform
 import time
 
 import torch
@@ -26,6 +24,7 @@ import ctxpar
 from ctxpar import kernels
 from ctxpar.blocks import layout_plan
 from ctxpar.strategies.blockwise import backward_blocks, forward_blocks
+from report import write_json
 
 
 def unsplit_step(q, k, v, dout, causal: bool, scale: float) -> None:
@@ -113,9 +112,7 @@ def main() -> None:
         print(f"{row['layout']:<11} " + " ".join(f"{t:>9.3f}" for t in row["rank_seconds"])
               + f" {row['sum_seconds']:>8.3f} {row['sum_over_unsplit']:>12.3f} {row['max_over_min']:>13.3f}")
     if args.json:
-        with open(args.json, "w") as f:
-            json.dump(dict(config=vars(args), machine=platform.processor() or platform.machine(),
-                           torch=torch.__version__, unsplit_seconds=base, layouts=rows), f, indent=2)
+        write_json(args.json, args, unsplit_seconds=base, layouts=rows)
 
 
 if __name__ == "__main__":

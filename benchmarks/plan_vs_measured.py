@@ -25,7 +25,6 @@ measured - 1, of the mean over ranks.
 from __future__ import annotations
 
 import argparse
-import json
 import os
 from dataclasses import replace
 
@@ -38,6 +37,7 @@ from ctxpar.plan import cost
 from ctxpar.plan.calibrate import calibrate, format_calibration
 from ctxpar.plan.hardware import local_hardware
 from ctxpar.plan.workload import Workload
+from report import write_json
 
 
 def predict(cfg: DemoConfig, calibration: dict) -> dict:
@@ -125,8 +125,7 @@ def main() -> None:
               f"{r['attn_seconds_measured']:>9.3f} {r['attn_error']:>+7.1%} {r['wall_seconds_predicted']:>11.3f} "
               f"{r['wall_seconds_measured']:>9.3f} {r['wall_error']:>+7.1%}")
     if args.json:
-        with open(args.json, "w") as f:
-            json.dump(dict(config=vars(args), calibration=calibration, rows=rows), f, indent=2)
+        write_json(args.json, args, calibration=calibration, rows=rows)
 
 
 if __name__ == "__main__":

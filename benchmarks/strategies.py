@@ -13,8 +13,6 @@ Bytes are counted by ctxpar.comm and compared with the formulas of docs/strategi
 from __future__ import annotations
 
 import argparse
-import json
-import platform
 import time
 
 import torch
@@ -23,6 +21,7 @@ import torch.distributed as dist
 import ctxpar
 from ctxpar.launch import run_local
 from ctxpar.strategies import traffic
+from report import write_json
 
 STRATEGIES = ("ring", "allgather", "alltoall", "hybrid")
 
@@ -105,9 +104,7 @@ def main() -> None:
               f"{max(r['bytes_sent']) / mib:>14.2f} {'yes' if r['formula_matches'] else 'NO':>10} "
               f"{max(r['peak_growth_bytes']) / mib:>27.1f}")
     if args.json:
-        with open(args.json, "w") as f:
-            json.dump(dict(config=vars(args), machine=platform.processor() or platform.machine(),
-                           torch=torch.__version__, rows=rows), f, indent=2)
+        write_json(args.json, args, rows=rows)
 
 
 if __name__ == "__main__":
