@@ -222,6 +222,26 @@ def _check_hybrid_meshes(rank: int, world: int) -> dict:
     return out
 
 
+def _check_consistency(rank: int, world: int) -> dict:
+    """check_consistency=True with rank-dependent mistakes: every rank raises, none hangs."""
+    def call(local_len: int = 4, kv_heads: int = 2, causal: bool = True) -> str:
+        q = torch.randn(1, 4, local_len, 8)
+        kv = torch.randn(1, kv_heads, local_len, 8)
+        try:
+            ctxpar.attention(q, kv, kv, layout="zigzag", causal=causal, check_consistency=True)
+            return "ok"
+        except ValueError as e:
+            return str(e)
+
+    last = rank == world - 1
+    return dict(
+        length=call(local_len=6 if last else 4),
+        invalid=call(kv_heads=3 if last else 2),
+        causal=call(causal=not last),
+        agreeing=call(),
+    )
+
+
 def _check_loss_weighting(rank: int, world: int) -> dict:
     """cp_loss when ranks hold different numbers of labelled tokens (rank 0: none)."""
     from ctxpar.parallelize import IGNORE_INDEX, cp_loss
@@ -259,6 +279,8 @@ def run_all(rank: int, world: int) -> dict:
     results["bad_inputs"] = _check_bad_inputs(rank, world, mesh)
     results["traffic"] = _check_traffic(rank, world, mesh)
     results["loss_weighting"] = _check_loss_weighting(rank, world)
+    if world > 1:
+        results["consistency"] = _check_consistency(rank, world)
     if world >= 4 and world % 2 == 0:
         results["subgroups"] = _check_subgroups(rank, world)
     if world == 4:

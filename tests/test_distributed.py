@@ -130,6 +130,19 @@ def test_loss_divides_by_the_global_token_count(world: int) -> None:
         assert r["sum_of_shares"] == pytest.approx(r["want"], rel=1e-6)
 
 
+@pytest.mark.parametrize("world", WORLD_SIZES[1:], ids=lambda w: f"P{w}")
+def test_ranks_that_disagree_all_raise_with_check_consistency(world: int) -> None:
+    for rank, res in enumerate(results(world)):
+        r = res["consistency"]
+        assert "different local_len" in r["length"]
+        assert "different causal" in r["causal"]
+        if rank == world - 1:
+            assert "H_kv=3" in r["invalid"], "the rank with invalid inputs raises its own error"
+        else:
+            assert f"ranks [{world - 1}]" in r["invalid"] and "rejected" in r["invalid"]
+        assert r["agreeing"] == "ok"
+
+
 def test_any_process_group_not_only_world() -> None:
     for rank, res in enumerate(results(4)):
         for strategy, r in res["subgroups"].items():

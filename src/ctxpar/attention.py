@@ -7,7 +7,7 @@ import math
 import torch
 import torch.distributed as dist
 
-from ctxpar import topology
+from ctxpar import agreement, topology
 from ctxpar.layout import Layout, get_layout
 from ctxpar.strategies import STRATEGIES
 
@@ -25,6 +25,7 @@ def attention_with_lse(
     scale: float | None = None,
     strategy: str = "ring",
     mesh=None,
+    check_consistency: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Exact attention over a sequence sharded across the ranks of ``group``.
 
@@ -52,6 +53,10 @@ def attention_with_lse(
             Traffic and memory of each: docs/strategies.md.
         mesh: for ``"hybrid"`` only, a 2D DeviceMesh with dims "ulysses" and "ring";
             the rank in the layout is ``ctxpar.hybrid_rank(mesh)``.
+        check_consistency: first all-gather a small signature of every rank's call, so
+            that ranks called with different arguments (or one rank with invalid
+            inputs) all raise together instead of waiting on each other. Costs one
+            tiny collective per call.
 
     Returns:
         out (B, H, S, D) in q's dtype, differentiable w.r.t. q, k, v; and
@@ -60,15 +65,28 @@ def attention_with_lse(
         differentiable).
 
     Raises:
-        ValueError: for any inconsistent input, on every rank, before communicating.
+        ValueError: for any invalid input, before communicating. The checks are local,
+            so every rank must pass the same kind of inputs; ``check_consistency`` makes
+            that a checked condition.
     """
     if strategy not in STRATEGIES:
         raise ValueError(f"unknown strategy {strategy!r}; choose one of {', '.join(STRATEGIES)}")
     chosen = STRATEGIES[strategy]
     topo = _topology(chosen.axis, strategy, group, mesh)
-    layout = _layout_for(layout, topo)
-    scale = _validate(q, k, v, layout, topo, causal, scale)
-    chosen.check(q, k, topo)
+    layout_name = layout.name if isinstance(layout, Layout) else str(layout)
+    error = None
+    try:
+        layout = _layout_for(layout, topo)
+        scale = _validate(q, k, v, layout, topo, causal, scale)
+        chosen.check(q, k, topo)
+    except ValueError as e:
+        if not (check_consistency and topo.world_size > 1):
+            raise
+        error = e
+    if check_consistency and topo.world_size > 1:
+        sig = agreement.signature(q, k, layout_name=layout_name, causal=causal, scale=scale, strategy=strategy,
+                                  rejected=error is not None)
+        agreement.check_ranks_agree(sig, topo, error)
     return chosen.run(q, k, v, layout=layout, topo=topo, causal=causal, scale=scale)
 
 
