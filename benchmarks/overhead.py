@@ -21,33 +21,25 @@ import time
 import torch
 
 import ctxpar
-from ctxpar import kernels
 from ctxpar.blocks import layout_plan
-from ctxpar.strategies.blockwise import backward_blocks, forward_blocks
+from ctxpar.strategies.blockwise import backward_blocks, forward_blocks, gradient_accumulators, output_accumulators
+from ctxpar.verify import unsplit_attention
 from report import write_json
-
-
-def unsplit_step(q, k, v, dout, causal: bool, scale: float) -> None:
-    out, lse = kernels.attention_forward(q, k, v, causal=causal, scale=scale)
-    kernels.attention_backward(dout, q, k, v, out, lse, causal=causal, scale=scale)
 
 
 def rank_step(layout, seq_len: int, rank: int, shards: dict, causal: bool, scale: float) -> None:
     """Rank ``rank``'s share of CP forward + backward, every K/V shard already local."""
     q, dout = shards["q"][rank], shards["dout"][rank]
-    acc_out = torch.zeros(q.shape, dtype=torch.float32)
-    acc_lse = torch.full(q.shape[:3], float("-inf"))
+    acc_out, acc_lse = output_accumulators(q)
     for src in range(layout.world_size):
         plan = layout_plan(layout, seq_len, rank, src, causal)
         forward_blocks(q, shards["k"][src], shards["v"][src], plan, acc_out, acc_lse, scale)
     out = acc_out.to(q.dtype)
-    dq = torch.zeros(q.shape, dtype=torch.float32)
+    dq, dkv = gradient_accumulators(q, shards["k"][rank])
     for src in range(layout.world_size):
-        k = shards["k"][src]
-        dk = torch.zeros(k.shape, dtype=torch.float32)
-        dv = torch.zeros(k.shape, dtype=torch.float32)
+        dkv.zero_()  # each source's dK/dV share, as the ring's scratch accumulator
         plan = layout_plan(layout, seq_len, rank, src, causal)
-        backward_blocks(dout, q, k, shards["v"][src], out, acc_lse, plan, scale, dq, dk, dv)
+        backward_blocks(dout, q, shards["k"][src], shards["v"][src], out, acc_lse, plan, scale, dq, dkv[0], dkv[1])
 
 
 def seconds(fn) -> float:
@@ -90,7 +82,7 @@ def main() -> None:
     unsplit = []
     per_rank = {layout.name: [[] for _ in range(args.nproc)] for layout in layouts}
     for _ in range(args.repeat):  # interleaved, so drift on the machine hits every column alike
-        unsplit.append(seconds(lambda: unsplit_step(q, k, v, dout, args.causal, scale)))
+        unsplit.append(seconds(lambda: unsplit_attention(q, k, v, dout, causal=args.causal, scale=scale)))
         for layout in layouts:
             for r in range(args.nproc):
                 step = lambda: rank_step(layout, args.seq, r, shards[layout.name], args.causal, scale)  # noqa: E731

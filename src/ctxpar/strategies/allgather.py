@@ -26,9 +26,8 @@ from torch.autograd.function import once_differentiable
 from ctxpar import profile
 from ctxpar.blocks import layout_plan
 from ctxpar.comm import PendingAllGather, PendingReduceScatter
-from ctxpar.kernels import accumulation_dtype
 from ctxpar.layout import Layout
-from ctxpar.strategies.blockwise import backward_blocks, forward_blocks
+from ctxpar.strategies.blockwise import backward_blocks, forward_blocks, gradient_accumulators, output_accumulators
 from ctxpar.topology import Topology
 
 
@@ -41,9 +40,7 @@ class AllGatherAttention(torch.autograd.Function):
     def forward(ctx, q, k, v, layout: Layout, group, rank: int, causal: bool, scale: float):
         world, seq_len = layout.world_size, q.shape[2] * layout.world_size
         g = q.shape[1] // k.shape[1]  # query heads per KV head
-        acc = accumulation_dtype(q.dtype)
-        acc_out = torch.zeros(q.shape, dtype=acc, device=q.device)  # (B, H, S, D)
-        acc_lse = torch.full(q.shape[:3], float("-inf"), dtype=acc, device=q.device)
+        acc_out, acc_lse = output_accumulators(q)  # (B, H, S, D), (B, H, S)
         kv = torch.stack([k, v])  # (2, B, H_kv, S, D)
         heads = _head_groups(k.shape[1])
         pending = PendingAllGather(kv[:, :, heads[0]], group)
@@ -71,9 +68,7 @@ class AllGatherAttention(torch.autograd.Function):
         world, seq_len = layout.world_size, q.shape[2] * layout.world_size
         g = q.shape[1] // k.shape[1]
         dout = dout.contiguous()
-        acc = accumulation_dtype(q.dtype)
-        dq = torch.zeros(q.shape, dtype=acc, device=q.device)
-        dkv = torch.empty((2, *k.shape), dtype=acc, device=k.device)  # our shard's dK, dV
+        dq, dkv = gradient_accumulators(q, k)  # dkv: our shard's dK, dV, filled head by head
         kv = torch.stack([k, v])
         heads = _head_groups(k.shape[1])
         pending = PendingAllGather(kv[:, :, heads[0]], group)
@@ -83,7 +78,7 @@ class AllGatherAttention(torch.autograd.Function):
             if i + 1 < len(heads):
                 pending = PendingAllGather(kv[:, :, heads[i + 1]], group)
             qh = slice(kvh.start * g, kvh.stop * g)
-            shares = torch.zeros(gathered.shape, dtype=acc, device=q.device)  # (P, 2, B, 1, S, D)
+            shares = torch.zeros(gathered.shape, dtype=dkv.dtype, device=q.device)  # (P, 2, B, 1, S, D)
             with profile.timed("compute", q.device):
                 for src in range(world):
                     plan = layout_plan(layout, seq_len, rank, src, causal)

@@ -14,6 +14,21 @@ from ctxpar.blocks import Block
 from ctxpar.merge import merge_into
 
 
+def output_accumulators(q: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(out, lse) to merge partials into: zeros (B, H, S, D) and -inf (B, H, S), in the
+    accumulation dtype (float32, or float64 for float64 inputs)."""
+    acc = kernels.accumulation_dtype(q.dtype)
+    return (torch.zeros(q.shape, dtype=acc, device=q.device),
+            torch.full(q.shape[:3], float("-inf"), dtype=acc, device=q.device))
+
+
+def gradient_accumulators(q: torch.Tensor, k: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Zeroed dQ (B, H, S, D) and dK/dV stacked (2, B, H_kv, S, D), accumulation dtype."""
+    acc = kernels.accumulation_dtype(q.dtype)
+    return (torch.zeros(q.shape, dtype=acc, device=q.device),
+            torch.zeros((2, *k.shape), dtype=acc, device=k.device))
+
+
 def forward_blocks(
     q: torch.Tensor,
     k: torch.Tensor,

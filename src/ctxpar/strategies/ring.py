@@ -27,9 +27,8 @@ from torch.autograd.function import once_differentiable
 from ctxpar import profile
 from ctxpar.blocks import layout_plan
 from ctxpar.comm import RingComm
-from ctxpar.kernels import accumulation_dtype
 from ctxpar.layout import Layout
-from ctxpar.strategies.blockwise import backward_blocks, forward_blocks
+from ctxpar.strategies.blockwise import backward_blocks, forward_blocks, gradient_accumulators, output_accumulators
 from ctxpar.topology import Topology
 
 _KV_TAG, _DKV_TAG = 0, 1
@@ -42,9 +41,7 @@ class RingAttention(torch.autograd.Function):
     def forward(ctx, q, k, v, layout: Layout, group, rank: int, causal: bool, scale: float):
         world = layout.world_size
         seq_len = q.shape[2] * world
-        acc = accumulation_dtype(q.dtype)
-        acc_out = torch.zeros(q.shape, dtype=acc, device=q.device)  # (B, H, S, D)
-        acc_lse = torch.full(q.shape[:3], float("-inf"), dtype=acc, device=q.device)  # (B, H, S)
+        acc_out, acc_lse = output_accumulators(q)  # (B, H, S, D), (B, H, S)
         kv = torch.stack([k, v])  # (2, B, H_kv, S, D): one message per step
         comm = RingComm(group, tag=_KV_TAG) if world > 1 else None
         spare = torch.empty_like(kv) if comm else None
@@ -72,9 +69,7 @@ class RingAttention(torch.autograd.Function):
         world = layout.world_size
         seq_len = q.shape[2] * world
         dout = dout.contiguous()
-        acc = accumulation_dtype(q.dtype)
-        dq = torch.zeros(q.shape, dtype=acc, device=q.device)
-        own = torch.zeros((2, *k.shape), dtype=acc, device=k.device)  # dK/dV of our own shard
+        dq, own = gradient_accumulators(q, k)  # own: dK/dV of our own shard
         kv = torch.stack([k, v])
         if world > 1:
             kv_comm, dkv_comm = RingComm(ctx.group, tag=_KV_TAG), RingComm(ctx.group, tag=_DKV_TAG)

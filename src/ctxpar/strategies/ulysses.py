@@ -27,6 +27,8 @@ dq, dk, dv back, (U-1)/U * B*S*D*e*(2H + 2H_kv').
 
 from __future__ import annotations
 
+import functools
+
 import torch
 
 from ctxpar import comm
@@ -50,6 +52,15 @@ class _AllToAll(torch.autograd.Function):
         return comm.all_to_all(grad.contiguous(), gather_dim, scatter_dim, ctx.group), None, None, None
 
 
+@functools.lru_cache(maxsize=256)
+def _arrival_order(layout: Layout, seq_len: int, ring_rank: int, u: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """(order, restore): the gathered tokens arrive member by member; ``order`` sorts them
+    into global position order and ``restore`` undoes it. Cached: the same every layer."""
+    members = range(ring_rank * u, (ring_rank + 1) * u)
+    order = torch.argsort(torch.cat([layout.positions(seq_len, m) for m in members]))
+    return order, torch.argsort(order)
+
+
 def ulysses_attention(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, layout: Layout, topo: Topology, causal: bool, scale: float
 ) -> tuple[torch.Tensor, torch.Tensor]:
@@ -58,11 +69,8 @@ def ulysses_attention(
     if copies > 1:
         k, v = k.repeat_interleave(copies, dim=1), v.repeat_interleave(copies, dim=1)
 
-    # the gathered tokens arrive member by member; sort them into global position order
-    seq_len = q.shape[2] * layout.world_size
-    members = range(topo.ring_rank * u, (topo.ring_rank + 1) * u)
-    arrived = torch.cat([layout.positions(seq_len, m) for m in members])
-    order = torch.argsort(arrived).to(q.device)
+    order, restore = (t.to(q.device) for t in _arrival_order(layout, q.shape[2] * layout.world_size,
+                                                            topo.ring_rank, u))
 
     def seq_to_heads(x: torch.Tensor) -> torch.Tensor:  # (B, H, S, D) -> (B, H/U, U*S, D), ascending
         return _AllToAll.apply(x, 1, 2, group).index_select(2, order)
@@ -71,7 +79,6 @@ def ulysses_attention(
     out, lse = RingAttention.apply(
         seq_to_heads(q), seq_to_heads(k), seq_to_heads(v), inner, topo.ring_group, topo.ring_rank, causal, scale
     )  # (B, H/U, U*S, D), (B, H/U, U*S)
-    restore = torch.argsort(order)
     out = _AllToAll.apply(out.index_select(2, restore), 2, 1, group)  # (B, H, S, D)
     with torch.no_grad():
         lse = comm.all_to_all(lse.index_select(2, restore).unsqueeze(-1), 2, 1, group).squeeze(-1)
