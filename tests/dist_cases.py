@@ -37,14 +37,14 @@ class Case:
     dtype: str
     chunk: int = 3  # tokens per zigzag chunk: T = 2 * P * chunk
     scale: float | None = None
-    transposed: bool = False  # q/k/v as (B, S, H, D) memory viewed as (B, H, S, D)
+    memory: str = "dense"  # how q/k/v sit in memory: a key of MEMORY
 
     @property
     def id(self) -> str:
         mask = "causal" if self.causal else "full"
         extra = f"-T{self.chunk}" if self.chunk != 3 else ""
         extra += f"-scale{self.scale}" if self.scale is not None else ""
-        extra += "-transposed" if self.transposed else ""
+        extra += f"-{self.memory}" if self.memory != "dense" else ""
         return f"{self.strategy}-{self.layout}-{mask}-{self.heads}-{self.dtype}{extra}"
 
     def runs_on(self, world: int) -> bool:
@@ -60,7 +60,9 @@ def exactness_cases() -> list[Case]:
         grid += [Case(strategy, layout, True, "gqa", "float32", chunk=40) for layout in LAYOUTS]
         grid += [Case(strategy, "zigzag", True, "gqa", "float64"), Case(strategy, "striped", False, "mqa", "float64")]
         grid += [Case(strategy, "zigzag", True, "mha", "float32", scale=0.3),
-                 Case(strategy, "striped", True, "gqa", "bfloat16", transposed=True)]
+                 Case(strategy, "striped", True, "gqa", "bfloat16", memory="bshd"),
+                 Case(strategy, "zigzag", True, "gqa", "float32", memory="interleaved"),
+                 Case(strategy, "contiguous", False, "mha", "bfloat16", memory="d_major")]
     return grid
 
 
@@ -74,11 +76,18 @@ def _inputs(case: Case, world: int, seed: int) -> tuple[torch.Tensor, ...]:
     return tuple(torch.randn(s, generator=gen, dtype=torch.float64).to(dtype).double() for s in shapes)
 
 
-def _local(t: torch.Tensor, dtype: torch.dtype, transposed: bool) -> torch.Tensor:
-    """A leaf in ``dtype``; if ``transposed``, a (B, H, S, D) view of (B, S, H, D) memory."""
-    if transposed:
-        return t.transpose(1, 2).contiguous().to(dtype).transpose(1, 2).detach().requires_grad_()
-    return t.to(dtype).requires_grad_()
+# (B, H, S, D) leaves laid out in memory as users produce them
+MEMORY = {
+    "dense": lambda t: t,
+    "bshd": lambda t: t.transpose(1, 2).contiguous().transpose(1, 2),  # (B, S, H, D) memory
+    "interleaved": lambda t: torch.stack([t, t], -1)[..., 0],  # unbound from (..., D, 2): last-dim stride 2
+    "d_major": lambda t: t.transpose(2, 3).contiguous().transpose(2, 3),  # (B, H, D, S) memory
+}
+
+
+def _local(t: torch.Tensor, dtype: torch.dtype, memory: str) -> torch.Tensor:
+    """A leaf in ``dtype`` with the strides of ``MEMORY[memory]``."""
+    return MEMORY[memory](t.to(dtype)).detach().requires_grad_()
 
 
 def _check_case(case: Case, rank: int, world: int, group=None, group_rank: int | None = None, mesh=None) -> dict:
@@ -102,7 +111,7 @@ def _check_case(case: Case, rank: int, world: int, group=None, group_rank: int |
         baseline = max_abs_errors(low, ref)
 
     shard = lambda t: layout.shard(t, group_rank, dim=2)  # noqa: E731
-    local = [_local(shard(t), dtype, case.transposed) for t in (q, k, v)]
+    local = [_local(shard(t), dtype, case.memory) for t in (q, k, v)]
     got_out, got_lse = ctxpar.attention_with_lse(
         *local, layout=layout, group=group, mesh=mesh, causal=case.causal, scale=case.scale, strategy=case.strategy
     )

@@ -64,3 +64,33 @@ def test_low_precision_blocks_are_computed_and_returned_in_float32() -> None:
     grads = kernels.attention_backward(torch.ones_like(q), q, k, v, out, lse, causal=True, scale=0.25)
     assert out.dtype == lse.dtype == torch.float32
     assert all(g.dtype == torch.float32 for g in grads)
+
+
+def strided_views() -> dict:
+    """Ways a hurried user's (B, H, S, D) tensor can sit in memory."""
+    return {
+        "interleaved_qkv": lambda t: torch.stack([t, t.neg(), t], -1)[..., 0],  # unbound from (..., D, 3)
+        "d_major": lambda t: t.transpose(-1, -2).contiguous().transpose(-1, -2),
+        "bshd": lambda t: t.transpose(1, 2).contiguous().transpose(1, 2),
+        "every_other_token": lambda t: torch.stack([t, t], 3).flatten(2, 3)[:, :, ::2],
+        "sliced_head_dim": lambda t: torch.cat([t, t], -1)[..., : t.shape[-1]],
+        "expanded_batch": lambda t: t[:1].expand_as(t),
+    }
+
+
+@pytest.mark.parametrize("backend", [sdpa, reference], ids=["sdpa", "reference"])
+@pytest.mark.parametrize("view", list(strided_views()))
+@pytest.mark.parametrize("causal", [True, False])
+def test_block_kernel_accepts_any_strides(backend, view, causal) -> None:
+    """Every tensor of the contract as a strided view: the same results as its dense copy."""
+    as_view = strided_views()[view]
+    q, k, v = map(as_view, make(4, 2, 20))
+    dout = as_view(torch.randn(q.shape, dtype=q.dtype))
+    assert not q.is_contiguous()
+    dense = lambda *ts: [t.contiguous() for t in ts]  # noqa: E731
+    out, lse = backend.attention_forward(*dense(q, k, v), causal=causal, scale=0.3)
+    grads = backend.attention_backward(*dense(dout, q, k, v, out), lse, causal=causal, scale=0.3)
+    out_v, lse_v = backend.attention_forward(q, k, v, causal=causal, scale=0.3)
+    grads_v = backend.attention_backward(dout, q, k, v, as_view(out), lse, causal=causal, scale=0.3)
+    for got, want in zip((out_v, lse_v, *grads_v), (out, lse, *grads)):
+        torch.testing.assert_close(got, want, rtol=0, atol=1e-12)

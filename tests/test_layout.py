@@ -44,7 +44,7 @@ def test_shard_unshard_round_trip_is_exact(name: str, world: int, dim: int) -> N
 def test_zigzag_shard_holds_chunk_r_and_its_mirror() -> None:
     x = torch.arange(24).view(1, 24)
     layout = ctxpar.ZigzagLayout(3)  # 6 chunks of 4
-    assert layout.shard(x, 1).tolist() == [[4, 5, 6, 7, 16, 17, 18, 19]]
+    assert layout.shard(x, 1, dim=1).tolist() == [[4, 5, 6, 7, 16, 17, 18, 19]]
 
 
 @pytest.mark.parametrize(
@@ -61,7 +61,7 @@ def test_invalid_length_names_length_multiple_and_fix(name, world, seq_len, frag
     if seq_len % layout.multiple == 0:
         pytest.fail("case must be invalid")
     with pytest.raises(ValueError) as err:
-        layout.shard(torch.zeros(1, seq_len), 0)
+        layout.shard(torch.zeros(1, seq_len), 0, dim=1)
     for fragment in fragments:
         assert fragment in str(err.value)
 
@@ -77,3 +77,23 @@ def test_bad_layout_arguments() -> None:
         ctxpar.StripedLayout(2).positions(8, 2)
     with pytest.raises(ValueError, match="needs 2 pieces"):
         ctxpar.StripedLayout(2).unshard([torch.zeros(1, 4)])
+
+
+def test_the_sequence_dim_is_never_guessed() -> None:
+    """(B, H, T, D) sharded without dim= would have split heads under the old default dim=1."""
+    layout = ctxpar.ZigzagLayout(2)
+    x = torch.randn(1, 4, 8, 2)
+    with pytest.raises(ValueError, match=r"needs dim=.*dim=2 for attention inputs"):
+        layout.shard(x, 0)
+    with pytest.raises(ValueError, match="needs dim="):
+        layout.unshard([x, x])
+    for bad in (4, -5, 1.0, True):
+        with pytest.raises(ValueError, match="is not a dim"):
+            layout.shard(x, 0, dim=bad)
+    assert torch.equal(layout.shard(x, 1, dim=-2), layout.shard(x, 1, dim=2))
+    with pytest.raises(ValueError, match="0-d tensor"):
+        layout.shard(torch.tensor(1.0), 0, dim=0)
+    with pytest.raises(ValueError, match="rank must be an int"):
+        layout.shard(x, True, dim=2)
+    with pytest.raises(ValueError, match="differ in dtype or device"):
+        layout.unshard([x, x.double()], dim=2)

@@ -75,3 +75,15 @@ def test_merge_into_a_slice_updates_the_accumulator() -> None:
     merge_into(acc[:, 2:4], acc_lse[:, 2:4], torch.ones(1, 2, 2), torch.zeros(1, 2))
     assert acc[:, 2:4].eq(1).all() and acc[:, :2].eq(0).all() and acc[:, 4:].eq(0).all()
     assert acc_lse[:, 2:4].eq(0).all() and torch.isneginf(acc_lse[:, 4:]).all()
+
+
+def test_a_row_without_a_defined_softmax_gets_lse_plus_inf_and_a_nan_output() -> None:
+    """A kernel reports a row that met a +inf score as lse NaN or +inf (torch's fused op
+    does both); merged, it is +inf, so the backward confines the poison to that key."""
+    out = torch.zeros(1, 3, 2)
+    lse = torch.full((1, 3), -math.inf)
+    merge_into(out, lse, torch.randn(1, 3, 2), torch.tensor([[0.5, 0.5, 0.5]]))
+    partial = torch.tensor([[[math.nan] * 2, [math.nan] * 2, [0.0] * 2]])  # row 2 saw no key: (0, -inf)
+    merge_into(out, lse, partial, torch.tensor([[math.nan, math.inf, -math.inf]]))
+    assert lse[0, 0] == math.inf and lse[0, 1] == math.inf and lse[0, 2] == 0.5
+    assert out[0, :2].isnan().all() and out[0, 2].isfinite().all()

@@ -1,10 +1,16 @@
-"""Opt-in check that every rank of the CP group called attention with the same arguments.
+"""Checking that every rank of the CP group called attention with the same arguments.
 
 Local validation catches inputs that are wrong everywhere. Inputs that differ between
-ranks (one rank with another sequence length, dtype or layout, or one rank whose inputs
-fail validation) would leave the other ranks waiting inside a collective. With
-``check_consistency=True``, every rank first contributes a small signature of its call
-to one all-gather; then all ranks raise the same kind of error together, or all go on.
+ranks are worse: one rank with another causal flag, scale or layout, or K/V of another
+shape but the same byte count, gives silently wrong results; one rank that rejects its
+inputs leaves the others waiting inside a collective. So, by default, every rank first
+contributes a small signature of its call to one all-gather per process group the
+strategy uses; then all ranks raise together, or all go on.
+
+A hybrid strategy uses two groups (ulysses rows and ring columns of the mesh). A rank
+learns of trouble in its own row in the first exchange and passes it on in the second,
+so after both every rank knows whether any rank of the mesh rejected or disagreed:
+every ring column holds one member of every row.
 """
 
 from __future__ import annotations
@@ -15,45 +21,73 @@ import zlib
 import torch
 import torch.distributed as dist
 
+from ctxpar.comm import all_gather_into
 from ctxpar.topology import Topology
 
-FIELDS = ("rejected", "batch", "heads", "kv_heads", "local_len", "head_dim", "dtype", "causal", "scale",
-          "strategy", "layout")
+# bits of the first field: what this rank knows went wrong so far
+OWN_INPUTS_REJECTED, SAW_REJECTED, SAW_DIFFERENT = 1, 2, 4
+FIELDS = ("trouble", "batch", "heads", "kv_heads", "local_len", "head_dim", "dtype", "causal", "scale",
+          "strategy", "layout", "needs_grad")
 
 
 def _code(text: str) -> int:
     return zlib.crc32(text.encode())
 
 
-def signature(q, k, *, layout_name: str, causal, scale, strategy: str, rejected: bool) -> list[int]:
-    """Integers describing one call; shape fields are -1 where the inputs are not tensors."""
+def signature(q, k, v, *, layout_name: str, causal, scale, strategy, rejected: bool) -> list[int]:
+    """Integers describing one call; shape fields are -1 where the inputs are not tensors.
+
+    ``needs_grad``: whether this call will run a backward (which communicates too), so a
+    rank whose inputs lack ``requires_grad`` is caught here rather than left out there.
+    """
+    tensors = [t for t in (q, k, v) if isinstance(t, torch.Tensor)]
     shape = list(q.shape) if isinstance(q, torch.Tensor) and q.dim() == 4 else [-1] * 4
     kv_heads = k.shape[1] if isinstance(k, torch.Tensor) and k.dim() == 4 else -1
     dtype = _code(str(q.dtype)) if isinstance(q, torch.Tensor) else -1
     scale_bits = struct.unpack("<q", struct.pack("<d", float(scale)))[0] if isinstance(scale, (int, float)) else -1
-    return [int(rejected), shape[0], shape[1], kv_heads, shape[2], shape[3], dtype, int(bool(causal)), scale_bits,
-            _code(strategy), _code(layout_name)]
+    needs_grad = torch.is_grad_enabled() and any(t.requires_grad for t in tensors)
+    return [OWN_INPUTS_REJECTED if rejected else 0, shape[0], shape[1], kv_heads, shape[2], shape[3], dtype, int(bool(causal)),
+            scale_bits, _code(str(strategy)), _code(layout_name), int(needs_grad)]
 
 
 def check_ranks_agree(sig: list[int], topo: Topology, error: ValueError | None) -> None:
-    """All-gather ``sig`` over the groups ``topo`` communicates on; raise on every rank if
+    """All-gather ``sig`` over every group ``topo`` communicates on; raise on every rank if
     any rank rejected its inputs or the signatures differ. Re-raises ``error`` on the
-    rank that had it."""
+    rank that had it. Every rank runs every exchange, whatever it has learnt, so that no
+    rank is left waiting in one."""
+    sig = list(sig)
+    rejected_ranks: list[int] = []
+    differs: list[str] = []
     for group in topo.process_groups:
-        world = dist.get_world_size(group)
-        device = torch.device("cuda", torch.cuda.current_device()) if dist.get_backend(group) == "nccl" else "cpu"
-        mine = torch.tensor(sig, dtype=torch.int64, device=device)
-        rows = [torch.empty_like(mine) for _ in range(world)]
-        dist.all_gather(rows, mine, group=group)
-        table = torch.stack(rows).cpu()  # (W, fields)
-        if error is not None:
-            raise error
-        rejected = table[:, 0].nonzero().flatten().tolist()
-        if rejected:
-            raise ValueError(f"ranks {rejected} of the CP group rejected their attention inputs; see their errors")
-        differs = [FIELDS[i] for i in range(1, len(FIELDS)) if not bool((table[:, i] == table[0, i]).all())]
-        if differs:
-            raise ValueError(
-                f"the ranks of the CP group called attention with different {', '.join(differs)}; every rank "
-                f"must pass the same shapes, dtype, causal flag, scale, strategy and layout"
-            )
+        table = _all_gather(sig, group)  # (W, fields)
+        bits = table[:, 0].tolist()
+        rejected_ranks += [_global_rank(group, i) for i, b in enumerate(bits) if b & OWN_INPUTS_REJECTED]
+        here = [FIELDS[i] for i in range(1, len(FIELDS)) if not bool((table[:, i] == table[0, i]).all())]
+        differs += [f for f in here if f not in differs]
+        if any(b & (OWN_INPUTS_REJECTED | SAW_REJECTED) for b in bits):
+            sig[0] |= SAW_REJECTED
+        if here or any(b & SAW_DIFFERENT for b in bits):
+            sig[0] |= SAW_DIFFERENT
+    if error is not None:
+        raise error
+    if sig[0] & SAW_REJECTED:
+        who = f"ranks {sorted(set(rejected_ranks))}" if rejected_ranks else "a rank"
+        raise ValueError(f"{who} of the CP group rejected their attention inputs; see their errors")
+    if sig[0] & SAW_DIFFERENT:
+        what = f"different {', '.join(differs)}" if differs else "different arguments (seen by another rank)"
+        raise ValueError(
+            f"the ranks of the CP group called attention with {what}; every rank must pass the same shapes, "
+            f"dtype, causal flag, scale, strategy, layout and requires_grad"
+        )
+
+
+def _global_rank(group: dist.ProcessGroup | None, group_rank: int) -> int:
+    return group_rank if group is None else dist.get_global_rank(group, group_rank)
+
+
+def _all_gather(sig: list[int], group: dist.ProcessGroup | None) -> torch.Tensor:
+    device = torch.device("cuda", torch.cuda.current_device()) if dist.get_backend(group) == "nccl" else "cpu"
+    mine = torch.tensor(sig, dtype=torch.int64, device=device)
+    table = mine.new_empty(dist.get_world_size(group) * len(sig))
+    all_gather_into(table, mine, group=group)  # uncounted: not part of the strategy's traffic
+    return table.view(-1, len(sig)).cpu()

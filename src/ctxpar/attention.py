@@ -7,9 +7,9 @@ import math
 import torch
 import torch.distributed as dist
 
-from ctxpar import agreement, topology
+from ctxpar import agreement, kernels, topology
 from ctxpar.layout import Layout, get_layout
-from ctxpar.strategies import STRATEGIES
+from ctxpar.strategies import STRATEGIES, Strategy
 
 _DTYPES = (torch.float32, torch.bfloat16, torch.float16, torch.float64)
 
@@ -25,7 +25,7 @@ def attention_with_lse(
     scale: float | None = None,
     strategy: str = "ring",
     mesh=None,
-    check_consistency: bool = False,
+    check_consistency: bool = True,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Exact attention over a sequence sharded across the ranks of ``group``.
 
@@ -53,10 +53,13 @@ def attention_with_lse(
             Traffic and memory of each: docs/strategies.md.
         mesh: for ``"hybrid"`` only, a 2D DeviceMesh with dims "ulysses" and "ring";
             the rank in the layout is ``ctxpar.hybrid_rank(mesh)``.
-        check_consistency: first all-gather a small signature of every rank's call, so
-            that ranks called with different arguments (or one rank with invalid
-            inputs) all raise together instead of waiting on each other. Costs one
-            tiny collective per call.
+        check_consistency: first all-gather a small signature of every rank's call
+            (shapes, dtype, causal, scale, strategy, layout, whether a backward will
+            run), so that ranks called with different arguments (or one rank with
+            invalid inputs) all raise together instead of computing a wrong result or
+            waiting on each other. One tiny collective per call (cost measured by
+            ``benchmarks/consistency.py``, figures in docs/benchmarks.md); turn it off
+            only on every rank at once, for calls already known to agree.
 
     Returns:
         out (B, H, S, D) in q's dtype, differentiable w.r.t. q, k, v; and
@@ -65,34 +68,55 @@ def attention_with_lse(
         differentiable).
 
     Raises:
-        ValueError: for any invalid input, before communicating. The checks are local,
-            so every rank must pass the same kind of inputs; ``check_consistency`` makes
-            that a checked condition.
+        ValueError: for any invalid input, before any K/V move. With
+            ``check_consistency`` every rank raises when any rank's inputs are invalid
+            or differ from the others'; without it the checks are local, and ranks
+            called differently may compute wrong results or wait on each other.
     """
-    if strategy not in STRATEGIES:
-        raise ValueError(f"unknown strategy {strategy!r}; choose one of {', '.join(STRATEGIES)}")
-    chosen = STRATEGIES[strategy]
-    topo = _topology(chosen.axis, strategy, group, mesh)
-    layout_name = layout.name if isinstance(layout, Layout) else str(layout)
-    error = None
+    error, topo = None, None
     try:
+        chosen = _strategy(strategy)
+        topo = _topology(chosen.axis, strategy, group, mesh)
         layout = _layout_for(layout, topo)
         scale = _validate(q, k, v, layout, topo, causal, scale)
         chosen.check(q, k, topo)
     except ValueError as e:
-        if not (check_consistency and topo.world_size > 1):
-            raise
         error = e
-    if check_consistency and topo.world_size > 1:
-        sig = agreement.signature(q, k, layout_name=layout_name, causal=causal, scale=scale, strategy=strategy,
-                                  rejected=error is not None)
-        agreement.check_ranks_agree(sig, topo, error)
+    if check_consistency:
+        # a rank whose own arguments name no valid strategy or topology still joins the
+        # exchange its peers run, on the groups its group= or mesh= describe
+        peers = topo or _fallback_topology(group, mesh)
+        if peers is not None and peers.world_size > 1:
+            sig = agreement.signature(q, k, v, layout_name=_layout_name(layout), causal=causal, scale=scale,
+                                      strategy=strategy, rejected=error is not None)
+            agreement.check_ranks_agree(sig, peers, error)
+    if error is not None:
+        raise error
+    q, k, v = (kernels.unit_stride(t) for t in (q, k, v))  # once per shard, not per block
     return chosen.run(q, k, v, layout=layout, topo=topo, causal=causal, scale=scale)
 
 
 def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, **kwargs) -> torch.Tensor:
     """Like ``attention_with_lse`` but returns only ``out`` (B, H, S, D)."""
     return attention_with_lse(q, k, v, **kwargs)[0]
+
+
+def _strategy(name: str) -> Strategy:
+    if not isinstance(name, str) or name not in STRATEGIES:
+        raise ValueError(f"unknown strategy {name!r}; choose one of {', '.join(STRATEGIES)}")
+    return STRATEGIES[name]
+
+
+def _layout_name(layout) -> str:
+    return f"{layout.name}/{layout.world_size}" if isinstance(layout, Layout) else str(layout)
+
+
+def _fallback_topology(group, mesh) -> topology.Topology | None:
+    """The groups that ``group=`` or ``mesh=`` name, or None if they name none we belong to."""
+    try:
+        return topology.from_mesh(mesh) if mesh is not None else topology.from_group(group)
+    except Exception:  # noqa: BLE001  a mesh= of the wrong type, a group we are not in
+        return None
 
 
 def _topology(axis: str, strategy: str, group, mesh) -> topology.Topology:

@@ -27,9 +27,10 @@ import torch.distributed as dist
 
 from ctxpar import profile
 
-# torch renamed these (same signatures); prefer the new names where present
+# torch renamed these (same signatures); prefer the new names where present. gloo wants
+# the gathered output as the shards concatenated along dim 0.
 _reduce_scatter = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
-_all_gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+all_gather_into = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
 
 
 class RingComm:
@@ -111,9 +112,8 @@ class PendingAllGather:
         self._out, self._work = shard.unsqueeze(0), None
         if world > 1:
             self._out = shard.new_empty((world, *shard.shape))
-            # gloo wants the output as the shards concatenated along dim 0
             flat = self._out.view(world * shard.shape[0], *shard.shape[1:])
-            self._work = _all_gather(flat, shard, group=group, async_op=True)
+            self._work = all_gather_into(flat, shard, group=group, async_op=True)
             profile.add_traffic(_nbytes(shard) * (world - 1), _nbytes(shard) * (world - 1))
 
     def wait(self) -> torch.Tensor:

@@ -77,19 +77,28 @@ class Layout(ABC):
         self._check_rank(rank)
         return self._positions(seq_len, rank).to(device)
 
-    def shard(self, x: torch.Tensor, rank: int, dim: int = 1) -> torch.Tensor:
-        """The part of ``x`` (global length T along ``dim``) that ``rank`` holds."""
+    def shard(self, x: torch.Tensor, rank: int, *, dim: int | None = None) -> torch.Tensor:
+        """The part of ``x`` (global length T along ``dim``) that ``rank`` holds.
+
+        ``dim`` is the sequence dim and has no default, because the library's tensors put
+        it in different places: 2 for attention inputs (B, H, T, D), 1 for tokens (B, T)
+        and hidden states (B, T, C). A wrong guess would silently shard another dim.
+        """
+        dim = _sequence_dim(x, dim, "shard")
         idx = self.positions(x.shape[dim], rank, device=x.device)
         return x.index_select(dim, idx)
 
-    def unshard(self, pieces: list[torch.Tensor] | tuple[torch.Tensor, ...], dim: int = 1) -> torch.Tensor:
+    def unshard(self, pieces: list[torch.Tensor] | tuple[torch.Tensor, ...], *, dim: int | None = None) -> torch.Tensor:
         """Inverse of ``shard``: the P local pieces (in rank order) back to the global tensor."""
         if len(pieces) != self.world_size:
             raise ValueError(f"unshard needs {self.world_size} pieces (one per rank), got {len(pieces)}")
-        local = pieces[0].shape[dim]
+        dim = _sequence_dim(pieces[0], dim, "unshard")
         if any(p.shape != pieces[0].shape for p in pieces):
             raise ValueError(f"unshard pieces differ in shape: {[tuple(p.shape) for p in pieces]}")
-        seq_len = local * self.world_size
+        if any(p.dtype != pieces[0].dtype or p.device != pieces[0].device for p in pieces):
+            raise ValueError(f"unshard pieces differ in dtype or device: "
+                             f"{[(str(p.dtype), str(p.device)) for p in pieces]}")
+        seq_len = pieces[0].shape[dim] * self.world_size
         shape = list(pieces[0].shape)
         shape[dim] = seq_len
         out = pieces[0].new_empty(shape)
@@ -98,8 +107,25 @@ class Layout(ABC):
         return out
 
     def _check_rank(self, rank: int) -> None:
+        if isinstance(rank, bool) or not isinstance(rank, int):
+            raise ValueError(f"rank must be an int, got {rank!r}")
         if not 0 <= rank < self.world_size:
             raise ValueError(f"rank {rank} is outside the {self.name} layout's {self.world_size} ranks")
+
+
+def _sequence_dim(x: torch.Tensor, dim: int | None, what: str) -> int:
+    """``dim`` checked against ``x`` and made non-negative."""
+    if not isinstance(x, torch.Tensor) or x.dim() == 0:
+        got = "a 0-d tensor" if isinstance(x, torch.Tensor) else type(x).__name__
+        raise ValueError(f"{what} takes a tensor with a sequence dim, got {got}")
+    if dim is None:
+        raise ValueError(
+            f"{what} needs dim=, the sequence dim of the {tuple(x.shape)} tensor: dim=2 for attention inputs "
+            f"(B, H, T, D), dim=1 for tokens (B, T) or hidden states (B, T, C)"
+        )
+    if isinstance(dim, bool) or not isinstance(dim, int) or not -x.dim() <= dim < x.dim():
+        raise ValueError(f"dim={dim!r} is not a dim of the {x.dim()}-D tensor {tuple(x.shape)}")
+    return dim % x.dim()
 
 
 @dataclass(frozen=True)

@@ -10,6 +10,12 @@ which is the same identity as m = max(m_a, m_b), l = l_a e^(m_a-m) + l_b e^(m_b-
 Both exponents are <= 0, so nothing overflows. A row that has seen no key carries
 lse = -inf and output 0; merging two such rows must give (0, -inf), not NaN, so the
 weights are computed against a finite stand-in for lse in that case.
+
+Non-finite inputs: a row with a +inf (or NaN) score has no defined softmax. Its merged
+lse is +inf, never NaN, and its output NaN. A NaN lse would make the backward's
+probabilities exp(s - lse) NaN for every key the row sees, poisoning dV at all of them;
+with +inf they are 0 at finite scores and NaN only at the keys that caused it, which is
+what single-process attention gives (docs/reliability.md).
 """
 
 from __future__ import annotations
@@ -42,6 +48,7 @@ def merge_into(acc_out: torch.Tensor, acc_lse: torch.Tensor, out_b: torch.Tensor
     larger accumulator); they are updated through the view. Start them at 0 and -inf.
     """
     lse = torch.logaddexp(acc_lse, lse_b)
+    lse.masked_fill_(lse.isnan(), float("inf"))  # see "Non-finite inputs" above
     ref = torch.where(torch.isneginf(lse), torch.zeros_like(lse), lse)
     acc_out.mul_(torch.exp(acc_lse - ref).unsqueeze(-1))
     acc_out.add_(torch.exp(lse_b - ref).unsqueeze(-1) * out_b)

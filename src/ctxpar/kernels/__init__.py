@@ -16,6 +16,9 @@ The contract every backend meets (shapes as in ``scaled_dot_product_attention``)
         merged and summed over blocks before anything is rounded to a low-precision
         dtype.
 
+Inputs may have any strides. ``unit_stride`` makes what the fused op needs (a dense
+last dim); callers apply it once per shard so that per-block calls copy nothing.
+
 Dispatch: torch's fused CPU flash op where it applies; the plain-PyTorch kernel
 (``reference``) otherwise, which is exact but materialises the (Sq, Sk) scores.
 """
@@ -26,6 +29,7 @@ import torch
 
 from ctxpar.kernels import reference, sdpa
 from ctxpar.kernels.reference import accumulation_dtype
+from ctxpar.kernels.sdpa import unit_stride
 
 
 def _backend(q: torch.Tensor):
@@ -52,4 +56,4 @@ def attention_backward(
     return _backend(q).attention_backward(dout, q, k, v, out, lse, causal=causal, scale=scale)
 
 
-__all__ = ["accumulation_dtype", "attention_forward", "attention_backward", "reference"]
+__all__ = ["accumulation_dtype", "attention_forward", "attention_backward", "reference", "unit_stride"]

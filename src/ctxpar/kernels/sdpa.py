@@ -9,6 +9,11 @@ bfloat16 / float16 blocks are computed in float32 (inputs upcast per block, a co
 O(S*D) against O(S^2*D) work). Rounding each block's output and dK/dV to bf16 before
 they are merged and summed over P blocks would add P roundings to the one that
 single-process attention makes; K/V still travel between ranks in bf16.
+
+The op reads the last dim as dense whatever its stride says: q, k, v unbound from an
+interleaved qkv projection (last-dim stride 3) silently give wrong results. Every tensor
+handed to it goes through ``unit_stride`` (a no-op for tensors strategies already made
+dense once per shard).
 """
 
 from __future__ import annotations
@@ -25,15 +30,22 @@ def supports(q: torch.Tensor) -> bool:
     return q.device.type == "cpu" and q.dtype in (torch.float32, torch.float64, torch.bfloat16, torch.float16)
 
 
-def _upcast(*tensors: torch.Tensor) -> tuple[torch.Tensor, ...]:
+def unit_stride(t: torch.Tensor) -> torch.Tensor:
+    """``t`` if its last dim is dense (stride 1), else a contiguous copy. Other dims may
+    have any stride (transposed, sliced, expanded views are fine for the op)."""
+    return t if t.stride(-1) == 1 or t.shape[-1] == 1 else t.contiguous()
+
+
+def _prepare(*tensors: torch.Tensor) -> tuple[torch.Tensor, ...]:
+    """What the op needs: the accumulation dtype and a dense last dim."""
     c = accumulation_dtype(tensors[0].dtype)
-    return tuple(t.to(c) for t in tensors)
+    return tuple(unit_stride(t.to(c)) for t in tensors)
 
 
 def attention_forward(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, causal: bool, scale: float
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    out, lse = _cpu_fwd(*_upcast(q, k, v), 0.0, causal, scale=scale)
+    out, lse = _cpu_fwd(*_prepare(q, k, v), 0.0, causal, scale=scale)
     return out, lse.to(out.dtype)
 
 
@@ -48,5 +60,5 @@ def attention_backward(
     causal: bool,
     scale: float,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    dout, q, k, v, out, lse = _upcast(dout, q, k, v, out, lse)
+    dout, q, k, v, out, lse = _prepare(dout, q, k, v, out, lse)
     return _cpu_bwd(dout, q, k, v, out, lse, 0.0, causal, scale=scale)

@@ -1,0 +1,119 @@
+"""Hostile calls to ``ctxpar.attention`` on 4 gloo ranks, all in one spawned group.
+
+Each check reports what happened (a message, or the non-finite pattern of every
+tensor) and ``test_hostile.py`` asserts on it. A check that hung on the old code makes
+the whole group time out, which fails every test of the module.
+"""
+
+from __future__ import annotations
+
+import itertools
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+
+import ctxpar
+
+WORLD = 4
+
+
+def _call(q, k, v, **kwargs) -> str:
+    try:
+        out = ctxpar.attention(q, k, v, **kwargs)
+        if out.requires_grad:
+            out.sum().backward()
+        return "ok"
+    except ValueError as e:
+        return str(e)
+
+
+def _tensors(heads: int = 4, kv_heads: int = 2, local_len: int = 4, head_dim: int = 8, grad: bool = True):
+    q = torch.randn(1, heads, local_len, head_dim, requires_grad=grad)
+    kv = [torch.randn(1, kv_heads, local_len, head_dim, requires_grad=grad) for _ in range(2)]
+    return q, *kv
+
+
+def disagreeing_ranks(rank: int, world: int, mesh) -> dict[str, str]:
+    """One rank (the last) calls differently from the others; every rank must raise."""
+    odd = rank == world - 1
+    same_bytes = dict(local_len=8, head_dim=4) if odd else dict(local_len=4, head_dim=8)  # equal byte counts
+    cases = {
+        "kv_shape_same_bytes": lambda: _call(*_tensors(**same_bytes), layout="zigzag"),
+        "layout": lambda: _call(*_tensors(), layout="striped" if odd else "zigzag"),
+        "causal": lambda: _call(*_tensors(), layout="zigzag", causal=not odd),
+        "scale": lambda: _call(*_tensors(), layout="zigzag", scale=0.5 if odd else None),
+        "strategy_invalid": lambda: _call(*_tensors(), layout="zigzag", strategy="rign" if odd else "ring"),
+        "strategy_other": lambda: _call(*_tensors(), layout="zigzag", strategy="allgather" if odd else "ring"),
+        "requires_grad": lambda: _call(*_tensors(grad=not odd), layout="zigzag"),
+        "hybrid_one_rank_invalid": lambda: _call(*_tensors(kv_heads=3 if rank == 0 else 2), layout="zigzag",
+                                                 strategy="hybrid", mesh=mesh),
+        "hybrid_one_rank_causal": lambda: _call(*_tensors(), layout="zigzag", strategy="hybrid", mesh=mesh,
+                                                causal=rank != 0),
+        "hybrid_vs_ring": lambda: _call(*_tensors(), layout="zigzag", strategy="ring" if odd else "hybrid",
+                                        mesh=mesh),
+        "agreeing": lambda: _call(*_tensors(), layout="zigzag"),
+    }
+    return {name: case() for name, case in cases.items()}
+
+
+POISONS = {  # (tensor, value) written into one element at global position 5
+    "k+inf": ("k", float("inf")),
+    "k-inf": ("k", float("-inf")),
+    "k_nan": ("k", float("nan")),
+    "v+inf": ("v", float("inf")),
+    "q+inf": ("q", float("inf")),
+}
+
+
+def _poisoned(poison: str) -> tuple[torch.Tensor, ...]:
+    gen = torch.Generator().manual_seed(0)
+    shapes = [(1, 4, 8 * WORLD, 8), (1, 2, 8 * WORLD, 8), (1, 2, 8 * WORLD, 8), (1, 4, 8 * WORLD, 8)]
+    q, k, v, dout = (torch.randn(s, generator=gen) for s in shapes)
+    name, value = POISONS[poison]
+    dict(q=q, k=k, v=v)[name][0, 0, 5, 3] = value
+    return q, k, v, dout
+
+
+def _rows(t: torch.Tensor) -> torch.Tensor:
+    """(B, H, S) bool: rows holding a non-finite value."""
+    return ~torch.isfinite(t).all(-1)
+
+
+def _max_abs(t: torch.Tensor, rows: torch.Tensor) -> float:
+    picked = t[rows]
+    return picked.abs().max().item() if picked.numel() else 0.0
+
+
+def nonfinite_inputs(rank: int, world: int) -> dict:
+    """Which rows of out, dq, dk, dv are non-finite under CP and in single-process SDPA."""
+    layout = ctxpar.get_layout("zigzag", world)
+    results = {}
+    for poison, causal, strategy in itertools.product(POISONS, (True, False), ("ring", "allgather", "alltoall")):
+        q, k, v, dout = _poisoned(poison)
+        leaves = [t.clone().requires_grad_() for t in (q, k, v)]
+        single = F.scaled_dot_product_attention(*leaves, is_causal=causal, enable_gqa=True)
+        single.backward(dout)
+        local = [layout.shard(t, rank, dim=2).requires_grad_() for t in (q, k, v)]
+        out = ctxpar.attention(*local, layout=layout, causal=causal, strategy=strategy)
+        out.backward(layout.shard(dout, rank, dim=2))
+        got = [out.detach(), *(t.grad for t in local)]
+        pieces = []
+        for t in got:
+            gathered = [torch.empty_like(t) for _ in range(world)]
+            dist.all_gather(gathered, t.contiguous())
+            pieces.append(layout.unshard(gathered, dim=2))
+        want = [single.detach(), *(t.grad for t in leaves)]
+        results[(poison, causal, strategy)] = {
+            name: dict(cp=_rows(c), single=_rows(w), both_finite_err=_max_abs(c - w, ~(_rows(c) | _rows(w))),
+                       scale=_max_abs(w, ~_rows(w)))
+            for name, c, w in zip(("out", "dq", "dk", "dv"), pieces, want)
+        }
+    return results
+
+
+def run(rank: int, world: int) -> dict:
+    from torch.distributed.device_mesh import init_device_mesh
+
+    mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("ring", "ulysses"))
+    return dict(disagree=disagreeing_ranks(rank, world, mesh), nonfinite=nonfinite_inputs(rank, world))

@@ -1,0 +1,128 @@
+"""Hostile input to ``ctxpar.attention`` and the layouts: what hurried users pass.
+
+Issue 8's silently-wrong cases, each reproduced here (the code before the fix fails them):
+strided inputs (item 1, also every strategy x world size in ``test_distributed``), the
+layout's sequence dim (item 4), ranks that disagree (item 5), non-finite values
+(item 11). The Hugging Face, training and launcher cases live in ``test_hf_fidelity``,
+``test_checkpoints`` and ``test_faults``; docs/reliability.md lists them all.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import ctxpar
+import hostile_cases
+from ctxpar.kernels.reference import reference_attention
+from ctxpar.launch import run_local
+from ctxpar.strategies import blockwise
+
+_results: dict = {}
+
+
+def results() -> list[dict]:
+    if not _results:
+        _results["P4"] = run_local(hostile_cases.run, hostile_cases.WORLD, timeout_s=240)
+    return _results["P4"]
+
+
+# -- item 1: strided inputs -----------------------------------------------------------
+
+
+@pytest.mark.parametrize("strategy", ["ring", "allgather", "alltoall"])
+def test_q_k_v_unbound_from_an_interleaved_projection(strategy: str) -> None:
+    """(B, S, H, D, 3) projection output unbound on the last dim: the last dim has stride 3."""
+    gen = torch.Generator().manual_seed(0)
+    qkv = torch.randn(2, 16, 4, 8, 3, generator=gen, dtype=torch.float64)
+    q, k, v = (t.transpose(1, 2) for t in qkv.requires_grad_().unbind(-1))  # (B, H, S, D), stride(-1) == 3
+    assert q.stride(-1) == 3
+    out = ctxpar.attention(q, k, v, layout="zigzag", strategy=strategy)
+    (grad,) = torch.autograd.grad(out.sum(), qkv)
+    leaf = qkv.detach().clone().requires_grad_()
+    want = reference_attention(*(t.transpose(1, 2) for t in leaf.unbind(-1)))[0]
+    (want_grad,) = torch.autograd.grad(want.sum(), leaf)
+    torch.testing.assert_close(out, want, rtol=0, atol=1e-12)
+    torch.testing.assert_close(grad, want_grad, rtol=0, atol=1e-12)
+
+
+def test_kernels_get_a_dense_last_dim_made_once_per_shard(monkeypatch) -> None:
+    """The copy the fused op needs is made once per call, not once per block."""
+    seen = []
+    real = blockwise.kernels.attention_forward
+
+    def spy(q, k, v, **kwargs):
+        seen.append(all(t.stride(-1) == 1 for t in (q, k, v)))
+        return real(q, k, v, **kwargs)
+
+    monkeypatch.setattr(blockwise.kernels, "attention_forward", spy)
+    q, k, v = (torch.randn(1, 2, 8, 4, 2)[..., 0] for _ in range(3))
+    ctxpar.attention(q, k, v, layout="zigzag")
+    assert seen and all(seen)
+
+
+# -- item 4: the sequence dim of Layout.shard is never guessed --------------------------
+
+
+def test_shard_without_dim_refuses_instead_of_splitting_heads() -> None:
+    layout = ctxpar.get_layout("zigzag", 2)
+    q = torch.randn(1, 4, 8, 16)  # (B, H, T, D): the old default dim=1 split the 4 heads
+    with pytest.raises(ValueError, match="needs dim="):
+        layout.shard(q, 0)
+    assert layout.shard(q, 0, dim=2).shape == (1, 4, 4, 16)
+
+
+# -- item 5: ranks that disagree ------------------------------------------------------
+
+DISAGREEMENTS = {  # case -> what the ranks that called correctly are told
+    "kv_shape_same_bytes": "different local_len, head_dim",
+    "layout": "different layout",
+    "causal": "different causal",
+    "scale": "different scale",
+    "strategy_invalid": "rejected their attention inputs",
+    "strategy_other": "different strategy",
+    "requires_grad": "different needs_grad",
+    "hybrid_one_rank_invalid": "rejected their attention inputs",
+    "hybrid_one_rank_causal": "called attention with different",
+    "hybrid_vs_ring": "rejected their attention inputs",
+}
+
+
+@pytest.mark.parametrize("case", list(DISAGREEMENTS))
+def test_ranks_that_disagree_all_raise_by_default(case: str) -> None:
+    for rank, res in enumerate(results()):
+        message = res["disagree"][case]
+        assert message != "ok", f"rank {rank} went on computing"
+        culprit = rank == 0 if case.startswith("hybrid_one_rank") else rank == hostile_cases.WORLD - 1
+        if culprit and DISAGREEMENTS[case] == "rejected their attention inputs":
+            continue  # the culprit raises its own error, checked below
+        assert DISAGREEMENTS[case] in message, f"rank {rank}: {message}"
+    assert all(res["disagree"]["agreeing"] == "ok" for res in results())
+
+
+def test_the_rank_with_invalid_arguments_raises_its_own_error() -> None:
+    last = results()[-1]["disagree"]
+    assert "unknown strategy 'rign'" in last["strategy_invalid"]
+    assert "mesh= is for strategy='hybrid'" in last["hybrid_vs_ring"]
+    assert "H_kv=3" in results()[0]["disagree"]["hybrid_one_rank_invalid"]
+
+
+# -- item 11: non-finite inputs -------------------------------------------------------
+
+
+@pytest.mark.parametrize("poison", list(hostile_cases.POISONS))
+def test_non_finite_inputs_poison_what_single_process_attention_poisons(poison: str) -> None:
+    """Guarantees (docs/reliability.md): every gradient is non-finite somewhere iff
+    single-process SDPA's is, so NaN checks and loss scaling react the same; a row of the
+    output is never non-finite where SDPA's is finite; rows finite in both agree; and
+    an infinite key poisons dV exactly where SDPA does (the ring once poisoned ~30 rows)."""
+    for (name, causal, strategy), tensors in results()[0]["nonfinite"].items():
+        if name != poison:
+            continue
+        where = f"{poison} causal={causal} {strategy}"
+        for tensor, r in tensors.items():
+            assert bool(r["cp"].any()) == bool(r["single"].any()), f"{where} {tensor}: poisoned in one only"
+            assert r["both_finite_err"] <= 1e-5 * max(1.0, r["scale"]), f"{where} {tensor}: finite rows differ"
+        assert not (tensors["out"]["cp"] & ~tensors["out"]["single"]).any(), f"{where}: out rows SDPA keeps finite"
+        if poison in ("k+inf", "k-inf"):
+            assert torch.equal(tensors["dv"]["cp"], tensors["dv"]["single"]), f"{where}: dv rows differ"
