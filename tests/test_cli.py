@@ -1,10 +1,18 @@
-"""``ctxpar demo`` end to end on a short sequence: exit status, table, JSON."""
+"""``ctxpar`` end to end: the demo on a short sequence (exit status, table, JSON), and every
+command's refusal of bad values before any rank starts."""
 
 from __future__ import annotations
 
 import json
 import subprocess
 import sys
+from pathlib import Path
+
+import pytest
+
+from ctxpar import launch
+from ctxpar.cli import main
+from ctxpar.plan import calibrate
 
 
 def run_cli(*args: str) -> subprocess.CompletedProcess:
@@ -65,3 +73,99 @@ def test_demo_rejects_strategy_shapes_before_starting_ranks() -> None:
     assert proc.returncode == 2 and "--heads 8 over 3 ranks" in proc.stderr
     proc = run_cli("demo", "--nproc", "4", "--seq", "256", "--strategy", "hybrid", "--ulysses-degree", "3")
     assert proc.returncode == 2 and "--ulysses-degree dividing the 4 ranks" in proc.stderr
+
+
+# -- item 10: every value checked before any rank starts -----------------------------------------
+
+
+@pytest.fixture
+def no_ranks(monkeypatch) -> None:
+    """Starting a rank (or measuring this machine) fails the test: every check must come first."""
+
+    def refuse(*args, **kwargs):
+        raise AssertionError("a rank was started before the bad value was refused")
+
+    monkeypatch.setattr(launch, "run_local", refuse)
+    monkeypatch.setattr(calibrate, "run_local", refuse)
+
+
+def bad_values(tmp: Path) -> list[tuple[tuple[str, ...], str]]:
+    """(command line, what the message must say): values that used to fail late, crash or be taken."""
+    not_json, bad_rate = tmp / "notes.txt", tmp / "calibration.json"
+    not_json.write_text("measured on Tuesday")
+    bad_rate.write_text(json.dumps({"attention_flops": "fast", "bandwidth": 1e9}))
+    missing = str(tmp / "no" / "such" / "dir" / "out.json")
+    return [
+        (("demo", "--nproc", "0"), "--nproc 0 must be >= 1"),
+        (("demo", "--nproc", "100000"), "--nproc 100000 is more local ranks than this machine runs"),
+        (("demo", "--timeout", "0"), "--timeout 0.0 must be a number of seconds"),
+        (("demo", "--timeout", "nan"), "--timeout nan must be a number of seconds"),
+        (("demo", "--timeout", "1e300"), "--timeout 1e+300 must be a number of seconds"),
+        (("demo", "--strategy", "hybrid", "--ulysses-degree", "-2"), "--ulysses-degree dividing the 4 ranks"),
+        (("demo", "--seq", str(2**40)), "--seq must be between 1 and"),
+        (("demo", "--head-dim", "100000000"), "--head-dim 100000000 on 4 ranks (each builds the whole sequence) "
+                                                "needs at least"),
+        (("demo", "--json", str(tmp)), f"--json {str(tmp)!r} is a directory"),
+        (("demo", "--json", missing), "does not exist; create it first"),
+        (("train", "--nproc", "0"), "--nproc 0 must be >= 1"),
+        (("train", "--timeout", "-1"), "--timeout -1.0 must be a number of seconds"),
+        (("train", "--lr", "-0.1"), "--lr -0.1 must be a positive finite learning rate"),
+        (("train", "--lr", "nan"), "--lr nan must be a positive finite learning rate"),
+        (("train", "--cp", "-2", "--dp", "-2"), "--cp -2 x --dp -2 must equal the 4 ranks"),
+        (("train", "--seed", str(2**70)), "--seed must be between 0 and"),
+        (("train", "--model", "llama-3-405b"), "--model llama-3-405b on 4 ranks"),
+        (("train", "--json", missing), "does not exist; create it first"),
+        (("plan", "--ulysses-degree", "-2", "--strategy", "hybrid"), "--ulysses-degree dividing --cp 8, got -2"),
+        (("plan", "--max-cp", "0"), "--max-cp 0 is below --cp 8"),
+        (("plan", "--max-cp", "100000"), "--max-cp 100000 is beyond the largest CP degree"),
+        (("plan", "--head-dim", "0"), "--head-dim must be between 1 and"),
+        (("plan", "--kv-heads", "3"), "--heads 32 must be a multiple of --kv-heads 3"),
+        (("plan", "--vocab", str(10**30)), "--vocab must be between 1 and"),
+        (("plan", "--seq", str(2**40)), f"--seq {2**40} is longer than the planner evaluates"),
+        (("plan", "--bandwidth", "1e400"), "--bandwidth '1e400' = inf bytes/s is outside"),
+        (("plan", "--bandwidth", "fast"), "--bandwidth 'fast' is not understood"),
+        (("plan", "--flops", "0.5"), "--flops '0.5' = 0.5 FLOP/s is outside"),
+        (("plan", "--efficiency", "0.0001"), "--efficiency 0.0001 must be in [0.01, 1]"),
+        (("plan", "--json", missing), "does not exist; create it first"),
+        (("plan", "--json", str(tmp)), f"--json {str(tmp)!r} is a directory"),
+        (("plan", "--plot", str(tmp)), "plan.png"),
+        (("plan", "--hardware", "local", "--calibration", missing), f"--calibration {missing!r} cannot be read"),
+        (("plan", "--hardware", "local", "--calibration", str(not_json)), "is not JSON"),
+        (("plan", "--hardware", "local", "--calibration", str(bad_rate)), "calibration 'attention_flops' is 'fast'"),
+        (("plan", "--hardware", "local", "--calibrate", "--head-dim", "0"), "--head-dim must be between 1 and"),
+    ]
+
+
+def test_every_bad_value_is_refused_up_front_naming_the_flag(tmp_path, no_ranks, capsys) -> None:
+    wrong = []
+    for argv, expected in bad_values(tmp_path):
+        status = main(list(argv))
+        err = capsys.readouterr().err
+        if status != 2 or expected not in err or not err.startswith(f"ctxpar {argv[0]}: error: "):
+            wrong.append(f"{' '.join(argv)} -> status {status}: {err.strip()!r}")
+    assert not wrong, "\n".join(wrong)
+
+
+def test_an_unknown_train_model_is_refused_by_the_flag(capsys) -> None:
+    with pytest.raises(SystemExit) as e:
+        main(["train", "--model", "gpt-5"])
+    assert e.value.code == 2 and "argument --model: invalid choice: 'gpt-5'" in capsys.readouterr().err
+
+
+def test_bad_values_give_no_traceback_from_the_command() -> None:
+    for args in (("plan", "--head-dim", "0"), ("demo", "--json", "/")):
+        proc = run_cli(*args)
+        assert proc.returncode == 2 and "Traceback" not in proc.stderr, proc.stderr
+
+
+@pytest.mark.parametrize("command", ["demo", "train"])
+def test_timeout_reaches_the_ranks_and_no_deadline_is_set(command: str, monkeypatch) -> None:
+    seen = {}
+
+    def record(fn, nproc, args=(), **kwargs):
+        seen.update(kwargs, nproc=nproc)
+        raise KeyboardInterrupt  # stands for the run: the command stops as on Ctrl-C
+
+    monkeypatch.setattr(launch, "run_local", record)
+    assert main([command, "--nproc", "2", "--seq", "64", "--timeout", "7.5"]) == 130
+    assert seen == {"nproc": 2, "timeout_s": 7.5, "deadline_s": None}

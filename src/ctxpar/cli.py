@@ -7,6 +7,7 @@ import json
 import os
 import sys
 
+from ctxpar import launch
 from ctxpar import plan as planning
 from ctxpar.demo import DTYPES, DemoConfig, format_report, run_demo
 from ctxpar.layout import LAYOUT_NAMES
@@ -23,7 +24,7 @@ def _demo_parser(sub) -> None:
         help="run CP attention on local CPU ranks (or torchrun's) and check it against unsplit attention",
         formatter_class=argparse.ArgumentDefaultsHelpFormatter,
     )
-    p.add_argument("--nproc", type=int, default=d.nproc, help="local ranks to spawn (ignored under torchrun)")
+    _launch_flags(p, d.nproc)
     p.add_argument("--seq", type=int, default=d.seq, help="global sequence length T")
     p.add_argument("--batch", type=int, default=d.batch)
     p.add_argument("--heads", type=int, default=d.heads, help="query heads H")
@@ -39,19 +40,54 @@ def _demo_parser(sub) -> None:
     p.add_argument("--json", metavar="PATH", help="also write the full report as JSON")
 
 
+def _launch_flags(p: argparse.ArgumentParser, nproc: int) -> None:
+    p.add_argument("--nproc", type=int, default=nproc, help="local ranks to spawn (ignored under torchrun)")
+    p.add_argument("--timeout", type=float, default=launch.DEFAULT_TIMEOUT_S, metavar="SECONDS",
+                   help="how long a rank waits at one collective (or for the others to join) before the run "
+                        "fails, naming the rank that did not arrive; the run as a whole has no time limit")
+
+
+def _check_launch_flags(args: argparse.Namespace) -> int:
+    """--nproc and --timeout; returns the number of ranks the run will have."""
+    if not launch.launched_by_torchrun():
+        launch.check_nproc(args.nproc, "--nproc")
+    launch.check_timeout(args.timeout, "--timeout")
+    return launch.world_size(args.nproc)
+
+
+def _check_output(flag: str, path: str | None, example: str = "out.json") -> None:
+    """Refuse an output file that could not be written, before any work is done."""
+    if path is None:
+        return
+    if os.path.isdir(path):
+        raise ValueError(f"{flag} {path!r} is a directory; give a file path, e.g. {os.path.join(path, example)}")
+    parent = os.path.dirname(os.path.abspath(path))
+    if not os.path.isdir(parent):
+        raise ValueError(f"{flag} {path!r}: the directory {parent} does not exist; create it first "
+                         f"(mkdir -p {parent}) or choose another path")
+    if not os.access(parent, os.W_OK | os.X_OK) or (os.path.exists(path) and not os.access(path, os.W_OK)):
+        raise ValueError(f"{flag} {path!r} is not writable; choose a path you can write")
+
+
+def _write_json(path: str, data: dict) -> None:
+    with open(path, "w") as f:
+        json.dump(data, f, indent=2)
+
+
 def _run_demo(args: argparse.Namespace) -> int:
+    _check_launch_flags(args)
+    _check_output("--json", args.json)
     cfg = DemoConfig(
         nproc=args.nproc, seq=args.seq, heads=args.heads, kv_heads=args.kv_heads, head_dim=args.head_dim,
         layout=args.layout, strategy=args.strategy, dtype=args.dtype, causal=args.causal,
         batch=args.batch, seed=args.seed, ulysses_degree=args.ulysses_degree,
     )
-    report = run_demo(cfg)
+    report = run_demo(cfg, timeout_s=args.timeout)
     if report is None:  # a non-zero rank under torchrun
         return 0
     print(format_report(report))
     if args.json:
-        with open(args.json, "w") as f:
-            json.dump(report, f, indent=2)
+        _write_json(args.json, report)
     return 0 if report["ok"] else 1
 
 
@@ -62,14 +98,14 @@ def _train_parser(sub) -> None:
         help="train the reference model with CP (x FSDP data parallelism) on a long-range recall task",
         formatter_class=argparse.ArgumentDefaultsHelpFormatter,
     )
-    p.add_argument("--nproc", type=int, default=d.nproc, help="local ranks to spawn (ignored under torchrun)")
+    _launch_flags(p, d.nproc)
     p.add_argument("--dp", type=int, default=d.dp, help="data-parallel degree; CP degree = ranks / dp")
     p.add_argument("--cp", type=int, help="CP degree; if given, must equal ranks / dp")
     p.add_argument("--seq", type=int, default=d.seq, help="sequence length T")
     p.add_argument("--batch", type=int, default=d.batch, help="sequences per data-parallel group per step")
     p.add_argument("--steps", type=int, default=d.steps)
     p.add_argument("--lr", type=float, default=d.lr)
-    p.add_argument("--model", default=d.model, help="model preset (ctxpar.models.PRESETS)")
+    p.add_argument("--model", choices=sorted(MODEL_PRESETS), default=d.model, help="model preset")
     p.add_argument("--strategy", choices=TRAIN_STRATEGIES, default=d.strategy)
     p.add_argument("--layout", choices=LAYOUT_NAMES, default=d.layout)
     p.add_argument("--seed", type=int, default=d.seed)
@@ -84,23 +120,23 @@ def _train_parser(sub) -> None:
 
 
 def _run_train(args: argparse.Namespace) -> int:
-    world = int(os.environ.get("WORLD_SIZE", args.nproc))
-    if args.cp is not None and args.cp * args.dp != world:
-        raise ValueError(f"--cp {args.cp} x --dp {args.dp} must equal the {world} ranks")
+    world = _check_launch_flags(args)
+    _check_output("--json", args.json)
+    if args.cp is not None and (args.cp < 1 or args.cp * args.dp != world):
+        raise ValueError(f"--cp {args.cp} x --dp {args.dp} must equal the {world} ranks; leave --cp out to use "
+                         f"ranks / dp")
     cfg = TrainConfig(
         nproc=args.nproc, dp=args.dp, seq=args.seq, batch=args.batch, steps=args.steps, lr=args.lr,
         model=args.model, strategy=args.strategy, layout=args.layout, seed=args.seed,
         activation_checkpointing=args.activation_checkpointing, compare=args.compare,
         checkpoint_dir=args.checkpoint_dir, save_every=args.save_every, resume=args.resume, progress=args.progress,
     )
-    report = run_train(cfg)
+    report = run_train(cfg, timeout_s=args.timeout)
     if report is None:  # a non-zero rank under torchrun
         return 0
     print(format_train_report(report))
     if args.json:
-        keep = {k: v for k, v in report.items() if not k.endswith("parameters")}
-        with open(args.json, "w") as f:
-            json.dump(keep, f, indent=2)
+        _write_json(args.json, {k: v for k, v in report.items() if not k.endswith("parameters")})
     return 0
 
 
@@ -140,26 +176,35 @@ def _plan_parser(sub) -> None:
 
 
 def _run_plan(args: argparse.Namespace) -> int:
-    calibration = planning.plan_calibration(args.hardware, measure=args.calibrate, path=args.calibration)
-    if args.calibrate:
-        print(planning.format_calibration(calibration) + "\n")
-    hardware = planning.get_hardware(
-        args.hardware, calibration=calibration, efficiency=args.efficiency,
-        bandwidth=planning.parse_bandwidth(args.bandwidth) if args.bandwidth else None,
-        peak_flops=planning.parse_flops(args.flops) if args.flops else None)
+    # everything is checked first; measuring this machine (--calibrate) starts processes, so it comes last
+    bandwidth = planning.parse_bandwidth(args.bandwidth) if args.bandwidth is not None else None
+    peak_flops = planning.parse_flops(args.flops) if args.flops is not None else None
+    planning.check_overrides(bandwidth=bandwidth, peak_flops=peak_flops, efficiency=args.efficiency)
+    planning.check_calibration_flags(args.hardware, measure=args.calibrate, path=args.calibration)
+    calibration = planning.load_calibration(args.calibration) if args.calibration is not None else None
+    _check_output("--json", args.json)
+    _check_output("--plot", args.plot, "plan.png")
+    if args.plot is not None:
+        planning.check_plot_support()
     model = planning.resolve_model(args.model, layers=args.layers, hidden=args.hidden, heads=args.heads,
                                    kv_heads=args.kv_heads, head_dim=args.head_dim, ffn=args.ffn, vocab=args.vocab)
+    gpus_per_node = planning.gpus_per_node(args.hardware)  # also refuses an unknown --hardware
     ulysses = args.ulysses_degree
     if args.strategy == "hybrid" and ulysses is None:
-        ulysses = planning.default_ulysses(model.heads, args.cp, hardware.gpus_per_node)
+        ulysses = planning.default_ulysses(model.heads, args.cp, gpus_per_node)
+    planning.check_plan_size(args.seq, args.cp, args.max_cp)
     workload = planning.Workload(
         model, batch=args.batch, seq=args.seq, dtype=args.dtype, cp=args.cp, strategy=args.strategy,
         layout=args.layout, ulysses=ulysses, fsdp=args.fsdp, checkpointing=args.checkpointing, causal=args.causal)
+    if args.calibrate:
+        calibration = planning.plan_calibration(args.hardware, measure=True, path=None)
+        print(planning.format_calibration(calibration) + "\n")
+    hardware = planning.get_hardware(args.hardware, calibration=calibration, efficiency=args.efficiency,
+                                     bandwidth=bandwidth, peak_flops=peak_flops)
     plan = planning.make_plan(workload, hardware, max_cp=args.max_cp, calibration=calibration)
     print(planning.format_plan(plan))
     if args.json:
-        with open(args.json, "w") as f:
-            json.dump(planning.to_json(plan), f, indent=2)
+        _write_json(args.json, planning.to_json(plan))
     if args.plot:
         planning.write_plot(plan, args.plot)
     return 0
@@ -180,9 +225,15 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     try:
         return COMMANDS[args.command][1](args)
-    except ValueError as e:
+    except ValueError as e:  # a value the user can change: argparse's convention, exit status 2
         print(f"ctxpar {args.command}: error: {e}", file=sys.stderr)
         return 2
+    except launch.RankFailure as e:
+        print(f"ctxpar {args.command}: error: {e}", file=sys.stderr)
+        return 1
+    except KeyboardInterrupt:
+        print(f"ctxpar {args.command}: interrupted; the ranks were stopped", file=sys.stderr)
+        return 130
 
 
 if __name__ == "__main__":

@@ -18,7 +18,6 @@ import torch.distributed as dist
 import ctxpar
 from ctxpar.blocks import group_pairs
 from ctxpar import launch
-from ctxpar.launch import launched_by_torchrun
 from ctxpar.verify import TENSORS, max_abs_errors, tolerances, torch_sdpa, unsplit_attention
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -42,13 +41,16 @@ class DemoConfig:
     def validate(self, world: int) -> None:
         """Reject a bad configuration before any communication (``world`` = ranks used)."""
         for flag in ("seq", "heads", "kv_heads", "head_dim", "batch"):
-            if getattr(self, flag) < 1:
-                raise ValueError(f"--{flag.replace('_', '-')} must be >= 1, got {getattr(self, flag)}")
+            value = getattr(self, flag)
+            if not 1 <= value <= launch.MAX_SIZE:
+                raise ValueError(f"--{flag.replace('_', '-')} must be between 1 and {launch.MAX_SIZE}, got {value}")
+        if not 0 <= self.seed <= launch.MAX_SEED:
+            raise ValueError(f"--seed must be between 0 and {launch.MAX_SEED}, got {self.seed}")
         ctxpar.get_layout(self.layout, world).validate(self.seq)
         if self.heads % self.kv_heads:
             raise ValueError(f"--heads {self.heads} must be a multiple of --kv-heads {self.kv_heads}")
         if self.strategy == "hybrid":
-            if not self.ulysses_degree or world % self.ulysses_degree:
+            if self.ulysses_degree is None or self.ulysses_degree < 1 or world % self.ulysses_degree:
                 raise ValueError(
                     f"--strategy hybrid needs --ulysses-degree dividing the {world} ranks "
                     f"(ring degree = ranks / ulysses degree), got {self.ulysses_degree}"
@@ -58,6 +60,16 @@ class DemoConfig:
         u = self.ulysses_degree if self.strategy == "hybrid" else world if self.strategy == "alltoall" else 1
         if self.heads % u:
             raise ValueError(f"--strategy {self.strategy} splits --heads {self.heads} over {u} ranks; they must divide")
+
+    def check_memory(self, ranks: int) -> None:
+        """Refuse a run this machine cannot hold: ``ranks`` local ranks each build the whole
+        sequence, and rank 0 also a float64 copy of it for the check (a lower bound)."""
+        elements = self.batch * self.seq * self.head_dim * 2 * (self.heads + self.kv_heads)  # q, dout; k, v
+        needed = elements * (ranks * DTYPES[self.dtype].itemsize + 8)
+        launch.check_local_memory(
+            needed, f"--seq {self.seq} with --batch {self.batch}, --heads {self.heads}, --kv-heads {self.kv_heads} "
+                    f"and --head-dim {self.head_dim} on {ranks} ranks (each builds the whole sequence)",
+            "lower --seq (or --batch, --heads, --head-dim, --nproc)")
 
 
 def _inputs(cfg: DemoConfig) -> tuple[torch.Tensor, ...]:
@@ -178,14 +190,16 @@ def _gather(t: torch.Tensor, rank: int, world: int) -> list[torch.Tensor] | None
     return [p.cpu() for p in pieces] if rank == 0 else None
 
 
-def run_demo(cfg: DemoConfig) -> dict | None:
+def run_demo(cfg: DemoConfig, *, timeout_s: float = launch.DEFAULT_TIMEOUT_S) -> dict | None:
     """Run under torchrun if launched by it, else on ``cfg.nproc`` local gloo ranks.
 
-    Returns the report on the process that holds it (rank 0, or the local parent).
+    The configuration is checked before any rank starts. ``timeout_s`` bounds each wait at
+    a collective. Returns the report on the process that holds it (rank 0, or the local
+    parent).
     """
-    if not launched_by_torchrun():
-        cfg.validate(cfg.nproc)  # before spawning anything
-    return launch.run(demo_rank, cfg.nproc, (cfg,))
+    cfg.validate(launch.world_size(cfg.nproc))
+    cfg.check_memory(launch.local_ranks(cfg.nproc))
+    return launch.run(demo_rank, cfg.nproc, (cfg,), timeout_s=timeout_s)
 
 
 def format_report(report: dict) -> str:

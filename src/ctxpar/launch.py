@@ -2,26 +2,89 @@
 
 ``run_local(fn, nproc, ...)`` spawns ``nproc`` processes on this machine, joins them in
 a gloo group on 127.0.0.1, calls ``fn(rank, world_size, *args)`` in each and returns
-the list of results (rank order). A failing rank's traceback is re-raised in the
-parent; ranks still running ``timeout_s`` after the start are killed and reported,
-never waited on forever.
+the list of results (rank order). What it guarantees:
+
+- No wall-clock limit by default: a healthy run takes as long as it takes. ``timeout_s``
+  bounds one wait at one collective (and the rendezvous); ``deadline_s`` optionally bounds
+  the whole run.
+- Workers die with the parent, however it ends (SIGTERM, SIGINT, SIGKILL): on Linux the
+  kernel kills them (``PR_SET_PDEATHSIG``); elsewhere a thread in each worker notices the
+  parent is gone within ``PARENT_POLL_S``.
+- A rank that dies is noticed at once (the parent waits on every worker's exit as well as
+  on its results), reported with its exit code or signal, and the others are stopped.
+- A rank that never arrives where the others wait is named: they time out after
+  ``timeout_s`` and report; the rank that is still running is the one they waited for.
+
+``run(fn, nproc, ...)`` picks the mode: the ranks of a real torchrun launch
+(``launched_by_torchrun``), or ``nproc`` local ranks, and says which on stderr.
 """
 
 from __future__ import annotations
 
+import ctypes
 import datetime
+import math
 import os
 import pickle
-import queue
+import signal
 import socket
+import sys
+import threading
 import time
 import traceback
 from collections.abc import Callable
+from multiprocessing import connection
 from typing import Any
 
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
+
+# The longest one wait at one collective may last: torch's own default for NCCL. A healthy
+# run on CPU or GPU waits far less at any collective (for a peer to finish its step or a
+# checkpoint); a rank that never arrives is named when it expires.
+DEFAULT_TIMEOUT_S = 600.0
+# After the first rank raises, how long the others get to report their own errors (often
+# the same one) before they are stopped; also how long a stopped rank gets to end.
+GRACE_S = 2.0
+PARENT_POLL_S = 1.0
+MAX_TIMEOUT_S = 7 * 24 * 3600.0  # beyond a week it is no longer a timeout
+# Local ranks: at least 8 (tests of a few ranks on a small machine), else 4 per core; past
+# that, spawning alone (a torch import each) takes minutes and the memory of several GiB.
+MIN_RANKS_CAP = 8
+RANKS_PER_CORE = 4
+
+# Every variable torch's elastic agent sets for its workers (torch/distributed/elastic/
+# agent/server/local_elastic_agent.py); a launch is torchrun's only if all are present.
+TORCHRUN_VARS = ("TORCHELASTIC_RUN_ID", "RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR",
+                 "MASTER_PORT")
+# What torch.distributed, device meshes or gloo read from the environment: left over from
+# another job, they would redirect a local run (e.g. TORCHELASTIC_USE_AGENT_STORE makes rank
+# 0 a store client of MASTER_ADDR:MASTER_PORT, LOCAL_RANK picks a device).
+LAUNCHER_VARS = (*TORCHRUN_VARS, "GROUP_RANK", "GROUP_WORLD_SIZE", "ROLE_RANK", "ROLE_NAME", "ROLE_WORLD_SIZE",
+                 "TORCHELASTIC_RESTART_COUNT", "TORCHELASTIC_MAX_RESTARTS", "TORCHELASTIC_USE_AGENT_STORE",
+                 "GLOO_SOCKET_IFNAME")
+
+# Bounds for sizes and seeds given on a command line: larger shapes fail the memory checks
+# anyway, and these keep their arithmetic in range.
+MAX_SIZE = 2**31 - 1
+MAX_SEED = 2**32 - 1
+
+_PR_SET_PDEATHSIG = 1  # <linux/prctl.h>
+
+
+class RankFailure(RuntimeError):
+    """Local ranks that failed, died or never finished; the message says which and why.
+
+    Attributes:
+        failed: rank -> traceback of an exception raised in that rank.
+        died: rank -> how the process ended without reporting ("killed by SIGKILL", ...).
+        stuck: ranks still running when the run was given up, then stopped.
+    """
+
+    def __init__(self, message: str, failed: dict[int, str], died: dict[int, str], stuck: list[int]) -> None:
+        super().__init__(message)
+        self.failed, self.died, self.stuck = failed, died, stuck
 
 
 def free_port() -> int:
@@ -31,11 +94,60 @@ def free_port() -> int:
 
 
 def launched_by_torchrun() -> bool:
-    return "TORCHELASTIC_RUN_ID" in os.environ or ("RANK" in os.environ and "WORLD_SIZE" in os.environ)
+    """True only in a worker that torchrun (torch's elastic agent) started.
+
+    RANK / WORLD_SIZE / MASTER_* alone are not enough: they are often left over in a shell
+    from another job, and trusting them would ignore ``--nproc`` and wait for ranks that
+    never come.
+    """
+    return all(name in os.environ for name in TORCHRUN_VARS)
 
 
-def init_from_env(timeout_s: float = 600) -> torch.device:
-    """Join the group torchrun describes: NCCL on the local GPU when there is one, else gloo."""
+def world_size(nproc: int) -> int:
+    """Ranks a run will have: torchrun's WORLD_SIZE under torchrun, else ``nproc``."""
+    return int(os.environ["WORLD_SIZE"]) if launched_by_torchrun() else nproc
+
+
+def local_ranks(nproc: int) -> int:
+    """Ranks a run will have on this machine: torchrun's LOCAL_WORLD_SIZE, else ``nproc``."""
+    return int(os.environ["LOCAL_WORLD_SIZE"]) if launched_by_torchrun() else nproc
+
+
+def max_local_ranks() -> int:
+    """The most local ranks ``run_local`` starts: each is a process with its own torch."""
+    return max(MIN_RANKS_CAP, RANKS_PER_CORE * (os.cpu_count() or 1))
+
+
+def check_nproc(nproc: int, name: str = "nproc") -> None:
+    """Refuse a number of local ranks below 1 or beyond what this machine can run."""
+    if nproc < 1:
+        raise ValueError(f"{name} {nproc} must be >= 1: the number of local ranks to spawn")
+    if nproc > max_local_ranks():
+        raise ValueError(f"{name} {nproc} is more local ranks than this machine runs ({os.cpu_count()} cores, at "
+                         f"most {max_local_ranks()} ranks); use fewer, or torchrun across machines for more")
+
+
+def check_local_memory(needed: int, what: str, fix: str) -> None:
+    """Refuse a local run that needs more than this machine's memory (``needed`` is a lower bound, bytes)."""
+    ram = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    if needed > ram:
+        raise ValueError(f"{what} needs at least {needed / 2**30:,.1f} GiB, more than this machine's "
+                         f"{ram / 2**30:.1f} GiB; {fix}")
+
+
+def check_timeout(seconds: float, name: str = "timeout_s") -> None:
+    """Refuse a collective timeout that is not a positive number of seconds up to a week."""
+    if not (isinstance(seconds, (int, float)) and math.isfinite(seconds) and 0 < seconds <= MAX_TIMEOUT_S):
+        raise ValueError(f"{name} {seconds!r} must be a number of seconds in (0, {MAX_TIMEOUT_S:.0f}]; "
+                         f"the default is {DEFAULT_TIMEOUT_S:.0f}")
+
+
+def init_from_env(timeout_s: float = DEFAULT_TIMEOUT_S) -> torch.device:
+    """Join the group torchrun describes: NCCL on the local GPU when there is one, else gloo.
+
+    ``timeout_s`` bounds each collective (and the rendezvous).
+    """
+    check_timeout(timeout_s)
     if torch.cuda.is_available():
         device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0)))
         torch.cuda.set_device(device)
@@ -46,7 +158,67 @@ def init_from_env(timeout_s: float = 600) -> torch.device:
     return device
 
 
-def _worker(rank, world_size, port, threads, timeout_s, fn, args, results) -> None:
+def _stray_launcher_vars() -> list[str]:
+    return [name for name in LAUNCHER_VARS if name in os.environ]
+
+
+def describe_mode(nproc: int, timeout_s: float) -> str:
+    """The one line ``run`` prints: which ranks it uses, and what it ignores."""
+    if launched_by_torchrun():
+        backend = "nccl" if torch.cuda.is_available() else "gloo"
+        return (f"ctxpar: joining torchrun's group of {os.environ['WORLD_SIZE']} ranks with backend {backend} "
+                f"(collective timeout {timeout_s:g} s)")
+    line = f"ctxpar: spawning {nproc} local gloo ranks on 127.0.0.1 (collective timeout {timeout_s:g} s)"
+    stray = _stray_launcher_vars()
+    if stray:
+        line += (f"; ignoring {', '.join(stray)} from the environment (not a torchrun launch: "
+                 f"{', '.join(n for n in TORCHRUN_VARS if n not in os.environ)} unset)")
+    return line
+
+
+def _loopback_interface() -> str | None:
+    names = {name for _, name in socket.if_nameindex()} if hasattr(socket, "if_nameindex") else set()
+    return next((n for n in ("lo", "lo0") if n in names), None)
+
+
+def _isolate_from_launcher_env() -> None:
+    """Make this worker see no launcher: its group is the explicit tcp://127.0.0.1 one."""
+    for name in LAUNCHER_VARS:
+        os.environ.pop(name, None)
+    loopback = _loopback_interface()
+    if loopback is not None:  # gloo otherwise binds the address the hostname resolves to
+        os.environ["GLOO_SOCKET_IFNAME"] = loopback
+
+
+def _watch_parent(parent_pid: int, interval: float = PARENT_POLL_S) -> None:
+    """Exit this process once ``parent_pid`` is no longer its parent (it died; we were re-parented)."""
+    while os.getppid() == parent_pid:
+        time.sleep(interval)
+    os._exit(1)  # from any thread, even while the main one is blocked in a collective
+
+
+def _die_with_parent(parent_pid: int) -> None:
+    """Make this worker end when the launching process does, however that one ends."""
+    if sys.platform.startswith("linux"):
+        # The kernel sends SIGKILL to this process when the thread that spawned it ends: it
+        # works even when the parent is SIGKILLed and this process is blocked in C++.
+        ctypes.CDLL(None, use_errno=True).prctl(_PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)
+    if os.getppid() != parent_pid:  # the parent died before the line above took effect
+        os._exit(1)
+    # Portable fallback (no prctl outside Linux): notice the parent is gone within a second.
+    threading.Thread(target=_watch_parent, args=(parent_pid,), daemon=True, name="ctxpar-parent-watch").start()
+
+
+def _is_timeout(e: BaseException) -> bool:
+    return isinstance(e, dist.DistStoreError) or "timed out" in str(e).lower()
+
+
+def _worker(rank, world_size, port, threads, timeout_s, parent_pid, fn, args, conn) -> None:
+    _die_with_parent(parent_pid)
+    # Ctrl-C reaches every process of the terminal's group; the parent alone handles it
+    # (and stops the workers), so that one interrupt gives one message.
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    _isolate_from_launcher_env()
     torch.set_num_threads(threads)
     try:
         dist.init_process_group(
@@ -56,14 +228,40 @@ def _worker(rank, world_size, port, threads, timeout_s, fn, args, results) -> No
             world_size=world_size,
             timeout=datetime.timedelta(seconds=timeout_s),
         )
-        # plain pickle copies tensors into the message; the queue's default would share
-        # their memory with a process that is about to exit
-        results.put((rank, True, pickle.dumps(fn(rank, world_size, *args))))
-    except BaseException:  # report everything, including failed asserts, to the parent
-        results.put((rank, False, traceback.format_exc()))
+        conn.send_bytes(pickle.dumps(("joined", None)))
+        result = fn(rank, world_size, *args)
+        # plain pickle copies tensors into the message; multiprocessing's would share their
+        # memory with a process that is about to exit
+        conn.send_bytes(pickle.dumps(("ok", result)))
+    except BaseException as e:  # report everything, including failed asserts, to the parent
+        conn.send_bytes(pickle.dumps(("timeout" if _is_timeout(e) else "error", traceback.format_exc())))
     finally:
+        conn.close()
         if dist.is_initialized():
             dist.destroy_process_group()
+
+
+def _exit_reason(exitcode: int | None) -> str:
+    if exitcode is not None and exitcode < 0:
+        try:
+            return f"killed by {signal.Signals(-exitcode).name}"
+        except ValueError:
+            return f"killed by signal {-exitcode}"
+    return f"exited with code {exitcode}"
+
+
+def _stop(procs: list) -> None:
+    """SIGTERM, then SIGKILL what is still there a few seconds later."""
+    for p in procs:
+        if p.is_alive():
+            p.terminate()
+    for p in procs:
+        if p.pid is None:  # never started
+            continue
+        p.join(timeout=GRACE_S)
+        if p.is_alive():
+            p.kill()
+            p.join()
 
 
 def run_local(
@@ -72,64 +270,144 @@ def run_local(
     args: tuple = (),
     *,
     threads: int | None = None,
-    timeout_s: float = 600,
+    timeout_s: float = DEFAULT_TIMEOUT_S,
+    deadline_s: float | None = None,
 ) -> list[Any]:
     """Run ``fn(rank, nproc, *args)`` on ``nproc`` local gloo ranks; return their results.
 
     ``fn`` must be importable (module level) and its arguments and result picklable.
     ``threads`` per rank defaults to the machine's cores shared out between the ranks.
+    ``timeout_s`` bounds each collective and the rendezvous; ``deadline_s`` (default: none)
+    bounds the whole run. Raises ``RankFailure`` naming every rank that failed, died or
+    never finished; the other ranks are stopped first.
     """
-    if nproc < 1:
-        raise ValueError(f"nproc must be >= 1, got {nproc}")
+    check_nproc(nproc)
+    check_timeout(timeout_s)
+    if deadline_s is not None and not (math.isfinite(deadline_s) and deadline_s > 0):
+        raise ValueError(f"deadline_s {deadline_s!r} must be a positive number of seconds, or None for no deadline")
     threads = threads or max(1, (os.cpu_count() or 1) // nproc)
     ctx = mp.get_context("spawn")
-    results = ctx.Queue()
     port = free_port()
+    pipes = [ctx.Pipe(duplex=False) for _ in range(nproc)]
     procs = [
-        ctx.Process(target=_worker, args=(r, nproc, port, threads, timeout_s, fn, args, results), daemon=True)
+        ctx.Process(target=_worker, name=f"ctxpar-rank-{r}", daemon=True,
+                    args=(r, nproc, port, threads, timeout_s, os.getpid(), fn, args, pipes[r][1]))
         for r in range(nproc)
     ]
-    for p in procs:
-        p.start()
-    outputs: dict[int, Any] = {}
-    failed: dict[int, str] = {}
-    deadline = time.monotonic() + timeout_s
     try:
-        while len(outputs) + len(failed) < nproc:
-            # once one rank has failed, the others are likely blocked on it: don't wait long
-            wait = min(10.0, deadline - time.monotonic()) if failed else deadline - time.monotonic()
-            try:
-                rank, ok, value = results.get(timeout=max(wait, 0.01))
-            except queue.Empty:
-                missing = sorted(set(range(nproc)) - set(outputs) - set(failed))
-                why = "after another rank failed" if failed else f"within {timeout_s:.0f} s"
-                failed[-1] = f"ranks {missing} did not finish {why}; they were killed"
-                break
-            if ok:
-                outputs[rank] = pickle.loads(value)
-            else:
-                failed[rank] = f"rank {rank} failed:\n{value}"
+        for p, (_, writer) in zip(procs, pipes):
+            p.start()
+            writer.close()  # the worker holds the only writer: its end of file means it is gone
+        return _collect(procs, [reader for reader, _ in pipes], timeout_s, deadline_s)
     finally:
-        for p in procs:
-            p.join(timeout=10)
-            if p.is_alive():
-                p.kill()
-    if failed:
-        raise RuntimeError("\n".join(failed[r] for r in sorted(failed)))
-    return [outputs[r] for r in range(nproc)]
+        _stop(procs)
 
 
-def run(fn: Callable[..., Any], nproc: int, args: tuple = (), *, timeout_s: float = 600) -> Any:
+def _collect(procs: list, readers: list, timeout_s: float, deadline_s: float | None) -> list[Any]:
+    """Wait on every rank's messages and exit at once; the results in rank order, or RankFailure."""
+    start = time.monotonic()
+    pending = set(range(len(procs)))
+    silent: set[int] = set()  # pipe closed: only the exit is left to see
+    joined: set[int] = set()
+    outputs: dict[int, Any] = {}
+    failed: dict[int, tuple[str, str]] = {}  # rank -> (kind, traceback), in the order they arrived
+    died: dict[int, str] = {}
+    give_up = start + deadline_s if deadline_s is not None else None
+    grace_started = False
+
+    def read(r: int) -> None:
+        """Take every message rank ``r`` has sent so far."""
+        while r in pending and r not in silent and readers[r].poll():
+            try:
+                kind, value = pickle.loads(readers[r].recv_bytes())
+            except EOFError:
+                silent.add(r)
+                return
+            if kind == "joined":
+                joined.add(r)
+                continue
+            pending.discard(r)
+            if kind == "ok":
+                outputs[r] = value
+            else:
+                failed[r] = (kind, value)
+
+    while pending:
+        wait = None if give_up is None else max(0.0, give_up - time.monotonic())
+        watched = [readers[r] for r in pending if r not in silent] + [procs[r].sentinel for r in pending]
+        ready = set(connection.wait(watched, wait))
+        if not ready:
+            break
+        for r in sorted(pending):
+            if readers[r] in ready:
+                read(r)
+        for r in sorted(pending):
+            if procs[r].sentinel in ready:
+                read(r)  # a rank that reported and then exited: its report is in the pipe
+                if r in pending:
+                    pending.discard(r)
+                    procs[r].join(timeout=GRACE_S)  # its pipe closes an instant before it can be reaped
+                    died[r] = _exit_reason(procs[r].exitcode)
+        if died:  # a process gone without a word was killed or crashed: that is the cause, stop now
+            break
+        if failed and pending and not grace_started:
+            grace_started = True
+            grace_end = time.monotonic() + GRACE_S
+            give_up = grace_end if give_up is None else min(give_up, grace_end)
+    if not (failed or died or pending):
+        return [outputs[r] for r in range(len(procs))]
+    stuck = sorted(pending)
+    message = _failure_message(failed, died, stuck, joined, timeout_s, deadline_s, time.monotonic() - start)
+    raise RankFailure(message, {r: tb for r, (_, tb) in failed.items()}, died, stuck)
+
+
+def _failure_message(
+    failed: dict[int, tuple[str, str]], died: dict[int, str], stuck: list[int], joined: set[int],
+    timeout_s: float, deadline_s: float | None, elapsed: float,
+) -> str:
+    """Root cause first: the dead, then the ranks the others waited for, then the tracebacks."""
+    oom = " (kill -9, or the kernel's out-of-memory killer)"
+    lines = [f"rank {r} died {'during the run' if r in joined else 'before joining the process group'}: "
+             f"{why}{oom if why == 'killed by SIGKILL' else ''}; it reported no result" for r, why in died.items()]
+    if stuck and not (failed or died):
+        lines.append(f"ranks {stuck} were still running at the {deadline_s:g} s deadline "
+                     f"({elapsed:.0f} s after the start) and were stopped")
+    elif stuck and not died and all(kind == "timeout" for kind, _ in failed.values()):
+        # the healthy ranks gave up waiting; the ranks still running are those they waited for
+        for r in stuck:
+            at = "at a collective" if r in joined else "at the rendezvous (it never joined the process group)"
+            lines.append(f"rank {r} never arrived {at}: ranks {sorted(failed)} timed out after {timeout_s:g} s "
+                         f"waiting; it was still running and was stopped")
+    elif stuck:
+        lines.append(f"ranks {stuck} were still running (waiting for the ranks above, most likely) and were stopped")
+    for i, (r, (_, tb)) in enumerate(failed.items()):
+        if i == 0:
+            lines.append(f"rank {r} failed:\n{tb.rstrip()}")
+        else:
+            lines.append(f"rank {r} failed too: {tb.strip().splitlines()[-1] if tb.strip() else 'no message'}")
+    return "\n".join(lines)
+
+
+def run(
+    fn: Callable[..., Any], nproc: int, args: tuple = (), *, timeout_s: float = DEFAULT_TIMEOUT_S,
+    deadline_s: float | None = None,
+) -> Any:
     """Run ``fn(rank, world_size, *args, device)`` on every rank.
 
     Under torchrun this process is one of the launched ranks (NCCL on its GPU when
     there is one) and gets its own rank's result; otherwise ``nproc`` local gloo ranks
-    are spawned and this process gets rank 0's result.
+    are spawned (whatever RANK / WORLD_SIZE / MASTER_* the environment holds) and this
+    process gets rank 0's result. One line on stderr says which. ``timeout_s`` bounds each
+    collective; ``deadline_s`` (local ranks only, default none) the whole run.
     """
+    check_timeout(timeout_s)
     if launched_by_torchrun():
-        device = init_from_env()
+        if os.environ["RANK"] == "0":
+            print(describe_mode(nproc, timeout_s), file=sys.stderr, flush=True)
+        device = init_from_env(timeout_s)
         try:
             return fn(dist.get_rank(), dist.get_world_size(), *args, device)
         finally:
             dist.destroy_process_group()
-    return run_local(fn, nproc, (*args, torch.device("cpu")), timeout_s=timeout_s)[0]
+    print(describe_mode(nproc, timeout_s), file=sys.stderr, flush=True)
+    return run_local(fn, nproc, (*args, torch.device("cpu")), timeout_s=timeout_s, deadline_s=deadline_s)[0]

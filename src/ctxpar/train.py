@@ -10,7 +10,6 @@ the run computes what single-process training on that batch computes, which
 from __future__ import annotations
 
 import math
-import os
 import sys
 import time
 from collections.abc import Callable
@@ -18,14 +17,12 @@ from dataclasses import asdict, dataclass
 
 import torch
 import torch.distributed as dist
-import torch.distributed.checkpoint as dcp
-from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict, set_state_dict
+from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict
 
 import ctxpar
-from ctxpar import profile
+from ctxpar import checkpoint, profile
 from ctxpar.data import RecallTask
 from ctxpar import launch
-from ctxpar.launch import launched_by_torchrun
 from ctxpar.models import Transformer, get_config
 from ctxpar.parallelize import apply_context_parallel, cp_loss, shard_batch, shift_labels
 
@@ -48,7 +45,7 @@ class TrainConfig:
     compare: bool = False
     checkpoint_dir: str | None = None
     save_every: int = 0  # steps between checkpoints (0: never)
-    resume: bool = False  # continue from the latest checkpoint in checkpoint_dir
+    resume: bool = False  # continue from the newest verified checkpoint in checkpoint_dir
     progress: bool = True
     return_parameters: bool = False  # include the final full parameters in the report (tests)
 
@@ -62,16 +59,48 @@ class TrainConfig:
             raise ValueError(f"--strategy {self.strategy!r} is not supported by train; use one of "
                              f"{', '.join(TRAIN_STRATEGIES)}")
         for flag in ("seq", "batch", "steps"):
-            if getattr(self, flag) < 1:
-                raise ValueError(f"--{flag} must be >= 1, got {getattr(self, flag)}")
+            value = getattr(self, flag)
+            if not 1 <= value <= launch.MAX_SIZE:
+                raise ValueError(f"--{flag} must be between 1 and {launch.MAX_SIZE}, got {value}")
+        if not (math.isfinite(self.lr) and self.lr > 0):
+            raise ValueError(f"--lr {self.lr} must be a positive finite learning rate, e.g. {TrainConfig.lr}")
+        if not 0 <= self.seed <= launch.MAX_SEED:
+            raise ValueError(f"--seed must be between 0 and {launch.MAX_SEED}, got {self.seed}")
         cfg = get_config(self.model)
         ctxpar.get_layout(self.layout, self.cp(world)).validate(self.seq)
         if self.strategy == "alltoall" and cfg.heads % self.cp(world):
             raise ValueError(f"--strategy alltoall splits the {cfg.heads} heads of {self.model!r} over "
                              f"{self.cp(world)} CP ranks; they must divide")
+        if self.save_every < 0:
+            raise ValueError(f"--save-every {self.save_every} must be >= 0 (steps between checkpoints; 0: never)")
         if (self.save_every or self.resume) and not self.checkpoint_dir:
             raise ValueError("--save-every and --resume need --checkpoint-dir")
         self.task()
+        if self.checkpoint_dir:  # last: it may create the directory
+            checkpoint.check_directory(self.checkpoint_dir, saving=self.save_every > 0, resuming=self.resume)
+
+    def check_memory(self, ranks: int) -> None:
+        """Refuse a run this machine cannot hold: each of ``ranks`` local ranks builds the whole
+        fp32 model before FSDP shards it, and the fp32 logits of the global batch are spread
+        over the ranks (a lower bound)."""
+        model = get_config(self.model)
+        needed = 4 * (ranks * model.parameters + self.dp * self.batch * self.seq * model.vocab)
+        launch.check_local_memory(
+            needed, f"--model {self.model} on {ranks} ranks with --seq {self.seq} and --batch {self.batch}",
+            "choose a smaller --model, or lower --seq, --batch or --nproc")
+
+    def checkpoint_settings(self) -> dict:
+        """What a resumed run must share with the run that saved: what it trains on and with.
+
+        The layout, strategy and the dp x cp split may change (DCP reshards, and CP
+        computes the same loss), but a different model, data stream (seed, sequence
+        length, global batch) or learning rate would not continue that run; the lr would
+        not even apply, as the optimizer state loaded from the checkpoint carries it.
+        """
+        # the preset's shape, not just its name: presets can change between versions
+        shape = ", ".join(f"{k}={v}" for k, v in asdict(get_config(self.model)).items())
+        return {"--model": f"{self.model} ({shape})", "--seq": self.seq,
+                "global batch (--batch x --dp)": self.batch * self.dp, "--seed": self.seed, "--lr": self.lr}
 
     def task(self) -> RecallTask:
         return RecallTask(vocab=get_config(self.model).vocab, seq_len=self.seq)
@@ -117,39 +146,23 @@ def _run_steps(
         if dist.is_initialized():
             dist.all_reduce(hits)
         seconds = time.perf_counter() - begin
-        history["loss"].append(loss.item())
+        value = loss.item()
+        if not math.isfinite(value):
+            # the loss is all-reduced, so every rank stops here at the same step, none waits in a collective
+            raise FloatingPointError(
+                f"step {step + 1}: the loss is {value}; stopped before anything of this step is saved. Lower --lr, "
+                "or, after --resume, check the checkpoint it resumed from (its weights may not be finite)")
+        history["loss"].append(value)
         history["recall_accuracy"].append((hits[0] / hits[1].clamp(min=1)).item())
         history["tokens_per_second"].append(global_tokens / seconds)
         if bar is not None:
-            bar.set_postfix(loss=f"{loss.item():.4f}", recall=f"{history['recall_accuracy'][-1]:.2f}",
+            bar.set_postfix(loss=f"{value:.4f}", recall=f"{history['recall_accuracy'][-1]:.2f}",
                             tok_s=f"{global_tokens / seconds:,.0f}")
             bar.update()
         after_step(step + 1)
     if bar is not None:
         bar.close()
     return history
-
-
-def _checkpoint_path(cfg: TrainConfig, step: int) -> str:
-    return os.path.join(cfg.checkpoint_dir, f"step-{step:06d}")
-
-
-def latest_checkpoint(directory: str) -> tuple[int, str] | None:
-    steps = sorted(int(n.split("-")[1]) for n in os.listdir(directory) if n.startswith("step-")) if os.path.isdir(
-        directory) else []
-    return (steps[-1], os.path.join(directory, f"step-{steps[-1]:06d}")) if steps else None
-
-
-def _save(model, optimizer, path: str) -> None:
-    model_state, optim_state = get_state_dict(model, optimizer)
-    dcp.save({"model": model_state, "optim": optim_state}, checkpoint_id=path)
-
-
-def _load(model, optimizer, path: str) -> None:
-    model_state, optim_state = get_state_dict(model, optimizer)
-    state = {"model": model_state, "optim": optim_state}
-    dcp.load(state, checkpoint_id=path)
-    set_state_dict(model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"])
 
 
 def train_rank(rank: int, world: int, cfg: TrainConfig, device: torch.device | None = None) -> dict | None:
@@ -173,16 +186,17 @@ def train_rank(rank: int, world: int, cfg: TrainConfig, device: torch.device | N
     fully_shard(model, mesh=shard_mesh)
     optimizer = _optimizer(model, cfg)
 
-    start = 0
+    start, resumed = 0, None
     if cfg.resume:
-        found = latest_checkpoint(cfg.checkpoint_dir)
-        if found is None:
-            raise ValueError(f"--resume: no checkpoint in {cfg.checkpoint_dir}")
-        start, path = found
+        resumed = checkpoint.find_resumable(cfg.checkpoint_dir, cfg.checkpoint_settings())
+        if rank == 0:
+            for skipped in resumed.skipped:
+                print(f"ctxpar train: --resume skipped {skipped.path}: {skipped.reason}", file=sys.stderr)
+        start = resumed.step
         if start >= cfg.steps:
-            raise ValueError(f"--resume: the latest checkpoint is at step {start}, nothing left of --steps "
+            raise ValueError(f"--resume: the newest verified checkpoint is at step {start}, nothing left of --steps "
                              f"{cfg.steps}; ask for more steps")
-        _load(model, optimizer, path)
+        checkpoint.load(model, optimizer, resumed.path)
 
     rows = slice(dp_rank * cfg.batch, (dp_rank + 1) * cfg.batch)
 
@@ -194,7 +208,7 @@ def train_rank(rank: int, world: int, cfg: TrainConfig, device: torch.device | N
 
     def after_step(done: int) -> None:
         if cfg.save_every and done % cfg.save_every == 0:
-            _save(model, optimizer, _checkpoint_path(cfg, done))
+            checkpoint.save(model, optimizer, cfg.checkpoint_dir, done, cfg.checkpoint_settings())
 
     if device.type == "cuda":
         torch.cuda.reset_peak_memory_stats(device)
@@ -209,6 +223,8 @@ def train_rank(rank: int, world: int, cfg: TrainConfig, device: torch.device | N
     if rank != 0:
         return None
     return dict(config=dict(asdict(cfg), nproc=world, cp=cp), start_step=start, parameters=params,
+                resumed_from=resumed.path if resumed else None,
+                skipped_checkpoints=[asdict(s) for s in resumed.skipped] if resumed else [],
                 rank_peak_growth_bytes=growth, peak_memory_source=profile.peak_memory(device)[1], **history)
 
 
@@ -229,11 +245,15 @@ def train_reference(cfg: TrainConfig) -> dict:
     return dict(parameters=params, **history)
 
 
-def run_train(cfg: TrainConfig) -> dict | None:
-    """Train on local gloo ranks (or torchrun's), then the reference if ``cfg.compare``."""
-    if not launched_by_torchrun():
-        cfg.validate(cfg.nproc)  # before spawning anything
-    report = launch.run(train_rank, cfg.nproc, (cfg,))
+def run_train(cfg: TrainConfig, *, timeout_s: float = launch.DEFAULT_TIMEOUT_S) -> dict | None:
+    """Train on local gloo ranks (or torchrun's), then the reference if ``cfg.compare``.
+
+    The configuration is checked before any rank starts; ``timeout_s`` bounds each wait at
+    a collective.
+    """
+    cfg.validate(launch.world_size(cfg.nproc))
+    cfg.check_memory(launch.local_ranks(cfg.nproc))
+    report = launch.run(train_rank, cfg.nproc, (cfg,), timeout_s=timeout_s)
     if report is not None and cfg.compare:
         reference = train_reference(cfg)
         report["reference_loss"] = reference["loss"]

@@ -112,28 +112,39 @@ def calibrate() -> dict:
                 attention=attention, link=link)
 
 
-def plan_calibration(hardware: str, *, measure: bool, path: str | None) -> dict | None:
-    """The calibration ``ctxpar plan`` uses: measured now, read from ``path``, or none.
-
-    ``path`` may be a JSON written by ``ctxpar plan --calibrate --json`` (its
-    "calibration" entry) or the calibration object itself.
-    """
+def check_calibration_flags(hardware: str, *, measure: bool, path: str | None) -> None:
+    """``--calibrate`` / ``--calibration`` go with ``--hardware local``, and only one of them."""
     if (measure or path) and hardware.lower() != LOCAL:
         raise ValueError(f"--calibrate and --calibration describe this machine; use them with --hardware local, "
                          f"not {hardware!r}")
     if measure and path:
         raise ValueError("give --calibrate (measure now) or --calibration PATH (measured before), not both")
-    if measure:
-        return calibrate()
-    if path is None:
-        return None
-    with open(path) as f:
-        data = json.load(f)
-    found = data.get("calibration") or data
+
+
+def load_calibration(path: str) -> dict:
+    """The calibration in ``path``: a JSON written by ``ctxpar plan --calibrate --json`` (its
+    "calibration" entry) or the calibration object itself."""
+    try:
+        with open(path) as f:
+            data = json.load(f)
+    except OSError as e:
+        raise ValueError(f"--calibration {path!r} cannot be read ({e.strerror}); write one with `ctxpar plan "
+                         f"--hardware local --calibrate --json {path}`") from e
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise ValueError(f"--calibration {path!r} is not JSON ({e}); give the file --calibrate --json wrote") from e
+    found = (data.get("calibration") or data) if isinstance(data, dict) else None
     if not isinstance(found, dict) or "attention_flops" not in found:
         raise ValueError(f"{path} holds no calibration; write one with `ctxpar plan --hardware local --calibrate "
                          f"--json {path}`")
     return found
+
+
+def plan_calibration(hardware: str, *, measure: bool, path: str | None) -> dict | None:
+    """The calibration ``ctxpar plan`` uses: measured now, read from ``path``, or none."""
+    check_calibration_flags(hardware, measure=measure, path=path)
+    if measure:
+        return calibrate()
+    return None if path is None else load_calibration(path)
 
 
 def format_calibration(c: dict) -> str:

@@ -14,6 +14,7 @@ FlashAttention-2 reports 50-73% of peak forward and up to 63% backward on A100
 
 from __future__ import annotations
 
+import math
 import os
 from dataclasses import asdict, dataclass, replace
 
@@ -60,6 +61,7 @@ class Hardware:
 
 _DATASHEETS = "NVIDIA datasheets (dense peak, HBM in GB); NVLink per direction; one NDR/HDR NIC per GPU"
 GB = 10**9
+MIN_EFFICIENCY = 0.01  # below 1% of peak, kernels are not what the cost model describes
 
 PRESETS: dict[str, Hardware] = {
     h.name.lower(): h
@@ -86,10 +88,37 @@ def local_hardware(calibration: dict) -> Hardware:
         if key not in calibration:
             raise ValueError(f"calibration has no {key!r}; produce one with `ctxpar plan --hardware local --calibrate "
                              f"--json PATH` and pass --calibration PATH")
+        value = calibration[key]
+        if isinstance(value, bool) or not isinstance(value, (int, float)) or not (math.isfinite(value) and value > 0):
+            raise ValueError(f"calibration {key!r} is {value!r}, not a positive rate; measure again with "
+                             f"`ctxpar plan --hardware local --calibrate --json PATH`")
     ram = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
     bw = calibration["bandwidth"]
-    return Hardware(LOCAL, calibration["attention_flops"], 1.0, ram, os.cpu_count() or 1, bw, bw,
+    return Hardware(LOCAL, calibration["attention_flops"], 1.0, ram, gpus_per_node(LOCAL), bw, bw,
                     f"measured on this machine ({calibration.get('machine', 'unknown CPU')}); memory = RAM")
+
+
+def gpus_per_node(name: str) -> int:
+    """GPUs per node of the preset ``name`` (``local``: this machine's cores), before any measurement."""
+    key = name.lower()
+    if key == LOCAL:
+        return os.cpu_count() or 1
+    if key not in PRESETS:
+        raise ValueError(f"unknown hardware {name!r}; choose one of {', '.join(HARDWARE_NAMES)} "
+                         f"(--flops, --bandwidth and --efficiency override a preset's figures)")
+    return PRESETS[key].gpus_per_node
+
+
+def check_overrides(
+    *, bandwidth: float | None = None, peak_flops: float | None = None, efficiency: float | None = None
+) -> None:
+    """Refuse override figures that are not positive finite numbers (efficiency: in [0.01, 1])."""
+    for flag, value in (("--bandwidth", bandwidth), ("--flops", peak_flops)):
+        if value is not None and not (math.isfinite(value) and value > 0):
+            raise ValueError(f"{flag} {value} must be a positive finite rate")
+    if efficiency is not None and not MIN_EFFICIENCY <= efficiency <= 1:
+        raise ValueError(f"--efficiency {efficiency} must be in [{MIN_EFFICIENCY}, 1]: the achieved fraction of "
+                         f"peak FLOP/s")
 
 
 def get_hardware(
@@ -105,19 +134,16 @@ def get_hardware(
     ``bandwidth`` replaces both links (intra- and inter-node); ``peak_flops`` the peak;
     ``efficiency`` the achieved fraction. ``local`` needs ``calibration``.
     """
+    gpus_per_node(name)  # refuses an unknown name
+    check_overrides(bandwidth=bandwidth, peak_flops=peak_flops, efficiency=efficiency)
     key = name.lower()
     if key == LOCAL:
         if calibration is None:
             raise ValueError("--hardware local needs measured figures: add --calibrate (a few seconds) or "
                              "--calibration PATH (a JSON written by --calibrate --json PATH)")
         hw = local_hardware(calibration)
-    elif key in PRESETS:
-        hw = PRESETS[key]
     else:
-        raise ValueError(f"unknown hardware {name!r}; choose one of {', '.join(HARDWARE_NAMES)}, "
-                         f"or give --flops and --bandwidth")
-    if efficiency is not None and not 0 < efficiency <= 1:
-        raise ValueError(f"--efficiency {efficiency} must be in (0, 1]: the achieved fraction of peak FLOP/s")
+        hw = PRESETS[key]
     changes = dict(intra_node_bandwidth=bandwidth, inter_node_bandwidth=bandwidth, peak_flops=peak_flops,
                    efficiency=efficiency)
     changes = {k: v for k, v in changes.items() if v is not None}

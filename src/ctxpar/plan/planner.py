@@ -21,6 +21,10 @@ from ctxpar.strategies.traffic import Traffic
 MIN_SWEEP_SEQ = 2**10
 MAX_SWEEP_SEQ = 2**20
 MIN_MAX_CP = 16  # the sweep covers at least two 8-GPU nodes
+# The largest request evaluated: per-rank work is counted token by token for every degree,
+# so time and memory grow with both (T = 16M at CP 8 takes about a minute on one core).
+MAX_PLAN_SEQ = 2**24
+MAX_PLAN_CP = 1024
 
 
 @dataclass(frozen=True)
@@ -45,11 +49,22 @@ class Plan:
         return max(self.head_pairs) * len(self.head_pairs) / sum(self.head_pairs)
 
 
+def check_plan_size(seq: int, cp: int, max_cp: int | None = None) -> None:
+    """Refuse a length or degrees beyond what ``make_plan`` evaluates in reasonable time."""
+    if seq > MAX_PLAN_SEQ:
+        raise ValueError(f"--seq {seq} is longer than the planner evaluates ({MAX_PLAN_SEQ} = 16M tokens: it counts "
+                         f"each rank's work token by token); plan for {MAX_PLAN_SEQ} or less")
+    for flag, degree in (("--cp", cp), ("--max-cp", max_cp)):
+        if degree is not None and degree > MAX_PLAN_CP:
+            raise ValueError(f"{flag} {degree} is beyond the largest CP degree the planner compares "
+                             f"({MAX_PLAN_CP}); lower it")
+    if max_cp is not None and max_cp < cp:
+        raise ValueError(f"--max-cp {max_cp} is below --cp {cp}; raise it to at least {cp}")
+
+
 def sweep_degrees(cp: int, max_cp: int | None = None) -> list[int]:
-    """1, 2, 4, ... up to ``max_cp`` (default max(cp, 16)), plus ``cp`` itself."""
-    top = max_cp or max(cp, MIN_MAX_CP)
-    if top < cp:
-        raise ValueError(f"--max-cp {top} is below --cp {cp}; raise it to at least {cp}")
+    """1, 2, 4, ... up to ``max_cp`` (default max(cp, 16)), plus ``cp`` itself (``check_plan_size`` first)."""
+    top = max(cp, MIN_MAX_CP) if max_cp is None else max_cp
     degrees = {1, cp}
     d = 2
     while d <= top:
@@ -70,6 +85,7 @@ def sweep_seqs(seq: int) -> list[int]:
 
 def make_plan(w: Workload, hw: Hardware, *, max_cp: int | None = None, calibration: dict | None = None) -> Plan:
     """Memory, traffic, time, the sweep, crossovers and a recommendation for ``w`` on ``hw``."""
+    check_plan_size(w.seq, w.cp, max_cp)
     degrees, seqs = sweep_degrees(w.cp, max_cp), sweep_seqs(w.seq)
     return Plan(
         workload=w,

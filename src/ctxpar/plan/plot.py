@@ -11,6 +11,7 @@ Needs matplotlib (``pip install 'ctxpar[plot]'``).
 
 from __future__ import annotations
 
+import importlib.util
 import math
 
 from ctxpar.plan.memory import memory_per_gpu
@@ -23,15 +24,20 @@ STYLES = {"ring": "-", "allgather": "--", "alltoall": ":", "hybrid": "-."}
 GIB = 2**30
 
 
+def check_plot_support() -> None:
+    """Refuse ``--plot`` up front when matplotlib is missing, not after the plan is computed."""
+    if importlib.util.find_spec("matplotlib") is None:
+        raise ValueError("--plot needs matplotlib: pip install 'ctxpar[plot]' (or pip install matplotlib)")
+
+
 def write_plot(plan: Plan, path: str) -> None:
     """Draw the two panels into ``path`` (PNG)."""
-    try:
-        import matplotlib
+    check_plot_support()
+    import matplotlib
 
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError as e:
-        raise ValueError("--plot needs matplotlib: pip install 'ctxpar[plot]' (or pip install matplotlib)") from e
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
     fig, (left, right) = plt.subplots(1, 2, figsize=(15, 6), gridspec_kw=dict(width_ratios=[3, 2]))
     _efficiency_panel(plan, left)
     _memory_panel(plan, right)

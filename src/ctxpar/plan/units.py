@@ -13,6 +13,10 @@ import re
 _DECIMAL = {"": 1.0, "k": 1e3, "m": 1e6, "g": 1e9, "t": 1e12, "p": 1e15, "e": 1e18}
 _BINARY = {"ki": 2.0**10, "mi": 2.0**20, "gi": 2.0**30, "ti": 2.0**40}
 _BANDWIDTH = re.compile(r"^\s*([0-9]*\.?[0-9]+(?:e[+-]?[0-9]+)?)\s*([kmgtp]i?)?([bB])?(?:/s|ps)?\s*$", re.I)
+# What a flag may say: beyond these, the figures describe no machine and the arithmetic
+# over them overflows (or divides by zero).
+BANDWIDTH_RANGE = (1e3, 1e18, "1kB/s .. 1e18B/s")
+FLOPS_RANGE = (1e6, 1e24, "1M .. 1e24 FLOP/s")
 _FLOPS = re.compile(r"^\s*([0-9]*\.?[0-9]+(?:e[+-]?[0-9]+)?)\s*([kmgtpe])?(?:flop/?s|flops)?\s*$", re.I)
 
 
@@ -23,15 +27,16 @@ def parse_bandwidth(text: str) -> float:
     """
     m = _BANDWIDTH.match(str(text))
     if not m:
-        raise ValueError(f"bandwidth {text!r} is not understood; write e.g. 100GB/s, 400Gb/s or 25GiB/s")
+        raise ValueError(f"--bandwidth {text!r} is not understood; write e.g. 100GB/s, 400Gb/s or 25GiB/s")
     value, prefix, unit = float(m.group(1)), (m.group(2) or "").lower(), m.group(3)
     if prefix and unit is None:
-        raise ValueError(f"bandwidth {text!r} has no unit; write {m.group(1)}{m.group(2)}B/s (bytes) "
+        raise ValueError(f"--bandwidth {text!r} has no unit; write {m.group(1)}{m.group(2)}B/s (bytes) "
                          f"or {m.group(1)}{m.group(2)}b/s (bits)")
     scale = _BINARY[prefix] if prefix.endswith("i") else _DECIMAL[prefix]
     bytes_per_s = value * scale / (8 if unit == "b" else 1)
-    if bytes_per_s <= 0:
-        raise ValueError(f"bandwidth {text!r} must be positive")
+    low, high, written = BANDWIDTH_RANGE
+    if not low <= bytes_per_s <= high:
+        raise ValueError(f"--bandwidth {text!r} = {bytes_per_s:g} bytes/s is outside {written}; write e.g. 100GB/s")
     return bytes_per_s
 
 
@@ -39,10 +44,11 @@ def parse_flops(text: str) -> float:
     """FLOP/s from ``989T``, ``989TFLOPS``, ``2.25P``, ``9.89e14``."""
     m = _FLOPS.match(str(text))
     if not m:
-        raise ValueError(f"FLOP rate {text!r} is not understood; write e.g. 989T, 989TFLOPS or 9.89e14")
+        raise ValueError(f"--flops {text!r} is not understood; write e.g. 989T, 989TFLOPS or 9.89e14")
     rate = float(m.group(1)) * _DECIMAL[(m.group(2) or "").lower()]
-    if rate <= 0:
-        raise ValueError(f"FLOP rate {text!r} must be positive")
+    low, high, written = FLOPS_RANGE
+    if not low <= rate <= high:
+        raise ValueError(f"--flops {text!r} = {rate:g} FLOP/s is outside {written}; write e.g. 989T")
     return rate
 
 

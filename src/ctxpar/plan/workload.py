@@ -18,6 +18,7 @@ DEFAULT_MODEL = "llama-3-8b"
 STRATEGY_NAMES = ("ring", "allgather", "alltoall", "hybrid")
 ELEMENT_BYTES = {"bfloat16": 2, "float16": 2, "float32": 4}
 CHECKPOINTING = ("none", "full")
+MAX_COUNT = 2**31 - 1  # any shape, batch, length or degree; keeps every product well inside float range
 
 
 def resolve_model(name: str | None = None, **shape: int | None) -> ModelConfig:
@@ -31,12 +32,22 @@ def resolve_model(name: str | None = None, **shape: int | None) -> ModelConfig:
     unknown = set(given) - set(base.as_dict())
     if unknown:
         raise ValueError(f"unknown model field(s) {sorted(unknown)}")
+    for field, value in given.items():
+        _check_count(field, value)
     if "heads" not in given and ({"hidden", "head_dim"} & set(given)):
         hidden, head_dim = given.get("hidden", base.hidden), given.get("head_dim", base.head_dim)
         if hidden % head_dim:
             raise ValueError(f"--hidden {hidden} is not a multiple of --head-dim {head_dim}; give --heads explicitly")
         given["heads"] = hidden // head_dim
+    heads, kv_heads = given.get("heads", base.heads), given.get("kv_heads", base.kv_heads)
+    if heads % kv_heads:
+        raise ValueError(f"--heads {heads} must be a multiple of --kv-heads {kv_heads}")
     return base.with_(**given)
+
+
+def _check_count(field: str, value: int) -> None:
+    if not 1 <= value <= MAX_COUNT:
+        raise ValueError(f"--{field.replace('_', '-')} must be between 1 and {MAX_COUNT}, got {value}")
 
 
 @dataclass(frozen=True)
@@ -71,8 +82,7 @@ class Workload:
 
     def __post_init__(self) -> None:
         for flag in ("batch", "seq", "cp", "fsdp"):
-            if getattr(self, flag) < 1:
-                raise ValueError(f"--{flag} must be >= 1, got {getattr(self, flag)}")
+            _check_count(flag, getattr(self, flag))
         if self.dtype not in ELEMENT_BYTES:
             raise ValueError(f"--dtype {self.dtype!r} is not one of {', '.join(ELEMENT_BYTES)}")
         if self.strategy not in STRATEGY_NAMES:
@@ -83,7 +93,7 @@ class Workload:
             raise ValueError(f"--checkpointing {self.checkpointing!r} is not one of {', '.join(CHECKPOINTING)}")
         self.layout_obj.validate(self.seq)
         if self.strategy == "hybrid":
-            if not self.ulysses or self.cp % self.ulysses:
+            if self.ulysses is None or self.ulysses < 1 or self.cp % self.ulysses:
                 raise ValueError(f"--strategy hybrid needs --ulysses-degree dividing --cp {self.cp}, "
                                  f"got {self.ulysses}")
         elif self.ulysses is not None:

@@ -1,0 +1,324 @@
+"""Checkpoints that a run resumes from only if they were written completely and read back intact.
+
+A checkpoint is a directory ``step-<N>`` (zero-padded to six digits) under
+``--checkpoint-dir``, holding what ``torch.distributed.checkpoint`` (DCP) writes
+(``.metadata``, ``__<rank>_<i>.distcp``) and, written last, ``manifest.json``:
+
+    {"format": "ctxpar-checkpoint/1",
+     "step": 3,
+     "run": {"--model": "tiny", "--seq": 128, ...},      # what a continuation must share
+     "files": {".metadata": {"bytes": 40281, "sha256": "9f2c..."},
+               "__0_0.distcp": {"bytes": 740247, "sha256": "..."}, ...},
+     "checksum": "..."}                                   # sha256 of the fields above
+
+The manifest goes to a temporary name, is fsynced and renamed into place once every data
+file is on disk, so a directory without a valid manifest is by definition partial: the
+run stopped while saving it. Resume walks the checkpoints newest first and takes the
+first whose manifest is intact and whose files all have the recorded size and sha256;
+what it passes over comes back with the reason.
+
+Every function here that a rank calls with a process group up is collective: rank 0
+reads directories and manifests and broadcasts what it found (or the error it hit), the
+ranks hash a share of the files each and all-gather the digests, so every rank reaches
+the same verdict from the same data and all load or all raise together; none is left
+waiting in a collective. The checksums catch crashes and storage faults (truncated,
+bit-flipped, deleted files), not someone who rewrites a manifest on purpose.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import re
+import shutil
+import tempfile
+from collections.abc import Callable
+from dataclasses import dataclass
+from functools import partial
+from typing import Any, TypeVar
+
+import torch
+import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+
+MANIFEST = "manifest.json"
+FORMAT = "ctxpar-checkpoint/1"
+_STEP_DIR = re.compile(r"step-([0-9]+)")
+_READ_BYTES = 1 << 22
+
+T = TypeVar("T")
+
+
+@dataclass(frozen=True)
+class Skipped:
+    """An entry of the checkpoint directory that resume did not use, and why."""
+
+    path: str
+    reason: str
+
+
+@dataclass(frozen=True)
+class Resumable:
+    """The checkpoint to resume from, and what newer or stray entries were passed over."""
+
+    step: int
+    path: str
+    skipped: tuple[Skipped, ...]
+
+
+def step_path(directory: str, step: int) -> str:
+    """Where checkpoint ``step`` lives: ``directory/step-000042``."""
+    return os.path.join(directory, f"step-{step:06d}")
+
+
+def list_checkpoints(directory: str) -> tuple[list[tuple[int, str]], list[Skipped]]:
+    """The ``step-<N>`` directories in ``directory`` as (N, path), newest first, and every other entry.
+
+    Lists this process's view only (not collective); nothing is verified here.
+    """
+    found, ignored = [], []
+    for name in sorted(os.listdir(directory)):
+        path = os.path.join(directory, name)
+        match = _STEP_DIR.fullmatch(name)
+        if match and os.path.isdir(path):
+            found.append((int(match[1]), path))
+        else:
+            ignored.append(Skipped(path, "a file, not a checkpoint directory" if match else
+                                   "not a checkpoint (expected step-<number> directories)"))
+    found.sort(reverse=True)
+    return found, ignored
+
+
+def check_directory(directory: str, *, saving: bool, resuming: bool) -> None:
+    """Refuse a ``--checkpoint-dir`` that would fail or destroy work later, before any rank starts.
+
+    Saving needs a writable directory (created here if missing; a probe file is written
+    and removed) that holds no checkpoints of an earlier run unless resuming it, since a
+    fresh run would overwrite them step by step. Resuming needs at least one
+    ``step-<N>`` directory; whether one is intact is decided by :func:`find_resumable`.
+    """
+    if os.path.exists(directory) and not os.path.isdir(directory):
+        raise ValueError(f"--checkpoint-dir {directory!r} is a file, not a directory; pass a directory path")
+    if resuming and not os.path.isdir(directory):
+        raise ValueError(f"--resume: --checkpoint-dir {directory!r} does not exist; pass the directory the "
+                         "earlier run saved to, or drop --resume to start a new run")
+    try:
+        found, ignored = list_checkpoints(directory) if os.path.isdir(directory) else ([], [])
+    except OSError as e:
+        raise ValueError(f"--checkpoint-dir {directory!r} cannot be listed ({e.strerror or e}); pass a directory "
+                         "this user can read") from e
+    if resuming and not found:
+        also = f" (ignored: {', '.join(os.path.basename(s.path) for s in ignored)})" if ignored else ""
+        raise ValueError(f"--resume: no step-<number> checkpoint directory in {directory!r}{also}; pass the "
+                         "directory the earlier run saved to, or drop --resume to start a new run")
+    if saving and not resuming and found:
+        raise ValueError(f"--checkpoint-dir {directory!r} already holds checkpoints (newest: "
+                         f"{os.path.basename(found[0][1])}) that this new run would overwrite; add --resume to "
+                         "continue that run, or pass an empty directory")
+    if saving:
+        try:
+            os.makedirs(directory, exist_ok=True)
+            fd, probe = tempfile.mkstemp(dir=directory, prefix=".ctxpar-write-test-")
+            os.close(fd)
+            os.remove(probe)
+        except OSError as e:
+            raise ValueError(f"--checkpoint-dir {directory!r} is not writable ({e.strerror or e}); pass a "
+                             "directory this user can create files in, or drop --save-every") from e
+
+
+def save(model: torch.nn.Module, optimizer: torch.optim.Optimizer, directory: str, step: int,
+         run: dict[str, Any]) -> str:
+    """Save model and optimizer state as ``directory/step-<step>`` and seal it (collective); return its path.
+
+    A leftover at that path (a partial save, or a checkpoint that resume passed over) is
+    removed first, so no file of it can end up under the new manifest.
+    """
+    path = step_path(directory, step)
+    _on_rank0(partial(_remove, path))
+    model_state, optim_state = get_state_dict(model, optimizer)
+    dcp.save({"model": model_state, "optim": optim_state}, checkpoint_id=path)
+    write_manifest(path, step, run)
+    return path
+
+
+def write_manifest(path: str, step: int, run: dict[str, Any]) -> None:
+    """Record the size and sha256 of every file in ``path`` as checkpoint ``step`` of ``run`` (collective).
+
+    Call it only once the DCP save has returned on every rank (its last collective comes
+    after the metadata is written); the manifest is the last thing written.
+    """
+    names = _on_rank0(lambda: sorted(n for n in os.listdir(path) if not n.startswith(MANIFEST)))
+    digests = _digests(path, names)
+    unreadable = {name: d for name, d in digests.items() if isinstance(d, str)}
+    if unreadable:
+        raise OSError(f"cannot read back the checkpoint files just written in {path}: {unreadable}")
+    body = {"format": FORMAT, "step": step, "run": _as_json(run), "files": digests}
+    _on_rank0(partial(_write_atomically, path, {**body, "checksum": _checksum(body)}))
+
+
+def find_resumable(directory: str, run: dict[str, Any]) -> Resumable:
+    """The newest complete, verified checkpoint in ``directory`` (collective).
+
+    Checkpoints without an intact manifest (partial saves), with a file missing or not
+    matching its recorded size and sha256, and stray entries are skipped and named.
+
+    Raises:
+        ValueError: a verified checkpoint was written by a run whose ``run`` settings
+            differ (naming each difference), or no verified checkpoint remains.
+    """
+    run = _as_json(run)
+    candidates, skipped = _on_rank0(partial(list_checkpoints, directory))
+    for step, path in candidates:
+        manifest, why = _on_rank0(partial(_read_manifest, path, step))
+        if manifest is not None:
+            _refuse_other_run(path, manifest["run"], run)
+            problems = _file_problems(path, manifest["files"])
+            if not problems:
+                return Resumable(step, path, tuple(skipped))
+            why = "; ".join(problems)
+        skipped.append(Skipped(path, why))
+    listing = "".join(f"\n  {s.path}: {s.reason}" for s in skipped) or " (it is empty)"
+    raise ValueError(f"--resume: no complete, verified checkpoint in {directory!r}:{listing}\nstart a new run "
+                     "without --resume (in an empty --checkpoint-dir)")
+
+
+def load(model: torch.nn.Module, optimizer: torch.optim.Optimizer, path: str) -> None:
+    """Load a checkpoint that :func:`find_resumable` verified into model and optimizer (collective)."""
+    model_state, optim_state = get_state_dict(model, optimizer)
+    state = {"model": model_state, "optim": optim_state}
+    dcp.load(state, checkpoint_id=path)
+    set_state_dict(model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"])
+
+
+def _rank_world() -> tuple[int, int]:
+    return (dist.get_rank(), dist.get_world_size()) if dist.is_initialized() else (0, 1)
+
+
+def _on_rank0(fn: Callable[[], T]) -> T:
+    """``fn()`` evaluated on rank 0 only; every rank returns its result, or raises its error."""
+    rank, world = _rank_world()
+    box: list = [None]
+    if rank == 0:
+        try:
+            box[0] = (fn(), None)
+        except Exception as e:  # any error: the other ranks are about to wait for this broadcast
+            box[0] = (None, e)
+    if world > 1:
+        dist.broadcast_object_list(box, src=0)
+    value, error = box[0]
+    if error is not None:
+        raise error
+    return value
+
+
+def _digests(path: str, names: list[str]) -> dict[str, dict | str]:
+    """{name: {"bytes", "sha256"}, or why it can't be read}, each rank hashing every world-th file."""
+    rank, world = _rank_world()
+    mine: dict[str, dict | str] = {}
+    for name in names[rank::world]:
+        try:
+            mine[name] = _digest(os.path.join(path, name))
+        except FileNotFoundError:
+            mine[name] = "missing"
+        except OSError as e:
+            mine[name] = f"unreadable ({e.strerror or e})"
+    shares = [mine]
+    if world > 1:
+        shares = [None] * world
+        dist.all_gather_object(shares, mine)
+    return {name: d for share in shares for name, d in share.items()}
+
+
+def _digest(file: str) -> dict:
+    sha, size = hashlib.sha256(), 0
+    with open(file, "rb") as f:
+        while chunk := f.read(_READ_BYTES):
+            sha.update(chunk)
+            size += len(chunk)
+    return {"bytes": size, "sha256": sha.hexdigest()}
+
+
+def _file_problems(path: str, files: dict[str, dict]) -> list[str]:
+    """What differs between the files in ``path`` and the manifest's record of them (collective)."""
+    digests = _digests(path, sorted(files))
+    problems = []
+    for name in sorted(files):
+        want, got = files[name], digests[name]
+        if isinstance(got, str):
+            problems.append(f"{name} is {got}")
+        elif got["bytes"] != want["bytes"]:
+            problems.append(f"{name} has {got['bytes']} bytes, the manifest says {want['bytes']} (truncated or "
+                            "overwritten)")
+        elif got["sha256"] != want["sha256"]:
+            problems.append(f"{name} does not match its sha256 in the manifest (corrupted)")
+    return problems
+
+
+def _read_manifest(path: str, step: int) -> tuple[dict | None, str | None]:
+    """(manifest, None) if ``path`` has an intact manifest for ``step``, else (None, why not)."""
+    file = os.path.join(path, MANIFEST)
+    if not os.path.lexists(file):
+        return None, f"no {MANIFEST}: incomplete, the run stopped while saving it"
+    try:
+        with open(file, encoding="utf-8") as f:
+            manifest = json.load(f)
+    except (OSError, ValueError) as e:  # ValueError: not JSON, or not UTF-8
+        return None, f"{MANIFEST} is unreadable ({e})"
+    if not isinstance(manifest, dict) or manifest.get("format") != FORMAT:
+        return None, f"{MANIFEST} is not a {FORMAT} manifest"
+    checksum = manifest.pop("checksum", None)
+    if checksum != _checksum(manifest):
+        return None, f"{MANIFEST} does not match its own checksum (corrupted)"
+    if manifest["step"] != step:
+        return None, f"{MANIFEST} is for step {manifest['step']}, not {step}"
+    return manifest, None
+
+
+def _refuse_other_run(path: str, saved: dict[str, Any], wanted: dict[str, Any]) -> None:
+    differences = [f"{key} {saved.get(key)!r} there, {wanted.get(key)!r} here"
+                   for key in sorted(set(saved) | set(wanted)) if saved.get(key) != wanted.get(key)]
+    if differences:
+        raise ValueError(f"--resume: {path} was saved by a run with other settings ({'; '.join(differences)}), "
+                         "so resuming it would not continue that run; pass the same values, or a new "
+                         "--checkpoint-dir to start a new run")
+
+
+def _write_atomically(path: str, manifest: dict) -> None:
+    # the data files' directory entries must be durable before a manifest vouches for them
+    _fsync_directory(path)
+    file = os.path.join(path, MANIFEST)
+    with open(file + ".tmp", "w", encoding="utf-8") as f:
+        json.dump(manifest, f, indent=1, sort_keys=True)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(file + ".tmp", file)
+    _fsync_directory(path)
+
+
+def _fsync_directory(path: str) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def _remove(path: str) -> None:
+    if os.path.islink(path) or os.path.isfile(path):
+        os.remove(path)
+    elif os.path.isdir(path):
+        # manifest first: a run killed while removing leaves a partial checkpoint, never a sealed one
+        if os.path.lexists(os.path.join(path, MANIFEST)):
+            os.remove(os.path.join(path, MANIFEST))
+        shutil.rmtree(path)
+
+
+def _checksum(body: dict) -> str:
+    return hashlib.sha256(json.dumps(body, sort_keys=True).encode()).hexdigest()
+
+
+def _as_json(value: Any) -> Any:
+    """``value`` as it reads back from JSON (tuples as lists), so saved and current settings compare equal."""
+    return json.loads(json.dumps(value))

@@ -1,0 +1,199 @@
+"""Checkpoints: resume only from what was saved completely and reads back intact; never train on a non-finite loss.
+
+One real run is killed with SIGKILL while it saves; its directory (complete checkpoints
+followed by the one the kill interrupted) is the material the other tests corrupt.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+import torch
+
+from ctxpar import checkpoint
+from ctxpar.train import TrainConfig, run_train, train_reference
+
+COMMON = dict(nproc=2, seq=128, model="tiny", progress=False)
+CLI_COMMON = ["--nproc", "2", "--seq", "128", "--model", "tiny", "--no-progress"]
+SETTINGS = TrainConfig(**COMMON).checkpoint_settings()
+
+
+def ctxpar_train(*args: str, **popen) -> subprocess.Popen:
+    return subprocess.Popen([sys.executable, "-m", "ctxpar.cli", "train", *CLI_COMMON, *args], **popen)
+
+
+def manifest_of(step_dir) -> bool:
+    return os.path.exists(os.path.join(step_dir, checkpoint.MANIFEST))
+
+
+def flip_bit(file, offset: int, mask: int = 0x10) -> None:
+    with open(file, "r+b") as f:
+        f.seek(offset)
+        byte = f.read(1)[0]
+        f.seek(offset)
+        f.write(bytes([byte ^ mask]))
+
+
+@pytest.fixture(scope="module")
+def killed_run(tmp_path_factory) -> tuple[str, int]:
+    """(directory, N) of a run SIGKILLed while saving step N >= 3, after steps 1..N-1 were saved whole.
+
+    The directory is polled every half millisecond; the run is killed the moment DCP has
+    begun a data file of ``step-N`` and no manifest is there yet. The rest of a save
+    (the data, DCP's metadata round, fsyncs, hashing) takes milliseconds, so the kill
+    lands inside it, usually with a data file cut short; if a save ever completes between
+    two polls, the next one is the target.
+    """
+    directory = str(tmp_path_factory.mktemp("killed") / "ckpt")
+    with open(tmp_path_factory.mktemp("log") / "stderr", "w+") as log:
+        proc = ctxpar_train("--steps", "1000", "--save-every", "1", "--checkpoint-dir", directory,
+                            stdout=subprocess.DEVNULL, stderr=log, start_new_session=True)
+        deadline, target, caught = time.monotonic() + 120, 3, False
+        try:
+            while time.monotonic() < deadline and proc.poll() is None:
+                path = checkpoint.step_path(directory, target)
+                names = os.listdir(path) if os.path.isdir(path) else []
+                if any(name.endswith(".distcp") for name in names):
+                    if checkpoint.MANIFEST not in names:
+                        os.killpg(proc.pid, signal.SIGKILL)  # the launcher and both ranks at once
+                        caught = True
+                        break
+                    target += 1  # this save finished between two polls: wait for the next
+                time.sleep(0.0005)
+        finally:
+            if proc.poll() is None:
+                os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
+        log.seek(0)
+        assert caught, f"no save of step >= 3 was caught within 120 s; the run said:\n{log.read()}"
+    return directory, target
+
+
+def test_a_run_killed_while_saving_leaves_a_partial_checkpoint_that_resume_skips(killed_run) -> None:
+    directory, n = killed_run
+    assert not manifest_of(checkpoint.step_path(directory, n)), "the kill must land before the manifest"
+    assert all(manifest_of(checkpoint.step_path(directory, s)) for s in range(1, n))
+    found = checkpoint.find_resumable(directory, SETTINGS)
+    assert found.step == n - 1
+    assert [(s.path, s.reason) for s in found.skipped] == [
+        (checkpoint.step_path(directory, n), "no manifest.json: incomplete, the run stopped while saving it")]
+
+
+def test_resume_falls_back_past_a_bit_flip_and_a_partial_save_and_names_them(killed_run, tmp_path, capfd) -> None:
+    directory = str(tmp_path / "ckpt")
+    shutil.copytree(killed_run[0], directory)
+    n = killed_run[1]
+    corrupt = checkpoint.step_path(directory, n - 1)
+    flip_bit(os.path.join(corrupt, "__1_0.distcp"), 1000)  # one bit in rank 1's tensor data
+    os.mkdir(os.path.join(directory, "step-foo"))  # strays: crashed the old int() parse
+    open(os.path.join(directory, "notes.txt"), "w").close()
+
+    # another layout and strategy than the run that saved: DCP reshards, CP computes the same loss
+    cfg = TrainConfig(steps=n, resume=True, checkpoint_dir=directory, layout="striped", strategy="allgather",
+                      **COMMON)
+    report = run_train(cfg)
+
+    assert report["start_step"] == n - 2 and report["resumed_from"] == checkpoint.step_path(directory, n - 2)
+    uninterrupted = train_reference(TrainConfig(steps=n, **COMMON))["loss"]
+    torch.testing.assert_close(torch.tensor(report["loss"]), torch.tensor(uninterrupted[n - 2:]), rtol=1e-4, atol=0)
+    skipped = {os.path.basename(s["path"]): s["reason"] for s in report["skipped_checkpoints"]}
+    assert skipped == {
+        f"step-{n:06d}": "no manifest.json: incomplete, the run stopped while saving it",
+        f"step-{n - 1:06d}": "__1_0.distcp does not match its sha256 in the manifest (corrupted)",
+        "step-foo": "not a checkpoint (expected step-<number> directories)",
+        "notes.txt": "not a checkpoint (expected step-<number> directories)",
+    }
+    err = capfd.readouterr().err
+    assert f"--resume skipped {corrupt}: __1_0.distcp does not match its sha256" in err
+
+
+def test_resume_refuses_when_no_checkpoint_verifies_and_names_each_fault(killed_run, tmp_path) -> None:
+    directory = str(tmp_path / "ckpt")
+    shutil.copytree(killed_run[0], directory)
+    n = killed_run[1]
+    first, second = checkpoint.step_path(directory, 1), checkpoint.step_path(directory, 2)
+    garbled, renamed = checkpoint.step_path(directory, 50), checkpoint.step_path(directory, 60)
+    shutil.copytree(second, garbled)
+    shutil.copytree(first, renamed)
+    for step in range(3, n):  # whole checkpoints, there only if a save finished between two polls
+        shutil.rmtree(checkpoint.step_path(directory, step))
+    data = os.path.join(first, "__0_0.distcp")
+    size = os.path.getsize(data)
+    os.truncate(data, size // 2)
+    os.remove(os.path.join(second, ".metadata"))
+    manifest = os.path.join(garbled, checkpoint.MANIFEST)
+    with open(manifest, "rb") as f:
+        at = f.read().index(b'"checksum": "') + len(b'"checksum": "')
+    flip_bit(manifest, at, mask=0x01)  # still valid JSON: one hex digit for another
+    open(os.path.join(directory, "step-000099"), "w").close()  # a file with a checkpoint's name
+
+    with pytest.raises(ValueError, match="no complete, verified checkpoint") as info:
+        checkpoint.find_resumable(directory, SETTINGS)
+    reasons = dict(line.strip().split(": ", 1) for line in str(info.value).splitlines()[1:-1])
+    assert reasons == {
+        checkpoint.step_path(directory, 99): "a file, not a checkpoint directory",
+        renamed: "manifest.json is for step 1, not 60",
+        garbled: "manifest.json does not match its own checksum (corrupted)",
+        checkpoint.step_path(directory, n): "no manifest.json: incomplete, the run stopped while saving it",
+        second: ".metadata is missing",
+        first: f"__0_0.distcp has {size // 2} bytes, the manifest says {size} (truncated or overwritten)",
+    }
+
+
+def test_resume_refuses_a_checkpoint_of_other_settings_and_names_the_difference(killed_run) -> None:
+    directory, n = killed_run
+    other = TrainConfig(lr=1e-3, dp=2, **dict(COMMON, nproc=4, layout="striped")).checkpoint_settings()
+    with pytest.raises(ValueError, match=r"--lr 0\.003 there, 0\.001 here; global batch \(--batch x --dp\) 1 "
+                                         r"there, 2 here\), so resuming it would not continue that run"):
+        checkpoint.find_resumable(directory, other)
+    # the CP degree, layout and strategy may change: DCP reshards, and CP computes the same loss
+    reshaped = TrainConfig(**dict(COMMON, nproc=4, layout="striped", strategy="allgather")).checkpoint_settings()
+    assert checkpoint.find_resumable(directory, reshaped).step == n - 1
+
+
+def test_a_non_finite_loss_stops_training_with_the_step_and_a_non_zero_exit(killed_run, tmp_path) -> None:
+    from torch.distributed.checkpoint.format_utils import dcp_to_torch_save, torch_save_to_dcp
+
+    # a checkpoint whose weights hold NaN but whose manifest is valid: what verification can't catch
+    directory = tmp_path / "ckpt"
+    dcp_to_torch_save(checkpoint.step_path(killed_run[0], 1), tmp_path / "state.pt")
+    state = torch.load(tmp_path / "state.pt", weights_only=False)
+    state["model"]["norm.weight"].fill_(float("nan"))
+    torch.save(state, tmp_path / "state.pt")
+    torch_save_to_dcp(tmp_path / "state.pt", checkpoint.step_path(str(directory), 1))
+    checkpoint.write_manifest(checkpoint.step_path(str(directory), 1), 1, SETTINGS)
+
+    proc = ctxpar_train("--steps", "3", "--resume", "--save-every", "1", "--checkpoint-dir", str(directory),
+                        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    out, err = proc.communicate(timeout=120)
+    assert proc.returncode != 0, out
+    assert "step 2: the loss is nan" in err
+    assert not os.path.exists(checkpoint.step_path(str(directory), 2)), "nothing of the NaN step is saved"
+
+
+@pytest.mark.parametrize("case", ["negative save-every", "dir is a file", "dir not writable", "stray dir only",
+                                  "new run over old checkpoints"])
+def test_checkpoint_flags_are_refused_before_any_rank_starts(case: str, tmp_path) -> None:
+    a_file = tmp_path / "file"
+    a_file.write_text("")
+    (tmp_path / "stray" / "step-foo").mkdir(parents=True)
+    (tmp_path / "used" / "step-000004").mkdir(parents=True)
+    cfg, match = {
+        "negative save-every": (dict(save_every=-1, checkpoint_dir=str(tmp_path)), "--save-every -1 must be >= 0"),
+        "dir is a file": (dict(save_every=1, checkpoint_dir=str(a_file)), "is a file, not a directory"),
+        "dir not writable": (dict(save_every=1, checkpoint_dir=str(a_file / "ckpt")), "is not writable"),
+        "stray dir only": (dict(resume=True, checkpoint_dir=str(tmp_path / "stray")),
+                           r"no step-<number> checkpoint directory .* \(ignored: step-foo\)"),
+        "new run over old checkpoints": (dict(save_every=1, checkpoint_dir=str(tmp_path / "used")),
+                                         "already holds checkpoints .*add --resume"),
+    }[case]
+    started = time.monotonic()
+    with pytest.raises(ValueError, match=match):
+        run_train(TrainConfig(steps=2, **COMMON, **cfg))
+    assert time.monotonic() - started < 5, "refused before spawning any rank"

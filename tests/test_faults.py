@@ -1,0 +1,323 @@
+"""Launcher faults (issue 8, items 7-9): no hangs, no lost or orphaned work.
+
+Each test reproduces a reported failure and finishes in bounded time:
+
+- item 7: no wall-clock limit unless asked for one; ``timeout_s`` bounds waits at collectives.
+- item 8: a rank killed mid-run, a rank gone before the rendezvous, a frozen rank: the
+  parent names the rank and why, at once (or after the collective timeout for a frozen
+  rank), and stops the others. Killing the parent of ``ctxpar train`` / ``demo``
+  (SIGKILL, SIGTERM, Ctrl-C) kills its workers; they are checked by pid.
+- item 9: RANK / WORLD_SIZE / MASTER_* / ... left in the environment neither redirect nor
+  stall a local run; only a real torchrun launch joins torchrun's group.
+
+Processes are inspected through /proc, hence Linux only.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import inspect
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from ctxpar import launch
+from ctxpar.launch import free_port, run_local
+
+pytestmark = pytest.mark.skipif(not sys.platform.startswith("linux"), reason="checks processes through /proc")
+
+PR_GET_PDEATHSIG = 2  # <linux/prctl.h>
+TINY_DEMO = ("--seq", "64", "--heads", "2", "--kv-heads", "1", "--head-dim", "16")
+
+
+# -- what the ranks run (module level: spawned ranks import this module) ---------------------
+
+
+def sleep_then_return(rank: int, world: int, seconds: float) -> int:
+    time.sleep(seconds)
+    return rank
+
+
+def parent_death_signal(rank: int, world: int) -> int:
+    sig = ctypes.c_int()
+    ctypes.CDLL(None, use_errno=True).prctl(PR_GET_PDEATHSIG, ctypes.byref(sig), 0, 0, 0)
+    return sig.value
+
+
+def kill_one_rank_mid_run(rank: int, world: int, victim: int) -> None:
+    dist.barrier()
+    if rank == victim:
+        os.kill(os.getpid(), signal.SIGKILL)
+    dist.all_reduce(torch.ones(4))
+
+
+def freeze_one_rank(rank: int, world: int, frozen: int) -> None:
+    dist.barrier()
+    if rank == frozen:
+        time.sleep(300)  # alive, never arrives at the all-reduce
+    dist.all_reduce(torch.ones(4))
+
+
+def exit_in_the_first_rank_to_load(marker: str) -> None:
+    """Unpickled in each rank before it joins the group: the first one exits with code 3."""
+    try:
+        os.close(os.open(marker, os.O_CREAT | os.O_EXCL))
+    except FileExistsError:
+        return None
+    os._exit(3)
+
+
+class ExitBeforeRendezvous:
+    def __init__(self, marker: str) -> None:
+        self.marker = marker
+
+    def __reduce__(self):
+        return exit_in_the_first_rank_to_load, (self.marker,)
+
+
+def barrier(rank: int, world: int, _unused: None) -> None:
+    dist.barrier()
+
+
+# -- helpers ---------------------------------------------------------------------------------
+
+
+def alive(pid: int) -> bool:
+    """Running, not a zombie (an orphan's zombie waits for a reaper that may never come)."""
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+    except FileNotFoundError:
+        return False
+    return stat.rsplit(")", 1)[1].split()[0] not in ("Z", "X")
+
+
+def workers_of(parent: int) -> list[int]:
+    """Pids of the spawned ranks (not multiprocessing's resource tracker) whose parent is ``parent``."""
+    found = []
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit():
+            continue
+        try:
+            ppid = int((entry / "stat").read_text().rsplit(")", 1)[1].split()[1])
+            cmdline = (entry / "cmdline").read_bytes()
+        except (FileNotFoundError, ProcessLookupError, IndexError):
+            continue
+        if ppid == parent and b"spawn_main" in cmdline:
+            found.append(int(entry.name))
+    return sorted(found)
+
+
+def has_socket(pid: int) -> bool:
+    """A rank opens its first socket to join the group, after it is tied to its parent."""
+    try:
+        fds = list(Path(f"/proc/{pid}/fd").iterdir())
+    except FileNotFoundError:
+        return False
+    links = []
+    for fd in fds:
+        try:
+            links.append(os.readlink(fd))
+        except FileNotFoundError:
+            continue
+    return any(link.startswith("socket:") for link in links)
+
+
+def wait_for(condition, timeout: float, what: str, proc: subprocess.Popen | None = None):
+    """``condition()``'s first true value; fails when ``proc`` ends first or ``timeout`` passes."""
+    end = time.monotonic() + timeout
+    while time.monotonic() < end:
+        value = condition()
+        if value:
+            return value
+        if proc is not None and proc.poll() is not None:
+            raise AssertionError(f"the command ended (status {proc.returncode}) before {what}:\n"
+                                 f"{proc.communicate()[1]}")
+        time.sleep(0.05)
+    raise AssertionError(f"timed out after {timeout} s waiting for {what}")
+
+
+def start_cli(*args: str, env: dict | None = None) -> subprocess.Popen:
+    return subprocess.Popen([sys.executable, "-m", "ctxpar.cli", *args], stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True, env=env)
+
+
+def assert_all_die(pids: list[int], within: float = 5.0) -> None:
+    try:
+        wait_for(lambda: not any(alive(p) for p in pids), within, f"workers {pids} to die")
+    finally:  # never leave a worker behind, whatever the outcome
+        for p in pids:
+            if alive(p):
+                os.kill(p, signal.SIGKILL)
+
+
+# -- item 7: timeouts ------------------------------------------------------------------------
+
+
+def test_no_wall_clock_limit_by_default() -> None:
+    """The collective timeout bounds waits at collectives, not the run: a rank computing for
+    longer than it (here 2.5 s against 1 s) finishes."""
+    for fn in (launch.run_local, launch.run):
+        assert inspect.signature(fn).parameters["deadline_s"].default is None
+    assert run_local(sleep_then_return, 1, (2.5,), timeout_s=1.0) == [0]
+
+
+def test_an_optional_deadline_stops_the_run_and_says_so() -> None:
+    start = time.monotonic()
+    with pytest.raises(RuntimeError, match=r"ranks \[0, 1\] were still running at the 2 s deadline") as e:
+        run_local(sleep_then_return, 2, (300.0,), deadline_s=2.0)
+    assert e.value.stuck == [0, 1]
+    assert time.monotonic() - start < 30
+
+
+# -- item 8: dead and frozen ranks -----------------------------------------------------------
+
+
+def test_a_rank_killed_mid_run_is_named_at_once() -> None:
+    start = time.monotonic()
+    with pytest.raises(RuntimeError, match="rank 1 died during the run: killed by SIGKILL") as e:
+        run_local(kill_one_rank_mid_run, 2, (1,), timeout_s=120)
+    assert e.value.died == {1: "killed by SIGKILL"}
+    assert time.monotonic() - start < 60  # not the 120 s collective timeout
+
+
+def test_a_rank_that_exits_before_the_rendezvous_is_named_at_once(tmp_path) -> None:
+    """One rank exits while the other waits for it to join: no silent wait for the timeout."""
+    start = time.monotonic()
+    with pytest.raises(RuntimeError, match=r"rank \d died before joining the process group: exited with code 3") as e:
+        run_local(barrier, 2, (ExitBeforeRendezvous(str(tmp_path / "marker")),), timeout_s=120)
+    assert list(e.value.died.values()) == ["exited with code 3"]
+    assert time.monotonic() - start < 60
+
+
+def test_a_frozen_rank_is_named_when_the_others_time_out() -> None:
+    start = time.monotonic()
+    # 5 s, not less: the rendezvous has the same timeout, and ranks finish importing torch
+    # seconds apart on a loaded machine
+    with pytest.raises(RuntimeError, match=r"rank 1 never arrived at a collective: ranks \[0\] timed out after 5 s"
+                       ) as e:
+        run_local(freeze_one_rank, 2, (1,), timeout_s=5)
+    assert e.value.stuck == [1]
+    assert time.monotonic() - start < 60  # the frozen rank sleeps 300 s: it was stopped
+
+
+def test_workers_are_tied_to_the_parent() -> None:
+    assert run_local(parent_death_signal, 2) == [signal.SIGKILL, signal.SIGKILL]
+
+
+def test_the_portable_watchdog_ends_a_worker_whose_parent_died(tmp_path) -> None:
+    """The fallback where prctl is missing: a process watching its parent exits once re-parented."""
+    marker = tmp_path / "watching"
+    child = ("import os, sys; from ctxpar.launch import _watch_parent; ppid = os.getppid(); "
+             "open(sys.argv[1], 'w').close(); _watch_parent(ppid, 0.05)")
+    middle = ("import subprocess, sys, time; "
+              f"p = subprocess.Popen([sys.executable, '-c', {child!r}, {str(marker)!r}]); print(p.pid, flush=True); "
+              "time.sleep(300)")
+    proc = subprocess.Popen([sys.executable, "-c", middle], stdout=subprocess.PIPE, text=True)
+    try:
+        grandchild = int(proc.stdout.readline())
+        wait_for(lambda: marker.exists() or not alive(grandchild), 60, "the watcher to start")
+        assert marker.exists(), "the watcher ended before its parent did"
+        proc.kill()
+        proc.wait()
+        assert_all_die([grandchild])
+    finally:
+        proc.kill()
+        proc.wait()
+
+
+def test_killing_the_parent_of_train_kills_its_workers(tmp_path) -> None:
+    """Mid-run (checkpoints being written), the parent is SIGKILLed, so no code of its runs:
+    its workers die anyway, and no checkpoint is written after."""
+    ckpt = tmp_path / "ckpt"
+    proc = start_cli("train", "--nproc", "2", "--seq", "64", "--steps", "100000", "--checkpoint-dir", str(ckpt),
+                     "--save-every", "1", "--no-progress")
+    try:
+        workers = wait_for(lambda: len(workers_of(proc.pid)) == 2 and workers_of(proc.pid), 60, "2 workers", proc)
+        wait_for(lambda: ckpt.is_dir() and any(ckpt.iterdir()), 60, "a first checkpoint", proc)
+        os.kill(proc.pid, signal.SIGKILL)
+        proc.wait(timeout=10)
+        assert_all_die(workers)
+        written = sorted(ckpt.iterdir())
+        time.sleep(1.0)
+        assert sorted(ckpt.iterdir()) == written
+    finally:
+        proc.kill()
+        proc.communicate()
+
+
+def test_sigterm_to_the_parent_of_demo_kills_its_workers() -> None:
+    """Once the ranks are joining the group, the parent gets SIGTERM. (A rank still importing
+    torch when its parent dies exits as soon as it has started, before it joins.)"""
+    proc = start_cli("demo", "--nproc", "2", "--seq", "16384")
+    try:
+        workers = wait_for(lambda: len(workers_of(proc.pid)) == 2 and workers_of(proc.pid), 60, "2 workers", proc)
+        wait_for(lambda: all(has_socket(w) for w in workers), 60, "the workers to join", proc)
+        os.kill(proc.pid, signal.SIGTERM)
+        proc.wait(timeout=10)
+        assert_all_die(workers)
+    finally:
+        proc.kill()
+        proc.communicate()
+
+
+def test_ctrl_c_on_demo_stops_the_workers_with_one_message() -> None:
+    proc = start_cli("demo", "--nproc", "2", "--seq", "16384")
+    try:
+        workers = wait_for(lambda: len(workers_of(proc.pid)) == 2 and workers_of(proc.pid), 60, "2 workers", proc)
+        os.kill(proc.pid, signal.SIGINT)
+        _, err = proc.communicate(timeout=20)
+        assert proc.returncode == 130, err
+        assert "ctxpar demo: interrupted; the ranks were stopped" in err and "Traceback" not in err
+        assert_all_die(workers, within=1.0)
+    finally:
+        proc.kill()
+
+
+# -- item 9: the environment -----------------------------------------------------------------
+
+
+def test_stray_launcher_variables_do_not_redirect_a_local_run(tmp_path) -> None:
+    """Left over from another job: torchrun's rank variables, a master nobody serves, the agent-store
+    switch and a network interface that does not exist. --nproc 2 still means 2 local ranks."""
+    stray = dict(RANK="3", WORLD_SIZE="8", LOCAL_RANK="5", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()),
+                 TORCHELASTIC_USE_AGENT_STORE="True", GLOO_SOCKET_IFNAME="ctxpar-none0")
+    out = tmp_path / "demo.json"
+    proc = subprocess.run([sys.executable, "-m", "ctxpar.cli", "demo", "--nproc", "2", *TINY_DEMO, "--json", str(out)],
+                          capture_output=True, text=True, timeout=120, env=dict(os.environ, **stray))
+    assert proc.returncode == 0, proc.stderr
+    assert "ctxpar: spawning 2 local gloo ranks on 127.0.0.1" in proc.stderr
+    assert "ignoring RANK, WORLD_SIZE, LOCAL_RANK, MASTER_ADDR, MASTER_PORT" in proc.stderr
+    assert json.loads(out.read_text())["config"]["nproc"] == 2
+
+
+def test_only_the_full_torchrun_environment_counts_as_torchrun(monkeypatch) -> None:
+    """What torch's elastic agent sets for every worker (local_elastic_agent.py), all of it."""
+    for name in ("TORCHELASTIC_RUN_ID", "RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR",
+                 "MASTER_PORT"):
+        monkeypatch.delenv(name, raising=False)
+    for name, value in dict(RANK="0", WORLD_SIZE="2", MASTER_ADDR="127.0.0.1", MASTER_PORT="29500").items():
+        monkeypatch.setenv(name, value)
+    assert not launch.launched_by_torchrun() and launch.world_size(4) == 4
+    for name, value in dict(TORCHELASTIC_RUN_ID="none", LOCAL_RANK="0", LOCAL_WORLD_SIZE="2").items():
+        monkeypatch.setenv(name, value)
+    assert launch.launched_by_torchrun() and launch.world_size(4) == 2
+
+
+def test_a_real_torchrun_launch_joins_torchruns_group(tmp_path) -> None:
+    out = tmp_path / "demo.json"
+    torchrun = Path(sys.executable).with_name("torchrun")
+    proc = subprocess.run([str(torchrun), "--nnodes", "1", "--nproc-per-node", "2", "--master-addr", "127.0.0.1",
+                           "--master-port", str(free_port()), "-m", "ctxpar.cli", "demo", *TINY_DEMO,
+                           "--json", str(out)], capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr
+    backend = "nccl" if torch.cuda.is_available() else "gloo"
+    assert f"ctxpar: joining torchrun's group of 2 ranks with backend {backend}" in proc.stderr
+    assert json.loads(out.read_text())["config"]["nproc"] == 2
