@@ -1,4 +1,16 @@
-"""Runs inside spawned gloo ranks: a tiny random LlamaForCausalLM under CP vs unsplit."""
+"""Runs inside spawned gloo ranks: transformers models under CP vs the unsplit model.
+
+One spawn of 4 ranks (``results()``) serves test_transformers.py and test_hf_fidelity.py:
+
+- ``llama``: a tiny LlamaForCausalLM, every layout x strategy combination in COMBOS,
+  loss from ``cp_loss``: logits, loss and parameter gradients against the unsplit model.
+- ``labels``: the model's own ``labels=`` loss under CP for a representative subset of
+  families (LABEL_CASES), with unevenly ignored labels: ``out.loss`` against the unsplit
+  model's loss on every rank, and the rank-summed gradients against its gradients.
+- ``sweep``: every case of ``hf_families.CASES`` on two CP groups of 2 ranks (ranks 0-1
+  and 2-3 take every other case): refused by ``enable_context_parallel`` (the message), or
+  the CP logits against the unsplit eager model's.
+"""
 
 from __future__ import annotations
 
@@ -7,9 +19,29 @@ import torch.distributed as dist
 
 import ctxpar
 from ctxpar.integrations.transformers import enable_context_parallel, shard_inputs
-from ctxpar.parallelize import cp_loss, shift_labels
+from ctxpar.launch import run_local
+from ctxpar.parallelize import IGNORE_INDEX, cp_loss, shift_labels
 
 COMBOS = [("zigzag", "ring"), ("striped", "allgather"), ("contiguous", "ring"), ("zigzag", "alltoall")]
+# distinct attention set-ups: GQA + RoPE (Llama, Qwen2/3, Phi-3), Gemma's scaled embeddings,
+# MLA with different K and V head dims (DeepSeek-V3), a non-default scale (Granite), MoE (Mixtral)
+LABEL_CASES = ["llama", "qwen2", "qwen3", "gemma", "phi3", "deepseek_v3", "granite", "mixtral"]
+SWEEP_P, SWEEP_TOKENS = 2, 16
+
+_cache: dict = {}
+
+
+def results() -> list[dict]:
+    """Every rank's results of ``run`` on 4 local gloo ranks, computed once per test session
+    (a failure too: every test that needs them reports it, without spawning again)."""
+    if "P4" not in _cache:
+        try:
+            _cache["P4"] = run_local(run, 4, timeout_s=300)
+        except Exception as e:  # noqa: BLE001 - re-raised below, for each test that asks
+            _cache["P4"] = e
+    if isinstance(_cache["P4"], Exception):
+        raise _cache["P4"]
+    return _cache["P4"]
 
 
 def tiny_llama():
@@ -21,18 +53,29 @@ def tiny_llama():
     return LlamaForCausalLM(config).float()
 
 
-def run(rank: int, world: int) -> dict:
+def _gather(local: torch.Tensor, layout, group) -> torch.Tensor:
+    """(B, T/P, ...) on each rank -> (B, T, ...) in sequence order."""
+    pieces = [torch.empty_like(local) for _ in range(dist.get_world_size(group))]
+    dist.all_gather(pieces, local.detach().contiguous(), group=group)
+    return layout.unshard(pieces, dim=1)
+
+
+def _grads(model) -> torch.Tensor:
+    return torch.cat([p.grad.flatten() if p.grad is not None else torch.zeros(p.numel())
+                      for p in model.parameters()])
+
+
+def _llama(rank: int, world: int) -> dict:
     torch.manual_seed(1)
     input_ids = torch.randint(0, 128, (2, 16 * world))
     reference = tiny_llama()
     reference.set_attn_implementation("sdpa")
     logits = reference(input_ids, use_cache=False).logits  # (B, T, vocab), unsplit, on every rank
     ref_loss = torch.nn.functional.cross_entropy(logits.flatten(0, 1), shift_labels(input_ids).flatten(),
-                                                 ignore_index=-100)
+                                                 ignore_index=IGNORE_INDEX)
     ref_loss.backward()
-    ref_grads = {n: p.grad.clone() for n, p in reference.named_parameters()}
-
-    results = {}
+    want = _grads(reference)
+    out = {}
     for layout_name, strategy in COMBOS:
         layout = ctxpar.get_layout(layout_name, world)
         model = enable_context_parallel(tiny_llama(), layout=layout, strategy=strategy)
@@ -40,17 +83,89 @@ def run(rank: int, world: int) -> dict:
         local_logits = model(**inputs).logits  # (B, T/P, vocab)
         share, loss = cp_loss(local_logits, labels)
         share.backward()
-        grads = torch.cat([p.grad.flatten() for _, p in model.named_parameters()])
+        grads = _grads(model)
         dist.all_reduce(grads)  # parameters are replicated: their gradient is the sum over ranks
-        pieces = [torch.empty_like(local_logits) for _ in range(world)]
-        dist.all_gather(pieces, local_logits.detach().contiguous())
-        full_logits = layout.unshard(pieces, dim=1)
-        want = torch.cat([ref_grads[n].flatten() for n, _ in model.named_parameters()])
-        results[(layout_name, strategy)] = dict(
+        full_logits = _gather(local_logits, layout, None)
+        out[(layout_name, strategy)] = dict(
             logits_err=(full_logits - logits.detach()).abs().max().item(),
             logits_scale=logits.detach().abs().max().item(),
             loss_err=abs(loss.item() - ref_loss.item()),
             grad_err=(grads - want).abs().max().item(),
             grad_scale=want.abs().max().item(),
         )
-    return results
+    return out
+
+
+def _labels(rank: int, world: int) -> dict:
+    import hf_families
+
+    torch.manual_seed(2)
+    input_ids = torch.randint(3, hf_families.VOCAB, (2, 8 * world))
+    labels = input_ids.clone()
+    labels[0, :11] = IGNORE_INDEX  # uneven: the shards hold different numbers of labelled tokens
+    labels[1, 5 * world:] = IGNORE_INDEX
+    layout = ctxpar.get_layout("zigzag", world)
+    out = {}
+    for case in LABEL_CASES:
+        reference = hf_families.build(case).train()  # train(): MoE routers as in training; no dropout here
+        ref = reference(input_ids=input_ids, labels=labels, use_cache=False)  # transformers' own loss
+        ref.loss.backward()
+        want = _grads(reference)
+        model = enable_context_parallel(hf_families.build(case).train(), layout=layout)
+        inputs, local_labels = shard_inputs(input_ids, layout=layout, rank=rank, labels=labels)
+        try:
+            got = model(**inputs, labels=local_labels)
+            got.loss.backward()
+        except ValueError as e:  # reported by the test; raised alike on every rank, before communicating
+            out[case] = dict(error=str(e))
+            continue
+        grads = _grads(model)
+        dist.all_reduce(grads)
+        full_logits = _gather(got.logits, layout, None)
+        out[case] = dict(
+            loss_err=abs(got.loss.item() - ref.loss.item()),
+            logits_err=(full_logits - ref.logits.detach()).abs().max().item(),
+            logits_scale=ref.logits.detach().abs().max().item(),
+            grad_err=(grads - want).abs().max().item(),
+            grad_scale=want.abs().max().item(),
+        )
+    return out
+
+
+def _sweep(rank: int, world: int) -> dict:
+    """{case: ("refused", message) | ("ran", relative logits error) | ("error", message)}."""
+    import hf_families
+
+    groups = [dist.new_group(list(range(start, start + SWEEP_P))) for start in range(0, world, SWEEP_P)]
+    index, group = rank // SWEEP_P, groups[rank // SWEEP_P]
+    layout = ctxpar.get_layout("zigzag", SWEEP_P)
+    torch.manual_seed(3)
+    input_ids = torch.randint(3, hf_families.VOCAB, (2, SWEEP_TOKENS))
+    out = {}
+    for case in hf_families.CASES[index :: len(groups)]:
+        try:
+            enable_context_parallel(hf_families.build(case, meta=True), layout=layout, group=group)
+        except ValueError as e:
+            out[case] = ("refused", str(e))
+            continue
+        try:
+            model = hf_families.build(case)
+            with torch.no_grad():
+                want = model(input_ids=input_ids, use_cache=False).logits  # unsplit, eager
+                enable_context_parallel(model, layout=layout, group=group)
+                inputs, _ = shard_inputs(input_ids, layout=layout, rank=dist.get_rank(group))
+                got = _gather(model(**inputs).logits, layout, group)
+            out[case] = ("ran", ((got - want).abs().max() / want.abs().max()).item())
+        except Exception as e:  # noqa: BLE001 - reported per case by the test; ranks fail alike on one input
+            out[case] = ("error", f"{type(e).__name__}: {e}")
+    return out
+
+
+def run(rank: int, world: int) -> dict:
+    import warnings
+
+    from transformers.utils import logging
+
+    logging.set_verbosity_error()  # tiny configs make transformers warn about sizes and defaults
+    warnings.filterwarnings("ignore")
+    return dict(llama=_llama(rank, world), labels=_labels(rank, world), sweep=_sweep(rank, world))

@@ -1,0 +1,165 @@
+"""Hugging Face transformers: run a transformers model's attention through ctxpar.
+
+    from ctxpar.integrations.transformers import enable_context_parallel, shard_inputs
+
+    model = LlamaForCausalLM(config)                      # any model using AttentionInterface
+    enable_context_parallel(model, layout=layout, group=cp_group, strategy="ring")
+    inputs, labels = shard_inputs(input_ids, layout=layout, rank=cp_rank)
+    out = model(**inputs, labels=labels)                  # out.logits: (B, T/P, vocab), this rank's rows
+    out.loss.backward()                                   # value: global mean loss; gradient: this rank's share
+
+``enable_context_parallel`` first runs the fidelity guard (``fidelity.py``): anything in
+the model that ctxpar would compute differently (soft-capping, sinks, sliding or chunked
+windows, attention dropout, recurrent or convolutional layers, attention outside
+transformers' AttentionInterface, ...) is refused with one error listing each feature,
+before any forward and any collective. It then registers an attention function named
+"ctxpar" with transformers' ``AttentionInterface`` and a mask function of the same name
+with its ``AttentionMaskInterface`` (``attention.py``); at call time these refuse padding
+masks, custom masks, packed sequences and any keyword argument they do not know, rather
+than drop them. ``shard_inputs`` passes global ``position_ids`` (RoPE) and shifts labels
+before sharding; the model's own ``labels=`` loss is replaced (``loss.py``) so that it
+does not shift again and weighs tokens globally. ``model.generate()`` is refused:
+inference under context parallelism is not supported yet. Pass the same kind of inputs
+on every rank: a padding mask refused on one rank only would leave the others waiting.
+"""
+
+from __future__ import annotations
+
+import functools
+import inspect
+
+import torch
+import torch.distributed as dist
+
+from ctxpar.integrations.transformers.attention import NAME, Settings, attention_forward, mask_forward
+from ctxpar.integrations.transformers.fidelity import Unsupported, check_model, find_unsupported
+from ctxpar.integrations.transformers.loss import CPCausalLMLoss
+from ctxpar.layout import Layout
+from ctxpar.parallelize import shard_batch
+
+__all__ = ["Unsupported", "check_model", "enable_context_parallel", "find_unsupported", "shard_inputs"]
+
+
+def _register() -> None:
+    from transformers import AttentionInterface
+    from transformers.masking_utils import AttentionMaskInterface
+
+    AttentionInterface.register(NAME, attention_forward)
+    AttentionMaskInterface.register(NAME, mask_forward)
+
+
+def _refuse_generate(*args, **kwargs):
+    raise NotImplementedError("inference under context parallelism is not supported yet: model.generate() would "
+                              "decode one token at a time over a sharded sequence. Generate with a model that "
+                              "enable_context_parallel was not applied to")
+
+
+def _check_positions(name: str, settings: Settings, bound: dict) -> None:
+    """position_ids must be this rank's global layout positions: RoPE reads them, and so does
+    transformers' mask code (which ctxpar's mask replaces)."""
+    tokens = bound.get("input_ids")
+    if tokens is None:
+        tokens = bound.get("inputs_embeds")
+    if tokens is None:
+        return
+    want = settings.positions(tokens.shape[1])  # (S,)
+    positions = bound.get("position_ids")
+    if positions is None:
+        if not torch.equal(want, torch.arange(tokens.shape[1])):
+            raise ValueError(f"{name} got no position_ids, so it would number this rank's tokens from 0; pass the "
+                             f"global positions (shard_inputs does)")
+        return
+    if positions.shape[-1] != want.numel() or not bool((positions.reshape(-1, want.numel()).cpu() == want).all()):
+        raise ValueError("position_ids must be this rank's global layout positions (use shard_inputs); packed "
+                         "sequences with restarting positions are not supported under context parallelism")
+
+
+def _wrap_forward(model, loss: CPCausalLMLoss, settings: Settings) -> None:
+    """Refuse, before the forward, what the model would do wrong with labels or caches; and
+    after it, a labels= loss that did not go through ``loss`` (a model computing its own)."""
+    forward = model.__dict__.get("_ctxpar_inner_forward", model.forward)
+    model._ctxpar_inner_forward = forward
+    signature = inspect.signature(forward)
+    var_kw = next((p.name for p in signature.parameters.values() if p.kind is inspect.Parameter.VAR_KEYWORD), None)
+    name = type(model).__name__
+
+    @functools.wraps(forward)
+    def cp_forward(*args, **kwargs):
+        bound = signature.bind_partial(*args, **kwargs).arguments
+        extra = bound.get(var_kw, {}) if var_kw else {}
+        labels = bound.get("labels")
+        for key in ("past_key_values", "cache"):
+            if bound.get(key, extra.get(key)) is not None:
+                raise ValueError(f"{name} got {key}=: KV caches (inference) are not supported under context "
+                                 f"parallelism yet")
+        router = bound.get("output_router_logits", extra.get("output_router_logits"))
+        if router is None:
+            router = getattr(model.config, "output_router_logits", False)
+        if labels is not None and router and getattr(model.config, "router_aux_loss_coef", 0):
+            raise ValueError(f"{name} would add its router load-balancing loss, computed over this rank's tokens "
+                             f"only, to the labels= loss; pass output_router_logits=False, or compute both losses "
+                             f"yourself")
+        _check_positions(name, settings, bound)
+        calls = loss.calls
+        out = forward(*args, **kwargs)
+        if labels is not None and loss.calls == calls:
+            raise ValueError(f"{name} computes its labels= loss without transformers' loss_function, so it would "
+                             f"shift the already shifted labels and average per rank; call it without labels= and "
+                             f"use ctxpar.parallelize.cp_loss(out.logits, labels)")
+        return out
+
+    model.forward = cp_forward
+
+
+def enable_context_parallel(
+    model, *, layout: Layout, group: dist.ProcessGroup | None = None, strategy: str = "ring", mesh=None
+):
+    """Make ``model`` (a transformers PreTrainedModel) attend with ctxpar; returns it, changed in place.
+
+    Args:
+        model: a transformers model whose attention goes through ``AttentionInterface``.
+        layout: the ``Layout`` its inputs were sharded with (``shard_inputs``).
+        group: the CP process group (default WORLD); the ``labels=`` loss is averaged over
+            the tokens of its ranks. ``mesh``: for ``strategy="hybrid"``.
+        strategy: ``"ring" | "allgather" | "alltoall" | "hybrid"``, as in ``ctxpar.attention``.
+
+    Raises:
+        ValueError: listing every feature of the model that ctxpar would not compute exactly
+            (``find_unsupported``), before changing the model and before any collective.
+    """
+    check_model(model)
+    _register()
+    settings = Settings(layout, group, strategy, mesh)
+    for module in model.modules():  # attention_forward finds its settings on the module that calls it
+        module.ctxpar_settings = settings
+    model.set_attn_implementation(NAME)
+    from transformers import PreTrainedModel
+
+    stale = sorted({type(m).__name__ for m in model.modules()
+                    if isinstance(m, PreTrainedModel) and m.config._attn_implementation != NAME})
+    if stale:
+        raise ValueError(f"transformers kept another attention implementation for {', '.join(stale)}; ctxpar "
+                         f"cannot run this model")
+    loss = CPCausalLMLoss(group)
+    model.loss_function = loss
+    _wrap_forward(model, loss, settings)
+    model.generate = _refuse_generate
+    return model
+
+
+def shard_inputs(
+    input_ids: torch.Tensor, *, layout: Layout, rank: int, labels: torch.Tensor | None = None
+) -> tuple[dict, torch.Tensor]:
+    """This rank's model inputs (input_ids, position_ids, use_cache=False) and its shifted labels.
+
+    Args:
+        input_ids: (B, T) the unsplit batch. labels: (B, T) unshifted, default input_ids.
+
+    Returns:
+        (inputs, labels): ``model(**inputs)`` gives this rank's logits (B, T/P, vocab);
+        ``labels`` (B, T/P) are the next-token targets of those rows (IGNORE_INDEX where
+        none), for ``model(**inputs, labels=labels)`` or ``cp_loss(logits, labels)``.
+    """
+    batch = shard_batch(input_ids, layout=layout, rank=rank, labels=labels)
+    positions = batch.positions.unsqueeze(0).expand(input_ids.shape[0], -1)
+    return dict(input_ids=batch.tokens, position_ids=positions, use_cache=False), batch.labels

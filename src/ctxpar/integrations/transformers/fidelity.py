@@ -1,0 +1,201 @@
+"""The fidelity guard: what in a transformers model ctxpar cannot compute exactly, found
+before any forward and before any collective.
+
+``find_unsupported(model)`` reads the model's configs (its own, its sub-configs and the
+per-layer configs its modules hold) and its module tree; ``check_model`` raises one error
+listing every feature found, each with its setting and, where there is one, the fix.
+What is honoured rather than refused: causal and bidirectional softmax attention, any
+constant ``scaling`` the model passes (Granite, Gemma's query_pre_attn_scalar, Whisper),
+GQA / MQA, K and V head dims that differ (DeepSeek's MLA), final-logit soft-capping,
+MoE layers. The call-time half of the guard (keyword arguments, masks) lives in
+``attention.py``.
+"""
+
+from __future__ import annotations
+
+import inspect
+import re
+from dataclasses import dataclass
+
+import torch
+import torch.nn as nn
+
+
+@dataclass(frozen=True)
+class Unsupported:
+    """One model feature ctxpar would compute differently, so refuses."""
+
+    feature: str  # e.g. "attention logit soft-capping"
+    where: str  # the setting or module that has it, e.g. "Gemma2Config.attn_logit_softcapping=50.0"
+    fix: str = ""  # how to run anyway, when there is a way
+
+    def __str__(self) -> str:
+        return f"{self.feature} ({self.where})" + (f"; {self.fix}" if self.fix else "")
+
+
+# Layer kinds (config.layer_types and friends) whose token mixing is plain softmax attention
+# over the whole causal prefix, or none at all.
+_PLAIN_KINDS = {"full_attention", "attention", "global", "mlp", "moe", "dense", "sparse"}
+_SLIDING_KINDS = {"sliding_attention", "local", "sliding"}
+_CHUNKED_KINDS = {"chunked_attention"}
+_KIND_FIELDS = ("layer_types", "layers_block_type", "block_types", "attention_layers")
+
+_DROPOUT_FIELDS = ("attention_dropout", "attention_probs_dropout_prob", "attn_pdrop", "attn_dropout")
+
+# Sub-models beyond the text decoder, and forward inputs beyond tokens: pixels, audio or
+# byte patches are not the token sequence that shard_inputs splits.
+_TOWER = re.compile(r"vision|audio|speech|image|video|vq|patcher|encoder")
+_NON_TEXT_INPUTS = ("pixel_values", "pixel_values_videos", "image_patches", "input_features", "input_values",
+                    "audio_values")
+_MULTIMODAL = "inputs beyond the token sequence (vision or audio towers, byte patchers)"
+_MULTIMODAL_FIX = "apply context parallelism to the text decoder alone"
+
+# Modules that carry state along the sequence outside softmax attention: a shard would
+# start from a zero state instead of its predecessor's.
+_RECURRENT = re.compile(r"Mamba|Mixer|Rwkv|LSTM|Recurrent|DeltaNet|LinearAttention|LightningAttention|ShortConv")
+
+
+def _configs(model: nn.Module) -> list:
+    """The model's config, its sub-configs (recursively) and every per-module config, once each."""
+    from transformers import PretrainedConfig
+
+    found: dict[int, PretrainedConfig] = {}
+
+    def add(config) -> None:
+        if not isinstance(config, PretrainedConfig) or id(config) in found:
+            return
+        found[id(config)] = config
+        for key in getattr(config, "sub_configs", {}) or {}:
+            add(getattr(config, key, None))
+
+    add(getattr(model, "config", None))
+    for module in model.modules():
+        add(getattr(module, "config", None))
+    return list(found.values())
+
+
+def _get(config, field: str):
+    try:  # some configs expose derived fields as properties that can raise
+        return getattr(config, field, None)
+    except (AttributeError, KeyError, TypeError, ValueError):
+        return None
+
+
+def _layer_kinds(config) -> dict[str, str]:
+    """{layer kind: the config field that lists it}."""
+    kinds: dict[str, str] = {}
+    for field in _KIND_FIELDS:
+        value = _get(config, field)
+        if isinstance(value, (list, tuple)):
+            for kind in value:
+                kinds.setdefault(str(kind), field)
+    return kinds
+
+
+def _config_features(config) -> list[Unsupported]:
+    name = type(config).__name__
+    found = []
+    softcap = _get(config, "attn_logit_softcapping")
+    if softcap:
+        found.append(Unsupported("attention logit soft-capping", f"{name}.attn_logit_softcapping={softcap}"))
+    for field in _DROPOUT_FIELDS:
+        p = _get(config, field)
+        if isinstance(p, (int, float)) and p > 0:
+            found.append(Unsupported("attention dropout", f"{name}.{field}={p}", f"set {field}=0"))
+    if _get(config, "alibi") is True:
+        found.append(Unsupported("ALiBi position biases", f"{name}.alibi=True"))
+    kinds = _layer_kinds(config)
+    window = _get(config, "sliding_window")
+    for kind, field in kinds.items():
+        if kind in _PLAIN_KINDS:
+            continue
+        if kind in _SLIDING_KINDS:
+            found.append(Unsupported("sliding-window attention",
+                                     f"{name}.{field} has {kind!r}, sliding_window={window}"))
+        elif kind in _CHUNKED_KINDS:
+            chunk = _get(config, "attention_chunk_size")
+            found.append(Unsupported("chunked attention", f"{name}.{field} has {kind!r}, attention_chunk_size={chunk}"))
+        else:
+            found.append(Unsupported("layers that are not softmax attention over the causal prefix",
+                                     f"{name}.{field} has {kind!r}"))
+    if not kinds and window and _get(config, "use_sliding_window") is not False:
+        found.append(Unsupported("sliding-window attention", f"{name}.sliding_window={window}",
+                                 "set sliding_window=None if no sequence is longer than the window "
+                                 "(attention is then the same)"))
+    towers = [key for key in getattr(config, "sub_configs", {}) or {}
+              if _TOWER.search(key) and _get(config, key) is not None]
+    if towers:
+        found.append(Unsupported(_MULTIMODAL, f"{name}: {', '.join(towers)}", _MULTIMODAL_FIX))
+    return found
+
+
+# Family-specific attention variants, recognised by a method of the attention module.
+_ATTENTION_VARIANTS = {
+    "prepare_dynamic_mask": "dynamic mask attention (learned per-key biases, top-k key selection)",
+}
+
+
+def _module_features(model: nn.Module) -> list[Unsupported]:
+    from transformers import PreTrainedModel
+
+    found = []
+    for path, module in model.named_modules():
+        owner = type(module).__name__
+        if isinstance(module, PreTrainedModel):
+            if not type(module)._can_set_attn_implementation():
+                found.append(Unsupported("attention computed in the model's own code, not through transformers' "
+                                         "AttentionInterface", owner))
+            continue
+        if isinstance(getattr(module, "sinks", None), torch.Tensor):
+            found.append(Unsupported("attention sinks (learned per-head sink logits)", f"{owner}.sinks"))
+        if getattr(module, "attn_logit_softcapping", None):
+            found.append(Unsupported("attention logit soft-capping", f"{owner}.attn_logit_softcapping"))
+        if getattr(module, "attn_temperature_tuning", False) and not getattr(module, "use_rope", True):
+            found.append(Unsupported("attention temperature tuning computed from local token indices (NoPE layers)",
+                                     f"{owner}.attn_temperature_tuning", "set attn_temperature_tuning=False"))
+        for method, feature in _ATTENTION_VARIANTS.items():
+            if callable(getattr(module, method, None)):
+                found.append(Unsupported(feature, f"{owner}.{method}"))
+        if _RECURRENT.search(owner):
+            found.append(Unsupported("state carried along the sequence outside attention (recurrent, state-space "
+                                     "or linear-attention layers)", owner))
+        if isinstance(module, nn.Conv1d) and module.kernel_size[0] > 1:
+            parent = type(model.get_submodule(path.rpartition(".")[0])).__name__ if "." in path else owner
+            found.append(Unsupported("convolutions along the sequence", parent))
+        if callable(getattr(module, "create_position_ids_from_input_ids", None)):
+            found.append(Unsupported("position ids that start after padding_idx (RoBERTa style), not the global "
+                                     "positions shard_inputs passes", owner))
+    parameters = inspect.signature(model.forward).parameters
+    non_text = [name for name in _NON_TEXT_INPUTS if name in parameters]
+    if non_text:
+        found.append(Unsupported(_MULTIMODAL, f"{type(model).__name__}.forward takes {', '.join(non_text)}",
+                                 _MULTIMODAL_FIX))
+    if "position_ids" not in parameters:
+        found.append(Unsupported("positions counted within the local shard",
+                                 f"{type(model).__name__}.forward takes no position_ids"))
+    return found
+
+
+def find_unsupported(model: nn.Module) -> list[Unsupported]:
+    """Every feature of ``model`` (a transformers PreTrainedModel) that ctxpar would not
+    compute exactly under context parallelism, one entry per feature (its settings and
+    modules joined); empty when ctxpar can run the model."""
+    found = [item for config in _configs(model) for item in _config_features(config)]
+    found += _module_features(model)
+    wheres: dict[str, list[str]] = {}
+    fixes: dict[str, str] = {}
+    for item in found:
+        places = wheres.setdefault(item.feature, [])
+        if item.where not in places:
+            places.append(item.where)
+        fixes.setdefault(item.feature, item.fix)
+    return [Unsupported(feature, ", ".join(places), fixes[feature]) for feature, places in wheres.items()]
+
+
+def check_model(model: nn.Module) -> None:
+    """Raise ValueError naming every feature ``find_unsupported`` finds; touches no process group."""
+    found = find_unsupported(model)
+    if found:
+        lines = "\n".join(f"  - {item}" for item in found)
+        raise ValueError(f"{type(model).__name__} cannot run exactly under context parallelism; ctxpar refuses "
+                         f"it rather than compute something else:\n{lines}")

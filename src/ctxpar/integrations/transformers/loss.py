@@ -1,0 +1,54 @@
+"""``model(**inputs, labels=labels).loss`` under context parallelism.
+
+transformers' causal-LM heads call ``self.loss_function(logits=..., labels=..., ...)``,
+which shifts the labels and averages over the tokens it sees. Under CP that would be
+wrong twice: ``shard_inputs`` already shifted the labels on the unsplit sequence (a
+second shift pairs tokens with the wrong targets), and a per-rank mean weighs shards with
+different numbers of labelled tokens wrongly. The replacement below takes the labels as
+already shifted and returns
+
+    loss = share + (global_mean - share).detach()
+
+whose value is the global token-weighted mean loss (the same on every rank, the number
+to log) and whose gradient is exactly this rank's share, as with
+``ctxpar.parallelize.cp_loss``: the parameter gradients of all CP ranks, summed, are the
+gradients of the unsplit loss.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+
+from ctxpar.parallelize import IGNORE_INDEX, cp_loss
+
+
+class CPCausalLMLoss:
+    """A ``loss_function`` for transformers causal-LM heads; counts its calls so that a
+    model computing its loss some other way can be caught (see ``enable_context_parallel``)."""
+
+    def __init__(self, group: dist.ProcessGroup | None) -> None:
+        self.group = group
+        self.calls = 0
+
+    def __call__(self, logits: torch.Tensor, labels: torch.Tensor, vocab_size: int, num_items_in_batch=None,
+                 ignore_index: int = IGNORE_INDEX, shift_labels: torch.Tensor | None = None,
+                 **kwargs) -> torch.Tensor:
+        """logits (B, S, vocab) and labels (B, S) of this rank, labels already shifted by
+        ``shard_inputs`` -> the global mean loss, with this rank's share as gradient."""
+        self.calls += 1
+        if shift_labels is not None:
+            raise ValueError("shift_labels= is not used under context parallelism: the labels shard_inputs returns "
+                             "are already shifted; pass them as labels=")
+        if num_items_in_batch is not None:
+            raise ValueError("num_items_in_batch= is not supported under context parallelism (is it this rank's "
+                             "count or the global one?); compute the loss with ctxpar.parallelize.cp_loss and scale "
+                             "it yourself")
+        if ignore_index != IGNORE_INDEX:
+            raise ValueError(f"ignore_index={ignore_index} is not supported under context parallelism; mark "
+                             f"unlabelled tokens with {IGNORE_INDEX}")
+        if labels.shape != logits.shape[:-1]:
+            raise ValueError(f"labels {tuple(labels.shape)} must be this rank's shifted labels from shard_inputs, "
+                             f"one per local token of logits {tuple(logits.shape[:-1])}")
+        share, loss = cp_loss(logits, labels.to(logits.device), group=self.group)
+        return share + (loss - share).detach()

@@ -1,0 +1,136 @@
+"""The fidelity guard: every causal-LM family of the installed transformers is either refused
+by ``enable_context_parallel`` naming its features, or runs under CP exactly as unsplit.
+
+The per-family verdicts come from ``hf_cases.sweep`` (CP groups of 2 gloo ranks, zigzag,
+16 tokens, windows of 4); the rest runs here at world size 1 without a process group.
+"""
+
+from __future__ import annotations
+
+import pytest
+
+pytest.importorskip("transformers")
+
+import hf_cases  # noqa: E402
+import hf_families  # noqa: E402
+import torch  # noqa: E402
+from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES  # noqa: E402
+
+import ctxpar  # noqa: E402
+from ctxpar.integrations.transformers import enable_context_parallel, shard_inputs  # noqa: E402
+
+ONE = ctxpar.get_layout("zigzag", 1)
+
+
+def _verdicts(case: str) -> list[tuple]:
+    """The verdict of every rank of the CP group that ran ``case``."""
+    return [res["sweep"][case] for res in hf_cases.results() if case in res["sweep"]]
+
+
+@pytest.mark.parametrize("case", hf_families.CASES)
+def test_family_is_refused_naming_its_features_or_runs_exactly(case: str) -> None:
+    verdicts = _verdicts(case)
+    assert len(verdicts) == hf_cases.SWEEP_P, f"{case} ran on {len(verdicts)} ranks"
+    want = set(hf_families.REFUSED.get(case, ()))
+    for kind, detail in verdicts:
+        if want:
+            assert kind == "refused", f"{case} must be refused for {sorted(want)}; it {kind}: {detail}"
+            named = {feature for feature in hf_families.FEATURES if feature in detail}
+            assert named == want, f"{case}: the error names {sorted(named)}, not {sorted(want)}:\n{detail}"
+        else:
+            assert kind == "ran", f"{case} must run under CP; it was {kind}: {detail}"
+            assert detail <= 1e-5, f"{case}: CP logits differ from the unsplit model's by {detail:.3g} (relative)"
+
+
+def test_every_causal_lm_family_is_tested_or_listed_with_a_reason() -> None:
+    families = set(MODEL_FOR_CAUSAL_LM_MAPPING_NAMES)
+    assert families == set(hf_families.CASES) - set(hf_families.VARIANTS) | set(hf_families.UNBUILDABLE)
+    # built from defaults on the meta device, they can only be checked as refusals
+    assert set(hf_families.DEFAULT_ON_META) <= set(hf_families.REFUSED)
+
+
+def _one_rank(case: str, tokens: int = 8):
+    model = enable_context_parallel(hf_families.build(case), layout=ONE)
+    inputs, _ = shard_inputs(torch.randint(3, hf_families.VOCAB, (1, tokens)), layout=ONE, rank=0)
+    return model, inputs
+
+
+def test_unknown_keyword_arguments_are_refused_not_dropped() -> None:
+    model, inputs = _one_rank("llama")
+    with pytest.raises(ValueError, match="passed the keyword argument 'attn_bias' to its attention function"):
+        model(**inputs, attn_bias=torch.zeros(1))
+
+
+@pytest.mark.parametrize("key, value, feature", [
+    ("softcap", 30.0, "soft-capping"), ("s_aux", torch.zeros(4), "attention sinks"),
+    ("sliding_window", 4, "sliding-window"), ("position_bias", torch.zeros(1, 4, 8, 8), "position bias"),
+    ("cu_seq_lens_q", torch.tensor([0, 4, 8]), "packed sequences"), ("output_attentions", True, "output_attentions"),
+])
+def test_attention_features_passed_at_call_time_are_refused(key: str, value, feature: str) -> None:
+    model, inputs = _one_rank("llama")
+    with pytest.raises(ValueError, match=f"LlamaAttention asks for .*{feature}.*{key}="):
+        model(**inputs, **{key: value})
+
+
+def test_a_non_default_scale_is_honoured_exactly() -> None:
+    """Every attention module scales by 0.173 instead of head_dim ** -0.5 (8 ** -0.5 = 0.354)."""
+    reference = hf_families.build("llama")
+    model = hf_families.build("llama")
+    for m in (*reference.modules(), *model.modules()):
+        if hasattr(m, "scaling"):
+            m.scaling = 0.173
+    tokens = torch.randint(3, hf_families.VOCAB, (2, 8))
+    with torch.no_grad():
+        want = reference(input_ids=tokens, use_cache=False).logits
+        enable_context_parallel(model, layout=ONE)
+        got = model(**shard_inputs(tokens, layout=ONE, rank=0)[0]).logits
+    assert (got - want).abs().max() <= 1e-5 * want.abs().max()
+    with torch.no_grad():
+        plain = hf_families.build("llama")(input_ids=tokens, use_cache=False).logits
+    assert (plain - want).abs().max() > 1e-3 * want.abs().max()  # the scale matters on these inputs
+
+
+def test_attention_dropout_is_refused_at_enable_time_and_at_call_time() -> None:
+    with pytest.raises(ValueError, match=r"attention dropout \(GPT2Config.attn_pdrop=0.1\); set attn_pdrop=0"):
+        enable_context_parallel(hf_families.build("gpt2+dropout", meta=True), layout=ONE)
+    model, inputs = _one_rank("llama")
+    for m in model.modules():
+        if hasattr(m, "attention_dropout"):
+            m.attention_dropout = 0.1  # set after the guard ran
+    model.train()
+    with pytest.raises(ValueError, match="applies attention dropout p=0.1"):
+        model(**inputs)
+
+
+def test_custom_masks_and_cross_attention_are_refused() -> None:
+    model, inputs = _one_rank("llama")
+    with pytest.raises(ValueError, match=r"explicit attention mask \(1, 1, 8, 8\)"):
+        model(**inputs, attention_mask=torch.ones(1, 1, 8, 8, dtype=torch.bool))
+
+    from transformers.masking_utils import causal_mask_function, chunked_causal_mask_function
+
+    from ctxpar.integrations.transformers.attention import RefusedMask, attention_forward, mask_forward
+
+    refused = mask_forward(mask_function=chunked_causal_mask_function(4, torch.zeros(1, dtype=torch.long)))
+    assert isinstance(refused, RefusedMask) and "chunked-attention" in refused.reason
+    assert mask_forward(mask_function=causal_mask_function) is None
+    attention = next(m for m in model.modules() if type(m).__name__ == "LlamaAttention")
+    q = torch.zeros(1, 4, 8, 8)
+    with pytest.raises(ValueError, match="LlamaAttention: its attention mask is chunked-attention"):
+        attention_forward(attention, q, q[:, :2], q[:, :2], refused)
+
+    bert, bert_inputs = _one_rank("bert+decoder")
+    with pytest.raises(ValueError, match="cross-attention"):
+        bert(**bert_inputs, encoder_hidden_states=torch.zeros(1, 5, 32))
+
+
+def test_the_report_names_every_feature_and_llama_has_none() -> None:
+    from ctxpar.integrations.transformers import find_unsupported
+
+    assert find_unsupported(hf_families.build("llama", meta=True)) == []
+    with pytest.raises(ValueError) as refused:
+        enable_context_parallel(hf_families.build("gemma2", meta=True), layout=ONE)
+    message = str(refused.value)
+    assert "Gemma2ForCausalLM cannot run exactly under context parallelism" in message
+    assert "attention logit soft-capping (Gemma2Config.attn_logit_softcapping=50.0" in message
+    assert "sliding-window attention (Gemma2Config.layer_types has 'sliding_attention', sliding_window=4)" in message
