@@ -9,7 +9,7 @@ PY    := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 ARGS  ?=
 
-.PHONY: demo test bench
+.PHONY: demo test bench gpu-check
 
 $(STAMP): pyproject.toml
 	python3 -m venv $(VENV)
@@ -24,3 +24,10 @@ test: $(STAMP)
 
 bench: $(STAMP)
 	$(PY) benchmarks/overhead.py $(ARGS)
+
+# On a machine with a GPU and its own CUDA build of PyTorch; installs nothing. The CUDA
+# tests, exactness per strategy, kernel efficiency: a table and gpu_check.json (about 5 min
+# on one H200). GPU_PY=.venv/bin/python ARGS=--dry-run runs the same steps on the CPU.
+GPU_PY ?= python3
+gpu-check:
+	PYTHONPATH=src $(GPU_PY) benchmarks/gpu_check.py $(ARGS)

@@ -58,7 +58,8 @@ def one_rank(rank: int, world: int, args: dict) -> dict:
         rec = step(shape_q, shape_kv)
         walls.append(time.perf_counter() - start)
     return dict(wall_seconds=min(walls), compute_cpu_seconds=rec.compute_cpu_seconds,
-                bytes_sent=rec.bytes_sent, bytes_received=rec.bytes_received, peak_growth_bytes=ctxpar.profile.peak_memory(cpu)[0] - before)
+                bytes_sent=rec.bytes_sent, bytes_received=rec.bytes_received,
+                peak_growth_bytes=ctxpar.profile.peak_memory(cpu)[0] - before)
 
 
 def main() -> None:

@@ -24,7 +24,7 @@ LAYOUTS = ("contiguous", "zigzag", "striped")
 # 12 query heads split over 1-4 ranks; 4 KV heads need 3 copies each for all-to-all on 3
 # ranks, 1 KV head needs P copies
 HEADS = {"mha": (12, 12), "gqa": (12, 4), "mqa": (12, 1)}
-DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float64": torch.float64}
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16, "float64": torch.float64}
 HYBRID_MESH = (2, 2)  # (ring, ulysses) degrees on 4 ranks
 
 
@@ -90,8 +90,10 @@ def _local(t: torch.Tensor, dtype: torch.dtype, memory: str) -> torch.Tensor:
     return MEMORY[memory](t.to(dtype)).detach().requires_grad_()
 
 
-def _check_case(case: Case, rank: int, world: int, group=None, group_rank: int | None = None, mesh=None) -> dict:
-    """Run one case through ctxpar on this rank; compare its shard with the fp64 reference."""
+def _check_case(case: Case, rank: int, world: int, group=None, group_rank: int | None = None, mesh=None,
+                device: str = "cpu") -> dict:
+    """Run one case through ctxpar on this rank (its tensors on ``device``); compare its shard
+    with the fp64 reference, computed on the CPU."""
     group_rank = rank if group_rank is None else group_rank
     if mesh is not None:
         group_rank = ctxpar.hybrid_rank(mesh)
@@ -107,16 +109,17 @@ def _check_case(case: Case, rank: int, world: int, group=None, group_rank: int |
 
     baseline = None
     if dtype != torch.float32:
-        low = torch_sdpa(*(t.to(dtype) for t in (q, k, v, dout)), causal=case.causal, scale=scale)
-        baseline = max_abs_errors(low, ref)
+        low = torch_sdpa(*(t.to(device, dtype) for t in (q, k, v, dout)), causal=case.causal, scale=scale)
+        baseline = max_abs_errors({n: t.cpu() for n, t in low.items()}, ref)
 
     shard = lambda t: layout.shard(t, group_rank, dim=2)  # noqa: E731
-    local = [_local(shard(t), dtype, case.memory) for t in (q, k, v)]
+    local = [_local(shard(t).to(device), dtype, case.memory) for t in (q, k, v)]
     got_out, got_lse = ctxpar.attention_with_lse(
         *local, layout=layout, group=group, mesh=mesh, causal=case.causal, scale=case.scale, strategy=case.strategy
     )
-    got_out.backward(shard(dout).to(dtype))
-    got = dict(out=got_out, lse=got_lse, dq=local[0].grad, dk=local[1].grad, dv=local[2].grad)
+    got_out.backward(shard(dout).to(device, dtype))
+    got = {n: t.detach().cpu() for n, t in
+           dict(out=got_out, lse=got_lse, dq=local[0].grad, dk=local[1].grad, dv=local[2].grad).items()}
     lse_dtype = torch.float64 if dtype == torch.float64 else torch.float32
     dtypes_ok = got_out.dtype == dtype and got_lse.dtype == lse_dtype and all(t.grad.dtype == dtype for t in local)
     return dict(
@@ -151,6 +154,8 @@ def _bad_inputs(world: int, mesh) -> dict[str, tuple]:
         "hybrid_without_mesh": ((q, kv, kv), dict(layout="zigzag", strategy="hybrid")),
         "mesh_for_ring": ((q, kv, kv), dict(layout="zigzag", strategy="ring", mesh=object())),
     }
+    if world > 1:  # gloo carries CPU and CUDA tensors only
+        bad["gloo_device"] = ((q.to("meta"), kv.to("meta"), kv.to("meta")), dict(layout="zigzag"))
     if world > 1:  # 5 query heads cannot be split over 2, 3 or 4 ranks
         bad["alltoall_heads"] = ((good(5), good(5), good(5)), dict(layout="zigzag", strategy="alltoall"))
     if mesh is not None:

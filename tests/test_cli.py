@@ -9,6 +9,7 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
 
 from ctxpar import launch
 from ctxpar.cli import main
@@ -29,6 +30,7 @@ def test_demo_matches_and_writes_the_documented_json(tmp_path) -> None:
     assert report["config"] == {
         "nproc": 3, "seq": 384, "heads": 8, "kv_heads": 2, "head_dim": 64, "layout": "striped",
         "strategy": "ring", "dtype": "bfloat16", "causal": True, "batch": 1, "seed": 0, "ulysses_degree": None,
+        "device": None,
     }
     assert report["ok"] is True
     assert set(report["max_abs_err"]) == {"out", "lse", "dq", "dk", "dv"}
@@ -107,6 +109,9 @@ def bad_values(tmp: Path) -> list[tuple[tuple[str, ...], str]]:
                                                 "needs at least"),
         (("demo", "--json", str(tmp)), f"--json {str(tmp)!r} is a directory"),
         (("demo", "--json", missing), "does not exist; create it first"),
+        *([(("demo", "--device", "cuda"), "--device cuda: this process sees no CUDA device"),
+           (("train", "--device", "cuda"), "--device cuda: this process sees no CUDA device")]
+          if not torch.cuda.is_available() else []),
         (("train", "--nproc", "0"), "--nproc 0 must be >= 1"),
         (("train", "--timeout", "-1"), "--timeout -1.0 must be a number of seconds"),
         (("train", "--lr", "-0.1"), "--lr -0.1 must be a positive finite learning rate"),
@@ -168,4 +173,4 @@ def test_timeout_reaches_the_ranks_and_no_deadline_is_set(command: str, monkeypa
 
     monkeypatch.setattr(launch, "run_local", record)
     assert main([command, "--nproc", "2", "--seq", "64", "--timeout", "7.5"]) == 130
-    assert seen == {"nproc": 2, "timeout_s": 7.5, "deadline_s": None}
+    assert seen == {"nproc": 2, "timeout_s": 7.5, "deadline_s": None, "device_type": "cpu"}

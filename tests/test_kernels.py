@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from ctxpar import kernels
-from ctxpar.kernels import reference, sdpa
+from ctxpar.kernels import cpu, reference
 from ctxpar.merge import merge
 
 
@@ -18,7 +18,7 @@ def make(h: int, hkv: int, s: int, dtype=torch.float64, seed: int = 0):
     return q, k, v
 
 
-@pytest.mark.parametrize("backend", [sdpa, reference], ids=["sdpa", "reference"])
+@pytest.mark.parametrize("backend", [cpu, reference], ids=["cpu", "reference"])
 @pytest.mark.parametrize("heads", [(4, 4), (4, 2), (4, 1)])
 @pytest.mark.parametrize("causal", [True, False])
 def test_block_kernel_matches_autograd_reference(backend, heads, causal) -> None:
@@ -78,7 +78,7 @@ def strided_views() -> dict:
     }
 
 
-@pytest.mark.parametrize("backend", [sdpa, reference], ids=["sdpa", "reference"])
+@pytest.mark.parametrize("backend", [cpu, reference], ids=["cpu", "reference"])
 @pytest.mark.parametrize("view", list(strided_views()))
 @pytest.mark.parametrize("causal", [True, False])
 def test_block_kernel_accepts_any_strides(backend, view, causal) -> None:
@@ -94,3 +94,18 @@ def test_block_kernel_accepts_any_strides(backend, view, causal) -> None:
     grads_v = backend.attention_backward(dout, q, k, v, as_view(out), lse, causal=causal, scale=0.3)
     for got, want in zip((out_v, lse_v, *grads_v), (out, lse, *grads)):
         torch.testing.assert_close(got, want, rtol=0, atol=1e-12)
+
+
+@pytest.mark.parametrize("causal", [True, False])
+def test_reference_kernel_bounds_its_score_tiles(causal, monkeypatch) -> None:
+    """With a budget of a few tiles the reference kernel still gives the untiled result."""
+    q, k, v = make(4, 2, 70)
+    dout = torch.randn_like(q)
+    want_out, want_lse = reference.attention_forward(q, k, v, causal=causal, scale=0.3)
+    want = reference.attention_backward(dout, q, k, v, want_out, want_lse, causal=causal, scale=0.3)
+    monkeypatch.setattr(reference, "SCORE_BUDGET_BYTES", 2 * 4 * 16 * 16 * 8)  # 16 x 16 tiles
+    assert reference.tile_size(2, 4, 8) == 16
+    out, lse = reference.attention_forward(q, k, v, causal=causal, scale=0.3)
+    grads = reference.attention_backward(dout, q, k, v, out, lse, causal=causal, scale=0.3)
+    for got, expected in zip((out, lse, *grads), (want_out, want_lse, *want)):
+        torch.testing.assert_close(got, expected, rtol=0, atol=1e-12)

@@ -46,8 +46,8 @@ def signature(q, k, v, *, layout_name: str, causal, scale, strategy, rejected: b
     dtype = _code(str(q.dtype)) if isinstance(q, torch.Tensor) else -1
     scale_bits = struct.unpack("<q", struct.pack("<d", float(scale)))[0] if isinstance(scale, (int, float)) else -1
     needs_grad = torch.is_grad_enabled() and any(t.requires_grad for t in tensors)
-    return [OWN_INPUTS_REJECTED if rejected else 0, shape[0], shape[1], kv_heads, shape[2], shape[3], dtype, int(bool(causal)),
-            scale_bits, _code(str(strategy)), _code(layout_name), int(needs_grad)]
+    return [OWN_INPUTS_REJECTED if rejected else 0, shape[0], shape[1], kv_heads, shape[2], shape[3], dtype,
+            int(bool(causal)), scale_bits, _code(str(strategy)), _code(layout_name), int(needs_grad)]
 
 
 def check_ranks_agree(sig: list[int], topo: Topology, error: ValueError | None) -> None:

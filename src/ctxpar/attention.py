@@ -122,7 +122,8 @@ def _fallback_topology(group, mesh) -> topology.Topology | None:
 def _topology(axis: str, strategy: str, group, mesh) -> topology.Topology:
     if axis == "mesh":
         if mesh is None or group is not None:
-            raise ValueError(f"strategy={strategy!r} takes mesh= (a 2D DeviceMesh with dims 'ulysses' and 'ring'), not group=")
+            raise ValueError(f"strategy={strategy!r} takes mesh= (a 2D DeviceMesh with dims 'ulysses' and 'ring'), "
+                             f"not group=")
         return topology.from_mesh(mesh)
     if mesh is not None:
         raise ValueError(f"mesh= is for strategy='hybrid'; strategy={strategy!r} takes group=")
@@ -153,7 +154,8 @@ def _validate(q, k, v, layout: Layout, topo: topology.Topology, causal: bool, sc
             f"length and head dim (B, _, S, D)"
         )
     if 0 in q.shape or 0 in k.shape:
-        raise ValueError(f"empty input: q {tuple(q.shape)}, k/v {tuple(k.shape)}; every dim of (B, H, S, D) must be >= 1")
+        raise ValueError(f"empty input: q {tuple(q.shape)}, k/v {tuple(k.shape)}; every dim of (B, H, S, D) "
+                         f"must be >= 1")
     if h % hk:
         raise ValueError(f"query heads H={h} must be a multiple of key/value heads H_kv={hk}")
     if not isinstance(causal, bool):
@@ -166,11 +168,7 @@ def _validate(q, k, v, layout: Layout, topo: topology.Topology, causal: bool, sc
         raise ValueError(f"q, k, v are on different devices: {q.device}, {k.device}, {v.device}")
     if layout.world_size > 1:
         for group in topo.process_groups:
-            backend = dist.get_backend(group)
-            if backend == "nccl" and q.device.type != "cuda":
-                raise ValueError(f"the process group uses NCCL but the tensors are on {q.device}; move them to CUDA")
-            if backend == "gloo" and q.device.type != "cpu":
-                raise ValueError(f"the process group uses gloo but the tensors are on {q.device}; use NCCL for GPUs")
+            _check_backend(dist.get_backend(group), q.device)
     try:
         layout.validate(s * layout.world_size)
     except ValueError as e:
@@ -180,3 +178,18 @@ def _validate(q, k, v, layout: Layout, topo: topology.Topology, causal: bool, sc
     if isinstance(scale, bool) or not (isinstance(scale, (int, float)) and math.isfinite(scale) and scale > 0):
         raise ValueError(f"scale must be a positive finite number, got {scale!r}")
     return float(scale)
+
+
+def _check_backend(backend: str, device: torch.device) -> None:
+    """The group can carry tensors on ``device``: NCCL the current CUDA device, gloo the CPU
+    (and CUDA, staged through host memory: the debug path for ranks sharing a GPU)."""
+    if backend == "nccl":
+        if device.type != "cuda":
+            raise ValueError(f"the process group uses NCCL but the tensors are on {device}; move them to CUDA")
+        if device.index is not None and device.index != torch.cuda.current_device():
+            raise ValueError(f"the tensors are on {device} but this rank's NCCL device is "
+                             f"cuda:{torch.cuda.current_device()}; call torch.cuda.set_device({device.index}) before "
+                             f"creating the process group, or move the tensors")
+    elif backend == "gloo" and device.type not in ("cpu", "cuda"):
+        raise ValueError(f"the process group uses gloo, which carries CPU or CUDA tensors, but the tensors are on "
+                         f"{device}; move them to the CPU")

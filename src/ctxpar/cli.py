@@ -42,15 +42,20 @@ def _demo_parser(sub) -> None:
 
 def _launch_flags(p: argparse.ArgumentParser, nproc: int) -> None:
     p.add_argument("--nproc", type=int, default=nproc, help="local ranks to spawn (ignored under torchrun)")
+    p.add_argument("--device", choices=launch.DEVICE_TYPES,
+                   help="where ranks compute (default: the GPU under torchrun when there is one, else the CPU); "
+                        "--device cuda with more local ranks than GPUs shares them, staging transfers through host "
+                        "memory (a test and debug path)")
     p.add_argument("--timeout", type=float, default=launch.DEFAULT_TIMEOUT_S, metavar="SECONDS",
                    help="how long a rank waits at one collective (or for the others to join) before the run "
                         "fails, naming the rank that did not arrive; the run as a whole has no time limit")
 
 
 def _check_launch_flags(args: argparse.Namespace) -> int:
-    """--nproc and --timeout; returns the number of ranks the run will have."""
+    """--nproc, --device and --timeout; returns the number of ranks the run will have."""
     if not launch.launched_by_torchrun():
         launch.check_nproc(args.nproc, "--nproc")
+    launch.resolve_device_type(args.device)
     launch.check_timeout(args.timeout, "--timeout")
     return launch.world_size(args.nproc)
 
@@ -80,7 +85,7 @@ def _run_demo(args: argparse.Namespace) -> int:
     cfg = DemoConfig(
         nproc=args.nproc, seq=args.seq, heads=args.heads, kv_heads=args.kv_heads, head_dim=args.head_dim,
         layout=args.layout, strategy=args.strategy, dtype=args.dtype, causal=args.causal,
-        batch=args.batch, seed=args.seed, ulysses_degree=args.ulysses_degree,
+        batch=args.batch, seed=args.seed, ulysses_degree=args.ulysses_degree, device=args.device,
     )
     report = run_demo(cfg, timeout_s=args.timeout)
     if report is None:  # a non-zero rank under torchrun
@@ -130,6 +135,7 @@ def _run_train(args: argparse.Namespace) -> int:
         model=args.model, strategy=args.strategy, layout=args.layout, seed=args.seed,
         activation_checkpointing=args.activation_checkpointing, compare=args.compare,
         checkpoint_dir=args.checkpoint_dir, save_every=args.save_every, resume=args.resume, progress=args.progress,
+        device=args.device,
     )
     report = run_train(cfg, timeout_s=args.timeout)
     if report is None:  # a non-zero rank under torchrun

@@ -18,6 +18,12 @@ before computing the current one, so the two overlap::
     compute(current)                        # step i, overlapped with the transfer
     comm.wait()                             # spare now holds step i+1's block
     current, spare = spare, current         # double buffering: no allocation per step
+
+Devices: NCCL groups carry CUDA tensors, gloo groups CPU tensors. A gloo group may also
+carry CUDA tensors: they are staged through host memory (copied to the CPU before they
+are sent, back to the GPU once received). That is the test and debug path, for several
+ranks sharing one GPU, which NCCL refuses; it serialises transfers with compute. NCCL is
+the fast path whenever every rank has its own GPU.
 """
 
 from __future__ import annotations
@@ -31,6 +37,11 @@ from ctxpar import profile
 # the gathered output as the shards concatenated along dim 0.
 _reduce_scatter = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
 all_gather_into = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+
+
+def _staged(t: torch.Tensor, group: dist.ProcessGroup | None) -> bool:
+    """Whether ``t`` must go through host memory: a GPU tensor on a gloo group."""
+    return t.device.type != "cpu" and dist.get_backend(group) == "gloo"
 
 
 class RingComm:
@@ -50,6 +61,7 @@ class RingComm:
         self._prev = dist.get_global_rank(self._group(), (self.rank - 1) % self.world_size)
         self._pending: list = []
         self._device = torch.device("cpu")
+        self._recv = self._landing = self._sent = None  # the posted transfer's buffers
 
     def _group(self) -> dist.ProcessGroup:
         return self.group if self.group is not None else dist.group.WORLD
@@ -60,12 +72,16 @@ class RingComm:
             raise RuntimeError("RingComm.start called twice without wait()")
         if not (send.is_contiguous() and recv.is_contiguous()):
             raise ValueError("ring buffers must be contiguous")
+        self._device, self._recv = send.device, recv
+        if _staged(send, self.group):
+            send, recv = send.cpu(), torch.empty(recv.shape, dtype=recv.dtype)
+        self._landing = recv
         ops = [
             dist.P2POp(dist.isend, send, self._next, self.group, self.tag),
             dist.P2POp(dist.irecv, recv, self._prev, self.group, self.tag),
         ]
+        self._sent = send  # kept alive until the transfer is done
         self._pending = dist.batch_isend_irecv(ops)
-        self._device = send.device
         profile.add_traffic(send.numel() * send.element_size(), recv.numel() * recv.element_size())
 
     def wait(self) -> None:
@@ -73,7 +89,9 @@ class RingComm:
         with profile.timed("wait", self._device):
             for req in self._pending:
                 req.wait()
-        self._pending = []
+            if self._landing is not self._recv:  # staged through host memory
+                self._recv.copy_(self._landing)
+        self._pending, self._sent = [], None
 
 
 def _nbytes(t: torch.Tensor) -> int:
@@ -96,11 +114,14 @@ def all_to_all(x: torch.Tensor, scatter_dim: int, gather_dim: int, group: dist.P
     if world == 1:
         return x
     send = torch.stack(x.chunk(world, dim=scatter_dim))  # (W, ...) contiguous, chunk j for rank j
+    device = send.device
+    if _staged(send, group):
+        send = send.cpu()
     recv = torch.empty_like(send)
     dist.all_to_all_single(recv, send, group=group)
     moved = _nbytes(send) * (world - 1) // world
     profile.add_traffic(moved, moved)
-    return torch.cat(recv.unbind(0), dim=gather_dim)
+    return torch.cat(recv.to(device).unbind(0), dim=gather_dim)
 
 
 class PendingAllGather:
@@ -108,9 +129,12 @@ class PendingAllGather:
 
     def __init__(self, shard: torch.Tensor, group: dist.ProcessGroup | None) -> None:
         world = _world_size(group)
+        self._device = shard.device
         self._shard = shard = shard.contiguous()  # kept alive until the gather has read it
         self._out, self._work = shard.unsqueeze(0), None
         if world > 1:
+            if _staged(shard, group):
+                self._shard = shard = shard.cpu()
             self._out = shard.new_empty((world, *shard.shape))
             flat = self._out.view(world * shard.shape[0], *shard.shape[1:])
             self._work = all_gather_into(flat, shard, group=group, async_op=True)
@@ -118,9 +142,9 @@ class PendingAllGather:
 
     def wait(self) -> torch.Tensor:
         if self._work is not None:
-            with profile.timed("wait", self._out.device):
+            with profile.timed("wait", self._device):
                 self._work.wait()
-        return self._out
+        return self._out.to(self._device)
 
 
 class PendingReduceScatter:
@@ -129,8 +153,11 @@ class PendingReduceScatter:
 
     def __init__(self, chunks: torch.Tensor, group: dist.ProcessGroup | None) -> None:
         world = chunks.shape[0]
+        self._device = chunks.device
         self._out, self._work = chunks[0], None
         if world > 1:
+            if _staged(chunks, group):
+                chunks = chunks.cpu()
             self._out = chunks.new_empty(chunks.shape[1:])
             self._input = chunks.contiguous().view(world * chunks.shape[1], *chunks.shape[2:])  # kept alive
             self._work = _reduce_scatter(self._out, self._input, group=group, async_op=True)
@@ -139,6 +166,6 @@ class PendingReduceScatter:
 
     def wait(self) -> torch.Tensor:
         if self._work is not None:
-            with profile.timed("wait", self._out.device):
+            with profile.timed("wait", self._device):
                 self._work.wait()
-        return self._out
+        return self._out.to(self._device)

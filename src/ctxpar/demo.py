@@ -37,6 +37,7 @@ class DemoConfig:
     batch: int = 1
     seed: int = 0
     ulysses_degree: int | None = None  # hybrid only; the ring degree is nproc / ulysses_degree
+    device: str | None = None  # "cpu" | "cuda"; None: launch.resolve_device_type's default
 
     def validate(self, world: int) -> None:
         """Reject a bad configuration before any communication (``world`` = ranks used)."""
@@ -199,7 +200,7 @@ def run_demo(cfg: DemoConfig, *, timeout_s: float = launch.DEFAULT_TIMEOUT_S) ->
     """
     cfg.validate(launch.world_size(cfg.nproc))
     cfg.check_memory(launch.local_ranks(cfg.nproc))
-    return launch.run(demo_rank, cfg.nproc, (cfg,), timeout_s=timeout_s)
+    return launch.run(demo_rank, cfg.nproc, (cfg,), device_type=cfg.device, timeout_s=timeout_s)
 
 
 def format_report(report: dict) -> str:

@@ -142,13 +142,39 @@ def check_timeout(seconds: float, name: str = "timeout_s") -> None:
                          f"the default is {DEFAULT_TIMEOUT_S:.0f}")
 
 
-def init_from_env(timeout_s: float = DEFAULT_TIMEOUT_S) -> torch.device:
-    """Join the group torchrun describes: NCCL on the local GPU when there is one, else gloo.
+DEVICE_TYPES = ("cpu", "cuda")
 
-    ``timeout_s`` bounds each collective (and the rendezvous).
-    """
+
+def resolve_device_type(device_type: str | None) -> str:
+    """The device the ranks compute on: ``device_type``, or by default the GPU under
+    torchrun when there is one and the CPU for local ranks."""
+    if device_type is None:
+        return "cuda" if launched_by_torchrun() and torch.cuda.is_available() else "cpu"
+    if device_type not in DEVICE_TYPES:
+        raise ValueError(f"--device {device_type!r}: choose one of {', '.join(DEVICE_TYPES)}")
+    if device_type == "cuda" and not torch.cuda.is_available():
+        raise ValueError("--device cuda: this process sees no CUDA device (torch.cuda.is_available() is False); "
+                         "use --device cpu, or a machine (and torch build) with a GPU")
+    return device_type
+
+
+def local_placement(nproc: int, device_type: str) -> tuple[str, list[torch.device]]:
+    """(backend, device of each local rank). CPU: gloo. CUDA: NCCL with a GPU per rank when
+    there are enough GPUs; else gloo with ranks sharing GPUs round-robin, their tensors
+    staged through host memory (``ctxpar.comm``: the test and debug path)."""
+    if device_type == "cpu":
+        return "gloo", [torch.device("cpu")] * nproc
+    gpus = torch.cuda.device_count()
+    if nproc <= gpus:
+        return "nccl", [torch.device("cuda", r) for r in range(nproc)]
+    return "gloo", [torch.device("cuda", r % gpus) for r in range(nproc)]
+
+
+def init_from_env(timeout_s: float = DEFAULT_TIMEOUT_S, device_type: str = "cuda") -> torch.device:
+    """Join the group torchrun describes: NCCL on this rank's local GPU (``device_type``
+    "cuda"), or gloo on the CPU. ``timeout_s`` bounds each collective (and the rendezvous)."""
     check_timeout(timeout_s)
-    if torch.cuda.is_available():
+    if device_type == "cuda":
         device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0)))
         torch.cuda.set_device(device)
         backend = "nccl"
@@ -162,13 +188,19 @@ def _stray_launcher_vars() -> list[str]:
     return [name for name in LAUNCHER_VARS if name in os.environ]
 
 
-def describe_mode(nproc: int, timeout_s: float) -> str:
+def describe_mode(nproc: int, timeout_s: float, device_type: str = "cpu") -> str:
     """The one line ``run`` prints: which ranks it uses, and what it ignores."""
     if launched_by_torchrun():
-        backend = "nccl" if torch.cuda.is_available() else "gloo"
+        backend = "nccl" if device_type == "cuda" else "gloo"
         return (f"ctxpar: joining torchrun's group of {os.environ['WORLD_SIZE']} ranks with backend {backend} "
                 f"(collective timeout {timeout_s:g} s)")
-    line = f"ctxpar: spawning {nproc} local gloo ranks on 127.0.0.1 (collective timeout {timeout_s:g} s)"
+    backend, devices = local_placement(nproc, device_type)
+    where = "the CPU" if device_type == "cpu" else ", ".join(sorted({str(d) for d in devices}))
+    shared = ""
+    if device_type == "cuda" and backend == "gloo":
+        shared = " (sharing GPUs: transfers staged through host memory)"
+    line = (f"ctxpar: spawning {nproc} local {backend} ranks on 127.0.0.1, computing on {where}{shared} "
+            f"(collective timeout {timeout_s:g} s)")
     stray = _stray_launcher_vars()
     if stray:
         line += (f"; ignoring {', '.join(stray)} from the environment (not a torchrun launch: "
@@ -213,7 +245,7 @@ def _is_timeout(e: BaseException) -> bool:
     return isinstance(e, dist.DistStoreError) or "timed out" in str(e).lower()
 
 
-def _worker(rank, world_size, port, threads, timeout_s, parent_pid, fn, args, conn) -> None:
+def _worker(rank, world_size, port, threads, timeout_s, parent_pid, backend, device, fn, args, conn) -> None:
     _die_with_parent(parent_pid)
     # Ctrl-C reaches every process of the terminal's group; the parent alone handles it
     # (and stops the workers), so that one interrupt gives one message.
@@ -221,15 +253,17 @@ def _worker(rank, world_size, port, threads, timeout_s, parent_pid, fn, args, co
     _isolate_from_launcher_env()
     torch.set_num_threads(threads)
     try:
+        if device is not None and device.type == "cuda":
+            torch.cuda.set_device(device)
         dist.init_process_group(
-            "gloo",
+            backend,
             init_method=f"tcp://127.0.0.1:{port}",
             rank=rank,
             world_size=world_size,
             timeout=datetime.timedelta(seconds=timeout_s),
         )
         conn.send_bytes(pickle.dumps(("joined", None)))
-        result = fn(rank, world_size, *args)
+        result = fn(rank, world_size, *args, *(() if device is None else (device,)))
         # plain pickle copies tensors into the message; multiprocessing's would share their
         # memory with a process that is about to exit
         conn.send_bytes(pickle.dumps(("ok", result)))
@@ -272,16 +306,22 @@ def run_local(
     threads: int | None = None,
     timeout_s: float = DEFAULT_TIMEOUT_S,
     deadline_s: float | None = None,
+    device_type: str | None = None,
 ) -> list[Any]:
-    """Run ``fn(rank, nproc, *args)`` on ``nproc`` local gloo ranks; return their results.
+    """Run ``fn(rank, nproc, *args)`` on ``nproc`` local ranks; return their results.
 
     ``fn`` must be importable (module level) and its arguments and result picklable.
     ``threads`` per rank defaults to the machine's cores shared out between the ranks.
     ``timeout_s`` bounds each collective and the rendezvous; ``deadline_s`` (default: none)
-    bounds the whole run. Raises ``RankFailure`` naming every rank that failed, died or
-    never finished; the other ranks are stopped first.
+    bounds the whole run. ``device_type`` None: a gloo group and ``fn(rank, nproc, *args)``;
+    "cpu" or "cuda": the placement of ``local_placement`` and ``fn(rank, nproc, *args,
+    device)``. Raises ``RankFailure`` naming every rank that failed, died or never
+    finished; the other ranks are stopped first.
     """
     check_nproc(nproc)
+    backend, devices = "gloo", [None] * nproc
+    if device_type is not None:
+        backend, devices = local_placement(nproc, resolve_device_type(device_type))
     check_timeout(timeout_s)
     if deadline_s is not None and not (math.isfinite(deadline_s) and deadline_s > 0):
         raise ValueError(f"deadline_s {deadline_s!r} must be a positive number of seconds, or None for no deadline")
@@ -291,7 +331,8 @@ def run_local(
     pipes = [ctx.Pipe(duplex=False) for _ in range(nproc)]
     procs = [
         ctx.Process(target=_worker, name=f"ctxpar-rank-{r}", daemon=True,
-                    args=(r, nproc, port, threads, timeout_s, os.getpid(), fn, args, pipes[r][1]))
+                    args=(r, nproc, port, threads, timeout_s, os.getpid(), backend, devices[r], fn, args,
+                          pipes[r][1]))
         for r in range(nproc)
     ]
     try:
@@ -389,25 +430,28 @@ def _failure_message(
 
 
 def run(
-    fn: Callable[..., Any], nproc: int, args: tuple = (), *, timeout_s: float = DEFAULT_TIMEOUT_S,
-    deadline_s: float | None = None,
+    fn: Callable[..., Any], nproc: int, args: tuple = (), *, device_type: str | None = None,
+    timeout_s: float = DEFAULT_TIMEOUT_S, deadline_s: float | None = None,
 ) -> Any:
     """Run ``fn(rank, world_size, *args, device)`` on every rank.
 
-    Under torchrun this process is one of the launched ranks (NCCL on its GPU when
-    there is one) and gets its own rank's result; otherwise ``nproc`` local gloo ranks
-    are spawned (whatever RANK / WORLD_SIZE / MASTER_* the environment holds) and this
-    process gets rank 0's result. One line on stderr says which. ``timeout_s`` bounds each
-    collective; ``deadline_s`` (local ranks only, default none) the whole run.
+    Under torchrun this process is one of the launched ranks and gets its own rank's
+    result; otherwise ``nproc`` local ranks are spawned (whatever RANK / WORLD_SIZE /
+    MASTER_* the environment holds) and this process gets rank 0's result. One line on
+    stderr says which. ``device_type`` ("cpu" | "cuda", default: see
+    ``resolve_device_type``) picks the device and so the backend: NCCL on one GPU per rank,
+    gloo otherwise. ``timeout_s`` bounds each collective; ``deadline_s`` (local ranks only,
+    default none) the whole run.
     """
     check_timeout(timeout_s)
+    device_type = resolve_device_type(device_type)
     if launched_by_torchrun():
         if os.environ["RANK"] == "0":
-            print(describe_mode(nproc, timeout_s), file=sys.stderr, flush=True)
-        device = init_from_env(timeout_s)
+            print(describe_mode(nproc, timeout_s, device_type), file=sys.stderr, flush=True)
+        device = init_from_env(timeout_s, device_type)
         try:
             return fn(dist.get_rank(), dist.get_world_size(), *args, device)
         finally:
             dist.destroy_process_group()
-    print(describe_mode(nproc, timeout_s), file=sys.stderr, flush=True)
-    return run_local(fn, nproc, (*args, torch.device("cpu")), timeout_s=timeout_s, deadline_s=deadline_s)[0]
+    print(describe_mode(nproc, timeout_s, device_type), file=sys.stderr, flush=True)
+    return run_local(fn, nproc, args, timeout_s=timeout_s, deadline_s=deadline_s, device_type=device_type)[0]

@@ -48,6 +48,7 @@ class TrainConfig:
     resume: bool = False  # continue from the newest verified checkpoint in checkpoint_dir
     progress: bool = True
     return_parameters: bool = False  # include the final full parameters in the report (tests)
+    device: str | None = None  # "cpu" | "cuda"; None: launch.resolve_device_type's default
 
     def cp(self, world: int) -> int:
         return world // self.dp
@@ -253,7 +254,7 @@ def run_train(cfg: TrainConfig, *, timeout_s: float = launch.DEFAULT_TIMEOUT_S) 
     """
     cfg.validate(launch.world_size(cfg.nproc))
     cfg.check_memory(launch.local_ranks(cfg.nproc))
-    report = launch.run(train_rank, cfg.nproc, (cfg,), timeout_s=timeout_s)
+    report = launch.run(train_rank, cfg.nproc, (cfg,), device_type=cfg.device, timeout_s=timeout_s)
     if report is not None and cfg.compare:
         reference = train_reference(cfg)
         report["reference_loss"] = reference["loss"]

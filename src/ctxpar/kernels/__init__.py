@@ -4,36 +4,42 @@ The contract every backend meets (shapes as in ``scaled_dot_product_attention``)
 
     attention_forward(q, k, v, *, causal, scale) -> (out, lse)
         q (B, H, Sq, D), k and v (B, H_kv, Sk, D) with H % H_kv == 0 (GQA: K/V keep
-        their own heads, nothing is repeated), causal = square top-left mask
-        (Sq == Sk, query i sees keys 0..i). out (B, H, Sq, D) and lse (B, H, Sq),
-        the natural log of the sum of exp(scaled scores), both in
-        ``accumulation_dtype(q.dtype)``: float32, or float64 for float64 inputs.
+        their own heads, nothing is repeated before a backend sees them), causal =
+        square top-left mask (Sq == Sk, query i sees keys 0..i). lse (B, H, Sq) is the
+        natural log of the sum of exp(scaled scores), in float32 or wider
+        (``accumulation_dtype``); out (B, H, Sq, D) in the accumulation dtype, or in q's
+        dtype where a GPU op writes it so (merging stays in float32 either way).
 
     attention_backward(dout, q, k, v, out, lse, *, causal, scale) -> (dq, dk, dv)
         out and lse are the *global* merged values for these query rows, so the block
         gradients of all blocks add up to the exact gradient. dk, dv have H_kv heads.
-        Gradients come in the accumulation dtype like out: partial results are
-        merged and summed over blocks before anything is rounded to a low-precision
-        dtype.
+        Gradients come in the accumulation dtype on CPU (partial results are summed over
+        blocks before anything is rounded to a low-precision dtype), in q's dtype from
+        the GPU ops; strategies sum them in float32 accumulators.
 
-Inputs may have any strides. ``unit_stride`` makes what the fused op needs (a dense
+Inputs may have any strides: ``unit_stride`` makes what the fused ops need (a dense
 last dim); callers apply it once per shard so that per-block calls copy nothing.
 
-Dispatch: torch's fused CPU flash op where it applies; the plain-PyTorch kernel
-(``reference``) otherwise, which is exact but materialises the (Sq, Sk) scores.
+Backends, chosen by device:
+    ``cpu``        torch's fused CPU flash op (every dtype, computed in float32 or wider)
+    ``cuda``       torch's CUDA flash / efficient ops; the tiled reference for the rest
+    ``reference``  plain PyTorch, tiled (bounded memory); other devices
 """
 
 from __future__ import annotations
 
 import torch
 
-from ctxpar.kernels import reference, sdpa
-from ctxpar.kernels.reference import accumulation_dtype
-from ctxpar.kernels.sdpa import unit_stride
+from ctxpar.kernels import cpu, cuda, reference
+from ctxpar.kernels.contract import accumulation_dtype, unit_stride
 
 
 def _backend(q: torch.Tensor):
-    return sdpa if sdpa.supports(q) else reference
+    if q.device.type == "cpu":
+        return cpu
+    if q.device.type == "cuda":
+        return cuda
+    return reference
 
 
 def attention_forward(
@@ -56,4 +62,4 @@ def attention_backward(
     return _backend(q).attention_backward(dout, q, k, v, out, lse, causal=causal, scale=scale)
 
 
-__all__ = ["accumulation_dtype", "attention_forward", "attention_backward", "reference", "unit_stride"]
+__all__ = ["accumulation_dtype", "attention_forward", "attention_backward", "cpu", "cuda", "reference", "unit_stride"]

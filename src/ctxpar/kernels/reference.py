@@ -1,13 +1,27 @@
-"""Plain-PyTorch attention: the fp64 reference for tests, and the fallback kernel.
+"""Plain-PyTorch attention: the fp64 truth for tests, and the kernel of last resort.
 
-Nothing here is fused: scores are materialised, so memory is O(Sq * Sk) per head.
-Tests run it in float64 as the ground truth; the kernel dispatcher uses it for
-devices or dtypes without a fused op.
+``reference_attention`` is attention by definition, differentiable by autograd; tests run
+it in float64 as the ground truth. ``attention_forward`` / ``attention_backward`` meet the
+kernel contract for dtypes and devices without a fused op (float64 on CUDA, head dims the
+fused ops refuse, devices other than CPU and CUDA). They work tile by tile, so that no call
+holds more than one (tile x tile) block of scores per head, however long the sequence:
+
+    keys ->   tile 0   tile 1   tile 2
+    q tile 0  [\\ ]                        causal: tiles above the diagonal are skipped,
+    q tile 1  [##]     [\\ ]               diagonal tiles masked, the rest full
+    q tile 2  [##]     [##]     [\\ ]
 """
 
 from __future__ import annotations
 
+import math
+
 import torch
+
+from ctxpar.kernels.contract import accumulation_dtype
+from ctxpar.merge import merge_into
+
+SCORE_BUDGET_BYTES = 256 * 2**20  # one tile's scores for all (B, H) at once
 
 
 def _grouped(q: torch.Tensor, num_kv_heads: int) -> torch.Tensor:
@@ -23,57 +37,9 @@ def _scores(q: torch.Tensor, k: torch.Tensor, scale: float, mask: torch.Tensor |
     return s
 
 
-def _causal_mask(
-    sq: int, sk: int, device: torch.device, q_positions: torch.Tensor | None, kv_positions: torch.Tensor | None
-) -> torch.Tensor:
-    """(Sq, Sk) bool, True where the key is visible; default positions give a square tril."""
-    qp = torch.arange(sq, device=device) if q_positions is None else q_positions.to(device)
-    kp = torch.arange(sk, device=device) if kv_positions is None else kv_positions.to(device)
-    return kp.unsqueeze(0) <= qp.unsqueeze(1)
-
-
-def accumulation_dtype(dtype: torch.dtype) -> torch.dtype:
-    """The dtype partial results are computed, merged and summed in: >= float32."""
-    return torch.promote_types(dtype, torch.float32)
-
-
-def attention_forward(
-    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, causal: bool, scale: float
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """Kernel contract (see ``ctxpar.kernels``)."""
-    c = accumulation_dtype(q.dtype)
-    return reference_attention(q.to(c), k.to(c), v.to(c), causal=causal, scale=scale)
-
-
-def attention_backward(
-    dout: torch.Tensor,
-    q: torch.Tensor,
-    k: torch.Tensor,
-    v: torch.Tensor,
-    out: torch.Tensor,
-    lse: torch.Tensor,
-    *,
-    causal: bool,
-    scale: float,
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Gradients of one block given the *global* (out, lse) of the whole attention.
-
-    With P = exp(s - lse_global) the block's slice of the global probabilities and
-    delta = rowsum(dout * out_global), dS = P * (dout v^T - delta); the per-block
-    (dq, dk, dv) then simply add up over blocks.
-    """
-    kv_heads, c = k.shape[1], accumulation_dtype(q.dtype)
-    q, k, v = q.to(c), k.to(c), v.to(c)
-    mask = _causal_mask(q.shape[2], k.shape[2], q.device, None, None) if causal else None
-    s = _scores(q, k, scale, mask)
-    p = torch.exp(s - _grouped(lse.to(s.dtype).unsqueeze(-1), kv_heads))  # (B, H_kv, G, Sq, Sk)
-    do = _grouped(dout.to(s.dtype), kv_heads)
-    delta = (do * _grouped(out.to(s.dtype), kv_heads)).sum(-1, keepdim=True)
-    dv = torch.einsum("bhgqk,bhgqd->bhkd", p, do)
-    ds = p * (torch.einsum("bhgqd,bhkd->bhgqk", do, v) - delta) * scale
-    dq = torch.einsum("bhgqk,bhkd->bhgqd", ds, k).flatten(1, 2)
-    dk = torch.einsum("bhgqk,bhgqd->bhkd", ds, _grouped(q, kv_heads))
-    return dq, dk, dv
+def _causal_mask(q_positions: torch.Tensor, kv_positions: torch.Tensor) -> torch.Tensor:
+    """(Sq, Sk) bool, True where the key is visible (its position <= the query's)."""
+    return kv_positions.unsqueeze(0) <= q_positions.unsqueeze(1)
 
 
 def reference_attention(
@@ -95,12 +61,96 @@ def reference_attention(
 
     Returns:
         out (B, H, Sq, D) and lse (B, H, Sq); rows with no visible key give out 0 and
-        lse -inf.
+        lse -inf. Memory: the whole (Sq, Sk) score matrix per head.
     """
     scale = q.shape[-1] ** -0.5 if scale is None else scale
-    mask = _causal_mask(q.shape[2], k.shape[2], q.device, q_positions, kv_positions) if causal else None
+    mask = None
+    if causal:
+        qp = torch.arange(q.shape[2], device=q.device) if q_positions is None else q_positions.to(q.device)
+        kp = torch.arange(k.shape[2], device=q.device) if kv_positions is None else kv_positions.to(q.device)
+        mask = _causal_mask(qp, kp)
     s = _scores(q, k, scale, mask)
     lse = torch.logsumexp(s, dim=-1)  # (B, H_kv, G, Sq); -inf where nothing is visible
     p = torch.exp(s - torch.where(torch.isneginf(lse), 0.0, lse).unsqueeze(-1))
     out = torch.einsum("bhgqk,bhkd->bhgqd", p, v)
     return out.flatten(1, 2), lse.flatten(1, 2)
+
+
+def tile_size(batch: int, heads: int, elem: int) -> int:
+    """Rows (and columns) of a score tile such that all B*H tiles fit in ``SCORE_BUDGET_BYTES``."""
+    return max(16, math.isqrt(SCORE_BUDGET_BYTES // max(1, batch * heads * elem)))
+
+
+def _tiles(n: int, tile: int) -> list[slice]:
+    return [slice(i, min(i + tile, n)) for i in range(0, n, tile)]
+
+
+def _tile_mask(qs: slice, ks: slice, device: torch.device) -> torch.Tensor | None:
+    """The square causal mask restricted to one tile; None when the tile is fully visible."""
+    if ks.stop - 1 <= qs.start:
+        return None
+    return _causal_mask(torch.arange(qs.start, qs.stop, device=device), torch.arange(ks.start, ks.stop, device=device))
+
+
+def attention_forward(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, causal: bool, scale: float
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Kernel contract (see ``ctxpar.kernels``): out and lse in the accumulation dtype."""
+    c = accumulation_dtype(q.dtype)
+    q, k, v = q.to(c), k.to(c), v.to(c)
+    out = torch.zeros(q.shape, dtype=c, device=q.device)
+    lse = torch.full(q.shape[:3], float("-inf"), dtype=c, device=q.device)
+    tile = tile_size(q.shape[0], q.shape[1], q.element_size())
+    for qs in _tiles(q.shape[2], tile):
+        for ks in _tiles(k.shape[2], tile):
+            if causal and ks.start > qs.stop - 1:
+                break  # this and every later key tile is above the diagonal
+            mask = _tile_mask(qs, ks, q.device) if causal else None
+            s = _scores(q[:, :, qs], k[:, :, ks], scale, mask)
+            tile_lse = torch.logsumexp(s, dim=-1)  # (B, H_kv, G, tq)
+            p = torch.exp(s - torch.where(torch.isneginf(tile_lse), 0.0, tile_lse).unsqueeze(-1))
+            tile_out = torch.einsum("bhgqk,bhkd->bhgqd", p, v[:, :, ks]).flatten(1, 2)
+            merge_into(out[:, :, qs], lse[:, :, qs], tile_out, tile_lse.flatten(1, 2))
+    return out, lse
+
+
+def attention_backward(
+    dout: torch.Tensor,
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    out: torch.Tensor,
+    lse: torch.Tensor,
+    *,
+    causal: bool,
+    scale: float,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Gradients of one block given the *global* (out, lse) of the whole attention.
+
+    With P = exp(s - lse_global) the block's slice of the global probabilities and
+    delta = rowsum(dout * out_global), dS = P * (dout v^T - delta); the per-block
+    (dq, dk, dv) then simply add up over blocks, and so do the per-tile ones here.
+    """
+    kv_heads, c = k.shape[1], accumulation_dtype(q.dtype)
+    q, k, v, dout = q.to(c), k.to(c), v.to(c), dout.to(c)
+    delta = (dout * out.to(c)).sum(-1, keepdim=True)  # (B, H, Sq, 1)
+    dq = torch.zeros(q.shape, dtype=c, device=q.device)
+    dk = torch.zeros(k.shape, dtype=c, device=q.device)
+    dv = torch.zeros(v.shape, dtype=c, device=q.device)
+    tile = tile_size(q.shape[0], q.shape[1], q.element_size())
+    for qs in _tiles(q.shape[2], tile):
+        do = _grouped(dout[:, :, qs], kv_heads)
+        qg = _grouped(q[:, :, qs], kv_heads)
+        d = _grouped(delta[:, :, qs], kv_heads)
+        row_lse = _grouped(lse[:, :, qs].to(c).unsqueeze(-1), kv_heads)
+        for ks in _tiles(k.shape[2], tile):
+            if causal and ks.start > qs.stop - 1:
+                break
+            mask = _tile_mask(qs, ks, q.device) if causal else None
+            s = _scores(q[:, :, qs], k[:, :, ks], scale, mask)
+            p = torch.exp(s - row_lse)  # (B, H_kv, G, tq, tk)
+            dv[:, :, ks] += torch.einsum("bhgqk,bhgqd->bhkd", p, do)
+            ds = p * (torch.einsum("bhgqd,bhkd->bhgqk", do, v[:, :, ks]) - d) * scale
+            dq[:, :, qs] += torch.einsum("bhgqk,bhkd->bhgqd", ds, k[:, :, ks]).flatten(1, 2)
+            dk[:, :, ks] += torch.einsum("bhgqk,bhgqd->bhkd", ds, qg)
+    return dq, dk, dv

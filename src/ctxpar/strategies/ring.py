@@ -7,12 +7,13 @@ Forward, P ranks, rank r, step i holds the K/V of rank s = (r - i) mod P::
 
 At every step the transfer of the next shard is posted before the current shard is
 computed, so communication hides behind compute when a block takes longer to compute
-than to send. Partial (out, lse) are merged in float32 (float64 for float64 inputs); blocks the plan says are
-invisible are skipped (their shard still passes through).
+than to send. Partial (out, lse) are merged in float32 (float64 for float64 inputs);
+blocks the plan says are invisible are skipped (their shard still passes through).
 
-Backward re-circulates K/V the same way and also circulates a dK/dV
-accumulator (in the accumulation dtype: float32, or float64 for float64 inputs) for each shard: it starts on rank s+1, collects each rank's share, and
-after P-1 hops lands back on rank s, which adds its own share. dQ never moves.
+Backward re-circulates K/V the same way and also circulates a dK/dV accumulator (in the
+accumulation dtype: float32, or float64 for float64 inputs) for each shard: it starts on
+rank s+1, collects each rank's share, and after P-1 hops lands back on rank s, which adds
+its own share. dQ never moves.
 
 Traffic per rank (elements of size e, local length S = T/P):
     forward:  (P-1) * 2*B*H_kv*S*D*e    sent and received

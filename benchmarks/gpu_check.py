@@ -1,0 +1,251 @@
+"""The one prepared GPU check: CUDA tests, exactness per strategy, and the kernels' efficiency.
+
+    make gpu-check                                   # on a machine with one GPU and its own PyTorch
+    python benchmarks/gpu_check.py --dry-run --json out.json     # the same plumbing on the CPU, tiny shapes
+
+Installs nothing. Prints a table and writes JSON (default gpu_check.json) with:
+
+- ``environment``: torch, CUDA, GPU, driver.
+- ``tests``: the summary of ``pytest tests/test_cuda.py`` (kernels vs fp64, every strategy on
+  P = 1-4 ranks sharing the GPU, demo and train on four ranks).
+- ``exactness``: ``ctxpar demo`` on 4 ranks sharing the GPU per strategy, bf16: max abs
+  error of out, lse, dq, dk, dv against float64, and the tolerance.
+- ``efficiency``: each rank's forward + backward block loops of the ring (communication
+  taken out, every K/V shard local, as ``benchmarks/overhead.py``) at Llama-3-8B's
+  attention shape (H=32, H_kv=8, D=128, bf16), T=131072 on P=8 and T=32768 on P=4, zigzag
+  and striped: the sum over ranks / one fused forward + backward over the unsplit
+  sequence, max / min over ranks, TFLOP/s of the unsplit call and of the slowest rank,
+  and each rank's peak memory against the O(S) of its tensors.
+- ``kernels``: the flash op against the cuDNN op on one large block (time, and whether
+  cuDNN gives the same result), to decide by measurement which one ctxpar should use.
+- ``targets``: sum / unsplit <= 1.10, max / min <= 1.05 (zigzag), no allocation growing
+  with S^2 (peak growth <= 4x the rank's O(S) tensors).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import re
+import subprocess
+import sys
+import time
+
+import torch
+
+import ctxpar
+from ctxpar.blocks import rank_pairs
+from ctxpar.demo import DemoConfig, run_demo
+from ctxpar.verify import unsplit_attention
+from overhead import rank_step
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+ROOT = os.path.dirname(HERE)
+LLAMA3_8B = dict(heads=32, kv_heads=8, head_dim=128)
+
+
+def environment(device: torch.device) -> dict:
+    env = dict(torch=torch.__version__, python=platform.python_version(), device=str(device),
+               cuda=torch.version.cuda, gpu=None, driver=None)
+    if device.type == "cuda":
+        env["gpu"] = torch.cuda.get_device_name(device)
+        try:
+            smi = subprocess.run(["nvidia-smi", "--query-gpu=driver_version", "--format=csv,noheader"],
+                                 capture_output=True, text=True, timeout=30)
+            env["driver"] = smi.stdout.strip() or None
+        except (OSError, subprocess.TimeoutExpired):
+            pass
+    return env
+
+
+def run_tests(timeout_s: float) -> dict:
+    """``pytest tests/test_cuda.py``: the counts pytest prints (all skipped without a GPU)."""
+    start = time.perf_counter()
+    proc = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "tests/test_cuda.py"],
+                          cwd=ROOT, capture_output=True, text=True, timeout=timeout_s)
+    tail = (proc.stdout + proc.stderr).strip().splitlines()[-40:]
+    counts = {word: int(n) for n, word in re.findall(r"(\d+) (passed|failed|skipped|error|errors)", "\n".join(tail))}
+    return dict(returncode=proc.returncode, seconds=time.perf_counter() - start, counts=counts,
+                failures=[line for line in tail if line.startswith(("FAILED", "ERROR"))][:20])
+
+
+def exactness(device: torch.device, seq: int, dtype: str) -> list[dict]:
+    rows = []
+    for strategy in ("ring", "allgather", "alltoall", "hybrid"):
+        cfg = DemoConfig(nproc=4, seq=seq, heads=8, kv_heads=2, head_dim=64, strategy=strategy, dtype=dtype,
+                         ulysses_degree=2 if strategy == "hybrid" else None, device=device.type)
+        report = run_demo(cfg)
+        rows.append(dict(strategy=strategy, ok=report["ok"], max_abs_err=report["max_abs_err"],
+                         tolerance=report["tolerance"],
+                         bytes_sent=max(r["bytes_sent"] for r in report["ranks"])))
+    return rows
+
+
+def _timed(fn, device: torch.device, repeat: int) -> float:
+    """Best wall seconds of ``fn`` over ``repeat`` calls, the device drained around each."""
+    best = float("inf")
+    for _ in range(repeat):
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+        start = time.perf_counter()
+        fn()
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+        best = min(best, time.perf_counter() - start)
+    return best
+
+
+def _peak_growth(fn, device: torch.device) -> int | None:
+    if device.type != "cuda":
+        return None
+    torch.cuda.synchronize(device)
+    torch.cuda.reset_peak_memory_stats(device)
+    base = torch.cuda.memory_allocated(device)
+    fn()
+    torch.cuda.synchronize(device)
+    return torch.cuda.max_memory_allocated(device) - base
+
+
+def causal_flops(pairs: int, heads: int, head_dim: int) -> float:
+    """Forward + backward FLOPs of ``pairs`` visible (query, key) pairs per head: the forward
+    does QK^T and PV (4 * D FLOPs a pair), the backward 2.5x that (FlashAttention-2's count)."""
+    return 3.5 * 4 * pairs * heads * head_dim
+
+
+def efficiency(device: torch.device, dtype: torch.dtype, cases: list[tuple[int, int]], repeat: int,
+               shape: dict) -> list[dict]:
+    rows = []
+    h, hkv, d = shape["heads"], shape["kv_heads"], shape["head_dim"]
+    scale = d**-0.5
+    for seq, world in cases:
+        gen = torch.Generator(device=device).manual_seed(0)
+        q, dout = (torch.randn(1, h, seq, d, device=device, dtype=dtype, generator=gen) for _ in range(2))
+        k, v = (torch.randn(1, hkv, seq, d, device=device, dtype=dtype, generator=gen) for _ in range(2))
+        unsplit = _timed(lambda: unsplit_attention(q, k, v, dout, causal=True, scale=scale), device, repeat)
+        unsplit_flops = causal_flops(seq * (seq + 1) // 2, h, d)
+        for name in ("zigzag", "striped"):
+            layout = ctxpar.get_layout(name, world)
+            shards = {n: [layout.shard(t, r, dim=2) for r in range(world)]
+                      for n, t in dict(q=q, k=k, v=v, dout=dout).items()}
+            times, peaks = [], []
+            for r in range(world):
+                step = lambda: rank_step(layout, seq, r, shards, True, scale)  # noqa: E731
+                step()  # warm-up: kernel selection, allocator
+                times.append(_timed(step, device, repeat))
+                peaks.append(_peak_growth(step, device))
+            local, e = seq // world, q.element_size()
+            # what a rank's step allocates that grows with S: fp32 accumulators for out and dQ, fp32
+            # dK/dV, and out in the input dtype; a kernel's temporaries are of the same order
+            o_s = local * d * (4 * 2 * h + 4 * 2 * hkv + e * h)
+            slowest = max(range(world), key=lambda r: times[r])
+            rows.append(dict(
+                seq=seq, world=world, layout=name, unsplit_seconds=unsplit, rank_seconds=times,
+                sum_over_unsplit=sum(times) / unsplit, max_over_min=max(times) / min(times),
+                unsplit_tflops=unsplit_flops / unsplit / 1e12,
+                slowest_rank_tflops=causal_flops(rank_pairs(layout, seq, slowest, True), h, d) / times[slowest] / 1e12,
+                rank_peak_growth_bytes=peaks, rank_o_s_bytes=o_s,
+            ))
+    return rows
+
+
+def kernels(device: torch.device, seq: int, repeat: int) -> dict:
+    """The flash op (ctxpar's choice for bf16) against cuDNN's on one causal block."""
+    if device.type != "cuda":
+        return dict(skipped="no GPU")
+    from ctxpar import kernels as k_
+
+    h, d = LLAMA3_8B["heads"], LLAMA3_8B["head_dim"]
+    gen = torch.Generator(device=device).manual_seed(0)
+    q, k, v, dout = (torch.randn(1, h, seq, d, device=device, dtype=torch.bfloat16, generator=gen) for _ in range(4))
+    scale = d**-0.5
+
+    def flash():
+        out, lse = k_.attention_forward(q, k, v, causal=True, scale=scale)
+        return out, k_.attention_backward(dout, q, k, v, out, lse, causal=True, scale=scale)
+
+    cudnn_fwd = torch.ops.aten._scaled_dot_product_cudnn_attention.default
+    cudnn_bwd = torch.ops.aten._scaled_dot_product_cudnn_attention_backward.default
+
+    def cudnn():
+        out, lse, cq, ck, mq, mk, seed, offset, _ = cudnn_fwd(q, k, v, None, True, 0.0, True, False, scale=scale)
+        grads = cudnn_bwd(dout, q, k, v, out, lse, seed, offset, None, cq, ck, mq, mk, 0.0, True, scale=scale)
+        return out, grads
+
+    result = dict(seq=seq, heads=h, head_dim=d, flash_seconds=_timed(flash, device, repeat))
+    try:
+        result["cudnn_seconds"] = _timed(cudnn, device, repeat)
+        (fo, fg), (co, cg) = flash(), cudnn()
+        result["cudnn_max_abs_diff"] = max((a.float() - b.float()).abs().max().item()
+                                           for a, b in zip((fo, *fg), (co, *cg)))
+    except (RuntimeError, TypeError) as e:
+        result["cudnn_error"] = str(e).splitlines()[0][:300]
+    return result
+
+
+def targets(rows: list[dict]) -> dict:
+    zigzag = [r for r in rows if r["layout"] == "zigzag"]
+    peaks_ok = all(p is None or p <= 4 * r["rank_o_s_bytes"] for r in rows for p in r["rank_peak_growth_bytes"])
+    return dict(sum_over_unsplit_le_1_10=all(r["sum_over_unsplit"] <= 1.10 for r in rows),
+                zigzag_max_over_min_le_1_05=all(r["max_over_min"] <= 1.05 for r in zigzag),
+                no_s_squared_allocation=peaks_ok)
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--dry-run", action="store_true", help="on the CPU with tiny shapes: the same steps and JSON keys")
+    p.add_argument("--skip-tests", action="store_true", help="leave out pytest tests/test_cuda.py")
+    p.add_argument("--repeat", type=int, default=2, help="best of N for every timing")
+    p.add_argument("--json", metavar="PATH", default="gpu_check.json")
+    args = p.parse_args()
+    if not args.dry_run and not torch.cuda.is_available():
+        sys.exit("gpu_check: no CUDA device visible; run with --dry-run to check the plumbing on the CPU")
+    device = torch.device("cpu") if args.dry_run else torch.device("cuda", 0)
+    if args.dry_run:  # tiny shapes, float32 (the CPU op's native dtype)
+        dtype, demo_seq, shape = torch.float32, 256, dict(heads=4, kv_heads=2, head_dim=32)
+        cases, kernel_seq = [(2048, 4), (1024, 2)], 1024
+    else:
+        dtype, demo_seq, shape = torch.bfloat16, 16384, LLAMA3_8B
+        cases, kernel_seq = [(131072, 8), (32768, 4)], 32768
+
+    start = time.perf_counter()
+    report = dict(dry_run=args.dry_run, environment=environment(device))
+    report["tests"] = dict(skipped="--skip-tests") if args.skip_tests else run_tests(timeout_s=300)
+    report["exactness"] = exactness(device, demo_seq, "float32" if args.dry_run else "bfloat16")
+    report["efficiency"] = efficiency(device, dtype, cases, args.repeat, shape)
+    report["kernels"] = kernels(device, kernel_seq, args.repeat)
+    report["targets"] = targets(report["efficiency"])
+    report["seconds"] = time.perf_counter() - start
+    with open(args.json, "w") as f:
+        json.dump(report, f, indent=2)
+    print(format_report(report))
+
+
+def format_report(r: dict) -> str:
+    env = r["environment"]
+    lines = [f"ctxpar gpu-check{' (dry run, CPU)' if r['dry_run'] else ''}: {env['gpu'] or env['device']}, "
+             f"torch {env['torch']}, CUDA {env['cuda']}, driver {env['driver']}; {r['seconds']:.0f} s", ""]
+    t = r["tests"]
+    status = f" (exit {t['returncode']})" if "returncode" in t else ""
+    lines.append(f"tests/test_cuda.py: {t.get('counts', t)}{status}")
+    lines += [f"  {f}" for f in t.get("failures", [])]
+    names = ("out", "lse", "dq", "dk", "dv")
+    lines += ["", f"{'strategy':<10} {'ok':>3} " + " ".join(f"{n + ' err':>10}" for n in names)]
+    for e in r["exactness"]:
+        lines.append(f"{e['strategy']:<10} {'yes' if e['ok'] else 'NO':>3} "
+                     + " ".join(f"{e['max_abs_err'][n]:>10.2e}" for n in names))
+    lines += ["", f"{'T':>7} {'P':>2} {'layout':<8} {'unsplit s':>9} {'sum/unsplit':>11} {'max/min':>8} "
+                  f"{'TFLOP/s unsplit':>15} {'slowest rank':>12} {'peak/O(S)':>9}"]
+    for e in r["efficiency"]:
+        peaks = [p for p in e["rank_peak_growth_bytes"] if p is not None]
+        ratio = f"{max(peaks) / e['rank_o_s_bytes']:.2f}" if peaks else "n/a"
+        lines.append(f"{e['seq']:>7} {e['world']:>2} {e['layout']:<8} {e['unsplit_seconds']:>9.4f} "
+                     f"{e['sum_over_unsplit']:>11.3f} {e['max_over_min']:>8.3f} {e['unsplit_tflops']:>15.1f} "
+                     f"{e['slowest_rank_tflops']:>12.1f} {ratio:>9}")
+    lines += ["", f"kernels: {r['kernels']}", f"targets: {r['targets']}"]
+    return "\n".join(lines)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,144 @@
+"""torch's fused CUDA attention ops for one block: forward, and backward from the global lse.
+
+Which op computes a block (q's dtype, head dim D)::
+
+    bf16 / fp16, D % 8 == 0, D <= 256   flash     aten._scaled_dot_product_flash_attention
+    fp32 (or the above, other D),        efficient aten._scaled_dot_product_efficient_attention
+        D % 8 == 0
+    anything else (fp64, odd D)          reference ctxpar.kernels.reference, tiled (bounded memory)
+
+Both fused ops' backwards recompute probabilities as exp(q k^T * scale - lse) and use
+rowsum(dout * out) as delta, so, as on CPU, handing them the merged, *global* (out, lse)
+yields this block's exact share of the gradient. Their outputs and gradients come back in
+q's dtype (bf16 stays bf16; the kernels accumulate in fp32 inside); lse is fp32, and the
+strategies merge and sum blocks in fp32 accumulators.
+
+GQA: the flash op takes K/V with fewer heads than Q. Whether this build's op does is
+checked once per device against K/V repeated to H heads (``_flash_takes_gqa``); if not,
+K/V are repeated per block and dK/dV summed back to H_kv heads, as for the efficient op,
+which has no GQA. The efficient op's lse is padded to a multiple of 32 rows; the global
+lse handed to its backward is padded the same way.
+
+``aten._scaled_dot_product_cudnn_attention`` is not used: on H100/H200 it is chosen only
+where ``benchmarks/gpu_check.py`` measures it faster and exact (not measured yet).
+"""
+
+from __future__ import annotations
+
+import functools
+
+import torch
+import torch.nn.functional as F
+
+from ctxpar.kernels import reference
+from ctxpar.kernels.contract import unit_stride
+
+_flash_fwd = torch.ops.aten._scaled_dot_product_flash_attention.default
+_flash_bwd = torch.ops.aten._scaled_dot_product_flash_attention_backward.default
+_eff_fwd = torch.ops.aten._scaled_dot_product_efficient_attention.default
+_eff_bwd = torch.ops.aten._scaled_dot_product_efficient_attention_backward.default
+_LSE_ROWS = 32  # the efficient op pads lse rows to a multiple of this
+
+
+def op_for(q: torch.Tensor) -> str:
+    """"flash" | "efficient" | "reference": which op computes blocks like ``q`` (see above)."""
+    d = q.shape[-1]
+    if q.dtype in (torch.bfloat16, torch.float16) and d % 8 == 0 and d <= 256:
+        return "flash"
+    if q.dtype in (torch.float32, torch.bfloat16, torch.float16) and d % 8 == 0:
+        return "efficient"
+    return "reference"
+
+
+def _repeat_kv(t: torch.Tensor, heads: int) -> torch.Tensor:
+    """(B, H_kv, S, D) -> (B, H, S, D), each KV head repeated for its query heads."""
+    return t if t.shape[1] == heads else t.repeat_interleave(heads // t.shape[1], dim=1)
+
+
+def _sum_kv(t: torch.Tensor, kv_heads: int) -> torch.Tensor:
+    """(B, H, S, D) -> (B, H_kv, S, D): the gradient of ``_repeat_kv``."""
+    b, h, s, d = t.shape
+    return t if h == kv_heads else t.view(b, kv_heads, h // kv_heads, s, d).sum(2)
+
+
+@functools.lru_cache(maxsize=None)
+def _flash_aux(device: torch.device, dtype: torch.dtype) -> tuple:
+    """What the flash backward takes besides tensors: the (unused, dropout 0) RNG state
+    its forward returns, from one tiny forward."""
+    x = torch.zeros(1, 1, 8, 8, device=device, dtype=dtype)
+    _, _, _, _, _, _, seed, offset, _ = _flash_fwd(x, x, x, 0.0, False, False, scale=1.0)
+    return seed, offset
+
+
+@functools.lru_cache(maxsize=None)
+def _efficient_aux(device: torch.device, dtype: torch.dtype) -> tuple:
+    x = torch.zeros(1, 1, 8, 8, device=device, dtype=dtype)
+    _, _, seed, offset = _eff_fwd(x, x, x, None, True, 0.0, False, scale=1.0)
+    return seed, offset
+
+
+@functools.lru_cache(maxsize=None)
+def _flash_takes_gqa(device: torch.device, dtype: torch.dtype) -> bool:
+    """Whether the flash op gives K/V with fewer heads the same result as K/V repeated."""
+    gen = torch.Generator(device=device).manual_seed(0)
+    q = torch.randn(1, 4, 16, 8, device=device, dtype=dtype, generator=gen)
+    k, v = (torch.randn(1, 2, 16, 8, device=device, dtype=dtype, generator=gen) for _ in range(2))
+    try:
+        grouped = _flash_fwd(q, k, v, 0.0, True, False, scale=0.3)[0]
+    except RuntimeError:
+        return False
+    repeated = _flash_fwd(q, _repeat_kv(k, 4), _repeat_kv(v, 4), 0.0, True, False, scale=0.3)[0]
+    return bool(torch.equal(grouped, repeated))
+
+
+def attention_forward(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, causal: bool, scale: float
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Kernel contract (see ``ctxpar.kernels``); out in q's dtype, lse float32 (B, H, Sq)."""
+    op = op_for(q)
+    if op == "reference":
+        return reference.attention_forward(q, k, v, causal=causal, scale=scale)
+    q, k, v = unit_stride(q), unit_stride(k), unit_stride(v)
+    heads = q.shape[1]
+    if op == "flash":
+        if not _flash_takes_gqa(q.device, q.dtype):
+            k, v = _repeat_kv(k, heads), _repeat_kv(v, heads)
+        out, lse = _flash_fwd(q, k, v, 0.0, causal, False, scale=scale)[:2]
+        return out, lse
+    out, lse = _eff_fwd(q, _repeat_kv(k, heads), _repeat_kv(v, heads), None, True, 0.0, causal, scale=scale)[:2]
+    return out, lse[:, :, : q.shape[2]]
+
+
+def attention_backward(
+    dout: torch.Tensor,
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    out: torch.Tensor,
+    lse: torch.Tensor,
+    *,
+    causal: bool,
+    scale: float,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Kernel contract; ``out`` and ``lse`` are the global (merged) values for these rows.
+    Gradients in q's dtype; dk, dv with H_kv heads."""
+    op = op_for(q)
+    if op == "reference":
+        return reference.attention_backward(dout, q, k, v, out, lse, causal=causal, scale=scale)
+    heads, kv_heads = q.shape[1], k.shape[1]
+    dout, q, k, v = (unit_stride(t) for t in (dout, q, k, v))
+    out = unit_stride(out.to(q.dtype))
+    lse = lse.float().contiguous()  # a slice of the global lse: the ops index it as dense (B, H, Sq)
+    if op == "flash":
+        seed, offset = _flash_aux(q.device, q.dtype)
+        if not _flash_takes_gqa(q.device, q.dtype):
+            k, v = _repeat_kv(k, heads), _repeat_kv(v, heads)
+        dq, dk, dv = _flash_bwd(dout, q, k, v, out, lse, None, None, q.shape[2], k.shape[2], 0.0, causal,
+                                seed, offset, scale=scale)
+        return dq, _sum_kv(dk, kv_heads), _sum_kv(dv, kv_heads)
+    seed, offset = _efficient_aux(q.device, q.dtype)
+    rows = -(-q.shape[2] // _LSE_ROWS) * _LSE_ROWS
+    lse = F.pad(lse, (0, rows - q.shape[2]))
+    dq, dk, dv, _ = _eff_bwd(dout, q, _repeat_kv(k, heads), _repeat_kv(v, heads), None, out, lse, seed, offset,
+                             0.0, [True, True, True, False], causal, scale=scale)
+    return dq, _sum_kv(dk, kv_heads), _sum_kv(dv, kv_heads)

@@ -1,0 +1,124 @@
+"""The CUDA path: kernels against fp64, and every strategy on P = 1-4 ranks sharing the GPU.
+
+Skipped without a GPU (CI has none); ``make gpu-check`` runs it where there is one.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+if not torch.cuda.is_available():
+    pytest.skip("needs a CUDA device", allow_module_level=True)
+
+import cuda_cases  # noqa: E402
+from ctxpar import kernels  # noqa: E402
+from ctxpar.kernels import cuda  # noqa: E402
+from ctxpar.kernels.reference import reference_attention  # noqa: E402
+from ctxpar.launch import run_local  # noqa: E402
+from ctxpar.verify import TENSORS, max_abs_errors, tolerances, torch_sdpa  # noqa: E402
+
+WORLD_SIZES = (1, 2, 3, 4)
+_results: dict[int, list[dict]] = {}
+
+
+def results(world: int) -> list[dict]:
+    if world not in _results:
+        _results[world] = run_local(cuda_cases.run_all, world, device_type="cuda", timeout_s=300)
+    return _results[world]
+
+
+CASES = [pytest.param(world, case, id=f"P{world}-{case.id}") for world in WORLD_SIZES
+         for case in cuda_cases.cuda_cases() if case.runs_on(world)]
+
+
+@pytest.mark.parametrize("world, case", CASES)
+def test_matches_fp64_reference_on_cuda(world: int, case) -> None:
+    for rank, res in enumerate(results(world)):
+        r = res[case.id]
+        assert "exception" not in r, f"rank {rank}:\n{r.get('exception')}"
+        assert r["finite"] and r["dtypes_ok"], f"rank {rank}: finite {r['finite']}, dtypes {r['dtypes_ok']}"
+        for name in TENSORS:
+            assert r["errors"][name] <= r["tolerances"][name], (
+                f"rank {rank} {name}: max abs error {r['errors'][name]:.3g} > tolerance {r['tolerances'][name]:.3g}")
+
+
+def _block(h: int, hkv: int, s: int, d: int, dtype: torch.dtype, seed: int = 0):
+    gen = torch.Generator().manual_seed(seed)
+    shapes = [(2, h, s, d), (2, hkv, s, d), (2, hkv, s, d), (2, h, s, d)]
+    return [torch.randn(sh, generator=gen, dtype=torch.float64) for sh in shapes]
+
+
+@pytest.mark.parametrize("dtype, d, op", [(torch.bfloat16, 64, "flash"), (torch.float16, 128, "flash"),
+                                          (torch.float32, 64, "efficient"), (torch.bfloat16, 264, "efficient"),
+                                          (torch.float64, 64, "reference"), (torch.float32, 20, "reference")])
+@pytest.mark.parametrize("heads", [(8, 8), (8, 2), (8, 1)], ids=["mha", "gqa", "mqa"])
+@pytest.mark.parametrize("causal", [True, False])
+def test_each_cuda_op_meets_the_kernel_contract(dtype, d, op, heads, causal) -> None:
+    """Forward, and backward from the global (out, lse), against fp64 on the CPU, within twice
+    torch's own SDPA error in the same dtype."""
+    q, k, v, dout = _block(*heads, 200, d, dtype)
+    assert cuda.op_for(q.to("cuda", dtype)) == op
+    leaves = [t.clone().requires_grad_() for t in (q, k, v)]
+    want_out, want_lse = reference_attention(*leaves, causal=causal, scale=0.2)
+    want_out.backward(dout)
+    ref = dict(out=want_out.detach(), lse=want_lse.detach(), dq=leaves[0].grad, dk=leaves[1].grad, dv=leaves[2].grad)
+    qc, kc, vc, dc = (t.to("cuda", dtype) for t in (q, k, v, dout))
+    out, lse = kernels.attention_forward(qc, kc, vc, causal=causal, scale=0.2)
+    grads = kernels.attention_backward(dc, qc, kc, vc, out, lse, causal=causal, scale=0.2)
+    assert lse.dtype in (torch.float32, torch.float64) and grads[1].shape == kc.shape
+    got = dict(zip(TENSORS, (out, lse, *grads)))
+    baseline = None
+    if dtype in (torch.bfloat16, torch.float16):
+        sdpa = torch_sdpa(qc, kc, vc, dc, causal=causal, scale=0.2)
+        baseline = max_abs_errors({n: t.cpu() for n, t in sdpa.items()}, ref)
+    errors, tol = max_abs_errors({n: t.cpu() for n, t in got.items()}, ref), tolerances(dtype, ref, baseline)
+    for name in TENSORS:
+        assert errors[name] <= tol[name], f"{op} {name}: {errors[name]:.3g} > {tol[name]:.3g}"
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32, torch.float64])
+def test_no_block_allocates_memory_that_grows_with_s_squared(dtype) -> None:
+    """One block of S=32K (16K in float64; 8 heads, D=128) forward + backward: peak memory
+    stays a small multiple of the inputs, plus a few score tiles for the reference kernel
+    (the whole scores would be 8 x S^2 x 4 bytes = 32 GiB, or 16 GiB in float64)."""
+    s = 32768 if dtype != torch.float64 else 16384
+    q = torch.randn(1, 8, s, 128, device="cuda", dtype=dtype)
+    k, v, dout = torch.randn_like(q), torch.randn_like(q), torch.randn_like(q)
+    torch.cuda.synchronize()
+    torch.cuda.reset_peak_memory_stats()
+    base = torch.cuda.memory_allocated()
+    out, lse = kernels.attention_forward(q, k, v, causal=True, scale=128**-0.5)
+    kernels.attention_backward(dout, q, k, v, out, lse, causal=True, scale=128**-0.5)
+    torch.cuda.synchronize()
+    grown = torch.cuda.max_memory_allocated() - base
+    inputs = 4 * q.numel() * 8  # q, k, v, dout in float64 bytes: a generous O(S) allowance
+    budget = kernels.reference.SCORE_BUDGET_BYTES * 8 if dtype == torch.float64 else 0  # s, p, ds, temporaries
+    assert grown <= inputs + budget, f"grew {grown / 2**30:.2f} GiB"
+
+
+def _cli(*args: str, tmp_path) -> dict:
+    import json
+    import subprocess
+    import sys
+
+    path = tmp_path / "report.json"
+    proc = subprocess.run([sys.executable, "-m", "ctxpar.cli", *args, "--device", "cuda", "--json", str(path)],
+                          capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    return json.loads(path.read_text())
+
+
+@pytest.mark.parametrize("strategy", ["ring", "allgather", "alltoall", "hybrid"])
+def test_demo_on_four_ranks_sharing_the_gpu(strategy: str, tmp_path) -> None:
+    extra = ("--ulysses-degree", "2") if strategy == "hybrid" else ()
+    report = _cli("demo", "--nproc", "4", "--seq", "4096", "--dtype", "bfloat16", "--strategy", strategy, *extra,
+                  tmp_path=tmp_path)
+    assert report["ok"] and report["device"].startswith("cuda")
+
+
+@pytest.mark.parametrize("strategy", ["ring", "allgather", "alltoall"])
+def test_train_on_four_ranks_sharing_the_gpu(strategy: str, tmp_path) -> None:
+    report = _cli("train", "--nproc", "4", "--seq", "512", "--steps", "4", "--strategy", strategy, "--compare",
+                  "--no-progress", tmp_path=tmp_path)
+    assert report["max_abs_loss_diff"] <= 1e-3, report["max_abs_loss_diff"]

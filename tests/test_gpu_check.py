@@ -1,0 +1,32 @@
+"""``make gpu-check``'s script runs end to end on the CPU (--dry-run) and writes every key.
+
+The GPU figures need a GPU; this keeps the plumbing that produces them from rotting.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def test_gpu_check_dry_run_writes_every_section(tmp_path) -> None:
+    path = tmp_path / "gpu_check.json"
+    proc = subprocess.run([sys.executable, "benchmarks/gpu_check.py", "--dry-run", "--skip-tests", "--repeat", "1",
+                           "--json", str(path)], cwd=ROOT, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    report = json.loads(path.read_text())
+    assert set(report) == {"dry_run", "environment", "tests", "exactness", "efficiency", "kernels", "targets",
+                           "seconds"}
+    assert [e["strategy"] for e in report["exactness"]] == ["ring", "allgather", "alltoall", "hybrid"]
+    assert all(e["ok"] for e in report["exactness"])
+    assert {(e["seq"], e["world"], e["layout"]) for e in report["efficiency"]} == {
+        (2048, 4, "zigzag"), (2048, 4, "striped"), (1024, 2, "zigzag"), (1024, 2, "striped")}
+    for e in report["efficiency"]:
+        assert len(e["rank_seconds"]) == e["world"] and e["sum_over_unsplit"] > 0
+    assert set(report["targets"]) == {"sum_over_unsplit_le_1_10", "zigzag_max_over_min_le_1_05",
+                                      "no_s_squared_allocation"}
+    assert "gpu-check (dry run, CPU)" in proc.stdout
