@@ -18,8 +18,8 @@ import torch
 import torch.distributed as dist
 
 import ctxpar
+import spawned
 from ctxpar.integrations.transformers import enable_context_parallel, shard_inputs
-from ctxpar.launch import run_local
 from ctxpar.parallelize import IGNORE_INDEX, cp_loss, shift_labels
 
 COMBOS = [("zigzag", "ring"), ("striped", "allgather"), ("contiguous", "ring"), ("zigzag", "alltoall")]
@@ -28,20 +28,9 @@ COMBOS = [("zigzag", "ring"), ("striped", "allgather"), ("contiguous", "ring"), 
 LABEL_CASES = ["llama", "qwen2", "qwen3", "gemma", "phi3", "deepseek_v3", "granite", "mixtral"]
 SWEEP_P, SWEEP_TOKENS = 2, 16
 
-_cache: dict = {}
-
-
 def results() -> list[dict]:
-    """Every rank's results of ``run`` on 4 local gloo ranks, computed once per test session
-    (a failure too: every test that needs them reports it, without spawning again)."""
-    if "P4" not in _cache:
-        try:
-            _cache["P4"] = run_local(run, 4, timeout_s=300)
-        except Exception as e:  # noqa: BLE001 - re-raised below, for each test that asks
-            _cache["P4"] = e
-    if isinstance(_cache["P4"], Exception):
-        raise _cache["P4"]
-    return _cache["P4"]
+    """Every rank's results of ``run`` on 4 local gloo ranks, computed once per test session."""
+    return spawned.results("hf", run, 4, timeout_s=300)
 
 
 def tiny_llama():

@@ -62,7 +62,11 @@ POISONS = {  # (tensor, value) written into one element at global position 5
     "k-inf": ("k", float("-inf")),
     "k_nan": ("k", float("nan")),
     "v+inf": ("v", float("inf")),
+    "v-inf": ("v", float("-inf")),
+    "v_nan": ("v", float("nan")),
     "q+inf": ("q", float("inf")),
+    "q-inf": ("q", float("-inf")),
+    "q_nan": ("q", float("nan")),
 }
 
 
@@ -112,8 +116,31 @@ def nonfinite_inputs(rank: int, world: int) -> dict:
     return results
 
 
+def dense_once(rank: int, world: int) -> dict:
+    """What the block kernels receive when q's last dim is strided (stride 2)."""
+    from ctxpar.strategies import blockwise
+
+    dense, storages = [], set()
+    real = blockwise.kernels.attention_forward
+
+    def spy(q, k, v, **kwargs):
+        dense.append(all(t.stride(-1) == 1 for t in (q, k, v)))
+        storages.add(q.untyped_storage().data_ptr())
+        return real(q, k, v, **kwargs)
+
+    blockwise.kernels.attention_forward = spy
+    try:
+        q = torch.randn(1, 4, 8, 8, 2)[..., 0]  # (B, H, S, D), last-dim stride 2
+        k, v = (torch.randn(1, 2, 8, 8) for _ in range(2))
+        ctxpar.attention(q, k, v, layout="zigzag")
+    finally:
+        blockwise.kernels.attention_forward = real
+    return dict(blocks=len(dense), dense=all(dense), query_storages=len(storages))
+
+
 def run(rank: int, world: int) -> dict:
     from torch.distributed.device_mesh import init_device_mesh
 
     mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("ring", "ulysses"))
-    return dict(disagree=disagreeing_ranks(rank, world, mesh), nonfinite=nonfinite_inputs(rank, world))
+    return dict(disagree=disagreeing_ranks(rank, world, mesh), nonfinite=nonfinite_inputs(rank, world),
+                dense_once=dense_once(rank, world))

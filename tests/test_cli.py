@@ -109,6 +109,7 @@ def bad_values(tmp: Path) -> list[tuple[tuple[str, ...], str]]:
                                                 "needs at least"),
         (("demo", "--json", str(tmp)), f"--json {str(tmp)!r} is a directory"),
         (("demo", "--json", missing), "does not exist; create it first"),
+        (("demo", "--json", ""), "--json needs a file path"),
         *([(("demo", "--device", "cuda"), "--device cuda: this process sees no CUDA device"),
            (("train", "--device", "cuda"), "--device cuda: this process sees no CUDA device")]
           if not torch.cuda.is_available() else []),

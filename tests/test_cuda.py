@@ -14,20 +14,15 @@ if not torch.cuda.is_available():
     pytest.skip("needs a CUDA device", allow_module_level=True)
 
 import cuda_cases  # noqa: E402
+import spawned  # noqa: E402
 from ctxpar import kernels  # noqa: E402
 from ctxpar.kernels import cuda  # noqa: E402
 from ctxpar.kernels.reference import reference_attention  # noqa: E402
-from ctxpar.launch import run_local  # noqa: E402
 from ctxpar.verify import TENSORS, max_abs_errors, tolerances, torch_sdpa  # noqa: E402
 
 WORLD_SIZES = (1, 2, 3, 4)
-_results: dict[int, list[dict]] = {}
-
-
 def results(world: int) -> list[dict]:
-    if world not in _results:
-        _results[world] = run_local(cuda_cases.run_all, world, device_type="cuda", timeout_s=300)
-    return _results[world]
+    return spawned.results(f"cuda-P{world}", cuda_cases.run_all, world, device_type="cuda", timeout_s=300)
 
 
 CASES = [pytest.param(world, case, id=f"P{world}-{case.id}") for world in WORLD_SIZES

@@ -5,19 +5,14 @@ from __future__ import annotations
 import pytest
 
 import dist_cases
-from ctxpar.launch import run_local
+import spawned
 from ctxpar.strategies import traffic
 from ctxpar.verify import TENSORS
 
 WORLD_SIZES = (1, 2, 3, 4)
-_results: dict[int, list[dict]] = {}
-
-
 def results(world: int) -> list[dict]:
     """Per-rank results of ``dist_cases.run_all``, spawned once per world size."""
-    if world not in _results:
-        _results[world] = run_local(dist_cases.run_all, world, timeout_s=400)
-    return _results[world]
+    return spawned.results(f"dist-P{world}", dist_cases.run_all, world, timeout_s=60)
 
 
 CASES = [

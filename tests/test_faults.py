@@ -66,6 +66,19 @@ def freeze_one_rank(rank: int, world: int, frozen: int) -> None:
     dist.all_reduce(torch.ones(4))
 
 
+def freeze_one_rank_in_a_mesh(rank: int, world: int, frozen: int, late: int) -> None:
+    """Rank ``frozen`` never arrives; healthy rank ``late`` arrives 3 s after the others.
+    The collective runs on a DeviceMesh dimension group, which torch would give its own
+    30-minute timeout."""
+    mesh = launch.init_mesh("cpu", (1, world), ("dp", "cp"))
+    dist.barrier()
+    if rank == frozen:
+        time.sleep(300)
+    if rank == late:
+        time.sleep(3)
+    dist.all_reduce(torch.ones(4), group=mesh.get_group("cp"))
+
+
 def exit_in_the_first_rank_to_load(marker: str) -> None:
     """Unpickled in each rank before it joins the group: the first one exits with code 3."""
     try:
@@ -171,8 +184,9 @@ def test_no_wall_clock_limit_by_default() -> None:
 
 def test_an_optional_deadline_stops_the_run_and_says_so() -> None:
     start = time.monotonic()
-    with pytest.raises(RuntimeError, match=r"ranks \[0, 1\] were still running at the 2 s deadline") as e:
-        run_local(sleep_then_return, 2, (300.0,), deadline_s=2.0)
+    with pytest.raises(RuntimeError, match=r"rank 0 was still running at the 5 s deadline \(\d+ s after the start\), "
+                                           r"at test_faults.py:\d+ in sleep_then_return") as e:
+        run_local(sleep_then_return, 2, (300.0,), deadline_s=5.0)
     assert e.value.stuck == [0, 1]
     assert time.monotonic() - start < 30
 
@@ -206,6 +220,20 @@ def test_a_frozen_rank_is_named_when_the_others_time_out() -> None:
         run_local(freeze_one_rank, 2, (1,), timeout_s=5)
     assert e.value.stuck == [1]
     assert time.monotonic() - start < 60  # the frozen rank sleeps 300 s: it was stopped
+
+
+def test_a_frozen_rank_is_named_even_when_a_healthy_peer_times_out_later() -> None:
+    """Four ranks on a mesh group: the --timeout reaches the mesh's groups, and a healthy
+    rank that timed out seconds after the others is not mistaken for the frozen one."""
+    start = time.monotonic()
+    with pytest.raises(RuntimeError, match=r"rank 2 never arrived at a collective: ranks \[[0-9, ]+\] timed out "
+                                           r"after 5 s waiting; it was at test_faults.py:\d+ in "
+                                           r"freeze_one_rank_in_a_mesh") as e:
+        run_local(freeze_one_rank_in_a_mesh, 4, (2, 0), timeout_s=5, deadline_s=90)
+    message = str(e.value)
+    assert all(f"rank {r} never arrived" not in message for r in (0, 1, 3)), message
+    assert 2 in e.value.stuck
+    assert time.monotonic() - start < 60
 
 
 def test_workers_are_tied_to_the_parent() -> None:

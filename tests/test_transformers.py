@@ -61,6 +61,8 @@ def test_labels_loss_refuses_what_it_cannot_weigh_globally() -> None:
     with pytest.raises(ValueError, match=r"labels \(1, 7\) must be this rank's shifted labels"):
         model(**inputs, labels=labels[:, :7])
     assert model(**inputs, labels=torch.full_like(labels, IGNORE_INDEX)).loss.item() == 0.0  # nothing labelled
+    with pytest.raises(ValueError, match="unshifted labels"):  # transformers' usual idiom, wrong under CP
+        model(**inputs, labels=inputs["input_ids"])
 
 
 def test_router_aux_loss_with_labels_is_refused() -> None:

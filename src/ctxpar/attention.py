@@ -92,7 +92,9 @@ def attention_with_lse(
             agreement.check_ranks_agree(sig, peers, error)
     if error is not None:
         raise error
-    q, k, v = (kernels.unit_stride(t) for t in (q, k, v))  # once per shard, not per block
+    # once per shard, not per block; k and v need no copy here: every strategy copies them
+    # into its own send buffers (the stacked K/V of the ring and all-gather, the all-to-all's)
+    q = kernels.unit_stride(q)
     return chosen.run(q, k, v, layout=layout, topo=topo, causal=causal, scale=scale)
 
 

@@ -64,6 +64,8 @@ def _check_output(flag: str, path: str | None, example: str = "out.json") -> Non
     """Refuse an output file that could not be written, before any work is done."""
     if path is None:
         return
+    if not path.strip():
+        raise ValueError(f"{flag} needs a file path, e.g. {example}; got an empty one")
     if os.path.isdir(path):
         raise ValueError(f"{flag} {path!r} is a directory; give a file path, e.g. {os.path.join(path, example)}")
     parent = os.path.dirname(os.path.abspath(path))

@@ -17,7 +17,7 @@ import torch.distributed as dist
 
 import ctxpar
 from ctxpar.blocks import group_pairs
-from ctxpar import launch
+from ctxpar import launch, limits
 from ctxpar.verify import TENSORS, max_abs_errors, tolerances, torch_sdpa, unsplit_attention
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -41,12 +41,9 @@ class DemoConfig:
 
     def validate(self, world: int) -> None:
         """Reject a bad configuration before any communication (``world`` = ranks used)."""
-        for flag in ("seq", "heads", "kv_heads", "head_dim", "batch"):
-            value = getattr(self, flag)
-            if not 1 <= value <= launch.MAX_SIZE:
-                raise ValueError(f"--{flag.replace('_', '-')} must be between 1 and {launch.MAX_SIZE}, got {value}")
-        if not 0 <= self.seed <= launch.MAX_SEED:
-            raise ValueError(f"--seed must be between 0 and {launch.MAX_SEED}, got {self.seed}")
+        for field in ("seq", "heads", "kv_heads", "head_dim", "batch"):
+            limits.check_count(field, getattr(self, field))
+        limits.check_seed(self.seed)
         ctxpar.get_layout(self.layout, world).validate(self.seq)
         if self.heads % self.kv_heads:
             raise ValueError(f"--heads {self.heads} must be a multiple of --kv-heads {self.kv_heads}")
@@ -94,10 +91,8 @@ def _work_pairs(cfg: DemoConfig, layout: ctxpar.Layout, rank: int) -> float:
 def _mesh(cfg: DemoConfig, world: int, device: torch.device):
     if cfg.strategy != "hybrid":
         return None
-    from torch.distributed.device_mesh import init_device_mesh
-
     u = cfg.ulysses_degree
-    return init_device_mesh(device.type, (world // u, u), mesh_dim_names=("ring", "ulysses"))
+    return launch.init_mesh(device.type, (world // u, u), ("ring", "ulysses"))
 
 
 def demo_rank(rank: int, world: int, cfg: DemoConfig, device: torch.device | None = None) -> dict | None:

@@ -23,16 +23,21 @@ from __future__ import annotations
 
 import ctypes
 import datetime
+import faulthandler
 import math
 import os
 import pickle
+import re
+import shutil
 import signal
 import socket
 import sys
+import tempfile
 import threading
 import time
 import traceback
 from collections.abc import Callable
+from dataclasses import dataclass
 from multiprocessing import connection
 from typing import Any
 
@@ -45,9 +50,11 @@ import torch.multiprocessing as mp
 # checkpoint); a rank that never arrives is named when it expires.
 DEFAULT_TIMEOUT_S = 600.0
 # After the first rank raises, how long the others get to report their own errors (often
-# the same one) before they are stopped; also how long a stopped rank gets to end.
+# the same one) before they are stopped (plus one collective timeout after a timeout);
+# also how long a stopped rank gets to end.
 GRACE_S = 2.0
 PARENT_POLL_S = 1.0
+PROBE_S = 0.5  # for a stuck rank to write where it is
 MAX_TIMEOUT_S = 7 * 24 * 3600.0  # beyond a week it is no longer a timeout
 # Local ranks: at least 8 (tests of a few ranks on a small machine), else 4 per core; past
 # that, spawning alone (a torch import each) takes minutes and the memory of several GiB.
@@ -65,12 +72,8 @@ LAUNCHER_VARS = (*TORCHRUN_VARS, "GROUP_RANK", "GROUP_WORLD_SIZE", "ROLE_RANK", 
                  "TORCHELASTIC_RESTART_COUNT", "TORCHELASTIC_MAX_RESTARTS", "TORCHELASTIC_USE_AGENT_STORE",
                  "GLOO_SOCKET_IFNAME")
 
-# Bounds for sizes and seeds given on a command line: larger shapes fail the memory checks
-# anyway, and these keep their arithmetic in range.
-MAX_SIZE = 2**31 - 1
-MAX_SEED = 2**32 - 1
-
 _PR_SET_PDEATHSIG = 1  # <linux/prctl.h>
+_collective_timeout: datetime.timedelta | None = None  # this process's, once it joined a group
 
 
 class RankFailure(RuntimeError):
@@ -170,6 +173,30 @@ def local_placement(nproc: int, device_type: str) -> tuple[str, list[torch.devic
     return "gloo", [torch.device("cuda", r % gpus) for r in range(nproc)]
 
 
+def init_mesh(device_type: str, shape: tuple[int, ...], names: tuple[str, ...]):
+    """``init_device_mesh`` whose groups wait as long as the run's collective timeout.
+
+    torch gives a DeviceMesh's dimension groups its default timeout (30 minutes for gloo),
+    not the one the process group was created with, so a frozen rank would hold the others
+    far past ``--timeout`` and the launcher would blame a healthy rank still waiting.
+    """
+    from torch.distributed import distributed_c10d
+    from torch.distributed.device_mesh import init_device_mesh
+
+    mesh = init_device_mesh(device_type, shape, mesh_dim_names=names)
+    timeout = _collective_timeout or datetime.timedelta(seconds=DEFAULT_TIMEOUT_S)
+    for name in names:
+        distributed_c10d._set_pg_timeout(timeout, mesh.get_group(name))
+    return mesh
+
+
+def _join(backend: str, timeout_s: float, **init) -> None:
+    """``init_process_group``, remembering the timeout for the groups ``init_mesh`` makes."""
+    global _collective_timeout
+    _collective_timeout = datetime.timedelta(seconds=timeout_s)
+    dist.init_process_group(backend, timeout=_collective_timeout, **init)
+
+
 def init_from_env(timeout_s: float = DEFAULT_TIMEOUT_S, device_type: str = "cuda") -> torch.device:
     """Join the group torchrun describes: NCCL on this rank's local GPU (``device_type``
     "cuda"), or gloo on the CPU. ``timeout_s`` bounds each collective (and the rendezvous)."""
@@ -180,7 +207,7 @@ def init_from_env(timeout_s: float = DEFAULT_TIMEOUT_S, device_type: str = "cuda
         backend = "nccl"
     else:
         device, backend = torch.device("cpu"), "gloo"
-    dist.init_process_group(backend, timeout=datetime.timedelta(seconds=timeout_s))
+    _join(backend, timeout_s)
     return device
 
 
@@ -237,16 +264,94 @@ def _die_with_parent(parent_pid: int) -> None:
         ctypes.CDLL(None, use_errno=True).prctl(_PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)
     if os.getppid() != parent_pid:  # the parent died before the line above took effect
         os._exit(1)
-    # Portable fallback (no prctl outside Linux): notice the parent is gone within a second.
+    # A thread that notices re-parenting within a second: the only mechanism outside Linux,
+    # and on Linux a second one (PDEATHSIG follows the spawning *thread*, not the process).
     threading.Thread(target=_watch_parent, args=(parent_pid,), daemon=True, name="ctxpar-parent-watch").start()
+
+
+# Asked of a rank still running when a run is given up: where its main thread is. Inside
+# torch.distributed means it waits in a collective (or the rendezvous); anywhere else means
+# it never arrived where the others wait.
+_STACK_SIGNAL = getattr(signal, "SIGUSR1", None)
+
+
+def _dump_stack_on_request(path: str) -> None:
+    if _STACK_SIGNAL is None:
+        return
+    out = open(path, "w")  # noqa: SIM115  open for the life of the process: faulthandler writes to it
+    out.write(f"main thread {threading.get_ident():#x}\n")
+    out.flush()
+    faulthandler.register(_STACK_SIGNAL, file=out, all_threads=True)
+
+
+@dataclass(frozen=True)
+class _Whereabouts:
+    in_collective: bool
+    where: str  # "in all_reduce (torch.distributed)" or "at train.py:42 in step"
+
+
+def _probe(procs: list, ranks: list[int], stack_files: list[str]) -> dict[int, _Whereabouts]:
+    """Where each of ``ranks`` (alive) is: its main thread's innermost frames, by signal."""
+    if _STACK_SIGNAL is None:
+        return {}
+    asked = []
+    for r in ranks:
+        if procs[r].is_alive():
+            os.kill(procs[r].pid, _STACK_SIGNAL)
+            asked.append(r)
+    time.sleep(PROBE_S)
+    found = {}
+    for r in asked:
+        try:
+            with open(stack_files[r]) as f:
+                text = f.read()
+        except FileNotFoundError:  # the signal's default action ended it: it was still importing
+            found[r] = _Whereabouts(False, "still starting (importing, before its worker code)")
+            continue
+        frames = _main_thread_frames(text)
+        if frames:
+            found[r] = _whereabouts(frames)
+    return found
+
+
+def _main_thread_frames(dump: str) -> list[tuple[str, str, str]]:
+    """(file, line, function) of the main thread, innermost first, from a faulthandler dump."""
+    header = re.match(r"main thread (0x[0-9a-f]+)", dump)
+    if header is None:
+        return []
+    main = int(header[1], 16)
+    frames, current = [], None
+    for line in dump.splitlines():
+        thread = re.match(r"(?:Current thread|Thread) (0x[0-9a-f]+)", line)
+        if thread:
+            current = int(thread[1], 16)
+            frames = [] if current == main else frames
+            continue
+        frame = re.match(r'\s+File "(.+)", line (\d+) in (\S+)', line)
+        if frame and current == main:
+            frames.append(frame.groups())
+    return frames
+
+
+_DECORATORS = {"wrapper", "inner", "_fn", "decorated"}  # torch wraps its collectives in these
+
+
+def _whereabouts(frames: list[tuple[str, str, str]]) -> _Whereabouts:
+    calls = [f[2] for f in reversed(frames) if f"torch{os.sep}distributed" in f[0] and f[2] not in _DECORATORS]
+    if calls:
+        return _Whereabouts(True, f"in {calls[0]} (torch.distributed)")  # the outermost: the call made
+    file, line, function = frames[0]
+    return _Whereabouts(False, f"at {os.path.basename(file)}:{line} in {function}")
 
 
 def _is_timeout(e: BaseException) -> bool:
     return isinstance(e, dist.DistStoreError) or "timed out" in str(e).lower()
 
 
-def _worker(rank, world_size, port, threads, timeout_s, parent_pid, backend, device, fn, args, conn) -> None:
+def _worker(rank, world_size, port, threads, timeout_s, parent_pid, backend, device, stack_file, fn, args,
+            conn) -> None:
     _die_with_parent(parent_pid)
+    _dump_stack_on_request(stack_file)
     # Ctrl-C reaches every process of the terminal's group; the parent alone handles it
     # (and stops the workers), so that one interrupt gives one message.
     signal.signal(signal.SIGINT, signal.SIG_IGN)
@@ -255,13 +360,7 @@ def _worker(rank, world_size, port, threads, timeout_s, parent_pid, backend, dev
     try:
         if device is not None and device.type == "cuda":
             torch.cuda.set_device(device)
-        dist.init_process_group(
-            backend,
-            init_method=f"tcp://127.0.0.1:{port}",
-            rank=rank,
-            world_size=world_size,
-            timeout=datetime.timedelta(seconds=timeout_s),
-        )
+        _join(backend, timeout_s, init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world_size)
         conn.send_bytes(pickle.dumps(("joined", None)))
         result = fn(rank, world_size, *args, *(() if device is None else (device,)))
         # plain pickle copies tensors into the message; multiprocessing's would share their
@@ -329,22 +428,26 @@ def run_local(
     ctx = mp.get_context("spawn")
     port = free_port()
     pipes = [ctx.Pipe(duplex=False) for _ in range(nproc)]
+    stacks = tempfile.mkdtemp(prefix="ctxpar-stacks-")
+    stack_files = [os.path.join(stacks, f"rank{r}") for r in range(nproc)]
     procs = [
         ctx.Process(target=_worker, name=f"ctxpar-rank-{r}", daemon=True,
-                    args=(r, nproc, port, threads, timeout_s, os.getpid(), backend, devices[r], fn, args,
-                          pipes[r][1]))
+                    args=(r, nproc, port, threads, timeout_s, os.getpid(), backend, devices[r], stack_files[r],
+                          fn, args, pipes[r][1]))
         for r in range(nproc)
     ]
     try:
         for p, (_, writer) in zip(procs, pipes):
             p.start()
             writer.close()  # the worker holds the only writer: its end of file means it is gone
-        return _collect(procs, [reader for reader, _ in pipes], timeout_s, deadline_s)
+        return _collect(procs, [reader for reader, _ in pipes], stack_files, timeout_s, deadline_s)
     finally:
         _stop(procs)
+        shutil.rmtree(stacks, ignore_errors=True)
 
 
-def _collect(procs: list, readers: list, timeout_s: float, deadline_s: float | None) -> list[Any]:
+def _collect(procs: list, readers: list, stack_files: list[str], timeout_s: float,
+             deadline_s: float | None) -> list[Any]:
     """Wait on every rank's messages and exit at once; the results in rank order, or RankFailure."""
     start = time.monotonic()
     pending = set(range(len(procs)))
@@ -393,34 +496,44 @@ def _collect(procs: list, readers: list, timeout_s: float, deadline_s: float | N
             break
         if failed and pending and not grace_started:
             grace_started = True
-            grace_end = time.monotonic() + GRACE_S
+            # a rank that timed out waited for a peer; healthy ranks that reached that
+            # collective later time out up to timeout_s later, and only once they have
+            # reported is the rank still running known to be the one that never arrived
+            first_kind = next(iter(failed.values()))[0]
+            grace_end = time.monotonic() + GRACE_S + (timeout_s if first_kind == "timeout" else 0.0)
             give_up = grace_end if give_up is None else min(give_up, grace_end)
     if not (failed or died or pending):
         return [outputs[r] for r in range(len(procs))]
     stuck = sorted(pending)
-    message = _failure_message(failed, died, stuck, joined, timeout_s, deadline_s, time.monotonic() - start)
+    whereabouts = _probe(procs, stuck, stack_files) if stuck and not died else {}
+    message = _failure_message(failed, died, stuck, joined, whereabouts, timeout_s, deadline_s,
+                               time.monotonic() - start)
     raise RankFailure(message, {r: tb for r, (_, tb) in failed.items()}, died, stuck)
 
 
 def _failure_message(
     failed: dict[int, tuple[str, str]], died: dict[int, str], stuck: list[int], joined: set[int],
-    timeout_s: float, deadline_s: float | None, elapsed: float,
+    whereabouts: dict[int, _Whereabouts], timeout_s: float, deadline_s: float | None, elapsed: float,
 ) -> str:
     """Root cause first: the dead, then the ranks the others waited for, then the tracebacks."""
     oom = " (kill -9, or the kernel's out-of-memory killer)"
     lines = [f"rank {r} died {'during the run' if r in joined else 'before joining the process group'}: "
              f"{why}{oom if why == 'killed by SIGKILL' else ''}; it reported no result" for r, why in died.items()]
-    if stuck and not (failed or died):
-        lines.append(f"ranks {stuck} were still running at the {deadline_s:g} s deadline "
-                     f"({elapsed:.0f} s after the start) and were stopped")
-    elif stuck and not died and all(kind == "timeout" for kind, _ in failed.values()):
-        # the healthy ranks gave up waiting; the ranks still running are those they waited for
-        for r in stuck:
+    timed_out = sorted(r for r, (kind, _) in failed.items() if kind == "timeout")
+    for r in stuck if not died else []:
+        seen = whereabouts.get(r)
+        it_was = f"it was {seen.where}" if seen else "it was still running"
+        if not failed:
+            lines.append(f"rank {r} was still running at the {deadline_s:g} s deadline ({elapsed:.0f} s after the "
+                         f"start), {seen.where if seen else 'where unknown'}, and was stopped")
+        elif timed_out and not (seen and seen.in_collective):
+            # the others gave up waiting at a collective this rank never reached
             at = "at a collective" if r in joined else "at the rendezvous (it never joined the process group)"
-            lines.append(f"rank {r} never arrived {at}: ranks {sorted(failed)} timed out after {timeout_s:g} s "
-                         f"waiting; it was still running and was stopped")
-    elif stuck:
-        lines.append(f"ranks {stuck} were still running (waiting for the ranks above, most likely) and were stopped")
+            lines.append(f"rank {r} never arrived {at}: ranks {timed_out} timed out after {timeout_s:g} s "
+                         f"waiting; {it_was} and was stopped")
+        else:
+            lines.append(f"rank {r} was still waiting ({seen.where if seen else 'where unknown'}), most likely for "
+                         f"the ranks named here, and was stopped")
     for i, (r, (_, tb)) in enumerate(failed.items()):
         if i == 0:
             lines.append(f"rank {r} failed:\n{tb.rstrip()}")

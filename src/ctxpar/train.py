@@ -20,7 +20,7 @@ import torch.distributed as dist
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict
 
 import ctxpar
-from ctxpar import checkpoint, profile
+from ctxpar import checkpoint, limits, profile
 from ctxpar.data import RecallTask
 from ctxpar import launch
 from ctxpar.models import Transformer, get_config
@@ -59,14 +59,11 @@ class TrainConfig:
         if self.strategy not in TRAIN_STRATEGIES:
             raise ValueError(f"--strategy {self.strategy!r} is not supported by train; use one of "
                              f"{', '.join(TRAIN_STRATEGIES)}")
-        for flag in ("seq", "batch", "steps"):
-            value = getattr(self, flag)
-            if not 1 <= value <= launch.MAX_SIZE:
-                raise ValueError(f"--{flag} must be between 1 and {launch.MAX_SIZE}, got {value}")
+        for field in ("seq", "batch", "steps"):
+            limits.check_count(field, getattr(self, field))
         if not (math.isfinite(self.lr) and self.lr > 0):
             raise ValueError(f"--lr {self.lr} must be a positive finite learning rate, e.g. {TrainConfig.lr}")
-        if not 0 <= self.seed <= launch.MAX_SEED:
-            raise ValueError(f"--seed must be between 0 and {launch.MAX_SEED}, got {self.seed}")
+        limits.check_seed(self.seed)
         cfg = get_config(self.model)
         ctxpar.get_layout(self.layout, self.cp(world)).validate(self.seq)
         if self.strategy == "alltoall" and cfg.heads % self.cp(world):
@@ -77,8 +74,6 @@ class TrainConfig:
         if (self.save_every or self.resume) and not self.checkpoint_dir:
             raise ValueError("--save-every and --resume need --checkpoint-dir")
         self.task()
-        if self.checkpoint_dir:  # last: it may create the directory
-            checkpoint.check_directory(self.checkpoint_dir, saving=self.save_every > 0, resuming=self.resume)
 
     def check_memory(self, ranks: int) -> None:
         """Refuse a run this machine cannot hold: each of ``ranks`` local ranks builds the whole
@@ -151,8 +146,9 @@ def _run_steps(
         if not math.isfinite(value):
             # the loss is all-reduced, so every rank stops here at the same step, none waits in a collective
             raise FloatingPointError(
-                f"step {step + 1}: the loss is {value}; stopped before anything of this step is saved. Lower --lr, "
-                "or, after --resume, check the checkpoint it resumed from (its weights may not be finite)")
+                f"step {step + 1}: the loss is {value}; stopped before anything of this step is saved. Start a new "
+                "run with a lower --lr (a resumed run keeps the saved one), or, after --resume, check the "
+                "checkpoint it resumed from (its weights may not be finite)")
         history["loss"].append(value)
         history["recall_accuracy"].append((hits[0] / hits[1].clamp(min=1)).item())
         history["tokens_per_second"].append(global_tokens / seconds)
@@ -168,13 +164,12 @@ def _run_steps(
 
 def train_rank(rank: int, world: int, cfg: TrainConfig, device: torch.device | None = None) -> dict | None:
     """One rank of a CP (x DP) training run; returns the report on rank 0."""
-    from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import fully_shard
 
     device = device or torch.device("cpu")
     cfg.validate(world)
     cp = cfg.cp(world)
-    mesh = init_device_mesh(device.type, (cfg.dp, cp), mesh_dim_names=("dp", "cp"))
+    mesh = launch.init_mesh(device.type, (cfg.dp, cp), ("dp", "cp"))
     dp_rank, cp_rank = mesh.get_local_rank("dp"), mesh.get_local_rank("cp")
     layout = ctxpar.get_layout(cfg.layout, cp)
     task = cfg.task()
@@ -254,6 +249,8 @@ def run_train(cfg: TrainConfig, *, timeout_s: float = launch.DEFAULT_TIMEOUT_S) 
     """
     cfg.validate(launch.world_size(cfg.nproc))
     cfg.check_memory(launch.local_ranks(cfg.nproc))
+    if cfg.checkpoint_dir:  # here, not in validate (which every rank runs): it may create the directory
+        checkpoint.check_directory(cfg.checkpoint_dir, saving=cfg.save_every > 0, resuming=cfg.resume)
     report = launch.run(train_rank, cfg.nproc, (cfg,), device_type=cfg.device, timeout_s=timeout_s)
     if report is not None and cfg.compare:
         reference = train_reference(cfg)

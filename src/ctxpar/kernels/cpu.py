@@ -34,8 +34,13 @@ def _prepare(*tensors: torch.Tensor) -> tuple[torch.Tensor, ...]:
 def attention_forward(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, causal: bool, scale: float
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    out, lse = _cpu_fwd(*_prepare(q, k, v), 0.0, causal, scale=scale)
-    return out, lse.to(out.dtype)
+    q, k, v = _prepare(q, k, v)
+    out, lse = _cpu_fwd(q, k, v, 0.0, causal, scale=scale)
+    # the op gives a NaN query row a finite (out, lse) where attention by definition gives
+    # NaN: restore that, so CP poisons the same rows as single-process SDPA (O(Sq*D) per block)
+    nan_rows = q.isnan().any(-1)  # (B, H, Sq)
+    out.masked_fill_(nan_rows.unsqueeze(-1), float("nan"))
+    return out, lse.to(out.dtype).masked_fill_(nan_rows, float("nan"))
 
 
 def attention_backward(

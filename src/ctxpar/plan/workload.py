@@ -11,6 +11,7 @@ from dataclasses import asdict, dataclass, replace
 from functools import cached_property
 
 from ctxpar.layout import LAYOUT_NAMES, Layout, get_layout
+from ctxpar.limits import check_count
 from ctxpar.models.config import ModelConfig, get_config
 from ctxpar.strategies.traffic import kv_copies
 
@@ -18,7 +19,6 @@ DEFAULT_MODEL = "llama-3-8b"
 STRATEGY_NAMES = ("ring", "allgather", "alltoall", "hybrid")
 ELEMENT_BYTES = {"bfloat16": 2, "float16": 2, "float32": 4}
 CHECKPOINTING = ("none", "full")
-MAX_COUNT = 2**31 - 1  # any shape, batch, length or degree; keeps every product well inside float range
 
 
 def resolve_model(name: str | None = None, **shape: int | None) -> ModelConfig:
@@ -33,7 +33,7 @@ def resolve_model(name: str | None = None, **shape: int | None) -> ModelConfig:
     if unknown:
         raise ValueError(f"unknown model field(s) {sorted(unknown)}")
     for field, value in given.items():
-        _check_count(field, value)
+        check_count(field, value)
     if "heads" not in given and ({"hidden", "head_dim"} & set(given)):
         hidden, head_dim = given.get("hidden", base.hidden), given.get("head_dim", base.head_dim)
         if hidden % head_dim:
@@ -43,11 +43,6 @@ def resolve_model(name: str | None = None, **shape: int | None) -> ModelConfig:
     if heads % kv_heads:
         raise ValueError(f"--heads {heads} must be a multiple of --kv-heads {kv_heads}")
     return base.with_(**given)
-
-
-def _check_count(field: str, value: int) -> None:
-    if not 1 <= value <= MAX_COUNT:
-        raise ValueError(f"--{field.replace('_', '-')} must be between 1 and {MAX_COUNT}, got {value}")
 
 
 @dataclass(frozen=True)
@@ -82,7 +77,7 @@ class Workload:
 
     def __post_init__(self) -> None:
         for flag in ("batch", "seq", "cp", "fsdp"):
-            _check_count(flag, getattr(self, flag))
+            check_count(flag, getattr(self, flag))
         if self.dtype not in ELEMENT_BYTES:
             raise ValueError(f"--dtype {self.dtype!r} is not one of {', '.join(ELEMENT_BYTES)}")
         if self.strategy not in STRATEGY_NAMES:

@@ -74,6 +74,24 @@ def _check_positions(name: str, settings: Settings, bound: dict) -> None:
                          "sequences with restarting positions are not supported under context parallelism")
 
 
+def _refuse_unshifted_labels(name: str, labels: torch.Tensor, input_ids: torch.Tensor | None, group) -> None:
+    """Refuse ``labels=input_ids`` (the usual transformers idiom, unshifted) on every rank at once.
+
+    The labels ``shard_inputs`` returns are shifted on the unsplit sequence, so the globally
+    last position holds IGNORE_INDEX and they can never equal the tokens on every rank;
+    unshifted labels always do. One tiny all-reduce makes the verdict the same on all ranks
+    (a refusal on some ranks only would leave the others waiting in attention).
+    """
+    same = input_ids is not None and labels.shape == input_ids.shape and torch.equal(labels.cpu(), input_ids.cpu())
+    flag = torch.tensor([int(same)], device=labels.device)
+    if dist.is_initialized():
+        dist.all_reduce(flag, op=dist.ReduceOp.MIN, group=group)
+    if flag.item():
+        raise ValueError(f"{name} got labels equal to its input_ids on every rank: unshifted labels, which would "
+                         f"score each token on predicting itself. Pass the labels shard_inputs returns (shifted "
+                         f"on the unsplit sequence), or compute the loss with ctxpar.parallelize.cp_loss")
+
+
 def _wrap_forward(model, loss: CPCausalLMLoss, settings: Settings) -> None:
     """Refuse, before the forward, what the model would do wrong with labels or caches; and
     after it, a labels= loss that did not go through ``loss`` (a model computing its own)."""
@@ -100,6 +118,8 @@ def _wrap_forward(model, loss: CPCausalLMLoss, settings: Settings) -> None:
                              f"only, to the labels= loss; pass output_router_logits=False, or compute both losses "
                              f"yourself")
         _check_positions(name, settings, bound)
+        if labels is not None:
+            _refuse_unshifted_labels(name, labels, bound.get("input_ids"), loss.group)
         calls = loss.calls
         out = forward(*args, **kwargs)
         if labels is not None and loss.calls == calls:

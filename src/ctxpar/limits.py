@@ -1,0 +1,17 @@
+"""Bounds on counts and seeds given on a command line, checked the same way by every command."""
+
+from __future__ import annotations
+
+MAX_COUNT = 2**31 - 1  # shapes, lengths, batches, degrees: keeps every product well inside float range
+MAX_SEED = 2**32 - 1
+
+
+def check_count(field: str, value: int) -> None:
+    """Refuse ``value`` outside 1..MAX_COUNT, naming the flag of ``field`` (``head_dim``: --head-dim)."""
+    if not 1 <= value <= MAX_COUNT:
+        raise ValueError(f"--{field.replace('_', '-')} must be between 1 and {MAX_COUNT}, got {value}")
+
+
+def check_seed(seed: int) -> None:
+    if not 0 <= seed <= MAX_SEED:
+        raise ValueError(f"--seed must be between 0 and {MAX_SEED}, got {seed}")
