@@ -36,7 +36,7 @@ import time
 import torch
 
 import ctxpar
-from ctxpar.blocks import rank_pairs
+from ctxpar.plan.work import rank_pairs
 from ctxpar.demo import DemoConfig, run_demo
 from ctxpar.verify import unsplit_attention
 from overhead import rank_step

@@ -21,8 +21,8 @@ import time
 import torch
 
 import ctxpar
-from ctxpar.blocks import layout_plan
-from ctxpar.strategies.blockwise import backward_blocks, forward_blocks, gradient_accumulators, output_accumulators
+from ctxpar.blocks import layout_tiles
+from ctxpar.strategies.blockwise import backward_tiles, forward_tiles, gradient_accumulators, output_accumulators
 from ctxpar.verify import unsplit_attention
 from report import write_json
 
@@ -32,14 +32,14 @@ def rank_step(layout, seq_len: int, rank: int, shards: dict, causal: bool, scale
     q, dout = shards["q"][rank], shards["dout"][rank]
     acc_out, acc_lse = output_accumulators(q)
     for src in range(layout.world_size):
-        plan = layout_plan(layout, seq_len, rank, src, causal)
-        forward_blocks(q, shards["k"][src], shards["v"][src], plan, acc_out, acc_lse, scale)
+        tiles = layout_tiles(layout, seq_len, rank, src, causal)
+        forward_tiles(q, shards["k"][src], shards["v"][src], tiles, acc_out, acc_lse, scale)
     out = acc_out.to(q.dtype)
     dq, dkv = gradient_accumulators(q, shards["k"][rank])
     for src in range(layout.world_size):
         dkv.zero_()  # each source's dK/dV share, as the ring's scratch accumulator
-        plan = layout_plan(layout, seq_len, rank, src, causal)
-        backward_blocks(dout, q, shards["k"][src], shards["v"][src], out, acc_lse, plan, scale, dq, dkv[0], dkv[1])
+        tiles = layout_tiles(layout, seq_len, rank, src, causal)
+        backward_tiles(dout, q, shards["k"][src], shards["v"][src], out, acc_lse, tiles, scale, dq, dkv[0], dkv[1])
 
 
 def seconds(fn) -> float:

@@ -34,7 +34,7 @@ from ctxpar.demo import DemoConfig, demo_rank
 from ctxpar.launch import run_local
 from ctxpar.models.config import ModelConfig
 from ctxpar.plan import cost
-from ctxpar.plan.calibrate import calibrate, format_calibration
+from ctxpar.calibrate import calibrate, format_calibration
 from ctxpar.plan.hardware import local_hardware
 from ctxpar.plan.workload import Workload
 from report import write_json

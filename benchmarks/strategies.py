@@ -20,7 +20,7 @@ import torch.distributed as dist
 
 import ctxpar
 from ctxpar.launch import run_local
-from ctxpar.strategies import traffic
+from ctxpar.plan import traffic
 from report import write_json
 
 STRATEGIES = ("ring", "allgather", "alltoall", "hybrid")

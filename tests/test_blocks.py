@@ -1,4 +1,4 @@
-"""Block plans: exact coverage of the visible pairs, and the shapes each layout gets."""
+"""Tile plans: exact coverage of the visible pairs, and the shapes each layout gets."""
 
 from __future__ import annotations
 
@@ -7,11 +7,12 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from ctxpar.blocks import Block, MaskKind, layout_plan, plan_blocks, rank_pairs
-from ctxpar.layout import LAYOUT_NAMES, get_layout
+from ctxpar.blocks import MaskKind, Tile, layout_tiles, tiles_between
+from ctxpar.layout import LAYOUT_NAMES, UnionLayout, get_layout
+from ctxpar.plan.work import rank_pairs, union_pairs
 
 
-def covered(blocks: tuple[Block, ...], sq: int, sk: int) -> torch.Tensor:
+def covered(blocks: tuple[Tile, ...], sq: int, sk: int) -> torch.Tensor:
     """(Sq, Sk) count of how many blocks cover each pair, from the mask kinds' definitions."""
     hits = torch.zeros(sq, sk, dtype=torch.int64)
     for b in blocks:
@@ -41,12 +42,12 @@ def test_plans_cover_exactly_the_visible_pairs(name: str, world: int, causal: bo
     seq_len = 2 * world * 6
     for r in range(world):
         for s in range(world):
-            blocks = layout_plan(layout, seq_len, r, s, causal)
+            blocks = layout_tiles(layout, seq_len, r, s, causal)
             want = brute_force(layout.positions(seq_len, r), layout.positions(seq_len, s), causal)
             assert torch.equal(covered(blocks, *want.shape), want), (r, s)
             assert sum(b.pairs for b in blocks) == int(want.sum())
             assert all(b.pairs > 0 for b in blocks), "blocks with nothing visible must be skipped"
-        plans = [layout_plan(layout, seq_len, r, s, causal) for s in range(world)]
+        plans = [layout_tiles(layout, seq_len, r, s, causal) for s in range(world)]
         assert rank_pairs(layout, seq_len, r, causal) == sum(b.pairs for plan in plans for b in plan)
 
 
@@ -57,32 +58,32 @@ def test_plans_cover_exactly_the_visible_pairs(name: str, world: int, causal: bo
 )
 def test_any_ascending_positions_get_an_exact_plan(q_pos: list[int], kv_pos: list[int]) -> None:
     q, kv = torch.tensor(sorted(q_pos)), torch.tensor(sorted(kv_pos))
-    blocks = plan_blocks(q, kv, causal=True)
+    blocks = tiles_between(q, kv, causal=True)
     assert torch.equal(covered(blocks, len(q), len(kv)), brute_force(q, kv, True))
 
 
 def test_zigzag_off_diagonal_steps_are_half_size_blocks() -> None:
     layout, seq_len = get_layout("zigzag", 4), 64  # local shard 16 = two chunks of 8
-    (early,) = layout_plan(layout, seq_len, 2, 1, True)  # keys from an earlier rank
+    (early,) = layout_tiles(layout, seq_len, 2, 1, True)  # keys from an earlier rank
     assert (early.q, early.kv, early.kind) == (slice(0, 16), slice(0, 8), MaskKind.FULL)
-    (late,) = layout_plan(layout, seq_len, 1, 2, True)  # keys from a later rank
+    (late,) = layout_tiles(layout, seq_len, 1, 2, True)  # keys from a later rank
     assert (late.q, late.kv, late.kind) == (slice(8, 16), slice(0, 16), MaskKind.FULL)
-    (diag,) = layout_plan(layout, seq_len, 1, 1, True)
+    (diag,) = layout_tiles(layout, seq_len, 1, 1, True)
     assert (diag.q, diag.kv, diag.kind) == (slice(0, 16), slice(0, 16), MaskKind.CAUSAL)
 
 
 def test_striped_later_ranks_give_the_shifted_causal_block() -> None:
     layout, seq_len = get_layout("striped", 4), 32
-    (later,) = layout_plan(layout, seq_len, 1, 2, True)
+    (later,) = layout_tiles(layout, seq_len, 1, 2, True)
     assert (later.q, later.kv, later.kind) == (slice(0, 8), slice(0, 7), MaskKind.CAUSAL_STRICT)
     assert later.kernel_args() == (slice(1, 8), slice(0, 7), True)
-    (earlier,) = layout_plan(layout, seq_len, 2, 1, True)
+    (earlier,) = layout_tiles(layout, seq_len, 2, 1, True)
     assert earlier.kind is MaskKind.CAUSAL
 
 
 def test_contiguous_skips_future_ranks_and_is_imbalanced() -> None:
     layout, seq_len = get_layout("contiguous", 4), 64
-    assert layout_plan(layout, seq_len, 0, 3, True) == ()
+    assert layout_tiles(layout, seq_len, 0, 3, True) == ()
     pairs = [rank_pairs(layout, seq_len, r, True) for r in range(4)]
     assert sum(pairs) == seq_len * (seq_len + 1) // 2
     assert max(pairs) / (sum(pairs) / 4) == pytest.approx(1.75, abs=0.02)
@@ -98,17 +99,15 @@ def test_balanced_layouts_split_causal_work_evenly(name: str) -> None:
 
 def test_malformed_blocks_are_rejected() -> None:
     with pytest.raises(ValueError):
-        Block(0, 4, 0, 3, MaskKind.CAUSAL)
+        Tile(0, 4, 0, 3, MaskKind.CAUSAL)
     with pytest.raises(ValueError, match="ascending"):
-        plan_blocks(torch.tensor([3, 1]), torch.tensor([0, 1]), causal=True)
+        tiles_between(torch.tensor([3, 1]), torch.tensor([0, 1]), causal=True)
 
 
-def test_group_pairs_are_the_pairs_of_the_grouped_layout() -> None:
-    from ctxpar.blocks import group_pairs
-    from ctxpar.layout import GroupedLayout
+def test_union_pairs_are_the_pairs_of_the_union_layout() -> None:
 
     layout, seq_len = get_layout("zigzag", 4), 64
-    grouped = GroupedLayout(2, layout, 2)
+    union = UnionLayout(2, layout, 2)
     for rank in range(4):
-        assert group_pairs(layout, seq_len, rank, True, 1) == rank_pairs(layout, seq_len, rank, True)
-        assert group_pairs(layout, seq_len, rank, True, 2) == rank_pairs(grouped, seq_len, rank // 2, True)
+        assert union_pairs(layout, seq_len, rank, True, 1) == rank_pairs(layout, seq_len, rank, True)
+        assert union_pairs(layout, seq_len, rank, True, 2) == rank_pairs(union, seq_len, rank // 2, True)

@@ -13,7 +13,7 @@ import torch
 
 from ctxpar import launch
 from ctxpar.cli import main
-from ctxpar.plan import calibrate
+from ctxpar import calibrate
 
 
 def run_cli(*args: str) -> subprocess.CompletedProcess:
@@ -72,9 +72,9 @@ def test_demo_rejects_a_bad_length_before_starting_ranks() -> None:
 
 def test_demo_rejects_strategy_shapes_before_starting_ranks() -> None:
     proc = run_cli("demo", "--nproc", "3", "--seq", "384", "--strategy", "alltoall")
-    assert proc.returncode == 2 and "--heads 8 over 3 ranks" in proc.stderr
+    assert proc.returncode == 2 and "query heads H=8 (H_kv=2) over P=3 ranks" in proc.stderr
     proc = run_cli("demo", "--nproc", "4", "--seq", "256", "--strategy", "hybrid", "--ulysses-degree", "3")
-    assert proc.returncode == 2 and "--ulysses-degree dividing the 4 ranks" in proc.stderr
+    assert proc.returncode == 2 and "needs a --ulysses-degree dividing the 4 ranks" in proc.stderr
 
 
 # -- item 10: every value checked before any rank starts -----------------------------------------
@@ -121,7 +121,7 @@ def bad_values(tmp: Path) -> list[tuple[tuple[str, ...], str]]:
         (("train", "--seed", str(2**70)), "--seed must be between 0 and"),
         (("train", "--model", "llama-3-405b"), "--model llama-3-405b on 4 ranks"),
         (("train", "--json", missing), "does not exist; create it first"),
-        (("plan", "--ulysses-degree", "-2", "--strategy", "hybrid"), "--ulysses-degree dividing --cp 8, got -2"),
+        (("plan", "--ulysses-degree", "-2", "--strategy", "hybrid"), "--ulysses-degree dividing the 8 ranks"),
         (("plan", "--max-cp", "0"), "--max-cp 0 is below --cp 8"),
         (("plan", "--max-cp", "100000"), "--max-cp 100000 is beyond the largest CP degree"),
         (("plan", "--head-dim", "0"), "--head-dim must be between 1 and"),

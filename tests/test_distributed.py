@@ -6,7 +6,7 @@ import pytest
 
 import dist_cases
 import spawned
-from ctxpar.strategies import traffic
+from ctxpar.plan import traffic
 from ctxpar.verify import TENSORS
 
 WORLD_SIZES = (1, 2, 3, 4)

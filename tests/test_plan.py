@@ -9,9 +9,10 @@ import sys
 import pytest
 
 from ctxpar.models.config import ModelConfig
-from ctxpar.plan import cost, get_hardware, make_plan, parse_bandwidth, parse_flops, plan_calibration, resolve_model
+from ctxpar.plan import cost, get_hardware, make_plan, parse_bandwidth, parse_flops, resolve_model
 from ctxpar.cli import main
-from ctxpar.plan.calibrate import measure_bandwidth
+from ctxpar import calibrate
+from ctxpar.calibrate import measure_bandwidth
 from ctxpar.plan.cost import Pipeline
 from ctxpar.plan.hardware import local_hardware
 from ctxpar.plan.memory import memory_per_gpu, saved_tensors_per_token, sequence_tensors
@@ -204,10 +205,10 @@ def test_hardware_errors_and_overrides() -> None:
 def test_local_hardware_from_a_calibration_file(tmp_path) -> None:
     path = tmp_path / "plan.json"
     path.write_text(json.dumps({"calibration": {"attention_flops": 1e11, "bandwidth": 2e9, "machine": "test"}}))
-    hw = local_hardware(plan_calibration("local", measure=False, path=str(path)))
+    hw = local_hardware(calibrate.plan_calibration("local", measure=False, path=str(path)))
     assert (hw.flops, hw.bandwidth(2)) == (1e11, 2e9)
     with pytest.raises(ValueError, match="use them with --hardware local"):
-        plan_calibration("H100-SXM", measure=False, path=str(path))
+        calibrate.plan_calibration("H100-SXM", measure=False, path=str(path))
 
 
 def test_gloo_bandwidth_is_measured() -> None:

@@ -10,6 +10,7 @@ import torch.distributed as dist
 from ctxpar import agreement, kernels, topology
 from ctxpar.layout import Layout, get_layout
 from ctxpar.strategies import STRATEGIES, Strategy
+from ctxpar.strategy_rules import check_strategy
 
 _DTYPES = (torch.float32, torch.bfloat16, torch.float16, torch.float64)
 
@@ -104,9 +105,7 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, **kwargs) -> to
 
 
 def _strategy(name: str) -> Strategy:
-    if not isinstance(name, str) or name not in STRATEGIES:
-        raise ValueError(f"unknown strategy {name!r}; choose one of {', '.join(STRATEGIES)}")
-    return STRATEGIES[name]
+    return STRATEGIES[check_strategy(name)]
 
 
 def _layout_name(layout) -> str:

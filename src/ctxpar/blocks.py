@@ -2,9 +2,9 @@
 
 Strategies never look at layout names. They ask for the plan between a query shard and
 a key shard, computed here from the two shards' global positions, and run one kernel
-call per block. Blocks with no visible (query, key) pair are never produced.
+call per tile. Tiles with no visible (query, key) pair are never produced.
 
-Mask kinds, drawn for a 4-query block (``x`` = query row sees key column)::
+Mask kinds, drawn for a 4-query tile (``x`` = query row sees key column)::
 
     FULL            CAUSAL          CAUSAL_STRICT (keys = queries - 1)
     x x x x         x . . .         . . .
@@ -12,7 +12,7 @@ Mask kinds, drawn for a 4-query block (``x`` = query row sees key column)::
     x x x x         x x x .         x x .
     x x x x         x x x x         x x x
 
-Which layout yields which blocks (P ranks, causal, queries of rank r, keys of rank s):
+Which layout yields which tiles (P ranks, causal, queries of rank r, keys of rank s):
 
     contiguous  s < r: FULL                      s == r: CAUSAL     s > r: nothing
     zigzag      s < r: FULL, all queries x first half of keys (the early chunk)
@@ -22,7 +22,7 @@ Which layout yields which blocks (P ranks, causal, queries of rank r, keys of ra
 
 The plan is derived, not tabulated: for each query row, the number of visible keys
 n_i = #{kv positions <= q position} is a prefix length (both shards are ascending).
-Runs where n_i stays constant become FULL blocks over the first n_i keys; runs where
+Runs where n_i stays constant become FULL tiles over the first n_i keys; runs where
 n_i grows by one per row become a diagonal (CAUSAL, CAUSAL_STRICT, or FULL + CAUSAL
 when the diagonal starts after a fully visible prefix). Any other position pattern
 still yields an exact, if finer-grained, plan.
@@ -46,7 +46,7 @@ class MaskKind(enum.Enum):
 
 
 @dataclass(frozen=True)
-class Block:
+class Tile:
     """One kernel call: queries ``q_start:q_stop`` against keys ``kv_start:kv_stop``."""
 
     q_start: int
@@ -65,7 +65,7 @@ class Block:
 
     @property
     def pairs(self) -> int:
-        """Number of visible (query, key) pairs in this block."""
+        """Number of visible (query, key) pairs in this tile."""
         nq, nk = self.q_stop - self.q_start, self.kv_stop - self.kv_start
         if self.kind is MaskKind.FULL:
             return nq * nk
@@ -76,7 +76,7 @@ class Block:
     def kernel_args(self) -> tuple[slice, slice, bool]:
         """(query slice, key slice, is_causal) for a kernel whose causal mask is square.
 
-        CAUSAL_STRICT's first query row sees no key in this block, so it is left out and
+        CAUSAL_STRICT's first query row sees no key in this tile, so it is left out and
         the remaining rows against the keys form an ordinary square causal tile.
         """
         if self.kind is MaskKind.CAUSAL_STRICT:
@@ -87,11 +87,11 @@ class Block:
         nq, nk = self.q_stop - self.q_start, self.kv_stop - self.kv_start
         expected_nk = {MaskKind.FULL: nk, MaskKind.CAUSAL: nq, MaskKind.CAUSAL_STRICT: nq - 1}[self.kind]
         if nq <= 0 or nk <= 0 or nk != expected_nk:
-            raise ValueError(f"malformed {self.kind.value} block: {nq} queries x {nk} keys")
+            raise ValueError(f"malformed {self.kind.value} tile: {nq} queries x {nk} keys")
 
 
-def plan_blocks(q_positions: torch.Tensor, kv_positions: torch.Tensor, causal: bool) -> tuple[Block, ...]:
-    """Blocks covering exactly the visible pairs between a query and a key shard.
+def tiles_between(q_positions: torch.Tensor, kv_positions: torch.Tensor, causal: bool) -> tuple[Tile, ...]:
+    """Tiles covering exactly the visible pairs between a query and a key shard.
 
     Args:
         q_positions: (Sq,) ascending global positions of the queries.
@@ -100,12 +100,12 @@ def plan_blocks(q_positions: torch.Tensor, kv_positions: torch.Tensor, causal: b
     """
     sq, sk = q_positions.numel(), kv_positions.numel()
     if not causal:
-        return (Block(0, sq, 0, sk, MaskKind.FULL),)
+        return (Tile(0, sq, 0, sk, MaskKind.FULL),)
     for name, pos in (("query", q_positions), ("key", kv_positions)):
         if pos.numel() > 1 and not bool((pos[1:] > pos[:-1]).all()):
             raise ValueError(f"{name} positions must be strictly ascending for a block plan")
     visible = torch.searchsorted(kv_positions, q_positions, right=True).tolist()  # n_i per row
-    blocks: list[Block] = []
+    tiles: list[Tile] = []
     i = 0
     while i < sq:
         n = visible[i]
@@ -116,48 +116,27 @@ def plan_blocks(q_positions: torch.Tensor, kv_positions: torch.Tensor, causal: b
                 j += 1
             length = j - i + 1
             if n == 0:
-                blocks.append(Block(i, j + 1, 0, length - 1, MaskKind.CAUSAL_STRICT))
+                tiles.append(Tile(i, j + 1, 0, length - 1, MaskKind.CAUSAL_STRICT))
             else:
                 if n > 1:
-                    blocks.append(Block(i, j + 1, 0, n - 1, MaskKind.FULL))
-                blocks.append(Block(i, j + 1, n - 1, n - 1 + length, MaskKind.CAUSAL))
+                    tiles.append(Tile(i, j + 1, 0, n - 1, MaskKind.FULL))
+                tiles.append(Tile(i, j + 1, n - 1, n - 1 + length, MaskKind.CAUSAL))
             i = j + 1
             continue
         j = i  # a run of rows that all see the same first n keys
         while j + 1 < sq and visible[j + 1] == n:
             j += 1
         if n > 0:
-            blocks.append(Block(i, j + 1, 0, n, MaskKind.FULL))
+            tiles.append(Tile(i, j + 1, 0, n, MaskKind.FULL))
         i = j + 1
-    return tuple(blocks)
+    return tuple(tiles)
 
 
-def count_pairs(blocks: tuple[Block, ...] | list[Block]) -> int:
-    return sum(b.pairs for b in blocks)
+def count_pairs(tiles: tuple[Tile, ...] | list[Tile]) -> int:
+    return sum(t.pairs for t in tiles)
 
 
 @functools.lru_cache(maxsize=4096)
-def layout_plan(layout: Layout, seq_len: int, q_rank: int, kv_rank: int, causal: bool) -> tuple[Block, ...]:
-    """The plan for ``q_rank``'s queries against ``kv_rank``'s keys under ``layout`` (cached)."""
-    return plan_blocks(layout.positions(seq_len, q_rank), layout.positions(seq_len, kv_rank), causal)
-
-
-def rank_pairs(layout: Layout, seq_len: int, rank: int, causal: bool) -> int:
-    """Exact (query, key) pairs ``rank`` computes against every rank's keys: its attention work.
-
-    Equal to the pairs of its block plans against all P shards (tested); computed
-    directly, in O(T/P), since the keys are then all positions: the query at position p
-    sees the p + 1 keys 0..p.
-    """
-    positions = layout.positions(seq_len, rank)
-    return int((positions + 1).sum()) if causal else positions.numel() * seq_len
-
-
-def group_pairs(layout: Layout, seq_len: int, rank: int, causal: bool, group_size: int) -> int:
-    """Pairs of every query held by ``rank``'s group of ``group_size`` consecutive ranks.
-
-    An all-to-all over such a group computes exactly these, for H / group_size heads on
-    each member; with group_size 1 this is ``rank_pairs``.
-    """
-    first = rank - rank % group_size
-    return sum(rank_pairs(layout, seq_len, m, causal) for m in range(first, first + group_size))
+def layout_tiles(layout: Layout, seq_len: int, q_rank: int, kv_rank: int, causal: bool) -> tuple[Tile, ...]:
+    """The tiles of ``q_rank``'s queries against ``kv_rank``'s keys under ``layout`` (cached)."""
+    return tiles_between(layout.positions(seq_len, q_rank), layout.positions(seq_len, kv_rank), causal)

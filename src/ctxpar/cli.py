@@ -7,12 +7,13 @@ import json
 import os
 import sys
 
+from ctxpar import calibrate as calibration_
 from ctxpar import launch
 from ctxpar import plan as planning
 from ctxpar.demo import DTYPES, DemoConfig, format_report, run_demo
 from ctxpar.layout import LAYOUT_NAMES
 from ctxpar.models.config import PRESETS as MODEL_PRESETS
-from ctxpar.strategies import STRATEGIES
+from ctxpar.strategy_rules import STRATEGY_NAMES
 from ctxpar.train import TRAIN_STRATEGIES, TrainConfig, run_train
 from ctxpar.train import format_report as format_train_report
 
@@ -31,7 +32,7 @@ def _demo_parser(sub) -> None:
     p.add_argument("--kv-heads", type=int, default=d.kv_heads, help="key/value heads H_kv (GQA)")
     p.add_argument("--head-dim", type=int, default=d.head_dim)
     p.add_argument("--layout", choices=LAYOUT_NAMES, default=d.layout)
-    p.add_argument("--strategy", choices=sorted(STRATEGIES), default=d.strategy)
+    p.add_argument("--strategy", choices=STRATEGY_NAMES, default=d.strategy)
     p.add_argument("--ulysses-degree", type=int, default=d.ulysses_degree,
                    help="hybrid only: all-to-all degree; the ring degree is nproc / this")
     p.add_argument("--dtype", choices=sorted(DTYPES), default=d.dtype)
@@ -165,7 +166,7 @@ def _plan_parser(sub) -> None:
     p.add_argument("--seq", type=int, default=32768, help="sequence length T")
     p.add_argument("--dtype", choices=sorted(planning.ELEMENT_BYTES), default="bfloat16")
     p.add_argument("--cp", type=int, default=8, help="CP degree P")
-    p.add_argument("--strategy", choices=planning.STRATEGY_NAMES, default="ring")
+    p.add_argument("--strategy", choices=STRATEGY_NAMES, default="ring")
     p.add_argument("--layout", choices=LAYOUT_NAMES, default="zigzag")
     p.add_argument("--ulysses-degree", type=int, help="hybrid only (default: the largest fitting in a node)")
     p.add_argument("--causal", action=argparse.BooleanOptionalAction, default=True)
@@ -188,8 +189,8 @@ def _run_plan(args: argparse.Namespace) -> int:
     bandwidth = planning.parse_bandwidth(args.bandwidth) if args.bandwidth is not None else None
     peak_flops = planning.parse_flops(args.flops) if args.flops is not None else None
     planning.check_overrides(bandwidth=bandwidth, peak_flops=peak_flops, efficiency=args.efficiency)
-    planning.check_calibration_flags(args.hardware, measure=args.calibrate, path=args.calibration)
-    calibration = planning.load_calibration(args.calibration) if args.calibration is not None else None
+    calibration_.check_calibration_flags(args.hardware, measure=args.calibrate, path=args.calibration)
+    calibration = calibration_.load_calibration(args.calibration) if args.calibration is not None else None
     _check_output("--json", args.json)
     _check_output("--plot", args.plot, "plan.png")
     if args.plot is not None:
@@ -205,8 +206,8 @@ def _run_plan(args: argparse.Namespace) -> int:
         model, batch=args.batch, seq=args.seq, dtype=args.dtype, cp=args.cp, strategy=args.strategy,
         layout=args.layout, ulysses=ulysses, fsdp=args.fsdp, checkpointing=args.checkpointing, causal=args.causal)
     if args.calibrate:
-        calibration = planning.plan_calibration(args.hardware, measure=True, path=None)
-        print(planning.format_calibration(calibration) + "\n")
+        calibration = calibration_.plan_calibration(args.hardware, measure=True, path=None)
+        print(calibration_.format_calibration(calibration) + "\n")
     hardware = planning.get_hardware(args.hardware, calibration=calibration, efficiency=args.efficiency,
                                      bandwidth=bandwidth, peak_flops=peak_flops)
     plan = planning.make_plan(workload, hardware, max_cp=args.max_cp, calibration=calibration)

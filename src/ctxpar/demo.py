@@ -16,8 +16,8 @@ import torch
 import torch.distributed as dist
 
 import ctxpar
-from ctxpar.blocks import group_pairs
-from ctxpar import launch, limits
+from ctxpar.plan.work import union_pairs
+from ctxpar import launch, limits, strategy_rules
 from ctxpar.verify import TENSORS, max_abs_errors, tolerances, torch_sdpa, unsplit_attention
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -47,17 +47,8 @@ class DemoConfig:
         ctxpar.get_layout(self.layout, world).validate(self.seq)
         if self.heads % self.kv_heads:
             raise ValueError(f"--heads {self.heads} must be a multiple of --kv-heads {self.kv_heads}")
-        if self.strategy == "hybrid":
-            if self.ulysses_degree is None or self.ulysses_degree < 1 or world % self.ulysses_degree:
-                raise ValueError(
-                    f"--strategy hybrid needs --ulysses-degree dividing the {world} ranks "
-                    f"(ring degree = ranks / ulysses degree), got {self.ulysses_degree}"
-                )
-        elif self.ulysses_degree is not None:
-            raise ValueError("--ulysses-degree is only for --strategy hybrid")
-        u = self.ulysses_degree if self.strategy == "hybrid" else world if self.strategy == "alltoall" else 1
-        if self.heads % u:
-            raise ValueError(f"--strategy {self.strategy} splits --heads {self.heads} over {u} ranks; they must divide")
+        u = strategy_rules.ulysses_degree(self.strategy, world, self.ulysses_degree, name="--ulysses-degree")
+        strategy_rules.check_heads(self.strategy, self.heads, self.kv_heads, u)
 
     def check_memory(self, ranks: int) -> None:
         """Refuse a run this machine cannot hold: ``ranks`` local ranks each build the whole
@@ -85,7 +76,7 @@ def _work_pairs(cfg: DemoConfig, layout: ctxpar.Layout, rank: int) -> float:
     all pairs of the U shards of its group, for H/U heads, i.e. those pairs / U.
     """
     u = {"alltoall": layout.world_size, "hybrid": cfg.ulysses_degree}.get(cfg.strategy, 1)
-    return group_pairs(layout, cfg.seq, rank, cfg.causal, u) / u
+    return union_pairs(layout, cfg.seq, rank, cfg.causal, u) / u
 
 
 def _mesh(cfg: DemoConfig, world: int, device: torch.device):

@@ -167,25 +167,25 @@ class StripedLayout(Layout):
 
 
 @dataclass(frozen=True)
-class GroupedLayout(Layout):
-    """A layout seen by groups of ``group_size`` consecutive ranks, one member per group.
+class UnionLayout(Layout):
+    """``base`` seen through unions of ``span`` consecutive ranks: rank j of this layout holds
+    the positions of ``base`` ranks j*U .. j*U+U-1 (U = span), ascending.
 
-    Member j of the grouped layout holds the union of the positions of ``base`` ranks
-    j*U .. j*U+U-1 (U = group_size), ascending. Hybrid CP uses it: after the all-to-all
-    inside a Ulysses group of U ranks, each group holds exactly that union and runs the
-    ring over the groups as if they were ranks of this layout.
+    The hybrid strategy uses it: after the all-to-all among U ranks, those U ranks hold the
+    tokens of all U together (for H/U heads each), and the ring runs between such unions
+    as if they were the ranks of this layout.
     """
 
     base: Layout
-    group_size: int
+    span: int
 
-    name = "grouped"
+    name = "union"
 
     def __post_init__(self) -> None:
         super().__post_init__()
-        if self.base.world_size != self.world_size * self.group_size:
+        if self.base.world_size != self.world_size * self.span:
             raise ValueError(
-                f"{self.world_size} groups of {self.group_size} ranks do not cover the "
+                f"{self.world_size} unions of {self.span} ranks do not cover the "
                 f"{self.base.world_size} ranks of the {self.base.name} layout"
             )
 
@@ -198,7 +198,7 @@ class GroupedLayout(Layout):
         return self.base.multiple_formula
 
     def _positions(self, seq_len: int, rank: int) -> torch.Tensor:
-        members = range(rank * self.group_size, (rank + 1) * self.group_size)
+        members = range(rank * self.span, (rank + 1) * self.span)
         return torch.sort(torch.cat([self.base.positions(seq_len, m) for m in members])).values
 
 

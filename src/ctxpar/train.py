@@ -20,7 +20,7 @@ import torch.distributed as dist
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict
 
 import ctxpar
-from ctxpar import checkpoint, limits, profile
+from ctxpar import checkpoint, limits, profile, strategy_rules
 from ctxpar.data import RecallTask
 from ctxpar import launch
 from ctxpar.models import Transformer, get_config
@@ -66,9 +66,8 @@ class TrainConfig:
         limits.check_seed(self.seed)
         cfg = get_config(self.model)
         ctxpar.get_layout(self.layout, self.cp(world)).validate(self.seq)
-        if self.strategy == "alltoall" and cfg.heads % self.cp(world):
-            raise ValueError(f"--strategy alltoall splits the {cfg.heads} heads of {self.model!r} over "
-                             f"{self.cp(world)} CP ranks; they must divide")
+        u = strategy_rules.ulysses_degree(self.strategy, self.cp(world))
+        strategy_rules.check_heads(self.strategy, cfg.heads, cfg.kv_heads, u)
         if self.save_every < 0:
             raise ValueError(f"--save-every {self.save_every} must be >= 0 (steps between checkpoints; 0: never)")
         if (self.save_every or self.resume) and not self.checkpoint_dir:

@@ -3,7 +3,7 @@
 Attention FLOPs follow FlashAttention's benchmark convention (Dao et al.,
 flash-attention ``benchmarks/benchmark_flash_attention.py``): forward 4·T²·D·H per
 sequence, halved for causal; backward 2.5x forward. Here T² (or T²/2) is replaced by the
-exact number of visible (query, key) pairs the rank computes (``ctxpar.blocks.rank_pairs``
+exact number of visible (query, key) pairs the rank computes (``ctxpar.plan.work.rank_pairs``
 on the layout), which also gives the load-balance factor max/mean over ranks.
 
 Matmul FLOPs: 2 per parameter per token forward, 4 backward (Kaplan et al. 2020,
@@ -34,18 +34,18 @@ from __future__ import annotations
 import functools
 from dataclasses import dataclass
 
-from ctxpar.blocks import group_pairs
+from ctxpar.plan.work import union_pairs
 from ctxpar.layout import get_layout
 from ctxpar.plan.hardware import Hardware
 from ctxpar.plan.workload import Workload
-from ctxpar.strategies import traffic
+from ctxpar.plan import traffic
 
 BACKWARD_FLOPS_RATIO = 2.5  # FlashAttention: backward = 2.5 x forward FLOPs
 
 
 @functools.lru_cache(maxsize=4096)
-def _group_pairs(layout: str, seq: int, cp: int, causal: bool, group_size: int) -> tuple[int, ...]:
-    return tuple(group_pairs(get_layout(layout, cp), seq, rank, causal, group_size) for rank in range(cp))
+def _union_pairs(layout: str, seq: int, cp: int, causal: bool, ulysses: int) -> tuple[int, ...]:
+    return tuple(union_pairs(get_layout(layout, cp), seq, rank, causal, ulysses) for rank in range(cp))
 
 
 def head_pairs(w: Workload) -> tuple[int, ...]:
@@ -56,7 +56,7 @@ def head_pairs(w: Workload) -> tuple[int, ...]:
     pairs do not depend on which rank holds it, so the group's pairs are its members' sum.
     """
     u, heads = w.ulysses_degree, w.model.heads
-    return tuple(p * (heads // u) for p in _group_pairs(w.layout, w.seq, w.cp, w.causal, u))
+    return tuple(p * (heads // u) for p in _union_pairs(w.layout, w.seq, w.cp, w.causal, u))
 
 
 def load_balance(w: Workload) -> float:

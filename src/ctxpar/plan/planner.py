@@ -16,7 +16,7 @@ from ctxpar.plan.memory import MemoryEstimate, SequenceTensors, memory_per_gpu, 
 from ctxpar.plan.recommend import (Crossover, Recommendation, SweepPoint, crossovers, fits_up_to, recommend,
                                     sweep)
 from ctxpar.plan.workload import Workload
-from ctxpar.strategies.traffic import Traffic
+from ctxpar.plan.traffic import Traffic
 
 MIN_SWEEP_SEQ = 2**10
 MAX_SWEEP_SEQ = 2**20

@@ -24,7 +24,8 @@ from ctxpar.plan import cost
 from ctxpar.plan.hardware import Hardware
 from ctxpar.plan.memory import memory_per_gpu
 from ctxpar.plan.units import format_bytes, format_seconds, format_tokens
-from ctxpar.plan.workload import STRATEGY_NAMES, Workload, default_ulysses
+from ctxpar.plan.workload import Workload, default_ulysses
+from ctxpar.strategy_rules import STRATEGY_NAMES
 
 MAX_SEQ = 2**30  # search bound for "fits up to"
 MAX_FSDP = 1024  # search bound for the FSDP degree that would make a step fit

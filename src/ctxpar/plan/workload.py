@@ -13,10 +13,9 @@ from functools import cached_property
 from ctxpar.layout import LAYOUT_NAMES, Layout, get_layout
 from ctxpar.limits import check_count
 from ctxpar.models.config import ModelConfig, get_config
-from ctxpar.strategies.traffic import kv_copies
+from ctxpar.strategy_rules import check_heads, kv_copies, ulysses_degree
 
 DEFAULT_MODEL = "llama-3-8b"
-STRATEGY_NAMES = ("ring", "allgather", "alltoall", "hybrid")
 ELEMENT_BYTES = {"bfloat16": 2, "float16": 2, "float32": 4}
 CHECKPOINTING = ("none", "full")
 
@@ -80,23 +79,13 @@ class Workload:
             check_count(flag, getattr(self, flag))
         if self.dtype not in ELEMENT_BYTES:
             raise ValueError(f"--dtype {self.dtype!r} is not one of {', '.join(ELEMENT_BYTES)}")
-        if self.strategy not in STRATEGY_NAMES:
-            raise ValueError(f"--strategy {self.strategy!r} is not one of {', '.join(STRATEGY_NAMES)}")
         if self.layout not in LAYOUT_NAMES:
             raise ValueError(f"--layout {self.layout!r} is not one of {', '.join(LAYOUT_NAMES)}")
         if self.checkpointing not in CHECKPOINTING:
             raise ValueError(f"--checkpointing {self.checkpointing!r} is not one of {', '.join(CHECKPOINTING)}")
         self.layout_obj.validate(self.seq)
-        if self.strategy == "hybrid":
-            if self.ulysses is None or self.ulysses < 1 or self.cp % self.ulysses:
-                raise ValueError(f"--strategy hybrid needs --ulysses-degree dividing --cp {self.cp}, "
-                                 f"got {self.ulysses}")
-        elif self.ulysses is not None:
-            raise ValueError("--ulysses-degree is only for --strategy hybrid")
-        if self.model.heads % self.ulysses_degree:
-            raise ValueError(f"--strategy {self.strategy} splits the {self.model.heads} query heads over "
-                             f"{self.ulysses_degree} ranks; they must divide (use ring or allgather, or another "
-                             f"--cp / --ulysses-degree)")
+        u = ulysses_degree(self.strategy, self.cp, self.ulysses, name="--ulysses-degree")
+        check_heads(self.strategy, self.model.heads, self.model.kv_heads, u)
 
     @cached_property
     def layout_obj(self) -> Layout:
@@ -105,7 +94,7 @@ class Workload:
     @property
     def ulysses_degree(self) -> int:
         """U: ranks an all-to-all spans (P for alltoall, 1 for ring and allgather)."""
-        return {"alltoall": self.cp, "hybrid": self.ulysses}.get(self.strategy) or 1
+        return ulysses_degree(self.strategy, self.cp, self.ulysses)
 
     @property
     def ring_degree(self) -> int:

@@ -15,6 +15,7 @@ import torch
 from ctxpar.strategies.allgather import allgather_attention
 from ctxpar.strategies.ring import ring_attention
 from ctxpar.strategies.ulysses import ulysses_attention
+from ctxpar.strategy_rules import STRATEGY_NAMES, check_heads
 from ctxpar.topology import Topology
 
 
@@ -23,14 +24,7 @@ def _no_constraint(q: torch.Tensor, k: torch.Tensor, topo: Topology) -> None:
 
 
 def _heads_split_over_ulysses(q: torch.Tensor, k: torch.Tensor, topo: Topology) -> None:
-    h, h_kv, u = q.shape[1], k.shape[1], topo.ulysses_degree
-    if h % u:
-        where = "ulysses degree" if topo.hybrid else "P"
-        raise ValueError(
-            f"all-to-all splits query heads over ranks: H={h} is not divisible by {where}={u} "
-            f"(H_kv={h_kv}); use strategy='ring' or 'allgather', or a hybrid mesh whose ulysses "
-            f"degree divides {h}"
-        )
+    check_heads("hybrid" if topo.hybrid else "alltoall", q.shape[1], k.shape[1], topo.ulysses_degree)
 
 
 @dataclass(frozen=True)
@@ -40,11 +34,12 @@ class Strategy:
     axis: str  # "ring" or "ulysses": how it uses a plain process group; "mesh": needs a 2D DeviceMesh
 
 
-STRATEGIES = {
+STRATEGIES = {  # keyed by strategy_rules.STRATEGY_NAMES
     "ring": Strategy(ring_attention, _no_constraint, "ring"),
     "allgather": Strategy(allgather_attention, _no_constraint, "ring"),
     "alltoall": Strategy(ulysses_attention, _heads_split_over_ulysses, "ulysses"),
     "hybrid": Strategy(ulysses_attention, _heads_split_over_ulysses, "mesh"),
 }
+assert tuple(STRATEGIES) == STRATEGY_NAMES
 
 __all__ = ["STRATEGIES", "Strategy"]

@@ -24,10 +24,10 @@ import torch
 from torch.autograd.function import once_differentiable
 
 from ctxpar import profile
-from ctxpar.blocks import layout_plan
+from ctxpar.blocks import layout_tiles
 from ctxpar.comm import PendingAllGather, PendingReduceScatter
 from ctxpar.layout import Layout
-from ctxpar.strategies.blockwise import backward_blocks, forward_blocks, gradient_accumulators, output_accumulators
+from ctxpar.strategies.blockwise import backward_tiles, forward_tiles, gradient_accumulators, output_accumulators
 from ctxpar.topology import Topology
 
 
@@ -51,8 +51,8 @@ class AllGatherAttention(torch.autograd.Function):
             qh = slice(kvh.start * g, kvh.stop * g)
             with profile.timed("compute", q.device):
                 for src in range(world):
-                    plan = layout_plan(layout, seq_len, rank, src, causal)
-                    forward_blocks(q[:, qh], gathered[src, 0], gathered[src, 1], plan,
+                    tiles = layout_tiles(layout, seq_len, rank, src, causal)
+                    forward_tiles(q[:, qh], gathered[src, 0], gathered[src, 1], tiles,
                                    acc_out[:, qh], acc_lse[:, qh], scale)
         out = acc_out.to(q.dtype)
         ctx.save_for_backward(q, k, v, out, acc_lse)
@@ -81,9 +81,9 @@ class AllGatherAttention(torch.autograd.Function):
             shares = torch.zeros(gathered.shape, dtype=dkv.dtype, device=q.device)  # (P, 2, B, 1, S, D)
             with profile.timed("compute", q.device):
                 for src in range(world):
-                    plan = layout_plan(layout, seq_len, rank, src, causal)
-                    backward_blocks(dout[:, qh], q[:, qh], gathered[src, 0], gathered[src, 1], out[:, qh],
-                                    lse[:, qh], plan, scale, dq[:, qh], shares[src, 0], shares[src, 1])
+                    tiles = layout_tiles(layout, seq_len, rank, src, causal)
+                    backward_tiles(dout[:, qh], q[:, qh], gathered[src, 0], gathered[src, 1], out[:, qh],
+                                    lse[:, qh], tiles, scale, dq[:, qh], shares[src, 0], shares[src, 1])
             if reducing is not None:
                 dkv[:, :, reducing[0]] = reducing[1].wait()
             reducing = (kvh, PendingReduceScatter(shares, group))

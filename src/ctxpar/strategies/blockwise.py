@@ -10,7 +10,7 @@ from __future__ import annotations
 import torch
 
 from ctxpar import kernels
-from ctxpar.blocks import Block
+from ctxpar.blocks import Tile
 from ctxpar.merge import merge_into
 
 
@@ -29,11 +29,11 @@ def gradient_accumulators(q: torch.Tensor, k: torch.Tensor) -> tuple[torch.Tenso
             torch.zeros((2, *k.shape), dtype=acc, device=k.device))
 
 
-def forward_blocks(
+def forward_tiles(
     q: torch.Tensor,
     k: torch.Tensor,
     v: torch.Tensor,
-    blocks: tuple[Block, ...],
+    blocks: tuple[Tile, ...],
     acc_out: torch.Tensor,
     acc_lse: torch.Tensor,
     scale: float,
@@ -52,14 +52,14 @@ def forward_blocks(
         merge_into(acc_out[:, :, qs], acc_lse[:, :, qs], out, lse)
 
 
-def backward_blocks(
+def backward_tiles(
     dout: torch.Tensor,
     q: torch.Tensor,
     k: torch.Tensor,
     v: torch.Tensor,
     out: torch.Tensor,
     lse: torch.Tensor,
-    blocks: tuple[Block, ...],
+    blocks: tuple[Tile, ...],
     scale: float,
     dq: torch.Tensor,
     dk: torch.Tensor,

@@ -26,10 +26,10 @@ import torch
 from torch.autograd.function import once_differentiable
 
 from ctxpar import profile
-from ctxpar.blocks import layout_plan
+from ctxpar.blocks import layout_tiles
 from ctxpar.comm import RingComm
 from ctxpar.layout import Layout
-from ctxpar.strategies.blockwise import backward_blocks, forward_blocks, gradient_accumulators, output_accumulators
+from ctxpar.strategies.blockwise import backward_tiles, forward_tiles, gradient_accumulators, output_accumulators
 from ctxpar.topology import Topology
 
 _KV_TAG, _DKV_TAG = 0, 1
@@ -51,8 +51,8 @@ class RingAttention(torch.autograd.Function):
             if not last:
                 comm.start(send=kv, recv=spare)
             with profile.timed("compute", q.device):
-                plan = layout_plan(layout, seq_len, rank, (rank - step) % world, causal)
-                forward_blocks(q, kv[0], kv[1], plan, acc_out, acc_lse, scale)
+                tiles = layout_tiles(layout, seq_len, rank, (rank - step) % world, causal)
+                forward_tiles(q, kv[0], kv[1], tiles, acc_out, acc_lse, scale)
             if not last:
                 comm.wait()
                 kv, spare = spare, kv
@@ -85,8 +85,8 @@ class RingAttention(torch.autograd.Function):
             if step >= 1:
                 target.zero_()
             with profile.timed("compute", q.device):
-                plan = layout_plan(layout, seq_len, rank, (rank - step) % world, causal)
-                backward_blocks(dout, q, kv[0], kv[1], out, lse, plan, scale, dq, target[0], target[1])
+                tiles = layout_tiles(layout, seq_len, rank, (rank - step) % world, causal)
+                backward_tiles(dout, q, kv[0], kv[1], out, lse, tiles, scale, dq, target[0], target[1])
             if step >= 2:  # add our share to the accumulator arriving from rank-1
                 dkv_comm.wait()
                 recv_acc += scratch

@@ -9,7 +9,7 @@ Ulysses trades the sequence split for a head split with one all-to-all per tenso
 then attends locally and sends the output back the same way. The U*S gathered tokens
 are put in ascending global position, so the causal mask is the layout's. With a ring
 degree R > 1 (hybrid, P = U*R), the gathered tokens are one shard of the
-``GroupedLayout`` over the R Ulysses groups, and ring attention over the "ring" mesh
+``UnionLayout`` over the R Ulysses groups, and ring attention over the "ring" mesh
 dim replaces the local attention: this module only adds the all-to-alls around the
 ring strategy.
 
@@ -32,9 +32,9 @@ import functools
 import torch
 
 from ctxpar import comm
-from ctxpar.layout import GroupedLayout, Layout
+from ctxpar.layout import UnionLayout, Layout
 from ctxpar.strategies.ring import RingAttention
-from ctxpar.strategies.traffic import kv_copies
+from ctxpar.strategy_rules import kv_copies
 from ctxpar.topology import Topology
 
 
@@ -75,7 +75,7 @@ def ulysses_attention(
     def seq_to_heads(x: torch.Tensor) -> torch.Tensor:  # (B, H, S, D) -> (B, H/U, U*S, D), ascending
         return _AllToAll.apply(x, 1, 2, group).index_select(2, order)
 
-    inner = GroupedLayout(topo.ring_degree, layout, u)
+    inner = UnionLayout(topo.ring_degree, layout, u)
     out, lse = RingAttention.apply(
         seq_to_heads(q), seq_to_heads(k), seq_to_heads(v), inner, topo.ring_group, topo.ring_rank, causal, scale
     )  # (B, H/U, U*S, D), (B, H/U, U*S)

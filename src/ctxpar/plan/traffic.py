@@ -12,8 +12,9 @@ float64 inputs), U ulysses degree, R ring degree, f KV-head copies for all-to-al
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass
+
+from ctxpar.strategy_rules import kv_copies, ulysses_degree
 
 
 @dataclass(frozen=True)
@@ -24,11 +25,6 @@ class Traffic:
     @property
     def total(self) -> int:
         return self.forward + self.backward
-
-
-def kv_copies(kv_heads: int, ulysses_degree: int) -> int:
-    """f: copies of each KV head that make H_kv * f divisible by U (the fewest)."""
-    return ulysses_degree // math.gcd(kv_heads, ulysses_degree)
 
 
 def ring(*, batch: int, local_len: int, kv_heads: int, head_dim: int, world: int, elem: int, acc: int) -> Traffic:
@@ -79,8 +75,7 @@ def per_rank(
         return alltoall(batch=batch, local_len=s, heads=heads, kv_heads=kv_heads, head_dim=head_dim,
                         ulysses=world, elem=elem, acc=acc)
     if strategy == "hybrid":
-        if not ulysses or world % ulysses:
-            raise ValueError(f"hybrid needs a ulysses degree dividing P={world}, got {ulysses}")
+        ulysses = ulysses_degree(strategy, world, ulysses)
         return hybrid(batch=batch, local_len=s, heads=heads, kv_heads=kv_heads, head_dim=head_dim,
                       ulysses=ulysses, ring_degree=world // ulysses, elem=elem, acc=acc)
     raise ValueError(f"unknown strategy {strategy!r}")

@@ -1,6 +1,7 @@
 """Measure this machine for the ``local`` hardware preset: attention FLOP/s and gloo bandwidth.
 
-The one part of ``ctxpar.plan`` that runs anything; imported only for ``--calibrate``.
+The system measuring itself for the planner (which only reads the result): imported only
+for ``ctxpar plan --calibrate`` and ``--calibration``.
 
 - Attention: ``ctxpar.kernels.attention_forward`` + ``attention_backward`` on one CPU
   thread (what each local rank of ``ctxpar demo`` gets), causal attention over 4096

@@ -1,0 +1,55 @@
+"""What each CP strategy asks of the shapes and how it splits the ranks: the one description
+the strategies, the commands and the planner share (plain arithmetic, no torch).
+
+    strategy    all-to-all degree U    ring degree R    constraint
+    ring        1                      P                none
+    allgather   1                      P                none
+    alltoall    P                      1                H % P == 0
+    hybrid      given, dividing P      P / U            H % U == 0
+
+GQA under an all-to-all: K/V heads are split over the U ranks too; when H_kv is not a
+multiple of U each KV head is sent f = U / gcd(H_kv, U) times (``kv_copies``).
+"""
+
+from __future__ import annotations
+
+import math
+
+STRATEGY_NAMES = ("ring", "allgather", "alltoall", "hybrid")
+
+
+def check_strategy(strategy: object) -> str:
+    if not isinstance(strategy, str) or strategy not in STRATEGY_NAMES:
+        raise ValueError(f"unknown strategy {strategy!r}; choose one of {', '.join(STRATEGY_NAMES)}")
+    return strategy
+
+
+def ulysses_degree(strategy: str, world: int, ulysses: int | None = None, name: str = "ulysses degree") -> int:
+    """U, the ranks one all-to-all spans, for ``strategy`` on ``world`` ranks.
+
+    ``ulysses`` is hybrid's own degree (its ring degree is world / ulysses); the other
+    strategies take none. ``name``: what errors call it (a command passes its flag).
+    """
+    check_strategy(strategy)
+    if strategy == "hybrid":
+        if isinstance(ulysses, bool) or not isinstance(ulysses, int) or ulysses < 1 or world % ulysses:
+            raise ValueError(f"strategy 'hybrid' needs a {name} dividing the {world} ranks (the ring degree is "
+                             f"ranks / {name}), got {ulysses}")
+        return ulysses
+    if ulysses is not None:
+        raise ValueError(f"a {name} is only for strategy 'hybrid', not {strategy!r}")
+    return world if strategy == "alltoall" else 1
+
+
+def check_heads(strategy: str, heads: int, kv_heads: int, ulysses: int) -> None:
+    """Refuse query heads that ``strategy``'s all-to-all over ``ulysses`` ranks cannot split."""
+    if heads % ulysses:
+        over = "P" if strategy == "alltoall" else "ulysses degree"
+        raise ValueError(f"strategy {strategy!r} splits the query heads H={heads} (H_kv={kv_heads}) over "
+                         f"{over}={ulysses} ranks, which does not divide them; use strategy 'ring' or "
+                         f"'allgather', or a {over} that divides {heads}")
+
+
+def kv_copies(kv_heads: int, ulysses: int) -> int:
+    """f: copies of each KV head that make H_kv * f divisible by U (the fewest)."""
+    return ulysses // math.gcd(kv_heads, ulysses)
