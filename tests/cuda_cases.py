@@ -8,11 +8,10 @@ every rank has its own GPU, else gloo staging through host memory) and asserts o
 from __future__ import annotations
 
 import itertools
-import traceback
 
 import torch
 
-from dist_cases import HYBRID_MESH, LAYOUTS, STRATEGIES, Case, _check_case
+from dist_cases import HYBRID_MESH, LAYOUTS, STRATEGIES, Case, check_case
 
 CUDA_DTYPES = ("bfloat16", "float16", "float32")
 
@@ -38,9 +37,6 @@ def run_all(rank: int, world: int, device: torch.device) -> dict:
     for case in cuda_cases():
         if not case.runs_on(world):
             continue
-        try:
-            results[case.id] = _check_case(case, rank, world, mesh=mesh if case.strategy == "hybrid" else None,
-                                           device=str(device))
-        except Exception:
-            results[case.id] = dict(exception=traceback.format_exc())
+        results[case.id] = check_case(case, rank, world, mesh=mesh if case.strategy == "hybrid" else None,
+                                      device=str(device))
     return results

@@ -90,10 +90,19 @@ def _local(t: torch.Tensor, dtype: torch.dtype, memory: str) -> torch.Tensor:
     return MEMORY[memory](t.to(dtype)).detach().requires_grad_()
 
 
-def _check_case(case: Case, rank: int, world: int, group=None, group_rank: int | None = None, mesh=None,
-                device: str = "cpu") -> dict:
-    """Run one case through ctxpar on this rank (its tensors on ``device``); compare its shard
-    with the fp64 reference, computed on the CPU."""
+def check_case(case: Case, rank: int, world: int, group=None, group_rank: int | None = None, mesh=None,
+               device: str = "cpu") -> str:
+    """Run one case through ctxpar on this rank (its tensors on ``device``) and compare its
+    shard with the fp64 reference, computed on the CPU: "ok", or what is wrong, with the
+    case, the rank and the numbers (the message a failing test prints)."""
+    try:
+        problems = _case_problems(case, rank, world, group, group_rank, mesh, device)
+    except Exception:  # reported like any other problem: one case must not hide the others
+        problems = [f"raised\n{traceback.format_exc()}"]
+    return "ok" if not problems else f"rank {rank} of P={world}, {case.id}: " + "; ".join(problems)
+
+
+def _case_problems(case: Case, rank: int, world: int, group, group_rank: int | None, mesh, device: str) -> list[str]:
     group_rank = rank if group_rank is None else group_rank
     if mesh is not None:
         group_rank = ctxpar.hybrid_rank(mesh)
@@ -120,14 +129,16 @@ def _check_case(case: Case, rank: int, world: int, group=None, group_rank: int |
     got_out.backward(shard(dout).to(device, dtype))
     got = {n: t.detach().cpu() for n, t in
            dict(out=got_out, lse=got_lse, dq=local[0].grad, dk=local[1].grad, dv=local[2].grad).items()}
+    errors = max_abs_errors(got, {n: shard(t) for n, t in ref.items()})
+    tol = tolerances(dtype, ref, baseline)
+    problems = [f"{n} max abs error {errors[n]:.3g} > tolerance {tol[n]:.3g}" for n in TENSORS
+                if not errors[n] <= tol[n]]
+    problems += [f"{n} not finite" for n in TENSORS if not bool(torch.isfinite(got[n]).all())]
     lse_dtype = torch.float64 if dtype == torch.float64 else torch.float32
-    dtypes_ok = got_out.dtype == dtype and got_lse.dtype == lse_dtype and all(t.grad.dtype == dtype for t in local)
-    return dict(
-        errors=max_abs_errors(got, {n: shard(t) for n, t in ref.items()}),
-        tolerances=tolerances(dtype, ref, baseline),
-        dtypes_ok=dtypes_ok,
-        finite=all(bool(torch.isfinite(got[n]).all()) for n in TENSORS),
-    )
+    dtypes = (got_out.dtype, got_lse.dtype, *(t.grad.dtype for t in local))
+    if dtypes != (dtype, lse_dtype, dtype, dtype, dtype):
+        problems.append(f"dtypes of out, lse, dq, dk, dv are {dtypes} for {dtype} inputs")
+    return problems
 
 
 def _bad_inputs(world: int, mesh) -> dict[str, tuple]:
@@ -182,9 +193,7 @@ def _check_bad_inputs(rank: int, world: int, mesh) -> dict[str, str]:
             except ValueError as e:
                 messages["non_member"] = str(e)
     # no rank was left inside a collective: a full attention call still works afterwards
-    after = _check_case(Case("ring", "zigzag", True, "gqa", "float32"), rank, world)
-    exact = all(after["errors"][n] <= after["tolerances"][n] for n in TENSORS)
-    messages["after"] = "ok" if exact else f"wrong result after the rejected calls: {after['errors']}"
+    messages["after"] = check_case(Case("ring", "zigzag", True, "gqa", "float32"), rank, world)
     return messages
 
 
@@ -216,7 +225,7 @@ def _check_subgroups(rank: int, world: int) -> dict:
     half = world // 2
     groups = [dist.new_group(list(range(0, half))), dist.new_group(list(range(half, world)))]
     mine, group_rank = (groups[0], rank) if rank < half else (groups[1], rank - half)
-    return {strategy: _check_case(Case(strategy, "striped", True, "gqa", "float32"), rank, half, group=mine,
+    return {strategy: check_case(Case(strategy, "striped", True, "gqa", "float32"), rank, half, group=mine,
                                   group_rank=group_rank)
             for strategy in ("ring", "allgather", "alltoall")}
 
@@ -231,8 +240,8 @@ def _check_hybrid_meshes(rank: int, world: int) -> dict:
     out = {}
     for name, (shape, names) in meshes.items():
         mesh = init_device_mesh("cpu", shape, mesh_dim_names=names)
-        out[name] = _check_case(Case("hybrid", "zigzag", True, "gqa", "float32"), rank, world, mesh=mesh)
-        out[name]["cp_rank"] = ctxpar.hybrid_rank(mesh)
+        out[name] = dict(verdict=check_case(Case("hybrid", "zigzag", True, "gqa", "float32"), rank, world, mesh=mesh),
+                         cp_rank=ctxpar.hybrid_rank(mesh))
     return out
 
 
@@ -285,11 +294,7 @@ def run_all(rank: int, world: int) -> dict:
     for case in exactness_cases():
         if not case.runs_on(world):
             continue
-        try:
-            results["exactness"][case.id] = _check_case(
-                case, rank, world, mesh=mesh if case.strategy == "hybrid" else None)
-        except Exception:
-            results["exactness"][case.id] = dict(exception=traceback.format_exc())
+        results["exactness"][case.id] = check_case(case, rank, world, mesh=mesh if case.strategy == "hybrid" else None)
     results["bad_inputs"] = _check_bad_inputs(rank, world, mesh)
     results["traffic"] = _check_traffic(rank, world, mesh)
     results["loss_weighting"] = _check_loss_weighting(rank, world)

@@ -31,13 +31,8 @@ CASES = [pytest.param(world, case, id=f"P{world}-{case.id}") for world in WORLD_
 
 @pytest.mark.parametrize("world, case", CASES)
 def test_matches_fp64_reference_on_cuda(world: int, case) -> None:
-    for rank, res in enumerate(results(world)):
-        r = res[case.id]
-        assert "exception" not in r, f"rank {rank}:\n{r.get('exception')}"
-        assert r["finite"] and r["dtypes_ok"], f"rank {rank}: finite {r['finite']}, dtypes {r['dtypes_ok']}"
-        for name in TENSORS:
-            assert r["errors"][name] <= r["tolerances"][name], (
-                f"rank {rank} {name}: max abs error {r['errors'][name]:.3g} > tolerance {r['tolerances'][name]:.3g}")
+    for res in results(world):
+        assert res[case.id] == "ok", res[case.id]
 
 
 def _block(h: int, hkv: int, s: int, d: int, dtype: torch.dtype, seed: int = 0):

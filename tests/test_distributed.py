@@ -7,7 +7,6 @@ import pytest
 import dist_cases
 import spawned
 from ctxpar.plan import traffic
-from ctxpar.verify import TENSORS
 
 WORLD_SIZES = (1, 2, 3, 4)
 def results(world: int) -> list[dict]:
@@ -25,14 +24,8 @@ CASES = [
 
 @pytest.mark.parametrize("world, case", CASES)
 def test_matches_fp64_reference(world: int, case: dist_cases.Case) -> None:
-    for rank, res in enumerate(results(world)):
-        r = res["exactness"][case.id]
-        assert "exception" not in r, f"rank {rank}:\n{r.get('exception')}"
-        assert r["finite"], f"rank {rank}: non-finite values"
-        assert r["dtypes_ok"], f"rank {rank}: output or gradient dtype differs from the input dtype"
-        for name in TENSORS:
-            err, tol = r["errors"][name], r["tolerances"][name]
-            assert err <= tol, f"rank {rank} {name}: max abs error {err:.3g} > tolerance {tol:.3g}"
+    for res in results(world):
+        assert res["exactness"][case.id] == "ok", res["exactness"][case.id]
 
 
 def test_every_strategy_is_exercised_on_every_world_size_it_allows() -> None:
@@ -69,7 +62,8 @@ EXPECTED_MESSAGES = {
 def test_bad_inputs_raise_clear_errors_without_hanging(world: int) -> None:
     for rank, res in enumerate(results(world)):
         messages = dict(res["bad_inputs"])
-        assert messages.pop("after") == "ok", "attention after the rejected calls did not work"
+        after = messages.pop("after")
+        assert after == "ok", f"attention after the rejected calls: {after}"
         for name, message in messages.items():
             for fragment in EXPECTED_MESSAGES[name]:
                 assert fragment in message, f"rank {rank} {name}: {fragment!r} not in {message!r}"
@@ -110,9 +104,7 @@ def test_hybrid_on_every_mesh_shape_and_dim_order() -> None:
     seen_ranks = {}
     for rank, res in enumerate(results(4)):
         for mesh, r in res["hybrid_meshes"].items():
-            assert "exception" not in r, r.get("exception")
-            for name in TENSORS:
-                assert r["errors"][name] <= r["tolerances"][name], f"rank {rank} {mesh} {name}"
+            assert r["verdict"] == "ok", f"{mesh}: {r['verdict']}"
             seen_ranks.setdefault(mesh, []).append(r["cp_rank"])
     assert sorted(seen_ranks["ulysses2xring2"]) == [0, 1, 2, 3]
     assert seen_ranks["ulysses2xring2"] != [0, 1, 2, 3], "with the dims swapped the CP rank is not the global rank"
@@ -141,7 +133,5 @@ def test_ranks_that_disagree_all_raise_with_check_consistency(world: int) -> Non
 
 def test_any_process_group_not_only_world() -> None:
     for rank, res in enumerate(results(4)):
-        for strategy, r in res["subgroups"].items():
-            assert "exception" not in r, r.get("exception")
-            for name in TENSORS:
-                assert r["errors"][name] <= r["tolerances"][name], f"rank {rank} {strategy} {name}"
+        for strategy, verdict in res["subgroups"].items():
+            assert verdict == "ok", f"{strategy} on a subgroup: {verdict}"

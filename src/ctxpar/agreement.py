@@ -21,6 +21,7 @@ import zlib
 import torch
 import torch.distributed as dist
 
+from ctxpar import profile
 from ctxpar.comm import all_gather_into
 from ctxpar.topology import Topology
 
@@ -89,5 +90,7 @@ def _all_gather(sig: list[int], group: dist.ProcessGroup | None) -> torch.Tensor
     device = torch.device("cuda", torch.cuda.current_device()) if dist.get_backend(group) == "nccl" else "cpu"
     mine = torch.tensor(sig, dtype=torch.int64, device=device)
     table = mine.new_empty(dist.get_world_size(group) * len(sig))
-    all_gather_into(table, mine, group=group)  # uncounted: not part of the strategy's traffic
-    return table.view(-1, len(sig)).cpu()
+    profile.add_traffic(0, 0)  # a synchronisation point; its few bytes are not the strategy's traffic
+    with profile.timed("wait", mine.device):
+        all_gather_into(table, mine, group=group)
+        return table.view(-1, len(sig)).cpu()

@@ -5,7 +5,7 @@ independent of the algorithm the backend picks (the "bus bandwidth" convention o
 nccl-tests): a rank's own chunk of a collective is never counted.
 
     ring step          sends its buffer, receives one of the same size
-    all_to_all         sends (W-1)/W of its input, receives (W-1)/W of its output
+    all_to_all         sends (W-1)/W of its buffer, receives (W-1)/W of the result
     all_gather         sends its shard to W-1 ranks, receives W-1 shards
     reduce_scatter     sends W-1 of its W chunks, receives W-1 chunks to add into its own
 
@@ -103,35 +103,50 @@ def _world_size(group: dist.ProcessGroup | None) -> int:
     return dist.get_world_size(group) if dist.is_available() and dist.is_initialized() else 1
 
 
-def all_to_all(x: torch.Tensor, scatter_dim: int, gather_dim: int, group: dist.ProcessGroup | None) -> torch.Tensor:
-    """Split ``x`` into W chunks along ``scatter_dim``, send chunk j to rank j, and
-    concatenate the chunks received (in rank order) along ``gather_dim``.
-
-    Ulysses' sequence -> heads: (B, H, S, D) with scatter_dim=1, gather_dim=2 gives
-    (B, H/W, W*S, D); heads -> sequence is the same call with the dims swapped.
-    """
+def all_to_all(*sends: torch.Tensor, group: dist.ProcessGroup | None) -> list[torch.Tensor]:
+    """Each of ``sends`` (W, ...) contiguous: chunk j goes to rank j; returns, for each, a
+    (W, ...) tensor whose chunk j came from rank j. All are posted at once and waited for
+    together: one synchronisation point. With W = 1, ``sends`` themselves."""
     world = _world_size(group)
     if world == 1:
-        return x
-    send = torch.stack(x.chunk(world, dim=scatter_dim))  # (W, ...) contiguous, chunk j for rank j
-    device = send.device
-    if _staged(send, group):
-        send = send.cpu()
-    recv = torch.empty_like(send)
-    dist.all_to_all_single(recv, send, group=group)
-    moved = _nbytes(send) * (world - 1) // world
-    profile.add_traffic(moved, moved)
-    return torch.cat(recv.to(device).unbind(0), dim=gather_dim)
+        return list(sends)
+    device = sends[0].device
+    posted = []
+    for send in sends:
+        host = send.cpu() if _staged(send, group) else send
+        recv = torch.empty_like(host)
+        moved = _nbytes(host) * (world - 1) // world
+        profile.add_traffic(moved, moved)
+        posted.append((host, recv, dist.all_to_all_single(recv, host, group=group, async_op=True)))
+    with profile.timed("wait", device):
+        for _, _, work in posted:
+            work.wait()
+    return [recv.to(device) for _, recv, _ in posted]
 
 
-class PendingAllGather:
+class _Pending:
+    """A collective in flight on ``_work`` (None: nothing to wait for); ``wait()`` returns
+    ``_out`` on the device its input came from."""
+
+    _device: torch.device
+    _out: torch.Tensor
+    _work = None
+
+    def wait(self) -> torch.Tensor:
+        if self._work is not None:
+            with profile.timed("wait", self._device):
+                self._work.wait()
+        return self._out.to(self._device)
+
+
+class PendingAllGather(_Pending):
     """An all-gather in flight; ``wait()`` returns the (W, *shard.shape) result."""
 
     def __init__(self, shard: torch.Tensor, group: dist.ProcessGroup | None) -> None:
         world = _world_size(group)
         self._device = shard.device
         self._shard = shard = shard.contiguous()  # kept alive until the gather has read it
-        self._out, self._work = shard.unsqueeze(0), None
+        self._out = shard.unsqueeze(0)
         if world > 1:
             if _staged(shard, group):
                 self._shard = shard = shard.cpu()
@@ -140,21 +155,15 @@ class PendingAllGather:
             self._work = all_gather_into(flat, shard, group=group, async_op=True)
             profile.add_traffic(_nbytes(shard) * (world - 1), _nbytes(shard) * (world - 1))
 
-    def wait(self) -> torch.Tensor:
-        if self._work is not None:
-            with profile.timed("wait", self._device):
-                self._work.wait()
-        return self._out.to(self._device)
 
-
-class PendingReduceScatter:
+class PendingReduceScatter(_Pending):
     """A reduce-scatter in flight: input (W, *shape), rank r gets the sum of every rank's
     chunk r; ``wait()`` returns it."""
 
     def __init__(self, chunks: torch.Tensor, group: dist.ProcessGroup | None) -> None:
         world = chunks.shape[0]
         self._device = chunks.device
-        self._out, self._work = chunks[0], None
+        self._out = chunks[0]
         if world > 1:
             if _staged(chunks, group):
                 chunks = chunks.cpu()
@@ -163,9 +172,3 @@ class PendingReduceScatter:
             self._work = _reduce_scatter(self._out, self._input, group=group, async_op=True)
             moved = _nbytes(self._out) * (world - 1)
             profile.add_traffic(moved, moved)
-
-    def wait(self) -> torch.Tensor:
-        if self._work is not None:
-            with profile.timed("wait", self._device):
-                self._work.wait()
-        return self._out.to(self._device)

@@ -29,6 +29,8 @@ class Record:
     compute_seconds: float = 0.0  # local kernels and merges, wall clock
     compute_cpu_seconds: float = 0.0  # the same, CPU time of this process (immune to time-sharing)
     wait_seconds: float = 0.0  # blocked on communication that compute did not hide
+    collectives: int = 0  # communications posted (one ring step's send + receive counts once)
+    waits: int = 0  # times this rank blocked until a communication completed: synchronisation points
 
 
 _open: list[Record] = []
@@ -46,9 +48,11 @@ def record() -> Iterator[Record]:
 
 
 def add_traffic(sent: int, received: int) -> None:
+    """One communication posted, moving these bytes out of and into this rank."""
     for rec in _open:
         rec.bytes_sent += sent
         rec.bytes_received += received
+        rec.collectives += 1
 
 
 @contextlib.contextmanager
@@ -61,6 +65,9 @@ def timed(counter: str, device: torch.device) -> Iterator[None]:
     if not _open:
         yield
         return
+    if counter == "wait":
+        for rec in _open:
+            rec.waits += 1
     sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
     sync()
     wall, cpu = time.perf_counter(), time.process_time()

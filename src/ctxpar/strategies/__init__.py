@@ -14,7 +14,8 @@ import torch
 
 from ctxpar.strategies.allgather import allgather_attention
 from ctxpar.strategies.ring import ring_attention
-from ctxpar.strategies.ulysses import ulysses_attention
+from ctxpar.strategies.alltoall import alltoall_attention
+from ctxpar.strategies.hybrid import hybrid_attention
 from ctxpar.strategy_rules import STRATEGY_NAMES, check_heads
 from ctxpar.topology import Topology
 
@@ -37,8 +38,8 @@ class Strategy:
 STRATEGIES = {  # keyed by strategy_rules.STRATEGY_NAMES
     "ring": Strategy(ring_attention, _no_constraint, "ring"),
     "allgather": Strategy(allgather_attention, _no_constraint, "ring"),
-    "alltoall": Strategy(ulysses_attention, _heads_split_over_ulysses, "ulysses"),
-    "hybrid": Strategy(ulysses_attention, _heads_split_over_ulysses, "mesh"),
+    "alltoall": Strategy(alltoall_attention, _heads_split_over_ulysses, "ulysses"),
+    "hybrid": Strategy(hybrid_attention, _heads_split_over_ulysses, "mesh"),
 }
 assert tuple(STRATEGIES) == STRATEGY_NAMES
 

@@ -1,89 +1,146 @@
-"""All-gather attention (Llama 3 style): every rank gathers all K/V, keeps its queries.
+"""All-gather attention (Llama 3 style): every rank gathers all K/V and keeps its queries.
 
-K/V are gathered one KV head at a time (with the query heads that use it), the next
-head's gather posted before the current head is computed, so at most two gathered heads
-are alive: the gathered buffer is bounded by 2 * P * 2*B*S*D elements whatever H_kv::
+K/V are gathered in (at most) two halves of the KV heads, the second gather posted before
+the first half is computed, so the transfer hides behind compute and no more than the
+whole sequence's K/V plus one half is alive::
 
-    KV head 0:  gather ──wait──▶ compute (its query heads x every rank's K/V, block plan)
-    KV head 1:         gather ─────────────wait──▶ compute
-                                                  ...
+    KV heads, first half:   gather ──wait──▶ compute (their query heads x all T keys)
+    KV heads, second half:         gather ─────────────wait──▶ compute
 
-Queries see only the key blocks the plan lists: for causal layouts, invisible shards
-are never computed. Backward gathers K/V again, computes dQ locally and every shard's
-dK/dV share, and reduce-scatters those (fp32) so each rank receives the sum for its own
-shard. GQA: only H_kv heads are gathered, which makes this cheap for small H_kv.
+The gathered shards arrive rank by rank. Where it takes fewer kernel calls (zigzag,
+contiguous), they are put in global position order once, and a rank's queries attend to
+the whole sequence through the tiles between its positions and 0..T-1: the few large calls
+the unsplit computation would make (zigzag: two per query chunk), not one or two per
+shard. Where it does not (striped, whose rows each see a different prefix of the ordered
+keys), the tiles are taken against each rank's shard as it arrived. ``_key_order`` asks
+the block plan for both and keeps the one with fewer tiles.
+
+Backward gathers K/V again, computes dQ and this rank's share of every position's dK/dV
+(fp32), puts that back in rank order and reduce-scatters it, so each rank receives the sum
+for its own shard; the reduce-scatter of the first half overlaps the second half's compute.
 
 Traffic per rank (S = T/P local length, e element size): forward (P-1)*2*B*H_kv*S*D*e;
 backward (P-1)*2*B*H_kv*S*D*e for the re-gather plus (P-1)*2*B*H_kv*S*D*a for dK/dV
-(a = 4, or 8 for float64: the accumulation dtype).
+(a = 4, or 8 for float64: the accumulation dtype). Four collectives backward, two forward.
 """
 
 from __future__ import annotations
+
+import functools
 
 import torch
 from torch.autograd.function import once_differentiable
 
 from ctxpar import profile
-from ctxpar.blocks import layout_tiles
+from ctxpar.blocks import layout_tiles, tiles_between
 from ctxpar.comm import PendingAllGather, PendingReduceScatter
 from ctxpar.layout import Layout
-from ctxpar.strategies.blockwise import backward_tiles, forward_tiles, gradient_accumulators, output_accumulators
+from ctxpar.strategies.blockwise import (backward_tiles, finish_forward, forward_tiles, gradient_accumulators,
+                                         output_accumulators)
 from ctxpar.topology import Topology
 
 
-def _head_groups(kv_heads: int) -> list[slice]:
-    return [slice(h, h + 1) for h in range(kv_heads)]
+def _halves(kv_heads: int) -> list[slice]:
+    """The KV heads in (at most) two gathers: the second in flight while the first computes."""
+    half = -(-kv_heads // 2)
+    return [slice(0, half)] + ([slice(half, kv_heads)] if half < kv_heads else [])
+
+
+@functools.lru_cache(maxsize=256)
+def _key_order(layout: Layout, seq_len: int, rank: int, causal: bool):
+    """How this rank attends to the gathered keys, whichever takes fewer kernel calls:
+
+    ("global", tiles, (index, arrival)): keys put in position order, tiles against 0..T-1;
+        ``index`` (T,): each position's arrival slot (source rank * S + local index),
+        ``arrival`` (T,): each arrival slot's position (the inverse).
+    ("by_rank", tiles_per_rank, None): keys left as they arrived, tiles against each shard.
+    """
+    world = layout.world_size
+    by_rank = tuple(layout_tiles(layout, seq_len, rank, src, causal) for src in range(world))
+    whole = tiles_between(layout.positions(seq_len, rank), torch.arange(seq_len), causal)
+    if len(whole) >= sum(len(t) for t in by_rank):
+        return "by_rank", by_rank, None
+    arrival = torch.cat([layout.positions(seq_len, src) for src in range(world)])
+    index = torch.empty_like(arrival)
+    index[arrival] = torch.arange(seq_len)
+    return "global", whole, (index, arrival)
+
+
+def _attend_forward(q, gathered, order, acc_out, acc_lse, scale) -> None:
+    """Merge attention to the gathered keys (P, 2, B, h, S, D) into the accumulators."""
+    kind, tiles, maps = order
+    if kind == "by_rank":
+        for src, src_tiles in enumerate(tiles):
+            forward_tiles(q, gathered[src, 0], gathered[src, 1], src_tiles, acc_out, acc_lse, scale)
+        return
+    kv = _in_position_order(gathered, maps[0])  # (2, B, h, T, D)
+    forward_tiles(q, kv[0], kv[1], tiles, acc_out, acc_lse, scale)
+
+
+def _attend_backward(dout, q, gathered, out, lse, order, scale, dq) -> torch.Tensor:
+    """dQ into ``dq``; returns this rank's dK/dV share of every source, (P, 2, B, h, S, D)."""
+    kind, tiles, maps = order
+    if kind == "by_rank":
+        shares = torch.zeros(gathered.shape, dtype=dq.dtype, device=dq.device)
+        for src, src_tiles in enumerate(tiles):
+            backward_tiles(dout, q, gathered[src, 0], gathered[src, 1], out, lse, src_tiles, scale, dq,
+                           shares[src, 0], shares[src, 1])
+        return shares
+    index, arrival = maps
+    kv = _in_position_order(gathered, index)
+    dkv = torch.zeros(kv.shape, dtype=dq.dtype, device=dq.device)  # (2, B, h, T, D), position order
+    backward_tiles(dout, q, kv[0], kv[1], out, lse, tiles, scale, dq, dkv[0], dkv[1])
+    world, local = gathered.shape[0], gathered.shape[4]
+    by_arrival = dkv.index_select(3, arrival.to(dkv.device)).unflatten(3, (world, local))  # (2, B, h, P, S, D)
+    return by_arrival.permute(3, 0, 1, 2, 4, 5).contiguous()  # (P, 2, B, h, S, D)
+
+
+def _in_position_order(gathered: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
+    """(P, 2, B, h, S, D) as they arrived -> (2, B, h, T, D) in position order: one copy."""
+    local = gathered.shape[4]
+    index = index.to(gathered.device)
+    return gathered.permute(1, 2, 3, 0, 4, 5)[:, :, :, index // local, index % local]
 
 
 class AllGatherAttention(torch.autograd.Function):
     @staticmethod
     def forward(ctx, q, k, v, layout: Layout, group, rank: int, causal: bool, scale: float):
-        world, seq_len = layout.world_size, q.shape[2] * layout.world_size
+        order = _key_order(layout, q.shape[2] * layout.world_size, rank, causal)
         g = q.shape[1] // k.shape[1]  # query heads per KV head
         acc_out, acc_lse = output_accumulators(q)  # (B, H, S, D), (B, H, S)
         kv = torch.stack([k, v])  # (2, B, H_kv, S, D)
-        heads = _head_groups(k.shape[1])
-        pending = PendingAllGather(kv[:, :, heads[0]], group)
-        for i, kvh in enumerate(heads):
-            gathered = pending.wait()  # (P, 2, B, 1, S, D)
-            if i + 1 < len(heads):
-                pending = PendingAllGather(kv[:, :, heads[i + 1]], group)
+        halves = _halves(k.shape[1])
+        pending = PendingAllGather(kv[:, :, halves[0]], group)
+        for i, kvh in enumerate(halves):
+            gathered = pending.wait()  # (P, 2, B, h, S, D)
+            if i + 1 < len(halves):
+                pending = PendingAllGather(kv[:, :, halves[i + 1]], group)
             qh = slice(kvh.start * g, kvh.stop * g)
             with profile.timed("compute", q.device):
-                for src in range(world):
-                    tiles = layout_tiles(layout, seq_len, rank, src, causal)
-                    forward_tiles(q[:, qh], gathered[src, 0], gathered[src, 1], tiles,
-                                   acc_out[:, qh], acc_lse[:, qh], scale)
-        out = acc_out.to(q.dtype)
-        ctx.save_for_backward(q, k, v, out, acc_lse)
-        ctx.args = (layout, group, rank, causal, scale)
-        ctx.mark_non_differentiable(acc_lse)
-        return out, acc_lse
+                _attend_forward(q[:, qh], gathered, order, acc_out[:, qh], acc_lse[:, qh], scale)
+        ctx.args = (group, order, scale)
+        return finish_forward(ctx, q, k, v, acc_out, acc_lse)
 
     @staticmethod
     @once_differentiable
     def backward(ctx, dout, _dlse):
         q, k, v, out, lse = ctx.saved_tensors
-        layout, group, rank, causal, scale = ctx.args
-        world, seq_len = layout.world_size, q.shape[2] * layout.world_size
+        group, order, scale = ctx.args
         g = q.shape[1] // k.shape[1]
         dout = dout.contiguous()
-        dq, dkv = gradient_accumulators(q, k)  # dkv: our shard's dK, dV, filled head by head
+        dq, dkv = gradient_accumulators(q, k)  # dkv: our shard's dK, dV, filled half by half
         kv = torch.stack([k, v])
-        heads = _head_groups(k.shape[1])
-        pending = PendingAllGather(kv[:, :, heads[0]], group)
-        reducing = None  # (heads, PendingReduceScatter) of the previous group, still in flight
-        for i, kvh in enumerate(heads):
+        halves = _halves(k.shape[1])
+        pending = PendingAllGather(kv[:, :, halves[0]], group)
+        reducing = None  # (heads, PendingReduceScatter) of the previous half, still in flight
+        for i, kvh in enumerate(halves):
             gathered = pending.wait()
-            if i + 1 < len(heads):
-                pending = PendingAllGather(kv[:, :, heads[i + 1]], group)
+            if i + 1 < len(halves):
+                pending = PendingAllGather(kv[:, :, halves[i + 1]], group)
             qh = slice(kvh.start * g, kvh.stop * g)
-            shares = torch.zeros(gathered.shape, dtype=dkv.dtype, device=q.device)  # (P, 2, B, 1, S, D)
             with profile.timed("compute", q.device):
-                for src in range(world):
-                    tiles = layout_tiles(layout, seq_len, rank, src, causal)
-                    backward_tiles(dout[:, qh], q[:, qh], gathered[src, 0], gathered[src, 1], out[:, qh],
-                                    lse[:, qh], tiles, scale, dq[:, qh], shares[src, 0], shares[src, 1])
+                shares = _attend_backward(dout[:, qh], q[:, qh], gathered, out[:, qh], lse[:, qh], order, scale,
+                                          dq[:, qh])
             if reducing is not None:
                 dkv[:, :, reducing[0]] = reducing[1].wait()
             reducing = (kvh, PendingReduceScatter(shares, group))

@@ -8,8 +8,9 @@ without communication.
 from __future__ import annotations
 
 import torch
+from torch.autograd.function import once_differentiable
 
-from ctxpar import kernels
+from ctxpar import kernels, profile
 from ctxpar.blocks import Tile
 from ctxpar.merge import merge_into
 
@@ -27,6 +28,15 @@ def gradient_accumulators(q: torch.Tensor, k: torch.Tensor) -> tuple[torch.Tenso
     acc = kernels.accumulation_dtype(q.dtype)
     return (torch.zeros(q.shape, dtype=acc, device=q.device),
             torch.zeros((2, *k.shape), dtype=acc, device=k.device))
+
+
+def finish_forward(ctx, q, k, v, acc_out: torch.Tensor, acc_lse: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """The end of every strategy's forward: ``out`` in q's dtype; out, lse and the inputs
+    saved for the backward; lse (accumulation dtype) marked non-differentiable."""
+    out = acc_out.to(q.dtype)
+    ctx.save_for_backward(q, k, v, out, acc_lse)
+    ctx.mark_non_differentiable(acc_lse)
+    return out, acc_lse
 
 
 def forward_tiles(
@@ -80,3 +90,25 @@ def backward_tiles(
         dq[:, :, qs] += g_q
         dk[:, :, ks] += g_k
         dv[:, :, ks] += g_v
+
+
+class LocalAttention(torch.autograd.Function):
+    """Attention of ``q`` to keys held on this rank, tile by tile: (out, lse), differentiable
+    in q, k, v. The all-to-all strategy's compute between its two exchanges."""
+
+    @staticmethod
+    def forward(ctx, q, k, v, tiles: tuple[Tile, ...], scale: float):
+        acc_out, acc_lse = output_accumulators(q)  # (B, H, S, D), (B, H, S)
+        with profile.timed("compute", q.device):
+            forward_tiles(q, k, v, tiles, acc_out, acc_lse, scale)
+        ctx.tiles, ctx.scale = tiles, scale
+        return finish_forward(ctx, q, k, v, acc_out, acc_lse)
+
+    @staticmethod
+    @once_differentiable
+    def backward(ctx, dout, _dlse):
+        q, k, v, out, lse = ctx.saved_tensors
+        dq, dkv = gradient_accumulators(q, k)
+        with profile.timed("compute", q.device):
+            backward_tiles(dout.contiguous(), q, k, v, out, lse, ctx.tiles, ctx.scale, dq, dkv[0], dkv[1])
+        return dq.to(q.dtype), dkv[0].to(k.dtype), dkv[1].to(v.dtype), None, None

@@ -29,7 +29,8 @@ from ctxpar import profile
 from ctxpar.blocks import layout_tiles
 from ctxpar.comm import RingComm
 from ctxpar.layout import Layout
-from ctxpar.strategies.blockwise import backward_tiles, forward_tiles, gradient_accumulators, output_accumulators
+from ctxpar.strategies.blockwise import (backward_tiles, finish_forward, forward_tiles, gradient_accumulators,
+                                         output_accumulators)
 from ctxpar.topology import Topology
 
 _KV_TAG, _DKV_TAG = 0, 1
@@ -56,11 +57,8 @@ class RingAttention(torch.autograd.Function):
             if not last:
                 comm.wait()
                 kv, spare = spare, kv
-        out = acc_out.to(q.dtype)
-        ctx.save_for_backward(q, k, v, out, acc_lse)
         ctx.layout, ctx.group, ctx.rank, ctx.causal, ctx.scale = layout, group, rank, causal, scale
-        ctx.mark_non_differentiable(acc_lse)
-        return out, acc_lse
+        return finish_forward(ctx, q, k, v, acc_out, acc_lse)
 
     @staticmethod
     @once_differentiable
@@ -81,6 +79,16 @@ class RingAttention(torch.autograd.Function):
             last = step == world - 1
             if not last:
                 kv_comm.start(send=kv, recv=kv_spare)
+            # At step i this rank holds shard s = r - i and computes its share of s's dK/dV:
+            # step 0 into `own`; step 1 into a fresh accumulator it starts sending on; from
+            # step 2 into `scratch`, added to the accumulator for s arriving from rank r-1,
+            # which it sends on. Traced for P = 3 on rank 0:
+            #   step 0  shard 0: own += share
+            #   step 1  shard 2: send_acc = share                     -> rank 1
+            #   step 2  shard 1: recv_acc (from rank 2, started there at its step 1) += share
+            #                                                         -> rank 1, shard 1's owner
+            #   end     recv_acc (shard 0's: started by rank 1, via rank 2) is added to own
+            # Every accumulator makes P - 1 hops and lands on its owner after the last step.
             target = own if step == 0 else send_acc if step == 1 else scratch
             if step >= 1:
                 target.zero_()
