@@ -36,6 +36,7 @@ import time
 import torch
 
 import ctxpar
+from ctxpar.masks import Mask
 from ctxpar.plan.work import rank_pairs
 from ctxpar.demo import DemoConfig, run_demo
 from ctxpar.verify import unsplit_attention
@@ -144,7 +145,8 @@ def efficiency(device: torch.device, dtype: torch.dtype, cases: list[tuple[int, 
                 seq=seq, world=world, layout=name, unsplit_seconds=unsplit, rank_seconds=times,
                 sum_over_unsplit=sum(times) / unsplit, max_over_min=max(times) / min(times),
                 unsplit_tflops=unsplit_flops / unsplit / 1e12,
-                slowest_rank_tflops=causal_flops(rank_pairs(layout, seq, slowest, True), h, d) / times[slowest] / 1e12,
+                slowest_rank_tflops=(causal_flops(rank_pairs(layout, seq, slowest, Mask()), h, d)
+                                     / times[slowest] / 1e12),
                 rank_peak_growth_bytes=peaks, rank_o_s_bytes=o_s,
             ))
     return rows

@@ -23,6 +23,7 @@ import torch
 import ctxpar
 from ctxpar.blocks import layout_tiles
 from ctxpar.strategies.blockwise import backward_tiles, forward_tiles, gradient_accumulators, output_accumulators
+from ctxpar.masks import Mask
 from ctxpar.verify import unsplit_attention
 from report import write_json
 
@@ -32,13 +33,13 @@ def rank_step(layout, seq_len: int, rank: int, shards: dict, causal: bool, scale
     q, dout = shards["q"][rank], shards["dout"][rank]
     acc_out, acc_lse = output_accumulators(q)
     for src in range(layout.world_size):
-        tiles = layout_tiles(layout, seq_len, rank, src, causal)
+        tiles = layout_tiles(layout, seq_len, rank, src, Mask(causal=causal))
         forward_tiles(q, shards["k"][src], shards["v"][src], tiles, acc_out, acc_lse, scale)
     out = acc_out.to(q.dtype)
     dq, dkv = gradient_accumulators(q, shards["k"][rank])
     for src in range(layout.world_size):
         dkv.zero_()  # each source's dK/dV share, as the ring's scratch accumulator
-        tiles = layout_tiles(layout, seq_len, rank, src, causal)
+        tiles = layout_tiles(layout, seq_len, rank, src, Mask(causal=causal))
         backward_tiles(dout, q, shards["k"][src], shards["v"][src], out, acc_lse, tiles, scale, dq, dkv[0], dkv[1])
 
 

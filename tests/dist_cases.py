@@ -7,6 +7,7 @@ functions in ``test_distributed.py`` then assert on.
 
 from __future__ import annotations
 
+import functools
 import itertools
 import traceback
 import zlib
@@ -17,7 +18,8 @@ import torch.distributed as dist
 
 import ctxpar
 from ctxpar.kernels.reference import reference_attention
-from ctxpar.verify import TENSORS, max_abs_errors, tolerances, torch_sdpa
+from ctxpar.masks import Mask
+from ctxpar.verify import FP32_RTOL, TENSORS, max_abs_errors, tolerances, torch_sdpa
 
 STRATEGIES = ("ring", "allgather", "alltoall", "hybrid")
 LAYOUTS = ("contiguous", "zigzag", "striped")
@@ -38,6 +40,9 @@ class Case:
     chunk: int = 3  # tokens per zigzag chunk: T = 2 * P * chunk
     scale: float | None = None
     memory: str = "dense"  # how q/k/v sit in memory: a key of MEMORY
+    documents: str | None = None  # a key of DOCUMENTS
+    window: int | None = None
+    sinks: bool = False
 
     @property
     def id(self) -> str:
@@ -45,12 +50,55 @@ class Case:
         extra = f"-T{self.chunk}" if self.chunk != 3 else ""
         extra += f"-scale{self.scale}" if self.scale is not None else ""
         extra += f"-{self.memory}" if self.memory != "dense" else ""
+        extra += f"-docs_{self.documents}" if self.documents else ""
+        extra += f"-window{self.window}" if self.window else ""
+        extra += "-sinks" if self.sinks else ""
         return f"{self.strategy}-{self.layout}-{mask}-{self.heads}-{self.dtype}{extra}"
+
+    def documents_for(self, seq_len: int) -> tuple[int, ...] | None:
+        return None if self.documents is None else DOCUMENTS[self.documents](seq_len)
 
     def runs_on(self, world: int) -> bool:
         if self.strategy == "hybrid":
             return world == HYBRID_MESH[0] * HYBRID_MESH[1]
         return self.strategy != "alltoall" or HEADS[self.heads][0] % world == 0
+
+
+def _seeded_lengths(seq_len: int, seed: int, longest: int) -> tuple[int, ...]:
+    """Document lengths 1..longest drawn from a seed (the same on every rank), summing to T."""
+    gen = torch.Generator().manual_seed(seed)
+    lengths, left = [], seq_len
+    while left:
+        n = min(left, int(torch.randint(1, longest + 1, (1,), generator=gen)))
+        lengths.append(n)
+        left -= n
+    return tuple(lengths)
+
+
+# packed rows, as functions of T: 1-token documents, documents shorter than P, one
+# document spanning several ranks, random lengths
+DOCUMENTS = {
+    "ones": lambda t: (1,) * t,
+    "mixed": lambda t: (1, 2, t - 7, 1, 3),
+    "random": lambda t: _seeded_lengths(t, seed=t, longest=9),
+}
+
+
+def mask_cases() -> list[Case]:
+    """Documents, sliding windows (1 key, a few, more than T) and sinks, every strategy
+    and layout; T = 2 * P * 5."""
+    grid = []
+    for strategy, layout in itertools.product(STRATEGIES, LAYOUTS):
+        mask = functools.partial(Case, strategy, layout, heads="gqa", dtype="float32", chunk=5)
+        grid += [mask(causal=True, documents="random"), mask(causal=False, documents="mixed"),
+                 mask(causal=True, window=1), mask(causal=True, window=6), mask(causal=True, window=100),
+                 mask(causal=True, documents="mixed", window=4), mask(causal=True, sinks=True),
+                 mask(causal=False, documents="random", sinks=True)]
+    for strategy in STRATEGIES:
+        grid += [Case(strategy, "zigzag", True, "mha", "bfloat16", chunk=5, documents="random", window=5, sinks=True),
+                 Case(strategy, "striped", True, "mqa", "float64", chunk=5, documents="ones"),
+                 Case(strategy, "zigzag", True, "gqa", "float32", chunk=40, documents="random", window=17)]
+    return grid
 
 
 def exactness_cases() -> list[Case]:
@@ -63,7 +111,7 @@ def exactness_cases() -> list[Case]:
                  Case(strategy, "striped", True, "gqa", "bfloat16", memory="bshd"),
                  Case(strategy, "zigzag", True, "gqa", "float32", memory="interleaved"),
                  Case(strategy, "contiguous", False, "mha", "bfloat16", memory="d_major")]
-    return grid
+    return grid + mask_cases()
 
 
 def _inputs(case: Case, world: int, seed: int) -> tuple[torch.Tensor, ...]:
@@ -110,21 +158,30 @@ def _case_problems(case: Case, rank: int, world: int, group, group_rank: int | N
     dtype = DTYPES[case.dtype]
     q, k, v, dout = _inputs(case, world, seed=zlib.crc32(case.id.encode()))
     scale = case.scale if case.scale is not None else q.shape[-1] ** -0.5
+    seq_len = q.shape[2]
+    documents = case.documents_for(seq_len)
+    sinks = torch.linspace(-1.0, 2.0, q.shape[1], dtype=torch.float64) if case.sinks else None
 
     ref_in = [t.clone().requires_grad_() for t in (q, k, v)]
-    out, lse = reference_attention(*ref_in, causal=case.causal, scale=scale)
+    ref_sinks = sinks.clone().requires_grad_() if case.sinks else None
+    mask = Mask(case.causal, documents, case.window if case.window and case.window < seq_len else None)
+    out, lse = reference_attention(*ref_in, causal=case.causal, scale=scale, mask=mask, sinks=ref_sinks)
     out.backward(dout)
     ref = dict(out=out.detach(), lse=lse.detach(), dq=ref_in[0].grad, dk=ref_in[1].grad, dv=ref_in[2].grad)
 
     baseline = None
-    if dtype != torch.float32:
-        low = torch_sdpa(*(t.to(device, dtype) for t in (q, k, v, dout)), causal=case.causal, scale=scale)
+    if dtype != torch.float32:  # (with sinks: the same call without them, for the error scale of this dtype)
+        dense = None if mask.is_plain else mask.visible(torch.arange(seq_len), torch.arange(seq_len), seq_len)
+        low = torch_sdpa(*(t.to(device, dtype) for t in (q, k, v, dout)), causal=case.causal, scale=scale,
+                         mask=None if dense is None else dense.to(device))
         baseline = max_abs_errors({n: t.cpu() for n, t in low.items()}, ref)
 
     shard = lambda t: layout.shard(t, group_rank, dim=2)  # noqa: E731
     local = [_local(shard(t).to(device), dtype, case.memory) for t in (q, k, v)]
+    local_sinks = sinks.to(device, torch.float32).requires_grad_() if case.sinks else None
     got_out, got_lse = ctxpar.attention_with_lse(
-        *local, layout=layout, group=group, mesh=mesh, causal=case.causal, scale=case.scale, strategy=case.strategy
+        *local, layout=layout, group=group, mesh=mesh, causal=case.causal, scale=case.scale, strategy=case.strategy,
+        documents=documents, window=case.window, sinks=local_sinks,
     )
     got_out.backward(shard(dout).to(device, dtype))
     got = {n: t.detach().cpu() for n, t in
@@ -134,6 +191,19 @@ def _case_problems(case: Case, rank: int, world: int, group, group_rank: int | N
     problems = [f"{n} max abs error {errors[n]:.3g} > tolerance {tol[n]:.3g}" for n in TENSORS
                 if not errors[n] <= tol[n]]
     problems += [f"{n} not finite" for n in TENSORS if not bool(torch.isfinite(got[n]).all())]
+    if case.sinks:  # each rank holds its rows' share of the sinks' gradient
+        total = local_sinks.grad.detach().double()
+        if dist.is_initialized():
+            dist.all_reduce(total, group=group)
+        error = (total.cpu() - ref_sinks.grad).abs()
+        # d/d sink_h = -sum over rows of p_sink * (dout . out): out rounded to the case's
+        # dtype (as the kernels' delta is) perturbs each term by up to its eps
+        terms = torch.exp(sinks.view(1, -1, 1) - ref["lse"]) * (dout * ref["out"]).abs().sum(-1)
+        eps = {torch.bfloat16: 2.0**-8, torch.float16: 2.0**-11}.get(dtype, FP32_RTOL)
+        allowed = 2 * eps * terms.sum((0, 2)) + FP32_RTOL * ref_sinks.grad.abs().max()
+        if not bool((error <= allowed).all()):
+            problems.append(f"sink gradient max abs error {float(error.max()):.3g} > tolerance "
+                            f"{float(allowed[error.argmax()]):.3g}")
     lse_dtype = torch.float64 if dtype == torch.float64 else torch.float32
     dtypes = (got_out.dtype, got_lse.dtype, *(t.grad.dtype for t in local))
     if dtypes != (dtype, lse_dtype, dtype, dtype, dtype):
@@ -164,6 +234,15 @@ def _bad_inputs(world: int, mesh) -> dict[str, tuple]:
         "causal_type": ((q, kv, kv), dict(layout="zigzag", causal="no")),
         "hybrid_without_mesh": ((q, kv, kv), dict(layout="zigzag", strategy="hybrid")),
         "mesh_for_ring": ((q, kv, kv), dict(layout="zigzag", strategy="ring", mesh=object())),
+        "documents_sum": ((q, kv, kv), dict(layout="zigzag", documents=(3, 4))),
+        "documents_empty": ((q, kv, kv), dict(layout="zigzag", documents=(6 * world, 0))),
+        "documents_float": ((q, kv, kv), dict(layout="zigzag", documents=torch.tensor([6.0 * world]))),
+        "documents_cu_seqlens_short": ((q, kv, kv), dict(layout="zigzag", documents=[0, 2, 5])),
+        "window_zero": ((q, kv, kv), dict(layout="zigzag", window=0)),
+        "window_not_causal": ((q, kv, kv), dict(layout="zigzag", window=3, causal=False)),
+        "sinks_shape": ((q, kv, kv), dict(layout="zigzag", sinks=torch.zeros(3))),
+        "sinks_nan": ((q, kv, kv), dict(layout="zigzag", sinks=torch.full((4,), float("nan")))),
+        "sinks_int": ((q, kv, kv), dict(layout="zigzag", sinks=torch.zeros(4, dtype=torch.long))),
     }
     if world > 1:  # gloo carries CPU and CUDA tensors only
         bad["gloo_device"] = ((q.to("meta"), kv.to("meta"), kv.to("meta")), dict(layout="zigzag"))
@@ -217,6 +296,23 @@ def _check_traffic(rank: int, world: int, mesh) -> dict:
             out.sum().backward()
         counted[(strategy, shape, str(dtype))] = dict(
             forward=(fwd.bytes_sent, fwd.bytes_received), backward=(bwd.bytes_sent, bwd.bytes_received))
+    return counted
+
+
+def _check_window_traffic(rank: int, world: int) -> dict:
+    """Ring bytes (sent, received) under sliding windows on the contiguous layout: halos of
+    one shard or less, of more than one shard, and a window wider than the sequence."""
+    b, h, hkv, s, d = 1, 4, 2, 6, 8
+    counted = {}
+    for window in (1, 4, s + 3, 2 * s + 1, 10 * s * world):
+        q = torch.randn(b, h, s, d, requires_grad=True)
+        k, v = (torch.randn(b, hkv, s, d, requires_grad=True) for _ in range(2))
+        with ctxpar.record() as fwd:
+            out = ctxpar.attention(q, k, v, layout="contiguous", window=window)
+        with ctxpar.record() as bwd:
+            out.sum().backward()
+        counted[window] = dict(sent=(fwd.bytes_sent, bwd.bytes_sent), received=(fwd.bytes_received,
+                                                                                bwd.bytes_received))
     return counted
 
 
@@ -297,6 +393,7 @@ def run_all(rank: int, world: int) -> dict:
         results["exactness"][case.id] = check_case(case, rank, world, mesh=mesh if case.strategy == "hybrid" else None)
     results["bad_inputs"] = _check_bad_inputs(rank, world, mesh)
     results["traffic"] = _check_traffic(rank, world, mesh)
+    results["window_traffic"] = _check_window_traffic(rank, world)
     results["loss_weighting"] = _check_loss_weighting(rank, world)
     if world > 1:
         results["consistency"] = _check_consistency(rank, world)

@@ -7,8 +7,9 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from ctxpar.blocks import MaskKind, Tile, layout_tiles, tiles_between
+from ctxpar.blocks import MaskKind, Tile, count_pairs, layout_tiles, tiles_between
 from ctxpar.layout import LAYOUT_NAMES, UnionLayout, get_layout
+from ctxpar.masks import Mask
 from ctxpar.plan.work import rank_pairs, union_pairs
 
 
@@ -22,7 +23,7 @@ def covered(blocks: tuple[Tile, ...], sq: int, sk: int) -> torch.Tensor:
         visible = {
             MaskKind.FULL: torch.ones(nq, nk, dtype=torch.bool),
             MaskKind.CAUSAL: c <= a,
-            MaskKind.CAUSAL_STRICT: c < a,
+            MaskKind.PARTIAL: b.visible(),
         }[b.kind]
         hits[b.q, b.kv] += visible.long()
     return hits
@@ -42,13 +43,13 @@ def test_plans_cover_exactly_the_visible_pairs(name: str, world: int, causal: bo
     seq_len = 2 * world * 6
     for r in range(world):
         for s in range(world):
-            blocks = layout_tiles(layout, seq_len, r, s, causal)
+            blocks = layout_tiles(layout, seq_len, r, s, Mask(causal=causal))
             want = brute_force(layout.positions(seq_len, r), layout.positions(seq_len, s), causal)
             assert torch.equal(covered(blocks, *want.shape), want), (r, s)
             assert sum(b.pairs for b in blocks) == int(want.sum())
             assert all(b.pairs > 0 for b in blocks), "blocks with nothing visible must be skipped"
-        plans = [layout_tiles(layout, seq_len, r, s, causal) for s in range(world)]
-        assert rank_pairs(layout, seq_len, r, causal) == sum(b.pairs for plan in plans for b in plan)
+        plans = [layout_tiles(layout, seq_len, r, s, Mask(causal=causal)) for s in range(world)]
+        assert rank_pairs(layout, seq_len, r, Mask(causal=causal)) == sum(b.pairs for plan in plans for b in plan)
 
 
 @settings(max_examples=200, deadline=None)
@@ -58,33 +59,32 @@ def test_plans_cover_exactly_the_visible_pairs(name: str, world: int, causal: bo
 )
 def test_any_ascending_positions_get_an_exact_plan(q_pos: list[int], kv_pos: list[int]) -> None:
     q, kv = torch.tensor(sorted(q_pos)), torch.tensor(sorted(kv_pos))
-    blocks = tiles_between(q, kv, causal=True)
+    blocks = tiles_between(q, kv, Mask(), 61)
     assert torch.equal(covered(blocks, len(q), len(kv)), brute_force(q, kv, True))
 
 
 def test_zigzag_off_diagonal_steps_are_half_size_blocks() -> None:
     layout, seq_len = get_layout("zigzag", 4), 64  # local shard 16 = two chunks of 8
-    (early,) = layout_tiles(layout, seq_len, 2, 1, True)  # keys from an earlier rank
+    (early,) = layout_tiles(layout, seq_len, 2, 1, Mask())  # keys from an earlier rank
     assert (early.q, early.kv, early.kind) == (slice(0, 16), slice(0, 8), MaskKind.FULL)
-    (late,) = layout_tiles(layout, seq_len, 1, 2, True)  # keys from a later rank
+    (late,) = layout_tiles(layout, seq_len, 1, 2, Mask())  # keys from a later rank
     assert (late.q, late.kv, late.kind) == (slice(8, 16), slice(0, 16), MaskKind.FULL)
-    (diag,) = layout_tiles(layout, seq_len, 1, 1, True)
+    (diag,) = layout_tiles(layout, seq_len, 1, 1, Mask())
     assert (diag.q, diag.kv, diag.kind) == (slice(0, 16), slice(0, 16), MaskKind.CAUSAL)
 
 
 def test_striped_later_ranks_give_the_shifted_causal_block() -> None:
     layout, seq_len = get_layout("striped", 4), 32
-    (later,) = layout_tiles(layout, seq_len, 1, 2, True)
-    assert (later.q, later.kv, later.kind) == (slice(0, 8), slice(0, 7), MaskKind.CAUSAL_STRICT)
-    assert later.kernel_args() == (slice(1, 8), slice(0, 7), True)
-    (earlier,) = layout_tiles(layout, seq_len, 2, 1, True)
+    (later,) = layout_tiles(layout, seq_len, 1, 2, Mask())  # its first query sees no key of rank 2
+    assert (later.q, later.kv, later.kind) == (slice(1, 8), slice(0, 7), MaskKind.CAUSAL)
+    (earlier,) = layout_tiles(layout, seq_len, 2, 1, Mask())
     assert earlier.kind is MaskKind.CAUSAL
 
 
 def test_contiguous_skips_future_ranks_and_is_imbalanced() -> None:
     layout, seq_len = get_layout("contiguous", 4), 64
-    assert layout_tiles(layout, seq_len, 0, 3, True) == ()
-    pairs = [rank_pairs(layout, seq_len, r, True) for r in range(4)]
+    assert layout_tiles(layout, seq_len, 0, 3, Mask()) == ()
+    pairs = [rank_pairs(layout, seq_len, r, Mask()) for r in range(4)]
     assert sum(pairs) == seq_len * (seq_len + 1) // 2
     assert max(pairs) / (sum(pairs) / 4) == pytest.approx(1.75, abs=0.02)
 
@@ -92,7 +92,7 @@ def test_contiguous_skips_future_ranks_and_is_imbalanced() -> None:
 @pytest.mark.parametrize("name", ["zigzag", "striped"])
 def test_balanced_layouts_split_causal_work_evenly(name: str) -> None:
     layout, seq_len = get_layout(name, 4), 16384
-    pairs = [rank_pairs(layout, seq_len, r, True) for r in range(4)]
+    pairs = [rank_pairs(layout, seq_len, r, Mask()) for r in range(4)]
     assert sum(pairs) == seq_len * (seq_len + 1) // 2
     assert max(pairs) / (sum(pairs) / 4) <= 1.001
 
@@ -101,7 +101,7 @@ def test_malformed_blocks_are_rejected() -> None:
     with pytest.raises(ValueError):
         Tile(0, 4, 0, 3, MaskKind.CAUSAL)
     with pytest.raises(ValueError, match="ascending"):
-        tiles_between(torch.tensor([3, 1]), torch.tensor([0, 1]), causal=True)
+        tiles_between(torch.tensor([3, 1]), torch.tensor([0, 1]), Mask(), 4)
 
 
 def test_union_pairs_are_the_pairs_of_the_union_layout() -> None:
@@ -109,5 +109,72 @@ def test_union_pairs_are_the_pairs_of_the_union_layout() -> None:
     layout, seq_len = get_layout("zigzag", 4), 64
     union = UnionLayout(2, layout, 2)
     for rank in range(4):
-        assert union_pairs(layout, seq_len, rank, True, 1) == rank_pairs(layout, seq_len, rank, True)
-        assert union_pairs(layout, seq_len, rank, True, 2) == rank_pairs(union, seq_len, rank // 2, True)
+        assert union_pairs(layout, seq_len, rank, Mask(), 1) == rank_pairs(layout, seq_len, rank, Mask())
+        assert union_pairs(layout, seq_len, rank, Mask(), 2) == rank_pairs(union, seq_len, rank // 2, Mask())
+
+
+def _documents(draw_lengths: list[int], seq_len: int) -> tuple[int, ...] | None:
+    """Cut ``seq_len`` into documents with the drawn lengths (the last one takes the rest)."""
+    lengths, total = [], 0
+    for n in draw_lengths:
+        if total + n >= seq_len:
+            break
+        lengths.append(n)
+        total += n
+    return tuple(lengths + [seq_len - total]) if lengths else None
+
+
+@settings(max_examples=300, deadline=None)
+@given(
+    name=st.sampled_from(LAYOUT_NAMES),
+    world=st.integers(1, 4),
+    chunks=st.integers(1, 12),
+    causal=st.booleans(),
+    lengths=st.lists(st.integers(1, 40), max_size=12),
+    window=st.one_of(st.none(), st.integers(1, 120)),
+)
+def test_masked_plans_cover_exactly_the_visible_pairs(name, world, chunks, causal, lengths, window) -> None:
+    """Documents (any lengths, 1-token ones included) and windows, every layout: the tiles
+    cover each visible pair once and nothing else, and never an empty tile."""
+    layout = get_layout(name, world)
+    seq_len = 2 * world * chunks
+    mask = Mask(causal=causal, documents=_documents(lengths, seq_len), window=window if causal else None)
+    for r in range(world):
+        work = 0
+        for s in range(world):
+            tiles = layout_tiles(layout, seq_len, r, s, mask)
+            q_pos, kv_pos = layout.positions(seq_len, r), layout.positions(seq_len, s)
+            want = mask.visible(q_pos, kv_pos, seq_len).long()
+            assert torch.equal(covered(tiles, *want.shape), want), (r, s, tiles)
+            assert all(t.pairs > 0 for t in tiles)
+            work += count_pairs(tiles)
+        assert rank_pairs(layout, seq_len, r, mask) == work
+
+
+def test_a_window_band_is_cut_into_few_tiles_that_compute_little_more_than_it_sees() -> None:
+    """One rank, T=4096, window 512: tiles of about 256 rows, mostly FULL, and the keys
+    computed (a PARTIAL tile computes all its pairs) within 1.3x of the visible pairs."""
+    seq_len, window = 4096, 512
+    positions = torch.arange(seq_len)
+    tiles = tiles_between(positions, positions, Mask(window=window), seq_len)
+    computed = sum((t.q_stop - t.q_start) * (t.kv_stop - t.kv_start) if t.kind is not MaskKind.CAUSAL else t.pairs
+                   for t in tiles)
+    visible = count_pairs(tiles)
+    assert visible == sum(min(p + 1, window) for p in range(seq_len))
+    assert computed / visible < 1.3
+    assert len(tiles) < 3 * seq_len // 256 + 4
+
+
+def test_a_window_skips_shards_it_cannot_see() -> None:
+    layout, seq_len = get_layout("contiguous", 4), 64  # 16 tokens per rank
+    mask = Mask(window=8)
+    assert [bool(layout_tiles(layout, seq_len, 3, s, mask)) for s in range(4)] == [False, False, True, True]
+
+
+def test_documents_keep_plain_tiles() -> None:
+    """Long documents cut into FULL and causal tiles only: no explicit mask."""
+    layout, seq_len = get_layout("zigzag", 2), 4096
+    mask = Mask(documents=(1000, 3000, 96))
+    for r in range(2):
+        for s in range(2):
+            assert all(t.kind is not MaskKind.PARTIAL for t in layout_tiles(layout, seq_len, r, s, mask))

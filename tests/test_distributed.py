@@ -55,6 +55,15 @@ EXPECTED_MESSAGES = {
     "hybrid_layout_world": ["ulysses degree 2", "ring degree 2"],
     "hybrid_heads": ["H=5", "ulysses degree=2"],
     "non_member": ["not a member"],
+    "documents_sum": ["sum to 7", "tokens"],
+    "documents_empty": ["lengths must be >= 1"],
+    "documents_float": ["1-D integer tensor"],
+    "documents_cu_seqlens_short": ["cu_seqlens must end at the sequence length"],
+    "window_zero": ["window must be an integer >= 1"],
+    "window_not_causal": ["needs causal=True"],
+    "sinks_shape": ["shape (H,) = (4,)"],
+    "sinks_nan": ["finite"],
+    "sinks_int": ["floating point"],
 }
 
 
@@ -91,6 +100,27 @@ def test_counted_bytes_equal_the_documented_formulas(world: int) -> None:
             assert counted["backward"] == (want.backward, want.backward), (strategy, hkv, dtype)
             checked.add(strategy)
     assert checked == set(dist_cases.STRATEGIES) - (set() if world == 4 else {"hybrid"})
+
+
+@pytest.mark.parametrize("world", WORLD_SIZES, ids=lambda w: f"P{w}")
+def test_a_sliding_window_sends_only_the_halo(world: int) -> None:
+    """Counted ring bytes per rank under windows on the contiguous layout equal
+    ``traffic.ring_window``; a window wider than T sends what plain causal sends."""
+    b, hkv, s, d = 1, 2, 6, 8
+    for rank, res in enumerate(results(world)):
+        for window, counted in res["window_traffic"].items():
+            if window >= s * world:
+                plain = traffic.ring(batch=b, local_len=s, kv_heads=hkv, head_dim=d, world=world, elem=4, acc=4)
+                want_sent = want_received = plain
+            else:
+                want_sent, want_received = traffic.ring_window(batch=b, local_len=s, kv_heads=hkv, head_dim=d,
+                                                               world=world, window=window, rank=rank, elem=4, acc=4)
+            assert counted["sent"] == (want_sent.forward, want_sent.backward), (rank, window)
+            assert counted["received"] == (want_received.forward, want_received.backward), (rank, window)
+    if world > 1:  # the halo: w-1 keys' K/V, not the (P-1) shards of plain causal
+        sent, _ = traffic.ring_window(batch=b, local_len=s, kv_heads=hkv, head_dim=d, world=world, window=4, rank=0,
+                                      elem=4, acc=4)
+        assert sent.forward == 3 * 2 * b * hkv * d * 4
 
 
 def test_ring_volume_by_hand() -> None:

@@ -109,3 +109,36 @@ def test_reference_kernel_bounds_its_score_tiles(causal, monkeypatch) -> None:
     grads = reference.attention_backward(dout, q, k, v, out, lse, causal=causal, scale=0.3)
     for got, expected in zip((out, lse, *grads), (want_out, want_lse, *want)):
         torch.testing.assert_close(got, expected, rtol=0, atol=1e-12)
+
+
+@pytest.mark.parametrize("backend", [cpu, reference], ids=["cpu", "reference"])
+@pytest.mark.parametrize("heads", [(4, 4), (4, 1)])
+def test_an_explicit_tile_mask_is_honoured_and_a_row_that_sees_nothing_gets_minus_inf(backend, heads) -> None:
+    """A PARTIAL tile: random visibility with one row that sees no key. Its lse is -inf
+    (it merges as nothing), and given the global lse of the rows that do see keys the
+    backward gives exactly the masked gradients."""
+    q, k, v = make(*heads, s=20)
+    gen = torch.Generator().manual_seed(3)
+    visible = torch.rand(20, 20, generator=gen) < 0.4
+    visible[5] = False
+    visible[6, 19] = True
+    dout = torch.randn_like(q)
+    leaves = [t.clone().requires_grad_() for t in (q, k, v)]
+    scores_mask = visible.clone()
+    scores_mask[5, 0] = True  # the reference needs one key for row 5; its gradient is zeroed below
+    s = torch.einsum("bhqd,bhkd->bhqk", leaves[0], leaves[1].repeat_interleave(heads[0] // heads[1], 1)) * 0.25
+    s = s.masked_fill(~scores_mask, float("-inf"))
+    want_lse = torch.logsumexp(s, -1)
+    want_out = torch.softmax(s, -1) @ leaves[2].repeat_interleave(heads[0] // heads[1], 1)
+    (want_out * dout.masked_fill(~visible.any(-1).view(1, 1, 20, 1), 0)).sum().backward()
+    out, lse = backend.attention_forward(q, k, v, causal=False, scale=0.25, mask=visible)
+    assert torch.isneginf(lse[:, :, 5]).all() and (out[:, :, 5] == 0).all()
+    rows = visible.any(-1)
+    torch.testing.assert_close(out[:, :, rows], want_out[:, :, rows], rtol=0, atol=1e-12)
+    torch.testing.assert_close(lse[:, :, rows], want_lse[:, :, rows], rtol=0, atol=1e-12)
+    global_lse = lse.masked_fill(~rows.view(1, 1, 20), 0.0)  # row 5 sees keys in some other tile
+    grads = backend.attention_backward(dout.masked_fill(~rows.view(1, 1, 20, 1), 0), q, k, v, out, global_lse,
+                                       causal=False, scale=0.25, mask=visible)
+    for got, leaf in zip(grads, leaves):
+        assert torch.isfinite(got).all()
+        torch.testing.assert_close(got, leaf.grad, rtol=0, atol=1e-12)

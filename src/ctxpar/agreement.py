@@ -28,15 +28,19 @@ from ctxpar.topology import Topology
 # bits of the first field: what this rank knows went wrong so far
 OWN_INPUTS_REJECTED, SAW_REJECTED, SAW_DIFFERENT = 1, 2, 4
 FIELDS = ("trouble", "batch", "heads", "kv_heads", "local_len", "head_dim", "dtype", "causal", "scale",
-          "strategy", "layout", "needs_grad")
+          "strategy", "layout", "needs_grad", "documents/window", "sinks")
 
 
 def _code(text: str) -> int:
     return zlib.crc32(text.encode())
 
 
-def signature(q, k, v, *, layout_name: str, causal, scale, strategy, rejected: bool) -> list[int]:
+def signature(q, k, v, *, layout_name: str, causal, scale, strategy, rejected: bool, mask=None, sinks=None
+              ) -> list[int]:
     """Integers describing one call; shape fields are -1 where the inputs are not tensors.
+
+    ``mask``: the call's documents and window (a ``Mask``, or None where it was invalid);
+    ``sinks``: their values, which every rank must share (a replicated parameter).
 
     ``needs_grad``: whether this call will run a backward (which communicates too), so a
     rank whose inputs lack ``requires_grad`` is caught here rather than left out there.
@@ -46,9 +50,16 @@ def signature(q, k, v, *, layout_name: str, causal, scale, strategy, rejected: b
     kv_heads = k.shape[1] if isinstance(k, torch.Tensor) and k.dim() == 4 else -1
     dtype = _code(str(q.dtype)) if isinstance(q, torch.Tensor) else -1
     scale_bits = struct.unpack("<q", struct.pack("<d", float(scale)))[0] if isinstance(scale, (int, float)) else -1
+    if isinstance(sinks, torch.Tensor):
+        tensors.append(sinks)
     needs_grad = torch.is_grad_enabled() and any(t.requires_grad for t in tensors)
+    mask_code = -1 if mask is None else _code(f"{mask.documents}/{mask.window}")
+    sinks_code = 0 if sinks is None else -1
+    if isinstance(sinks, torch.Tensor):
+        sinks_code = zlib.crc32(sinks.detach().to("cpu", torch.float64).contiguous().numpy().tobytes())
     return [OWN_INPUTS_REJECTED if rejected else 0, shape[0], shape[1], kv_heads, shape[2], shape[3], dtype,
-            int(bool(causal)), scale_bits, _code(str(strategy)), _code(layout_name), int(needs_grad)]
+            int(bool(causal)), scale_bits, _code(str(strategy)), _code(layout_name), int(needs_grad), mask_code,
+            sinks_code]
 
 
 def check_ranks_agree(sig: list[int], topo: Topology, error: ValueError | None) -> None:
@@ -78,7 +89,7 @@ def check_ranks_agree(sig: list[int], topo: Topology, error: ValueError | None) 
         what = f"different {', '.join(differs)}" if differs else "different arguments (seen by another rank)"
         raise ValueError(
             f"the ranks of the CP group called attention with {what}; every rank must pass the same shapes, "
-            f"dtype, causal flag, scale, strategy, layout and requires_grad"
+            f"dtype, causal flag, scale, strategy, layout, documents, window, sinks and requires_grad"
         )
 
 

@@ -9,6 +9,7 @@ import torch.distributed as dist
 
 from ctxpar import agreement, kernels, topology
 from ctxpar.layout import Layout, get_layout
+from ctxpar.masks import make_mask
 from ctxpar.strategies import STRATEGIES, Strategy
 from ctxpar.strategy_rules import check_strategy
 
@@ -27,6 +28,9 @@ def attention_with_lse(
     strategy: str = "ring",
     mesh=None,
     check_consistency: bool = True,
+    documents=None,
+    window: int | None = None,
+    sinks: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Exact attention over a sequence sharded across the ranks of ``group``.
 
@@ -61,12 +65,22 @@ def attention_with_lse(
             waiting on each other. One tiny collective per call (cost measured by
             ``benchmarks/consistency.py``, figures in docs/benchmarks.md); turn it off
             only on every rank at once, for calls already known to agree.
+        documents: the documents packed into the row (the whole sequence, T tokens):
+            their lengths, or ``cu_seqlens`` (0, ..., T); a query sees only keys of its
+            own document. Any lengths: 1-token documents, documents shorter than P or
+            split across ranks. The same on every rank.
+        window: causal sliding window: the query at position p sees keys p-window+1..p
+            (itself included; ``window >= T`` is plain causal). Needs causal=True.
+        sinks: (H,) per-head attention-sink logits (gpt-oss): exp(sink) joins every
+            row's softmax denominator, with no value; differentiable (each rank gets
+            its rows' share of the gradient, as for any parameter replicated over the
+            CP group). The same values on every rank.
 
     Returns:
-        out (B, H, S, D) in q's dtype, differentiable w.r.t. q, k, v; and
+        out (B, H, S, D) in q's dtype, differentiable w.r.t. q, k, v (and sinks); and
         lse (B, H, S) float32 (float64 for float64 inputs), the natural-log sum of
-        exp(scaled scores) over all visible keys of the whole sequence (not
-        differentiable).
+        exp(scaled scores) over all visible keys of the whole sequence, sinks included
+        (not differentiable).
 
     Raises:
         ValueError: for any invalid input, before any K/V move. With
@@ -74,12 +88,14 @@ def attention_with_lse(
             or differ from the others'; without it the checks are local, and ranks
             called differently may compute wrong results or wait on each other.
     """
-    error, topo = None, None
+    error, topo, mask = None, None, None
     try:
         chosen = _strategy(strategy)
         topo = _topology(chosen.axis, strategy, group, mesh)
         layout = _layout_for(layout, topo)
-        scale = _validate(q, k, v, layout, topo, causal, scale)
+        scale = _validate(q, k, v, layout, topo, scale)
+        mask = make_mask(q.shape[2] * layout.world_size, causal=causal, documents=documents, window=window)
+        _check_sinks(sinks, q)
         chosen.check(q, k, topo)
     except ValueError as e:
         error = e
@@ -89,14 +105,14 @@ def attention_with_lse(
         peers = topo or _fallback_topology(group, mesh)
         if peers is not None and peers.world_size > 1:
             sig = agreement.signature(q, k, v, layout_name=_layout_name(layout), causal=causal, scale=scale,
-                                      strategy=strategy, rejected=error is not None)
+                                      strategy=strategy, rejected=error is not None, mask=mask, sinks=sinks)
             agreement.check_ranks_agree(sig, peers, error)
     if error is not None:
         raise error
     # once per shard, not per block; k and v need no copy here: every strategy copies them
     # into its own send buffers (the stacked K/V of the ring and all-gather, the all-to-all's)
     q = kernels.unit_stride(q)
-    return chosen.run(q, k, v, layout=layout, topo=topo, causal=causal, scale=scale)
+    return chosen.run(q, k, v, sinks, layout=layout, topo=topo, mask=mask, scale=scale)
 
 
 def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, **kwargs) -> torch.Tensor:
@@ -141,7 +157,7 @@ def _layout_for(layout: str | Layout, topo: topology.Topology) -> Layout:
     return get_layout(layout, topo.world_size)
 
 
-def _validate(q, k, v, layout: Layout, topo: topology.Topology, causal: bool, scale: float | None) -> float:
+def _validate(q, k, v, layout: Layout, topo: topology.Topology, scale: float | None) -> float:
     for name, t in (("q", q), ("k", k), ("v", v)):
         if not isinstance(t, torch.Tensor) or t.dim() != 4:
             got = tuple(t.shape) if isinstance(t, torch.Tensor) else type(t).__name__
@@ -159,8 +175,6 @@ def _validate(q, k, v, layout: Layout, topo: topology.Topology, causal: bool, sc
                          f"must be >= 1")
     if h % hk:
         raise ValueError(f"query heads H={h} must be a multiple of key/value heads H_kv={hk}")
-    if not isinstance(causal, bool):
-        raise ValueError(f"causal must be True or False, got {causal!r}")
     if not (q.dtype == k.dtype == v.dtype):
         raise ValueError(f"q, k, v dtypes differ: {q.dtype}, {k.dtype}, {v.dtype}; cast them to one dtype")
     if q.dtype not in _DTYPES:
@@ -179,6 +193,20 @@ def _validate(q, k, v, layout: Layout, topo: topology.Topology, causal: bool, sc
     if isinstance(scale, bool) or not (isinstance(scale, (int, float)) and math.isfinite(scale) and scale > 0):
         raise ValueError(f"scale must be a positive finite number, got {scale!r}")
     return float(scale)
+
+
+def _check_sinks(sinks, q: torch.Tensor) -> None:
+    if sinks is None:
+        return
+    if not isinstance(sinks, torch.Tensor) or sinks.shape != (q.shape[1],):
+        got = tuple(sinks.shape) if isinstance(sinks, torch.Tensor) else type(sinks).__name__
+        raise ValueError(f"sinks must be a tensor of shape (H,) = ({q.shape[1]},), one logit per query head, got {got}")
+    if not sinks.dtype.is_floating_point:
+        raise ValueError(f"sinks must be floating point, got {sinks.dtype}")
+    if sinks.device != q.device:
+        raise ValueError(f"sinks are on {sinks.device} but q is on {q.device}")
+    if not bool(torch.isfinite(sinks).all()):
+        raise ValueError("sinks must be finite (use sinks=None for no sink)")
 
 
 def _check_backend(backend: str, device: torch.device) -> None:

@@ -1,31 +1,35 @@
 """The block plan: which (query slice, key slice, mask kind) tiles a rank must compute.
 
-Strategies never look at layout names. They ask for the plan between a query shard and
-a key shard, computed here from the two shards' global positions, and run one kernel
-call per tile. Tiles with no visible (query, key) pair are never produced.
+Strategies never look at layout or mask names. They ask for the plan between a query
+shard and a key shard, computed here from the two shards' global positions and the
+``Mask`` (``ctxpar.masks``), and run one kernel call per tile. Tiles with no visible
+(query, key) pair are never produced.
 
 Mask kinds, drawn for a 4-query tile (``x`` = query row sees key column)::
 
-    FULL            CAUSAL          CAUSAL_STRICT (keys = queries - 1)
-    x x x x         x . . .         . . .
-    x x x x         x x . .         x . .
-    x x x x         x x x .         x x .
-    x x x x         x x x x         x x x
+    FULL            CAUSAL          PARTIAL (any rows, explicit mask)
+    x x x x         x . . .         . x x x .
+    x x x x         x x . .         . . x x x
+    x x x x         x x x .         . . . x x
+    x x x x         x x x x         . . . . x
 
-Which layout yields which tiles (P ranks, causal, queries of rank r, keys of rank s):
+Which layout yields which tiles (P ranks, plain causal, queries of rank r, keys of rank s):
 
     contiguous  s < r: FULL                      s == r: CAUSAL     s > r: nothing
     zigzag      s < r: FULL, all queries x first half of keys (the early chunk)
                 s == r: CAUSAL over the whole shard
                 s > r: FULL, second half of queries (the late chunk) x all keys
-    striped     s <= r: CAUSAL                   s > r: CAUSAL_STRICT
+    striped     s <= r: CAUSAL                   s > r: CAUSAL, all queries but the first
 
-The plan is derived, not tabulated: for each query row, the number of visible keys
-n_i = #{kv positions <= q position} is a prefix length (both shards are ascending).
-Runs where n_i stays constant become FULL tiles over the first n_i keys; runs where
-n_i grows by one per row become a diagonal (CAUSAL, CAUSAL_STRICT, or FULL + CAUSAL
-when the diagonal starts after a fully visible prefix). Any other position pattern
-still yields an exact, if finer-grained, plan.
+The plan is derived, not tabulated. The mask gives each query an interval of visible
+key positions; both shards are ascending, so each query row i sees a contiguous range
+of key *indices* [lo_i, hi_i), and lo and hi never decrease from one row to the next.
+Rows that share lo (plain causal, a document's rows) are cut like a prefix: runs where
+hi stays constant become FULL tiles, runs where it grows by one per row a diagonal
+(CAUSAL, or FULL + CAUSAL after a fully visible prefix). Rows whose lo
+moves (a sliding window, short documents) are taken ``band_rows`` at a time: the columns
+where lo moves are one PARTIAL tile with an explicit mask, the rest is cut as a prefix
+from there. Any other pattern still yields an exact, if finer-grained, plan.
 """
 
 from __future__ import annotations
@@ -37,23 +41,31 @@ from dataclasses import dataclass
 import torch
 
 from ctxpar.layout import Layout
+from ctxpar.masks import Mask
+
+MIN_BAND_ROWS, MAX_BAND_ROWS = 16, 256  # rows per band block: about the window's width, within these
 
 
 class MaskKind(enum.Enum):
     FULL = "full"
     CAUSAL = "causal"
-    CAUSAL_STRICT = "causal-strict"
+    PARTIAL = "partial"
 
 
 @dataclass(frozen=True)
 class Tile:
-    """One kernel call: queries ``q_start:q_stop`` against keys ``kv_start:kv_stop``."""
+    """One kernel call: queries ``q_start:q_stop`` against keys ``kv_start:kv_stop``.
+
+    ``rows`` (PARTIAL only): for each query row, the keys [a, b) it sees, counted from
+    ``kv_start``; the kernel gets them as an explicit mask (``visible``).
+    """
 
     q_start: int
     q_stop: int
     kv_start: int
     kv_stop: int
     kind: MaskKind
+    rows: tuple[tuple[int, int], ...] | None = None
 
     @property
     def q(self) -> slice:
@@ -71,65 +83,109 @@ class Tile:
             return nq * nk
         if self.kind is MaskKind.CAUSAL:
             return nq * (nq + 1) // 2
-        return nq * (nq - 1) // 2
+        return sum(b - a for a, b in self.rows)
 
-    def kernel_args(self) -> tuple[slice, slice, bool]:
-        """(query slice, key slice, is_causal) for a kernel whose causal mask is square.
+    def visible(self) -> torch.Tensor | None:
+        """(queries, keys) bool mask of a PARTIAL tile (cached); None for the other kinds."""
+        return _rows_mask(self.rows, self.kv_stop - self.kv_start) if self.kind is MaskKind.PARTIAL else None
 
-        CAUSAL_STRICT's first query row sees no key in this tile, so it is left out and
-        the remaining rows against the keys form an ordinary square causal tile.
-        """
-        if self.kind is MaskKind.CAUSAL_STRICT:
-            return slice(self.q_start + 1, self.q_stop), self.kv, True
-        return self.q, self.kv, self.kind is MaskKind.CAUSAL
+    def kernel_args(self) -> tuple[slice, slice, bool, torch.Tensor | None]:
+        """(query slice, key slice, is_causal, mask): CAUSAL is the kernels' square causal
+        mask; PARTIAL tiles pass their explicit mask (True = visible)."""
+        return self.q, self.kv, self.kind is MaskKind.CAUSAL, self.visible()
 
     def __post_init__(self) -> None:
         nq, nk = self.q_stop - self.q_start, self.kv_stop - self.kv_start
-        expected_nk = {MaskKind.FULL: nk, MaskKind.CAUSAL: nq, MaskKind.CAUSAL_STRICT: nq - 1}[self.kind]
-        if nq <= 0 or nk <= 0 or nk != expected_nk:
+        if self.kind is MaskKind.PARTIAL:
+            ok = (self.rows is not None and len(self.rows) == nq and nk > 0
+                  and all(0 <= a < b <= nk for a, b in self.rows))
+            if not ok:
+                raise ValueError(f"malformed partial tile: {nq} queries x {nk} keys, rows {self.rows}")
+            return
+        expected_nk = {MaskKind.FULL: nk, MaskKind.CAUSAL: nq}[self.kind]
+        if nq <= 0 or nk <= 0 or nk != expected_nk or self.rows is not None:
             raise ValueError(f"malformed {self.kind.value} tile: {nq} queries x {nk} keys")
 
 
-def tiles_between(q_positions: torch.Tensor, kv_positions: torch.Tensor, causal: bool) -> tuple[Tile, ...]:
+@functools.lru_cache(maxsize=4096)
+def _rows_mask(rows: tuple[tuple[int, int], ...], keys: int) -> torch.Tensor:
+    bounds = torch.tensor(rows, dtype=torch.int64)  # (queries, 2)
+    cols = torch.arange(keys).unsqueeze(0)
+    return (cols >= bounds[:, :1]) & (cols < bounds[:, 1:])
+
+
+def tiles_between(q_positions: torch.Tensor, kv_positions: torch.Tensor, mask: Mask, seq_len: int) -> tuple[Tile, ...]:
     """Tiles covering exactly the visible pairs between a query and a key shard.
 
     Args:
-        q_positions: (Sq,) ascending global positions of the queries.
-        kv_positions: (Sk,) ascending global positions of the keys.
-        causal: whether query at position i may only see keys at positions <= i.
+        q_positions: (Sq,) strictly ascending global positions of the queries.
+        kv_positions: (Sk,) strictly ascending global positions of the keys.
+        mask: what each query may see (``ctxpar.masks.Mask``).
+        seq_len: T, the length of the whole row the positions are taken from.
     """
-    sq, sk = q_positions.numel(), kv_positions.numel()
-    if not causal:
-        return (Tile(0, sq, 0, sk, MaskKind.FULL),)
     for name, pos in (("query", q_positions), ("key", kv_positions)):
         if pos.numel() > 1 and not bool((pos[1:] > pos[:-1]).all()):
             raise ValueError(f"{name} positions must be strictly ascending for a block plan")
-    visible = torch.searchsorted(kv_positions, q_positions, right=True).tolist()  # n_i per row
+    first, stop = mask.intervals(q_positions, seq_len)
+    kv = kv_positions.to(torch.int64)
+    lo = torch.searchsorted(kv, first).tolist()  # row i sees key indices [lo_i, hi_i)
+    hi = torch.searchsorted(kv, stop).tolist()
     tiles: list[Tile] = []
-    i = 0
+    i, sq = 0, len(lo)
     while i < sq:
-        n = visible[i]
-        step = visible[i + 1] - n if i + 1 < sq else None
-        if step == 1:  # a diagonal: row i + a sees keys [0, n + a)
-            j = i + 1
-            while j + 1 < sq and visible[j + 1] == visible[j] + 1:
-                j += 1
-            length = j - i + 1
-            if n == 0:
-                tiles.append(Tile(i, j + 1, 0, length - 1, MaskKind.CAUSAL_STRICT))
-            else:
-                if n > 1:
-                    tiles.append(Tile(i, j + 1, 0, n - 1, MaskKind.FULL))
-                tiles.append(Tile(i, j + 1, n - 1, n - 1 + length, MaskKind.CAUSAL))
-            i = j + 1
+        if hi[i] <= lo[i]:
+            i += 1
             continue
-        j = i  # a run of rows that all see the same first n keys
-        while j + 1 < sq and visible[j + 1] == n:
+        j = i  # rows i..j-1 share lo and see something
+        while j < sq and lo[j] == lo[i] and hi[j] > lo[j]:
             j += 1
-        if n > 0:
-            tiles.append(Tile(i, j + 1, 0, n, MaskKind.FULL))
-        i = j + 1
+        band = min(MAX_BAND_ROWS, max(MIN_BAND_ROWS, hi[i] - lo[i]))
+        if j - i >= band or j == sq or hi[j] <= lo[j]:
+            _cut_prefix(i, [h - lo[i] for h in hi[i:j]], lo[i], tiles)
+        else:  # lo moves within the next few rows: a band block
+            j = i + 1
+            while j < min(sq, i + band) and hi[j] > lo[j]:
+                j += 1
+            _cut_band(i, lo[i:j], hi[i:j], tiles)
+        i = j
     return tuple(tiles)
+
+
+def _cut_band(i: int, lo: list[int], hi: list[int], tiles: list[Tile]) -> None:
+    """Rows i.. with nondecreasing intervals [lo_r, hi_r): the keys before the last row's lo
+    as one PARTIAL tile, the rest as a prefix from there."""
+    left_stop = lo[-1]
+    moved = sum(1 for a in lo if a < left_stop)  # rows that see keys left of left_stop
+    if moved:
+        rows = tuple((a - lo[0], min(b, left_stop) - lo[0]) for a, b in zip(lo[:moved], hi[:moved]))
+        tiles.append(Tile(i, i + moved, lo[0], left_stop, MaskKind.PARTIAL, rows))
+    _cut_prefix(i, [max(0, b - left_stop) for b in hi], left_stop, tiles)
+
+
+def _cut_prefix(i: int, counts: list[int], base: int, tiles: list[Tile]) -> None:
+    """Rows i.. where row i + r sees keys [base, base + counts[r]), counts nondecreasing:
+    runs of equal counts become FULL tiles, runs growing by one per row diagonals."""
+    r, n_rows = 0, len(counts)
+    while r < n_rows:
+        n = counts[r]
+        if n == 0:
+            r += 1
+            continue
+        if r + 1 < n_rows and counts[r + 1] == n + 1:  # a diagonal: row r + a sees n + a keys
+            e = r + 1
+            while e + 1 < n_rows and counts[e + 1] == counts[e] + 1:
+                e += 1
+            length = e - r + 1
+            if n > 1:
+                tiles.append(Tile(i + r, i + e + 1, base, base + n - 1, MaskKind.FULL))
+            tiles.append(Tile(i + r, i + e + 1, base + n - 1, base + n - 1 + length, MaskKind.CAUSAL))
+            r = e + 1
+            continue
+        e = r  # a run of rows that all see the same first n keys
+        while e + 1 < n_rows and counts[e + 1] == n:
+            e += 1
+        tiles.append(Tile(i + r, i + e + 1, base, base + n, MaskKind.FULL))
+        r = e + 1
 
 
 def count_pairs(tiles: tuple[Tile, ...] | list[Tile]) -> int:
@@ -137,6 +193,6 @@ def count_pairs(tiles: tuple[Tile, ...] | list[Tile]) -> int:
 
 
 @functools.lru_cache(maxsize=4096)
-def layout_tiles(layout: Layout, seq_len: int, q_rank: int, kv_rank: int, causal: bool) -> tuple[Tile, ...]:
+def layout_tiles(layout: Layout, seq_len: int, q_rank: int, kv_rank: int, mask: Mask) -> tuple[Tile, ...]:
     """The tiles of ``q_rank``'s queries against ``kv_rank``'s keys under ``layout`` (cached)."""
-    return tiles_between(layout.positions(seq_len, q_rank), layout.positions(seq_len, kv_rank), causal)
+    return tiles_between(layout.positions(seq_len, q_rank), layout.positions(seq_len, kv_rank), mask, seq_len)

@@ -10,14 +10,15 @@ nccl-tests): a rank's own chunk of a collective is never counted.
     reduce_scatter     sends W-1 of its W chunks, receives W-1 chunks to add into its own
 
 ``RingComm`` is the ring's point-to-point exchange: each rank sends to rank+1 and
-receives from rank-1 of its group. ``start`` posts the transfer and returns at once;
-``wait`` blocks until it has landed. A strategy posts the transfer of the next block
-before computing the current one, so the two overlap::
+receives from rank-1 of its group (or, with ``shift``, to rank+shift from rank-shift).
+``start`` posts the transfer and returns at once; ``wait`` blocks until it has landed.
+A strategy posts the transfer of the next block before computing the current one, so
+the two overlap::
 
-    comm.start(send=current, recv=spare)    # post step i+1's transfer
-    compute(current)                        # step i, overlapped with the transfer
-    comm.wait()                             # spare now holds step i+1's block
-    current, spare = spare, current         # double buffering: no allocation per step
+    comm.start(send=current, recv=arriving)    # post step i+1's transfer
+    compute(current)                           # step i, overlapped with the transfer
+    comm.wait()                                # arriving now holds step i+1's block
+    current = arriving
 
 Devices: NCCL groups carry CUDA tensors, gloo groups CPU tensors. A gloo group may also
 carry CUDA tensors: they are staged through host memory (copied to the CPU before they
@@ -50,15 +51,16 @@ class RingComm:
     Args:
         group: the CP process group (None = WORLD).
         tag: separates independent streams on the same ring (e.g. K/V vs dK/dV).
+        shift: send to rank + shift, receive from rank - shift (mod the group size).
     """
 
-    def __init__(self, group: dist.ProcessGroup | None = None, tag: int = 0) -> None:
+    def __init__(self, group: dist.ProcessGroup | None = None, tag: int = 0, shift: int = 1) -> None:
         self.group = group
         self.rank = dist.get_rank(group)
         self.world_size = dist.get_world_size(group)
         self.tag = tag
-        self._next = dist.get_global_rank(self._group(), (self.rank + 1) % self.world_size)
-        self._prev = dist.get_global_rank(self._group(), (self.rank - 1) % self.world_size)
+        self._next = dist.get_global_rank(self._group(), (self.rank + shift) % self.world_size)
+        self._prev = dist.get_global_rank(self._group(), (self.rank - shift) % self.world_size)
         self._pending: list = []
         self._device = torch.device("cpu")
         self._recv = self._landing = self._sent = None  # the posted transfer's buffers
@@ -67,8 +69,9 @@ class RingComm:
         return self.group if self.group is not None else dist.group.WORLD
 
     def start(self, send: torch.Tensor, recv: torch.Tensor) -> None:
-        """Post: ``send`` goes to rank+1, rank-1's tensor lands in ``recv``."""
-        if self._pending:
+        """Post: ``send`` goes to rank+shift, rank-shift's tensor lands in ``recv``. An
+        empty tensor on either side is not sent (or awaited): both ends know the sizes."""
+        if self._sent is not None:
             raise RuntimeError("RingComm.start called twice without wait()")
         if not (send.is_contiguous() and recv.is_contiguous()):
             raise ValueError("ring buffers must be contiguous")
@@ -76,16 +79,19 @@ class RingComm:
         if _staged(send, self.group):
             send, recv = send.cpu(), torch.empty(recv.shape, dtype=recv.dtype)
         self._landing = recv
-        ops = [
-            dist.P2POp(dist.isend, send, self._next, self.group, self.tag),
-            dist.P2POp(dist.irecv, recv, self._prev, self.group, self.tag),
-        ]
+        ops = []
+        if send.numel():
+            ops.append(dist.P2POp(dist.isend, send, self._next, self.group, self.tag))
+        if recv.numel():
+            ops.append(dist.P2POp(dist.irecv, recv, self._prev, self.group, self.tag))
         self._sent = send  # kept alive until the transfer is done
-        self._pending = dist.batch_isend_irecv(ops)
-        profile.add_traffic(send.numel() * send.element_size(), recv.numel() * recv.element_size())
+        self._pending = dist.batch_isend_irecv(ops) if ops else []
+        profile.add_traffic(_nbytes(send), _nbytes(recv))
 
     def wait(self) -> None:
         """Block until the posted transfer has completed (both directions)."""
+        if self._sent is None:
+            raise RuntimeError("RingComm.wait called without start()")
         with profile.timed("wait", self._device):
             for req in self._pending:
                 req.wait()

@@ -16,6 +16,7 @@ import torch
 import torch.distributed as dist
 
 import ctxpar
+from ctxpar.masks import Mask
 from ctxpar.plan.work import union_pairs
 from ctxpar import launch, limits, strategy_rules
 from ctxpar.verify import TENSORS, max_abs_errors, tolerances, torch_sdpa, unsplit_attention
@@ -76,7 +77,7 @@ def _work_pairs(cfg: DemoConfig, layout: ctxpar.Layout, rank: int) -> float:
     all pairs of the U shards of its group, for H/U heads, i.e. those pairs / U.
     """
     u = {"alltoall": layout.world_size, "hybrid": cfg.ulysses_degree}.get(cfg.strategy, 1)
-    return union_pairs(layout, cfg.seq, rank, cfg.causal, u) / u
+    return union_pairs(layout, cfg.seq, rank, Mask(causal=cfg.causal), u) / u
 
 
 def _mesh(cfg: DemoConfig, world: int, device: torch.device):

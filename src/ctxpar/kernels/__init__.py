@@ -2,15 +2,17 @@
 
 The contract every backend meets (shapes as in ``scaled_dot_product_attention``):
 
-    attention_forward(q, k, v, *, causal, scale) -> (out, lse)
+    attention_forward(q, k, v, *, causal, scale, mask=None) -> (out, lse)
         q (B, H, Sq, D), k and v (B, H_kv, Sk, D) with H % H_kv == 0 (GQA: K/V keep
         their own heads, nothing is repeated before a backend sees them), causal =
-        square top-left mask (Sq == Sk, query i sees keys 0..i). lse (B, H, Sq) is the
+        square top-left mask (Sq == Sk, query i sees keys 0..i); mask = an explicit
+        (Sq, Sk) bool mask, True where the key is visible (a PARTIAL tile; then causal
+        is False). A row that sees no key gets out 0 and lse -inf. lse (B, H, Sq) is the
         natural log of the sum of exp(scaled scores), in float32 or wider
         (``accumulation_dtype``); out (B, H, Sq, D) in the accumulation dtype, or in q's
         dtype where a GPU op writes it so (merging stays in float32 either way).
 
-    attention_backward(dout, q, k, v, out, lse, *, causal, scale) -> (dq, dk, dv)
+    attention_backward(dout, q, k, v, out, lse, *, causal, scale, mask=None) -> (dq, dk, dv)
         out and lse are the *global* merged values for these query rows, so the block
         gradients of all blocks add up to the exact gradient. dk, dv have H_kv heads.
         Gradients come in the accumulation dtype on CPU (partial results are summed over
@@ -43,9 +45,9 @@ def _backend(q: torch.Tensor):
 
 
 def attention_forward(
-    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, causal: bool, scale: float
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, causal: bool, scale: float, mask: torch.Tensor | None = None
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    return _backend(q).attention_forward(q, k, v, causal=causal, scale=scale)
+    return _backend(q).attention_forward(q, k, v, causal=causal, scale=scale, mask=mask)
 
 
 def attention_backward(
@@ -58,8 +60,9 @@ def attention_backward(
     *,
     causal: bool,
     scale: float,
+    mask: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    return _backend(q).attention_backward(dout, q, k, v, out, lse, causal=causal, scale=scale)
+    return _backend(q).attention_backward(dout, q, k, v, out, lse, causal=causal, scale=scale, mask=mask)
 
 
 __all__ = ["accumulation_dtype", "attention_forward", "attention_backward", "cpu", "cuda", "reference", "unit_stride"]

@@ -10,6 +10,10 @@ O(S*D) against O(S^2*D) work). Rounding each block's output and dK/dV to bf16 be
 they are merged and summed over P blocks would add P roundings to the one that
 single-process attention makes; K/V still travel between ranks in bf16.
 
+A PARTIAL tile's bool mask goes to the op as an additive float mask (0 / -inf, the op's
+dtype); the op gives a row that sees no key lse 0 where attention has -inf, so those
+rows' lse are set to -inf after the call.
+
 Every tensor handed to the op goes through ``unit_stride``: the op reads the last dim as
 dense whatever its stride (a no-op for tensors strategies already made dense once per
 shard).
@@ -31,11 +35,21 @@ def _prepare(*tensors: torch.Tensor) -> tuple[torch.Tensor, ...]:
     return tuple(unit_stride(t.to(c)) for t in tensors)
 
 
+def _additive(mask: torch.Tensor | None, like: torch.Tensor) -> torch.Tensor | None:
+    """Bool (Sq, Sk) -> 0 where visible, -inf elsewhere, in ``like``'s dtype and device."""
+    if mask is None:
+        return None
+    zeros = torch.zeros(mask.shape, dtype=like.dtype, device=like.device)
+    return zeros.masked_fill_(~mask.to(like.device), float("-inf"))
+
+
 def attention_forward(
-    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, causal: bool, scale: float
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, causal: bool, scale: float, mask: torch.Tensor | None = None
 ) -> tuple[torch.Tensor, torch.Tensor]:
     q, k, v = _prepare(q, k, v)
-    out, lse = _cpu_fwd(q, k, v, 0.0, causal, scale=scale)
+    out, lse = _cpu_fwd(q, k, v, 0.0, causal, attn_mask=_additive(mask, q), scale=scale)
+    if mask is not None:
+        lse.masked_fill_(~mask.to(lse.device).any(-1), float("-inf"))  # rows that see no key here
     # the op gives a NaN query row a finite (out, lse) where attention by definition gives
     # NaN: restore that, so CP poisons the same rows as single-process SDPA (O(Sq*D) per block)
     nan_rows = q.isnan().any(-1)  # (B, H, Sq)
@@ -53,6 +67,7 @@ def attention_backward(
     *,
     causal: bool,
     scale: float,
+    mask: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     dout, q, k, v, out, lse = _prepare(dout, q, k, v, out, lse)
-    return _cpu_bwd(dout, q, k, v, out, lse, 0.0, causal, scale=scale)
+    return _cpu_bwd(dout, q, k, v, out, lse, 0.0, causal, attn_mask=_additive(mask, q), scale=scale)

@@ -6,6 +6,9 @@ Which op computes a block (q's dtype, head dim D)::
     fp32 (or the above, other D),        efficient aten._scaled_dot_product_efficient_attention
         D % 8 == 0
     anything else (fp64, odd D)          reference ctxpar.kernels.reference, tiled (bounded memory)
+    a PARTIAL tile (explicit mask)       reference, tiled: the flash op takes no mask; the
+                                         efficient op's bias is the candidate, once measured
+                                         on a GPU (these tiles are a band's edges, not its bulk)
 
 Both fused ops' backwards recompute probabilities as exp(q k^T * scale - lse) and use
 rowsum(dout * out) as delta, so, as on CPU, handing them the merged, *global* (out, lse)
@@ -92,12 +95,12 @@ def _flash_takes_gqa(device: torch.device, dtype: torch.dtype) -> bool:
 
 
 def attention_forward(
-    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, causal: bool, scale: float
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, causal: bool, scale: float, mask: torch.Tensor | None = None
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Kernel contract (see ``ctxpar.kernels``); out in q's dtype, lse float32 (B, H, Sq)."""
     op = op_for(q)
-    if op == "reference":
-        return reference.attention_forward(q, k, v, causal=causal, scale=scale)
+    if op == "reference" or mask is not None:
+        return reference.attention_forward(q, k, v, causal=causal, scale=scale, mask=mask)
     q, k, v = unit_stride(q), unit_stride(k), unit_stride(v)
     heads = q.shape[1]
     if op == "flash":
@@ -119,12 +122,13 @@ def attention_backward(
     *,
     causal: bool,
     scale: float,
+    mask: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Kernel contract; ``out`` and ``lse`` are the global (merged) values for these rows.
     Gradients in q's dtype; dk, dv with H_kv heads."""
     op = op_for(q)
-    if op == "reference":
-        return reference.attention_backward(dout, q, k, v, out, lse, causal=causal, scale=scale)
+    if op == "reference" or mask is not None:
+        return reference.attention_backward(dout, q, k, v, out, lse, causal=causal, scale=scale, mask=mask)
     heads, kv_heads = q.shape[1], k.shape[1]
     dout, q, k, v = (unit_stride(t) for t in (dout, q, k, v))
     out = unit_stride(out.to(q.dtype))

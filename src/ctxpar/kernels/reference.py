@@ -19,6 +19,7 @@ import math
 import torch
 
 from ctxpar.kernels.contract import accumulation_dtype
+from ctxpar.masks import Mask
 from ctxpar.merge import merge_into
 
 SCORE_BUDGET_BYTES = 256 * 2**20  # one tile's scores for all (B, H) at once
@@ -51,6 +52,8 @@ def reference_attention(
     scale: float | None = None,
     q_positions: torch.Tensor | None = None,
     kv_positions: torch.Tensor | None = None,
+    mask: Mask | None = None,
+    sinks: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Unsplit attention by definition, differentiable by autograd (use float64 for truth).
 
@@ -58,19 +61,30 @@ def reference_attention(
         q: (B, H, Sq, D); k, v: (B, H_kv, Sk, D) with H % H_kv == 0.
         causal: mask key positions greater than the query position.
         q_positions, kv_positions: global positions (default 0..S-1) that define the mask.
+        mask: documents / window (``ctxpar.masks.Mask``, over a row of Sk tokens); replaces
+            ``causal`` when given.
+        sinks: (H,) per-head sink logits: one more term exp(sink) in every row's softmax
+            denominator, with no value (gpt-oss).
 
     Returns:
-        out (B, H, Sq, D) and lse (B, H, Sq); rows with no visible key give out 0 and
-        lse -inf. Memory: the whole (Sq, Sk) score matrix per head.
+        out (B, H, Sq, D) and lse (B, H, Sq), the sink included in lse; rows with no
+        visible key (and no sink) give out 0 and lse -inf. Memory: the whole (Sq, Sk)
+        score matrix per head.
     """
     scale = q.shape[-1] ** -0.5 if scale is None else scale
-    mask = None
-    if causal:
-        qp = torch.arange(q.shape[2], device=q.device) if q_positions is None else q_positions.to(q.device)
-        kp = torch.arange(k.shape[2], device=q.device) if kv_positions is None else kv_positions.to(q.device)
-        mask = _causal_mask(qp, kp)
-    s = _scores(q, k, scale, mask)
-    lse = torch.logsumexp(s, dim=-1)  # (B, H_kv, G, Sq); -inf where nothing is visible
+    qp = torch.arange(q.shape[2], device=q.device) if q_positions is None else q_positions.to(q.device)
+    kp = torch.arange(k.shape[2], device=q.device) if kv_positions is None else kv_positions.to(q.device)
+    visible = None
+    if mask is not None:
+        visible = mask.visible(qp.cpu(), kp.cpu(), k.shape[2]).to(q.device)
+    elif causal:
+        visible = _causal_mask(qp, kp)
+    s = _scores(q, k, scale, visible)  # (B, H_kv, G, Sq, Sk)
+    if sinks is not None:
+        sink = sinks.to(s.dtype).view(1, k.shape[1], -1, 1, 1).expand(*s.shape[:-1], 1)
+        lse = torch.logsumexp(torch.cat([s, sink], dim=-1), dim=-1)
+    else:
+        lse = torch.logsumexp(s, dim=-1)  # (B, H_kv, G, Sq); -inf where nothing is visible
     p = torch.exp(s - torch.where(torch.isneginf(lse), 0.0, lse).unsqueeze(-1))
     out = torch.einsum("bhgqk,bhkd->bhgqd", p, v)
     return out.flatten(1, 2), lse.flatten(1, 2)
@@ -85,15 +99,18 @@ def _tiles(n: int, tile: int) -> list[slice]:
     return [slice(i, min(i + tile, n)) for i in range(0, n, tile)]
 
 
-def _tile_mask(qs: slice, ks: slice, device: torch.device) -> torch.Tensor | None:
-    """The square causal mask restricted to one tile; None when the tile is fully visible."""
-    if ks.stop - 1 <= qs.start:
+def _tile_mask(qs: slice, ks: slice, causal: bool, mask: torch.Tensor | None, device: torch.device
+               ) -> torch.Tensor | None:
+    """The causal or explicit mask restricted to one tile; None when the tile is fully visible."""
+    if mask is not None:
+        return mask[qs, ks].to(device)
+    if not causal or ks.stop - 1 <= qs.start:
         return None
     return _causal_mask(torch.arange(qs.start, qs.stop, device=device), torch.arange(ks.start, ks.stop, device=device))
 
 
 def attention_forward(
-    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, causal: bool, scale: float
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, causal: bool, scale: float, mask: torch.Tensor | None = None
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Kernel contract (see ``ctxpar.kernels``): out and lse in the accumulation dtype."""
     c = accumulation_dtype(q.dtype)
@@ -105,8 +122,7 @@ def attention_forward(
         for ks in _tiles(k.shape[2], tile):
             if causal and ks.start > qs.stop - 1:
                 break  # this and every later key tile is above the diagonal
-            mask = _tile_mask(qs, ks, q.device) if causal else None
-            s = _scores(q[:, :, qs], k[:, :, ks], scale, mask)
+            s = _scores(q[:, :, qs], k[:, :, ks], scale, _tile_mask(qs, ks, causal, mask, q.device))
             tile_lse = torch.logsumexp(s, dim=-1)  # (B, H_kv, G, tq)
             p = torch.exp(s - torch.where(torch.isneginf(tile_lse), 0.0, tile_lse).unsqueeze(-1))
             tile_out = torch.einsum("bhgqk,bhkd->bhgqd", p, v[:, :, ks]).flatten(1, 2)
@@ -124,6 +140,7 @@ def attention_backward(
     *,
     causal: bool,
     scale: float,
+    mask: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Gradients of one block given the *global* (out, lse) of the whole attention.
 
@@ -146,8 +163,7 @@ def attention_backward(
         for ks in _tiles(k.shape[2], tile):
             if causal and ks.start > qs.stop - 1:
                 break
-            mask = _tile_mask(qs, ks, q.device) if causal else None
-            s = _scores(q[:, :, qs], k[:, :, ks], scale, mask)
+            s = _scores(q[:, :, qs], k[:, :, ks], scale, _tile_mask(qs, ks, causal, mask, q.device))
             p = torch.exp(s - row_lse)  # (B, H_kv, G, tq, tk)
             dv[:, :, ks] += torch.einsum("bhgqk,bhgqd->bhkd", p, do)
             ds = p * (torch.einsum("bhgqd,bhkd->bhgqk", do, v[:, :, ks]) - d) * scale

@@ -34,8 +34,9 @@ from __future__ import annotations
 import functools
 from dataclasses import dataclass
 
-from ctxpar.plan.work import union_pairs
 from ctxpar.layout import get_layout
+from ctxpar.masks import Mask
+from ctxpar.plan.work import union_pairs
 from ctxpar.plan.hardware import Hardware
 from ctxpar.plan.workload import Workload
 from ctxpar.plan import traffic
@@ -45,7 +46,7 @@ BACKWARD_FLOPS_RATIO = 2.5  # FlashAttention: backward = 2.5 x forward FLOPs
 
 @functools.lru_cache(maxsize=4096)
 def _union_pairs(layout: str, seq: int, cp: int, causal: bool, ulysses: int) -> tuple[int, ...]:
-    return tuple(union_pairs(get_layout(layout, cp), seq, rank, causal, ulysses) for rank in range(cp))
+    return tuple(union_pairs(get_layout(layout, cp), seq, rank, Mask(causal=causal), ulysses) for rank in range(cp))
 
 
 def head_pairs(w: Workload) -> tuple[int, ...]:

@@ -33,6 +33,35 @@ def ring(*, batch: int, local_len: int, kv_heads: int, head_dim: int, world: int
     return Traffic(forward=(world - 1) * kv * elem, backward=(world - 1) * kv * (elem + acc))
 
 
+def ring_window(
+    *, batch: int, local_len: int, kv_heads: int, head_dim: int, world: int, window: int, rank: int, elem: int,
+    acc: int,
+) -> tuple[Traffic, Traffic]:
+    """(sent, received) by ``rank`` of the ring under a sliding window w, contiguous layout.
+
+    Only the halo travels: the w-1 keys before a rank's first query, from the ranks
+    before it, over m = ceil((w-1)/S) steps (at most P-1). Rank r receives min(w-1, r*S)
+    keys' K/V and sends min(w-1, (r+1)*S) (the last rank sends none), forward and again
+    backward. Backward, the dK/dV accumulator of each shard but the last, min(w-1, S)
+    keys, makes m hops (the last one straight home): rank r sends m of them, less one if
+    r < m (the hop that would carry the last shard's), and receives m - 1, less one if
+    0 < r < m, plus its own unless it is the last rank. With w-1 <= S (m = 1) that is the
+    halo once: w-1 keys out and in per rank, and one accumulator of w-1 keys.
+    """
+    s, halo = local_len, window - 1
+    kv = 2 * batch * kv_heads * head_dim
+    steps = 0 if halo <= 0 else min(world - 1, -(-halo // s))
+    kv_sent = min(halo, (rank + 1) * s) if rank < world - 1 else 0
+    kv_received = min(halo, rank * s) if rank > 0 else 0
+    acc_tokens = min(s, halo)
+    acc_sent = steps - (rank < steps) if steps else 0
+    acc_received = (steps - 1 - (0 < rank < steps) + (rank != world - 1)) if steps else 0
+    sent = Traffic(forward=kv_sent * kv * elem, backward=kv_sent * kv * elem + acc_sent * acc_tokens * kv * acc)
+    received = Traffic(forward=kv_received * kv * elem,
+                       backward=kv_received * kv * elem + acc_received * acc_tokens * kv * acc)
+    return sent, received
+
+
 # All-gather of K/V forward; again backward, plus the reduce-scatter of dK/dV: counted
 # per rank (its shard to P-1 ranks, P-1 chunks out), exactly the ring's volume.
 allgather = ring

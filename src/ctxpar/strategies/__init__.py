@@ -1,7 +1,8 @@
 """CP attention strategies: each moves K/V (or heads) differently, all compute the same thing.
 
-Every strategy is ``fn(q, k, v, *, layout, topo, causal, scale) -> (out, lse)`` with
-inputs already validated; ``check(q, k, topo)`` raises ValueError for shapes the strategy
+Every strategy is ``fn(q, k, v, sinks, *, layout, topo, mask, scale) -> (out, lse)`` with
+inputs already validated (``mask`` a ``ctxpar.masks.Mask``, ``sinks`` None or (H,));
+``check(q, k, topo)`` raises ValueError for shapes the strategy
 cannot take, before anything is sent.
 """
 

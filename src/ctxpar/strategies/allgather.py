@@ -35,8 +35,9 @@ from ctxpar import profile
 from ctxpar.blocks import layout_tiles, tiles_between
 from ctxpar.comm import PendingAllGather, PendingReduceScatter
 from ctxpar.layout import Layout
+from ctxpar.masks import Mask
 from ctxpar.strategies.blockwise import (backward_tiles, finish_forward, forward_tiles, gradient_accumulators,
-                                         output_accumulators)
+                                         output_accumulators, sink_gradient)
 from ctxpar.topology import Topology
 
 
@@ -47,7 +48,7 @@ def _halves(kv_heads: int) -> list[slice]:
 
 
 @functools.lru_cache(maxsize=256)
-def _key_order(layout: Layout, seq_len: int, rank: int, causal: bool):
+def _key_order(layout: Layout, seq_len: int, rank: int, mask: Mask):
     """How this rank attends to the gathered keys, whichever takes fewer kernel calls:
 
     ("global", tiles, (index, arrival)): keys put in position order, tiles against 0..T-1;
@@ -56,8 +57,8 @@ def _key_order(layout: Layout, seq_len: int, rank: int, causal: bool):
     ("by_rank", tiles_per_rank, None): keys left as they arrived, tiles against each shard.
     """
     world = layout.world_size
-    by_rank = tuple(layout_tiles(layout, seq_len, rank, src, causal) for src in range(world))
-    whole = tiles_between(layout.positions(seq_len, rank), torch.arange(seq_len), causal)
+    by_rank = tuple(layout_tiles(layout, seq_len, rank, src, mask) for src in range(world))
+    whole = tiles_between(layout.positions(seq_len, rank), torch.arange(seq_len), mask, seq_len)
     if len(whole) >= sum(len(t) for t in by_rank):
         return "by_rank", by_rank, None
     arrival = torch.cat([layout.positions(seq_len, src) for src in range(world)])
@@ -104,8 +105,8 @@ def _in_position_order(gathered: torch.Tensor, index: torch.Tensor) -> torch.Ten
 
 class AllGatherAttention(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, q, k, v, layout: Layout, group, rank: int, causal: bool, scale: float):
-        order = _key_order(layout, q.shape[2] * layout.world_size, rank, causal)
+    def forward(ctx, q, k, v, sinks, layout: Layout, group, rank: int, mask: Mask, scale: float):
+        order = _key_order(layout, q.shape[2] * layout.world_size, rank, mask)
         g = q.shape[1] // k.shape[1]  # query heads per KV head
         acc_out, acc_lse = output_accumulators(q)  # (B, H, S, D), (B, H, S)
         kv = torch.stack([k, v])  # (2, B, H_kv, S, D)
@@ -119,12 +120,12 @@ class AllGatherAttention(torch.autograd.Function):
             with profile.timed("compute", q.device):
                 _attend_forward(q[:, qh], gathered, order, acc_out[:, qh], acc_lse[:, qh], scale)
         ctx.args = (group, order, scale)
-        return finish_forward(ctx, q, k, v, acc_out, acc_lse)
+        return finish_forward(ctx, q, k, v, sinks, acc_out, acc_lse)
 
     @staticmethod
     @once_differentiable
     def backward(ctx, dout, _dlse):
-        q, k, v, out, lse = ctx.saved_tensors
+        q, k, v, sinks, out, lse = ctx.saved_tensors
         group, order, scale = ctx.args
         g = q.shape[1] // k.shape[1]
         dout = dout.contiguous()
@@ -145,17 +146,19 @@ class AllGatherAttention(torch.autograd.Function):
                 dkv[:, :, reducing[0]] = reducing[1].wait()
             reducing = (kvh, PendingReduceScatter(shares, group))
         dkv[:, :, reducing[0]] = reducing[1].wait()
-        return dq.to(q.dtype), dkv[0].to(k.dtype), dkv[1].to(v.dtype), None, None, None, None, None
+        return (dq.to(q.dtype), dkv[0].to(k.dtype), dkv[1].to(v.dtype), sink_gradient(sinks, dout, out, lse),
+                None, None, None, None, None)
 
 
 def allgather_attention(
     q: torch.Tensor,
     k: torch.Tensor,
     v: torch.Tensor,
+    sinks: torch.Tensor | None,
     *,
     layout: Layout,
     topo: Topology,
-    causal: bool,
+    mask: Mask,
     scale: float,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    return AllGatherAttention.apply(q, k, v, layout, topo.group, topo.rank, causal, scale)
+    return AllGatherAttention.apply(q, k, v, sinks, layout, topo.group, topo.rank, mask, scale)

@@ -29,6 +29,7 @@ import torch
 from ctxpar import comm
 from ctxpar.blocks import layout_tiles
 from ctxpar.layout import Layout, UnionLayout
+from ctxpar.masks import Mask
 from ctxpar.strategies.blockwise import LocalAttention
 from ctxpar.strategy_rules import kv_copies
 from ctxpar.topology import Topology
@@ -100,6 +101,15 @@ class HeadsToSeq(torch.autograd.Function):
         return recv.permute(1, 2, 0, 3, 4)[:, :, ctx.src, ctx.loc], None, None, None, None, None
 
 
+def local_sinks(sinks: torch.Tensor | None, topo: Topology) -> torch.Tensor | None:
+    """The sinks of the H/U query heads ``SeqToHeads`` gives this rank (member j gets heads
+    j*H/U .. (j+1)*H/U - 1), differentiable."""
+    if sinks is None:
+        return None
+    heads = sinks.shape[0] // topo.ulysses_degree
+    return sinks[topo.ulysses_rank * heads:(topo.ulysses_rank + 1) * heads]
+
+
 def to_heads(q, k, v, layout: Layout, topo: Topology):
     """The all-to-all into the union of this rank's Ulysses ranks (KV heads copied as needed)."""
     u, seq_len = topo.ulysses_degree, q.shape[2] * layout.world_size
@@ -111,10 +121,11 @@ def to_heads(q, k, v, layout: Layout, topo: Topology):
 
 
 def alltoall_attention(
-    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, layout: Layout, topo: Topology, causal: bool, scale: float
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, sinks: torch.Tensor | None, *, layout: Layout, topo: Topology,
+    mask: Mask, scale: float
 ) -> tuple[torch.Tensor, torch.Tensor]:
     (ql, kl, vl), exchange = to_heads(q, k, v, layout, topo)
     seq_len = q.shape[2] * layout.world_size
-    tiles = layout_tiles(UnionLayout(1, layout, topo.ulysses_degree), seq_len, 0, 0, causal)
-    out, lse = LocalAttention.apply(ql, kl, vl, tiles, scale)  # (B, H/U, T, D), (B, H/U, T)
+    tiles = layout_tiles(UnionLayout(1, layout, topo.ulysses_degree), seq_len, 0, 0, mask)
+    out, lse = LocalAttention.apply(ql, kl, vl, local_sinks(sinks, topo), tiles, scale)  # (B, H/U, T, D), (B, H/U, T)
     return HeadsToSeq.apply(out, lse, *exchange)

@@ -30,13 +30,34 @@ def gradient_accumulators(q: torch.Tensor, k: torch.Tensor) -> tuple[torch.Tenso
             torch.zeros((2, *k.shape), dtype=acc, device=k.device))
 
 
-def finish_forward(ctx, q, k, v, acc_out: torch.Tensor, acc_lse: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """The end of every strategy's forward: ``out`` in q's dtype; out, lse and the inputs
-    saved for the backward; lse (accumulation dtype) marked non-differentiable."""
+def finish_forward(ctx, q, k, v, sinks, acc_out: torch.Tensor, acc_lse: torch.Tensor
+                   ) -> tuple[torch.Tensor, torch.Tensor]:
+    """The end of every strategy's forward: the sinks (if any) merged in; ``out`` in q's
+    dtype; out, lse and the inputs saved for the backward; lse (accumulation dtype) marked
+    non-differentiable.
+
+    A sink is one more term exp(sink_h) in each row's softmax denominator with no value:
+    merging it is merging a partial with out 0 and lse sink_h. The backward then hands
+    the kernels the final (out, lse), which is all they need for exact dQ, dK, dV.
+    """
+    if sinks is not None:
+        sink = sinks.to(acc_lse.dtype).view(1, -1, 1).expand_as(acc_lse)
+        merge_into(acc_out, acc_lse, torch.zeros_like(acc_out), sink)
     out = acc_out.to(q.dtype)
-    ctx.save_for_backward(q, k, v, out, acc_lse)
+    ctx.save_for_backward(q, k, v, sinks, out, acc_lse)
     ctx.mark_non_differentiable(acc_lse)
     return out, acc_lse
+
+
+def sink_gradient(sinks, dout: torch.Tensor, out: torch.Tensor, lse: torch.Tensor) -> torch.Tensor | None:
+    """d loss / d sinks from this rank's rows, (H,): a sink's probability is
+    exp(sink - lse) and d out / d sink = -p_sink * out, so the gradient is
+    -sum over rows of p_sink * (dout . out). None without sinks."""
+    if sinks is None:
+        return None
+    c = lse.dtype
+    p_sink = torch.exp(sinks.to(c).view(1, -1, 1) - lse)  # (B, H, S)
+    return -(p_sink * (dout.to(c) * out.to(c)).sum(-1)).sum((0, 2)).to(sinks.dtype)
 
 
 def forward_tiles(
@@ -57,8 +78,9 @@ def forward_tiles(
             (``kernels.accumulation_dtype``), updated in place.
     """
     for block in blocks:
-        qs, ks, causal = block.kernel_args()
-        out, lse = kernels.attention_forward(q[:, :, qs], k[:, :, ks], v[:, :, ks], causal=causal, scale=scale)
+        qs, ks, causal, mask = block.kernel_args()
+        out, lse = kernels.attention_forward(q[:, :, qs], k[:, :, ks], v[:, :, ks], causal=causal, scale=scale,
+                                             mask=mask)
         merge_into(acc_out[:, :, qs], acc_lse[:, :, qs], out, lse)
 
 
@@ -82,10 +104,10 @@ def backward_tiles(
         dq: (B, H, Sq, D); dk, dv: (B, H_kv, Sk, D), updated in place.
     """
     for block in blocks:
-        qs, ks, causal = block.kernel_args()
+        qs, ks, causal, mask = block.kernel_args()
         g_q, g_k, g_v = kernels.attention_backward(
             dout[:, :, qs], q[:, :, qs], k[:, :, ks], v[:, :, ks], out[:, :, qs], lse[:, :, qs],
-            causal=causal, scale=scale,
+            causal=causal, scale=scale, mask=mask,
         )
         dq[:, :, qs] += g_q
         dk[:, :, ks] += g_k
@@ -97,18 +119,20 @@ class LocalAttention(torch.autograd.Function):
     in q, k, v. The all-to-all strategy's compute between its two exchanges."""
 
     @staticmethod
-    def forward(ctx, q, k, v, tiles: tuple[Tile, ...], scale: float):
+    def forward(ctx, q, k, v, sinks, tiles: tuple[Tile, ...], scale: float):
         acc_out, acc_lse = output_accumulators(q)  # (B, H, S, D), (B, H, S)
         with profile.timed("compute", q.device):
             forward_tiles(q, k, v, tiles, acc_out, acc_lse, scale)
         ctx.tiles, ctx.scale = tiles, scale
-        return finish_forward(ctx, q, k, v, acc_out, acc_lse)
+        return finish_forward(ctx, q, k, v, sinks, acc_out, acc_lse)
 
     @staticmethod
     @once_differentiable
     def backward(ctx, dout, _dlse):
-        q, k, v, out, lse = ctx.saved_tensors
+        q, k, v, sinks, out, lse = ctx.saved_tensors
+        dout = dout.contiguous()
         dq, dkv = gradient_accumulators(q, k)
         with profile.timed("compute", q.device):
-            backward_tiles(dout.contiguous(), q, k, v, out, lse, ctx.tiles, ctx.scale, dq, dkv[0], dkv[1])
-        return dq.to(q.dtype), dkv[0].to(k.dtype), dkv[1].to(v.dtype), None, None
+            backward_tiles(dout, q, k, v, out, lse, ctx.tiles, ctx.scale, dq, dkv[0], dkv[1])
+        return (dq.to(q.dtype), dkv[0].to(k.dtype), dkv[1].to(v.dtype), sink_gradient(sinks, dout, out, lse),
+                None, None)

@@ -12,15 +12,18 @@ from __future__ import annotations
 import torch
 
 from ctxpar.layout import Layout, UnionLayout
-from ctxpar.strategies.alltoall import HeadsToSeq, to_heads
+from ctxpar.masks import Mask
+from ctxpar.strategies.alltoall import HeadsToSeq, local_sinks, to_heads
 from ctxpar.strategies.ring import RingAttention
 from ctxpar.topology import Topology
 
 
 def hybrid_attention(
-    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, layout: Layout, topo: Topology, causal: bool, scale: float
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, sinks: torch.Tensor | None, *, layout: Layout, topo: Topology,
+    mask: Mask, scale: float
 ) -> tuple[torch.Tensor, torch.Tensor]:
     (ql, kl, vl), exchange = to_heads(q, k, v, layout, topo)
     unions = UnionLayout(topo.ring_degree, layout, topo.ulysses_degree)
-    out, lse = RingAttention.apply(ql, kl, vl, unions, topo.ring_group, topo.ring_rank, causal, scale)
+    out, lse = RingAttention.apply(ql, kl, vl, local_sinks(sinks, topo), unions, topo.ring_group, topo.ring_rank,
+                                   mask, scale)
     return HeadsToSeq.apply(out, lse, *exchange)

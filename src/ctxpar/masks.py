@@ -1,0 +1,127 @@
+"""What a query may see: one description of the attention mask, from the public call to the plan.
+
+Every mask ctxpar supports gives each query an *interval* of visible key positions::
+
+    query at position p, in the document that spans [start, end) of the packed row:
+
+    causal                    keys [start, p]                  (start = 0 without documents)
+    causal, window w          keys [max(start, p - w + 1), p]
+    not causal                keys [start, end)                (no window: it is causal only)
+
+Chunked attention (Llama 4: attention only within fixed-size chunks) is a document mask
+whose documents are the chunks, intersected with any packed documents (``chunked``).
+
+The block plan (``ctxpar.blocks``) turns these intervals into kernel tiles; nothing else
+needs to know which mask it is. ``Mask`` is hashable, so plans are cached per mask.
+"""
+
+from __future__ import annotations
+
+import itertools
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass(frozen=True)
+class Mask:
+    """causal: query at p sees no key after p. documents: the lengths of the documents
+    packed into the row, in order (None: one document). window: a causal query at p sees
+    only the w keys p-w+1..p (None: no limit)."""
+
+    causal: bool = True
+    documents: tuple[int, ...] | None = None
+    window: int | None = None
+
+    @property
+    def is_plain(self) -> bool:
+        """Plain (non-)causal attention over the whole row: no documents, no window."""
+        return self.documents is None and self.window is None
+
+    def check(self, seq_len: int) -> None:
+        """ValueError unless this mask describes a row of ``seq_len`` tokens."""
+        if self.documents is not None and sum(self.documents) != seq_len:
+            raise ValueError(f"the document lengths sum to {sum(self.documents)} but the sequence has "
+                             f"{seq_len} tokens; documents= must cover the whole packed row")
+
+    def intervals(self, positions: torch.Tensor, seq_len: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """(first, stop) int64 tensors like ``positions``: query at p sees keys first <= key < stop."""
+        p = positions.to(torch.int64)
+        if self.documents is None:
+            first, end = torch.zeros_like(p), torch.full_like(p, seq_len)
+        else:
+            bounds = torch.tensor(list(itertools.accumulate(self.documents)), dtype=torch.int64)
+            doc = torch.searchsorted(bounds, p, right=True)  # document index of each position
+            end = bounds[doc]
+            first = end - torch.tensor(self.documents, dtype=torch.int64)[doc]
+        if not self.causal:
+            return first, end
+        if self.window is not None:
+            first = torch.maximum(first, p - self.window + 1)
+        return first, p + 1
+
+    def visible(self, q_positions: torch.Tensor, kv_positions: torch.Tensor, seq_len: int) -> torch.Tensor:
+        """(Sq, Sk) bool: whether each query sees each key. O(Sq*Sk): for tests and tiles."""
+        first, stop = self.intervals(q_positions, seq_len)
+        kv = kv_positions.to(torch.int64).unsqueeze(0)
+        return (kv >= first.unsqueeze(1)) & (kv < stop.unsqueeze(1))
+
+
+def document_lengths(documents, seq_len: int) -> tuple[int, ...]:
+    """Document lengths from what a user passes: lengths (a sequence or 1-D tensor summing
+    to ``seq_len``) or ``cu_seqlens`` (a 1-D tensor or sequence starting at 0 and ending
+    at ``seq_len``, as flash-attn's varlen functions take). ValueError for anything else."""
+    if isinstance(documents, torch.Tensor):
+        if documents.dim() != 1 or documents.dtype.is_floating_point or documents.dtype == torch.bool:
+            raise ValueError(f"documents= must be a 1-D integer tensor, got {documents.dtype} of shape "
+                             f"{tuple(documents.shape)}")
+        documents = documents.tolist()
+    if not isinstance(documents, Sequence) or isinstance(documents, (str, bytes)) or not documents:
+        raise ValueError(f"documents= must be a non-empty sequence of document lengths or cu_seqlens, "
+                         f"got {documents!r}")
+    values = list(documents)
+    if not all(isinstance(x, int) and not isinstance(x, bool) for x in values):
+        raise ValueError(f"documents= must hold integers, got {values[:8]}")
+    if values[0] == 0:  # cu_seqlens: a document can't have length 0, so a leading 0 says which
+        if values[-1] != seq_len:
+            raise ValueError(f"cu_seqlens must end at the sequence length {seq_len}, got {values[-8:]}")
+        lengths = [b - a for a, b in zip(values, values[1:])]
+        if not lengths or any(n <= 0 for n in lengths):
+            raise ValueError(f"cu_seqlens must be strictly increasing from 0 to {seq_len}, got {values[:8]}")
+        return tuple(lengths)
+    if any(n <= 0 for n in values):
+        raise ValueError(f"document lengths must be >= 1, got {values[:8]}; an empty document has no tokens")
+    if sum(values) != seq_len:
+        raise ValueError(f"the document lengths sum to {sum(values)} but the sequence has {seq_len} tokens; "
+                         f"documents= must cover the whole packed row (lengths, or cu_seqlens from 0 to {seq_len})")
+    return tuple(values)
+
+
+def chunked(seq_len: int, chunk: int, documents: tuple[int, ...] | None = None) -> tuple[int, ...]:
+    """Document lengths for chunked attention: chunks of ``chunk`` tokens (the last one
+    shorter), split further at the boundaries of ``documents`` if given."""
+    if isinstance(chunk, bool) or not isinstance(chunk, int) or chunk < 1:
+        raise ValueError(f"chunk size must be an integer >= 1, got {chunk!r}")
+    cuts = set(range(chunk, seq_len, chunk))
+    if documents is not None:
+        cuts |= set(itertools.accumulate(documents[:-1]))
+    edges = [0, *sorted(cuts), seq_len]
+    return tuple(b - a for a, b in zip(edges, edges[1:]))
+
+
+def make_mask(seq_len: int, *, causal, documents=None, window=None) -> Mask:
+    """The ``Mask`` for a public call, every argument checked (ValueError naming it)."""
+    if not isinstance(causal, bool):
+        raise ValueError(f"causal must be True or False, got {causal!r}")
+    if window is not None:
+        if isinstance(window, bool) or not isinstance(window, int) or window < 1:
+            raise ValueError(f"window must be an integer >= 1 (keys a query sees, itself included), got {window!r}")
+        if not causal:
+            raise ValueError("window= is a causal sliding window; it needs causal=True")
+        if window >= seq_len:
+            window = None  # sees everything causal attention does: plain causal, exactly
+    lengths = None if documents is None else document_lengths(documents, seq_len)
+    if lengths is not None and len(lengths) == 1:
+        lengths = None
+    return Mask(causal=causal, documents=lengths, window=window)
