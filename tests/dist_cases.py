@@ -95,7 +95,10 @@ def mask_cases() -> list[Case]:
                  mask(causal=True, documents="mixed", window=4), mask(causal=True, sinks=True),
                  mask(causal=False, documents="random", sinks=True)]
     for strategy in STRATEGIES:
-        grid += [Case(strategy, "zigzag", True, "mha", "bfloat16", chunk=5, documents="random", window=5, sinks=True),
+        grid += [Case(strategy, "balanced", True, "gqa", "float32", chunk=6, documents="random"),
+                 Case(strategy, "balanced", True, "mqa", "float32", chunk=6, documents="mixed", window=5),
+                 Case(strategy, "balanced", False, "mha", "float32", chunk=6, documents="random", sinks=True),
+                 Case(strategy, "zigzag", True, "mha", "bfloat16", chunk=5, documents="random", window=5, sinks=True),
                  Case(strategy, "striped", True, "mqa", "float64", chunk=5, documents="ones"),
                  Case(strategy, "zigzag", True, "gqa", "float32", chunk=40, documents="random", window=17)]
     return grid
@@ -154,12 +157,15 @@ def _case_problems(case: Case, rank: int, world: int, group, group_rank: int | N
     group_rank = rank if group_rank is None else group_rank
     if mesh is not None:
         group_rank = ctxpar.hybrid_rank(mesh)
-    layout = ctxpar.get_layout(case.layout, world)
     dtype = DTYPES[case.dtype]
     q, k, v, dout = _inputs(case, world, seed=zlib.crc32(case.id.encode()))
     scale = case.scale if case.scale is not None else q.shape[-1] ** -0.5
     seq_len = q.shape[2]
     documents = case.documents_for(seq_len)
+    if case.layout == "balanced":
+        layout = ctxpar.balanced_layout(world, seq_len, causal=case.causal, documents=documents, window=case.window)
+    else:
+        layout = ctxpar.get_layout(case.layout, world)
     sinks = torch.linspace(-1.0, 2.0, q.shape[1], dtype=torch.float64) if case.sinks else None
 
     ref_in = [t.clone().requires_grad_() for t in (q, k, v)]
@@ -343,11 +349,11 @@ def _check_hybrid_meshes(rank: int, world: int) -> dict:
 
 def _check_consistency(rank: int, world: int) -> dict:
     """check_consistency=True with rank-dependent mistakes: every rank raises, none hangs."""
-    def call(local_len: int = 4, kv_heads: int = 2, causal: bool = True) -> str:
+    def call(local_len: int = 4, kv_heads: int = 2, causal: bool = True, layout="zigzag", documents=None) -> str:
         q = torch.randn(1, 4, local_len, 8)
         kv = torch.randn(1, kv_heads, local_len, 8)
         try:
-            ctxpar.attention(q, kv, kv, layout="zigzag", causal=causal, check_consistency=True)
+            ctxpar.attention(q, kv, kv, layout=layout, causal=causal, documents=documents, check_consistency=True)
             return "ok"
         except ValueError as e:
             return str(e)
@@ -357,6 +363,8 @@ def _check_consistency(rank: int, world: int) -> dict:
         length=call(local_len=6 if last else 4),
         invalid=call(kv_heads=3 if last else 2),
         causal=call(causal=not last),
+        documents=call(documents=(1, 4 * world - 1) if last else (2, 4 * world - 2)),
+        balanced_deal=call(local_len=8, layout=ctxpar.balanced_layout(world, 8 * world, chunks=4 if last else 2)),
         agreeing=call(),
     )
 

@@ -154,6 +154,8 @@ def test_ranks_that_disagree_all_raise_with_check_consistency(world: int) -> Non
         r = res["consistency"]
         assert "different local_len" in r["length"]
         assert "different causal" in r["causal"]
+        assert "different documents/window" in r["documents"]
+        assert "different layout" in r["balanced_deal"]
         if rank == world - 1:
             assert "H_kv=3" in r["invalid"], "the rank with invalid inputs raises its own error"
         else:

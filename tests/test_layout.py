@@ -2,11 +2,15 @@
 
 from __future__ import annotations
 
+import math
+
 import pytest
 import torch
 
 import ctxpar
 from ctxpar.layout import LAYOUT_NAMES, get_layout
+from ctxpar.masks import Mask
+from ctxpar.plan.work import rank_pairs
 
 
 @pytest.mark.parametrize("name", LAYOUT_NAMES)
@@ -97,3 +101,45 @@ def test_the_sequence_dim_is_never_guessed() -> None:
         layout.shard(x, True, dim=2)
     with pytest.raises(ValueError, match="differ in dtype or device"):
         layout.unshard([x, x.double()], dim=2)
+
+
+def _long_tailed_documents(seq_len: int, seed: int = 0) -> tuple[int, ...]:
+    """Log-normal document lengths (median ~T/32, a few documents of a quarter of T)."""
+    gen = torch.Generator().manual_seed(seed)
+    lengths, left = [], seq_len
+    while left:
+        n = int(torch.empty(1).log_normal_(mean=math.log(seq_len / 32), std=1.2, generator=gen).clamp(min=1))
+        lengths.append(min(n, left))
+        left -= lengths[-1]
+    return tuple(lengths)
+
+
+@pytest.mark.parametrize("window", [None, 700])
+def test_the_balanced_layout_evens_out_packed_documents_where_zigzag_cannot(window) -> None:
+    seq_len, world = 65536, 4
+    documents = _long_tailed_documents(seq_len)
+    mask = Mask(documents=documents, window=window)
+    balanced = ctxpar.balanced_layout(world, seq_len, documents=documents, window=window)
+    imbalance = {}
+    for layout in (balanced, get_layout("zigzag", world)):
+        pairs = [rank_pairs(layout, seq_len, r, mask) for r in range(world)]
+        imbalance[layout.name] = max(pairs) / (sum(pairs) / world)
+    assert imbalance["balanced"] <= 1.01 < imbalance["zigzag"]
+    held = torch.cat([balanced.positions(seq_len, r) for r in range(world)])
+    assert torch.equal(held.sort().values, torch.arange(seq_len)), "every token on exactly one rank"
+    assert all(balanced.positions(seq_len, r).numel() == seq_len // world for r in range(world))
+
+
+def test_a_balanced_layout_takes_any_document_lengths_and_refuses_what_cannot_split() -> None:
+    layout = ctxpar.balanced_layout(3, 24, documents=(1, 1, 5, 17))  # nothing a multiple of P
+    x = torch.arange(24).view(1, 24)
+    assert torch.equal(layout.unshard([layout.shard(x, r, dim=1) for r in range(3)], dim=1), x)
+    assert layout.fingerprint == ctxpar.balanced_layout(3, 24, documents=(1, 1, 5, 17)).fingerprint
+    with pytest.raises(ValueError, match="built for sequence length 24, not 48"):
+        layout.positions(48, 0)
+    with pytest.raises(ValueError, match="not a multiple of P=3"):
+        ctxpar.balanced_layout(3, 25)
+    with pytest.raises(ValueError, match="sum to 10"):
+        ctxpar.balanced_layout(3, 24, documents=(4, 6))
+    with pytest.raises(ValueError, match="chunks=5 does not divide"):
+        ctxpar.balanced_layout(3, 24, chunks=5)

@@ -6,6 +6,7 @@ import pytest
 import torch
 
 from ctxpar.data import RecallTask
+from ctxpar.layout import get_layout
 from ctxpar.models import Transformer, get_config
 from ctxpar.parallelize import IGNORE_INDEX, cp_loss, shard_batch, shift_labels
 from ctxpar.train import TrainConfig, run_train
@@ -53,14 +54,21 @@ def test_resumed_run_continues_with_the_uninterrupted_losses(tmp_path) -> None:
 
 
 def test_labels_are_shifted_before_sharding_and_positions_are_global() -> None:
-    from ctxpar.layout import get_layout
-
     tokens = torch.arange(16).view(1, 16)
     layout = get_layout("zigzag", 2)
     batch = shard_batch(tokens, layout=layout, rank=0)  # positions 0-3 and 12-15
     assert batch.positions.tolist() == [0, 1, 2, 3, 12, 13, 14, 15]
     assert batch.tokens.tolist() == [[0, 1, 2, 3, 12, 13, 14, 15]]
     assert batch.labels.tolist() == [[1, 2, 3, 4, 13, 14, 15, IGNORE_INDEX]]  # 3 -> 4 lives on rank 1
+
+
+def test_packed_documents_restart_positions_and_end_without_a_target() -> None:
+    layout = get_layout("zigzag", 2)
+    tokens = torch.arange(16).view(1, 16)
+    batch = shard_batch(tokens, layout=layout, rank=1, documents=[0, 3, 10, 16])  # cu_seqlens
+    assert batch.documents == (3, 7, 6)
+    assert batch.positions.tolist() == [1, 2, 3, 4, 5, 6, 0, 1]  # global 4..11: document 2 starts at 3, 3 at 10
+    assert batch.labels.tolist() == [[5, 6, 7, 8, 9, IGNORE_INDEX, 11, 12]]  # 9 ends document 2
 
 
 def test_loss_is_weighted_by_the_global_token_count() -> None:

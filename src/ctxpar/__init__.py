@@ -1,7 +1,8 @@
 """ctxpar: exact context-parallel attention for long sequences."""
 
 from ctxpar.attention import attention, attention_with_lse
-from ctxpar.layout import ContiguousLayout, Layout, StripedLayout, ZigzagLayout, get_layout
+from ctxpar.layout import (BalancedLayout, ContiguousLayout, Layout, StripedLayout, ZigzagLayout, balanced_layout,
+                           get_layout)
 from ctxpar.profile import record
 from ctxpar.topology import hybrid_rank
 
@@ -14,6 +15,8 @@ __all__ = [
     "ContiguousLayout",
     "ZigzagLayout",
     "StripedLayout",
+    "BalancedLayout",
+    "balanced_layout",
     "get_layout",
     "record",
     "hybrid_rank",

@@ -8,7 +8,7 @@ import torch
 import torch.distributed as dist
 
 from ctxpar import agreement, kernels, topology
-from ctxpar.layout import Layout, get_layout
+from ctxpar.layout import Layout, fingerprint, get_layout
 from ctxpar.masks import make_mask
 from ctxpar.strategies import STRATEGIES, Strategy
 from ctxpar.strategy_rules import check_strategy
@@ -125,7 +125,7 @@ def _strategy(name: str) -> Strategy:
 
 
 def _layout_name(layout) -> str:
-    return f"{layout.name}/{layout.world_size}" if isinstance(layout, Layout) else str(layout)
+    return fingerprint(layout) if isinstance(layout, Layout) else str(layout)
 
 
 def _fallback_topology(group, mesh) -> topology.Topology | None:

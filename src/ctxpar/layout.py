@@ -15,10 +15,14 @@ t mod P) give every rank an equal share of early and late positions.
 
 from __future__ import annotations
 
+import functools
+import zlib
 from abc import ABC, abstractmethod
 from dataclasses import dataclass
 
 import torch
+
+from ctxpar.masks import Mask, make_mask
 
 LAYOUT_NAMES = ("contiguous", "zigzag", "striped")
 
@@ -200,6 +204,105 @@ class UnionLayout(Layout):
     def _positions(self, seq_len: int, rank: int) -> torch.Tensor:
         members = range(rank * self.span, (rank + 1) * self.span)
         return torch.sort(torch.cat([self.base.positions(seq_len, m) for m in members])).values
+
+
+@dataclass(frozen=True)
+class BalancedLayout(Layout):
+    """Equal tokens and (nearly) equal attention work per rank under any mask: for packed
+    documents of any lengths, sliding windows, or both.
+
+    The row of ``seq_len`` tokens is cut into ``chunks`` equal chunks per rank, and the
+    chunks are dealt out heaviest first, each to the rank with the least work so far that
+    still has room (a chunk's work: the keys its queries see under ``mask``). Zigzag is
+    the fixed deal of 2 chunks per rank that balances plain causal attention; documents
+    make work uneven along the row in ways no fixed deal follows. ``chunks`` (0: chosen)
+    is the fewest of 2, 4, ..., 64 that divide T/P and bring the busiest rank within
+    ``tolerance`` of the mean (fewer, longer chunks: fewer, larger kernel tiles). Any
+    document lengths: nothing has to be a multiple of P; T only needs P chunks of equal size.
+
+    Build it with ``balanced_layout``; every rank must build the same one.
+    """
+
+    seq_len: int = 0
+    mask: Mask = Mask()
+    chunks: int = 0
+    tolerance: float = 1.01
+
+    name = "balanced"
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        if isinstance(self.seq_len, bool) or not isinstance(self.seq_len, int) or self.seq_len < self.world_size:
+            raise ValueError(f"a balanced layout needs the sequence length it balances (>= P={self.world_size}), "
+                             f"got seq_len={self.seq_len!r}")
+        self.mask.check(self.seq_len)
+        if self.seq_len % self.world_size:
+            raise ValueError(f"sequence length {self.seq_len} is not a multiple of P={self.world_size} ranks; "
+                             f"pad to {-(-self.seq_len // self.world_size) * self.world_size}")
+        if self.chunks and (self.seq_len // self.world_size) % self.chunks:
+            raise ValueError(f"chunks={self.chunks} does not divide the {self.seq_len // self.world_size} tokens "
+                             f"of each rank")
+
+    @property
+    def multiple(self) -> int:
+        return self.seq_len
+
+    def validate(self, seq_len: int) -> None:
+        if seq_len != self.seq_len:
+            raise ValueError(f"the balanced layout was built for sequence length {self.seq_len}, not {seq_len}; "
+                             f"build one for this length (balanced_layout)")
+
+    def _positions(self, seq_len: int, rank: int) -> torch.Tensor:
+        return _deal(self)[1][rank]
+
+    @property
+    def chunks_per_rank(self) -> int:
+        return _deal(self)[0]
+
+    @property
+    def fingerprint(self) -> str:
+        owners = _deal(self)[2]
+        return f"{self.name}/{self.world_size}/{zlib.crc32(bytes(owners))}"
+
+
+@functools.lru_cache(maxsize=64)
+def _deal(layout: BalancedLayout) -> tuple[int, tuple[torch.Tensor, ...], tuple[int, ...]]:
+    """(chunks per rank, each rank's positions, each chunk's owner) of a balanced layout."""
+    world, seq_len = layout.world_size, layout.seq_len
+    first, stop = layout.mask.intervals(torch.arange(seq_len), seq_len)
+    work = (stop - first).to(torch.float64)  # keys each position sees
+    local = seq_len // world
+    options = [layout.chunks] if layout.chunks else [n for n in (2, 4, 8, 16, 32, 64) if local % n == 0] or [1]
+    best = None
+    for n in options:
+        per_chunk = work.view(world * n, -1).sum(1).tolist()
+        load, room, owners = [0.0] * world, [n] * world, [0] * (world * n)
+        for c in sorted(range(world * n), key=lambda i: (-per_chunk[i], i)):
+            r = min((r for r in range(world) if room[r]), key=lambda r: (load[r], r))
+            owners[c], load[r], room[r] = r, load[r] + per_chunk[c], room[r] - 1
+        imbalance = max(load) / (sum(load) / world)
+        if best is None or imbalance < best[0] - 1e-12:
+            best = (imbalance, n, owners)
+        if imbalance <= layout.tolerance:
+            break
+    _, n, owners = best
+    size = local // n
+    positions = tuple(torch.cat([torch.arange(c * size, (c + 1) * size) for c in range(world * n) if owners[c] == r])
+                      for r in range(world))
+    return n, positions, tuple(owners)
+
+
+def balanced_layout(world_size: int, seq_len: int, *, causal: bool = True, documents=None, window=None,
+                    chunks: int = 0) -> BalancedLayout:
+    """A ``BalancedLayout`` for a row of ``seq_len`` tokens attended to with this mask (the
+    same ``documents=`` / ``window=`` the attention calls take)."""
+    return BalancedLayout(world_size, seq_len, make_mask(seq_len, causal=causal, documents=documents, window=window),
+                          chunks)
+
+
+def fingerprint(layout: Layout) -> str:
+    """What identifies a layout across ranks: its name and P, and for a balanced layout its deal."""
+    return getattr(layout, "fingerprint", f"{layout.name}/{layout.world_size}")
 
 
 _LAYOUTS = {cls.name: cls for cls in (ContiguousLayout, ZigzagLayout, StripedLayout)}

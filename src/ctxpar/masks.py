@@ -68,6 +68,16 @@ class Mask:
         return (kv >= first.unsqueeze(1)) & (kv < stop.unsqueeze(1))
 
 
+def positions_in_documents(positions: torch.Tensor, documents: tuple[int, ...] | None) -> torch.Tensor:
+    """Each global position's offset within its document (RoPE restarts at each document);
+    ``positions`` themselves without documents."""
+    if documents is None:
+        return positions
+    bounds = torch.tensor(list(itertools.accumulate(documents)), dtype=torch.int64, device=positions.device)
+    doc = torch.searchsorted(bounds, positions, right=True)
+    return positions - (bounds[doc] - torch.tensor(documents, device=positions.device)[doc])
+
+
 def document_lengths(documents, seq_len: int) -> tuple[int, ...]:
     """Document lengths from what a user passes: lengths (a sequence or 1-D tensor summing
     to ``seq_len``) or ``cu_seqlens`` (a 1-D tensor or sequence starting at 0 and ending

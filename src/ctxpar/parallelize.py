@@ -15,6 +15,7 @@ shards with different numbers of ignored labels weigh exactly as in the unsplit 
 from __future__ import annotations
 
 import functools
+import itertools
 from dataclasses import dataclass
 
 import torch
@@ -24,6 +25,7 @@ import torch.nn.functional as F
 
 from ctxpar.attention import attention
 from ctxpar.layout import Layout
+from ctxpar.masks import document_lengths, positions_in_documents
 
 IGNORE_INDEX = -100
 
@@ -38,19 +40,33 @@ def shift_labels(tokens: torch.Tensor, labels: torch.Tensor | None = None) -> to
 @dataclass
 class CPBatch:
     tokens: torch.Tensor  # (B, T/P) int64, this rank's tokens
-    positions: torch.Tensor  # (T/P,) their global positions, for RoPE
+    positions: torch.Tensor  # (T/P,) their positions for RoPE: global, or within their document
     labels: torch.Tensor  # (B, T/P) next-token targets, IGNORE_INDEX where none
+    documents: tuple[int, ...] | None = None  # the packed row's document lengths, for attention(documents=)
 
 
 def shard_batch(
-    tokens: torch.Tensor, *, layout: Layout, rank: int, labels: torch.Tensor | None = None
+    tokens: torch.Tensor, *, layout: Layout, rank: int, labels: torch.Tensor | None = None, documents=None
 ) -> CPBatch:
-    """This rank's part of a (B, T) batch: tokens, global positions, shifted labels."""
+    """This rank's part of a (B, T) batch: tokens, positions, shifted labels.
+
+    ``documents``: the lengths (or cu_seqlens) of the documents packed into each row, the
+    same for every row. Positions then restart at 0 in each document, and a document's
+    last token predicts nothing (not the next document's first token); pass
+    ``batch.documents`` to every attention call as ``documents=``.
+    """
+    seq_len = tokens.shape[1]
+    lengths = None if documents is None else document_lengths(documents, seq_len)
     targets = shift_labels(tokens, labels)
+    if lengths is not None:
+        ends = torch.tensor(list(itertools.accumulate(lengths)), device=tokens.device) - 1
+        targets[:, ends] = IGNORE_INDEX
+    positions = layout.positions(seq_len, rank, device=tokens.device)
     return CPBatch(
         tokens=layout.shard(tokens, rank, dim=1),
-        positions=layout.positions(tokens.shape[1], rank, device=tokens.device),
+        positions=positions_in_documents(positions, lengths),
         labels=layout.shard(targets, rank, dim=1),
+        documents=lengths,
     )
 
 

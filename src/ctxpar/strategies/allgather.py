@@ -1,11 +1,15 @@
 """All-gather attention (Llama 3 style): every rank gathers all K/V and keeps its queries.
 
-K/V are gathered in (at most) two halves of the KV heads, the second gather posted before
-the first half is computed, so the transfer hides behind compute and no more than the
-whole sequence's K/V plus one half is alive::
+K/V are gathered in (at most) four groups of KV heads, each group's gather posted before
+the previous group is computed, so transfers hide behind compute; only the first group's
+gather is exposed, and no more than two groups' K/V of the whole sequence are alive::
 
-    KV heads, first half:   gather ──wait──▶ compute (their query heads x all T keys)
-    KV heads, second half:         gather ─────────────wait──▶ compute
+    KV heads, group 0:   gather ──wait──▶ compute (their query heads x all T keys)
+    KV heads, group 1:          gather ─────────────wait──▶ compute
+    ...
+
+Four groups bound both what the first gather exposes (a quarter of the K/V) and the
+synchronisation points (a rank descheduled at each costs its peers a wait).
 
 The gathered shards arrive rank by rank. Where it takes fewer kernel calls (zigzag,
 contiguous), they are put in global position order once, and a rank's queries attend to
@@ -17,11 +21,12 @@ the block plan for both and keeps the one with fewer tiles.
 
 Backward gathers K/V again, computes dQ and this rank's share of every position's dK/dV
 (fp32), puts that back in rank order and reduce-scatters it, so each rank receives the sum
-for its own shard; the reduce-scatter of the first half overlaps the second half's compute.
+for its own shard; each group's reduce-scatter overlaps the next group's compute.
 
 Traffic per rank (S = T/P local length, e element size): forward (P-1)*2*B*H_kv*S*D*e;
 backward (P-1)*2*B*H_kv*S*D*e for the re-gather plus (P-1)*2*B*H_kv*S*D*a for dK/dV
-(a = 4, or 8 for float64: the accumulation dtype). Four collectives backward, two forward.
+(a = 4, or 8 for float64: the accumulation dtype). Per head group: one gather forward;
+one gather and one reduce-scatter backward.
 """
 
 from __future__ import annotations
@@ -40,20 +45,21 @@ from ctxpar.strategies.blockwise import (backward_tiles, finish_forward, forward
                                          output_accumulators, sink_gradient)
 from ctxpar.topology import Topology
 
+MAX_GATHERS = 4  # head groups per pass
 
-def _halves(kv_heads: int) -> list[slice]:
-    """The KV heads in (at most) two gathers: the second in flight while the first computes."""
-    half = -(-kv_heads // 2)
-    return [slice(0, half)] + ([slice(half, kv_heads)] if half < kv_heads else [])
+
+def head_groups(kv_heads: int) -> list[slice]:
+    """The KV heads in at most ``MAX_GATHERS`` equal groups, one gather each."""
+    size = -(-kv_heads // MAX_GATHERS)
+    return [slice(start, min(start + size, kv_heads)) for start in range(0, kv_heads, size)]
 
 
 @functools.lru_cache(maxsize=256)
 def _key_order(layout: Layout, seq_len: int, rank: int, mask: Mask):
     """How this rank attends to the gathered keys, whichever takes fewer kernel calls:
 
-    ("global", tiles, (index, arrival)): keys put in position order, tiles against 0..T-1;
-        ``index`` (T,): each position's arrival slot (source rank * S + local index),
-        ``arrival`` (T,): each arrival slot's position (the inverse).
+    ("global", tiles, index): keys put in position order, tiles against 0..T-1;
+        ``index`` (T,): each position's arrival slot (source rank * S + local index).
     ("by_rank", tiles_per_rank, None): keys left as they arrived, tiles against each shard.
     """
     world = layout.world_size
@@ -64,43 +70,45 @@ def _key_order(layout: Layout, seq_len: int, rank: int, mask: Mask):
     arrival = torch.cat([layout.positions(seq_len, src) for src in range(world)])
     index = torch.empty_like(arrival)
     index[arrival] = torch.arange(seq_len)
-    return "global", whole, (index, arrival)
+    return "global", whole, index
 
 
-def _attend_forward(q, gathered, order, acc_out, acc_lse, scale) -> None:
-    """Merge attention to the gathered keys (P, 2, B, h, S, D) into the accumulators."""
-    kind, tiles, maps = order
+def _arrange(gathered: torch.Tensor, order) -> torch.Tensor:
+    """What the kernels read: the shards as they arrived (P, 2, B, h, S, D) for "by_rank",
+    else one copy in position order (2, B, h, T, D); the arrival buffer can then go."""
+    kind, _, maps = order
+    if kind == "by_rank":
+        return gathered
+    local, index = gathered.shape[4], maps.to(gathered.device)
+    return gathered.permute(1, 2, 3, 0, 4, 5)[:, :, :, index // local, index % local]
+
+
+def _attend_forward(q, keys, order, acc_out, acc_lse, scale) -> None:
+    """Merge attention to the gathered keys (``_arrange``d) into the accumulators."""
+    kind, tiles, _ = order
     if kind == "by_rank":
         for src, src_tiles in enumerate(tiles):
-            forward_tiles(q, gathered[src, 0], gathered[src, 1], src_tiles, acc_out, acc_lse, scale)
+            forward_tiles(q, keys[src, 0], keys[src, 1], src_tiles, acc_out, acc_lse, scale)
         return
-    kv = _in_position_order(gathered, maps[0])  # (2, B, h, T, D)
-    forward_tiles(q, kv[0], kv[1], tiles, acc_out, acc_lse, scale)
+    forward_tiles(q, keys[0], keys[1], tiles, acc_out, acc_lse, scale)
 
 
-def _attend_backward(dout, q, gathered, out, lse, order, scale, dq) -> torch.Tensor:
+def _attend_backward(dout, q, keys, out, lse, order, scale, dq, world: int) -> torch.Tensor:
     """dQ into ``dq``; returns this rank's dK/dV share of every source, (P, 2, B, h, S, D)."""
     kind, tiles, maps = order
     if kind == "by_rank":
-        shares = torch.zeros(gathered.shape, dtype=dq.dtype, device=dq.device)
+        shares = torch.zeros(keys.shape, dtype=dq.dtype, device=dq.device)
         for src, src_tiles in enumerate(tiles):
-            backward_tiles(dout, q, gathered[src, 0], gathered[src, 1], out, lse, src_tiles, scale, dq,
+            backward_tiles(dout, q, keys[src, 0], keys[src, 1], out, lse, src_tiles, scale, dq,
                            shares[src, 0], shares[src, 1])
         return shares
-    index, arrival = maps
-    kv = _in_position_order(gathered, index)
-    dkv = torch.zeros(kv.shape, dtype=dq.dtype, device=dq.device)  # (2, B, h, T, D), position order
-    backward_tiles(dout, q, kv[0], kv[1], out, lse, tiles, scale, dq, dkv[0], dkv[1])
-    world, local = gathered.shape[0], gathered.shape[4]
-    by_arrival = dkv.index_select(3, arrival.to(dkv.device)).unflatten(3, (world, local))  # (2, B, h, P, S, D)
-    return by_arrival.permute(3, 0, 1, 2, 4, 5).contiguous()  # (P, 2, B, h, S, D)
-
-
-def _in_position_order(gathered: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
-    """(P, 2, B, h, S, D) as they arrived -> (2, B, h, T, D) in position order: one copy."""
-    local = gathered.shape[4]
-    index = index.to(gathered.device)
-    return gathered.permute(1, 2, 3, 0, 4, 5)[:, :, :, index // local, index % local]
+    dkv = torch.zeros(keys.shape, dtype=dq.dtype, device=dq.device)  # (2, B, h, T, D), position order
+    backward_tiles(dout, q, keys[0], keys[1], out, lse, tiles, scale, dq, dkv[0], dkv[1])
+    two, b, h, t, d = dkv.shape
+    local, index = t // world, maps.to(dkv.device)
+    shares = dkv.new_empty((world, two, b, h, local, d))
+    shares.permute(1, 2, 3, 0, 4, 5)[:, :, :, index // local, index % local] = dkv  # back in arrival order
+    return shares
 
 
 class AllGatherAttention(torch.autograd.Function):
@@ -110,41 +118,42 @@ class AllGatherAttention(torch.autograd.Function):
         g = q.shape[1] // k.shape[1]  # query heads per KV head
         acc_out, acc_lse = output_accumulators(q)  # (B, H, S, D), (B, H, S)
         kv = torch.stack([k, v])  # (2, B, H_kv, S, D)
-        halves = _halves(k.shape[1])
-        pending = PendingAllGather(kv[:, :, halves[0]], group)
-        for i, kvh in enumerate(halves):
-            gathered = pending.wait()  # (P, 2, B, h, S, D)
-            if i + 1 < len(halves):
-                pending = PendingAllGather(kv[:, :, halves[i + 1]], group)
+        groups = head_groups(k.shape[1])
+        pending = PendingAllGather(kv[:, :, groups[0]], group)
+        for i, kvh in enumerate(groups):
+            keys = _arrange(pending.wait(), order)
+            pending = PendingAllGather(kv[:, :, groups[i + 1]], group) if i + 1 < len(groups) else None
             qh = slice(kvh.start * g, kvh.stop * g)
             with profile.timed("compute", q.device):
-                _attend_forward(q[:, qh], gathered, order, acc_out[:, qh], acc_lse[:, qh], scale)
-        ctx.args = (group, order, scale)
+                _attend_forward(q[:, qh], keys, order, acc_out[:, qh], acc_lse[:, qh], scale)
+            del keys
+        ctx.args = (group, order, scale, layout.world_size)
         return finish_forward(ctx, q, k, v, sinks, acc_out, acc_lse)
 
     @staticmethod
     @once_differentiable
     def backward(ctx, dout, _dlse):
         q, k, v, sinks, out, lse = ctx.saved_tensors
-        group, order, scale = ctx.args
+        group, order, scale, world = ctx.args
         g = q.shape[1] // k.shape[1]
         dout = dout.contiguous()
-        dq, dkv = gradient_accumulators(q, k)  # dkv: our shard's dK, dV, filled half by half
+        dq, dkv = gradient_accumulators(q, k)  # dkv: our shard's dK, dV, filled group by group
         kv = torch.stack([k, v])
-        halves = _halves(k.shape[1])
-        pending = PendingAllGather(kv[:, :, halves[0]], group)
-        reducing = None  # (heads, PendingReduceScatter) of the previous half, still in flight
-        for i, kvh in enumerate(halves):
-            gathered = pending.wait()
-            if i + 1 < len(halves):
-                pending = PendingAllGather(kv[:, :, halves[i + 1]], group)
+        groups = head_groups(k.shape[1])
+        pending = PendingAllGather(kv[:, :, groups[0]], group)
+        reducing = None  # (heads, PendingReduceScatter) of the previous group, still in flight
+        for i, kvh in enumerate(groups):
+            keys = _arrange(pending.wait(), order)
+            pending = PendingAllGather(kv[:, :, groups[i + 1]], group) if i + 1 < len(groups) else None
             qh = slice(kvh.start * g, kvh.stop * g)
             with profile.timed("compute", q.device):
-                shares = _attend_backward(dout[:, qh], q[:, qh], gathered, out[:, qh], lse[:, qh], order, scale,
-                                          dq[:, qh])
+                shares = _attend_backward(dout[:, qh], q[:, qh], keys, out[:, qh], lse[:, qh], order, scale,
+                                          dq[:, qh], world)
+            del keys
             if reducing is not None:
                 dkv[:, :, reducing[0]] = reducing[1].wait()
             reducing = (kvh, PendingReduceScatter(shares, group))
+            del shares
         dkv[:, :, reducing[0]] = reducing[1].wait()
         return (dq.to(q.dtype), dkv[0].to(k.dtype), dkv[1].to(v.dtype), sink_gradient(sinks, dout, out, lse),
                 None, None, None, None, None)
