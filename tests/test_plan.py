@@ -7,13 +7,17 @@ import subprocess
 import sys
 
 import pytest
+import torch
 
+from ctxpar.masks import Mask
 from ctxpar.models.config import ModelConfig
 from ctxpar.plan import cost, get_hardware, make_plan, parse_bandwidth, parse_flops, resolve_model
 from ctxpar.cli import main
 from ctxpar import calibrate
 from ctxpar.calibrate import measure_bandwidth
+from ctxpar.plan import traffic
 from ctxpar.plan.cost import Pipeline
+from ctxpar.plan.documents import pack, parse_doc_dist, parse_lengths, sample_lengths
 from ctxpar.plan.hardware import local_hardware
 from ctxpar.plan.memory import memory_per_gpu, saved_tensors_per_token, sequence_tensors
 from ctxpar.plan.recommend import crossover, fits_up_to, recommend
@@ -122,6 +126,119 @@ def test_efficiency_is_one_with_free_communication_and_balance() -> None:
     hw = get_hardware("H100-SXM", bandwidth=1e30)
     assert cost.efficiency(worked(), hw) == pytest.approx(1.0, abs=1e-9)
     assert cost.efficiency(worked(layout="contiguous"), hw) < 0.95
+
+
+# -- masks: windows and documents --------------------------------------------------------------
+
+
+def masked(seq: int, cp: int, **changes) -> Workload:
+    """A small MHA-divisible shape (H = 12 splits over 2, 3, 4 ranks) for brute-force checks."""
+    return Workload(attention_only(12, 2, 8), batch=1, seq=seq, dtype="float32", cp=cp).with_(**changes)
+
+
+def brute_force_pairs(w: Workload, mask: Mask) -> list[int]:
+    """Per rank, the visible (query, key) pairs x heads of its (all-to-all: its group's) queries, by Mask.visible."""
+    layout, u = w.layout_obj, w.ulysses_degree
+    keys = torch.arange(w.seq)
+    own = [int(mask.visible(layout.positions(w.seq, r), keys, w.seq).sum()) for r in range(w.cp)]
+    return [sum(own[r - r % u:r - r % u + u]) * (w.model.heads // u) for r in range(w.cp)]
+
+
+def test_documents_are_packed_by_repeating_and_cutting() -> None:
+    assert pack((5, 17, 3), 48) == (5, 17, 3, 5, 17, 1) and pack((5, 17, 3), 20) == (5, 15)
+    assert pack((100,), 48) == (48,) and pack((16,), 48) == (16, 16, 16)
+    drawn = sample_lengths(parse_doc_dist("lognormal:2048,1.5"), 2**22, seed=3)
+    assert sum(drawn) == 2**22 and drawn == sample_lengths(parse_doc_dist("lognormal:2048,1.5"), 2**22, seed=3)
+    assert sum(drawn[:-1]) / len(drawn[:-1]) == pytest.approx(2048, rel=0.1)  # E[X] = MEAN
+    assert max(drawn) > 20 * 2048  # the long tail users have
+    assert sample_lengths(parse_doc_dist("fixed:512"), 2**20) == (512,)
+
+
+@pytest.mark.parametrize("cp, layout", [(2, "contiguous"), (3, "zigzag"), (4, "striped"), (4, "zigzag")])
+@pytest.mark.parametrize("strategy", ["ring", "alltoall"])
+def test_pairs_under_masks_equal_brute_force(cp: int, layout: str, strategy: str) -> None:
+    seq = 48
+    row = pack((5, 17, 3), seq)
+    cases = [  # (workload fields, the mask they mean over the row)
+        (dict(window=7), Mask(window=7)),
+        (dict(window=1), Mask(window=1)),
+        (dict(window=seq), Mask()),  # sees every earlier key: plain causal
+        (dict(documents=(5, 17, 3)), Mask(documents=row)),
+        (dict(documents=(5, 17, 3), window=4), Mask(documents=row, window=4)),
+        (dict(documents=(5, 17, 3), causal=False), Mask(causal=False, documents=row)),
+    ]
+    for fields, mask in cases:
+        w = masked(seq, cp, layout=layout, strategy=strategy, **fields)
+        assert w.mask == mask
+        assert list(cost.head_pairs(w)) == brute_force_pairs(w, mask), fields
+        assert cost.attention_forward_flops_per_rank(w) == tuple(4 * w.model.head_dim * p for p in cost.head_pairs(w))
+
+
+def test_window_work_is_about_w_over_t_of_full_attention() -> None:
+    seq, window = 2**16, 1024
+    for layout in ("contiguous", "zigzag", "striped"):
+        w = masked(seq, 8, layout=layout, window=window)
+        total = sum(cost.head_pairs(w)) // w.model.heads
+        assert total == seq * window - window * (window - 1) // 2  # each query sees w keys, the first w-1 fewer
+        full = sum(cost.head_pairs(w.with_(window=None))) // w.model.heads
+        assert total / full == pytest.approx(2 * window / seq, rel=0.01)  # causal full attention: T²/2 pairs
+        assert total / seq**2 == pytest.approx(window / seq, rel=0.01)
+    balance = {layout: cost.load_balance(masked(seq, 8, layout=layout, window=window))
+               for layout in ("contiguous", "zigzag")}
+    assert balance["contiguous"] == pytest.approx(1.0, abs=0.01)  # every rank but the first sees w keys a query
+    assert balance["zigzag"] == pytest.approx(1.0, abs=0.01)
+
+
+@pytest.mark.parametrize("window", [1, 100, 2048, 5000, 3 * 2048 + 1])
+def test_contiguous_window_traffic_is_the_rings_halo(window: int) -> None:
+    w = masked(8192, 4, layout="contiguous", window=window)
+    m = w.model
+    halo = [traffic.ring_window(batch=1, local_len=2048, kv_heads=m.kv_heads, head_dim=m.head_dim, world=4,
+                                window=window, rank=r, elem=4, acc=4) for r in range(4)]
+    assert cost.ring_window_per_rank(w) == halo
+    tr = cost.layer_traffic(w)
+    assert tr.forward == max(max(s.forward, r.forward) for s, r in halo)
+    assert tr.backward == max(max(s.backward, r.backward) for s, r in halo)
+    assert cost.traffic_bound(w) is None
+    kv = 2 * m.kv_heads * m.head_dim
+    if window <= 2049:  # the halo, one hop: w-1 keys' K/V, and once more with its accumulator backward
+        assert (tr.forward, tr.backward) == ((window - 1) * kv * 4, (window - 1) * kv * 8)
+    steps = traffic.window_steps(local_len=2048, world=4, window=window)
+    assert cost.attention_time(w, get_hardware("H100-SXM")).forward.stages == steps + 1
+    assert tr.total <= cost.layer_traffic(w.with_(window=None)).total
+
+
+def test_traffic_elsewhere_is_the_plain_bound_and_says_so() -> None:
+    plain = masked(8192, 4)
+    for changes in (dict(window=100), dict(documents=(1000, 3000)), dict(layout="striped", window=100)):
+        w = plain.with_(**changes)
+        assert cost.layer_traffic(w) == cost.layer_traffic(plain)
+        assert cost.traffic_bound(w).startswith("upper bound: the plain ring's")
+    both = plain.with_(layout="contiguous", window=100, documents=(1000, 3000))
+    assert cost.layer_traffic(both) == cost.layer_traffic(both.with_(documents=None))
+    assert cost.traffic_bound(both).startswith("upper bound: the window's halo")
+    for strategy in ("allgather", "alltoall"):  # they move every shard (or head) whatever the mask
+        w = plain.with_(strategy=strategy, layout="contiguous", window=100, documents=(1000, 3000))
+        assert cost.layer_traffic(w) == cost.layer_traffic(w.with_(window=None, documents=None))
+        assert cost.traffic_bound(w) is None
+
+
+def test_mask_values_are_refused_naming_the_flag() -> None:
+    with pytest.raises(ValueError, match="--window must be between 1 and"):
+        masked(64, 2, window=0)
+    with pytest.raises(ValueError, match="--window 8 is a causal sliding window; drop --no-causal or --window"):
+        masked(64, 2, window=8, causal=False)
+    with pytest.raises(ValueError, match="--documents must be a non-empty tuple"):
+        masked(64, 2, documents=(8, 0))
+    with pytest.raises(ValueError, match="--documents must be a non-empty tuple"):
+        masked(64, 2, documents=[8, 8])
+    with pytest.raises(ValueError, match=r"--documents '8,x' must be comma-separated document lengths"):
+        parse_lengths("8,x")
+    for text, message in (("zipf:1.1", "unknown distribution 'zipf'"), ("fixed:0", "fixed takes one length"),
+                          ("lognormal:2048", "lognormal takes MEAN,SIGMA"), ("lognormal:0.5,1", "MEAN 0.5 must be"),
+                          ("lognormal:100,nan", "SIGMA nan must be between 0 and 5")):
+        with pytest.raises(ValueError, match=message):
+            parse_doc_dist(text)
 
 
 # -- memory ------------------------------------------------------------------------------------
@@ -253,6 +370,33 @@ def test_cli_json_carries_exact_bytes_and_seconds_and_plots(tmp_path) -> None:
     assert traffic["forward_transfer_seconds"] == 100663296 / 1e11
     assert report["memory_per_gpu"]["total_bytes"] > report["memory_per_gpu"]["hbm_bytes"]
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_cli_plans_windows_and_document_distributions(tmp_path, capsys) -> None:
+    out = tmp_path / "plan.json"
+    args = ["plan", *WORKED, "--layout", "contiguous", "--window", "4096", "--max-cp", "4"]
+    assert main([*args, "--json", str(out)]) == 0
+    table = capsys.readouterr().out
+    assert "contiguous layout, causal, window 4096, FSDP=1" in table
+    assert "(ring; halo of w-1 = 4095 keys, busiest rank)" in table
+    report = json.loads(out.read_text())
+    assert report["inputs"]["window"] == 4096 and report["mask"]["halo_tokens"] == 4095
+    assert report["mask"]["traffic"] == "exact"
+    assert report["traffic_per_layer"]["forward_bytes"] == 4095 * 2 * 8 * 128 * 2  # the halo's K/V, one hop
+    assert [r["received_forward_bytes"] for r in report["mask"]["halo_per_rank"]] == [0] + [4095 * 4096] * 3
+
+    assert main([*args, "--doc-dist", "lognormal:2048,1.5", "--json", str(out)]) == 0
+    table = capsys.readouterr().out
+    assert "documents lognormal:2048,1.5 seed 0 (" in table and "upper bound: the window's halo" in table
+    first = json.loads(out.read_text())
+    lengths = first["inputs"]["documents"]["lengths"]
+    assert sum(lengths) == 32768 and first["mask"]["documents_in_row"]["count"] == len(lengths)
+    assert first["inputs"]["documents_from"] == "lognormal:2048,1.5 seed 0"
+    assert main([*args, "--doc-dist", "lognormal:2048,1.5", "--json", str(out)]) == 0  # reproducible
+    assert json.loads(out.read_text())["work"] == first["work"]
+    assert main([*args, "--doc-dist", "lognormal:2048,1.5", "--doc-seed", "1", "--json", str(out)]) == 0
+    assert json.loads(out.read_text())["work"] != first["work"]
+    capsys.readouterr()
 
 
 def test_cli_errors_name_the_flag(capsys) -> None:

@@ -12,6 +12,7 @@ from ctxpar import launch
 from ctxpar import plan as planning
 from ctxpar.demo import DTYPES, DemoConfig, format_report, run_demo
 from ctxpar.layout import LAYOUT_NAMES
+from ctxpar.limits import check_seed
 from ctxpar.models.config import PRESETS as MODEL_PRESETS
 from ctxpar.strategy_rules import STRATEGY_NAMES
 from ctxpar.train import TRAIN_STRATEGIES, TrainConfig, run_train
@@ -170,6 +171,15 @@ def _plan_parser(sub) -> None:
     p.add_argument("--layout", choices=LAYOUT_NAMES, default="zigzag")
     p.add_argument("--ulysses-degree", type=int, help="hybrid only (default: the largest fitting in a node)")
     p.add_argument("--causal", action=argparse.BooleanOptionalAction, default=True)
+    mask = p.add_argument_group("mask (work and traffic follow it exactly, or the traffic is reported as a bound)")
+    mask.add_argument("--window", type=int, metavar="W",
+                      help="causal sliding window: each query sees itself and the W-1 keys before it")
+    mask.add_argument("--documents", metavar="LENGTHS",
+                      help="lengths of the documents packed into a row, e.g. 8192,512,30000; repeated or cut to --seq")
+    mask.add_argument("--doc-dist", metavar="DIST",
+                      help="document lengths drawn from DIST until the row is full: fixed:LEN or lognormal:MEAN,SIGMA "
+                           "(MEAN tokens on average; SIGMA the spread of ln length, 1-2 for real corpora)")
+    mask.add_argument("--doc-seed", type=int, help="seed of --doc-dist's draws (default 0: the same plan every run)")
     p.add_argument("--fsdp", type=int, default=1, help="degree sharding parameters, gradients, optimizer states")
     p.add_argument("--checkpointing", choices=planning.CHECKPOINTING, default="none", help="activation checkpointing")
     p.add_argument("--max-cp", type=int, help="largest CP degree to compare (default max(--cp, 16))")
@@ -182,6 +192,25 @@ def _plan_parser(sub) -> None:
     hw.add_argument("--calibration", metavar="PATH", help="with --hardware local: a JSON from --calibrate --json")
     p.add_argument("--json", metavar="PATH", help="write every figure (exact bytes, seconds) as JSON")
     p.add_argument("--plot", metavar="PATH", help="write a PNG: efficiency vs sequence length, memory per GPU")
+
+
+def _plan_documents(args: argparse.Namespace) -> tuple[tuple[int, ...] | None, str | None]:
+    """(document lengths, where they came from) from --documents / --doc-dist / --doc-seed."""
+    if args.documents is not None and args.doc_dist is not None:
+        raise ValueError("--documents and --doc-dist both describe the documents; give one of them")
+    if args.doc_seed is not None:
+        if args.doc_dist is None:
+            raise ValueError("--doc-seed seeds --doc-dist's draws; add --doc-dist or drop --doc-seed")
+        check_seed(args.doc_seed, "--doc-seed")
+    if args.documents is not None:
+        return planning.parse_lengths(args.documents, "--documents"), "given"
+    if args.doc_dist is None:
+        return None, None
+    dist = planning.parse_doc_dist(args.doc_dist, "--doc-dist")
+    seed = args.doc_seed or 0
+    # one stream of documents for every length the sweep evaluates (a shorter row is its prefix)
+    tokens = max(planning.sweep_seqs(args.seq))
+    return planning.sample_lengths(dist, tokens, seed), f"{dist} seed {seed}"
 
 
 def _run_plan(args: argparse.Namespace) -> int:
@@ -202,9 +231,11 @@ def _run_plan(args: argparse.Namespace) -> int:
     if args.strategy == "hybrid" and ulysses is None:
         ulysses = planning.default_ulysses(model.heads, args.cp, gpus_per_node)
     planning.check_plan_size(args.seq, args.cp, args.max_cp)
+    documents, documents_from = _plan_documents(args)
     workload = planning.Workload(
         model, batch=args.batch, seq=args.seq, dtype=args.dtype, cp=args.cp, strategy=args.strategy,
-        layout=args.layout, ulysses=ulysses, fsdp=args.fsdp, checkpointing=args.checkpointing, causal=args.causal)
+        layout=args.layout, ulysses=ulysses, fsdp=args.fsdp, checkpointing=args.checkpointing, causal=args.causal,
+        window=args.window, documents=documents, documents_from=documents_from)
     if args.calibrate:
         calibration = calibration_.plan_calibration(args.hardware, measure=True, path=None)
         print(calibration_.format_calibration(calibration) + "\n")

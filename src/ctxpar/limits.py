@@ -12,6 +12,6 @@ def check_count(field: str, value: int) -> None:
         raise ValueError(f"--{field.replace('_', '-')} must be between 1 and {MAX_COUNT}, got {value}")
 
 
-def check_seed(seed: int) -> None:
+def check_seed(seed: int, flag: str = "--seed") -> None:
     if not 0 <= seed <= MAX_SEED:
-        raise ValueError(f"--seed must be between 0 and {MAX_SEED}, got {seed}")
+        raise ValueError(f"{flag} must be between 0 and {MAX_SEED}, got {seed}")

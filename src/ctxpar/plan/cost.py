@@ -10,14 +10,20 @@ Matmul FLOPs: 2 per parameter per token forward, 4 backward (Kaplan et al. 2020,
 arXiv:2001.08361, C = 6N), N excluding the embedding table; full checkpointing adds one
 more forward (Korthikanti et al. 2022).
 
-Bytes per rank are ``ctxpar.strategies.traffic.per_rank`` (the formulas the tests check
-against counted traffic), per layer.
+Masks (``Workload.mask``: documents, a sliding window) change the pairs, hence the
+FLOPs and the load balance, exactly. Bytes per rank are ``ctxpar.plan.traffic.per_rank``
+(the formulas the tests check against counted traffic), per layer, except for the ring
+on the contiguous layout under a window, whose halo is ``traffic.ring_window`` (the
+busiest rank's). All-gather and all-to-all move the same bytes whatever the mask. The
+ring elsewhere under documents or a window sends only what later ranks see, which has no
+closed form: the plain ring's bytes are then an upper bound (``traffic_bound``).
 
 Time: each strategy's attention is a pipeline of ``stages`` (a lead transfer nobody can
 hide, then per stage max(compute, transfer) since the next transfer is posted before the
 current compute, the last stage's compute, then a tail transfer nobody can hide):
 
     ring       forward  P stages, K/V hop per stage;      backward adds the dK/dV hop, the last one exposed
+               (window on contiguous: m + 1 stages, m = min(P-1, ceil((w-1)/S)) hops of the halo)
     allgather  forward  H_kv stages (one KV head each), the first gather exposed;
                backward the re-gather and the reduce-scatter per head, the first gather and last reduce-scatter exposed
     alltoall   one stage: all-to-all traffic, then compute (nothing overlaps)
@@ -45,19 +51,20 @@ BACKWARD_FLOPS_RATIO = 2.5  # FlashAttention: backward = 2.5 x forward FLOPs
 
 
 @functools.lru_cache(maxsize=4096)
-def _union_pairs(layout: str, seq: int, cp: int, causal: bool, ulysses: int) -> tuple[int, ...]:
-    return tuple(union_pairs(get_layout(layout, cp), seq, rank, Mask(causal=causal), ulysses) for rank in range(cp))
+def _union_pairs(layout: str, seq: int, cp: int, mask: Mask, ulysses: int) -> tuple[int, ...]:
+    return tuple(union_pairs(get_layout(layout, cp), seq, rank, mask, ulysses) for rank in range(cp))
 
 
 def head_pairs(w: Workload) -> tuple[int, ...]:
     """Per rank, the (query, key) pairs x heads it computes for one sequence (exact).
 
-    Ring / all-gather (U = 1): the rank's own queries against all keys, all H heads.
+    Ring / all-gather (U = 1): the rank's own queries against the keys ``w.mask`` lets them
+    see, all H heads.
     All-to-all over U ranks: all queries of its group's U shards, H/U heads; a query's
     pairs do not depend on which rank holds it, so the group's pairs are its members' sum.
     """
     u, heads = w.ulysses_degree, w.model.heads
-    return tuple(p * (heads // u) for p in _union_pairs(w.layout, w.seq, w.cp, w.causal, u))
+    return tuple(p * (heads // u) for p in _union_pairs(w.layout, w.seq, w.cp, w.mask, u))
 
 
 def load_balance(w: Workload) -> float:
@@ -82,8 +89,37 @@ def matmul_flops_per_token(w: Workload) -> int:
     return 2 * (m.parameters - m.vocab * m.hidden)
 
 
+def ring_window_per_rank(w: Workload) -> list[tuple[traffic.Traffic, traffic.Traffic]] | None:
+    """Per rank, (sent, received) of a ring on the contiguous layout under a sliding window
+    (``traffic.ring_window``: the halo); None for any other strategy, layout or mask."""
+    m, window = w.model, w.mask.window
+    if w.strategy != "ring" or w.layout != "contiguous" or window is None or w.cp == 1:
+        return None
+    return [traffic.ring_window(batch=w.batch, local_len=w.local_len, kv_heads=m.kv_heads, head_dim=m.head_dim,
+                                world=w.cp, window=window, rank=r, elem=w.elem, acc=w.acc) for r in range(w.cp)]
+
+
+def traffic_bound(w: Workload) -> str | None:
+    """None when ``layer_traffic`` is the exact count; else why it is an upper bound."""
+    if w.mask.is_plain or w.strategy in ("allgather", "alltoall") or w.cp == 1:
+        return None
+    if ring_window_per_rank(w) is not None:
+        return None if w.mask.documents is None else \
+            "upper bound: the window's halo; documents can only leave less of it for later ranks to see"
+    return ("upper bound: the plain ring's (P-1) hops of every shard; under documents or a window the ring sends "
+            "only what later ranks see (strategies/ring.py), which has no closed form")
+
+
 def layer_traffic(w: Workload) -> traffic.Traffic:
-    """Bytes one rank sends (= receives) for one layer's attention, forward and backward."""
+    """Bytes one rank sends (= receives) for one layer's attention, forward and backward.
+
+    A ring on the contiguous layout under a window: the most any rank sends or receives
+    (the halo), forward and backward separately. Otherwise the mask does not change the
+    figure (see ``traffic_bound``).
+    """
+    if (halo := ring_window_per_rank(w)) is not None:
+        return traffic.Traffic(forward=max(max(s.forward, r.forward) for s, r in halo),
+                               backward=max(max(s.backward, r.backward) for s, r in halo))
     m = w.model
     return traffic.per_rank(w.strategy, batch=w.batch, seq_len=w.seq, heads=m.heads, kv_heads=m.kv_heads,
                             head_dim=m.head_dim, world=w.cp, elem=w.elem, acc=w.acc,
@@ -163,6 +199,8 @@ def attention_time(w: Workload, hw: Hardware) -> AttentionTime:
             Pipeline(n, fwd_compute / n, gather, lead=gather),
             Pipeline(n, bwd_compute / n, gather + reduce, lead=gather, tail=reduce), bw)
     r = w.ring_degree
+    if ring_window_per_rank(w) is not None:  # the ring stops once the halo has arrived
+        r = 1 + traffic.window_steps(local_len=w.local_len, world=w.cp, window=w.mask.window)
     hops = max(r - 1, 1)
     kv_hop, dkv_hop = rest.forward / hops / bw, (rest.backward - rest.forward) / hops / bw
     return AttentionTime(
@@ -218,8 +256,11 @@ def overlap_local_len(w: Workload, pipeline: Pipeline) -> float | None:
     The Ring Attention overlap condition (Liu et al. 2023, arXiv:2310.01889: block size
     >= F/B for MHA, non-causal, bf16), here for this workload's GQA ratio, mask, dtype and
     layout: a stage's compute grows as S² and its transfer as S, so they meet at
-    S·transfer/compute. None where nothing overlaps (all-to-all) or nothing moves.
+    S·transfer/compute. None where nothing overlaps (all-to-all) or nothing moves, and
+    under documents or a window: there compute grows as S times a document or window
+    length, and the threshold is not a length per rank (``Pipeline.hidden`` still says
+    whether the transfer hides now).
     """
-    if pipeline.stages == 1 or pipeline.transfer == 0:
+    if pipeline.stages == 1 or pipeline.transfer == 0 or not w.mask.is_plain:
         return None
     return w.local_len * pipeline.transfer / pipeline.compute

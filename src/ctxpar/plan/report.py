@@ -2,7 +2,8 @@
 
 from __future__ import annotations
 
-from ctxpar.plan.cost import overlap_local_len
+from ctxpar.plan.cost import overlap_local_len, ring_window_per_rank, traffic_bound
+from ctxpar.plan.documents import describe
 from ctxpar.plan.planner import Plan
 from ctxpar.plan.units import format_bandwidth, format_bytes, format_flops, format_seconds, format_tokens
 
@@ -22,10 +23,31 @@ TRAFFIC_FORMULAS = {
     "alltoall": ("(U-1)/U·B·S·[D·e·(2H+2H_kv')+H·a]", "(U-1)/U·B·S·D·e·(2H+2H_kv')"),
     "hybrid": ("alltoall(U) + (R-1)·2·B·H_kv'·S·D·e", "alltoall(U) + (R-1)·2·B·H_kv'·S·D·(e+a)"),
 }
+# the ring under a window w on the contiguous layout, the busiest rank; the bytes are traffic.ring_window's exactly,
+# m = min(P-1, ceil((w-1)/S)) hops (w-1 <= S: m = 1, and the backward is the halo's K/V and one accumulator)
+HALO_FORMULAS = ("min(w-1, (P-1)·S)·2·B·H_kv·D·e", "<= fwd + m·min(w-1, S)·2·B·H_kv·D·a")
 
 
 def _sharded(s) -> dict:
     return {"total_bytes": s.total, "per_gpu_bytes": s.per_gpu}
+
+
+def _mask_json(plan: Plan) -> dict:
+    w = plan.workload
+    mask = w.mask
+    halo = ring_window_per_rank(w)
+    return {
+        "causal": mask.causal,
+        "window": mask.window,  # None also when --window >= T: the same as no window
+        "documents_from": w.documents_from if w.documents is not None else None,
+        "documents_in_row": None if mask.documents is None else describe(mask.documents),
+        "traffic": "exact" if (bound := traffic_bound(w)) is None else bound,
+        "halo_tokens": None if halo is None else mask.window - 1,
+        "halo_per_rank": None if halo is None else [
+            {"rank": r, "sent_forward_bytes": s.forward, "sent_backward_bytes": s.backward,
+             "received_forward_bytes": rv.forward, "received_backward_bytes": rv.backward}
+            for r, (s, rv) in enumerate(halo)],
+    }
 
 
 def to_json(plan: Plan) -> dict:
@@ -50,6 +72,7 @@ def to_json(plan: Plan) -> dict:
             "forward_transfer_seconds": plan.traffic.forward / bw if bw else 0.0,
             "backward_transfer_seconds": plan.traffic.backward / bw if bw else 0.0,
         },
+        "mask": _mask_json(plan),
         "work": {"head_pairs_per_rank": list(plan.head_pairs), "load_balance": plan.load_balance},
         "memory_per_gpu": {**{f"{k}_bytes": v for k, v in mem.categories().items()},
                            "checkpointing": mem.checkpointing, "total_bytes": mem.total,
@@ -88,13 +111,26 @@ def _header(plan: Plan) -> list[str]:
              f"{format_bandwidth(hw.inter_node_bandwidth)} across nodes")
     return [
         f"ctxpar plan: B={w.batch} T={w.seq} ({format_tokens(w.seq)}) {w.dtype}, CP={w.cp} {strategy}, "
-        f"{w.layout} layout, {'causal' if w.causal else 'non-causal'}, FSDP={w.fsdp}, checkpointing {w.checkpointing}",
+        f"{w.layout} layout, {_mask_words(plan)}, FSDP={w.fsdp}, checkpointing {w.checkpointing}",
         f"model: layers={m.layers} hidden={m.hidden} heads={m.heads} kv_heads={m.kv_heads} head_dim={m.head_dim} "
         f"ffn={m.ffn} vocab={m.vocab} ({m.parameters:,} parameters)",
         f"hardware: {hw.name}: {format_flops(hw.peak_flops)} x {hw.efficiency:g} = {format_flops(hw.flops)}; "
         f"{format_bytes(hw.hbm_bytes)} memory; links {links} [{hw.source}]",
         "units: MiB = 2^20 B, GiB = 2^30 B; bandwidth per GPU per direction, GB/s = 1e9 B/s",
     ]
+
+
+def _mask_words(plan: Plan) -> str:
+    """'causal, window 4096, documents lognormal:2048,1.5 seed 0 (14 in the row: mean ..., max ...)'."""
+    w, mask = plan.workload, plan.workload.mask
+    words = ["causal" if w.causal else "non-causal"]
+    if w.window is not None:
+        words.append(f"window {w.window}" + ("" if mask.window else " (>= T: no limit)"))
+    if w.documents is not None:
+        rows = describe(mask.documents or (w.seq,))
+        words.append(f"documents {w.documents_from or 'given'} ({rows['count']} in the row: mean "
+                     f"{rows['mean']:.0f}, median {rows['median']}, max {rows['max']})")
+    return ", ".join(words)
 
 
 def _tensors(plan: Plan) -> list[str]:
@@ -111,11 +147,17 @@ def _tensors(plan: Plan) -> list[str]:
 def _traffic(plan: Plan) -> list[str]:
     w, tr = plan.workload, plan.traffic
     bw = plan.step.attention.link_bandwidth
-    fwd_f, bwd_f = TRAFFIC_FORMULAS[w.strategy]
-    lines = [f"Attention traffic per GPU per layer ({w.strategy}; sent = received)",
+    halo = ring_window_per_rank(w) is not None
+    fwd_f, bwd_f = HALO_FORMULAS if halo else TRAFFIC_FORMULAS[w.strategy]
+    what = f"halo of w-1 = {w.mask.window - 1} keys, busiest rank" if halo else "sent = received"
+    lines = [f"Attention traffic per GPU per layer ({w.strategy}; {what})",
              f"  {'':<10}{'formula':<40} {'bytes':>12} {f'at {format_bandwidth(bw)}':>14}"]
     for name, formula, n in (("forward", fwd_f, tr.forward), ("backward", bwd_f, tr.backward)):
         lines.append(f"  {name:<10}{formula:<40} {format_bytes(n):>12} {format_seconds(n / bw if bw else 0):>14}")
+    if (bound := traffic_bound(w)) is not None:
+        lines.append(f"  {bound}")
+    elif not w.mask.is_plain and w.strategy in ("allgather", "alltoall"):
+        lines.append(f"  exact: {w.strategy} moves the same bytes whatever the mask")
     return lines
 
 

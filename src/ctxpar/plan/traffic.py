@@ -50,7 +50,7 @@ def ring_window(
     """
     s, halo = local_len, window - 1
     kv = 2 * batch * kv_heads * head_dim
-    steps = 0 if halo <= 0 else min(world - 1, -(-halo // s))
+    steps = window_steps(local_len=local_len, world=world, window=window)
     kv_sent = min(halo, (rank + 1) * s) if rank < world - 1 else 0
     kv_received = min(halo, rank * s) if rank > 0 else 0
     acc_tokens = min(s, halo)
@@ -60,6 +60,13 @@ def ring_window(
     received = Traffic(forward=kv_received * kv * elem,
                        backward=kv_received * kv * elem + acc_received * acc_tokens * kv * acc)
     return sent, received
+
+
+def window_steps(*, local_len: int, world: int, window: int) -> int:
+    """m = min(P-1, ceil((w-1)/S)): the hops a ring on the contiguous layout makes under a
+    sliding window w (it computes m + 1 steps); 0 for w = 1."""
+    halo = window - 1
+    return 0 if halo <= 0 else min(world - 1, -(-halo // local_len))
 
 
 # All-gather of K/V forward; again backward, plus the reduce-scatter of dK/dV: counted

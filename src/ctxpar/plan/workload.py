@@ -8,11 +8,13 @@ computed, with errors that name the flag to change.
 from __future__ import annotations
 
 from dataclasses import asdict, dataclass, replace
-from functools import cached_property
+from functools import cached_property, lru_cache
 
 from ctxpar.layout import LAYOUT_NAMES, Layout, get_layout
-from ctxpar.limits import check_count
+from ctxpar.limits import MAX_COUNT, check_count
+from ctxpar.masks import Mask, make_mask
 from ctxpar.models.config import ModelConfig, get_config
+from ctxpar.plan.documents import describe, pack
 from ctxpar.strategy_rules import check_heads, kv_copies, ulysses_degree
 
 DEFAULT_MODEL = "llama-3-8b"
@@ -60,6 +62,13 @@ class Workload:
         fsdp: degree over which parameters, gradients and optimizer states are sharded.
         checkpointing: "none" or "full" (keep only each layer's input, recompute the rest).
         causal: causal attention (decoder training).
+        window: causal sliding window w: a query sees itself and the w-1 keys before it
+            (None: no limit; w >= T is the same).
+        documents: lengths of the documents packed into the row, repeated or cut to T
+            (``plan.documents.pack``), so that they describe every length the sweep
+            evaluates; a query sees only keys of its own document. None: one document.
+        documents_from: where ``documents`` came from, for the report (e.g.
+            "lognormal:2048,1.5 seed 0"); None: given.
     """
 
     model: ModelConfig
@@ -73,6 +82,9 @@ class Workload:
     fsdp: int = 1
     checkpointing: str = "none"
     causal: bool = True
+    window: int | None = None
+    documents: tuple[int, ...] | None = None
+    documents_from: str | None = None
 
     def __post_init__(self) -> None:
         for flag in ("batch", "seq", "cp", "fsdp"):
@@ -83,6 +95,14 @@ class Workload:
             raise ValueError(f"--layout {self.layout!r} is not one of {', '.join(LAYOUT_NAMES)}")
         if self.checkpointing not in CHECKPOINTING:
             raise ValueError(f"--checkpointing {self.checkpointing!r} is not one of {', '.join(CHECKPOINTING)}")
+        if self.window is not None:
+            if isinstance(self.window, bool) or not isinstance(self.window, int):
+                raise ValueError(f"--window must be an integer number of keys, got {self.window!r}")
+            check_count("window", self.window)
+            if not self.causal:
+                raise ValueError(f"--window {self.window} is a causal sliding window; drop --no-causal or --window")
+        if self.documents is not None:
+            _check_documents(self.documents if isinstance(self.documents, tuple) else None)
         self.layout_obj.validate(self.seq)
         u = ulysses_degree(self.strategy, self.cp, self.ulysses, name="--ulysses-degree")
         check_heads(self.strategy, self.model.heads, self.model.kv_heads, u)
@@ -90,6 +110,11 @@ class Workload:
     @cached_property
     def layout_obj(self) -> Layout:
         return get_layout(self.layout, self.cp)
+
+    @property
+    def mask(self) -> Mask:
+        """What each query sees in a row of ``seq`` tokens (plain causal without window and documents)."""
+        return row_mask(self.seq, self.causal, self.window, self.documents)
 
     @property
     def ulysses_degree(self) -> int:
@@ -131,7 +156,26 @@ class Workload:
     def as_dict(self) -> dict:
         d = asdict(self)
         d["model"] = self.model.as_dict()
+        if self.documents is not None:  # the row's documents, not the stream they are cut from
+            row = pack(self.documents, self.seq)
+            d["documents"] = dict(describe(row), lengths=list(row))
         return d
+
+
+@lru_cache(maxsize=64)
+def row_mask(seq: int, causal: bool, window: int | None, documents: tuple[int, ...] | None) -> Mask:
+    """The ``Mask`` of a row of ``seq`` tokens: ``documents`` packed to ``seq`` (``pack``); a
+    window of w >= seq, or one document, is plain attention (``masks.make_mask``)."""
+    return make_mask(seq, causal=causal, documents=None if documents is None else pack(documents, seq), window=window)
+
+
+@lru_cache(maxsize=16)
+def _check_documents(documents: tuple[int, ...]) -> None:
+    """Cached: the sweep builds hundreds of workloads around the same documents."""
+    if documents is None or not documents or not all(
+            isinstance(n, int) and not isinstance(n, bool) and 1 <= n <= MAX_COUNT for n in documents):
+        raise ValueError(f"--documents must be a non-empty tuple of document lengths between 1 and {MAX_COUNT}, got "
+                         f"{str(documents)[:80]}")
 
 
 def default_ulysses(heads: int, cp: int, gpus_per_node: int) -> int | None:
