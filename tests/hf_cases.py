@@ -10,6 +10,15 @@ One spawn of 4 ranks (``results()``) serves test_transformers.py and test_hf_fid
 - ``sweep``: every case of ``hf_families.CASES`` on two CP groups of 2 ranks (ranks 0-1
   and 2-3 take every other case): refused by ``enable_context_parallel`` (the message), or
   the CP logits against the unsplit eager model's.
+- ``masks``: the families whose masks ctxpar honours (MASK_CASES: sliding windows, mixed
+  sliding / global layers, sinks, chunks) for every layout x strategy in MASK_COMBOS, on
+  the same two groups: logits, the labels= loss and rank-summed gradients (the sinks'
+  among them) against the unsplit eager model, and how much the window / chunks change
+  the unsplit logits (so that they bite).
+- ``packed``: PACKED_CASES on a row of documents PACKED_DOCUMENTS under zigzag: logits,
+  loss and gradients against the unsplit eager model given the per-document positions
+  (transformers' packed-sequence mask; not for IGNORES_PACKING), and the logits against
+  each document run alone.
 """
 
 from __future__ import annotations
@@ -27,6 +36,13 @@ COMBOS = [("zigzag", "ring"), ("striped", "allgather"), ("contiguous", "ring"), 
 # MLA with different K and V head dims (DeepSeek-V3), a non-default scale (Granite), MoE (Mixtral)
 LABEL_CASES = ["llama", "qwen2", "qwen3", "gemma", "phi3", "deepseek_v3", "granite", "mixtral"]
 SWEEP_P, SWEEP_TOKENS = 2, 16
+MASK_CASES = ["mistral", "qwen2+sliding-layers", "gemma3_text", "gpt_oss", "llama4_text"]
+MASK_COMBOS = [("zigzag", "ring"), ("contiguous", "allgather"), ("striped", "alltoall")]
+PACKED_CASES = ["llama", "gemma3_text", "llama4_text", "gpt_oss"]
+# gpt-oss builds its masks without position_ids, so unsplit transformers attends across the
+# packed documents; under CP, with documents declared, it must equal each document alone.
+IGNORES_PACKING = {"gpt_oss"}
+PACKED_DOCUMENTS = (5, 7, 4)  # SWEEP_TOKENS in all; windows and chunks of 4 cut inside documents too
 
 def results() -> list[dict]:
     """Every rank's results of ``run`` on 4 local gloo ranks, computed once per test session."""
@@ -150,6 +166,110 @@ def _sweep(rank: int, world: int) -> dict:
     return out
 
 
+def _pairs(rank: int, world: int):
+    """Groups of SWEEP_P ranks (every rank creates every group, in the same order): this
+    rank's group, its index, and its rank in it."""
+    groups = [dist.new_group(list(range(start, start + SWEEP_P))) for start in range(0, world, SWEEP_P)]
+    index = rank // SWEEP_P
+    return groups[index], index, len(groups)
+
+
+def _compare(case: str, layout, group, input_ids, labels, reference_kwargs: dict, cp_inputs: dict, cp_labels,
+             strategy: str = "ring") -> dict:
+    """One family under CP on ``group`` against its unsplit eager model: logits, labels= loss
+    and the gradients summed over the group (sinks' separately)."""
+    import hf_families
+
+    reference = hf_families.build(case).train()
+    ref = reference(input_ids=input_ids, labels=labels, use_cache=False, **reference_kwargs)
+    ref.loss.backward()
+    want = _grads(reference)
+    want_sinks = [p.grad.flatten() for n, p in reference.named_parameters() if n.endswith("sinks")]
+    model = enable_context_parallel(hf_families.build(case).train(), layout=layout, group=group, strategy=strategy)
+    got = model(**cp_inputs, labels=cp_labels)
+    got.loss.backward()
+    grads = _grads(model)
+    dist.all_reduce(grads, group=group)
+    sinks = [p.grad.flatten() for n, p in model.named_parameters() if n.endswith("sinks")]
+    out = dict(
+        loss_err=abs(got.loss.item() - ref.loss.item()),
+        logits_err=(_gather(got.logits, layout, group) - ref.logits.detach()).abs().max().item(),
+        logits_scale=ref.logits.detach().abs().max().item(),
+        grad_err=(grads - want).abs().max().item(),
+        grad_scale=want.abs().max().item(),
+    )
+    if sinks:
+        got_sinks = torch.cat(sinks)
+        dist.all_reduce(got_sinks, group=group)
+        out.update(sinks_err=(got_sinks - torch.cat(want_sinks)).abs().max().item(),
+                   sinks_scale=torch.cat(want_sinks).abs().max().item())
+    return out
+
+
+def _mask_effect(case: str, input_ids, **kwargs) -> float:
+    """Relative change of the unsplit logits when windows and chunks cover the whole row."""
+    import hf_families
+
+    model = hf_families.build(case)
+    with torch.no_grad():
+        want = model(input_ids=input_ids, use_cache=False, **kwargs).logits
+        model.config.sliding_window = model.config.attention_chunk_size = 4 * SWEEP_TOKENS  # masks read them per call
+        wide = model(input_ids=input_ids, use_cache=False, **kwargs).logits
+    return ((want - wide).abs().max() / want.abs().max()).item()
+
+
+def _masks(rank: int, world: int) -> dict:
+    import hf_families
+
+    group, index, n_groups = _pairs(rank, world)
+    torch.manual_seed(4)
+    input_ids = torch.randint(3, hf_families.VOCAB, (2, SWEEP_TOKENS))
+    out = {}
+    for case in MASK_CASES[index::n_groups]:
+        for layout_name, strategy in MASK_COMBOS:
+            layout = ctxpar.get_layout(layout_name, SWEEP_P)
+            inputs, labels = shard_inputs(input_ids, layout=layout, rank=dist.get_rank(group))
+            try:
+                out[(case, layout_name, strategy)] = _compare(case, layout, group, input_ids, input_ids, {}, inputs,
+                                                              labels, strategy)
+            except ValueError as e:  # reported by the test
+                out[(case, layout_name, strategy)] = dict(error=str(e))
+        out[(case, "effect")] = _mask_effect(case, input_ids)
+    return out
+
+
+def _packed(rank: int, world: int) -> dict:
+    import hf_families
+
+    group, index, n_groups = _pairs(rank, world)
+    torch.manual_seed(5)
+    input_ids = torch.randint(3, hf_families.VOCAB, (2, SWEEP_TOKENS))
+    starts = [0, *torch.tensor(PACKED_DOCUMENTS).cumsum(0).tolist()]
+    positions = torch.cat([torch.arange(n) for n in PACKED_DOCUMENTS]).unsqueeze(0).expand(2, -1)  # restart per doc
+    labels = input_ids.clone()
+    labels[:, starts[1:-1]] = IGNORE_INDEX  # no document predicts the next one's first token
+    layout = ctxpar.get_layout("zigzag", SWEEP_P)
+    out = {}
+    for case in PACKED_CASES[index::n_groups]:
+        inputs, cp_labels = shard_inputs(input_ids, layout=layout, rank=dist.get_rank(group),
+                                         documents=PACKED_DOCUMENTS)
+        try:
+            out[case] = {} if case in IGNORES_PACKING else _compare(
+                case, layout, group, input_ids, labels, dict(position_ids=positions), inputs, cp_labels)
+        except ValueError as e:
+            out[case] = dict(error=str(e))
+            continue
+        model = enable_context_parallel(hf_families.build(case), layout=layout, group=group)
+        alone = hf_families.build(case)
+        with torch.no_grad():
+            got = _gather(model(**inputs).logits, layout, group)
+            each = torch.cat([alone(input_ids=input_ids[:, a:b], use_cache=False).logits
+                              for a, b in zip(starts, starts[1:])], dim=1)
+        out[case].update(alone_err=(got - each).abs().max().item(), alone_scale=each.abs().max().item(),
+                         effect=_mask_effect(case, input_ids, position_ids=positions) if case != "llama" else None)
+    return out
+
+
 def run(rank: int, world: int) -> dict:
     import warnings
 
@@ -157,4 +277,5 @@ def run(rank: int, world: int) -> dict:
 
     logging.set_verbosity_error()  # tiny configs make transformers warn about sizes and defaults
     warnings.filterwarnings("ignore")
-    return dict(llama=_llama(rank, world), labels=_labels(rank, world), sweep=_sweep(rank, world))
+    return dict(llama=_llama(rank, world), labels=_labels(rank, world), sweep=_sweep(rank, world),
+                masks=_masks(rank, world), packed=_packed(rank, world))

@@ -62,14 +62,20 @@ def test_unknown_keyword_arguments_are_refused_not_dropped() -> None:
 
 
 @pytest.mark.parametrize("key, value, feature", [
-    ("softcap", 30.0, "soft-capping"), ("s_aux", torch.zeros(4), "attention sinks"),
-    ("sliding_window", 4, "sliding-window"), ("position_bias", torch.zeros(1, 4, 8, 8), "position bias"),
+    ("softcap", 30.0, "soft-capping"), ("position_bias", torch.zeros(1, 4, 8, 8), "position bias"),
     ("cu_seq_lens_q", torch.tensor([0, 4, 8]), "packed sequences"), ("output_attentions", True, "output_attentions"),
 ])
 def test_attention_features_passed_at_call_time_are_refused(key: str, value, feature: str) -> None:
     model, inputs = _one_rank("llama")
     with pytest.raises(ValueError, match=f"LlamaAttention asks for .*{feature}.*{key}="):
         model(**inputs, **{key: value})
+
+
+def test_a_sliding_window_argument_the_mask_does_not_carry_is_refused() -> None:
+    """Eager attention would follow the (plain causal) mask, flash attention the argument."""
+    model, inputs = _one_rank("llama")
+    with pytest.raises(ValueError, match="LlamaAttention passes sliding_window=4 but its attention mask has no window"):
+        model(**inputs, sliding_window=4)
 
 
 def test_a_non_default_scale_is_honoured_exactly() -> None:
@@ -107,16 +113,32 @@ def test_custom_masks_and_cross_attention_are_refused() -> None:
     with pytest.raises(ValueError, match=r"explicit attention mask \(1, 1, 8, 8\)"):
         model(**inputs, attention_mask=torch.ones(1, 1, 8, 8, dtype=torch.bool))
 
-    from transformers.masking_utils import causal_mask_function, chunked_causal_mask_function
+    from transformers.masking_utils import (
+        causal_mask_function,
+        chunked_causal_mask_function,
+        or_masks,
+        sliding_window_bidirectional_mask_function,
+        sliding_window_causal_mask_function,
+    )
 
     from ctxpar.integrations.transformers.attention import RefusedMask, attention_forward, mask_forward
 
-    refused = mask_forward(mask_function=chunked_causal_mask_function(4, torch.zeros(1, dtype=torch.long)))
-    assert isinstance(refused, RefusedMask) and "chunked-attention" in refused.reason
+    from ctxpar.integrations.transformers.attention import LayerMask
+
+    chunks = mask_forward(mask_function=chunked_causal_mask_function(4, torch.zeros(1, dtype=torch.long)))
+    assert chunks == LayerMask(chunk=4)
+    windowed = mask_forward(mask_function=sliding_window_causal_mask_function(3))
+    assert windowed == LayerMask(window=3)
     assert mask_forward(mask_function=causal_mask_function) is None
+    refused = mask_forward(mask_function=sliding_window_bidirectional_mask_function(3))
+    assert isinstance(refused, RefusedMask) and "bidirectional sliding-window" in refused.reason
+    padded = mask_forward(mask_function=chunked_causal_mask_function(4, torch.tensor([2])))
+    assert isinstance(padded, RefusedMask) and "left padding" in padded.reason
+    union = mask_forward(mask_function=or_masks(sliding_window_causal_mask_function(3), lambda *a: True))
+    assert isinstance(union, RefusedMask)
     attention = next(m for m in model.modules() if type(m).__name__ == "LlamaAttention")
     q = torch.zeros(1, 4, 8, 8)
-    with pytest.raises(ValueError, match="LlamaAttention: its attention mask is chunked-attention"):
+    with pytest.raises(ValueError, match="LlamaAttention: its attention mask is bidirectional sliding-window"):
         attention_forward(attention, q, q[:, :2], q[:, :2], refused)
 
     bert, bert_inputs = _one_rank("bert+decoder")
@@ -133,4 +155,4 @@ def test_the_report_names_every_feature_and_llama_has_none() -> None:
     message = str(refused.value)
     assert "Gemma2ForCausalLM cannot run exactly under context parallelism" in message
     assert "attention logit soft-capping (Gemma2Config.attn_logit_softcapping=50.0" in message
-    assert "sliding-window attention (Gemma2Config.layer_types has 'sliding_attention', sliding_window=4)" in message
+    assert "sliding" not in message  # honoured

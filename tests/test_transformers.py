@@ -86,7 +86,70 @@ def test_padding_masks_and_foreign_positions_are_refused() -> None:
         model(**shifted)
 
 
-def test_mistral_sliding_window_is_refused_with_its_fix() -> None:
-    with pytest.raises(ValueError, match=r"sliding-window attention \(MistralConfig.sliding_window=4\); set "
-                                         r"sliding_window=None if no sequence is longer"):
-        enable_context_parallel(hf_families.build("mistral", meta=True), layout=ONE)
+def test_mistral_sliding_window_runs_exactly() -> None:
+    """Window 4 on 16 tokens, at world size 1 (the split itself: the masks tests below)."""
+    tokens = torch.randint(3, hf_families.VOCAB, (2, 16))
+    with torch.no_grad():
+        want = hf_families.build("mistral")(input_ids=tokens, use_cache=False).logits
+        model, inputs, _ = _one_rank(hf_families.build("mistral"), tokens=16)
+        got = model(**shard_inputs(tokens, layout=ONE, rank=0)[0]).logits
+    assert (got - want).abs().max() <= 1e-5 * want.abs().max()
+
+
+@pytest.mark.parametrize("layout, strategy", hf_cases.MASK_COMBOS)
+@pytest.mark.parametrize("case", hf_cases.MASK_CASES)
+def test_sliding_chunked_and_sink_families_give_the_unsplit_logits_loss_and_gradients(
+        case: str, layout: str, strategy: str) -> None:
+    """Mistral (window), Qwen2 and Gemma 3 (sliding and full layers), gpt-oss (sinks and
+    windows), Llama 4 (chunks and full layers) on 2 gloo ranks: logits, the labels= loss
+    and the gradients summed over ranks, the sinks' included, as the unsplit eager model."""
+    runs = [res["masks"][(case, layout, strategy)] for res in hf_cases.results()
+            if (case, layout, strategy) in res["masks"]]
+    assert len(runs) == hf_cases.SWEEP_P
+    for r in runs:
+        assert "error" not in r, r.get("error")
+        assert r["logits_err"] <= 1e-5 * r["logits_scale"], f"logits {r['logits_err']:.3g}"
+        assert r["loss_err"] <= 1e-5, f"loss {r['loss_err']:.3g}"
+        assert r["grad_err"] <= 1e-4 * r["grad_scale"], f"grads {r['grad_err']:.3g}"
+        if case.startswith("gpt_oss"):
+            assert r["sinks_err"] <= 1e-4 * r["sinks_scale"], f"sinks' gradient {r['sinks_err']:.3g}"
+    for res in hf_cases.results():  # the windows and chunks change the unsplit model's logits
+        if (case, "effect") in res["masks"]:
+            assert res["masks"][(case, "effect")] > 1e-2
+
+
+@pytest.mark.parametrize("case", hf_cases.PACKED_CASES)
+def test_packed_documents_run_as_the_unsplit_packed_model_and_as_each_document_alone(case: str) -> None:
+    """Documents of 5, 7 and 4 tokens in one row of 16, zigzag on 2 ranks, declared with
+    shard_inputs(documents=...): logits as each document run alone, and (where transformers
+    itself honours packing) logits, loss and summed gradients as the unsplit packed model."""
+    runs = [res["packed"][case] for res in hf_cases.results() if case in res["packed"]]
+    assert len(runs) == hf_cases.SWEEP_P
+    for r in runs:
+        assert "error" not in r, r.get("error")
+        assert r["alone_err"] <= 1e-5 * r["alone_scale"], f"vs each document alone: {r['alone_err']:.3g}"
+        if case not in hf_cases.IGNORES_PACKING:
+            assert r["logits_err"] <= 1e-5 * r["logits_scale"], f"logits {r['logits_err']:.3g}"
+            assert r["loss_err"] <= 1e-5, f"loss {r['loss_err']:.3g}"
+            assert r["grad_err"] <= 1e-4 * r["grad_scale"], f"grads {r['grad_err']:.3g}"
+        if r["effect"] is not None:
+            assert r["effect"] > 1e-2  # windows / chunks cut inside the documents too
+
+
+def test_restarting_positions_need_declared_documents() -> None:
+    model, _, _ = _one_rank(hf_families.build("llama"), tokens=16)
+    tokens = torch.randint(3, hf_families.VOCAB, (1, 16))
+    inputs, _ = shard_inputs(tokens, layout=ONE, rank=0, documents=[5, 7, 4])
+    assert inputs["position_ids"][0].tolist() == [*range(5), *range(7), *range(4)]
+    undeclared = {k: v for k, v in inputs.items() if k != "documents"}
+    with pytest.raises(ValueError, match=r"positions that restart mean packed documents.*documents="):
+        model(**undeclared)
+    with pytest.raises(ValueError, match=r"counted from the start of each declared document \[8, 8\]"):
+        model(**dict(inputs, documents=[8, 8]))
+    with pytest.raises(ValueError, match="cu_seqlens must end at the sequence length 16"):
+        model(**dict(inputs, documents=[0, 5, 12]))
+    model(**dict(inputs, documents=torch.tensor([0, 5, 12, 16])))  # cu_seqlens are fine
+    with pytest.raises(ValueError, match=r"packed sequences .*cu_seq_lens_q=.*declare the packed row's documents"):
+        model(**shard_inputs(tokens, layout=ONE, rank=0)[0], cu_seq_lens_q=torch.tensor([0, 5, 12, 16]))
+    _, labels = shard_inputs(tokens, layout=ONE, rank=0, documents=[5, 7, 4])
+    assert labels[0, [4, 11, 15]].tolist() == [IGNORE_INDEX] * 3  # no target across a document boundary

@@ -8,19 +8,31 @@
     out = model(**inputs, labels=labels)                  # out.logits: (B, T/P, vocab), this rank's rows
     out.loss.backward()                                   # value: global mean loss; gradient: this rank's share
 
+    # a packed row: three documents of 5, 7 and 4 tokens (lengths, or cu_seqlens 0 5 12 16)
+    inputs, labels = shard_inputs(input_ids, layout=layout, rank=cp_rank, documents=[5, 7, 4])
+    out = model(**inputs, labels=labels)                  # inputs carries documents=; positions restart per document
+
 ``enable_context_parallel`` first runs the fidelity guard (``fidelity.py``): anything in
-the model that ctxpar would compute differently (soft-capping, sinks, sliding or chunked
-windows, attention dropout, recurrent or convolutional layers, attention outside
-transformers' AttentionInterface, ...) is refused with one error listing each feature,
-before any forward and any collective. It then registers an attention function named
-"ctxpar" with transformers' ``AttentionInterface`` and a mask function of the same name
-with its ``AttentionMaskInterface`` (``attention.py``); at call time these refuse padding
-masks, custom masks, packed sequences and any keyword argument they do not know, rather
-than drop them. ``shard_inputs`` passes global ``position_ids`` (RoPE) and shifts labels
-before sharding; the model's own ``labels=`` loss is replaced (``loss.py``) so that it
-does not shift again and weighs tokens globally. ``model.generate()`` is refused:
-inference under context parallelism is not supported yet. Pass the same kind of inputs
-on every rank: a padding mask refused on one rank only would leave the others waiting.
+the model that ctxpar would compute differently (soft-capping, attention dropout,
+recurrent or convolutional layers, attention outside transformers' AttentionInterface,
+...) is refused with one error listing each feature, before any forward and any
+collective. Sliding windows (Mistral, Qwen2, Gemma 3, gpt-oss), chunked attention (Llama
+4) and attention sinks (gpt-oss) are honoured exactly, layer by layer. It then registers
+an attention function named "ctxpar" with transformers' ``AttentionInterface`` and a mask
+function of the same name with its ``AttentionMaskInterface`` (``attention.py``); at call
+time these refuse padding masks, custom masks, per-shard packing arguments and any
+keyword argument they do not know, rather than drop them.
+
+``shard_inputs`` passes global ``position_ids`` (RoPE) and shifts labels before sharding;
+the model's own ``labels=`` loss is replaced (``loss.py``) so that it does not shift again
+and weighs tokens globally. A packed row is declared with ``documents=`` (the whole row's
+document lengths or cu_seqlens, the same on every rank): ``shard_inputs`` then numbers
+positions from 0 in each document and puts ``documents`` into the inputs, and
+``model(..., documents=...)`` makes every attention layer of that forward see only its
+own document (the model itself never receives the argument). Position ids that restart
+without declared documents are refused. ``model.generate()`` is refused: inference under
+context parallelism is not supported yet. Pass the same kind of inputs on every rank: a
+padding mask refused on one rank only would leave the others waiting.
 """
 
 from __future__ import annotations
@@ -31,11 +43,12 @@ import inspect
 import torch
 import torch.distributed as dist
 
-from ctxpar.integrations.transformers.attention import NAME, Settings, attention_forward, mask_forward
+from ctxpar.integrations.transformers.attention import DOCUMENTS, NAME, Settings, attention_forward, mask_forward
 from ctxpar.integrations.transformers.fidelity import Unsupported, check_model, find_unsupported
 from ctxpar.integrations.transformers.loss import CPCausalLMLoss
 from ctxpar.layout import Layout
-from ctxpar.parallelize import shard_batch
+from ctxpar.masks import document_lengths
+from ctxpar.parallelize import IGNORE_INDEX, shard_batch
 
 __all__ = ["Unsupported", "check_model", "enable_context_parallel", "find_unsupported", "shard_inputs"]
 
@@ -54,24 +67,47 @@ def _refuse_generate(*args, **kwargs):
                               "enable_context_parallel was not applied to")
 
 
-def _check_positions(name: str, settings: Settings, bound: dict) -> None:
-    """position_ids must be this rank's global layout positions: RoPE reads them, and so does
-    transformers' mask code (which ctxpar's mask replaces)."""
+def document_positions(positions: torch.Tensor, documents: tuple[int, ...] | None) -> torch.Tensor:
+    """(S,) each global position's index within its document (the positions themselves
+    without documents): RoPE restarts at every document of a packed row."""
+    if documents is None:
+        return positions
+    ends = torch.tensor(documents, dtype=torch.int64).cumsum(0)  # (n_docs,)
+    doc = torch.searchsorted(ends, positions.cpu(), right=True)
+    return positions - (ends[doc] - torch.tensor(documents, dtype=torch.int64)[doc]).to(positions.device)
+
+
+def _declare_fix() -> str:
+    return ("for a packed row, declare its documents: shard_inputs(..., documents=lengths) numbers positions per "
+            "document and passes documents= to the model")
+
+
+def _check_positions(name: str, settings: Settings, bound: dict, documents: tuple[int, ...] | None) -> None:
+    """position_ids must be this rank's global layout positions, counted from the start of
+    each declared document: RoPE reads them, and so does transformers' mask code (which
+    ctxpar's mask replaces). Restarting positions without declared documents are refused:
+    transformers would read them as packing of this shard alone."""
     tokens = bound.get("input_ids")
     if tokens is None:
         tokens = bound.get("inputs_embeds")
     if tokens is None:
+        if documents is not None:
+            raise ValueError(f"{name} got documents= but neither input_ids nor inputs_embeds")
         return
-    want = settings.positions(tokens.shape[1])  # (S,)
+    want = document_positions(settings.positions(tokens.shape[1]), documents)  # (S,)
     positions = bound.get("position_ids")
     if positions is None:
         if not torch.equal(want, torch.arange(tokens.shape[1])):
             raise ValueError(f"{name} got no position_ids, so it would number this rank's tokens from 0; pass the "
-                             f"global positions (shard_inputs does)")
+                             f"global positions{' within each document' if documents else ''} (shard_inputs does)")
         return
     if positions.shape[-1] != want.numel() or not bool((positions.reshape(-1, want.numel()).cpu() == want).all()):
-        raise ValueError("position_ids must be this rank's global layout positions (use shard_inputs); packed "
-                         "sequences with restarting positions are not supported under context parallelism")
+        if documents is None:
+            raise ValueError(f"position_ids must be this rank's global layout positions (use shard_inputs); "
+                             f"positions that restart mean packed documents, which ctxpar cannot infer from one "
+                             f"shard: {_declare_fix()}")
+        raise ValueError(f"position_ids must be this rank's global layout positions counted from the start of "
+                         f"each declared document {list(documents)[:8]} (use shard_inputs(..., documents=...))")
 
 
 def _refuse_unshifted_labels(name: str, labels: torch.Tensor, input_ids: torch.Tensor | None, group) -> None:
@@ -92,6 +128,17 @@ def _refuse_unshifted_labels(name: str, labels: torch.Tensor, input_ids: torch.T
                          f"on the unsplit sequence), or compute the loss with ctxpar.parallelize.cp_loss")
 
 
+def _documents(name: str, settings: Settings, bound: dict, documents) -> tuple[int, ...] | None:
+    """The declared documents as lengths over the whole row (None for one document)."""
+    tokens = bound.get("input_ids")
+    if tokens is None:
+        tokens = bound.get("inputs_embeds")
+    if tokens is None:
+        raise ValueError(f"{name} got documents= but neither input_ids nor inputs_embeds")
+    lengths = document_lengths(documents, tokens.shape[1] * settings.layout.world_size)
+    return None if len(lengths) == 1 else lengths
+
+
 def _wrap_forward(model, loss: CPCausalLMLoss, settings: Settings) -> None:
     """Refuse, before the forward, what the model would do wrong with labels or caches; and
     after it, a labels= loss that did not go through ``loss`` (a model computing its own)."""
@@ -101,8 +148,11 @@ def _wrap_forward(model, loss: CPCausalLMLoss, settings: Settings) -> None:
     var_kw = next((p.name for p in signature.parameters.values() if p.kind is inspect.Parameter.VAR_KEYWORD), None)
     name = type(model).__name__
 
+    if "documents" in signature.parameters:
+        raise ValueError(f"{name}.forward takes its own documents= argument, which ctxpar's documents= would shadow")
+
     @functools.wraps(forward)
-    def cp_forward(*args, **kwargs):
+    def cp_forward(*args, documents=None, **kwargs):
         bound = signature.bind_partial(*args, **kwargs).arguments
         extra = bound.get(var_kw, {}) if var_kw else {}
         labels = bound.get("labels")
@@ -117,11 +167,17 @@ def _wrap_forward(model, loss: CPCausalLMLoss, settings: Settings) -> None:
             raise ValueError(f"{name} would add its router load-balancing loss, computed over this rank's tokens "
                              f"only, to the labels= loss; pass output_router_logits=False, or compute both losses "
                              f"yourself")
-        _check_positions(name, settings, bound)
+        if documents is not None:
+            documents = _documents(name, settings, bound, documents)
+        _check_positions(name, settings, bound, documents)
         if labels is not None:
             _refuse_unshifted_labels(name, labels, bound.get("input_ids"), loss.group)
         calls = loss.calls
-        out = forward(*args, **kwargs)
+        declared = DOCUMENTS.set(documents)
+        try:
+            out = forward(*args, **kwargs)
+        finally:
+            DOCUMENTS.reset(declared)
         if labels is not None and loss.calls == calls:
             raise ValueError(f"{name} computes its labels= loss without transformers' loss_function, so it would "
                              f"shift the already shifted labels and average per rank; call it without labels= and "
@@ -168,18 +224,32 @@ def enable_context_parallel(
 
 
 def shard_inputs(
-    input_ids: torch.Tensor, *, layout: Layout, rank: int, labels: torch.Tensor | None = None
+    input_ids: torch.Tensor, *, layout: Layout, rank: int, labels: torch.Tensor | None = None, documents=None
 ) -> tuple[dict, torch.Tensor]:
-    """This rank's model inputs (input_ids, position_ids, use_cache=False) and its shifted labels.
+    """This rank's model inputs (input_ids, position_ids, use_cache=False, and documents
+    when given) and its shifted labels.
 
     Args:
         input_ids: (B, T) the unsplit batch. labels: (B, T) unshifted, default input_ids.
+        documents: the documents packed into each row (every row alike): their lengths
+            summing to T, or cu_seqlens (0, ..., T). Positions then restart at 0 in each
+            document, a token predicts nothing across a document boundary (its label is
+            IGNORE_INDEX), and ``documents`` joins the inputs, so that ``model(**inputs)``
+            attends within documents. The same on every rank.
 
     Returns:
         (inputs, labels): ``model(**inputs)`` gives this rank's logits (B, T/P, vocab);
         ``labels`` (B, T/P) are the next-token targets of those rows (IGNORE_INDEX where
         none), for ``model(**inputs, labels=labels)`` or ``cp_loss(logits, labels)``.
     """
+    lengths = None if documents is None else document_lengths(documents, input_ids.shape[1])
+    if lengths is not None:
+        labels = (input_ids if labels is None else labels).clone()
+        starts = torch.tensor(lengths[:-1], dtype=torch.int64).cumsum(0)  # first token of every document but the first
+        labels[:, starts] = IGNORE_INDEX  # shifted below: the previous document's last token predicts nothing
     batch = shard_batch(input_ids, layout=layout, rank=rank, labels=labels)
-    positions = batch.positions.unsqueeze(0).expand(input_ids.shape[0], -1)
-    return dict(input_ids=batch.tokens, position_ids=positions, use_cache=False), batch.labels
+    positions = document_positions(batch.positions, lengths).unsqueeze(0).expand(input_ids.shape[0], -1)
+    inputs = dict(input_ids=batch.tokens, position_ids=positions, use_cache=False)
+    if lengths is not None:
+        inputs["documents"] = lengths
+    return inputs, batch.labels

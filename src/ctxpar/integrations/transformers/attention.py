@@ -6,11 +6,18 @@ nothing is dropped. The argument names below are the ones transformers 5's atten
 modules and ``TransformersKwargs`` pass (``position_ids`` from the decoder layer,
 ``sliding_window`` / ``softcap`` / ``s_aux`` from the layer's attention, everything a
 caller passed to ``model(...)`` that the model forwards down).
+
+What a layer's mask is (causal or bidirectional, a sliding window, chunks) is read from the
+mask function transformers composed for that layer (``mask_forward`` returns it as a
+``LayerMask``, which the model hands to every layer of that kind), and the packed row's
+documents from the forward call (``enable_context_parallel``'s wrapper declares them for
+the duration of ``model(..., documents=...)``; ``mask_forward`` bakes them into the
+``LayerMask``, so a layer recomputed under gradient checkpointing sees the same ones).
 """
 
 from __future__ import annotations
 
-import inspect
+import contextvars
 import math
 from dataclasses import dataclass
 
@@ -20,6 +27,7 @@ import torch.nn.functional as F
 
 from ctxpar.attention import attention
 from ctxpar.layout import Layout
+from ctxpar.masks import chunked
 from ctxpar.topology import hybrid_rank
 
 NAME = "ctxpar"
@@ -32,12 +40,14 @@ HARMLESS_KWARGS = frozenset({
     "deterministic",  # flash-attention's backward determinism switch; ctxpar's kernels are deterministic
 })
 
+# Arguments that change attention and are honoured: sliding_window must agree with the
+# layer's mask (eager attention follows the mask, flash attention the argument: the same
+# window, q - k < w, when they agree); s_aux / sinks are the per-head sink logits.
+HONOURED_KWARGS = frozenset({"sliding_window", "s_aux", "sinks"})
+
 # Arguments that change attention when set; None / False / 0 means "not used" and is accepted.
 FEATURE_KWARGS = {
     "softcap": "attention logit soft-capping",
-    "s_aux": "attention sinks",
-    "sinks": "attention sinks",
-    "sliding_window": "sliding-window attention",
     "position_bias": "an additive position bias (relative positions or ALiBi)",
     "indices": "sparse attention over selected keys (an indexer's top-k)",
     "block_indices": "block-sparse attention over selected key blocks",
@@ -54,6 +64,11 @@ FEATURE_KWARGS = {
     "past_key_value": "a KV cache (inference)",
     "cache": "a KV cache (inference)",
 }
+# Packing given per shard (flash-attention's varlen arguments) cannot describe documents that
+# cross shards; the whole row's documents, declared once, can.
+_PACKED = ("cu_seq_lens_q", "cu_seq_lens_k", "max_length_q", "max_length_k", "seq_idx")
+KWARG_FIXES = dict.fromkeys(_PACKED, "declare the packed row's documents instead: pass the whole row's document "
+                                     "lengths as shard_inputs(..., documents=...) (or model(..., documents=...))")
 
 
 @dataclass(frozen=True)
@@ -72,6 +87,35 @@ class Settings:
         else:
             rank = dist.get_rank(self.group) if dist.is_initialized() else 0
         return self.layout.positions(local_len * self.layout.world_size, rank)
+
+
+# The document lengths of the packed row during one forward (None: one document), set by
+# enable_context_parallel's wrapper around model.forward and read by mask_forward.
+DOCUMENTS: contextvars.ContextVar[tuple[int, ...] | None] = contextvars.ContextVar("ctxpar_documents",
+                                                                                  default=None)
+
+
+@dataclass(frozen=True)
+class LayerMask:
+    """What ``mask_forward`` returns for a mask ctxpar honours beyond plain causal: the mask
+    of the layers transformers hands it to, over the whole (unsplit) row.
+
+    causal: keys after the query are hidden. window: a query at p sees keys p-window+1..p
+    (transformers' sliding_window: q - k < window). chunk: attention within chunks of this
+    many tokens, counted from the start of each document (Llama 4). documents: the packed
+    row's document lengths (None: one document), declared for the forward that built it.
+    """
+
+    causal: bool = True
+    window: int | None = None
+    chunk: int | None = None
+    documents: tuple[int, ...] | None = None
+
+    def documents_for(self, seq_len: int) -> tuple[int, ...] | None:
+        """The documents ``ctxpar.attention`` takes: chunks split every document."""
+        if self.chunk is None:
+            return self.documents
+        return tuple(n for doc in (self.documents or (seq_len,)) for n in chunked(doc, self.chunk))
 
 
 class RefusedMask:
@@ -93,13 +137,14 @@ def _is_unset(value) -> bool:
 
 def _check_kwargs(owner: str, kwargs: dict) -> None:
     for key, value in kwargs.items():
-        if key in HARMLESS_KWARGS or key == "position_ids":  # checked once per forward by enable_context_parallel
+        if key in HARMLESS_KWARGS or key in HONOURED_KWARGS or key == "position_ids":  # positions: checked per forward
             continue
         if key in FEATURE_KWARGS:
             if not _is_unset(value):
                 shown = value if isinstance(value, (int, float, str)) else type(value).__name__
+                fix = f"; {KWARG_FIXES[key]}" if key in KWARG_FIXES else ""
                 raise ValueError(f"{owner} asks for {FEATURE_KWARGS[key]} ({key}={shown}), which ctxpar cannot "
-                                 f"compute under context parallelism; it refuses rather than ignore it")
+                                 f"compute under context parallelism; it refuses rather than ignore it{fix}")
             continue
         raise ValueError(f"{owner} passed the keyword argument {key!r} to its attention function; ctxpar does not "
                          f"know what it changes, so it refuses it rather than drop it (run this model without "
@@ -119,27 +164,66 @@ def _scale(owner: str, scaling, head_dim: int) -> float:
     return float(scaling)
 
 
+def _layer_mask(owner: str, attention_mask, causal: bool, kwargs: dict) -> LayerMask:
+    """The layer's mask, after refusing one that contradicts the layer's arguments."""
+    if isinstance(attention_mask, RefusedMask):
+        raise ValueError(f"{owner}: {attention_mask.reason}")
+    if attention_mask is not None and not isinstance(attention_mask, LayerMask):
+        raise ValueError(f"{owner} got an explicit attention mask {tuple(attention_mask.shape)}; under context "
+                         f"parallelism the mask follows the layout (and the declared documents), and custom or "
+                         f"padding masks are refused")
+    if attention_mask is None:
+        if DOCUMENTS.get() is not None:
+            raise ValueError(f"{owner} got no attention mask although documents were declared: the model did not "
+                             f"build its mask through transformers' mask functions, so ctxpar cannot tell which "
+                             f"layers see which documents; run it without documents=")
+        attention_mask = LayerMask(causal=causal)
+    if attention_mask.causal != causal:
+        raise ValueError(f"{owner} attends {'causally' if causal else 'bidirectionally'} over a "
+                         f"{'causal' if attention_mask.causal else 'bidirectional'} mask; ctxpar refuses the "
+                         f"contradiction")
+    window = kwargs.get("sliding_window")
+    if not _is_unset(window) and window != attention_mask.window:
+        raise ValueError(f"{owner} passes sliding_window={window} but its attention mask has "
+                         f"{'no window' if attention_mask.window is None else f'window {attention_mask.window}'}: "
+                         f"transformers' attention implementations would disagree, so ctxpar refuses it")
+    return attention_mask
+
+
+def _sinks(owner: str, module, kwargs: dict) -> torch.Tensor | None:
+    given = [kwargs[key] for key in ("s_aux", "sinks") if kwargs.get(key) is not None]
+    if len(given) == 2 and given[0] is not given[1]:
+        raise ValueError(f"{owner} passes both s_aux= and sinks=; ctxpar takes one set of sink logits")
+    if not given:
+        if isinstance(getattr(module, "sinks", None), torch.Tensor):
+            raise ValueError(f"{owner} has attention sinks (module.sinks) but did not pass them to its attention "
+                             f"function (s_aux=), so ctxpar cannot tell whether they apply; it refuses")
+        return None
+    return given[0]
+
+
 def attention_forward(module, query, key, value, attention_mask, dropout: float = 0.0, scaling=None,
                       is_causal=None, **kwargs):
     """AttentionInterface function: q (B, H, S, Dqk), k (B, H_kv, S, Dqk), v (B, H_kv, S, Dv)
     -> ((B, S, H, Dv), None). ``scaling`` is honoured exactly (default Dqk ** -0.5); K and V
     with different head dims (DeepSeek's MLA) are zero-padded to one width, which leaves
-    q.k and the output unchanged. Everything else that would change the result is refused
-    here, on every rank alike, before ctxpar communicates."""
+    q.k and the output unchanged. The layer's mask (a ``LayerMask`` from ``mask_forward``:
+    sliding window, chunks, documents) and sink logits (``s_aux``, (H,), differentiable:
+    each rank gets its rows' share of their gradient) are honoured exactly. Everything else
+    that would change the result is refused here, on every rank alike, before ctxpar
+    communicates."""
     settings: Settings | None = getattr(module, "ctxpar_settings", None)
     owner = type(module).__name__
     if settings is None:
         raise ValueError(f"{owner} uses attn_implementation='ctxpar' but was not prepared; call "
                          f"enable_context_parallel(model, layout=..., group=...) first")
-    if isinstance(attention_mask, RefusedMask):
-        raise ValueError(f"{owner}: {attention_mask.reason}")
     if dropout:
         raise ValueError(f"{owner} applies attention dropout p={dropout}, which ctxpar does not support; set the "
                          f"model's attention dropout to 0")
-    if attention_mask is not None:
-        raise ValueError(f"{owner} got an explicit attention mask {tuple(attention_mask.shape)}; under context "
-                         f"parallelism the causal mask follows the layout, and custom or padding masks are refused")
+    causal = bool(is_causal if is_causal is not None else getattr(module, "is_causal", True))
+    mask = _layer_mask(owner, attention_mask, causal, kwargs)
     _check_kwargs(owner, kwargs)
+    sinks = _sinks(owner, module, kwargs)
     if getattr(module, "is_cross_attention", False) or "CrossAttention" in owner:
         raise ValueError(f"{owner} is a cross-attention layer (keys from another sequence), which ctxpar does not "
                          f"support under context parallelism")
@@ -147,7 +231,7 @@ def attention_forward(module, query, key, value, attention_mask, dropout: float 
         raise ValueError(f"{owner} attends from {query.shape[2]} queries to {key.shape[2]} keys (cross-attention or "
                          f"a KV cache), which ctxpar does not support")
     scale = _scale(owner, scaling, query.shape[-1])
-    causal = is_causal if is_causal is not None else getattr(module, "is_causal", True)
+    seq_len = query.shape[2] * settings.layout.world_size
     d_qk, d_v = query.shape[-1], value.shape[-1]
     width = max(d_qk, d_v)
     if d_qk < width:  # zero columns add nothing to q.k
@@ -155,54 +239,114 @@ def attention_forward(module, query, key, value, attention_mask, dropout: float 
     if d_v < width:  # zero columns of v give zero output columns, sliced off below
         value = F.pad(value, (0, width - d_v))
     out = attention(query, key, value, layout=settings.layout, group=settings.group, strategy=settings.strategy,
-                    mesh=settings.mesh, causal=bool(causal), scale=scale)  # (B, H, S, width)
+                    mesh=settings.mesh, causal=causal, scale=scale, documents=mask.documents_for(seq_len),
+                    window=mask.window, sinks=sinks)  # (B, H, S, width)
     return out[..., :d_v].transpose(1, 2).contiguous(), None
 
 
+class _Refused(Exception):
+    pass
+
+
 _MASK_KINDS = {
-    "sliding_window_overlay": "sliding-window",
-    "sliding_window_bidirectional_overlay": "sliding-window",
-    "chunked_overlay": "chunked-attention",
+    "sliding_window_bidirectional_overlay": "bidirectional sliding-window",
     "blockwise_overlay": "block-wise (bidirectional blocks)",
     "padding_mask_function": "padding",
 }
 
+# transformers reads a layout's global position_ids (0 1 6 7 on rank 0 of zigzag P=2), and
+# per-document positions, as packed sequences: it remaps the mask to them and adds document
+# boundaries. ctxpar's mask follows the layout's positions and the declared documents
+# (enable_context_parallel checks position_ids agree with both), so these parts are honoured.
+_PACKING = {"packed_sequence_mask_function"}
 
-# transformers reads a layout's global position_ids (0 1 6 7 on rank 0 of zigzag P=2) as
-# packed sequences and adds their boundaries; ctxpar's mask follows the same positions
-# (enable_context_parallel checks they are the layout's), so those parts are honoured.
-_LAYOUT_MASKS = {"causal_mask_function", "bidirectional_mask_function", "packed_sequence_mask_function",
-                 "remap_positions_for_packed_sequence", "and_masks", "or_masks"}
+
+def _name(fn) -> str:
+    return getattr(fn, "__qualname__", type(fn).__name__).split(".<locals>")[0]
 
 
-def _mask_parts(mask_function) -> list[str]:
-    """Names of the functions transformers composed a mask function from: and_masks,
-    or_masks and the position remapping keep theirs in their closures."""
-    name = getattr(mask_function, "__qualname__", type(mask_function).__name__).split(".<locals>")[0]
-    parts = [name]
-    for cell in getattr(mask_function, "__closure__", None) or ():
-        content = cell.cell_contents
-        for fn in content if isinstance(content, tuple) else (content,):
-            if inspect.isfunction(fn):
-                parts += _mask_parts(fn)
-    return parts
+def _closure(fn) -> dict:
+    code = getattr(fn, "__code__", None)
+    cells = getattr(fn, "__closure__", None) or ()
+    return dict(zip(code.co_freevars, (c.cell_contents for c in cells))) if code is not None else {}
+
+
+def _parse(fn) -> dict:
+    """{causal, window, chunk} described by a mask function composed by transformers' masking
+    utilities; raises _Refused naming the parts that are something else."""
+    name, cells = _name(fn), _closure(fn)
+    if name == "causal_mask_function":
+        return dict(causal=True)
+    if name == "bidirectional_mask_function":
+        return dict(causal=False)
+    if name in _PACKING:
+        return {}
+    if name == "sliding_window_overlay":
+        return dict(window=int(cells["sliding_window"]))
+    if name == "chunked_overlay":
+        padding = cells["left_padding"]
+        if bool((torch.as_tensor(padding) != 0).any()):
+            raise _Refused("chunked attention counted after left padding")
+        return dict(chunk=int(cells["chunk_size"]))
+    if name == "remap_positions_for_packed_sequence":
+        return _parse(cells["mask_function"])
+    if name in ("and_masks", "or_masks"):
+        parts = [_parse(f) for f in cells["mask_functions"]]
+        if name == "or_masks":
+            if any("window" in p or "chunk" in p for p in parts):
+                raise _Refused("a union of masks with a sliding window or chunks")
+            # causal OR bidirectional sees everything: bidirectional
+            return dict(causal=all(p.get("causal", True) for p in parts)) if any("causal" in p for p in parts) else {}
+        out: dict = {}
+        for part in parts:
+            if "causal" in part:
+                out["causal"] = out.get("causal", False) or part["causal"]
+            if "window" in part:
+                out["window"] = min(out.get("window", part["window"]), part["window"])
+            if "chunk" in part:
+                if out.get("chunk", part["chunk"]) != part["chunk"]:
+                    raise _Refused("chunks of two sizes")
+                out["chunk"] = part["chunk"]
+        return out
+    raise _Refused(_MASK_KINDS.get(name, name))
+
+
+def describe_mask(mask_function) -> LayerMask | RefusedMask:
+    """The ``LayerMask`` a transformers mask function stands for, or a ``RefusedMask`` naming
+    what it has beyond causal / bidirectional, sliding windows, chunks and packing."""
+    try:
+        found = _parse(mask_function)
+        if "causal" not in found:
+            raise _Refused("an overlay with no causal or bidirectional base")
+        if not found["causal"] and ("window" in found or "chunk" in found):
+            raise _Refused("a bidirectional sliding window or chunks")
+    except _Refused as e:
+        return RefusedMask(f"its attention mask is {e} on top of causal, which ctxpar does not support under "
+                           f"context parallelism")
+    except (KeyError, TypeError, ValueError):  # a function of the same name built differently
+        return RefusedMask(f"its attention mask ({_name(mask_function)}) is not built the way ctxpar can read, "
+                           f"which ctxpar does not support under context parallelism")
+    return LayerMask(causal=found["causal"], window=found.get("window"), chunk=found.get("chunk"),
+                     documents=DOCUMENTS.get())
 
 
 def mask_forward(*args, attention_mask: torch.Tensor | None = None, mask_function=None,
-                 **kwargs) -> RefusedMask | None:
-    """AttentionMaskInterface function: ctxpar builds the causal (or bidirectional) mask
-    itself from the layout, so return None, after refusing what that would silently lose:
-    a padding mask that pads (raised here), or a mask other than plain causal /
-    bidirectional (sliding windows, chunks, overlays: a ``RefusedMask``, raised by the
-    first layer that uses it). 4-D masks never get here (transformers passes them
-    straight to attention, which refuses them)."""
+                 **kwargs) -> LayerMask | RefusedMask | None:
+    """AttentionMaskInterface function: ctxpar builds the mask itself from the layout, so
+    it returns no tensor but a description: None for plain causal attention over one
+    document, a ``LayerMask`` (sliding window, chunks, the declared documents) that the
+    attention function honours, or a ``RefusedMask`` (raised by the first layer that
+    attends with it) for anything else. A padding mask that pads is refused here. 4-D
+    masks never get here (transformers passes them straight to attention, which refuses
+    them)."""
     if attention_mask is not None and not bool(attention_mask.all()):
         raise ValueError("padding masks are not supported under context parallelism: pack or crop the batch so "
-                         "every token is real (attention_mask all ones), or leave attention_mask out")
-    if mask_function is not None:
-        extra = [p for p in _mask_parts(mask_function) if p not in _LAYOUT_MASKS]
-        if extra:
-            kinds = ", ".join(_MASK_KINDS.get(p, p) for p in extra)
-            return RefusedMask(f"its attention mask is {kinds} on top of causal, which ctxpar does not support "
-                               f"under context parallelism")
-    return None
+                         "every token is real (attention_mask all ones, or documents= for a packed row), or leave "
+                         "attention_mask out")
+    if mask_function is None:
+        return None if DOCUMENTS.get() is None else LayerMask(documents=DOCUMENTS.get())
+    described = describe_mask(mask_function)
+    plain = isinstance(described, LayerMask) and described.window is None and described.chunk is None
+    if plain and described.documents is None:
+        return None  # the layer's own causal flag decides, as before masks were described
+    return described

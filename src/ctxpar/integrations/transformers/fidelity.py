@@ -4,11 +4,13 @@ before any forward and before any collective.
 ``find_unsupported(model)`` reads the model's configs (its own, its sub-configs and the
 per-layer configs its modules hold) and its module tree; ``check_model`` raises one error
 listing every feature found, each with its setting and, where there is one, the fix.
-What is honoured rather than refused: causal and bidirectional softmax attention, any
-constant ``scaling`` the model passes (Granite, Gemma's query_pre_attn_scalar, Whisper),
-GQA / MQA, K and V head dims that differ (DeepSeek's MLA), final-logit soft-capping,
-MoE layers. The call-time half of the guard (keyword arguments, masks) lives in
-``attention.py``.
+What is honoured rather than refused: causal and bidirectional softmax attention, causal
+sliding windows and chunked attention (layer kinds below; each layer's window or chunk
+is read from the mask transformers builds for it, and anything else in that mask is
+refused at call time), attention sinks passed as ``s_aux``, any constant ``scaling`` the
+model passes (Granite, Gemma's query_pre_attn_scalar, Whisper), GQA / MQA, K and V head
+dims that differ (DeepSeek's MLA), final-logit soft-capping, MoE layers. The call-time
+half of the guard (keyword arguments, masks) lives in ``attention.py``.
 """
 
 from __future__ import annotations
@@ -17,7 +19,6 @@ import inspect
 import re
 from dataclasses import dataclass
 
-import torch
 import torch.nn as nn
 
 
@@ -33,11 +34,10 @@ class Unsupported:
         return f"{self.feature} ({self.where})" + (f"; {self.fix}" if self.fix else "")
 
 
-# Layer kinds (config.layer_types and friends) whose token mixing is plain softmax attention
-# over the whole causal prefix, or none at all.
-_PLAIN_KINDS = {"full_attention", "attention", "global", "mlp", "moe", "dense", "sparse"}
-_SLIDING_KINDS = {"sliding_attention", "local", "sliding"}
-_CHUNKED_KINDS = {"chunked_attention"}
+# Layer kinds (config.layer_types and friends) whose token mixing is softmax attention over
+# the causal prefix, a sliding window or chunks of it (honoured through their masks), or none.
+_SOFTMAX_KINDS = {"full_attention", "attention", "global", "mlp", "moe", "dense", "sparse",
+                  "sliding_attention", "local", "sliding", "chunked_attention"}
 _KIND_FIELDS = ("layer_types", "layers_block_type", "block_types", "attention_layers")
 
 _DROPOUT_FIELDS = ("attention_dropout", "attention_probs_dropout_prob", "attn_pdrop", "attn_dropout")
@@ -104,24 +104,10 @@ def _config_features(config) -> list[Unsupported]:
             found.append(Unsupported("attention dropout", f"{name}.{field}={p}", f"set {field}=0"))
     if _get(config, "alibi") is True:
         found.append(Unsupported("ALiBi position biases", f"{name}.alibi=True"))
-    kinds = _layer_kinds(config)
-    window = _get(config, "sliding_window")
-    for kind, field in kinds.items():
-        if kind in _PLAIN_KINDS:
-            continue
-        if kind in _SLIDING_KINDS:
-            found.append(Unsupported("sliding-window attention",
-                                     f"{name}.{field} has {kind!r}, sliding_window={window}"))
-        elif kind in _CHUNKED_KINDS:
-            chunk = _get(config, "attention_chunk_size")
-            found.append(Unsupported("chunked attention", f"{name}.{field} has {kind!r}, attention_chunk_size={chunk}"))
-        else:
+    for kind, field in _layer_kinds(config).items():
+        if kind not in _SOFTMAX_KINDS:
             found.append(Unsupported("layers that are not softmax attention over the causal prefix",
                                      f"{name}.{field} has {kind!r}"))
-    if not kinds and window and _get(config, "use_sliding_window") is not False:
-        found.append(Unsupported("sliding-window attention", f"{name}.sliding_window={window}",
-                                 "set sliding_window=None if no sequence is longer than the window "
-                                 "(attention is then the same)"))
     towers = [key for key in getattr(config, "sub_configs", {}) or {}
               if _TOWER.search(key) and _get(config, key) is not None]
     if towers:
@@ -146,8 +132,6 @@ def _module_features(model: nn.Module) -> list[Unsupported]:
                 found.append(Unsupported("attention computed in the model's own code, not through transformers' "
                                          "AttentionInterface", owner))
             continue
-        if isinstance(getattr(module, "sinks", None), torch.Tensor):
-            found.append(Unsupported("attention sinks (learned per-head sink logits)", f"{owner}.sinks"))
         if getattr(module, "attn_logit_softcapping", None):
             found.append(Unsupported("attention logit soft-capping", f"{owner}.attn_logit_softcapping"))
         if getattr(module, "attn_temperature_tuning", False) and not getattr(module, "use_rope", True):
@@ -170,6 +154,9 @@ def _module_features(model: nn.Module) -> list[Unsupported]:
     if non_text:
         found.append(Unsupported(_MULTIMODAL, f"{type(model).__name__}.forward takes {', '.join(non_text)}",
                                  _MULTIMODAL_FIX))
+    if "shared_kv_states" in parameters:  # speculative-decoding assistants (Gemma 4)
+        found.append(Unsupported("attention to another model's keys and values (an assistant reading its target "
+                                 "model's cache)", f"{type(model).__name__}.forward takes shared_kv_states"))
     if "position_ids" not in parameters:
         found.append(Unsupported("positions counted within the local shard",
                                  f"{type(model).__name__}.forward takes no position_ids"))
