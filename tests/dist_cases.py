@@ -301,7 +301,8 @@ def _check_traffic(rank: int, world: int, mesh) -> dict:
         with ctxpar.record() as bwd:
             out.sum().backward()
         counted[(strategy, shape, str(dtype))] = dict(
-            forward=(fwd.bytes_sent, fwd.bytes_received), backward=(bwd.bytes_sent, bwd.bytes_received))
+            forward=(fwd.bytes_sent, fwd.bytes_received), backward=(bwd.bytes_sent, bwd.bytes_received),
+            syncs=(fwd.collectives, fwd.waits, bwd.collectives, bwd.waits))
     return counted
 
 

@@ -7,6 +7,7 @@ import pytest
 import dist_cases
 import spawned
 from ctxpar.plan import traffic
+from ctxpar.strategies.allgather import head_groups
 
 WORLD_SIZES = (1, 2, 3, 4)
 def results(world: int) -> list[dict]:
@@ -121,6 +122,29 @@ def test_a_sliding_window_sends_only_the_halo(world: int) -> None:
         sent, _ = traffic.ring_window(batch=b, local_len=s, kv_heads=hkv, head_dim=d, world=world, window=4, rank=0,
                                       elem=4, acc=4)
         assert sent.forward == 3 * 2 * b * hkv * d * 4
+
+
+def _expected_syncs(strategy: str, world: int, kv_heads: int) -> tuple[int, int, int, int]:
+    """(forward posts, forward waits, backward posts, backward waits): docs/strategies.md's
+    table, the consistency check included."""
+    if world == 1:
+        return (0, 0, 0, 0)
+    if strategy == "ring":
+        return (world, world, 2 * (world - 1), 2 * (world - 1))
+    if strategy == "allgather":
+        groups = len(head_groups(kv_heads))
+        return (groups + 1, groups + 1, 2 * groups, 2 * groups)
+    if strategy == "alltoall":
+        return (4, 3, 2, 2)
+    ring = dist_cases.HYBRID_MESH[0]
+    return (2 + 1 + (ring - 1) + 2, 2 + 1 + (ring - 1) + 1, 2 + 2 * (ring - 1), 2 + 2 * (ring - 1))
+
+
+@pytest.mark.parametrize("world", WORLD_SIZES, ids=lambda w: f"P{w}")
+def test_synchronisation_points_are_the_documented_few(world: int) -> None:
+    for res in results(world):
+        for (strategy, (_, _, hkv, _, _), dtype), counted in res["traffic"].items():
+            assert counted["syncs"] == _expected_syncs(strategy, world, hkv), (strategy, hkv, dtype)
 
 
 def test_ring_volume_by_hand() -> None:

@@ -86,17 +86,19 @@ class RingComm:
             ops.append(dist.P2POp(dist.irecv, recv, self._prev, self.group, self.tag))
         self._sent = send  # kept alive until the transfer is done
         self._pending = dist.batch_isend_irecv(ops) if ops else []
-        profile.add_traffic(_nbytes(send), _nbytes(recv))
+        if ops:  # a transfer of nothing either way is no synchronisation point
+            profile.add_traffic(_nbytes(send), _nbytes(recv))
 
     def wait(self) -> None:
         """Block until the posted transfer has completed (both directions)."""
         if self._sent is None:
             raise RuntimeError("RingComm.wait called without start()")
-        with profile.timed("wait", self._device):
-            for req in self._pending:
-                req.wait()
-            if self._landing is not self._recv:  # staged through host memory
-                self._recv.copy_(self._landing)
+        if self._pending:
+            with profile.timed("wait", self._device):
+                for req in self._pending:
+                    req.wait()
+                if self._landing is not self._recv:  # staged through host memory
+                    self._recv.copy_(self._landing)
         self._pending, self._sent = [], None
 
 
