@@ -22,6 +22,7 @@ from ctxpar.plan.hardware import local_hardware
 from ctxpar.plan.memory import memory_per_gpu, saved_tensors_per_token, sequence_tensors
 from ctxpar.plan.recommend import crossover, fits_up_to, recommend
 from ctxpar.plan.units import format_bytes, format_seconds
+from ctxpar.plan.work import pairs_per_rank, union_pairs
 from ctxpar.plan.workload import Workload
 
 MiB, GiB = 2**20, 2**30
@@ -171,6 +172,9 @@ def test_pairs_under_masks_equal_brute_force(cp: int, layout: str, strategy: str
         w = masked(seq, cp, layout=layout, strategy=strategy, **fields)
         assert w.mask == mask
         assert list(cost.head_pairs(w)) == brute_force_pairs(w, mask), fields
+        u = w.ulysses_degree  # every rank at once, as union_pairs one rank at a time
+        assert pairs_per_rank(w.layout_obj, seq, mask, u) == \
+            tuple(union_pairs(w.layout_obj, seq, r, mask, u) for r in range(cp))
         assert cost.attention_forward_flops_per_rank(w) == tuple(4 * w.model.head_dim * p for p in cost.head_pairs(w))
 
 

@@ -42,7 +42,7 @@ from dataclasses import dataclass
 
 from ctxpar.layout import get_layout
 from ctxpar.masks import Mask
-from ctxpar.plan.work import union_pairs
+from ctxpar.plan.work import pairs_per_rank
 from ctxpar.plan.hardware import Hardware
 from ctxpar.plan.workload import Workload
 from ctxpar.plan import traffic
@@ -52,7 +52,7 @@ BACKWARD_FLOPS_RATIO = 2.5  # FlashAttention: backward = 2.5 x forward FLOPs
 
 @functools.lru_cache(maxsize=4096)
 def _union_pairs(layout: str, seq: int, cp: int, mask: Mask, ulysses: int) -> tuple[int, ...]:
-    return tuple(union_pairs(get_layout(layout, cp), seq, rank, mask, ulysses) for rank in range(cp))
+    return pairs_per_rank(get_layout(layout, cp), seq, mask, ulysses)
 
 
 def head_pairs(w: Workload) -> tuple[int, ...]:

@@ -6,6 +6,10 @@ it), but counted directly from the layout's positions in O(T/P).
 
 from __future__ import annotations
 
+import functools
+
+import torch
+
 from ctxpar.layout import Layout
 from ctxpar.masks import Mask
 
@@ -29,3 +33,19 @@ def union_pairs(layout: Layout, seq_len: int, rank: int, mask: Mask, ulysses: in
     """
     first = rank - rank % ulysses
     return sum(rank_pairs(layout, seq_len, m, mask) for m in range(first, first + ulysses))
+
+
+@functools.lru_cache(maxsize=2)
+def _keys_seen(seq_len: int, mask: Mask) -> torch.Tensor:
+    """(T,) int32: how many keys the query at each position sees (do not modify: cached)."""
+    first, stop = mask.intervals(torch.arange(seq_len), seq_len)
+    return (stop - first).to(torch.int32)
+
+
+def pairs_per_rank(layout: Layout, seq_len: int, mask: Mask, ulysses: int = 1) -> tuple[int, ...]:
+    """``union_pairs`` for every rank at once (``rank_pairs`` with ulysses = 1), in O(T):
+    the mask's intervals are built once for all positions, not once per rank, which
+    matters under documents (each build walks the document list)."""
+    keys = _keys_seen(seq_len, mask)
+    own = [int(keys[layout.positions(seq_len, r)].sum()) for r in range(layout.world_size)]
+    return tuple(sum(own[r - r % ulysses:r - r % ulysses + ulysses]) for r in range(layout.world_size))
