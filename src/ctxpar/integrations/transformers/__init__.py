@@ -47,8 +47,8 @@ from ctxpar.integrations.transformers.attention import DOCUMENTS, NAME, Settings
 from ctxpar.integrations.transformers.fidelity import Unsupported, check_model, find_unsupported
 from ctxpar.integrations.transformers.loss import CPCausalLMLoss
 from ctxpar.layout import Layout
-from ctxpar.masks import document_lengths
-from ctxpar.parallelize import IGNORE_INDEX, shard_batch
+from ctxpar.masks import document_lengths, positions_in_documents
+from ctxpar.parallelize import shard_batch
 
 __all__ = ["Unsupported", "check_model", "enable_context_parallel", "find_unsupported", "shard_inputs"]
 
@@ -65,16 +65,6 @@ def _refuse_generate(*args, **kwargs):
     raise NotImplementedError("inference under context parallelism is not supported yet: model.generate() would "
                               "decode one token at a time over a sharded sequence. Generate with a model that "
                               "enable_context_parallel was not applied to")
-
-
-def document_positions(positions: torch.Tensor, documents: tuple[int, ...] | None) -> torch.Tensor:
-    """(S,) each global position's index within its document (the positions themselves
-    without documents): RoPE restarts at every document of a packed row."""
-    if documents is None:
-        return positions
-    ends = torch.tensor(documents, dtype=torch.int64).cumsum(0)  # (n_docs,)
-    doc = torch.searchsorted(ends, positions.cpu(), right=True)
-    return positions - (ends[doc] - torch.tensor(documents, dtype=torch.int64)[doc]).to(positions.device)
 
 
 def _declare_fix() -> str:
@@ -94,7 +84,7 @@ def _check_positions(name: str, settings: Settings, bound: dict, documents: tupl
         if documents is not None:
             raise ValueError(f"{name} got documents= but neither input_ids nor inputs_embeds")
         return
-    want = document_positions(settings.positions(tokens.shape[1]), documents)  # (S,)
+    want = positions_in_documents(settings.positions(tokens.shape[1]), documents)  # (S,)
     positions = bound.get("position_ids")
     if positions is None:
         if not torch.equal(want, torch.arange(tokens.shape[1])):
@@ -242,14 +232,9 @@ def shard_inputs(
         ``labels`` (B, T/P) are the next-token targets of those rows (IGNORE_INDEX where
         none), for ``model(**inputs, labels=labels)`` or ``cp_loss(logits, labels)``.
     """
-    lengths = None if documents is None else document_lengths(documents, input_ids.shape[1])
-    if lengths is not None:
-        labels = (input_ids if labels is None else labels).clone()
-        starts = torch.tensor(lengths[:-1], dtype=torch.int64).cumsum(0)  # first token of every document but the first
-        labels[:, starts] = IGNORE_INDEX  # shifted below: the previous document's last token predicts nothing
-    batch = shard_batch(input_ids, layout=layout, rank=rank, labels=labels)
-    positions = document_positions(batch.positions, lengths).unsqueeze(0).expand(input_ids.shape[0], -1)
+    batch = shard_batch(input_ids, layout=layout, rank=rank, labels=labels, documents=documents)
+    positions = batch.positions.unsqueeze(0).expand(input_ids.shape[0], -1)
     inputs = dict(input_ids=batch.tokens, position_ids=positions, use_cache=False)
-    if lengths is not None:
-        inputs["documents"] = lengths
+    if batch.documents is not None:
+        inputs["documents"] = batch.documents
     return inputs, batch.labels
