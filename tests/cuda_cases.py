@@ -23,6 +23,11 @@ def cuda_cases() -> list[Case]:
         grid += [Case(strategy, "zigzag", True, "gqa", dtype, chunk=96) for dtype in CUDA_DTYPES]
         grid += [Case(strategy, "zigzag", True, "mqa", "float64"),
                  Case(strategy, "striped", True, "gqa", "bfloat16", memory="interleaved")]
+        # masks: PARTIAL tiles take the tiled reference kernel on CUDA, the rest the fused ops
+        grid += [Case(strategy, "zigzag", True, "gqa", dtype, chunk=40, documents="random", window=17)
+                 for dtype in CUDA_DTYPES]
+        grid += [Case(strategy, "balanced", True, "mha", "bfloat16", chunk=6, documents="random", sinks=True),
+                 Case(strategy, "contiguous", False, "gqa", "float32", chunk=5, documents="mixed")]
     return grid
 
 
