@@ -5,8 +5,8 @@
 
 Three tables, one run:
 
-1. **Balance** (arithmetic, exact): packed documents drawn from a long-tailed (log-normal)
-   length distribution, alone and with a window; the busiest rank's visible (query, key)
+1. **Balance** (arithmetic, exact): packed documents drawn from a long-tailed (log-normal,
+   mean T/32, sigma 1.2) length distribution, alone and with a window; the busiest rank's visible (query, key)
    pairs over the mean, for every layout and the document-balanced one.
 2. **Sliding window vs causal** (P gloo ranks, one thread each, the ring): forward +
    backward wall time (median of the slowest rank) and the bytes each rank sent, for plain
@@ -21,7 +21,6 @@ Three tables, one run:
 from __future__ import annotations
 
 import argparse
-import math
 import statistics
 import time
 
@@ -32,20 +31,15 @@ import ctxpar
 from ctxpar.launch import run_local
 from ctxpar.masks import Mask
 from ctxpar.plan import traffic
+from ctxpar.plan.documents import DocDist, sample_lengths
 from ctxpar.plan.work import rank_pairs
 from report import write_json
 
 
 def long_tailed_documents(seq_len: int, seed: int = 0) -> tuple[int, ...]:
-    """Log-normal lengths, median T/32 and sigma 1.2 (a few documents of a quarter of T
-    next to many short ones), cut to fill the row exactly; the same for every seed."""
-    gen = torch.Generator().manual_seed(seed)
-    lengths, left = [], seq_len
-    while left:
-        n = int(torch.empty(1).log_normal_(mean=math.log(seq_len / 32), std=1.2, generator=gen).clamp(min=1))
-        lengths.append(min(n, left))
-        left -= lengths[-1]
-    return tuple(lengths)
+    """Log-normal lengths, mean T/32 and sigma 1.2 (a few documents of a quarter of T next
+    to many short ones), drawn as ``ctxpar plan --doc-dist`` draws them; the same every run."""
+    return sample_lengths(DocDist("lognormal", seq_len / 32, 1.2), seq_len, seed)
 
 
 def balance_table(seq_len: int, world: int) -> list[dict]:
@@ -141,7 +135,7 @@ def main() -> None:
 
     balance = balance_table(args.seq, world)
     print(f"1. balance: T={args.seq} P={world}, {balance[0]['documents']} documents, log-normal lengths "
-          f"(median T/32, sigma 1.2); busiest rank's visible pairs / mean")
+          f"(mean T/32, sigma 1.2); busiest rank's visible pairs / mean")
     print(f"{'mask':26} {'layout':11} {'max/mean':>9} {'chunks/rank':>12}")
     for row in balance:
         chunks = "" if row["chunks_per_rank"] is None else str(row["chunks_per_rank"])

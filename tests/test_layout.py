@@ -2,14 +2,13 @@
 
 from __future__ import annotations
 
-import math
-
 import pytest
 import torch
 
 import ctxpar
 from ctxpar.layout import LAYOUT_NAMES, get_layout
 from ctxpar.masks import Mask
+from ctxpar.plan.documents import DocDist, sample_lengths
 from ctxpar.plan.work import rank_pairs
 
 
@@ -103,21 +102,10 @@ def test_the_sequence_dim_is_never_guessed() -> None:
         layout.unshard([x, x.double()], dim=2)
 
 
-def _long_tailed_documents(seq_len: int, seed: int = 0) -> tuple[int, ...]:
-    """Log-normal document lengths (median ~T/32, a few documents of a quarter of T)."""
-    gen = torch.Generator().manual_seed(seed)
-    lengths, left = [], seq_len
-    while left:
-        n = int(torch.empty(1).log_normal_(mean=math.log(seq_len / 32), std=1.2, generator=gen).clamp(min=1))
-        lengths.append(min(n, left))
-        left -= lengths[-1]
-    return tuple(lengths)
-
-
 @pytest.mark.parametrize("window", [None, 700])
 def test_the_balanced_layout_evens_out_packed_documents_where_zigzag_cannot(window) -> None:
     seq_len, world = 65536, 4
-    documents = _long_tailed_documents(seq_len)
+    documents = sample_lengths(DocDist("lognormal", seq_len / 32, 1.2), seq_len, seed=0)
     mask = Mask(documents=documents, window=window)
     balanced = ctxpar.balanced_layout(world, seq_len, documents=documents, window=window)
     imbalance = {}
