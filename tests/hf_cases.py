@@ -270,6 +270,26 @@ def _packed(rank: int, world: int) -> dict:
     return out
 
 
+def _one_rank_refuses(rank: int, world: int) -> dict:
+    """One rank of a pair drops documents= (its positions still restart per document): both
+    ranks must refuse the forward, none be left waiting, and the next forward must run."""
+    import hf_families
+
+    group, _, _ = _pairs(rank, world)
+    layout = ctxpar.get_layout("zigzag", SWEEP_P)
+    model = enable_context_parallel(hf_families.build("llama"), layout=layout, group=group)
+    input_ids = torch.randint(3, hf_families.VOCAB, (1, SWEEP_TOKENS), generator=torch.Generator().manual_seed(2))
+    inputs, _ = shard_inputs(input_ids, layout=layout, rank=dist.get_rank(group), documents=PACKED_DOCUMENTS)
+    partial = {k: v for k, v in inputs.items() if k != "documents" or dist.get_rank(group) == 0}
+    try:
+        model(**partial)
+        refused = "ran"
+    except ValueError as e:
+        refused = str(e)
+    after = tuple(model(**inputs).logits.shape)
+    return dict(refused=refused, group_rank=dist.get_rank(group), after=after)
+
+
 def run(rank: int, world: int) -> dict:
     import warnings
 
@@ -278,4 +298,4 @@ def run(rank: int, world: int) -> dict:
     logging.set_verbosity_error()  # tiny configs make transformers warn about sizes and defaults
     warnings.filterwarnings("ignore")
     return dict(llama=_llama(rank, world), labels=_labels(rank, world), sweep=_sweep(rank, world),
-                masks=_masks(rank, world), packed=_packed(rank, world))
+                masks=_masks(rank, world), packed=_packed(rank, world), one_rank_refuses=_one_rank_refuses(rank, world))

@@ -131,3 +131,17 @@ def test_a_balanced_layout_takes_any_document_lengths_and_refuses_what_cannot_sp
         ctxpar.balanced_layout(3, 24, documents=(4, 6))
     with pytest.raises(ValueError, match="chunks=5 does not divide"):
         ctxpar.balanced_layout(3, 24, chunks=5)
+
+
+def test_a_balanced_layout_checks_its_arguments_and_says_when_it_cannot_balance() -> None:
+    for chunks in (-2, 2.0, True):
+        with pytest.raises(ValueError, match="chunks must be an integer"):
+            ctxpar.balanced_layout(2, 16, chunks=chunks)
+    with pytest.raises(ValueError, match="tolerance must be a number >= 1"):
+        ctxpar.BalancedLayout(2, 16, tolerance=0.5)
+    with pytest.warns(UserWarning, match=r"busiest rank 1\.7\d\dx the mean"):  # T/P = 67, prime: no chunks at all
+        ctxpar.balanced_layout(4, 4 * 67).positions(4 * 67, 0)
+    layout = ctxpar.balanced_layout(2, 16)
+    layout.positions(16, 0).add_(100)  # a caller editing what it got
+    assert layout.positions(16, 0).max() < 16
+    assert ctxpar.balanced_layout(300, 600).fingerprint.startswith("balanced/300/")  # P > 256

@@ -153,3 +153,15 @@ def test_restarting_positions_need_declared_documents() -> None:
         model(**shard_inputs(tokens, layout=ONE, rank=0)[0], cu_seq_lens_q=torch.tensor([0, 5, 12, 16]))
     _, labels = shard_inputs(tokens, layout=ONE, rank=0, documents=[5, 7, 4])
     assert labels[0, [4, 11, 15]].tolist() == [IGNORE_INDEX] * 3  # no target across a document boundary
+
+
+def test_a_refusal_on_one_rank_is_a_refusal_on_every_rank() -> None:
+    """A forward that one rank refuses (documents= dropped on rank 1 only) raises on both
+    ranks, the right error on the rank that made the mistake, and leaves nobody waiting."""
+    for res in hf_cases.results():
+        got = res["one_rank_refuses"]
+        if got["group_rank"] == 1:
+            assert "positions that restart mean packed documents" in got["refused"]
+        else:
+            assert "another rank of the CP group refused" in got["refused"]
+        assert got["after"][1] == hf_cases.SWEEP_TOKENS // 2

@@ -85,14 +85,17 @@ class Tile:
             return nq * (nq + 1) // 2
         return sum(b - a for a, b in self.rows)
 
-    def visible(self) -> torch.Tensor | None:
-        """(queries, keys) bool mask of a PARTIAL tile (cached); None for the other kinds."""
-        return _rows_mask(self.rows, self.kv_stop - self.kv_start) if self.kind is MaskKind.PARTIAL else None
+    def visible(self, device: torch.device | str = "cpu") -> torch.Tensor | None:
+        """(queries, keys) bool mask of a PARTIAL tile, on ``device`` (cached there: no
+        host-to-device copy per call); None for the other kinds."""
+        if self.kind is not MaskKind.PARTIAL:
+            return None
+        return _rows_mask(self.rows, self.kv_stop - self.kv_start, torch.device(device))
 
-    def kernel_args(self) -> tuple[slice, slice, bool, torch.Tensor | None]:
+    def kernel_args(self, device: torch.device | str = "cpu") -> tuple[slice, slice, bool, torch.Tensor | None]:
         """(query slice, key slice, is_causal, mask): CAUSAL is the kernels' square causal
-        mask; PARTIAL tiles pass their explicit mask (True = visible)."""
-        return self.q, self.kv, self.kind is MaskKind.CAUSAL, self.visible()
+        mask; PARTIAL tiles pass their explicit mask (True = visible), on ``device``."""
+        return self.q, self.kv, self.kind is MaskKind.CAUSAL, self.visible(device)
 
     def __post_init__(self) -> None:
         nq, nk = self.q_stop - self.q_start, self.kv_stop - self.kv_start
@@ -107,10 +110,10 @@ class Tile:
             raise ValueError(f"malformed {self.kind.value} tile: {nq} queries x {nk} keys")
 
 
-@functools.lru_cache(maxsize=4096)
-def _rows_mask(rows: tuple[tuple[int, int], ...], keys: int) -> torch.Tensor:
-    bounds = torch.tensor(rows, dtype=torch.int64)  # (queries, 2)
-    cols = torch.arange(keys).unsqueeze(0)
+@functools.lru_cache(maxsize=1024)
+def _rows_mask(rows: tuple[tuple[int, int], ...], keys: int, device: torch.device) -> torch.Tensor:
+    bounds = torch.tensor(rows, dtype=torch.int64, device=device)  # (queries, 2)
+    cols = torch.arange(keys, device=device).unsqueeze(0)
     return (cols >= bounds[:, :1]) & (cols < bounds[:, 1:])
 
 
@@ -192,7 +195,7 @@ def count_pairs(tiles: tuple[Tile, ...] | list[Tile]) -> int:
     return sum(t.pairs for t in tiles)
 
 
-@functools.lru_cache(maxsize=4096)
+@functools.lru_cache(maxsize=256)  # a mask with documents may change every batch: keep few plans
 def layout_tiles(layout: Layout, seq_len: int, q_rank: int, kv_rank: int, mask: Mask) -> tuple[Tile, ...]:
     """The tiles of ``q_rank``'s queries against ``kv_rank``'s keys under ``layout`` (cached)."""
     return tiles_between(layout.positions(seq_len, q_rank), layout.positions(seq_len, kv_rank), mask, seq_len)

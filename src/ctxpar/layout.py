@@ -15,7 +15,9 @@ t mod P) give every rank an equal share of early and late positions.
 
 from __future__ import annotations
 
+import array
 import functools
+import warnings
 import zlib
 from abc import ABC, abstractmethod
 from dataclasses import dataclass
@@ -216,9 +218,10 @@ class BalancedLayout(Layout):
     still has room (a chunk's work: the keys its queries see under ``mask``). Zigzag is
     the fixed deal of 2 chunks per rank that balances plain causal attention; documents
     make work uneven along the row in ways no fixed deal follows. ``chunks`` (0: chosen)
-    is the fewest of 2, 4, ..., 64 that divide T/P and bring the busiest rank within
-    ``tolerance`` of the mean (fewer, longer chunks: fewer, larger kernel tiles). Any
-    document lengths: nothing has to be a multiple of P; T only needs P chunks of equal size.
+    is the fewest chunks per rank (2 to 64, dividing T/P) that bring the busiest rank within
+    ``tolerance`` of the mean (fewer, longer chunks: fewer, larger kernel tiles); a warning
+    says when none does (T/P with few divisors). Any document lengths: nothing has to be a
+    multiple of P; T only needs P chunks of equal size.
 
     Build it with ``balanced_layout``; every rank must build the same one.
     """
@@ -239,9 +242,14 @@ class BalancedLayout(Layout):
         if self.seq_len % self.world_size:
             raise ValueError(f"sequence length {self.seq_len} is not a multiple of P={self.world_size} ranks; "
                              f"pad to {-(-self.seq_len // self.world_size) * self.world_size}")
+        if isinstance(self.chunks, bool) or not isinstance(self.chunks, int) or self.chunks < 0:
+            raise ValueError(f"chunks must be an integer >= 1 (chunks per rank), or 0 to choose, got {self.chunks!r}")
         if self.chunks and (self.seq_len // self.world_size) % self.chunks:
             raise ValueError(f"chunks={self.chunks} does not divide the {self.seq_len // self.world_size} tokens "
                              f"of each rank")
+        if isinstance(self.tolerance, bool) or not isinstance(self.tolerance, (int, float)) or not self.tolerance >= 1:
+            raise ValueError(f"tolerance must be a number >= 1 (the busiest rank's work over the mean), "
+                             f"got {self.tolerance!r}")
 
     @property
     def multiple(self) -> int:
@@ -253,7 +261,7 @@ class BalancedLayout(Layout):
                              f"build one for this length (balanced_layout)")
 
     def _positions(self, seq_len: int, rank: int) -> torch.Tensor:
-        return _deal(self)[1][rank]
+        return _deal(self)[1][rank].clone()  # the cached deal must not change under a caller's in-place edit
 
     @property
     def chunks_per_rank(self) -> int:
@@ -262,7 +270,7 @@ class BalancedLayout(Layout):
     @property
     def fingerprint(self) -> str:
         owners = _deal(self)[2]
-        return f"{self.name}/{self.world_size}/{zlib.crc32(bytes(owners))}"
+        return f"{self.name}/{self.world_size}/{zlib.crc32(array.array('I', owners).tobytes())}"
 
 
 @functools.lru_cache(maxsize=64)
@@ -272,7 +280,7 @@ def _deal(layout: BalancedLayout) -> tuple[int, tuple[torch.Tensor, ...], tuple[
     first, stop = layout.mask.intervals(torch.arange(seq_len), seq_len)
     work = (stop - first).to(torch.float64)  # keys each position sees
     local = seq_len // world
-    options = [layout.chunks] if layout.chunks else [n for n in (2, 4, 8, 16, 32, 64) if local % n == 0] or [1]
+    options = [layout.chunks] if layout.chunks else [n for n in range(2, 65) if local % n == 0] or [1]
     best = None
     for n in options:
         per_chunk = work.view(world * n, -1).sum(1).tolist()
@@ -285,7 +293,11 @@ def _deal(layout: BalancedLayout) -> tuple[int, tuple[torch.Tensor, ...], tuple[
             best = (imbalance, n, owners)
         if imbalance <= layout.tolerance:
             break
-    _, n, owners = best
+    imbalance, n, owners = best
+    if imbalance > layout.tolerance:
+        warnings.warn(f"the balanced layout leaves the busiest rank {imbalance:.3f}x the mean work (tolerance "
+                      f"{layout.tolerance}): {local} tokens per rank split into at most {n} chunks; a length "
+                      f"whose T/P has more divisors up to 64 balances better", stacklevel=4)
     size = local // n
     positions = tuple(torch.cat([torch.arange(c * size, (c + 1) * size) for c in range(world * n) if owners[c] == r])
                       for r in range(world))

@@ -9,7 +9,7 @@ Every mask ctxpar supports gives each query an *interval* of visible key positio
     not causal                keys [start, end)                (no window: it is causal only)
 
 Chunked attention (Llama 4: attention only within fixed-size chunks) is a document mask
-whose documents are the chunks, intersected with any packed documents (``chunked``).
+whose documents are the chunks, counted from the start of each packed document (``chunked``).
 
 The block plan (``ctxpar.blocks``) turns these intervals into kernel tiles; nothing else
 needs to know which mask it is. ``Mask`` is hashable, so plans are cached per mask.
@@ -33,6 +33,22 @@ class Mask:
     causal: bool = True
     documents: tuple[int, ...] | None = None
     window: int | None = None
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.causal, bool):
+            raise ValueError(f"causal must be True or False, got {self.causal!r}")
+        if self.window is not None:
+            if isinstance(self.window, bool) or not isinstance(self.window, int) or self.window < 1:
+                raise ValueError(f"window must be an integer >= 1 (keys a query sees, itself included), "
+                                 f"got {self.window!r}")
+            if not self.causal:
+                raise ValueError("window= is a causal sliding window; it needs causal=True")
+        if self.documents is not None:
+            ok = isinstance(self.documents, tuple) and self.documents and all(
+                isinstance(n, int) and not isinstance(n, bool) and n >= 1 for n in self.documents)
+            if not ok:
+                raise ValueError(f"Mask.documents must be a non-empty tuple of lengths >= 1 (make_mask and "
+                                 f"document_lengths also take cu_seqlens), got {self.documents!r}")
 
     @property
     def is_plain(self) -> bool:
@@ -109,29 +125,21 @@ def document_lengths(documents, seq_len: int) -> tuple[int, ...]:
 
 
 def chunked(seq_len: int, chunk: int, documents: tuple[int, ...] | None = None) -> tuple[int, ...]:
-    """Document lengths for chunked attention: chunks of ``chunk`` tokens (the last one
-    shorter), split further at the boundaries of ``documents`` if given."""
+    """Document lengths for chunked attention (Llama 4): each document (the whole row if
+    ``documents`` is None) cut into chunks of ``chunk`` tokens counted from its own start,
+    the last one shorter, as transformers does for a packed row."""
     if isinstance(chunk, bool) or not isinstance(chunk, int) or chunk < 1:
         raise ValueError(f"chunk size must be an integer >= 1, got {chunk!r}")
-    cuts = set(range(chunk, seq_len, chunk))
-    if documents is not None:
-        cuts |= set(itertools.accumulate(documents[:-1]))
-    edges = [0, *sorted(cuts), seq_len]
-    return tuple(b - a for a, b in zip(edges, edges[1:]))
+    lengths = (seq_len,) if documents is None else document_lengths(documents, seq_len)
+    return tuple(min(chunk, n - start) for n in lengths for start in range(0, n, chunk))
 
 
 def make_mask(seq_len: int, *, causal, documents=None, window=None) -> Mask:
-    """The ``Mask`` for a public call, every argument checked (ValueError naming it)."""
-    if not isinstance(causal, bool):
-        raise ValueError(f"causal must be True or False, got {causal!r}")
-    if window is not None:
-        if isinstance(window, bool) or not isinstance(window, int) or window < 1:
-            raise ValueError(f"window must be an integer >= 1 (keys a query sees, itself included), got {window!r}")
-        if not causal:
-            raise ValueError("window= is a causal sliding window; it needs causal=True")
-        if window >= seq_len:
-            window = None  # sees everything causal attention does: plain causal, exactly
+    """The ``Mask`` for a public call: every argument checked (ValueError naming it), and
+    put in one canonical form, so that equal masks compare (and cache) equal: a window of
+    T or more is no window, one document is none."""
+    Mask(causal=causal, window=window)  # checks causal and window before they are compared
     lengths = None if documents is None else document_lengths(documents, seq_len)
-    if lengths is not None and len(lengths) == 1:
-        lengths = None
-    return Mask(causal=causal, documents=lengths, window=window)
+    if window is not None and window >= seq_len:
+        window = None  # sees everything causal attention does
+    return Mask(causal=causal, documents=lengths if lengths and len(lengths) > 1 else None, window=window)

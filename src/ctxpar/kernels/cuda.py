@@ -6,9 +6,10 @@ Which op computes a block (q's dtype, head dim D)::
     fp32 (or the above, other D),        efficient aten._scaled_dot_product_efficient_attention
         D % 8 == 0
     anything else (fp64, odd D)          reference ctxpar.kernels.reference, tiled (bounded memory)
-    a PARTIAL tile (explicit mask)       reference, tiled: the flash op takes no mask; the
-                                         efficient op's bias is the candidate, once measured
-                                         on a GPU (these tiles are a band's edges, not its bulk)
+    a PARTIAL tile (explicit mask)       reference, tiled: the flash op takes no mask. Their
+                                         share of the work grows as windows and documents
+                                         shrink (about half of it at window 128); the efficient
+                                         op's attn_bias is the candidate, once measured on a GPU
 
 Both fused ops' backwards recompute probabilities as exp(q k^T * scale - lse) and use
 rowsum(dout * out) as delta, so, as on CPU, handing them the merged, *global* (out, lse)

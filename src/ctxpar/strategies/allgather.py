@@ -54,7 +54,7 @@ def head_groups(kv_heads: int) -> list[slice]:
     return [slice(start, min(start + size, kv_heads)) for start in range(0, kv_heads, size)]
 
 
-@functools.lru_cache(maxsize=256)
+@functools.lru_cache(maxsize=16)  # a mask with documents may change every batch
 def _key_order(layout: Layout, seq_len: int, rank: int, mask: Mask):
     """How this rank attends to the gathered keys, whichever takes fewer kernel calls:
 
@@ -93,22 +93,30 @@ def _attend_forward(q, keys, order, acc_out, acc_lse, scale) -> None:
     forward_tiles(q, keys[0], keys[1], tiles, acc_out, acc_lse, scale)
 
 
-def _attend_backward(dout, q, keys, out, lse, order, scale, dq, world: int) -> torch.Tensor:
-    """dQ into ``dq``; returns this rank's dK/dV share of every source, (P, 2, B, h, S, D)."""
-    kind, tiles, maps = order
+def _attend_backward(dout, q, keys, out, lse, order, scale, dq) -> torch.Tensor:
+    """dQ into ``dq``; returns this rank's dK/dV share of every key, laid out like ``keys``:
+    (P, 2, B, h, S, D) for "by_rank", (2, B, h, T, D) in position order for "global"."""
+    kind, tiles, _ = order
+    shares = torch.zeros(keys.shape, dtype=dq.dtype, device=dq.device)
     if kind == "by_rank":
-        shares = torch.zeros(keys.shape, dtype=dq.dtype, device=dq.device)
         for src, src_tiles in enumerate(tiles):
             backward_tiles(dout, q, keys[src, 0], keys[src, 1], out, lse, src_tiles, scale, dq,
                            shares[src, 0], shares[src, 1])
-        return shares
-    dkv = torch.zeros(keys.shape, dtype=dq.dtype, device=dq.device)  # (2, B, h, T, D), position order
-    backward_tiles(dout, q, keys[0], keys[1], out, lse, tiles, scale, dq, dkv[0], dkv[1])
-    two, b, h, t, d = dkv.shape
-    local, index = t // world, maps.to(dkv.device)
-    shares = dkv.new_empty((world, two, b, h, local, d))
-    shares.permute(1, 2, 3, 0, 4, 5)[:, :, :, index // local, index % local] = dkv  # back in arrival order
+    else:
+        backward_tiles(dout, q, keys[0], keys[1], out, lse, tiles, scale, dq, shares[0], shares[1])
     return shares
+
+
+def _by_arrival(shares: torch.Tensor, order, world: int) -> torch.Tensor:
+    """Shares in rank order (P, 2, B, h, S, D), as the reduce-scatter takes them."""
+    kind, _, index = order
+    if kind == "by_rank":
+        return shares
+    two, b, h, t, d = shares.shape
+    local, index = t // world, index.to(shares.device)
+    arrived = shares.new_empty((world, two, b, h, local, d))
+    arrived.permute(1, 2, 3, 0, 4, 5)[:, :, :, index // local, index % local] = shares
+    return arrived
 
 
 class AllGatherAttention(torch.autograd.Function):
@@ -148,8 +156,9 @@ class AllGatherAttention(torch.autograd.Function):
             qh = slice(kvh.start * g, kvh.stop * g)
             with profile.timed("compute", q.device):
                 shares = _attend_backward(dout[:, qh], q[:, qh], keys, out[:, qh], lse[:, qh], order, scale,
-                                          dq[:, qh], world)
-            del keys
+                                          dq[:, qh])
+                del keys  # before the rank-order copy of the shares is made: one buffer fewer at the peak
+                shares = _by_arrival(shares, order, world)
             if reducing is not None:
                 dkv[:, :, reducing[0]] = reducing[1].wait()
             reducing = (kvh, PendingReduceScatter(shares, group))

@@ -40,9 +40,10 @@ def finish_forward(ctx, q, k, v, sinks, acc_out: torch.Tensor, acc_lse: torch.Te
     merging it is merging a partial with out 0 and lse sink_h. The backward then hands
     the kernels the final (out, lse), which is all they need for exact dQ, dK, dV.
     """
-    if sinks is not None:
-        sink = sinks.to(acc_lse.dtype).view(1, -1, 1).expand_as(acc_lse)
-        merge_into(acc_out, acc_lse, torch.zeros_like(acc_out), sink)
+    if sinks is not None:  # merging a partial with out 0: only the rescaling is left
+        lse = torch.logaddexp(acc_lse, sinks.to(acc_lse.dtype).view(1, -1, 1))
+        acc_out.mul_(torch.exp(acc_lse - lse).unsqueeze(-1))
+        acc_lse.copy_(lse)
     out = acc_out.to(q.dtype)
     ctx.save_for_backward(q, k, v, sinks, out, acc_lse)
     ctx.mark_non_differentiable(acc_lse)
@@ -78,7 +79,7 @@ def forward_tiles(
             (``kernels.accumulation_dtype``), updated in place.
     """
     for block in blocks:
-        qs, ks, causal, mask = block.kernel_args()
+        qs, ks, causal, mask = block.kernel_args(q.device)
         out, lse = kernels.attention_forward(q[:, :, qs], k[:, :, ks], v[:, :, ks], causal=causal, scale=scale,
                                              mask=mask)
         merge_into(acc_out[:, :, qs], acc_lse[:, :, qs], out, lse)
@@ -104,7 +105,7 @@ def backward_tiles(
         dq: (B, H, Sq, D); dk, dv: (B, H_kv, Sk, D), updated in place.
     """
     for block in blocks:
-        qs, ks, causal, mask = block.kernel_args()
+        qs, ks, causal, mask = block.kernel_args(q.device)
         g_q, g_k, g_v = kernels.attention_backward(
             dout[:, :, qs], q[:, :, qs], k[:, :, ks], v[:, :, ks], out[:, :, qs], lse[:, :, qs],
             causal=causal, scale=scale, mask=mask,

@@ -51,48 +51,54 @@ _KV_TAG, _DKV_TAG, _HOME_TAG = 0, 1, 2
 
 @dataclass(frozen=True)
 class RingSchedule:
-    """Which keys travel, for every step and rank (the same on every rank).
+    """Which keys travel, for every step and rank (the same on every rank), and this
+    rank's tiles.
 
     steps: the last step at which some rank still sees keys of the shard it holds (the
         ring runs steps 0..steps; P-1 for plain masks).
     held[i][r]: (a, b), the keys a:b of shard (r - i) mod P that rank r holds at step i:
         what it and the ranks after it on the ring will see of that shard. Empty where
         nobody will.
-    tiles[i][r]: rank r's tiles at step i, key indices counted from a.
+    tiles[i]: this rank's tiles at step i, key indices counted from its a.
     """
 
     steps: int
     held: tuple[tuple[tuple[int, int], ...], ...]
-    tiles: tuple[tuple[tuple[Tile, ...], ...], ...]
+    tiles: tuple[tuple[Tile, ...], ...]
 
 
-@functools.lru_cache(maxsize=256)
-def ring_schedule(layout: Layout, seq_len: int, mask: Mask) -> RingSchedule:
+@functools.lru_cache(maxsize=16)  # a mask with documents may change every batch: keep few schedules
+def ring_schedule(layout: Layout, seq_len: int, mask: Mask, rank: int) -> RingSchedule:
     world, local = layout.world_size, seq_len // layout.world_size
     positions = [layout.positions(seq_len, r) for r in range(world)]
     if mask.is_plain:
-        held = [[(0, local)] * world] * world
-        tiles = [[tiles_between(positions[r], positions[(r - i) % world], mask, seq_len) for r in range(world)]
-                 for i in range(world)]
-        return RingSchedule(world - 1, tuple(map(tuple, held)), tuple(map(tuple, tiles)))
-    seen = [[_seen(tiles_between(positions[r], positions[(r - i) % world], mask, seq_len))
-             for r in range(world)] for i in range(world)]  # seen[i][r]: keys rank r sees at step i
-    steps = max((i for i in range(1, world) for r in range(world) if seen[i][r]), default=0)
-    held = [[(0, local)] * world]
-    for i in range(1, steps + 1):  # the hull of what this rank and the later ones see
-        row = []
-        for r in range(world):
-            later = [seen[j][(r + j - i) % world] for j in range(i, steps + 1)]
-            later = [x for x in later if x]
-            row.append((min(a for a, _ in later), max(b for _, b in later)) if later else (0, 0))
-        held.append(row)
-    tiles = [[tiles_between(positions[r], positions[(r - i) % world][a:b], mask, seq_len) if b > a else ()
-              for r, (a, b) in enumerate(held[i])] for i in range(steps + 1)]
-    return RingSchedule(steps, tuple(map(tuple, held)), tuple(map(tuple, tiles)))
+        held = ((((0, local),) * world),) * world
+        steps = world - 1
+    else:
+        seen = [[_seen(positions[r], positions[(r - i) % world], mask, seq_len) for r in range(world)]
+                for i in range(world)]  # seen[i][r]: the keys rank r sees at step i
+        steps = max((i for i in range(1, world) for r in range(world) if seen[i][r]), default=0)
+        rows = [[(0, local)] * world]
+        for i in range(1, steps + 1):  # the hull of what this rank and the later ones see
+            row = []
+            for r in range(world):
+                later = [x for j in range(i, steps + 1) if (x := seen[j][(r + j - i) % world])]
+                row.append((min(a for a, _ in later), max(b for _, b in later)) if later else (0, 0))
+            rows.append(row)
+        held = tuple(map(tuple, rows))
+    tiles = tuple(tiles_between(positions[rank], positions[(rank - i) % world][a:b], mask, seq_len) if b > a else ()
+                  for i, (a, b) in ((i, held[i][rank]) for i in range(steps + 1)))
+    return RingSchedule(steps, held, tiles)
 
 
-def _seen(tiles: tuple[Tile, ...]) -> tuple[int, int] | None:
-    return (min(t.kv_start for t in tiles), max(t.kv_stop for t in tiles)) if tiles else None
+def _seen(q_positions: torch.Tensor, kv_positions: torch.Tensor, mask: Mask, seq_len: int) -> tuple[int, int] | None:
+    """The hull (a, b) of the keys any of the queries sees, or None: from the mask's
+    intervals directly, in O(S log S), without cutting tiles."""
+    first, stop = mask.intervals(q_positions, seq_len)
+    kv = kv_positions.to(torch.int64)
+    lo, hi = torch.searchsorted(kv, first), torch.searchsorted(kv, stop)
+    sees = hi > lo
+    return (int(lo[sees].min()), int(hi[sees].max())) if bool(sees.any()) else None
 
 
 def _keys(buf: torch.Tensor, held: tuple[int, int], part: tuple[int, int]) -> torch.Tensor:
@@ -114,7 +120,7 @@ class RingAttention(torch.autograd.Function):
     @staticmethod
     def forward(ctx, q, k, v, sinks, layout: Layout, group, rank: int, mask: Mask, scale: float):
         world = layout.world_size
-        plan = ring_schedule(layout, q.shape[2] * world, mask)
+        plan = ring_schedule(layout, q.shape[2] * world, mask, rank)
         acc_out, acc_lse = output_accumulators(q)  # (B, H, S, D), (B, H, S)
         kv = torch.stack([k, v])  # (2, B, H_kv, S, D): one message per step
         comm = RingComm(group, tag=_KV_TAG) if plan.steps else None
@@ -125,7 +131,7 @@ class RingAttention(torch.autograd.Function):
                 arriving = _buffer(kv, plan.held[step + 1][rank])
                 comm.start(send=onward, recv=arriving)
             with profile.timed("compute", q.device):
-                forward_tiles(q, kv[0], kv[1], plan.tiles[step][rank], acc_out, acc_lse, scale)
+                forward_tiles(q, kv[0], kv[1], plan.tiles[step], acc_out, acc_lse, scale)
             if not last:
                 comm.wait()
                 kv = arriving
@@ -161,7 +167,7 @@ class RingAttention(torch.autograd.Function):
                 kv_comm.start(send=onward, recv=arriving)
             share = own if step == 0 else torch.zeros_like(kv, dtype=own.dtype)
             with profile.timed("compute", q.device):
-                backward_tiles(dout, q, kv[0], kv[1], out, lse, plan.tiles[step][rank], scale, dq, share[0], share[1])
+                backward_tiles(dout, q, kv[0], kv[1], out, lse, plan.tiles[step], scale, dq, share[0], share[1])
             if step == 1:
                 acc = share
             elif step >= 2:  # add our share to the accumulator arriving from rank-1

@@ -100,19 +100,27 @@ def _check_positions(name: str, settings: Settings, bound: dict, documents: tupl
                          f"each declared document {list(documents)[:8]} (use shard_inputs(..., documents=...))")
 
 
-def _refuse_unshifted_labels(name: str, labels: torch.Tensor, input_ids: torch.Tensor | None, group) -> None:
-    """Refuse ``labels=input_ids`` (the usual transformers idiom, unshifted) on every rank at once.
+def _unshifted(labels: torch.Tensor | None, input_ids: torch.Tensor | None) -> bool:
+    """Whether ``labels`` are this rank's input_ids (``labels=input_ids``, the usual
+    transformers idiom, unshifted). The labels ``shard_inputs`` returns are shifted on the
+    unsplit sequence, so the globally last position holds IGNORE_INDEX and they can never
+    equal the tokens on every rank; unshifted labels always do."""
+    return (labels is not None and input_ids is not None and labels.shape == input_ids.shape
+            and torch.equal(labels.cpu(), input_ids.cpu()))
 
-    The labels ``shard_inputs`` returns are shifted on the unsplit sequence, so the globally
-    last position holds IGNORE_INDEX and they can never equal the tokens on every rank;
-    unshifted labels always do. One tiny all-reduce makes the verdict the same on all ranks
-    (a refusal on some ranks only would leave the others waiting in attention).
-    """
-    same = input_ids is not None and labels.shape == input_ids.shape and torch.equal(labels.cpu(), input_ids.cpu())
-    flag = torch.tensor([int(same)], device=labels.device)
+
+def _refuse_together(name: str, error: ValueError | None, unshifted: bool, device: torch.device, group) -> None:
+    """One tiny all-reduce, so that every rank refuses a forward if any rank does (a refusal
+    on some ranks only would leave the others waiting in attention): this rank's own error
+    (declared documents, positions, caches), and unshifted labels on every rank."""
+    flags = torch.tensor([int(error is not None), int(unshifted), 1], device=device)
     if dist.is_initialized():
-        dist.all_reduce(flag, op=dist.ReduceOp.MIN, group=group)
-    if flag.item():
+        dist.all_reduce(flags, group=group)
+    if error is not None:
+        raise error
+    if flags[0].item():
+        raise ValueError(f"{name}: another rank of the CP group refused its inputs for this forward; see its error")
+    if flags[1].item() == flags[2].item():
         raise ValueError(f"{name} got labels equal to its input_ids on every rank: unshifted labels, which would "
                          f"score each token on predicting itself. Pass the labels shard_inputs returns (shifted "
                          f"on the unsplit sequence), or compute the loss with ctxpar.parallelize.cp_loss")
@@ -146,22 +154,27 @@ def _wrap_forward(model, loss: CPCausalLMLoss, settings: Settings) -> None:
         bound = signature.bind_partial(*args, **kwargs).arguments
         extra = bound.get(var_kw, {}) if var_kw else {}
         labels = bound.get("labels")
-        for key in ("past_key_values", "cache"):
-            if bound.get(key, extra.get(key)) is not None:
-                raise ValueError(f"{name} got {key}=: KV caches (inference) are not supported under context "
-                                 f"parallelism yet")
-        router = bound.get("output_router_logits", extra.get("output_router_logits"))
-        if router is None:
-            router = getattr(model.config, "output_router_logits", False)
-        if labels is not None and router and getattr(model.config, "router_aux_loss_coef", 0):
-            raise ValueError(f"{name} would add its router load-balancing loss, computed over this rank's tokens "
-                             f"only, to the labels= loss; pass output_router_logits=False, or compute both losses "
-                             f"yourself")
-        if documents is not None:
-            documents = _documents(name, settings, bound, documents)
-        _check_positions(name, settings, bound, documents)
-        if labels is not None:
-            _refuse_unshifted_labels(name, labels, bound.get("input_ids"), loss.group)
+        error = None
+        try:
+            for key in ("past_key_values", "cache"):
+                if bound.get(key, extra.get(key)) is not None:
+                    raise ValueError(f"{name} got {key}=: KV caches (inference) are not supported under context "
+                                     f"parallelism yet")
+            router = bound.get("output_router_logits", extra.get("output_router_logits"))
+            if router is None:
+                router = getattr(model.config, "output_router_logits", False)
+            if labels is not None and router and getattr(model.config, "router_aux_loss_coef", 0):
+                raise ValueError(f"{name} would add its router load-balancing loss, computed over this rank's "
+                                 f"tokens only, to the labels= loss; pass output_router_logits=False, or compute "
+                                 f"both losses yourself")
+            if documents is not None:
+                documents = _documents(name, settings, bound, documents)
+            _check_positions(name, settings, bound, documents)
+        except ValueError as e:
+            error = e
+        tokens = bound.get("input_ids")
+        device = (tokens if tokens is not None else model.get_input_embeddings().weight).device
+        _refuse_together(name, error, _unshifted(labels, tokens), device, loss.group)
         calls = loss.calls
         declared = DOCUMENTS.set(documents)
         try:

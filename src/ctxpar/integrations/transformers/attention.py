@@ -115,7 +115,7 @@ class LayerMask:
         """The documents ``ctxpar.attention`` takes: chunks split every document."""
         if self.chunk is None:
             return self.documents
-        return tuple(n for doc in (self.documents or (seq_len,)) for n in chunked(doc, self.chunk))
+        return chunked(seq_len, self.chunk, self.documents)
 
 
 class RefusedMask:

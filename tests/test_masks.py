@@ -1,0 +1,56 @@
+"""The mask description: intervals, what users may pass, chunked attention."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from ctxpar.masks import Mask, chunked, document_lengths, make_mask, positions_in_documents
+
+
+def test_intervals_follow_documents_and_the_window() -> None:
+    mask = Mask(documents=(3, 5), window=2)
+    first, stop = mask.intervals(torch.arange(8), 8)
+    assert first.tolist() == [0, 0, 1, 3, 3, 4, 5, 6]
+    assert stop.tolist() == [1, 2, 3, 4, 5, 6, 7, 8]
+    first, stop = Mask(causal=False, documents=(3, 5)).intervals(torch.arange(8), 8)
+    assert (first.tolist(), stop.tolist()) == ([0, 0, 0, 3, 3, 3, 3, 3], [3, 3, 3, 8, 8, 8, 8, 8])
+
+
+def test_documents_as_lengths_cu_seqlens_or_tensors() -> None:
+    assert document_lengths([3, 5], 8) == (3, 5)
+    assert document_lengths([0, 3, 8], 8) == (3, 5)  # cu_seqlens: a length is never 0
+    assert document_lengths(torch.tensor([0, 3, 8]), 8) == (3, 5)
+    assert make_mask(8, causal=True, documents=[8]).documents is None  # one document is none
+    assert make_mask(8, causal=True, window=8).window is None  # a window of T sees what causal sees
+    assert positions_in_documents(torch.tensor([2, 3, 7]), (3, 5)).tolist() == [2, 0, 4]
+
+
+@pytest.mark.parametrize("kwargs, message", [
+    (dict(causal=False, window=4), "needs causal=True"),
+    (dict(window=0), "window must be an integer >= 1"),
+    (dict(window=True), "window must be an integer >= 1"),
+    (dict(window=2.0), "window must be an integer >= 1"),
+    (dict(documents=(0, 8)), "lengths >= 1"),
+    (dict(documents=[3, 5]), "tuple"),
+    (dict(causal=1), "causal must be True or False"),
+])
+def test_a_mask_refuses_what_cannot_be_one(kwargs, message) -> None:
+    with pytest.raises(ValueError, match=message):
+        Mask(**kwargs)
+
+
+@pytest.mark.parametrize("documents, message", [
+    ([3.0, 5.0], "integers"), ([3, -1, 6], ">= 1"), ([0, 3, 7], "end at the sequence length 8"),
+    ([0, 5, 3, 8], "strictly increasing"), (torch.tensor([[3, 5]]), "1-D integer tensor"), ("35", "sequence"),
+])
+def test_document_lengths_refuse_what_a_hurried_user_passes(documents, message) -> None:
+    with pytest.raises(ValueError, match=message):
+        document_lengths(documents, 8)
+
+
+def test_chunks_count_from_each_document_start_as_transformers_does() -> None:
+    assert chunked(20, 8) == (8, 8, 4)
+    assert chunked(16, 8, (5, 11)) == (5, 8, 3)  # not (5, 3, 8): chunks restart with the document
+    with pytest.raises(ValueError, match="chunk size"):
+        chunked(16, 0)
