@@ -23,6 +23,7 @@ def covered(blocks: tuple[Tile, ...], sq: int, sk: int) -> torch.Tensor:
         visible = {
             MaskKind.FULL: torch.ones(nq, nk, dtype=torch.bool),
             MaskKind.CAUSAL: c <= a,
+            MaskKind.ANTI_CAUSAL: c >= a,
             MaskKind.PARTIAL: b.visible(),
         }[b.kind]
         hits[b.q, b.kv] += visible.long()
@@ -151,18 +152,18 @@ def test_masked_plans_cover_exactly_the_visible_pairs(name, world, chunks, causa
         assert rank_pairs(layout, seq_len, r, mask) == work
 
 
-def test_a_window_band_is_cut_into_few_tiles_that_compute_little_more_than_it_sees() -> None:
-    """One rank, T=4096, window 512: tiles of about 256 rows, mostly FULL, and the keys
-    computed (a PARTIAL tile computes all its pairs) within 1.3x of the visible pairs."""
+def test_a_window_band_is_cut_into_few_large_tiles_without_explicit_masks() -> None:
+    """One rank, T=4096, window 512: the band in blocks of 512 rows, each a FULL tile between
+    a CAUSAL and an ANTI_CAUSAL triangle: no explicit mask, nothing computed twice."""
     seq_len, window = 4096, 512
     positions = torch.arange(seq_len)
     tiles = tiles_between(positions, positions, Mask(window=window), seq_len)
-    computed = sum((t.q_stop - t.q_start) * (t.kv_stop - t.kv_start) if t.kind is not MaskKind.CAUSAL else t.pairs
-                   for t in tiles)
-    visible = count_pairs(tiles)
-    assert visible == sum(min(p + 1, window) for p in range(seq_len))
-    assert computed / visible < 1.3
-    assert len(tiles) < 3 * seq_len // 256 + 4
+    assert count_pairs(tiles) == sum(min(p + 1, window) for p in range(seq_len))
+    assert not any(t.kind is MaskKind.PARTIAL for t in tiles)
+    assert len(tiles) <= 3 * seq_len // window + 2
+    # the trailing edge of the window on another rank's keys (a halo): one triangle, not slices
+    halo = tiles_between(torch.arange(1024, 2048), torch.arange(0, 1024), Mask(window=window), seq_len)
+    assert [t.kind for t in halo] == [MaskKind.ANTI_CAUSAL]
 
 
 def test_a_window_skips_shards_it_cannot_see() -> None:

@@ -7,11 +7,14 @@ shard and a key shard, computed here from the two shards' global positions and t
 
 Mask kinds, drawn for a 4-query tile (``x`` = query row sees key column)::
 
-    FULL            CAUSAL          PARTIAL (any rows, explicit mask)
-    x x x x         x . . .         . x x x .
-    x x x x         x x . .         . . x x x
-    x x x x         x x x .         . . . x x
-    x x x x         x x x x         . . . . x
+    FULL            CAUSAL          ANTI_CAUSAL     PARTIAL (any rows, explicit mask)
+    x x x x         x . . .         x x x x         . x x x .
+    x x x x         x x . .         . x x x         . . x x x
+    x x x x         x x x .         . . x x         . . . x x
+    x x x x         x x x x         . . . x         . . . . x
+
+(ANTI_CAUSAL is the causal tile read backwards: the kernels compute it as CAUSAL on the
+rows and keys in reverse order; it is the trailing edge of a sliding window.)
 
 Which layout yields which tiles (P ranks, plain causal, queries of rank r, keys of rank s):
 
@@ -27,9 +30,11 @@ of key *indices* [lo_i, hi_i), and lo and hi never decrease from one row to the 
 Rows that share lo (plain causal, a document's rows) are cut like a prefix: runs where
 hi stays constant become FULL tiles, runs where it grows by one per row a diagonal
 (CAUSAL, or FULL + CAUSAL after a fully visible prefix). Rows whose lo
-moves (a sliding window, short documents) are taken ``band_rows`` at a time: the columns
-where lo moves are one PARTIAL tile with an explicit mask, the rest is cut as a prefix
-from there. Any other pattern still yields an exact, if finer-grained, plan.
+moves (a sliding window, short documents) are taken a band at a time (about the rows'
+visible width, 16 to 1024 rows): the columns where lo moves are one ANTI_CAUSAL tile when
+lo moves by exactly one key per row (a window over consecutive positions), else one
+PARTIAL tile with an explicit mask; the rest is cut as a prefix from there. Any other
+pattern still yields an exact, if finer-grained, plan.
 """
 
 from __future__ import annotations
@@ -43,12 +48,13 @@ import torch
 from ctxpar.layout import Layout
 from ctxpar.masks import Mask
 
-MIN_BAND_ROWS, MAX_BAND_ROWS = 16, 256  # rows per band block: about the window's width, within these
+MIN_BAND_ROWS, MAX_BAND_ROWS = 16, 1024  # rows per band block: about the visible width, within these
 
 
 class MaskKind(enum.Enum):
     FULL = "full"
     CAUSAL = "causal"
+    ANTI_CAUSAL = "anti-causal"
     PARTIAL = "partial"
 
 
@@ -81,7 +87,7 @@ class Tile:
         nq, nk = self.q_stop - self.q_start, self.kv_stop - self.kv_start
         if self.kind is MaskKind.FULL:
             return nq * nk
-        if self.kind is MaskKind.CAUSAL:
+        if self.kind in (MaskKind.CAUSAL, MaskKind.ANTI_CAUSAL):
             return nq * (nq + 1) // 2
         return sum(b - a for a, b in self.rows)
 
@@ -105,7 +111,7 @@ class Tile:
             if not ok:
                 raise ValueError(f"malformed partial tile: {nq} queries x {nk} keys, rows {self.rows}")
             return
-        expected_nk = {MaskKind.FULL: nk, MaskKind.CAUSAL: nq}[self.kind]
+        expected_nk = nk if self.kind is MaskKind.FULL else nq
         if nq <= 0 or nk <= 0 or nk != expected_nk or self.rows is not None:
             raise ValueError(f"malformed {self.kind.value} tile: {nq} queries x {nk} keys")
 
@@ -155,13 +161,15 @@ def tiles_between(q_positions: torch.Tensor, kv_positions: torch.Tensor, mask: M
 
 
 def _cut_band(i: int, lo: list[int], hi: list[int], tiles: list[Tile]) -> None:
-    """Rows i.. with nondecreasing intervals [lo_r, hi_r): the keys before the last row's lo
-    as one PARTIAL tile, the rest as a prefix from there."""
-    left_stop = lo[-1]
-    moved = sum(1 for a in lo if a < left_stop)  # rows that see keys left of left_stop
-    if moved:
-        rows = tuple((a - lo[0], min(b, left_stop) - lo[0]) for a, b in zip(lo[:moved], hi[:moved]))
-        tiles.append(Tile(i, i + moved, lo[0], left_stop, MaskKind.PARTIAL, rows))
+    """Rows i.. with nondecreasing, non-empty intervals [lo_r, hi_r): the keys up to the last
+    row's first one as one ANTI_CAUSAL tile (lo moving by one key per row) or PARTIAL tile,
+    the rest as a prefix from there."""
+    left_stop = lo[-1] + 1  # every row sees something left of here: lo_r <= lo[-1] < hi_r
+    rows = tuple((a - lo[0], min(b, left_stop) - lo[0]) for a, b in zip(lo, hi))
+    if rows == tuple((r, len(lo)) for r in range(len(lo))):  # row r sees keys r.. of the square
+        tiles.append(Tile(i, i + len(lo), lo[0], left_stop, MaskKind.ANTI_CAUSAL))
+    else:
+        tiles.append(Tile(i, i + len(lo), lo[0], left_stop, MaskKind.PARTIAL, rows))
     _cut_prefix(i, [max(0, b - left_stop) for b in hi], left_stop, tiles)
 
 

@@ -11,7 +11,7 @@ import torch
 from torch.autograd.function import once_differentiable
 
 from ctxpar import kernels, profile
-from ctxpar.blocks import Tile
+from ctxpar.blocks import MaskKind, Tile
 from ctxpar.merge import merge_into
 
 
@@ -80,9 +80,19 @@ def forward_tiles(
     """
     for block in blocks:
         qs, ks, causal, mask = block.kernel_args(q.device)
-        out, lse = kernels.attention_forward(q[:, :, qs], k[:, :, ks], v[:, :, ks], causal=causal, scale=scale,
-                                             mask=mask)
+        if block.kind is MaskKind.ANTI_CAUSAL:  # the causal tile on rows and keys in reverse order
+            out, lse = kernels.attention_forward(*_reversed(q[:, :, qs], k[:, :, ks], v[:, :, ks]), causal=True,
+                                                 scale=scale)
+            out, lse = _reversed(out, lse)
+        else:
+            out, lse = kernels.attention_forward(q[:, :, qs], k[:, :, ks], v[:, :, ks], causal=causal, scale=scale,
+                                                 mask=mask)
         merge_into(acc_out[:, :, qs], acc_lse[:, :, qs], out, lse)
+
+
+def _reversed(*tensors: torch.Tensor) -> tuple[torch.Tensor, ...]:
+    """Each (B, H, S, ...) tensor with its rows (dim 2) in reverse order: a copy, O(S*D)."""
+    return tuple(t.flip(2) for t in tensors)
 
 
 def backward_tiles(
@@ -106,10 +116,11 @@ def backward_tiles(
     """
     for block in blocks:
         qs, ks, causal, mask = block.kernel_args(q.device)
-        g_q, g_k, g_v = kernels.attention_backward(
-            dout[:, :, qs], q[:, :, qs], k[:, :, ks], v[:, :, ks], out[:, :, qs], lse[:, :, qs],
-            causal=causal, scale=scale, mask=mask,
-        )
+        tile = (dout[:, :, qs], q[:, :, qs], k[:, :, ks], v[:, :, ks], out[:, :, qs], lse[:, :, qs])
+        if block.kind is MaskKind.ANTI_CAUSAL:
+            g_q, g_k, g_v = _reversed(*kernels.attention_backward(*_reversed(*tile), causal=True, scale=scale))
+        else:
+            g_q, g_k, g_v = kernels.attention_backward(*tile, causal=causal, scale=scale, mask=mask)
         dq[:, :, qs] += g_q
         dk[:, :, ks] += g_k
         dv[:, :, ks] += g_v
