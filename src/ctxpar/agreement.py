@@ -105,3 +105,24 @@ def _all_gather(sig: list[int], group: dist.ProcessGroup | None) -> torch.Tensor
     with profile.timed("wait", mine.device):
         all_gather_into(table, mine, group=group)
         return table.view(-1, len(sig)).cpu()
+
+
+def check_values_agree(values: dict[str, int], group: dist.ProcessGroup | None, error: ValueError | None,
+                       what: str) -> None:
+    """The same guarantee for calls other than attention (inference's prefill and decode
+    steps): one all-gather of ``values`` (integers naming the call: lengths, the step,
+    a checksum of the tokens) over ``group``; every rank raises if any rank had an
+    ``error`` (it raises its own) or any value differs between ranks. ``what`` names the
+    call in the message."""
+    names = list(values)
+    table = _all_gather([OWN_INPUTS_REJECTED if error is not None else 0, *(int(values[n]) for n in names)], group)
+    rejected = [_global_rank(group, i) for i, bits in enumerate(table[:, 0].tolist()) if bits]
+    if error is not None:
+        raise error
+    if rejected:
+        raise ValueError(f"ranks {rejected} of the CP group rejected their {what} inputs; see their errors")
+    differ = [f"{name} {table[:, i].tolist()}" for i, name in enumerate(names, start=1)
+              if not bool((table[:, i] == table[0, i]).all())]
+    if differ:
+        raise ValueError(f"the ranks of the CP group disagree on the {what}: {'; '.join(differ)} (one value per "
+                         f"rank); every rank must make the same calls with the same tokens")

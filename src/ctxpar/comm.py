@@ -180,3 +180,20 @@ class PendingReduceScatter(_Pending):
             self._work = _reduce_scatter(self._out, self._input, group=group, async_op=True)
             moved = _nbytes(self._out) * (world - 1)
             profile.add_traffic(moved, moved)
+
+
+def broadcast(t: torch.Tensor, src: int, group: dist.ProcessGroup | None) -> torch.Tensor:
+    """``t`` as rank ``src`` of ``group`` (its rank in the group) holds it, on every rank.
+    Every rank passes a tensor of the same shape and dtype (the others' values are not
+    read). Counted as the source sending ``t`` once and every other rank receiving it
+    once. With W = 1, ``t`` itself."""
+    world = _world_size(group)
+    if world == 1:
+        return t
+    device = t.device
+    buf = t.cpu() if _staged(t, group) else t.contiguous()
+    mine = dist.get_rank(group) == src
+    profile.add_traffic(_nbytes(buf) if mine else 0, 0 if mine else _nbytes(buf))
+    with profile.timed("wait", device):
+        dist.broadcast(buf, src=dist.get_global_rank(group or dist.group.WORLD, src), group=group)
+    return buf.to(device)

@@ -115,6 +115,11 @@ class Transformer(nn.Module):
 
     def forward(self, tokens: torch.Tensor, positions: torch.Tensor | None = None) -> torch.Tensor:
         """tokens (B, T) int64; positions (B, T) or (T,) global positions, default 0..T-1."""
+        return self.output(self.hidden_states(tokens, positions))  # (B, T, vocab)
+
+    def hidden_states(self, tokens: torch.Tensor, positions: torch.Tensor | None = None) -> torch.Tensor:
+        """``forward`` without the LM head: the final-norm states (B, T, d). Prefill needs
+        the logits of one position only, and (T/P, vocab) of them would dwarf the KV cache."""
         if positions is None:
             positions = torch.arange(tokens.shape[1], device=tokens.device)
         cos, sin = rope_cos_sin(positions, self.cfg.head_dim, self.cfg.rope_theta)
@@ -124,4 +129,4 @@ class Transformer(nn.Module):
                 x = checkpoint(layer, x, cos, sin, use_reentrant=False)
             else:
                 x = layer(x, cos, sin)
-        return self.output(self.norm(x))  # (B, T, vocab)
+        return self.norm(x)  # (B, T, d)

@@ -1,0 +1,145 @@
+"""A KV cache sharded over the ranks of a CP group: each rank keeps only its positions.
+
+After prefill each rank holds the K/V (after RoPE) of the prompt positions its layout
+gave it, T/P of them. Decoding then adds one position per step, and exactly one rank
+keeps it: **position p goes to rank p mod P** (round-robin by position). Why this rule:
+
+- every rank knows the owner of every position from the position alone, with no state
+  and no message, so the ranks cannot disagree on it;
+- every layout gives each rank exactly T/P prompt positions (T is a multiple of P), so
+  after n decoded tokens the ranks hold T/P + floor(n/P) or one more: balanced within
+  one token, which is what "the rank with the fewest" would give too, without its ties
+  to break;
+- under the striped layout decoding simply continues the prompt's own pattern.
+
+Example, T = 8, P = 4, zigzag, 3 decoded tokens::
+
+    rank 0: 0 7 | 8       rank 1: 1 6 | 9       rank 2: 2 5 | 10      rank 3: 3 4
+
+Positions are stored next to the K/V, in the order they arrived (ascending within the
+prompt and within decoding), so nothing downstream has to assume the rule above.
+
+Memory: each rank allocates ceil(capacity / P) slots per layer up front, so a decode
+step writes in place (no O(n) concatenation per token) and the cache of one rank is
+1/P of the single-process cache plus at most one token per layer. K/V keep their H_kv
+heads: nothing is repeated for GQA.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+
+from ctxpar import limits, topology
+
+
+class KVCache:
+    """This rank's share of a KV cache over a CP group.
+
+    Args:
+        layers: number of attention layers L.
+        batch: sequences decoded together B (one prompt length for all).
+        kv_heads: H_kv; K/V are stored with these heads only (GQA / MQA).
+        head_dim: D.
+        capacity: the longest the sequence may grow, prompt plus generated tokens,
+            counted over all ranks; each rank allocates ceil(capacity / P) slots.
+        group: the CP process group (None: WORLD, or one process without one).
+        dtype, device: of K and V (the model's).
+
+    Attributes:
+        seq_len: positions in the sequence so far (every rank alike).
+        prompt_len: the prefilled prompt's length T (0 before prefill).
+        length: positions this rank holds.
+    """
+
+    def __init__(self, *, layers: int, batch: int, kv_heads: int, head_dim: int, capacity: int,
+                 group: dist.ProcessGroup | None = None, dtype: torch.dtype = torch.float32,
+                 device: torch.device | str = "cpu") -> None:
+        for name, value in (("layers", layers), ("batch", batch), ("kv_heads", kv_heads), ("head_dim", head_dim),
+                            ("capacity", capacity)):
+            if isinstance(value, bool) or not isinstance(value, int) or not 1 <= value <= limits.MAX_COUNT:
+                raise ValueError(f"KVCache {name} must be an int between 1 and {limits.MAX_COUNT}, got {value!r}")
+        topo = topology.from_group(group)
+        self.group, self.rank, self.world_size = group, topo.rank, topo.world_size
+        self.layers, self.batch, self.kv_heads, self.head_dim = layers, batch, kv_heads, head_dim
+        self.capacity = capacity
+        self.local_capacity = -(-capacity // self.world_size)
+        # (L, K|V, B, H_kv, slots, D); slots past ``length`` are never read
+        self._kv = torch.empty((layers, 2, batch, kv_heads, self.local_capacity, head_dim), dtype=dtype,
+                               device=device)
+        self._positions = torch.full((self.local_capacity,), -1, dtype=torch.int64)
+        self.seq_len = self.prompt_len = self.length = 0
+
+    @classmethod
+    def for_model(cls, cfg, *, batch: int, capacity: int, group: dist.ProcessGroup | None = None,
+                  dtype: torch.dtype = torch.float32, device: torch.device | str = "cpu") -> KVCache:
+        """A cache shaped for a ``ctxpar.models.ModelConfig``."""
+        return cls(layers=cfg.layers, batch=batch, kv_heads=cfg.kv_heads, head_dim=cfg.head_dim, capacity=capacity,
+                   group=group, dtype=dtype, device=device)
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self._kv.dtype
+
+    @property
+    def device(self) -> torch.device:
+        return self._kv.device
+
+    def owner(self, position: int) -> int:
+        """The rank that keeps a decoded position's K/V: round-robin, ``position mod P``."""
+        return position % self.world_size
+
+    def keys(self, layer: int, length: int | None = None) -> torch.Tensor:
+        """(B, H_kv, n, D) view of this rank's keys of ``layer`` (n = ``length``, default all held)."""
+        return self._kv[layer, 0, :, :, : self.length if length is None else length]
+
+    def values(self, layer: int, length: int | None = None) -> torch.Tensor:
+        """(B, H_kv, n, D) view of this rank's values of ``layer``, like ``keys``."""
+        return self._kv[layer, 1, :, :, : self.length if length is None else length]
+
+    def positions(self) -> torch.Tensor:
+        """(n,) int64: the global positions this rank holds, in slot order."""
+        return self._positions[: self.length].clone()
+
+    def write(self, layer: int, start: int, k: torch.Tensor, v: torch.Tensor) -> None:
+        """Store k, v (B, H_kv, n, D) of ``layer`` in slots start..start+n-1; they count
+        as held only once ``commit`` says so (a forward that fails half-way leaves no
+        trace)."""
+        n = k.shape[2]
+        if k.shape != (self.batch, self.kv_heads, n, self.head_dim) or v.shape != k.shape:
+            raise ValueError(f"layer {layer}: k {tuple(k.shape)} / v {tuple(v.shape)} do not fit the cache's "
+                             f"(B, H_kv, n, D) = ({self.batch}, {self.kv_heads}, n, {self.head_dim})")
+        if start + n > self.local_capacity:
+            raise ValueError(f"{start + n} positions on rank {self.rank} exceed its {self.local_capacity} slots")
+        self._kv[layer, 0, :, :, start: start + n] = k
+        self._kv[layer, 1, :, :, start: start + n] = v
+
+    def commit(self, positions: torch.Tensor, *, seq_len: int) -> None:
+        """Count the slots ``length``.. as holding ``positions`` (written to every layer),
+        and the sequence as ``seq_len`` long."""
+        n = positions.numel()
+        self._positions[self.length: self.length + n] = positions.cpu()
+        self.length += n
+        self.seq_len = seq_len
+        if self.prompt_len == 0:
+            self.prompt_len = seq_len
+
+    def reset(self) -> None:
+        """Forget everything held (the memory stays allocated for the next prompt)."""
+        self._positions.fill_(-1)
+        self.seq_len = self.prompt_len = self.length = 0
+
+    @property
+    def bytes_per_position(self) -> int:
+        """K and V of one position over all layers."""
+        return 2 * self.layers * self.batch * self.kv_heads * self.head_dim * self._kv.element_size()
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes this rank allocated for K/V: ceil(capacity / P) positions."""
+        return self.local_capacity * self.bytes_per_position
+
+    @property
+    def held_bytes(self) -> int:
+        """Bytes of K/V this rank holds now."""
+        return self.length * self.bytes_per_position

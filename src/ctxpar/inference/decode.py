@@ -1,0 +1,146 @@
+"""Decode: one new token per sequence over the sharded KV cache, exactly.
+
+The new token's q, k, v are tiny (one position), so every rank computes them: the whole
+model runs replicated on the (B, 1) tokens. Attention is the only part that needs every
+rank: the query must see the keys of all of them. So at each layer
+
+    1. the rank that owns the new position (``cache.owner``) writes its k, v to its shard;
+    2. every rank attends the query to its own shard with the local kernel, giving a
+       partial (out, lse) normalised over its keys (a rank holding none gives lse = -inf);
+    3. one all-gather of the P partials, (B, H, 1, D + 1) float32 each, and every rank
+       merges them in rank order with the online-softmax identity (``ctxpar.merge``).
+
+Nothing of the cache moves; the traffic per layer is P * B * H * (D + 1) * 4 bytes
+whatever the context length. Every rank merges the same numbers in the same order, so
+the logits, and hence greedy or seeded sampling, are bit-identical on every rank.
+
+Before any of that, one tiny all-gather per step compares the ranks' positions and
+tokens: a rank a step ahead or behind, or sampling another token, makes every rank
+raise instead of silently mixing K/V of different sequences.
+"""
+
+from __future__ import annotations
+
+import zlib
+
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+
+from ctxpar import agreement, kernels
+from ctxpar.comm import PendingAllGather
+from ctxpar.inference.cache import KVCache
+from ctxpar.inference.hooks import attention_replaced, check_model_fits
+from ctxpar.inference.prefill import check_tokens
+from ctxpar.merge import merge_into
+
+
+def decode_step(model: nn.Module, cache: KVCache, tokens: torch.Tensor, *,
+                check_consistency: bool = True) -> torch.Tensor:
+    """Feed one token per sequence at the next position; append its K/V to the cache.
+
+    Args:
+        model: the reference ``ctxpar.models.Transformer`` that prefilled ``cache``.
+        cache: the ``KVCache`` after ``prefill`` (and earlier decode steps).
+        tokens: (B,) or (B, 1) token ids for position ``cache.seq_len``, the same on
+            every rank.
+        check_consistency: compare the ranks' positions and tokens first (one tiny
+            all-gather per step); turn off only on every rank at once.
+
+    Returns:
+        (B, vocab) logits for the following position, in the model's dtype, identical
+        on every rank.
+
+    Raises:
+        ValueError: decoding before prefill, a full cache, a batch or shape mismatch,
+            ranks at different steps or with different tokens: on every rank, before
+            any K/V is written.
+    """
+    error = None
+    try:
+        tokens = _check(model, cache, tokens)
+    except ValueError as e:
+        error = e
+    if check_consistency and cache.world_size > 1:
+        agreement.check_values_agree(_signature(cache, tokens), cache.group, error, "decode step")
+    elif error is not None:
+        raise error
+
+    position = cache.seq_len
+    mine = cache.owner(position) == cache.rank
+    slot = cache.length
+    held = slot + int(mine)
+    scale = cache.head_dim**-0.5  # the model's SDPA default
+
+    def make(layer: int):
+        def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+            # q (B, H, 1, D); k, v (B, H_kv, 1, D), the new position's, after RoPE
+            if mine:
+                cache.write(layer, slot, k, v)
+            return sharded_attention(q, cache.keys(layer, held), cache.values(layer, held), group=cache.group,
+                                     scale=scale)
+        return attend
+
+    pos = torch.tensor([position], device=cache.device)
+    with torch.no_grad(), attention_replaced(model, make):
+        logits = model(tokens, pos)[:, -1]  # (B, vocab)
+    cache.commit(pos if mine else pos[:0], seq_len=position + 1)
+    return logits
+
+
+def sharded_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, group: dist.ProcessGroup | None,
+                      scale: float) -> torch.Tensor:
+    """Attention of queries every rank shares to keys spread over the ranks of ``group``.
+
+    Args:
+        q: (B, H, S, D), the same on every rank; each query sees every key (the keys
+            are earlier positions, or the query's own).
+        k, v: (B, H_kv, n, D) this rank's keys and values; n may differ between ranks,
+            and be 0.
+
+    Returns:
+        (B, H, S, D) in q's dtype, identical on every rank: softmax over the keys of
+        all ranks, from one all-gather of the partial (out, lse).
+    """
+    acc = kernels.accumulation_dtype(q.dtype)
+    if k.shape[2]:
+        out, lse = kernels.attention_forward(q, k, v, causal=False, scale=scale)  # (B, H, S, D), (B, H, S)
+    else:  # no keys here: contributes nothing to the merge
+        out, lse = q.new_zeros(q.shape, dtype=acc), q.new_full(q.shape[:-1], float("-inf"), dtype=acc)
+    packed = torch.cat([out.to(acc), lse.to(acc).unsqueeze(-1)], dim=-1)  # (B, H, S, D+1)
+    parts = PendingAllGather(packed, group).wait()  # (P, B, H, S, D+1)
+    out, lse = parts[0, ..., :-1].clone(), parts[0, ..., -1].clone()
+    for part in parts[1:]:
+        merge_into(out, lse, part[..., :-1], part[..., -1])
+    return out.to(q.dtype)
+
+
+def _check(model: nn.Module, cache: KVCache, tokens) -> torch.Tensor:
+    check_model_fits(model, cache)
+    if cache.prompt_len == 0:
+        raise ValueError("decode before prefill: the KV cache holds no prompt; call prefill(model, cache, prompt, "
+                         "...) first")
+    if isinstance(tokens, torch.Tensor) and tokens.dim() == 1:
+        tokens = tokens.unsqueeze(1)  # (B, 1)
+    check_tokens(tokens, cache, model.cfg.vocab, "decode tokens")
+    if tokens.shape[1] != 1:
+        raise ValueError(f"a decode step takes one token per sequence, (B,) or (B, 1), got {tuple(tokens.shape)}")
+    if cache.seq_len >= cache.capacity:
+        raise ValueError(f"the KV cache is full: {cache.seq_len} positions = its capacity; build it with capacity "
+                         f">= prompt + new tokens")
+    if cache.owner(cache.seq_len) == cache.rank and cache.length >= cache.local_capacity:
+        raise ValueError(f"rank {cache.rank}'s KV cache shard is full ({cache.length} positions) though the "
+                         f"sequence is not: was the cache filled other than by prefill and decode_step?")
+    return tokens
+
+
+def _signature(cache: KVCache, tokens) -> dict[str, int]:
+    """Every rank must be at the same step with the same tokens."""
+    ok = isinstance(tokens, torch.Tensor)
+    return {
+        "position (prompt + steps)": cache.seq_len,
+        "batch": tokens.shape[0] if ok and tokens.dim() else -1,
+        "dtype": zlib.crc32(str(cache.dtype).encode()),
+        "tokens (crc32)": zlib.crc32(tokens.detach().to("cpu", torch.int64).contiguous().numpy().tobytes())
+        if ok else -1,
+    }

@@ -1,0 +1,162 @@
+"""``generate``: prefill a prompt over the CP group, then decode token by token.
+
+    result = generate(model, prompt, layout="zigzag", group=cp_group, new_tokens=64)
+    result.tokens      # (B, 64), the same on every rank
+    result.ttft_s      # time to first token: prefill, the logits' broadcast, sampling
+    result.tpot_s      # mean time per further token: one decode step and sampling each
+
+``reference_generate`` is the same generation on one process the plain way (the whole
+sequence through the model at every step, no cache, no CP): what the tests and
+``ctxpar generate --compare`` check against.
+"""
+
+from __future__ import annotations
+
+import math
+import struct
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+
+from ctxpar import agreement, limits, topology
+from ctxpar.inference.cache import KVCache
+from ctxpar.inference.decode import decode_step
+from ctxpar.inference.prefill import prefill
+from ctxpar.layout import Layout
+
+
+class Sampler:
+    """Next tokens from logits: greedy (temperature 0) or drawn from softmax(logits / temperature).
+
+    The draws come from a ``torch.Generator`` seeded with ``seed``; built alike on every
+    rank and fed the identical logits that prefill and decode give every rank, it draws
+    the same tokens everywhere, with no communication.
+    """
+
+    def __init__(self, temperature: float = 0.0, seed: int = 0, device: torch.device | str = "cpu") -> None:
+        check_sampling(temperature, seed)
+        self.temperature = float(temperature)
+        self.generator = torch.Generator(device=device).manual_seed(seed) if temperature > 0 else None
+
+    def __call__(self, logits: torch.Tensor) -> torch.Tensor:
+        """logits (B, vocab) -> (B,) int64."""
+        if self.generator is None:
+            return logits.argmax(-1)
+        probs = torch.softmax(logits.float() / self.temperature, dim=-1)
+        return torch.multinomial(probs, 1, generator=self.generator).squeeze(1)
+
+
+def check_sampling(temperature: float, seed: int) -> None:
+    if isinstance(temperature, bool) or not isinstance(temperature, (int, float)) or not (
+            math.isfinite(temperature) and temperature >= 0):
+        raise ValueError(f"temperature must be a finite number >= 0 (0: greedy), got {temperature!r}")
+    if isinstance(seed, bool) or not isinstance(seed, int):
+        raise ValueError(f"seed must be an int, got {seed!r}")
+    limits.check_seed(seed, "seed")
+
+
+@dataclass
+class GenerationResult:
+    tokens: torch.Tensor  # (B, new_tokens) int64, on the CPU, the same on every rank
+    ttft_s: float  # seconds from the prompt to the first new token
+    tpot_s: float | None  # mean seconds per new token after the first (None for a single token)
+    kv_cache_bytes: int  # K/V this rank allocated: ceil((T + new_tokens - 1) / P) positions
+    cache: KVCache  # this rank's shard, as decoding left it
+
+
+def generate(model: nn.Module, prompt: torch.Tensor, *, layout: str | Layout, group: dist.ProcessGroup | None = None,
+             strategy: str = "ring", new_tokens: int, temperature: float = 0.0, seed: int = 0,
+             check_consistency: bool = True, on_token: Callable[[], None] | None = None) -> GenerationResult:
+    """Generate ``new_tokens`` tokens after ``prompt`` with the KV cache sharded over ``group``.
+
+    Args:
+        model: the reference ``ctxpar.models.Transformer``, the same weights on every rank.
+        prompt: (B, T) token ids, the same on every rank (B prompts of one length).
+        layout, strategy: how prefill splits the prompt and moves K/V (``prefill``).
+        group: the CP group (None: WORLD, or one process without a process group).
+        new_tokens: tokens to generate per sequence, >= 1; the cache is sized for
+            T + new_tokens - 1 positions (the last token is returned, not fed back).
+        temperature: 0 for greedy decoding, else sampling from softmax(logits / temperature).
+        seed: seeds the sampling generator, alike on every rank.
+        check_consistency: the ranks compare each call (``prefill``, ``decode_step``).
+        on_token: called after each new token (a progress bar).
+
+    Returns:
+        ``GenerationResult``: tokens (B, new_tokens), ttft_s, tpot_s, kv_cache_bytes, cache.
+    """
+    error = None
+    try:
+        _check(model, prompt, new_tokens, temperature, seed)
+    except ValueError as e:
+        error = e
+    world = topology.from_group(group).world_size
+    if check_consistency and world > 1:
+        agreement.check_values_agree(_signature(new_tokens, temperature, seed), group, error, "generate call")
+    elif error is not None:
+        raise error
+
+    weight = model.output.weight
+    cache = KVCache.for_model(model.cfg, batch=prompt.shape[0], capacity=prompt.shape[1] + new_tokens - 1,
+                              group=group, dtype=weight.dtype, device=weight.device)
+    sample = Sampler(temperature, seed, weight.device)
+    begin = _now(weight.device)
+    token = sample(prefill(model, cache, prompt, layout=layout, strategy=strategy,
+                           check_consistency=check_consistency))  # (B,)
+    out = [token]
+    ttft = _now(weight.device) - begin
+    on_token = on_token or (lambda: None)
+    on_token()
+    begin = _now(weight.device)
+    for _ in range(new_tokens - 1):
+        token = sample(decode_step(model, cache, token, check_consistency=check_consistency))
+        out.append(token)
+        on_token()
+    decode_s = _now(weight.device) - begin
+    return GenerationResult(tokens=torch.stack(out, dim=1).cpu(), ttft_s=ttft,
+                            tpot_s=decode_s / (new_tokens - 1) if new_tokens > 1 else None,
+                            kv_cache_bytes=cache.nbytes, cache=cache)
+
+
+def reference_generate(model: nn.Module, prompt: torch.Tensor, *, new_tokens: int, temperature: float = 0.0,
+                       seed: int = 0) -> torch.Tensor:
+    """The same generation in this process, the plain way: at every step the whole
+    sequence so far goes through the model with its own attention; no cache, no CP.
+    Returns (B, new_tokens) int64 on the CPU."""
+    _check(model, prompt, new_tokens, temperature, seed)
+    sample = Sampler(temperature, seed, prompt.device)
+    seq = prompt
+    with torch.no_grad():
+        for _ in range(new_tokens):
+            seq = torch.cat([seq, sample(model(seq)[:, -1]).unsqueeze(1)], dim=1)
+    return seq[:, prompt.shape[1]:].cpu()
+
+
+def _check(model: nn.Module, prompt: torch.Tensor, new_tokens: int, temperature: float, seed: int) -> None:
+    """generate's own arguments; prefill checks the prompt against the model and layout."""
+    if isinstance(new_tokens, bool) or not isinstance(new_tokens, int) or not 1 <= new_tokens <= limits.MAX_COUNT:
+        raise ValueError(f"new_tokens must be an int between 1 and {limits.MAX_COUNT}, got {new_tokens!r}")
+    check_sampling(temperature, seed)
+    if getattr(model, "cfg", None) is None or not hasattr(model, "output"):
+        raise ValueError(f"{type(model).__name__} is not a ctxpar.models.Transformer: generate needs its cfg and "
+                         f"output head")
+    if not isinstance(prompt, torch.Tensor) or prompt.dim() != 2 or 0 in prompt.shape:
+        got = tuple(prompt.shape) if isinstance(prompt, torch.Tensor) else type(prompt).__name__
+        raise ValueError(f"the prompt must be a 2-D tensor of token ids (B, T) with B, T >= 1, got {got}")
+
+
+def _signature(new_tokens, temperature, seed) -> dict[str, int]:
+    def bits(x) -> int:
+        return struct.unpack("<q", struct.pack("<d", float(x)))[0] if isinstance(x, (int, float)) else -1
+    return {"new_tokens": new_tokens if isinstance(new_tokens, int) else -1, "temperature": bits(temperature),
+            "seed": seed if isinstance(seed, int) else -1}
+
+
+def _now(device: torch.device) -> float:
+    """perf_counter once the device has finished what was queued (timings on CUDA)."""
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+    return time.perf_counter()

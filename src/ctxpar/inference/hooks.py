@@ -1,0 +1,57 @@
+"""Running a model's forward with its attention replaced, one function per layer.
+
+The reference model computes q, k, v and RoPE itself and hands them to each attention
+module's ``attention_fn(q, k, v)``. Prefill and decode swap those functions for the
+duration of one forward: the replacement sees this layer's K/V after RoPE (what the
+cache keeps), attends the way CP inference needs, and the model stays single-device
+code. The previous functions (plain SDPA, or ``apply_context_parallel``'s) come back
+afterwards, so the same model still runs single-process.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Callable, Iterator
+
+import torch.nn as nn
+
+from ctxpar.inference.cache import KVCache
+from ctxpar.models.llama import AttentionFn
+
+
+def attention_modules(model: nn.Module) -> list[nn.Module]:
+    """The modules with an ``attention_fn``, in forward order (layer 0 first)."""
+    return [m for m in model.modules() if hasattr(m, "attention_fn")]
+
+
+@contextlib.contextmanager
+def attention_replaced(model: nn.Module, make: Callable[[int], AttentionFn]) -> Iterator[None]:
+    """Within the block, layer i attends with ``make(i)``; restored afterwards, also on error."""
+    modules = attention_modules(model)
+    saved = [m.attention_fn for m in modules]
+    try:
+        for i, m in enumerate(modules):
+            m.attention_fn = make(i)
+        yield
+    finally:
+        for m, fn in zip(modules, saved):
+            m.attention_fn = fn
+
+
+def check_model_fits(model: nn.Module, cache: KVCache) -> None:
+    """Refuse a model whose shape is not the cache's, or that inference cannot drive
+    (it needs the reference model's ``cfg``, ``hidden_states`` and ``output``)."""
+    cfg = getattr(model, "cfg", None)
+    if cfg is None or not hasattr(model, "hidden_states") or not hasattr(model, "output"):
+        raise ValueError(f"{type(model).__name__} is not a ctxpar.models.Transformer: CP inference needs its cfg, "
+                         f"hidden_states() and output head")
+    layers = len(attention_modules(model))
+    have = (layers, cfg.kv_heads, cfg.head_dim)
+    want = (cache.layers, cache.kv_heads, cache.head_dim)
+    if have != want:
+        raise ValueError(f"the model has (layers, kv_heads, head_dim) = {have} but the KV cache was built for "
+                         f"{want}; build the cache with KVCache.for_model(model.cfg, ...)")
+    dtype, device = model.output.weight.dtype, model.output.weight.device
+    if (dtype, device) != (cache.dtype, cache.device):
+        raise ValueError(f"the model is {dtype} on {device} but the KV cache {cache.dtype} on {cache.device}; "
+                         f"build the cache with the model's dtype and device")

@@ -1,0 +1,139 @@
+"""Prefill: the model's forward over a prompt sharded by a layout, filling the KV cache.
+
+Each rank runs the model on its T/P prompt tokens (RoPE from their global positions);
+every attention layer keeps this rank's K/V (after RoPE) in the cache, then attends
+with ``ctxpar.attention``, exactly as in training: any layout, any of the single-group
+strategies. Sampling needs the logits of the last position only, which one rank holds:
+it alone applies the LM head to that row and broadcasts the (B, vocab) logits, so every
+rank samples the same token from the same numbers.
+"""
+
+from __future__ import annotations
+
+import zlib
+
+import torch
+import torch.nn as nn
+
+from ctxpar import agreement, comm, strategy_rules
+from ctxpar.attention import attention
+from ctxpar.inference.cache import KVCache
+from ctxpar.inference.hooks import attention_replaced, check_model_fits
+from ctxpar.layout import Layout, fingerprint, get_layout
+
+INFERENCE_STRATEGIES = ("ring", "allgather", "alltoall")
+
+
+def prefill(model: nn.Module, cache: KVCache, prompt: torch.Tensor, *, layout: str | Layout,
+            strategy: str = "ring", check_consistency: bool = True) -> torch.Tensor:
+    """Run the prompt through the model over the cache's CP group, filling the cache.
+
+    Args:
+        model: the reference ``ctxpar.models.Transformer``, the same weights on every rank.
+        cache: an empty ``KVCache`` on the CP group (its group is the one attention uses).
+        prompt: (B, T) token ids, the whole prompt, the same on every rank; each rank
+            takes its own positions with ``layout``.
+        layout: ``"contiguous" | "zigzag" | "striped"`` or a ``Layout`` for the group's P;
+            T must suit it (its error says how to pad).
+        strategy: ``"ring" | "allgather" | "alltoall"`` (``ctxpar.attention``'s).
+        check_consistency: the ranks first compare their calls (one tiny all-gather), so
+            a rank whose inputs are invalid or differ makes every rank raise instead of
+            leaving the others waiting; and each attention call checks its own.
+
+    Returns:
+        (B, vocab) logits of position T-1 in the model's dtype, identical on every rank.
+
+    Raises:
+        ValueError: bad input (prompt longer than the cache, batch or shape mismatch, a
+            length the layout cannot split, a filled cache, ...), before any collective;
+            with ``check_consistency`` on every rank together.
+    """
+    error = None
+    try:
+        layout = _check(model, cache, prompt, layout, strategy)
+    except ValueError as e:
+        error = e
+    if check_consistency and cache.world_size > 1:
+        agreement.check_values_agree(_signature(cache, prompt, layout, strategy), cache.group, error, "prefill")
+    elif error is not None:
+        raise error
+
+    seq_len = prompt.shape[1]
+    positions = layout.positions(seq_len, cache.rank, device=prompt.device)  # (T/P,) global, for RoPE
+    tokens = layout.shard(prompt, cache.rank, dim=1)  # (B, T/P)
+
+    def make(layer: int):
+        def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+            cache.write(layer, 0, k, v)  # (B, H_kv, T/P, D), after RoPE
+            return attention(q, k, v, layout=layout, group=cache.group, strategy=strategy, causal=True,
+                             check_consistency=check_consistency)
+        return attend
+
+    with torch.no_grad(), attention_replaced(model, make):
+        hidden = model.hidden_states(tokens, positions)  # (B, T/P, d)
+        owner = last_position_owner(layout, seq_len)
+        if cache.rank == owner:  # positions ascend, so T-1 is the owner's last row
+            last = model.output(hidden[:, -1])  # (B, vocab)
+        else:
+            last = hidden.new_empty((prompt.shape[0], model.output.out_features))
+        logits = comm.broadcast(last, owner, cache.group)
+    cache.commit(positions, seq_len=seq_len)
+    return logits
+
+
+def last_position_owner(layout: Layout, seq_len: int) -> int:
+    """The rank holding position T-1 (contiguous, striped: P-1; zigzag: 0)."""
+    return next(r for r in range(layout.world_size) if int(layout.positions(seq_len, r)[-1]) == seq_len - 1)
+
+
+def check_tokens(tokens: object, cache: KVCache, vocab: int, what: str) -> None:
+    """Token ids: a 2-D integer tensor (B, n) on the cache's device, B = the cache's batch,
+    every id a row of the embedding."""
+    if not isinstance(tokens, torch.Tensor) or tokens.dim() != 2:
+        got = tuple(tokens.shape) if isinstance(tokens, torch.Tensor) else type(tokens).__name__
+        raise ValueError(f"{what}: expected a 2-D tensor of token ids (B, n), got {got}")
+    if tokens.dtype not in (torch.int64, torch.int32):
+        raise ValueError(f"{what}: expected integer token ids (int64), got {tokens.dtype}")
+    if tokens.shape[0] != cache.batch:
+        raise ValueError(f"{what}: batch B={tokens.shape[0]} but the KV cache was built for batch {cache.batch}; "
+                         f"build the cache with batch={tokens.shape[0]}")
+    if tokens.device != cache.device:
+        raise ValueError(f"{what}: on {tokens.device} but the model and cache are on {cache.device}")
+    if tokens.numel() and not (0 <= int(tokens.min()) and int(tokens.max()) < vocab):
+        raise ValueError(f"{what}: token ids {int(tokens.min())}..{int(tokens.max())} outside the vocabulary "
+                         f"0..{vocab - 1}")
+
+
+def _check(model: nn.Module, cache: KVCache, prompt: torch.Tensor, layout: str | Layout, strategy: str) -> Layout:
+    check_model_fits(model, cache)
+    if strategy not in INFERENCE_STRATEGIES:
+        raise ValueError(f"inference strategy {strategy!r}: choose one of {', '.join(INFERENCE_STRATEGIES)} "
+                         f"(hybrid needs a 2D mesh, not supported for inference yet)")
+    check_tokens(prompt, cache, model.cfg.vocab, "prompt")
+    seq_len = prompt.shape[1]
+    layout = get_layout(layout, cache.world_size)
+    layout.validate(seq_len)
+    if seq_len > cache.capacity:
+        raise ValueError(f"the prompt of {seq_len} tokens is longer than the KV cache's capacity of "
+                         f"{cache.capacity} positions; build the cache with capacity >= prompt + new tokens")
+    if cache.seq_len:
+        raise ValueError(f"the KV cache already holds a sequence of {cache.seq_len} positions; reset() it (or "
+                         f"build another) before prefilling a new prompt")
+    strategy_rules.check_heads(strategy, model.cfg.heads, model.cfg.kv_heads,
+                               strategy_rules.ulysses_degree(strategy, cache.world_size))
+    return layout
+
+
+def _signature(cache: KVCache, prompt, layout, strategy) -> dict[str, int]:
+    """What every rank's prefill call must share; -1 where the input was not even a tensor."""
+    ok = isinstance(prompt, torch.Tensor) and prompt.dim() == 2
+    return {
+        "batch": prompt.shape[0] if ok else -1,
+        "prompt length": prompt.shape[1] if ok else -1,
+        "prompt tokens (crc32)": zlib.crc32(prompt.detach().to("cpu", torch.int64).numpy().tobytes()) if ok else -1,
+        "capacity": cache.capacity,
+        "dtype": zlib.crc32(str(cache.dtype).encode()),
+        "cached positions": cache.seq_len,
+        "layout": zlib.crc32((fingerprint(layout) if isinstance(layout, Layout) else str(layout)).encode()),
+        "strategy": zlib.crc32(str(strategy).encode()),
+    }

@@ -1,0 +1,177 @@
+"""Everything the inference tests run inside one spawned process group per world size.
+
+``run_all`` runs every case on every rank and reports numbers and messages, which
+``test_inference.py`` asserts on: the logits of prefill and of every decode step against
+the single-process model, greedy and sampled tokens against ``reference_generate``, what
+each rank's cache holds, and the errors for bad input.
+"""
+
+from __future__ import annotations
+
+import traceback
+import zlib
+
+import torch
+
+from ctxpar.inference import KVCache, decode_step, generate, prefill, reference_generate, sharded_attention
+from ctxpar.layout import get_layout
+from ctxpar.models import ModelConfig, Transformer
+
+LAYOUTS = ("contiguous", "zigzag", "striped")
+STRATEGIES = ("ring", "allgather", "alltoall")
+# 12 query heads split over 1-4 ranks for all-to-all; 4 KV heads (GQA), 1 (MQA)
+CONFIGS = {
+    "gqa": ModelConfig(layers=2, hidden=32, heads=12, kv_heads=4, head_dim=8, ffn=64, vocab=128),
+    "mqa": ModelConfig(layers=2, hidden=32, heads=12, kv_heads=1, head_dim=8, ffn=64, vocab=128),
+}
+BATCH = 2
+PROMPT_LEN = 24  # a multiple of 2P for P = 1..4
+FORCED_STEPS = 6  # decode steps fed fixed tokens, logits compared at each
+GREEDY_TOKENS = 33
+SAMPLED_TOKENS = 16
+TEMPERATURE, SEED = 0.8, 5
+
+
+def build(config: str = "gqa") -> Transformer:
+    torch.manual_seed(0)  # the same weights on every rank and in the reference
+    return Transformer(CONFIGS[config]).eval()
+
+
+def prompt_tokens(seq_len: int = PROMPT_LEN, vocab: int = 128, seed: int = 1) -> torch.Tensor:
+    return torch.randint(0, vocab, (BATCH, seq_len), generator=torch.Generator().manual_seed(seed))
+
+
+def rel_error(got: torch.Tensor, want: torch.Tensor) -> float:
+    return float((got.double() - want.double()).abs().max() / want.double().abs().max())
+
+
+def digest(t: torch.Tensor) -> int:
+    """Bitwise identity of a tensor across ranks."""
+    return zlib.crc32(t.detach().contiguous().cpu().numpy().tobytes())
+
+
+def run_all(rank: int, world: int) -> dict:
+    """Every inference check for one world size; failures are reported, not raised."""
+    results: dict = {}
+    for name, check in (("logits", _check_logits), ("greedy", _check_greedy), ("sampled", _check_sampled),
+                        ("empty_shard", _check_empty_shard), ("bad_inputs", _check_bad_inputs)):
+        try:
+            results[name] = check(rank, world)
+        except Exception:  # noqa: BLE001  one check must not hide the others
+            results[name] = f"rank {rank} of P={world} raised\n{traceback.format_exc()}"
+    return results
+
+
+def _check_logits(rank: int, world: int) -> dict:
+    """Prefill and FORCED_STEPS decode steps fed fixed tokens, for every layout x strategy
+    (GQA) and the ring under MQA: (max relative error vs the single-process model, digest)."""
+    out = {}
+    cases = [(c, lay, s) for c in ("gqa",) for lay in LAYOUTS for s in STRATEGIES]
+    cases += [("mqa", lay, "ring") for lay in LAYOUTS]
+    for config, layout, strategy in cases:
+        model, vocab = build(config), CONFIGS[config].vocab
+        prompt = prompt_tokens(vocab=vocab)
+        forced = prompt_tokens(FORCED_STEPS, vocab, seed=2)  # (B, steps)
+        with torch.no_grad():
+            full = torch.cat([prompt, forced], dim=1)
+            want = [model(full[:, : PROMPT_LEN + i])[:, -1] for i in range(FORCED_STEPS + 1)]
+        cache = KVCache.for_model(model.cfg, batch=BATCH, capacity=PROMPT_LEN + FORCED_STEPS)
+        got = [prefill(model, cache, prompt, layout=layout, strategy=strategy)]
+        got += [decode_step(model, cache, forced[:, i]) for i in range(FORCED_STEPS)]
+        out[f"{config}-{layout}-{strategy}"] = ([rel_error(g, w) for g, w in zip(got, want)],
+                                                digest(torch.stack(got)))
+    return out
+
+
+def _check_greedy(rank: int, world: int) -> dict:
+    """GREEDY_TOKENS greedy tokens per layout x strategy: the tokens, the reference's, and
+    this rank's cache (positions held, bytes)."""
+    model = build()
+    prompt = prompt_tokens()
+    out = {"reference": reference_generate(model, prompt, new_tokens=GREEDY_TOKENS).tolist()}
+    for layout in LAYOUTS:
+        for strategy in STRATEGIES:
+            r = generate(model, prompt, layout=layout, strategy=strategy, new_tokens=GREEDY_TOKENS)
+            out[f"{layout}-{strategy}"] = dict(
+                tokens=r.tokens.tolist(), positions=r.cache.positions().tolist(), kv_cache_bytes=r.kv_cache_bytes,
+                held_bytes=r.cache.held_bytes, bytes_per_position=r.cache.bytes_per_position,
+                ttft_s=r.ttft_s, tpot_s=r.tpot_s,
+                prompt_positions=get_layout(layout, world).positions(PROMPT_LEN, rank).tolist())
+    return out
+
+
+def _check_sampled(rank: int, world: int) -> dict:
+    model = build()
+    prompt = prompt_tokens()
+    r = generate(model, prompt, layout="zigzag", new_tokens=SAMPLED_TOKENS, temperature=TEMPERATURE, seed=SEED)
+    ref = reference_generate(model, prompt, new_tokens=SAMPLED_TOKENS, temperature=TEMPERATURE, seed=SEED)
+    return {"tokens": r.tokens.tolist(), "reference": ref.tolist()}
+
+
+def _check_empty_shard(rank: int, world: int) -> float:
+    """``sharded_attention`` with keys dealt unevenly, rank 0 holding none: relative error
+    against attention over all keys at once."""
+    gen = torch.Generator().manual_seed(3)
+    q = torch.randn(2, 6, 1, 8, generator=gen)
+    k, v = torch.randn(2, 2, 10, 8, generator=gen), torch.randn(2, 2, 10, 8, generator=gen)
+    counts = [0] + [10 // (world - 1) + (r < 10 % (world - 1)) for r in range(world - 1)] if world > 1 else [10]
+    start = sum(counts[:rank])
+    mine = slice(start, start + counts[rank])
+    got = sharded_attention(q, k[:, :, mine], v[:, :, mine], group=None, scale=8**-0.5)
+    want = torch.nn.functional.scaled_dot_product_attention(q, k, v, enable_gqa=True)
+    return rel_error(got, want)
+
+
+def _attempt(fn) -> str:
+    try:
+        fn()
+        return "NO ERROR"
+    except ValueError as e:
+        return str(e)
+
+
+def _check_bad_inputs(rank: int, world: int) -> dict[str, str]:
+    """Each bad call's message on this rank; then a good generation must still work."""
+    model, cfg = build(), CONFIGS["gqa"]
+    prompt = prompt_tokens()
+
+    def cache(**changes) -> KVCache:
+        shape = dict(layers=cfg.layers, batch=BATCH, kv_heads=cfg.kv_heads, head_dim=cfg.head_dim,
+                     capacity=PROMPT_LEN + 4)
+        return KVCache(**{**shape, **changes})
+
+    def prefilled(c: KVCache) -> KVCache:
+        prefill(model, c, prompt, layout="zigzag")
+        return c
+
+    messages = {
+        "capacity": _attempt(lambda: prefill(model, cache(capacity=PROMPT_LEN - 2), prompt, layout="zigzag")),
+        "batch": _attempt(lambda: prefill(model, cache(batch=3), prompt, layout="zigzag")),
+        "heads": _attempt(lambda: prefill(model, cache(kv_heads=2), prompt, layout="zigzag")),
+        "layout_length": _attempt(lambda: prefill(model, cache(), prompt_tokens(2 * world * 3 + 1), layout="zigzag")),
+        "strategy": _attempt(lambda: prefill(model, cache(), prompt, layout="zigzag", strategy="hybrid")),
+        "before_prefill": _attempt(lambda: decode_step(model, cache(), prompt[:, 0])),
+        "prefill_twice": _attempt(lambda: prefill(model, prefilled(cache()), prompt, layout="zigzag")),
+        "decode_batch": _attempt(lambda: decode_step(model, prefilled(cache()), prompt[:1, 0])),
+        "new_tokens": _attempt(lambda: generate(model, prompt, layout="zigzag", new_tokens=0)),
+        "temperature": _attempt(lambda: generate(model, prompt, layout="zigzag", new_tokens=2, temperature=-1.0)),
+    }
+    full = prefilled(cache(capacity=PROMPT_LEN + 1))
+    decode_step(model, full, prompt[:, 0])
+    messages["cache_full"] = _attempt(lambda: decode_step(model, full, prompt[:, 1]))
+    if world > 1:
+        behind, ahead = prefilled(cache()), prefilled(cache())
+        decode_step(model, ahead, prompt[:, 0])
+        # rank 0 one step ahead of the others, feeding the same token
+        messages["step"] = _attempt(lambda: decode_step(model, ahead if rank == 0 else behind, prompt[:, 1]))
+        # rank 0 feeding another token at the same step
+        token = prompt[:, 1] if rank == 0 else prompt[:, 2]
+        messages["tokens_differ"] = _attempt(lambda: decode_step(model, behind, token))
+        # only the last rank's prompt is wrong: it raises its own error, the others name it
+        rows = prompt[:1] if rank == world - 1 else prompt
+        messages["one_rank_bad"] = _attempt(lambda: prefill(model, cache(), rows, layout="zigzag"))
+    # no rank was left inside a collective: a whole generation still works afterwards
+    r = generate(model, prompt, layout="zigzag", new_tokens=4)
+    ok = r.tokens.tolist() == reference_generate(model, prompt, new_tokens=4).tolist()
+    messages["after"] = "ok" if ok else f"tokens {r.tokens.tolist()} differ from the reference"
+    return messages

@@ -1,0 +1,143 @@
+"""Inference under CP on 1-4 gloo ranks: prefill and decode logits against the single-process
+model, greedy and sampled tokens, what each rank's cache holds, and bad input."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import inference_cases as cases
+import spawned
+from ctxpar.inference import KVCache, generate, reference_generate
+from ctxpar.verify import FP32_RTOL
+
+WORLD_SIZES = (1, 2, 3, 4)
+
+
+def results(world: int) -> list[dict]:
+    """Per-rank results of ``inference_cases.run_all``, spawned once per world size. One
+    thread per rank: the model's ops are tiny, and two OpenMP threads on a loaded machine
+    spin at every op's barrier (milliseconds per 2 x 32 matmul)."""
+    return spawned.results(f"inference-P{world}", cases.run_all, world, timeout_s=60, threads=1)
+
+
+def _reported(world: int, check: str) -> list:
+    per_rank = [res[check] for res in results(world)]
+    for rank, r in enumerate(per_rank):
+        assert not isinstance(r, str), r  # a check that raised reports its traceback
+    return per_rank
+
+
+@pytest.mark.parametrize("world", WORLD_SIZES, ids=lambda w: f"P{w}")
+def test_prefill_and_every_decode_step_match_the_single_process_model(world: int) -> None:
+    per_rank = _reported(world, "logits")
+    assert len(per_rank[0]) == 3 * 3 + 3  # every layout x strategy (GQA), and the ring under MQA
+    for case, (errors, _) in per_rank[0].items():
+        assert len(errors) == 1 + cases.FORCED_STEPS
+        for step, err in enumerate(errors):
+            assert err <= FP32_RTOL, f"P={world} {case}: step {step} (0 = prefill) relative error {err:.2e}"
+    for case in per_rank[0]:  # every rank samples from the very same numbers
+        assert len({r[case][1] for r in per_rank}) == 1, f"P={world} {case}: logits differ between ranks"
+
+
+@pytest.mark.parametrize("world", WORLD_SIZES, ids=lambda w: f"P{w}")
+def test_greedy_tokens_equal_the_single_process_generation(world: int) -> None:
+    per_rank = _reported(world, "greedy")
+    reference = per_rank[0]["reference"]
+    assert len(reference[0]) == cases.GREEDY_TOKENS >= 32
+    for rank, r in enumerate(per_rank):
+        for case in (f"{lay}-{s}" for lay in cases.LAYOUTS for s in cases.STRATEGIES):
+            assert r[case]["tokens"] == reference, f"P={world} rank {rank} {case}"
+            assert r[case]["ttft_s"] > 0 and r[case]["tpot_s"] > 0
+
+
+@pytest.mark.parametrize("world", WORLD_SIZES, ids=lambda w: f"P{w}")
+def test_each_cache_holds_its_prompt_positions_and_every_pth_decoded_one(world: int) -> None:
+    """Prompt positions as the layout dealt them, then position p on rank p mod P; the
+    last token is returned, not fed back, so T + n - 1 positions in all."""
+    per_rank = _reported(world, "greedy")
+    decoded = range(cases.PROMPT_LEN, cases.PROMPT_LEN + cases.GREEDY_TOKENS - 1)
+    for case in (f"{lay}-{s}" for lay in cases.LAYOUTS for s in cases.STRATEGIES):
+        held = []
+        for rank, r in enumerate(per_rank):
+            want = r[case]["prompt_positions"] + [p for p in decoded if p % world == rank]
+            assert r[case]["positions"] == want, f"P={world} rank {rank} {case}"
+            held.append(len(want))
+        assert sorted(p for r in per_rank for p in r[case]["positions"]) == list(range(decoded.stop))
+        assert max(held) - min(held) <= 1, f"P={world} {case}: unbalanced {held}"
+
+
+def test_kv_cache_bytes_per_rank_at_p4_are_a_quarter_of_single_process() -> None:
+    single = _reported(1, "greedy")[0]["zigzag-ring"]
+    per_token = single["bytes_per_position"]  # K and V of one position, all layers: one token per layer
+    positions = cases.PROMPT_LEN + cases.GREEDY_TOKENS - 1
+    assert single["kv_cache_bytes"] == single["held_bytes"] == positions * per_token
+    for rank, r in enumerate(_reported(4, "greedy")):
+        for case, c in ((k, v) for k, v in r.items() if k != "reference"):
+            for what in ("kv_cache_bytes", "held_bytes"):
+                assert single[what] / 4 <= c[what] <= single[what] / 4 + per_token, (rank, case, what, c[what])
+
+
+@pytest.mark.parametrize("world", WORLD_SIZES, ids=lambda w: f"P{w}")
+def test_seeded_sampling_draws_the_single_process_tokens_on_every_rank(world: int) -> None:
+    for rank, r in enumerate(_reported(world, "sampled")):
+        assert r["tokens"] == r["reference"], f"P={world} rank {rank}"
+        assert len(r["tokens"][0]) == cases.SAMPLED_TOKENS
+
+
+@pytest.mark.parametrize("world", WORLD_SIZES, ids=lambda w: f"P{w}")
+def test_a_rank_with_an_empty_shard_contributes_nothing(world: int) -> None:
+    for err in _reported(world, "empty_shard"):
+        assert err <= FP32_RTOL
+
+
+EXPECTED_MESSAGES = {
+    "capacity": ["prompt of 24 tokens", "capacity of 22"],
+    "batch": ["batch B=2", "built for batch 3"],
+    "heads": ["(layers, kv_heads, head_dim) = (2, 4, 8)", "(2, 2, 8)"],
+    "layout_length": ["not a multiple of 2*P=", "zigzag layout", "pad to"],
+    "strategy": ["inference strategy 'hybrid'", "ring, allgather, alltoall"],
+    "before_prefill": ["decode before prefill"],
+    "prefill_twice": ["already holds a sequence of 24 positions"],
+    "decode_batch": ["batch B=1", "built for batch 2"],
+    "new_tokens": ["new_tokens must be", "got 0"],
+    "temperature": ["temperature must be", "-1.0"],
+    "cache_full": ["KV cache is full", "25 positions"],
+    "step": ["disagree on the decode step", "position (prompt + steps) [25,"],
+    "tokens_differ": ["disagree on the decode step", "tokens (crc32)"],
+}
+
+
+@pytest.mark.parametrize("world", WORLD_SIZES, ids=lambda w: f"P{w}")
+def test_bad_inputs_raise_clear_errors_on_every_rank_without_hanging(world: int) -> None:
+    for rank, messages in enumerate(_reported(world, "bad_inputs")):
+        messages = dict(messages)
+        assert messages.pop("after") == "ok", "generation after the rejected calls"
+        one_rank_bad = messages.pop("one_rank_bad", None)
+        if world > 1:
+            want = "batch B=1" if rank == world - 1 else f"ranks [{world - 1}] of the CP group rejected"
+            assert want in one_rank_bad, (rank, one_rank_bad)
+        expected = {k for k in EXPECTED_MESSAGES if world > 1 or k not in ("step", "tokens_differ")}
+        assert set(messages) == expected
+        for name, message in messages.items():
+            for fragment in EXPECTED_MESSAGES[name]:
+                assert fragment in message, f"P={world} rank {rank} {name}: {fragment!r} not in {message!r}"
+
+
+def test_without_a_process_group_generate_is_the_single_process_generation() -> None:
+    model, prompt = cases.build(), cases.prompt_tokens()
+    for temperature in (0.0, 1.0):
+        got = generate(model, prompt, layout="striped", new_tokens=5, temperature=temperature, seed=7)
+        assert got.tokens.tolist() == reference_generate(model, prompt, new_tokens=5, temperature=temperature,
+                                                         seed=7).tolist()
+        assert got.cache.positions().tolist() == list(range(cases.PROMPT_LEN + 4))
+
+
+def test_cache_allocates_a_pth_of_the_capacity_and_refuses_bad_shapes() -> None:
+    cache = KVCache(layers=3, batch=2, kv_heads=2, head_dim=4, capacity=10, dtype=torch.bfloat16)
+    assert cache.local_capacity == 10 and cache.nbytes == 10 * 2 * 3 * 2 * 2 * 4 * 2
+    assert cache.keys(0).shape == (2, 2, 0, 4) and cache.owner(7) == 0
+    with pytest.raises(ValueError, match="capacity must be an int between 1"):
+        KVCache(layers=3, batch=2, kv_heads=2, head_dim=4, capacity=0)
+    with pytest.raises(ValueError, match="do not fit the cache"):
+        cache.write(0, 0, torch.zeros(2, 4, 1, 4), torch.zeros(2, 4, 1, 4))
