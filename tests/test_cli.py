@@ -77,6 +77,21 @@ def test_demo_rejects_strategy_shapes_before_starting_ranks() -> None:
     assert proc.returncode == 2 and "needs a --ulysses-degree dividing the 4 ranks" in proc.stderr
 
 
+def test_generate_equals_the_single_process_tokens_and_writes_the_documented_json(tmp_path) -> None:
+    path = tmp_path / "generate.json"
+    proc = run_cli("generate", "--nproc", "2", "--prompt-len", "64", "--new-tokens", "8", "--batch", "2",
+                   "--layout", "striped", "--strategy", "allgather", "--compare", "--json", str(path))
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert "OK: the tokens equal the single-process generation" in proc.stdout
+    report = json.loads(path.read_text())
+    assert {"tokens", "reference_tokens", "ttft_s", "tpot_s", "kv_cache_bytes_per_rank"} <= set(report)
+    assert report["tokens"] == report["reference_tokens"] and len(report["tokens"]) == 2
+    assert all(len(row) == 8 for row in report["tokens"])
+    assert report["ttft_s"] > 0 and report["tpot_s"] > 0
+    # tiny: 2 layers, K and V, 2 KV heads of 16, fp32; 64 + 7 positions over 2 ranks
+    assert report["kv_cache_bytes_per_rank"] == [36 * 2 * 2 * 2 * 2 * 16 * 4] * 2
+
+
 # -- item 10: every value checked before any rank starts -----------------------------------------
 
 
@@ -153,6 +168,16 @@ def bad_values(tmp: Path) -> list[tuple[tuple[str, ...], str]]:
         (("plan", "--hardware", "local", "--calibration", str(not_json)), "is not JSON"),
         (("plan", "--hardware", "local", "--calibration", str(bad_rate)), "calibration 'attention_flops' is 'fast'"),
         (("plan", "--hardware", "local", "--calibrate", "--head-dim", "0"), "--head-dim must be between 1 and"),
+        (("generate", "--prompt-len", "1001"), "--prompt-len: sequence length 1001 is not a multiple of 2*P=8"),
+        (("generate", "--new-tokens", "0"), "--new-tokens must be between 1 and"),
+        (("generate", "--batch", "0"), "--batch must be between 1 and"),
+        (("generate", "--nproc", "3", "--prompt-len", "1020", "--strategy", "alltoall"),
+         "splits the query heads H=4 (H_kv=2) over P=3 ranks"),
+        (("generate", "--temperature", "nan"), "--temperature must be a finite number >= 0"),
+        (("generate", "--seed", "-1"), "--seed must be between 0 and"),
+        (("generate", "--nproc", "0"), "--nproc 0 must be >= 1"),
+        (("generate", "--model", "llama-3-405b"), "--model llama-3-405b on 4 ranks"),
+        (("generate", "--json", missing), "does not exist; create it first"),
     ]
 
 

@@ -11,6 +11,7 @@ from ctxpar import calibrate as calibration_
 from ctxpar import launch
 from ctxpar import plan as planning
 from ctxpar.demo import DTYPES, DemoConfig, format_report, run_demo
+from ctxpar.inference import command as generation
 from ctxpar.layout import LAYOUT_NAMES
 from ctxpar.limits import check_seed
 from ctxpar.models.config import PRESETS as MODEL_PRESETS
@@ -250,10 +251,54 @@ def _run_plan(args: argparse.Namespace) -> int:
     return 0
 
 
+def _generate_parser(sub) -> None:
+    d = generation.GenerateConfig()
+    p = sub.add_parser(
+        "generate",
+        help="generate with the reference model, its KV cache sharded over the ranks; time to first token, time "
+             "per output token, KV-cache bytes per rank",
+        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+    )
+    _launch_flags(p, d.nproc)
+    p.add_argument("--prompt-len", type=int, default=d.prompt_len, help="prompt length T (random tokens)")
+    p.add_argument("--new-tokens", type=int, default=d.new_tokens, help="tokens to generate per sequence")
+    p.add_argument("--batch", type=int, default=d.batch, help="prompts decoded together (one length)")
+    p.add_argument("--model", choices=sorted(MODEL_PRESETS), default=d.model,
+                   help="model preset, randomly initialised from --seed")
+    p.add_argument("--layout", choices=LAYOUT_NAMES, default=d.layout, help="how prefill splits the prompt")
+    p.add_argument("--strategy", choices=generation.INFERENCE_STRATEGIES, default=d.strategy,
+                   help="how prefill moves K/V")
+    p.add_argument("--temperature", type=float, default=d.temperature, help="0: greedy; else sample")
+    p.add_argument("--seed", type=int, default=d.seed, help="seeds the model, the prompt and the sampling")
+    p.add_argument("--compare", action="store_true",
+                   help="also generate in one process without cache or CP and check the tokens are equal")
+    p.add_argument("--no-progress", dest="progress", action="store_false", help="no progress bar")
+    p.add_argument("--json", metavar="PATH",
+                   help="write tokens, reference_tokens, ttft_s, tpot_s, kv_cache_bytes_per_rank as JSON")
+
+
+def _run_generate(args: argparse.Namespace) -> int:
+    _check_launch_flags(args)
+    _check_output("--json", args.json)
+    cfg = generation.GenerateConfig(
+        nproc=args.nproc, prompt_len=args.prompt_len, new_tokens=args.new_tokens, batch=args.batch,
+        model=args.model, layout=args.layout, strategy=args.strategy, temperature=args.temperature, seed=args.seed,
+        compare=args.compare, progress=args.progress, device=args.device,
+    )
+    report = generation.run_generate(cfg, timeout_s=args.timeout)
+    if report is None:  # a non-zero rank under torchrun
+        return 0
+    print(generation.format_report(report))
+    if args.json:
+        _write_json(args.json, report)
+    return 0 if report.get("tokens_match", True) else 1
+
+
 COMMANDS = {
     "demo": (_demo_parser, _run_demo),
     "train": (_train_parser, _run_train),
     "plan": (_plan_parser, _run_plan),
+    "generate": (_generate_parser, _run_generate),
 }
 
 
