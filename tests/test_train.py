@@ -71,6 +71,26 @@ def test_packed_documents_restart_positions_and_end_without_a_target() -> None:
     assert batch.labels.tolist() == [[5, 6, 7, 8, 9, IGNORE_INDEX, 11, 12]]  # 9 ends document 2
 
 
+def test_the_reference_model_keeps_packed_documents_apart_with_and_without_cp() -> None:
+    """model(tokens, positions, documents=) equals each document run alone, on one device
+    and with apply_context_parallel (one rank: the CP path without a process group)."""
+    from ctxpar.parallelize import apply_context_parallel
+
+    torch.manual_seed(0)
+    model = Transformer(get_config("tiny")).eval()
+    tokens = torch.randint(0, model.cfg.vocab, (2, 16))
+    batch = shard_batch(tokens, layout=get_layout("zigzag", 1), rank=0, documents=[5, 8, 3])
+    with torch.no_grad():
+        alone = torch.cat([model(tokens[:, a:b]) for a, b in ((0, 5), (5, 13), (13, 16))], dim=1)
+        packed = model(batch.tokens, batch.positions, documents=batch.documents)
+        apply_context_parallel(model, layout=get_layout("zigzag", 1))
+        cp = model(batch.tokens, batch.positions, documents=batch.documents)
+        crossing = model(batch.tokens, batch.positions)  # documents forgotten: attends across them
+    torch.testing.assert_close(packed, alone, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(cp, alone, rtol=1e-5, atol=1e-5)
+    assert (crossing - alone).abs().max() > 1e-3
+
+
 def test_loss_is_weighted_by_the_global_token_count() -> None:
     logits = torch.randn(1, 8, 5)
     labels = torch.tensor([[0, 1, IGNORE_INDEX, IGNORE_INDEX, IGNORE_INDEX, 2, 3, 4]])

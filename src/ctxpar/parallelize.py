@@ -53,7 +53,8 @@ def shard_batch(
     ``documents``: the lengths (or cu_seqlens) of the documents packed into each row, the
     same for every row. Positions then restart at 0 in each document, and a document's
     last token predicts nothing (not the next document's first token); pass
-    ``batch.documents`` to every attention call as ``documents=``.
+    ``batch.documents`` on: ``model(batch.tokens, batch.positions, documents=batch.documents)``
+    for the reference model, ``documents=`` to ``ctxpar.attention`` otherwise.
     """
     seq_len = tokens.shape[1]
     lengths = None if documents is None else document_lengths(documents, seq_len)

@@ -3,7 +3,9 @@
 Single-device code: nothing here knows about ranks. RoPE takes explicit position ids,
 so a caller that feeds a shard of the sequence passes the shard's global positions;
 attention goes through ``Attention.attention_fn`` (default: causal SDPA), which
-``ctxpar.parallelize.apply_context_parallel`` swaps for context-parallel attention.
+``ctxpar.parallelize.apply_context_parallel`` swaps for context-parallel attention. A
+packed row passes ``documents=`` (its document lengths) to ``forward``: every layer's
+attention then stays within documents, on one device or under CP alike.
 """
 
 from __future__ import annotations
@@ -15,14 +17,21 @@ import torch.nn as nn
 import torch.nn.functional as F
 from torch.utils.checkpoint import checkpoint
 
+from ctxpar.masks import make_mask
 from ctxpar.models.config import ModelConfig
 
 AttentionFn = Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
 
 
-def causal_sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
-    """Single-device causal attention; q (B, H, T, D), k/v (B, H_kv, T, D)."""
-    return F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)
+def causal_sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, documents=None) -> torch.Tensor:
+    """Single-device causal attention; q (B, H, T, D), k/v (B, H_kv, T, D); with
+    ``documents`` (lengths or cu_seqlens of the packed row) only within each document."""
+    if documents is None:
+        return F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)
+    t = q.shape[2]
+    positions = torch.arange(t)
+    visible = make_mask(t, causal=True, documents=documents).visible(positions, positions, t).to(q.device)
+    return F.scaled_dot_product_attention(q, k, v, attn_mask=visible, enable_gqa=True)
 
 
 class RMSNorm(nn.Module):
@@ -61,13 +70,13 @@ class Attention(nn.Module):
         self.wo = nn.Linear(cfg.heads * cfg.head_dim, cfg.hidden, bias=False)
         self.attention_fn: AttentionFn = causal_sdpa
 
-    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, documents=None) -> torch.Tensor:
         b, t, _ = x.shape
         q = self.wq(x).view(b, t, self.cfg.heads, self.cfg.head_dim).transpose(1, 2)  # (B, H, T, D)
         k = self.wk(x).view(b, t, self.cfg.kv_heads, self.cfg.head_dim).transpose(1, 2)  # (B, H_kv, T, D)
         v = self.wv(x).view(b, t, self.cfg.kv_heads, self.cfg.head_dim).transpose(1, 2)
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
-        y = self.attention_fn(q, k, v)  # (B, H, T, D)
+        y = self.attention_fn(q, k, v) if documents is None else self.attention_fn(q, k, v, documents=documents)
         return self.wo(y.transpose(1, 2).reshape(b, t, -1))
 
 
@@ -90,8 +99,8 @@ class Block(nn.Module):
         self.ffn_norm = RMSNorm(cfg.hidden, cfg.norm_eps)
         self.feed_forward = FeedForward(cfg)
 
-    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-        x = x + self.attention(self.attention_norm(x), cos, sin)
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, documents=None) -> torch.Tensor:
+        x = x + self.attention(self.attention_norm(x), cos, sin, documents)
         return x + self.feed_forward(self.ffn_norm(x))
 
 
@@ -113,11 +122,14 @@ class Transformer(nn.Module):
             if isinstance(module, (nn.Linear, nn.Embedding)):
                 nn.init.normal_(module.weight, std=0.02)
 
-    def forward(self, tokens: torch.Tensor, positions: torch.Tensor | None = None) -> torch.Tensor:
-        """tokens (B, T) int64; positions (B, T) or (T,) global positions, default 0..T-1."""
-        return self.output(self.hidden_states(tokens, positions))  # (B, T, vocab)
+    def forward(self, tokens: torch.Tensor, positions: torch.Tensor | None = None, documents=None) -> torch.Tensor:
+        """tokens (B, T) int64; positions (B, T) or (T,) global positions, default 0..T-1 (for
+        a packed row, positions within each document); documents: the packed row's document
+        lengths (or cu_seqlens), None for one document."""
+        return self.output(self.hidden_states(tokens, positions, documents))  # (B, T, vocab)
 
-    def hidden_states(self, tokens: torch.Tensor, positions: torch.Tensor | None = None) -> torch.Tensor:
+    def hidden_states(self, tokens: torch.Tensor, positions: torch.Tensor | None = None,
+                      documents=None) -> torch.Tensor:
         """``forward`` without the LM head: the final-norm states (B, T, d). Prefill needs
         the logits of one position only, and (T/P, vocab) of them would dwarf the KV cache."""
         if positions is None:
@@ -126,7 +138,7 @@ class Transformer(nn.Module):
         x = self.embed(tokens)  # (B, T, d)
         for layer in self.layers:
             if self.activation_checkpointing and self.training:
-                x = checkpoint(layer, x, cos, sin, use_reentrant=False)
+                x = checkpoint(layer, x, cos, sin, documents, use_reentrant=False)
             else:
-                x = layer(x, cos, sin)
+                x = layer(x, cos, sin, documents)
         return self.norm(x)  # (B, T, d)
