@@ -1,6 +1,6 @@
 """All-gather attention (Llama 3 style): every rank gathers all K/V and keeps its queries.
 
-K/V are gathered in (at most) four groups of KV heads, each group's gather posted before
+K/V are gathered in groups of KV heads (at most eight), each group's gather posted before
 the previous group is computed, so transfers hide behind compute; only the first group's
 gather is exposed, and no more than two groups' K/V of the whole sequence are alive::
 
@@ -8,8 +8,10 @@ gather is exposed, and no more than two groups' K/V of the whole sequence are al
     KV heads, group 1:          gather ─────────────wait──▶ compute
     ...
 
-Four groups bound both what the first gather exposes (a quarter of the K/V) and the
-synchronisation points (a rank descheduled at each costs its peers a wait).
+Eight groups bound what is alive (two eighths of the whole sequence's K/V: one KV head at
+a time up to H_kv = 8, which keeps the peak within that of gathering head by head) and the
+synchronisation points (a rank descheduled at each costs its peers a wait); with four, the
+measured peak at H_kv = 8 grew by 40-80% (docs/benchmarks.md).
 
 The gathered shards arrive rank by rank. Where it takes fewer kernel calls (zigzag,
 contiguous), they are put in global position order once, and a rank's queries attend to
@@ -45,7 +47,7 @@ from ctxpar.strategies.blockwise import (backward_tiles, finish_forward, forward
                                          output_accumulators, sink_gradient)
 from ctxpar.topology import Topology
 
-MAX_GATHERS = 4  # head groups per pass
+MAX_GATHERS = 8  # head groups per pass
 
 
 def head_groups(kv_heads: int) -> list[slice]:
