@@ -437,9 +437,15 @@ def run_local(
         for r in range(nproc)
     ]
     try:
-        for p, (_, writer) in zip(procs, pipes):
-            p.start()
-            writer.close()  # the worker holds the only writer: its end of file means it is gone
+        # Ctrl-C waits until every worker is started: one interrupted halfway through a start
+        # would run on untracked, holding the terminal's pipes, until it notices the parent gone
+        blocked = signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGINT})
+        try:
+            for p, (_, writer) in zip(procs, pipes):
+                p.start()
+                writer.close()  # the worker holds the only writer: its end of file means it is gone
+        finally:
+            signal.pthread_sigmask(signal.SIG_SETMASK, blocked)
         return _collect(procs, [reader for reader, _ in pipes], stack_files, timeout_s, deadline_s)
     finally:
         _stop(procs)
