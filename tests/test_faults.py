@@ -158,8 +158,11 @@ def wait_for(condition, timeout: float, what: str, proc: subprocess.Popen | None
 
 
 def start_cli(*args: str, env: dict | None = None) -> subprocess.Popen:
+    """The command as a terminal starts it: Ctrl-C (SIGINT) at its default even when these
+    tests run in the background, where the shell starts them with SIGINT ignored."""
     return subprocess.Popen([sys.executable, "-m", "ctxpar.cli", *args], stdout=subprocess.PIPE,
-                            stderr=subprocess.PIPE, text=True, env=env)
+                            stderr=subprocess.PIPE, text=True, env=env,
+                            preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
 
 
 def assert_all_die(pids: list[int], within: float = 5.0) -> None:
