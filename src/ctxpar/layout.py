@@ -277,8 +277,7 @@ class BalancedLayout(Layout):
 def _deal(layout: BalancedLayout) -> tuple[int, tuple[torch.Tensor, ...], tuple[int, ...]]:
     """(chunks per rank, each rank's positions, each chunk's owner) of a balanced layout."""
     world, seq_len = layout.world_size, layout.seq_len
-    first, stop = layout.mask.intervals(torch.arange(seq_len), seq_len)
-    work = (stop - first).to(torch.float64)  # keys each position sees
+    work = layout.mask.keys_seen(torch.arange(seq_len), seq_len).to(torch.float64)
     local = seq_len // world
     options = [layout.chunks] if layout.chunks else [n for n in range(2, 65) if local % n == 0] or [1]
     best = None

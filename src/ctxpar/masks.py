@@ -77,6 +77,11 @@ class Mask:
             first = torch.maximum(first, p - self.window + 1)
         return first, p + 1
 
+    def keys_seen(self, positions: torch.Tensor, seq_len: int) -> torch.Tensor:
+        """(S,) int64: how many keys the query at each position sees (its attention work)."""
+        first, stop = self.intervals(positions, seq_len)
+        return stop - first
+
     def visible(self, q_positions: torch.Tensor, kv_positions: torch.Tensor, seq_len: int) -> torch.Tensor:
         """(Sq, Sk) bool: whether each query sees each key. O(Sq*Sk): for tests and tiles."""
         first, stop = self.intervals(q_positions, seq_len)

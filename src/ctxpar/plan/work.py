@@ -21,8 +21,7 @@ def rank_pairs(layout: Layout, seq_len: int, rank: int, mask: Mask) -> int:
     directly, in O(T/P), since the keys are then all positions: each query sees the
     whole interval the mask gives it (plain causal: the p + 1 keys 0..p).
     """
-    first, stop = mask.intervals(layout.positions(seq_len, rank), seq_len)
-    return int((stop - first).sum())
+    return int(mask.keys_seen(layout.positions(seq_len, rank), seq_len).sum())
 
 
 def union_pairs(layout: Layout, seq_len: int, rank: int, mask: Mask, ulysses: int) -> int:
@@ -38,8 +37,7 @@ def union_pairs(layout: Layout, seq_len: int, rank: int, mask: Mask, ulysses: in
 @functools.lru_cache(maxsize=2)
 def _keys_seen(seq_len: int, mask: Mask) -> torch.Tensor:
     """(T,) int32: how many keys the query at each position sees (do not modify: cached)."""
-    first, stop = mask.intervals(torch.arange(seq_len), seq_len)
-    return (stop - first).to(torch.int32)
+    return mask.keys_seen(torch.arange(seq_len), seq_len).to(torch.int32)
 
 
 def pairs_per_rank(layout: Layout, seq_len: int, mask: Mask, ulysses: int = 1) -> tuple[int, ...]:
