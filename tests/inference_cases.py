@@ -13,8 +13,11 @@ import zlib
 
 import torch
 
-from ctxpar.inference import KVCache, decode_step, generate, prefill, reference_generate, sharded_attention
+from ctxpar.inference import (KVCache, decode_step, generate, partial_prefill, prefill, reference_generate,
+                              sharded_attention)
+from ctxpar import profile
 from ctxpar.layout import get_layout
+from ctxpar.plan import traffic
 from ctxpar.models import ModelConfig, Transformer
 
 LAYOUTS = ("contiguous", "zigzag", "striped")
@@ -54,7 +57,8 @@ def run_all(rank: int, world: int) -> dict:
     """Every inference check for one world size; failures are reported, not raised."""
     results: dict = {}
     for name, check in (("logits", _check_logits), ("greedy", _check_greedy), ("sampled", _check_sampled),
-                        ("empty_shard", _check_empty_shard), ("bad_inputs", _check_bad_inputs)):
+                        ("empty_shard", _check_empty_shard), ("partial", _check_partial),
+                        ("bad_inputs", _check_bad_inputs)):
         try:
             results[name] = check(rank, world)
         except Exception:  # noqa: BLE001  one check must not hide the others
@@ -122,6 +126,64 @@ def _check_empty_shard(rank: int, world: int) -> float:
     return rel_error(got, want)
 
 
+# a conversation after the prompt: (kind, tokens) turns; chunks of 1 token, of fewer tokens
+# than ranks (some ranks get none), and of more; decode steps between them
+TURNS = (("decode", 1), ("chunk", 1), ("chunk", 3), ("decode", 1), ("chunk", 13), ("decode", 1), ("chunk", 8))
+TURN_TOKENS = sum(n for _, n in TURNS)
+
+
+def _check_partial(rank: int, world: int) -> dict:
+    """For every layout x method (GQA) and pass-Q under MQA, and from an empty cache: after
+    the prompt, TURNS; relative error of every turn's logits against the single-process
+    model over the whole sequence so far, their digest, and the positions this rank holds."""
+    out = {}
+    cases = [("gqa", lay, m) for lay in LAYOUTS for m in ("pass-kv", "pass-q", "auto")]
+    cases += [("mqa", "zigzag", "pass-q"), ("gqa", None, "pass-q"), ("gqa", None, "pass-kv")]
+    for config, layout, method in cases:
+        model, vocab = build(config), CONFIGS[config].vocab
+        prompt, turns = prompt_tokens(vocab=vocab), prompt_tokens(TURN_TOKENS, vocab, seed=4)
+        full = torch.cat([prompt, turns], dim=1)
+        cache = KVCache.for_model(model.cfg, batch=BATCH, capacity=PROMPT_LEN + TURN_TOKENS)
+        if layout is None:  # no prefill: the prompt itself as the first chunk
+            got, ends = [partial_prefill(model, cache, prompt, method=method)], [PROMPT_LEN]
+        else:
+            got, ends = [prefill(model, cache, prompt, layout=layout)], [PROMPT_LEN]
+        fed = 0
+        for kind, n in TURNS:
+            piece = turns[:, fed: fed + n]
+            got.append(decode_step(model, cache, piece[:, 0]) if kind == "decode"
+                       else partial_prefill(model, cache, piece, method=method))
+            fed += n
+            ends.append(PROMPT_LEN + fed)
+        with torch.no_grad():
+            want = [model(full[:, :end])[:, -1] for end in ends]
+        out[f"{config}-{layout or 'empty'}-{method}"] = dict(
+            errors=[rel_error(g, w) for g, w in zip(got, want)], digest=digest(torch.stack(got)),
+            logits=torch.stack(got).tolist(), positions=cache.positions().tolist(),
+            prompt_positions=get_layout(layout, world).positions(PROMPT_LEN, rank).tolist() if layout else None)
+    out["bytes"] = _partial_bytes(rank, world)
+    return out
+
+
+def _partial_bytes(rank: int, world: int) -> dict[str, tuple[int, int]]:
+    """(bytes this rank sent in one chunk of 11 tokens, what ``plan.traffic.partial_prefill``
+    says per layer x layers + the positions' all-gather + the logits' broadcast)."""
+    model, cfg = build(), CONFIGS["gqa"]
+    prompt, chunk = prompt_tokens(), prompt_tokens(11, seed=6)
+    out = {}
+    for method in ("pass-kv", "pass-q"):
+        cache = KVCache.for_model(cfg, batch=BATCH, capacity=PROMPT_LEN + 11)
+        prefill(model, cache, prompt, layout="zigzag")
+        with profile.record() as rec:
+            partial_prefill(model, cache, chunk, method=method, check_consistency=False)
+        per_layer = traffic.partial_prefill(method, batch=BATCH, cached=PROMPT_LEN, new=11, heads=cfg.heads,
+                                            kv_heads=cfg.kv_heads, head_dim=cfg.head_dim, world=world, elem=4, acc=4)
+        positions = (world - 1) * cache.local_capacity * 8
+        logits = BATCH * cfg.vocab * 4 if world > 1 and rank == (PROMPT_LEN + 10) % world else 0
+        out[method] = (rec.bytes_sent, cfg.layers * per_layer + positions + logits)
+    return out
+
+
 def _attempt(fn) -> str:
     try:
         fn()
@@ -155,6 +217,10 @@ def _check_bad_inputs(rank: int, world: int) -> dict[str, str]:
         "decode_batch": _attempt(lambda: decode_step(model, prefilled(cache()), prompt[:1, 0])),
         "new_tokens": _attempt(lambda: generate(model, prompt, layout="zigzag", new_tokens=0)),
         "temperature": _attempt(lambda: generate(model, prompt, layout="zigzag", new_tokens=2, temperature=-1.0)),
+        "chunk_capacity": _attempt(lambda: partial_prefill(model, prefilled(cache()), prompt[:, :5])),
+        "chunk_batch": _attempt(lambda: partial_prefill(model, prefilled(cache()), prompt[:1, :2])),
+        "chunk_method": _attempt(lambda: partial_prefill(model, prefilled(cache()), prompt[:, :2], method="pass-x")),
+        "chunk_empty": _attempt(lambda: partial_prefill(model, prefilled(cache()), prompt[:, :0])),
     }
     full = prefilled(cache(capacity=PROMPT_LEN + 1))
     decode_step(model, full, prompt[:, 0])
@@ -167,6 +233,9 @@ def _check_bad_inputs(rank: int, world: int) -> dict[str, str]:
         # rank 0 feeding another token at the same step
         token = prompt[:, 1] if rank == 0 else prompt[:, 2]
         messages["tokens_differ"] = _attempt(lambda: decode_step(model, behind, token))
+        # rank 0 extending by another chunk at the same position
+        chunk = prompt[:, 3:5] if rank == 0 else prompt[:, 5:7]
+        messages["chunks_differ"] = _attempt(lambda: partial_prefill(model, prefilled(cache()), chunk))
         # only the last rank's prompt is wrong: it raises its own error, the others name it
         rows = prompt[:1] if rank == world - 1 else prompt
         messages["one_rank_bad"] = _attempt(lambda: prefill(model, cache(), rows, layout="zigzag"))

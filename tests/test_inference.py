@@ -91,6 +91,49 @@ def test_a_rank_with_an_empty_shard_contributes_nothing(world: int) -> None:
         assert err <= FP32_RTOL
 
 
+@pytest.mark.parametrize("world", WORLD_SIZES, ids=lambda w: f"P{w}")
+def test_partial_prefill_matches_the_single_process_model_turn_after_turn(world: int) -> None:
+    """Prompt, then decode steps and chunks of 1, 3 (fewer tokens than ranks), 13 and 8
+    tokens by pass-KV, pass-Q and auto: every turn's logits, on every rank alike."""
+    per_rank = _reported(world, "partial")
+    assert len(per_rank[0]) == 3 * 3 + 3 + 1
+    for case, r in ((c, r) for c, r in per_rank[0].items() if c != "bytes"):
+        assert len(r["errors"]) == 1 + len(cases.TURNS)
+        for turn, err in enumerate(r["errors"]):
+            assert err <= FP32_RTOL, f"P={world} {case}: turn {turn} (0 = prompt) relative error {err:.2e}"
+        assert len({res[case]["digest"] for res in per_rank}) == 1, f"P={world} {case}: logits differ between ranks"
+
+
+@pytest.mark.parametrize("world", WORLD_SIZES, ids=lambda w: f"P{w}")
+def test_pass_q_and_pass_kv_give_the_same_logits(world: int) -> None:
+    r = _reported(world, "partial")[0]
+    for layout in (*cases.LAYOUTS, "empty"):
+        kv, q = (torch.tensor(r[f"gqa-{layout}-{m}"]["logits"]) for m in ("pass-kv", "pass-q"))
+        assert cases.rel_error(q, kv) <= FP32_RTOL, layout
+
+
+@pytest.mark.parametrize("world", WORLD_SIZES, ids=lambda w: f"P{w}")
+def test_partial_prefill_moves_the_bytes_the_planner_counts(world: int) -> None:
+    for rank, r in enumerate(_reported(world, "partial")):
+        for method, (sent, expected) in r["bytes"].items():
+            assert sent == expected, f"P={world} rank {rank} {method}: sent {sent} B, formula {expected} B"
+
+
+@pytest.mark.parametrize("world", WORLD_SIZES, ids=lambda w: f"P{w}")
+def test_chunks_go_round_robin_and_keep_the_caches_balanced(world: int) -> None:
+    per_rank = _reported(world, "partial")
+    after_prompt = range(cases.PROMPT_LEN, cases.PROMPT_LEN + cases.TURN_TOKENS)
+    for case in (c for c in per_rank[0] if c != "bytes"):
+        held = []
+        for rank, res in enumerate(per_rank):
+            r = res[case]
+            prompt = r["prompt_positions"] if r["prompt_positions"] is not None else \
+                [p for p in range(cases.PROMPT_LEN) if p % world == rank]
+            assert r["positions"] == prompt + [p for p in after_prompt if p % world == rank], (case, rank)
+            held.append(len(r["positions"]))
+        assert max(held) - min(held) <= 1, f"P={world} {case}: unbalanced {held}"
+
+
 EXPECTED_MESSAGES = {
     "capacity": ["prompt of 24 tokens", "capacity of 22"],
     "batch": ["batch B=2", "built for batch 3"],
@@ -105,7 +148,13 @@ EXPECTED_MESSAGES = {
     "cache_full": ["KV cache is full", "25 positions"],
     "step": ["disagree on the decode step", "position (prompt + steps) [25,"],
     "tokens_differ": ["disagree on the decode step", "tokens (crc32)"],
+    "chunk_capacity": ["24 cached + 5 new positions exceed", "capacity of 28"],
+    "chunk_batch": ["chunk: batch B=1", "built for batch 2"],
+    "chunk_method": ["method 'pass-x'", "auto, pass-kv, pass-q"],
+    "chunk_empty": ["holds no tokens"],
+    "chunks_differ": ["disagree on the partial prefill", "chunk tokens (crc32)"],
 }
+MULTI_RANK_ONLY = ("step", "tokens_differ", "chunks_differ")
 
 
 @pytest.mark.parametrize("world", WORLD_SIZES, ids=lambda w: f"P{w}")
@@ -117,7 +166,7 @@ def test_bad_inputs_raise_clear_errors_on_every_rank_without_hanging(world: int)
         if world > 1:
             want = "batch B=1" if rank == world - 1 else f"ranks [{world - 1}] of the CP group rejected"
             assert want in one_rank_bad, (rank, one_rank_bad)
-        expected = {k for k in EXPECTED_MESSAGES if world > 1 or k not in ("step", "tokens_differ")}
+        expected = {k for k in EXPECTED_MESSAGES if world > 1 or k not in MULTI_RANK_ONLY}
         assert set(messages) == expected
         for name, message in messages.items():
             for fragment in EXPECTED_MESSAGES[name]:

@@ -14,7 +14,7 @@ from ctxpar.models.config import ModelConfig
 from ctxpar.plan import cost, get_hardware, make_plan, parse_bandwidth, parse_flops, resolve_model
 from ctxpar.cli import main
 from ctxpar import calibrate
-from ctxpar.calibrate import measure_bandwidth
+from ctxpar.calibrate import measure_link, measure_memory_bandwidth
 from ctxpar.plan import traffic
 from ctxpar.plan.cost import Pipeline
 from ctxpar.plan.documents import pack, parse_doc_dist, parse_lengths, sample_lengths
@@ -332,9 +332,11 @@ def test_local_hardware_from_a_calibration_file(tmp_path) -> None:
         calibrate.plan_calibration("H100-SXM", measure=False, path=str(path))
 
 
-def test_gloo_bandwidth_is_measured() -> None:
-    link = measure_bandwidth(message_bytes=MiB, repeats=2)
-    assert link["bandwidth"] == MiB / link["seconds"] > 1e6
+def test_gloo_link_and_memory_are_measured() -> None:
+    link = measure_link(message_bytes=MiB, repeats=2)
+    assert 0 < link["latency"] < link["seconds"]
+    assert link["bandwidth"] == pytest.approx(MiB / (link["seconds"] - link["latency"])) and link["bandwidth"] > 1e6
+    assert measure_memory_bandwidth(nbytes=16 * MiB, repeats=1) > 1e8
 
 
 # -- the command -------------------------------------------------------------------------------

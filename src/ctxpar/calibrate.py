@@ -1,4 +1,4 @@
-"""Measure this machine for the ``local`` hardware preset: attention FLOP/s and gloo bandwidth.
+"""Measure this machine for the ``local`` hardware preset: attention FLOP/s, gloo link, memory.
 
 The system measuring itself for the planner (which only reads the result): imported only
 for ``ctxpar plan --calibrate`` and ``--calibration``.
@@ -13,7 +13,10 @@ for ``ctxpar plan --calibrate`` and ``--calibration``.
   that waste, a full block's would not.
 - Bandwidth: two local gloo ranks exchange a buffer over ``ctxpar.comm.RingComm`` (each
   sends and receives ``message_bytes`` at once, as a ring hop does); bytes per second per
-  direction, best of ``repeats``.
+  direction, best of ``repeats``, after the latency: the time of a 4-byte hop, which
+  every message pays whatever its size.
+- Memory: one thread copying 256 MiB, bytes read + written per second (decoding reads
+  the weights and the KV cache once per token).
 """
 
 from __future__ import annotations
@@ -68,30 +71,56 @@ def measure_attention(repeats: int = 3, threads: int = 1) -> dict:
                 attention_flops=3.5 * flops / (fwd + bwd))
 
 
-def _exchange_rank(rank: int, world: int, message_bytes: int, repeats: int) -> float:
-    """Best seconds for one ring hop of ``message_bytes`` on this rank."""
+def _exchange_rank(rank: int, world: int, sizes: tuple[int, ...], repeats: int) -> list[float]:
+    """Best seconds for one ring hop of each message size (bytes) on this rank."""
     import torch.distributed as dist
 
     from ctxpar.comm import RingComm
 
     comm = RingComm()
-    send, recv = torch.ones(message_bytes // 4), torch.empty(message_bytes // 4)
-    comm.start(send=send, recv=recv)  # the first exchange connects the peers: not timed
-    comm.wait()
-    times = []
-    for _ in range(repeats):
-        dist.barrier()
-        start = time.perf_counter()
-        comm.start(send=send, recv=recv)
+    best = []
+    for size in sizes:
+        send, recv = torch.ones(max(1, size // 4)), torch.empty(max(1, size // 4))
+        comm.start(send=send, recv=recv)  # the first exchange of a size connects / allocates: not timed
         comm.wait()
-        times.append(time.perf_counter() - start)
-    return min(times)
+        times = []
+        for _ in range(repeats):
+            dist.barrier()
+            start = time.perf_counter()
+            comm.start(send=send, recv=recv)
+            comm.wait()
+            times.append(time.perf_counter() - start)
+        best.append(min(times))
+    return best
 
 
-def measure_bandwidth(message_bytes: int = MESSAGE_BYTES, repeats: int = 5) -> dict:
-    """Bytes/s per direction between two local gloo ranks."""
-    seconds = max(run_local(_exchange_rank, 2, (message_bytes, repeats), threads=1))
-    return dict(message_bytes=message_bytes, seconds=seconds, bandwidth=message_bytes / seconds)
+def measure_link(message_bytes: int = MESSAGE_BYTES, repeats: int = 5) -> dict:
+    """Two local gloo ranks: bytes/s per direction from a ``message_bytes`` hop, and the
+    per-message latency from a 4-byte hop (best of ``repeats``; the slower rank's)."""
+    per_rank = run_local(_exchange_rank, 2, ((message_bytes, 4), 4 * repeats), threads=1)
+    seconds, latency = (max(t[i] for t in per_rank) for i in range(2))
+    return dict(message_bytes=message_bytes, seconds=seconds, bandwidth=message_bytes / max(seconds - latency, 1e-9),
+                latency=latency)
+
+
+def measure_memory_bandwidth(nbytes: int = 256 * 2**20, repeats: int = 3, threads: int = 1) -> float:
+    """Bytes/s one thread reads plus writes copying a large buffer (what decoding's reads
+    of weights and KV cache are paced by)."""
+    src, dst = torch.ones(nbytes // 4), torch.empty(nbytes // 4)
+    previous = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        dst.copy_(src)
+        best = min(_wall_seconds(lambda: dst.copy_(src)) for _ in range(repeats))
+    finally:
+        torch.set_num_threads(previous)
+    return 2 * nbytes / best
+
+
+def _wall_seconds(fn) -> float:
+    start = time.perf_counter()
+    fn()
+    return time.perf_counter() - start
 
 
 def machine() -> str:
@@ -108,9 +137,9 @@ def machine() -> str:
 def calibrate() -> dict:
     """Both measurements (a few seconds); the dict ``hardware.local_hardware`` reads."""
     attention = measure_attention()
-    link = measure_bandwidth()
+    link = measure_link()
     return dict(machine=machine(), attention_flops=attention["attention_flops"], bandwidth=link["bandwidth"],
-                attention=attention, link=link)
+                latency=link["latency"], memory_bandwidth=measure_memory_bandwidth(), attention=attention, link=link)
 
 
 def check_calibration_flags(hardware: str, *, measure: bool, path: str | None) -> None:
@@ -158,5 +187,7 @@ def format_calibration(c: dict) -> str:
         f"backward {a['backward_seconds'] * 1e3:.1f} ms ({a['backward_to_forward_seconds']:.2f}x)",
         f"  -> {c['attention_flops'] / 1e9:.1f} GFLOP/s = 3.5 x {a['forward_flops']:,} FLOPs / (forward + backward)",
         f"  gloo ring hop between 2 local ranks: {link['message_bytes'] / 2**20:.0f} MiB in "
-        f"{link['seconds'] * 1e3:.2f} ms -> {c['bandwidth'] / 1e9:.3f} GB/s per direction",
+        f"{link['seconds'] * 1e3:.2f} ms -> {c['bandwidth'] / 1e9:.3f} GB/s per direction; a 4-byte hop "
+        f"{link.get('latency', 0) * 1e6:.0f} us (latency)",
+        f"  memory copy, 1 thread: {c.get('memory_bandwidth', 0) / 1e9:.1f} GB/s read + write",
     ])

@@ -85,6 +85,11 @@ class KVCache:
     def device(self) -> torch.device:
         return self._kv.device
 
+    @property
+    def element_size(self) -> int:
+        """Bytes per K/V element."""
+        return self._kv.element_size()
+
     def owner(self, position: int) -> int:
         """The rank that keeps a decoded position's K/V: round-robin, ``position mod P``."""
         return position % self.world_size

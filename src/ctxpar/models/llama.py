@@ -77,7 +77,7 @@ class Attention(nn.Module):
         v = self.wv(x).view(b, t, self.cfg.kv_heads, self.cfg.head_dim).transpose(1, 2)
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
         y = self.attention_fn(q, k, v) if documents is None else self.attention_fn(q, k, v, documents=documents)
-        return self.wo(y.transpose(1, 2).reshape(b, t, -1))
+        return self.wo(y.transpose(1, 2).reshape(b, t, self.cfg.heads * self.cfg.head_dim))  # t may be 0
 
 
 class FeedForward(nn.Module):

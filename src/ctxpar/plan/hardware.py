@@ -32,6 +32,12 @@ class Hardware:
         intra_node_bandwidth: bytes/s per GPU per direction inside a node.
         inter_node_bandwidth: bytes/s per GPU per direction between nodes.
         source: where the figures come from.
+        memory_bandwidth: device memory bytes/s (HBM; decoding reads the weights and the
+            KV cache once per token); 0 where unknown.
+        latency: seconds every message costs whatever its size (a ring hop, a collective);
+            0 where not measured (the presets: docs/planner.md).
+        attention_forward_rate: achieved FLOP/s of the attention forward alone (prefill);
+            None: ``flops``, the forward + backward figure.
     """
 
     name: str
@@ -42,11 +48,19 @@ class Hardware:
     intra_node_bandwidth: float
     inter_node_bandwidth: float
     source: str
+    memory_bandwidth: float = 0.0
+    latency: float = 0.0
+    attention_forward_rate: float | None = None
 
     @property
     def flops(self) -> float:
         """Achievable FLOP/s: peak x efficiency."""
         return self.peak_flops * self.efficiency
+
+    @property
+    def forward_flops(self) -> float:
+        """Achievable FLOP/s of an attention forward (prefill)."""
+        return self.attention_forward_rate or self.flops
 
     def bandwidth(self, group_size: int) -> float:
         """Bytes/s per GPU per direction for a collective over ``group_size`` consecutive GPUs.
@@ -66,11 +80,14 @@ MIN_EFFICIENCY = 0.01  # below 1% of peak, kernels are not what the cost model d
 PRESETS: dict[str, Hardware] = {
     h.name.lower(): h
     for h in (
-        Hardware("H100-SXM", 989e12, 0.5, 80 * GB, 8, 450e9, 50e9, _DATASHEETS + " (NVLink 4 900 GB/s, 400 Gb/s)"),
-        Hardware("H200", 989e12, 0.5, 141 * GB, 8, 450e9, 50e9, _DATASHEETS + " (NVLink 4 900 GB/s, 400 Gb/s)"),
-        Hardware("A100-80GB", 312e12, 0.5, 80 * GB, 8, 300e9, 25e9, _DATASHEETS + " (NVLink 3 600 GB/s, 200 Gb/s)"),
+        Hardware("H100-SXM", 989e12, 0.5, 80 * GB, 8, 450e9, 50e9,
+                 _DATASHEETS + " (NVLink 4 900 GB/s, 400 Gb/s, HBM3 3.35 TB/s)", memory_bandwidth=3.35e12),
+        Hardware("H200", 989e12, 0.5, 141 * GB, 8, 450e9, 50e9,
+                 _DATASHEETS + " (NVLink 4 900 GB/s, 400 Gb/s, HBM3e 4.8 TB/s)", memory_bandwidth=4.8e12),
+        Hardware("A100-80GB", 312e12, 0.5, 80 * GB, 8, 300e9, 25e9,
+                 _DATASHEETS + " (NVLink 3 600 GB/s, 200 Gb/s, HBM2e 2.0 TB/s)", memory_bandwidth=2.039e12),
         Hardware("B200", 2250e12, 0.5, 180 * GB, 8, 900e9, 50e9,
-                 _DATASHEETS + " (HGX B200, NVLink 5 1.8 TB/s, 400 Gb/s)"),
+                 _DATASHEETS + " (HGX B200, NVLink 5 1.8 TB/s, 400 Gb/s, HBM3e 8 TB/s)", memory_bandwidth=8e12),
     )
 }
 LOCAL = "local"
@@ -94,8 +111,13 @@ def local_hardware(calibration: dict) -> Hardware:
                              f"`ctxpar plan --hardware local --calibrate --json PATH`")
     ram = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
     bw = calibration["bandwidth"]
+    attention = calibration.get("attention", {})
+    forward = attention.get("forward_flops", 0) / attention["forward_seconds"] if attention.get("forward_seconds") \
+        else None
     return Hardware(LOCAL, calibration["attention_flops"], 1.0, ram, gpus_per_node(LOCAL), bw, bw,
-                    f"measured on this machine ({calibration.get('machine', 'unknown CPU')}); memory = RAM")
+                    f"measured on this machine ({calibration.get('machine', 'unknown CPU')}); memory = RAM",
+                    memory_bandwidth=calibration.get("memory_bandwidth", 0.0), latency=calibration.get("latency", 0.0),
+                    attention_forward_rate=forward)
 
 
 def gpus_per_node(name: str) -> int:

@@ -115,3 +115,25 @@ def per_rank(
         return hybrid(batch=batch, local_len=s, heads=heads, kv_heads=kv_heads, head_dim=head_dim,
                       ulysses=ulysses, ring_degree=world // ulysses, elem=elem, acc=acc)
     raise ValueError(f"unknown strategy {strategy!r}")
+
+
+def partial_prefill(method: str, *, batch: int, cached: int, new: int, heads: int, kv_heads: int, head_dim: int,
+                    world: int, elem: int, acc: int) -> int:
+    """Bytes one rank sends per layer when T_new tokens are prefilled on top of T_cached.
+
+    The chunk's positions are dealt round-robin (position p to rank p mod P, as decoding
+    deals them), so a rank holds at most N = ceil((T_cached + T_new) / P) positions and
+    M = ceil(T_new / P) new queries; the buffers are sized for these.
+
+    pass-kv: every rank's K/V (cached + new) makes P-1 ring hops:
+        (P-1) · 2·B·H_kv·N·D · e
+    pass-q: the new queries make P-1 ring hops, then one all-to-all returns each rank's
+        partial (out, lse) of every other rank's queries to their owner:
+        (P-1) · B·H·M·D · e  +  (P-1) · B·H·M·(D+1) · a
+    """
+    if method not in ("pass-kv", "pass-q"):
+        raise ValueError(f"partial prefill method {method!r}: 'pass-kv' or 'pass-q'")
+    held, queries = -(-(cached + new) // world), -(-new // world)
+    if method == "pass-kv":
+        return (world - 1) * 2 * batch * kv_heads * held * head_dim * elem
+    return (world - 1) * batch * heads * queries * (head_dim * elem + (head_dim + 1) * acc)

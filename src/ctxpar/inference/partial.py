@@ -1,0 +1,219 @@
+"""Partial prefill: a new chunk of T_new tokens on top of the T_cached a KV cache holds
+(the next turn of a conversation), exactly, by passing K/V or passing Q.
+
+The chunk's positions are dealt as decoding deals them, position p to rank p mod P, so
+the caches stay balanced within one token whatever mix of prefill, chunks and decode
+steps filled them, and every rank knows every position's owner. Each rank runs the
+model on its new tokens; at every layer it first appends their K/V to its cache shard,
+so a rank's keys are then all it holds, cached and new (ascending positions). Each new
+query must see every earlier key, on every rank. Two exact ways to bring them together:
+
+    pass-KV  the ring of training: every rank's K/V (cached + new) travels P-1 hops;
+             each rank merges its queries' partial (out, lse) against each shard as it
+             passes. Moves (P-1)·2·H_kv·ceil((T_cached+T_new)/P)·D elements per rank.
+    pass-Q   the queries travel instead: each rank attends every visiting chunk of
+             queries to its own keys, keeps the partial (out, lse), and one all-to-all
+             returns the partials to the queries' owners, who merge them in rank order.
+             Moves (P-1)·H·ceil(T_new/P)·D elements, plus the float32 partials back.
+
+Pass-Q wins when the chunk is small next to the cache, in bytes when
+T_new / (T_cached + T_new) < 2·H_kv·D·e / (H·(D·e + 4(D+1))) (``plan.inference.pass_q_fraction``;
+about H_kv/H); ``method="auto"`` asks the planner (``plan.inference.choose_partial_prefill``):
+the lower predicted time on ``hardware`` if given, else the fewer bytes. Both give the same
+result up to float rounding (the merge order differs).
+
+Every rank needs to know what every other holds: one all-gather of the held positions per
+call (int64, the size of one layer's positions, not of the K/V).
+"""
+
+from __future__ import annotations
+
+import zlib
+
+import torch
+import torch.nn as nn
+
+from ctxpar import agreement, comm, kernels
+from ctxpar.blocks import Tile, tiles_between
+from ctxpar.comm import PendingAllGather, RingComm
+from ctxpar.inference.cache import KVCache
+from ctxpar.inference.hooks import attention_replaced, check_model_fits
+from ctxpar.inference.prefill import check_tokens
+from ctxpar.masks import Mask
+from ctxpar.merge import merge_into
+from ctxpar.plan.hardware import Hardware
+from ctxpar.plan.inference import PARTIAL_PREFILL_METHODS, choose_partial_prefill
+from ctxpar.strategies.blockwise import forward_tiles, output_accumulators
+
+METHODS = ("auto", *PARTIAL_PREFILL_METHODS)
+_CAUSAL = Mask(causal=True)
+
+
+def partial_prefill(model: nn.Module, cache: KVCache, chunk: torch.Tensor, *, method: str = "auto",
+                    hardware: Hardware | None = None, check_consistency: bool = True) -> torch.Tensor:
+    """Run ``chunk`` through the model at the positions after the cache's, extending the cache.
+
+    Args:
+        model: the reference ``ctxpar.models.Transformer`` that filled ``cache``.
+        cache: a ``KVCache`` holding T_cached positions (``prefill``, decode steps or
+            earlier chunks; empty is allowed: the chunk is then the whole prompt).
+        chunk: (B, T_new) token ids, the same on every rank, T_new >= 1.
+        method: ``"pass-kv" | "pass-q" | "auto"`` (module docstring).
+        hardware: for ``"auto"``, the planner's hardware (``ctxpar.plan.get_hardware``) to
+            predict times on; None: choose by bytes moved.
+        check_consistency: the ranks compare their calls first (one tiny all-gather).
+
+    Returns:
+        (B, vocab) logits of the chunk's last position, identical on every rank.
+
+    Raises:
+        ValueError: bad input (chunk past the cache's capacity, batch or shape mismatch,
+            unknown method), before any collective; with ``check_consistency`` on every
+            rank together, also when ranks are at different positions or hold other tokens.
+    """
+    error = None
+    try:
+        chunk = _check(model, cache, chunk, method, hardware)
+    except ValueError as e:
+        error = e
+    if check_consistency and cache.world_size > 1:
+        agreement.check_values_agree(_signature(cache, chunk, method), cache.group, error, "partial prefill")
+    elif error is not None:
+        raise error
+
+    world, rank = cache.world_size, cache.rank
+    cached, new = cache.seq_len, chunk.shape[1]
+    seq_len = cached + new
+    if method == "auto":
+        cfg = model.cfg
+        method, _ = choose_partial_prefill(model=cfg, batch=cache.batch, cached=cached, new=new, world=world,
+                                           elem=cache.element_size, hw=hardware)
+    queries = [_new_positions(cache, new, s) for s in range(world)]
+    mine = queries[rank]
+    tokens = chunk[:, mine - cached]  # (B, m)
+    held_positions = _gather_positions(torch.cat([cache.positions(), mine]), cache)
+    start, held = cache.length, cache.length + mine.numel()
+    attend = _pass_kv if method == "pass-kv" else _pass_q
+    if method == "pass-kv":  # tiles of my queries against each rank's keys
+        tiles = [tiles_between(mine, held_positions[s], _CAUSAL, seq_len) for s in range(world)]
+    else:  # tiles of each rank's queries against my keys
+        tiles = [tiles_between(queries[s], held_positions[rank], _CAUSAL, seq_len) for s in range(world)]
+    counts = [(p.numel(), q.numel()) for p, q in zip(held_positions, queries)]
+    scale = cache.head_dim**-0.5
+
+    def make(layer: int):
+        def run(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+            cache.write(layer, start, k, v)  # the new positions' K/V, after RoPE
+            return attend(q, cache.keys(layer, held), cache.values(layer, held), tiles, counts, cache, scale)
+        return run
+
+    with torch.no_grad(), attention_replaced(model, make):
+        positions = mine.to(chunk.device)
+        hidden = model.hidden_states(tokens, positions)  # (B, m, d)
+        owner = (seq_len - 1) % world
+        if rank == owner:
+            last = model.output(hidden[:, -1])
+        else:
+            last = hidden.new_empty((chunk.shape[0], model.output.out_features))
+        logits = comm.broadcast(last, owner, cache.group)
+    cache.commit(mine, seq_len=seq_len)
+    return logits
+
+
+def _pass_kv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, tiles: list[tuple[Tile, ...]],
+             counts: list[tuple[int, int]], cache: KVCache, scale: float) -> torch.Tensor:
+    """This rank's queries (B, H, m, D) against every rank's keys, the K/V travelling the ring."""
+    world, rank = cache.world_size, cache.rank
+    acc_out, acc_lse = output_accumulators(q)
+    width = max(n for n, _ in counts)  # every rank's buffer has room for the largest shard
+    current = k.new_zeros((2, *k.shape[:2], width, k.shape[3]))
+    current[0, :, :, : k.shape[2]], current[1, :, :, : k.shape[2]] = k, v
+    arriving = torch.empty_like(current) if world > 1 else None
+    ring = RingComm(cache.group) if world > 1 else None
+    for step in range(world):
+        source = (rank - step) % world
+        if step < world - 1:
+            ring.start(send=current, recv=arriving)
+        n = counts[source][0]
+        forward_tiles(q, current[0, :, :, :n], current[1, :, :, :n], tiles[source], acc_out, acc_lse, scale)
+        if step < world - 1:
+            ring.wait()
+            current, arriving = arriving, current
+    return acc_out.to(q.dtype)
+
+
+def _pass_q(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, tiles: list[tuple[Tile, ...]],
+            counts: list[tuple[int, int]], cache: KVCache, scale: float) -> torch.Tensor:
+    """Every rank's queries visit this rank's keys; the partials go home in one all-to-all."""
+    world, rank = cache.world_size, cache.rank
+    b, h, m, d = q.shape
+    width = max(n for _, n in counts)
+    current = q.new_zeros((b, h, width, d))
+    current[:, :, :m] = q
+    arriving = torch.empty_like(current) if world > 1 else None
+    ring = RingComm(cache.group) if world > 1 else None
+    acc = kernels.accumulation_dtype(q.dtype)
+    partials = torch.zeros((world, b, h, width, d + 1), dtype=acc, device=q.device)  # (out, lse) per owner
+    partials[..., d] = float("-inf")
+    for step in range(world):
+        source = (rank - step) % world
+        if step < world - 1:
+            ring.start(send=current, recv=arriving)
+        n = counts[source][1]
+        out, lse = partials[source, :, :, :n, :d], partials[source, :, :, :n, d]
+        forward_tiles(current[:, :, :n], k, v, tiles[source], out, lse, scale)
+        if step < world - 1:
+            ring.wait()
+            current, arriving = arriving, current
+    (returned,) = comm.all_to_all(partials, group=cache.group)  # chunk s: rank s's partials of my queries
+    acc_out, acc_lse = returned[0, :, :, :m, :d].clone(), returned[0, :, :, :m, d].clone()
+    for part in returned[1:]:
+        merge_into(acc_out, acc_lse, part[:, :, :m, :d], part[:, :, :m, d])
+    return acc_out.to(q.dtype)
+
+
+def _gather_positions(positions: torch.Tensor, cache: KVCache) -> list[torch.Tensor]:
+    """Every rank's held positions (after this chunk), from one all-gather padded to the
+    largest shard (capacity / P slots)."""
+    padded = torch.full((cache.local_capacity,), -1, dtype=torch.int64)
+    padded[: positions.numel()] = positions
+    table = PendingAllGather(padded, cache.group).wait()  # (P, slots)
+    return [row[row >= 0] for row in table]
+
+
+def _check(model: nn.Module, cache: KVCache, chunk, method: str, hardware) -> torch.Tensor:
+    check_model_fits(model, cache)
+    if method not in METHODS:
+        raise ValueError(f"partial prefill method {method!r}: choose one of {', '.join(METHODS)}")
+    if hardware is not None and not isinstance(hardware, Hardware):
+        raise ValueError(f"hardware must be a ctxpar.plan.Hardware (ctxpar.plan.get_hardware(name)), got "
+                         f"{type(hardware).__name__}")
+    check_tokens(chunk, cache, model.cfg.vocab, "chunk")
+    if chunk.shape[1] == 0:
+        raise ValueError("the chunk holds no tokens: give at least one (B, T_new >= 1)")
+    if cache.seq_len + chunk.shape[1] > cache.capacity:
+        raise ValueError(f"{cache.seq_len} cached + {chunk.shape[1]} new positions exceed the KV cache's capacity of "
+                         f"{cache.capacity}; build the cache with capacity >= everything it will hold")
+    if cache.length + len(_new_positions(cache, chunk.shape[1], cache.rank)) > cache.local_capacity:
+        raise ValueError(f"rank {cache.rank}'s KV cache shard cannot take its share of the chunk: was the cache "
+                         f"filled other than by prefill, partial_prefill and decode_step?")
+    return chunk
+
+
+def _new_positions(cache: KVCache, new: int, rank: int) -> torch.Tensor:
+    """The chunk positions ``rank`` keeps: position p goes to rank p mod P (``KVCache.owner``)."""
+    first = cache.seq_len + (rank - cache.seq_len) % cache.world_size
+    return torch.tensor(range(first, cache.seq_len + new, cache.world_size), dtype=torch.int64)
+
+
+def _signature(cache: KVCache, chunk, method: str) -> dict[str, int]:
+    ok = isinstance(chunk, torch.Tensor) and chunk.dim() == 2
+    return {
+        "cached positions": cache.seq_len,
+        "batch": chunk.shape[0] if ok else -1,
+        "chunk length": chunk.shape[1] if ok else -1,
+        "chunk tokens (crc32)": zlib.crc32(chunk.detach().to("cpu", torch.int64).contiguous().numpy().tobytes())
+        if ok else -1,
+        "method": zlib.crc32(str(method).encode()),
+        "dtype": zlib.crc32(str(cache.dtype).encode()),
+    }

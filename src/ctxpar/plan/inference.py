@@ -1,0 +1,201 @@
+"""Inference under CP as arithmetic: time to first token, time per output token, KV cache
+per GPU, and pass-KV vs pass-Q for a prefill on top of a cache. Formulas: docs/planner.md.
+
+What ``ctxpar.inference`` does, and what is modelled here for it (P ranks, L layers):
+
+- **Prefill** of a T-token prompt is a training forward without its backward: each
+  layer's attention is the strategy's forward pipeline (``cost.attention_time``) at the
+  attention forward rate, plus the matmuls of the rank's T/P tokens.
+- **Decode**: every rank runs the whole model on the new token (replicated), so it reads
+  every weight once per token; attention reads the rank's shard of the KV cache
+  (ceil(S/P) positions) and all-gathers one (B, H, 1, D+1) float32 partial per layer.
+  Memory-bound: bytes read / memory bandwidth, plus one latency per layer and one per
+  step (the step check), plus the partials' bytes.
+- **Partial prefill** (T_new tokens on top of T_cached): pass-KV is a P-stage pipeline
+  whose stages move a rank's K/V (cached + new); pass-Q a P-stage pipeline moving the
+  new queries, then an all-to-all of the partial outputs nobody can hide. Compute is
+  the same in both: the busiest rank's new queries against every earlier key.
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass, replace
+
+from ctxpar.models.config import ModelConfig
+from ctxpar.plan import cost, traffic
+from ctxpar.plan.hardware import Hardware
+from ctxpar.plan.workload import Workload
+
+PARTIAL_PREFILL_METHODS = ("pass-kv", "pass-q")
+
+
+def _ceil_div(a: int, b: int) -> int:
+    return -(-a // b)
+
+
+def busiest_partial_pairs(*, cached: int, new: int, world: int) -> int:
+    """(query, key) pairs of the rank with the most work when positions T_cached..T_cached+T_new-1
+    are dealt round-robin (position p to rank p mod P) and the query at p sees the p+1 keys 0..p."""
+    best = 0
+    for rank in range(world):
+        first = cached + (rank - cached) % world  # this rank's first new position
+        if first >= cached + new:
+            continue
+        n = (cached + new - 1 - first) // world + 1  # its new positions: first, first+P, ...
+        best = max(best, n * (first + 1) + world * n * (n - 1) // 2)
+    return best
+
+
+@dataclass(frozen=True)
+class PartialPrefillCost:
+    """One layer's attention of a partial prefill on the busiest rank."""
+
+    method: str
+    bytes_sent: int  # per rank per layer (``traffic.partial_prefill``)
+    pipeline: cost.Pipeline
+
+    @property
+    def seconds(self) -> float:
+        return self.pipeline.seconds
+
+    def as_dict(self) -> dict:
+        return dict(method=self.method, bytes_sent_per_layer=self.bytes_sent, seconds_per_layer=self.seconds,
+                    pipeline=self.pipeline.as_dict())
+
+
+def partial_prefill_cost(method: str, *, model: ModelConfig, batch: int, cached: int, new: int, world: int,
+                         elem: int, hw: Hardware, acc: int = 4) -> PartialPrefillCost:
+    """Bytes and the pipeline of one layer (``module docstring``)."""
+    sent = traffic.partial_prefill(method, batch=batch, cached=cached, new=new, heads=model.heads,
+                                   kv_heads=model.kv_heads, head_dim=model.head_dim, world=world, elem=elem, acc=acc)
+    flops = 4 * model.head_dim * batch * model.heads * busiest_partial_pairs(cached=cached, new=new, world=world)
+    compute = flops / hw.forward_flops
+    if world == 1:
+        return PartialPrefillCost(method, 0, cost.Pipeline(1, compute, 0.0))
+    bw, latency = hw.bandwidth(world), hw.latency
+    if method == "pass-kv":
+        hop = sent / (world - 1)
+        return PartialPrefillCost(method, sent, cost.Pipeline(world, compute / world, hop / bw + latency))
+    queries = (world - 1) * batch * model.heads * _ceil_div(new, world) * model.head_dim * elem
+    hop, returned = queries / (world - 1), sent - queries
+    return PartialPrefillCost(method, sent, cost.Pipeline(world, compute / world, hop / bw + latency,
+                                                          tail=returned / bw + latency))
+
+
+def pass_q_fraction(model: ModelConfig, elem: int, acc: int = 4) -> float:
+    """The bytes rule: pass-Q moves fewer bytes when T_new / (T_cached + T_new) is below this.
+
+    From ``traffic.partial_prefill`` without the rounding: pass-Q sends T_new·H·(D·e + (D+1)·a),
+    pass-KV (T_cached + T_new)·2·H_kv·D·e, so the threshold is 2·H_kv·D·e / (H·(D·e + (D+1)·a)).
+    The published rule 2·H_kv/H (Yang et al. 2024, arXiv:2411.01783) counts the queries only;
+    returning the partial outputs, here in float32, lowers it: about H_kv/H for float32 inputs
+    and 2/3·H_kv/H for bf16.
+    """
+    d = model.head_dim
+    return 2 * model.kv_heads * d * elem / (model.heads * (d * elem + (d + 1) * acc))
+
+
+def choose_partial_prefill(*, model: ModelConfig, batch: int, cached: int, new: int, world: int, elem: int,
+                           hw: Hardware | None = None, acc: int = 4) -> tuple[str, str]:
+    """(method, why): the lower predicted time on ``hw``, or without hardware the fewer bytes
+    (ties: pass-KV, whose compute needs no all-to-all after it)."""
+    if world == 1:
+        return "pass-kv", "one rank: nothing moves"
+    kw = dict(model=model, batch=batch, cached=cached, new=new, world=world, elem=elem, acc=acc)
+    if hw is None:
+        kv, q = (traffic.partial_prefill(m, batch=batch, cached=cached, new=new, heads=model.heads,
+                                         kv_heads=model.kv_heads, head_dim=model.head_dim, world=world, elem=elem,
+                                         acc=acc) for m in PARTIAL_PREFILL_METHODS)
+        method = "pass-q" if q < kv else "pass-kv"
+        return method, (f"fewer bytes: pass-KV {kv:,} B vs pass-Q {q:,} B per rank per layer "
+                        f"(T_new/(T_cached+T_new) = {new / (cached + new):.3f}, pass-Q below "
+                        f"{pass_q_fraction(model, elem, acc):.3f})")
+    kv, q = (partial_prefill_cost(m, hw=hw, **kw) for m in PARTIAL_PREFILL_METHODS)
+    method = "pass-q" if q.seconds < kv.seconds else "pass-kv"
+    return method, (f"predicted on {hw.name}: pass-KV {kv.seconds * 1e3:.3f} ms vs pass-Q {q.seconds * 1e3:.3f} ms "
+                    f"per layer")
+
+
+def partial_prefill_crossover(*, model: ModelConfig, batch: int, cached: int, world: int, elem: int, hw: Hardware,
+                              acc: int = 4, max_new: int = 2**24) -> int | None:
+    """The smallest T_new from which pass-KV is predicted no slower than pass-Q on top of
+    T_cached tokens (bisection: pass-Q's advantage shrinks as the chunk grows); None if
+    pass-Q stays faster up to ``max_new``, or with one rank."""
+    if world == 1:
+        return None
+
+    def kv_wins(new: int) -> bool:
+        kw = dict(model=model, batch=batch, cached=cached, new=new, world=world, elem=elem, acc=acc, hw=hw)
+        return partial_prefill_cost("pass-kv", **kw).seconds <= partial_prefill_cost("pass-q", **kw).seconds
+
+    if not kv_wins(max_new):
+        return None
+    lo, hi = 1, max_new  # kv_wins(hi)
+    if kv_wins(lo):
+        return lo
+    while hi - lo > 1:
+        mid = (lo + hi) // 2
+        lo, hi = (lo, mid) if kv_wins(mid) else (mid, hi)
+    return hi
+
+
+@dataclass(frozen=True)
+class InferencePoint:
+    """Serving one prompt of T tokens, generating n, at CP degree P, per GPU."""
+
+    cp: int
+    prefill_seconds: float
+    decode_seconds_per_token: float | None  # None: the hardware's memory bandwidth is unknown
+    kv_cache_bytes: int  # ceil((T + n) / P) positions, every layer
+    weight_bytes: int  # every rank holds the whole model
+    fits: bool
+
+    def as_dict(self) -> dict:
+        return asdict(self)
+
+
+def prefill_seconds(w: Workload, hw: Hardware) -> float:
+    """Time to first token: every layer's attention forward pipeline at the forward rate,
+    plus one forward's matmuls on the rank's T/P tokens."""
+    forward_hw = replace(hw, peak_flops=hw.forward_flops, efficiency=1.0)
+    attention = w.model.layers * cost.attention_time(w, forward_hw).forward.seconds
+    matmul = cost.matmul_flops_per_token(w) * w.batch * w.local_len / hw.flops
+    return attention + matmul
+
+
+def kv_cache_bytes(model: ModelConfig, *, batch: int, positions: int, cp: int, elem: int) -> int:
+    """K and V of ceil(positions / P) positions, every layer (``KVCache.nbytes``)."""
+    return 2 * model.layers * batch * model.kv_heads * model.head_dim * _ceil_div(positions, cp) * elem
+
+
+def decode_seconds(model: ModelConfig, *, batch: int, positions: int, cp: int, elem: int, hw: Hardware
+                   ) -> float | None:
+    """Time per output token at ``positions`` held over P ranks (module docstring)."""
+    if not hw.memory_bandwidth:
+        return None
+    weights = model.parameters * elem
+    kv = kv_cache_bytes(model, batch=batch, positions=positions, cp=cp, elem=elem)
+    flops = 2 * model.parameters * batch + 4 * model.head_dim * batch * model.heads * positions * model.layers / cp
+    local = max((weights + kv) / hw.memory_bandwidth, flops / hw.flops)
+    if cp == 1:
+        return local
+    partials = (cp - 1) * batch * model.heads * (model.head_dim + 1) * 4
+    return local + (model.layers + 1) * hw.latency + model.layers * partials / hw.bandwidth(cp)
+
+
+def inference_sweep(w: Workload, hw: Hardware, *, new_tokens: int, degrees: list[int]) -> list[InferencePoint]:
+    """An ``InferencePoint`` for each CP degree that can split the prompt (``w.seq``)."""
+    points = []
+    for cp in degrees:
+        try:
+            v = w.with_(cp=cp, strategy="ring" if cp == 1 else w.strategy, ulysses=None)
+        except ValueError:  # the layout cannot split T over cp ranks, or the heads do not divide
+            continue
+        kv = kv_cache_bytes(w.model, batch=w.batch, positions=w.seq + new_tokens, cp=cp, elem=w.elem)
+        weights = w.model.parameters * w.elem
+        points.append(InferencePoint(
+            cp=cp, prefill_seconds=prefill_seconds(v, hw),
+            decode_seconds_per_token=decode_seconds(w.model, batch=w.batch, positions=w.seq + new_tokens, cp=cp,
+                                                    elem=w.elem, hw=hw),
+            kv_cache_bytes=kv, weight_bytes=weights, fits=kv + weights <= hw.hbm_bytes))
+    return points
