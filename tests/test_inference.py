@@ -8,7 +8,9 @@ import torch
 
 import inference_cases as cases
 import spawned
-from ctxpar.inference import KVCache, generate, reference_generate
+from ctxpar.inference import KVCache, generate, partial_prefill, prefill, reference_generate
+from ctxpar.plan import get_hardware
+from ctxpar.plan.inference import choose_partial_prefill
 from ctxpar.verify import FP32_RTOL
 
 WORLD_SIZES = (1, 2, 3, 4)
@@ -190,3 +192,33 @@ def test_cache_allocates_a_pth_of_the_capacity_and_refuses_bad_shapes() -> None:
         KVCache(layers=3, batch=2, kv_heads=2, head_dim=4, capacity=0)
     with pytest.raises(ValueError, match="do not fit the cache"):
         cache.write(0, 0, torch.zeros(2, 4, 1, 4), torch.zeros(2, 4, 1, 4))
+
+
+def test_rewind_forgets_the_later_positions_and_the_next_chunk_continues_there() -> None:
+    model, prompt = cases.build(), cases.prompt_tokens()
+    chunk = cases.prompt_tokens(5, seed=9)
+    cache = KVCache.for_model(model.cfg, batch=cases.BATCH, capacity=cases.PROMPT_LEN + 5)
+    prefill(model, cache, prompt, layout="zigzag")
+    first = partial_prefill(model, cache, chunk, method="pass-q")
+    cache.rewind(cases.PROMPT_LEN)
+    assert (cache.seq_len, cache.length, cache.prompt_len) == (cases.PROMPT_LEN,) * 3
+    assert cache.positions().tolist() == list(range(cases.PROMPT_LEN))
+    again = partial_prefill(model, cache, chunk, method="pass-kv")
+    assert cases.rel_error(again, first) <= FP32_RTOL
+    for bad in (-1, cases.PROMPT_LEN + 6, 2.0, True):
+        with pytest.raises(ValueError, match="rewind to"):
+            cache.rewind(bad)
+
+
+def test_auto_chooses_by_bytes_without_hardware_and_by_predicted_time_with_it() -> None:
+    cfg = cases.CONFIGS["gqa"]
+    small, large = dict(cached=4096, new=8), dict(cached=64, new=4096)
+    pick = [choose_partial_prefill(model=cfg, batch=1, world=4, elem=4, **kw)[0] for kw in (small, large)]
+    assert pick == ["pass-q", "pass-kv"]
+    h100 = get_hardware("H100-SXM")
+    method, why = choose_partial_prefill(model=cfg, batch=1, world=4, elem=4, hw=h100, **small)
+    assert method == "pass-q" and "predicted on H100-SXM" in why
+    with pytest.raises(ValueError, match="hardware must be a ctxpar.plan.Hardware"):
+        model = cases.build()
+        cache = KVCache.for_model(model.cfg, batch=cases.BATCH, capacity=cases.PROMPT_LEN)
+        partial_prefill(model, cache, cases.prompt_tokens(), hardware="H100-SXM")

@@ -129,6 +129,16 @@ class KVCache:
         if self.prompt_len == 0:
             self.prompt_len = seq_len
 
+    def rewind(self, seq_len: int) -> None:
+        """Forget the positions from ``seq_len`` on (a turn taken back, or the same chunk
+        timed again): every rank alike, no communication; the next call continues there."""
+        if isinstance(seq_len, bool) or not isinstance(seq_len, int) or not 0 <= seq_len <= self.seq_len:
+            raise ValueError(f"rewind to {seq_len!r}: a length between 0 and the {self.seq_len} positions held")
+        keep = int((self._positions[: self.length] < seq_len).sum())  # positions ascend in slot order
+        self._positions[keep:] = -1
+        self.length, self.seq_len = keep, seq_len
+        self.prompt_len = min(self.prompt_len, seq_len)
+
     def reset(self) -> None:
         """Forget everything held (the memory stays allocated for the next prompt)."""
         self._positions.fill_(-1)

@@ -1,0 +1,169 @@
+"""Inference under CP on this machine: prefill and decode time vs P, and where pass-Q stops paying.
+
+    python benchmarks/inference.py                        # prompt 8192 on P = 1, 2, 4; chunks on 8192 at P = 2
+    python benchmarks/inference.py --json inference.json
+
+1. **Prefill and decode vs P**: ``generate`` with the reference model (L=4, H=8, H_kv=2,
+   D=64, float32; one thread per rank) on a ``--prompt``-token prompt, ``--new-tokens``
+   greedy tokens, for each P of ``--nproc``, each P in its own process group, in one run:
+   time to first token (the median of ``--repeat`` prefills), its speed-up over P=1, time
+   per output token, and KV-cache bytes per rank against P=1's.
+2. **pass-KV vs pass-Q**: on P=``--cross-nproc`` ranks, a cache prefilled with ``--cached``
+   tokens, then ``partial_prefill`` of each ``--chunks`` length by both methods,
+   alternating, ``--repeat`` times each (the cache rewound after each), median wall time
+   of the slowest rank. The measured crossover is the chunk length where pass-KV stops
+   being the slower, interpolated (in log length) between the two chunks around it; the
+   planner's (``plan.inference.partial_prefill_crossover``) comes from this machine's
+   calibration (``ctxpar.calibrate``), the ranks' rate scaled by cores / P when they
+   share cores, as in plan_vs_measured.py.
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+import os
+import statistics
+import time
+from dataclasses import replace
+
+import torch
+import torch.distributed as dist
+
+from ctxpar.calibrate import calibrate, format_calibration
+from ctxpar.inference import KVCache, generate, partial_prefill, prefill
+from ctxpar.launch import run_local
+from ctxpar.models import ModelConfig, Transformer
+from ctxpar.plan.hardware import local_hardware
+from ctxpar.plan.inference import partial_prefill_crossover, pass_q_fraction
+from report import write_json
+
+MODEL = ModelConfig(layers=4, hidden=256, heads=8, kv_heads=2, head_dim=64, ffn=512, vocab=256)
+METHODS = ("pass-kv", "pass-q")
+
+
+def _model(cfg: ModelConfig) -> Transformer:
+    torch.manual_seed(0)
+    return Transformer(cfg).eval()
+
+
+def _tokens(n: int, seed: int) -> torch.Tensor:
+    return torch.randint(0, MODEL.vocab, (1, n), generator=torch.Generator().manual_seed(seed))
+
+
+def generation_rank(rank: int, world: int, prompt_len: int, new_tokens: int, repeat: int) -> dict:
+    """TTFT: median of ``repeat`` prefills (after one warm-up); TPOT from one generation."""
+    model, prompt = _model(MODEL), _tokens(prompt_len, 1)
+    cache = KVCache.for_model(MODEL, batch=1, capacity=prompt_len)
+    ttft = []
+    for i in range(repeat + 1):
+        cache.reset()
+        if world > 1:
+            dist.barrier()
+        start = time.perf_counter()
+        prefill(model, cache, prompt, layout="zigzag")
+        if i:
+            ttft.append(time.perf_counter() - start)
+    result = generate(model, prompt, layout="zigzag", new_tokens=new_tokens)
+    return dict(ttft_s=statistics.median(ttft), tpot_s=result.tpot_s, kv_cache_bytes=result.kv_cache_bytes,
+                tokens=result.tokens.tolist())
+
+
+def chunk_rank(rank: int, world: int, cached: int, chunks: list[int], repeat: int) -> list[dict]:
+    """Median seconds of ``partial_prefill`` by each method for each chunk length."""
+    model = _model(MODEL)
+    cache = KVCache.for_model(MODEL, batch=1, capacity=cached + max(chunks))
+    prefill(model, cache, _tokens(cached, 1), layout="zigzag")
+    rows = []
+    for n in chunks:
+        chunk = _tokens(n, 2)
+        times = {m: [] for m in METHODS}
+        for i in range(2 * (repeat + 1)):  # alternating, so drift hits both alike; the first pair warms up
+            method = METHODS[i % 2]
+            dist.barrier()
+            start = time.perf_counter()
+            partial_prefill(model, cache, chunk, method=method, check_consistency=False)
+            if i >= 2:
+                times[method].append(time.perf_counter() - start)
+            cache.rewind(cached)
+        rows.append({m: statistics.median(t) for m, t in times.items()})
+    return rows
+
+
+def measured_crossover(chunks: list[int], ratios: list[float]) -> float | None:
+    """The chunk length where pass-KV / pass-Q falls to 1, interpolated in log length from
+    the last chunk where pass-KV was slower; None if it never was, or always is."""
+    for i in range(len(chunks) - 1, 0, -1):
+        if ratios[i - 1] > 1 >= ratios[i]:
+            a, b = math.log(chunks[i - 1]), math.log(chunks[i])
+            t = (ratios[i - 1] - 1) / (ratios[i - 1] - ratios[i])
+            return math.exp(a + t * (b - a))
+    return None
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--prompt", type=int, default=8192, help="prompt length for prefill and decode vs P")
+    p.add_argument("--new-tokens", type=int, default=16)
+    p.add_argument("--nproc", default="1,2,4", help="CP degrees for prefill and decode")
+    p.add_argument("--cached", type=int, default=8192, help="tokens in the cache before the chunk")
+    p.add_argument("--chunks", default="8,16,32,48,64,96,128,192,256,512,1024", help="chunk lengths T_new")
+    p.add_argument("--cross-nproc", type=int, default=2, help="P for pass-KV vs pass-Q")
+    p.add_argument("--repeat", type=int, default=7, help="timed runs per setting (median)")
+    p.add_argument("--json", metavar="PATH")
+    args = p.parse_args()
+    degrees = [int(x) for x in args.nproc.split(",")]
+    chunks = sorted(int(x) for x in args.chunks.split(","))
+
+    calibration = calibrate()
+    print(format_calibration(calibration) + "\n")
+
+    generation = []
+    for world in degrees:
+        ranks = run_local(generation_rank, world, (args.prompt, args.new_tokens, args.repeat), threads=1)
+        generation.append(dict(nproc=world, ttft_s=max(r["ttft_s"] for r in ranks),
+                               tpot_s=max(r["tpot_s"] for r in ranks),
+                               kv_cache_bytes=max(r["kv_cache_bytes"] for r in ranks), tokens=ranks[0]["tokens"]))
+    base = generation[0]
+    print(f"prefill of {args.prompt} tokens and {args.new_tokens} greedy tokens, L={MODEL.layers} H={MODEL.heads} "
+          f"H_kv={MODEL.kv_heads} D={MODEL.head_dim} float32, zigzag ring, one thread per rank, "
+          f"{os.cpu_count()} cores")
+    print(f"{'P':>3} {'TTFT s':>8} {'speed-up':>9} {'TPOT ms':>8} {'vs P1':>6} {'KV MiB/rank':>12} {'vs P1':>6} "
+          f"{'tokens = P1':>11}")
+    for g in generation:
+        g.update(speedup=base["ttft_s"] / g["ttft_s"], tpot_ratio=g["tpot_s"] / base["tpot_s"],
+                 kv_ratio=g["kv_cache_bytes"] / base["kv_cache_bytes"], same_tokens=g["tokens"] == base["tokens"])
+        print(f"{g['nproc']:>3} {g['ttft_s']:>8.3f} {g['speedup']:>8.2f}x {g['tpot_s'] * 1e3:>8.2f} "
+              f"{g['tpot_ratio']:>5.2f}x {g['kv_cache_bytes'] / 2**20:>12.2f} {g['kv_ratio']:>5.3f} "
+              f"{'yes' if g['same_tokens'] else 'NO':>11}")
+
+    world = args.cross_nproc
+    ranks = run_local(chunk_rank, world, (args.cached, chunks, args.repeat), threads=1)
+    rows = []
+    for i, n in enumerate(chunks):
+        kv, q = (max(r[i][m] for r in ranks) for m in METHODS)
+        rows.append(dict(chunk=n, fraction=n / (args.cached + n), pass_kv_s=kv, pass_q_s=q, ratio=kv / q))
+    measured = measured_crossover(chunks, [r["ratio"] for r in rows])
+    share = min(1.0, (os.cpu_count() or 1) / world)
+    hw = local_hardware(calibration)
+    hw = replace(hw, peak_flops=hw.peak_flops * share, attention_forward_rate=hw.forward_flops * share)
+    predicted = partial_prefill_crossover(model=MODEL, batch=1, cached=args.cached, world=world, elem=4, hw=hw)
+    error = predicted / measured - 1 if predicted and measured else None
+    print(f"\npartial prefill on {args.cached} cached tokens, P={world}: median of {args.repeat}, slowest rank")
+    print(f"{'T_new':>6} {'fraction':>8} {'pass-KV ms':>10} {'pass-Q ms':>10} {'KV / Q':>7}")
+    for r in rows:
+        print(f"{r['chunk']:>6} {r['fraction']:>8.4f} {r['pass_kv_s'] * 1e3:>10.2f} {r['pass_q_s'] * 1e3:>10.2f} "
+              f"{r['ratio']:>7.3f}")
+    bytes_rule = pass_q_fraction(MODEL, 4)
+    print(f"crossover T_new: measured {measured:.0f}" if measured else "crossover T_new: not within the chunks",
+          f"| planner {predicted}" + (f" ({error:+.1%})" if error is not None else ""),
+          f"| bytes rule T_new/(T_cached+T_new) < {bytes_rule:.3f}: T_new "
+          f"{bytes_rule * args.cached / (1 - bytes_rule):.0f}")
+    if args.json:
+        write_json(args.json, args, calibration=calibration, generation=generation, partial_prefill=rows,
+                   crossover=dict(measured=measured, predicted=predicted, error=error,
+                                  bytes_rule_fraction=bytes_rule))
+
+
+if __name__ == "__main__":
+    main()
