@@ -12,8 +12,8 @@ query must see every earlier key, on every rank. Two exact ways to bring them to
              each rank merges its queries' partial (out, lse) against each shard as it
              passes. Moves (P-1)·2·H_kv·ceil((T_cached+T_new)/P)·D elements per rank.
     pass-Q   the queries travel instead: each rank attends every visiting chunk of
-             queries to its own keys, keeps the partial (out, lse), and one all-to-all
-             returns the partials to the queries' owners, who merge them in rank order.
+             queries to its own keys and sends the partial (out, lse) straight back to
+             the queries' owner (overlapping its next step), who merges them in rank order.
              Moves (P-1)·H·ceil(T_new/P)·D elements, plus the float32 partials back.
 
 Pass-Q wins when the chunk is small next to the cache, in bytes when
@@ -144,7 +144,14 @@ def _pass_kv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, tiles: list[tupl
 
 def _pass_q(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, tiles: list[tuple[Tile, ...]],
             counts: list[tuple[int, int]], cache: KVCache, scale: float) -> torch.Tensor:
-    """Every rank's queries visit this rank's keys; the partials go home in one all-to-all."""
+    """Every rank's queries visit this rank's keys; each partial (out, lse) is sent home as
+    soon as it is computed, overlapping the next step's compute; only the last is exposed.
+
+    At step i this rank holds the queries of rank s = r - i and sends their partial to s,
+    while receiving from rank r + i the partial of its own queries computed there at the
+    same step (``RingComm(shift=-i)``). The partials are merged in the order of the rank
+    that computed them, so the result does not depend on arrival order.
+    """
     world, rank = cache.world_size, cache.rank
     b, h, m, d = q.shape
     width = max(n for _, n in counts)
@@ -153,8 +160,10 @@ def _pass_q(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, tiles: list[tuple
     arriving = torch.empty_like(current) if world > 1 else None
     ring = RingComm(cache.group) if world > 1 else None
     acc = kernels.accumulation_dtype(q.dtype)
-    partials = torch.zeros((world, b, h, width, d + 1), dtype=acc, device=q.device)  # (out, lse) per owner
+    partials = torch.zeros((world, b, h, width, d + 1), dtype=acc, device=q.device)  # [s]: computed for rank s
     partials[..., d] = float("-inf")
+    mine = torch.empty_like(partials)  # [s]: rank s's partial of this rank's queries
+    returns = []
     for step in range(world):
         source = (rank - step) % world
         if step < world - 1:
@@ -165,9 +174,15 @@ def _pass_q(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, tiles: list[tuple
         if step < world - 1:
             ring.wait()
             current, arriving = arriving, current
-    (returned,) = comm.all_to_all(partials, group=cache.group)  # chunk s: rank s's partials of my queries
-    acc_out, acc_lse = returned[0, :, :, :m, :d].clone(), returned[0, :, :, :m, d].clone()
-    for part in returned[1:]:
+        if step:  # home: to rank r - step; this rank's own partial comes from rank r + step
+            back = RingComm(cache.group, tag=1, shift=-step)
+            back.start(send=partials[source], recv=mine[(rank + step) % world])
+            returns.append(back)
+    for back in returns:
+        back.wait()
+    mine[rank] = partials[rank]
+    acc_out, acc_lse = mine[0, :, :, :m, :d].clone(), mine[0, :, :, :m, d].clone()
+    for part in mine[1:]:
         merge_into(acc_out, acc_lse, part[:, :, :m, :d], part[:, :, :m, d])
     return acc_out.to(q.dtype)
 
