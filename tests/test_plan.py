@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
+from dataclasses import replace
 
 import pytest
 import torch
@@ -15,13 +16,13 @@ from ctxpar.plan import cost, get_hardware, make_plan, parse_bandwidth, parse_fl
 from ctxpar.cli import main
 from ctxpar import calibrate
 from ctxpar.calibrate import measure_link, measure_memory_bandwidth
-from ctxpar.plan import traffic
+from ctxpar.plan import inference, inference_report, traffic
 from ctxpar.plan.cost import Pipeline
 from ctxpar.plan.documents import pack, parse_doc_dist, parse_lengths, sample_lengths
 from ctxpar.plan.hardware import local_hardware
 from ctxpar.plan.memory import memory_per_gpu, saved_tensors_per_token, sequence_tensors
 from ctxpar.plan.recommend import crossover, fits_up_to, recommend
-from ctxpar.plan.units import format_bytes, format_seconds
+from ctxpar.plan.units import format_bytes, format_seconds, parse_latency
 from ctxpar.plan.work import pairs_per_rank, union_pairs
 from ctxpar.plan.workload import Workload
 
@@ -413,3 +414,206 @@ def test_cli_errors_name_the_flag(capsys) -> None:
     assert "'100G' has no unit" in capsys.readouterr().err
     assert main(["plan", "--seq", "1004", "--cp", "4"]) == 2
     assert "sequence length 1004 is not a multiple of 2*P=8" in capsys.readouterr().err
+
+
+# -- inference (--inference) -------------------------------------------------------------------
+
+LLAMA_8B = resolve_model("llama-3-8b")
+SERVED = ["--inference", "--model", "llama-3-8b", "--seq", "131072", "--cp", "8", "--hardware", "H100-SXM"]
+
+
+@pytest.mark.parametrize("cached, new, world", [(0, 1, 4), (0, 3, 4), (5, 11, 4), (1000, 37, 8), (7, 64, 8),
+                                                (131328, 100, 16), (3, 2, 1)])
+def test_busiest_partial_pairs_equals_a_brute_force_count(cached: int, new: int, world: int) -> None:
+    per_rank = [0] * world
+    for p in range(cached, cached + new):  # dealt round-robin; the query at p sees keys 0..p
+        per_rank[p % world] += p + 1
+    assert inference.busiest_partial_pairs(cached=cached, new=new, world=world) == max(per_rank)
+
+
+@pytest.mark.parametrize("heads, kv_heads, head_dim, elem", [(32, 8, 128, 2), (32, 8, 128, 4), (8, 8, 64, 2),
+                                                             (64, 8, 128, 2)])
+def test_pass_q_fraction_is_where_the_partial_prefill_bytes_cross(heads: int, kv_heads: int, head_dim: int,
+                                                                  elem: int) -> None:
+    model, world, cached = attention_only(heads, kv_heads, head_dim), 4, 4096
+    threshold = inference.pass_q_fraction(model, elem)
+    shape = dict(batch=1, heads=heads, kv_heads=kv_heads, head_dim=head_dim, world=world, elem=elem, acc=4)
+    for new in range(world, 4 * cached, world):  # multiples of P: no rounding
+        kv, q = (traffic.partial_prefill(m, cached=cached, new=new, **shape) for m in ("pass-kv", "pass-q"))
+        assert (q < kv) == (new / (cached + new) < threshold), new
+    # the published 2·H_kv/H counts the queries only: ours is it times D·e / (D·e + (D+1)·a)
+    d = head_dim
+    assert threshold == pytest.approx(inference.published_pass_q_fraction(model) * d * elem / (d * elem + (d + 1) * 4))
+    assert inference.published_pass_q_fraction(model) == 2 * kv_heads / heads
+
+
+def test_choice_without_hardware_is_the_fewer_bytes() -> None:
+    shape = dict(batch=1, heads=32, kv_heads=8, head_dim=128, world=8, elem=2, acc=4)
+    seen = set()
+    for cached, new in ((131328, 64), (131328, 8192), (131328, 40000), (1024, 1024), (0, 4096)):
+        kv, q = (traffic.partial_prefill(m, cached=cached, new=new, **shape) for m in ("pass-kv", "pass-q"))
+        method, why = inference.choose_partial_prefill(model=LLAMA_8B, batch=1, cached=cached, new=new, world=8,
+                                                       elem=2)
+        assert method == ("pass-q" if q < kv else "pass-kv") and f"{kv:,} B" in why and f"{q:,} B" in why
+        seen.add(method)
+    assert seen == {"pass-kv", "pass-q"}
+    assert inference.choose_partial_prefill(model=LLAMA_8B, batch=1, cached=10, new=10, world=1, elem=2)[0] == \
+        "pass-kv"
+
+
+@pytest.mark.parametrize("world, latency", [(8, 0.0), (8, 2e-5), (16, 0.0)])
+def test_partial_prefill_crossover_is_where_the_predicted_times_cross(world: int, latency: float) -> None:
+    hw, cached = replace(get_hardware("H100-SXM"), latency=latency), 131328
+    kw = dict(model=LLAMA_8B, batch=1, cached=cached, world=world, elem=2, hw=hw)
+
+    def seconds(method: str, new: int) -> float:
+        return inference.partial_prefill_cost(method, new=new, **kw).seconds
+
+    x = inference.partial_prefill_crossover(**kw)
+    assert x is not None and x > 1
+    assert seconds("pass-kv", x) <= seconds("pass-q", x) and seconds("pass-kv", x - 1) > seconds("pass-q", x - 1)
+    assert inference.choose_partial_prefill(new=x - 1, **kw)[0] == "pass-q"
+    assert inference.choose_partial_prefill(new=x, **kw)[0] == "pass-kv"
+
+
+def test_decode_falls_with_cp_by_less_than_the_kv_share_and_kv_cache_splits() -> None:
+    hw, positions = get_hardware("H100-SXM"), 131072 + 256
+    kw = dict(batch=1, positions=positions, elem=2)
+    times = [inference.decode_seconds(LLAMA_8B, cp=p, hw=hw, **kw) for p in (1, 2, 4, 8, 16)]
+    assert times == sorted(times, reverse=True) and len(set(times)) == 5
+    weights, kv1 = LLAMA_8B.parameters * 2, inference.kv_cache_bytes(LLAMA_8B, cp=1, **kw)
+    assert times[-1] / times[0] > weights / (weights + kv1)  # the weights are read whatever P
+    assert times[0] == pytest.approx((weights + kv1) / 3.35e12)  # memory-bound, one GPU: no messages
+    assert inference.kv_cache_bytes(LLAMA_8B, cp=4, **kw) * 4 == kv1 == 2 * 32 * 8 * 128 * positions * 2
+    assert inference.kv_cache_bytes(LLAMA_8B, cp=4, batch=1, positions=5, elem=2) == \
+        inference.kv_cache_bytes(LLAMA_8B, cp=1, batch=1, positions=2, elem=2)  # ceil(5/4) positions
+    slow = replace(hw, latency=1e-3)  # (L+1) latencies per step: now CP 2 is slower than one GPU
+    assert inference.decode_seconds(LLAMA_8B, cp=2, hw=slow, **kw) > inference.decode_seconds(LLAMA_8B, cp=1,
+                                                                                              hw=slow, **kw)
+    assert inference.decode_seconds(LLAMA_8B, cp=2, hw=replace(hw, memory_bandwidth=0.0), **kw) is None
+
+
+def test_prefill_is_the_forward_of_a_training_step() -> None:
+    hw = get_hardware("H100-SXM")
+    w = Workload(LLAMA_8B, batch=1, seq=131072, dtype="bfloat16", cp=1)
+    attention = 4 * 128 * 32 * (131072 * 131073 // 2) / hw.flops  # causal pairs, all heads, at the forward rate
+    matmul = 2 * (LLAMA_8B.parameters - LLAMA_8B.vocab * LLAMA_8B.hidden) * 131072 / hw.flops
+    assert inference.prefill_seconds(w, hw) == pytest.approx(32 * attention + matmul, rel=1e-12)
+    plan = inference.make_inference_plan(w.with_(cp=8), hw, new_tokens=256)
+    assert [p.cp for p in plan.points] == [1, 2, 4, 8, 16]
+    assert plan.speedup(8) == pytest.approx(8, rel=1e-3)  # zigzag balanced, K/V hops hidden on NVLink
+    assert (plan.partial.cached, plan.partial.new) == (131072 + 256, 131072 // 16)
+
+
+def test_latency_units() -> None:
+    assert [parse_latency(t) for t in ("20us", "20 µs", "0.5ms", "2e-5", "1s", "0")] == \
+        [pytest.approx(2e-5), pytest.approx(2e-5), 5e-4, 2e-5, 1.0, 0.0]
+    with pytest.raises(ValueError, match="'fast' is not understood; write e.g. 20us"):
+        parse_latency("fast")
+    with pytest.raises(ValueError, match=r"'5' = 5 s is outside 0 .. 1 s"):
+        parse_latency("5")
+
+
+def test_cli_inference_table_and_json(tmp_path, capsys) -> None:
+    out = tmp_path / "serve.json"
+    assert main(["plan", *SERVED, "--json", str(out)]) == 0
+    lines = capsys.readouterr().out.splitlines()
+
+    def row(start: str) -> list[str]:
+        return next(line for line in lines if line.strip().startswith(start)).split()
+
+    assert row("8 ") == ["8", "1.636", "s", "8.00x", "5.445", "ms", "2.004", "GiB", "14.958", "GiB", "yes"]
+    assert row("1 ")[:4] == ["1", "13.086", "s", "1.00x"]
+    assert row("pass-KV")[2:4] == ["476.875", "MiB"] and row("pass-Q")[2:4] == ["168.875", "MiB"]
+    hw, chunk = get_hardware("H100-SXM"), dict(model=LLAMA_8B, batch=1, cached=131328, world=8, elem=2)
+    method, why = inference.choose_partial_prefill(new=8192, hw=hw, **chunk)
+    assert " ".join(row("choice:")) == f"choice: {inference_report.LABELS[method]} ({why})"
+    assert row("by bytes alone:")[3] == "pass-Q"
+    assert " ".join(row("bytes rule:")).endswith("= 0.166; the published 2·H_kv/H = 0.500 (Yang et al. 2024, "
+                                                 "arXiv:2411.01783) counts the queries only, not the partial "
+                                                 "outputs returned")
+    assert row("crossover")[-2:] == [str(inference.partial_prefill_crossover(hw=hw, **chunk)), "on"]
+    assert lines[-1].startswith("At CP 8: prefill 8.00x faster than CP 1") and "-45.2%" in lines[-1]
+
+    report = json.loads(out.read_text())
+    assert set(report) == {"inputs", "hardware", "conventions", "degrees", "partial_prefill", "summary",
+                           "calibration"}
+    assert report["inputs"]["prompt_tokens"] == 131072 and report["inputs"]["new_tokens"] == 256
+    assert (report["hardware"]["memory_bandwidth"], report["hardware"]["latency"]) == (3.35e12, 0.0)
+    at8 = next(d for d in report["degrees"] if d["cp"] == 8)
+    assert set(at8) == {"cp", "prefill_seconds", "prefill_speedup", "decode_seconds_per_token", "decode_change",
+                        "decode_positions", "kv_cache_bytes", "weight_bytes", "fits"}
+    assert (at8["kv_cache_bytes"], at8["weight_bytes"], at8["fits"]) == (2151677952, 16060522496, True)
+    pp = report["partial_prefill"]
+    assert (pp["cached_tokens"], pp["new_tokens"]) == (131328, 8192)
+    assert pp["crossover_new_tokens"] == inference.partial_prefill_crossover(hw=hw, **chunk)
+    assert (pp["methods"]["pass-kv"]["bytes_sent_per_layer"], pp["methods"]["pass-q"]["bytes_sent_per_layer"]) == \
+        (500039680, 177078272)
+    for m in inference.PARTIAL_PREFILL_METHODS:
+        assert pp["methods"][m]["seconds_per_layer"] == inference.partial_prefill_cost(m, new=8192, hw=hw,
+                                                                                      **chunk).seconds
+    assert (pp["choice"], pp["bytes_choice"]["method"]) == ({"method": method, "why": why}, "pass-q")
+    assert pp["published_pass_q_fraction"] == 0.5 and pp["pass_q_fraction"] == pytest.approx(4096 / 24704)
+    assert report["summary"] == lines[-1]
+
+
+def test_cli_inference_latency_and_unknown_memory_bandwidth(tmp_path, capsys) -> None:
+    out = tmp_path / "serve.json"
+    assert main(["plan", *SERVED, "--max-cp", "8", "--latency", "20us", "--json", str(out)]) == 0
+    report = json.loads(out.read_text())
+    assert report["hardware"]["latency"] == pytest.approx(2e-5) and "overridden: latency" in capsys.readouterr().out
+    at8 = next(d for d in report["degrees"] if d["cp"] == 8)
+    assert at8["decode_seconds_per_token"] == pytest.approx(5.4447e-3 + 33 * 2e-5, rel=1e-4)
+    slow = replace(get_hardware("H100-SXM"), latency=2e-5)
+    assert report["partial_prefill"]["crossover_new_tokens"] == inference.partial_prefill_crossover(
+        model=LLAMA_8B, batch=1, cached=131328, world=8, elem=2, hw=slow) != \
+        inference.partial_prefill_crossover(model=LLAMA_8B, batch=1, cached=131328, world=8, elem=2,
+                                            hw=get_hardware("H100-SXM"))
+
+    calibration = tmp_path / "calibration.json"  # measured before memory bandwidth was
+    calibration.write_text(json.dumps({"attention_flops": 1e10, "bandwidth": 1e9}))
+    assert main(["plan", "--inference", "--hardware", "local", "--calibration", str(calibration), "--model", "tiny",
+                 "--seq", "4096", "--cp", "1", "--max-cp", "2", "--json", str(out)]) == 0
+    lines = capsys.readouterr().out.splitlines()
+    assert [r[4] for r in map(str.split, lines) if r[:1] in (["1"], ["2"])] == ["unknown", "unknown"]  # decode
+    assert "  one rank: nothing moves (give --cp P to compare pass-KV and pass-Q)" in lines
+    assert not any(line.strip().startswith("pass-KV") for line in lines) and lines[-1].startswith("CP=1: nothing")
+    report = json.loads(out.read_text())
+    assert [d["decode_seconds_per_token"] for d in report["degrees"]] == [None, None]
+    assert report["partial_prefill"]["crossover_new_tokens"] is None
+
+
+@pytest.mark.parametrize("args, message", [
+    (("--inference", "--fsdp", "8"), "--fsdp 8 describes a training step; --inference plans serving"),
+    (("--inference", "--checkpointing", "full"), "--checkpointing full describes a training step"),
+    (("--inference", "--plot", "plan.png"), "--plot plan.png describes a training step"),
+    (("--inference", "--window", "4096"), "--window 4096 describes a training step"),
+    (("--inference", "--documents", "8192,512"), "--documents 8192,512 describes a training step"),
+    (("--inference", "--doc-dist", "fixed:100"), "--doc-dist fixed:100 describes a training step"),
+    (("--inference", "--doc-dist", "fixed:100", "--doc-seed", "1"), "--doc-dist fixed:100 describes"),
+    (("--inference", "--no-causal"), "--no-causal: --inference plans a causal decoder"),
+    (("--inference", "--strategy", "hybrid"), "--strategy hybrid: inference prefills with ring, allgather, alltoall"),
+    (("--inference", "--new-tokens", "0"), "--new-tokens must be between 1 and"),
+    (("--inference", "--new-tokens", str(2**40)), "--new-tokens must be between 1 and"),
+    (("--inference", "--chunk", "-3"), "--chunk must be between 1 and"),
+    (("--inference", "--latency", "fast"), "--latency 'fast' is not understood"),
+    (("--inference", "--latency", "2s"), "--latency '2s' = 2 s is outside 0 .. 1 s"),
+    (("--new-tokens", "5"), "--new-tokens is an input of the inference plan; add --inference or drop --new-tokens"),
+    (("--chunk", "5"), "--chunk is an input of the inference plan; add --inference"),
+    (("--latency", "20us"), "--latency is an input of the inference plan; add --inference"),
+])
+def test_cli_inference_flags_are_refused_naming_the_flag(args: tuple[str, ...], message: str, capsys,
+                                                        monkeypatch) -> None:
+    def refuse(*args, **kwargs):
+        raise AssertionError("this machine was measured before the bad value was refused")
+
+    monkeypatch.setattr(calibrate, "run_local", refuse)
+    assert main(["plan", *args, "--hardware", "local", "--calibrate"]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("ctxpar plan: error: ") and message in err, err
+
+
+def test_inference_plan_refuses_a_training_workload() -> None:
+    w = Workload(LLAMA_8B, batch=1, seq=4096, dtype="bfloat16", cp=4, fsdp=2, window=512)
+    with pytest.raises(ValueError, match="the workload sets window, fsdp: leave them at their defaults"):
+        inference.make_inference_plan(w, get_hardware("H100-SXM"), new_tokens=1)

@@ -12,8 +12,9 @@ from ctxpar import launch
 from ctxpar import plan as planning
 from ctxpar.demo import DTYPES, DemoConfig, format_report, run_demo
 from ctxpar.inference import command as generation
+from ctxpar.inference.prefill import INFERENCE_STRATEGIES
 from ctxpar.layout import LAYOUT_NAMES
-from ctxpar.limits import check_seed
+from ctxpar.limits import check_count, check_seed
 from ctxpar.models.config import PRESETS as MODEL_PRESETS
 from ctxpar.strategy_rules import STRATEGY_NAMES
 from ctxpar.train import TRAIN_STRATEGIES, TrainConfig, run_train
@@ -191,6 +192,18 @@ def _plan_parser(sub) -> None:
     hw.add_argument("--efficiency", type=float, help="achieved fraction of peak FLOP/s")
     hw.add_argument("--calibrate", action="store_true", help="with --hardware local: measure this machine first")
     hw.add_argument("--calibration", metavar="PATH", help="with --hardware local: a JSON from --calibrate --json")
+    hw.add_argument("--latency", default=argparse.SUPPRESS, metavar="SECONDS",
+                    help="with --inference: seconds every message costs, 20us or 0.00002 (default: the hardware's, 0 "
+                         "for presets, measured for local)")
+    serve = p.add_argument_group("inference (serving instead of a training step; --seq is the prompt length)")
+    serve.add_argument("--inference", action="store_true",
+                       help="prefill time (time to first token), decode time per token and KV cache per GPU against "
+                            "CP degree, and pass-KV vs pass-Q for a chunk on top of the cache")
+    serve.add_argument("--new-tokens", type=int, default=argparse.SUPPRESS, metavar="N",
+                       help="tokens generated after the prompt (default: 256)")
+    serve.add_argument("--chunk", type=int, default=argparse.SUPPRESS, metavar="T_NEW",
+                       help="a follow-up chunk prefilled on top of prompt + new tokens, for pass-KV vs pass-Q "
+                            "(default: --seq // 16, at least 1)")
     p.add_argument("--json", metavar="PATH", help="write every figure (exact bytes, seconds) as JSON")
     p.add_argument("--plot", metavar="PATH", help="write a PNG: efficiency vs sequence length, memory per GPU")
 
@@ -214,10 +227,43 @@ def _plan_documents(args: argparse.Namespace) -> tuple[tuple[int, ...] | None, s
     return planning.sample_lengths(dist, tokens, seed), f"{dist} seed {seed}"
 
 
+DEFAULT_NEW_TOKENS = 256
+
+
+def _inference_flags(args: argparse.Namespace) -> tuple[int, int | None]:
+    """(new tokens, chunk) of --inference (chunk None: the planner's default); refuses the flags
+    that describe only a training step with it, and its own flags without it."""
+    given = vars(args)
+    if not args.inference:
+        for flag in ("--new-tokens", "--chunk", "--latency"):
+            if flag[2:].replace("-", "_") in given:
+                raise ValueError(f"{flag} is an input of the inference plan; add --inference or drop {flag}")
+        return DEFAULT_NEW_TOKENS, None
+    training = (("--checkpointing", args.checkpointing, "none"), ("--fsdp", args.fsdp, 1), ("--plot", args.plot, None),
+                ("--window", args.window, None), ("--documents", args.documents, None),
+                ("--doc-dist", args.doc_dist, None), ("--doc-seed", args.doc_seed, None))
+    for flag, value, default in training:
+        if value != default:
+            raise ValueError(f"{flag} {value} describes a training step; --inference plans serving (causal prompts, "
+                             f"the whole model on every rank, no backward): drop {flag}")
+    if not args.causal:
+        raise ValueError("--no-causal: --inference plans a causal decoder; drop --no-causal")
+    if args.strategy not in INFERENCE_STRATEGIES:
+        raise ValueError(f"--strategy {args.strategy}: inference prefills with {', '.join(INFERENCE_STRATEGIES)} "
+                         f"(hybrid needs a 2D mesh, not supported for inference yet)")
+    new_tokens, chunk = given.get("new_tokens", DEFAULT_NEW_TOKENS), given.get("chunk")
+    check_count("new_tokens", new_tokens)
+    if chunk is not None:
+        check_count("chunk", chunk)
+    return new_tokens, chunk
+
+
 def _run_plan(args: argparse.Namespace) -> int:
     # everything is checked first; measuring this machine (--calibrate) starts processes, so it comes last
+    new_tokens, chunk = _inference_flags(args)
     bandwidth = planning.parse_bandwidth(args.bandwidth) if args.bandwidth is not None else None
     peak_flops = planning.parse_flops(args.flops) if args.flops is not None else None
+    latency = planning.parse_latency(args.latency) if "latency" in vars(args) else None
     planning.check_overrides(bandwidth=bandwidth, peak_flops=peak_flops, efficiency=args.efficiency)
     calibration_.check_calibration_flags(args.hardware, measure=args.calibrate, path=args.calibration)
     calibration = calibration_.load_calibration(args.calibration) if args.calibration is not None else None
@@ -241,7 +287,14 @@ def _run_plan(args: argparse.Namespace) -> int:
         calibration = calibration_.plan_calibration(args.hardware, measure=True, path=None)
         print(calibration_.format_calibration(calibration) + "\n")
     hardware = planning.get_hardware(args.hardware, calibration=calibration, efficiency=args.efficiency,
-                                     bandwidth=bandwidth, peak_flops=peak_flops)
+                                     bandwidth=bandwidth, peak_flops=peak_flops, latency=latency)
+    if args.inference:
+        served = planning.make_inference_plan(workload, hardware, new_tokens=new_tokens, chunk=chunk,
+                                              max_cp=args.max_cp, calibration=calibration)
+        print(planning.format_inference_plan(served))
+        if args.json:
+            _write_json(args.json, planning.inference_to_json(served))
+        return 0
     plan = planning.make_plan(workload, hardware, max_cp=args.max_cp, calibration=calibration)
     print(planning.format_plan(plan))
     if args.json:

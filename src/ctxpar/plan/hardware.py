@@ -132,15 +132,19 @@ def gpus_per_node(name: str) -> int:
 
 
 def check_overrides(
-    *, bandwidth: float | None = None, peak_flops: float | None = None, efficiency: float | None = None
+    *, bandwidth: float | None = None, peak_flops: float | None = None, efficiency: float | None = None,
+    latency: float | None = None,
 ) -> None:
-    """Refuse override figures that are not positive finite numbers (efficiency: in [0.01, 1])."""
+    """Refuse override figures that are not positive finite numbers (efficiency: in [0.01, 1];
+    latency: finite, >= 0)."""
     for flag, value in (("--bandwidth", bandwidth), ("--flops", peak_flops)):
         if value is not None and not (math.isfinite(value) and value > 0):
             raise ValueError(f"{flag} {value} must be a positive finite rate")
     if efficiency is not None and not MIN_EFFICIENCY <= efficiency <= 1:
         raise ValueError(f"--efficiency {efficiency} must be in [{MIN_EFFICIENCY}, 1]: the achieved fraction of "
                          f"peak FLOP/s")
+    if latency is not None and not (math.isfinite(latency) and latency >= 0):
+        raise ValueError(f"--latency {latency} must be a finite number of seconds >= 0")
 
 
 def get_hardware(
@@ -150,14 +154,16 @@ def get_hardware(
     bandwidth: float | None = None,
     peak_flops: float | None = None,
     efficiency: float | None = None,
+    latency: float | None = None,
 ) -> Hardware:
     """A preset by name (case-insensitive), with optional overrides.
 
     ``bandwidth`` replaces both links (intra- and inter-node); ``peak_flops`` the peak;
-    ``efficiency`` the achieved fraction. ``local`` needs ``calibration``.
+    ``efficiency`` the achieved fraction; ``latency`` the seconds per message.
+    ``local`` needs ``calibration``.
     """
     gpus_per_node(name)  # refuses an unknown name
-    check_overrides(bandwidth=bandwidth, peak_flops=peak_flops, efficiency=efficiency)
+    check_overrides(bandwidth=bandwidth, peak_flops=peak_flops, efficiency=efficiency, latency=latency)
     key = name.lower()
     if key == LOCAL:
         if calibration is None:
@@ -167,7 +173,7 @@ def get_hardware(
     else:
         hw = PRESETS[key]
     changes = dict(intra_node_bandwidth=bandwidth, inter_node_bandwidth=bandwidth, peak_flops=peak_flops,
-                   efficiency=efficiency)
+                   efficiency=efficiency, latency=latency)
     changes = {k: v for k, v in changes.items() if v is not None}
     if changes:
         hw = replace(hw, source=hw.source + "; overridden: " + ", ".join(sorted(changes)), **changes)

@@ -15,15 +15,20 @@ What ``ctxpar.inference`` does, and what is modelled here for it (P ranks, L lay
   whose stages move a rank's K/V (cached + new); pass-Q a P-stage pipeline moving the
   new queries, then an all-to-all of the partial outputs nobody can hide. Compute is
   the same in both: the busiest rank's new queries against every earlier key.
+
+``make_inference_plan`` gathers these against CP degree for ``ctxpar plan --inference``
+(printed and written as JSON by ``plan.inference_report``).
 """
 
 from __future__ import annotations
 
 from dataclasses import asdict, dataclass, replace
 
+from ctxpar.limits import check_count
 from ctxpar.models.config import ModelConfig
 from ctxpar.plan import cost, traffic
 from ctxpar.plan.hardware import Hardware
+from ctxpar.plan.planner import check_plan_size, sweep_degrees
 from ctxpar.plan.workload import Workload
 
 PARTIAL_PREFILL_METHODS = ("pass-kv", "pass-q")
@@ -199,3 +204,88 @@ def inference_sweep(w: Workload, hw: Hardware, *, new_tokens: int, degrees: list
                                                     elem=w.elem, hw=hw),
             kv_cache_bytes=kv, weight_bytes=weights, fits=kv + weights <= hw.hbm_bytes))
     return points
+
+
+def published_pass_q_fraction(model: ModelConfig) -> float:
+    """2·H_kv/H: Yang et al. 2024 (arXiv:2411.01783)'s pass-Q threshold, queries against K and V only."""
+    return 2 * model.kv_heads / model.heads
+
+
+@dataclass(frozen=True)
+class PartialPrefillPlan:
+    """A chunk of T_new tokens prefilled on top of T_cached at CP degree P: both methods, the choice, the rules."""
+
+    cp: int
+    cached: int
+    new: int
+    costs: tuple[PartialPrefillCost, ...]  # one per PARTIAL_PREFILL_METHODS, in that order
+    method: str  # ``choose_partial_prefill`` on the hardware
+    why: str
+    bytes_method: str  # ``choose_partial_prefill`` without hardware: the fewer bytes
+    bytes_why: str
+    pass_q_fraction: float  # ``pass_q_fraction``: the bytes rule's threshold on T_new / (T_cached + T_new)
+    published_fraction: float  # 2·H_kv/H
+    crossover: int | None  # ``partial_prefill_crossover``: pass-KV no slower from this T_new on
+
+    @property
+    def new_fraction(self) -> float:
+        return self.new / (self.cached + self.new)
+
+
+@dataclass(frozen=True)
+class InferencePlan:
+    """Serving a T-token prompt (``workload.seq``) and generating ``new_tokens``, against CP degree,
+    and the pass-KV / pass-Q choice for a follow-up chunk at ``workload.cp``."""
+
+    workload: Workload
+    hardware: Hardware
+    new_tokens: int
+    points: list[InferencePoint]  # one per degree that can split the prompt, CP 1 first
+    partial: PartialPrefillPlan
+    calibration: dict | None = None
+
+    def point(self, cp: int) -> InferencePoint | None:
+        return next((p for p in self.points if p.cp == cp), None)
+
+    def speedup(self, cp: int) -> float | None:
+        """CP-1 prefill time / CP-P prefill time."""
+        one, here = self.point(1), self.point(cp)
+        return None if one is None or here is None else one.prefill_seconds / here.prefill_seconds
+
+
+def partial_prefill_plan(*, model: ModelConfig, batch: int, cached: int, new: int, world: int, elem: int,
+                         hw: Hardware, acc: int = 4) -> PartialPrefillPlan:
+    """Both methods' bytes and pipelines, the choice with and without ``hw``, the rules and the crossover."""
+    kw = dict(model=model, batch=batch, cached=cached, new=new, world=world, elem=elem, acc=acc)
+    method, why = choose_partial_prefill(hw=hw, **kw)
+    bytes_method, bytes_why = choose_partial_prefill(**kw)
+    return PartialPrefillPlan(
+        cp=world, cached=cached, new=new,
+        costs=tuple(partial_prefill_cost(m, hw=hw, **kw) for m in PARTIAL_PREFILL_METHODS),
+        method=method, why=why, bytes_method=bytes_method, bytes_why=bytes_why,
+        pass_q_fraction=pass_q_fraction(model, elem, acc), published_fraction=published_pass_q_fraction(model),
+        crossover=partial_prefill_crossover(model=model, batch=batch, cached=cached, world=world, elem=elem, hw=hw,
+                                            acc=acc))
+
+
+def make_inference_plan(w: Workload, hw: Hardware, *, new_tokens: int, chunk: int | None = None,
+                        max_cp: int | None = None, calibration: dict | None = None) -> InferencePlan:
+    """``ctxpar plan --inference``: the prompt is ``w.seq`` tokens, prefilled by ``w.strategy`` on
+    ``w.layout``; degrees 1, 2, 4, ... up to ``max_cp`` (``planner.sweep_degrees``); the chunk
+    (default T // 16, at least 1) goes on top of T + ``new_tokens`` at ``w.cp``."""
+    check_plan_size(w.seq, w.cp, max_cp)
+    check_count("new_tokens", new_tokens)
+    chunk = max(1, w.seq // 16) if chunk is None else chunk
+    check_count("chunk", chunk)
+    training = [name for name, given in (("window", w.window is not None), ("documents", w.documents is not None),
+                                         ("causal=False", not w.causal), ("fsdp", w.fsdp != 1),
+                                         ("checkpointing", w.checkpointing != "none")) if given]
+    if training:
+        raise ValueError(f"the inference plan models a causal decoder serving whole prompts, replicated weights and "
+                         f"no backward; the workload sets {', '.join(training)}: leave them at their defaults")
+    cached = w.seq + new_tokens
+    partial = partial_prefill_plan(model=w.model, batch=w.batch, cached=cached, new=chunk, world=w.cp,
+                                   elem=w.elem, hw=hw, acc=w.acc)
+    return InferencePlan(w, hw, new_tokens, inference_sweep(w, hw, new_tokens=new_tokens,
+                                                            degrees=sweep_degrees(w.cp, max_cp)),
+                         partial, calibration)

@@ -1,4 +1,4 @@
-"""Reading and writing quantities: bandwidths, FLOP rates, bytes and seconds.
+"""Reading and writing quantities: bandwidths, FLOP rates, latencies, bytes and seconds.
 
 Conventions (stated in every report): bandwidth prefixes are decimal, as vendors and
 nccl-tests quote them, so ``100GB/s`` = 100e9 bytes/s and ``400Gb/s`` = 400e9 bits/s =
@@ -17,6 +17,9 @@ _BANDWIDTH = re.compile(r"^\s*([0-9]*\.?[0-9]+(?:e[+-]?[0-9]+)?)\s*([kmgtp]i?)?(
 # over them overflows (or divides by zero).
 BANDWIDTH_RANGE = (1e3, 1e18, "1kB/s .. 1e18B/s")
 FLOPS_RANGE = (1e6, 1e24, "1M .. 1e24 FLOP/s")
+LATENCY_RANGE = (0.0, 1.0, "0 .. 1 s")
+_SECONDS = {"": 1.0, "s": 1.0, "ms": 1e-3, "us": 1e-6, "µs": 1e-6, "ns": 1e-9}
+_LATENCY = re.compile(r"^\s*([0-9]*\.?[0-9]+(?:e[+-]?[0-9]+)?)\s*(s|ms|us|µs|ns)?\s*$", re.I)
 _FLOPS = re.compile(r"^\s*([0-9]*\.?[0-9]+(?:e[+-]?[0-9]+)?)\s*([kmgtpe])?(?:flop/?s|flops)?\s*$", re.I)
 
 
@@ -50,6 +53,18 @@ def parse_flops(text: str) -> float:
     if not low <= rate <= high:
         raise ValueError(f"--flops {text!r} = {rate:g} FLOP/s is outside {written}; write e.g. 989T")
     return rate
+
+
+def parse_latency(text: str) -> float:
+    """Seconds from ``20us``, ``0.5ms``, ``2e-5`` (no unit: seconds); 0 is allowed (no latency)."""
+    m = _LATENCY.match(str(text))
+    if not m:
+        raise ValueError(f"--latency {text!r} is not understood; write e.g. 20us, 0.5ms or 0.00002 (seconds)")
+    seconds = float(m.group(1)) * _SECONDS[(m.group(2) or "").lower()]
+    low, high, written = LATENCY_RANGE
+    if not low <= seconds <= high:
+        raise ValueError(f"--latency {text!r} = {seconds:g} s is outside {written} per message; write e.g. 20us")
+    return seconds
 
 
 def format_bytes(n: float) -> str:
