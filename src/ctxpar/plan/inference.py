@@ -12,9 +12,10 @@ What ``ctxpar.inference`` does, and what is modelled here for it (P ranks, L lay
   Memory-bound: bytes read / memory bandwidth, plus one latency per layer and one per
   step (the step check), plus the partials' bytes.
 - **Partial prefill** (T_new tokens on top of T_cached): pass-KV is a P-stage pipeline
-  whose stages move a rank's K/V (cached + new); pass-Q a P-stage pipeline moving the
-  new queries, then an all-to-all of the partial outputs nobody can hide. Compute is
-  the same in both: the busiest rank's new queries against every earlier key.
+  whose stages move a rank's K/V (cached + new); pass-Q a P-stage pipeline whose stages
+  move the new queries and send the previous stage's partial output home, the last
+  partial's return exposed. Compute is the same in both: the busiest rank's new queries
+  against every earlier key.
 
 ``make_inference_plan`` gathers these against CP degree for ``ctxpar plan --inference``
 (printed and written as JSON by ``plan.inference_report``).
@@ -82,9 +83,9 @@ def partial_prefill_cost(method: str, *, model: ModelConfig, batch: int, cached:
         hop = sent / (world - 1)
         return PartialPrefillCost(method, sent, cost.Pipeline(world, compute / world, hop / bw + latency))
     queries = (world - 1) * batch * model.heads * _ceil_div(new, world) * model.head_dim * elem
-    hop, returned = queries / (world - 1), sent - queries
-    return PartialPrefillCost(method, sent, cost.Pipeline(world, compute / world, hop / bw + latency,
-                                                          tail=returned / bw + latency))
+    hop, home = queries / (world - 1), (sent - queries) / (world - 1)  # a step's queries; one partial
+    return PartialPrefillCost(method, sent, cost.Pipeline(world, compute / world, (hop + home) / bw + 2 * latency,
+                                                          tail=home / bw + latency))
 
 
 def pass_q_fraction(model: ModelConfig, elem: int, acc: int = 4) -> float:

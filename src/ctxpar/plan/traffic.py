@@ -127,8 +127,8 @@ def partial_prefill(method: str, *, batch: int, cached: int, new: int, heads: in
 
     pass-kv: every rank's K/V (cached + new) makes P-1 ring hops:
         (P-1) · 2·B·H_kv·N·D · e
-    pass-q: the new queries make P-1 ring hops, then one all-to-all returns each rank's
-        partial (out, lse) of every other rank's queries to their owner:
+    pass-q: the new queries make P-1 ring hops, and each rank sends its partial (out, lse)
+        of every other rank's queries back to their owner:
         (P-1) · B·H·M·D · e  +  (P-1) · B·H·M·(D+1) · a
     """
     if method not in ("pass-kv", "pass-q"):
