@@ -15,7 +15,8 @@ import torch
 
 from ctxpar.inference import (KVCache, decode_step, generate, partial_prefill, prefill, reference_generate,
                               sharded_attention)
-from ctxpar import profile
+from ctxpar import profile, topology
+from ctxpar.inference.prefill import _group_rank as group_rank
 from ctxpar.layout import get_layout
 from ctxpar.plan import traffic
 from ctxpar.models import ModelConfig, Transformer
@@ -38,6 +39,15 @@ TEMPERATURE, SEED = 0.8, 5
 def build(config: str = "gqa") -> Transformer:
     torch.manual_seed(0)  # the same weights on every rank and in the reference
     return Transformer(CONFIGS[config]).eval()
+
+
+def hybrid_mesh(world: int):
+    """ulysses x ring = 2 x (P/2) where P is even, 1 x P otherwise. Ulysses-major, so at P=4
+    a rank's place in the layout (ring-major) is not its rank: prefill must map them."""
+    from ctxpar.launch import init_mesh
+
+    u = 2 if world % 2 == 0 else 1
+    return init_mesh("cpu", (u, world // u), ("ulysses", "ring"))
 
 
 def prompt_tokens(seq_len: int = PROMPT_LEN, vocab: int = 128, seed: int = 1) -> torch.Tensor:
@@ -72,6 +82,10 @@ def _check_logits(rank: int, world: int) -> dict:
     out = {}
     cases = [(c, lay, s) for c in ("gqa",) for lay in LAYOUTS for s in STRATEGIES]
     cases += [("mqa", lay, "ring") for lay in LAYOUTS]
+    mesh = None
+    if world > 1:  # hybrid: all-to-all over 2 ranks where P is even, ring over the rest
+        cases += [("gqa", lay, "hybrid") for lay in LAYOUTS]
+        mesh = hybrid_mesh(world)
     for config, layout, strategy in cases:
         model, vocab = build(config), CONFIGS[config].vocab
         prompt = prompt_tokens(vocab=vocab)
@@ -80,10 +94,13 @@ def _check_logits(rank: int, world: int) -> dict:
             full = torch.cat([prompt, forced], dim=1)
             want = [model(full[:, : PROMPT_LEN + i])[:, -1] for i in range(FORCED_STEPS + 1)]
         cache = KVCache.for_model(model.cfg, batch=BATCH, capacity=PROMPT_LEN + FORCED_STEPS)
-        got = [prefill(model, cache, prompt, layout=layout, strategy=strategy)]
+        got = [prefill(model, cache, prompt, layout=layout, strategy=strategy,
+                       mesh=mesh if strategy == "hybrid" else None)]
         got += [decode_step(model, cache, forced[:, i]) for i in range(FORCED_STEPS)]
         out[f"{config}-{layout}-{strategy}"] = ([rel_error(g, w) for g, w in zip(got, want)],
                                                 digest(torch.stack(got)))
+    if mesh is not None:  # the owner of T-1 is at place 0 or P-1, where place = rank: check every place
+        out["place_to_rank"] = group_rank(mesh, topology.hybrid_rank(mesh), None) == rank
     return out
 
 
@@ -211,7 +228,11 @@ def _check_bad_inputs(rank: int, world: int) -> dict[str, str]:
         "batch": _attempt(lambda: prefill(model, cache(batch=3), prompt, layout="zigzag")),
         "heads": _attempt(lambda: prefill(model, cache(kv_heads=2), prompt, layout="zigzag")),
         "layout_length": _attempt(lambda: prefill(model, cache(), prompt_tokens(2 * world * 3 + 1), layout="zigzag")),
-        "strategy": _attempt(lambda: prefill(model, cache(), prompt, layout="zigzag", strategy="hybrid")),
+        "strategy": _attempt(lambda: prefill(model, cache(), prompt, layout="zigzag", strategy="ulysses")),
+        "hybrid_no_mesh": _attempt(lambda: prefill(model, cache(), prompt, layout="zigzag", strategy="hybrid")),
+        "mesh_not_hybrid": _attempt(lambda: prefill(model, cache(), prompt, layout="zigzag", mesh=object())),
+        "mesh_not_a_mesh": _attempt(lambda: prefill(model, cache(), prompt, layout="zigzag", strategy="hybrid",
+                                                    mesh=object())),
         "before_prefill": _attempt(lambda: decode_step(model, cache(), prompt[:, 0])),
         "prefill_twice": _attempt(lambda: prefill(model, prefilled(cache()), prompt, layout="zigzag")),
         "decode_batch": _attempt(lambda: decode_step(model, prefilled(cache()), prompt[:1, 0])),

@@ -92,6 +92,14 @@ def test_generate_equals_the_single_process_tokens_and_writes_the_documented_jso
     assert report["kv_cache_bytes_per_rank"] == [36 * 2 * 2 * 2 * 2 * 16 * 4] * 2
 
 
+def test_generate_with_the_hybrid_strategy_equals_the_single_process_tokens() -> None:
+    proc = run_cli("generate", "--nproc", "4", "--prompt-len", "64", "--new-tokens", "6", "--strategy", "hybrid",
+                   "--ulysses-degree", "2", "--compare")
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert "4 ranks (hybrid: ulysses 2 x ring 2, zigzag)" in proc.stdout
+    assert "OK: the tokens equal the single-process generation" in proc.stdout
+
+
 # -- item 10: every value checked before any rank starts -----------------------------------------
 
 
@@ -173,6 +181,8 @@ def bad_values(tmp: Path) -> list[tuple[tuple[str, ...], str]]:
         (("generate", "--batch", "0"), "--batch must be between 1 and"),
         (("generate", "--nproc", "3", "--prompt-len", "1020", "--strategy", "alltoall"),
          "splits the query heads H=4 (H_kv=2) over P=3 ranks"),
+        (("generate", "--strategy", "hybrid"), "strategy 'hybrid' needs a --ulysses-degree dividing the 4 ranks"),
+        (("generate", "--ulysses-degree", "2"), "a --ulysses-degree is only for strategy 'hybrid'"),
         (("generate", "--temperature", "nan"), "--temperature must be a finite number >= 0"),
         (("generate", "--seed", "-1"), "--seed must be between 0 and"),
         (("generate", "--nproc", "0"), "--nproc 0 must be >= 1"),

@@ -33,7 +33,9 @@ def _reported(world: int, check: str) -> list:
 @pytest.mark.parametrize("world", WORLD_SIZES, ids=lambda w: f"P{w}")
 def test_prefill_and_every_decode_step_match_the_single_process_model(world: int) -> None:
     per_rank = _reported(world, "logits")
-    assert len(per_rank[0]) == 3 * 3 + 3  # every layout x strategy (GQA), and the ring under MQA
+    # every layout x strategy (GQA), the ring under MQA, and on more than one rank the hybrid
+    assert len(per_rank[0]) == 3 * 3 + 3 + (3 + 1 if world > 1 else 0)
+    assert all(r.pop("place_to_rank", True) is True for r in per_rank), "hybrid: a mesh place maps to another rank"
     for case, (errors, _) in per_rank[0].items():
         assert len(errors) == 1 + cases.FORCED_STEPS
         for step, err in enumerate(errors):
@@ -141,7 +143,10 @@ EXPECTED_MESSAGES = {
     "batch": ["batch B=2", "built for batch 3"],
     "heads": ["(layers, kv_heads, head_dim) = (2, 4, 8)", "(2, 2, 8)"],
     "layout_length": ["not a multiple of 2*P=", "zigzag layout", "pad to"],
-    "strategy": ["inference strategy 'hybrid'", "ring, allgather, alltoall"],
+    "strategy": ["inference strategy 'ulysses'", "ring, allgather, alltoall, hybrid"],
+    "hybrid_no_mesh": ["strategy='hybrid' takes mesh="],
+    "mesh_not_hybrid": ["mesh= is for strategy='hybrid'"],
+    "mesh_not_a_mesh": ["mesh= must be a 2D DeviceMesh", "object"],
     "before_prefill": ["decode before prefill"],
     "prefill_twice": ["already holds a sequence of 24 positions"],
     "decode_batch": ["batch B=1", "built for batch 2"],

@@ -321,6 +321,8 @@ def _generate_parser(sub) -> None:
     p.add_argument("--layout", choices=LAYOUT_NAMES, default=d.layout, help="how prefill splits the prompt")
     p.add_argument("--strategy", choices=generation.INFERENCE_STRATEGIES, default=d.strategy,
                    help="how prefill moves K/V")
+    p.add_argument("--ulysses-degree", type=int, default=d.ulysses_degree,
+                   help="hybrid only: ranks per all-to-all (the ring degree is nproc / this)")
     p.add_argument("--temperature", type=float, default=d.temperature, help="0: greedy; else sample")
     p.add_argument("--seed", type=int, default=d.seed, help="seeds the model, the prompt and the sampling")
     p.add_argument("--compare", action="store_true",
@@ -335,8 +337,8 @@ def _run_generate(args: argparse.Namespace) -> int:
     _check_output("--json", args.json)
     cfg = generation.GenerateConfig(
         nproc=args.nproc, prompt_len=args.prompt_len, new_tokens=args.new_tokens, batch=args.batch,
-        model=args.model, layout=args.layout, strategy=args.strategy, temperature=args.temperature, seed=args.seed,
-        compare=args.compare, progress=args.progress, device=args.device,
+        model=args.model, layout=args.layout, strategy=args.strategy, ulysses_degree=args.ulysses_degree,
+        temperature=args.temperature, seed=args.seed, compare=args.compare, progress=args.progress, device=args.device,
     )
     report = generation.run_generate(cfg, timeout_s=args.timeout)
     if report is None:  # a non-zero rank under torchrun

@@ -30,6 +30,7 @@ class GenerateConfig:
     model: str = "tiny"
     layout: str = "zigzag"
     strategy: str = "ring"
+    ulysses_degree: int | None = None  # hybrid only; the ring degree is nproc / ulysses_degree
     temperature: float = 0.0  # 0: greedy
     seed: int = 0
     compare: bool = False
@@ -48,8 +49,8 @@ class GenerateConfig:
             get_layout(self.layout, world).validate(self.prompt_len)
         except ValueError as e:
             raise ValueError(f"--prompt-len: {e}") from None
-        strategy_rules.check_heads(self.strategy, cfg.heads, cfg.kv_heads,
-                                   strategy_rules.ulysses_degree(self.strategy, world))
+        strategy_rules.check_heads(self.strategy, cfg.heads, cfg.kv_heads, strategy_rules.ulysses_degree(
+            self.strategy, world, self.ulysses_degree, name="--ulysses-degree"))
         try:
             check_sampling(self.temperature, self.seed)
         except ValueError as e:
@@ -85,7 +86,11 @@ def generate_rank(rank: int, world: int, cfg: GenerateConfig, device: torch.devi
         from tqdm import tqdm
 
         bar = tqdm(total=cfg.new_tokens, desc="generate", unit="tok")
-    result = generate(model, prompt, layout=cfg.layout, strategy=cfg.strategy, new_tokens=cfg.new_tokens,
+    mesh = None
+    if cfg.strategy == "hybrid":
+        u = cfg.ulysses_degree
+        mesh = launch.init_mesh(device.type, (world // u, u), ("ring", "ulysses"))
+    result = generate(model, prompt, layout=cfg.layout, strategy=cfg.strategy, mesh=mesh, new_tokens=cfg.new_tokens,
                       temperature=cfg.temperature, seed=cfg.seed, on_token=bar.update if bar else None)
     if bar is not None:
         bar.close()
@@ -111,12 +116,18 @@ def run_generate(cfg: GenerateConfig, *, timeout_s: float = launch.DEFAULT_TIMEO
     return report
 
 
+def _strategy_words(c: dict) -> str:
+    if c["strategy"] != "hybrid":
+        return c["strategy"]
+    return f"hybrid: ulysses {c['ulysses_degree']} x ring {c['nproc'] // c['ulysses_degree']}"
+
+
 def format_report(report: dict) -> str:
     c = report["config"]
     per_rank = report["kv_cache_bytes_per_rank"]
     tpot = "-" if report["tpot_s"] is None else f"{report['tpot_s'] * 1e3:.2f} ms"
     lines = [f"ctxpar generate: {c['model']} model, prompt {c['prompt_len']} x batch {c['batch']}, "
-             f"{c['new_tokens']} new tokens, {c['nproc']} ranks ({c['strategy']}, {c['layout']})",
+             f"{c['new_tokens']} new tokens, {c['nproc']} ranks ({_strategy_words(c)}, {c['layout']})",
              f"time to first token   {report['ttft_s'] * 1e3:.2f} ms",
              f"time per output token {tpot}",
              f"KV cache per rank     {', '.join(f'{b:,}' for b in per_rank)} bytes"]

@@ -69,14 +69,15 @@ class GenerationResult:
 
 
 def generate(model: nn.Module, prompt: torch.Tensor, *, layout: str | Layout, group: dist.ProcessGroup | None = None,
-             strategy: str = "ring", new_tokens: int, temperature: float = 0.0, seed: int = 0,
+             strategy: str = "ring", mesh=None, new_tokens: int, temperature: float = 0.0, seed: int = 0,
              check_consistency: bool = True, on_token: Callable[[], None] | None = None) -> GenerationResult:
     """Generate ``new_tokens`` tokens after ``prompt`` with the KV cache sharded over ``group``.
 
     Args:
         model: the reference ``ctxpar.models.Transformer``, the same weights on every rank.
         prompt: (B, T) token ids, the same on every rank (B prompts of one length).
-        layout, strategy: how prefill splits the prompt and moves K/V (``prefill``).
+        layout, strategy, mesh: how prefill splits the prompt and moves K/V (``prefill``;
+            ``mesh`` for hybrid only).
         group: the CP group (None: WORLD, or one process without a process group).
         new_tokens: tokens to generate per sequence, >= 1; the cache is sized for
             T + new_tokens - 1 positions (the last token is returned, not fed back).
@@ -104,7 +105,7 @@ def generate(model: nn.Module, prompt: torch.Tensor, *, layout: str | Layout, gr
                               group=group, dtype=weight.dtype, device=weight.device)
     sample = Sampler(temperature, seed, weight.device)
     begin = _now(weight.device)
-    token = sample(prefill(model, cache, prompt, layout=layout, strategy=strategy,
+    token = sample(prefill(model, cache, prompt, layout=layout, strategy=strategy, mesh=mesh,
                            check_consistency=check_consistency))  # (B,)
     out = [token]
     ttft = _now(weight.device) - begin

@@ -15,17 +15,19 @@ import zlib
 import torch
 import torch.nn as nn
 
-from ctxpar import agreement, comm, strategy_rules
+import torch.distributed as dist
+
+from ctxpar import agreement, comm, strategy_rules, topology
 from ctxpar.attention import attention
 from ctxpar.inference.cache import KVCache
 from ctxpar.inference.hooks import attention_replaced, check_model_fits
 from ctxpar.layout import Layout, fingerprint, get_layout
 
-INFERENCE_STRATEGIES = ("ring", "allgather", "alltoall")
+INFERENCE_STRATEGIES = ("ring", "allgather", "alltoall", "hybrid")
 
 
 def prefill(model: nn.Module, cache: KVCache, prompt: torch.Tensor, *, layout: str | Layout,
-            strategy: str = "ring", check_consistency: bool = True) -> torch.Tensor:
+            strategy: str = "ring", mesh=None, check_consistency: bool = True) -> torch.Tensor:
     """Run the prompt through the model over the cache's CP group, filling the cache.
 
     Args:
@@ -35,7 +37,10 @@ def prefill(model: nn.Module, cache: KVCache, prompt: torch.Tensor, *, layout: s
             takes its own positions with ``layout``.
         layout: ``"contiguous" | "zigzag" | "striped"`` or a ``Layout`` for the group's P;
             T must suit it (its error says how to pad).
-        strategy: ``"ring" | "allgather" | "alltoall"`` (``ctxpar.attention``'s).
+        strategy: ``"ring" | "allgather" | "alltoall" | "hybrid"`` (``ctxpar.attention``'s).
+        mesh: hybrid only: the 2D DeviceMesh ("ulysses", "ring") over the cache's ranks;
+            each rank takes the prompt positions of its place in the mesh
+            (``topology.hybrid_rank``), and keeps them in the cache.
         check_consistency: the ranks first compare their calls (one tiny all-gather), so
             a rank whose inputs are invalid or differ makes every rank raise instead of
             leaving the others waiting; and each attention call checks its own.
@@ -48,9 +53,9 @@ def prefill(model: nn.Module, cache: KVCache, prompt: torch.Tensor, *, layout: s
             length the layout cannot split, a filled cache, ...), before any collective;
             with ``check_consistency`` on every rank together.
     """
-    error = None
+    error, layout_rank = None, cache.rank
     try:
-        layout = _check(model, cache, prompt, layout, strategy)
+        layout, layout_rank = _check(model, cache, prompt, layout, strategy, mesh)
     except ValueError as e:
         error = e
     if check_consistency and cache.world_size > 1:
@@ -59,23 +64,26 @@ def prefill(model: nn.Module, cache: KVCache, prompt: torch.Tensor, *, layout: s
         raise error
 
     seq_len = prompt.shape[1]
-    positions = layout.positions(seq_len, cache.rank, device=prompt.device)  # (T/P,) global, for RoPE
-    tokens = layout.shard(prompt, cache.rank, dim=1)  # (B, T/P)
+    positions = layout.positions(seq_len, layout_rank, device=prompt.device)  # (T/P,) global, for RoPE
+    tokens = layout.shard(prompt, layout_rank, dim=1)  # (B, T/P)
+    groups = dict(mesh=mesh) if strategy == "hybrid" else dict(group=cache.group)
 
     def make(layer: int):
         def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
             cache.write(layer, 0, k, v)  # (B, H_kv, T/P, D), after RoPE
-            return attention(q, k, v, layout=layout, group=cache.group, strategy=strategy, causal=True,
-                             check_consistency=check_consistency)
+            return attention(q, k, v, layout=layout, strategy=strategy, causal=True,
+                             check_consistency=check_consistency, **groups)
         return attend
 
     with torch.no_grad(), attention_replaced(model, make):
         hidden = model.hidden_states(tokens, positions)  # (B, T/P, d)
         owner = last_position_owner(layout, seq_len)
-        if cache.rank == owner:  # positions ascend, so T-1 is the owner's last row
+        if layout_rank == owner:  # positions ascend, so T-1 is the owner's last row
             last = model.output(hidden[:, -1])  # (B, vocab)
         else:
             last = hidden.new_empty((prompt.shape[0], model.output.out_features))
+        if strategy == "hybrid":
+            owner = _group_rank(mesh, owner, cache.group)
         logits = comm.broadcast(last, owner, cache.group)
     cache.commit(positions, seq_len=seq_len)
     return logits
@@ -104,11 +112,42 @@ def check_tokens(tokens: object, cache: KVCache, vocab: int, what: str) -> None:
                          f"0..{vocab - 1}")
 
 
-def _check(model: nn.Module, cache: KVCache, prompt: torch.Tensor, layout: str | Layout, strategy: str) -> Layout:
+def _group_rank(mesh, layout_rank: int, group) -> int:
+    """The rank in ``group`` of the mesh member at ``layout_rank`` (``topology.from_mesh``'s
+    order: ring-major, ulysses-minor)."""
+    names = tuple(mesh.mesh_dim_names)
+    u = mesh.size(names.index("ulysses"))
+    index = [0, 0]
+    index[names.index("ulysses")], index[names.index("ring")] = layout_rank % u, layout_rank // u
+    return dist.get_group_rank(group or dist.group.WORLD, int(mesh.mesh[tuple(index)]))
+
+
+def _check(model: nn.Module, cache: KVCache, prompt: torch.Tensor, layout: str | Layout, strategy: str,
+           mesh) -> tuple[Layout, int]:
+    """The layout, and this rank's index in it."""
     check_model_fits(model, cache)
     if strategy not in INFERENCE_STRATEGIES:
-        raise ValueError(f"inference strategy {strategy!r}: choose one of {', '.join(INFERENCE_STRATEGIES)} "
-                         f"(hybrid needs a 2D mesh, not supported for inference yet)")
+        raise ValueError(f"inference strategy {strategy!r}: choose one of {', '.join(INFERENCE_STRATEGIES)}")
+    layout_rank = cache.rank
+    if strategy == "hybrid":
+        if mesh is None:
+            raise ValueError("strategy='hybrid' takes mesh= (a 2D DeviceMesh with dims 'ulysses' and 'ring' over the "
+                             "cache's ranks)")
+        try:
+            topo = topology.from_mesh(mesh)
+        except ValueError:
+            raise
+        except Exception as e:  # noqa: BLE001  not a DeviceMesh at all
+            raise ValueError(f"mesh= must be a 2D DeviceMesh with dims 'ulysses' and 'ring', got "
+                             f"{type(mesh).__name__} ({e})") from None
+        if topo.world_size != cache.world_size:
+            raise ValueError(f"the hybrid mesh holds {topo.world_size} ranks but the KV cache's group "
+                             f"{cache.world_size}; build the cache on the group the mesh spans")
+        layout_rank, ulysses = topo.rank, topo.ulysses_degree
+    elif mesh is not None:
+        raise ValueError(f"mesh= is for strategy='hybrid'; {strategy!r} runs on the cache's group")
+    else:
+        ulysses = strategy_rules.ulysses_degree(strategy, cache.world_size)
     check_tokens(prompt, cache, model.cfg.vocab, "prompt")
     seq_len = prompt.shape[1]
     layout = get_layout(layout, cache.world_size)
@@ -119,9 +158,8 @@ def _check(model: nn.Module, cache: KVCache, prompt: torch.Tensor, layout: str |
     if cache.seq_len:
         raise ValueError(f"the KV cache already holds a sequence of {cache.seq_len} positions; reset() it (or "
                          f"build another) before prefilling a new prompt")
-    strategy_rules.check_heads(strategy, model.cfg.heads, model.cfg.kv_heads,
-                               strategy_rules.ulysses_degree(strategy, cache.world_size))
-    return layout
+    strategy_rules.check_heads(strategy, model.cfg.heads, model.cfg.kv_heads, ulysses)
+    return layout, layout_rank
 
 
 def _signature(cache: KVCache, prompt, layout, strategy) -> dict[str, int]:
