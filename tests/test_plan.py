@@ -557,6 +557,16 @@ def test_cli_inference_table_and_json(tmp_path, capsys) -> None:
     assert report["summary"] == lines[-1]
 
 
+def test_cli_inference_hybrid_prefill_at_every_degree_it_splits(capsys) -> None:
+    assert main(["plan", *SERVED, "--strategy", "hybrid", "--ulysses-degree", "4"]) == 0
+    lines = capsys.readouterr().out.splitlines()
+    degrees = [int(line.split()[0]) for line in lines if line.split() and line.split()[0].isdigit() and "GiB" in line]
+    assert degrees == [1, 4, 8, 16]  # CP 2: no all-to-all x ring split with a ring of two or more
+    w = inference.Workload(LLAMA_8B, batch=1, seq=131072, dtype="bfloat16", cp=8, strategy="hybrid", ulysses=4)
+    hw = get_hardware("H100-SXM")
+    assert inference.prefill_seconds(w, hw) > inference.prefill_seconds(w.with_(strategy="ring", ulysses=None), hw)
+
+
 def test_cli_inference_latency_and_unknown_memory_bandwidth(tmp_path, capsys) -> None:
     out = tmp_path / "serve.json"
     assert main(["plan", *SERVED, "--max-cp", "8", "--latency", "20us", "--json", str(out)]) == 0
@@ -592,7 +602,6 @@ def test_cli_inference_latency_and_unknown_memory_bandwidth(tmp_path, capsys) ->
     (("--inference", "--doc-dist", "fixed:100"), "--doc-dist fixed:100 describes a training step"),
     (("--inference", "--doc-dist", "fixed:100", "--doc-seed", "1"), "--doc-dist fixed:100 describes"),
     (("--inference", "--no-causal"), "--no-causal: --inference plans a causal decoder"),
-    (("--inference", "--strategy", "hybrid"), "--strategy hybrid: inference prefills with ring, allgather, alltoall"),
     (("--inference", "--new-tokens", "0"), "--new-tokens must be between 1 and"),
     (("--inference", "--new-tokens", str(2**40)), "--new-tokens must be between 1 and"),
     (("--inference", "--chunk", "-3"), "--chunk must be between 1 and"),

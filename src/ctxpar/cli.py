@@ -12,7 +12,6 @@ from ctxpar import launch
 from ctxpar import plan as planning
 from ctxpar.demo import DTYPES, DemoConfig, format_report, run_demo
 from ctxpar.inference import command as generation
-from ctxpar.inference.prefill import INFERENCE_STRATEGIES
 from ctxpar.layout import LAYOUT_NAMES
 from ctxpar.limits import check_count, check_seed
 from ctxpar.models.config import PRESETS as MODEL_PRESETS
@@ -248,9 +247,6 @@ def _inference_flags(args: argparse.Namespace) -> tuple[int, int | None]:
                              f"the whole model on every rank, no backward): drop {flag}")
     if not args.causal:
         raise ValueError("--no-causal: --inference plans a causal decoder; drop --no-causal")
-    if args.strategy not in INFERENCE_STRATEGIES:
-        raise ValueError(f"--strategy {args.strategy}: inference prefills with {', '.join(INFERENCE_STRATEGIES)} "
-                         f"(hybrid needs a 2D mesh, not supported for inference yet)")
     new_tokens, chunk = given.get("new_tokens", DEFAULT_NEW_TOKENS), given.get("chunk")
     check_count("new_tokens", new_tokens)
     if chunk is not None:

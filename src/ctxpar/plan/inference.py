@@ -30,7 +30,7 @@ from ctxpar.models.config import ModelConfig
 from ctxpar.plan import cost, traffic
 from ctxpar.plan.hardware import Hardware
 from ctxpar.plan.planner import check_plan_size, sweep_degrees
-from ctxpar.plan.workload import Workload
+from ctxpar.plan.workload import Workload, default_ulysses
 
 PARTIAL_PREFILL_METHODS = ("pass-kv", "pass-q")
 
@@ -189,12 +189,27 @@ def decode_seconds(model: ModelConfig, *, batch: int, positions: int, cp: int, e
     return local + (model.layers + 1) * hw.latency + model.layers * partials / hw.bandwidth(cp)
 
 
+def _at_degree(w: Workload, cp: int, hw: Hardware) -> Workload:
+    """``w`` at CP degree ``cp``: one GPU runs plain attention; hybrid keeps its all-to-all
+    degree where it splits ``cp`` into a ring of two or more, else takes the default
+    (``default_ulysses``), and raises where none does."""
+    if cp == 1:
+        return w.with_(cp=1, strategy="ring", ulysses=None)
+    if w.strategy != "hybrid":
+        return w.with_(cp=cp, ulysses=None)
+    u = w.ulysses if w.ulysses and cp % w.ulysses == 0 and w.ulysses < cp else \
+        default_ulysses(w.model.heads, cp, hw.gpus_per_node)
+    if u is None:
+        raise ValueError(f"no hybrid split of {cp} ranks")
+    return w.with_(cp=cp, ulysses=u)
+
+
 def inference_sweep(w: Workload, hw: Hardware, *, new_tokens: int, degrees: list[int]) -> list[InferencePoint]:
     """An ``InferencePoint`` for each CP degree that can split the prompt (``w.seq``)."""
     points = []
     for cp in degrees:
         try:
-            v = w.with_(cp=cp, strategy="ring" if cp == 1 else w.strategy, ulysses=None)
+            v = _at_degree(w, cp, hw)
         except ValueError:  # the layout cannot split T over cp ranks, or the heads do not divide
             continue
         kv = kv_cache_bytes(w.model, batch=w.batch, positions=w.seq + new_tokens, cp=cp, elem=w.elem)
