@@ -1,6 +1,7 @@
 """Runs inside spawned gloo ranks: transformers models under CP vs the unsplit model.
 
-One spawn of 4 ranks (``results()``) serves test_transformers.py and test_hf_fidelity.py:
+One spawn of 4 ranks (``results()``) serves test_transformers.py, test_hf_fidelity.py and
+test_hf_generate.py:
 
 - ``llama``: a tiny LlamaForCausalLM, every layout x strategy combination in COMBOS,
   loss from ``cp_loss``: logits, loss and parameter gradients against the unsplit model.
@@ -19,6 +20,8 @@ One spawn of 4 ranks (``results()``) serves test_transformers.py and test_hf_fid
   loss and gradients against the unsplit eager model given the per-document positions
   (transformers' packed-sequence mask; not for IGNORES_PACKING), and the logits against
   each document run alone.
+- ``generate``: ``model.generate()`` on CP groups of 2, 3 and 4 ranks (``hf_generate_cases``,
+  asserted by test_hf_generate.py).
 """
 
 from __future__ import annotations
@@ -297,5 +300,8 @@ def run(rank: int, world: int) -> dict:
 
     logging.set_verbosity_error()  # tiny configs make transformers warn about sizes and defaults
     warnings.filterwarnings("ignore")
+    import hf_generate_cases
+
     return dict(llama=_llama(rank, world), labels=_labels(rank, world), sweep=_sweep(rank, world),
-                masks=_masks(rank, world), packed=_packed(rank, world), one_rank_refuses=_one_rank_refuses(rank, world))
+                masks=_masks(rank, world), packed=_packed(rank, world), one_rank_refuses=_one_rank_refuses(rank, world),
+                generate=hf_generate_cases.run(rank, world))

@@ -45,12 +45,6 @@ def _one_rank(model, tokens: int = 8, **labels):
     return model, inputs, shifted
 
 
-def test_generate_is_refused_early_with_a_clear_message() -> None:
-    model, inputs, _ = _one_rank(hf_families.build("llama"))
-    with pytest.raises(NotImplementedError, match="inference under context parallelism is not supported yet"):
-        model.generate(inputs["input_ids"], max_new_tokens=2)
-
-
 def test_labels_loss_refuses_what_it_cannot_weigh_globally() -> None:
     model, inputs, labels = _one_rank(hf_families.build("llama"))
     for extra, message in ((dict(shift_labels=labels), "already shifted"),

@@ -30,9 +30,17 @@ document lengths or cu_seqlens, the same on every rank): ``shard_inputs`` then n
 positions from 0 in each document and puts ``documents`` into the inputs, and
 ``model(..., documents=...)`` makes every attention layer of that forward see only its
 own document (the model itself never receives the argument). Position ids that restart
-without declared documents are refused. ``model.generate()`` is refused: inference under
-context parallelism is not supported yet. Pass the same kind of inputs on every rank: a
+without declared documents are refused. Pass the same kind of inputs on every rank: a
 padding mask refused on one rank only would leave the others waiting.
+
+``model.generate(input_ids, ...)`` with the whole prompt on every rank gives every rank
+the tokens generate gives without CP, greedy or sampled (``generation.py``: a sharded
+KV cache, the prompt prefilled over the layout, decode steps merged across ranks); what
+it cannot honour (beam search, assisted decoding, a cache passed in, padding, ...) is
+refused on every rank before any collective.
+
+    torch.manual_seed(0)                                   # sampling: seed every rank alike
+    out = model.generate(input_ids, max_new_tokens=32)     # (B, T + 32), the same on every rank
 """
 
 from __future__ import annotations
@@ -45,12 +53,14 @@ import torch.distributed as dist
 
 from ctxpar.integrations.transformers.attention import DOCUMENTS, NAME, Settings, attention_forward, mask_forward
 from ctxpar.integrations.transformers.fidelity import Unsupported, check_model, find_unsupported
+from ctxpar.integrations.transformers.generation import CACHE_KEYS, ShardedCache, cached_forward, wrap_generate
 from ctxpar.integrations.transformers.loss import CPCausalLMLoss
 from ctxpar.layout import Layout
 from ctxpar.masks import document_lengths, positions_in_documents
 from ctxpar.parallelize import shard_batch
 
-__all__ = ["Unsupported", "check_model", "enable_context_parallel", "find_unsupported", "shard_inputs"]
+__all__ = ["ShardedCache", "Unsupported", "check_model", "enable_context_parallel", "find_unsupported",
+           "shard_inputs"]
 
 
 def _register() -> None:
@@ -59,12 +69,6 @@ def _register() -> None:
 
     AttentionInterface.register(NAME, attention_forward)
     AttentionMaskInterface.register(NAME, mask_forward)
-
-
-def _refuse_generate(*args, **kwargs):
-    raise NotImplementedError("inference under context parallelism is not supported yet: model.generate() would "
-                              "decode one token at a time over a sharded sequence. Generate with a model that "
-                              "enable_context_parallel was not applied to")
 
 
 def _declare_fix() -> str:
@@ -139,7 +143,8 @@ def _documents(name: str, settings: Settings, bound: dict, documents) -> tuple[i
 
 def _wrap_forward(model, loss: CPCausalLMLoss, settings: Settings) -> None:
     """Refuse, before the forward, what the model would do wrong with labels or caches; and
-    after it, a labels= loss that did not go through ``loss`` (a model computing its own)."""
+    after it, a labels= loss that did not go through ``loss`` (a model computing its own).
+    A forward over ctxpar's ``ShardedCache`` (generate's) goes to ``cached_forward``."""
     forward = model.__dict__.get("_ctxpar_inner_forward", model.forward)
     model._ctxpar_inner_forward = forward
     signature = inspect.signature(forward)
@@ -153,13 +158,20 @@ def _wrap_forward(model, loss: CPCausalLMLoss, settings: Settings) -> None:
     def cp_forward(*args, documents=None, **kwargs):
         bound = signature.bind_partial(*args, **kwargs).arguments
         extra = bound.get(var_kw, {}) if var_kw else {}
+        caches = {key: bound.get(key, extra.get(key)) for key in CACHE_KEYS}
+        sharded = [c for c in caches.values() if isinstance(c, ShardedCache)]
+        if sharded and documents is None:
+            call = {k: v for k, v in bound.items() if k != var_kw}
+            return cached_forward(forward, {**call, **extra}, name=name, settings=settings, cache=sharded[0],
+                                  accepts=signature.parameters)
         labels = bound.get("labels")
         error = None
         try:
-            for key in ("past_key_values", "cache"):
-                if bound.get(key, extra.get(key)) is not None:
-                    raise ValueError(f"{name} got {key}=: KV caches (inference) are not supported under context "
-                                     f"parallelism yet")
+            for key, cache in caches.items():
+                if cache is not None:
+                    raise ValueError(f"{name} got {key}={type(cache).__name__}: under context parallelism a "
+                                     f"forward takes no KV cache but the one model.generate() builds (ctxpar's "
+                                     f"ShardedCache), and documents= do not go with it")
             router = bound.get("output_router_logits", extra.get("output_router_logits"))
             if router is None:
                 router = getattr(model.config, "output_router_logits", False)
@@ -195,6 +207,10 @@ def enable_context_parallel(
 ):
     """Make ``model`` (a transformers PreTrainedModel) attend with ctxpar; returns it, changed in place.
 
+    ``model(**shard_inputs(...)[0])`` then runs on this rank's shard, and
+    ``model.generate(input_ids, ...)`` on the whole prompt (the same on every rank) gives
+    the tokens of generation without CP (``generation.py``; ring, allgather or alltoall).
+
     Args:
         model: a transformers model whose attention goes through ``AttentionInterface``.
         layout: the ``Layout`` its inputs were sharded with (``shard_inputs``).
@@ -222,7 +238,7 @@ def enable_context_parallel(
     loss = CPCausalLMLoss(group)
     model.loss_function = loss
     _wrap_forward(model, loss, settings)
-    model.generate = _refuse_generate
+    wrap_generate(model, settings)
     return model
 
 

@@ -13,6 +13,11 @@ mask function transformers composed for that layer (``mask_forward`` returns it 
 documents from the forward call (``enable_context_parallel``'s wrapper declares them for
 the duration of ``model(..., documents=...)``; ``mask_forward`` bakes them into the
 ``LayerMask``, so a layer recomputed under gradient checkpointing sees the same ones).
+
+Under ``model.generate()`` (``generation.py``) the forward in progress runs over a
+``ShardedCache`` (``CACHED``): in its prefill the attention is the training one over the
+prompt's shards; in a decode step the one new query attends to the keys this rank holds
+and the partials of all ranks are merged (``ctxpar.inference.sharded_attention``).
 """
 
 from __future__ import annotations
@@ -26,6 +31,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 from ctxpar.attention import attention
+from ctxpar.inference.decode import sharded_attention
 from ctxpar.layout import Layout
 from ctxpar.masks import chunked
 from ctxpar.topology import hybrid_rank
@@ -94,6 +100,10 @@ class Settings:
 DOCUMENTS: contextvars.ContextVar[tuple[int, ...] | None] = contextvars.ContextVar("ctxpar_documents",
                                                                                   default=None)
 
+# The ShardedCache of the generate forward in progress (None outside generate), set by
+# generation.cached_forward: the cache this forward's layers store into and attend from.
+CACHED: contextvars.ContextVar[object | None] = contextvars.ContextVar("ctxpar_cached", default=None)
+
 
 @dataclass(frozen=True)
 class LayerMask:
@@ -136,8 +146,11 @@ def _is_unset(value) -> bool:
 
 
 def _check_kwargs(owner: str, kwargs: dict) -> None:
+    cached = CACHED.get()
     for key, value in kwargs.items():
         if key in HARMLESS_KWARGS or key in HONOURED_KWARGS or key == "position_ids":  # positions: checked per forward
+            continue
+        if cached is not None and value is cached:  # the sharded cache generate runs over
             continue
         if key in FEATURE_KWARGS:
             if not _is_unset(value):
@@ -227,6 +240,11 @@ def attention_forward(module, query, key, value, attention_mask, dropout: float 
     if getattr(module, "is_cross_attention", False) or "CrossAttention" in owner:
         raise ValueError(f"{owner} is a cross-attention layer (keys from another sequence), which ctxpar does not "
                          f"support under context parallelism")
+    cached = CACHED.get()
+    if cached is not None:
+        cached.take(owner, key, value)
+        if cached.decoding:
+            return _decode(owner, settings, cached, query, key, value, mask, sinks, scaling)
     if key.shape[2] != query.shape[2]:
         raise ValueError(f"{owner} attends from {query.shape[2]} queries to {key.shape[2]} keys (cross-attention or "
                          f"a KV cache), which ctxpar does not support")
@@ -242,6 +260,22 @@ def attention_forward(module, query, key, value, attention_mask, dropout: float 
                     mesh=settings.mesh, causal=causal, scale=scale, documents=mask.documents_for(seq_len),
                     window=mask.window, sinks=sinks)  # (B, H, S, width)
     return out[..., :d_v].transpose(1, 2).contiguous(), None
+
+
+def _decode(owner: str, settings: Settings, cached, query, key, value, mask: LayerMask, sinks,
+            scaling) -> tuple[torch.Tensor, None]:
+    """A generate decode step: the new query (B, H, 1, D) against the keys (B, H_kv, n, D)
+    this rank holds, those inside the layer's window or chunk; partials merged over ranks.
+    The cache holds only earlier positions and the new one, so a causal and a
+    bidirectional layer attend alike here."""
+    if sinks is not None:
+        raise NotImplementedError(f"{owner} has attention sinks, which ctxpar's decode steps do not honour yet")
+    scale = _scale(owner, scaling, query.shape[-1])
+    keep = cached.visible(mask.window, mask.chunk)  # (m,) slots, or None for all
+    if keep is not None:
+        key, value = key.index_select(2, keep), value.index_select(2, keep)  # (B, H_kv, m, D)
+    out = sharded_attention(query, key, value, group=settings.group, scale=scale)  # (B, H, 1, D)
+    return out.transpose(1, 2).contiguous(), None  # (B, 1, H, D)
 
 
 class _Refused(Exception):

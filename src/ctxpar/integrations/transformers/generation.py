@@ -1,0 +1,446 @@
+"""``model.generate()`` under context parallelism: a transformers ``Cache`` that holds this
+rank's share of the K/V, and every forward generate makes run exactly over it.
+
+    model = enable_context_parallel(LlamaForCausalLM(config), layout=layout, group=cp_group)
+    torch.manual_seed(seed)                                 # for sampling: alike on every rank
+    out = model.generate(input_ids, max_new_tokens=64)      # the whole (B, T) prompt, on every rank
+    # out: (B, T + 64) on every rank, the tokens generate gives without CP
+
+``ShardedCache`` keeps positions the way ``ctxpar.inference.KVCache`` deals them (it holds
+one): the prompt positions the layout gave this rank, then decoded position p on rank
+p mod P. Its ``get_seq_length()`` is the global length, so transformers numbers positions
+and sizes masks as without CP. generate's forwards reach ``cached_forward`` through
+``enable_context_parallel``'s forward wrapper:
+
+    prefill  the first forward gets the whole prompt. It is sharded with the layout
+             (tokens and their global positions); each attention layer stores this rank's
+             K/V (after RoPE) and attends with ctxpar.attention as in training; the rank
+             holding position T-1 computes its logits and broadcasts them.
+    decode   each later forward gets one token per sequence at position p, the same on
+             every rank, and the model runs replicated. At each layer rank p mod P stores
+             the new K/V, every rank attends the query to the keys it holds (those inside
+             the layer's sliding window or chunk), and the partials are merged from one
+             all-gather (``ctxpar.inference.sharded_attention``).
+
+So every rank gets bit-identical logits: greedy decoding, and sampling from torch's global
+RNG seeded alike on every rank, pick the same tokens everywhere. One tiny all-gather per
+generate call and one per forward compare the ranks' arguments, RNG state and tokens
+(``agreement.check_values_agree``): a rank that refuses or differs makes every rank raise.
+
+What generate would do that this cannot honour is refused on every rank before any
+collective, naming it (``check_generate``): every mode but greedy and sampling (beam
+search, contrastive search, assisted decoding, ...), a cache passed in, other cache
+implementations (static, offloaded, quantized), ``use_cache=False``, chunked prefill,
+``inputs_embeds``, padding, ``output_attentions`` / ``output_hidden_states``, attention
+sinks (gpt-oss), encoder-decoder models, the hybrid strategy. A model that attends with
+K/V other than the ones it cached (multi-head latent attention caches latents and expands
+them after), or caches K/V of different shapes per layer, is refused at its first layer
+of the prefill, on every rank alike (``ShardedCache.update`` / ``take``).
+"""
+
+from __future__ import annotations
+
+import functools
+import inspect
+import zlib
+from collections import deque
+from dataclasses import dataclass, field
+
+import torch
+import torch.distributed as dist
+
+from ctxpar import agreement, comm, topology
+from ctxpar.inference.cache import KVCache
+from ctxpar.inference.prefill import last_position_owner
+from ctxpar.integrations.transformers.attention import CACHED, Settings
+
+try:
+    from transformers.cache_utils import Cache
+except ImportError:  # the integration imports transformers lazily; without it nothing here is reachable
+    Cache = object
+
+CACHE_KEYS = ("cache", "past_key_values", "cache_params")  # transformers 5 renamed past_key_values to cache
+_MODES = ("greedy_search", "sample")
+# the single-group strategies: a decode step merges over the one CP group (the hybrid's 2D mesh: not yet)
+STRATEGIES = ("ring", "allgather", "alltoall")
+
+
+@dataclass
+class _Step:
+    """What one forward over the cache adds. ``position`` is the decoded position (None for
+    the prefill); ``positions`` (n,) the positions this rank stores; ``keys`` (held,) the
+    global positions of the keys a decode step attends over on this rank."""
+
+    position: int | None
+    positions: torch.Tensor
+    held: int = 0
+    keys: torch.Tensor | None = None
+    stored: set = field(default_factory=set)
+    pending: deque = field(default_factory=deque)  # (K, V) handed to layers, not yet attended with
+
+
+class ShardedCache(Cache):
+    """This rank's share of the K/V of ``model.generate()`` under CP (module docstring).
+
+    Args:
+        layers: decoder layers of the model (layer indices 0..layers-1).
+        batch: sequences generated together.
+        capacity: the longest the sequence gets (prompt + new tokens - 1), over all ranks.
+        group: the CP group (None: WORLD, or one process without one).
+
+    ``kv``: the ``KVCache`` holding this rank's positions, made at the first store from the
+    first layer's K/V (B, H_kv, n, D); None before. K and V must share H_kv and D in
+    every layer (a model where they do not is refused at its first store).
+    """
+
+    def __init__(self, *, layers: int, batch: int, capacity: int, group: dist.ProcessGroup | None = None) -> None:
+        super().__init__(layers=[])
+        topo = topology.from_group(group)
+        self.group, self.rank, self.world_size = group, topo.rank, topo.world_size
+        self.num_layers, self.batch, self.capacity = layers, batch, capacity
+        self.kv: KVCache | None = None
+        self._step: _Step | None = None
+
+    # -- transformers' Cache interface -------------------------------------------------
+    def get_seq_length(self, layer_idx: int = 0) -> int:
+        """Positions in the sequence so far, over all ranks."""
+        return self.kv.seq_len if self.kv is not None else 0
+
+    def get_query_offset(self, layer_idx: int = 0) -> int:
+        return self.get_seq_length()
+
+    def get_mask_sizes(self, query_length: int, layer_idx: int) -> tuple[int, int]:
+        return self.get_seq_length() + query_length, 0
+
+    def get_max_length(self, layer_idx: int | None = None) -> int:
+        return self.capacity
+
+    @property
+    def batch_size(self) -> int:
+        return self.batch
+
+    @property
+    def is_croppable(self) -> bool:
+        return False
+
+    def reset(self) -> None:
+        if self.kv is not None:
+            self.kv.reset()
+
+    def _refuse(self, what: str) -> None:
+        raise NotImplementedError(f"ctxpar's ShardedCache cannot {what}: generation under context parallelism "
+                                  f"supports greedy decoding and sampling, one token per step")
+
+    def crop(self, tokens_to_remove: int) -> None:
+        self._refuse("be cropped (assisted decoding, rollback)")
+
+    def reorder_cache(self, beam_idx: torch.Tensor) -> None:
+        self._refuse("reorder its sequences (beam search)")
+
+    def batch_repeat_interleave(self, repeats: int) -> None:
+        self._refuse("repeat its sequences (contrastive search)")
+
+    def batch_select_indices(self, indices: torch.Tensor) -> None:
+        self._refuse("select sequences (contrastive search)")
+
+    def update(self, key_states: torch.Tensor, value_states: torch.Tensor, layer_idx: int, *args, **kwargs
+               ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Store layer ``layer_idx``'s new K/V (B, H_kv, n, D) where they belong; return the
+        keys this rank attends with: in the prefill the new ones (its prompt shard), in a
+        decode step all it holds of this layer, the new position's included if it is
+        this rank's (B, H_kv, held, D)."""
+        step = self._step
+        if step is None:
+            raise ValueError("ctxpar's ShardedCache stores K/V only during a forward of a model that "
+                             "enable_context_parallel prepared (model.generate(), or model(..., cache=cache))")
+        if isinstance(layer_idx, bool) or not isinstance(layer_idx, int) or not 0 <= layer_idx < self.num_layers:
+            raise NotImplementedError(f"the model stores K/V for layer index {layer_idx!r} but its config counts "
+                                      f"{self.num_layers} layers (looped or extra layers), which ctxpar's sharded "
+                                      f"cache is not sized for")
+        if layer_idx in step.stored:
+            raise NotImplementedError(f"layer {layer_idx} stored K/V twice in one forward (a looped layer); "
+                                      f"ctxpar's sharded cache takes one store per layer and forward")
+        k_shape, v_shape = tuple(key_states.shape), tuple(value_states.shape)  # (B, H_kv, n, D)
+        if k_shape != v_shape:
+            raise NotImplementedError(f"layer {layer_idx} stores K {k_shape} and V {v_shape} of different shapes "
+                                      f"(the latents of multi-head latent attention?); ctxpar's sharded cache holds "
+                                      f"K and V of one shape")
+        if self.kv is None:
+            self.kv = KVCache(layers=self.num_layers, batch=self.batch, kv_heads=k_shape[1], head_dim=k_shape[3],
+                              capacity=self.capacity, group=self.group, dtype=key_states.dtype,
+                              device=key_states.device)
+        kv = self.kv
+        if (k_shape[1], k_shape[3]) != (kv.kv_heads, kv.head_dim):
+            raise NotImplementedError(f"layer {layer_idx} stores K/V with (H_kv, D) = ({k_shape[1]}, {k_shape[3]}) "
+                                      f"where the first layer had ({kv.kv_heads}, {kv.head_dim}); ctxpar's sharded "
+                                      f"cache holds one shape in every layer")
+        if step.position is None:
+            kv.write(layer_idx, 0, key_states, value_states)  # the prompt shard, T/P positions
+            keys, values = key_states, value_states
+        else:
+            mine = step.held > kv.length  # this rank keeps the new position
+            # the others write nothing but check the shapes alike: an error on the owner alone would hang them
+            kv.write(layer_idx, kv.length, key_states if mine else key_states[:, :, :0],
+                     value_states if mine else value_states[:, :, :0])
+            keys, values = kv.keys(layer_idx, step.held), kv.values(layer_idx, step.held)  # (B, H_kv, held, D)
+        step.stored.add(layer_idx)
+        step.pending.append((keys, values))
+        return keys, values
+
+    # -- what the attention function asks (attention.py) -------------------------------
+    @property
+    def decoding(self) -> bool:
+        return self._step is not None and self._step.position is not None
+
+    def take(self, owner: str, key: torch.Tensor, value: torch.Tensor) -> None:
+        """Check that a layer attends with the K/V this cache just handed it: a model that
+        skips the cache, or changes K/V after it, would attend over something else."""
+        if not self._step.pending:
+            raise NotImplementedError(f"{owner} attends without storing its K/V in the cache (K/V shared across "
+                                      f"layers), which ctxpar's sharded cache cannot serve")
+        keys, values = self._step.pending.popleft()
+        if key is not keys or value is not values:
+            raise NotImplementedError(f"{owner} attends with K/V other than the ones its cache returned (latent K/V "
+                                      f"expanded after caching, as in multi-head latent attention, or K/V changed "
+                                      f"after caching), which ctxpar's sharded cache cannot serve")
+
+    def visible(self, window: int | None, chunk: int | None) -> torch.Tensor | None:
+        """The held slots a decode step's query sees under a sliding window (q - k < window)
+        or chunks (the query's chunk, counted from position 0); None: all of them."""
+        p, keys = self._step.position, self._step.keys
+        first = max(p - window + 1 if window else 0, p - p % chunk if chunk else 0)
+        if first <= 0:
+            return None
+        return torch.nonzero(keys >= first).squeeze(1).to(self.kv.device)
+
+
+def cached_forward(forward, kwargs: dict, *, name: str, settings: Settings, cache: ShardedCache, accepts):
+    """One forward of generate over ``cache`` (the prefill or a decode step), ``kwargs`` as
+    the caller passed them; ``accepts``: the names the model's forward takes."""
+    error, call, step = None, None, None
+    try:
+        call, step = _plan(name, settings, cache, dict(kwargs), accepts)
+    except (ValueError, NotImplementedError) as e:
+        error = e
+    if cache.world_size > 1:
+        agreement.check_values_agree(_forward_signature(cache, kwargs), cache.group, error, "generate forward")
+    elif error is not None:
+        raise error
+    cache._step = step
+    active = CACHED.set(cache)
+    try:
+        out = forward(**call)
+        if step.pending or not step.stored:
+            raise ValueError(f"{name} stored K/V in the cache for layers whose attention never read them; "
+                             f"ctxpar's sharded cache cannot serve this model")
+    finally:
+        CACHED.reset(active)
+        cache._step = None
+    if step.position is None:
+        seq_len = int(step.positions.numel()) * cache.world_size
+        owner = last_position_owner(settings.layout, seq_len)
+        out["logits"] = comm.broadcast(out.logits[:, -1:].contiguous(), owner, cache.group)  # (B, 1, vocab)
+        cache.kv.commit(step.positions, seq_len=seq_len)
+    else:
+        cache.kv.commit(step.positions, seq_len=step.position + 1)
+    return out
+
+
+def _plan(name: str, settings: Settings, cache: ShardedCache, kwargs: dict, accepts) -> tuple[dict, _Step]:
+    """Check one forward over the cache and rewrite its arguments: the prefill's prompt
+    sharded with global positions, or a decode step's position."""
+    for key, what in (("labels", "labels= (a loss)"), ("inputs_embeds", "inputs_embeds="),
+                      ("output_attentions", "output_attentions=True"),
+                      ("output_hidden_states", "output_hidden_states=True (hidden states of one shard)")):
+        if kwargs.get(key) not in (None, False):
+            raise NotImplementedError(f"{name} got {what} with ctxpar's sharded cache, which generation under "
+                                      f"context parallelism does not support")
+    if kwargs.get("return_dict") is False:
+        raise NotImplementedError(f"{name} got return_dict=False with ctxpar's sharded cache; it returns a "
+                                  f"ModelOutput")
+    tokens = kwargs.get("input_ids")
+    if not isinstance(tokens, torch.Tensor) or tokens.dim() != 2 or tokens.shape[1] == 0:
+        got = tuple(tokens.shape) if isinstance(tokens, torch.Tensor) else type(tokens).__name__
+        raise ValueError(f"{name} over ctxpar's sharded cache needs input_ids (B, n), got {got}")
+    if tokens.shape[0] != cache.batch:
+        raise ValueError(f"{name} got a batch of {tokens.shape[0]} but the sharded cache holds {cache.batch}")
+    mask = kwargs.pop("attention_mask", None)
+    if mask is not None and not bool(mask.all()):
+        raise ValueError("padding is not supported by generation under context parallelism: generate from "
+                         "prompts of one length without padding (transformers infers padding where the prompt "
+                         "holds pad_token_id)")
+    batch, new = tokens.shape
+    past = cache.get_seq_length()
+    given = kwargs.get("position_ids")
+    if past == 0:
+        want = torch.arange(new)
+        settings.layout.validate(new)
+        if new > cache.capacity:
+            raise ValueError(f"a prompt of {new} tokens is longer than the sharded cache's {cache.capacity} positions")
+        positions = settings.layout.positions(new, cache.rank)  # (T/P,) global, ascending
+        kwargs["input_ids"] = settings.layout.shard(tokens, cache.rank, dim=1)  # (B, T/P)
+        kwargs["position_ids"] = positions.to(tokens.device).unsqueeze(0).expand(batch, -1)
+        if "logits_to_keep" in accepts:
+            kwargs["logits_to_keep"] = 1  # the rank holding T-1 holds it last: the one row sampling needs
+        step = _Step(position=None, positions=positions)
+    else:
+        if new != 1:
+            raise NotImplementedError(f"{name} got {new} tokens on top of {past} cached positions; generation "
+                                      f"under context parallelism feeds one token per step (chunked prefill, "
+                                      f"assisted decoding and continuing from a cache are not supported)")
+        if past >= cache.capacity:
+            raise ValueError(f"the sharded cache is full: {past} positions = its capacity")
+        want = torch.tensor([past])
+        kwargs["position_ids"] = torch.full((batch, 1), past, dtype=torch.long, device=tokens.device)
+        kv = cache.kv
+        mine = kv.owner(past) == cache.rank
+        new_positions = torch.tensor([past] if mine else [], dtype=torch.long)
+        step = _Step(position=past, positions=new_positions, held=kv.length + int(mine),
+                     keys=torch.cat([kv.positions(), new_positions]))
+    if given is not None and (given.shape[-1] != new or not bool((given.reshape(-1, new).cpu() == want).all())):
+        raise ValueError(f"{name} got position_ids {given.reshape(-1)[:8].tolist()} for positions "
+                         f"{past}..{past + new - 1} of the sequence; leave them to generate")
+    return kwargs, step
+
+
+def _crc(value) -> int:
+    """A checksum every rank computes alike for alike values (tensors by content; objects
+    other than plain values by type, as their repr holds addresses)."""
+    if isinstance(value, torch.Tensor):
+        return zlib.crc32(value.detach().to("cpu").contiguous().reshape(-1).view(torch.uint8).numpy().tobytes()
+                          + str((tuple(value.shape), value.dtype)).encode())
+    if isinstance(value, (list, tuple)):
+        return zlib.crc32(str([_crc(v) for v in value]).encode())
+    if isinstance(value, dict):
+        return zlib.crc32(str(sorted((str(k), _crc(v)) for k, v in value.items())).encode())
+    if value is None or isinstance(value, (bool, int, float, str)):
+        return zlib.crc32(repr(value).encode())
+    return zlib.crc32(type(value).__qualname__.encode())
+
+
+def _forward_signature(cache: ShardedCache, kwargs: dict) -> dict[str, int]:
+    tokens = kwargs.get("input_ids")
+    ok = isinstance(tokens, torch.Tensor) and tokens.dim() == 2
+    return {"cached positions": cache.get_seq_length(), "batch": tokens.shape[0] if ok else -1,
+            "new tokens": tokens.shape[1] if ok else -1, "tokens (crc32)": _crc(tokens) if ok else -1}
+
+
+def _num_layers(config) -> int:
+    text = config.get_text_config(decoder=True)
+    for key in ("num_hidden_layers", "n_layer", "num_layers", "n_layers"):
+        if isinstance(getattr(text, key, None), int):
+            return getattr(text, key)
+    raise NotImplementedError(f"{type(text).__name__} names no layer count ctxpar's sharded cache can size itself by")
+
+
+def check_generate(model, settings: Settings, generate, args: tuple, kwargs: dict):
+    """Refuse what generate would do that the sharded cache cannot honour (no collective);
+    returns the prompt (B, T) and transformers' GenerationConfig for the call."""
+    name = type(model).__name__
+    if settings.mesh is not None or settings.strategy not in STRATEGIES:
+        raise NotImplementedError(f"model.generate() under context parallelism supports the "
+                                  f"{', '.join(STRATEGIES)} strategies, not {settings.strategy!r}")
+    if model.config.is_encoder_decoder:
+        raise NotImplementedError(f"{name} is an encoder-decoder model; ctxpar generates with decoder-only models")
+    if any(isinstance(getattr(m, "sinks", None), torch.Tensor) for m in model.modules()):
+        raise NotImplementedError(f"{name} has attention sinks, which ctxpar's decode steps do not honour yet; "
+                                  f"generate without context parallelism")
+    bound = inspect.signature(generate).bind(model, *args, **kwargs).arguments
+    extra = dict(bound.pop("kwargs", {}))
+    for key, what in (("assistant_model", "assisted decoding (assistant_model=)"),
+                      ("custom_generate", "custom_generate="),
+                      ("negative_prompt_ids", "classifier-free guidance (negative_prompt_ids=)")):
+        if bound.get(key) is not None:
+            raise NotImplementedError(f"{what} is not supported by generation under context parallelism")
+    for key in CACHE_KEYS:
+        if extra.get(key) is not None:
+            raise NotImplementedError(f"generate got {key}=: continuing from a cache passed in is not supported "
+                                      f"under context parallelism; ctxpar builds its own sharded cache from the "
+                                      f"whole prompt")
+    if extra.get("inputs_embeds") is not None:
+        raise NotImplementedError("generate from inputs_embeds is not supported under context parallelism; pass "
+                                  "input_ids")
+    config, _ = model._prepare_generation_config(bound.get("generation_config"), **extra)
+    mode = config.get_generation_mode(bound.get("assistant_model"))
+    if mode not in _MODES:
+        raise NotImplementedError(f"generation mode {str(getattr(mode, 'value', mode))!r} (num_beams="
+                                  f"{config.num_beams}) is not supported under context parallelism; use greedy "
+                                  f"decoding or sampling (num_beams=1)")
+    for setting, value, fine in (("use_cache", config.use_cache, (True,)),
+                                 ("cache_implementation", config.cache_implementation, (None, "dynamic")),
+                                 ("prefill_chunk_size", config.prefill_chunk_size, (None,)),
+                                 ("output_attentions", config.output_attentions, (None, False)),
+                                 ("output_hidden_states", config.output_hidden_states, (None, False))):
+        if value not in fine:
+            raise NotImplementedError(f"generate with {setting}={value!r} is not supported under context "
+                                      f"parallelism (ctxpar's sharded cache serves every step)")
+    prompt = bound.get("inputs")
+    if prompt is None:
+        prompt = extra.get("input_ids")
+    if not isinstance(prompt, torch.Tensor) or prompt.dim() != 2 or prompt.shape[1] == 0:
+        got = tuple(prompt.shape) if isinstance(prompt, torch.Tensor) else type(prompt).__name__
+        raise ValueError(f"generate under context parallelism needs the whole prompt as input_ids (B, T), the same "
+                         f"on every rank, got {got}")
+    mask = extra.get("attention_mask")
+    if mask is not None and not bool(mask.all()):
+        raise ValueError("padding (an attention_mask with zeros, a left-padded batch) is not supported by "
+                         "generation under context parallelism: generate each prompt length separately")
+    settings.layout.validate(prompt.shape[1])
+    return prompt, config
+
+
+def generate_signature(model, args: tuple, kwargs: dict, prompt, config) -> dict[str, int]:
+    """What every rank's generate call must share: arguments, prompt and, when sampling,
+    the state of the RNG transformers draws from."""
+    sampling = config is not None and bool(config.do_sample)
+    rng = [torch.get_rng_state()] if sampling else []
+    device = model.device
+    if sampling and device.type == "cuda":
+        rng.append(torch.cuda.get_rng_state(device))
+    return {"arguments (crc32)": _crc([list(args), kwargs]),
+            "prompt": tuple(prompt.shape)[1] if isinstance(prompt, torch.Tensor) else -1,
+            "generation config (crc32)": _crc(config.to_dict()) if config is not None else -1,
+            "RNG state (crc32), seed every rank alike": _crc(rng)}
+
+
+def wrap_generate(model, settings: Settings) -> None:
+    """Make ``model.generate`` check its call on every rank, then run transformers' generate
+    over a ``ShardedCache`` (built by the model's ``_prepare_cache_for_generation``)."""
+    from transformers import GenerationMixin
+
+    generate = getattr(type(model), "generate", None)
+    if generate is None:
+        return  # no LM head: nothing to generate with
+    name = type(model).__name__
+    hooks = ("_prepare_generation_config", "_prepare_cache_for_generation")
+    if generate is not GenerationMixin.generate or not all(hasattr(GenerationMixin, h) for h in hooks):
+        def refuse(*args, **kwargs):
+            raise NotImplementedError(f"{name}.generate() is not transformers' GenerationMixin.generate of version "
+                                      f"5 (with {' and '.join(hooks)}), which ctxpar drives under context "
+                                      f"parallelism; generate with a model enable_context_parallel was not applied to")
+        model.generate = refuse
+        return
+
+    @functools.wraps(generate)
+    def cp_generate(*args, **kwargs):
+        error, prompt, config = None, None, None
+        try:
+            prompt, config = check_generate(model, settings, generate, args, kwargs)
+        except (ValueError, NotImplementedError, TypeError) as e:
+            error = e
+        world = topology.from_group(settings.group).world_size if settings.mesh is None else 1
+        if world > 1:
+            agreement.check_values_agree(generate_signature(model, args, kwargs, prompt, config), settings.group,
+                                         error, "generate call")
+        elif error is not None:
+            raise error
+        return generate(model, *args, **kwargs)
+
+    def prepare_cache(generation_config, model_kwargs: dict, generation_mode, batch_size: int,
+                      max_cache_length: int) -> None:
+        copies = max(generation_config.num_beams or 1, generation_config.num_return_sequences or 1)
+        model_kwargs["cache"] = ShardedCache(layers=_num_layers(model.config), batch=batch_size * copies,
+                                             capacity=max_cache_length, group=settings.group)
+
+    model.generate = cp_generate
+    model._prepare_cache_for_generation = prepare_cache

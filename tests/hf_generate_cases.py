@@ -1,0 +1,197 @@
+"""Runs inside hf_cases' 4 spawned gloo ranks: ``model.generate()`` under CP against the same
+model's generate without CP, on CP groups of P = 2, 3 and 4 of those ranks.
+
+- ``tokens``: for each (P, case), on every rank of the group: whether the generated
+  sequences equal the unsplit model's, and a digest of them (the same on every rank).
+  Tiny Llama and Mistral (a sliding window of 4, so decode steps see only some of each
+  rank's keys), every layout, the three inference strategies, greedy and seeded sampling,
+  num_return_sequences=2.
+- ``families``: every family that runs under CP (not ``hf_families.REFUSED``) on two CP
+  groups of 2 ranks (zigzag, 16-token prompt, 4 new tokens): the same tokens as without
+  CP, or refused naming what the sharded cache cannot serve (``GENERATE_REFUSED``).
+- ``cache``: on all 4 ranks (zigzag), the positions each rank's ``ShardedCache`` holds
+  after generate (``return_dict_in_generate=True`` returns it) and the sequence length.
+- ``refusals``: on all 4 ranks, what generate must refuse (the message each rank got),
+  including arguments that differ between ranks, and a generate that runs afterwards.
+"""
+
+from __future__ import annotations
+
+import traceback
+
+import torch
+import torch.distributed as dist
+
+import ctxpar
+from ctxpar.integrations.transformers import enable_context_parallel
+
+PROMPT_LEN, BATCH, NEW_TOKENS = 24, 2, 16  # 24: a multiple of 2P for P = 2, 3, 4
+WORLDS = (2, 3, 4)
+LAYOUTS = ("contiguous", "zigzag", "striped")
+SEED = 5
+
+
+def prompt(seed: int = 1, length: int = PROMPT_LEN) -> torch.Tensor:
+    import hf_families
+
+    return torch.randint(3, hf_families.VOCAB, (BATCH, length), generator=torch.Generator().manual_seed(seed))
+
+
+# (family, layout, strategy, generate kwargs): per P; alltoall splits the 4 query heads
+SAMPLE = dict(do_sample=True, temperature=0.9, top_k=20)
+
+
+def cases(world: int) -> dict[str, tuple]:
+    """Llama in every layout; Mistral (its window) in every layout on 4 ranks, one on 2 and 3."""
+    found = {f"llama/{layout}": ("llama", layout, "ring", {}) for layout in LAYOUTS}
+    for layout in LAYOUTS if world == 4 else LAYOUTS[world - 1:world]:
+        found[f"mistral/{layout}"] = ("mistral", layout, "ring", {})
+    found["llama/zigzag/allgather"] = ("llama", "zigzag", "allgather", {})
+    if 4 % world == 0:
+        found["llama/striped/alltoall"] = ("llama", "striped", "alltoall", {})
+    found["llama/zigzag/sampled"] = ("llama", "zigzag", "ring", SAMPLE)
+    found["mistral/striped/sampled x2"] = ("mistral", "striped", "ring", dict(SAMPLE, num_return_sequences=2))
+    return found
+
+
+_MLA = "of different shapes (the latents of multi-head latent attention?)"
+_SINKS = "has attention sinks"
+# family -> the words of generate's refusal: what the sharded cache cannot serve
+GENERATE_REFUSED = {
+    **dict.fromkeys(("axk1", "deepseek_v2", "deepseek_v3", "glm4_moe_lite", "longcat_flash", "minicpm3",
+                     "sarvam_mla", "youtu"), _MLA),
+    **dict.fromkeys(("diffllama", "jetmoe"), "attends with K/V other than the ones its cache returned"),
+    "dory": "(looped or extra layers)",
+    **dict.fromkeys(("gemma4_text", "gemma4_unified_text"), "holds one shape in every layer"),
+    **dict.fromkeys(("flint", "gpt_oss", "gpt_oss+sinks-only", "granite_swa", "granitemoe_swa", "mimo_v2_flash"),
+                    _SINKS),
+}
+
+
+def generate(model, tokens: torch.Tensor, kwargs: dict) -> torch.Tensor:
+    """``model.generate`` for NEW_TOKENS tokens (no early stop at EOS), seeded when sampling."""
+    torch.manual_seed(SEED)
+    return model.generate(tokens, max_new_tokens=NEW_TOKENS, min_new_tokens=NEW_TOKENS, **kwargs)
+
+
+def _tokens(rank: int, world: int) -> dict:
+    import hf_families
+
+    groups = {p: dist.new_group(list(range(p))) for p in WORLDS}  # every rank creates every group, in order
+    tokens = prompt()
+    out = {}
+    for p in WORLDS:
+        if rank >= p:
+            continue
+        for name, (family, layout, strategy, kwargs) in cases(p).items():
+            model = hf_families.build(family)
+            want = generate(model, tokens, kwargs)  # without CP; then the same model under CP
+            try:
+                enable_context_parallel(model, layout=ctxpar.get_layout(layout, p), group=groups[p], strategy=strategy)
+                got = generate(model, tokens, kwargs)
+            except Exception as e:  # noqa: BLE001  reported by the test
+                out[(p, name)] = dict(error=f"{type(e).__name__}: {e}")
+                continue
+            out[(p, name)] = dict(equal=torch.equal(got, want), shape=tuple(got.shape),
+                                  digest=hash(tuple(got.flatten().tolist())),
+                                  first_mismatch=(got != want).nonzero()[:1].tolist() if got.shape == want.shape
+                                  else None)
+    return out
+
+
+def _families(rank: int, world: int) -> dict:
+    """{case: ("equal" | "different" | "refused" | "error", message)} for this rank's pair."""
+    import hf_families
+
+    pairs = [dist.new_group([start, start + 1]) for start in range(0, world, 2)]
+    group, index = pairs[rank // 2], rank // 2
+    layout = ctxpar.get_layout("zigzag", 2)
+    tokens = prompt(length=16)
+    out = {}
+    for case in [c for c in hf_families.CASES if c not in hf_families.REFUSED][index::len(pairs)]:
+        run = dict(max_new_tokens=4, min_new_tokens=4)
+        model = hf_families.build(case)
+        want = model.generate(tokens, **run)  # without CP; then the same model under CP
+        try:
+            got = enable_context_parallel(model, layout=layout, group=group).generate(tokens, **run)
+        except NotImplementedError as e:
+            out[case] = ("refused", str(e))
+            continue
+        except Exception as e:  # noqa: BLE001  reported by the test
+            out[case] = ("error", f"{type(e).__name__}: {e}")
+            continue
+        out[case] = ("equal", "") if torch.equal(got, want) else ("different", str((got != want).nonzero()[:1]))
+    return out
+
+
+def _cache(rank: int, world: int) -> dict:
+    import hf_families
+
+    model = enable_context_parallel(hf_families.build("llama"), layout=ctxpar.get_layout("zigzag", world))
+    out = generate(model, prompt(), dict(return_dict_in_generate=True, output_scores=True))
+    want = generate(hf_families.build("llama"), prompt(), dict(return_dict_in_generate=True, output_scores=True))
+    return dict(positions=out.cache.kv.positions().tolist(), seq_len=out.cache.get_seq_length(),
+                equal=torch.equal(out.sequences, want.sequences),
+                same_masked=all(torch.equal(a.isfinite(), b.isfinite()) for a, b in zip(out.scores, want.scores)),
+                scores_err=max(float((a - b)[b.isfinite()].abs().max()) for a, b in zip(out.scores, want.scores)))
+
+
+def _attempt(fn) -> str:
+    try:
+        fn()
+    except Exception as e:  # noqa: BLE001  the message is what the test checks
+        return f"{type(e).__name__}: {e}"
+    return "ran"
+
+
+def _refusals(rank: int, world: int) -> dict:
+    import hf_families
+    from transformers import DynamicCache
+
+    layout = ctxpar.get_layout("zigzag", world)
+    model = enable_context_parallel(hf_families.build("llama"), layout=layout)
+    tokens = prompt()
+    padded = torch.ones_like(tokens)
+    padded[0, :3] = 0  # a left-padded row
+    other = tokens.clone()
+    other[0, 0] += rank == 1  # rank 1's prompt differs in one token
+    run = dict(max_new_tokens=4)
+    out = {
+        "beam search": _attempt(lambda: model.generate(tokens, num_beams=2, **run)),
+        "assisted": _attempt(lambda: model.generate(tokens, assistant_model=hf_families.build("llama"), **run)),
+        "cache passed in": _attempt(lambda: model.generate(tokens, past_key_values=DynamicCache(), **run)),
+        "static cache": _attempt(lambda: model.generate(tokens, cache_implementation="static", **run)),
+        "no cache": _attempt(lambda: model.generate(tokens, use_cache=False, **run)),
+        "chunked prefill": _attempt(lambda: model.generate(tokens, prefill_chunk_size=8, **run)),
+        "padding": _attempt(lambda: model.generate(tokens, attention_mask=padded, **run)),
+        "inputs_embeds": _attempt(lambda: model.generate(inputs_embeds=model.get_input_embeddings()(tokens), **run)),
+        "output_attentions": _attempt(lambda: model.generate(tokens, output_attentions=True,
+                                                             return_dict_in_generate=True, **run)),
+        "prompt length": _attempt(lambda: model.generate(tokens[:, :22], **run)),
+        "beam search on rank 1 only": _attempt(lambda: model.generate(tokens, num_beams=1 + (rank == 1), **run)),
+        "prompts differ": _attempt(lambda: model.generate(other, **run)),
+        "seeds differ": _attempt(lambda: (torch.manual_seed(rank), model.generate(tokens, do_sample=True, **run))),
+        "sinks": _attempt(lambda: enable_context_parallel(hf_families.build("gpt_oss+sinks-only"), layout=layout)
+                          .generate(tokens, **run)),
+        "dynamic cache in forward": _attempt(lambda: model(input_ids=layout.shard(tokens, rank, dim=1),
+                                                           position_ids=layout.positions(PROMPT_LEN, rank)[None],
+                                                           past_key_values=DynamicCache())),
+    }
+    want = hf_families.build("llama").generate(tokens, **run)
+    try:
+        out["after"] = torch.equal(model.generate(tokens, **run), want)
+    except Exception as e:  # noqa: BLE001
+        out["after"] = f"{type(e).__name__}: {e}"
+    return out
+
+
+def run(rank: int, world: int) -> dict:
+    """Every part on every rank; a part that raises is reported (as a string), so that it
+    fails its own tests and not the other HF tests sharing this spawn."""
+    out = {}
+    for name, part in (("tokens", _tokens), ("families", _families), ("cache", _cache), ("refusals", _refusals)):
+        try:
+            out[name] = part(rank, world)
+        except Exception:  # noqa: BLE001
+            out[name] = f"rank {rank} raised\n{traceback.format_exc()}"
+    return out

@@ -1,0 +1,128 @@
+"""``model.generate()`` of a transformers causal LM under CP: the tokens of generate without CP.
+
+P = 2, 3, 4 run inside hf_cases' one spawn of 4 gloo ranks (``hf_generate_cases``); P = 1
+runs here, without a process group.
+"""
+
+from __future__ import annotations
+
+import pytest
+
+pytest.importorskip("transformers")
+
+import hf_cases  # noqa: E402
+import hf_families  # noqa: E402
+import hf_generate_cases as cases  # noqa: E402
+import torch  # noqa: E402
+
+import ctxpar  # noqa: E402
+from ctxpar.integrations.transformers import ShardedCache, enable_context_parallel  # noqa: E402
+
+ONE = ctxpar.get_layout("zigzag", 1)
+
+
+def _part(rank: int, name: str):
+    """Rank ``rank``'s results of the part ``name`` of hf_generate_cases (failed if it raised)."""
+    got = hf_cases.results()[rank]["generate"][name]
+    if isinstance(got, str):
+        pytest.fail(got)
+    return got
+
+
+def _runs(world: int, key: str) -> list[dict]:
+    """The ranks of the CP group of ``world`` ranks that ran ``key``."""
+    return [_part(rank, "tokens")[(world, key)] for rank in range(world)]
+
+
+@pytest.mark.parametrize("world, key", [(p, key) for p in cases.WORLDS for key in cases.cases(p)])
+def test_generate_under_cp_gives_the_tokens_of_generate_without_cp(world: int, key: str) -> None:
+    """Greedy and seeded sampling, 16 new tokens after a 24-token prompt, batch 2: every
+    rank returns the sequences the same model's generate returns without CP."""
+    runs = _runs(world, key)
+    for rank, r in enumerate(runs):
+        assert "error" not in r, f"rank {rank}: {r['error']}"
+        assert r["equal"], f"rank {rank}: tokens differ from generate without CP at (row, column) {r['first_mismatch']}"
+    copies = cases.cases(world)[key][3].get("num_return_sequences", 1)
+    assert runs[0]["shape"] == (cases.BATCH * copies, cases.PROMPT_LEN + cases.NEW_TOKENS)
+    assert len({r["digest"] for r in runs}) == 1
+
+
+@pytest.mark.parametrize("case", [c for c in hf_families.CASES if c not in hf_families.REFUSED])
+def test_every_family_that_runs_under_cp_generates_its_tokens_or_is_refused_naming_why(case: str) -> None:
+    """2 ranks, zigzag, 4 new tokens after 16: never other tokens than generate without CP."""
+    verdicts = [_part(rank, "families")[case] for rank in range(4) if case in _part(rank, "families")]
+    assert len(verdicts) == 2, f"{case} ran on {len(verdicts)} ranks"
+    for kind, detail in verdicts:
+        if case in cases.GENERATE_REFUSED:
+            assert kind == "refused" and cases.GENERATE_REFUSED[case] in detail, f"{case}: {kind}: {detail}"
+        else:
+            assert kind == "equal", f"{case} must generate the tokens of generate without CP; it was {kind}: {detail}"
+
+
+def test_each_rank_caches_its_prompt_positions_and_every_pth_decoded_one() -> None:
+    """Zigzag on 4 ranks: rank r holds the layout's prompt positions, then the decoded
+    positions p with p mod 4 = r; the cache reports the global length; the scores
+    (return_dict_in_generate) are the unsplit model's."""
+    layout = ctxpar.get_layout("zigzag", 4)
+    total = cases.PROMPT_LEN + cases.NEW_TOKENS - 1  # the last token is returned, not fed back
+    for rank in range(4):
+        got = _part(rank, "cache")
+        decoded = [p for p in range(cases.PROMPT_LEN, total) if p % 4 == rank]
+        assert got["positions"] == layout.positions(cases.PROMPT_LEN, rank).tolist() + decoded
+        assert got["seq_len"] == total
+        assert got["equal"] and got["same_masked"] and got["scores_err"] <= 1e-4, got
+
+
+REFUSED = {  # what generate must refuse on every rank, and the words of the error
+    "beam search": "NotImplementedError: generation mode 'beam_search' (num_beams=2)",
+    "assisted": "NotImplementedError: assisted decoding",
+    "cache passed in": "NotImplementedError: generate got past_key_values=",
+    "static cache": "NotImplementedError: generate with cache_implementation='static'",
+    "no cache": "NotImplementedError: generate with use_cache=False",
+    "chunked prefill": "NotImplementedError: generate with prefill_chunk_size=8",
+    "padding": "ValueError: padding",
+    "inputs_embeds": "NotImplementedError: generate from inputs_embeds",
+    "output_attentions": "NotImplementedError: generate with output_attentions=True",
+    "prompt length": "ValueError: sequence length 22 is not a multiple of 2*P=8 required by the zigzag layout",
+    "prompts differ": "ValueError: the ranks of the CP group disagree on the generate call: arguments",
+    "seeds differ": "ValueError: the ranks of the CP group disagree on the generate call: RNG state",
+    "sinks": "NotImplementedError: GptOssForCausalLM has attention sinks",
+    "dynamic cache in forward": "ValueError: LlamaForCausalLM got past_key_values=DynamicCache",
+}
+
+
+@pytest.mark.parametrize("case", REFUSED)
+def test_what_generate_cannot_honour_is_refused_on_every_rank(case: str) -> None:
+    for rank in range(4):
+        got = _part(rank, "refusals")[case]
+        assert got.startswith(REFUSED[case]), f"rank {rank}: {got}"
+
+
+def test_a_refusal_on_one_rank_is_a_refusal_on_every_rank_and_generate_works_after() -> None:
+    """Beam search asked on rank 1 only: rank 1 says why, the others name rank 1; then a
+    plain generate on the same model gives the tokens of generate without CP."""
+    for rank in range(4):
+        got = _part(rank, "refusals")
+        if rank == 1:
+            assert got["beam search on rank 1 only"].startswith(REFUSED["beam search"])
+        else:
+            assert "ranks [1] of the CP group rejected their generate call inputs" in got["beam search on rank 1 only"]
+        assert got["after"] is True
+
+
+@pytest.mark.parametrize("family", ["llama", "mistral"])
+def test_one_rank_without_a_process_group_generates_as_without_cp(family: str) -> None:
+    tokens = cases.prompt()
+    for kwargs in ({}, cases.SAMPLE):
+        want = cases.generate(hf_families.build(family), tokens, kwargs)
+        model = enable_context_parallel(hf_families.build(family), layout=ONE)
+        assert torch.equal(cases.generate(model, tokens, kwargs), want)
+    out = model.generate(tokens, max_new_tokens=3, return_dict_in_generate=True)
+    assert isinstance(out.cache, ShardedCache) and out.cache.get_seq_length() == cases.PROMPT_LEN + 2
+    with pytest.raises(NotImplementedError, match="beam_search"):
+        model.generate(tokens, num_beams=2, max_new_tokens=2)
+    with pytest.raises(NotImplementedError, match="cannot reorder its sequences"):
+        out.cache.reorder_cache(torch.tensor([1, 0]))
+    hybrid = enable_context_parallel(hf_families.build(family), layout=ONE, strategy="hybrid")
+    with pytest.raises(NotImplementedError, match="supports the ring, allgather, alltoall strategies, not 'hybrid'"):
+        hybrid.generate(tokens, max_new_tokens=2)
