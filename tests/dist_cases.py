@@ -370,6 +370,46 @@ def _check_consistency(rank: int, world: int) -> dict:
     )
 
 
+def _check_auto(rank: int, world: int) -> dict:
+    """strategy="auto": forward and backward equal to the ring's, the same choice recorded on
+    every rank; then the last rank predicting on other hardware: every rank raises."""
+    from ctxpar import auto
+    from ctxpar.plan import get_hardware
+
+    gen = torch.Generator().manual_seed(11)
+    q, k, v = (torch.randn(1, h, 64, 16, generator=gen, requires_grad=True) for h in (8, 2, 2))
+    dout = torch.randn(1, 8, 64, 16, generator=gen)
+    grads = {}
+    for strategy in ("auto", "ring"):
+        with ctxpar.record() as rec:
+            out = ctxpar.attention(q, k, v, layout="zigzag", strategy=strategy)
+            dq, dk, dv = torch.autograd.grad(out, (q, k, v), dout)
+        grads[strategy] = (out, dq, dk, dv)
+        if strategy == "auto":
+            choices = rec.strategy_choices
+    error = max(float((a - b).abs().max() / b.abs().max()) for a, b in zip(grads["auto"], grads["ring"]))
+    h100 = get_hardware("H100-SXM")
+
+    def predicted(hw) -> str:
+        auto.set_hardware(hw)
+        try:
+            return auto.choose(q, k, world=world, layout_name="zigzag", mask=Mask(causal=True), backward=True)[0]
+        finally:
+            auto.set_hardware(None)
+
+    differ = predicted(None) != predicted(h100)  # the CPU default and an H100 choose differently here
+    if rank == world - 1:
+        auto.set_hardware(h100)
+    try:
+        ctxpar.attention(q, k, v, layout="zigzag", strategy="auto")
+        disagreeing = "ok"
+    except ValueError as e:
+        disagreeing = str(e)
+    finally:
+        auto.set_hardware(None)
+    return dict(error=error, choices=choices, differ=differ, disagreeing=disagreeing)
+
+
 def _check_loss_weighting(rank: int, world: int) -> dict:
     """cp_loss when ranks hold different numbers of labelled tokens (rank 0: none)."""
     from ctxpar.parallelize import IGNORE_INDEX, cp_loss
@@ -404,6 +444,7 @@ def run_all(rank: int, world: int) -> dict:
     results["traffic"] = _check_traffic(rank, world, mesh)
     results["window_traffic"] = _check_window_traffic(rank, world)
     results["loss_weighting"] = _check_loss_weighting(rank, world)
+    results["auto"] = _check_auto(rank, world)
     if world > 1:
         results["consistency"] = _check_consistency(rank, world)
     if world >= 4 and world % 2 == 0:

@@ -191,3 +191,20 @@ def test_any_process_group_not_only_world() -> None:
     for rank, res in enumerate(results(4)):
         for strategy, verdict in res["subgroups"].items():
             assert verdict == "ok", f"{strategy} on a subgroup: {verdict}"
+
+
+@pytest.mark.parametrize("world", WORLD_SIZES, ids=lambda w: f"P{w}")
+def test_auto_strategy_is_exact_chosen_alike_and_recorded(world: int) -> None:
+    per_rank = [res["auto"] for res in results(world)]
+    for rank, r in enumerate(per_rank):
+        assert r["error"] <= 1e-5, f"P={world} rank {rank}: auto vs ring relative error {r['error']:.2e}"
+        assert len(r["choices"]) == 1 and r["choices"] == per_rank[0]["choices"], r["choices"]
+    strategy, why = per_rank[0]["choices"][0]
+    assert strategy in ("ring", "allgather", "alltoall")
+    if world == 1:
+        assert "one rank" in why
+        return
+    assert "predicted per layer forward + backward on cpu-default" in why
+    assert per_rank[0]["differ"], "the test needs hardware on which the choice differs"
+    for rank, r in enumerate(per_rank):  # the last rank chose on H100 figures: every rank raises
+        assert "different strategy" in r["disagreeing"], (rank, r["disagreeing"])

@@ -7,7 +7,7 @@ import math
 import torch
 import torch.distributed as dist
 
-from ctxpar import agreement, kernels, topology
+from ctxpar import agreement, auto, kernels, topology
 from ctxpar.layout import Layout, fingerprint, get_layout
 from ctxpar.masks import make_mask
 from ctxpar.strategies import STRATEGIES, Strategy
@@ -55,6 +55,9 @@ def attention_with_lse(
             ``"allgather"``: every rank gathers all K/V (by head group).
             ``"alltoall"``: Ulysses; heads for sequence, needs H % P == 0.
             ``"hybrid"``: all-to-all over the mesh's "ulysses" dim, ring over "ring".
+            ``"auto"``: the one of ring, allgather, alltoall the planner predicts
+            fastest for these shapes on this hardware (``ctxpar.auto``), the same on
+            every rank; ``ctxpar.record()`` says which and why.
             Traffic and memory of each: docs/strategies.md.
         mesh: for ``"hybrid"`` only, a 2D DeviceMesh with dims "ulysses" and "ring";
             the rank in the layout is ``ctxpar.hybrid_rank(mesh)``.
@@ -90,12 +93,20 @@ def attention_with_lse(
     """
     error, topo, mask = None, None, None
     try:
-        chosen = _strategy(strategy)
+        chosen = _strategy("ring" if strategy == auto.AUTO else strategy)
+        if strategy == auto.AUTO and mesh is not None:
+            raise ValueError("strategy='auto' chooses among ring, allgather and alltoall on group=; a hybrid mesh= "
+                             "is used with strategy='hybrid'")
         topo = _topology(chosen.axis, strategy, group, mesh)
         layout = _layout_for(layout, topo)
         scale = _validate(q, k, v, layout, topo, scale)
         mask = make_mask(q.shape[2] * layout.world_size, causal=causal, documents=documents, window=window)
         _check_sinks(sinks, q)
+        if strategy == auto.AUTO:
+            strategy, _ = auto.choose(q, k, world=topo.world_size, layout_name=layout.name, mask=mask,
+                                      backward=_needs_grad(q, k, v, sinks))
+            chosen = _strategy(strategy)
+            topo = _topology(chosen.axis, strategy, group, mesh)
         chosen.check(q, k, topo)
     except ValueError as e:
         error = e
@@ -118,6 +129,10 @@ def attention_with_lse(
 def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, **kwargs) -> torch.Tensor:
     """Like ``attention_with_lse`` but returns only ``out`` (B, H, S, D)."""
     return attention_with_lse(q, k, v, **kwargs)[0]
+
+
+def _needs_grad(*tensors) -> bool:
+    return torch.is_grad_enabled() and any(isinstance(t, torch.Tensor) and t.requires_grad for t in tensors)
 
 
 def _strategy(name: str) -> Strategy:

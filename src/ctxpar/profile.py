@@ -17,7 +17,7 @@ import os
 import resource
 import time
 from collections.abc import Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -31,6 +31,7 @@ class Record:
     wait_seconds: float = 0.0  # blocked on communication that compute did not hide
     collectives: int = 0  # communications posted (one ring step's send + receive counts once)
     waits: int = 0  # times this rank blocked until a communication completed: synchronisation points
+    strategy_choices: list[tuple[str, str]] = field(default_factory=list)  # strategy="auto": (chosen, why) per call
 
 
 _open: list[Record] = []
@@ -45,6 +46,12 @@ def record() -> Iterator[Record]:
         yield rec
     finally:
         _open.remove(rec)
+
+
+def note_strategy(strategy: str, why: str) -> None:
+    """What ``strategy="auto"`` chose for one call, and why."""
+    for rec in _open:
+        rec.strategy_choices.append((strategy, why))
 
 
 def add_traffic(sent: int, received: int) -> None:

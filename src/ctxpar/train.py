@@ -26,7 +26,7 @@ from ctxpar import launch
 from ctxpar.models import Transformer, get_config
 from ctxpar.parallelize import apply_context_parallel, cp_loss, shard_batch, shift_labels
 
-TRAIN_STRATEGIES = ("ring", "allgather", "alltoall")
+TRAIN_STRATEGIES = ("ring", "allgather", "alltoall", "auto")  # auto: ctxpar.auto picks per call
 
 
 @dataclass(frozen=True)
@@ -66,8 +66,9 @@ class TrainConfig:
         limits.check_seed(self.seed)
         cfg = get_config(self.model)
         ctxpar.get_layout(self.layout, self.cp(world)).validate(self.seq)
-        u = strategy_rules.ulysses_degree(self.strategy, self.cp(world))
-        strategy_rules.check_heads(self.strategy, cfg.heads, cfg.kv_heads, u)
+        if self.strategy != "auto":  # auto considers all-to-all only where it splits the heads
+            u = strategy_rules.ulysses_degree(self.strategy, self.cp(world))
+            strategy_rules.check_heads(self.strategy, cfg.heads, cfg.kv_heads, u)
         if self.save_every < 0:
             raise ValueError(f"--save-every {self.save_every} must be >= 0 (steps between checkpoints; 0: never)")
         if (self.save_every or self.resume) and not self.checkpoint_dir:
@@ -208,7 +209,9 @@ def train_rank(rank: int, world: int, cfg: TrainConfig, device: torch.device | N
     if device.type == "cuda":
         torch.cuda.reset_peak_memory_stats(device)
     before = profile.current_memory(device)
-    history = _run_steps(model, optimizer, cfg, start, inputs, after_step, show=rank == 0, grad_scale=world)
+    with profile.record() as rec:
+        history = _run_steps(model, optimizer, cfg, start, inputs, after_step, show=rank == 0, grad_scale=world)
+    chosen = dict(rec.strategy_choices)  # strategy="auto": {strategy: why}, one entry per distinct choice
     growth = [None] * world
     dist.all_gather_object(growth, profile.peak_memory(device)[0] - before)
     params = None
@@ -220,7 +223,8 @@ def train_rank(rank: int, world: int, cfg: TrainConfig, device: torch.device | N
     return dict(config=dict(asdict(cfg), nproc=world, cp=cp), start_step=start, parameters=params,
                 resumed_from=resumed.path if resumed else None,
                 skipped_checkpoints=[asdict(s) for s in resumed.skipped] if resumed else [],
-                rank_peak_growth_bytes=growth, peak_memory_source=profile.peak_memory(device)[1], **history)
+                rank_peak_growth_bytes=growth, peak_memory_source=profile.peak_memory(device)[1],
+                strategy_chosen=chosen, **history)
 
 
 def train_reference(cfg: TrainConfig) -> dict:
@@ -262,8 +266,12 @@ def run_train(cfg: TrainConfig, *, timeout_s: float = launch.DEFAULT_TIMEOUT_S) 
 
 def format_report(report: dict) -> str:
     c = report["config"]
+    strategy = c["strategy"]
+    if report.get("strategy_chosen"):
+        strategy += " -> " + ", ".join(report["strategy_chosen"])
     lines = [f"ctxpar train: {c['model']} model, T={c['seq']}, {c['nproc']} ranks = dp {c['dp']} x cp {c['cp']} "
-             f"({c['strategy']}, {c['layout']}), {len(report['loss'])} steps"]
+             f"({strategy}, {c['layout']}), {len(report['loss'])} steps"]
+    lines += [f"  auto chose {s}: {why}" for s, why in report.get("strategy_chosen", {}).items()]
     ref = report.get("reference_loss")
     header = f"{'step':>5} {'loss':>10} {'recall':>7}" + (f" {'reference':>10} {'|diff|':>9}" if ref else "")
     lines.append(header)

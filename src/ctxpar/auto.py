@@ -1,0 +1,110 @@
+"""``strategy="auto"``: the planner's cost model picks how K/V move, for the shapes of the call.
+
+    out = ctxpar.attention(q, k, v, layout="zigzag", strategy="auto")
+    with ctxpar.record() as rec: ...; rec.strategy_choices   # [(strategy, why), ...]
+
+For one call (B, H, H_kv, D, T = S·P, P, dtype, mask, layout) the planner predicts one
+layer's attention time, forward + backward when a backward will run, forward alone
+otherwise (``plan.cost.attention_time``: per-stage compute at the hardware's rate,
+transfers at its bandwidth, overlapped as each strategy overlaps them) for every
+strategy that can run on one process group: ring, allgather, and alltoall where P
+divides H (hybrid needs a 2D mesh and is chosen explicitly). The fastest wins; ties go to
+the earlier of ring, allgather, alltoall.
+
+Hardware: ``set_hardware(hw)`` (any ``ctxpar.plan.Hardware``, e.g. a calibrated
+``local_hardware``) for every later call; otherwise CUDA tensors use the preset named by
+the GPU (H100, H200, A100, B200; H100-SXM for others) and CPU tensors ``CPU_DEFAULT``.
+The choice depends only on the call's shapes and the hardware, so every rank makes the
+same one without a message; the consistency check then compares the chosen strategy
+(ranks that chose differently, on different hardware, raise together).
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+
+import torch
+
+from ctxpar import profile
+from ctxpar.layout import LAYOUT_NAMES
+from ctxpar.masks import Mask
+from ctxpar.models.config import ModelConfig
+from ctxpar.plan import cost
+from ctxpar.plan.hardware import PRESETS, Hardware
+from ctxpar.plan.workload import Workload
+
+AUTO = "auto"
+CANDIDATES = ("ring", "allgather", "alltoall")
+_log = logging.getLogger("ctxpar")
+
+# This project's CI machine kind, measured by ``ctxpar plan --hardware local --calibrate``
+# (docs/benchmarks.md, "Planner against measurement"): one thread's attention rate, the gloo
+# loopback bandwidth. Only the ratio of rate to bandwidth orders the strategies.
+CPU_DEFAULT = Hardware("cpu-default", 113.2e9, 1.0, 24 * 10**9, 2, 2.455e9, 2.455e9,
+                       "one CPU thread and gloo over loopback, measured on the CI machine (docs/benchmarks.md)")
+
+_hardware: Hardware | None = None
+
+
+def set_hardware(hw: Hardware | None) -> None:
+    """The hardware ``strategy="auto"`` predicts on from now on (None: by device, the default)."""
+    if hw is not None and not isinstance(hw, Hardware):
+        raise ValueError(f"set_hardware takes a ctxpar.plan.Hardware (ctxpar.plan.get_hardware(name)) or None, got "
+                         f"{type(hw).__name__}")
+    global _hardware
+    _hardware = hw
+    _choose.cache_clear()
+
+
+def hardware_for(device: torch.device) -> Hardware:
+    if _hardware is not None:
+        return _hardware
+    if device.type != "cuda":
+        return CPU_DEFAULT
+    name = torch.cuda.get_device_name(device).upper()
+    for key in ("H200", "B200", "A100", "H100"):
+        if key in name:
+            return next(h for h in PRESETS.values() if key in h.name.upper())
+    return PRESETS["h100-sxm"]
+
+
+def choose(q: torch.Tensor, k: torch.Tensor, *, world: int, layout_name: str, mask: Mask, backward: bool
+           ) -> tuple[str, str]:
+    """(strategy, why) for one call; recorded in ``ctxpar.record()`` and logged at debug level."""
+    b, h, s, d = q.shape
+    dtype = {torch.bfloat16: "bfloat16", torch.float16: "float16"}.get(q.dtype, "float32")
+    hw = hardware_for(q.device)
+    # the planner counts work on the named layouts; a balanced or union layout evens work out like zigzag
+    layout = layout_name if layout_name in LAYOUT_NAMES else "zigzag"
+    strategy, why = _choose(b, h, k.shape[1], d, s * world, world, dtype, layout, mask, backward, hw)
+    profile.note_strategy(strategy, why)
+    _log.debug("strategy='auto' chose %s: %s", strategy, why)
+    return strategy, why
+
+
+@functools.lru_cache(maxsize=256)
+def _choose(batch: int, heads: int, kv_heads: int, head_dim: int, seq: int, world: int, dtype: str, layout: str,
+            mask: Mask, backward: bool, hw: Hardware) -> tuple[str, str]:
+    if world == 1:
+        return "ring", "one rank: no K/V moves, every strategy is the local kernel"
+    model = ModelConfig(layers=1, hidden=heads * head_dim, heads=heads, kv_heads=kv_heads, head_dim=head_dim,
+                        ffn=1, vocab=1)  # only the attention's shape matters
+    documents = mask.documents
+    times = {}
+    for strategy in CANDIDATES:
+        if strategy == "alltoall" and heads % world:
+            continue
+        try:
+            w = Workload(model, batch=batch, seq=seq, dtype=dtype, cp=world, strategy=strategy, layout=layout,
+                         causal=mask.causal, window=mask.window, documents=documents)
+        except ValueError:  # a shape beyond what the planner evaluates
+            continue
+        t = cost.attention_time(w, hw)
+        times[strategy] = t.seconds if backward else t.forward.seconds
+    if not times:
+        return "ring", f"the planner cannot evaluate T={seq} on P={world}: ring, which every shape allows"
+    best = min(times, key=times.get)  # dicts keep CANDIDATES' order: ties go to the earlier
+    table = ", ".join(f"{s} {t * 1e3:.3g} ms" for s, t in times.items())
+    return best, (f"predicted per layer {'forward + backward' if backward else 'forward'} on {hw.name}: {table} "
+                  f"(B={batch} H={heads} H_kv={kv_heads} D={head_dim} T={seq} P={world} {dtype} {layout})")
