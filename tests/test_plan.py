@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import re
 import subprocess
 import sys
 from dataclasses import replace
@@ -16,11 +17,12 @@ from ctxpar.plan import cost, get_hardware, make_plan, parse_bandwidth, parse_fl
 from ctxpar.cli import main
 from ctxpar import calibrate
 from ctxpar.calibrate import measure_link, measure_memory_bandwidth
-from ctxpar.plan import inference, inference_report, traffic
+from ctxpar.plan import inference, inference_report, planner, traffic
+from ctxpar.plan.baseline import VERDICTS, baseline
 from ctxpar.plan.cost import Pipeline
 from ctxpar.plan.documents import pack, parse_doc_dist, parse_lengths, sample_lengths
 from ctxpar.plan.hardware import local_hardware
-from ctxpar.plan.memory import memory_per_gpu, saved_tensors_per_token, sequence_tensors
+from ctxpar.plan.memory import memory_per_gpu, parameters_per_gpu, saved_tensors_per_token, sequence_tensors
 from ctxpar.plan.recommend import crossover, fits_up_to, recommend
 from ctxpar.plan.units import format_bytes, format_seconds, parse_latency
 from ctxpar.plan.work import pairs_per_rank, union_pairs
@@ -309,6 +311,169 @@ def test_make_plan_sweeps_every_valid_combination() -> None:
     assert combos == {(1, "ring"), *((p, s) for p in (2, 4, 8) for s in ("ring", "allgather", "alltoall")),
                       (4, "hybrid"), (8, "hybrid")}  # hybrid needs a ring degree > 1
     assert plan.efficiency == pytest.approx(plan.cp1_step.seconds / (4 * plan.step.seconds))
+
+
+# -- tensor parallelism, data parallelism, links ------------------------------------------------
+
+
+def test_tp_halves_every_sharded_category_exactly() -> None:
+    one, two = worked(fsdp=8), worked(fsdp=8, tp=2)
+    m1, m2 = memory_per_gpu(one, 1), memory_per_gpu(two, 1)
+    m = one.model
+    norms = m.layers * 2 * m.hidden + m.hidden  # replicated on every TP rank
+    assert parameters_per_gpu(one) == m.parameters == 8_030_261_248
+    assert parameters_per_gpu(two) == (m.parameters - norms) // 2 + norms == 4_015_263_744
+    assert (m2.parameters, m2.gradients, m2.optimizer_states) == (4_015_263_744 * 2 // 8, 4_015_263_744 * 2 // 8,
+                                                                  4_015_263_744 * 12 // 8)
+    # sequence parallelism splits the norms' and the column-parallel matmuls' inputs too: every activation halves
+    per_token = (4 * 4096 + (2 * 32 + 2 * 8) * 128 + 4 * 14336) * 2 + 32 * 4  # 168,064 B, as at TP 1
+    assert m1.activations == 32 * 8192 * per_token == 44_056_969_216 and m2.activations == 22_028_484_608
+    assert (m2.activations_checkpointed, m1.activations_checkpointed) == (1_762_131_968, 3_524_263_936)
+    assert (m2.logits, m1.logits) == (8192 * 64128 * 6, 8192 * 128256 * 6)  # vocabulary-parallel
+    assert m2.fsdp_buffers * 2 == m1.fsdp_buffers and m2.attention_workspace * 2 == m1.attention_workspace
+    # without sequence parallelism the sequence region (4 rows of d per token) stays whole on every TP rank
+    whole = memory_per_gpu(two.with_(sequence_parallel=False), 1).activations
+    assert whole == m2.activations + 32 * (8192 - 4096) * 4 * 4096 * 2
+    t = sequence_tensors(two)
+    assert (t.hidden_state.per_gpu, t.kv_one_layer.per_gpu) == (32 * MiB, 16 * MiB)  # /(P·t); H_kv/t heads
+
+
+def test_tp_traffic_and_time_are_megatrons_collectives() -> None:
+    hw = get_hardware("H100-SXM")
+    w = worked(tp=4)  # S = 8192 tokens per CP rank, d = 4096, bf16
+    one = 3 * 1 * (8192 // 4) * 4096 * 2  # one all-gather / reduce-scatter: (t-1)·B·(S/t)·d·e = 48 MiB
+    tr = cost.tp_traffic(w)
+    assert (tr.forward, tr.backward, tr.regather) == (4 * one, 4 * one, 2 * one) and one == 48 * MiB
+    no_sp = cost.tp_traffic(w.with_(sequence_parallel=False))  # 2 all-reduces = 2 x (reduce-scatter + all-gather)
+    assert (no_sp.forward, no_sp.backward, no_sp.regather) == (4 * one, 4 * one, 0)
+    assert cost.tp_traffic(worked()).total == 0
+    step = cost.step_time(w, hw)
+    assert (step.tp_forward, step.tp_backward) == (4 * one / 450e9, 4 * one / 450e9)  # exposed; TP inside a node
+    assert step.tp_seconds == pytest.approx(32 * 8 * one / 450e9, rel=1e-12)
+    full = cost.step_time(w.with_(checkpointing="full"), hw)
+    assert full.tp_seconds == pytest.approx(32 * 12 * one / 450e9, rel=1e-12)  # the recomputed forward's again
+    assert step.seconds == step.matmul + step.attention_seconds + step.tp_seconds
+    plain = cost.step_time(worked(), hw)
+    assert step.matmul == pytest.approx(plain.matmul / 4, rel=1e-12)  # matmul FLOPs / TP
+    assert cost.attention_forward_flops(w) * 4 == cost.attention_forward_flops(worked())  # H/t heads
+    assert cost.layer_traffic(w).forward * 4 == cost.layer_traffic(worked()).forward  # CP moves H_kv/t heads
+
+
+def test_links_follow_megatrons_rank_order() -> None:
+    """TP innermost, then CP: TP 8 x CP 2 on 8-GPU nodes keeps TP in a node and sends CP over the NIC."""
+    hw = get_hardware("H100-SXM")
+    w = Workload(resolve_model("llama-3-70b"), batch=1, seq=131072, dtype="bfloat16", cp=2, tp=8)
+    links = cost.links(w, hw)
+    assert (links["tp"].span, links["tp"].crosses_nodes, links["tp"].bandwidth) == (8, False, 450e9)
+    assert (links["cp"].span, links["cp"].crosses_nodes, links["cp"].bandwidth) == (16, True, 50e9)
+    assert cost.attention_time(w, hw).link_bandwidth == 50e9
+    assert not cost.links(w.with_(tp=4), hw)["cp"].crosses_nodes  # 4 x 2 = 8 GPUs: one node
+    half = get_hardware("H100-SXM", gpus_per_node=4)  # --gpus-per-node 4: now TP 8 crosses nodes too
+    assert cost.links(w, half)["tp"].crosses_nodes
+    assert cost.step_time(w, half).tp_forward == cost.tp_traffic(w).forward / 50e9
+    hybrid = w.with_(tp=2, cp=8, strategy="hybrid", ulysses=4)
+    assert (cost.links(hybrid, hw)["ulysses"].span, cost.links(hybrid, hw)["ulysses"].crosses_nodes) == (8, False)
+
+
+@pytest.mark.parametrize("changes, message", [
+    (dict(tp=3), "--tp 3 does not divide the 32 query heads (--heads)"),
+    (dict(tp=16), "--tp 16 does not divide the 8 KV heads (--kv-heads): Megatron-Core gives each GPU H_kv/TP"),
+    (dict(tp=8, ffn=14340), "--tp 8 does not divide the MLP width --ffn 14340"),
+    (dict(tp=4, seq=32776), "--seq 32776: with sequence parallelism each of the TP=4 GPUs holds 1/4 of the S = T/P"),
+    (dict(dp=1, fsdp=8), "--fsdp 8 must divide --dp x --cp = 1 x 4 = 4"),
+    (dict(tp=8, cp=8, strategy="alltoall"), "splits the H/TP = 32/8 = 4 query heads of each tensor-parallel rank"),
+])
+def test_parallel_degrees_are_refused_naming_the_flag(changes: dict, message: str) -> None:
+    changes = dict(changes)
+    ffn = changes.pop("ffn", None)
+    w = worked() if ffn is None else worked(model=worked().model.with_(ffn=ffn))
+    with pytest.raises(ValueError, match=re.escape(message)):
+        w.with_(**changes)
+    assert worked(tp=4, seq=32776, sequence_parallel=False).tp == 4  # S/t need not be whole without SP
+
+
+def test_data_parallel_follows_fsdp_unless_given() -> None:
+    assert (worked().data_parallel, worked(fsdp=2).data_parallel, worked(fsdp=64).data_parallel) == (1, 1, 16)
+    w = worked(tp=2, dp=4, fsdp=16)
+    assert (w.data_parallel, w.gpus_per_replica, w.world_size) == (4, 8, 32)
+    assert memory_per_gpu(w, 1) == memory_per_gpu(w.with_(dp=None), 1)  # DP changes no per-GPU figure
+
+
+# -- the best configuration without CP ----------------------------------------------------------
+
+
+def test_baseline_is_the_fastest_fitting_configuration_without_cp() -> None:
+    hw = get_hardware("H100-SXM")
+    w = worked(fsdp=8)  # TP 1 x CP 4: 4 GPUs per replica
+    b = baseline(w, hw)
+    assert [(p.tp, p.checkpointing) for p in b.points] == [(t, c) for t in (1, 2, 4) for c in ("none", "full")]
+    for p in b.points:
+        v = w.with_(cp=1, strategy="ring", tp=p.tp, checkpointing=p.checkpointing)
+        mem = memory_per_gpu(v, hw.hbm_bytes)
+        assert (p.step_seconds, p.memory_bytes, p.fits) == (cost.step_time(v, hw).seconds, mem.total, mem.fits)
+        assert p.seconds_per_batch == p.step_seconds * p.tp / 4  # the other GPUs run data parallelism
+    fastest = min(b.points, key=lambda p: p.seconds_per_batch)
+    assert not fastest.fits  # TP 1 without checkpointing would be fastest, but does not fit
+    assert b.best == min((p for p in b.points if p.fits), key=lambda p: p.seconds_per_batch)
+    assert (b.best.tp, b.best.checkpointing) == (4, "none")
+    assert b.speedup == b.best.seconds_per_batch / cost.step_time(w, hw).seconds == pytest.approx(1.0879, abs=1e-4)
+    assert b.verdict == "pays_off" and b.summary.startswith("CP pays off: TP=1 x CP=4 ring takes 1.249 s per step")
+    slow = baseline(worked(fsdp=4, tp=2, checkpointing="full"), hw)  # recomputation costs more than CP saves
+    assert slow.verdict == "does_not_pay_off" and slow.speedup < 1
+
+
+def test_baseline_says_cp_is_necessary_when_nothing_without_cp_fits() -> None:
+    hw = get_hardware("H100-SXM")
+    w = Workload(resolve_model("llama-3-70b"), batch=1, seq=2**20, dtype="bfloat16", cp=8, tp=8, fsdp=64,
+                 checkpointing="full")
+    b = baseline(w, hw)
+    assert b.best is None and b.speedup is None and b.requested_fits
+    assert {p.tp for p in b.points} == {1, 2, 4, 8} and not any(p.fits for p in b.points)
+    assert set(b.skipped) == {16, 32, 64} and "KV heads" in b.skipped[64]  # H_kv = 8
+    assert b.verdict == "necessary"
+    assert b.summary.startswith("CP is necessary: no configuration without CP on 64 GPUs per replica fits")
+    assert baseline(w.with_(checkpointing="none"), hw).verdict == "nothing_fits"
+    assert baseline(worked(cp=1), hw).verdict == "no_cp"
+
+
+def test_cli_parallel_flags_and_json_keys(tmp_path, capsys, monkeypatch) -> None:
+    monkeypatch.setattr(planner, "MAX_SWEEP_SEQ", 2**15)  # a short sweep: this test is about the keys
+    out = tmp_path / "plan.json"
+    assert main(["plan", *WORKED, "--tp", "2", "--dp", "2", "--fsdp", "8", "--gpus-per-node", "4", "--max-cp", "4",
+                 "--json", str(out)]) == 0
+    table = capsys.readouterr().out
+    assert "parallel: TP=2 (sequence parallel) x CP=4 x DP=2 = 16 GPUs (rank order TP, CP, DP); 4 GPUs per node" \
+        in table
+    assert "CP group of 4 spans 8 consecutive GPUs, more than a node of 4: inter-node link" in table
+    assert "Tensor-parallel traffic per GPU per layer (TP=2, sequence parallel" in table
+    report = json.loads(out.read_text())
+    assert {"parallel", "tp_traffic_per_layer", "baseline"} <= set(report)
+    par = report["parallel"]
+    assert (par["tp"], par["cp"], par["dp"], par["fsdp"], par["world_size"], par["gpus_per_replica"]) == \
+        (2, 4, 2, 8, 16, 8)
+    assert (par["heads_per_gpu"], par["kv_heads_per_gpu"], par["parameters_per_gpu"]) == (16, 4, 4_015_263_744)
+    assert set(par["links"]) == {"tp", "cp"} and par["links"]["cp"]["crosses_nodes"] is True
+    assert set(par["links"]["tp"]) == {"group_size", "spans_gpus", "crosses_nodes", "link", "bandwidth"}
+    assert report["traffic_per_layer"]["link"] == "inter-node" and report["traffic_per_layer"]["crosses_nodes"]
+    tp = report["tp_traffic_per_layer"]
+    assert set(tp) == {"forward_bytes", "backward_bytes", "backward_regather_bytes", "collective_bytes",
+                       "link_bandwidth", "forward_seconds", "backward_seconds", "link", "crosses_nodes"}
+    assert (tp["forward_bytes"], tp["collective_bytes"], tp["link"]) == (4 * 4096 * 4096 * 2, 4096 * 4096 * 2,
+                                                                          "intra-node")
+    assert set(report["step"]) >= {"tp_communication_seconds", "tp_per_layer"}
+    base = report["baseline"]
+    assert set(base) == {"gpus_per_replica", "verdict", "speedup", "requested_step_seconds", "requested_fits",
+                         "best", "candidates", "skipped_tp", "summary"}
+    assert base["verdict"] in VERDICTS and base["gpus_per_replica"] == 8
+    assert set(base["candidates"][0]) == {"tp", "checkpointing", "step_seconds", "seconds_per_batch",
+                                          "memory_bytes", "fits"}
+    assert (report["recommendation"]["cp_verdict"], report["recommendation"]["speedup_vs_baseline"]) == \
+        (base["verdict"], base["speedup"])
+    assert report["inputs"]["tp"] == 2 and report["inputs"]["dp"] == 2 and report["inputs"]["sequence_parallel"]
+    assert main(["plan", "--tp", "3"]) == 2
+    assert "--tp 3 does not divide the 32 query heads" in capsys.readouterr().err
+    assert main(["plan", "--inference", "--tp", "2"]) == 2
+    assert "--tp: --inference does not model tensor or data parallelism" in capsys.readouterr().err
 
 
 # -- hardware and calibration -------------------------------------------------------------------

@@ -181,7 +181,15 @@ def _plan_parser(sub) -> None:
                       help="document lengths drawn from DIST until the row is full: fixed:LEN or lognormal:MEAN,SIGMA "
                            "(MEAN tokens on average; SIGMA the spread of ln length, 1-2 for real corpora)")
     mask.add_argument("--doc-seed", type=int, help="seed of --doc-dist's draws (default 0: the same plan every run)")
-    p.add_argument("--fsdp", type=int, default=1, help="degree sharding parameters, gradients, optimizer states")
+    par = p.add_argument_group("parallel composition (rank order TP innermost, then CP, then DP, as Megatron)")
+    par.add_argument("--tp", type=int, default=1,
+                     help="tensor-parallel degree: heads, MLP width and vocabulary split over TP GPUs (Megatron)")
+    par.add_argument("--sequence-parallel", action=argparse.BooleanOptionalAction, default=True,
+                     help="with --tp: Megatron's sequence parallelism (norms and stored inputs split over TP)")
+    par.add_argument("--dp", type=int,
+                     help="data-parallel replicas of the TP x CP group (default: 1, or the fewest --fsdp needs)")
+    par.add_argument("--fsdp", type=int, default=1,
+                     help="degree sharding each TP rank's parameters, gradients, optimizer states; divides DP x CP")
     p.add_argument("--checkpointing", choices=planning.CHECKPOINTING, default="none", help="activation checkpointing")
     p.add_argument("--max-cp", type=int, help="largest CP degree to compare (default max(--cp, 16))")
     hw = p.add_argument_group("hardware")
@@ -189,6 +197,8 @@ def _plan_parser(sub) -> None:
     hw.add_argument("--bandwidth", help="link bytes/s per GPU per direction: 100GB/s, 400Gb/s")
     hw.add_argument("--flops", help="peak FLOP/s: 989T, 2.25P")
     hw.add_argument("--efficiency", type=float, help="achieved fraction of peak FLOP/s")
+    hw.add_argument("--gpus-per-node", type=int,
+                    help="GPUs joined by the intra-node link (default: the hardware's); wider groups use the NIC")
     hw.add_argument("--calibrate", action="store_true", help="with --hardware local: measure this machine first")
     hw.add_argument("--calibration", metavar="PATH", help="with --hardware local: a JSON from --calibrate --json")
     hw.add_argument("--latency", default=argparse.SUPPRESS, metavar="SECONDS",
@@ -238,6 +248,10 @@ def _inference_flags(args: argparse.Namespace) -> tuple[int, int | None]:
             if flag[2:].replace("-", "_") in given:
                 raise ValueError(f"{flag} is an input of the inference plan; add --inference or drop {flag}")
         return DEFAULT_NEW_TOKENS, None
+    if args.tp != 1 or args.dp is not None or not args.sequence_parallel:
+        flag = "--tp" if args.tp != 1 else "--dp" if args.dp is not None else "--no-sequence-parallel"
+        raise ValueError(f"{flag}: --inference does not model tensor or data parallelism yet (every rank holds the "
+                         f"whole model); drop {flag}")
     training = (("--checkpointing", args.checkpointing, "none"), ("--fsdp", args.fsdp, 1), ("--plot", args.plot, None),
                 ("--window", args.window, None), ("--documents", args.documents, None),
                 ("--doc-dist", args.doc_dist, None), ("--doc-seed", args.doc_seed, None))
@@ -260,7 +274,8 @@ def _run_plan(args: argparse.Namespace) -> int:
     bandwidth = planning.parse_bandwidth(args.bandwidth) if args.bandwidth is not None else None
     peak_flops = planning.parse_flops(args.flops) if args.flops is not None else None
     latency = planning.parse_latency(args.latency) if "latency" in vars(args) else None
-    planning.check_overrides(bandwidth=bandwidth, peak_flops=peak_flops, efficiency=args.efficiency)
+    planning.check_overrides(bandwidth=bandwidth, peak_flops=peak_flops, efficiency=args.efficiency,
+                             gpus_per_node=args.gpus_per_node)
     calibration_.check_calibration_flags(args.hardware, measure=args.calibrate, path=args.calibration)
     calibration = calibration_.load_calibration(args.calibration) if args.calibration is not None else None
     _check_output("--json", args.json)
@@ -270,20 +285,24 @@ def _run_plan(args: argparse.Namespace) -> int:
     model = planning.resolve_model(args.model, layers=args.layers, hidden=args.hidden, heads=args.heads,
                                    kv_heads=args.kv_heads, head_dim=args.head_dim, ffn=args.ffn, vocab=args.vocab)
     gpus_per_node = planning.gpus_per_node(args.hardware)  # also refuses an unknown --hardware
+    gpus_per_node = args.gpus_per_node or gpus_per_node
+    check_count("tp", args.tp)
     ulysses = args.ulysses_degree
     if args.strategy == "hybrid" and ulysses is None:
-        ulysses = planning.default_ulysses(model.heads, args.cp, gpus_per_node)
+        ulysses = planning.default_ulysses(model.heads, args.cp, gpus_per_node, args.tp)
     planning.check_plan_size(args.seq, args.cp, args.max_cp)
     documents, documents_from = _plan_documents(args)
     workload = planning.Workload(
         model, batch=args.batch, seq=args.seq, dtype=args.dtype, cp=args.cp, strategy=args.strategy,
-        layout=args.layout, ulysses=ulysses, fsdp=args.fsdp, checkpointing=args.checkpointing, causal=args.causal,
+        layout=args.layout, ulysses=ulysses, tp=args.tp, dp=args.dp, fsdp=args.fsdp,
+        sequence_parallel=args.sequence_parallel, checkpointing=args.checkpointing, causal=args.causal,
         window=args.window, documents=documents, documents_from=documents_from)
     if args.calibrate:
         calibration = calibration_.plan_calibration(args.hardware, measure=True, path=None)
         print(calibration_.format_calibration(calibration) + "\n")
     hardware = planning.get_hardware(args.hardware, calibration=calibration, efficiency=args.efficiency,
-                                     bandwidth=bandwidth, peak_flops=peak_flops, latency=latency)
+                                     bandwidth=bandwidth, peak_flops=peak_flops, latency=latency,
+                                     gpus_per_node=args.gpus_per_node)
     if args.inference:
         served = planning.make_inference_plan(workload, hardware, new_tokens=new_tokens, chunk=chunk,
                                               max_cp=args.max_cp, calibration=calibration)

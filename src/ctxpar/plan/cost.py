@@ -33,6 +33,16 @@ Per-stage compute is the rank's pairs spread evenly over its stages: exact for z
 (every block holds S²/2 pairs), close for striped, optimistic for contiguous, where
 ranks idle on hidden blocks. Per-message latency is not modelled: it matters only for
 messages under ~1 MB (tens of microseconds against bandwidth terms).
+
+Tensor parallelism (t): each GPU computes H/t heads' attention and moves H_kv/t heads' K/V
+over CP, and does 1/t of the matmul FLOPs. Its own collectives
+(``traffic.tensor_parallel``) sit between the matmuls that need their results, so they
+are counted as exposed, not overlapped (an upper bound where Megatron's TP-communication
+overlap hides some); the backward's re-gathers of sequence-parallel inputs are counted
+as overlapped with the input-gradient matmul, as Megatron runs them. Links (``links``),
+Megatron's rank order, TP innermost, then CP, then DP: a TP group is t consecutive GPUs,
+a CP group spans t·P, a hybrid's all-to-all t·U; each is paced by the inter-node link
+once its span exceeds the GPUs per node.
 """
 
 from __future__ import annotations
@@ -59,11 +69,11 @@ def head_pairs(w: Workload) -> tuple[int, ...]:
     """Per rank, the (query, key) pairs x heads it computes for one sequence (exact).
 
     Ring / all-gather (U = 1): the rank's own queries against the keys ``w.mask`` lets them
-    see, all H heads.
+    see, all H heads (H/t under tensor parallelism).
     All-to-all over U ranks: all queries of its group's U shards, H/U heads; a query's
     pairs do not depend on which rank holds it, so the group's pairs are its members' sum.
     """
-    u, heads = w.ulysses_degree, w.model.heads
+    u, heads = w.ulysses_degree, w.heads_per_gpu
     return tuple(p * (heads // u) for p in _union_pairs(w.layout, w.seq, w.cp, w.mask, u))
 
 
@@ -84,7 +94,8 @@ def attention_forward_flops(w: Workload) -> int:
 
 
 def matmul_flops_per_token(w: Workload) -> int:
-    """Forward matmul FLOPs per token, all layers and the LM head: 2·(N - V·d)."""
+    """Forward matmul FLOPs per token, all layers and the LM head: 2·(N - V·d) (the whole
+    model's; each of t tensor-parallel GPUs does 1/t of them)."""
     m = w.model
     return 2 * (m.parameters - m.vocab * m.hidden)
 
@@ -95,7 +106,7 @@ def ring_window_per_rank(w: Workload) -> list[tuple[traffic.Traffic, traffic.Tra
     m, window = w.model, w.mask.window
     if w.strategy != "ring" or w.layout != "contiguous" or window is None or w.cp == 1:
         return None
-    return [traffic.ring_window(batch=w.batch, local_len=w.local_len, kv_heads=m.kv_heads, head_dim=m.head_dim,
+    return [traffic.ring_window(batch=w.batch, local_len=w.local_len, kv_heads=w.kv_heads_per_gpu, head_dim=m.head_dim,
                                 world=w.cp, window=window, rank=r, elem=w.elem, acc=w.acc) for r in range(w.cp)]
 
 
@@ -120,10 +131,9 @@ def layer_traffic(w: Workload) -> traffic.Traffic:
     if (halo := ring_window_per_rank(w)) is not None:
         return traffic.Traffic(forward=max(max(s.forward, r.forward) for s, r in halo),
                                backward=max(max(s.backward, r.backward) for s, r in halo))
-    m = w.model
-    return traffic.per_rank(w.strategy, batch=w.batch, seq_len=w.seq, heads=m.heads, kv_heads=m.kv_heads,
-                            head_dim=m.head_dim, world=w.cp, elem=w.elem, acc=w.acc,
-                            ulysses=w.ulysses if w.strategy == "hybrid" else None)
+    return traffic.per_rank(w.strategy, batch=w.batch, seq_len=w.seq, heads=w.heads_per_gpu,
+                            kv_heads=w.kv_heads_per_gpu, head_dim=w.model.head_dim, world=w.cp, elem=w.elem,
+                            acc=w.acc, ulysses=w.ulysses if w.strategy == "hybrid" else None)
 
 
 @dataclass(frozen=True)
@@ -179,9 +189,8 @@ def _split(w: Workload) -> tuple[traffic.Traffic, traffic.Traffic]:
     total = layer_traffic(w)
     if w.strategy != "hybrid":
         return (total, traffic.Traffic(0, 0)) if w.strategy == "alltoall" else (traffic.Traffic(0, 0), total)
-    m = w.model
-    a2a = traffic.alltoall(batch=w.batch, local_len=w.local_len, heads=m.heads, kv_heads=m.kv_heads,
-                           head_dim=m.head_dim, ulysses=w.ulysses, elem=w.elem, acc=w.acc)
+    a2a = traffic.alltoall(batch=w.batch, local_len=w.local_len, heads=w.heads_per_gpu, kv_heads=w.kv_heads_per_gpu,
+                           head_dim=w.model.head_dim, ulysses=w.ulysses, elem=w.elem, acc=w.acc)
     return a2a, traffic.Traffic(total.forward - a2a.forward, total.backward - a2a.backward)
 
 
@@ -190,10 +199,10 @@ def attention_time(w: Workload, hw: Hardware) -> AttentionTime:
     fwd_compute = attention_forward_flops(w) / hw.flops
     bwd_compute = BACKWARD_FLOPS_RATIO * fwd_compute
     a2a, rest = _split(w)
-    bw = hw.bandwidth(w.cp)
-    a2a_bw = hw.bandwidth(w.ulysses_degree)
+    bw = hw.bandwidth(w.tp * w.cp)
+    a2a_bw = hw.bandwidth(w.tp * w.ulysses_degree)
     if w.strategy == "allgather":
-        n = w.model.kv_heads  # one KV head gathered per stage
+        n = w.kv_heads_per_gpu  # one KV head gathered per stage
         gather, reduce = rest.forward / n / bw, (rest.backward - rest.forward) / n / bw
         return AttentionTime(
             Pipeline(n, fwd_compute / n, gather, lead=gather),
@@ -210,6 +219,42 @@ def attention_time(w: Workload, hw: Hardware) -> AttentionTime:
 
 
 @dataclass(frozen=True)
+class Link:
+    """The link one parallel group's collectives cross (Megatron's rank order: ``links``)."""
+
+    group_size: int  # GPUs in the group
+    span: int  # consecutive GPUs from its first member to its last
+    crosses_nodes: bool
+    bandwidth: float  # bytes/s per GPU per direction
+
+    @property
+    def name(self) -> str:
+        return "inter-node" if self.crosses_nodes else "intra-node"
+
+    def as_dict(self) -> dict:
+        return dict(group_size=self.group_size, spans_gpus=self.span, crosses_nodes=self.crosses_nodes,
+                    link=self.name, bandwidth=self.bandwidth)
+
+
+def links(w: Workload, hw: Hardware) -> dict[str, Link]:
+    """"tp" and "cp" (and "ulysses", the hybrid's all-to-all): TP groups are t consecutive GPUs,
+    CP ranks t apart (a group spans t·P GPUs), a hybrid's all-to-all U CP ranks (t·U GPUs)."""
+    def link(size: int, span: int) -> Link:
+        return Link(size, span, hw.crosses_nodes(span), hw.bandwidth(span))
+
+    out = {"tp": link(w.tp, w.tp), "cp": link(w.cp, w.tp * w.cp)}
+    if w.strategy == "hybrid":
+        out["ulysses"] = link(w.ulysses_degree, w.tp * w.ulysses_degree)
+    return out
+
+
+def tp_traffic(w: Workload) -> traffic.TensorParallelTraffic:
+    """Bytes one GPU sends per layer for tensor parallelism (``traffic.tensor_parallel``)."""
+    return traffic.tensor_parallel(batch=w.batch, local_len=w.local_len, hidden=w.model.hidden, tp=w.tp,
+                                   elem=w.elem, sequence_parallel=w.sequence_parallel)
+
+
+@dataclass(frozen=True)
 class StepTime:
     """One training step (forward + backward over all layers) on the busiest rank, seconds."""
 
@@ -217,6 +262,8 @@ class StepTime:
     attention: AttentionTime
     layers: int
     recompute: bool
+    tp_forward: float = 0.0  # one layer's exposed TP communication, forward
+    tp_backward: float = 0.0  # and backward (re-gathers overlapped: not counted)
 
     @property
     def attention_seconds(self) -> float:
@@ -225,23 +272,32 @@ class StepTime:
         return self.layers * per_layer
 
     @property
+    def tp_seconds(self) -> float:
+        """All layers' TP collectives, exposed; checkpointing runs the forward's twice."""
+        return self.layers * (self.tp_forward * (2 if self.recompute else 1) + self.tp_backward)
+
+    @property
     def seconds(self) -> float:
-        return self.matmul + self.attention_seconds
+        return self.matmul + self.attention_seconds + self.tp_seconds
 
     def as_dict(self) -> dict:
         return dict(seconds=self.seconds, matmul_seconds=self.matmul, attention_seconds=self.attention_seconds,
+                    tp_communication_seconds=self.tp_seconds,
                     attention_per_layer=dict(forward=self.attention.forward.as_dict(),
                                              backward=self.attention.backward.as_dict(),
-                                             link_bandwidth=self.attention.link_bandwidth))
+                                             link_bandwidth=self.attention.link_bandwidth),
+                    tp_per_layer=dict(forward_seconds=self.tp_forward, backward_seconds=self.tp_backward))
 
 
 def step_time(w: Workload, hw: Hardware) -> StepTime:
-    """Matmuls (3 forwards' worth, 4 with checkpointing) plus every layer's attention."""
+    """Matmuls (3 forwards' worth, 4 with checkpointing; 1/t of them per GPU) plus every
+    layer's attention and TP communication."""
     recompute = w.checkpointing == "full"
     passes = 4 if recompute else 3
     tokens = w.batch * w.local_len
-    matmul = passes * matmul_flops_per_token(w) * tokens / hw.flops
-    return StepTime(matmul, attention_time(w, hw), w.model.layers, recompute)
+    matmul = passes * matmul_flops_per_token(w) * tokens / w.tp / hw.flops
+    tp, bw = tp_traffic(w), hw.bandwidth(w.tp)
+    return StepTime(matmul, attention_time(w, hw), w.model.layers, recompute, tp.forward / bw, tp.backward / bw)
 
 
 def efficiency(w: Workload, hw: Hardware) -> float:

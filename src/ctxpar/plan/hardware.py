@@ -67,7 +67,11 @@ class Hardware:
 
         A group that spans nodes is paced by its slowest hop, the inter-node link.
         """
-        return self.intra_node_bandwidth if group_size <= self.gpus_per_node else self.inter_node_bandwidth
+        return self.inter_node_bandwidth if self.crosses_nodes(group_size) else self.intra_node_bandwidth
+
+    def crosses_nodes(self, span: int) -> bool:
+        """Whether ``span`` consecutive GPUs (a group and the GPUs between its members) leave one node."""
+        return span > self.gpus_per_node
 
     def as_dict(self) -> dict:
         return dict(asdict(self), achievable_flops=self.flops)
@@ -76,6 +80,7 @@ class Hardware:
 _DATASHEETS = "NVIDIA datasheets (dense peak, HBM in GB); NVLink per direction; one NDR/HDR NIC per GPU"
 GB = 10**9
 MIN_EFFICIENCY = 0.01  # below 1% of peak, kernels are not what the cost model describes
+MAX_GPUS_PER_NODE = 2**16  # a "node" is the domain of the fast link (an NVL72 rack is 72)
 
 PRESETS: dict[str, Hardware] = {
     h.name.lower(): h
@@ -114,7 +119,7 @@ def local_hardware(calibration: dict) -> Hardware:
     attention = calibration.get("attention", {})
     forward = attention.get("forward_flops", 0) / attention["forward_seconds"] if attention.get("forward_seconds") \
         else None
-    return Hardware(LOCAL, calibration["attention_flops"], 1.0, ram, gpus_per_node(LOCAL), bw, bw,
+    return Hardware(LOCAL, calibration["attention_flops"], 1.0, ram, _node_size(LOCAL), bw, bw,
                     f"measured on this machine ({calibration.get('machine', 'unknown CPU')}); memory = RAM",
                     memory_bandwidth=calibration.get("memory_bandwidth", 0.0), latency=calibration.get("latency", 0.0),
                     attention_forward_rate=forward)
@@ -122,6 +127,10 @@ def local_hardware(calibration: dict) -> Hardware:
 
 def gpus_per_node(name: str) -> int:
     """GPUs per node of the preset ``name`` (``local``: this machine's cores), before any measurement."""
+    return _node_size(name)
+
+
+def _node_size(name: str) -> int:
     key = name.lower()
     if key == LOCAL:
         return os.cpu_count() or 1
@@ -133,10 +142,13 @@ def gpus_per_node(name: str) -> int:
 
 def check_overrides(
     *, bandwidth: float | None = None, peak_flops: float | None = None, efficiency: float | None = None,
-    latency: float | None = None,
+    latency: float | None = None, gpus_per_node: int | None = None,
 ) -> None:
     """Refuse override figures that are not positive finite numbers (efficiency: in [0.01, 1];
-    latency: finite, >= 0)."""
+    latency: finite, >= 0; GPUs per node: an integer >= 1)."""
+    if gpus_per_node is not None and (isinstance(gpus_per_node, bool) or not isinstance(gpus_per_node, int)
+                                      or not 1 <= gpus_per_node <= MAX_GPUS_PER_NODE):
+        raise ValueError(f"--gpus-per-node {gpus_per_node} must be an integer between 1 and {MAX_GPUS_PER_NODE}")
     for flag, value in (("--bandwidth", bandwidth), ("--flops", peak_flops)):
         if value is not None and not (math.isfinite(value) and value > 0):
             raise ValueError(f"{flag} {value} must be a positive finite rate")
@@ -155,15 +167,17 @@ def get_hardware(
     peak_flops: float | None = None,
     efficiency: float | None = None,
     latency: float | None = None,
+    gpus_per_node: int | None = None,
 ) -> Hardware:
     """A preset by name (case-insensitive), with optional overrides.
 
     ``bandwidth`` replaces both links (intra- and inter-node); ``peak_flops`` the peak;
-    ``efficiency`` the achieved fraction; ``latency`` the seconds per message.
-    ``local`` needs ``calibration``.
+    ``efficiency`` the achieved fraction; ``latency`` the seconds per message;
+    ``gpus_per_node`` the GPUs the intra-node link joins. ``local`` needs ``calibration``.
     """
-    gpus_per_node(name)  # refuses an unknown name
-    check_overrides(bandwidth=bandwidth, peak_flops=peak_flops, efficiency=efficiency, latency=latency)
+    _node_size(name)  # refuses an unknown name
+    check_overrides(bandwidth=bandwidth, peak_flops=peak_flops, efficiency=efficiency, latency=latency,
+                    gpus_per_node=gpus_per_node)
     key = name.lower()
     if key == LOCAL:
         if calibration is None:
@@ -173,7 +187,7 @@ def get_hardware(
     else:
         hw = PRESETS[key]
     changes = dict(intra_node_bandwidth=bandwidth, inter_node_bandwidth=bandwidth, peak_flops=peak_flops,
-                   efficiency=efficiency, latency=latency)
+                   efficiency=efficiency, latency=latency, gpus_per_node=gpus_per_node)
     changes = {k: v for k, v in changes.items() if v is not None}
     if changes:
         hw = replace(hw, source=hw.source + "; overridden: " + ", ".join(sorted(changes)), **changes)

@@ -295,7 +295,8 @@ def make_inference_plan(w: Workload, hw: Hardware, *, new_tokens: int, chunk: in
     check_count("chunk", chunk)
     training = [name for name, given in (("window", w.window is not None), ("documents", w.documents is not None),
                                          ("causal=False", not w.causal), ("fsdp", w.fsdp != 1),
-                                         ("checkpointing", w.checkpointing != "none")) if given]
+                                         ("checkpointing", w.checkpointing != "none"), ("tp", w.tp != 1),
+                                         ("dp", w.dp is not None)) if given]
     if training:
         raise ValueError(f"the inference plan models a causal decoder serving whole prompts, replicated weights and "
                          f"no backward; the workload sets {', '.join(training)}: leave them at their defaults")

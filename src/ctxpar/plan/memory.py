@@ -2,10 +2,22 @@
 
 Symbols: B batch, T sequence, P CP degree, S = T/P, L layers, d hidden, H / H_kv heads,
 D head dim, F ffn width, V vocab, b bytes per element (``Workload.elem``), a accumulator
-bytes (4), N parameters, Z the FSDP degree.
+bytes (4), N parameters, Z the FSDP degree, t the TP degree.
 
 Sequence-shaped tensors (the worked example of docs/planner.md) are split by P:
-one hidden state B·T·d·b, one per layer L·B·T·d·b, K/V of one layer 2·B·T·H_kv·D·b.
+one hidden state B·T·d·b, one per layer L·B·T·d·b, K/V of one layer 2·B·T·H_kv·D·b;
+under TP the hidden states also by t with sequence parallelism, K/V by t (H_kv/t heads).
+
+Tensor parallelism as Megatron splits a Llama block (Shoeybi et al. 2019,
+arXiv:1909.08053; Korthikanti et al. 2022, arXiv:2205.05198): q/k/v and gate/up are
+column-parallel, o and down row-parallel, so each GPU holds 1/t of every attention and
+MLP matrix (H/t query heads, H_kv/t KV heads, F/t of the MLP width); the embedding and
+the LM head are vocabulary-parallel (ceil(V/t) rows each, the vocabulary padded to a
+multiple of t); the RMSNorm weights are replicated. Activations inside attention and the
+MLP are split by heads / width; the norms' inputs and the column-parallel matmuls'
+inputs are the sequence region, split by t along the sequence with sequence parallelism
+(Megatron stores the sharded input and all-gathers it again in the backward) and
+replicated without it. The logits are vocabulary-parallel.
 
 Saved activations are counted tensor by tensor for a Llama block (RMSNorm, GQA
 attention with a fused kernel that keeps (out, lse) and no score matrix, SwiGLU MLP);
@@ -25,7 +37,8 @@ from ctxpar.plan.workload import Workload
 
 @dataclass(frozen=True)
 class Sharded:
-    """A tensor of ``total`` bytes split over the CP group: ``per_gpu`` = total / P."""
+    """A tensor of ``total`` bytes split over the GPUs of one model replica: ``per_gpu`` = total / P
+    (/ P·t where TP splits it too)."""
 
     total: int
     per_gpu: int
@@ -39,42 +52,82 @@ class SequenceTensors:
 
 
 def sequence_tensors(w: Workload) -> SequenceTensors:
-    """The sizes that make CP necessary, whole and per GPU (exact: T is a multiple of P)."""
+    """The sizes that make CP necessary, whole and per GPU (exact: T is a multiple of P, and
+    of P·t under sequence parallelism; t divides H_kv)."""
     m, b = w.model, w.elem
     hidden = w.batch * w.seq * m.hidden * b
     kv = 2 * w.batch * w.seq * m.kv_heads * m.head_dim * b
+    split = w.cp * (w.local_len // w.sequence_region_len)  # P, or P·t with sequence parallelism
 
-    def shard(total: int) -> Sharded:
-        return Sharded(total, total // w.cp)
+    def shard(total: int, by: int) -> Sharded:
+        return Sharded(total, total // by)
 
-    return SequenceTensors(shard(hidden), shard(m.layers * hidden), shard(kv))
+    return SequenceTensors(shard(hidden, split), shard(m.layers * hidden, split), shard(kv, w.cp * w.tp))
+
+
+# Saved tensors of the sequence region: each GPU holds them for its S/t tokens under
+# sequence parallelism, for all S tokens without it; the rest are split by heads or width.
+SEQUENCE_REGION = ("attention norm input", "q/k/v projection input", "MLP norm input", "gate/up projection input")
 
 
 def saved_tensors_per_token(w: Workload) -> dict[str, int]:
-    """Bytes one token's saved activations take in one layer, by tensor (no checkpointing).
+    """Bytes one token's saved activations take in one layer on one GPU, by tensor (no checkpointing).
 
     What autograd keeps for the backward in a Llama block; RMSNorm's per-token rstd (one
-    float) is left out. All-to-all strategies also keep their head-sharded q, k, v, out
-    (docs/strategies.md, peak memory table): (2H + 2H_kv')·D·b per local token.
+    float) is left out. Under TP, the attention and MLP entries are one GPU's heads (H/t,
+    H_kv/t) and width (F/t); the ``SEQUENCE_REGION`` entries are whole rows of d, held
+    for S/t tokens with sequence parallelism (``saved_bytes_per_layer``). All-to-all
+    strategies also keep their head-sharded q, k, v, out (docs/strategies.md, peak memory
+    table): (2H/t + 2H_kv')·D·b per local token.
     """
-    m, b = w.model, w.elem
+    m, b, t = w.model, w.elem, w.tp
+    heads, kv_heads = w.heads_per_gpu, w.kv_heads_per_gpu
     saved = {
         "attention norm input": m.hidden * b,
         "q/k/v projection input": m.hidden * b,
-        "q after RoPE": m.heads * m.head_dim * b,
-        "k, v after RoPE": 2 * m.kv_heads * m.head_dim * b,
-        "attention output (kernel backward, o projection input)": m.heads * m.head_dim * b,
-        "attention lse": m.heads * w.acc,
+        "q after RoPE": heads * m.head_dim * b,
+        "k, v after RoPE": 2 * kv_heads * m.head_dim * b,
+        "attention output (kernel backward, o projection input)": heads * m.head_dim * b,
+        "attention lse": heads * w.acc,
         "MLP norm input": m.hidden * b,
         "gate/up projection input": m.hidden * b,
-        "gate output (SiLU input)": m.ffn * b,
-        "up output": m.ffn * b,
-        "SiLU(gate)": m.ffn * b,
-        "SiLU(gate)·up (down projection input)": m.ffn * b,
+        "gate output (SiLU input)": m.ffn // t * b,
+        "up output": m.ffn // t * b,
+        "SiLU(gate)": m.ffn // t * b,
+        "SiLU(gate)·up (down projection input)": m.ffn // t * b,
     }
     if w.ulysses_degree > 1:
-        saved["head-sharded q, k, v, out (all-to-all)"] = (2 * m.heads + 2 * w.kv_heads_sent) * m.head_dim * b
+        saved["head-sharded q, k, v, out (all-to-all)"] = (2 * heads + 2 * w.kv_heads_sent) * m.head_dim * b
     return saved
+
+
+def saved_bytes_per_layer(w: Workload) -> int:
+    """One layer's saved activations on one GPU: B·(S_sp·sequence region + S·the rest), S_sp = S/t
+    with sequence parallelism, else S (Korthikanti et al. 2022: sbh·(34/t + ...) with SP,
+    sbh·(10 + 24/t + ...) without, for their GPT block)."""
+    per_token = saved_tensors_per_token(w)
+    region = sum(per_token[k] for k in SEQUENCE_REGION)
+    return w.batch * (w.sequence_region_len * region + w.local_len * (sum(per_token.values()) - region))
+
+
+def parameters_per_gpu(w: Workload) -> int:
+    """N_t: the parameters one tensor-parallel rank holds (N when t = 1): 1/t of every
+    attention and MLP matrix, ceil(V/t) rows of the embedding and of the LM head, every norm."""
+    m = w.model
+    return 2 * _vocab_rows(w) * m.hidden + m.layers * _layer_parameters(w) + m.hidden
+
+
+def _layer_parameters(w: Workload) -> int:
+    """One decoder block's parameters on one TP rank (``ModelConfig.parameters``' terms over t)."""
+    m, t = w.model, w.tp
+    attn = m.hidden * m.head_dim * (2 * m.heads + 2 * m.kv_heads) // t  # q, o; k, v: t divides H and H_kv
+    mlp = 3 * m.hidden * m.ffn // t
+    return attn + mlp + 2 * m.hidden
+
+
+def _vocab_rows(w: Workload) -> int:
+    """ceil(V/t): vocabulary-parallel rows per GPU (Megatron pads V; to a multiple of t here)."""
+    return -(-w.model.vocab // w.tp)
 
 
 def attention_workspace(w: Workload) -> int:
@@ -84,7 +137,8 @@ def attention_workspace(w: Workload) -> int:
     KV head per step (``kv_heads_per_step`` = 1, the default).
     """
     m, e, a, s = w.model, w.elem, w.acc, w.local_len
-    bhs = w.batch * m.heads * s  # B·H·S
+    heads = w.heads_per_gpu
+    bhs = w.batch * heads * s  # B·H·S (H/t heads under TP)
     if w.strategy == "allgather":
         gathered = w.cp * 2 * w.batch * 1 * s * m.head_dim
         fwd = bhs * (m.head_dim + 1) * a + 2 * gathered * e
@@ -93,7 +147,7 @@ def attention_workspace(w: Workload) -> int:
     kv = 2 * w.batch * w.kv_heads_sent * s * m.head_dim  # the K/V buffer a ring step moves (H_kv' = H_kv for ring)
     ring_fwd = bhs * (m.head_dim + 1) * a + 2 * kv * e
     ring_bwd = bhs * m.head_dim * a + 4 * kv * a + 2 * kv * e
-    staging = w.batch * s * m.head_dim * e * (2 * m.heads + 2 * w.kv_heads_sent)  # one all-to-all's copy
+    staging = w.batch * s * m.head_dim * e * (2 * heads + 2 * w.kv_heads_sent)  # one all-to-all's copy
     if w.strategy == "ring":
         return max(ring_fwd, ring_bwd)
     if w.strategy == "alltoall":  # backward: dQ and dK/dV accumulators on top of the staging copy
@@ -140,22 +194,24 @@ class MemoryEstimate:
 
 
 def memory_per_gpu(w: Workload, hbm_bytes: int) -> MemoryEstimate:
-    """Every category for one GPU of the CP group (see the module docstring for sources)."""
+    """Every category for one GPU of the TP x CP group (see the module docstring for sources)."""
     m, b, s = w.model, w.elem, w.local_len
-    n = m.parameters
+    n = parameters_per_gpu(w)
     optimizer_bytes = 8 + (4 if b < 4 else 0)
-    per_token_layer = sum(saved_tensors_per_token(w).values())
+    layer = saved_bytes_per_layer(w)
     # FSDP holds the unit being computed and the prefetched next one unsharded: a decoder
-    # block (one more layer's worth of ModelConfig.parameters) or the embedding table
-    largest_unit = max(m.with_(layers=m.layers + 1).parameters - n, m.vocab * m.hidden)
+    # block or the embedding table (this TP rank's share of either)
+    largest_unit = max(_layer_parameters(w), _vocab_rows(w) * m.hidden)
     return MemoryEstimate(
         parameters=-(-n * b // w.fsdp),
         gradients=-(-n * b // w.fsdp),
         optimizer_states=-(-n * optimizer_bytes // w.fsdp),
         fsdp_buffers=2 * largest_unit * b if w.fsdp > 1 else 0,
-        activations=m.layers * w.batch * s * per_token_layer,
-        activations_checkpointed=m.layers * w.batch * s * m.hidden * b + w.batch * s * per_token_layer,
-        logits=w.batch * s * m.vocab * (b + 4),  # logits in b, plus the fp32 log-probabilities the loss keeps
+        activations=m.layers * layer,
+        # each layer's input (the residual stream: sequence region), plus one layer recomputed
+        activations_checkpointed=m.layers * w.batch * w.sequence_region_len * m.hidden * b + layer,
+        # logits in b, plus the fp32 log-probabilities the loss keeps; vocabulary-parallel over TP
+        logits=w.batch * s * _vocab_rows(w) * (b + 4),
         attention_workspace=attention_workspace(w),
         checkpointing=w.checkpointing,
         hbm_bytes=hbm_bytes,

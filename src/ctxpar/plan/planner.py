@@ -1,9 +1,9 @@
 """``make_plan``: every figure the planner has for one workload on one piece of hardware.
 
     from ctxpar.plan import Workload, get_hardware, make_plan, resolve_model
-    w = Workload(resolve_model("llama-3-70b"), batch=1, seq=131072, dtype="bfloat16", cp=8)
+    w = Workload(resolve_model("llama-3-70b"), batch=1, seq=131072, dtype="bfloat16", cp=8, tp=8)
     plan = make_plan(w, get_hardware("H100-SXM"))
-    plan.recommendation.reasons, plan.step.seconds, plan.memory.total
+    plan.recommendation.reasons, plan.step.seconds, plan.memory.total, plan.baseline.verdict
 """
 
 from __future__ import annotations
@@ -11,12 +11,13 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from ctxpar.plan import cost
+from ctxpar.plan.baseline import Baseline, baseline
 from ctxpar.plan.hardware import Hardware
 from ctxpar.plan.memory import MemoryEstimate, SequenceTensors, memory_per_gpu, sequence_tensors
 from ctxpar.plan.recommend import (Crossover, Recommendation, SweepPoint, crossovers, fits_up_to, recommend,
                                     sweep)
 from ctxpar.plan.workload import Workload
-from ctxpar.plan.traffic import Traffic
+from ctxpar.plan.traffic import TensorParallelTraffic, Traffic
 
 MIN_SWEEP_SEQ = 2**10
 MAX_SWEEP_SEQ = 2**20
@@ -33,7 +34,9 @@ class Plan:
     hardware: Hardware
     tensors: SequenceTensors
     memory: MemoryEstimate
-    traffic: Traffic  # bytes per GPU per layer
+    traffic: Traffic  # CP bytes per GPU per layer
+    tp_traffic: TensorParallelTraffic  # TP bytes per GPU per layer
+    links: dict[str, cost.Link]  # "tp", "cp" (and "ulysses" for hybrid)
     step: cost.StepTime
     cp1_step: cost.StepTime
     efficiency: float
@@ -42,6 +45,7 @@ class Plan:
     sweep: list[SweepPoint]
     crossovers: list[Crossover]
     recommendation: Recommendation
+    baseline: Baseline  # the best without CP on the same TP·P GPUs, and whether CP beats it
     calibration: dict | None = None
 
     @property
@@ -93,6 +97,8 @@ def make_plan(w: Workload, hw: Hardware, *, max_cp: int | None = None, calibrati
         tensors=sequence_tensors(w),
         memory=memory_per_gpu(w, hw.hbm_bytes),
         traffic=cost.layer_traffic(w),
+        tp_traffic=cost.tp_traffic(w),
+        links=cost.links(w, hw),
         step=cost.step_time(w, hw),
         cp1_step=cost.step_time(w.unsplit(), hw),
         efficiency=cost.efficiency(w, hw),
@@ -101,5 +107,6 @@ def make_plan(w: Workload, hw: Hardware, *, max_cp: int | None = None, calibrati
         sweep=sweep(w, hw, degrees, seqs),
         crossovers=crossovers(w, hw, degrees, seqs),
         recommendation=recommend(w, hw, degrees),
+        baseline=baseline(w, hw),
         calibration=calibration,
     )

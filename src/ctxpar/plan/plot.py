@@ -43,7 +43,8 @@ def write_plot(plan: Plan, path: str) -> None:
     _memory_panel(plan, right)
     w, m, hw = plan.workload, plan.workload.model, plan.hardware
     fig.suptitle(f"ctxpar plan: L={m.layers} d={m.hidden} H={m.heads} H_kv={m.kv_heads} D={m.head_dim}, "
-                 f"B={w.batch} {w.dtype}, {w.layout}, FSDP={w.fsdp}, checkpointing {w.checkpointing}, on {hw.name}")
+                 f"B={w.batch} {w.dtype}, {w.layout}, TP={w.tp}, FSDP={w.fsdp}, checkpointing {w.checkpointing}, "
+                 f"on {hw.name}")
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)

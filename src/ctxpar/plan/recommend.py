@@ -66,14 +66,18 @@ class Recommendation:
 
 
 def variant(w: Workload, hw: Hardware, *, strategy: str, cp: int, seq: int | None = None) -> Workload | None:
-    """``w`` with another strategy / degree / length, or None where that combination is invalid."""
-    ulysses = default_ulysses(w.model.heads, cp, hw.gpus_per_node) if strategy == "hybrid" else None
+    """``w`` with another strategy / degree / length, or None where that combination is invalid.
+
+    The same TP and FSDP degrees; the DP degree follows from them (``Workload.dp`` None),
+    since it changes no per-GPU figure.
+    """
+    ulysses = default_ulysses(w.model.heads, cp, hw.gpus_per_node, w.tp) if strategy == "hybrid" else None
     if strategy == "hybrid" and w.strategy == "hybrid" and cp == w.cp and w.ulysses:
         ulysses = w.ulysses
     if strategy == "hybrid" and ulysses is None:
         return None
     try:
-        return w.with_(strategy=strategy, cp=cp, seq=w.seq if seq is None else seq, ulysses=ulysses)
+        return w.with_(strategy=strategy, cp=cp, seq=w.seq if seq is None else seq, ulysses=ulysses, dp=None)
     except ValueError:  # e.g. alltoall with heads not divisible by P, or a length the layout rejects
         return None
 
@@ -110,11 +114,12 @@ def _first_true(lo: int, hi: int, pred) -> int:
 
 
 def fits_up_to(w: Workload, hw: Hardware) -> int:
-    """Longest sequence (a multiple the layout accepts) whose step fits in HBM; 0 if none.
+    """Longest sequence (a multiple the layout and sequence parallelism accept) whose step
+    fits in HBM; 0 if none.
 
     Memory grows with T, so bisect on the multiple.
     """
-    step = w.layout_obj.multiple
+    step = w.seq_multiple
 
     def fits(k: int) -> bool:
         return memory_per_gpu(w.with_(seq=k * step), hw.hbm_bytes).fits
@@ -131,7 +136,7 @@ def fits_up_to(w: Workload, hw: Hardware) -> int:
 
 def crossover(w: Workload, hw: Hardware, seqs: list[int]) -> Crossover:
     """Where CP-P starts to beat CP-1 (bisected between grid points), and how far it fits."""
-    step = w.layout_obj.multiple
+    step = w.seq_multiple  # CP-1's multiple divides it
     faster = None
     previous = 0
     for seq in sorted(s for s in seqs if s % step == 0):
@@ -218,7 +223,7 @@ def _remedies(w: Workload, hw: Hardware, degrees: list[int]) -> str:
         found.append(f"with --checkpointing full, CP-{hit[0]} fits ({format_bytes(hit[1])})")
     fsdp = w.fsdp * 2
     while fsdp <= MAX_FSDP:
-        if hit := _smallest_fitting(w.with_(fsdp=fsdp), hw, degrees):
+        if hit := _smallest_fitting(w.with_(fsdp=fsdp, dp=None), hw, degrees):
             found.append(f"with --fsdp {fsdp}, CP-{hit[0]} fits ({format_bytes(hit[1])})")
             break
         fsdp *= 2

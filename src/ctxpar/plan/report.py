@@ -1,8 +1,45 @@
-"""A Plan as a readable table (MiB/GiB, ms) and as JSON (exact bytes, seconds)."""
+"""A Plan as a readable table (MiB/GiB, ms) and as JSON (exact bytes, seconds).
+
+JSON (bytes exact, times in seconds; formulas in docs/planner.md):
+
+    inputs              the Workload: model shape, batch, seq, dtype, cp, strategy, layout, ulysses,
+                        tp, dp (null: implied by fsdp), fsdp, sequence_parallel, checkpointing, mask
+    hardware            ``Hardware.as_dict()`` (gpus_per_node after --gpus-per-node)
+    parallel            tp, cp, dp (the effective data-parallel degree), fsdp, world_size (TP·P·DP),
+                        gpus_per_replica (TP·P), sequence_parallel, heads_per_gpu (H/TP),
+                        kv_heads_per_gpu (H_kv/TP), parameters_per_gpu (one TP rank's share, before
+                        FSDP), links: {"tp", "cp"[, "ulysses"]} each with group_size, spans_gpus
+                        (TP groups: TP consecutive GPUs; CP groups span TP·P), crosses_nodes,
+                        link ("intra-node" | "inter-node") and bandwidth
+    sequence_tensors    one hidden state, one per layer, one layer's K/V: total and per-GPU bytes
+    traffic_per_layer   CP: forward_bytes, backward_bytes per GPU, link_bandwidth, the transfer
+                        seconds, link, crosses_nodes
+    tp_traffic_per_layer  TP: forward_bytes, backward_bytes (exposed collectives),
+                        backward_regather_bytes (sequence parallelism's re-gathers, overlapped),
+                        collective_bytes (one all-gather / reduce-scatter, or one all-reduce),
+                        link_bandwidth, forward_seconds, backward_seconds, link, crosses_nodes
+    mask, work          the mask and its traffic bound; per-rank pairs x heads, load balance
+    memory_per_gpu      every category's bytes (per GPU, under TP and FSDP), checkpointing, total_bytes,
+                        hbm_bytes, fits
+    step, cp1_step      seconds, matmul_seconds, attention_seconds, tp_communication_seconds,
+                        attention_per_layer (the pipelines), tp_per_layer
+    efficiency, cp1_fits_up_to, sweep, crossovers   against CP degree at the same TP
+    baseline            the best configuration without CP on the same TP·P GPUs (``plan/baseline.py``):
+                        gpus_per_replica, verdict ("pays_off" | "does_not_pay_off" | "necessary" |
+                        "nothing_fits" | "no_cp"), speedup (baseline seconds per batch / requested
+                        step; null when either does not fit), requested_step_seconds, requested_fits,
+                        best and candidates (tp, checkpointing, step_seconds, seconds_per_batch,
+                        memory_bytes, fits), skipped_tp (TP degree -> why it cannot run), summary
+    recommendation      strategy, cp, layout, ulysses, step_seconds, efficiency, reasons (the smallest CP
+                        degree that fits), cp_verdict and speedup_vs_baseline (``baseline``'s verdict
+                        and speedup, for the requested configuration)
+    calibration         ``--hardware local``'s measurements, or null
+"""
 
 from __future__ import annotations
 
 from ctxpar.plan.cost import overlap_local_len, ring_window_per_rank, traffic_bound
+from ctxpar.plan.memory import parameters_per_gpu
 from ctxpar.plan.documents import describe
 from ctxpar.plan.planner import Plan
 from ctxpar.plan.units import format_bandwidth, format_bytes, format_flops, format_seconds, format_tokens
@@ -50,14 +87,33 @@ def _mask_json(plan: Plan) -> dict:
     }
 
 
+def _parallel_json(plan: Plan) -> dict:
+    w = plan.workload
+    return {"tp": w.tp, "cp": w.cp, "dp": w.data_parallel, "fsdp": w.fsdp, "world_size": w.world_size,
+            "gpus_per_replica": w.gpus_per_replica, "sequence_parallel": w.sequence_parallel,
+            "heads_per_gpu": w.heads_per_gpu, "kv_heads_per_gpu": w.kv_heads_per_gpu,
+            "parameters_per_gpu": parameters_per_gpu(w),
+            "links": {k: v.as_dict() for k, v in plan.links.items()}}
+
+
+def _tp_traffic_json(plan: Plan) -> dict:
+    w, tr, link = plan.workload, plan.tp_traffic, plan.links["tp"]
+    collectives = 4 if w.sequence_parallel else 2
+    return {"forward_bytes": tr.forward, "backward_bytes": tr.backward, "backward_regather_bytes": tr.regather,
+            "collective_bytes": tr.forward // collectives, "link_bandwidth": link.bandwidth,
+            "forward_seconds": plan.step.tp_forward, "backward_seconds": plan.step.tp_backward,
+            "link": link.name, "crosses_nodes": link.crosses_nodes}
+
+
 def to_json(plan: Plan) -> dict:
-    """Every figure of the plan: bytes as exact integers, times in seconds."""
+    """Every figure of the plan: bytes as exact integers, times in seconds (keys: the module docstring)."""
     w, hw = plan.workload, plan.hardware
     bw = plan.step.attention.link_bandwidth
     mem = plan.memory
     return {
         "inputs": w.as_dict(),
         "hardware": hw.as_dict(),
+        "parallel": _parallel_json(plan),
         "conventions": {"MiB": 2**20, "GiB": 2**30, "GB": 10**9,
                         "bandwidth": "bytes per second per GPU per direction; GB/s = 1e9 bytes/s"},
         "sequence_tensors": {
@@ -71,7 +127,10 @@ def to_json(plan: Plan) -> dict:
             "link_bandwidth": bw,
             "forward_transfer_seconds": plan.traffic.forward / bw if bw else 0.0,
             "backward_transfer_seconds": plan.traffic.backward / bw if bw else 0.0,
+            "link": plan.links["cp"].name,
+            "crosses_nodes": plan.links["cp"].crosses_nodes,
         },
+        "tp_traffic_per_layer": _tp_traffic_json(plan),
         "mask": _mask_json(plan),
         "work": {"head_pairs_per_rank": list(plan.head_pairs), "load_balance": plan.load_balance},
         "memory_per_gpu": {**{f"{k}_bytes": v for k, v in mem.categories().items()},
@@ -83,6 +142,7 @@ def to_json(plan: Plan) -> dict:
         "cp1_fits_up_to": plan.cp1_fits_up_to,
         "sweep": [vars(p) for p in plan.sweep],
         "crossovers": [vars(c) for c in plan.crossovers],
+        "baseline": plan.baseline.as_dict(),
         "recommendation": {
             "strategy": rec.strategy if (rec := plan.recommendation.workload) else None,
             "cp": rec.cp if rec else None,
@@ -91,6 +151,8 @@ def to_json(plan: Plan) -> dict:
             "step_seconds": plan.recommendation.step_seconds,
             "efficiency": plan.recommendation.efficiency,
             "reasons": plan.recommendation.reasons,
+            "cp_verdict": plan.baseline.verdict,
+            "speedup_vs_baseline": plan.baseline.speedup,
         },
         "calibration": plan.calibration,
     }
@@ -98,9 +160,10 @@ def to_json(plan: Plan) -> dict:
 
 def format_plan(plan: Plan) -> str:
     """The table the CLI prints."""
-    return "\n".join([*_header(plan), "", *_tensors(plan), "", *_traffic(plan), "", *_attention(plan), "",
+    tp = [*_tp_traffic(plan), ""] if plan.workload.tp > 1 else []
+    return "\n".join([*_header(plan), "", *_tensors(plan), "", *_traffic(plan), "", *tp, *_attention(plan), "",
                       *_memory(plan), "", *_step(plan), "", *_degrees(plan), "", *_crossovers(plan), "",
-                      *_recommendation(plan)])
+                      *_baseline(plan), "", *_recommendation(plan)])
 
 
 def _header(plan: Plan) -> list[str]:
@@ -116,8 +179,19 @@ def _header(plan: Plan) -> list[str]:
         f"ffn={m.ffn} vocab={m.vocab} ({m.parameters:,} parameters)",
         f"hardware: {hw.name}: {format_flops(hw.peak_flops)} x {hw.efficiency:g} = {format_flops(hw.flops)}; "
         f"{format_bytes(hw.hbm_bytes)} memory; links {links} [{hw.source}]",
+        _parallel_words(plan),
         "units: MiB = 2^20 B, GiB = 2^30 B; bandwidth per GPU per direction, GB/s = 1e9 B/s",
     ]
+
+
+def _parallel_words(plan: Plan) -> str:
+    """'parallel: TP=2 (sequence parallel) x CP=4 x DP=1 = 8 GPUs (rank order TP, CP, DP); 8 GPUs per node'."""
+    w, hw = plan.workload, plan.hardware
+    sp = (" (sequence parallel)" if w.sequence_parallel else " (no sequence parallelism)") if w.tp > 1 else ""
+    implied = " implied by FSDP" if w.dp is None and w.data_parallel > 1 else ""
+    return (f"parallel: TP={w.tp}{sp} x CP={w.cp} x DP={w.data_parallel}{implied} = {w.world_size} GPUs "
+            f"(rank order TP, CP, DP); {hw.gpus_per_node} GPUs per node")
+
 
 
 def _mask_words(plan: Plan) -> str:
@@ -138,7 +212,8 @@ def _tensors(plan: Plan) -> list[str]:
     rows = [("one hidden-state tensor", "B·T·d·b", t.hidden_state),
             (f"one per layer, {w.model.layers} layers", "L·B·T·d·b", t.hidden_states_all_layers),
             ("K/V for one layer", "2·B·T·H_kv·D·b", t.kv_one_layer)]
-    lines = [f"{'Sequence-shaped tensors':<44} {'whole':>12} {f'per GPU (/{w.cp})':>16}"]
+    split = f"/{w.cp}" if w.tp == 1 else f"CP {w.cp}, TP {w.tp}"
+    lines = [f"{'Sequence-shaped tensors':<44} {'whole':>12} {f'per GPU ({split})':>16}"]
     lines += [f"  {name:<26}{formula:<16} {format_bytes(s.total):>12} {format_bytes(s.per_gpu):>16}"
               for name, formula, s in rows]
     return lines
@@ -158,6 +233,41 @@ def _traffic(plan: Plan) -> list[str]:
         lines.append(f"  {bound}")
     elif not w.mask.is_plain and w.strategy in ("allgather", "alltoall"):
         lines.append(f"  exact: {w.strategy} moves the same bytes whatever the mask")
+    if w.tp > 1:
+        lines.append(f"  H_kv/TP = {w.kv_heads_per_gpu} KV heads per GPU (TP={w.tp} splits the {w.model.kv_heads})")
+    if w.cp > 1:
+        lines.append(f"  {_link_words(plan.links['cp'], 'CP', plan.hardware.gpus_per_node)}")
+    if "ulysses" in plan.links:
+        lines.append(f"  {_link_words(plan.links['ulysses'], 'all-to-all', plan.hardware.gpus_per_node)}")
+    return lines
+
+
+def _link_words(link, what: str, per_node: int) -> str:
+    """'CP group of 4 spans 4 consecutive GPUs, within a node of 8: intra-node link, 450 GB/s'."""
+    where = f"more than a node of {per_node}" if link.crosses_nodes else f"within a node of {per_node}"
+    return (f"{what} group of {link.group_size} spans {link.span} consecutive GPUs, {where}: {link.name} link, "
+            f"{format_bandwidth(link.bandwidth)}")
+
+
+def _tp_traffic(plan: Plan) -> list[str]:
+    w, tr, link = plan.workload, plan.tp_traffic, plan.links["tp"]
+    step = plan.step
+    if w.sequence_parallel:
+        what = "sequence parallel: one all-gather or reduce-scatter = (t-1)·B·(S/t)·d·e"
+        forward, backward = "2 all-gathers + 2 reduce-scatters", "2 reduce-scatters + 2 all-gathers"
+    else:
+        what = "no sequence parallelism: one all-reduce = 2·(t-1)/t·B·S·d·e"
+        forward, backward = "2 all-reduces", "2 all-reduces"
+    lines = [f"Tensor-parallel traffic per GPU per layer (TP={w.tp}, {what})",
+             f"  {'':<10}{'collectives':<40} {'bytes':>12} {f'at {format_bandwidth(link.bandwidth)}':>14}",
+             f"  {'forward':<10}{forward:<40} {format_bytes(tr.forward):>12} {format_seconds(step.tp_forward):>14}",
+             f"  {'backward':<10}{backward:<40} {format_bytes(tr.backward):>12} "
+             f"{format_seconds(step.tp_backward):>14}"]
+    if tr.regather:
+        lines.append(f"  {'':<10}{'+ 2 all-gathers of the stored inputs':<40} {format_bytes(tr.regather):>12} "
+                     f"{'overlapped':>14}")
+    lines.append("  exposed: counted in the step time, not overlapped with compute")
+    lines.append(f"  {_link_words(link, 'TP', plan.hardware.gpus_per_node)}")
     return lines
 
 
@@ -180,7 +290,11 @@ def _attention(plan: Plan) -> list[str]:
 def _memory(plan: Plan) -> list[str]:
     mem, w = plan.memory, plan.workload
     chosen = "activations_checkpointed" if w.checkpointing == "full" else "activations"
-    lines = [f"Memory per GPU (CP={w.cp}, FSDP={w.fsdp})"]
+    tp = f"TP={w.tp}, " if w.tp > 1 else ""
+    lines = [f"Memory per GPU ({tp}CP={w.cp}, FSDP={w.fsdp})"]
+    if w.tp > 1:
+        lines.append(f"  N_tp = {parameters_per_gpu(w):,} parameters per TP rank (for N above: attention and MLP "
+                     f"matrices / {w.tp}, embedding and LM head vocabulary-parallel, norms replicated)")
     for key, n in mem.categories().items():
         skipped = key in ("activations", "activations_checkpointed") and key != chosen
         lines.append(f"  {MEMORY_LABELS[key]:<46} {format_bytes(n):>12}{'  (not counted)' if skipped else ''}")
@@ -191,9 +305,11 @@ def _memory(plan: Plan) -> list[str]:
 
 def _step(plan: Plan) -> list[str]:
     s, w = plan.step, plan.workload
+    tp = f" + TP communication {format_seconds(s.tp_seconds)} (exposed)" if w.tp > 1 else ""
+    per_gpu = f" / TP={w.tp}" if w.tp > 1 else ""
     return [f"Step time, busiest rank: {format_seconds(s.seconds)} = matmuls {format_seconds(s.matmul)} "
-            f"(6·(N - V·d) FLOPs per token{', +1 forward recomputed' if s.recompute else ''}) + attention "
-            f"{format_seconds(s.attention_seconds)} over {s.layers} layers",
+            f"(6·(N - V·d) FLOPs per token{per_gpu}{', +1 forward recomputed' if s.recompute else ''}) + attention "
+            f"{format_seconds(s.attention_seconds)} over {s.layers} layers{tp}",
             f"CP-1 step time {format_seconds(plan.cp1_step.seconds)}; parallel efficiency at CP={w.cp}: "
             f"{plan.efficiency:.3f} (CP-1 time / (P x CP-P time))"]
 
@@ -201,7 +317,8 @@ def _step(plan: Plan) -> list[str]:
 def _degrees(plan: Plan) -> list[str]:
     w = plan.workload
     here = [p for p in plan.sweep if p.seq == w.seq]
-    lines = [f"Every degree and strategy at T={format_tokens(w.seq)} ({w.layout} layout)",
+    tp = f", TP={w.tp} throughout" if w.tp > 1 else ""
+    lines = [f"Every degree and strategy at T={format_tokens(w.seq)} ({w.layout} layout{tp})",
              f"  {'CP':>4} {'strategy':<10} {'step':>11} {'efficiency':>10} {'memory/GPU':>12} {'fits':>5} "
              f"{'fwd hidden':>10} {'balance':>8}"]
     for p in here:
@@ -226,6 +343,22 @@ def _crossovers(plan: Plan) -> list[str]:
     return lines
 
 
+def _baseline(plan: Plan) -> list[str]:
+    b, w = plan.baseline, plan.workload
+    lines = [f"Without CP on the same {b.gpus} GPUs per replica at T={format_tokens(w.seq)}: TP x checkpointing "
+             f"(other GPUs: data parallelism)",
+             f"  {'TP':>4} {'checkpointing':<14} {'step':>11} {'per batch':>11} {'memory/GPU':>12} {'fits':>5}"]
+    for p in b.points:
+        best = "  <- best" if p is b.best else ""
+        lines.append(f"  {p.tp:>4} {p.checkpointing:<14} {format_seconds(p.step_seconds):>11} "
+                     f"{format_seconds(p.seconds_per_batch):>11} {format_bytes(p.memory_bytes):>12} "
+                     f"{'yes' if p.fits else 'no':>5}{best}")
+    for t, why in b.skipped.items():
+        lines.append(f"  {t:>4} cannot run: {why.split(':')[0]}")
+    lines.append(f"  {b.summary}")
+    return lines
+
+
 def _recommendation(plan: Plan) -> list[str]:
     rec = plan.recommendation
     w = rec.workload
@@ -237,4 +370,4 @@ def _recommendation(plan: Plan) -> list[str]:
         extra = f", ulysses {w.ulysses} x ring {w.ring_degree}" if w.strategy == "hybrid" else ""
         head = (f"Recommendation: CP-{w.cp} {w.strategy}{extra}, {w.layout} layout: step "
                 f"{format_seconds(rec.step_seconds)}, efficiency {rec.efficiency:.3f}")
-    return [head, *(f"  - {r}" for r in rec.reasons)]
+    return [head, *(f"  - {r}" for r in rec.reasons), f"  - against the best without CP: {plan.baseline.summary}"]

@@ -117,6 +117,48 @@ def per_rank(
     raise ValueError(f"unknown strategy {strategy!r}")
 
 
+@dataclass(frozen=True)
+class TensorParallelTraffic:
+    """Bytes one GPU sends per layer for tensor parallelism.
+
+    ``forward`` and ``backward`` are the collectives on the critical path; ``regather`` the
+    backward's all-gathers of the stored sequence-parallel inputs, which Megatron overlaps
+    with the input-gradient matmul (``LinearWithGradAccumulationAndAsyncCommunication``).
+    """
+
+    forward: int
+    backward: int
+    regather: int
+
+    @property
+    def total(self) -> int:
+        return self.forward + self.backward + self.regather
+
+
+def tensor_parallel(*, batch: int, local_len: int, hidden: int, tp: int, elem: int,
+                    sequence_parallel: bool) -> TensorParallelTraffic:
+    """Megatron's TP collectives for one layer, each over a B·S·d activation (S = T/P tokens).
+
+    One all-gather or reduce-scatter over t GPUs moves (t-1)/t of it off every GPU:
+    (t-1)·B·(S/t)·d·e (each GPU's chunk to t-1 others); an all-reduce (ring: reduce-scatter
+    then all-gather) twice that. Korthikanti et al. 2022 (arXiv:2205.05198, section 4.2.3):
+
+        sequence parallel   forward   2 all-gathers (before q/k/v and gate/up) + 2 reduce-scatters
+                                      (after o and down)
+                            backward  the conjugates, 2 reduce-scatters + 2 all-gathers;
+                                      regather: 2 all-gathers of the stored S/t-token inputs
+        tensor parallel     forward   2 all-reduces (after o and down)
+                            backward  2 all-reduces (the inputs' gradients of q/k/v and gate/up)
+    """
+    if tp == 1:
+        return TensorParallelTraffic(0, 0, 0)
+    if sequence_parallel:
+        one = (tp - 1) * batch * (local_len // tp) * hidden * elem
+        return TensorParallelTraffic(forward=4 * one, backward=4 * one, regather=2 * one)
+    all_reduce = 2 * (tp - 1) * batch * local_len * hidden * elem // tp
+    return TensorParallelTraffic(forward=2 * all_reduce, backward=2 * all_reduce, regather=0)
+
+
 def partial_prefill(method: str, *, batch: int, cached: int, new: int, heads: int, kv_heads: int, head_dim: int,
                     world: int, elem: int, acc: int) -> int:
     """Bytes one rank sends per layer when T_new tokens are prefilled on top of T_cached.

@@ -1,12 +1,21 @@
-"""What the planner is asked about: a model shape, a sequence, a CP configuration.
+"""What the planner is asked about: a model shape, a sequence, a parallel configuration.
 
 ``resolve_model`` turns ``--model NAME`` plus explicit shape flags into one
 ``ModelConfig``; ``Workload`` holds everything else and validates it before anything is
 computed, with errors that name the flag to change.
+
+Parallel layout (Megatron's rank order, TP innermost, then CP, then DP)::
+
+    rank = tp_rank + TP·(cp_rank + CP·dp_rank)
+
+so a TP group is TP consecutive GPUs and a CP group's members are TP apart, spanning
+TP·CP consecutive GPUs. FSDP (ZeRO-3) shards each TP rank's parameters over Z of the
+DP·CP GPUs that hold the same ones, so Z divides DP·CP.
 """
 
 from __future__ import annotations
 
+import math
 from dataclasses import asdict, dataclass, replace
 from functools import cached_property, lru_cache
 
@@ -59,7 +68,16 @@ class Workload:
         strategy: "ring" | "allgather" | "alltoall" | "hybrid".
         layout: "contiguous" | "zigzag" | "striped".
         ulysses: hybrid only: the all-to-all degree U (ring degree P / U).
-        fsdp: degree over which parameters, gradients and optimizer states are sharded.
+        tp: tensor-parallel degree t (Megatron: attention heads, MLP width and vocabulary
+            split over t GPUs; t divides H, H_kv and F).
+        dp: data-parallel replicas of the TP x CP group; None: the fewest that ``fsdp``
+            needs (``data_parallel``), 1 unless ``fsdp`` does not divide ``cp``.
+        fsdp: degree Z over which parameters, gradients and optimizer states are sharded
+            (each TP rank's share, over Z of the DP x CP GPUs holding it: Z divides DP·P).
+        sequence_parallel: with tp > 1, Megatron's sequence parallelism (Korthikanti et al.
+            2022): norms, residuals and the stored inputs of the column-parallel matmuls
+            are split over the TP group along the sequence, and TP communicates by
+            all-gather / reduce-scatter instead of all-reduce.
         checkpointing: "none" or "full" (keep only each layer's input, recompute the rest).
         causal: causal attention (decoder training).
         window: causal sliding window w: a query sees itself and the w-1 keys before it
@@ -79,7 +97,10 @@ class Workload:
     strategy: str = "ring"
     layout: str = "zigzag"
     ulysses: int | None = None
+    tp: int = 1
+    dp: int | None = None
     fsdp: int = 1
+    sequence_parallel: bool = True
     checkpointing: str = "none"
     causal: bool = True
     window: int | None = None
@@ -87,8 +108,10 @@ class Workload:
     documents_from: str | None = None
 
     def __post_init__(self) -> None:
-        for flag in ("batch", "seq", "cp", "fsdp"):
+        for flag in ("batch", "seq", "cp", "tp", "fsdp"):
             check_count(flag, getattr(self, flag))
+        if self.dp is not None:
+            check_count("dp", self.dp)
         if self.dtype not in ELEMENT_BYTES:
             raise ValueError(f"--dtype {self.dtype!r} is not one of {', '.join(ELEMENT_BYTES)}")
         if self.layout not in LAYOUT_NAMES:
@@ -104,8 +127,41 @@ class Workload:
         if self.documents is not None:
             _check_documents(self.documents if isinstance(self.documents, tuple) else None)
         self.layout_obj.validate(self.seq)
+        self._check_parallel()
         u = ulysses_degree(self.strategy, self.cp, self.ulysses, name="--ulysses-degree")
-        check_heads(self.strategy, self.model.heads, self.model.kv_heads, u)
+        if self.heads_per_gpu % u and self.tp > 1:
+            over = "P" if self.strategy == "alltoall" else "ulysses degree"
+            raise ValueError(f"strategy {self.strategy!r} splits the H/TP = {self.model.heads}/{self.tp} = "
+                             f"{self.heads_per_gpu} query heads of each tensor-parallel rank over {over}={u} ranks, "
+                             f"which does not divide them; use strategy 'ring' or 'allgather', or a {over} that "
+                             f"divides {self.heads_per_gpu}")
+        check_heads(self.strategy, self.heads_per_gpu, self.kv_heads_per_gpu, u)
+
+    def _check_parallel(self) -> None:
+        """TP must split heads, KV heads and the MLP width whole; sequence parallelism the
+        CP shard; FSDP must shard over GPUs that hold the same parameters."""
+        m, t = self.model, self.tp
+        if m.heads % t:
+            raise ValueError(f"--tp {t} does not divide the {m.heads} query heads (--heads): tensor parallelism "
+                             f"gives each GPU H/TP whole heads; use a --tp that divides {m.heads}")
+        if m.kv_heads % t:
+            raise ValueError(f"--tp {t} does not divide the {m.kv_heads} KV heads (--kv-heads): Megatron-Core gives "
+                             f"each GPU H_kv/TP whole KV heads and refuses otherwise (replicating KV heads over TP, "
+                             f"as some inference engines do, is not modelled); use a --tp that divides {m.kv_heads}")
+        if m.ffn % t:
+            raise ValueError(f"--tp {t} does not divide the MLP width --ffn {m.ffn}; use a --tp that divides it")
+        if self.sequence_parallel and t > 1 and self.local_len % t:
+            multiple = math.lcm(self.layout_obj.multiple, self.cp * t)
+            raise ValueError(f"--seq {self.seq}: with sequence parallelism each of the TP={t} GPUs holds 1/{t} of "
+                             f"the S = T/P = {self.local_len} tokens of its CP rank, so T must be a multiple of "
+                             f"{multiple}; pad --seq to {-(-self.seq // multiple) * multiple} or add "
+                             f"--no-sequence-parallel")
+        if self.dp is not None and (self.dp * self.cp) % self.fsdp:
+            need = self.fsdp // math.gcd(self.fsdp, self.cp)
+            raise ValueError(f"--fsdp {self.fsdp} must divide --dp x --cp = {self.dp} x {self.cp} = "
+                             f"{self.dp * self.cp}: FSDP shards each TP rank's parameters over GPUs that hold the same "
+                             f"ones (data-parallel replicas x the CP group); make --dp a multiple of {need}, drop "
+                             f"--dp, or lower --fsdp")
 
     @cached_property
     def layout_obj(self) -> Layout:
@@ -127,9 +183,45 @@ class Workload:
         return self.cp // self.ulysses_degree
 
     @property
+    def heads_per_gpu(self) -> int:
+        """H/t: the query heads one tensor-parallel rank's attention computes (H without TP)."""
+        return self.model.heads // self.tp
+
+    @property
+    def kv_heads_per_gpu(self) -> int:
+        """H_kv/t: the KV heads one tensor-parallel rank holds, the heads CP moves."""
+        return self.model.kv_heads // self.tp
+
+    @property
     def kv_heads_sent(self) -> int:
-        """H_kv' = f * H_kv: KV heads after the copies an all-to-all needs (docs/strategies.md)."""
-        return self.model.kv_heads * kv_copies(self.model.kv_heads, self.ulysses_degree)
+        """H_kv' = f * H_kv/t: KV heads after the copies an all-to-all needs (docs/strategies.md)."""
+        return self.kv_heads_per_gpu * kv_copies(self.kv_heads_per_gpu, self.ulysses_degree)
+
+    @property
+    def data_parallel(self) -> int:
+        """DP: ``dp`` if given, else the fewest replicas for which Z divides DP·P."""
+        return self.dp if self.dp is not None else self.fsdp // math.gcd(self.fsdp, self.cp)
+
+    @property
+    def gpus_per_replica(self) -> int:
+        """TP·P: the GPUs that hold one copy of the model and share one batch of sequences."""
+        return self.tp * self.cp
+
+    @property
+    def world_size(self) -> int:
+        """TP·P·DP GPUs in all."""
+        return self.gpus_per_replica * self.data_parallel
+
+    @property
+    def sequence_region_len(self) -> int:
+        """Tokens per GPU in the norms and residual stream: S/t with sequence parallelism, else S."""
+        return self.local_len // self.tp if self.sequence_parallel else self.local_len
+
+    @property
+    def seq_multiple(self) -> int:
+        """Lengths T must be multiples of this: the layout's, and P·t under sequence parallelism."""
+        sp = self.cp * self.tp if self.sequence_parallel else 1
+        return math.lcm(self.layout_obj.multiple, sp)
 
     @property
     def elem(self) -> int:
@@ -150,8 +242,8 @@ class Workload:
         return replace(self, **changes)
 
     def unsplit(self) -> Workload:
-        """The same step on one GPU (CP-1), the baseline of every comparison."""
-        return replace(self, cp=1, strategy="ring", ulysses=None)
+        """The same step without CP (CP-1, the same TP), the baseline of every CP comparison."""
+        return replace(self, cp=1, strategy="ring", ulysses=None, dp=None)
 
     def as_dict(self) -> dict:
         d = asdict(self)
@@ -178,14 +270,16 @@ def _check_documents(documents: tuple[int, ...]) -> None:
                          f"{str(documents)[:80]}")
 
 
-def default_ulysses(heads: int, cp: int, gpus_per_node: int) -> int | None:
-    """Hybrid's all-to-all degree: the largest U < P dividing P and H with U <= GPUs per node.
+def default_ulysses(heads: int, cp: int, gpus_per_node: int, tp: int = 1) -> int | None:
+    """Hybrid's all-to-all degree: the largest U < P dividing P and H/t with t·U <= GPUs per node.
 
     All-to-all inside a node where bandwidth is high, the ring across (docs/strategies.md);
-    None when no U > 1 qualifies (hybrid would just be a ring).
+    CP ranks are t GPUs apart, so U of them span t·U GPUs. None when no U > 1 qualifies
+    (hybrid would just be a ring).
     """
     best = None
-    for u in range(2, min(cp - 1, gpus_per_node) + 1):
+    heads //= tp
+    for u in range(2, min(cp - 1, gpus_per_node // tp) + 1):
         if cp % u == 0 and heads % u == 0:
             best = u
     return best

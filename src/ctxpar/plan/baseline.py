@@ -1,0 +1,144 @@
+"""The configuration users have without CP, and whether CP beats it.
+
+A team with G = TP·P GPUs per model replica can also run the sequence without CP: more
+tensor parallelism, full recomputation, the GPUs left over running data parallelism. For
+the requested length the planner tries every TP degree t dividing G (powers of two, and
+G itself; beyond a node if G is larger, at the inter-node bandwidth) with checkpointing
+none and full, same batch, dtype, FSDP degree and sequence parallelism, and takes the
+fastest that fits in memory. Its time per batch of B sequences on those G GPUs is
+
+    step(TP = t, CP = 1) · t / G
+
+since G/t replicas each run a batch in one step (data parallelism taken at efficiency 1,
+as ``recommend`` does). Then, for the requested configuration:
+
+    pays_off          it fits and is faster: speed-up = baseline per batch / requested step > 1
+    does_not_pay_off  a configuration without CP fits and is at least as fast, or the requested one does not fit
+    necessary         nothing without CP fits on G GPUs; the requested one does
+    nothing_fits      nothing without CP fits, nor does the requested configuration
+    no_cp             the request has CP = 1: the baseline is only the best TP x checkpointing
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass, field
+
+from ctxpar.plan import cost
+from ctxpar.plan.hardware import Hardware
+from ctxpar.plan.memory import memory_per_gpu
+from ctxpar.plan.units import format_bytes, format_seconds
+from ctxpar.plan.workload import CHECKPOINTING, Workload
+
+VERDICTS = ("pays_off", "does_not_pay_off", "necessary", "nothing_fits", "no_cp")
+
+
+@dataclass(frozen=True)
+class BaselinePoint:
+    """One configuration without CP on the requested GPUs per replica."""
+
+    tp: int
+    checkpointing: str
+    step_seconds: float  # one step of B sequences on t GPUs
+    seconds_per_batch: float  # step_seconds · t / G: the other G/t - 1 replicas run data parallelism
+    memory_bytes: int  # per GPU
+    fits: bool
+
+
+@dataclass(frozen=True)
+class Baseline:
+    gpus: int  # G = TP·P of the request
+    points: list[BaselinePoint]  # every valid (TP, checkpointing), TP ascending
+    best: BaselinePoint | None  # the fastest per batch that fits; None: nothing fits
+    requested_seconds: float
+    requested_fits: bool
+    verdict: str  # one of VERDICTS
+    summary: str
+    skipped: dict[int, str] = field(default_factory=dict)  # TP degree -> why it cannot run
+
+    @property
+    def speedup(self) -> float | None:
+        """Baseline seconds per batch / requested step seconds (> 1: CP is faster); None
+        without a fitting baseline or a fitting request."""
+        if self.best is None or not self.requested_fits:
+            return None
+        return self.best.seconds_per_batch / self.requested_seconds
+
+    def as_dict(self) -> dict:
+        return dict(gpus_per_replica=self.gpus, verdict=self.verdict, speedup=self.speedup,
+                    requested_step_seconds=self.requested_seconds, requested_fits=self.requested_fits,
+                    best=None if self.best is None else asdict(self.best),
+                    candidates=[asdict(p) for p in self.points], skipped_tp={str(k): v for k, v in
+                                                                              self.skipped.items()},
+                    summary=self.summary)
+
+
+def tp_degrees(gpus: int) -> list[int]:
+    """Powers of two dividing ``gpus``, and ``gpus`` itself."""
+    degrees = {gpus}
+    t = 1
+    while t < gpus and gpus % t == 0:
+        degrees.add(t)
+        t *= 2
+    return sorted(degrees)
+
+
+def baseline(w: Workload, hw: Hardware) -> Baseline:
+    """The fastest configuration without CP on ``w``'s TP·P GPUs that fits, and the verdict."""
+    gpus = w.gpus_per_replica
+    points, skipped = [], {}
+    for t in tp_degrees(gpus):
+        for checkpointing in CHECKPOINTING:
+            try:
+                v = w.with_(cp=1, strategy="ring", ulysses=None, tp=t, dp=None, checkpointing=checkpointing)
+            except ValueError as e:  # TP that does not split the heads or the sequence
+                skipped[t] = str(e)
+                break
+            mem = memory_per_gpu(v, hw.hbm_bytes)
+            step = cost.step_time(v, hw).seconds
+            points.append(BaselinePoint(t, checkpointing, step, step * t / gpus, mem.total, mem.fits))
+    fitting = [p for p in points if p.fits]
+    best = min(fitting, key=lambda p: p.seconds_per_batch) if fitting else None
+    requested = cost.step_time(w, hw).seconds
+    requested_fits = memory_per_gpu(w, hw.hbm_bytes).fits
+    verdict = _verdict(w, best, requested, requested_fits)
+    return Baseline(gpus, points, best, requested, requested_fits, verdict,
+                    _summary(w, hw, verdict, best, requested, requested_fits, points), skipped)
+
+
+def _verdict(w: Workload, best: BaselinePoint | None, requested: float, requested_fits: bool) -> str:
+    if w.cp == 1:
+        return "no_cp"
+    if best is None:
+        return "necessary" if requested_fits else "nothing_fits"
+    return "pays_off" if requested_fits and best.seconds_per_batch > requested else "does_not_pay_off"
+
+
+def _summary(w: Workload, hw: Hardware, verdict: str, best: BaselinePoint | None, requested: float,
+             requested_fits: bool, points: list[BaselinePoint]) -> str:
+    g = w.gpus_per_replica
+    asked = f"TP={w.tp} x CP={w.cp} {w.strategy}"
+    if best is not None:
+        replicas = g // best.tp
+        without = (f"the best without CP on the same {g} GPUs per replica is TP={best.tp} with checkpointing "
+                   f"{best.checkpointing}: {format_seconds(best.step_seconds)} per step"
+                   + (f", {format_seconds(best.seconds_per_batch)} per batch with {replicas} replicas in data "
+                      f"parallelism" if replicas > 1 else ""))
+    else:
+        least = min((p.memory_bytes for p in points), default=None)
+        tried = f"TP up to {max(p.tp for p in points)}, checkpointing none or full" if points else \
+            "no TP degree can split this model"
+        without = (f"no configuration without CP on {g} GPUs per replica fits ({tried}"
+                   + (f"; the smallest needs {format_bytes(least)} per GPU > {format_bytes(hw.hbm_bytes)}"
+                      if least else "") + ")")
+    if verdict == "no_cp":
+        return f"no CP requested; {without}"
+    if verdict == "nothing_fits":
+        return f"CP is necessary: {without}; but {asked} does not fit either"
+    if verdict == "necessary":
+        return f"CP is necessary: {without}; {asked} fits, {format_seconds(requested)} per step"
+    if not requested_fits:
+        return f"CP does not pay off: {asked} does not fit; {without}"
+    speedup = best.seconds_per_batch / requested
+    words = "CP pays off" if verdict == "pays_off" else "CP does not pay off"
+    return (f"{words}: {asked} takes {format_seconds(requested)} per step, {speedup:.2f}x the speed of the best "
+            f"without CP; {without}")
