@@ -30,8 +30,10 @@ from dataclasses import replace
 
 import torch
 
+from ctxpar import auto
 from ctxpar.demo import DemoConfig, demo_rank
 from ctxpar.launch import run_local
+from ctxpar.masks import Mask
 from ctxpar.models.config import ModelConfig
 from ctxpar.plan import cost
 from ctxpar.calibrate import calibrate, format_calibration
@@ -100,11 +102,32 @@ def compare(cfg: DemoConfig, calibration: dict, repeat: int) -> dict:
     )
 
 
+def auto_verdicts(rows: list[dict], calibration: dict) -> list[dict]:
+    """For each (P, T) measured with more than one strategy: ``strategy="auto"``'s choice on
+    this machine's calibration (each rank's rate scaled by its share of the cores, as the
+    wall-time predictions are), the measured fastest, and auto's measured time over it."""
+    out = []
+    for (nproc, seq) in dict.fromkeys((r["nproc"], r["seq"]) for r in rows):
+        measured = {r["strategy"]: r["wall_seconds_measured"] for r in rows if (r["nproc"], r["seq"]) == (nproc, seq)}
+        if len(measured) < 2:
+            continue
+        d = DemoConfig(nproc=nproc, seq=seq)
+        hw = local_hardware(calibration)
+        share = min(1.0, (os.cpu_count() or 1) / nproc)
+        hw = replace(hw, peak_flops=hw.peak_flops * share)
+        choice, why = auto.choose_for_shapes(d.batch, d.heads, d.kv_heads, d.head_dim, seq, nproc, d.dtype,
+                                             d.layout, Mask(causal=d.causal), True, hw)
+        fastest = min(measured, key=measured.get)
+        out.append(dict(nproc=nproc, seq=seq, auto=choice, why=why, fastest=fastest, measured=measured,
+                        auto_over_fastest=measured[choice] / measured[fastest] if choice in measured else None))
+    return out
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--nprocs", default="2,4")
     p.add_argument("--seqs", default="4096,8192,16384")
-    p.add_argument("--strategies", default="ring,allgather")
+    p.add_argument("--strategies", default="ring,allgather,alltoall")
     p.add_argument("--repeat", type=int, default=2, help="demo runs per case; best seconds per rank")
     p.add_argument("--json", metavar="PATH")
     args = p.parse_args()
@@ -124,8 +147,16 @@ def main() -> None:
               f"{'yes' if r['bytes_match'] else 'NO':>6} {r['attn_seconds_predicted']:>11.3f} "
               f"{r['attn_seconds_measured']:>9.3f} {r['attn_error']:>+7.1%} {r['wall_seconds_predicted']:>11.3f} "
               f"{r['wall_seconds_measured']:>9.3f} {r['wall_error']:>+7.1%}")
+    verdicts = auto_verdicts(rows, calibration)
+    if verdicts:
+        print("\nstrategy='auto' against the measured fastest (wall seconds, forward + backward, mean over ranks)")
+        print(f"{'P':>2} {'T':>6} {'auto':<10} {'fastest':<10} {'auto / fastest':>14}  measured")
+        for v in verdicts:
+            ratio = "not measured" if v["auto_over_fastest"] is None else f"{v['auto_over_fastest']:.3f}"
+            times = ", ".join(f"{k} {t:.3f}" for k, t in v["measured"].items())
+            print(f"{v['nproc']:>2} {v['seq']:>6} {v['auto']:<10} {v['fastest']:<10} {ratio:>14}  {times}")
     if args.json:
-        write_json(args.json, args, calibration=calibration, rows=rows)
+        write_json(args.json, args, calibration=calibration, rows=rows, auto=verdicts)
 
 
 if __name__ == "__main__":

@@ -54,7 +54,7 @@ def set_hardware(hw: Hardware | None) -> None:
                          f"{type(hw).__name__}")
     global _hardware
     _hardware = hw
-    _choose.cache_clear()
+    choose_for_shapes.cache_clear()
 
 
 def hardware_for(device: torch.device) -> Hardware:
@@ -77,15 +77,17 @@ def choose(q: torch.Tensor, k: torch.Tensor, *, world: int, layout_name: str, ma
     hw = hardware_for(q.device)
     # the planner counts work on the named layouts; a balanced or union layout evens work out like zigzag
     layout = layout_name if layout_name in LAYOUT_NAMES else "zigzag"
-    strategy, why = _choose(b, h, k.shape[1], d, s * world, world, dtype, layout, mask, backward, hw)
+    strategy, why = choose_for_shapes(b, h, k.shape[1], d, s * world, world, dtype, layout, mask, backward, hw)
     profile.note_strategy(strategy, why)
     _log.debug("strategy='auto' chose %s: %s", strategy, why)
     return strategy, why
 
 
 @functools.lru_cache(maxsize=256)
-def _choose(batch: int, heads: int, kv_heads: int, head_dim: int, seq: int, world: int, dtype: str, layout: str,
-            mask: Mask, backward: bool, hw: Hardware) -> tuple[str, str]:
+def choose_for_shapes(batch: int, heads: int, kv_heads: int, head_dim: int, seq: int, world: int, dtype: str,
+                      layout: str, mask: Mask, backward: bool, hw: Hardware) -> tuple[str, str]:
+    """``choose`` from the shapes alone (T = ``seq`` over ``world`` ranks; ``dtype`` one of
+    the planner's names): what benchmarks compare with measurement."""
     if world == 1:
         return "ring", "one rank: no K/V moves, every strategy is the local kernel"
     model = ModelConfig(layers=1, hidden=heads * head_dim, heads=heads, kv_heads=kv_heads, head_dim=head_dim,
