@@ -123,7 +123,7 @@ def test_overlap_condition_is_the_ring_attention_papers(kv_heads: int, causal: b
     hw = get_hardware("H100-SXM")
     w = Workload(attention_only(32, kv_heads, 128), batch=1, seq=65536, dtype="bfloat16", cp=4, causal=causal)
     fwd = cost.attention_time(w, hw).forward
-    assert cost.overlap_local_len(w, fwd) == pytest.approx(factor * hw.flops / hw.bandwidth(4), rel=1e-3)
+    assert cost.overlap_local_len(w, fwd) == pytest.approx(factor * hw.forward_flops / hw.bandwidth(4), rel=1e-3)
 
 
 def test_efficiency_is_one_with_free_communication_and_balance() -> None:
@@ -416,8 +416,8 @@ def test_baseline_is_the_fastest_fitting_configuration_without_cp() -> None:
     assert not fastest.fits  # TP 1 without checkpointing would be fastest, but does not fit
     assert b.best == min((p for p in b.points if p.fits), key=lambda p: p.seconds_per_batch)
     assert (b.best.tp, b.best.checkpointing) == (4, "none")
-    assert b.speedup == b.best.seconds_per_batch / cost.step_time(w, hw).seconds == pytest.approx(1.0879, abs=1e-4)
-    assert b.verdict == "pays_off" and b.summary.startswith("CP pays off: TP=1 x CP=4 ring takes 1.249 s per step")
+    assert b.speedup == b.best.seconds_per_batch / cost.step_time(w, hw).seconds == pytest.approx(1.0896, abs=1e-4)
+    assert b.verdict == "pays_off" and b.summary.startswith("CP pays off: TP=1 x CP=4 ring takes 1.225 s per step")
     slow = baseline(worked(fsdp=4, tp=2, checkpointing="full"), hw)  # recomputation costs more than CP saves
     assert slow.verdict == "does_not_pay_off" and slow.speedup < 1
 
@@ -661,8 +661,8 @@ def test_decode_falls_with_cp_by_less_than_the_kv_share_and_kv_cache_splits() ->
 def test_prefill_is_the_forward_of_a_training_step() -> None:
     hw = get_hardware("H100-SXM")
     w = Workload(LLAMA_8B, batch=1, seq=131072, dtype="bfloat16", cp=1)
-    attention = 4 * 128 * 32 * (131072 * 131073 // 2) / hw.flops  # causal pairs, all heads, at the forward rate
-    matmul = 2 * (LLAMA_8B.parameters - LLAMA_8B.vocab * LLAMA_8B.hidden) * 131072 / hw.flops
+    attention = 4 * 128 * 32 * (131072 * 131073 // 2) / hw.forward_flops  # causal pairs, all heads, at the forward rate
+    matmul = 2 * (LLAMA_8B.parameters - LLAMA_8B.vocab * LLAMA_8B.hidden) * 131072 / hw.matmul_flops
     assert inference.prefill_seconds(w, hw) == pytest.approx(32 * attention + matmul, rel=1e-12)
     plan = inference.make_inference_plan(w.with_(cp=8), hw, new_tokens=256)
     assert [p.cp for p in plan.points] == [1, 2, 4, 8, 16]
@@ -687,8 +687,8 @@ def test_cli_inference_table_and_json(tmp_path, capsys) -> None:
     def row(start: str) -> list[str]:
         return next(line for line in lines if line.strip().startswith(start)).split()
 
-    assert row("8 ") == ["8", "1.636", "s", "8.00x", "5.445", "ms", "2.004", "GiB", "14.958", "GiB", "yes"]
-    assert row("1 ")[:4] == ["1", "13.086", "s", "1.00x"]
+    assert row("8 ") == ["8", "1.99", "s", "8.00x", "5.445", "ms", "2.004", "GiB", "14.958", "GiB", "yes"]
+    assert row("1 ")[:4] == ["1", "15.92", "s", "1.00x"]
     assert row("pass-KV")[2:4] == ["476.875", "MiB"] and row("pass-Q")[2:4] == ["168.875", "MiB"]
     hw, chunk = get_hardware("H100-SXM"), dict(model=LLAMA_8B, batch=1, cached=131328, world=8, elem=2)
     method, why = inference.choose_partial_prefill(new=8192, hw=hw, **chunk)
@@ -774,7 +774,9 @@ def test_cli_inference_latency_and_unknown_memory_bandwidth(tmp_path, capsys) ->
     (("--inference", "--latency", "2s"), "--latency '2s' = 2 s is outside 0 .. 1 s"),
     (("--new-tokens", "5"), "--new-tokens is an input of the inference plan; add --inference or drop --new-tokens"),
     (("--chunk", "5"), "--chunk is an input of the inference plan; add --inference"),
-    (("--latency", "20us"), "--latency is an input of the inference plan; add --inference"),
+    (("--fp8",), "--fp8: local has no fp8 tensor cores (fp8 matmuls need one of H100-SXM, H200, B200)"),
+    (("--launch-overhead", "fast"), "--launch-overhead 'fast' is not understood"),
+    (("--step-overhead", "2s"), "--step-overhead '2s' = 2 s is outside 0 .. 1 s"),
 ])
 def test_cli_inference_flags_are_refused_naming_the_flag(args: tuple[str, ...], message: str, capsys,
                                                         monkeypatch) -> None:
@@ -791,3 +793,84 @@ def test_inference_plan_refuses_a_training_workload() -> None:
     w = Workload(LLAMA_8B, batch=1, seq=4096, dtype="bfloat16", cp=4, fsdp=2, window=512)
     with pytest.raises(ValueError, match="the workload sets window, fsdp: leave them at their defaults"):
         inference.make_inference_plan(w, get_hardware("H100-SXM"), new_tokens=1)
+
+
+# -- kernel rates and fixed costs (issue 13, items 2 and 3) -------------------------------------
+
+
+def test_each_kernel_rate_times_only_its_own_kernels() -> None:
+    hw, w = get_hardware("H100-SXM", bandwidth=1e30), worked()  # free links: compute alone
+    t, step = cost.attention_time(w, hw), cost.step_time(w, hw)
+    flops = cost.attention_forward_flops(w)
+    assert t.forward.seconds == pytest.approx(flops / 335e12, rel=1e-9)
+    assert t.backward.seconds == pytest.approx(2.5 * flops / 322e12, rel=1e-9)
+    assert step.matmul == pytest.approx(3 * cost.matmul_flops_per_token(w) * 8192 / 794.5e12, rel=1e-12)
+    fast_bwd = cost.attention_time(w, replace(hw, attention_backward_rate=2 * 322e12))
+    assert (fast_bwd.forward.seconds, fast_bwd.backward.seconds) == (t.forward.seconds, t.backward.seconds / 2)
+    fast_fwd = cost.attention_time(w, replace(hw, attention_forward_rate=2 * 335e12))
+    assert (fast_fwd.forward.seconds, fast_fwd.backward.seconds) == (t.forward.seconds / 2, t.backward.seconds)
+    fast_mm = cost.step_time(w, replace(hw, matmul_rate=2 * 794.5e12))
+    assert (fast_mm.matmul, fast_mm.attention_seconds) == (step.matmul / 2, step.attention_seconds)
+    # --efficiency / --flops: one rate for every kernel, as before
+    one = get_hardware("H100-SXM", efficiency=0.4)
+    assert one.forward_flops == one.backward_flops == one.matmul_flops == 989e12 * 0.4
+    assert get_hardware("H100-SXM", peak_flops=2e15).matmul_flops == 2e15 * 0.5
+
+
+def test_fp8_scales_only_the_matmuls() -> None:
+    w = worked()
+    for name, peak in (("H100-SXM", 1979e12), ("H200", 1979e12), ("B200", 4500e12)):
+        bf16, fp8 = get_hardware(name), get_hardware(name, fp8=True)
+        assert fp8.matmul_flops == pytest.approx(peak * bf16.matmul_rate / bf16.peak_flops, rel=1e-12)
+        a, b = cost.step_time(w, bf16), cost.step_time(w, fp8)
+        assert b.matmul == pytest.approx(a.matmul * bf16.matmul_flops / fp8.matmul_flops, rel=1e-12)
+        assert b.attention_seconds == a.attention_seconds and b.tp_seconds == a.tp_seconds
+    with pytest.raises(ValueError, match="--fp8: A100-80GB has no fp8 tensor cores"):
+        get_hardware("A100-80GB", fp8=True)
+
+
+@pytest.mark.parametrize("strategy", ["ring", "allgather", "alltoall"])
+def test_fixed_costs_add_their_counts(strategy: str) -> None:
+    """Slow links (transfer-bound stages): each message on the critical path adds one latency,
+    each stage one launch and one step overhead."""
+    lat, launch, step = 3e-5, 5e-6, 2e-6
+    w = worked(strategy=strategy)
+    hw = get_hardware("H100-SXM", bandwidth=1e9)
+    fixed = get_hardware("H100-SXM", bandwidth=1e9, latency=lat, launch_overhead=launch, step_overhead=step)
+    base, t = cost.attention_time(w, hw), cost.attention_time(w, fixed)
+    n = t.forward.stages
+    messages = {"ring": (3, 3 * 2 + 1), "allgather": (8, 8 * 2), "alltoall": (2, 2)}[strategy]  # forward, backward
+    assert t.forward.seconds - base.forward.seconds == pytest.approx(messages[0] * lat + n * (launch + step),
+                                                                     rel=1e-9)
+    assert t.backward.seconds - base.backward.seconds == pytest.approx(messages[1] * lat + n * (launch + step),
+                                                                       rel=1e-9)
+    # shards get small: time stops falling, every stage still pays its fixed costs
+    tiny = worked(strategy=strategy, seq=4096)
+    assert cost.attention_time(tiny, fixed).forward.seconds >= n * (launch + step)
+
+
+def test_fixed_costs_from_the_cli(tmp_path) -> None:
+    out = tmp_path / "plan.json"
+    assert main(["plan", *WORKED, "--latency", "20us", "--launch-overhead", "5us", "--step-overhead", "1us",
+                 "--fp8", "--max-cp", "4", "--json", str(out)]) == 0
+    hw = json.loads(out.read_text())["hardware"]
+    assert (hw["latency"], hw["launch_overhead"], hw["step_overhead"], hw["fp8"]) == \
+        (pytest.approx(2e-5), pytest.approx(5e-6), pytest.approx(1e-6), True)
+    assert hw["matmul_flops"] == pytest.approx(1979e12 * 794.5 / 989)
+
+
+def test_calibration_gives_three_rates_and_the_launch_overhead(monkeypatch) -> None:
+    monkeypatch.setattr(calibrate, "measure_link", lambda: dict(bandwidth=1e9, latency=1e-5, seconds=0.02,
+                                                                message_bytes=2**24))
+    monkeypatch.setattr(calibrate, "measure_memory_bandwidth", lambda: 1e10)
+    monkeypatch.setattr(calibrate, "BLOCK", dict(batch=1, heads=2, kv_heads=1, head_dim=16, tokens=256))
+    c = calibrate.calibrate()
+    hw = local_hardware(c)
+    a = c["attention"]
+    assert hw.forward_flops == a["forward_flops"] / a["forward_seconds"]
+    assert hw.backward_flops == 2.5 * a["forward_flops"] / a["backward_seconds"]
+    assert hw.matmul_flops == c["matmul_flops"] == 2 * 1024**3 / c["matmul"]["seconds"]
+    assert 0 < hw.launch_overhead == c["launch_overhead"] < 1e-2
+    assert "launch overhead" in calibrate.format_calibration(c)
+    old = {k: v for k, v in c.items() if k not in ("matmul_flops", "launch_overhead")}  # an older calibration
+    assert (local_hardware(old).matmul_flops, local_hardware(old).launch_overhead) == (c["attention_flops"], 0.0)

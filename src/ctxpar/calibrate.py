@@ -11,6 +11,13 @@ for ``ctxpar plan --calibrate`` and ``--calibration``.
   directly. Causal, like FlashAttention's benchmark reports causal throughput, because
   kernels compute the key tiles that straddle the diagonal whole: a causal rate carries
   that waste, a full block's would not.
+- Attention forward and backward rates separately: the same FLOPs (backward 2.5x) over
+  each one's seconds.
+- Matmuls: one thread multiplying two 1024 x 1024 float32 matrices, 2·n³ FLOPs over CPU
+  seconds, best of ``repeats``.
+- Launch overhead: the wall seconds of one attention kernel call on a tiny tile (one head,
+  16 tokens), whose arithmetic is negligible: what every kernel call costs whatever its
+  size (dispatch, checks, allocation), the planner's ``launch_overhead``.
 - Bandwidth: two local gloo ranks exchange a buffer over ``ctxpar.comm.RingComm`` (each
   sends and receives ``message_bytes`` at once, as a ring hop does); bytes per second per
   direction, best of ``repeats``, after the latency: the time of a 4-byte hop, which
@@ -69,6 +76,40 @@ def measure_attention(repeats: int = 3, threads: int = 1) -> dict:
     return dict(block=dict(BLOCK), threads=threads, forward_seconds=fwd, backward_seconds=bwd,
                 forward_flops=flops, backward_to_forward_seconds=bwd / fwd,
                 attention_flops=3.5 * flops / (fwd + bwd))
+
+
+def measure_matmul(n: int = 1024, repeats: int = 3, threads: int = 1) -> dict:
+    """FLOP/s of one thread multiplying two (n, n) float32 matrices (2·n³ FLOPs), best of ``repeats``."""
+    gen = torch.Generator().manual_seed(0)
+    a, b = (torch.randn(n, n, generator=gen) for _ in range(2))
+    previous = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        a @ b  # warm-up
+        seconds = min(_cpu_seconds(lambda: a @ b) for _ in range(repeats))
+    finally:
+        torch.set_num_threads(previous)
+    return dict(n=n, threads=threads, seconds=seconds, matmul_flops=2 * n**3 / seconds)
+
+
+def measure_launch_overhead(calls: int = 200, repeats: int = 5, threads: int = 1) -> float:
+    """Wall seconds per ``kernels.attention_forward`` call on a (1, 1, 16, 8) causal tile, whose
+    arithmetic (~4K FLOPs) is negligible: the fixed cost of one kernel call. Best of
+    ``repeats`` means over ``calls`` calls."""
+    gen = torch.Generator().manual_seed(0)
+    q, k, v = (torch.randn(1, 1, 16, 8, generator=gen) for _ in range(3))
+    previous = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        kernels.attention_forward(q, k, v, causal=True, scale=0.125)  # warm-up
+
+        def many() -> None:
+            for _ in range(calls):
+                kernels.attention_forward(q, k, v, causal=True, scale=0.125)
+
+        return min(_wall_seconds(many) for _ in range(repeats)) / calls
+    finally:
+        torch.set_num_threads(previous)
 
 
 def _exchange_rank(rank: int, world: int, sizes: tuple[int, ...], repeats: int) -> list[float]:
@@ -135,11 +176,14 @@ def machine() -> str:
 
 
 def calibrate() -> dict:
-    """Both measurements (a few seconds); the dict ``hardware.local_hardware`` reads."""
+    """Every measurement (a few seconds); the dict ``hardware.local_hardware`` reads."""
     attention = measure_attention()
+    matmul = measure_matmul()
     link = measure_link()
     return dict(machine=machine(), attention_flops=attention["attention_flops"], bandwidth=link["bandwidth"],
-                latency=link["latency"], memory_bandwidth=measure_memory_bandwidth(), attention=attention, link=link)
+                latency=link["latency"], memory_bandwidth=measure_memory_bandwidth(),
+                matmul_flops=matmul["matmul_flops"], launch_overhead=measure_launch_overhead(),
+                attention=attention, matmul=matmul, link=link)
 
 
 def check_calibration_flags(hardware: str, *, measure: bool, path: str | None) -> None:
@@ -185,7 +229,13 @@ def format_calibration(c: dict) -> str:
         f"  attention kernel, {a['threads']} thread, block H={blk['heads']} H_kv={blk['kv_heads']} "
         f"D={blk['head_dim']} T={blk['tokens']} causal float32: forward {a['forward_seconds'] * 1e3:.1f} ms, "
         f"backward {a['backward_seconds'] * 1e3:.1f} ms ({a['backward_to_forward_seconds']:.2f}x)",
-        f"  -> {c['attention_flops'] / 1e9:.1f} GFLOP/s = 3.5 x {a['forward_flops']:,} FLOPs / (forward + backward)",
+        f"  -> {c['attention_flops'] / 1e9:.1f} GFLOP/s = 3.5 x {a['forward_flops']:,} FLOPs / (forward + backward); "
+        f"forward {a['forward_flops'] / a['forward_seconds'] / 1e9:.1f}, backward "
+        f"{2.5 * a['forward_flops'] / a['backward_seconds'] / 1e9:.1f} GFLOP/s",
+        *([f"  matmul, 1 thread, {c['matmul']['n']}^3 float32: {c['matmul_flops'] / 1e9:.1f} GFLOP/s"]
+          if "matmul" in c else []),
+        *([f"  one tiny attention kernel call: {c['launch_overhead'] * 1e6:.1f} us (launch overhead)"]
+          if "launch_overhead" in c else []),
         f"  gloo ring hop between 2 local ranks: {link['message_bytes'] / 2**20:.0f} MiB in "
         f"{link['seconds'] * 1e3:.2f} ms -> {c['bandwidth'] / 1e9:.3f} GB/s per direction; a 4-byte hop "
         f"{link.get('latency', 0) * 1e6:.0f} us (latency)",

@@ -201,9 +201,15 @@ def _plan_parser(sub) -> None:
                     help="GPUs joined by the intra-node link (default: the hardware's); wider groups use the NIC")
     hw.add_argument("--calibrate", action="store_true", help="with --hardware local: measure this machine first")
     hw.add_argument("--calibration", metavar="PATH", help="with --hardware local: a JSON from --calibrate --json")
-    hw.add_argument("--latency", default=argparse.SUPPRESS, metavar="SECONDS",
-                    help="with --inference: seconds every message costs, 20us or 0.00002 (default: the hardware's, 0 "
-                         "for presets, measured for local)")
+    hw.add_argument("--latency", metavar="SECONDS",
+                    help="seconds every message costs, 20us or 0.00002 (default: the hardware's, 0 for presets, "
+                         "measured for local)")
+    hw.add_argument("--launch-overhead", metavar="SECONDS",
+                    help="seconds every kernel call costs, e.g. 5us (default: 0 for presets, measured for local)")
+    hw.add_argument("--step-overhead", metavar="SECONDS",
+                    help="seconds every ring step (pipeline stage) costs besides kernels and messages (default 0)")
+    hw.add_argument("--fp8", action="store_true",
+                    help="matmuls in fp8: the fp8 dense peak x the matmul efficiency (attention stays in --dtype)")
     serve = p.add_argument_group("inference (serving instead of a training step; --seq is the prompt length)")
     serve.add_argument("--inference", action="store_true",
                        help="prefill time (time to first token), decode time per token and KV cache per GPU against "
@@ -244,7 +250,7 @@ def _inference_flags(args: argparse.Namespace) -> tuple[int, int | None]:
     that describe only a training step with it, and its own flags without it."""
     given = vars(args)
     if not args.inference:
-        for flag in ("--new-tokens", "--chunk", "--latency"):
+        for flag in ("--new-tokens", "--chunk"):
             if flag[2:].replace("-", "_") in given:
                 raise ValueError(f"{flag} is an input of the inference plan; add --inference or drop {flag}")
         return DEFAULT_NEW_TOKENS, None
@@ -273,9 +279,14 @@ def _run_plan(args: argparse.Namespace) -> int:
     new_tokens, chunk = _inference_flags(args)
     bandwidth = planning.parse_bandwidth(args.bandwidth) if args.bandwidth is not None else None
     peak_flops = planning.parse_flops(args.flops) if args.flops is not None else None
-    latency = planning.parse_latency(args.latency) if "latency" in vars(args) else None
+    latency, launch, step = (None if text is None else planning.parse_latency(text, flag) for text, flag in (
+        (args.latency, "--latency"), (args.launch_overhead, "--launch-overhead"),
+        (args.step_overhead, "--step-overhead")))
     planning.check_overrides(bandwidth=bandwidth, peak_flops=peak_flops, efficiency=args.efficiency,
                              gpus_per_node=args.gpus_per_node)
+    if args.fp8:
+        planning.gpus_per_node(args.hardware)  # an unknown --hardware is refused as such
+        planning.check_fp8(args.hardware)
     calibration_.check_calibration_flags(args.hardware, measure=args.calibrate, path=args.calibration)
     calibration = calibration_.load_calibration(args.calibration) if args.calibration is not None else None
     _check_output("--json", args.json)
@@ -302,7 +313,8 @@ def _run_plan(args: argparse.Namespace) -> int:
         print(calibration_.format_calibration(calibration) + "\n")
     hardware = planning.get_hardware(args.hardware, calibration=calibration, efficiency=args.efficiency,
                                      bandwidth=bandwidth, peak_flops=peak_flops, latency=latency,
-                                     gpus_per_node=args.gpus_per_node)
+                                     gpus_per_node=args.gpus_per_node, launch_overhead=launch, step_overhead=step,
+                                     fp8=args.fp8)
     if args.inference:
         served = planning.make_inference_plan(workload, hardware, new_tokens=new_tokens, chunk=chunk,
                                               max_cp=args.max_cp, calibration=calibration)

@@ -7,7 +7,7 @@ check it against the system. Measuring this machine is ``ctxpar.calibrate``'s jo
 Formulas and sources: docs/planner.md.
 """
 
-from ctxpar.plan.hardware import HARDWARE_NAMES, Hardware, check_overrides, get_hardware, gpus_per_node
+from ctxpar.plan.hardware import HARDWARE_NAMES, Hardware, check_fp8, check_overrides, get_hardware, gpus_per_node
 from ctxpar.plan.documents import parse_doc_dist, parse_lengths, sample_lengths
 from ctxpar.plan.inference import InferencePlan, make_inference_plan
 from ctxpar.plan.inference_report import format_inference_plan, inference_to_json
@@ -20,7 +20,7 @@ from ctxpar.plan.workload import (CHECKPOINTING, DEFAULT_MODEL, ELEMENT_BYTES, W
 
 __all__ = [
     "CHECKPOINTING", "DEFAULT_MODEL", "ELEMENT_BYTES", "HARDWARE_NAMES", "Hardware", "InferencePlan", "Plan",
-    "Workload", "check_overrides", "check_plan_size", "check_plot_support",
+    "Workload", "check_fp8", "check_overrides", "check_plan_size", "check_plot_support",
     "default_ulysses", "format_inference_plan", "format_plan", "get_hardware", "gpus_per_node",
     "inference_to_json", "make_inference_plan", "make_plan", "parse_bandwidth", "parse_doc_dist", "parse_flops",
     "parse_latency", "parse_lengths", "resolve_model",

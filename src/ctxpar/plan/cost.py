@@ -31,8 +31,15 @@ current compute, the last stage's compute, then a tail transfer nobody can hide)
 
 Per-stage compute is the rank's pairs spread evenly over its stages: exact for zigzag
 (every block holds S²/2 pairs), close for striped, optimistic for contiguous, where
-ranks idle on hidden blocks. Per-message latency is not modelled: it matters only for
-messages under ~1 MB (tens of microseconds against bandwidth terms).
+ranks idle on hidden blocks. Rates: the forward at ``Hardware.forward_flops``, the
+backward (2.5x the forward's FLOPs) at ``backward_flops``, matmuls at ``matmul_flops``.
+
+Fixed costs: every message a stage posts costs ``latency`` on top of its bytes (a ring
+hop one, the backward's K/V and dK/dV hops two, an all-gather or reduce-scatter one, the
+all-to-all two per pass); every stage pays ``KERNELS_PER_STAGE`` kernel launches and one
+``step_overhead``, serially (``Pipeline.overhead``). So when shards get small, time stops
+falling as 1/P²: it approaches stages x (overhead + latency). TP collectives pay one
+latency each.
 
 Tensor parallelism (t): each GPU computes H/t heads' attention and moves H_kv/t heads' K/V
 over CP, and does 1/t of the matmul FLOPs. Its own collectives
@@ -53,11 +60,13 @@ from dataclasses import dataclass
 from ctxpar.layout import get_layout
 from ctxpar.masks import Mask
 from ctxpar.plan.work import pairs_per_rank
-from ctxpar.plan.hardware import Hardware
+from ctxpar.plan.hardware import BACKWARD_FLOPS_RATIO, Hardware
 from ctxpar.plan.workload import Workload
 from ctxpar.plan import traffic
 
-BACKWARD_FLOPS_RATIO = 2.5  # FlashAttention: backward = 2.5 x forward FLOPs
+KERNELS_PER_STAGE = 1  # kernel calls a pipeline stage makes: one tile's attention (forward or backward)
+A2A_MESSAGES = 2  # all-to-alls per pass (strategies/alltoall.py): q/k/v to heads, then the results back
+TP_COLLECTIVES = 4  # per layer and pass with sequence parallelism (2 with all-reduces): traffic.tensor_parallel
 
 
 @functools.lru_cache(maxsize=4096)
@@ -138,17 +147,24 @@ def layer_traffic(w: Workload) -> traffic.Traffic:
 
 @dataclass(frozen=True)
 class Pipeline:
-    """lead + (stages - 1)·max(compute, transfer) + compute + tail, in seconds (per stage)."""
+    """lead + (stages - 1)·max(compute, transfer) + compute + tail + stages·overhead, in seconds.
+
+    ``compute`` and ``transfer`` are per stage (a transfer includes its messages' latency);
+    ``overhead`` is what every stage pays besides them and cannot overlap: its kernel
+    launches and the step's own cost (``Hardware.launch_overhead``, ``step_overhead``).
+    """
 
     stages: int
     compute: float
     transfer: float
     lead: float = 0.0
     tail: float = 0.0
+    overhead: float = 0.0
 
     @property
     def seconds(self) -> float:
-        return self.lead + (self.stages - 1) * max(self.compute, self.transfer) + self.compute + self.tail
+        return (self.lead + (self.stages - 1) * max(self.compute, self.transfer) + self.compute + self.tail
+                + self.stages * self.overhead)
 
     @property
     def hidden(self) -> bool:
@@ -162,13 +178,14 @@ class Pipeline:
 
     @property
     def exposed(self) -> float:
-        """Seconds communication adds beyond the compute alone."""
-        return self.seconds - self.stages * self.compute
+        """Seconds communication adds beyond the compute and the fixed overheads."""
+        return self.seconds - self.stages * (self.compute + self.overhead)
 
     def as_dict(self) -> dict:
         return dict(stages=self.stages, compute_seconds_per_stage=self.compute,
                     transfer_seconds_per_stage=self.transfer, lead_seconds=self.lead, tail_seconds=self.tail,
-                    seconds=self.seconds, exposed_seconds=self.exposed, transfer_hidden=self.hidden)
+                    overhead_seconds_per_stage=self.overhead, seconds=self.seconds, exposed_seconds=self.exposed,
+                    transfer_hidden=self.hidden)
 
 
 @dataclass(frozen=True)
@@ -196,25 +213,31 @@ def _split(w: Workload) -> tuple[traffic.Traffic, traffic.Traffic]:
 
 def attention_time(w: Workload, hw: Hardware) -> AttentionTime:
     """Forward and backward pipelines of one layer (see the module docstring)."""
-    fwd_compute = attention_forward_flops(w) / hw.flops
-    bwd_compute = BACKWARD_FLOPS_RATIO * fwd_compute
+    flops = attention_forward_flops(w)
+    fwd_compute = flops / hw.forward_flops
+    bwd_compute = BACKWARD_FLOPS_RATIO * flops / hw.backward_flops
+    lat, overhead = hw.latency, KERNELS_PER_STAGE * hw.launch_overhead + hw.step_overhead
     a2a, rest = _split(w)
     bw = hw.bandwidth(w.tp * w.cp)
     a2a_bw = hw.bandwidth(w.tp * w.ulysses_degree)
     if w.strategy == "allgather":
         n = w.kv_heads_per_gpu  # one KV head gathered per stage
-        gather, reduce = rest.forward / n / bw, (rest.backward - rest.forward) / n / bw
+        gather, reduce = rest.forward / n / bw + lat, (rest.backward - rest.forward) / n / bw + lat
         return AttentionTime(
-            Pipeline(n, fwd_compute / n, gather, lead=gather),
-            Pipeline(n, bwd_compute / n, gather + reduce, lead=gather, tail=reduce), bw)
+            Pipeline(n, fwd_compute / n, gather, lead=gather, overhead=overhead),
+            Pipeline(n, bwd_compute / n, gather + reduce, lead=gather, tail=reduce, overhead=overhead), bw)
     r = w.ring_degree
     if ring_window_per_rank(w) is not None:  # the ring stops once the halo has arrived
         r = 1 + traffic.window_steps(local_len=w.local_len, world=w.cp, window=w.mask.window)
     hops = max(r - 1, 1)
-    kv_hop, dkv_hop = rest.forward / hops / bw, (rest.backward - rest.forward) / hops / bw
+    hop_latency = lat if r > 1 else 0.0  # one message per hop
+    kv_hop = rest.forward / hops / bw + hop_latency
+    dkv_hop = (rest.backward - rest.forward) / hops / bw + hop_latency
+    a2a_latency = A2A_MESSAGES * lat if w.ulysses_degree > 1 else 0.0  # q/k/v there, outputs (or gradients) back
     return AttentionTime(
-        Pipeline(r, fwd_compute / r, kv_hop, lead=a2a.forward / a2a_bw),
-        Pipeline(r, bwd_compute / r, kv_hop + dkv_hop, lead=a2a.backward / a2a_bw, tail=dkv_hop),
+        Pipeline(r, fwd_compute / r, kv_hop, lead=a2a.forward / a2a_bw + a2a_latency, overhead=overhead),
+        Pipeline(r, bwd_compute / r, kv_hop + dkv_hop, lead=a2a.backward / a2a_bw + a2a_latency, tail=dkv_hop,
+                 overhead=overhead),
         bw if r > 1 else a2a_bw)
 
 
@@ -295,9 +318,12 @@ def step_time(w: Workload, hw: Hardware) -> StepTime:
     recompute = w.checkpointing == "full"
     passes = 4 if recompute else 3
     tokens = w.batch * w.local_len
-    matmul = passes * matmul_flops_per_token(w) * tokens / w.tp / hw.flops
+    matmul = passes * matmul_flops_per_token(w) * tokens / w.tp / hw.matmul_flops
     tp, bw = tp_traffic(w), hw.bandwidth(w.tp)
-    return StepTime(matmul, attention_time(w, hw), w.model.layers, recompute, tp.forward / bw, tp.backward / bw)
+    collectives = 0 if w.tp == 1 else TP_COLLECTIVES if w.sequence_parallel else TP_COLLECTIVES // 2
+    lat = collectives * hw.latency
+    return StepTime(matmul, attention_time(w, hw), w.model.layers, recompute, tp.forward / bw + lat,
+                    tp.backward / bw + lat)
 
 
 def efficiency(w: Workload, hw: Hardware) -> float:

@@ -3,13 +3,23 @@
 Figures are per GPU, from the vendors' datasheets (dense tensor-core peak, no sparsity;
 HBM in GB = 1e9 bytes as the datasheets give it; NVLink per direction = half the quoted
 bidirectional total; the inter-node link is one NIC per GPU as in the DGX/HGX reference
-systems). ``efficiency`` is the fraction of peak the planner assumes kernels achieve:
-FlashAttention-2 reports 50-73% of peak forward and up to 63% backward on A100
-(Dao 2023, arXiv:2307.08691), so 0.5 is a deliberately modest default; override it with
-``--efficiency`` or the whole rate with ``--flops``.
+systems).
 
-``local`` has no datasheet: its rate and bandwidth come from ``ctxpar plan --calibrate``
-(``ctxpar.plan.calibrate``), measured here, and its memory is this machine's RAM.
+Kernel rates (achieved FLOP/s), each from a published kernel benchmark (docs/planner.md
+section 6 gives every figure and how the ones not published for a GPU were derived):
+attention forward and backward are FlashAttention-2's (the kernel torch's flash SDPA runs)
+at head dim 128 in bf16, causal where published; matmuls are the Maximum Achievable
+Matmul FLOPS (bf16) of stas00/ml-engineering. ``--flops`` / ``--efficiency`` replace all
+three with one rate, peak x efficiency (``efficiency`` is 0.5 in the presets: the rate
+before separate kernel rates). ``--fp8`` runs matmuls at the fp8 dense peak times the
+matmul efficiency (matmul rate / peak); attention stays in the compute dtype.
+
+Fixed costs: ``latency`` per message, ``launch_overhead`` per kernel call,
+``step_overhead`` per pipeline stage; 0 in the presets unless given, measured for
+``local``.
+
+``local`` has no datasheet: its rates, latency and bandwidth come from ``ctxpar plan
+--calibrate`` (``ctxpar.calibrate``), measured here, and its memory is this machine's RAM.
 """
 
 from __future__ import annotations
@@ -26,7 +36,7 @@ class Hardware:
     Args:
         name: preset name.
         peak_flops: dense peak FLOP/s in the compute dtype (bf16/fp16 tensor cores).
-        efficiency: fraction of ``peak_flops`` that attention and matmuls achieve.
+        efficiency: fraction of ``peak_flops`` every kernel achieves where no kernel rate is given.
         hbm_bytes: device memory, bytes.
         gpus_per_node: GPUs joined by the intra-node link; larger CP groups cross nodes.
         intra_node_bandwidth: bytes/s per GPU per direction inside a node.
@@ -36,8 +46,15 @@ class Hardware:
             KV cache once per token); 0 where unknown.
         latency: seconds every message costs whatever its size (a ring hop, a collective);
             0 where not measured (the presets: docs/planner.md).
-        attention_forward_rate: achieved FLOP/s of the attention forward alone (prefill);
-            None: ``flops``, the forward + backward figure.
+        attention_forward_rate: achieved FLOP/s of the attention forward; None: ``flops``.
+        attention_backward_rate: achieved FLOP/s of the attention backward (FLOPs counted
+            as 2.5x the forward's); None: ``flops``.
+        matmul_rate: achieved FLOP/s of the model's matmuls in the compute dtype; None: ``flops``.
+        fp8_peak_flops: dense fp8 tensor-core peak FLOP/s; 0 where the GPU has none.
+        fp8: matmuls run in fp8, at ``fp8_peak_flops`` x the matmul efficiency.
+        launch_overhead: seconds every kernel call costs whatever its size.
+        step_overhead: seconds every pipeline stage (ring step) costs besides its kernels
+            and messages.
     """
 
     name: str
@@ -51,16 +68,42 @@ class Hardware:
     memory_bandwidth: float = 0.0
     latency: float = 0.0
     attention_forward_rate: float | None = None
+    attention_backward_rate: float | None = None
+    matmul_rate: float | None = None
+    fp8_peak_flops: float = 0.0
+    fp8: bool = False
+    launch_overhead: float = 0.0
+    step_overhead: float = 0.0
 
     @property
     def flops(self) -> float:
-        """Achievable FLOP/s: peak x efficiency."""
+        """Achievable FLOP/s where no kernel rate is given: peak x efficiency."""
         return self.peak_flops * self.efficiency
 
     @property
     def forward_flops(self) -> float:
-        """Achievable FLOP/s of an attention forward (prefill)."""
+        """Achieved FLOP/s of an attention forward."""
         return self.attention_forward_rate or self.flops
+
+    @property
+    def backward_flops(self) -> float:
+        """Achieved FLOP/s of an attention backward."""
+        return self.attention_backward_rate or self.flops
+
+    @property
+    def matmul_flops(self) -> float:
+        """Achieved FLOP/s of the matmuls: in fp8, the fp8 peak x (matmul rate / peak)."""
+        rate = self.matmul_rate or self.flops
+        return rate * self.fp8_peak_flops / self.peak_flops if self.fp8 else rate
+
+    def with_compute_share(self, share: float) -> Hardware:
+        """Every rate times ``share`` (ranks time-sharing cores: each gets ``share`` of one)."""
+        def scaled(rate: float | None) -> float | None:
+            return None if rate is None else rate * share
+        return replace(self, peak_flops=self.peak_flops * share, fp8_peak_flops=self.fp8_peak_flops * share,
+                       attention_forward_rate=scaled(self.attention_forward_rate),
+                       attention_backward_rate=scaled(self.attention_backward_rate),
+                       matmul_rate=scaled(self.matmul_rate))
 
     def bandwidth(self, group_size: int) -> float:
         """Bytes/s per GPU per direction for a collective over ``group_size`` consecutive GPUs.
@@ -74,25 +117,38 @@ class Hardware:
         return span > self.gpus_per_node
 
     def as_dict(self) -> dict:
-        return dict(asdict(self), achievable_flops=self.flops)
+        return dict(asdict(self), achievable_flops=self.flops, attention_forward_flops=self.forward_flops,
+                    attention_backward_flops=self.backward_flops, matmul_flops=self.matmul_flops)
 
 
 _DATASHEETS = "NVIDIA datasheets (dense peak, HBM in GB); NVLink per direction; one NDR/HDR NIC per GPU"
+_KERNELS = "kernel rates: FlashAttention-2 and MAMF benchmarks, docs/planner.md section 6"
 GB = 10**9
+T = 10**12
 MIN_EFFICIENCY = 0.01  # below 1% of peak, kernels are not what the cost model describes
 MAX_GPUS_PER_NODE = 2**16  # a "node" is the domain of the fast link (an NVL72 rack is 72)
+BACKWARD_FLOPS_RATIO = 2.5  # FlashAttention's convention: backward = 2.5 x forward FLOPs
 
 PRESETS: dict[str, Hardware] = {
     h.name.lower(): h
     for h in (
         Hardware("H100-SXM", 989e12, 0.5, 80 * GB, 8, 450e9, 50e9,
-                 _DATASHEETS + " (NVLink 4 900 GB/s, 400 Gb/s, HBM3 3.35 TB/s)", memory_bandwidth=3.35e12),
+                 _DATASHEETS + " (NVLink 4 900 GB/s, 400 Gb/s, HBM3 3.35 TB/s); " + _KERNELS,
+                 memory_bandwidth=3.35e12, attention_forward_rate=335 * T, attention_backward_rate=322 * T,
+                 matmul_rate=794.5 * T, fp8_peak_flops=1979 * T),
         Hardware("H200", 989e12, 0.5, 141 * GB, 8, 450e9, 50e9,
-                 _DATASHEETS + " (NVLink 4 900 GB/s, 400 Gb/s, HBM3e 4.8 TB/s)", memory_bandwidth=4.8e12),
+                 _DATASHEETS + " (NVLink 4 900 GB/s, 400 Gb/s, HBM3e 4.8 TB/s); " + _KERNELS + " (H100's: same die)",
+                 memory_bandwidth=4.8e12, attention_forward_rate=335 * T, attention_backward_rate=322 * T,
+                 matmul_rate=794.5 * T, fp8_peak_flops=1979 * T),
         Hardware("A100-80GB", 312e12, 0.5, 80 * GB, 8, 300e9, 25e9,
-                 _DATASHEETS + " (NVLink 3 600 GB/s, 200 Gb/s, HBM2e 2.0 TB/s)", memory_bandwidth=2.039e12),
+                 _DATASHEETS + " (NVLink 3 600 GB/s, 200 Gb/s, HBM2e 2.0 TB/s); " + _KERNELS,
+                 memory_bandwidth=2.039e12, attention_forward_rate=0.73 * 312 * T,
+                 attention_backward_rate=0.63 * 312 * T, matmul_rate=271.2 * T),
         Hardware("B200", 2250e12, 0.5, 180 * GB, 8, 900e9, 50e9,
-                 _DATASHEETS + " (HGX B200, NVLink 5 1.8 TB/s, 400 Gb/s, HBM3e 8 TB/s)", memory_bandwidth=8e12),
+                 _DATASHEETS + " (HGX B200, NVLink 5 1.8 TB/s, 400 Gb/s, HBM3e 8 TB/s); " + _KERNELS
+                 + " (attention: H100's fractions of peak)",
+                 memory_bandwidth=8e12, attention_forward_rate=335 / 989 * 2250 * T,
+                 attention_backward_rate=322 / 989 * 2250 * T, matmul_rate=1745 * T, fp8_peak_flops=4500 * T),
     )
 }
 LOCAL = "local"
@@ -100,11 +156,13 @@ HARDWARE_NAMES = (*(h.name for h in PRESETS.values()), LOCAL)
 
 
 def local_hardware(calibration: dict) -> Hardware:
-    """This machine from measured figures: ``ctxpar.plan.calibrate.calibrate()``'s result.
+    """This machine from measured figures: ``ctxpar.calibrate.calibrate()``'s result.
 
-    The rate is one CPU rank's (one thread) attention forward + backward FLOP/s, taken as
-    achieved (efficiency 1); each core counts as a "GPU" and the loopback bandwidth joins
-    them all, so intra- and inter-node links are the same measured figure.
+    The peak is one CPU rank's (one thread) attention forward + backward FLOP/s, taken as
+    achieved (efficiency 1); the attention forward and backward rates, the matmul rate and
+    the per-call launch overhead are their own measurements where the calibration has them
+    (older calibrations: the combined rate, no overhead). Each core counts as a "GPU" and
+    the loopback bandwidth joins them all, so intra- and inter-node links are the same.
     """
     for key in ("attention_flops", "bandwidth"):
         if key not in calibration:
@@ -117,12 +175,18 @@ def local_hardware(calibration: dict) -> Hardware:
     ram = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
     bw = calibration["bandwidth"]
     attention = calibration.get("attention", {})
-    forward = attention.get("forward_flops", 0) / attention["forward_seconds"] if attention.get("forward_seconds") \
-        else None
+
+    def rate(flops: float, seconds: float | None) -> float | None:
+        return flops / seconds if seconds else None
+
+    flops = attention.get("forward_flops", 0)
     return Hardware(LOCAL, calibration["attention_flops"], 1.0, ram, _node_size(LOCAL), bw, bw,
                     f"measured on this machine ({calibration.get('machine', 'unknown CPU')}); memory = RAM",
                     memory_bandwidth=calibration.get("memory_bandwidth", 0.0), latency=calibration.get("latency", 0.0),
-                    attention_forward_rate=forward)
+                    attention_forward_rate=rate(flops, attention.get("forward_seconds")),
+                    attention_backward_rate=rate(BACKWARD_FLOPS_RATIO * flops, attention.get("backward_seconds")),
+                    matmul_rate=calibration.get("matmul_flops"),
+                    launch_overhead=calibration.get("launch_overhead", 0.0))
 
 
 def gpus_per_node(name: str) -> int:
@@ -140,12 +204,21 @@ def _node_size(name: str) -> int:
     return PRESETS[key].gpus_per_node
 
 
+def check_fp8(name: str) -> None:
+    """Refuse ``--fp8`` for hardware without fp8 tensor cores (A100, a CPU), naming it."""
+    key = name.lower()
+    if key == LOCAL or not PRESETS[key].fp8_peak_flops:
+        fp8 = ", ".join(h.name for h in PRESETS.values() if h.fp8_peak_flops)
+        raise ValueError(f"--fp8: {name} has no fp8 tensor cores (fp8 matmuls need one of {fp8}); drop --fp8")
+
+
 def check_overrides(
     *, bandwidth: float | None = None, peak_flops: float | None = None, efficiency: float | None = None,
-    latency: float | None = None, gpus_per_node: int | None = None,
+    latency: float | None = None, gpus_per_node: int | None = None, launch_overhead: float | None = None,
+    step_overhead: float | None = None,
 ) -> None:
     """Refuse override figures that are not positive finite numbers (efficiency: in [0.01, 1];
-    latency: finite, >= 0; GPUs per node: an integer >= 1)."""
+    latency and overheads: finite, >= 0; GPUs per node: an integer >= 1)."""
     if gpus_per_node is not None and (isinstance(gpus_per_node, bool) or not isinstance(gpus_per_node, int)
                                       or not 1 <= gpus_per_node <= MAX_GPUS_PER_NODE):
         raise ValueError(f"--gpus-per-node {gpus_per_node} must be an integer between 1 and {MAX_GPUS_PER_NODE}")
@@ -155,8 +228,10 @@ def check_overrides(
     if efficiency is not None and not MIN_EFFICIENCY <= efficiency <= 1:
         raise ValueError(f"--efficiency {efficiency} must be in [{MIN_EFFICIENCY}, 1]: the achieved fraction of "
                          f"peak FLOP/s")
-    if latency is not None and not (math.isfinite(latency) and latency >= 0):
-        raise ValueError(f"--latency {latency} must be a finite number of seconds >= 0")
+    for flag, value in (("--latency", latency), ("--launch-overhead", launch_overhead),
+                        ("--step-overhead", step_overhead)):
+        if value is not None and not (math.isfinite(value) and value >= 0):
+            raise ValueError(f"{flag} {value} must be a finite number of seconds >= 0")
 
 
 def get_hardware(
@@ -168,16 +243,22 @@ def get_hardware(
     efficiency: float | None = None,
     latency: float | None = None,
     gpus_per_node: int | None = None,
+    launch_overhead: float | None = None,
+    step_overhead: float | None = None,
+    fp8: bool = False,
 ) -> Hardware:
     """A preset by name (case-insensitive), with optional overrides.
 
-    ``bandwidth`` replaces both links (intra- and inter-node); ``peak_flops`` the peak;
-    ``efficiency`` the achieved fraction; ``latency`` the seconds per message;
-    ``gpus_per_node`` the GPUs the intra-node link joins. ``local`` needs ``calibration``.
+    ``bandwidth`` replaces both links (intra- and inter-node); ``peak_flops`` the peak and
+    ``efficiency`` the achieved fraction: either one replaces the kernel rates with one rate,
+    peak x efficiency; ``latency`` the seconds per message, ``launch_overhead`` per kernel
+    call, ``step_overhead`` per pipeline stage; ``gpus_per_node`` the GPUs the intra-node
+    link joins; ``fp8`` runs matmuls at the fp8 peak x the matmul efficiency (refused for
+    hardware without fp8). ``local`` needs ``calibration``.
     """
     _node_size(name)  # refuses an unknown name
     check_overrides(bandwidth=bandwidth, peak_flops=peak_flops, efficiency=efficiency, latency=latency,
-                    gpus_per_node=gpus_per_node)
+                    gpus_per_node=gpus_per_node, launch_overhead=launch_overhead, step_overhead=step_overhead)
     key = name.lower()
     if key == LOCAL:
         if calibration is None:
@@ -186,9 +267,17 @@ def get_hardware(
         hw = local_hardware(calibration)
     else:
         hw = PRESETS[key]
+    if fp8:
+        check_fp8(name)
     changes = dict(intra_node_bandwidth=bandwidth, inter_node_bandwidth=bandwidth, peak_flops=peak_flops,
-                   efficiency=efficiency, latency=latency, gpus_per_node=gpus_per_node)
+                   efficiency=efficiency, latency=latency, gpus_per_node=gpus_per_node,
+                   launch_overhead=launch_overhead, step_overhead=step_overhead)
     changes = {k: v for k, v in changes.items() if v is not None}
+    if peak_flops is not None or efficiency is not None:  # one rate for every kernel, as before kernel rates
+        changes.update(attention_forward_rate=None, attention_backward_rate=None, matmul_rate=None)
     if changes:
-        hw = replace(hw, source=hw.source + "; overridden: " + ", ".join(sorted(changes)), **changes)
+        given = sorted(k for k in changes if not k.endswith("_rate"))
+        hw = replace(hw, source=hw.source + "; overridden: " + ", ".join(given), **changes)
+    if fp8:
+        hw = replace(hw, fp8=True, source=hw.source + "; fp8 matmuls")
     return hw

@@ -23,7 +23,7 @@ What ``ctxpar.inference`` does, and what is modelled here for it (P ranks, L lay
 
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass, replace
+from dataclasses import asdict, dataclass
 
 from ctxpar.limits import check_count
 from ctxpar.models.config import ModelConfig
@@ -76,16 +76,18 @@ def partial_prefill_cost(method: str, *, model: ModelConfig, batch: int, cached:
                                    kv_heads=model.kv_heads, head_dim=model.head_dim, world=world, elem=elem, acc=acc)
     flops = 4 * model.head_dim * batch * model.heads * busiest_partial_pairs(cached=cached, new=new, world=world)
     compute = flops / hw.forward_flops
+    overhead = cost.KERNELS_PER_STAGE * hw.launch_overhead + hw.step_overhead
     if world == 1:
-        return PartialPrefillCost(method, 0, cost.Pipeline(1, compute, 0.0))
+        return PartialPrefillCost(method, 0, cost.Pipeline(1, compute, 0.0, overhead=overhead))
     bw, latency = hw.bandwidth(world), hw.latency
     if method == "pass-kv":
         hop = sent / (world - 1)
-        return PartialPrefillCost(method, sent, cost.Pipeline(world, compute / world, hop / bw + latency))
+        return PartialPrefillCost(method, sent, cost.Pipeline(world, compute / world, hop / bw + latency,
+                                                              overhead=overhead))
     queries = (world - 1) * batch * model.heads * _ceil_div(new, world) * model.head_dim * elem
     hop, home = queries / (world - 1), (sent - queries) / (world - 1)  # a step's queries; one partial
     return PartialPrefillCost(method, sent, cost.Pipeline(world, compute / world, (hop + home) / bw + 2 * latency,
-                                                          tail=home / bw + latency))
+                                                          tail=home / bw + latency, overhead=overhead))
 
 
 def pass_q_fraction(model: ModelConfig, elem: int, acc: int = 4) -> float:
@@ -161,11 +163,10 @@ class InferencePoint:
 
 
 def prefill_seconds(w: Workload, hw: Hardware) -> float:
-    """Time to first token: every layer's attention forward pipeline at the forward rate,
-    plus one forward's matmuls on the rank's T/P tokens."""
-    forward_hw = replace(hw, peak_flops=hw.forward_flops, efficiency=1.0)
-    attention = w.model.layers * cost.attention_time(w, forward_hw).forward.seconds
-    matmul = cost.matmul_flops_per_token(w) * w.batch * w.local_len / hw.flops
+    """Time to first token: every layer's attention forward pipeline at the forward rate (its
+    fixed costs included), plus one forward's matmuls on the rank's T/P tokens at the matmul rate."""
+    attention = w.model.layers * cost.attention_time(w, hw).forward.seconds
+    matmul = cost.matmul_flops_per_token(w) * w.batch * w.local_len / hw.matmul_flops
     return attention + matmul
 
 
@@ -181,8 +182,9 @@ def decode_seconds(model: ModelConfig, *, batch: int, positions: int, cp: int, e
         return None
     weights = model.parameters * elem
     kv = kv_cache_bytes(model, batch=batch, positions=positions, cp=cp, elem=elem)
-    flops = 2 * model.parameters * batch + 4 * model.head_dim * batch * model.heads * positions * model.layers / cp
-    local = max((weights + kv) / hw.memory_bandwidth, flops / hw.flops)
+    compute = (2 * model.parameters * batch / hw.matmul_flops
+               + 4 * model.head_dim * batch * model.heads * positions * model.layers / cp / hw.forward_flops)
+    local = max((weights + kv) / hw.memory_bandwidth, compute)
     if cp == 1:
         return local
     partials = (cp - 1) * batch * model.heads * (model.head_dim + 1) * 4

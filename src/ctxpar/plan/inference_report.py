@@ -25,7 +25,8 @@ JSON (bytes exact, times in seconds):
 from __future__ import annotations
 
 from ctxpar.plan.inference import InferencePlan
-from ctxpar.plan.units import format_bandwidth, format_bytes, format_flops, format_seconds, format_tokens
+from ctxpar.plan.report import rates_words
+from ctxpar.plan.units import format_bandwidth, format_bytes, format_seconds, format_tokens
 
 PARTIAL_FORMULAS = {
     "pass-kv": "(P-1)·2·B·H_kv·ceil((Tc+Tn)/P)·D·e",
@@ -103,9 +104,9 @@ def _header(plan: InferencePlan) -> list[str]:
         f"tokens, {w.dtype}, CP={w.cp}; prefill {w.strategy}, {w.layout} layout",
         f"model: layers={m.layers} hidden={m.hidden} heads={m.heads} kv_heads={m.kv_heads} head_dim={m.head_dim} "
         f"ffn={m.ffn} vocab={m.vocab} ({m.parameters:,} parameters)",
-        f"hardware: {hw.name}: {format_flops(hw.peak_flops)} x {hw.efficiency:g} = {format_flops(hw.flops)} "
-        f"(attention forward {format_flops(hw.forward_flops)}); {format_bytes(hw.hbm_bytes)} memory at {memory}; "
-        f"links {links}; latency {latency} [{hw.source}]",
+        f"hardware: {hw.name}: {rates_words(hw)}; {format_bytes(hw.hbm_bytes)} memory at {memory}; "
+        f"links {links}; latency {latency}; launch {format_seconds(hw.launch_overhead)} per kernel, "
+        f"{format_seconds(hw.step_overhead)} per step [{hw.source}]",
         "units: MiB = 2^20 B, GiB = 2^30 B; bandwidth per GPU per direction, GB/s = 1e9 B/s",
     ]
 

@@ -39,6 +39,7 @@ JSON (bytes exact, times in seconds; formulas in docs/planner.md):
 from __future__ import annotations
 
 from ctxpar.plan.cost import overlap_local_len, ring_window_per_rank, traffic_bound
+from ctxpar.plan.hardware import Hardware
 from ctxpar.plan.memory import parameters_per_gpu
 from ctxpar.plan.documents import describe
 from ctxpar.plan.planner import Plan
@@ -177,11 +178,27 @@ def _header(plan: Plan) -> list[str]:
         f"{w.layout} layout, {_mask_words(plan)}, FSDP={w.fsdp}, checkpointing {w.checkpointing}",
         f"model: layers={m.layers} hidden={m.hidden} heads={m.heads} kv_heads={m.kv_heads} head_dim={m.head_dim} "
         f"ffn={m.ffn} vocab={m.vocab} ({m.parameters:,} parameters)",
-        f"hardware: {hw.name}: {format_flops(hw.peak_flops)} x {hw.efficiency:g} = {format_flops(hw.flops)}; "
-        f"{format_bytes(hw.hbm_bytes)} memory; links {links} [{hw.source}]",
+        f"hardware: {hw.name}: {rates_words(hw)}; {format_bytes(hw.hbm_bytes)} memory; links {links}; "
+        f"{fixed_costs_words(hw)} [{hw.source}]",
         _parallel_words(plan),
         "units: MiB = 2^20 B, GiB = 2^30 B; bandwidth per GPU per direction, GB/s = 1e9 B/s",
     ]
+
+
+def rates_words(hw: Hardware) -> str:
+    """'attention forward 335 TFLOP/s, backward 322 TFLOP/s, matmuls 794.5 TFLOP/s (peak 989 TFLOP/s)'."""
+    if hw.attention_forward_rate is None and hw.attention_backward_rate is None and hw.matmul_rate is None \
+            and not hw.fp8:
+        return f"{format_flops(hw.peak_flops)} x {hw.efficiency:g} = {format_flops(hw.flops)} for every kernel"
+    fp8 = " in fp8" if hw.fp8 else ""
+    return (f"attention forward {format_flops(hw.forward_flops)}, backward {format_flops(hw.backward_flops)}, "
+            f"matmuls{fp8} {format_flops(hw.matmul_flops)} (peak {format_flops(hw.peak_flops)})")
+
+
+def fixed_costs_words(hw: Hardware) -> str:
+    """'latency 20 us per message, launch 5 us per kernel, 0 per step'."""
+    return (f"fixed costs: latency {format_seconds(hw.latency)} per message, {format_seconds(hw.launch_overhead)} "
+            f"per kernel launch, {format_seconds(hw.step_overhead)} per step")
 
 
 def _parallel_words(plan: Plan) -> str:
@@ -273,8 +290,10 @@ def _tp_traffic(plan: Plan) -> list[str]:
 
 def _attention(plan: Plan) -> list[str]:
     w, attn = plan.workload, plan.step.attention
-    lines = [f"Attention per layer, busiest rank: 4·B·D·(pairs·heads) FLOPs forward, 2.5x backward, "
-             f"at {format_flops(plan.hardware.flops)}",
+    hw = plan.hardware
+    lines = [f"Attention per layer, busiest rank: 4·B·D·(pairs·heads) FLOPs forward at "
+             f"{format_flops(hw.forward_flops)}, 2.5x backward at {format_flops(hw.backward_flops)}"
+             + (f"; every stage + {format_seconds(attn.forward.overhead)} fixed" if attn.forward.overhead else ""),
              f"  {'':<10}{'stages':>6} {'compute/stage':>14} {'transfer/stage':>15} {'exposed':>10} {'total':>11}"
              f"  transfer hidden"]
     for name, p in (("forward", attn.forward), ("backward", attn.backward)):

@@ -55,15 +55,16 @@ def parse_flops(text: str) -> float:
     return rate
 
 
-def parse_latency(text: str) -> float:
-    """Seconds from ``20us``, ``0.5ms``, ``2e-5`` (no unit: seconds); 0 is allowed (no latency)."""
+def parse_latency(text: str, flag: str = "--latency") -> float:
+    """Seconds from ``20us``, ``0.5ms``, ``2e-5`` (no unit: seconds); 0 is allowed (no fixed cost).
+    ``flag`` names the option in errors (--latency, --launch-overhead, --step-overhead)."""
     m = _LATENCY.match(str(text))
     if not m:
-        raise ValueError(f"--latency {text!r} is not understood; write e.g. 20us, 0.5ms or 0.00002 (seconds)")
+        raise ValueError(f"{flag} {text!r} is not understood; write e.g. 20us, 0.5ms or 0.00002 (seconds)")
     seconds = float(m.group(1)) * _SECONDS[(m.group(2) or "").lower()]
     low, high, written = LATENCY_RANGE
     if not low <= seconds <= high:
-        raise ValueError(f"--latency {text!r} = {seconds:g} s is outside {written} per message; write e.g. 20us")
+        raise ValueError(f"{flag} {text!r} = {seconds:g} s is outside {written}; write e.g. 20us")
     return seconds
 
 
