@@ -25,7 +25,6 @@ import math
 import os
 import statistics
 import time
-from dataclasses import replace
 
 import torch
 import torch.distributed as dist
@@ -146,7 +145,7 @@ def main() -> None:
     measured = measured_crossover(chunks, [r["ratio"] for r in rows])
     share = min(1.0, (os.cpu_count() or 1) / world)
     hw = local_hardware(calibration)
-    hw = replace(hw, peak_flops=hw.peak_flops * share, attention_forward_rate=hw.forward_flops * share)
+    hw = hw.with_compute_share(share)
     predicted = partial_prefill_crossover(model=MODEL, batch=1, cached=args.cached, world=world, elem=4, hw=hw)
     error = predicted / measured - 1 if predicted and measured else None
     print(f"\npartial prefill on {args.cached} cached tokens, P={world}: median of {args.repeat}, slowest rank")

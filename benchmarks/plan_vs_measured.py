@@ -26,7 +26,6 @@ from __future__ import annotations
 
 import argparse
 import os
-from dataclasses import replace
 
 import torch
 
@@ -51,7 +50,7 @@ def predict(cfg: DemoConfig, calibration: dict) -> dict:
     hw = local_hardware(calibration)
     passes = 1 + cost.BACKWARD_FLOPS_RATIO
     share = min(1.0, (os.cpu_count() or 1) / cfg.nproc)  # of a core, per rank
-    shared = replace(hw, peak_flops=hw.peak_flops * share)
+    shared = hw.with_compute_share(share)
     return dict(bytes_sent=cost.layer_traffic(w).total,
                 attn_seconds=[passes * f / hw.flops for f in cost.attention_forward_flops_per_rank(w)],
                 wall_seconds=cost.attention_time(w, shared).seconds)
@@ -114,7 +113,7 @@ def auto_verdicts(rows: list[dict], calibration: dict) -> list[dict]:
         d = DemoConfig(nproc=nproc, seq=seq)
         hw = local_hardware(calibration)
         share = min(1.0, (os.cpu_count() or 1) / nproc)
-        hw = replace(hw, peak_flops=hw.peak_flops * share)
+        hw = hw.with_compute_share(share)
         choice, why = auto.choose_for_shapes(d.batch, d.heads, d.kv_heads, d.head_dim, seq, nproc, d.dtype,
                                              d.layout, Mask(causal=d.causal), True, hw)
         fastest = min(measured, key=measured.get)
