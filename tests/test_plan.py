@@ -872,5 +872,25 @@ def test_calibration_gives_three_rates_and_the_launch_overhead(monkeypatch) -> N
     assert hw.matmul_flops == c["matmul_flops"] == 2 * 1024**3 / c["matmul"]["seconds"]
     assert 0 < hw.launch_overhead == c["launch_overhead"] < 1e-2
     assert "launch overhead" in calibrate.format_calibration(c)
+    assert hw.attention_size_curve == ((256, 1.0, 1.0),) and hw.attention_size_scale(64) == (1.0, 1.0)
     old = {k: v for k, v in c.items() if k not in ("matmul_flops", "launch_overhead")}  # an older calibration
     assert (local_hardware(old).matmul_flops, local_hardware(old).launch_overhead) == (c["attention_flops"], 0.0)
+
+
+def test_small_kernels_run_at_the_size_curve_rate() -> None:
+    curve = ((512, 0.5, 0.25), (4096, 1.0, 1.0))
+    hw = replace(get_hardware("H100-SXM"), attention_size_curve=curve)
+    assert hw.attention_size_scale(256) == (0.5, 0.25) and hw.attention_size_scale(8192) == (1.0, 1.0)
+    mid = hw.attention_size_scale(512 * 2 ** 1.5)  # halfway in log tokens
+    assert mid == (pytest.approx(0.75), pytest.approx(0.625))
+    m = resolve_model("llama-3-8b")
+    w = Workload(m, batch=1, seq=1024, dtype="bfloat16", cp=2)  # 512 tokens per rank: half / quarter rate
+    flat, curved = cost.attention_time(w, get_hardware("H100-SXM")), cost.attention_time(w, hw)
+    assert curved.forward.compute == pytest.approx(2 * flat.forward.compute)
+    assert curved.backward.compute == pytest.approx(4 * flat.backward.compute)
+    a2a = w.with_(strategy="alltoall")  # one kernel over all T = 1024 tokens
+    scale = hw.attention_size_scale(1024)[0]
+    assert cost.attention_time(a2a, hw).forward.compute == pytest.approx(
+        cost.attention_time(a2a, get_hardware("H100-SXM")).forward.compute / scale)
+    with pytest.raises(ValueError, match="not ascending"):
+        local_hardware(dict(attention_flops=1e11, bandwidth=1e9, attention_size_curve=[[512, 1, 1], [256, 1, 1]]))

@@ -49,9 +49,11 @@ def _cpu_seconds(fn) -> float:
     return time.process_time() - start
 
 
-def measure_attention(repeats: int = 3, threads: int = 1) -> dict:
-    """Forward and backward CPU seconds of causal attention; FLOP/s in the planner's convention."""
+def measure_attention(repeats: int = 3, threads: int = 1, tokens: int | None = None) -> dict:
+    """Forward and backward CPU seconds of causal attention over ``tokens`` (default the
+    block's 4096); FLOP/s in the planner's convention."""
     b, h, h_kv, d, s = (BLOCK[k] for k in ("batch", "heads", "kv_heads", "head_dim", "tokens"))
+    s = tokens or s
     gen = torch.Generator().manual_seed(0)
     q, dout = (torch.randn(b, h, s, d, generator=gen) for _ in range(2))
     k, v = (torch.randn(b, h_kv, s, d, generator=gen) for _ in range(2))
@@ -76,6 +78,22 @@ def measure_attention(repeats: int = 3, threads: int = 1) -> dict:
     return dict(block=dict(BLOCK), threads=threads, forward_seconds=fwd, backward_seconds=bwd,
                 forward_flops=flops, backward_to_forward_seconds=bwd / fwd,
                 attention_flops=3.5 * flops / (fwd + bwd))
+
+
+CURVE_TOKENS = (256, 512, 1024, 2048)  # kernel sizes below the block's, where small tiles lose efficiency
+
+
+def measure_size_curve(reference: dict, repeats: int = 3) -> list[list[float]]:
+    """[tokens, forward, backward] rates of causal attention over ``tokens`` as fractions of
+    ``reference``'s (the block's), for each of CURVE_TOKENS below the block's size and the
+    block's itself (1, 1)."""
+    curve = []
+    for tokens in (t for t in CURVE_TOKENS if t < reference["block"]["tokens"]):
+        m = measure_attention(repeats=repeats, tokens=tokens)
+        curve.append([tokens, reference["forward_seconds"] / reference["forward_flops"] * m["forward_flops"]
+                      / m["forward_seconds"], reference["backward_seconds"] / reference["forward_flops"]
+                      * m["forward_flops"] / m["backward_seconds"]])
+    return curve + [[reference["block"]["tokens"], 1.0, 1.0]]
 
 
 def measure_matmul(n: int = 1024, repeats: int = 3, threads: int = 1) -> dict:
@@ -178,11 +196,13 @@ def machine() -> str:
 def calibrate() -> dict:
     """Every measurement (a few seconds); the dict ``hardware.local_hardware`` reads."""
     attention = measure_attention()
+    curve = measure_size_curve(attention)
     matmul = measure_matmul()
     link = measure_link()
     return dict(machine=machine(), attention_flops=attention["attention_flops"], bandwidth=link["bandwidth"],
                 latency=link["latency"], memory_bandwidth=measure_memory_bandwidth(),
                 matmul_flops=matmul["matmul_flops"], launch_overhead=measure_launch_overhead(),
+                attention_size_curve=curve,
                 attention=attention, matmul=matmul, link=link)
 
 
@@ -232,6 +252,9 @@ def format_calibration(c: dict) -> str:
         f"  -> {c['attention_flops'] / 1e9:.1f} GFLOP/s = 3.5 x {a['forward_flops']:,} FLOPs / (forward + backward); "
         f"forward {a['forward_flops'] / a['forward_seconds'] / 1e9:.1f}, backward "
         f"{2.5 * a['forward_flops'] / a['backward_seconds'] / 1e9:.1f} GFLOP/s",
+        *(["  attention rate by kernel size (fraction of T=4096's, forward / backward): " + ", ".join(
+            f"T={int(t)} {f:.2f}/{b:.2f}" for t, f, b in c["attention_size_curve"])]
+          if "attention_size_curve" in c else []),
         *([f"  matmul, 1 thread, {c['matmul']['n']}^3 float32: {c['matmul_flops'] / 1e9:.1f} GFLOP/s"]
           if "matmul" in c else []),
         *([f"  one tiny attention kernel call: {c['launch_overhead'] * 1e6:.1f} us (launch overhead)"]

@@ -211,11 +211,19 @@ def _split(w: Workload) -> tuple[traffic.Traffic, traffic.Traffic]:
     return a2a, traffic.Traffic(total.forward - a2a.forward, total.backward - a2a.backward)
 
 
+def kernel_tokens(w: Workload) -> int:
+    """The queries one kernel call takes, for the hardware's size curve: the rank's shard for
+    the ring and all-gather, the whole sequence for all-to-all (H/P heads of all T), the U
+    shards of its group for the hybrid."""
+    return w.local_len * w.ulysses_degree
+
+
 def attention_time(w: Workload, hw: Hardware) -> AttentionTime:
     """Forward and backward pipelines of one layer (see the module docstring)."""
     flops = attention_forward_flops(w)
-    fwd_compute = flops / hw.forward_flops
-    bwd_compute = BACKWARD_FLOPS_RATIO * flops / hw.backward_flops
+    fwd_scale, bwd_scale = hw.attention_size_scale(kernel_tokens(w))
+    fwd_compute = flops / (hw.forward_flops * fwd_scale)
+    bwd_compute = BACKWARD_FLOPS_RATIO * flops / (hw.backward_flops * bwd_scale)
     lat, overhead = hw.latency, KERNELS_PER_STAGE * hw.launch_overhead + hw.step_overhead
     a2a, rest = _split(w)
     bw = hw.bandwidth(w.tp * w.cp)

@@ -55,6 +55,10 @@ class Hardware:
         launch_overhead: seconds every kernel call costs whatever its size.
         step_overhead: seconds every pipeline stage (ring step) costs besides its kernels
             and messages.
+        attention_size_curve: ((tokens, forward, backward), ...) ascending: the attention
+            rates of a kernel over ``tokens`` queries and keys as fractions of the rates
+            above (measured for ``local``: small tiles run below the large-tile rate);
+            None: every size at the full rate.
     """
 
     name: str
@@ -74,6 +78,7 @@ class Hardware:
     fp8: bool = False
     launch_overhead: float = 0.0
     step_overhead: float = 0.0
+    attention_size_curve: tuple[tuple[int, float, float], ...] | None = None
 
     @property
     def flops(self) -> float:
@@ -95,6 +100,20 @@ class Hardware:
         """Achieved FLOP/s of the matmuls: in fp8, the fp8 peak x (matmul rate / peak)."""
         rate = self.matmul_rate or self.flops
         return rate * self.fp8_peak_flops / self.peak_flops if self.fp8 else rate
+
+    def attention_size_scale(self, tokens: float) -> tuple[float, float]:
+        """(forward, backward) rate fractions for a kernel over ``tokens``: the size curve
+        interpolated in log tokens, its end values beyond its ends; (1, 1) without one."""
+        curve = self.attention_size_curve
+        if not curve:
+            return 1.0, 1.0
+        if tokens <= curve[0][0]:
+            return curve[0][1], curve[0][2]
+        for (t0, f0, b0), (t1, f1, b1) in zip(curve, curve[1:]):
+            if tokens <= t1:
+                x = math.log(tokens / t0) / math.log(t1 / t0)
+                return f0 + x * (f1 - f0), b0 + x * (b1 - b0)
+        return curve[-1][1], curve[-1][2]
 
     def with_compute_share(self, share: float) -> Hardware:
         """Every rate times ``share`` (ranks time-sharing cores: each gets ``share`` of one)."""
@@ -186,7 +205,23 @@ def local_hardware(calibration: dict) -> Hardware:
                     attention_forward_rate=rate(flops, attention.get("forward_seconds")),
                     attention_backward_rate=rate(BACKWARD_FLOPS_RATIO * flops, attention.get("backward_seconds")),
                     matmul_rate=calibration.get("matmul_flops"),
-                    launch_overhead=calibration.get("launch_overhead", 0.0))
+                    launch_overhead=calibration.get("launch_overhead", 0.0),
+                    attention_size_curve=_size_curve(calibration.get("attention_size_curve")))
+
+
+def _size_curve(rows) -> tuple[tuple[int, float, float], ...] | None:
+    """A calibration's [[tokens, forward, backward], ...], checked: ascending sizes, positive fractions."""
+    if rows is None:
+        return None
+    try:
+        curve = tuple((int(t), float(f), float(b)) for t, f, b in rows)
+    except (TypeError, ValueError):
+        curve = ()
+    if not curve or any(t < 1 or not (f > 0 and b > 0) for t, f, b in curve) or \
+            any(a[0] >= b[0] for a, b in zip(curve, curve[1:])):
+        raise ValueError(f"calibration 'attention_size_curve' is {str(rows)[:80]}, not ascending [tokens, forward, "
+                         f"backward] rows; measure again with `ctxpar plan --hardware local --calibrate --json PATH`")
+    return curve
 
 
 def gpus_per_node(name: str) -> int:

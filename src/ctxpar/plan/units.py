@@ -45,27 +45,27 @@ def parse_bandwidth(text: str) -> float:
 
 def parse_flops(text: str) -> float:
     """FLOP/s from ``989T``, ``989TFLOPS``, ``2.25P``, ``9.89e14``."""
-    m = _FLOPS.match(str(text))
-    if not m:
-        raise ValueError(f"--flops {text!r} is not understood; write e.g. 989T, 989TFLOPS or 9.89e14")
-    rate = float(m.group(1)) * _DECIMAL[(m.group(2) or "").lower()]
-    low, high, written = FLOPS_RANGE
-    if not low <= rate <= high:
-        raise ValueError(f"--flops {text!r} = {rate:g} FLOP/s is outside {written}; write e.g. 989T")
-    return rate
+    return _scaled(text, _FLOPS, _DECIMAL, FLOPS_RANGE, "--flops", "FLOP/s", "989T, 989TFLOPS or 9.89e14")
 
 
 def parse_latency(text: str, flag: str = "--latency") -> float:
     """Seconds from ``20us``, ``0.5ms``, ``2e-5`` (no unit: seconds); 0 is allowed (no fixed cost).
     ``flag`` names the option in errors (--latency, --launch-overhead, --step-overhead)."""
-    m = _LATENCY.match(str(text))
+    return _scaled(text, _LATENCY, _SECONDS, LATENCY_RANGE, flag, "s", "20us, 0.5ms or 0.00002 (seconds)")
+
+
+def _scaled(text: str, pattern: re.Pattern, scales: dict[str, float], bounds: tuple[float, float, str], flag: str,
+            unit: str, examples: str) -> float:
+    """A number times the scale of its (case-insensitive) unit prefix, within ``bounds``."""
+    m = pattern.match(str(text))
     if not m:
-        raise ValueError(f"{flag} {text!r} is not understood; write e.g. 20us, 0.5ms or 0.00002 (seconds)")
-    seconds = float(m.group(1)) * _SECONDS[(m.group(2) or "").lower()]
-    low, high, written = LATENCY_RANGE
-    if not low <= seconds <= high:
-        raise ValueError(f"{flag} {text!r} = {seconds:g} s is outside {written}; write e.g. 20us")
-    return seconds
+        raise ValueError(f"{flag} {text!r} is not understood; write e.g. {examples}")
+    value = float(m.group(1)) * scales[(m.group(2) or "").lower()]
+    low, high, written = bounds
+    if not low <= value <= high:
+        first = examples.split(",")[0]
+        raise ValueError(f"{flag} {text!r} = {value:g} {unit} is outside {written}; write e.g. {first}")
+    return value
 
 
 def format_bytes(n: float) -> str:
