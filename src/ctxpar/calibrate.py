@@ -49,9 +49,9 @@ def _cpu_seconds(fn) -> float:
     return time.process_time() - start
 
 
-def measure_attention(repeats: int = 3, threads: int = 1, tokens: int | None = None) -> dict:
-    """Forward and backward CPU seconds of causal attention over ``tokens`` (default the
-    block's 4096); FLOP/s in the planner's convention."""
+def measure_attention(repeats: int = 3, threads: int = 1, tokens: int | None = None, causal: bool = True) -> dict:
+    """Forward and backward CPU seconds of attention over ``tokens`` (default the block's
+    4096), causal unless told; FLOP/s in the planner's convention (visible pairs)."""
     b, h, h_kv, d, s = (BLOCK[k] for k in ("batch", "heads", "kv_heads", "head_dim", "tokens"))
     s = tokens or s
     gen = torch.Generator().manual_seed(0)
@@ -61,20 +61,20 @@ def measure_attention(repeats: int = 3, threads: int = 1, tokens: int | None = N
     previous = torch.get_num_threads()
     torch.set_num_threads(threads)
     try:
-        out, lse = kernels.attention_forward(q, k, v, causal=True, scale=scale)  # warm-up
+        out, lse = kernels.attention_forward(q, k, v, causal=causal, scale=scale)  # warm-up
 
         def forward() -> None:
-            kernels.attention_forward(q, k, v, causal=True, scale=scale)
+            kernels.attention_forward(q, k, v, causal=causal, scale=scale)
 
         def backward() -> None:
-            kernels.attention_backward(dout, q, k, v, out, lse, causal=True, scale=scale)
+            kernels.attention_backward(dout, q, k, v, out, lse, causal=causal, scale=scale)
 
         backward()
         fwd = min(_cpu_seconds(forward) for _ in range(repeats))
         bwd = min(_cpu_seconds(backward) for _ in range(repeats))
     finally:
         torch.set_num_threads(previous)
-    flops = 4 * b * h * d * s * (s + 1) // 2  # visible (query, key) pairs of a causal mask
+    flops = 4 * b * h * d * (s * (s + 1) // 2 if causal else s * s)  # visible (query, key) pairs
     return dict(block=dict(BLOCK), threads=threads, forward_seconds=fwd, backward_seconds=bwd,
                 forward_flops=flops, backward_to_forward_seconds=bwd / fwd,
                 attention_flops=3.5 * flops / (fwd + bwd))
@@ -83,13 +83,15 @@ def measure_attention(repeats: int = 3, threads: int = 1, tokens: int | None = N
 CURVE_TOKENS = (256, 512, 1024, 2048)  # kernel sizes below the block's, where small tiles lose efficiency
 
 
-def measure_size_curve(reference: dict, repeats: int = 3) -> list[list[float]]:
-    """[tokens, forward, backward] rates of causal attention over ``tokens`` as fractions of
-    ``reference``'s (the block's), for each of CURVE_TOKENS below the block's size and the
-    block's itself (1, 1)."""
+def measure_size_curve(repeats: int = 3) -> list[list[float]]:
+    """[tokens, forward, backward]: the rates of a full (unmasked) kernel of ``tokens`` queries
+    and keys as fractions of one of the block's size, for each of CURVE_TOKENS below it, and
+    the block's (1, 1). Full tiles, because they are most of every stage's work (a causal
+    curve would charge every tile the diagonal's waste, which the causal rate carries)."""
+    reference = measure_attention(repeats=repeats, causal=False)
     curve = []
     for tokens in (t for t in CURVE_TOKENS if t < reference["block"]["tokens"]):
-        m = measure_attention(repeats=repeats, tokens=tokens)
+        m = measure_attention(repeats=repeats, tokens=tokens, causal=False)
         curve.append([tokens, reference["forward_seconds"] / reference["forward_flops"] * m["forward_flops"]
                       / m["forward_seconds"], reference["backward_seconds"] / reference["forward_flops"]
                       * m["forward_flops"] / m["backward_seconds"]])
@@ -196,7 +198,7 @@ def machine() -> str:
 def calibrate() -> dict:
     """Every measurement (a few seconds); the dict ``hardware.local_hardware`` reads."""
     attention = measure_attention()
-    curve = measure_size_curve(attention)
+    curve = measure_size_curve()
     matmul = measure_matmul()
     link = measure_link()
     return dict(machine=machine(), attention_flops=attention["attention_flops"], bandwidth=link["bandwidth"],
@@ -252,7 +254,7 @@ def format_calibration(c: dict) -> str:
         f"  -> {c['attention_flops'] / 1e9:.1f} GFLOP/s = 3.5 x {a['forward_flops']:,} FLOPs / (forward + backward); "
         f"forward {a['forward_flops'] / a['forward_seconds'] / 1e9:.1f}, backward "
         f"{2.5 * a['forward_flops'] / a['backward_seconds'] / 1e9:.1f} GFLOP/s",
-        *(["  attention rate by kernel size (fraction of T=4096's, forward / backward): " + ", ".join(
+        *(["  full attention kernels by size (rate as a fraction of T=4096's, forward / backward): " + ", ".join(
             f"T={int(t)} {f:.2f}/{b:.2f}" for t, f, b in c["attention_size_curve"])]
           if "attention_size_curve" in c else []),
         *([f"  matmul, 1 thread, {c['matmul']['n']}^3 float32: {c['matmul_flops'] / 1e9:.1f} GFLOP/s"]
