@@ -542,6 +542,11 @@ def test_cli_json_carries_exact_bytes_and_seconds_and_plots(tmp_path) -> None:
     assert traffic["forward_transfer_seconds"] == 100663296 / 1e11
     assert report["memory_per_gpu"]["total_bytes"] > report["memory_per_gpu"]["hbm_bytes"]
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    thresholds = {(t["strategy"], t["cp"]): t for t in report["overlap_thresholds"]}
+    assert {s for s, _ in thresholds} == {p["strategy"] for p in report["sweep"] if p["cp"] > 1}
+    ring4 = thresholds[("ring", 4)]  # the worked example: the table's "from N tokens/GPU"
+    assert ring4["tokens_per_gpu"] == 8192 and f"(from {round(ring4['forward'])} tokens/GPU; now 8192)" in proc.stdout
+    assert all(t["forward"] is None for (s, _), t in thresholds.items() if s == "alltoall")  # nothing overlaps
 
 
 def test_cli_plans_windows_and_document_distributions(tmp_path, capsys) -> None:

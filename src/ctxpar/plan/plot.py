@@ -1,10 +1,12 @@
-"""``--plot PATH``: a PNG with efficiency against sequence length, and memory per GPU by category.
+"""``--plot PATH``: a PNG of the sweep against sequence length, and memory per GPU by category.
 
-Left: parallel efficiency (CP-1 step time / (P x CP-P step time)) over the sweep, one
+Top left: parallel efficiency (CP-1 step time / (P x CP-P step time)) over the sweep, one
 colour per CP degree, one line style per strategy; a cross where a degree stops fitting
 in HBM, a dot where CP-P starts beating CP-1 (when that is inside the sweep), and a
-vertical line at the longest sequence CP-1 holds. Right: the memory per GPU of the plan's
-strategy at its sequence length, stacked by category, for every degree, against HBM.
+vertical line at the longest sequence CP-1 holds. Top right: the memory per GPU of the
+plan's strategy at its sequence length, stacked by category, for every degree, against
+HBM. Bottom: step time and memory per GPU against sequence length for every
+configuration (strategy x CP degree) of the sweep, lengths that do not fit in HBM dotted.
 
 Needs matplotlib (``pip install 'ctxpar[plot]'``).
 """
@@ -38,9 +40,13 @@ def write_plot(plan: Plan, path: str) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, (left, right) = plt.subplots(1, 2, figsize=(15, 6), gridspec_kw=dict(width_ratios=[3, 2]))
+    fig, ((left, right), (times, memory)) = plt.subplots(2, 2, figsize=(15, 11), gridspec_kw=dict(width_ratios=[3, 2]))
     _efficiency_panel(plan, left)
     _memory_panel(plan, right)
+    _sweep_panel(plan, times, "step_seconds", 1.0, "seconds per step", "Step time against sequence length")
+    _sweep_panel(plan, memory, "memory_bytes", GIB, "GiB per GPU", "Memory per GPU against sequence length")
+    memory.axhline(plan.hardware.hbm_bytes / GIB, color="red", linewidth=1.5, label=f"{plan.hardware.name} memory")
+    memory.legend(fontsize=7, ncol=2, loc="upper left")
     w, m, hw = plan.workload, plan.workload.model, plan.hardware
     fig.suptitle(f"ctxpar plan: L={m.layers} d={m.hidden} H={m.heads} H_kv={m.kv_heads} D={m.head_dim}, "
                  f"B={w.batch} {w.dtype}, {w.layout}, TP={w.tp}, FSDP={w.fsdp}, checkpointing {w.checkpointing}, "
@@ -77,6 +83,31 @@ def _efficiency_panel(plan: Plan, ax) -> None:
     ax.set_title("Efficiency against sequence length")
     ax.grid(True, which="both", alpha=0.3)
     ax.legend(fontsize=7, ncol=2, loc="lower right")
+
+
+def _sweep_panel(plan: Plan, ax, field: str, unit: float, ylabel: str, title: str) -> None:
+    """``field`` of every sweep point / ``unit`` against T, a line per (strategy, CP degree),
+    solid where it fits in HBM and dotted where it does not."""
+    import matplotlib.pyplot as plt
+
+    degrees = sorted({p.cp for p in plan.sweep})
+    colours = dict(zip(degrees, plt.get_cmap("viridis")([i / max(len(degrees) - 1, 1) for i in range(len(degrees))])))
+    for strategy, cp in dict.fromkeys((p.strategy, p.cp) for p in plan.sweep):
+        points = sorted((p for p in plan.sweep if (p.strategy, p.cp) == (strategy, cp)), key=lambda p: p.seq)
+        xs, ys = [p.seq for p in points], [getattr(p, field) / unit for p in points]
+        label = "CP-1" if cp == 1 else f"CP-{cp} {strategy}"
+        ax.plot(xs, ys, STYLES[strategy] if cp > 1 else "-", color=colours[cp], linewidth=2 if cp == 1 else 1,
+                label=label)
+        unfit = [(x, y) for p, x, y in zip(points, xs, ys) if not p.fits]
+        if unfit:
+            ax.plot(*zip(*unfit), ".", color=colours[cp], markersize=4)
+    ax.set_xscale("log", base=2)
+    ax.set_yscale("log")
+    ax.set_xlabel("sequence length T (dots: does not fit in HBM)")
+    ax.set_ylabel(ylabel)
+    ax.set_title(title)
+    ax.grid(True, which="both", alpha=0.3)
+    ax.legend(fontsize=7, ncol=2, loc="upper left")
 
 
 def _interpolate(xs: list[int], ys: list[float], x: int) -> float:

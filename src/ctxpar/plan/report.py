@@ -38,7 +38,8 @@ JSON (bytes exact, times in seconds; formulas in docs/planner.md):
 
 from __future__ import annotations
 
-from ctxpar.plan.cost import overlap_local_len, ring_window_per_rank, traffic_bound
+from ctxpar.plan.cost import attention_time, overlap_local_len, ring_window_per_rank, traffic_bound
+from ctxpar.plan.recommend import variant
 from ctxpar.plan.hardware import Hardware
 from ctxpar.plan.memory import parameters_per_gpu
 from ctxpar.plan.documents import describe
@@ -142,6 +143,7 @@ def to_json(plan: Plan) -> dict:
         "efficiency": plan.efficiency,
         "cp1_fits_up_to": plan.cp1_fits_up_to,
         "sweep": [vars(p) for p in plan.sweep],
+        "overlap_thresholds": _overlap_thresholds(plan),
         "crossovers": [vars(c) for c in plan.crossovers],
         "baseline": plan.baseline.as_dict(),
         "recommendation": {
@@ -157,6 +159,22 @@ def to_json(plan: Plan) -> dict:
         },
         "calibration": plan.calibration,
     }
+
+
+def _overlap_thresholds(plan: Plan) -> list[dict]:
+    """Per strategy and CP degree of the sweep: the tokens per GPU from which each pass's
+    transfers hide behind its compute (``cost.overlap_local_len``; None where nothing
+    overlaps or the threshold is not a length), and the tokens per GPU at the plan's T."""
+    w, hw = plan.workload, plan.hardware
+    out = []
+    for strategy, cp in dict.fromkeys((p.strategy, p.cp) for p in plan.sweep if p.cp > 1):
+        v = variant(w, hw, strategy=strategy, cp=cp)
+        if v is None:
+            continue
+        t = attention_time(v, hw)
+        out.append(dict(strategy=strategy, cp=cp, tokens_per_gpu=v.local_len,
+                        forward=overlap_local_len(v, t.forward), backward=overlap_local_len(v, t.backward)))
+    return out
 
 
 def format_plan(plan: Plan) -> str:
