@@ -884,7 +884,7 @@ def test_calibration_gives_three_rates_and_the_launch_overhead(monkeypatch) -> N
 
 def test_small_kernels_run_at_the_size_curve_rate() -> None:
     curve = ((512, 0.5, 0.25), (4096, 1.0, 1.0))
-    hw = replace(get_hardware("H100-SXM"), attention_size_curve=curve)
+    hw = replace(get_hardware("H100-SXM"), attention_size_curve=curve, attention_causal_size_curve=curve)
     assert hw.attention_size_scale(256) == (0.5, 0.25) and hw.attention_size_scale(8192) == (1.0, 1.0)
     mid = hw.attention_size_scale(512 * 2 ** 1.5)  # halfway in log tokens
     assert mid == (pytest.approx(0.75), pytest.approx(0.625))
@@ -899,3 +899,17 @@ def test_small_kernels_run_at_the_size_curve_rate() -> None:
         cost.attention_time(a2a, get_hardware("H100-SXM")).forward.compute / scale)
     with pytest.raises(ValueError, match="not ascending"):
         local_hardware(dict(attention_flops=1e11, bandwidth=1e9, attention_size_curve=[[512, 1, 1], [256, 1, 1]]))
+
+
+def test_the_diagonal_tile_runs_at_the_causal_size_rate() -> None:
+    m = resolve_model("llama-3-8b")
+    w = Workload(m, batch=1, seq=4096, dtype="bfloat16", cp=4)  # zigzag, S = 1024
+    s = 1024
+    assert cost.diagonal_share(w) == pytest.approx(s * (s + 1) / 2 * m.heads / max(cost.head_pairs(w)))
+    assert cost.diagonal_share(w.with_(layout="striped")) == cost.diagonal_share(w.with_(strategy="alltoall")) == 1
+    assert cost.diagonal_share(w.with_(window=512)) == 0
+    flat = get_hardware("H100-SXM")
+    slow_diagonal = replace(flat, attention_causal_size_curve=((1024, 0.5, 0.5), (4096, 1.0, 1.0)))
+    share = cost.diagonal_share(w)
+    want = cost.attention_time(w, flat).forward.compute * (1 + share)  # the diagonal's share at half the rate
+    assert cost.attention_time(w, slow_diagonal).forward.compute == pytest.approx(want)

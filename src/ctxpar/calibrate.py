@@ -83,15 +83,15 @@ def measure_attention(repeats: int = 3, threads: int = 1, tokens: int | None = N
 CURVE_TOKENS = (256, 512, 1024, 2048)  # kernel sizes below the block's, where small tiles lose efficiency
 
 
-def measure_size_curve(repeats: int = 3) -> list[list[float]]:
-    """[tokens, forward, backward]: the rates of a full (unmasked) kernel of ``tokens`` queries
-    and keys as fractions of one of the block's size, for each of CURVE_TOKENS below it, and
-    the block's (1, 1). Full tiles, because they are most of every stage's work (a causal
-    curve would charge every tile the diagonal's waste, which the causal rate carries)."""
-    reference = measure_attention(repeats=repeats, causal=False)
+def measure_size_curve(repeats: int = 3, causal: bool = False) -> list[list[float]]:
+    """[tokens, forward, backward]: the rates of a kernel of ``tokens`` queries and keys,
+    full (unmasked) or causal, as fractions of one of the block's size, for each of
+    CURVE_TOKENS below it, and the block's (1, 1). A causal kernel computes the tiles
+    straddling its diagonal whole, so its rate falls faster as it shrinks."""
+    reference = measure_attention(repeats=repeats, causal=causal)
     curve = []
     for tokens in (t for t in CURVE_TOKENS if t < reference["block"]["tokens"]):
-        m = measure_attention(repeats=repeats, tokens=tokens, causal=False)
+        m = measure_attention(repeats=repeats, tokens=tokens, causal=causal)
         curve.append([tokens, reference["forward_seconds"] / reference["forward_flops"] * m["forward_flops"]
                       / m["forward_seconds"], reference["backward_seconds"] / reference["forward_flops"]
                       * m["forward_flops"] / m["backward_seconds"]])
@@ -198,13 +198,13 @@ def machine() -> str:
 def calibrate() -> dict:
     """Every measurement (a few seconds); the dict ``hardware.local_hardware`` reads."""
     attention = measure_attention()
-    curve = measure_size_curve()
+    curve, causal_curve = measure_size_curve(), measure_size_curve(causal=True)
     matmul = measure_matmul()
     link = measure_link()
     return dict(machine=machine(), attention_flops=attention["attention_flops"], bandwidth=link["bandwidth"],
                 latency=link["latency"], memory_bandwidth=measure_memory_bandwidth(),
                 matmul_flops=matmul["matmul_flops"], launch_overhead=measure_launch_overhead(),
-                attention_size_curve=curve,
+                attention_size_curve=curve, attention_causal_size_curve=causal_curve,
                 attention=attention, matmul=matmul, link=link)
 
 
@@ -257,6 +257,9 @@ def format_calibration(c: dict) -> str:
         *(["  full attention kernels by size (rate as a fraction of T=4096's, forward / backward): " + ", ".join(
             f"T={int(t)} {f:.2f}/{b:.2f}" for t, f, b in c["attention_size_curve"])]
           if "attention_size_curve" in c else []),
+        *(["  causal attention kernels by size (likewise): " + ", ".join(
+            f"T={int(t)} {f:.2f}/{b:.2f}" for t, f, b in c["attention_causal_size_curve"])]
+          if "attention_causal_size_curve" in c else []),
         *([f"  matmul, 1 thread, {c['matmul']['n']}^3 float32: {c['matmul_flops'] / 1e9:.1f} GFLOP/s"]
           if "matmul" in c else []),
         *([f"  one tiny attention kernel call: {c['launch_overhead'] * 1e6:.1f} us (launch overhead)"]

@@ -218,12 +218,28 @@ def kernel_tokens(w: Workload) -> int:
     return w.local_len * w.ulysses_degree
 
 
+def diagonal_share(w: Workload) -> float:
+    """The share of the busiest rank's pairs in causal (diagonal) kernels, which run at the
+    causal size curve's rate: under a plain causal mask the rank's own S x S tile for the
+    ring and all-gather on contiguous and zigzag layouts, every tile on striped (each is a
+    shifted diagonal) and all of all-to-all's one kernel; 0 for the hybrid and under
+    documents or windows (their edges are cut into full and partial tiles)."""
+    m = w.mask
+    if not (m.causal and m.is_plain) or w.strategy == "hybrid":
+        return 0.0
+    if w.strategy == "alltoall" or w.layout == "striped":
+        return 1.0
+    s = w.local_len
+    return min(1.0, s * (s + 1) / 2 * w.heads_per_gpu / max(head_pairs(w)))
+
+
 def attention_time(w: Workload, hw: Hardware) -> AttentionTime:
     """Forward and backward pipelines of one layer (see the module docstring)."""
     flops = attention_forward_flops(w)
-    fwd_scale, bwd_scale = hw.attention_size_scale(kernel_tokens(w))
-    fwd_compute = flops / (hw.forward_flops * fwd_scale)
-    bwd_compute = BACKWARD_FLOPS_RATIO * flops / (hw.backward_flops * bwd_scale)
+    tokens, diagonal = kernel_tokens(w), diagonal_share(w)
+    (full_f, full_b), (causal_f, causal_b) = (hw.attention_size_scale(tokens, causal) for causal in (False, True))
+    fwd_compute = flops * ((1 - diagonal) / full_f + diagonal / causal_f) / hw.forward_flops
+    bwd_compute = BACKWARD_FLOPS_RATIO * flops * ((1 - diagonal) / full_b + diagonal / causal_b) / hw.backward_flops
     lat, overhead = hw.latency, KERNELS_PER_STAGE * hw.launch_overhead + hw.step_overhead
     a2a, rest = _split(w)
     bw = hw.bandwidth(w.tp * w.cp)

@@ -58,7 +58,9 @@ class Hardware:
         attention_size_curve: ((tokens, forward, backward), ...) ascending: the attention
             rates of a kernel over ``tokens`` queries and keys as fractions of the rates
             above (measured for ``local``: small tiles run below the large-tile rate);
-            None: every size at the full rate.
+            None: every size at the full rate. These are full (unmasked) kernels'.
+        attention_causal_size_curve: the same for causal kernels, whose tiles on the
+            diagonal are computed whole: what a stage's diagonal tile runs at.
     """
 
     name: str
@@ -79,6 +81,7 @@ class Hardware:
     launch_overhead: float = 0.0
     step_overhead: float = 0.0
     attention_size_curve: tuple[tuple[int, float, float], ...] | None = None
+    attention_causal_size_curve: tuple[tuple[int, float, float], ...] | None = None
 
     @property
     def flops(self) -> float:
@@ -101,10 +104,11 @@ class Hardware:
         rate = self.matmul_rate or self.flops
         return rate * self.fp8_peak_flops / self.peak_flops if self.fp8 else rate
 
-    def attention_size_scale(self, tokens: float) -> tuple[float, float]:
-        """(forward, backward) rate fractions for a kernel over ``tokens``: the size curve
-        interpolated in log tokens, its end values beyond its ends; (1, 1) without one."""
-        curve = self.attention_size_curve
+    def attention_size_scale(self, tokens: float, causal: bool = False) -> tuple[float, float]:
+        """(forward, backward) rate fractions for a full (or ``causal``) kernel over ``tokens``:
+        the size curve interpolated in log tokens, its end values beyond its ends; (1, 1)
+        without one."""
+        curve = self.attention_causal_size_curve if causal else self.attention_size_curve
         if not curve:
             return 1.0, 1.0
         if tokens <= curve[0][0]:
@@ -206,10 +210,12 @@ def local_hardware(calibration: dict) -> Hardware:
                     attention_backward_rate=rate(BACKWARD_FLOPS_RATIO * flops, attention.get("backward_seconds")),
                     matmul_rate=calibration.get("matmul_flops"),
                     launch_overhead=calibration.get("launch_overhead", 0.0),
-                    attention_size_curve=_size_curve(calibration.get("attention_size_curve")))
+                    attention_size_curve=_size_curve(calibration.get("attention_size_curve")),
+                    attention_causal_size_curve=_size_curve(calibration.get("attention_causal_size_curve"),
+                                                            "attention_causal_size_curve"))
 
 
-def _size_curve(rows) -> tuple[tuple[int, float, float], ...] | None:
+def _size_curve(rows, name: str = "attention_size_curve") -> tuple[tuple[int, float, float], ...] | None:
     """A calibration's [[tokens, forward, backward], ...], checked: ascending sizes, positive fractions."""
     if rows is None:
         return None
@@ -219,7 +225,7 @@ def _size_curve(rows) -> tuple[tuple[int, float, float], ...] | None:
         curve = ()
     if not curve or any(t < 1 or not (f > 0 and b > 0) for t, f, b in curve) or \
             any(a[0] >= b[0] for a, b in zip(curve, curve[1:])):
-        raise ValueError(f"calibration 'attention_size_curve' is {str(rows)[:80]}, not ascending [tokens, forward, "
+        raise ValueError(f"calibration {name!r} is {str(rows)[:80]}, not ascending [tokens, forward, "
                          f"backward] rows; measure again with `ctxpar plan --hardware local --calibrate --json PATH`")
     return curve
 
