@@ -10,9 +10,10 @@ ranks, one thread each; H=8, H_kv=2, D=64, float32, causal, zigzag) and compares
 - bytes sent: ``ctxpar.plan.cost.layer_traffic`` (one layer), which must equal the
   counted bytes exactly;
 - attention CPU seconds (the demo's ``attn_seconds``: process CPU time in kernels and
-  merges, forward + backward): predicted as (1 + 2.5) x 4·B·D·(pairs·heads of the rank) /
-  calibrated FLOP/s. CPU time does not grow when ranks time-share cores, so no
-  oversubscription term;
+  merges, forward + backward): 4·B·D·(pairs·heads of the rank) FLOPs forward and 2.5x
+  backward at the calibrated forward and backward rates, by kernel size and with the
+  diagonal tile at the causal rate (``cost.compute_seconds``). CPU time does not grow
+  when ranks time-share cores, so no oversubscription term;
 - wall seconds of the forward + backward: the planner's pipeline
   (``cost.attention_time``) with each rank's FLOP/s scaled by cores / P when P ranks
   share fewer cores (time-sharing), at the calibrated bandwidth.
@@ -48,11 +49,10 @@ def predict(cfg: DemoConfig, calibration: dict) -> dict:
     w = Workload(model, batch=cfg.batch, seq=cfg.seq, dtype=cfg.dtype, cp=cfg.nproc, strategy=cfg.strategy,
                  layout=cfg.layout, causal=cfg.causal)
     hw = local_hardware(calibration)
-    passes = 1 + cost.BACKWARD_FLOPS_RATIO
     share = min(1.0, (os.cpu_count() or 1) / cfg.nproc)  # of a core, per rank
     shared = hw.with_compute_share(share)
     return dict(bytes_sent=cost.layer_traffic(w).total,
-                attn_seconds=[passes * f / hw.flops for f in cost.attention_forward_flops_per_rank(w)],
+                attn_seconds=[sum(cost.compute_seconds(w, hw, f)) for f in cost.attention_forward_flops_per_rank(w)],
                 wall_seconds=cost.attention_time(w, shared).seconds)
 
 

@@ -233,13 +233,20 @@ def diagonal_share(w: Workload) -> float:
     return min(1.0, s * (s + 1) / 2 * w.heads_per_gpu / max(head_pairs(w)))
 
 
-def attention_time(w: Workload, hw: Hardware) -> AttentionTime:
-    """Forward and backward pipelines of one layer (see the module docstring)."""
-    flops = attention_forward_flops(w)
+def compute_seconds(w: Workload, hw: Hardware, flops: float) -> tuple[float, float]:
+    """(forward, backward) kernel seconds of ``flops`` forward attention FLOPs of ``w`` (the
+    backward's 2.5x), at the forward and backward rates, full tiles at the full size
+    curve's fraction and the diagonal's share at the causal one's."""
     tokens, diagonal = kernel_tokens(w), diagonal_share(w)
     (full_f, full_b), (causal_f, causal_b) = (hw.attention_size_scale(tokens, causal) for causal in (False, True))
-    fwd_compute = flops * ((1 - diagonal) / full_f + diagonal / causal_f) / hw.forward_flops
-    bwd_compute = BACKWARD_FLOPS_RATIO * flops * ((1 - diagonal) / full_b + diagonal / causal_b) / hw.backward_flops
+    forward = flops * ((1 - diagonal) / full_f + diagonal / causal_f) / hw.forward_flops
+    backward = BACKWARD_FLOPS_RATIO * flops * ((1 - diagonal) / full_b + diagonal / causal_b) / hw.backward_flops
+    return forward, backward
+
+
+def attention_time(w: Workload, hw: Hardware) -> AttentionTime:
+    """Forward and backward pipelines of one layer (see the module docstring)."""
+    fwd_compute, bwd_compute = compute_seconds(w, hw, attention_forward_flops(w))
     lat, overhead = hw.latency, KERNELS_PER_STAGE * hw.launch_overhead + hw.step_overhead
     a2a, rest = _split(w)
     bw = hw.bandwidth(w.tp * w.cp)
