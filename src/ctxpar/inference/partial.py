@@ -120,25 +120,35 @@ def partial_prefill(model: nn.Module, cache: KVCache, chunk: torch.Tensor, *, me
     return logits
 
 
-def _pass_kv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, tiles: list[tuple[Tile, ...]],
-             counts: list[tuple[int, int]], cache: KVCache, scale: float) -> torch.Tensor:
-    """This rank's queries (B, H, m, D) against every rank's keys, the K/V travelling the ring."""
+def _around_the_ring(first: torch.Tensor, cache: KVCache, compute) -> None:
+    """Pass this rank's buffer ``first`` around the ring: at step i, ``compute(i, s, buffer)``
+    with rank s = r - i's buffer, while the next hop is in flight."""
     world, rank = cache.world_size, cache.rank
-    acc_out, acc_lse = output_accumulators(q)
-    width = max(n for n, _ in counts)  # every rank's buffer has room for the largest shard
-    current = k.new_zeros((2, *k.shape[:2], width, k.shape[3]))
-    current[0, :, :, : k.shape[2]], current[1, :, :, : k.shape[2]] = k, v
-    arriving = torch.empty_like(current) if world > 1 else None
+    current = first
+    arriving = torch.empty_like(first) if world > 1 else None
     ring = RingComm(cache.group) if world > 1 else None
     for step in range(world):
-        source = (rank - step) % world
         if step < world - 1:
             ring.start(send=current, recv=arriving)
-        n = counts[source][0]
-        forward_tiles(q, current[0, :, :, :n], current[1, :, :, :n], tiles[source], acc_out, acc_lse, scale)
+        compute(step, (rank - step) % world, current)
         if step < world - 1:
             ring.wait()
             current, arriving = arriving, current
+
+
+def _pass_kv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, tiles: list[tuple[Tile, ...]],
+             counts: list[tuple[int, int]], cache: KVCache, scale: float) -> torch.Tensor:
+    """This rank's queries (B, H, m, D) against every rank's keys, the K/V travelling the ring."""
+    acc_out, acc_lse = output_accumulators(q)
+    width = max(n for n, _ in counts)  # every rank's buffer has room for the largest shard
+    kv = k.new_zeros((2, *k.shape[:2], width, k.shape[3]))
+    kv[0, :, :, : k.shape[2]], kv[1, :, :, : k.shape[2]] = k, v
+
+    def attend(step: int, source: int, shard: torch.Tensor) -> None:
+        n = counts[source][0]
+        forward_tiles(q, shard[0, :, :, :n], shard[1, :, :, :n], tiles[source], acc_out, acc_lse, scale)
+
+    _around_the_ring(kv, cache, attend)
     return acc_out.to(q.dtype)
 
 
@@ -154,30 +164,24 @@ def _pass_q(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, tiles: list[tuple
     """
     world, rank = cache.world_size, cache.rank
     b, h, m, d = q.shape
-    width = max(n for _, n in counts)
-    current = q.new_zeros((b, h, width, d))
-    current[:, :, :m] = q
-    arriving = torch.empty_like(current) if world > 1 else None
-    ring = RingComm(cache.group) if world > 1 else None
+    queries = q.new_zeros((b, h, max(n for _, n in counts), d))
+    queries[:, :, :m] = q
     acc = kernels.accumulation_dtype(q.dtype)
-    partials = torch.zeros((world, b, h, width, d + 1), dtype=acc, device=q.device)  # [s]: computed for rank s
+    partials = torch.zeros((world, *queries.shape[:3], d + 1), dtype=acc, device=q.device)  # [s]: for rank s
     partials[..., d] = float("-inf")
     mine = torch.empty_like(partials)  # [s]: rank s's partial of this rank's queries
     returns = []
-    for step in range(world):
-        source = (rank - step) % world
-        if step < world - 1:
-            ring.start(send=current, recv=arriving)
+
+    def attend(step: int, source: int, visiting: torch.Tensor) -> None:
         n = counts[source][1]
         out, lse = partials[source, :, :, :n, :d], partials[source, :, :, :n, d]
-        forward_tiles(current[:, :, :n], k, v, tiles[source], out, lse, scale)
-        if step < world - 1:
-            ring.wait()
-            current, arriving = arriving, current
+        forward_tiles(visiting[:, :, :n], k, v, tiles[source], out, lse, scale)
         if step:  # home: to rank r - step; this rank's own partial comes from rank r + step
             back = RingComm(cache.group, tag=1, shift=-step)
             back.start(send=partials[source], recv=mine[(rank + step) % world])
             returns.append(back)
+
+    _around_the_ring(queries, cache, attend)
     for back in returns:
         back.wait()
     mine[rank] = partials[rank]
