@@ -18,7 +18,7 @@ from ctxpar.plan import cost, get_hardware, make_plan, parse_bandwidth, parse_fl
 from ctxpar.cli import main
 from ctxpar import calibrate
 from ctxpar.calibrate import measure_link, measure_memory_bandwidth
-from ctxpar.plan import inference, inference_report, planner, traffic
+from ctxpar.plan import inference, inference_report, memory, planner, traffic
 from ctxpar.plan.baseline import VERDICTS, baseline
 from ctxpar.plan.cost import Pipeline
 from ctxpar.plan.documents import pack, parse_doc_dist, parse_lengths, sample_lengths
@@ -473,8 +473,8 @@ def test_cli_parallel_flags_and_json_keys(tmp_path, capsys, monkeypatch) -> None
     assert report["inputs"]["tp"] == 2 and report["inputs"]["dp"] == 2 and report["inputs"]["sequence_parallel"]
     assert main(["plan", "--tp", "3"]) == 2
     assert "--tp 3 does not divide the 32 query heads" in capsys.readouterr().err
-    assert main(["plan", "--inference", "--tp", "2"]) == 2
-    assert "--tp: --inference does not model tensor or data parallelism" in capsys.readouterr().err
+    assert main(["plan", "--inference", "--dp", "2"]) == 2
+    assert "--dp: --inference plans one serving replica" in capsys.readouterr().err
 
 
 # -- hardware and calibration -------------------------------------------------------------------
@@ -674,6 +674,56 @@ def test_prefill_is_the_forward_of_a_training_step() -> None:
     assert [p.cp for p in plan.points] == [1, 2, 4, 8, 16]
     assert plan.speedup(8) == pytest.approx(8, rel=1e-3)  # zigzag balanced, K/V hops hidden on NVLink
     assert (plan.partial.cached, plan.partial.new) == (131072 + 256, 131072 // 16)
+
+
+def test_inference_under_tensor_parallelism_splits_heads_weights_and_adds_its_collectives() -> None:
+    hw, free = get_hardware("H100-SXM"), get_hardware("H100-SXM", bandwidth=1e30)
+    m, kw = resolve_model("llama-3-70b"), dict(batch=1, positions=131328, elem=2)
+    assert inference.kv_cache_bytes(m, cp=4, tp=8, **kw) * 8 == inference.kv_cache_bytes(m, cp=4, **kw)
+    # prefill on t GPUs per CP rank: 1/t of every FLOP, so with free links exactly 1/t of the time
+    w = Workload(m, batch=1, seq=131072, dtype="bfloat16", cp=4)
+    assert inference.prefill_seconds(w.with_(tp=8), free) == pytest.approx(inference.prefill_seconds(w, free) / 8,
+                                                                           rel=1e-12)
+    step = cost.step_time(w.with_(tp=8), hw)
+    assert step.tp_forward > 0 and inference.prefill_seconds(w.with_(tp=8), hw) == pytest.approx(
+        80 * (step.attention.forward.seconds + step.tp_forward)
+        + cost.matmul_flops_per_token(w) * 131072 / 4 / 8 / hw.matmul_flops, rel=1e-12)
+    # decode: 1/t of the weights and KV read, plus two all-reduces of the token's activation per layer
+    slow = replace(hw, latency=1e-5)
+    weights = memory.parameters_per_tp_rank(m, 8)
+    assert weights == parameters_per_gpu(Workload(m, batch=1, seq=4096, dtype="bfloat16", cp=1, tp=8))
+    kv = inference.kv_cache_bytes(m, cp=4, tp=8, **kw)
+    reduce = 2 * (2 * 7 * 8192 * 2 // 8)  # two all-reduces of B·d·e, each 2(t-1)/t of it
+    partials = 3 * 8 * 129 * 4  # (P-1)·B·(H/t)·(D+1)·4
+    assert inference.decode_seconds(m, cp=4, tp=8, hw=slow, **kw) == pytest.approx(
+        (weights * 2 + kv) / hw.memory_bandwidth + 80 * (reduce / 450e9 + 2e-5) + 81 * 1e-5 + 80 * partials / 50e9,
+        rel=1e-12)  # the CP group of 4 x 8 GPUs spans 4 nodes: the partials cross them
+    # partial prefill: each GPU's H/t and H_kv/t heads, as a model with that many heads
+    per_gpu = m.with_(heads=8, kv_heads=1)
+    chunk = dict(batch=1, cached=131328, new=4096, world=4, elem=2)
+    for method in ("pass-kv", "pass-q"):
+        split = inference.partial_prefill_cost(method, model=m, tp=8, hw=hw, **chunk)
+        alone = inference.partial_prefill_cost(method, model=per_gpu, hw=replace(hw, gpus_per_node=1), **chunk)
+        assert (split.bytes_sent, split.seconds) == (alone.bytes_sent, pytest.approx(alone.seconds, rel=1e-12))
+    plan = inference.make_inference_plan(w.with_(tp=8), hw, new_tokens=256)
+    assert plan.point(4).weight_bytes == weights * 2 and plan.point(4).kv_cache_bytes == kv
+    assert plan.partial.crossover == inference.partial_prefill_crossover(model=m, batch=1, cached=131328, world=4,
+                                                                         elem=2, hw=hw, tp=8)
+
+
+def test_cli_inference_with_tp(tmp_path, capsys) -> None:
+    out = tmp_path / "tp.json"
+    assert main(["plan", "--inference", "--model", "llama-3-405b", "--seq", "131072", "--tp", "8", "--cp", "16",
+                 "--hardware", "H100-SXM", "--fp8", "--json", str(out)]) == 0
+    text = capsys.readouterr().out
+    assert "CP=16 x TP=8 (128 GPUs per replica; the prefill's TP with sequence parallelism)" in text
+    assert "N_t: one TP rank's parameters" in text
+    report = json.loads(out.read_text())
+    assert (report["inputs"]["tp"], report["inputs"]["sequence_parallel"]) == (8, True)
+    m = resolve_model("llama-3-405b")
+    assert {d["cp"]: d["weight_bytes"] for d in report["degrees"]}[16] == memory.parameters_per_tp_rank(m, 8) * 2
+    assert main(["plan", "--inference", "--tp", "3"]) == 2
+    assert "--tp 3 does not divide the 32 query heads" in capsys.readouterr().err
 
 
 def test_latency_units() -> None:

@@ -254,10 +254,9 @@ def _inference_flags(args: argparse.Namespace) -> tuple[int, int | None]:
             if flag[2:].replace("-", "_") in given:
                 raise ValueError(f"{flag} is an input of the inference plan; add --inference or drop {flag}")
         return DEFAULT_NEW_TOKENS, None
-    if args.tp != 1 or args.dp is not None or not args.sequence_parallel:
-        flag = "--tp" if args.tp != 1 else "--dp" if args.dp is not None else "--no-sequence-parallel"
-        raise ValueError(f"{flag}: --inference does not model tensor or data parallelism yet (every rank holds the "
-                         f"whole model); drop {flag}")
+    if args.dp is not None:
+        raise ValueError("--dp: --inference plans one serving replica (data-parallel replicas serve other prompts and "
+                         "change nothing per GPU); drop --dp")
     training = (("--checkpointing", args.checkpointing, "none"), ("--fsdp", args.fsdp, 1), ("--plot", args.plot, None),
                 ("--window", args.window, None), ("--documents", args.documents, None),
                 ("--doc-dist", args.doc_dist, None), ("--doc-seed", args.doc_seed, None))

@@ -5,17 +5,23 @@ What ``ctxpar.inference`` does, and what is modelled here for it (P ranks, L lay
 
 - **Prefill** of a T-token prompt is a training forward without its backward: each
   layer's attention is the strategy's forward pipeline (``cost.attention_time``) at the
-  attention forward rate, plus the matmuls of the rank's T/P tokens.
-- **Decode**: every rank runs the whole model on the new token (replicated), so it reads
-  every weight once per token; attention reads the rank's shard of the KV cache
-  (ceil(S/P) positions) and all-gathers one (B, H, 1, D+1) float32 partial per layer.
-  Memory-bound: bytes read / memory bandwidth, plus one latency per layer and one per
-  step (the step check), plus the partials' bytes.
+  attention forward rate, plus the matmuls of the rank's T/P tokens, plus, with tensor
+  parallelism (t GPUs per CP rank, Megatron's split), the forward's TP collectives.
+- **Decode**: every CP rank runs the whole model (its 1/t of it under TP) on the new
+  token, so it reads its weights once per token; attention reads the rank's shard of the
+  KV cache (ceil(S/P) positions, H_kv/t heads) and all-gathers one (B, H/t, 1, D+1)
+  float32 partial per layer. Memory-bound: bytes read / memory bandwidth, plus one latency
+  per layer and one per step (the step check), plus the partials' bytes; under TP, two
+  all-reduces of a (B, d) activation per layer (after the attention output and the MLP
+  projections; a single token has no sequence to split, so no sequence parallelism).
 - **Partial prefill** (T_new tokens on top of T_cached): pass-KV is a P-stage pipeline
   whose stages move a rank's K/V (cached + new); pass-Q a P-stage pipeline whose stages
   move the new queries and send the previous stage's partial output home, the last
   partial's return exposed. Compute is the same in both: the busiest rank's new queries
-  against every earlier key.
+  against every earlier key. Under TP each GPU does this for its H/t and H_kv/t heads.
+
+The CP group's GPUs are t apart (TP innermost, as Megatron orders ranks), so the CP link
+is the one a group of t·P GPUs spans (``Hardware.bandwidth(t·P)``).
 
 ``make_inference_plan`` gathers these against CP degree for ``ctxpar plan --inference``
 (printed and written as JSON by ``plan.inference_report``).
@@ -29,6 +35,7 @@ from ctxpar.limits import check_count
 from ctxpar.models.config import ModelConfig
 from ctxpar.plan import cost, traffic
 from ctxpar.plan.hardware import Hardware
+from ctxpar.plan.memory import parameters_per_tp_rank
 from ctxpar.plan.planner import check_plan_size, sweep_degrees
 from ctxpar.plan.workload import Workload, default_ulysses
 
@@ -70,21 +77,22 @@ class PartialPrefillCost:
 
 
 def partial_prefill_cost(method: str, *, model: ModelConfig, batch: int, cached: int, new: int, world: int,
-                         elem: int, hw: Hardware, acc: int = 4) -> PartialPrefillCost:
-    """Bytes and the pipeline of one layer (``module docstring``)."""
-    sent = traffic.partial_prefill(method, batch=batch, cached=cached, new=new, heads=model.heads,
-                                   kv_heads=model.kv_heads, head_dim=model.head_dim, world=world, elem=elem, acc=acc)
-    flops = 4 * model.head_dim * batch * model.heads * busiest_partial_pairs(cached=cached, new=new, world=world)
+                         elem: int, hw: Hardware, acc: int = 4, tp: int = 1) -> PartialPrefillCost:
+    """Bytes and the pipeline of one layer on one GPU, which holds H/t and H_kv/t heads (``module docstring``)."""
+    heads, kv_heads = model.heads // tp, model.kv_heads // tp
+    sent = traffic.partial_prefill(method, batch=batch, cached=cached, new=new, heads=heads, kv_heads=kv_heads,
+                                   head_dim=model.head_dim, world=world, elem=elem, acc=acc)
+    flops = 4 * model.head_dim * batch * heads * busiest_partial_pairs(cached=cached, new=new, world=world)
     compute = flops / hw.forward_flops
     overhead = cost.KERNELS_PER_STAGE * hw.launch_overhead + hw.step_overhead
     if world == 1:
         return PartialPrefillCost(method, 0, cost.Pipeline(1, compute, 0.0, overhead=overhead))
-    bw, latency = hw.bandwidth(world), hw.latency
+    bw, latency = hw.bandwidth(tp * world), hw.latency
     if method == "pass-kv":
         hop = sent / (world - 1)
         return PartialPrefillCost(method, sent, cost.Pipeline(world, compute / world, hop / bw + latency,
                                                               overhead=overhead))
-    queries = (world - 1) * batch * model.heads * _ceil_div(new, world) * model.head_dim * elem
+    queries = (world - 1) * batch * heads * _ceil_div(new, world) * model.head_dim * elem
     hop, home = queries / (world - 1), (sent - queries) / (world - 1)  # a step's queries; one partial
     return PartialPrefillCost(method, sent, cost.Pipeline(world, compute / world, (hop + home) / bw + 2 * latency,
                                                           tail=home / bw + latency, overhead=overhead))
@@ -104,16 +112,16 @@ def pass_q_fraction(model: ModelConfig, elem: int, acc: int = 4) -> float:
 
 
 def choose_partial_prefill(*, model: ModelConfig, batch: int, cached: int, new: int, world: int, elem: int,
-                           hw: Hardware | None = None, acc: int = 4) -> tuple[str, str]:
+                           hw: Hardware | None = None, acc: int = 4, tp: int = 1) -> tuple[str, str]:
     """(method, why): the lower predicted time on ``hw``, or without hardware the fewer bytes
     (ties: pass-KV, whose compute needs no all-to-all after it)."""
     if world == 1:
         return "pass-kv", "one rank: nothing moves"
-    kw = dict(model=model, batch=batch, cached=cached, new=new, world=world, elem=elem, acc=acc)
+    kw = dict(model=model, batch=batch, cached=cached, new=new, world=world, elem=elem, acc=acc, tp=tp)
     if hw is None:
-        kv, q = (traffic.partial_prefill(m, batch=batch, cached=cached, new=new, heads=model.heads,
-                                         kv_heads=model.kv_heads, head_dim=model.head_dim, world=world, elem=elem,
-                                         acc=acc) for m in PARTIAL_PREFILL_METHODS)
+        kv, q = (traffic.partial_prefill(m, batch=batch, cached=cached, new=new, heads=model.heads // tp,
+                                         kv_heads=model.kv_heads // tp, head_dim=model.head_dim, world=world,
+                                         elem=elem, acc=acc) for m in PARTIAL_PREFILL_METHODS)
         method = "pass-q" if q < kv else "pass-kv"
         return method, (f"fewer bytes: pass-KV {kv:,} B vs pass-Q {q:,} B per rank per layer "
                         f"(T_new/(T_cached+T_new) = {new / (cached + new):.3f}, pass-Q below "
@@ -125,7 +133,7 @@ def choose_partial_prefill(*, model: ModelConfig, batch: int, cached: int, new: 
 
 
 def partial_prefill_crossover(*, model: ModelConfig, batch: int, cached: int, world: int, elem: int, hw: Hardware,
-                              acc: int = 4, max_new: int = 2**24) -> int | None:
+                              acc: int = 4, tp: int = 1, max_new: int = 2**24) -> int | None:
     """The smallest T_new from which pass-KV is predicted no slower than pass-Q on top of
     T_cached tokens (bisection: pass-Q's advantage shrinks as the chunk grows); None if
     pass-Q stays faster up to ``max_new``, or with one rank."""
@@ -133,7 +141,7 @@ def partial_prefill_crossover(*, model: ModelConfig, batch: int, cached: int, wo
         return None
 
     def kv_wins(new: int) -> bool:
-        kw = dict(model=model, batch=batch, cached=cached, new=new, world=world, elem=elem, acc=acc, hw=hw)
+        kw = dict(model=model, batch=batch, cached=cached, new=new, world=world, elem=elem, acc=acc, hw=hw, tp=tp)
         return partial_prefill_cost("pass-kv", **kw).seconds <= partial_prefill_cost("pass-q", **kw).seconds
 
     if not kv_wins(max_new):
@@ -154,8 +162,8 @@ class InferencePoint:
     cp: int
     prefill_seconds: float
     decode_seconds_per_token: float | None  # None: the hardware's memory bandwidth is unknown
-    kv_cache_bytes: int  # ceil((T + n) / P) positions, every layer
-    weight_bytes: int  # every rank holds the whole model
+    kv_cache_bytes: int  # ceil((T + n) / P) positions, every layer, H_kv/t heads
+    weight_bytes: int  # every CP rank holds the whole model (its 1/t under TP)
     fits: bool
 
     def as_dict(self) -> dict:
@@ -164,31 +172,37 @@ class InferencePoint:
 
 def prefill_seconds(w: Workload, hw: Hardware) -> float:
     """Time to first token: every layer's attention forward pipeline at the forward rate (its
-    fixed costs included), plus one forward's matmuls on the rank's T/P tokens at the matmul rate."""
-    attention = w.model.layers * cost.attention_time(w, hw).forward.seconds
-    matmul = cost.matmul_flops_per_token(w) * w.batch * w.local_len / hw.matmul_flops
-    return attention + matmul
+    fixed costs included) and its forward TP collectives, plus one forward's matmuls on the
+    rank's T/P tokens at the matmul rate (1/t of them per GPU)."""
+    step = cost.step_time(w, hw)
+    matmul = cost.matmul_flops_per_token(w) * w.batch * w.local_len / w.tp / hw.matmul_flops
+    return w.model.layers * (step.attention.forward.seconds + step.tp_forward) + matmul
 
 
-def kv_cache_bytes(model: ModelConfig, *, batch: int, positions: int, cp: int, elem: int) -> int:
-    """K and V of ceil(positions / P) positions, every layer (``KVCache.nbytes``)."""
-    return 2 * model.layers * batch * model.kv_heads * model.head_dim * _ceil_div(positions, cp) * elem
+def kv_cache_bytes(model: ModelConfig, *, batch: int, positions: int, cp: int, elem: int, tp: int = 1) -> int:
+    """K and V of ceil(positions / P) positions and H_kv/t heads, every layer (``KVCache.nbytes``)."""
+    return 2 * model.layers * batch * (model.kv_heads // tp) * model.head_dim * _ceil_div(positions, cp) * elem
 
 
-def decode_seconds(model: ModelConfig, *, batch: int, positions: int, cp: int, elem: int, hw: Hardware
-                   ) -> float | None:
-    """Time per output token at ``positions`` held over P ranks (module docstring)."""
+def decode_seconds(model: ModelConfig, *, batch: int, positions: int, cp: int, elem: int, hw: Hardware,
+                   tp: int = 1) -> float | None:
+    """Time per output token at ``positions`` held over P ranks of t GPUs each (module docstring)."""
     if not hw.memory_bandwidth:
         return None
-    weights = model.parameters * elem
-    kv = kv_cache_bytes(model, batch=batch, positions=positions, cp=cp, elem=elem)
-    compute = (2 * model.parameters * batch / hw.matmul_flops
-               + 4 * model.head_dim * batch * model.heads * positions * model.layers / cp / hw.forward_flops)
-    local = max((weights + kv) / hw.memory_bandwidth, compute)
+    parameters = parameters_per_tp_rank(model, tp)
+    kv = kv_cache_bytes(model, batch=batch, positions=positions, cp=cp, elem=elem, tp=tp)
+    heads = model.heads // tp
+    compute = (2 * parameters * batch / hw.matmul_flops
+               + 4 * model.head_dim * batch * heads * positions * model.layers / cp / hw.forward_flops)
+    seconds = max((parameters * elem + kv) / hw.memory_bandwidth, compute)
+    if tp > 1:  # two all-reduces of the token's (B, d) activation per layer
+        reduce = traffic.tensor_parallel(batch=batch, local_len=1, hidden=model.hidden, tp=tp, elem=elem,
+                                         sequence_parallel=False).forward
+        seconds += model.layers * (reduce / hw.bandwidth(tp) + 2 * hw.latency)
     if cp == 1:
-        return local
-    partials = (cp - 1) * batch * model.heads * (model.head_dim + 1) * 4
-    return local + (model.layers + 1) * hw.latency + model.layers * partials / hw.bandwidth(cp)
+        return seconds
+    partials = (cp - 1) * batch * heads * (model.head_dim + 1) * 4
+    return seconds + (model.layers + 1) * hw.latency + model.layers * partials / hw.bandwidth(tp * cp)
 
 
 def _at_degree(w: Workload, cp: int, hw: Hardware) -> Workload:
@@ -200,7 +214,7 @@ def _at_degree(w: Workload, cp: int, hw: Hardware) -> Workload:
     if w.strategy != "hybrid":
         return w.with_(cp=cp, ulysses=None)
     u = w.ulysses if w.ulysses and cp % w.ulysses == 0 and w.ulysses < cp else \
-        default_ulysses(w.model.heads, cp, hw.gpus_per_node)
+        default_ulysses(w.model.heads, cp, hw.gpus_per_node, w.tp)
     if u is None:
         raise ValueError(f"no hybrid split of {cp} ranks")
     return w.with_(cp=cp, ulysses=u)
@@ -214,12 +228,12 @@ def inference_sweep(w: Workload, hw: Hardware, *, new_tokens: int, degrees: list
             v = _at_degree(w, cp, hw)
         except ValueError:  # the layout cannot split T over cp ranks, or the heads do not divide
             continue
-        kv = kv_cache_bytes(w.model, batch=w.batch, positions=w.seq + new_tokens, cp=cp, elem=w.elem)
-        weights = w.model.parameters * w.elem
+        kv = kv_cache_bytes(w.model, batch=w.batch, positions=w.seq + new_tokens, cp=cp, elem=w.elem, tp=w.tp)
+        weights = parameters_per_tp_rank(w.model, w.tp) * w.elem
         points.append(InferencePoint(
             cp=cp, prefill_seconds=prefill_seconds(v, hw),
             decode_seconds_per_token=decode_seconds(w.model, batch=w.batch, positions=w.seq + new_tokens, cp=cp,
-                                                    elem=w.elem, hw=hw),
+                                                    elem=w.elem, hw=hw, tp=w.tp),
             kv_cache_bytes=kv, weight_bytes=weights, fits=kv + weights <= hw.hbm_bytes))
     return points
 
@@ -272,9 +286,9 @@ class InferencePlan:
 
 
 def partial_prefill_plan(*, model: ModelConfig, batch: int, cached: int, new: int, world: int, elem: int,
-                         hw: Hardware, acc: int = 4) -> PartialPrefillPlan:
+                         hw: Hardware, acc: int = 4, tp: int = 1) -> PartialPrefillPlan:
     """Both methods' bytes and pipelines, the choice with and without ``hw``, the rules and the crossover."""
-    kw = dict(model=model, batch=batch, cached=cached, new=new, world=world, elem=elem, acc=acc)
+    kw = dict(model=model, batch=batch, cached=cached, new=new, world=world, elem=elem, acc=acc, tp=tp)
     method, why = choose_partial_prefill(hw=hw, **kw)
     bytes_method, bytes_why = choose_partial_prefill(**kw)
     return PartialPrefillPlan(
@@ -283,28 +297,29 @@ def partial_prefill_plan(*, model: ModelConfig, batch: int, cached: int, new: in
         method=method, why=why, bytes_method=bytes_method, bytes_why=bytes_why,
         pass_q_fraction=pass_q_fraction(model, elem, acc), published_fraction=published_pass_q_fraction(model),
         crossover=partial_prefill_crossover(model=model, batch=batch, cached=cached, world=world, elem=elem, hw=hw,
-                                            acc=acc))
+                                            acc=acc, tp=tp))
 
 
 def make_inference_plan(w: Workload, hw: Hardware, *, new_tokens: int, chunk: int | None = None,
                         max_cp: int | None = None, calibration: dict | None = None) -> InferencePlan:
     """``ctxpar plan --inference``: the prompt is ``w.seq`` tokens, prefilled by ``w.strategy`` on
-    ``w.layout``; degrees 1, 2, 4, ... up to ``max_cp`` (``planner.sweep_degrees``); the chunk
-    (default T // 16, at least 1) goes on top of T + ``new_tokens`` at ``w.cp``."""
+    ``w.layout``; degrees 1, 2, 4, ... up to ``max_cp`` (``planner.sweep_degrees``), each CP rank
+    ``w.tp`` GPUs; the chunk (default T // 16, at least 1) goes on top of T + ``new_tokens`` at ``w.cp``."""
     check_plan_size(w.seq, w.cp, max_cp)
     check_count("new_tokens", new_tokens)
     chunk = max(1, w.seq // 16) if chunk is None else chunk
     check_count("chunk", chunk)
     training = [name for name, given in (("window", w.window is not None), ("documents", w.documents is not None),
                                          ("causal=False", not w.causal), ("fsdp", w.fsdp != 1),
-                                         ("checkpointing", w.checkpointing != "none"), ("tp", w.tp != 1),
+                                         ("checkpointing", w.checkpointing != "none"),
                                          ("dp", w.dp is not None)) if given]
     if training:
-        raise ValueError(f"the inference plan models a causal decoder serving whole prompts, replicated weights and "
-                         f"no backward; the workload sets {', '.join(training)}: leave them at their defaults")
+        raise ValueError(f"the inference plan models a causal decoder serving whole prompts, the weights on every CP "
+                         f"rank (split over TP) and no backward; the workload sets {', '.join(training)}: leave them "
+                         f"at their defaults")
     cached = w.seq + new_tokens
     partial = partial_prefill_plan(model=w.model, batch=w.batch, cached=cached, new=chunk, world=w.cp,
-                                   elem=w.elem, hw=hw, acc=w.acc)
+                                   elem=w.elem, hw=hw, acc=w.acc, tp=w.tp)
     return InferencePlan(w, hw, new_tokens, inference_sweep(w, hw, new_tokens=new_tokens,
                                                             degrees=sweep_degrees(w.cp, max_cp)),
                          partial, calibration)

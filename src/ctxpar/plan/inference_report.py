@@ -3,13 +3,15 @@
 JSON (bytes exact, times in seconds):
 
     inputs            model shape, batch, prompt_tokens (T), new_tokens (n), dtype, cp (P),
-                      strategy and layout of the prefill
+                      tp (t GPUs per CP rank) and sequence_parallel (the prefill's), strategy
+                      and layout of the prefill
     hardware          ``Hardware.as_dict()`` plus attention_forward_flops (the prefill rate);
                       memory_bandwidth 0 = unknown, latency 0 = not modelled
     degrees           per CP degree: cp, prefill_seconds (time to first token),
                       prefill_speedup (CP-1 / CP-P; null without CP 1), decode_seconds_per_token
                       (at T + n positions; null: no memory bandwidth), decode_change (relative
-                      to CP 1; null as before), kv_cache_bytes and weight_bytes per GPU, fits
+                      to CP 1; null as before), kv_cache_bytes and weight_bytes per GPU (1/t of
+                      the heads and weights under TP), fits
                       (weights + KV cache within the GPU's memory)
     partial_prefill   a chunk of new_tokens on top of cached_tokens = T + n at cp: new_fraction
                       (T_new / (T_cached + T_new)); methods["pass-kv" | "pass-q"] with
@@ -66,7 +68,8 @@ def inference_to_json(plan: InferencePlan) -> dict:
     w, hw, pp = plan.workload, plan.hardware, plan.partial
     return {
         "inputs": {"model": w.model.as_dict(), "batch": w.batch, "prompt_tokens": w.seq,
-                   "new_tokens": plan.new_tokens, "dtype": w.dtype, "cp": w.cp, "strategy": w.strategy,
+                   "new_tokens": plan.new_tokens, "dtype": w.dtype, "cp": w.cp, "tp": w.tp,
+                   "sequence_parallel": w.sequence_parallel and w.tp > 1, "strategy": w.strategy,
                    "layout": w.layout},
         "hardware": dict(hw.as_dict(), attention_forward_flops=hw.forward_flops),
         "conventions": {"MiB": 2**20, "GiB": 2**30, "GB": 10**9,
@@ -101,7 +104,9 @@ def _header(plan: InferencePlan) -> list[str]:
     latency = format_seconds(hw.latency) if hw.latency else "0 (not modelled; --latency sets it)"
     return [
         f"ctxpar plan --inference: B={w.batch} prompt T={w.seq} ({format_tokens(w.seq)}) + n={plan.new_tokens} new "
-        f"tokens, {w.dtype}, CP={w.cp}; prefill {w.strategy}, {w.layout} layout",
+        f"tokens, {w.dtype}, CP={w.cp}" + (f" x TP={w.tp} ({w.tp * w.cp} GPUs per replica; the prefill's TP "
+                                            f"{'with' if w.sequence_parallel else 'without'} sequence parallelism)"
+                                            if w.tp > 1 else "") + f"; prefill {w.strategy}, {w.layout} layout",
         f"model: layers={m.layers} hidden={m.hidden} heads={m.heads} kv_heads={m.kv_heads} head_dim={m.head_dim} "
         f"ffn={m.ffn} vocab={m.vocab} ({m.parameters:,} parameters)",
         f"hardware: {hw.name}: {rates_words(hw)}; {format_bytes(hw.hbm_bytes)} memory at {memory}; "
@@ -124,9 +129,17 @@ def _degrees(plan: InferencePlan) -> list[str]:
                      f"{'-' if speedup is None else f'{speedup:.2f}x':>9} {decode:>13} "
                      f"{format_bytes(p.kv_cache_bytes):>12} {format_bytes(p.weight_bytes):>12} "
                      f"{'yes' if p.fits else 'no':>5}")
-    lines += ["  prefill = L·(attention forward pipeline at the forward rate) + 2·(N - V·d)·B·T/P FLOPs / rate",
-              "  decode  = max((N·e + KV)/HBM, FLOPs/rate) + (L+1)·latency + L·(P-1)·B·H·(D+1)·4 B/link",
-              "  KV      = 2·L·B·H_kv·D·ceil((T+n)/P)·e; fits: weights + KV within the GPU's memory"]
+    if w.tp == 1:
+        lines += ["  prefill = L·(attention forward pipeline at the forward rate) + 2·(N - V·d)·B·T/P FLOPs / rate",
+                  "  decode  = max((N·e + KV)/HBM, FLOPs/rate) + (L+1)·latency + L·(P-1)·B·H·(D+1)·4 B/link",
+                  "  KV      = 2·L·B·H_kv·D·ceil((T+n)/P)·e; fits: weights + KV within the GPU's memory"]
+    else:
+        lines += ["  prefill = L·(attention forward pipeline on H/t heads + forward TP collectives) "
+                  "+ 2·(N - V·d)·B·T/(P·t) FLOPs / rate",
+                  "  decode  = max((N_t·e + KV)/HBM, FLOPs/rate) + L·(2 all-reduces of B·d·e + 2·latency) "
+                  "+ (L+1)·latency + L·(P-1)·B·(H/t)·(D+1)·4 B/link",
+                  "  KV      = 2·L·B·(H_kv/t)·D·ceil((T+n)/P)·e; N_t: one TP rank's parameters; fits: weights + KV "
+                  "within the GPU's memory"]
     return lines
 
 
