@@ -920,8 +920,15 @@ def test_calibration_gives_three_rates_and_the_launch_overhead(monkeypatch) -> N
                                                                 message_bytes=2**24))
     monkeypatch.setattr(calibrate, "measure_memory_bandwidth", lambda: 1e10)
     monkeypatch.setattr(calibrate, "BLOCK", dict(batch=1, heads=2, kv_heads=1, head_dim=16, tokens=256))
+    probe = {s: dict(seconds=4e-3, predicted_seconds=1e-3, stages=4, step_overhead=(0.75e-3, 1.5e-3, 2.25e-3)[i])
+             for i, s in enumerate(calibrate.PROBE_STRATEGIES)}
+    monkeypatch.setattr(calibrate, "measure_step_overheads",
+                        lambda hw: dict(tokens_per_rank=8, world=2, strategies=probe))
     c = calibrate.calibrate()
     hw = local_hardware(c)
+    assert (hw.step_overhead, hw.step_overhead_for("allgather"), hw.step_overhead_for("alltoall"),
+            hw.step_overhead_for("hybrid")) == (7.5e-4, 1.5e-3, 2.25e-3, 7.5e-4)
+    assert "alltoall 4.00 / 1.00 ms -> 2250 us" in calibrate.format_calibration(c)
     a = c["attention"]
     assert hw.forward_flops == a["forward_flops"] / a["forward_seconds"]
     assert hw.backward_flops == 2.5 * a["forward_flops"] / a["backward_seconds"]
@@ -929,8 +936,45 @@ def test_calibration_gives_three_rates_and_the_launch_overhead(monkeypatch) -> N
     assert 0 < hw.launch_overhead == c["launch_overhead"] < 1e-2
     assert "launch overhead" in calibrate.format_calibration(c)
     assert hw.attention_size_curve == ((256, 1.0, 1.0),) and hw.attention_size_scale(64) == (1.0, 1.0)
-    old = {k: v for k, v in c.items() if k not in ("matmul_flops", "launch_overhead")}  # an older calibration
+    old = {k: v for k, v in c.items() if k not in ("matmul_flops", "launch_overhead", "step_overhead",
+                                                   "strategy_step_overheads")}  # an older calibration
     assert (local_hardware(old).matmul_flops, local_hardware(old).launch_overhead) == (c["attention_flops"], 0.0)
+    assert local_hardware(old).step_overhead_for("alltoall") == 0.0
+    with pytest.raises(ValueError, match="calibration 'strategy_step_overheads' is"):
+        local_hardware(dict(c, strategy_step_overheads={"ring": -1.0}))
+    with pytest.raises(ValueError, match="calibration 'strategy_step_overheads' is"):
+        local_hardware(dict(c, strategy_step_overheads={"spiral": 1e-3}))
+
+
+def test_step_overheads_are_what_a_tiny_call_takes_beyond_the_pipeline() -> None:
+    """Two real ranks: each strategy's probe, and its overhead per stage closes the gap
+    between the pipeline without it and the measured call."""
+    hw = local_hardware(dict(attention_flops=5e10, bandwidth=1e9, latency=2e-4, launch_overhead=4e-5))
+    step = calibrate.measure_step_overheads(hw, repeats=3)
+    assert set(step["strategies"]) == set(calibrate.PROBE_STRATEGIES)
+    for strategy, m in step["strategies"].items():
+        w = calibrate.step_probe_workload(8, strategy)
+        assert m["predicted_seconds"] == pytest.approx(cost.attention_time(w, hw).seconds)
+        assert m["seconds"] > 0 and m["step_overhead"] == pytest.approx(
+            max(0.0, (m["seconds"] - m["predicted_seconds"]) / m["stages"]))
+        with_it = replace(hw, strategy_step_overheads=((strategy, m["step_overhead"]),))
+        assert cost.attention_time(w, with_it).seconds == pytest.approx(max(m["seconds"], m["predicted_seconds"]))
+
+
+def test_time_sharing_slows_overheads_and_a_given_step_overhead_replaces_measured_ones() -> None:
+    hw = replace(get_hardware("H100-SXM"), launch_overhead=1e-5, step_overhead=2e-5,
+                 strategy_step_overheads=(("alltoall", 3e-5),))
+    half = hw.with_compute_share(0.5)
+    assert (half.launch_overhead, half.step_overhead, half.step_overhead_for("alltoall")) == (2e-5, 4e-5, 6e-5)
+    assert half.forward_flops == hw.forward_flops / 2
+    w = Workload(resolve_model("llama-3-8b"), batch=1, seq=1024, dtype="bfloat16", cp=4, strategy="alltoall")
+    assert cost.attention_time(w, hw).forward.overhead == pytest.approx(1e-5 + 3e-5)
+    assert cost.attention_time(w.with_(strategy="ring"), hw).forward.overhead == pytest.approx(1e-5 + 2e-5)
+    calibrated = dict(attention_flops=5e10, bandwidth=1e9, step_overhead=1e-3,
+                      strategy_step_overheads={"ring": 1e-3, "alltoall": 2e-3})
+    given = get_hardware("local", calibration=calibrated, step_overhead=5e-4)
+    assert given.step_overhead_for("alltoall") == given.step_overhead_for("ring") == 5e-4
+    assert "overridden: step_overhead" in given.source
 
 
 def test_small_kernels_run_at_the_size_curve_rate() -> None:

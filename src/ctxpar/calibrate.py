@@ -18,6 +18,13 @@ for ``ctxpar plan --calibrate`` and ``--calibration``.
 - Launch overhead: the wall seconds of one attention kernel call on a tiny tile (one head,
   16 tokens), whose arithmetic is negligible: what every kernel call costs whatever its
   size (dispatch, checks, allocation), the planner's ``launch_overhead``.
+- Step overheads: two local ranks run ``ctxpar.attention`` (zigzag, causal, the block's
+  heads) forward + backward on 8-token shards by ring, allgather and alltoall, median
+  wall seconds of the slower rank; what the planner's pipeline does not already account
+  for (compute, latency, launches) over the call's pipeline stages is that strategy's
+  step overhead (``step_overhead`` is the ring's): the Python of a step, its merges,
+  buffers and collectives' own costs, and a share of the call's checks (the consistency
+  all-gather, the layout), which small shards cannot hide.
 - Bandwidth: two local gloo ranks exchange a buffer over ``ctxpar.comm.RingComm`` (each
   sends and receives ``message_bytes`` at once, as a ring hop does); bytes per second per
   direction, best of ``repeats``, after the latency: the time of a 4-byte hop, which
@@ -31,13 +38,18 @@ from __future__ import annotations
 import json
 import os
 import platform
+import statistics
 import time
+from dataclasses import replace
 
 import torch
 
 from ctxpar import kernels
 from ctxpar.launch import run_local
-from ctxpar.plan.hardware import LOCAL
+from ctxpar.models.config import ModelConfig
+from ctxpar.plan import cost
+from ctxpar.plan.hardware import LOCAL, Hardware, local_hardware
+from ctxpar.plan.workload import Workload
 
 BLOCK = dict(batch=1, heads=8, kv_heads=2, head_dim=64, tokens=4096)  # the demo's head shape
 MESSAGE_BYTES = 16 * 2**20  # the size of a ring hop at T=16384 in the demo (8-16 MiB)
@@ -132,6 +144,54 @@ def measure_launch_overhead(calls: int = 200, repeats: int = 5, threads: int = 1
         torch.set_num_threads(previous)
 
 
+PROBE_STRATEGIES = ("ring", "allgather", "alltoall")
+
+
+def _tiny_attention_rank(rank: int, world: int, tokens_per_rank: int, repeats: int) -> dict[str, float]:
+    """Per strategy, the median wall seconds of one attention forward + backward on
+    ``tokens_per_rank`` tokens (the strategies interleaved, so drift hits them alike)."""
+    import torch.distributed as dist
+
+    from ctxpar.attention import attention
+
+    b, h, h_kv, d = (BLOCK[k] for k in ("batch", "heads", "kv_heads", "head_dim"))
+    gen = torch.Generator().manual_seed(rank)
+    q = torch.randn(b, h, tokens_per_rank, d, generator=gen, requires_grad=True)
+    k, v = (torch.randn(b, h_kv, tokens_per_rank, d, generator=gen, requires_grad=True) for _ in range(2))
+    times = {s: [] for s in PROBE_STRATEGIES}
+    for i in range(repeats + 2):  # two untimed rounds connect the ranks and warm the allocator
+        for strategy in PROBE_STRATEGIES:
+            dist.barrier()
+            start = time.perf_counter()
+            attention(q, k, v, layout="zigzag", strategy=strategy).sum().backward()
+            if i >= 2:
+                times[strategy].append(time.perf_counter() - start)
+    return {s: statistics.median(t) for s, t in times.items()}
+
+
+def step_probe_workload(tokens_per_rank: int, strategy: str) -> Workload:
+    """The planner's description of the step-overhead probe: one attention layer of the block's heads."""
+    b, h, h_kv, d = (BLOCK[k] for k in ("batch", "heads", "kv_heads", "head_dim"))
+    model = ModelConfig(layers=1, hidden=h * d, heads=h, kv_heads=h_kv, head_dim=d, ffn=1, vocab=1)
+    return Workload(model, batch=b, seq=2 * tokens_per_rank, dtype="float32", cp=2, strategy=strategy)
+
+
+def measure_step_overheads(hw: Hardware, tokens_per_rank: int = 8, repeats: int = 20) -> dict:
+    """Per strategy, the seconds per pipeline stage that a tiny attention call takes beyond
+    what ``hw`` (this machine without step overheads) predicts for it: (measured -
+    predicted) / stages, at least 0. Two ranks, one thread each."""
+    per_rank = run_local(_tiny_attention_rank, 2, (tokens_per_rank, repeats), threads=1)
+    bare = replace(hw, step_overhead=0.0, strategy_step_overheads=None)
+    out = {}
+    for strategy in PROBE_STRATEGIES:
+        seconds = max(r[strategy] for r in per_rank)
+        predicted = cost.attention_time(step_probe_workload(tokens_per_rank, strategy), bare)
+        stages = predicted.forward.stages + predicted.backward.stages
+        out[strategy] = dict(seconds=seconds, predicted_seconds=predicted.seconds, stages=stages,
+                             step_overhead=max(0.0, (seconds - predicted.seconds) / stages))
+    return dict(tokens_per_rank=tokens_per_rank, world=2, strategies=out)
+
+
 def _exchange_rank(rank: int, world: int, sizes: tuple[int, ...], repeats: int) -> list[float]:
     """Best seconds for one ring hop of each message size (bytes) on this rank."""
     import torch.distributed as dist
@@ -201,11 +261,14 @@ def calibrate() -> dict:
     curve, causal_curve = measure_size_curve(), measure_size_curve(causal=True)
     matmul = measure_matmul()
     link = measure_link()
-    return dict(machine=machine(), attention_flops=attention["attention_flops"], bandwidth=link["bandwidth"],
-                latency=link["latency"], memory_bandwidth=measure_memory_bandwidth(),
-                matmul_flops=matmul["matmul_flops"], launch_overhead=measure_launch_overhead(),
-                attention_size_curve=curve, attention_causal_size_curve=causal_curve,
-                attention=attention, matmul=matmul, link=link)
+    measured = dict(machine=machine(), attention_flops=attention["attention_flops"], bandwidth=link["bandwidth"],
+                    latency=link["latency"], memory_bandwidth=measure_memory_bandwidth(),
+                    matmul_flops=matmul["matmul_flops"], launch_overhead=measure_launch_overhead(),
+                    attention_size_curve=curve, attention_causal_size_curve=causal_curve,
+                    attention=attention, matmul=matmul, link=link)
+    step = measure_step_overheads(local_hardware(measured))
+    per_strategy = {s: m["step_overhead"] for s, m in step["strategies"].items()}
+    return dict(measured, step_overhead=per_strategy["ring"], strategy_step_overheads=per_strategy, step=step)
 
 
 def check_calibration_flags(hardware: str, *, measure: bool, path: str | None) -> None:
@@ -264,6 +327,11 @@ def format_calibration(c: dict) -> str:
           if "matmul" in c else []),
         *([f"  one tiny attention kernel call: {c['launch_overhead'] * 1e6:.1f} us (launch overhead)"]
           if "launch_overhead" in c else []),
+        *([f"  attention forward + backward, 2 ranks x {c['step']['tokens_per_rank']} tokens, measured / predicted "
+           f"without step overhead -> per pipeline stage (step overhead): " + ", ".join(
+               f"{s} {m['seconds'] * 1e3:.2f} / {m['predicted_seconds'] * 1e3:.2f} ms -> "
+               f"{m['step_overhead'] * 1e6:.0f} us" for s, m in c["step"]["strategies"].items())]
+          if "step" in c else []),
         f"  gloo ring hop between 2 local ranks: {link['message_bytes'] / 2**20:.0f} MiB in "
         f"{link['seconds'] * 1e3:.2f} ms -> {c['bandwidth'] / 1e9:.3f} GB/s per direction; a 4-byte hop "
         f"{link.get('latency', 0) * 1e6:.0f} us (latency)",

@@ -37,7 +37,8 @@ backward (2.5x the forward's FLOPs) at ``backward_flops``, matmuls at ``matmul_f
 Fixed costs: every message a stage posts costs ``latency`` on top of its bytes (a ring
 hop one, the backward's K/V and dK/dV hops two, an all-gather or reduce-scatter one, the
 all-to-all two per pass); every stage pays ``KERNELS_PER_STAGE`` kernel launches and one
-``step_overhead``, serially (``Pipeline.overhead``). So when shards get small, time stops
+step overhead (``Hardware.step_overhead_for``: measured per strategy for ``local``),
+serially (``Pipeline.overhead``). So when shards get small, time stops
 falling as 1/P²: it approaches stages x (overhead + latency). TP collectives pay one
 latency each.
 
@@ -247,7 +248,7 @@ def compute_seconds(w: Workload, hw: Hardware, flops: float) -> tuple[float, flo
 def attention_time(w: Workload, hw: Hardware) -> AttentionTime:
     """Forward and backward pipelines of one layer (see the module docstring)."""
     fwd_compute, bwd_compute = compute_seconds(w, hw, attention_forward_flops(w))
-    lat, overhead = hw.latency, KERNELS_PER_STAGE * hw.launch_overhead + hw.step_overhead
+    lat, overhead = hw.latency, KERNELS_PER_STAGE * hw.launch_overhead + hw.step_overhead_for(w.strategy)
     a2a, rest = _split(w)
     bw = hw.bandwidth(w.tp * w.cp)
     a2a_bw = hw.bandwidth(w.tp * w.ulysses_degree)

@@ -55,6 +55,9 @@ class Hardware:
         launch_overhead: seconds every kernel call costs whatever its size.
         step_overhead: seconds every pipeline stage (ring step) costs besides its kernels
             and messages.
+        strategy_step_overheads: ((strategy, seconds), ...): a step overhead measured for
+            each listed strategy (``local``: each strategy's steps do different work);
+            the others pay ``step_overhead``. None: ``step_overhead`` for all.
         attention_size_curve: ((tokens, forward, backward), ...) ascending: the attention
             rates of a kernel over ``tokens`` queries and keys as fractions of the rates
             above (measured for ``local``: small tiles run below the large-tile rate);
@@ -80,6 +83,7 @@ class Hardware:
     fp8: bool = False
     launch_overhead: float = 0.0
     step_overhead: float = 0.0
+    strategy_step_overheads: tuple[tuple[str, float], ...] | None = None
     attention_size_curve: tuple[tuple[int, float, float], ...] | None = None
     attention_causal_size_curve: tuple[tuple[int, float, float], ...] | None = None
 
@@ -104,6 +108,10 @@ class Hardware:
         rate = self.matmul_rate or self.flops
         return rate * self.fp8_peak_flops / self.peak_flops if self.fp8 else rate
 
+    def step_overhead_for(self, strategy: str) -> float:
+        """Seconds per pipeline stage of ``strategy`` (``strategy_step_overheads``, else ``step_overhead``)."""
+        return dict(self.strategy_step_overheads or ()).get(strategy, self.step_overhead)
+
     def attention_size_scale(self, tokens: float, causal: bool = False) -> tuple[float, float]:
         """(forward, backward) rate fractions for a full (or ``causal``) kernel over ``tokens``:
         the size curve interpolated in log tokens, its end values beyond its ends; (1, 1)
@@ -120,13 +128,17 @@ class Hardware:
         return curve[-1][1], curve[-1][2]
 
     def with_compute_share(self, share: float) -> Hardware:
-        """Every rate times ``share`` (ranks time-sharing cores: each gets ``share`` of one)."""
+        """Ranks time-sharing cores, each with ``share`` of one: every rate times ``share``, and
+        the per-call and per-step CPU costs (launch and step overheads) over it."""
         def scaled(rate: float | None) -> float | None:
             return None if rate is None else rate * share
         return replace(self, peak_flops=self.peak_flops * share, fp8_peak_flops=self.fp8_peak_flops * share,
                        attention_forward_rate=scaled(self.attention_forward_rate),
                        attention_backward_rate=scaled(self.attention_backward_rate),
-                       matmul_rate=scaled(self.matmul_rate))
+                       matmul_rate=scaled(self.matmul_rate), launch_overhead=self.launch_overhead / share,
+                       step_overhead=self.step_overhead / share,
+                       strategy_step_overheads=None if self.strategy_step_overheads is None else tuple(
+                           (name, seconds / share) for name, seconds in self.strategy_step_overheads))
 
     def bandwidth(self, group_size: int) -> float:
         """Bytes/s per GPU per direction for a collective over ``group_size`` consecutive GPUs.
@@ -210,9 +222,24 @@ def local_hardware(calibration: dict) -> Hardware:
                     attention_backward_rate=rate(BACKWARD_FLOPS_RATIO * flops, attention.get("backward_seconds")),
                     matmul_rate=calibration.get("matmul_flops"),
                     launch_overhead=calibration.get("launch_overhead", 0.0),
+                    step_overhead=calibration.get("step_overhead", 0.0),
+                    strategy_step_overheads=_strategy_overheads(calibration.get("strategy_step_overheads")),
                     attention_size_curve=_size_curve(calibration.get("attention_size_curve")),
                     attention_causal_size_curve=_size_curve(calibration.get("attention_causal_size_curve"),
                                                             "attention_causal_size_curve"))
+
+
+def _strategy_overheads(table) -> tuple[tuple[str, float], ...] | None:
+    """A calibration's {strategy: seconds}, checked: known strategies, finite seconds >= 0."""
+    if table is None:
+        return None
+    ok = isinstance(table, dict) and all(
+        name in ("ring", "allgather", "alltoall", "hybrid") and isinstance(v, (int, float)) and not isinstance(v, bool)
+        and math.isfinite(v) and v >= 0 for name, v in table.items())
+    if not ok:
+        raise ValueError(f"calibration 'strategy_step_overheads' is {str(table)[:80]}, not {{strategy: seconds}}; "
+                         f"measure again with `ctxpar plan --hardware local --calibrate --json PATH`")
+    return tuple(sorted((name, float(v)) for name, v in table.items()))
 
 
 def _size_curve(rows, name: str = "attention_size_curve") -> tuple[tuple[int, float, float], ...] | None:
@@ -314,10 +341,12 @@ def get_hardware(
                    efficiency=efficiency, latency=latency, gpus_per_node=gpus_per_node,
                    launch_overhead=launch_overhead, step_overhead=step_overhead)
     changes = {k: v for k, v in changes.items() if v is not None}
+    if step_overhead is not None:  # one step overhead for every strategy, replacing measured ones
+        changes["strategy_step_overheads"] = None
     if peak_flops is not None or efficiency is not None:  # one rate for every kernel, as before kernel rates
         changes.update(attention_forward_rate=None, attention_backward_rate=None, matmul_rate=None)
     if changes:
-        given = sorted(k for k in changes if not k.endswith("_rate"))
+        given = sorted(k for k in changes if not k.endswith("_rate") and k != "strategy_step_overheads")
         hw = replace(hw, source=hw.source + "; overridden: " + ", ".join(given), **changes)
     if fp8:
         hw = replace(hw, fp8=True, source=hw.source + "; fp8 matmuls")
