@@ -707,6 +707,10 @@ def test_inference_under_tensor_parallelism_splits_heads_weights_and_adds_its_co
         assert (split.bytes_sent, split.seconds) == (alone.bytes_sent, pytest.approx(alone.seconds, rel=1e-12))
     plan = inference.make_inference_plan(w.with_(tp=8), hw, new_tokens=256)
     assert plan.point(4).weight_bytes == weights * 2 and plan.point(4).kv_cache_bytes == kv
+    fp8 = get_hardware("H100-SXM", fp8=True)  # fp8 serving holds and reads the weights at 1 byte
+    assert inference.make_inference_plan(w.with_(tp=8), fp8, new_tokens=256).point(4).weight_bytes == weights
+    assert inference.decode_seconds(m, cp=4, tp=8, hw=fp8, **kw) == pytest.approx(
+        (weights + kv) / hw.memory_bandwidth + 80 * reduce / 450e9 + 80 * partials / 50e9, rel=1e-12)
     assert plan.partial.crossover == inference.partial_prefill_crossover(model=m, batch=1, cached=131328, world=4,
                                                                          elem=2, hw=hw, tp=8)
 
@@ -721,9 +725,13 @@ def test_cli_inference_with_tp(tmp_path, capsys) -> None:
     report = json.loads(out.read_text())
     assert (report["inputs"]["tp"], report["inputs"]["sequence_parallel"]) == (8, True)
     m = resolve_model("llama-3-405b")
-    assert {d["cp"]: d["weight_bytes"] for d in report["degrees"]}[16] == memory.parameters_per_tp_rank(m, 8) * 2
+    assert {d["cp"]: d["weight_bytes"] for d in report["degrees"]}[16] == memory.parameters_per_tp_rank(m, 8)  # fp8
     assert main(["plan", "--inference", "--tp", "3"]) == 2
     assert "--tp 3 does not divide the 32 query heads" in capsys.readouterr().err
+    hybrid = ["--model", "llama-3-70b", "--tp", "8", "--cp", "4", "--strategy", "hybrid"]
+    assert main(["plan", "--inference", *hybrid]) == 2
+    assert "no all-to-all degree U fits: U must divide --cp 4 (below it) and the 8 query heads per TP rank, with " \
+           "--tp 8 x U <= 8 GPUs per node" in capsys.readouterr().err
 
 
 def test_latency_units() -> None:
@@ -944,6 +952,10 @@ def test_calibration_gives_three_rates_and_the_launch_overhead(monkeypatch) -> N
         local_hardware(dict(c, strategy_step_overheads={"ring": -1.0}))
     with pytest.raises(ValueError, match="calibration 'strategy_step_overheads' is"):
         local_hardware(dict(c, strategy_step_overheads={"spiral": 1e-3}))
+    for key, value in (("step_overhead", None), ("launch_overhead", -1.0), ("latency", float("nan")),
+                       ("memory_bandwidth", "fast")):
+        with pytest.raises(ValueError, match=f"calibration '{key}' is .*, not a number >= 0"):
+            local_hardware(dict(c, **{key: value}))
 
 
 def test_step_overheads_are_what_a_tiny_call_takes_beyond_the_pipeline() -> None:

@@ -40,7 +40,8 @@ _log = logging.getLogger("ctxpar")
 
 # This project's CI machine kind, measured by ``ctxpar plan --hardware local --calibrate``
 # (docs/benchmarks.md, "Planner against measurement"): one thread's attention rate, the gloo
-# loopback bandwidth. Only the ratio of rate to bandwidth orders the strategies.
+# loopback bandwidth; no fixed costs, which move by 2x between calibrations here
+# (``set_hardware(local_hardware(...))`` uses a calibration's, per strategy).
 CPU_DEFAULT = Hardware("cpu-default", 113.2e9, 1.0, 24 * 10**9, 2, 2.455e9, 2.455e9,
                        "one CPU thread and gloo over loopback, measured on the CI machine (docs/benchmarks.md)")
 

@@ -263,7 +263,7 @@ def _inference_flags(args: argparse.Namespace) -> tuple[int, int | None]:
     for flag, value, default in training:
         if value != default:
             raise ValueError(f"{flag} {value} describes a training step; --inference plans serving (causal prompts, "
-                             f"the whole model on every rank, no backward): drop {flag}")
+                             f"the whole model on every CP rank, split over --tp, no backward): drop {flag}")
     if not args.causal:
         raise ValueError("--no-causal: --inference plans a causal decoder; drop --no-causal")
     new_tokens, chunk = given.get("new_tokens", DEFAULT_NEW_TOKENS), given.get("chunk")
@@ -300,6 +300,10 @@ def _run_plan(args: argparse.Namespace) -> int:
     ulysses = args.ulysses_degree
     if args.strategy == "hybrid" and ulysses is None:
         ulysses = planning.default_ulysses(model.heads, args.cp, gpus_per_node, args.tp)
+        if ulysses is None:
+            raise ValueError(f"--strategy hybrid: no all-to-all degree U fits: U must divide --cp {args.cp} (below it) "
+                             f"and the {model.heads // args.tp} query heads per TP rank, with --tp {args.tp} x U <= "
+                             f"{gpus_per_node} GPUs per node; give --ulysses-degree, or use --strategy ring")
     planning.check_plan_size(args.seq, args.cp, args.max_cp)
     documents, documents_from = _plan_documents(args)
     workload = planning.Workload(

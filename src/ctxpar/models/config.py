@@ -55,7 +55,8 @@ class ModelConfig:
 PRESETS: dict[str, ModelConfig] = {
     "tiny": ModelConfig(layers=2, hidden=64, heads=4, kv_heads=2, head_dim=16, ffn=128, vocab=256),
     "small": ModelConfig(layers=4, hidden=256, heads=8, kv_heads=2, head_dim=32, ffn=512, vocab=512),
-    "llama-2-7b": ModelConfig(layers=32, hidden=4096, heads=32, kv_heads=32, head_dim=128, ffn=11008, vocab=32000),
+    "llama-2-7b": ModelConfig(layers=32, hidden=4096, heads=32, kv_heads=32, head_dim=128, ffn=11008, vocab=32000,
+                              rope_theta=10000.0),
     "llama-3-8b": ModelConfig(layers=32, hidden=4096, heads=32, kv_heads=8, head_dim=128, ffn=14336, vocab=128256),
     "llama-3-70b": ModelConfig(layers=80, hidden=8192, heads=64, kv_heads=8, head_dim=128, ffn=28672, vocab=128256),
     "llama-3-405b": ModelConfig(layers=126, hidden=16384, heads=128, kv_heads=8, head_dim=128, ffn=53248,

@@ -195,8 +195,8 @@ def local_hardware(calibration: dict) -> Hardware:
 
     The peak is one CPU rank's (one thread) attention forward + backward FLOP/s, taken as
     achieved (efficiency 1); the attention forward and backward rates, the matmul rate and
-    the per-call launch overhead are their own measurements where the calibration has them
-    (older calibrations: the combined rate, no overhead). Each core counts as a "GPU" and
+    the per-call launch and per-stage step overheads are their own measurements where the
+    calibration has them (older calibrations: the combined rate, no overheads). Each core counts as a "GPU" and
     the loopback bandwidth joins them all, so intra- and inter-node links are the same.
     """
     for key in ("attention_flops", "bandwidth"):
@@ -206,6 +206,11 @@ def local_hardware(calibration: dict) -> Hardware:
         value = calibration[key]
         if isinstance(value, bool) or not isinstance(value, (int, float)) or not (math.isfinite(value) and value > 0):
             raise ValueError(f"calibration {key!r} is {value!r}, not a positive rate; measure again with "
+                             f"`ctxpar plan --hardware local --calibrate --json PATH`")
+    for key in ("memory_bandwidth", "latency", "launch_overhead", "step_overhead"):
+        value = calibration.get(key, 0.0)
+        if isinstance(value, bool) or not isinstance(value, (int, float)) or not (math.isfinite(value) and value >= 0):
+            raise ValueError(f"calibration {key!r} is {value!r}, not a number >= 0; measure again with "
                              f"`ctxpar plan --hardware local --calibrate --json PATH`")
     ram = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
     bw = calibration["bandwidth"]

@@ -21,7 +21,9 @@ What ``ctxpar.inference`` does, and what is modelled here for it (P ranks, L lay
   against every earlier key. Under TP each GPU does this for its H/t and H_kv/t heads.
 
 The CP group's GPUs are t apart (TP innermost, as Megatron orders ranks), so the CP link
-is the one a group of t·P GPUs spans (``Hardware.bandwidth(t·P)``).
+is the one a group of t·P GPUs spans (``Hardware.bandwidth(t·P)``). With fp8 matmuls
+(``Hardware.fp8``) the weights are held and read at 1 byte each; the KV cache stays in
+the compute dtype.
 
 ``make_inference_plan`` gathers these against CP degree for ``ctxpar plan --inference``
 (printed and written as JSON by ``plan.inference_report``).
@@ -184,17 +186,23 @@ def kv_cache_bytes(model: ModelConfig, *, batch: int, positions: int, cp: int, e
     return 2 * model.layers * batch * (model.kv_heads // tp) * model.head_dim * _ceil_div(positions, cp) * elem
 
 
+def weight_bytes(model: ModelConfig, *, tp: int, elem: int, hw: Hardware) -> int:
+    """One GPU's weights: its TP rank's parameters, at 1 byte where matmuls run in fp8
+    (``Hardware.fp8``: fp8 serving stores the weights it multiplies in fp8), else ``elem``."""
+    return parameters_per_tp_rank(model, tp) * (1 if hw.fp8 else elem)
+
+
 def decode_seconds(model: ModelConfig, *, batch: int, positions: int, cp: int, elem: int, hw: Hardware,
                    tp: int = 1) -> float | None:
     """Time per output token at ``positions`` held over P ranks of t GPUs each (module docstring)."""
     if not hw.memory_bandwidth:
         return None
-    parameters = parameters_per_tp_rank(model, tp)
+    weights = weight_bytes(model, tp=tp, elem=elem, hw=hw)
     kv = kv_cache_bytes(model, batch=batch, positions=positions, cp=cp, elem=elem, tp=tp)
     heads = model.heads // tp
-    compute = (2 * parameters * batch / hw.matmul_flops
+    compute = (2 * parameters_per_tp_rank(model, tp) * batch / hw.matmul_flops
                + 4 * model.head_dim * batch * heads * positions * model.layers / cp / hw.forward_flops)
-    seconds = max((parameters * elem + kv) / hw.memory_bandwidth, compute)
+    seconds = max((weights + kv) / hw.memory_bandwidth, compute)
     if tp > 1:  # two all-reduces of the token's (B, d) activation per layer
         reduce = traffic.tensor_parallel(batch=batch, local_len=1, hidden=model.hidden, tp=tp, elem=elem,
                                          sequence_parallel=False).forward
@@ -229,7 +237,7 @@ def inference_sweep(w: Workload, hw: Hardware, *, new_tokens: int, degrees: list
         except ValueError:  # the layout cannot split T over cp ranks, or the heads do not divide
             continue
         kv = kv_cache_bytes(w.model, batch=w.batch, positions=w.seq + new_tokens, cp=cp, elem=w.elem, tp=w.tp)
-        weights = parameters_per_tp_rank(w.model, w.tp) * w.elem
+        weights = weight_bytes(w.model, tp=w.tp, elem=w.elem, hw=hw)
         points.append(InferencePoint(
             cp=cp, prefill_seconds=prefill_seconds(v, hw),
             decode_seconds_per_token=decode_seconds(w.model, batch=w.batch, positions=w.seq + new_tokens, cp=cp,

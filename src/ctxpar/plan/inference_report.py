@@ -60,7 +60,7 @@ def summary(plan: InferencePlan) -> str:
     share = one.kv_cache_bytes / (one.kv_cache_bytes + one.weight_bytes)
     return (line + f"; decode per token changes by {change:+.1%} ({format_seconds(one.decode_seconds_per_token)} -> "
             f"{format_seconds(here.decode_seconds_per_token)}): decode gains at most the KV cache's share of the "
-            f"bytes read ({share:.0%} at CP 1), since every rank reads all the weights")
+            f"bytes read ({share:.0%} at CP 1), since every CP rank reads all its weights")
 
 
 def inference_to_json(plan: InferencePlan) -> dict:
@@ -111,7 +111,7 @@ def _header(plan: InferencePlan) -> list[str]:
         f"ffn={m.ffn} vocab={m.vocab} ({m.parameters:,} parameters)",
         f"hardware: {hw.name}: {rates_words(hw)}; {format_bytes(hw.hbm_bytes)} memory at {memory}; "
         f"links {links}; latency {latency}; launch {format_seconds(hw.launch_overhead)} per kernel, "
-        f"{format_seconds(hw.step_overhead)} per step [{hw.source}]",
+        f"{format_seconds(hw.step_overhead_for(w.strategy))} per {w.strategy} step [{hw.source}]",
         "units: MiB = 2^20 B, GiB = 2^30 B; bandwidth per GPU per direction, GB/s = 1e9 B/s",
     ]
 
@@ -132,14 +132,15 @@ def _degrees(plan: InferencePlan) -> list[str]:
     if w.tp == 1:
         lines += ["  prefill = L·(attention forward pipeline at the forward rate) + 2·(N - V·d)·B·T/P FLOPs / rate",
                   "  decode  = max((N·e + KV)/HBM, FLOPs/rate) + (L+1)·latency + L·(P-1)·B·H·(D+1)·4 B/link",
-                  "  KV      = 2·L·B·H_kv·D·ceil((T+n)/P)·e; fits: weights + KV within the GPU's memory"]
+                  "  KV      = 2·L·B·H_kv·D·ceil((T+n)/P)·e; weights N·e (1 byte each with --fp8); fits: weights + KV "
+                  "within the GPU's memory"]
     else:
         lines += ["  prefill = L·(attention forward pipeline on H/t heads + forward TP collectives) "
                   "+ 2·(N - V·d)·B·T/(P·t) FLOPs / rate",
                   "  decode  = max((N_t·e + KV)/HBM, FLOPs/rate) + L·(2 all-reduces of B·d·e + 2·latency) "
                   "+ (L+1)·latency + L·(P-1)·B·(H/t)·(D+1)·4 B/link",
-                  "  KV      = 2·L·B·(H_kv/t)·D·ceil((T+n)/P)·e; N_t: one TP rank's parameters; fits: weights + KV "
-                  "within the GPU's memory"]
+                  "  KV      = 2·L·B·(H_kv/t)·D·ceil((T+n)/P)·e; N_t: one TP rank's parameters, e bytes each (1 with "
+                  "--fp8); fits: weights + KV within the GPU's memory"]
     return lines
 
 

@@ -197,7 +197,7 @@ def _header(plan: Plan) -> list[str]:
         f"model: layers={m.layers} hidden={m.hidden} heads={m.heads} kv_heads={m.kv_heads} head_dim={m.head_dim} "
         f"ffn={m.ffn} vocab={m.vocab} ({m.parameters:,} parameters)",
         f"hardware: {hw.name}: {rates_words(hw)}; {format_bytes(hw.hbm_bytes)} memory; links {links}; "
-        f"{fixed_costs_words(hw)} [{hw.source}]",
+        f"{fixed_costs_words(hw, w.strategy)} [{hw.source}]",
         _parallel_words(plan),
         "units: MiB = 2^20 B, GiB = 2^30 B; bandwidth per GPU per direction, GB/s = 1e9 B/s",
     ]
@@ -213,10 +213,10 @@ def rates_words(hw: Hardware) -> str:
             f"matmuls{fp8} {format_flops(hw.matmul_flops)} (peak {format_flops(hw.peak_flops)})")
 
 
-def fixed_costs_words(hw: Hardware) -> str:
-    """'latency 20 us per message, launch 5 us per kernel, 0 per step'."""
+def fixed_costs_words(hw: Hardware, strategy: str) -> str:
+    """'latency 20 us per message, launch 5 us per kernel, 0 per step' (the step overhead of ``strategy``)."""
     return (f"fixed costs: latency {format_seconds(hw.latency)} per message, {format_seconds(hw.launch_overhead)} "
-            f"per kernel launch, {format_seconds(hw.step_overhead)} per step")
+            f"per kernel launch, {format_seconds(hw.step_overhead_for(strategy))} per {strategy} step")
 
 
 def _parallel_words(plan: Plan) -> str:
