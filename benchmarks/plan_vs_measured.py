@@ -18,8 +18,10 @@ ranks, one thread each; H=8, H_kv=2, D=64, float32, causal, zigzag) and compares
   (``cost.attention_time``) with each rank's FLOP/s scaled by cores / P when P ranks
   share fewer cores (time-sharing), at the calibrated bandwidth.
 
-Measured seconds are each rank's best of ``--repeat`` warm runs of the demo's code (see
-``measure``; 4 ranks time-sharing 2 cores make single runs noisy). Error = predicted /
+Measured seconds are each rank's best of ``--repeat`` warm runs of the demo's code, the
+strategies of one (P, T) interleaved in one group of ranks with the order rotated each
+round (see ``measure``; this machine's speed drifts, and 4 ranks time-sharing 2 cores
+make single runs noisy). Error = predicted /
 measured - 1, of the mean over ranks.
 """
 
@@ -56,35 +58,44 @@ def predict(cfg: DemoConfig, calibration: dict) -> dict:
                 wall_seconds=cost.attention_time(w, shared).seconds)
 
 
-def repeated_demo(rank: int, world: int, cfg: DemoConfig, runs: int) -> list[dict] | None:
-    """``demo_rank`` ``runs`` times in the same processes: rank 0's reports, None elsewhere."""
+def repeated_demo(rank: int, world: int, cfgs: list[DemoConfig], runs: int) -> list[list[dict]] | None:
+    """``demo_rank`` for every configuration, ``runs`` rounds in the same processes, the order
+    rotated from round to round so that this machine's drift hits every configuration alike:
+    rank 0's reports per configuration, None elsewhere."""
     threads = torch.get_num_threads()
-    reports = []
-    for _ in range(runs):
-        torch.set_num_threads(threads)  # rank 0's check of the previous run took every core
-        reports.append(demo_rank(rank, world, cfg))
+    reports: list[list[dict]] = [[] for _ in cfgs]
+    for i in range(runs):
+        for j in range(len(cfgs)):
+            k = (i + j) % len(cfgs)
+            torch.set_num_threads(threads)  # rank 0's check of the previous run took every core
+            reports[k].append(demo_rank(rank, world, cfgs[k]))
     return reports if rank == 0 else None
 
 
-def measure(cfg: DemoConfig, repeat: int) -> list[dict]:
-    """Per rank: bytes, and the best attention and wall seconds of ``repeat`` warm demo runs.
+def measure(cfgs: list[DemoConfig], repeat: int) -> list[list[dict]]:
+    """Per configuration (one P, any strategies), per rank: bytes, and the best attention and
+    wall seconds of ``repeat`` warm demo runs.
 
     The demo's own code (``run_demo`` runs ``demo_rank`` once on fresh local ranks), run
-    1 + ``repeat`` times in the same ranks: the first run pays one-time costs (fresh
-    memory, first full-size messages) that the planner does not model, so it is dropped.
+    1 + ``repeat`` rounds in one group of ranks, the configurations interleaved: the first
+    round pays one-time costs (fresh memory, first full-size messages) that the planner
+    does not model, so it is dropped.
     """
-    cfg.validate(cfg.nproc)
-    reports = run_local(repeated_demo, cfg.nproc, (cfg, repeat + 1))[0]
-    for report in reports:
-        if not report["ok"]:
+    for cfg in cfgs:
+        cfg.validate(cfg.nproc)
+    measured = []
+    for cfg, reports in zip(cfgs, run_local(repeated_demo, cfgs[0].nproc, (cfgs, repeat + 1))[0]):
+        if not all(report["ok"] for report in reports):
             raise RuntimeError(f"the demo's result does not match unsplit attention for {cfg}")
-    runs = [report["ranks"] for report in reports[1:]]
-    return [dict(runs[0][r], **{key: min(run[r][key] for run in runs) for key in ("attn_seconds", "wall_seconds")})
-            for r in range(cfg.nproc)]
+        runs = [report["ranks"] for report in reports[1:]]
+        measured.append([dict(runs[0][r], **{key: min(run[r][key] for run in runs)
+                                            for key in ("attn_seconds", "wall_seconds")})
+                         for r in range(cfg.nproc)])
+    return measured
 
 
-def compare(cfg: DemoConfig, calibration: dict, repeat: int) -> dict:
-    ranks = measure(cfg, repeat)
+def compare(cfg: DemoConfig, calibration: dict, ranks: list[dict]) -> dict:
+    """The planner's figures for ``cfg`` against its measured ``ranks`` (``measure``)."""
     want = predict(cfg, calibration)
     mean = lambda xs: sum(xs) / len(xs)  # noqa: E731
     measured_attn = mean([r["attn_seconds"] for r in ranks])
@@ -136,8 +147,8 @@ def main() -> None:
     rows = []
     for nproc in (int(x) for x in args.nprocs.split(",")):
         for seq in (int(x) for x in args.seqs.split(",")):
-            for strategy in args.strategies.split(","):
-                rows.append(compare(DemoConfig(nproc=nproc, seq=seq, strategy=strategy), calibration, args.repeat))
+            cfgs = [DemoConfig(nproc=nproc, seq=seq, strategy=strategy) for strategy in args.strategies.split(",")]
+            rows += [compare(cfg, calibration, ranks) for cfg, ranks in zip(cfgs, measure(cfgs, args.repeat))]
     mib = 2**20
     print(f"{'P':>2} {'T':>6} {'strategy':<10} {'sent MiB':>9} {'= plan':>6} {'attn s plan':>11} {'measured':>9} "
           f"{'error':>7} {'wall s plan':>11} {'measured':>9} {'error':>7}")
