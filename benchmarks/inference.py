@@ -2,6 +2,8 @@
 
     python benchmarks/inference.py                        # prompt 8192 on P = 1, 2, 4; chunks on 8192 at P = 2
     python benchmarks/inference.py --json inference.json
+    torchrun --nproc-per-node 2 benchmarks/inference.py --parts crossover --device cuda --dtype bfloat16 \
+        --cached 131072 --chunks 256,1024,4096,16384          # the crossover on two GPUs, NCCL
 
 1. **Prefill and decode vs P**: ``generate`` with the reference model (L=4, H=8, H_kv=2,
    D=64, float32; one thread per rank) on a ``--prompt``-token prompt, ``--new-tokens``
@@ -15,7 +17,15 @@
    being the slower, interpolated (in log length) between the two chunks around it; the
    planner's (``plan.inference.partial_prefill_crossover``) comes from this machine's
    calibration (``ctxpar.calibrate``), the ranks' rate scaled by cores / P when they
-   share cores, as in plan_vs_measured.py.
+   share cores, as in plan_vs_measured.py. With ``--device cuda`` the ranks are torchrun's
+   (NCCL, one GPU each) or local ones on the GPUs there are, and the planner predicts on
+   the preset of the GPU's name (``ctxpar.auto.hardware_for``), no calibration: on GPUs
+   the stage compute covers pass-KV's hop only from thousands of new tokens, so the
+   crossover is a real crossing, where on this CPU the two methods run together within
+   the noise beyond a few dozen tokens (docs/benchmarks.md). Under torchrun on CPUs the
+   planner takes ``ctxpar.auto.CPU_DEFAULT`` (no calibration inside a launched rank).
+
+``--parts`` picks ``generation`` (local CPU ranks only), ``crossover``, or both.
 """
 
 from __future__ import annotations
@@ -29,9 +39,10 @@ import time
 import torch
 import torch.distributed as dist
 
+from ctxpar import auto
 from ctxpar.calibrate import calibrate, format_calibration
 from ctxpar.inference import KVCache, generate, partial_prefill, prefill
-from ctxpar.launch import run_local
+from ctxpar.launch import launched_by_torchrun, run, run_local
 from ctxpar.models import ModelConfig, Transformer
 from ctxpar.plan.hardware import local_hardware
 from ctxpar.plan.inference import partial_prefill_crossover, pass_q_fraction
@@ -68,25 +79,32 @@ def generation_rank(rank: int, world: int, prompt_len: int, new_tokens: int, rep
                 tokens=result.tokens.tolist())
 
 
-def chunk_rank(rank: int, world: int, cached: int, chunks: list[int], repeat: int) -> list[dict]:
-    """Median seconds of ``partial_prefill`` by each method for each chunk length."""
-    model = _model(MODEL)
-    cache = KVCache.for_model(MODEL, batch=1, capacity=cached + max(chunks))
-    prefill(model, cache, _tokens(cached, 1), layout="zigzag")
-    rows = []
+def chunk_rank(rank: int, world: int, cached: int, chunks: list[int], repeat: int, dtype: str,
+               device: torch.device) -> list[dict]:
+    """Median seconds of ``partial_prefill`` by each method for each chunk length, the slowest
+    rank's (every rank returns the same rows)."""
+    model = _model(MODEL).to(device=device, dtype=getattr(torch, dtype))
+    cache = KVCache.for_model(MODEL, batch=1, capacity=cached + max(chunks), dtype=getattr(torch, dtype),
+                              device=device)
+    prefill(model, cache, _tokens(cached, 1).to(device), layout="zigzag")
+    medians = []
     for n in chunks:
-        chunk = _tokens(n, 2)
+        chunk = _tokens(n, 2).to(device)
         times = {m: [] for m in METHODS}
         for i in range(2 * (repeat + 1)):  # alternating, so drift hits both alike; the first pair warms up
             method = METHODS[i % 2]
             dist.barrier()
             start = time.perf_counter()
             partial_prefill(model, cache, chunk, method=method, check_consistency=False)
+            if device.type == "cuda":
+                torch.cuda.synchronize(device)
             if i >= 2:
                 times[method].append(time.perf_counter() - start)
             cache.rewind(cached)
-        rows.append({m: statistics.median(t) for m, t in times.items()})
-    return rows
+        medians.append([statistics.median(times[m]) for m in METHODS])
+    slowest = torch.tensor(medians, dtype=torch.float64, device=device)
+    dist.all_reduce(slowest, op=dist.ReduceOp.MAX)
+    return [dict(zip(METHODS, row)) for row in slowest.tolist()]
 
 
 def measured_crossover(chunks: list[int], ratios: list[float]) -> float | None:
@@ -102,23 +120,40 @@ def measured_crossover(chunks: list[int], ratios: list[float]) -> float | None:
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--parts", default="generation,crossover", help="generation, crossover, or both")
     p.add_argument("--prompt", type=int, default=8192, help="prompt length for prefill and decode vs P")
     p.add_argument("--new-tokens", type=int, default=16)
     p.add_argument("--nproc", default="1,2,4", help="CP degrees for prefill and decode")
     p.add_argument("--cached", type=int, default=8192, help="tokens in the cache before the chunk")
     p.add_argument("--chunks", default="8,16,32,48,64,96,128,192,256,512,1024", help="chunk lengths T_new")
-    p.add_argument("--cross-nproc", type=int, default=2, help="P for pass-KV vs pass-Q")
+    p.add_argument("--cross-nproc", type=int, default=2, help="P for pass-KV vs pass-Q (under torchrun: its ranks)")
+    p.add_argument("--device", choices=("cpu", "cuda"), default="cpu", help="of the crossover's ranks")
+    p.add_argument("--dtype", choices=("float32", "bfloat16"), default="float32", help="of the crossover's model")
     p.add_argument("--repeat", type=int, default=7, help="timed runs per setting (median)")
     p.add_argument("--json", metavar="PATH")
     args = p.parse_args()
-    degrees = [int(x) for x in args.nproc.split(",")]
-    chunks = sorted(int(x) for x in args.chunks.split(","))
+    parts = set(args.parts.split(","))
+    if not parts or parts - {"generation", "crossover"}:
+        p.error(f"--parts {args.parts!r}: give generation, crossover, or both")
+    if "generation" in parts and (args.device != "cpu" or launched_by_torchrun()):
+        p.error("--parts generation runs on local CPU ranks; with --device cuda or under torchrun give "
+                "--parts crossover")
+    # local CPU ranks: this machine, calibrated; GPUs or torchrun's ranks: the preset for the device
+    report = dict(calibration=calibrate() if args.device == "cpu" and not launched_by_torchrun() else None)
+    if report["calibration"] is not None:
+        print(format_calibration(report["calibration"]) + "\n")
+    if "generation" in parts:
+        report["generation"] = generation_part(args)
+    if "crossover" in parts:
+        report.update(crossover_part(args, report["calibration"]))
+    if args.json and (not launched_by_torchrun() or os.environ["RANK"] == "0"):
+        write_json(args.json, args, **report)
 
-    calibration = calibrate()
-    print(format_calibration(calibration) + "\n")
 
+def generation_part(args: argparse.Namespace) -> list[dict]:
+    """Prefill and decode against P on local CPU ranks: printed, and the rows for JSON."""
     generation = []
-    for world in degrees:
+    for world in (int(x) for x in args.nproc.split(",")):
         ranks = run_local(generation_rank, world, (args.prompt, args.new_tokens, args.repeat), threads=1)
         generation.append(dict(nproc=world, ttft_s=max(r["ttft_s"] for r in ranks),
                                tpot_s=max(r["tpot_s"] for r in ranks),
@@ -135,33 +170,47 @@ def main() -> None:
         print(f"{g['nproc']:>3} {g['ttft_s']:>8.3f} {g['speedup']:>8.2f}x {g['tpot_s'] * 1e3:>8.2f} "
               f"{g['tpot_ratio']:>5.2f}x {g['kv_cache_bytes'] / 2**20:>12.2f} {g['kv_ratio']:>5.3f} "
               f"{'yes' if g['same_tokens'] else 'NO':>11}")
+    return generation
 
-    world = args.cross_nproc
-    ranks = run_local(chunk_rank, world, (args.cached, chunks, args.repeat), threads=1)
-    rows = []
-    for i, n in enumerate(chunks):
-        kv, q = (max(r[i][m] for r in ranks) for m in METHODS)
-        rows.append(dict(chunk=n, fraction=n / (args.cached + n), pass_kv_s=kv, pass_q_s=q, ratio=kv / q))
+
+def crossover_part(args: argparse.Namespace, calibration: dict | None) -> dict:
+    """pass-KV against pass-Q on P ranks (torchrun's, or local ones on ``--device``), the
+    measured crossover and the planner's: printed on rank 0, and the JSON entries."""
+    chunks = sorted(int(x) for x in args.chunks.split(","))
+    shape = (args.cached, chunks, args.repeat, args.dtype)
+    if launched_by_torchrun():
+        world = int(os.environ["WORLD_SIZE"])
+        timings = run(chunk_rank, world, shape, device_type=args.device)
+    else:
+        world = args.cross_nproc
+        timings = run_local(chunk_rank, world, shape, threads=1 if args.device == "cpu" else None,
+                            device_type=args.device)[0]
+    rows = [dict(chunk=n, fraction=n / (args.cached + n), pass_kv_s=t["pass-kv"], pass_q_s=t["pass-q"],
+                 ratio=t["pass-kv"] / t["pass-q"]) for n, t in zip(chunks, timings)]
     measured = measured_crossover(chunks, [r["ratio"] for r in rows])
-    share = min(1.0, (os.cpu_count() or 1) / world)
-    hw = local_hardware(calibration)
-    hw = hw.with_compute_share(share)
-    predicted = partial_prefill_crossover(model=MODEL, batch=1, cached=args.cached, world=world, elem=4, hw=hw)
+    if calibration is not None:  # CPU ranks: this machine, each rank's share of the cores
+        hw = local_hardware(calibration).with_compute_share(min(1.0, (os.cpu_count() or 1) / world))
+    else:
+        hw = auto.hardware_for(torch.device("cuda", torch.cuda.current_device()) if args.device == "cuda" else
+                               torch.device("cpu"))
+    elem = torch.tensor([], dtype=getattr(torch, args.dtype)).element_size()
+    predicted = partial_prefill_crossover(model=MODEL, batch=1, cached=args.cached, world=world, elem=elem, hw=hw)
     error = predicted / measured - 1 if predicted and measured else None
-    print(f"\npartial prefill on {args.cached} cached tokens, P={world}: median of {args.repeat}, slowest rank")
-    print(f"{'T_new':>6} {'fraction':>8} {'pass-KV ms':>10} {'pass-Q ms':>10} {'KV / Q':>7}")
-    for r in rows:
-        print(f"{r['chunk']:>6} {r['fraction']:>8.4f} {r['pass_kv_s'] * 1e3:>10.2f} {r['pass_q_s'] * 1e3:>10.2f} "
-              f"{r['ratio']:>7.3f}")
-    bytes_rule = pass_q_fraction(MODEL, 4)
-    print(f"crossover T_new: measured {measured:.0f}" if measured else "crossover T_new: not within the chunks",
-          f"| planner {predicted}" + (f" ({error:+.1%})" if error is not None else ""),
-          f"| bytes rule T_new/(T_cached+T_new) < {bytes_rule:.3f}: T_new "
-          f"{bytes_rule * args.cached / (1 - bytes_rule):.0f}")
-    if args.json:
-        write_json(args.json, args, calibration=calibration, generation=generation, partial_prefill=rows,
-                   crossover=dict(measured=measured, predicted=predicted, error=error,
-                                  bytes_rule_fraction=bytes_rule))
+    bytes_rule = pass_q_fraction(MODEL, elem)
+    if not launched_by_torchrun() or os.environ["RANK"] == "0":
+        print(f"\npartial prefill on {args.cached} cached tokens, P={world} on {args.device}, {args.dtype}: median "
+              f"of {args.repeat}, slowest rank; planner on {hw.name}")
+        print(f"{'T_new':>6} {'fraction':>8} {'pass-KV ms':>10} {'pass-Q ms':>10} {'KV / Q':>7}")
+        for r in rows:
+            print(f"{r['chunk']:>6} {r['fraction']:>8.4f} {r['pass_kv_s'] * 1e3:>10.2f} "
+                  f"{r['pass_q_s'] * 1e3:>10.2f} {r['ratio']:>7.3f}")
+        print(f"crossover T_new: measured {measured:.0f}" if measured else "crossover T_new: not within the chunks",
+              f"| planner {predicted}" + (f" ({error:+.1%})" if error is not None else ""),
+              f"| bytes rule T_new/(T_cached+T_new) < {bytes_rule:.3f}: T_new "
+              f"{bytes_rule * args.cached / (1 - bytes_rule):.0f}")
+    return dict(partial_prefill=rows, crossover=dict(measured=measured, predicted=predicted, error=error,
+                                                     bytes_rule_fraction=bytes_rule, hardware=hw.name, world=world,
+                                                     device=args.device, dtype=args.dtype))
 
 
 if __name__ == "__main__":
