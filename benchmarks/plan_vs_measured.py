@@ -36,7 +36,7 @@ from ctxpar import auto
 from ctxpar.demo import DemoConfig, demo_rank
 from ctxpar.launch import run_local
 from ctxpar.masks import Mask
-from ctxpar.models.config import ModelConfig
+from ctxpar.models.config import attention_only
 from ctxpar.plan import cost
 from ctxpar.calibrate import calibrate, format_calibration
 from ctxpar.plan.hardware import local_hardware
@@ -46,8 +46,7 @@ from report import write_json
 
 def predict(cfg: DemoConfig, calibration: dict) -> dict:
     """The planner's figures for one demo configuration (one attention layer)."""
-    model = ModelConfig(layers=1, hidden=cfg.heads * cfg.head_dim, heads=cfg.heads, kv_heads=cfg.kv_heads,
-                        head_dim=cfg.head_dim, ffn=1, vocab=1)  # only the attention shape matters here
+    model = attention_only(cfg.heads, cfg.kv_heads, cfg.head_dim)
     w = Workload(model, batch=cfg.batch, seq=cfg.seq, dtype=cfg.dtype, cp=cfg.nproc, strategy=cfg.strategy,
                  layout=cfg.layout, causal=cfg.causal)
     hw = local_hardware(calibration)

@@ -18,7 +18,7 @@ from ctxpar.plan import cost, get_hardware, make_plan, parse_bandwidth, parse_fl
 from ctxpar.cli import main
 from ctxpar import calibrate
 from ctxpar.calibrate import measure_link, measure_memory_bandwidth
-from ctxpar.plan import inference, inference_report, memory, planner, traffic
+from ctxpar.plan import inference, inference_report, planner, traffic
 from ctxpar.plan.baseline import VERDICTS, baseline
 from ctxpar.plan.cost import Pipeline
 from ctxpar.plan.documents import pack, parse_doc_dist, parse_lengths, sample_lengths
@@ -690,7 +690,7 @@ def test_inference_under_tensor_parallelism_splits_heads_weights_and_adds_its_co
         + cost.matmul_flops_per_token(w) * 131072 / 4 / 8 / hw.matmul_flops, rel=1e-12)
     # decode: 1/t of the weights and KV read, plus two all-reduces of the token's activation per layer
     slow = replace(hw, latency=1e-5)
-    weights = memory.parameters_per_tp_rank(m, 8)
+    weights = m.parameters_per_tp_rank(8)
     assert weights == parameters_per_gpu(Workload(m, batch=1, seq=4096, dtype="bfloat16", cp=1, tp=8))
     kv = inference.kv_cache_bytes(m, cp=4, tp=8, **kw)
     reduce = 2 * (2 * 7 * 8192 * 2 // 8)  # two all-reduces of B·d·e, each 2(t-1)/t of it
@@ -725,7 +725,7 @@ def test_cli_inference_with_tp(tmp_path, capsys) -> None:
     report = json.loads(out.read_text())
     assert (report["inputs"]["tp"], report["inputs"]["sequence_parallel"]) == (8, True)
     m = resolve_model("llama-3-405b")
-    assert {d["cp"]: d["weight_bytes"] for d in report["degrees"]}[16] == memory.parameters_per_tp_rank(m, 8)  # fp8
+    assert {d["cp"]: d["weight_bytes"] for d in report["degrees"]}[16] == m.parameters_per_tp_rank(8)  # fp8
     assert main(["plan", "--inference", "--tp", "3"]) == 2
     assert "--tp 3 does not divide the 32 query heads" in capsys.readouterr().err
     hybrid = ["--model", "llama-3-70b", "--tp", "8", "--cp", "4", "--strategy", "hybrid"]

@@ -29,7 +29,7 @@ import torch
 from ctxpar import profile
 from ctxpar.layout import LAYOUT_NAMES
 from ctxpar.masks import Mask
-from ctxpar.models.config import ModelConfig
+from ctxpar.models.config import attention_only
 from ctxpar.plan import cost
 from ctxpar.plan.hardware import PRESETS, Hardware
 from ctxpar.plan.workload import Workload
@@ -91,8 +91,7 @@ def choose_for_shapes(batch: int, heads: int, kv_heads: int, head_dim: int, seq:
     the planner's names): what benchmarks compare with measurement."""
     if world == 1:
         return "ring", "one rank: no K/V moves, every strategy is the local kernel"
-    model = ModelConfig(layers=1, hidden=heads * head_dim, heads=heads, kv_heads=kv_heads, head_dim=head_dim,
-                        ffn=1, vocab=1)  # only the attention's shape matters
+    model = attention_only(heads, kv_heads, head_dim)
     documents = mask.documents
     times = {}
     for strategy in CANDIDATES:

@@ -35,6 +35,7 @@ for ``ctxpar plan --calibrate`` and ``--calibration``.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import platform
@@ -45,14 +46,26 @@ from dataclasses import replace
 import torch
 
 from ctxpar import kernels
+from ctxpar.auto import CANDIDATES
 from ctxpar.launch import run_local
-from ctxpar.models.config import ModelConfig
+from ctxpar.models.config import attention_only
 from ctxpar.plan import cost
-from ctxpar.plan.hardware import LOCAL, Hardware, local_hardware
+from ctxpar.plan.hardware import BACKWARD_FLOPS_RATIO, LOCAL, Hardware, local_hardware
 from ctxpar.plan.workload import Workload
 
 BLOCK = dict(batch=1, heads=8, kv_heads=2, head_dim=64, tokens=4096)  # the demo's head shape
 MESSAGE_BYTES = 16 * 2**20  # the size of a ring hop at T=16384 in the demo (8-16 MiB)
+
+
+@contextlib.contextmanager
+def _threads(n: int):
+    """torch runs on ``n`` threads inside, on as many as before after."""
+    previous = torch.get_num_threads()
+    torch.set_num_threads(n)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(previous)
 
 
 def _cpu_seconds(fn) -> float:
@@ -70,9 +83,7 @@ def measure_attention(repeats: int = 3, threads: int = 1, tokens: int | None = N
     q, dout = (torch.randn(b, h, s, d, generator=gen) for _ in range(2))
     k, v = (torch.randn(b, h_kv, s, d, generator=gen) for _ in range(2))
     scale = d**-0.5
-    previous = torch.get_num_threads()
-    torch.set_num_threads(threads)
-    try:
+    with _threads(threads):
         out, lse = kernels.attention_forward(q, k, v, causal=causal, scale=scale)  # warm-up
 
         def forward() -> None:
@@ -84,8 +95,6 @@ def measure_attention(repeats: int = 3, threads: int = 1, tokens: int | None = N
         backward()
         fwd = min(_cpu_seconds(forward) for _ in range(repeats))
         bwd = min(_cpu_seconds(backward) for _ in range(repeats))
-    finally:
-        torch.set_num_threads(previous)
     flops = 4 * b * h * d * (s * (s + 1) // 2 if causal else s * s)  # visible (query, key) pairs
     return dict(block=dict(BLOCK), threads=threads, forward_seconds=fwd, backward_seconds=bwd,
                 forward_flops=flops, backward_to_forward_seconds=bwd / fwd,
@@ -95,12 +104,13 @@ def measure_attention(repeats: int = 3, threads: int = 1, tokens: int | None = N
 CURVE_TOKENS = (256, 512, 1024, 2048)  # kernel sizes below the block's, where small tiles lose efficiency
 
 
-def measure_size_curve(repeats: int = 3, causal: bool = False) -> list[list[float]]:
+def measure_size_curve(repeats: int = 3, causal: bool = False, reference: dict | None = None) -> list[list[float]]:
     """[tokens, forward, backward]: the rates of a kernel of ``tokens`` queries and keys,
     full (unmasked) or causal, as fractions of one of the block's size, for each of
     CURVE_TOKENS below it, and the block's (1, 1). A causal kernel computes the tiles
-    straddling its diagonal whole, so its rate falls faster as it shrinks."""
-    reference = measure_attention(repeats=repeats, causal=causal)
+    straddling its diagonal whole, so its rate falls faster as it shrinks. ``reference``:
+    the block's ``measure_attention`` with the same ``causal``, if already measured."""
+    reference = reference or measure_attention(repeats=repeats, causal=causal)
     curve = []
     for tokens in (t for t in CURVE_TOKENS if t < reference["block"]["tokens"]):
         m = measure_attention(repeats=repeats, tokens=tokens, causal=causal)
@@ -114,13 +124,9 @@ def measure_matmul(n: int = 1024, repeats: int = 3, threads: int = 1) -> dict:
     """FLOP/s of one thread multiplying two (n, n) float32 matrices (2·n³ FLOPs), best of ``repeats``."""
     gen = torch.Generator().manual_seed(0)
     a, b = (torch.randn(n, n, generator=gen) for _ in range(2))
-    previous = torch.get_num_threads()
-    torch.set_num_threads(threads)
-    try:
+    with _threads(threads):
         a @ b  # warm-up
         seconds = min(_cpu_seconds(lambda: a @ b) for _ in range(repeats))
-    finally:
-        torch.set_num_threads(previous)
     return dict(n=n, threads=threads, seconds=seconds, matmul_flops=2 * n**3 / seconds)
 
 
@@ -130,9 +136,7 @@ def measure_launch_overhead(calls: int = 200, repeats: int = 5, threads: int = 1
     ``repeats`` means over ``calls`` calls."""
     gen = torch.Generator().manual_seed(0)
     q, k, v = (torch.randn(1, 1, 16, 8, generator=gen) for _ in range(3))
-    previous = torch.get_num_threads()
-    torch.set_num_threads(threads)
-    try:
+    with _threads(threads):
         kernels.attention_forward(q, k, v, causal=True, scale=0.125)  # warm-up
 
         def many() -> None:
@@ -140,11 +144,9 @@ def measure_launch_overhead(calls: int = 200, repeats: int = 5, threads: int = 1
                 kernels.attention_forward(q, k, v, causal=True, scale=0.125)
 
         return min(_wall_seconds(many) for _ in range(repeats)) / calls
-    finally:
-        torch.set_num_threads(previous)
 
 
-PROBE_STRATEGIES = ("ring", "allgather", "alltoall")
+PROBE_STRATEGIES = CANDIDATES  # the strategies auto chooses among
 
 
 def _tiny_attention_rank(rank: int, world: int, tokens_per_rank: int, repeats: int) -> dict[str, float]:
@@ -172,8 +174,8 @@ def _tiny_attention_rank(rank: int, world: int, tokens_per_rank: int, repeats: i
 def step_probe_workload(tokens_per_rank: int, strategy: str) -> Workload:
     """The planner's description of the step-overhead probe: one attention layer of the block's heads."""
     b, h, h_kv, d = (BLOCK[k] for k in ("batch", "heads", "kv_heads", "head_dim"))
-    model = ModelConfig(layers=1, hidden=h * d, heads=h, kv_heads=h_kv, head_dim=d, ffn=1, vocab=1)
-    return Workload(model, batch=b, seq=2 * tokens_per_rank, dtype="float32", cp=2, strategy=strategy)
+    return Workload(attention_only(h, h_kv, d), batch=b, seq=2 * tokens_per_rank, dtype="float32", cp=2,
+                    strategy=strategy)
 
 
 def measure_step_overheads(hw: Hardware, tokens_per_rank: int = 8, repeats: int = 20) -> dict:
@@ -228,13 +230,9 @@ def measure_memory_bandwidth(nbytes: int = 256 * 2**20, repeats: int = 3, thread
     """Bytes/s one thread reads plus writes copying a large buffer (what decoding's reads
     of weights and KV cache are paced by)."""
     src, dst = torch.ones(nbytes // 4), torch.empty(nbytes // 4)
-    previous = torch.get_num_threads()
-    torch.set_num_threads(threads)
-    try:
+    with _threads(threads):
         dst.copy_(src)
         best = min(_wall_seconds(lambda: dst.copy_(src)) for _ in range(repeats))
-    finally:
-        torch.set_num_threads(previous)
     return 2 * nbytes / best
 
 
@@ -258,7 +256,7 @@ def machine() -> str:
 def calibrate() -> dict:
     """Every measurement (a few seconds); the dict ``hardware.local_hardware`` reads."""
     attention = measure_attention()
-    curve, causal_curve = measure_size_curve(), measure_size_curve(causal=True)
+    curve, causal_curve = measure_size_curve(), measure_size_curve(causal=True, reference=attention)
     matmul = measure_matmul()
     link = measure_link()
     measured = dict(machine=machine(), attention_flops=attention["attention_flops"], bandwidth=link["bandwidth"],
@@ -316,7 +314,7 @@ def format_calibration(c: dict) -> str:
         f"backward {a['backward_seconds'] * 1e3:.1f} ms ({a['backward_to_forward_seconds']:.2f}x)",
         f"  -> {c['attention_flops'] / 1e9:.1f} GFLOP/s = 3.5 x {a['forward_flops']:,} FLOPs / (forward + backward); "
         f"forward {a['forward_flops'] / a['forward_seconds'] / 1e9:.1f}, backward "
-        f"{2.5 * a['forward_flops'] / a['backward_seconds'] / 1e9:.1f} GFLOP/s",
+        f"{BACKWARD_FLOPS_RATIO * a['forward_flops'] / a['backward_seconds'] / 1e9:.1f} GFLOP/s",
         *(["  full attention kernels by size (rate as a fraction of T=4096's, forward / backward): " + ", ".join(
             f"T={int(t)} {f:.2f}/{b:.2f}" for t, f, b in c["attention_size_curve"])]
           if "attention_size_curve" in c else []),

@@ -47,9 +47,30 @@ class ModelConfig:
     @property
     def parameters(self) -> int:
         """Parameter count: embeddings, untied LM head, attention, SwiGLU MLP and norms."""
-        attn = self.hidden * self.head_dim * (2 * self.heads + 2 * self.kv_heads)  # q, o; k, v
-        mlp = 3 * self.hidden * self.ffn
-        return 2 * self.vocab * self.hidden + self.layers * (attn + mlp + 2 * self.hidden) + self.hidden
+        return self.parameters_per_tp_rank(1)
+
+    def parameters_per_tp_rank(self, tp: int) -> int:
+        """The parameters one of ``tp`` tensor-parallel ranks holds (Megatron's split): 1/t of
+        every attention and MLP matrix, ceil(V/t) rows of the embedding and of the LM head,
+        every norm."""
+        return 2 * self.vocab_rows(tp) * self.hidden + self.layers * self.layer_parameters(tp) + self.hidden
+
+    def layer_parameters(self, tp: int = 1) -> int:
+        """One decoder block's parameters on one of ``tp`` ranks (t divides H and H_kv)."""
+        attn = self.hidden * self.head_dim * (2 * self.heads + 2 * self.kv_heads) // tp  # q, o; k, v
+        mlp = 3 * self.hidden * self.ffn // tp
+        return attn + mlp + 2 * self.hidden
+
+    def vocab_rows(self, tp: int = 1) -> int:
+        """ceil(V/t): vocabulary-parallel rows per rank (Megatron pads V; to a multiple of t here)."""
+        return -(-self.vocab // tp)
+
+
+def attention_only(heads: int, kv_heads: int, head_dim: int) -> ModelConfig:
+    """One layer whose attention has this shape and nothing else worth counting: what the
+    planner evaluates for a single attention call (``ctxpar.auto``, calibration, benchmarks)."""
+    return ModelConfig(layers=1, hidden=heads * head_dim, heads=heads, kv_heads=kv_heads, head_dim=head_dim, ffn=1,
+                       vocab=1)
 
 
 PRESETS: dict[str, ModelConfig] = {

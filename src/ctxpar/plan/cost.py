@@ -67,7 +67,6 @@ from ctxpar.plan import traffic
 
 KERNELS_PER_STAGE = 1  # kernel calls a pipeline stage makes: one tile's attention (forward or backward)
 A2A_MESSAGES = 2  # all-to-alls per pass (strategies/alltoall.py): q/k/v to heads, then the results back
-TP_COLLECTIVES = 4  # per layer and pass with sequence parallelism (2 with all-reduces): traffic.tensor_parallel
 
 
 @functools.lru_cache(maxsize=4096)
@@ -248,7 +247,7 @@ def compute_seconds(w: Workload, hw: Hardware, flops: float) -> tuple[float, flo
 def attention_time(w: Workload, hw: Hardware) -> AttentionTime:
     """Forward and backward pipelines of one layer (see the module docstring)."""
     fwd_compute, bwd_compute = compute_seconds(w, hw, attention_forward_flops(w))
-    lat, overhead = hw.latency, KERNELS_PER_STAGE * hw.launch_overhead + hw.step_overhead_for(w.strategy)
+    lat, overhead = hw.latency, stage_overhead(hw, w.strategy)
     a2a, rest = _split(w)
     bw = hw.bandwidth(w.tp * w.cp)
     a2a_bw = hw.bandwidth(w.tp * w.ulysses_degree)
@@ -344,16 +343,24 @@ class StepTime:
                     tp_per_layer=dict(forward_seconds=self.tp_forward, backward_seconds=self.tp_backward))
 
 
+def matmul_seconds(w: Workload, hw: Hardware, passes: int) -> float:
+    """``passes`` forwards' worth of the matmuls on the rank's B·T/P tokens, 1/t of them per GPU."""
+    return passes * matmul_flops_per_token(w) * w.batch * w.local_len / w.tp / hw.matmul_flops
+
+
+def stage_overhead(hw: Hardware, strategy: str) -> float:
+    """What every pipeline stage pays serially: its kernel launches and the step overhead."""
+    return KERNELS_PER_STAGE * hw.launch_overhead + hw.step_overhead_for(strategy)
+
+
 def step_time(w: Workload, hw: Hardware) -> StepTime:
     """Matmuls (3 forwards' worth, 4 with checkpointing; 1/t of them per GPU) plus every
     layer's attention and TP communication."""
     recompute = w.checkpointing == "full"
     passes = 4 if recompute else 3
-    tokens = w.batch * w.local_len
-    matmul = passes * matmul_flops_per_token(w) * tokens / w.tp / hw.matmul_flops
+    matmul = matmul_seconds(w, hw, passes)
     tp, bw = tp_traffic(w), hw.bandwidth(w.tp)
-    collectives = 0 if w.tp == 1 else TP_COLLECTIVES if w.sequence_parallel else TP_COLLECTIVES // 2
-    lat = collectives * hw.latency
+    lat = tp.collectives * hw.latency
     return StepTime(matmul, attention_time(w, hw), w.model.layers, recompute, tp.forward / bw + lat,
                     tp.backward / bw + lat)
 

@@ -37,7 +37,6 @@ from ctxpar.limits import check_count
 from ctxpar.models.config import ModelConfig
 from ctxpar.plan import cost, traffic
 from ctxpar.plan.hardware import Hardware
-from ctxpar.plan.memory import parameters_per_tp_rank
 from ctxpar.plan.planner import check_plan_size, sweep_degrees
 from ctxpar.plan.workload import Workload, default_ulysses
 
@@ -86,7 +85,7 @@ def partial_prefill_cost(method: str, *, model: ModelConfig, batch: int, cached:
                                    head_dim=model.head_dim, world=world, elem=elem, acc=acc)
     flops = 4 * model.head_dim * batch * heads * busiest_partial_pairs(cached=cached, new=new, world=world)
     compute = flops / hw.forward_flops
-    overhead = cost.KERNELS_PER_STAGE * hw.launch_overhead + hw.step_overhead
+    overhead = cost.stage_overhead(hw, "ring")  # a ring of P steps, whichever way it passes
     if world == 1:
         return PartialPrefillCost(method, 0, cost.Pipeline(1, compute, 0.0, overhead=overhead))
     bw, latency = hw.bandwidth(tp * world), hw.latency
@@ -177,8 +176,7 @@ def prefill_seconds(w: Workload, hw: Hardware) -> float:
     fixed costs included) and its forward TP collectives, plus one forward's matmuls on the
     rank's T/P tokens at the matmul rate (1/t of them per GPU)."""
     step = cost.step_time(w, hw)
-    matmul = cost.matmul_flops_per_token(w) * w.batch * w.local_len / w.tp / hw.matmul_flops
-    return w.model.layers * (step.attention.forward.seconds + step.tp_forward) + matmul
+    return w.model.layers * (step.attention.forward.seconds + step.tp_forward) + cost.matmul_seconds(w, hw, 1)
 
 
 def kv_cache_bytes(model: ModelConfig, *, batch: int, positions: int, cp: int, elem: int, tp: int = 1) -> int:
@@ -189,7 +187,7 @@ def kv_cache_bytes(model: ModelConfig, *, batch: int, positions: int, cp: int, e
 def weight_bytes(model: ModelConfig, *, tp: int, elem: int, hw: Hardware) -> int:
     """One GPU's weights: its TP rank's parameters, at 1 byte where matmuls run in fp8
     (``Hardware.fp8``: fp8 serving stores the weights it multiplies in fp8), else ``elem``."""
-    return parameters_per_tp_rank(model, tp) * (1 if hw.fp8 else elem)
+    return model.parameters_per_tp_rank(tp) * (1 if hw.fp8 else elem)
 
 
 def decode_seconds(model: ModelConfig, *, batch: int, positions: int, cp: int, elem: int, hw: Hardware,
@@ -200,13 +198,13 @@ def decode_seconds(model: ModelConfig, *, batch: int, positions: int, cp: int, e
     weights = weight_bytes(model, tp=tp, elem=elem, hw=hw)
     kv = kv_cache_bytes(model, batch=batch, positions=positions, cp=cp, elem=elem, tp=tp)
     heads = model.heads // tp
-    compute = (2 * parameters_per_tp_rank(model, tp) * batch / hw.matmul_flops
+    compute = (2 * model.parameters_per_tp_rank(tp) * batch / hw.matmul_flops
                + 4 * model.head_dim * batch * heads * positions * model.layers / cp / hw.forward_flops)
     seconds = max((weights + kv) / hw.memory_bandwidth, compute)
     if tp > 1:  # two all-reduces of the token's (B, d) activation per layer
         reduce = traffic.tensor_parallel(batch=batch, local_len=1, hidden=model.hidden, tp=tp, elem=elem,
-                                         sequence_parallel=False).forward
-        seconds += model.layers * (reduce / hw.bandwidth(tp) + 2 * hw.latency)
+                                         sequence_parallel=False)
+        seconds += model.layers * (reduce.forward / hw.bandwidth(tp) + reduce.collectives * hw.latency)
     if cp == 1:
         return seconds
     partials = (cp - 1) * batch * heads * (model.head_dim + 1) * 4

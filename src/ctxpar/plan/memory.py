@@ -32,7 +32,6 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from ctxpar.models.config import ModelConfig
 from ctxpar.plan.workload import Workload
 
 
@@ -114,24 +113,7 @@ def saved_bytes_per_layer(w: Workload) -> int:
 def parameters_per_gpu(w: Workload) -> int:
     """N_t: the parameters one tensor-parallel rank holds (N when t = 1): 1/t of every
     attention and MLP matrix, ceil(V/t) rows of the embedding and of the LM head, every norm."""
-    return parameters_per_tp_rank(w.model, w.tp)
-
-
-def parameters_per_tp_rank(m: ModelConfig, tp: int) -> int:
-    """``parameters_per_gpu`` from the model and the TP degree alone (serving has no Workload's step)."""
-    return 2 * _vocab_rows(m, tp) * m.hidden + m.layers * _layer_parameters(m, tp) + m.hidden
-
-
-def _layer_parameters(m: ModelConfig, t: int) -> int:
-    """One decoder block's parameters on one TP rank (``ModelConfig.parameters``' terms over t)."""
-    attn = m.hidden * m.head_dim * (2 * m.heads + 2 * m.kv_heads) // t  # q, o; k, v: t divides H and H_kv
-    mlp = 3 * m.hidden * m.ffn // t
-    return attn + mlp + 2 * m.hidden
-
-
-def _vocab_rows(m: ModelConfig, t: int) -> int:
-    """ceil(V/t): vocabulary-parallel rows per GPU (Megatron pads V; to a multiple of t here)."""
-    return -(-m.vocab // t)
+    return w.model.parameters_per_tp_rank(w.tp)
 
 
 def attention_workspace(w: Workload) -> int:
@@ -205,7 +187,7 @@ def memory_per_gpu(w: Workload, hbm_bytes: int) -> MemoryEstimate:
     layer = saved_bytes_per_layer(w)
     # FSDP holds the unit being computed and the prefetched next one unsharded: a decoder
     # block or the embedding table (this TP rank's share of either)
-    largest_unit = max(_layer_parameters(m, w.tp), _vocab_rows(m, w.tp) * m.hidden)
+    largest_unit = max(m.layer_parameters(w.tp), m.vocab_rows(w.tp) * m.hidden)
     return MemoryEstimate(
         parameters=-(-n * b // w.fsdp),
         gradients=-(-n * b // w.fsdp),
@@ -215,7 +197,7 @@ def memory_per_gpu(w: Workload, hbm_bytes: int) -> MemoryEstimate:
         # each layer's input (the residual stream: sequence region), plus one layer recomputed
         activations_checkpointed=m.layers * w.batch * w.sequence_region_len * m.hidden * b + layer,
         # logits in b, plus the fp32 log-probabilities the loss keeps; vocabulary-parallel over TP
-        logits=w.batch * s * _vocab_rows(m, w.tp) * (b + 4),
+        logits=w.batch * s * m.vocab_rows(w.tp) * (b + 4),
         attention_workspace=attention_workspace(w),
         checkpointing=w.checkpointing,
         hbm_bytes=hbm_bytes,

@@ -99,10 +99,9 @@ def _parallel_json(plan: Plan) -> dict:
 
 
 def _tp_traffic_json(plan: Plan) -> dict:
-    w, tr, link = plan.workload, plan.tp_traffic, plan.links["tp"]
-    collectives = 4 if w.sequence_parallel else 2
+    tr, link = plan.tp_traffic, plan.links["tp"]
     return {"forward_bytes": tr.forward, "backward_bytes": tr.backward, "backward_regather_bytes": tr.regather,
-            "collective_bytes": tr.forward // collectives, "link_bandwidth": link.bandwidth,
+            "collective_bytes": tr.forward // tr.collectives if tr.collectives else 0, "link_bandwidth": link.bandwidth,
             "forward_seconds": plan.step.tp_forward, "backward_seconds": plan.step.tp_backward,
             "link": link.name, "crosses_nodes": link.crosses_nodes}
 

@@ -129,6 +129,7 @@ class TensorParallelTraffic:
     forward: int
     backward: int
     regather: int
+    collectives: int = 0  # on the critical path per layer and pass (each pays one latency)
 
     @property
     def total(self) -> int:
@@ -154,9 +155,9 @@ def tensor_parallel(*, batch: int, local_len: int, hidden: int, tp: int, elem: i
         return TensorParallelTraffic(0, 0, 0)
     if sequence_parallel:
         one = (tp - 1) * batch * (local_len // tp) * hidden * elem
-        return TensorParallelTraffic(forward=4 * one, backward=4 * one, regather=2 * one)
+        return TensorParallelTraffic(forward=4 * one, backward=4 * one, regather=2 * one, collectives=4)
     all_reduce = 2 * (tp - 1) * batch * local_len * hidden * elem // tp
-    return TensorParallelTraffic(forward=2 * all_reduce, backward=2 * all_reduce, regather=0)
+    return TensorParallelTraffic(forward=2 * all_reduce, backward=2 * all_reduce, regather=0, collectives=2)
 
 
 def partial_prefill(method: str, *, batch: int, cached: int, new: int, heads: int, kv_heads: int, head_dim: int,

@@ -151,7 +151,7 @@ class Workload:
         if m.ffn % t:
             raise ValueError(f"--tp {t} does not divide the MLP width --ffn {m.ffn}; use a --tp that divides it")
         if self.sequence_parallel and t > 1 and self.local_len % t:
-            multiple = math.lcm(self.layout_obj.multiple, self.cp * t)
+            multiple = self.seq_multiple
             raise ValueError(f"--seq {self.seq}: with sequence parallelism each of the TP={t} GPUs holds 1/{t} of "
                              f"the S = T/P = {self.local_len} tokens of its CP rank, so T must be a multiple of "
                              f"{multiple}; pad --seq to {-(-self.seq // multiple) * multiple} or add "
