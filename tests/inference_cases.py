@@ -16,7 +16,7 @@ import torch
 from ctxpar.inference import (KVCache, decode_step, generate, partial_prefill, prefill, reference_generate,
                               sharded_attention)
 from ctxpar import profile, topology
-from ctxpar.inference.prefill import _group_rank as group_rank
+from ctxpar.topology import hybrid_group_rank as group_rank
 from ctxpar.layout import get_layout
 from ctxpar.plan import traffic
 from ctxpar.models import ModelConfig, Transformer

@@ -142,3 +142,22 @@ def test_an_explicit_tile_mask_is_honoured_and_a_row_that_sees_nothing_gets_minu
     for got, leaf in zip(grads, leaves):
         assert torch.isfinite(got).all()
         torch.testing.assert_close(got, leaf.grad, rtol=0, atol=1e-12)
+
+
+def test_a_record_without_timing_counts_everything_but_seconds() -> None:
+    """``record(timing=False)`` (the training loop's) takes no time and so never synchronises
+    a device; a timing record open beside it still gets the seconds."""
+    from ctxpar import profile
+
+    cpu_device = torch.device("cpu")
+    with profile.record(timing=False) as quiet, profile.record() as timed:
+        with profile.timed("compute", cpu_device):
+            sum(range(10000))
+        with profile.timed("wait", cpu_device):
+            pass
+        profile.note_strategy("ring", "why")
+        profile.add_traffic(8, 4)
+    assert (quiet.compute_seconds, quiet.compute_cpu_seconds, quiet.wait_seconds) == (0.0, 0.0, 0.0)
+    assert timed.compute_seconds > 0 and timed.compute_cpu_seconds >= 0
+    for rec in (quiet, timed):
+        assert (rec.waits, rec.strategy_choices, rec.bytes_sent, rec.bytes_received) == (1, [("ring", "why")], 8, 4)

@@ -31,8 +31,14 @@ FIELDS = ("trouble", "batch", "heads", "kv_heads", "local_len", "head_dim", "dty
           "strategy", "layout", "needs_grad", "documents/window", "sinks")
 
 
-def _code(text: str) -> int:
+def text_code(text: str) -> int:
+    """A checksum of ``text`` every rank computes alike (for names in a signature)."""
     return zlib.crc32(text.encode())
+
+
+def tensor_code(t: torch.Tensor, dtype: torch.dtype) -> int:
+    """A checksum of ``t``'s values taken in ``dtype`` on the host: equal on ranks holding equal values."""
+    return zlib.crc32(t.detach().to("cpu", dtype).contiguous().numpy().tobytes())
 
 
 def signature(q, k, v, *, layout_name: str, causal, scale, strategy, rejected: bool, mask=None, sinks=None
@@ -48,18 +54,18 @@ def signature(q, k, v, *, layout_name: str, causal, scale, strategy, rejected: b
     tensors = [t for t in (q, k, v) if isinstance(t, torch.Tensor)]
     shape = list(q.shape) if isinstance(q, torch.Tensor) and q.dim() == 4 else [-1] * 4
     kv_heads = k.shape[1] if isinstance(k, torch.Tensor) and k.dim() == 4 else -1
-    dtype = _code(str(q.dtype)) if isinstance(q, torch.Tensor) else -1
+    dtype = text_code(str(q.dtype)) if isinstance(q, torch.Tensor) else -1
     scale_bits = struct.unpack("<q", struct.pack("<d", float(scale)))[0] if isinstance(scale, (int, float)) else -1
     if isinstance(sinks, torch.Tensor):
         tensors.append(sinks)
     needs_grad = torch.is_grad_enabled() and any(t.requires_grad for t in tensors)
-    mask_code = -1 if mask is None else _code(f"{mask.documents}/{mask.window}")
+    mask_code = -1 if mask is None else text_code(f"{mask.documents}/{mask.window}")
     sinks_code = 0 if sinks is None else -1
     if isinstance(sinks, torch.Tensor):
-        sinks_code = zlib.crc32(sinks.detach().to("cpu", torch.float64).contiguous().numpy().tobytes())
+        sinks_code = tensor_code(sinks, torch.float64)
     return [OWN_INPUTS_REJECTED if rejected else 0, shape[0], shape[1], kv_heads, shape[2], shape[3], dtype,
-            int(bool(causal)), scale_bits, _code(str(strategy)), _code(layout_name), int(needs_grad), mask_code,
-            sinks_code]
+            int(bool(causal)), scale_bits, text_code(str(strategy)), text_code(layout_name), int(needs_grad),
+            mask_code, sinks_code]
 
 
 def check_ranks_agree(sig: list[int], topo: Topology, error: ValueError | None) -> None:

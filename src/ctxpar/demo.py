@@ -83,8 +83,7 @@ def _work_pairs(cfg: DemoConfig, layout: ctxpar.Layout, rank: int) -> float:
 def _mesh(cfg: DemoConfig, world: int, device: torch.device):
     if cfg.strategy != "hybrid":
         return None
-    u = cfg.ulysses_degree
-    return launch.init_mesh(device.type, (world // u, u), ("ring", "ulysses"))
+    return launch.hybrid_mesh(device.type, world, cfg.ulysses_degree)
 
 
 def demo_rank(rank: int, world: int, cfg: DemoConfig, device: torch.device | None = None) -> dict | None:

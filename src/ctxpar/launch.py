@@ -173,6 +173,12 @@ def local_placement(nproc: int, device_type: str) -> tuple[str, list[torch.devic
     return "gloo", [torch.device("cuda", r % gpus) for r in range(nproc)]
 
 
+def hybrid_mesh(device_type: str, world: int, ulysses: int):
+    """The hybrid strategy's (ring, ulysses) mesh of ``world`` ranks: all-to-all over ``ulysses``
+    neighbouring ranks, a ring across the world / ulysses groups."""
+    return init_mesh(device_type, (world // ulysses, ulysses), ("ring", "ulysses"))
+
+
 def init_mesh(device_type: str, shape: tuple[int, ...], names: tuple[str, ...]):
     """``init_device_mesh`` whose groups wait as long as the run's collective timeout.
 

@@ -53,3 +53,14 @@ def merge_into(acc_out: torch.Tensor, acc_lse: torch.Tensor, out_b: torch.Tensor
     acc_out.mul_(torch.exp(acc_lse - ref).unsqueeze(-1))
     acc_out.add_(torch.exp(lse_b - ref).unsqueeze(-1) * out_b)
     acc_lse.copy_(lse)
+
+
+def merge_packed(parts: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Merge P partials packed as (P, ..., S, D+1): each one's output in the first D columns
+    and its lse in the last. Merged in index order, so every rank holding the same stack gets
+    the same bits. Returns (out (..., S, D), lse (..., S)) in the stack's dtype."""
+    out, lse = parts[0, ..., :-1].clone(), parts[0, ..., -1].clone()
+    for part in parts[1:]:
+        merge_into(out, lse, part[..., :-1], part[..., -1])
+    return out, lse
+

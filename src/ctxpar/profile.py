@@ -7,7 +7,8 @@
 
 Counters are process-wide (not thread-local) because autograd may run backward on
 another thread. Timing on CUDA synchronises the device while a record is open, so only
-open one when measuring.
+open one when measuring; ``record(timing=False)`` counts bytes and strategy choices
+without timing anything (what a training loop can afford).
 """
 
 from __future__ import annotations
@@ -32,15 +33,17 @@ class Record:
     collectives: int = 0  # communications posted (one ring step's send + receive counts once)
     waits: int = 0  # times this rank blocked until a communication completed: synchronisation points
     strategy_choices: list[tuple[str, str]] = field(default_factory=list)  # strategy="auto": (chosen, why) per call
+    timing: bool = True  # compute and wait seconds counted (on CUDA: the device synchronised around each block)
 
 
 _open: list[Record] = []
 
 
 @contextlib.contextmanager
-def record() -> Iterator[Record]:
-    """Count everything ctxpar does on this rank inside the block."""
-    rec = Record()
+def record(timing: bool = True) -> Iterator[Record]:
+    """Count everything ctxpar does on this rank inside the block; without ``timing``,
+    everything but the seconds, and the device is never synchronised for it."""
+    rec = Record(timing=timing)
     _open.append(rec)
     try:
         yield rec
@@ -69,12 +72,13 @@ def timed(counter: str, device: torch.device) -> Iterator[None]:
     Wall time goes to ``<counter>_seconds``; for 'compute' the process CPU time also
     goes to ``compute_cpu_seconds``.
     """
-    if not _open:
-        yield
-        return
+    timing = [rec for rec in _open if rec.timing]
     if counter == "wait":
         for rec in _open:
             rec.waits += 1
+    if not timing:
+        yield
+        return
     sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
     sync()
     wall, cpu = time.perf_counter(), time.process_time()
@@ -83,7 +87,7 @@ def timed(counter: str, device: torch.device) -> Iterator[None]:
     finally:
         sync()
         wall, cpu = time.perf_counter() - wall, time.process_time() - cpu
-        for rec in _open:
+        for rec in timing:
             setattr(rec, f"{counter}_seconds", getattr(rec, f"{counter}_seconds") + wall)
             if counter == "compute":
                 rec.compute_cpu_seconds += cpu

@@ -83,3 +83,13 @@ def from_mesh(mesh) -> Topology:
 def hybrid_rank(mesh) -> int:
     """This rank's index in the CP layout under a hybrid mesh (use it to shard inputs)."""
     return from_mesh(mesh).rank
+
+
+def hybrid_group_rank(mesh, layout_rank: int, group: dist.ProcessGroup | None) -> int:
+    """The inverse of ``hybrid_rank``: the rank in ``group`` (None: WORLD) of the hybrid mesh's
+    member at ``layout_rank`` (``from_mesh``'s order: ring-major, ulysses-minor)."""
+    names = tuple(mesh.mesh_dim_names)
+    u = mesh.size(names.index("ulysses"))
+    index = [0, 0]
+    index[names.index("ulysses")], index[names.index("ring")] = layout_rank % u, layout_rank // u
+    return dist.get_group_rank(group or dist.group.WORLD, int(mesh.mesh[tuple(index)]))

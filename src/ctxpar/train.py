@@ -209,7 +209,7 @@ def train_rank(rank: int, world: int, cfg: TrainConfig, device: torch.device | N
     if device.type == "cuda":
         torch.cuda.reset_peak_memory_stats(device)
     before = profile.current_memory(device)
-    with profile.record() as rec:
+    with profile.record(timing=False) as rec:  # what strategy="auto" chose, without synchronising the device
         history = _run_steps(model, optimizer, cfg, start, inputs, after_step, show=rank == 0, grad_scale=world)
     chosen = dict(rec.strategy_choices)  # strategy="auto": {strategy: why}, one entry per distinct choice
     growth = [None] * world

@@ -94,6 +94,12 @@ class KVCache:
         """The rank that keeps a decoded position's K/V: round-robin, ``position mod P``."""
         return position % self.world_size
 
+    def next_positions(self, new: int, rank: int) -> torch.Tensor:
+        """(int64) the positions among the next ``new`` after the ``seq_len`` held that ``rank``
+        keeps (``owner``: p mod P), ascending."""
+        first = self.seq_len + (rank - self.seq_len) % self.world_size
+        return torch.tensor(range(first, self.seq_len + new, self.world_size), dtype=torch.int64)
+
     def keys(self, layer: int, length: int | None = None) -> torch.Tensor:
         """(B, H_kv, n, D) view of this rank's keys of ``layer`` (n = ``length``, default all held)."""
         return self._kv[layer, 0, :, :, : self.length if length is None else length]

@@ -86,10 +86,7 @@ def generate_rank(rank: int, world: int, cfg: GenerateConfig, device: torch.devi
         from tqdm import tqdm
 
         bar = tqdm(total=cfg.new_tokens, desc="generate", unit="tok")
-    mesh = None
-    if cfg.strategy == "hybrid":
-        u = cfg.ulysses_degree
-        mesh = launch.init_mesh(device.type, (world // u, u), ("ring", "ulysses"))
+    mesh = launch.hybrid_mesh(device.type, world, cfg.ulysses_degree) if cfg.strategy == "hybrid" else None
     result = generate(model, prompt, layout=cfg.layout, strategy=cfg.strategy, mesh=mesh, new_tokens=cfg.new_tokens,
                       temperature=cfg.temperature, seed=cfg.seed, on_token=bar.update if bar else None)
     if bar is not None:

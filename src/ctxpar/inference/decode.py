@@ -21,8 +21,6 @@ raise instead of silently mixing K/V of different sequences.
 
 from __future__ import annotations
 
-import zlib
-
 import torch
 import torch.distributed as dist
 import torch.nn as nn
@@ -32,7 +30,7 @@ from ctxpar.comm import PendingAllGather
 from ctxpar.inference.cache import KVCache
 from ctxpar.inference.hooks import attention_replaced, check_model_fits
 from ctxpar.inference.prefill import check_tokens
-from ctxpar.merge import merge_into
+from ctxpar.merge import merge_packed
 
 
 def decode_step(model: nn.Module, cache: KVCache, tokens: torch.Tensor, *,
@@ -108,10 +106,7 @@ def sharded_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, grou
     else:  # no keys here: contributes nothing to the merge
         out, lse = q.new_zeros(q.shape, dtype=acc), q.new_full(q.shape[:-1], float("-inf"), dtype=acc)
     packed = torch.cat([out.to(acc), lse.to(acc).unsqueeze(-1)], dim=-1)  # (B, H, S, D+1)
-    parts = PendingAllGather(packed, group).wait()  # (P, B, H, S, D+1)
-    out, lse = parts[0, ..., :-1].clone(), parts[0, ..., -1].clone()
-    for part in parts[1:]:
-        merge_into(out, lse, part[..., :-1], part[..., -1])
+    out, _ = merge_packed(PendingAllGather(packed, group).wait())  # of (P, B, H, S, D+1), in rank order
     return out.to(q.dtype)
 
 
@@ -140,7 +135,7 @@ def _signature(cache: KVCache, tokens) -> dict[str, int]:
     return {
         "position (prompt + steps)": cache.seq_len,
         "batch": tokens.shape[0] if ok and tokens.dim() else -1,
-        "dtype": zlib.crc32(str(cache.dtype).encode()),
-        "tokens (crc32)": zlib.crc32(tokens.detach().to("cpu", torch.int64).contiguous().numpy().tobytes())
+        "dtype": agreement.text_code(str(cache.dtype)),
+        "tokens (crc32)": agreement.tensor_code(tokens, torch.int64)
         if ok else -1,
     }

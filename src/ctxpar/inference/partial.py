@@ -28,19 +28,17 @@ call (int64, the size of one layer's positions, not of the K/V).
 
 from __future__ import annotations
 
-import zlib
-
 import torch
 import torch.nn as nn
 
-from ctxpar import agreement, comm, kernels
+from ctxpar import agreement, kernels
 from ctxpar.blocks import Tile, tiles_between
 from ctxpar.comm import PendingAllGather, RingComm
 from ctxpar.inference.cache import KVCache
 from ctxpar.inference.hooks import attention_replaced, check_model_fits
-from ctxpar.inference.prefill import check_tokens
+from ctxpar.inference.prefill import check_tokens, last_logits
 from ctxpar.masks import Mask
-from ctxpar.merge import merge_into
+from ctxpar.merge import merge_packed
 from ctxpar.plan.hardware import Hardware
 from ctxpar.plan.inference import PARTIAL_PREFILL_METHODS, choose_partial_prefill
 from ctxpar.strategies.blockwise import forward_tiles, output_accumulators
@@ -88,7 +86,7 @@ def partial_prefill(model: nn.Module, cache: KVCache, chunk: torch.Tensor, *, me
         cfg = model.cfg
         method, _ = choose_partial_prefill(model=cfg, batch=cache.batch, cached=cached, new=new, world=world,
                                            elem=cache.element_size, hw=hardware)
-    queries = [_new_positions(cache, new, s) for s in range(world)]
+    queries = [cache.next_positions(new, s) for s in range(world)]
     mine = queries[rank]
     tokens = chunk[:, mine - cached]  # (B, m)
     held_positions = _gather_positions(torch.cat([cache.positions(), mine]), cache)
@@ -111,11 +109,7 @@ def partial_prefill(model: nn.Module, cache: KVCache, chunk: torch.Tensor, *, me
         positions = mine.to(chunk.device)
         hidden = model.hidden_states(tokens, positions)  # (B, m, d)
         owner = (seq_len - 1) % world
-        if rank == owner:
-            last = model.output(hidden[:, -1])
-        else:
-            last = hidden.new_empty((chunk.shape[0], model.output.out_features))
-        logits = comm.broadcast(last, owner, cache.group)
+        logits = last_logits(model, hidden, rank == owner, owner, cache.group)
     cache.commit(mine, seq_len=seq_len)
     return logits
 
@@ -185,10 +179,7 @@ def _pass_q(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, tiles: list[tuple
     for back in returns:
         back.wait()
     mine[rank] = partials[rank]
-    acc_out, acc_lse = mine[0, :, :, :m, :d].clone(), mine[0, :, :, :m, d].clone()
-    for part in mine[1:]:
-        merge_into(acc_out, acc_lse, part[:, :, :m, :d], part[:, :, :m, d])
-    return acc_out.to(q.dtype)
+    return merge_packed(mine[:, :, :, :m])[0].to(q.dtype)
 
 
 def _gather_positions(positions: torch.Tensor, cache: KVCache) -> list[torch.Tensor]:
@@ -213,16 +204,10 @@ def _check(model: nn.Module, cache: KVCache, chunk, method: str, hardware) -> to
     if cache.seq_len + chunk.shape[1] > cache.capacity:
         raise ValueError(f"{cache.seq_len} cached + {chunk.shape[1]} new positions exceed the KV cache's capacity of "
                          f"{cache.capacity}; build the cache with capacity >= everything it will hold")
-    if cache.length + len(_new_positions(cache, chunk.shape[1], cache.rank)) > cache.local_capacity:
+    if cache.length + len(cache.next_positions(chunk.shape[1], cache.rank)) > cache.local_capacity:
         raise ValueError(f"rank {cache.rank}'s KV cache shard cannot take its share of the chunk: was the cache "
                          f"filled other than by prefill, partial_prefill and decode_step?")
     return chunk
-
-
-def _new_positions(cache: KVCache, new: int, rank: int) -> torch.Tensor:
-    """The chunk positions ``rank`` keeps: position p goes to rank p mod P (``KVCache.owner``)."""
-    first = cache.seq_len + (rank - cache.seq_len) % cache.world_size
-    return torch.tensor(range(first, cache.seq_len + new, cache.world_size), dtype=torch.int64)
 
 
 def _signature(cache: KVCache, chunk, method: str) -> dict[str, int]:
@@ -231,8 +216,8 @@ def _signature(cache: KVCache, chunk, method: str) -> dict[str, int]:
         "cached positions": cache.seq_len,
         "batch": chunk.shape[0] if ok else -1,
         "chunk length": chunk.shape[1] if ok else -1,
-        "chunk tokens (crc32)": zlib.crc32(chunk.detach().to("cpu", torch.int64).contiguous().numpy().tobytes())
+        "chunk tokens (crc32)": agreement.tensor_code(chunk, torch.int64)
         if ok else -1,
-        "method": zlib.crc32(str(method).encode()),
-        "dtype": zlib.crc32(str(cache.dtype).encode()),
+        "method": agreement.text_code(str(method)),
+        "dtype": agreement.text_code(str(cache.dtype)),
     }

@@ -10,12 +10,8 @@ rank samples the same token from the same numbers.
 
 from __future__ import annotations
 
-import zlib
-
 import torch
 import torch.nn as nn
-
-import torch.distributed as dist
 
 from ctxpar import agreement, comm, strategy_rules, topology
 from ctxpar.attention import attention
@@ -78,13 +74,8 @@ def prefill(model: nn.Module, cache: KVCache, prompt: torch.Tensor, *, layout: s
     with torch.no_grad(), attention_replaced(model, make):
         hidden = model.hidden_states(tokens, positions)  # (B, T/P, d)
         owner = last_position_owner(layout, seq_len)
-        if layout_rank == owner:  # positions ascend, so T-1 is the owner's last row
-            last = model.output(hidden[:, -1])  # (B, vocab)
-        else:
-            last = hidden.new_empty((prompt.shape[0], model.output.out_features))
-        if strategy == "hybrid":
-            owner = _group_rank(mesh, owner, cache.group)
-        logits = comm.broadcast(last, owner, cache.group)
+        owner_in_group = topology.hybrid_group_rank(mesh, owner, cache.group) if strategy == "hybrid" else owner
+        logits = last_logits(model, hidden, layout_rank == owner, owner_in_group, cache.group)
     cache.commit(positions, seq_len=seq_len)
     return logits
 
@@ -112,14 +103,15 @@ def check_tokens(tokens: object, cache: KVCache, vocab: int, what: str) -> None:
                          f"0..{vocab - 1}")
 
 
-def _group_rank(mesh, layout_rank: int, group) -> int:
-    """The rank in ``group`` of the mesh member at ``layout_rank`` (``topology.from_mesh``'s
-    order: ring-major, ulysses-minor)."""
-    names = tuple(mesh.mesh_dim_names)
-    u = mesh.size(names.index("ulysses"))
-    index = [0, 0]
-    index[names.index("ulysses")], index[names.index("ring")] = layout_rank % u, layout_rank // u
-    return dist.get_group_rank(group or dist.group.WORLD, int(mesh.mesh[tuple(index)]))
+def last_logits(model: nn.Module, hidden: torch.Tensor, owns_last: bool, owner: int, group) -> torch.Tensor:
+    """(B, vocab) logits of the sequence's last position on every rank of ``group``: the
+    rank holding it (``owner`` in the group, ``owns_last`` there; positions ascend, so it is
+    that rank's last row) runs the output layer and broadcasts."""
+    if owns_last:
+        last = model.output(hidden[:, -1])
+    else:
+        last = hidden.new_empty((hidden.shape[0], model.output.out_features))
+    return comm.broadcast(last, owner, group)
 
 
 def _check(model: nn.Module, cache: KVCache, prompt: torch.Tensor, layout: str | Layout, strategy: str,
@@ -168,10 +160,10 @@ def _signature(cache: KVCache, prompt, layout, strategy) -> dict[str, int]:
     return {
         "batch": prompt.shape[0] if ok else -1,
         "prompt length": prompt.shape[1] if ok else -1,
-        "prompt tokens (crc32)": zlib.crc32(prompt.detach().to("cpu", torch.int64).numpy().tobytes()) if ok else -1,
+        "prompt tokens (crc32)": agreement.tensor_code(prompt, torch.int64) if ok else -1,
         "capacity": cache.capacity,
-        "dtype": zlib.crc32(str(cache.dtype).encode()),
+        "dtype": agreement.text_code(str(cache.dtype)),
         "cached positions": cache.seq_len,
-        "layout": zlib.crc32((fingerprint(layout) if isinstance(layout, Layout) else str(layout)).encode()),
-        "strategy": zlib.crc32(str(strategy).encode()),
+        "layout": agreement.text_code(fingerprint(layout) if isinstance(layout, Layout) else str(layout)),
+        "strategy": agreement.text_code(str(strategy)),
     }

@@ -271,9 +271,8 @@ def _decode(owner: str, settings: Settings, cached, query, key, value, mask: Lay
     if sinks is not None:
         raise NotImplementedError(f"{owner} has attention sinks, which ctxpar's decode steps do not honour yet")
     scale = _scale(owner, scaling, query.shape[-1])
-    keep = cached.visible(mask.window, mask.chunk)  # (m,) slots, or None for all
-    if keep is not None:
-        key, value = key.index_select(2, keep), value.index_select(2, keep)  # (B, H_kv, m, D)
+    first = cached.first_visible(mask.window, mask.chunk)
+    key, value = key[:, :, first:], value[:, :, first:]  # (B, H_kv, m, D): views, no copy
     out = sharded_attention(query, key, value, group=settings.group, scale=scale)  # (B, H, 1, D)
     return out.transpose(1, 2).contiguous(), None  # (B, 1, H, D)
 

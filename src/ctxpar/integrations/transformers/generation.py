@@ -204,14 +204,13 @@ class ShardedCache(Cache):
                                       f"expanded after caching, as in multi-head latent attention, or K/V changed "
                                       f"after caching), which ctxpar's sharded cache cannot serve")
 
-    def visible(self, window: int | None, chunk: int | None) -> torch.Tensor | None:
-        """The held slots a decode step's query sees under a sliding window (q - k < window)
-        or chunks (the query's chunk, counted from position 0); None: all of them."""
+    def first_visible(self, window: int | None, chunk: int | None) -> int:
+        """The first held slot a decode step's query sees under a sliding window (q - k <
+        window) or chunks (the query's chunk, counted from position 0): the slots hold
+        ascending positions, so what it sees is every slot from there on (0: all)."""
         p, keys = self._step.position, self._step.keys
         first = max(p - window + 1 if window else 0, p - p % chunk if chunk else 0)
-        if first <= 0:
-            return None
-        return torch.nonzero(keys >= first).squeeze(1).to(self.kv.device)
+        return int(torch.searchsorted(keys, first)) if first > 0 else 0
 
 
 def cached_forward(forward, kwargs: dict, *, name: str, settings: Settings, cache: ShardedCache, accepts):
@@ -231,8 +230,8 @@ def cached_forward(forward, kwargs: dict, *, name: str, settings: Settings, cach
     try:
         out = forward(**call)
         if step.pending or not step.stored:
-            raise ValueError(f"{name} stored K/V in the cache for layers whose attention never read them; "
-                             f"ctxpar's sharded cache cannot serve this model")
+            raise NotImplementedError(f"{name} stored K/V in the cache for layers whose attention never read them; "
+                                      f"ctxpar's sharded cache cannot serve this model")
     finally:
         CACHED.reset(active)
         cache._step = None
