@@ -193,6 +193,10 @@ def test_cache_allocates_a_pth_of_the_capacity_and_refuses_bad_shapes() -> None:
     cache = KVCache(layers=3, batch=2, kv_heads=2, head_dim=4, capacity=10, dtype=torch.bfloat16)
     assert cache.local_capacity == 10 and cache.nbytes == 10 * 2 * 3 * 2 * 2 * 4 * 2
     assert cache.keys(0).shape == (2, 2, 0, 4) and cache.owner(7) == 0
+    assert cache.next_positions(3, 0).tolist() == [0, 1, 2]  # one rank keeps every position
+    for new, rank in ((-1, 0), (2, 1), (2, -1), (1.5, 0), (True, 0)):
+        with pytest.raises(ValueError, match="next_positions: "):
+            cache.next_positions(new, rank)
     with pytest.raises(ValueError, match="capacity must be an int between 1"):
         KVCache(layers=3, batch=2, kv_heads=2, head_dim=4, capacity=0)
     with pytest.raises(ValueError, match="do not fit the cache"):

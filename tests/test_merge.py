@@ -87,3 +87,20 @@ def test_a_row_without_a_defined_softmax_gets_lse_plus_inf_and_a_nan_output() ->
     merge_into(out, lse, partial, torch.tensor([[math.nan, math.inf, -math.inf]]))
     assert lse[0, 0] == math.inf and lse[0, 1] == math.inf and lse[0, 2] == 0.5
     assert out[0, :2].isnan().all() and out[0, 2].isfinite().all()
+
+
+def test_merge_packed_folds_a_stack_in_order_and_refuses_what_is_not_one() -> None:
+    import pytest
+
+    from ctxpar.merge import merge_packed
+
+    gen = torch.Generator().manual_seed(0)
+    outs, lses = torch.randn(3, 2, 5, 4, generator=gen), torch.randn(3, 2, 5, generator=gen)
+    lses[1, 0, 2] = float("-inf")  # a part that saw no key for one row
+    out, lse = merge_packed(torch.cat([outs, lses.unsqueeze(-1)], dim=-1))
+    want_out, want_lse = merge(outs[0], lses[0], outs[1], lses[1])
+    want_out, want_lse = merge(want_out, want_lse, outs[2], lses[2])
+    assert torch.equal(out, want_out) and torch.equal(lse, want_lse)
+    for bad in (torch.zeros(0, 2, 5, 5), torch.zeros(5, 5), torch.zeros(2, 3, 1)):
+        with pytest.raises(ValueError, match="merge_packed takes a stack"):
+            merge_packed(bad)

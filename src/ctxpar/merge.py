@@ -59,6 +59,9 @@ def merge_packed(parts: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """Merge P partials packed as (P, ..., S, D+1): each one's output in the first D columns
     and its lse in the last. Merged in index order, so every rank holding the same stack gets
     the same bits. Returns (out (..., S, D), lse (..., S)) in the stack's dtype."""
+    if parts.dim() < 3 or parts.shape[0] == 0 or parts.shape[-1] < 2:
+        raise ValueError(f"merge_packed takes a stack (P >= 1, ..., S, D+1 >= 2) of packed partials, got shape "
+                         f"{tuple(parts.shape)}")
     out, lse = parts[0, ..., :-1].clone(), parts[0, ..., -1].clone()
     for part in parts[1:]:
         merge_into(out, lse, part[..., :-1], part[..., -1])

@@ -97,6 +97,10 @@ class KVCache:
     def next_positions(self, new: int, rank: int) -> torch.Tensor:
         """(int64) the positions among the next ``new`` after the ``seq_len`` held that ``rank``
         keeps (``owner``: p mod P), ascending."""
+        if isinstance(new, bool) or not isinstance(new, int) or new < 0:
+            raise ValueError(f"next_positions: new must be a count of positions >= 0, got {new!r}")
+        if isinstance(rank, bool) or not isinstance(rank, int) or not 0 <= rank < self.world_size:
+            raise ValueError(f"next_positions: rank must be one of 0..{self.world_size - 1}, got {rank!r}")
         first = self.seq_len + (rank - self.seq_len) % self.world_size
         return torch.tensor(range(first, self.seq_len + new, self.world_size), dtype=torch.int64)
 
