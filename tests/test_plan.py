@@ -353,7 +353,7 @@ def test_tp_traffic_and_time_are_megatrons_collectives() -> None:
     assert step.tp_seconds == pytest.approx(32 * 8 * one / 450e9, rel=1e-12)
     full = cost.step_time(w.with_(checkpointing="full"), hw)
     assert full.tp_seconds == pytest.approx(32 * 12 * one / 450e9, rel=1e-12)  # the recomputed forward's again
-    assert step.seconds == step.matmul + step.attention_seconds + step.tp_seconds
+    assert step.seconds == step.matmul + step.attention_seconds + step.tp_seconds + step.dp_seconds
     plain = cost.step_time(worked(), hw)
     assert step.matmul == pytest.approx(plain.matmul / 4, rel=1e-12)  # matmul FLOPs / TP
     assert cost.attention_forward_flops(w) * 4 == cost.attention_forward_flops(worked())  # H/t heads
@@ -417,8 +417,8 @@ def test_baseline_is_the_fastest_fitting_configuration_without_cp() -> None:
     assert not fastest.fits  # TP 1 without checkpointing would be fastest, but does not fit
     assert b.best == min((p for p in b.points if p.fits), key=lambda p: p.seconds_per_batch)
     assert (b.best.tp, b.best.checkpointing) == (4, "none")
-    assert b.speedup == b.best.seconds_per_batch / cost.step_time(w, hw).seconds == pytest.approx(1.0896, abs=1e-4)
-    assert b.verdict == "pays_off" and b.summary.startswith("CP pays off: TP=1 x CP=4 ring takes 1.225 s per step")
+    assert b.speedup == b.best.seconds_per_batch / cost.step_time(w, hw).seconds == pytest.approx(1.0923, abs=1e-4)
+    assert b.verdict == "pays_off" and b.summary.startswith("CP pays off: TP=1 x CP=4 ring takes 1.228 s per step")
     slow = baseline(worked(fsdp=4, tp=2, checkpointing="full"), hw)  # recomputation costs more than CP saves
     assert slow.verdict == "does_not_pay_off" and slow.speedup < 1
 
@@ -437,6 +437,59 @@ def test_baseline_says_cp_is_necessary_when_nothing_without_cp_fits() -> None:
     assert baseline(worked(cp=1), hw).verdict == "no_cp"
 
 
+def test_dp_and_fsdp_traffic_are_ring_collectives_over_the_gpus_holding_each_shard() -> None:
+    n = 8_030_261_248  # the worked model's parameters; bf16
+    assert traffic.data_parallel(parameters=n, elem=2, group=1, fsdp=1).total == 0
+    ddp = traffic.data_parallel(parameters=n, elem=2, group=4, fsdp=1)  # an all-reduce over 4
+    assert (ddp.gather, ddp.reduce, ddp.replicate) == (0, 2 * 3 * (n // 4) * 2, 0)
+    fsdp = traffic.data_parallel(parameters=n + 1, elem=2, group=8, fsdp=8)  # FSDP pads N to a multiple of 8
+    assert (fsdp.gather, fsdp.reduce, fsdp.replicate) == (7 * (n // 8 + 1) * 2, 7 * (n // 8 + 1) * 2, 0)
+    assert fsdp.total == 2 * fsdp.gather + fsdp.reduce
+    hsdp = traffic.data_parallel(parameters=n, elem=2, group=32, fsdp=8)  # 4 replicas of each 1/8 shard
+    assert hsdp.replicate == 2 * 3 * -(-(n // 8) // 4) * 2 and hsdp.gather == 7 * (n // 8) * 2
+    with pytest.raises(ValueError, match="FSDP degree 3 does not divide the 8 GPUs"):
+        traffic.data_parallel(parameters=n, elem=2, group=8, fsdp=3)
+
+
+def test_dp_and_fsdp_time_is_what_the_layers_compute_does_not_hide() -> None:
+    hw = get_hardware("H100-SXM")  # 450 GB/s in a node of 8, 50 GB/s across
+    n, layers = 8_030_261_248, 32
+    assert cost.step_time(worked(cp=1), hw).data_parallel is None  # one GPU: nothing to keep in step
+    step = cost.step_time(worked(), hw)  # CP 4, no FSDP: the gradients' all-reduce over the 4 CP ranks
+    assert set(cost.links(worked(), hw)) == {"tp", "cp", "dp"}
+    dp = step.data_parallel
+    reduce = 2 * 3 * (n // 4) * 2 / layers / 450e9
+    assert dp.forward is None and dp.backward.transfer == reduce < dp.backward.compute
+    assert step.dp_seconds == pytest.approx(reduce, rel=1e-12)  # hidden but for the last layer's
+    assert dp.backward.compute == pytest.approx((step.compute_seconds - step.forward_seconds) / layers, rel=1e-12)
+    assert step.seconds == step.compute_seconds + step.dp_seconds
+
+    # HSDP on 64 GPUs, 8 per node: FSDP over 8 CP x DP ranks spanning 8 GPUs (NVLink), 8 replicas over every node
+    w = worked(dp=16, fsdp=8)
+    links = cost.links(w, hw)
+    assert (links["fsdp"].span, links["fsdp"].crosses_nodes, links["replicas"].group_size,
+            links["replicas"].crosses_nodes) == (8, False, 8, True)
+    step = cost.step_time(w, hw)
+    dp = step.data_parallel
+    gather = 7 * (n // 8) * 2 / layers / 450e9
+    reduce = gather + 2 * 7 * -(-(n // 8) // 8) * 2 / layers / 50e9
+    assert (dp.forward.transfer, dp.forward.lead) == (gather, gather)
+    assert dp.backward.transfer == pytest.approx(gather + reduce, rel=1e-12)
+    assert (dp.backward.lead, dp.backward.tail) == (gather, pytest.approx(reduce, rel=1e-12))
+    assert step.dp_seconds == pytest.approx(gather + gather + reduce, rel=1e-12)  # every layer hides the rest
+
+    # short sequences on a slow link: the transfers outlast each layer's compute and the excess is exposed
+    slow = replace(hw, inter_node_bandwidth=1e9, latency=10e-6)
+    w = worked(seq=4096, dp=16, fsdp=8)
+    dp = cost.step_time(w, slow).data_parallel
+    fwd, bwd = dp.forward, dp.backward
+    assert fwd.transfer > fwd.compute and bwd.transfer > 2 * bwd.compute
+    assert dp.exposed == pytest.approx(fwd.lead + (layers - 1) * (fwd.transfer - fwd.compute)
+                                       + bwd.lead + bwd.tail + (layers - 1) * (bwd.transfer - bwd.compute), rel=1e-12)
+    assert bwd.tail == pytest.approx(7 * (n // 8) * 2 / layers / 450e9 + 10e-6
+                                     + 2 * 7 * -(-(n // 8) // 8) * 2 / layers / 1e9 + 10e-6, rel=1e-12)
+
+
 def test_cli_parallel_flags_and_json_keys(tmp_path, capsys, monkeypatch) -> None:
     monkeypatch.setattr(planner, "MAX_SWEEP_SEQ", 2**15)  # a short sweep: this test is about the keys
     out = tmp_path / "plan.json"
@@ -453,7 +506,14 @@ def test_cli_parallel_flags_and_json_keys(tmp_path, capsys, monkeypatch) -> None
     assert (par["tp"], par["cp"], par["dp"], par["fsdp"], par["world_size"], par["gpus_per_replica"]) == \
         (2, 4, 2, 8, 16, 8)
     assert (par["heads_per_gpu"], par["kv_heads_per_gpu"], par["parameters_per_gpu"]) == (16, 4, 4_015_263_744)
-    assert set(par["links"]) == {"tp", "cp"} and par["links"]["cp"]["crosses_nodes"] is True
+    assert set(par["links"]) == {"tp", "cp", "fsdp"} and par["links"]["cp"]["crosses_nodes"] is True
+    assert (par["links"]["fsdp"]["group_size"], par["links"]["fsdp"]["spans_gpus"]) == (8, 16)
+    dp = report["dp_traffic_per_step"]
+    assert set(dp) == {"gather_bytes", "reduce_bytes", "replicate_bytes", "total_bytes", "exposed_seconds", "forward",
+                       "backward", "links"} and set(dp["links"]) == {"fsdp"}
+    assert dp["gather_bytes"] == dp["reduce_bytes"] == 7 * -(-4_015_263_744 // 8) * 2 and dp["replicate_bytes"] == 0
+    assert report["step"]["data_parallel_communication_seconds"] == dp["exposed_seconds"] > 0
+    assert "Data-parallel traffic per GPU per step (the 8 GPUs holding each TP shard: DP=2 x CP=4; FSDP=8" in table
     assert set(par["links"]["tp"]) == {"group_size", "spans_gpus", "crosses_nodes", "link", "bandwidth"}
     assert report["traffic_per_layer"]["link"] == "inter-node" and report["traffic_per_layer"]["crosses_nodes"]
     tp = report["tp_traffic_per_layer"]

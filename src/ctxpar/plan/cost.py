@@ -51,12 +51,17 @@ as overlapped with the input-gradient matmul, as Megatron runs them. Links (``li
 Megatron's rank order, TP innermost, then CP, then DP: a TP group is t consecutive GPUs,
 a CP group spans t·P, a hybrid's all-to-all t·U; each is paced by the inter-node link
 once its span exceeds the GPUs per node.
+
+Data parallelism (``data_parallel_time``): the DP·P GPUs holding one TP shard reduce its
+gradients (DDP), or gather its parameters and reduce-scatter its gradients (FSDP over Z,
+spanning t·Z GPUs; HSDP adds an all-reduce over the replicas), layer by layer behind the
+compute: the step pays what the layers' compute does not hide.
 """
 
 from __future__ import annotations
 
 import functools
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from ctxpar.layout import get_layout
 from ctxpar.masks import Mask
@@ -292,13 +297,21 @@ class Link:
 
 def links(w: Workload, hw: Hardware) -> dict[str, Link]:
     """"tp" and "cp" (and "ulysses", the hybrid's all-to-all): TP groups are t consecutive GPUs,
-    CP ranks t apart (a group spans t·P GPUs), a hybrid's all-to-all U CP ranks (t·U GPUs)."""
+    CP ranks t apart (a group spans t·P GPUs), a hybrid's all-to-all U CP ranks (t·U GPUs).
+    The G = DP·P GPUs holding one TP shard keep it in step: "fsdp", Z of them t apart
+    (spanning t·Z GPUs), and "replicas" (HSDP, the G/Z copies of a shard) or "dp" (DDP,
+    all G) spanning every GPU."""
     def link(size: int, span: int) -> Link:
         return Link(size, span, hw.crosses_nodes(span), hw.bandwidth(span))
 
     out = {"tp": link(w.tp, w.tp), "cp": link(w.cp, w.tp * w.cp)}
     if w.strategy == "hybrid":
         out["ulysses"] = link(w.ulysses_degree, w.tp * w.ulysses_degree)
+    group, z = w.cp * w.data_parallel, w.fsdp
+    if z > 1:
+        out["fsdp"] = link(z, w.tp * z)
+    if group > z:
+        out["dp" if z == 1 else "replicas"] = link(group // z, w.world_size)
     return out
 
 
@@ -306,6 +319,38 @@ def tp_traffic(w: Workload) -> traffic.TensorParallelTraffic:
     """Bytes one GPU sends per layer for tensor parallelism (``traffic.tensor_parallel``)."""
     return traffic.tensor_parallel(batch=w.batch, local_len=w.local_len, hidden=w.model.hidden, tp=w.tp,
                                    elem=w.elem, sequence_parallel=w.sequence_parallel)
+
+
+def dp_traffic(w: Workload) -> traffic.DataParallelTraffic:
+    """Bytes one GPU sends per step for DP / FSDP (``traffic.data_parallel``) over the
+    G = DP·P GPUs holding its TP shard."""
+    return traffic.data_parallel(parameters=w.model.parameters_per_tp_rank(w.tp), elem=w.elem,
+                                 group=w.cp * w.data_parallel, fsdp=w.fsdp)
+
+
+@dataclass(frozen=True)
+class DataParallelTime:
+    """One step's DP / FSDP communication, as pipelines over the L layers (an even share of
+    the bytes each) beside their compute: FSDP's forward all-gathers, the next layer's
+    posted while this one computes and the first exposed (``forward``); the backward's
+    re-gather and gradient reduction per layer behind that layer's backward, the first
+    re-gather and the last reduction exposed (``backward``; DDP has only the reduction).
+    What they add to the step is their ``exposed`` seconds."""
+
+    traffic: traffic.DataParallelTraffic
+    forward: Pipeline | None
+    backward: Pipeline | None
+
+    @property
+    def exposed(self) -> float:
+        return sum(p.exposed for p in (self.forward, self.backward) if p is not None)
+
+    def as_dict(self) -> dict:
+        t = self.traffic
+        return dict(gather_bytes=t.gather, reduce_bytes=t.reduce, replicate_bytes=t.replicate, total_bytes=t.total,
+                    exposed_seconds=self.exposed,
+                    forward=None if self.forward is None else self.forward.as_dict(),
+                    backward=None if self.backward is None else self.backward.as_dict())
 
 
 @dataclass(frozen=True)
@@ -318,6 +363,7 @@ class StepTime:
     recompute: bool
     tp_forward: float = 0.0  # one layer's exposed TP communication, forward
     tp_backward: float = 0.0  # and backward (re-gathers overlapped: not counted)
+    data_parallel: DataParallelTime | None = None  # None: no other GPU holds the same parameters
 
     @property
     def attention_seconds(self) -> float:
@@ -331,12 +377,30 @@ class StepTime:
         return self.layers * (self.tp_forward * (2 if self.recompute else 1) + self.tp_backward)
 
     @property
-    def seconds(self) -> float:
+    def compute_seconds(self) -> float:
+        """Matmuls, attention and TP communication: the work DP / FSDP transfers hide behind."""
         return self.matmul + self.attention_seconds + self.tp_seconds
+
+    @property
+    def forward_seconds(self) -> float:
+        """The part of ``compute_seconds`` before the backward: one pass of the matmuls, every
+        layer's attention forward and forward TP collectives."""
+        passes = 4 if self.recompute else 3
+        return self.matmul / passes + self.layers * (self.attention.forward.seconds + self.tp_forward)
+
+    @property
+    def dp_seconds(self) -> float:
+        """DP / FSDP communication the compute does not hide."""
+        return 0.0 if self.data_parallel is None else self.data_parallel.exposed
+
+    @property
+    def seconds(self) -> float:
+        return self.compute_seconds + self.dp_seconds
 
     def as_dict(self) -> dict:
         return dict(seconds=self.seconds, matmul_seconds=self.matmul, attention_seconds=self.attention_seconds,
-                    tp_communication_seconds=self.tp_seconds,
+                    tp_communication_seconds=self.tp_seconds, data_parallel_communication_seconds=self.dp_seconds,
+                    data_parallel=None if self.data_parallel is None else self.data_parallel.as_dict(),
                     attention_per_layer=dict(forward=self.attention.forward.as_dict(),
                                              backward=self.attention.backward.as_dict(),
                                              link_bandwidth=self.attention.link_bandwidth),
@@ -361,8 +425,33 @@ def step_time(w: Workload, hw: Hardware) -> StepTime:
     matmul = matmul_seconds(w, hw, passes)
     tp, bw = tp_traffic(w), hw.bandwidth(w.tp)
     lat = tp.collectives * hw.latency
-    return StepTime(matmul, attention_time(w, hw), w.model.layers, recompute, tp.forward / bw + lat,
+    step = StepTime(matmul, attention_time(w, hw), w.model.layers, recompute, tp.forward / bw + lat,
                     tp.backward / bw + lat)
+    return replace(step, data_parallel=data_parallel_time(w, hw, step))
+
+
+def data_parallel_time(w: Workload, hw: Hardware, step: StepTime) -> DataParallelTime | None:
+    """``DataParallelTime`` of ``w`` beside ``step``'s compute; None when G = DP·P is 1.
+
+    Per layer: an all-gather g = gather/L over the FSDP link, a reduction r = reduce/L over
+    it plus replicate/L over the replicas' link, one latency per collective.
+    """
+    moved = dp_traffic(w)
+    if moved.total == 0:
+        return None
+    layers, lat, group_links = w.model.layers, hw.latency, links(w, hw)
+    forward_layer = step.forward_seconds / layers
+    backward_layer = (step.compute_seconds - step.forward_seconds) / layers
+    if "dp" in group_links:  # DDP: the gradients' all-reduce, bucketed per layer behind the backward
+        reduce = moved.reduce / layers / group_links["dp"].bandwidth + lat
+        return DataParallelTime(moved, None, Pipeline(layers, backward_layer, reduce, tail=reduce))
+    fsdp = group_links["fsdp"].bandwidth
+    gather = moved.gather / layers / fsdp + lat
+    reduce = moved.reduce / layers / fsdp + lat
+    if "replicas" in group_links:
+        reduce += moved.replicate / layers / group_links["replicas"].bandwidth + lat
+    return DataParallelTime(moved, Pipeline(layers, forward_layer, gather, lead=gather),
+                            Pipeline(layers, backward_layer, gather + reduce, lead=gather, tail=reduce))
 
 
 def efficiency(w: Workload, hw: Hardware) -> float:

@@ -8,8 +8,9 @@ JSON (bytes exact, times in seconds; formulas in docs/planner.md):
     parallel            tp, cp, dp (the effective data-parallel degree), fsdp, world_size (TP·P·DP),
                         gpus_per_replica (TP·P), sequence_parallel, heads_per_gpu (H/TP),
                         kv_heads_per_gpu (H_kv/TP), parameters_per_gpu (one TP rank's share, before
-                        FSDP), links: {"tp", "cp"[, "ulysses"]} each with group_size, spans_gpus
-                        (TP groups: TP consecutive GPUs; CP groups span TP·P), crosses_nodes,
+                        FSDP), links: {"tp", "cp"[, "ulysses"][, "fsdp"][, "replicas" | "dp"]} each
+                        with group_size, spans_gpus (TP groups: TP consecutive GPUs; CP groups span
+                        TP·P, FSDP groups TP·Z, replicas and DDP every GPU), crosses_nodes,
                         link ("intra-node" | "inter-node") and bandwidth
     sequence_tensors    one hidden state, one per layer, one layer's K/V: total and per-GPU bytes
     traffic_per_layer   CP: forward_bytes, backward_bytes per GPU, link_bandwidth, the transfer
@@ -21,8 +22,16 @@ JSON (bytes exact, times in seconds; formulas in docs/planner.md):
     mask, work          the mask and its traffic bound; per-rank pairs x heads, load balance
     memory_per_gpu      every category's bytes (per GPU, under TP and FSDP), checkpointing, total_bytes,
                         hbm_bytes, fits
+    dp_traffic_per_step  DP / FSDP over the DP·P GPUs holding each TP shard (null when there are
+                        none): gather_bytes (one parameter all-gather over FSDP; forward and again
+                        backward), reduce_bytes (gradient reduce-scatter over FSDP, or all-reduce
+                        without it), replicate_bytes (HSDP: the shard's all-reduce over the
+                        replicas), total_bytes, exposed_seconds, forward and backward (the
+                        pipelines over the layers), links {"fsdp", "replicas" | "dp"}
     step, cp1_step      seconds, matmul_seconds, attention_seconds, tp_communication_seconds,
-                        attention_per_layer (the pipelines), tp_per_layer
+                        data_parallel_communication_seconds (exposed), data_parallel (as in
+                        dp_traffic_per_step, or null), attention_per_layer (the pipelines),
+                        tp_per_layer
     efficiency, cp1_fits_up_to, sweep, crossovers   against CP degree at the same TP
     baseline            the best configuration without CP on the same TP·P GPUs (``plan/baseline.py``):
                         gpus_per_replica, verdict ("pays_off" | "does_not_pay_off" | "necessary" |
@@ -106,6 +115,13 @@ def _tp_traffic_json(plan: Plan) -> dict:
             "link": link.name, "crosses_nodes": link.crosses_nodes}
 
 
+def _dp_traffic_json(plan: Plan) -> dict | None:
+    dp = plan.step.data_parallel
+    if dp is None:
+        return None
+    return {**dp.as_dict(), "links": {k: plan.links[k].as_dict() for k in DP_LINKS if k in plan.links}}
+
+
 def to_json(plan: Plan) -> dict:
     """Every figure of the plan: bytes as exact integers, times in seconds (keys: the module docstring)."""
     w, hw = plan.workload, plan.hardware
@@ -132,6 +148,7 @@ def to_json(plan: Plan) -> dict:
             "crosses_nodes": plan.links["cp"].crosses_nodes,
         },
         "tp_traffic_per_layer": _tp_traffic_json(plan),
+        "dp_traffic_per_step": _dp_traffic_json(plan),
         "mask": _mask_json(plan),
         "work": {"head_pairs_per_rank": list(plan.head_pairs), "load_balance": plan.load_balance},
         "memory_per_gpu": {**{f"{k}_bytes": v for k, v in mem.categories().items()},
@@ -179,7 +196,8 @@ def _overlap_thresholds(plan: Plan) -> list[dict]:
 def format_plan(plan: Plan) -> str:
     """The table the CLI prints."""
     tp = [*_tp_traffic(plan), ""] if plan.workload.tp > 1 else []
-    return "\n".join([*_header(plan), "", *_tensors(plan), "", *_traffic(plan), "", *tp, *_attention(plan), "",
+    dp = [*_dp_traffic(plan), ""] if plan.step.data_parallel is not None else []
+    return "\n".join([*_header(plan), "", *_tensors(plan), "", *_traffic(plan), "", *tp, *dp, *_attention(plan), "",
                       *_memory(plan), "", *_step(plan), "", *_degrees(plan), "", *_crossovers(plan), "",
                       *_baseline(plan), "", *_recommendation(plan)])
 
@@ -305,6 +323,37 @@ def _tp_traffic(plan: Plan) -> list[str]:
     return lines
 
 
+DP_LINKS = ("fsdp", "replicas", "dp")
+
+
+def _dp_traffic(plan: Plan) -> list[str]:
+    w, dp = plan.workload, plan.step.data_parallel
+    tr, group, z, per_node = dp.traffic, w.cp * w.data_parallel, w.fsdp, plan.hardware.gpus_per_node
+    lines = [f"Data-parallel traffic per GPU per step (the {group} GPUs holding each TP shard: DP={w.data_parallel} "
+             f"x CP={w.cp}; FSDP={z}; ring collectives, n = group size, N = {parameters_per_gpu(w):,} parameters)",
+             f"  {'':<10}{'collective':<58} {'bytes':>12}"]
+    if z == 1:
+        lines.append(f"  {'backward':<10}{'gradients all-reduce over G, 2·(n-1)·ceil(N/n)·b':<58} "
+                     f"{format_bytes(tr.reduce):>12}")
+    else:
+        rows = [("forward", "parameters all-gather over Z, (n-1)·ceil(N/n)·b", tr.gather),
+                ("backward", "the same all-gather again", tr.gather),
+                ("", "gradients reduce-scatter over Z, (n-1)·ceil(N/n)·b", tr.reduce)]
+        if tr.replicate:
+            rows.append(("", "shard all-reduce over G/Z replicas, 2·(n-1)·ceil(N/Z/n)·b", tr.replicate))
+        lines += [f"  {name:<10}{what:<58} {format_bytes(n):>12}" for name, what, n in rows]
+    parts = [(name, p) for name, p in (("forward", dp.forward), ("backward", dp.backward)) if p is not None]
+    lines.append("  per layer, behind its compute (1/L of the bytes each): "
+                 + "; ".join(f"{name} {format_seconds(p.transfer)} against {format_seconds(p.compute)}"
+                             for name, p in parts))
+    outlasts = "" if all(p.hidden for _, p in parts) else ", and what outlasts the compute"
+    first = "" if dp.forward is None else "the first gather, "
+    lines.append(f"  exposed: {format_seconds(dp.exposed)} per step ({first}the last reduction{outlasts})")
+    names = {"fsdp": "FSDP", "replicas": "replica", "dp": "DP"}
+    lines += [f"  {_link_words(plan.links[k], names[k], per_node)}" for k in DP_LINKS if k in plan.links]
+    return lines
+
+
 def _attention(plan: Plan) -> list[str]:
     w, attn = plan.workload, plan.step.attention
     hw = plan.hardware
@@ -342,6 +391,7 @@ def _memory(plan: Plan) -> list[str]:
 def _step(plan: Plan) -> list[str]:
     s, w = plan.step, plan.workload
     tp = f" + TP communication {format_seconds(s.tp_seconds)} (exposed)" if w.tp > 1 else ""
+    tp += f" + DP/FSDP communication {format_seconds(s.dp_seconds)} (exposed)" if s.data_parallel else ""
     per_gpu = f" / TP={w.tp}" if w.tp > 1 else ""
     return [f"Step time, busiest rank: {format_seconds(s.seconds)} = matmuls {format_seconds(s.matmul)} "
             f"(6·(N - V·d) FLOPs per token{per_gpu}{', +1 forward recomputed' if s.recompute else ''}) + attention "

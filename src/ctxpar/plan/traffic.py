@@ -160,6 +160,48 @@ def tensor_parallel(*, batch: int, local_len: int, hidden: int, tp: int, elem: i
     return TensorParallelTraffic(forward=2 * all_reduce, backward=2 * all_reduce, regather=0, collectives=2)
 
 
+@dataclass(frozen=True)
+class DataParallelTraffic:
+    """Bytes one GPU sends per training step to keep its parameters and gradients in step
+    with the G = DP·P GPUs holding the same TP shard (``data_parallel``)."""
+
+    gather: int  # FSDP: one all-gather of the parameters over Z (the forward's; the backward repeats it)
+    reduce: int  # gradients: reduce-scatter over Z (FSDP), or all-reduce over G (Z = 1)
+    replicate: int  # HSDP (1 < Z < G): all-reduce of the 1/Z gradient shard over the G/Z replicas
+
+    @property
+    def total(self) -> int:
+        return 2 * self.gather + self.reduce + self.replicate
+
+
+def data_parallel(*, parameters: int, elem: int, group: int, fsdp: int) -> DataParallelTraffic:
+    """Per step, what one GPU sends for the N parameters it holds (one TP rank's share), b
+    bytes each, kept in step over G GPUs of which Z shard them (Z divides G).
+
+    Ring collectives over n GPUs (each GPU's 1/n chunk to the n-1 others; FSDP pads N to a
+    multiple of n, so a chunk is ceil(N/n)):
+
+        all-gather, reduce-scatter   (n-1)·ceil(N/n)·b
+        all-reduce                   2·(n-1)·ceil(N/n)·b   (a reduce-scatter, then an all-gather)
+
+    Z = 1 (DDP): the gradients' all-reduce over G. Z > 1 (FSDP, ZeRO-3): the parameters'
+    all-gather over Z in the forward and again in the backward, the gradients'
+    reduce-scatter over Z, and with G/Z > 1 replicas (HSDP) an all-reduce of the 1/Z shard
+    over them. Gradients are reduced in b bytes, as ``memory`` holds them.
+    """
+    if group % fsdp:
+        raise ValueError(f"FSDP degree {fsdp} does not divide the {group} GPUs that hold the same parameters")
+
+    def chunk(n: int, of: int = parameters) -> int:
+        return -(-of // n) * elem
+
+    if fsdp == 1:
+        return DataParallelTraffic(0, 2 * (group - 1) * chunk(group), 0)
+    replicas, shard = group // fsdp, -(-parameters // fsdp)
+    return DataParallelTraffic(gather=(fsdp - 1) * chunk(fsdp), reduce=(fsdp - 1) * chunk(fsdp),
+                               replicate=2 * (replicas - 1) * chunk(replicas, shard))
+
+
 def partial_prefill(method: str, *, batch: int, cached: int, new: int, heads: int, kv_heads: int, head_dim: int,
                     world: int, elem: int, acc: int) -> int:
     """Bytes one rank sends per layer when T_new tokens are prefilled on top of T_cached.
