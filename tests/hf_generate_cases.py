@@ -4,8 +4,9 @@ model's generate without CP, on CP groups of P = 2, 3 and 4 of those ranks.
 - ``tokens``: for each (P, case), on every rank of the group: whether the generated
   sequences equal the unsplit model's, and a digest of them (the same on every rank).
   Tiny Llama and Mistral (a sliding window of 4, so decode steps see only some of each
-  rank's keys), every layout, the three inference strategies, greedy and seeded sampling,
-  num_return_sequences=2.
+  rank's keys), every layout, the three inference strategies and ``strategy="auto"``
+  (with the strategies the planner chose, one per layer of the prefill), greedy and
+  seeded sampling, num_return_sequences=2.
 - ``families``: every family that runs under CP (not ``hf_families.REFUSED``) on two CP
   groups of 2 ranks (zigzag, 16-token prompt, 4 new tokens): the same tokens as without
   CP, or refused naming what the sharded cache cannot serve (``GENERATE_REFUSED``).
@@ -49,6 +50,8 @@ def cases(world: int) -> dict[str, tuple]:
     found["llama/zigzag/allgather"] = ("llama", "zigzag", "allgather", {})
     if 4 % world == 0:
         found["llama/striped/alltoall"] = ("llama", "striped", "alltoall", {})
+    found["llama/zigzag/auto"] = ("llama", "zigzag", "auto", {})
+    found["mistral/striped/auto"] = ("mistral", "striped", "auto", {})
     found["llama/zigzag/sampled"] = ("llama", "zigzag", "ring", SAMPLE)
     found["mistral/striped/sampled x2"] = ("mistral", "striped", "ring", dict(SAMPLE, num_return_sequences=2))
     return found
@@ -88,12 +91,14 @@ def _tokens(rank: int, world: int) -> dict:
             want = generate(model, tokens, kwargs)  # without CP; then the same model under CP
             try:
                 enable_context_parallel(model, layout=ctxpar.get_layout(layout, p), group=groups[p], strategy=strategy)
-                got = generate(model, tokens, kwargs)
+                with ctxpar.record(timing=False) as rec:
+                    got = generate(model, tokens, kwargs)
             except Exception as e:  # noqa: BLE001  reported by the test
                 out[(p, name)] = dict(error=f"{type(e).__name__}: {e}")
                 continue
             out[(p, name)] = dict(equal=torch.equal(got, want), shape=tuple(got.shape),
-                                  digest=hash(tuple(got.flatten().tolist())),
+                                  digest=hash(tuple(got.flatten().tolist())), layers=model.config.num_hidden_layers,
+                                  chosen=[chosen for chosen, _ in rec.strategy_choices],
                                   first_mismatch=(got != want).nonzero()[:1].tolist() if got.shape == want.shape
                                   else None)
     return out

@@ -6,6 +6,8 @@ runs here, without a process group.
 
 from __future__ import annotations
 
+import re
+
 import pytest
 
 pytest.importorskip("transformers")
@@ -16,6 +18,7 @@ import hf_generate_cases as cases  # noqa: E402
 import torch  # noqa: E402
 
 import ctxpar  # noqa: E402
+from ctxpar.auto import CANDIDATES  # noqa: E402
 from ctxpar.integrations.transformers import ShardedCache, enable_context_parallel  # noqa: E402
 
 ONE = ctxpar.get_layout("zigzag", 1)
@@ -45,6 +48,23 @@ def test_generate_under_cp_gives_the_tokens_of_generate_without_cp(world: int, k
     copies = cases.cases(world)[key][3].get("num_return_sequences", 1)
     assert runs[0]["shape"] == (cases.BATCH * copies, cases.PROMPT_LEN + cases.NEW_TOKENS)
     assert len({r["digest"] for r in runs}) == 1
+
+
+@pytest.mark.parametrize("world, key", [(p, key) for p in cases.WORLDS for key in cases.cases(p)])
+def test_strategy_auto_asks_the_planner_once_per_layer_in_the_prefill_only(world: int, key: str) -> None:
+    """strategy="auto" (its tokens: the test above) resolves through ``ctxpar.attention``:
+    each layer of the prefill records one of auto's candidates, the same on every rank;
+    decode steps do not ask (they merge over the group whatever the prefill moved). An
+    explicit strategy records nothing."""
+    runs = _runs(world, key)
+    for rank, r in enumerate(runs):
+        assert "error" not in r, f"rank {rank}: {r['error']}"
+    if cases.cases(world)[key][2] != "auto":
+        assert all(r["chosen"] == [] for r in runs), [r["chosen"] for r in runs]
+        return
+    assert len(runs[0]["chosen"]) == runs[0]["layers"], runs[0]["chosen"]
+    assert set(runs[0]["chosen"]) <= set(CANDIDATES), runs[0]["chosen"]
+    assert all(r["chosen"] == runs[0]["chosen"] for r in runs), [r["chosen"] for r in runs]
 
 
 @pytest.mark.parametrize("case", [c for c in hf_families.CASES if c not in hf_families.REFUSED])
@@ -124,5 +144,6 @@ def test_one_rank_without_a_process_group_generates_as_without_cp(family: str) -
     with pytest.raises(NotImplementedError, match="cannot reorder its sequences"):
         out.cache.reorder_cache(torch.tensor([1, 0]))
     hybrid = enable_context_parallel(hf_families.build(family), layout=ONE, strategy="hybrid")
-    with pytest.raises(NotImplementedError, match="supports the ring, allgather, alltoall strategies, not 'hybrid'"):
+    refusal = re.escape("supports strategy 'ring' | 'allgather' | 'alltoall' | 'auto', not 'hybrid'")
+    with pytest.raises(NotImplementedError, match=refusal):
         hybrid.generate(tokens, max_new_tokens=2)

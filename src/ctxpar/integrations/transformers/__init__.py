@@ -209,14 +209,15 @@ def enable_context_parallel(
 
     ``model(**shard_inputs(...)[0])`` then runs on this rank's shard, and
     ``model.generate(input_ids, ...)`` on the whole prompt (the same on every rank) gives
-    the tokens of generation without CP (``generation.py``; ring, allgather or alltoall).
+    the tokens of generation without CP (``generation.py``; ring, allgather, alltoall or auto).
 
     Args:
         model: a transformers model whose attention goes through ``AttentionInterface``.
         layout: the ``Layout`` its inputs were sharded with (``shard_inputs``).
         group: the CP process group (default WORLD); the ``labels=`` loss is averaged over
             the tokens of its ranks. ``mesh``: for ``strategy="hybrid"``.
-        strategy: ``"ring" | "allgather" | "alltoall" | "hybrid"``, as in ``ctxpar.attention``.
+        strategy: ``"ring" | "allgather" | "alltoall" | "hybrid" | "auto"``, as in
+            ``ctxpar.attention`` ("auto": the planner picks per attention call).
 
     Raises:
         ValueError: listing every feature of the model that ctxpar would not compute exactly

@@ -14,8 +14,9 @@ and sizes masks as without CP. generate's forwards reach ``cached_forward`` thro
 
     prefill  the first forward gets the whole prompt. It is sharded with the layout
              (tokens and their global positions); each attention layer stores this rank's
-             K/V (after RoPE) and attends with ctxpar.attention as in training; the rank
-             holding position T-1 computes its logits and broadcasts them.
+             K/V (after RoPE) and attends with ctxpar.attention as in training (ring,
+             allgather, alltoall, or "auto": the planner picks per layer, ``ctxpar.auto``);
+             the rank holding position T-1 computes its logits and broadcasts them.
     decode   each later forward gets one token per sequence at position p, the same on
              every rank, and the model runs replicated. At each layer rank p mod P stores
              the new K/V, every rank attends the query to the keys it holds (those inside
@@ -49,7 +50,7 @@ from dataclasses import dataclass, field
 import torch
 import torch.distributed as dist
 
-from ctxpar import agreement, comm, topology
+from ctxpar import agreement, auto, comm, topology
 from ctxpar.inference.cache import KVCache
 from ctxpar.inference.prefill import last_position_owner
 from ctxpar.integrations.transformers.attention import CACHED, Settings
@@ -61,8 +62,9 @@ except ImportError:  # the integration imports transformers lazily; without it n
 
 CACHE_KEYS = ("cache", "past_key_values", "cache_params")  # transformers 5 renamed past_key_values to cache
 _MODES = ("greedy_search", "sample")
-# the single-group strategies: a decode step merges over the one CP group (the hybrid's 2D mesh: not yet)
-STRATEGIES = ("ring", "allgather", "alltoall")
+# the single-group strategies, and "auto" choosing among them: a decode step merges over the
+# one CP group (the hybrid's 2D mesh: not yet)
+STRATEGIES = (*auto.CANDIDATES, auto.AUTO)
 
 
 @dataclass
@@ -337,8 +339,8 @@ def check_generate(model, settings: Settings, generate, args: tuple, kwargs: dic
     returns the prompt (B, T) and transformers' GenerationConfig for the call."""
     name = type(model).__name__
     if settings.mesh is not None or settings.strategy not in STRATEGIES:
-        raise NotImplementedError(f"model.generate() under context parallelism supports the "
-                                  f"{', '.join(STRATEGIES)} strategies, not {settings.strategy!r}")
+        raise NotImplementedError(f"model.generate() under context parallelism supports strategy "
+                                  f"{' | '.join(map(repr, STRATEGIES))}, not {settings.strategy!r}")
     if model.config.is_encoder_decoder:
         raise NotImplementedError(f"{name} is an encoder-decoder model; ctxpar generates with decoder-only models")
     if any(isinstance(getattr(m, "sinks", None), torch.Tensor) for m in model.modules()):
