@@ -99,7 +99,8 @@ class RingComm:
                     req.wait()
                 if self._landing is not self._recv:  # staged through host memory
                     self._recv.copy_(self._landing)
-        self._pending, self._sent = [], None
+        # drop the transfer's buffers: a RingComm reused for later transfers keeps none alive
+        self._pending, self._sent, self._recv, self._landing = [], None, None, None
 
 
 def _nbytes(t: torch.Tensor) -> int:

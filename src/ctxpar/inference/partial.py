@@ -28,6 +28,8 @@ call (int64, the size of one layer's positions, not of the K/V).
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 import torch.nn as nn
 
@@ -98,11 +100,12 @@ def partial_prefill(model: nn.Module, cache: KVCache, chunk: torch.Tensor, *, me
         tiles = [tiles_between(queries[s], held_positions[rank], _CAUSAL, seq_len) for s in range(world)]
     counts = [(p.numel(), q.numel()) for p, q in zip(held_positions, queries)]
     scale = cache.head_dim**-0.5
+    rings = _Rings.build(cache, method)
 
     def make(layer: int):
         def run(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
             cache.write(layer, start, k, v)  # the new positions' K/V, after RoPE
-            return attend(q, cache.keys(layer, held), cache.values(layer, held), tiles, counts, cache, scale)
+            return attend(q, cache.keys(layer, held), cache.values(layer, held), tiles, counts, cache, scale, rings)
         return run
 
     with torch.no_grad(), attention_replaced(model, make):
@@ -114,13 +117,31 @@ def partial_prefill(model: nn.Module, cache: KVCache, chunk: torch.Tensor, *, me
     return logits
 
 
-def _around_the_ring(first: torch.Tensor, cache: KVCache, compute) -> None:
+@dataclass(frozen=True)
+class _Rings:
+    """The point-to-point exchanges of one partial prefill, built once per call and reused
+    by every layer: a layer waits for everything it posted before it returns, and a
+    ``RingComm`` holds no buffer between transfers. ``forward`` sends to rank + 1 (the
+    K/V of pass-KV, the queries of pass-Q); ``home[i]`` (pass-Q only) sends a partial
+    back to rank - i, i = 1..P-1. None and empty on one rank."""
+
+    forward: RingComm | None
+    home: dict[int, RingComm]
+
+    @staticmethod
+    def build(cache: KVCache, method: str) -> _Rings:
+        world = cache.world_size
+        home = range(1, world) if method == "pass-q" else ()
+        return _Rings(RingComm(cache.group) if world > 1 else None,
+                      {step: RingComm(cache.group, tag=1, shift=-step) for step in home})
+
+
+def _around_the_ring(first: torch.Tensor, cache: KVCache, ring: RingComm | None, compute) -> None:
     """Pass this rank's buffer ``first`` around the ring: at step i, ``compute(i, s, buffer)``
     with rank s = r - i's buffer, while the next hop is in flight."""
     world, rank = cache.world_size, cache.rank
     current = first
     arriving = torch.empty_like(first) if world > 1 else None
-    ring = RingComm(cache.group) if world > 1 else None
     for step in range(world):
         if step < world - 1:
             ring.start(send=current, recv=arriving)
@@ -131,7 +152,7 @@ def _around_the_ring(first: torch.Tensor, cache: KVCache, compute) -> None:
 
 
 def _pass_kv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, tiles: list[tuple[Tile, ...]],
-             counts: list[tuple[int, int]], cache: KVCache, scale: float) -> torch.Tensor:
+             counts: list[tuple[int, int]], cache: KVCache, scale: float, rings: _Rings) -> torch.Tensor:
     """This rank's queries (B, H, m, D) against every rank's keys, the K/V travelling the ring."""
     acc_out, acc_lse = output_accumulators(q)
     width = max(n for n, _ in counts)  # every rank's buffer has room for the largest shard
@@ -142,19 +163,19 @@ def _pass_kv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, tiles: list[tupl
         n = counts[source][0]
         forward_tiles(q, shard[0, :, :, :n], shard[1, :, :, :n], tiles[source], acc_out, acc_lse, scale)
 
-    _around_the_ring(kv, cache, attend)
+    _around_the_ring(kv, cache, rings.forward, attend)
     return acc_out.to(q.dtype)
 
 
 def _pass_q(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, tiles: list[tuple[Tile, ...]],
-            counts: list[tuple[int, int]], cache: KVCache, scale: float) -> torch.Tensor:
+            counts: list[tuple[int, int]], cache: KVCache, scale: float, rings: _Rings) -> torch.Tensor:
     """Every rank's queries visit this rank's keys; each partial (out, lse) is sent home as
     soon as it is computed, overlapping the next step's compute; only the last is exposed.
 
     At step i this rank holds the queries of rank s = r - i and sends their partial to s,
     while receiving from rank r + i the partial of its own queries computed there at the
-    same step (``RingComm(shift=-i)``). The partials are merged in the order of the rank
-    that computed them, so the result does not depend on arrival order.
+    same step (``rings.home[i]``). The partials are merged in the order of the rank that
+    computed them, so the result does not depend on arrival order.
     """
     world, rank = cache.world_size, cache.rank
     b, h, m, d = q.shape
@@ -164,19 +185,16 @@ def _pass_q(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, tiles: list[tuple
     partials = torch.zeros((world, *queries.shape[:3], d + 1), dtype=acc, device=q.device)  # [s]: for rank s
     partials[..., d] = float("-inf")
     mine = torch.empty_like(partials)  # [s]: rank s's partial of this rank's queries
-    returns = []
 
     def attend(step: int, source: int, visiting: torch.Tensor) -> None:
         n = counts[source][1]
         out, lse = partials[source, :, :, :n, :d], partials[source, :, :, :n, d]
         forward_tiles(visiting[:, :, :n], k, v, tiles[source], out, lse, scale)
         if step:  # home: to rank r - step; this rank's own partial comes from rank r + step
-            back = RingComm(cache.group, tag=1, shift=-step)
-            back.start(send=partials[source], recv=mine[(rank + step) % world])
-            returns.append(back)
+            rings.home[step].start(send=partials[source], recv=mine[(rank + step) % world])
 
-    _around_the_ring(queries, cache, attend)
-    for back in returns:
+    _around_the_ring(queries, cache, rings.forward, attend)
+    for back in rings.home.values():
         back.wait()
     mine[rank] = partials[rank]
     return merge_packed(mine[:, :, :, :m])[0].to(q.dtype)
