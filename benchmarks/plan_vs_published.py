@@ -18,10 +18,10 @@ NeMo's page does not say whether activations were recomputed, so both are predic
 "none" (what ``ctxpar plan`` assumes by default) and "full"; torchtitan states full
 checkpointing for its table, so there the "full" column is its setup. Nothing is fitted: the
 presets' rates are those of docs/planner.md section 6, set before these rows were
-compared. Pipeline parallelism is not modelled, so rows with PP > 1 are left out.
-The planner's own fixed costs are 0 in the presets (no published figure checked), and
-DP gradient traffic, FP8 casts and the elementwise kernels (norms, SwiGLU, RoPE) are not
-modelled: where matmuls dominate (short sequences) the prediction is an upper bound on
+compared. Rows with PP > 1 are left out: their sources do not give the schedule
+(docs/planner.md section 12). The planner's own fixed costs are 0 in the presets (no
+published figure checked), and FP8 casts and the elementwise kernels (norms, SwiGLU,
+RoPE) are not modelled: where matmuls dominate (short sequences) the prediction is an upper bound on
 throughput.
 """
 
@@ -69,7 +69,7 @@ class Published:
 
 K = 1024
 ROWS = (
-    # NeMo: SeqLen, GPUs = TP x CP x DP, PP 1 (the row at 8K, PP 2, is left out), TFLOPS/GPU with CP
+    # NeMo: SeqLen, GPUs = TP x CP x DP, PP 1 (the 8K row, PP 2 with no schedule given, is left out), TFLOPS/GPU
     Published(NEMO_H100, "llama-2-7b", 4 * K, tp=1, cp=1, dp=4, metric="nemo_tflops_per_gpu", value=768),
     Published(NEMO_H100, "llama-2-7b", 16 * K, tp=2, cp=1, dp=8, metric="nemo_tflops_per_gpu", value=660),
     Published(NEMO_H100, "llama-2-7b", 32 * K, tp=2, cp=2, dp=8, metric="nemo_tflops_per_gpu", value=610),

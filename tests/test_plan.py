@@ -23,7 +23,8 @@ from ctxpar.plan.baseline import VERDICTS, baseline
 from ctxpar.plan.cost import Pipeline
 from ctxpar.plan.documents import pack, parse_doc_dist, parse_lengths, sample_lengths
 from ctxpar.plan.hardware import local_hardware
-from ctxpar.plan.memory import memory_per_gpu, parameters_per_gpu, saved_tensors_per_token, sequence_tensors
+from ctxpar.plan.memory import (layers_in_flight, memory_per_gpu, parameters_per_gpu, saved_bytes_per_layer,
+                                saved_tensors_per_token, sequence_tensors)
 from ctxpar.plan.recommend import crossover, fits_up_to, recommend
 from ctxpar.plan.units import format_bytes, format_seconds, parse_latency
 from ctxpar.plan.work import pairs_per_rank, union_pairs
@@ -488,6 +489,83 @@ def test_dp_and_fsdp_time_is_what_the_layers_compute_does_not_hide() -> None:
                                        + bwd.lead + bwd.tail + (layers - 1) * (bwd.transfer - bwd.compute), rel=1e-12)
     assert bwd.tail == pytest.approx(7 * (n // 8) * 2 / layers / 450e9 + 10e-6
                                      + 2 * 7 * -(-(n // 8) // 8) * 2 / layers / 1e9 + 10e-6, rel=1e-12)
+
+
+def test_pipeline_stages_hold_their_layers_and_the_schedules_in_flight_activations() -> None:
+    hw = get_hardware("H100-SXM")
+    w = worked(tp=2, fsdp=8)  # 32 layers; T = 32K over CP 4, TP 2
+    assert (w.pp, w.microbatches, w.virtual_stages, w.stage_layers, layers_in_flight(w)) == (1, 1, 1, 32, 32)
+    assert w.stage() is w
+    assert (worked(pp=3).stage_layers, worked(pp=4, virtual_stages=2, microbatches=4).stage_layers) == (11, 8)
+    llama405 = Workload(resolve_model("llama-3-405b"), batch=1, seq=131072, dtype="bfloat16", cp=16, tp=8)
+    assert [llama405.with_(pp=16, virtual_stages=v, microbatches=16).stage_layers for v in (1, 2, 4)] == [8, 8, 8]
+
+    # 1F1B: min(m, k) micro-batches in flight on the first stage, k of them one model's worth (Korthikanti et al.)
+    assert [layers_in_flight(w.with_(pp=4, microbatches=m)) for m in (1, 2, 4, 16)] == [8, 16, 32, 32]
+    # interleaved, v = 2: Megatron's warm-up of 2(k-1) + (v-1)·k + 1 = 11 chunks of 4 layers, about L·(1 + (k-1)/(k·v))
+    assert layers_in_flight(w.with_(pp=4, virtual_stages=2, microbatches=8)) == 11 * 4
+    assert layers_in_flight(w.with_(pp=4, virtual_stages=2, microbatches=4)) == 8 * 4  # m·v chunks are all there are
+
+    piped = w.with_(pp=4, microbatches=8)
+    stage = piped.stage()
+    assert (stage.model.layers, stage.pp, stage.microbatches) == (8, 1, 1)
+    mem, one = memory_per_gpu(piped, hw.hbm_bytes), memory_per_gpu(stage, hw.hbm_bytes)
+    layer = saved_bytes_per_layer(stage)
+    assert mem.activations == 32 * layer and one.activations == 8 * layer
+    assert mem.activations_checkpointed == 32 * 1 * (8192 // 2) * 4096 * 2 + layer
+    assert (mem.parameters, mem.optimizer_states, mem.logits) == (one.parameters, one.optimizer_states, one.logits)
+    assert parameters_per_gpu(piped) == resolve_model(hidden=4096, kv_heads=8, head_dim=128, layers=8
+                                                      ).parameters_per_tp_rank(2)
+
+    # time: m + (k-1)/v micro-batches' worth of the busiest stage, each ending in 2·v sends of B·(S/t)·d·b
+    step, alone = cost.step_time(piped, hw), cost.step_time(stage, hw)
+    sched = step.schedule
+    assert (sched.slots, sched.bubble) == (8 + 3, 3 / 8)
+    assert sched.message_bytes == 1 * (8192 // 2) * 4096 * 2  # 32 MiB, each of the TP pair sends half
+    links = cost.links(piped, hw)
+    assert (links["pp"].group_size, links["pp"].span, links["pp"].crosses_nodes) == (4, 64, True)
+    assert sched.message_seconds == sched.message_bytes / 50e9
+    assert step.compute_seconds == alone.compute_seconds and step.dp_seconds == alone.dp_seconds
+    assert step.seconds == pytest.approx(11 * (alone.compute_seconds + 2 * sched.message_seconds) + alone.dp_seconds,
+                                         rel=1e-12)
+    interleaved = cost.step_time(piped.with_(virtual_stages=2), hw)
+    assert interleaved.schedule.slots == 8 + 3 / 2
+    assert interleaved.microbatch_seconds == pytest.approx(alone.compute_seconds + 4 * sched.message_seconds,
+                                                           rel=1e-12)
+    accumulate = cost.step_time(w.with_(microbatches=4), hw)  # no PP: gradient accumulation, no sends
+    assert accumulate.schedule.p2p_seconds_per_slot == 0 and "pp" not in cost.links(w, hw)
+    assert accumulate.seconds == pytest.approx(4 * cost.step_time(w, hw).compute_seconds + accumulate.dp_seconds,
+                                               rel=1e-12)
+
+
+@pytest.mark.parametrize("changes, message", [
+    (dict(pp=8, virtual_stages=8), r"--pp 8 x --virtual-stages 8 = 64 chunks of layers, more than the model's 32"),
+    (dict(pp=33), r"--pp 33 x --virtual-stages 1 = 33 chunks of layers, more than the model's 32"),
+    (dict(virtual_stages=2), r"--virtual-stages 2 interleaves pipeline stages; it needs --pp > 1"),
+    (dict(pp=4, virtual_stages=2, microbatches=6), r"must be a multiple of 4 .*use --microbatches 8"),
+    (dict(pp=0), r"pp"), (dict(microbatches=-1), r"microbatches"), (dict(virtual_stages=0), r"--virtual-stages"),
+])
+def test_bad_pipeline_settings_are_refused_naming_the_flag(changes: dict, message: str) -> None:
+    with pytest.raises(ValueError, match=message):
+        worked(**changes)
+
+
+def test_cli_plans_pipeline_parallelism_and_inference_refuses_it(tmp_path, capsys, monkeypatch) -> None:
+    monkeypatch.setattr(planner, "MAX_SWEEP_SEQ", 2**15)
+    out = tmp_path / "plan.json"
+    assert main(["plan", *WORKED, "--tp", "2", "--fsdp", "8", "--pp", "4", "--microbatches", "8", "--virtual-stages",
+                 "2", "--max-cp", "4", "--json", str(out)]) == 0
+    table = capsys.readouterr().out
+    assert "x PP=4 (v=2 interleaved) = 64 GPUs (rank order TP, CP, DP, PP); 8 GPUs per node; 8 micro-batches" in table
+    assert "= 9.5 micro-batches' worth (m + (PP-1)/v = 8 + 3/2: bubble 18.8%)" in table
+    assert "busiest of PP=4 stages: 8 of the 32 layers" in table and "activations of 44 layers in flight" in table
+    report = json.loads(out.read_text())
+    par = report["parallel"]
+    assert (par["pp"], par["virtual_stages"], par["microbatches"], par["stage_layers"], par["layers_in_flight"],
+            par["world_size"], par["gpus_per_replica"]) == (4, 2, 8, 8, 44, 64, 32)
+    assert report["step"]["schedule"]["slots"] == 9.5 and report["baseline"]["gpus_per_replica"] == 8
+    assert main(["plan", "--inference", "--seq", "4096", "--cp", "2", "--pp", "2"]) == 2
+    assert "--pp 2 describes a training step" in capsys.readouterr().err
 
 
 def test_cli_parallel_flags_and_json_keys(tmp_path, capsys, monkeypatch) -> None:

@@ -181,7 +181,7 @@ def _plan_parser(sub) -> None:
                       help="document lengths drawn from DIST until the row is full: fixed:LEN or lognormal:MEAN,SIGMA "
                            "(MEAN tokens on average; SIGMA the spread of ln length, 1-2 for real corpora)")
     mask.add_argument("--doc-seed", type=int, help="seed of --doc-dist's draws (default 0: the same plan every run)")
-    par = p.add_argument_group("parallel composition (rank order TP innermost, then CP, then DP, as Megatron)")
+    par = p.add_argument_group("parallel composition (rank order TP innermost, then CP, DP, PP, as Megatron)")
     par.add_argument("--tp", type=int, default=1,
                      help="tensor-parallel degree: heads, MLP width and vocabulary split over TP GPUs (Megatron)")
     par.add_argument("--sequence-parallel", action=argparse.BooleanOptionalAction, default=True,
@@ -190,6 +190,12 @@ def _plan_parser(sub) -> None:
                      help="data-parallel replicas of the TP x CP group (default: 1, or the fewest --fsdp needs)")
     par.add_argument("--fsdp", type=int, default=1,
                      help="degree sharding each TP rank's parameters, gradients, optimizer states; divides DP x CP")
+    par.add_argument("--pp", type=int, default=1, help="pipeline-parallel stages, each a TP x CP group (Megatron)")
+    par.add_argument("--microbatches", type=int, default=1,
+                     help="micro-batches of --batch sequences per step (through the pipeline; without --pp: "
+                          "gradient accumulation)")
+    par.add_argument("--virtual-stages", type=int, default=1,
+                     help="with --pp: chunks of layers per GPU, Megatron's interleaved schedule (1: plain 1F1B)")
     p.add_argument("--checkpointing", choices=planning.CHECKPOINTING, default="none", help="activation checkpointing")
     p.add_argument("--max-cp", type=int, help="largest CP degree to compare (default max(--cp, 16))")
     hw = p.add_argument_group("hardware")
@@ -258,6 +264,8 @@ def _inference_flags(args: argparse.Namespace) -> tuple[int, int | None]:
         raise ValueError("--dp: --inference plans one serving replica (data-parallel replicas serve other prompts and "
                          "change nothing per GPU); drop --dp")
     training = (("--checkpointing", args.checkpointing, "none"), ("--fsdp", args.fsdp, 1), ("--plot", args.plot, None),
+                ("--pp", args.pp, 1), ("--microbatches", args.microbatches, 1),
+                ("--virtual-stages", args.virtual_stages, 1),
                 ("--window", args.window, None), ("--documents", args.documents, None),
                 ("--doc-dist", args.doc_dist, None), ("--doc-seed", args.doc_seed, None))
     for flag, value, default in training:
@@ -308,8 +316,9 @@ def _run_plan(args: argparse.Namespace) -> int:
     documents, documents_from = _plan_documents(args)
     workload = planning.Workload(
         model, batch=args.batch, seq=args.seq, dtype=args.dtype, cp=args.cp, strategy=args.strategy,
-        layout=args.layout, ulysses=ulysses, tp=args.tp, dp=args.dp, fsdp=args.fsdp,
-        sequence_parallel=args.sequence_parallel, checkpointing=args.checkpointing, causal=args.causal,
+        layout=args.layout, ulysses=ulysses, tp=args.tp, dp=args.dp, fsdp=args.fsdp, pp=args.pp,
+        microbatches=args.microbatches, virtual_stages=args.virtual_stages, sequence_parallel=args.sequence_parallel,
+        checkpointing=args.checkpointing, causal=args.causal,
         window=args.window, documents=documents, documents_from=documents_from)
     if args.calibrate:
         calibration = calibration_.plan_calibration(args.hardware, measure=True, path=None)

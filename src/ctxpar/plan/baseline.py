@@ -84,7 +84,7 @@ def tp_degrees(gpus: int) -> list[int]:
 
 def baseline(w: Workload, hw: Hardware) -> Baseline:
     """The fastest configuration without CP on ``w``'s TP·P GPUs that fits, and the verdict."""
-    gpus = w.gpus_per_replica
+    gpus = w.gpus_per_stage  # under PP each stage's TP x CP GPUs; the stages stay as asked
     points, skipped = [], {}
     for t in tp_degrees(gpus):
         for checkpointing in CHECKPOINTING:
@@ -115,11 +115,12 @@ def _verdict(w: Workload, best: BaselinePoint | None, requested: float, requeste
 
 def _summary(w: Workload, hw: Hardware, verdict: str, best: BaselinePoint | None, requested: float,
              requested_fits: bool, points: list[BaselinePoint]) -> str:
-    g = w.gpus_per_replica
+    g = w.gpus_per_stage
+    per = "pipeline stage" if w.pp > 1 else "replica"
     asked = f"TP={w.tp} x CP={w.cp} {w.strategy}"
     if best is not None:
         replicas = g // best.tp
-        without = (f"the best without CP on the same {g} GPUs per replica is TP={best.tp} with checkpointing "
+        without = (f"the best without CP on the same {g} GPUs per {per} is TP={best.tp} with checkpointing "
                    f"{best.checkpointing}: {format_seconds(best.step_seconds)} per step"
                    + (f", {format_seconds(best.seconds_per_batch)} per batch with {replicas} replicas in data "
                       f"parallelism" if replicas > 1 else ""))
@@ -127,7 +128,7 @@ def _summary(w: Workload, hw: Hardware, verdict: str, best: BaselinePoint | None
         least = min((p.memory_bytes for p in points), default=None)
         tried = f"TP up to {max(p.tp for p in points)}, checkpointing none or full" if points else \
             "no TP degree can split this model"
-        without = (f"no configuration without CP on {g} GPUs per replica fits ({tried}"
+        without = (f"no configuration without CP on {g} GPUs per {per} fits ({tried}"
                    + (f"; the smallest needs {format_bytes(least)} per GPU > {format_bytes(hw.hbm_bytes)}"
                       if least else "") + ")")
     if verdict == "no_cp":

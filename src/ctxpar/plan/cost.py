@@ -307,6 +307,8 @@ def links(w: Workload, hw: Hardware) -> dict[str, Link]:
     out = {"tp": link(w.tp, w.tp), "cp": link(w.cp, w.tp * w.cp)}
     if w.strategy == "hybrid":
         out["ulysses"] = link(w.ulysses_degree, w.tp * w.ulysses_degree)
+    if w.pp > 1:  # neighbouring stages are t·P·DP GPUs apart: all of them span every GPU
+        out["pp"] = link(w.pp, w.world_size)
     group, z = w.cp * w.data_parallel, w.fsdp
     if z > 1:
         out["fsdp"] = link(z, w.tp * z)
@@ -354,6 +356,40 @@ class DataParallelTime:
 
 
 @dataclass(frozen=True)
+class PipelineSchedule:
+    """m micro-batches through k pipeline stages (v chunks each): the busiest stage runs
+    m + (k-1)/v micro-batches' worth of time (Narayanan et al. 2021, arXiv:2104.04473: the
+    bubble is (k-1)/(v·m) of the work), each ending its forward and its backward of every
+    chunk with a send of B·(S/t)·d·b to the neighbouring stage."""
+
+    stages: int  # k
+    virtual: int  # v
+    microbatches: int  # m
+    message_bytes: int  # one activation (or its gradient) sent to the next (or previous) stage
+    message_seconds: float  # at the pipeline link's bandwidth, plus one latency
+
+    @property
+    def slots(self) -> float:
+        """Micro-batches' worth of time the busiest stage takes: m + (k-1)/v."""
+        return self.microbatches + (self.stages - 1) / self.virtual
+
+    @property
+    def bubble(self) -> float:
+        """Idle time over busy time: (k-1)/(v·m)."""
+        return (self.stages - 1) / (self.virtual * self.microbatches)
+
+    @property
+    def p2p_seconds_per_slot(self) -> float:
+        """2·v sends per micro-batch on a stage (0 without PP), on the critical path."""
+        return 2 * self.virtual * self.message_seconds if self.stages > 1 else 0.0
+
+    def as_dict(self) -> dict:
+        return dict(stages=self.stages, virtual_stages=self.virtual, microbatches=self.microbatches,
+                    slots=self.slots, bubble_fraction=self.bubble, p2p_message_bytes=self.message_bytes,
+                    p2p_message_seconds=self.message_seconds, p2p_seconds_per_microbatch=self.p2p_seconds_per_slot)
+
+
+@dataclass(frozen=True)
 class StepTime:
     """One training step (forward + backward over all layers) on the busiest rank, seconds."""
 
@@ -364,6 +400,7 @@ class StepTime:
     tp_forward: float = 0.0  # one layer's exposed TP communication, forward
     tp_backward: float = 0.0  # and backward (re-gathers overlapped: not counted)
     data_parallel: DataParallelTime | None = None  # None: no other GPU holds the same parameters
+    schedule: PipelineSchedule | None = None  # None: one micro-batch, no PP (the fields above are per micro-batch)
 
     @property
     def attention_seconds(self) -> float:
@@ -394,11 +431,19 @@ class StepTime:
         return 0.0 if self.data_parallel is None else self.data_parallel.exposed
 
     @property
+    def microbatch_seconds(self) -> float:
+        """One micro-batch on the busiest stage: its compute and its pipeline sends."""
+        return self.compute_seconds + (self.schedule.p2p_seconds_per_slot if self.schedule else 0.0)
+
+    @property
     def seconds(self) -> float:
-        return self.compute_seconds + self.dp_seconds
+        slots = self.schedule.slots if self.schedule else 1
+        return slots * self.microbatch_seconds + self.dp_seconds
 
     def as_dict(self) -> dict:
-        return dict(seconds=self.seconds, matmul_seconds=self.matmul, attention_seconds=self.attention_seconds,
+        return dict(seconds=self.seconds, microbatch_seconds=self.microbatch_seconds,
+                    schedule=None if self.schedule is None else self.schedule.as_dict(),
+                    matmul_seconds=self.matmul, attention_seconds=self.attention_seconds,
                     tp_communication_seconds=self.tp_seconds, data_parallel_communication_seconds=self.dp_seconds,
                     data_parallel=None if self.data_parallel is None else self.data_parallel.as_dict(),
                     attention_per_layer=dict(forward=self.attention.forward.as_dict(),
@@ -417,16 +462,30 @@ def stage_overhead(hw: Hardware, strategy: str) -> float:
     return KERNELS_PER_STAGE * hw.launch_overhead + hw.step_overhead_for(strategy)
 
 
+def pipeline_schedule(w: Workload, hw: Hardware) -> PipelineSchedule | None:
+    """``w``'s schedule (None for one micro-batch without PP). Megatron sends each stage's
+    output split over the t GPUs of its TP group (sequence parallelism's shard, or its
+    scatter/gather optimisation without it)."""
+    if w.pp == 1 and w.microbatches == 1:
+        return None
+    message = w.batch * -(-w.local_len // w.tp) * w.model.hidden * w.elem
+    return PipelineSchedule(w.pp, w.virtual_stages, w.microbatches, message,
+                            message / links(w, hw)["pp"].bandwidth + hw.latency if w.pp > 1 else 0.0)
+
+
 def step_time(w: Workload, hw: Hardware) -> StepTime:
     """Matmuls (3 forwards' worth, 4 with checkpointing; 1/t of them per GPU) plus every
-    layer's attention and TP communication."""
+    layer's attention and TP communication, per micro-batch on the busiest stage (all of
+    the model without PP), times the schedule's slots, plus the exposed DP communication."""
+    schedule = pipeline_schedule(w, hw)
+    w = w.stage()
     recompute = w.checkpointing == "full"
     passes = 4 if recompute else 3
     matmul = matmul_seconds(w, hw, passes)
     tp, bw = tp_traffic(w), hw.bandwidth(w.tp)
     lat = tp.collectives * hw.latency
     step = StepTime(matmul, attention_time(w, hw), w.model.layers, recompute, tp.forward / bw + lat,
-                    tp.backward / bw + lat)
+                    tp.backward / bw + lat, schedule=schedule)
     return replace(step, data_parallel=data_parallel_time(w, hw, step))
 
 

@@ -112,8 +112,27 @@ def saved_bytes_per_layer(w: Workload) -> int:
 
 def parameters_per_gpu(w: Workload) -> int:
     """N_t: the parameters one tensor-parallel rank holds (N when t = 1): 1/t of every
-    attention and MLP matrix, ceil(V/t) rows of the embedding and of the LM head, every norm."""
-    return w.model.parameters_per_tp_rank(w.tp)
+    attention and MLP matrix, ceil(V/t) rows of the embedding and of the LM head, every norm;
+    under PP those of the busiest stage's layers (``Workload.stage``)."""
+    return w.stage().model.parameters_per_tp_rank(w.tp)
+
+
+def layers_in_flight(w: Workload) -> int:
+    """Layers whose saved activations one GPU holds at the peak of a step.
+
+    Without PP all L of the micro-batch being computed. With k stages, the first stage's
+    peak (Korthikanti et al. 2022, arXiv:2205.05198, section 4.2.3: it holds k micro-batches,
+    one model's worth, whatever k): 1F1B runs min(m, k) forwards before its first backward,
+    each of the stage's layers; the interleaved schedule with v chunks runs
+    min(m·v, 2(k-1) + (v-1)·k + 1) chunk forwards first (Megatron's warm-up), each of
+    stage_layers / v layers on average (rounded up): about L·(1 + (k-1)/(k·v)).
+    """
+    k, v, m = w.pp, w.virtual_stages, w.microbatches
+    if k == 1:
+        return w.model.layers
+    if v == 1:
+        return min(m, k) * w.stage_layers
+    return -(-min(m * v, 2 * (k - 1) + (v - 1) * k + 1) * w.stage_layers // v)
 
 
 def attention_workspace(w: Workload) -> int:
@@ -180,7 +199,10 @@ class MemoryEstimate:
 
 
 def memory_per_gpu(w: Workload, hbm_bytes: int) -> MemoryEstimate:
-    """Every category for one GPU of the TP x CP group (see the module docstring for sources)."""
+    """Every category for one GPU of the TP x CP group (see the module docstring for sources);
+    under PP, of the busiest stage with ``layers_in_flight`` layers' activations."""
+    held = layers_in_flight(w)
+    w = w.stage()
     m, b, s = w.model, w.elem, w.local_len
     n = parameters_per_gpu(w)
     optimizer_bytes = 8 + (4 if b < 4 else 0)
@@ -193,9 +215,9 @@ def memory_per_gpu(w: Workload, hbm_bytes: int) -> MemoryEstimate:
         gradients=-(-n * b // w.fsdp),
         optimizer_states=-(-n * optimizer_bytes // w.fsdp),
         fsdp_buffers=2 * largest_unit * b if w.fsdp > 1 else 0,
-        activations=m.layers * layer,
+        activations=held * layer,
         # each layer's input (the residual stream: sequence region), plus one layer recomputed
-        activations_checkpointed=m.layers * w.batch * w.sequence_region_len * m.hidden * b + layer,
+        activations_checkpointed=held * w.batch * w.sequence_region_len * m.hidden * b + layer,
         # logits in b, plus the fp32 log-probabilities the loss keeps; vocabulary-parallel over TP
         logits=w.batch * s * m.vocab_rows(w.tp) * (b + 4),
         attention_workspace=attention_workspace(w),

@@ -5,8 +5,10 @@ JSON (bytes exact, times in seconds; formulas in docs/planner.md):
     inputs              the Workload: model shape, batch, seq, dtype, cp, strategy, layout, ulysses,
                         tp, dp (null: implied by fsdp), fsdp, sequence_parallel, checkpointing, mask
     hardware            ``Hardware.as_dict()`` (gpus_per_node after --gpus-per-node)
-    parallel            tp, cp, dp (the effective data-parallel degree), fsdp, world_size (TP·P·DP),
-                        gpus_per_replica (TP·P), sequence_parallel, heads_per_gpu (H/TP),
+    parallel            tp, cp, dp (the effective data-parallel degree), fsdp, pp, virtual_stages,
+                        microbatches, stage_layers (the busiest stage's), layers_in_flight (whose
+                        activations one GPU holds at once), world_size (TP·P·PP·DP),
+                        gpus_per_replica (TP·P·PP), sequence_parallel, heads_per_gpu (H/TP),
                         kv_heads_per_gpu (H_kv/TP), parameters_per_gpu (one TP rank's share, before
                         FSDP), links: {"tp", "cp"[, "ulysses"][, "fsdp"][, "replicas" | "dp"]} each
                         with group_size, spans_gpus (TP groups: TP consecutive GPUs; CP groups span
@@ -28,15 +30,19 @@ JSON (bytes exact, times in seconds; formulas in docs/planner.md):
                         without it), replicate_bytes (HSDP: the shard's all-reduce over the
                         replicas), total_bytes, exposed_seconds, forward and backward (the
                         pipelines over the layers), links {"fsdp", "replicas" | "dp"}
-    step, cp1_step      seconds, matmul_seconds, attention_seconds, tp_communication_seconds,
+    step, cp1_step      seconds, microbatch_seconds, schedule (null for one micro-batch without PP,
+                        else stages, virtual_stages, microbatches, slots, bubble_fraction,
+                        p2p_message_bytes, p2p_message_seconds, p2p_seconds_per_microbatch); per
+                        micro-batch on the busiest stage: matmul_seconds, attention_seconds, tp_communication_seconds,
                         data_parallel_communication_seconds (exposed), data_parallel (as in
                         dp_traffic_per_step, or null), attention_per_layer (the pipelines),
                         tp_per_layer
     efficiency, cp1_fits_up_to, sweep, crossovers   against CP degree at the same TP
     baseline            the best configuration without CP on the same TP·P GPUs (``plan/baseline.py``):
-                        gpus_per_replica, verdict ("pays_off" | "does_not_pay_off" | "necessary" |
-                        "nothing_fits" | "no_cp"), speedup (baseline seconds per batch / requested
-                        step; null when either does not fit), requested_step_seconds, requested_fits,
+                        gpus_per_replica (TP·P; per pipeline stage under PP), verdict ("pays_off" |
+                        "does_not_pay_off" | "necessary" | "nothing_fits" | "no_cp"), speedup
+                        (baseline seconds per batch / requested step; null when either does not
+                        fit), requested_step_seconds, requested_fits,
                         best and candidates (tp, checkpointing, step_seconds, seconds_per_batch,
                         memory_bytes, fits), skipped_tp (TP degree -> why it cannot run), summary
     recommendation      strategy, cp, layout, ulysses, step_seconds, efficiency, reasons (the smallest CP
@@ -50,7 +56,7 @@ from __future__ import annotations
 from ctxpar.plan.cost import attention_time, overlap_local_len, ring_window_per_rank, traffic_bound
 from ctxpar.plan.recommend import variant
 from ctxpar.plan.hardware import Hardware
-from ctxpar.plan.memory import parameters_per_gpu
+from ctxpar.plan.memory import layers_in_flight, parameters_per_gpu
 from ctxpar.plan.documents import describe
 from ctxpar.plan.planner import Plan
 from ctxpar.plan.units import format_bandwidth, format_bytes, format_flops, format_seconds, format_tokens
@@ -100,7 +106,9 @@ def _mask_json(plan: Plan) -> dict:
 
 def _parallel_json(plan: Plan) -> dict:
     w = plan.workload
-    return {"tp": w.tp, "cp": w.cp, "dp": w.data_parallel, "fsdp": w.fsdp, "world_size": w.world_size,
+    return {"tp": w.tp, "cp": w.cp, "dp": w.data_parallel, "fsdp": w.fsdp, "pp": w.pp,
+            "virtual_stages": w.virtual_stages, "microbatches": w.microbatches, "stage_layers": w.stage_layers,
+            "layers_in_flight": layers_in_flight(w), "world_size": w.world_size,
             "gpus_per_replica": w.gpus_per_replica, "sequence_parallel": w.sequence_parallel,
             "heads_per_gpu": w.heads_per_gpu, "kv_heads_per_gpu": w.kv_heads_per_gpu,
             "parameters_per_gpu": parameters_per_gpu(w),
@@ -241,8 +249,12 @@ def _parallel_words(plan: Plan) -> str:
     w, hw = plan.workload, plan.hardware
     sp = (" (sequence parallel)" if w.sequence_parallel else " (no sequence parallelism)") if w.tp > 1 else ""
     implied = " implied by FSDP" if w.dp is None and w.data_parallel > 1 else ""
-    return (f"parallel: TP={w.tp}{sp} x CP={w.cp} x DP={w.data_parallel}{implied} = {w.world_size} GPUs "
-            f"(rank order TP, CP, DP); {hw.gpus_per_node} GPUs per node")
+    pp = (f" x PP={w.pp}" + (f" (v={w.virtual_stages} interleaved)" if w.virtual_stages > 1 else "")
+          if w.pp > 1 else "")
+    micro = f"; {w.microbatches} micro-batches of B={w.batch} per step" if w.microbatches > 1 else ""
+    order = "TP, CP, DP, PP" if w.pp > 1 else "TP, CP, DP"
+    return (f"parallel: TP={w.tp}{sp} x CP={w.cp} x DP={w.data_parallel}{implied}{pp} = {w.world_size} GPUs "
+            f"(rank order {order}); {hw.gpus_per_node} GPUs per node{micro}")
 
 
 
@@ -377,9 +389,14 @@ def _memory(plan: Plan) -> list[str]:
     chosen = "activations_checkpointed" if w.checkpointing == "full" else "activations"
     tp = f"TP={w.tp}, " if w.tp > 1 else ""
     lines = [f"Memory per GPU ({tp}CP={w.cp}, FSDP={w.fsdp})"]
+    if w.pp > 1:
+        lines.append(f"  busiest of PP={w.pp} stages: {w.stage_layers} of the {w.model.layers} layers, with the "
+                     f"embedding and the LM head; activations of {layers_in_flight(w)} layers in flight (its "
+                     f"micro-batches' forwards before their backwards)")
     if w.tp > 1:
-        lines.append(f"  N_tp = {parameters_per_gpu(w):,} parameters per TP rank (for N above: attention and MLP "
-                     f"matrices / {w.tp}, embedding and LM head vocabulary-parallel, norms replicated)")
+        stage = " of that stage" if w.pp > 1 else ""
+        lines.append(f"  N_tp = {parameters_per_gpu(w):,} parameters per TP rank{stage} (for N above: attention and "
+                     f"MLP matrices / {w.tp}, embedding and LM head vocabulary-parallel, norms replicated)")
     for key, n in mem.categories().items():
         skipped = key in ("activations", "activations_checkpointed") and key != chosen
         lines.append(f"  {MEMORY_LABELS[key]:<46} {format_bytes(n):>12}{'  (not counted)' if skipped else ''}")
@@ -391,11 +408,24 @@ def _memory(plan: Plan) -> list[str]:
 def _step(plan: Plan) -> list[str]:
     s, w = plan.step, plan.workload
     tp = f" + TP communication {format_seconds(s.tp_seconds)} (exposed)" if w.tp > 1 else ""
-    tp += f" + DP/FSDP communication {format_seconds(s.dp_seconds)} (exposed)" if s.data_parallel else ""
+    dp = f" + DP/FSDP communication {format_seconds(s.dp_seconds)} (exposed)" if s.data_parallel else ""
     per_gpu = f" / TP={w.tp}" if w.tp > 1 else ""
-    return [f"Step time, busiest rank: {format_seconds(s.seconds)} = matmuls {format_seconds(s.matmul)} "
-            f"(6·(N - V·d) FLOPs per token{per_gpu}{', +1 forward recomputed' if s.recompute else ''}) + attention "
-            f"{format_seconds(s.attention_seconds)} over {s.layers} layers{tp}",
+    work = (f"matmuls {format_seconds(s.matmul)} (6·(N - V·d) FLOPs per token{per_gpu}"
+            f"{', +1 forward recomputed' if s.recompute else ''}) + attention {format_seconds(s.attention_seconds)} "
+            f"over {s.layers} layers{tp}")
+    if (schedule := s.schedule) is None:
+        lines = [f"Step time, busiest rank: {format_seconds(s.seconds)} = {work}{dp}"]
+    else:
+        stage = "of the busiest stage, " if schedule.stages > 1 else ""
+        sends = (f" + {2 * schedule.virtual} pipeline sends of {format_bytes(schedule.message_bytes)} "
+                 f"{format_seconds(s.microbatch_seconds - s.compute_seconds)}" if schedule.stages > 1 else "")
+        lines = [f"Step time, busiest rank: {format_seconds(s.seconds)} = {schedule.slots:g} micro-batches' worth "
+                 f"(m + (PP-1)/v = {schedule.microbatches} + {schedule.stages - 1}/{schedule.virtual}: bubble "
+                 f"{schedule.bubble:.1%}) x {format_seconds(s.microbatch_seconds)}{dp}",
+                 f"  one micro-batch {stage}{format_seconds(s.microbatch_seconds)} = {work}{sends}"]
+    if w.pp > 1:
+        lines.append(f"  {_link_words(plan.links['pp'], 'PP', plan.hardware.gpus_per_node)}")
+    return [*lines,
             f"CP-1 step time {format_seconds(plan.cp1_step.seconds)}; parallel efficiency at CP={w.cp}: "
             f"{plan.efficiency:.3f} (CP-1 time / (P x CP-P time))"]
 
@@ -431,7 +461,8 @@ def _crossovers(plan: Plan) -> list[str]:
 
 def _baseline(plan: Plan) -> list[str]:
     b, w = plan.baseline, plan.workload
-    lines = [f"Without CP on the same {b.gpus} GPUs per replica at T={format_tokens(w.seq)}: TP x checkpointing "
+    per = "pipeline stage" if w.pp > 1 else "replica"
+    lines = [f"Without CP on the same {b.gpus} GPUs per {per} at T={format_tokens(w.seq)}: TP x checkpointing "
              f"(other GPUs: data parallelism)",
              f"  {'TP':>4} {'checkpointing':<14} {'step':>11} {'per batch':>11} {'memory/GPU':>12} {'fits':>5}"]
     for p in b.points:

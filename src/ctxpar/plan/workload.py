@@ -4,13 +4,14 @@
 ``ModelConfig``; ``Workload`` holds everything else and validates it before anything is
 computed, with errors that name the flag to change.
 
-Parallel layout (Megatron's rank order, TP innermost, then CP, then DP)::
+Parallel layout (Megatron's rank order, TP innermost, then CP, then DP, then PP)::
 
-    rank = tp_rank + TP·(cp_rank + CP·dp_rank)
+    rank = tp_rank + TP·(cp_rank + CP·(dp_rank + DP·pp_rank))
 
 so a TP group is TP consecutive GPUs and a CP group's members are TP apart, spanning
-TP·CP consecutive GPUs. FSDP (ZeRO-3) shards each TP rank's parameters over Z of the
-DP·CP GPUs that hold the same ones, so Z divides DP·CP.
+TP·CP consecutive GPUs; neighbouring pipeline stages are TP·CP·DP GPUs apart. FSDP
+(ZeRO-3) shards each TP rank's parameters over Z of the DP·CP GPUs that hold the same
+ones (in one stage), so Z divides DP·CP.
 """
 
 from __future__ import annotations
@@ -74,6 +75,12 @@ class Workload:
             needs (``data_parallel``), 1 unless ``fsdp`` does not divide ``cp``.
         fsdp: degree Z over which parameters, gradients and optimizer states are sharded
             (each TP rank's share, over Z of the DP x CP GPUs holding it: Z divides DP·P).
+        pp: pipeline-parallel stages k: the layers split over k groups of TP x CP GPUs, each
+            holding at most ceil(L/k) of them (``stage_layers``).
+        microbatches: m, the micro-batches of B sequences one step runs through the
+            pipeline (with pp = 1: gradient accumulation).
+        virtual_stages: v, Megatron's interleaved schedule: each GPU holds v chunks of
+            layers (1: the plain 1F1B schedule). m must be a multiple of k.
         sequence_parallel: with tp > 1, Megatron's sequence parallelism (Korthikanti et al.
             2022): norms, residuals and the stored inputs of the column-parallel matmuls
             are split over the TP group along the sequence, and TP communicates by
@@ -100,6 +107,9 @@ class Workload:
     tp: int = 1
     dp: int | None = None
     fsdp: int = 1
+    pp: int = 1
+    microbatches: int = 1
+    virtual_stages: int = 1
     sequence_parallel: bool = True
     checkpointing: str = "none"
     causal: bool = True
@@ -108,7 +118,7 @@ class Workload:
     documents_from: str | None = None
 
     def __post_init__(self) -> None:
-        for flag in ("batch", "seq", "cp", "tp", "fsdp"):
+        for flag in ("batch", "seq", "cp", "tp", "fsdp", "pp", "microbatches", "virtual_stages"):
             check_count(flag, getattr(self, flag))
         if self.dp is not None:
             check_count("dp", self.dp)
@@ -137,9 +147,24 @@ class Workload:
                              f"divides {self.heads_per_gpu}")
         check_heads(self.strategy, self.heads_per_gpu, self.kv_heads_per_gpu, u)
 
+    def _check_pipeline(self) -> None:
+        """Every chunk of every stage holds a layer; the interleaved schedule needs PP and,
+        as Megatron's does, a number of micro-batches that is a multiple of the stages."""
+        k, v, m = self.pp, self.virtual_stages, self.microbatches
+        if k * v > self.model.layers:
+            raise ValueError(f"--pp {k} x --virtual-stages {v} = {k * v} chunks of layers, more than the model's "
+                             f"{self.model.layers} layers; lower --pp or --virtual-stages")
+        if v > 1 and k == 1:
+            raise ValueError(f"--virtual-stages {v} interleaves pipeline stages; it needs --pp > 1")
+        if v > 1 and m % k:
+            raise ValueError(f"--microbatches {m}: the interleaved schedule (--virtual-stages {v}) runs micro-batches "
+                             f"in groups of --pp {k}, so their number must be a multiple of {k} (as Megatron's "
+                             f"requires); use --microbatches {-(-m // k) * k} or --virtual-stages 1")
+
     def _check_parallel(self) -> None:
         """TP must split heads, KV heads and the MLP width whole; sequence parallelism the
         CP shard; FSDP must shard over GPUs that hold the same parameters."""
+        self._check_pipeline()
         m, t = self.model, self.tp
         if m.heads % t:
             raise ValueError(f"--tp {t} does not divide the {m.heads} query heads (--heads): tensor parallelism "
@@ -203,14 +228,32 @@ class Workload:
         return self.dp if self.dp is not None else self.fsdp // math.gcd(self.fsdp, self.cp)
 
     @property
-    def gpus_per_replica(self) -> int:
-        """TP·P: the GPUs that hold one copy of the model and share one batch of sequences."""
+    def gpus_per_stage(self) -> int:
+        """TP·P: the GPUs that share one micro-batch's pass through a pipeline stage."""
         return self.tp * self.cp
 
     @property
+    def gpus_per_replica(self) -> int:
+        """TP·P·PP: the GPUs that hold one copy of the model and share one batch of sequences."""
+        return self.gpus_per_stage * self.pp
+
+    @property
     def world_size(self) -> int:
-        """TP·P·DP GPUs in all."""
+        """TP·P·PP·DP GPUs in all."""
         return self.gpus_per_replica * self.data_parallel
+
+    @property
+    def stage_layers(self) -> int:
+        """Layers on the busiest pipeline stage: ceil(L/k) (L without PP), in v chunks."""
+        return -(-self.model.layers // self.pp)
+
+    def stage(self) -> Workload:
+        """One micro-batch through the busiest pipeline stage: its layers, counted with the
+        embedding and the LM head (the first stage holds one, the last the other), no PP."""
+        if self.pp == 1 and self.microbatches == 1:
+            return self
+        return replace(self, model=self.model.with_(layers=self.stage_layers), pp=1, microbatches=1,
+                       virtual_stages=1)
 
     @property
     def sequence_region_len(self) -> int:
