@@ -186,12 +186,14 @@ def test_no_wall_clock_limit_by_default() -> None:
 
 
 def test_an_optional_deadline_stops_the_run_and_says_so() -> None:
+    """The deadline leaves the ranks time to import torch even on a loaded 2-core machine
+    (5 s did not always), so that they are stopped in their worker code."""
     start = time.monotonic()
-    with pytest.raises(RuntimeError, match=r"rank 0 was still running at the 5 s deadline \(\d+ s after the start\), "
+    with pytest.raises(RuntimeError, match=r"rank 0 was still running at the 12 s deadline \(\d+ s after the start\), "
                                            r"at test_faults.py:\d+ in sleep_then_return") as e:
-        run_local(sleep_then_return, 2, (300.0,), deadline_s=5.0)
+        run_local(sleep_then_return, 2, (300.0,), deadline_s=12.0)
     assert e.value.stuck == [0, 1]
-    assert time.monotonic() - start < 30
+    assert time.monotonic() - start < 40
 
 
 # -- item 8: dead and frozen ranks -----------------------------------------------------------
