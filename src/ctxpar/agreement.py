@@ -41,6 +41,12 @@ def tensor_code(t: torch.Tensor, dtype: torch.dtype) -> int:
     return zlib.crc32(t.detach().to("cpu", dtype).contiguous().numpy().tobytes())
 
 
+def needs_grad(*tensors) -> bool:
+    """Whether a backward will run through a call on ``tensors`` (non-tensors ignored):
+    grad mode is on and one of them requires grad."""
+    return torch.is_grad_enabled() and any(isinstance(t, torch.Tensor) and t.requires_grad for t in tensors)
+
+
 def signature(q, k, v, *, layout_name: str, causal, scale, strategy, rejected: bool, mask=None, sinks=None
               ) -> list[int]:
     """Integers describing one call; shape fields are -1 where the inputs are not tensors.
@@ -51,21 +57,17 @@ def signature(q, k, v, *, layout_name: str, causal, scale, strategy, rejected: b
     ``needs_grad``: whether this call will run a backward (which communicates too), so a
     rank whose inputs lack ``requires_grad`` is caught here rather than left out there.
     """
-    tensors = [t for t in (q, k, v) if isinstance(t, torch.Tensor)]
     shape = list(q.shape) if isinstance(q, torch.Tensor) and q.dim() == 4 else [-1] * 4
     kv_heads = k.shape[1] if isinstance(k, torch.Tensor) and k.dim() == 4 else -1
     dtype = text_code(str(q.dtype)) if isinstance(q, torch.Tensor) else -1
     scale_bits = struct.unpack("<q", struct.pack("<d", float(scale)))[0] if isinstance(scale, (int, float)) else -1
-    if isinstance(sinks, torch.Tensor):
-        tensors.append(sinks)
-    needs_grad = torch.is_grad_enabled() and any(t.requires_grad for t in tensors)
     mask_code = -1 if mask is None else text_code(f"{mask.documents}/{mask.window}")
     sinks_code = 0 if sinks is None else -1
     if isinstance(sinks, torch.Tensor):
         sinks_code = tensor_code(sinks, torch.float64)
     return [OWN_INPUTS_REJECTED if rejected else 0, shape[0], shape[1], kv_heads, shape[2], shape[3], dtype,
-            int(bool(causal)), scale_bits, text_code(str(strategy)), text_code(layout_name), int(needs_grad),
-            mask_code, sinks_code]
+            int(bool(causal)), scale_bits, text_code(str(strategy)), text_code(layout_name),
+            int(needs_grad(q, k, v, sinks)), mask_code, sinks_code]
 
 
 def check_ranks_agree(sig: list[int], topo: Topology, error: ValueError | None) -> None:

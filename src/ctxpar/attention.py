@@ -104,7 +104,7 @@ def attention_with_lse(
         _check_sinks(sinks, q)
         if strategy == auto.AUTO:
             strategy, _ = auto.choose(q, k, world=topo.world_size, layout_name=layout.name, mask=mask,
-                                      backward=_needs_grad(q, k, v, sinks))
+                                      backward=agreement.needs_grad(q, k, v, sinks))
             chosen = _strategy(strategy)
             topo = _topology(chosen.axis, strategy, group, mesh)
         chosen.check(q, k, topo)
@@ -129,10 +129,6 @@ def attention_with_lse(
 def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, **kwargs) -> torch.Tensor:
     """Like ``attention_with_lse`` but returns only ``out`` (B, H, S, D)."""
     return attention_with_lse(q, k, v, **kwargs)[0]
-
-
-def _needs_grad(*tensors) -> bool:
-    return torch.is_grad_enabled() and any(isinstance(t, torch.Tensor) and t.requires_grad for t in tensors)
 
 
 def _strategy(name: str) -> Strategy:
