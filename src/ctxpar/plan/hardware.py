@@ -204,12 +204,12 @@ def local_hardware(calibration: dict) -> Hardware:
             raise ValueError(f"calibration has no {key!r}; produce one with `ctxpar plan --hardware local --calibrate "
                              f"--json PATH` and pass --calibration PATH")
         value = calibration[key]
-        if isinstance(value, bool) or not isinstance(value, (int, float)) or not (math.isfinite(value) and value > 0):
+        if not _is_number(value, positive=True):
             raise ValueError(f"calibration {key!r} is {value!r}, not a positive rate; measure again with "
                              f"`ctxpar plan --hardware local --calibrate --json PATH`")
     for key in ("memory_bandwidth", "latency", "launch_overhead", "step_overhead"):
         value = calibration.get(key, 0.0)
-        if isinstance(value, bool) or not isinstance(value, (int, float)) or not (math.isfinite(value) and value >= 0):
+        if not _is_number(value):
             raise ValueError(f"calibration {key!r} is {value!r}, not a number >= 0; measure again with "
                              f"`ctxpar plan --hardware local --calibrate --json PATH`")
     ram = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
@@ -234,13 +234,19 @@ def local_hardware(calibration: dict) -> Hardware:
                                                             "attention_causal_size_curve"))
 
 
+def _is_number(value, *, positive: bool = False) -> bool:
+    """A finite int or float (not a bool), > 0 if ``positive`` else >= 0."""
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
+        return False
+    return value > 0 if positive else value >= 0
+
+
 def _strategy_overheads(table) -> tuple[tuple[str, float], ...] | None:
     """A calibration's {strategy: seconds}, checked: known strategies, finite seconds >= 0."""
     if table is None:
         return None
-    ok = isinstance(table, dict) and all(
-        name in ("ring", "allgather", "alltoall", "hybrid") and isinstance(v, (int, float)) and not isinstance(v, bool)
-        and math.isfinite(v) and v >= 0 for name, v in table.items())
+    ok = isinstance(table, dict) and all(name in ("ring", "allgather", "alltoall", "hybrid") and _is_number(v)
+                                         for name, v in table.items())
     if not ok:
         raise ValueError(f"calibration 'strategy_step_overheads' is {str(table)[:80]}, not {{strategy: seconds}}; "
                          f"measure again with `ctxpar plan --hardware local --calibrate --json PATH`")
@@ -296,14 +302,14 @@ def check_overrides(
                                       or not 1 <= gpus_per_node <= MAX_GPUS_PER_NODE):
         raise ValueError(f"--gpus-per-node {gpus_per_node} must be an integer between 1 and {MAX_GPUS_PER_NODE}")
     for flag, value in (("--bandwidth", bandwidth), ("--flops", peak_flops)):
-        if value is not None and not (math.isfinite(value) and value > 0):
+        if value is not None and not _is_number(value, positive=True):
             raise ValueError(f"{flag} {value} must be a positive finite rate")
     if efficiency is not None and not MIN_EFFICIENCY <= efficiency <= 1:
         raise ValueError(f"--efficiency {efficiency} must be in [{MIN_EFFICIENCY}, 1]: the achieved fraction of "
                          f"peak FLOP/s")
     for flag, value in (("--latency", latency), ("--launch-overhead", launch_overhead),
                         ("--step-overhead", step_overhead)):
-        if value is not None and not (math.isfinite(value) and value >= 0):
+        if value is not None and not _is_number(value):
             raise ValueError(f"{flag} {value} must be a finite number of seconds >= 0")
 
 
