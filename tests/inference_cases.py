@@ -23,6 +23,7 @@ from ctxpar.models import ModelConfig, Transformer
 
 LAYOUTS = ("contiguous", "zigzag", "striped")
 STRATEGIES = ("ring", "allgather", "alltoall")
+WITH_AUTO = (*STRATEGIES, "auto")  # auto: ctxpar.attention asks the planner at each prefill layer
 # 12 query heads split over 1-4 ranks for all-to-all; 4 KV heads (GQA), 1 (MQA)
 CONFIGS = {
     "gqa": ModelConfig(layers=2, hidden=32, heads=12, kv_heads=4, head_dim=8, ffn=64, vocab=128),
@@ -78,9 +79,10 @@ def run_all(rank: int, world: int) -> dict:
 
 def _check_logits(rank: int, world: int) -> dict:
     """Prefill and FORCED_STEPS decode steps fed fixed tokens, for every layout x strategy
-    (GQA) and the ring under MQA: (max relative error vs the single-process model, digest)."""
+    and auto (GQA) and the ring under MQA: (max relative error vs the single-process model,
+    digest)."""
     out = {}
-    cases = [(c, lay, s) for c in ("gqa",) for lay in LAYOUTS for s in STRATEGIES]
+    cases = [(c, lay, s) for c in ("gqa",) for lay in LAYOUTS for s in WITH_AUTO]
     cases += [("mqa", lay, "ring") for lay in LAYOUTS]
     mesh = None
     if world > 1:  # hybrid: all-to-all over 2 ranks where P is even, ring over the rest
@@ -105,18 +107,20 @@ def _check_logits(rank: int, world: int) -> dict:
 
 
 def _check_greedy(rank: int, world: int) -> dict:
-    """GREEDY_TOKENS greedy tokens per layout x strategy: the tokens, the reference's, and
-    this rank's cache (positions held, bytes)."""
+    """GREEDY_TOKENS greedy tokens per layout x strategy and auto: the tokens, the
+    reference's, this rank's cache (positions held, bytes), and the strategies auto chose
+    (``ctxpar.record``) during the whole generation."""
     model = build()
     prompt = prompt_tokens()
     out = {"reference": reference_generate(model, prompt, new_tokens=GREEDY_TOKENS).tolist()}
     for layout in LAYOUTS:
-        for strategy in STRATEGIES:
-            r = generate(model, prompt, layout=layout, strategy=strategy, new_tokens=GREEDY_TOKENS)
+        for strategy in WITH_AUTO:
+            with profile.record(timing=False) as rec:
+                r = generate(model, prompt, layout=layout, strategy=strategy, new_tokens=GREEDY_TOKENS)
             out[f"{layout}-{strategy}"] = dict(
                 tokens=r.tokens.tolist(), positions=r.cache.positions().tolist(), kv_cache_bytes=r.kv_cache_bytes,
                 held_bytes=r.cache.held_bytes, bytes_per_position=r.cache.bytes_per_position,
-                ttft_s=r.ttft_s, tpot_s=r.tpot_s,
+                ttft_s=r.ttft_s, tpot_s=r.tpot_s, chosen=[chosen for chosen, _ in rec.strategy_choices],
                 prompt_positions=get_layout(layout, world).positions(PROMPT_LEN, rank).tolist())
     return out
 
@@ -231,6 +235,8 @@ def _check_bad_inputs(rank: int, world: int) -> dict[str, str]:
         "strategy": _attempt(lambda: prefill(model, cache(), prompt, layout="zigzag", strategy="ulysses")),
         "hybrid_no_mesh": _attempt(lambda: prefill(model, cache(), prompt, layout="zigzag", strategy="hybrid")),
         "mesh_not_hybrid": _attempt(lambda: prefill(model, cache(), prompt, layout="zigzag", mesh=object())),
+        "mesh_with_auto": _attempt(lambda: prefill(model, cache(), prompt, layout="zigzag", strategy="auto",
+                                                   mesh=object())),
         "mesh_not_a_mesh": _attempt(lambda: prefill(model, cache(), prompt, layout="zigzag", strategy="hybrid",
                                                     mesh=object())),
         "before_prefill": _attempt(lambda: decode_step(model, cache(), prompt[:, 0])),

@@ -90,6 +90,24 @@ def test_generate_equals_the_single_process_tokens_and_writes_the_documented_jso
     assert report["ttft_s"] > 0 and report["tpot_s"] > 0
     # tiny: 2 layers, K and V, 2 KV heads of 16, fp32; 64 + 7 positions over 2 ranks
     assert report["kv_cache_bytes_per_rank"] == [36 * 2 * 2 * 2 * 2 * 16 * 4] * 2
+    assert report["strategy_chosen"] == {}  # an explicit strategy asks the planner nothing
+
+
+def test_generate_with_strategy_auto_equals_the_single_process_tokens_and_reports_its_choice(tmp_path) -> None:
+    """3 ranks: the tiny model's 4 query heads do not split over them, which refuses
+    alltoall but not auto (it weighs ring and allgather only)."""
+    path = tmp_path / "generate.json"
+    proc = run_cli("generate", "--nproc", "3", "--prompt-len", "24", "--new-tokens", "4", "--strategy", "auto",
+                   "--compare", "--json", str(path))
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert "OK: the tokens equal the single-process generation" in proc.stdout
+    report = json.loads(path.read_text())
+    assert report["tokens"] == report["reference_tokens"] and len(report["tokens"][0]) == 4
+    chosen = report["strategy_chosen"]
+    assert chosen and set(chosen) <= {"ring", "allgather"}, chosen
+    assert f"3 ranks (auto -> {', '.join(chosen)}, zigzag)" in proc.stdout
+    for strategy, why in chosen.items():
+        assert f"auto chose {strategy}: {why}" in proc.stdout and "P=3" in why
 
 
 def test_generate_with_the_hybrid_strategy_equals_the_single_process_tokens() -> None:
@@ -183,6 +201,8 @@ def bad_values(tmp: Path) -> list[tuple[tuple[str, ...], str]]:
          "splits the query heads H=4 (H_kv=2) over P=3 ranks"),
         (("generate", "--strategy", "hybrid"), "strategy 'hybrid' needs a --ulysses-degree dividing the 4 ranks"),
         (("generate", "--ulysses-degree", "2"), "a --ulysses-degree is only for strategy 'hybrid'"),
+        (("generate", "--strategy", "auto", "--ulysses-degree", "2"),
+         "a --ulysses-degree is only for strategy 'hybrid', not 'auto'"),
         (("generate", "--temperature", "nan"), "--temperature must be a finite number >= 0"),
         (("generate", "--seed", "-1"), "--seed must be between 0 and"),
         (("generate", "--nproc", "0"), "--nproc 0 must be >= 1"),

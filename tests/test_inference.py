@@ -8,6 +8,7 @@ import torch
 
 import inference_cases as cases
 import spawned
+from ctxpar.auto import CANDIDATES
 from ctxpar.inference import KVCache, generate, partial_prefill, prefill, reference_generate
 from ctxpar.plan import get_hardware
 from ctxpar.plan.inference import choose_partial_prefill
@@ -33,8 +34,8 @@ def _reported(world: int, check: str) -> list:
 @pytest.mark.parametrize("world", WORLD_SIZES, ids=lambda w: f"P{w}")
 def test_prefill_and_every_decode_step_match_the_single_process_model(world: int) -> None:
     per_rank = _reported(world, "logits")
-    # every layout x strategy (GQA), the ring under MQA, and on more than one rank the hybrid
-    assert len(per_rank[0]) == 3 * 3 + 3 + (3 + 1 if world > 1 else 0)
+    # every layout x strategy and auto (GQA), the ring under MQA, and on more than one rank the hybrid
+    assert len(per_rank[0]) == 3 * 4 + 3 + (3 + 1 if world > 1 else 0)
     assert all(r.pop("place_to_rank", True) is True for r in per_rank), "hybrid: a mesh place maps to another rank"
     for case, (errors, _) in per_rank[0].items():
         assert len(errors) == 1 + cases.FORCED_STEPS
@@ -50,9 +51,24 @@ def test_greedy_tokens_equal_the_single_process_generation(world: int) -> None:
     reference = per_rank[0]["reference"]
     assert len(reference[0]) == cases.GREEDY_TOKENS >= 32
     for rank, r in enumerate(per_rank):
-        for case in (f"{lay}-{s}" for lay in cases.LAYOUTS for s in cases.STRATEGIES):
+        for case in (f"{lay}-{s}" for lay in cases.LAYOUTS for s in cases.WITH_AUTO):
             assert r[case]["tokens"] == reference, f"P={world} rank {rank} {case}"
             assert r[case]["ttft_s"] > 0 and r[case]["tpot_s"] > 0
+
+
+@pytest.mark.parametrize("world", WORLD_SIZES, ids=lambda w: f"P{w}")
+def test_strategy_auto_asks_the_planner_once_per_prefill_layer_and_never_in_decode(world: int) -> None:
+    """strategy="auto" (its tokens: the test above) resolves in ``ctxpar.attention``: each
+    layer of the prefill records one of auto's candidates, the same on every rank; the
+    GREEDY_TOKENS - 1 decode steps ask nothing. An explicit strategy records nothing."""
+    per_rank = _reported(world, "greedy")
+    for layout in cases.LAYOUTS:
+        chosen = [r[f"{layout}-auto"]["chosen"] for r in per_rank]
+        assert len(chosen[0]) == cases.CONFIGS["gqa"].layers, (layout, chosen[0])
+        assert set(chosen[0]) <= set(CANDIDATES), (layout, chosen[0])
+        assert all(c == chosen[0] for c in chosen), (layout, chosen)
+        for strategy in cases.STRATEGIES:
+            assert all(r[f"{layout}-{strategy}"]["chosen"] == [] for r in per_rank), (layout, strategy)
 
 
 @pytest.mark.parametrize("world", WORLD_SIZES, ids=lambda w: f"P{w}")
@@ -61,7 +77,7 @@ def test_each_cache_holds_its_prompt_positions_and_every_pth_decoded_one(world: 
     last token is returned, not fed back, so T + n - 1 positions in all."""
     per_rank = _reported(world, "greedy")
     decoded = range(cases.PROMPT_LEN, cases.PROMPT_LEN + cases.GREEDY_TOKENS - 1)
-    for case in (f"{lay}-{s}" for lay in cases.LAYOUTS for s in cases.STRATEGIES):
+    for case in (f"{lay}-{s}" for lay in cases.LAYOUTS for s in cases.WITH_AUTO):
         held = []
         for rank, r in enumerate(per_rank):
             want = r[case]["prompt_positions"] + [p for p in decoded if p % world == rank]
@@ -143,9 +159,10 @@ EXPECTED_MESSAGES = {
     "batch": ["batch B=2", "built for batch 3"],
     "heads": ["(layers, kv_heads, head_dim) = (2, 4, 8)", "(2, 2, 8)"],
     "layout_length": ["not a multiple of 2*P=", "zigzag layout", "pad to"],
-    "strategy": ["inference strategy 'ulysses'", "ring, allgather, alltoall, hybrid"],
+    "strategy": ["inference strategy 'ulysses'", "ring, allgather, alltoall, hybrid, auto"],
     "hybrid_no_mesh": ["strategy='hybrid' takes mesh="],
     "mesh_not_hybrid": ["mesh= is for strategy='hybrid'"],
+    "mesh_with_auto": ["mesh= is for strategy='hybrid'; 'auto' runs on the cache's group"],
     "mesh_not_a_mesh": ["mesh= must be a 2D DeviceMesh", "object"],
     "before_prefill": ["decode before prefill"],
     "prefill_twice": ["already holds a sequence of 24 positions"],

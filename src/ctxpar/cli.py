@@ -359,7 +359,7 @@ def _generate_parser(sub) -> None:
                    help="model preset, randomly initialised from --seed")
     p.add_argument("--layout", choices=LAYOUT_NAMES, default=d.layout, help="how prefill splits the prompt")
     p.add_argument("--strategy", choices=generation.INFERENCE_STRATEGIES, default=d.strategy,
-                   help="how prefill moves K/V")
+                   help="how prefill moves K/V (auto: the planner picks per layer)")
     p.add_argument("--ulysses-degree", type=int, default=d.ulysses_degree,
                    help="hybrid only: ranks per all-to-all (the ring degree is nproc / this)")
     p.add_argument("--temperature", type=float, default=d.temperature, help="0: greedy; else sample")
@@ -368,7 +368,8 @@ def _generate_parser(sub) -> None:
                    help="also generate in one process without cache or CP and check the tokens are equal")
     p.add_argument("--no-progress", dest="progress", action="store_false", help="no progress bar")
     p.add_argument("--json", metavar="PATH",
-                   help="write tokens, reference_tokens, ttft_s, tpot_s, kv_cache_bytes_per_rank as JSON")
+                   help="write tokens, reference_tokens, ttft_s, tpot_s, kv_cache_bytes_per_rank, strategy_chosen "
+                        "as JSON")
 
 
 def _run_generate(args: argparse.Namespace) -> int:

@@ -14,7 +14,7 @@ from dataclasses import asdict, dataclass
 import torch
 import torch.distributed as dist
 
-from ctxpar import launch, limits, strategy_rules
+from ctxpar import auto, launch, limits, profile, strategy_rules
 from ctxpar.inference.generate import check_sampling, generate, reference_generate
 from ctxpar.inference.prefill import INFERENCE_STRATEGIES
 from ctxpar.layout import get_layout
@@ -49,8 +49,11 @@ class GenerateConfig:
             get_layout(self.layout, world).validate(self.prompt_len)
         except ValueError as e:
             raise ValueError(f"--prompt-len: {e}") from None
-        strategy_rules.check_heads(self.strategy, cfg.heads, cfg.kv_heads, strategy_rules.ulysses_degree(
-            self.strategy, world, self.ulysses_degree, name="--ulysses-degree"))
+        if self.strategy != auto.AUTO:  # auto takes all-to-all only where P divides the heads
+            strategy_rules.check_heads(self.strategy, cfg.heads, cfg.kv_heads, strategy_rules.ulysses_degree(
+                self.strategy, world, self.ulysses_degree, name="--ulysses-degree"))
+        elif self.ulysses_degree is not None:
+            raise ValueError("a --ulysses-degree is only for strategy 'hybrid', not 'auto'")
         try:
             check_sampling(self.temperature, self.seed)
         except ValueError as e:
@@ -87,16 +90,19 @@ def generate_rank(rank: int, world: int, cfg: GenerateConfig, device: torch.devi
 
         bar = tqdm(total=cfg.new_tokens, desc="generate", unit="tok")
     mesh = launch.hybrid_mesh(device.type, world, cfg.ulysses_degree) if cfg.strategy == "hybrid" else None
-    result = generate(model, prompt, layout=cfg.layout, strategy=cfg.strategy, mesh=mesh, new_tokens=cfg.new_tokens,
-                      temperature=cfg.temperature, seed=cfg.seed, on_token=bar.update if bar else None)
+    with profile.record(timing=False) as rec:  # what strategy="auto" chose, without synchronising the device
+        result = generate(model, prompt, layout=cfg.layout, strategy=cfg.strategy, mesh=mesh,
+                          new_tokens=cfg.new_tokens, temperature=cfg.temperature, seed=cfg.seed,
+                          on_token=bar.update if bar else None)
     if bar is not None:
         bar.close()
+    chosen = dict(rec.strategy_choices)  # strategy="auto": {strategy: why}, one entry per distinct choice
     per_rank = [None] * world
     dist.all_gather_object(per_rank, result.kv_cache_bytes)
     if rank != 0:
         return None
     return dict(config=dict(asdict(cfg), nproc=world), tokens=result.tokens.tolist(), ttft_s=result.ttft_s,
-                tpot_s=result.tpot_s, kv_cache_bytes_per_rank=per_rank)
+                tpot_s=result.tpot_s, kv_cache_bytes_per_rank=per_rank, strategy_chosen=chosen)
 
 
 def run_generate(cfg: GenerateConfig, *, timeout_s: float = launch.DEFAULT_TIMEOUT_S) -> dict | None:
@@ -113,10 +119,13 @@ def run_generate(cfg: GenerateConfig, *, timeout_s: float = launch.DEFAULT_TIMEO
     return report
 
 
-def _strategy_words(c: dict) -> str:
-    if c["strategy"] != "hybrid":
-        return c["strategy"]
-    return f"hybrid: ulysses {c['ulysses_degree']} x ring {c['nproc'] // c['ulysses_degree']}"
+def _strategy_words(report: dict) -> str:
+    c = report["config"]
+    if c["strategy"] == "hybrid":
+        return f"hybrid: ulysses {c['ulysses_degree']} x ring {c['nproc'] // c['ulysses_degree']}"
+    if report.get("strategy_chosen"):
+        return f"{c['strategy']} -> {', '.join(report['strategy_chosen'])}"
+    return c["strategy"]
 
 
 def format_report(report: dict) -> str:
@@ -124,10 +133,11 @@ def format_report(report: dict) -> str:
     per_rank = report["kv_cache_bytes_per_rank"]
     tpot = "-" if report["tpot_s"] is None else f"{report['tpot_s'] * 1e3:.2f} ms"
     lines = [f"ctxpar generate: {c['model']} model, prompt {c['prompt_len']} x batch {c['batch']}, "
-             f"{c['new_tokens']} new tokens, {c['nproc']} ranks ({_strategy_words(c)}, {c['layout']})",
+             f"{c['new_tokens']} new tokens, {c['nproc']} ranks ({_strategy_words(report)}, {c['layout']})",
              f"time to first token   {report['ttft_s'] * 1e3:.2f} ms",
              f"time per output token {tpot}",
              f"KV cache per rank     {', '.join(f'{b:,}' for b in per_rank)} bytes"]
+    lines += [f"auto chose {s}: {why}" for s, why in report.get("strategy_chosen", {}).items()]
     for row, tokens in enumerate(report["tokens"]):
         lines.append(f"tokens[{row}]: {' '.join(map(str, tokens))}")
     if "reference_tokens" in report:

@@ -2,10 +2,12 @@
 
 Each rank runs the model on its T/P prompt tokens (RoPE from their global positions);
 every attention layer keeps this rank's K/V (after RoPE) in the cache, then attends
-with ``ctxpar.attention``, exactly as in training: any layout, any of the single-group
-strategies. Sampling needs the logits of the last position only, which one rank holds:
-it alone applies the LM head to that row and broadcasts the (B, vocab) logits, so every
-rank samples the same token from the same numbers.
+with ``ctxpar.attention``, exactly as in training: any layout, any strategy (hybrid
+with its mesh), or ``"auto"``, which ``ctxpar.attention`` resolves at every layer from
+the planner's cost model (``ctxpar.auto``), alike on every rank. Sampling needs the
+logits of the last position only, which one rank holds: it alone applies the LM head to
+that row and broadcasts the (B, vocab) logits, so every rank samples the same token from
+the same numbers.
 """
 
 from __future__ import annotations
@@ -13,13 +15,13 @@ from __future__ import annotations
 import torch
 import torch.nn as nn
 
-from ctxpar import agreement, comm, strategy_rules, topology
+from ctxpar import agreement, auto, comm, strategy_rules, topology
 from ctxpar.attention import attention
 from ctxpar.inference.cache import KVCache
 from ctxpar.inference.hooks import attention_replaced, check_model_fits
 from ctxpar.layout import Layout, fingerprint, get_layout
 
-INFERENCE_STRATEGIES = ("ring", "allgather", "alltoall", "hybrid")
+INFERENCE_STRATEGIES = (*strategy_rules.STRATEGY_NAMES, auto.AUTO)
 
 
 def prefill(model: nn.Module, cache: KVCache, prompt: torch.Tensor, *, layout: str | Layout,
@@ -33,7 +35,9 @@ def prefill(model: nn.Module, cache: KVCache, prompt: torch.Tensor, *, layout: s
             takes its own positions with ``layout``.
         layout: ``"contiguous" | "zigzag" | "striped"`` or a ``Layout`` for the group's P;
             T must suit it (its error says how to pad).
-        strategy: ``"ring" | "allgather" | "alltoall" | "hybrid"`` (``ctxpar.attention``'s).
+        strategy: ``"ring" | "allgather" | "alltoall" | "hybrid" | "auto"``
+            (``ctxpar.attention``'s; "auto": the planner picks among ring, allgather and
+            alltoall at each layer, ``ctxpar.record()`` lists the choices).
         mesh: hybrid only: the 2D DeviceMesh ("ulysses", "ring") over the cache's ranks;
             each rank takes the prompt positions of its place in the mesh
             (``topology.hybrid_rank``), and keeps them in the cache.
@@ -138,6 +142,8 @@ def _check(model: nn.Module, cache: KVCache, prompt: torch.Tensor, layout: str |
         layout_rank, ulysses = topo.rank, topo.ulysses_degree
     elif mesh is not None:
         raise ValueError(f"mesh= is for strategy='hybrid'; {strategy!r} runs on the cache's group")
+    elif strategy == auto.AUTO:  # all-to-all (U = P) is a candidate only where P divides H: none to refuse
+        ulysses = 1
     else:
         ulysses = strategy_rules.ulysses_degree(strategy, cache.world_size)
     check_tokens(prompt, cache, model.cfg.vocab, "prompt")
