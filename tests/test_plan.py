@@ -25,7 +25,7 @@ from ctxpar.plan.documents import pack, parse_doc_dist, parse_lengths, sample_le
 from ctxpar.plan.hardware import local_hardware
 from ctxpar.plan.memory import (layers_in_flight, memory_per_gpu, parameters_per_gpu, saved_bytes_per_layer,
                                 saved_tensors_per_token, sequence_tensors)
-from ctxpar.plan.recommend import crossover, fits_up_to, recommend
+from ctxpar.plan.recommend import crossover, fits_up_to, recommend, variant
 from ctxpar.plan.units import format_bytes, format_seconds, parse_latency
 from ctxpar.plan.work import pairs_per_rank, union_pairs
 from ctxpar.plan.workload import Workload
@@ -290,7 +290,7 @@ def test_crossover_is_where_cp_starts_to_win() -> None:
 
     def faster(seq: int) -> bool:
         v = w.with_(seq=seq)
-        return cost.step_time(v, hw).seconds < cost.step_time(v.with_(cp=1), hw).seconds
+        return cost.step_time(v, hw).seconds < cost.step_time(v.unsplit(), hw).seconds  # CP-1 on the same GPUs
 
     assert faster(c.faster_from) and not faster(c.faster_from - w.layout_obj.multiple)
 
@@ -442,10 +442,12 @@ def test_dp_and_fsdp_traffic_are_ring_collectives_over_the_gpus_holding_each_sha
     n = 8_030_261_248  # the worked model's parameters; bf16
     assert traffic.data_parallel(parameters=n, elem=2, group=1, fsdp=1).total == 0
     ddp = traffic.data_parallel(parameters=n, elem=2, group=4, fsdp=1)  # an all-reduce over 4
-    assert (ddp.gather, ddp.reduce, ddp.replicate) == (0, 2 * 3 * (n // 4) * 2, 0)
+    assert (ddp.gather, ddp.gradients, ddp.replicate) == (0, 2 * 3 * (n // 4) * 2, 0)
     fsdp = traffic.data_parallel(parameters=n + 1, elem=2, group=8, fsdp=8)  # FSDP pads N to a multiple of 8
-    assert (fsdp.gather, fsdp.reduce, fsdp.replicate) == (7 * (n // 8 + 1) * 2, 7 * (n // 8 + 1) * 2, 0)
-    assert fsdp.total == 2 * fsdp.gather + fsdp.reduce
+    assert (fsdp.gather, fsdp.gradients, fsdp.replicate) == (7 * (n // 8 + 1) * 2, 7 * (n // 8 + 1) * 2, 0)
+    assert fsdp.total == 2 * fsdp.gather + fsdp.gradients  # gathered for the forward, again for the backward
+    kept = traffic.data_parallel(parameters=n + 1, elem=2, group=8, fsdp=8, microbatches=4)
+    assert kept.gathers == 1 and kept.total == fsdp.total - fsdp.gather  # gathered once for all micro-batches
     hsdp = traffic.data_parallel(parameters=n, elem=2, group=32, fsdp=8)  # 4 replicas of each 1/8 shard
     assert hsdp.replicate == 2 * 3 * -(-(n // 8) // 4) * 2 and hsdp.gather == 7 * (n // 8) * 2
     with pytest.raises(ValueError, match="FSDP degree 3 does not divide the 8 GPUs"):
@@ -525,17 +527,43 @@ def test_pipeline_stages_hold_their_layers_and_the_schedules_in_flight_activatio
     links = cost.links(piped, hw)
     assert (links["pp"].group_size, links["pp"].span, links["pp"].crosses_nodes) == (4, 64, True)
     assert sched.message_seconds == sched.message_bytes / 50e9
-    assert step.compute_seconds == alone.compute_seconds and step.dp_seconds == alone.dp_seconds
-    assert step.seconds == pytest.approx(11 * (alone.compute_seconds + 2 * sched.message_seconds) + alone.dp_seconds,
+    assert step.compute_seconds == alone.compute_seconds
+    assert step.seconds == pytest.approx(11 * (alone.compute_seconds + 2 * sched.message_seconds) + step.dp_seconds,
                                          rel=1e-12)
+    # FSDP keeps the stage's parameters gathered across the micro-batches: no re-gather in the backward
+    dp, once = step.data_parallel, alone.data_parallel
+    assert (dp.traffic.gathers, once.traffic.gathers, dp.backward.lead) == (1, 2, 0.0)
+    assert dp.backward.tail == once.backward.tail and dp.forward == once.forward
+    assert step.dp_seconds == pytest.approx(once.exposed - once.backward.lead, rel=1e-12)  # here every layer hides it
+    assert mem.fsdp_buffers == 2 * parameters_per_gpu(piped) * 2 > one.fsdp_buffers  # unsharded params + gradients
     interleaved = cost.step_time(piped.with_(virtual_stages=2), hw)
     assert interleaved.schedule.slots == 8 + 3 / 2
     assert interleaved.microbatch_seconds == pytest.approx(alone.compute_seconds + 4 * sched.message_seconds,
                                                            rel=1e-12)
     accumulate = cost.step_time(w.with_(microbatches=4), hw)  # no PP: gradient accumulation, no sends
-    assert accumulate.schedule.p2p_seconds_per_slot == 0 and "pp" not in cost.links(w, hw)
+    assert accumulate.schedule.message_bytes == 0 and "pp" not in cost.links(w, hw)
     assert accumulate.seconds == pytest.approx(4 * cost.step_time(w, hw).compute_seconds + accumulate.dp_seconds,
                                                rel=1e-12)
+
+
+def test_cp1_the_sweep_and_the_baseline_reduce_gradients_over_the_same_gpus() -> None:
+    hw = get_hardware("H100-SXM")
+    w = worked(dp=2)  # TP 1 x CP 4 x DP 2, DDP: gradients all-reduced over the 8 GPUs
+    assert w.data_parallel_group == 8
+    single = w.unsplit()  # CP-1 on the same GPUs: the CP ranks become replicas
+    assert (single.cp, single.data_parallel_group) == (1, 8)
+    assert cost.step_time(single, hw).data_parallel.traffic == cost.dp_traffic(w)
+    assert variant(w, hw, strategy="ring", cp=4) == w  # the sweep keeps the requested replicas
+    assert variant(w, hw, strategy="ring", cp=2).dp == 2 and variant(worked(fsdp=8), hw, strategy="ring", cp=2).dp is None
+    b = baseline(w, hw)  # TP t' candidates: DP·t·P/t' replicas of each TP shard
+    for p in b.points:
+        v = w.with_(cp=1, tp=p.tp, dp=8 // p.tp, checkpointing=p.checkpointing)
+        assert p.step_seconds == cost.step_time(v, hw).seconds
+    piped = worked(pp=2, microbatches=2)  # DDP inside each stage of 4 GPUs, stages 4 apart
+    links = cost.links(piped, hw)
+    assert (links["dp"].group_size, links["dp"].span, links["pp"].span) == (4, 4, 8)
+    assert cost.step_time(piped, replace(hw, gpus_per_node=4)).data_parallel.backward.transfer == \
+        cost.step_time(piped, hw).data_parallel.backward.transfer  # the stage's DP group stays in its node
 
 
 @pytest.mark.parametrize("changes, message", [
@@ -557,13 +585,13 @@ def test_cli_plans_pipeline_parallelism_and_inference_refuses_it(tmp_path, capsy
                  "2", "--max-cp", "4", "--json", str(out)]) == 0
     table = capsys.readouterr().out
     assert "x PP=4 (v=2 interleaved) = 64 GPUs (rank order TP, CP, DP, PP); 8 GPUs per node; 8 micro-batches" in table
-    assert "= 9.5 micro-batches' worth (m + (PP-1)/v = 8 + 3/2: bubble 18.8%)" in table
+    assert "= 9.5 micro-batches' worth (m + (PP-1)/v = 8 + 3/2: the bubble is 18.8% of the work)" in table
     assert "busiest of PP=4 stages: 8 of the 32 layers" in table and "activations of 44 layers in flight" in table
     report = json.loads(out.read_text())
     par = report["parallel"]
     assert (par["pp"], par["virtual_stages"], par["microbatches"], par["stage_layers"], par["layers_in_flight"],
             par["world_size"], par["gpus_per_replica"]) == (4, 2, 8, 8, 44, 64, 32)
-    assert report["step"]["schedule"]["slots"] == 9.5 and report["baseline"]["gpus_per_replica"] == 8
+    assert report["step"]["schedule"]["slots"] == 9.5 and report["baseline"]["gpus_per_stage"] == 8
     assert main(["plan", "--inference", "--seq", "4096", "--cp", "2", "--pp", "2"]) == 2
     assert "--pp 2 describes a training step" in capsys.readouterr().err
 
@@ -587,9 +615,10 @@ def test_cli_parallel_flags_and_json_keys(tmp_path, capsys, monkeypatch) -> None
     assert set(par["links"]) == {"tp", "cp", "fsdp"} and par["links"]["cp"]["crosses_nodes"] is True
     assert (par["links"]["fsdp"]["group_size"], par["links"]["fsdp"]["spans_gpus"]) == (8, 16)
     dp = report["dp_traffic_per_step"]
-    assert set(dp) == {"gather_bytes", "reduce_bytes", "replicate_bytes", "total_bytes", "exposed_seconds", "forward",
-                       "backward", "links"} and set(dp["links"]) == {"fsdp"}
-    assert dp["gather_bytes"] == dp["reduce_bytes"] == 7 * -(-4_015_263_744 // 8) * 2 and dp["replicate_bytes"] == 0
+    assert set(dp) == {"gather_bytes", "gathers", "gradient_bytes", "replicate_bytes", "total_bytes", "exposed_seconds",
+                       "forward", "backward", "links"} and set(dp["links"]) == {"fsdp"}
+    assert dp["gather_bytes"] == dp["gradient_bytes"] == 7 * -(-4_015_263_744 // 8) * 2 and dp["replicate_bytes"] == 0
+    assert dp["gathers"] == 2
     assert report["step"]["data_parallel_communication_seconds"] == dp["exposed_seconds"] > 0
     assert "Data-parallel traffic per GPU per step (the 8 GPUs holding each TP shard: DP=2 x CP=4; FSDP=8" in table
     assert set(par["links"]["tp"]) == {"group_size", "spans_gpus", "crosses_nodes", "link", "bandwidth"}
@@ -601,9 +630,9 @@ def test_cli_parallel_flags_and_json_keys(tmp_path, capsys, monkeypatch) -> None
                                                                           "intra-node")
     assert set(report["step"]) >= {"tp_communication_seconds", "tp_per_layer"}
     base = report["baseline"]
-    assert set(base) == {"gpus_per_replica", "verdict", "speedup", "requested_step_seconds", "requested_fits",
+    assert set(base) == {"gpus_per_stage", "verdict", "speedup", "requested_step_seconds", "requested_fits",
                          "best", "candidates", "skipped_tp", "summary"}
-    assert base["verdict"] in VERDICTS and base["gpus_per_replica"] == 8
+    assert base["verdict"] in VERDICTS and base["gpus_per_stage"] == 8
     assert set(base["candidates"][0]) == {"tp", "checkpointing", "step_seconds", "seconds_per_batch",
                                           "memory_bytes", "fits"}
     assert (report["recommendation"]["cp_verdict"], report["recommendation"]["speedup_vs_baseline"]) == \
@@ -995,6 +1024,9 @@ def test_inference_plan_refuses_a_training_workload() -> None:
     w = Workload(LLAMA_8B, batch=1, seq=4096, dtype="bfloat16", cp=4, fsdp=2, window=512)
     with pytest.raises(ValueError, match="the workload sets window, fsdp: leave them at their defaults"):
         inference.make_inference_plan(w, get_hardware("H100-SXM"), new_tokens=1)
+    piped = Workload(LLAMA_8B, batch=1, seq=4096, dtype="bfloat16", cp=4, pp=2, microbatches=4, virtual_stages=2)
+    with pytest.raises(ValueError, match="the workload sets pp, microbatches, virtual_stages: leave them"):
+        inference.make_inference_plan(piped, get_hardware("H100-SXM"), new_tokens=1)
 
 
 # -- kernel rates and fixed costs (issue 13, items 2 and 3) -------------------------------------

@@ -1,16 +1,19 @@
 """The configuration users have without CP, and whether CP beats it.
 
-A team with G = TP·P GPUs per model replica can also run the sequence without CP: more
-tensor parallelism, full recomputation, the GPUs left over running data parallelism. For
-the requested length the planner tries every TP degree t dividing G (powers of two, and
-G itself; beyond a node if G is larger, at the inter-node bandwidth) with checkpointing
-none and full, same batch, dtype, FSDP degree and sequence parallelism, and takes the
-fastest that fits in memory. Its time per batch of B sequences on those G GPUs is
+A team with G = TP·P GPUs per model replica (per pipeline stage under PP) can also run the
+sequence without CP: more tensor parallelism, full recomputation, the GPUs left over
+running data parallelism. For the requested length the planner tries every TP degree t
+dividing G (powers of two, and G itself; beyond a node if G is larger, at the inter-node
+bandwidth) with checkpointing none and full, same batch, micro-batches, dtype, FSDP and PP
+degrees and sequence parallelism, and takes the fastest that fits in memory. Its time per
+batch (m micro-batches of B sequences) on those G GPUs is
 
     step(TP = t, CP = 1) · t / G
 
-since G/t replicas each run a batch in one step (data parallelism taken at efficiency 1,
-as ``recommend`` does). Then, for the requested configuration:
+since G/t replicas each run a batch in one step. Those replicas, and the request's DP
+ones, reduce their gradients together: a candidate's DP degree is the request's
+DP·TP·P / t GPUs holding each of its TP shards (at least its FSDP degree, as an implied
+DP would be). Then, for the requested configuration:
 
     pays_off          it fits and is faster: speed-up = baseline per batch / requested step > 1
     does_not_pay_off  a configuration without CP fits and is at least as fast, or the requested one does not fit
@@ -21,6 +24,7 @@ as ``recommend`` does). Then, for the requested configuration:
 
 from __future__ import annotations
 
+import math
 from dataclasses import asdict, dataclass, field
 
 from ctxpar.plan import cost
@@ -34,11 +38,11 @@ VERDICTS = ("pays_off", "does_not_pay_off", "necessary", "nothing_fits", "no_cp"
 
 @dataclass(frozen=True)
 class BaselinePoint:
-    """One configuration without CP on the requested GPUs per replica."""
+    """One configuration without CP on the requested GPUs per replica (per stage under PP)."""
 
     tp: int
     checkpointing: str
-    step_seconds: float  # one step of B sequences on t GPUs
+    step_seconds: float  # one step (m micro-batches of B sequences) on t GPUs per stage
     seconds_per_batch: float  # step_seconds · t / G: the other G/t - 1 replicas run data parallelism
     memory_bytes: int  # per GPU
     fits: bool
@@ -46,7 +50,7 @@ class BaselinePoint:
 
 @dataclass(frozen=True)
 class Baseline:
-    gpus: int  # G = TP·P of the request
+    gpus: int  # G = TP·P of the request (one pipeline stage's under PP)
     points: list[BaselinePoint]  # every valid (TP, checkpointing), TP ascending
     best: BaselinePoint | None  # the fastest per batch that fits; None: nothing fits
     requested_seconds: float
@@ -64,7 +68,7 @@ class Baseline:
         return self.best.seconds_per_batch / self.requested_seconds
 
     def as_dict(self) -> dict:
-        return dict(gpus_per_replica=self.gpus, verdict=self.verdict, speedup=self.speedup,
+        return dict(gpus_per_stage=self.gpus, verdict=self.verdict, speedup=self.speedup,
                     requested_step_seconds=self.requested_seconds, requested_fits=self.requested_fits,
                     best=None if self.best is None else asdict(self.best),
                     candidates=[asdict(p) for p in self.points], skipped_tp={str(k): v for k, v in
@@ -89,7 +93,8 @@ def baseline(w: Workload, hw: Hardware) -> Baseline:
     for t in tp_degrees(gpus):
         for checkpointing in CHECKPOINTING:
             try:
-                v = w.with_(cp=1, strategy="ring", ulysses=None, tp=t, dp=None, checkpointing=checkpointing)
+                dp = math.lcm(w.data_parallel * gpus // t, w.fsdp)  # the same GPUs hold each TP shard
+                v = w.with_(cp=1, strategy="ring", ulysses=None, tp=t, dp=dp, checkpointing=checkpointing)
             except ValueError as e:  # TP that does not split the heads or the sequence
                 skipped[t] = str(e)
                 break

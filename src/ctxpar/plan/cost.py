@@ -298,9 +298,10 @@ class Link:
 def links(w: Workload, hw: Hardware) -> dict[str, Link]:
     """"tp" and "cp" (and "ulysses", the hybrid's all-to-all): TP groups are t consecutive GPUs,
     CP ranks t apart (a group spans t·P GPUs), a hybrid's all-to-all U CP ranks (t·U GPUs).
-    The G = DP·P GPUs holding one TP shard keep it in step: "fsdp", Z of them t apart
-    (spanning t·Z GPUs), and "replicas" (HSDP, the G/Z copies of a shard) or "dp" (DDP,
-    all G) spanning every GPU."""
+    The G = DP·P GPUs of a pipeline stage holding one TP shard keep it in step: "fsdp", Z
+    of them t apart (spanning t·Z GPUs), and "replicas" (HSDP, the G/Z copies of a shard)
+    or "dp" (DDP, all G) spanning the stage's t·P·DP GPUs. "pp": neighbouring stages are
+    t·P·DP GPUs apart, so the pipeline spans every GPU."""
     def link(size: int, span: int) -> Link:
         return Link(size, span, hw.crosses_nodes(span), hw.bandwidth(span))
 
@@ -309,11 +310,11 @@ def links(w: Workload, hw: Hardware) -> dict[str, Link]:
         out["ulysses"] = link(w.ulysses_degree, w.tp * w.ulysses_degree)
     if w.pp > 1:  # neighbouring stages are t·P·DP GPUs apart: all of them span every GPU
         out["pp"] = link(w.pp, w.world_size)
-    group, z = w.cp * w.data_parallel, w.fsdp
+    group, z = w.data_parallel_group, w.fsdp
     if z > 1:
         out["fsdp"] = link(z, w.tp * z)
-    if group > z:
-        out["dp" if z == 1 else "replicas"] = link(group // z, w.world_size)
+    if group > z:  # within one pipeline stage: its t·P·DP GPUs
+        out["dp" if z == 1 else "replicas"] = link(group // z, w.gpus_per_stage * w.data_parallel)
     return out
 
 
@@ -325,19 +326,20 @@ def tp_traffic(w: Workload) -> traffic.TensorParallelTraffic:
 
 def dp_traffic(w: Workload) -> traffic.DataParallelTraffic:
     """Bytes one GPU sends per step for DP / FSDP (``traffic.data_parallel``) over the
-    G = DP·P GPUs holding its TP shard."""
-    return traffic.data_parallel(parameters=w.model.parameters_per_tp_rank(w.tp), elem=w.elem,
-                                 group=w.cp * w.data_parallel, fsdp=w.fsdp)
+    G = DP·P GPUs holding its TP shard of the busiest stage's parameters."""
+    return traffic.data_parallel(parameters=w.stage().model.parameters_per_tp_rank(w.tp), elem=w.elem,
+                                 group=w.data_parallel_group, fsdp=w.fsdp, microbatches=w.microbatches)
 
 
 @dataclass(frozen=True)
 class DataParallelTime:
-    """One step's DP / FSDP communication, as pipelines over the L layers (an even share of
-    the bytes each) beside their compute: FSDP's forward all-gathers, the next layer's
-    posted while this one computes and the first exposed (``forward``); the backward's
-    re-gather and gradient reduction per layer behind that layer's backward, the first
-    re-gather and the last reduction exposed (``backward``; DDP has only the reduction).
-    What they add to the step is their ``exposed`` seconds."""
+    """One step's DP / FSDP communication, as pipelines over the stage's L layers (an even
+    share of the bytes each) beside one micro-batch's compute: FSDP's forward all-gathers,
+    the next layer's posted while this one computes and the first exposed (``forward``);
+    the backward's re-gather (with one micro-batch) and gradient reduction per layer behind
+    that layer's backward, the first re-gather and the last reduction exposed
+    (``backward``; DDP has only the reduction). What they add to the step is their
+    ``exposed`` seconds."""
 
     traffic: traffic.DataParallelTraffic
     forward: Pipeline | None
@@ -349,8 +351,8 @@ class DataParallelTime:
 
     def as_dict(self) -> dict:
         t = self.traffic
-        return dict(gather_bytes=t.gather, reduce_bytes=t.reduce, replicate_bytes=t.replicate, total_bytes=t.total,
-                    exposed_seconds=self.exposed,
+        return dict(gather_bytes=t.gather, gathers=t.gathers, gradient_bytes=t.gradients, replicate_bytes=t.replicate,
+                    total_bytes=t.total, exposed_seconds=self.exposed,
                     forward=None if self.forward is None else self.forward.as_dict(),
                     backward=None if self.backward is None else self.backward.as_dict())
 
@@ -360,7 +362,8 @@ class PipelineSchedule:
     """m micro-batches through k pipeline stages (v chunks each): the busiest stage runs
     m + (k-1)/v micro-batches' worth of time (Narayanan et al. 2021, arXiv:2104.04473: the
     bubble is (k-1)/(v·m) of the work), each ending its forward and its backward of every
-    chunk with a send of B·(S/t)·d·b to the neighbouring stage."""
+    chunk with a send of its output to the neighbouring stage (``pipeline_schedule``). With
+    k = 1 and m > 1: gradient accumulation, no sends."""
 
     stages: int  # k
     virtual: int  # v
@@ -375,23 +378,26 @@ class PipelineSchedule:
 
     @property
     def bubble(self) -> float:
-        """Idle time over busy time: (k-1)/(v·m)."""
+        """The stage's idle time as a fraction of its work: (k-1)/(v·m)."""
         return (self.stages - 1) / (self.virtual * self.microbatches)
 
     @property
-    def p2p_seconds_per_slot(self) -> float:
-        """2·v sends per micro-batch on a stage (0 without PP), on the critical path."""
-        return 2 * self.virtual * self.message_seconds if self.stages > 1 else 0.0
+    def p2p_seconds_per_microbatch(self) -> float:
+        """2·v sends per micro-batch on a stage, on the critical path."""
+        return 2 * self.virtual * self.message_seconds
 
     def as_dict(self) -> dict:
         return dict(stages=self.stages, virtual_stages=self.virtual, microbatches=self.microbatches,
-                    slots=self.slots, bubble_fraction=self.bubble, p2p_message_bytes=self.message_bytes,
-                    p2p_message_seconds=self.message_seconds, p2p_seconds_per_microbatch=self.p2p_seconds_per_slot)
+                    slots=self.slots, bubble_over_work=self.bubble, p2p_message_bytes=self.message_bytes,
+                    p2p_message_seconds=self.message_seconds,
+                    p2p_seconds_per_microbatch=self.p2p_seconds_per_microbatch)
 
 
 @dataclass(frozen=True)
 class StepTime:
-    """One training step (forward + backward over all layers) on the busiest rank, seconds."""
+    """One training step on the busiest rank, seconds. The fields are one micro-batch's
+    forward + backward over the layers of the busiest stage (all of them without PP);
+    ``seconds`` runs them through the ``schedule`` and adds the exposed DP time."""
 
     matmul: float
     attention: AttentionTime
@@ -422,8 +428,8 @@ class StepTime:
     def forward_seconds(self) -> float:
         """The part of ``compute_seconds`` before the backward: one pass of the matmuls, every
         layer's attention forward and forward TP collectives."""
-        passes = 4 if self.recompute else 3
-        return self.matmul / passes + self.layers * (self.attention.forward.seconds + self.tp_forward)
+        layers = self.layers * (self.attention.forward.seconds + self.tp_forward)
+        return self.matmul / matmul_passes(self.recompute) + layers
 
     @property
     def dp_seconds(self) -> float:
@@ -433,7 +439,7 @@ class StepTime:
     @property
     def microbatch_seconds(self) -> float:
         """One micro-batch on the busiest stage: its compute and its pipeline sends."""
-        return self.compute_seconds + (self.schedule.p2p_seconds_per_slot if self.schedule else 0.0)
+        return self.compute_seconds + (self.schedule.p2p_seconds_per_microbatch if self.schedule else 0.0)
 
     @property
     def seconds(self) -> float:
@@ -452,6 +458,11 @@ class StepTime:
                     tp_per_layer=dict(forward_seconds=self.tp_forward, backward_seconds=self.tp_backward))
 
 
+def matmul_passes(recompute: bool) -> int:
+    """Forwards' worth of matmuls in a training step: forward + backward (2x), + 1 recomputed."""
+    return 4 if recompute else 3
+
+
 def matmul_seconds(w: Workload, hw: Hardware, passes: int) -> float:
     """``passes`` forwards' worth of the matmuls on the rank's B·T/P tokens, 1/t of them per GPU."""
     return passes * matmul_flops_per_token(w) * w.batch * w.local_len / w.tp / hw.matmul_flops
@@ -463,54 +474,57 @@ def stage_overhead(hw: Hardware, strategy: str) -> float:
 
 
 def pipeline_schedule(w: Workload, hw: Hardware) -> PipelineSchedule | None:
-    """``w``'s schedule (None for one micro-batch without PP). Megatron sends each stage's
-    output split over the t GPUs of its TP group (sequence parallelism's shard, or its
-    scatter/gather optimisation without it)."""
+    """``w``'s schedule (None for one micro-batch without PP). A stage sends its output
+    B·S_sp·d·b per GPU: with sequence parallelism each of the t GPUs its S/t tokens, without
+    it the whole B·S·d·b (Megatron-Core's point-to-point sends the tensor each TP rank holds)."""
     if w.pp == 1 and w.microbatches == 1:
         return None
-    message = w.batch * -(-w.local_len // w.tp) * w.model.hidden * w.elem
+    if w.pp == 1:
+        return PipelineSchedule(1, 1, w.microbatches, 0, 0.0)
+    message = w.batch * w.sequence_region_len * w.model.hidden * w.elem
     return PipelineSchedule(w.pp, w.virtual_stages, w.microbatches, message,
-                            message / links(w, hw)["pp"].bandwidth + hw.latency if w.pp > 1 else 0.0)
+                            message / links(w, hw)["pp"].bandwidth + hw.latency)
 
 
 def step_time(w: Workload, hw: Hardware) -> StepTime:
     """Matmuls (3 forwards' worth, 4 with checkpointing; 1/t of them per GPU) plus every
     layer's attention and TP communication, per micro-batch on the busiest stage (all of
     the model without PP), times the schedule's slots, plus the exposed DP communication."""
-    schedule = pipeline_schedule(w, hw)
-    w = w.stage()
-    recompute = w.checkpointing == "full"
-    passes = 4 if recompute else 3
-    matmul = matmul_seconds(w, hw, passes)
-    tp, bw = tp_traffic(w), hw.bandwidth(w.tp)
+    stage = w.stage()
+    recompute = stage.checkpointing == "full"
+    matmul = matmul_seconds(stage, hw, matmul_passes(recompute))
+    tp, bw = tp_traffic(stage), hw.bandwidth(stage.tp)
     lat = tp.collectives * hw.latency
-    step = StepTime(matmul, attention_time(w, hw), w.model.layers, recompute, tp.forward / bw + lat,
-                    tp.backward / bw + lat, schedule=schedule)
+    step = StepTime(matmul, attention_time(stage, hw), stage.model.layers, recompute, tp.forward / bw + lat,
+                    tp.backward / bw + lat, schedule=pipeline_schedule(w, hw))
     return replace(step, data_parallel=data_parallel_time(w, hw, step))
 
 
 def data_parallel_time(w: Workload, hw: Hardware, step: StepTime) -> DataParallelTime | None:
-    """``DataParallelTime`` of ``w`` beside ``step``'s compute; None when G = DP·P is 1.
+    """``DataParallelTime`` of ``w`` beside the compute of ``step`` (its ``step_time``); None
+    when G = DP·P is 1.
 
-    Per layer: an all-gather g = gather/L over the FSDP link, a reduction r = reduce/L over
-    it plus replicate/L over the replicas' link, one latency per collective.
+    Per layer of the stage: an all-gather g = gather/L over the FSDP link (again in the
+    backward with one micro-batch), a reduction r = gradients/L over it plus replicate/L
+    over the replicas' link, one latency per collective.
     """
     moved = dp_traffic(w)
     if moved.total == 0:
         return None
-    layers, lat, group_links = w.model.layers, hw.latency, links(w, hw)
+    layers, lat, group_links = step.layers, hw.latency, links(w, hw)
     forward_layer = step.forward_seconds / layers
     backward_layer = (step.compute_seconds - step.forward_seconds) / layers
     if "dp" in group_links:  # DDP: the gradients' all-reduce, bucketed per layer behind the backward
-        reduce = moved.reduce / layers / group_links["dp"].bandwidth + lat
+        reduce = moved.gradients / layers / group_links["dp"].bandwidth + lat
         return DataParallelTime(moved, None, Pipeline(layers, backward_layer, reduce, tail=reduce))
     fsdp = group_links["fsdp"].bandwidth
     gather = moved.gather / layers / fsdp + lat
-    reduce = moved.reduce / layers / fsdp + lat
+    reduce = moved.gradients / layers / fsdp + lat
     if "replicas" in group_links:
         reduce += moved.replicate / layers / group_links["replicas"].bandwidth + lat
+    regather = gather if moved.gathers == 2 else 0.0
     return DataParallelTime(moved, Pipeline(layers, forward_layer, gather, lead=gather),
-                            Pipeline(layers, backward_layer, gather + reduce, lead=gather, tail=reduce))
+                            Pipeline(layers, backward_layer, regather + reduce, lead=regather, tail=reduce))
 
 
 def efficiency(w: Workload, hw: Hardware) -> float:

@@ -318,7 +318,9 @@ def make_inference_plan(w: Workload, hw: Hardware, *, new_tokens: int, chunk: in
     training = [name for name, given in (("window", w.window is not None), ("documents", w.documents is not None),
                                          ("causal=False", not w.causal), ("fsdp", w.fsdp != 1),
                                          ("checkpointing", w.checkpointing != "none"),
-                                         ("dp", w.dp is not None)) if given]
+                                         ("dp", w.dp is not None), ("pp", w.pp != 1),
+                                         ("microbatches", w.microbatches != 1),
+                                         ("virtual_stages", w.virtual_stages != 1)) if given]
     if training:
         raise ValueError(f"the inference plan models a causal decoder serving whole prompts, the weights on every CP "
                          f"rank (split over TP) and no backward; the workload sets {', '.join(training)}: leave them "

@@ -201,20 +201,22 @@ class MemoryEstimate:
 def memory_per_gpu(w: Workload, hbm_bytes: int) -> MemoryEstimate:
     """Every category for one GPU of the TP x CP group (see the module docstring for sources);
     under PP, of the busiest stage with ``layers_in_flight`` layers' activations."""
-    held = layers_in_flight(w)
+    held, microbatches = layers_in_flight(w), w.microbatches
     w = w.stage()
     m, b, s = w.model, w.elem, w.local_len
     n = parameters_per_gpu(w)
     optimizer_bytes = 8 + (4 if b < 4 else 0)
     layer = saved_bytes_per_layer(w)
     # FSDP holds the unit being computed and the prefetched next one unsharded: a decoder
-    # block or the embedding table (this TP rank's share of either)
+    # block or the embedding table (this TP rank's share of either); across micro-batches it
+    # keeps all the stage's parameters gathered and their gradients unsharded (``traffic.data_parallel``)
     largest_unit = max(m.layer_parameters(w.tp), m.vocab_rows(w.tp) * m.hidden)
+    unsharded = 2 * (n if microbatches > 1 else largest_unit) * b
     return MemoryEstimate(
         parameters=-(-n * b // w.fsdp),
         gradients=-(-n * b // w.fsdp),
         optimizer_states=-(-n * optimizer_bytes // w.fsdp),
-        fsdp_buffers=2 * largest_unit * b if w.fsdp > 1 else 0,
+        fsdp_buffers=unsharded if w.fsdp > 1 else 0,
         activations=held * layer,
         # each layer's input (the residual stream: sequence region), plus one layer recomputed
         activations_checkpointed=held * w.batch * w.sequence_region_len * m.hidden * b + layer,

@@ -36,7 +36,7 @@ class Plan:
     memory: MemoryEstimate
     traffic: Traffic  # CP bytes per GPU per layer
     tp_traffic: TensorParallelTraffic  # TP bytes per GPU per layer
-    links: dict[str, cost.Link]  # "tp", "cp" (and "ulysses" for hybrid)
+    links: dict[str, cost.Link]  # "tp", "cp" (and "ulysses", "fsdp", "replicas" or "dp", "pp": ``cost.links``)
     step: cost.StepTime
     cp1_step: cost.StepTime
     efficiency: float

@@ -68,8 +68,8 @@ class Recommendation:
 def variant(w: Workload, hw: Hardware, *, strategy: str, cp: int, seq: int | None = None) -> Workload | None:
     """``w`` with another strategy / degree / length, or None where that combination is invalid.
 
-    The same TP and FSDP degrees; the DP degree follows from them (``Workload.dp`` None),
-    since it changes no per-GPU figure.
+    The same TP, FSDP and PP; the same DP replicas where FSDP still divides DP·P, else the
+    fewest it needs (``Workload.dp`` None). DP sets the group that reduces gradients.
     """
     ulysses = default_ulysses(w.model.heads, cp, hw.gpus_per_node, w.tp) if strategy == "hybrid" else None
     if strategy == "hybrid" and w.strategy == "hybrid" and cp == w.cp and w.ulysses:
@@ -77,7 +77,8 @@ def variant(w: Workload, hw: Hardware, *, strategy: str, cp: int, seq: int | Non
     if strategy == "hybrid" and ulysses is None:
         return None
     try:
-        return w.with_(strategy=strategy, cp=cp, seq=w.seq if seq is None else seq, ulysses=ulysses, dp=None)
+        dp = w.dp if w.dp is not None and (w.dp * cp) % w.fsdp == 0 else None
+        return w.with_(strategy=strategy, cp=cp, seq=w.seq if seq is None else seq, ulysses=ulysses, dp=dp)
     except ValueError:  # e.g. alltoall with heads not divisible by P, or a length the layout rejects
         return None
 

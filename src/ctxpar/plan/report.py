@@ -3,16 +3,18 @@
 JSON (bytes exact, times in seconds; formulas in docs/planner.md):
 
     inputs              the Workload: model shape, batch, seq, dtype, cp, strategy, layout, ulysses,
-                        tp, dp (null: implied by fsdp), fsdp, sequence_parallel, checkpointing, mask
+                        tp, dp (null: implied by fsdp), fsdp, pp, microbatches, virtual_stages,
+                        sequence_parallel, checkpointing, mask
     hardware            ``Hardware.as_dict()`` (gpus_per_node after --gpus-per-node)
     parallel            tp, cp, dp (the effective data-parallel degree), fsdp, pp, virtual_stages,
                         microbatches, stage_layers (the busiest stage's), layers_in_flight (whose
                         activations one GPU holds at once), world_size (TP·P·PP·DP),
                         gpus_per_replica (TP·P·PP), sequence_parallel, heads_per_gpu (H/TP),
-                        kv_heads_per_gpu (H_kv/TP), parameters_per_gpu (one TP rank's share, before
-                        FSDP), links: {"tp", "cp"[, "ulysses"][, "fsdp"][, "replicas" | "dp"]} each
-                        with group_size, spans_gpus (TP groups: TP consecutive GPUs; CP groups span
-                        TP·P, FSDP groups TP·Z, replicas and DDP every GPU), crosses_nodes,
+                        kv_heads_per_gpu (H_kv/TP), parameters_per_gpu (one TP rank's share of the
+                        busiest stage, before FSDP), links: {"tp", "cp"[, "ulysses"][, "fsdp"]
+                        [, "replicas" | "dp"][, "pp"]} each with group_size, spans_gpus (TP groups:
+                        TP consecutive GPUs; CP groups span TP·P, FSDP groups TP·Z, replicas and
+                        DDP the TP·P·DP of a stage, PP every GPU), crosses_nodes,
                         link ("intra-node" | "inter-node") and bandwidth
     sequence_tensors    one hidden state, one per layer, one layer's K/V: total and per-GPU bytes
     traffic_per_layer   CP: forward_bytes, backward_bytes per GPU, link_bandwidth, the transfer
@@ -39,7 +41,7 @@ JSON (bytes exact, times in seconds; formulas in docs/planner.md):
                         tp_per_layer
     efficiency, cp1_fits_up_to, sweep, crossovers   against CP degree at the same TP
     baseline            the best configuration without CP on the same TP·P GPUs (``plan/baseline.py``):
-                        gpus_per_replica (TP·P; per pipeline stage under PP), verdict ("pays_off" |
+                        gpus_per_stage (TP·P: one pipeline stage of a replica), verdict ("pays_off" |
                         "does_not_pay_off" | "necessary" | "nothing_fits" | "no_cp"), speedup
                         (baseline seconds per batch / requested step; null when either does not
                         fit), requested_step_seconds, requested_fits,
@@ -340,17 +342,20 @@ DP_LINKS = ("fsdp", "replicas", "dp")
 
 def _dp_traffic(plan: Plan) -> list[str]:
     w, dp = plan.workload, plan.step.data_parallel
-    tr, group, z, per_node = dp.traffic, w.cp * w.data_parallel, w.fsdp, plan.hardware.gpus_per_node
-    lines = [f"Data-parallel traffic per GPU per step (the {group} GPUs holding each TP shard: DP={w.data_parallel} "
-             f"x CP={w.cp}; FSDP={z}; ring collectives, n = group size, N = {parameters_per_gpu(w):,} parameters)",
+    tr, group, z, per_node = dp.traffic, w.data_parallel_group, w.fsdp, plan.hardware.gpus_per_node
+    stage = " of the busiest stage" if w.pp > 1 else ""
+    lines = [f"Data-parallel traffic per GPU per step (the {group} GPUs holding each TP shard{stage}: "
+             f"DP={w.data_parallel} x CP={w.cp}; FSDP={z}; ring collectives, n = group size, "
+             f"N = {parameters_per_gpu(w):,} parameters)",
              f"  {'':<10}{'collective':<58} {'bytes':>12}"]
     if z == 1:
         lines.append(f"  {'backward':<10}{'gradients all-reduce over G, 2·(n-1)·ceil(N/n)·b':<58} "
-                     f"{format_bytes(tr.reduce):>12}")
+                     f"{format_bytes(tr.gradients):>12}")
     else:
-        rows = [("forward", "parameters all-gather over Z, (n-1)·ceil(N/n)·b", tr.gather),
-                ("backward", "the same all-gather again", tr.gather),
-                ("", "gradients reduce-scatter over Z, (n-1)·ceil(N/n)·b", tr.reduce)]
+        again = (("backward", "the same all-gather again", tr.gather) if tr.gathers == 2 else
+                 ("backward", f"none: gathered for all {w.microbatches} micro-batches", 0))
+        rows = [("forward", "parameters all-gather over Z, (n-1)·ceil(N/n)·b", tr.gather), again,
+                ("", "gradients reduce-scatter over Z, (n-1)·ceil(N/n)·b", tr.gradients)]
         if tr.replicate:
             rows.append(("", "shard all-reduce over G/Z replicas, 2·(n-1)·ceil(N/Z/n)·b", tr.replicate))
         lines += [f"  {name:<10}{what:<58} {format_bytes(n):>12}" for name, what, n in rows]
@@ -360,6 +365,8 @@ def _dp_traffic(plan: Plan) -> list[str]:
                              for name, p in parts))
     outlasts = "" if all(p.hidden for _, p in parts) else ", and what outlasts the compute"
     first = "" if dp.forward is None else "the first gather, "
+    if w.microbatches > 1:
+        first = f"behind one of the {w.microbatches} micro-batches: {first}"
     lines.append(f"  exposed: {format_seconds(dp.exposed)} per step ({first}the last reduction{outlasts})")
     names = {"fsdp": "FSDP", "replicas": "replica", "dp": "DP"}
     lines += [f"  {_link_words(plan.links[k], names[k], per_node)}" for k in DP_LINKS if k in plan.links]
@@ -390,16 +397,19 @@ def _memory(plan: Plan) -> list[str]:
     tp = f"TP={w.tp}, " if w.tp > 1 else ""
     lines = [f"Memory per GPU ({tp}CP={w.cp}, FSDP={w.fsdp})"]
     if w.pp > 1:
+        held = layers_in_flight(w)
         lines.append(f"  busiest of PP={w.pp} stages: {w.stage_layers} of the {w.model.layers} layers, with the "
-                     f"embedding and the LM head; activations of {layers_in_flight(w)} layers in flight (its "
-                     f"micro-batches' forwards before their backwards)")
+                     f"embedding and the LM head; activations of {held} layer{'s' if held > 1 else ''} in flight "
+                     f"(its micro-batches' forwards before their backwards)")
     if w.tp > 1:
         stage = " of that stage" if w.pp > 1 else ""
         lines.append(f"  N_tp = {parameters_per_gpu(w):,} parameters per TP rank{stage} (for N above: attention and "
                      f"MLP matrices / {w.tp}, embedding and LM head vocabulary-parallel, norms replicated)")
     for key, n in mem.categories().items():
         skipped = key in ("activations", "activations_checkpointed") and key != chosen
-        lines.append(f"  {MEMORY_LABELS[key]:<46} {format_bytes(n):>12}{'  (not counted)' if skipped else ''}")
+        label = "FSDP unsharded parameters + gradients (m > 1)" if key == "fsdp_buffers" and w.microbatches > 1 \
+            else MEMORY_LABELS[key]
+        lines.append(f"  {label:<46} {format_bytes(n):>12}{'  (not counted)' if skipped else ''}")
     verdict = "fits" if mem.fits else "does NOT fit"
     lines.append(f"  {'total':<46} {format_bytes(mem.total):>12}  of {format_bytes(mem.hbm_bytes)}: {verdict}")
     return lines
@@ -412,17 +422,20 @@ def _step(plan: Plan) -> list[str]:
     per_gpu = f" / TP={w.tp}" if w.tp > 1 else ""
     work = (f"matmuls {format_seconds(s.matmul)} (6·(N - V·d) FLOPs per token{per_gpu}"
             f"{', +1 forward recomputed' if s.recompute else ''}) + attention {format_seconds(s.attention_seconds)} "
-            f"over {s.layers} layers{tp}")
+            f"over {s.layers} layer{'s' if s.layers > 1 else ''}{tp}")
     if (schedule := s.schedule) is None:
         lines = [f"Step time, busiest rank: {format_seconds(s.seconds)} = {work}{dp}"]
+    elif schedule.stages == 1:  # gradient accumulation
+        lines = [f"Step time, busiest rank: {format_seconds(s.seconds)} = {schedule.microbatches} micro-batches x "
+                 f"{format_seconds(s.microbatch_seconds)}{dp}",
+                 f"  one micro-batch {format_seconds(s.microbatch_seconds)} = {work}"]
     else:
-        stage = "of the busiest stage, " if schedule.stages > 1 else ""
         sends = (f" + {2 * schedule.virtual} pipeline sends of {format_bytes(schedule.message_bytes)} "
-                 f"{format_seconds(s.microbatch_seconds - s.compute_seconds)}" if schedule.stages > 1 else "")
+                 f"{format_seconds(s.microbatch_seconds - s.compute_seconds)}")
         lines = [f"Step time, busiest rank: {format_seconds(s.seconds)} = {schedule.slots:g} micro-batches' worth "
-                 f"(m + (PP-1)/v = {schedule.microbatches} + {schedule.stages - 1}/{schedule.virtual}: bubble "
-                 f"{schedule.bubble:.1%}) x {format_seconds(s.microbatch_seconds)}{dp}",
-                 f"  one micro-batch {stage}{format_seconds(s.microbatch_seconds)} = {work}{sends}"]
+                 f"(m + (PP-1)/v = {schedule.microbatches} + {schedule.stages - 1}/{schedule.virtual}: the bubble "
+                 f"is {schedule.bubble:.1%} of the work) x {format_seconds(s.microbatch_seconds)}{dp}",
+                 f"  one micro-batch of the busiest stage, {format_seconds(s.microbatch_seconds)} = {work}{sends}"]
     if w.pp > 1:
         lines.append(f"  {_link_words(plan.links['pp'], 'PP', plan.hardware.gpus_per_node)}")
     return [*lines,

@@ -165,16 +165,17 @@ class DataParallelTraffic:
     """Bytes one GPU sends per training step to keep its parameters and gradients in step
     with the G = DP·P GPUs holding the same TP shard (``data_parallel``)."""
 
-    gather: int  # FSDP: one all-gather of the parameters over Z (the forward's; the backward repeats it)
-    reduce: int  # gradients: reduce-scatter over Z (FSDP), or all-reduce over G (Z = 1)
+    gather: int  # FSDP: one all-gather of the parameters over Z
+    gradients: int  # their reduction: reduce-scatter over Z (FSDP), or all-reduce over G (Z = 1)
     replicate: int  # HSDP (1 < Z < G): all-reduce of the 1/Z gradient shard over the G/Z replicas
+    gathers: int = 2  # all-gathers per step: the forward's and the backward's, or 1 kept across micro-batches
 
     @property
     def total(self) -> int:
-        return 2 * self.gather + self.reduce + self.replicate
+        return self.gathers * self.gather + self.gradients + self.replicate
 
 
-def data_parallel(*, parameters: int, elem: int, group: int, fsdp: int) -> DataParallelTraffic:
+def data_parallel(*, parameters: int, elem: int, group: int, fsdp: int, microbatches: int = 1) -> DataParallelTraffic:
     """Per step, what one GPU sends for the N parameters it holds (one TP rank's share), b
     bytes each, kept in step over G GPUs of which Z shard them (Z divides G).
 
@@ -187,7 +188,9 @@ def data_parallel(*, parameters: int, elem: int, group: int, fsdp: int) -> DataP
     Z = 1 (DDP): the gradients' all-reduce over G. Z > 1 (FSDP, ZeRO-3): the parameters'
     all-gather over Z in the forward and again in the backward, the gradients'
     reduce-scatter over Z, and with G/Z > 1 replicas (HSDP) an all-reduce of the 1/Z shard
-    over them. Gradients are reduced in b bytes, as ``memory`` holds them.
+    over them. With m > 1 micro-batches the parameters stay gathered and the gradients
+    unsharded until the last one (torchtitan's FSDP under PP, Llama 3's): one all-gather
+    and one reduction per step. Gradients are reduced in b bytes, as ``memory`` holds them.
     """
     if group % fsdp:
         raise ValueError(f"FSDP degree {fsdp} does not divide the {group} GPUs that hold the same parameters")
@@ -198,8 +201,9 @@ def data_parallel(*, parameters: int, elem: int, group: int, fsdp: int) -> DataP
     if fsdp == 1:
         return DataParallelTraffic(0, 2 * (group - 1) * chunk(group), 0)
     replicas, shard = group // fsdp, -(-parameters // fsdp)
-    return DataParallelTraffic(gather=(fsdp - 1) * chunk(fsdp), reduce=(fsdp - 1) * chunk(fsdp),
-                               replicate=2 * (replicas - 1) * chunk(replicas, shard))
+    return DataParallelTraffic(gather=(fsdp - 1) * chunk(fsdp), gradients=(fsdp - 1) * chunk(fsdp),
+                               replicate=2 * (replicas - 1) * chunk(replicas, shard),
+                               gathers=1 if microbatches > 1 else 2)
 
 
 def partial_prefill(method: str, *, batch: int, cached: int, new: int, heads: int, kv_heads: int, head_dim: int,

@@ -148,14 +148,19 @@ class Workload:
         check_heads(self.strategy, self.heads_per_gpu, self.kv_heads_per_gpu, u)
 
     def _check_pipeline(self) -> None:
-        """Every chunk of every stage holds a layer; the interleaved schedule needs PP and,
-        as Megatron's does, a number of micro-batches that is a multiple of the stages."""
+        """Every chunk of every stage holds a layer, and a stage's chunks hold as many; the
+        interleaved schedule needs PP and, as Megatron's does, a number of micro-batches that
+        is a multiple of the stages."""
         k, v, m = self.pp, self.virtual_stages, self.microbatches
         if k * v > self.model.layers:
             raise ValueError(f"--pp {k} x --virtual-stages {v} = {k * v} chunks of layers, more than the model's "
                              f"{self.model.layers} layers; lower --pp or --virtual-stages")
         if v > 1 and k == 1:
             raise ValueError(f"--virtual-stages {v} interleaves pipeline stages; it needs --pp > 1")
+        if self.stage_layers % v:
+            raise ValueError(f"--virtual-stages {v}: a stage's {self.stage_layers} layers (ceil({self.model.layers}/"
+                             f"{k})) do not split into {v} equal chunks, as Megatron's interleaved schedule needs; "
+                             f"use a --virtual-stages that divides {self.stage_layers}")
         if v > 1 and m % k:
             raise ValueError(f"--microbatches {m}: the interleaved schedule (--virtual-stages {v}) runs micro-batches "
                              f"in groups of --pp {k}, so their number must be a multiple of {k} (as Megatron's "
@@ -228,6 +233,12 @@ class Workload:
         return self.dp if self.dp is not None else self.fsdp // math.gcd(self.fsdp, self.cp)
 
     @property
+    def data_parallel_group(self) -> int:
+        """G = DP·P: the GPUs of one pipeline stage holding the same TP shard of the
+        parameters, which keep it in step (gradient reduction; FSDP shards over Z of them)."""
+        return self.cp * self.data_parallel
+
+    @property
     def gpus_per_stage(self) -> int:
         """TP·P: the GPUs that share one micro-batch's pass through a pipeline stage."""
         return self.tp * self.cp
@@ -285,8 +296,10 @@ class Workload:
         return replace(self, **changes)
 
     def unsplit(self) -> Workload:
-        """The same step without CP (CP-1, the same TP), the baseline of every CP comparison."""
-        return replace(self, cp=1, strategy="ring", ulysses=None, dp=None)
+        """The same step without CP (CP-1, the same TP), the baseline of every CP comparison:
+        on the same GPUs, the P CP ranks become data-parallel replicas, so the G = DP·P GPUs
+        holding each TP shard (``data_parallel_group``) stay the same."""
+        return replace(self, cp=1, strategy="ring", ulysses=None, dp=self.data_parallel_group)
 
     def as_dict(self) -> dict:
         d = asdict(self)
