@@ -48,7 +48,7 @@ over CP, and does 1/t of the matmul FLOPs. Its own collectives
 are counted as exposed, not overlapped (an upper bound where Megatron's TP-communication
 overlap hides some); the backward's re-gathers of sequence-parallel inputs are counted
 as overlapped with the input-gradient matmul, as Megatron runs them. Links (``links``),
-Megatron's rank order, TP innermost, then CP, then DP: a TP group is t consecutive GPUs,
+Megatron's rank order, TP innermost, then CP, DP, PP: a TP group is t consecutive GPUs,
 a CP group spans t·P, a hybrid's all-to-all t·U; each is paced by the inter-node link
 once its span exceeds the GPUs per node.
 
@@ -56,6 +56,10 @@ Data parallelism (``data_parallel_time``): the DP·P GPUs holding one TP shard r
 gradients (DDP), or gather its parameters and reduce-scatter its gradients (FSDP over Z,
 spanning t·Z GPUs; HSDP adds an all-reduce over the replicas), layer by layer behind the
 compute: the step pays what the layers' compute does not hide.
+
+Pipeline parallelism (``PipelineSchedule``): the busiest stage's layers (``Workload.stage``)
+run m micro-batches plus the (k-1)/v of fill and drain, each micro-batch ending in 2·v
+sends to the neighbouring stages.
 """
 
 from __future__ import annotations
