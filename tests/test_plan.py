@@ -587,6 +587,7 @@ def test_cli_plans_pipeline_parallelism_and_inference_refuses_it(tmp_path, capsy
     assert "x PP=4 (v=2 interleaved) = 64 GPUs (rank order TP, CP, DP, PP); 8 GPUs per node; 8 micro-batches" in table
     assert "= 9.5 micro-batches' worth (m + (PP-1)/v = 8 + 3/2: the bubble is 18.8% of the work)" in table
     assert "busiest of PP=4 stages: 8 of the 32 layers" in table and "activations of 44 layers in flight" in table
+    assert "FSDP unsharded parameters + gradients (m > 1)" in table
     report = json.loads(out.read_text())
     par = report["parallel"]
     assert (par["pp"], par["virtual_stages"], par["microbatches"], par["stage_layers"], par["layers_in_flight"],

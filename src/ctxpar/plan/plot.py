@@ -19,7 +19,7 @@ import math
 from ctxpar.plan.memory import memory_per_gpu
 from ctxpar.plan.planner import Plan
 from ctxpar.plan.recommend import variant
-from ctxpar.plan.report import MEMORY_LABELS
+from ctxpar.plan.report import memory_labels
 from ctxpar.plan.units import format_tokens
 
 STYLES = {"ring": "-", "allgather": "--", "alltoall": ":", "hybrid": "-."}
@@ -49,8 +49,8 @@ def write_plot(plan: Plan, path: str) -> None:
     memory.legend(fontsize=7, ncol=2, loc="upper left")
     w, m, hw = plan.workload, plan.workload.model, plan.hardware
     fig.suptitle(f"ctxpar plan: L={m.layers} d={m.hidden} H={m.heads} H_kv={m.kv_heads} D={m.head_dim}, "
-                 f"B={w.batch} {w.dtype}, {w.layout}, TP={w.tp}, FSDP={w.fsdp}, checkpointing {w.checkpointing}, "
-                 f"on {hw.name}")
+                 f"B={w.batch} {w.dtype}, {w.layout}, TP={w.tp}, FSDP={w.fsdp}{_pipeline_words(w)}, "
+                 f"checkpointing {w.checkpointing}, on {hw.name}")
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)
@@ -118,6 +118,12 @@ def _interpolate(xs: list[int], ys: list[float], x: int) -> float:
     return ys[-1]
 
 
+def _pipeline_words(w) -> str:
+    """', PP=4 (v=2), 8 micro-batches' where there are any."""
+    pp = f", PP={w.pp}" + (f" (v={w.virtual_stages})" if w.virtual_stages > 1 else "") if w.pp > 1 else ""
+    return pp + (f", {w.microbatches} micro-batches" if w.microbatches > 1 else "")
+
+
 def _memory_panel(plan: Plan, ax) -> None:
     w, hw = plan.workload, plan.hardware
     skipped = "activations_checkpointed" if w.checkpointing != "full" else "activations"
@@ -128,7 +134,7 @@ def _memory_panel(plan: Plan, ax) -> None:
             bars.append((cp, memory_per_gpu(v, hw.hbm_bytes).categories()))
     bottom = [0.0] * len(bars)
     x = [str(cp) for cp, _ in bars]
-    for key, label in MEMORY_LABELS.items():
+    for key, label in memory_labels(w).items():
         if key == skipped:
             continue
         heights = [cats[key] / GIB for _, cats in bars]

@@ -73,6 +73,16 @@ MEMORY_LABELS = {
     "logits": "logits (b) + fp32 log-probs, B·S·V",
     "attention_workspace": "attention workspace (one call)",
 }
+
+
+def memory_labels(w) -> dict[str, str]:
+    """``MEMORY_LABELS`` for ``w``: with several micro-batches FSDP holds the parameters and
+    gradients unsharded, not two units."""
+    if w.microbatches == 1:
+        return MEMORY_LABELS
+    return {**MEMORY_LABELS, "fsdp_buffers": "FSDP unsharded parameters + gradients (m > 1)"}
+
+
 TRAFFIC_FORMULAS = {
     "ring": ("(P-1)·2·B·H_kv·S·D·e", "(P-1)·2·B·H_kv·S·D·(e+a)"),
     "allgather": ("(P-1)·2·B·H_kv·S·D·e", "(P-1)·2·B·H_kv·S·D·(e+a)"),
@@ -405,11 +415,10 @@ def _memory(plan: Plan) -> list[str]:
         stage = " of that stage" if w.pp > 1 else ""
         lines.append(f"  N_tp = {parameters_per_gpu(w):,} parameters per TP rank{stage} (for N above: attention and "
                      f"MLP matrices / {w.tp}, embedding and LM head vocabulary-parallel, norms replicated)")
+    labels = memory_labels(w)
     for key, n in mem.categories().items():
         skipped = key in ("activations", "activations_checkpointed") and key != chosen
-        label = "FSDP unsharded parameters + gradients (m > 1)" if key == "fsdp_buffers" and w.microbatches > 1 \
-            else MEMORY_LABELS[key]
-        lines.append(f"  {label:<46} {format_bytes(n):>12}{'  (not counted)' if skipped else ''}")
+        lines.append(f"  {labels[key]:<46} {format_bytes(n):>12}{'  (not counted)' if skipped else ''}")
     verdict = "fits" if mem.fits else "does NOT fit"
     lines.append(f"  {'total':<46} {format_bytes(mem.total):>12}  of {format_bytes(mem.hbm_bytes)}: {verdict}")
     return lines
