@@ -554,7 +554,8 @@ def test_cp1_the_sweep_and_the_baseline_reduce_gradients_over_the_same_gpus() ->
     assert (single.cp, single.data_parallel_group) == (1, 8)
     assert cost.step_time(single, hw).data_parallel.traffic == cost.dp_traffic(w)
     assert variant(w, hw, strategy="ring", cp=4) == w  # the sweep keeps the requested replicas
-    assert variant(w, hw, strategy="ring", cp=2).dp == 2 and variant(worked(fsdp=8), hw, strategy="ring", cp=2).dp is None
+    assert variant(w, hw, strategy="ring", cp=2).dp == 2
+    assert variant(worked(fsdp=8), hw, strategy="ring", cp=2).dp is None  # FSDP 8 needs DP 4 at CP 2: implied
     b = baseline(w, hw)  # TP t' candidates: DP·t·P/t' replicas of each TP shard
     for p in b.points:
         v = w.with_(cp=1, tp=p.tp, dp=8 // p.tp, checkpointing=p.checkpointing)
