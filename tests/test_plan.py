@@ -573,6 +573,10 @@ def test_cp1_the_sweep_and_the_baseline_reduce_gradients_over_the_same_gpus() ->
     (dict(virtual_stages=2), r"--virtual-stages 2 interleaves pipeline stages; it needs --pp > 1"),
     (dict(pp=4, virtual_stages=2, microbatches=6), r"must be a multiple of 4 .*use --microbatches 8"),
     (dict(pp=0), r"pp"), (dict(microbatches=-1), r"microbatches"), (dict(virtual_stages=0), r"--virtual-stages"),
+    (dict(pp=True), r"--pp must be an integer, got True"), (dict(pp=2.0), r"--pp must be an integer, got 2.0"),
+    (dict(microbatches="4"), r"--microbatches must be an integer, got '4'"),
+    (dict(virtual_stages=None), r"--virtual-stages must be an integer, got None"),
+    (dict(cp=4.0), r"--cp must be an integer, got 4.0"),
 ])
 def test_bad_pipeline_settings_are_refused_naming_the_flag(changes: dict, message: str) -> None:
     with pytest.raises(ValueError, match=message):
