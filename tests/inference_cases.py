@@ -18,7 +18,7 @@ from ctxpar.inference import (KVCache, decode_step, generate, partial_prefill, p
 from ctxpar import profile, topology
 from ctxpar.topology import hybrid_group_rank as group_rank
 from ctxpar.layout import get_layout
-from ctxpar.plan import traffic
+from ctxpar.plan import get_hardware, traffic
 from ctxpar.models import ModelConfig, Transformer
 
 LAYOUTS = ("contiguous", "zigzag", "striped")
@@ -263,6 +263,11 @@ def _check_bad_inputs(rank: int, world: int) -> dict[str, str]:
         # rank 0 extending by another chunk at the same position
         chunk = prompt[:, 3:5] if rank == 0 else prompt[:, 5:7]
         messages["chunks_differ"] = _attempt(lambda: partial_prefill(model, prefilled(cache()), chunk))
+        # method="auto" everywhere, but rank 0 predicts on hardware whose latency favours pass-KV while the
+        # others choose pass-Q by bytes: the methods they resolve to disagree
+        slow = get_hardware("H100-SXM", latency=1e-3) if rank == 0 else None
+        messages["methods_differ"] = _attempt(lambda: partial_prefill(model, prefilled(cache()), prompt[:, 3:5],
+                                                                     hardware=slow))
         # only the last rank's prompt is wrong: it raises its own error, the others name it
         rows = prompt[:1] if rank == world - 1 else prompt
         messages["one_rank_bad"] = _attempt(lambda: prefill(model, cache(), rows, layout="zigzag"))

@@ -177,8 +177,9 @@ EXPECTED_MESSAGES = {
     "chunk_method": ["method 'pass-x'", "auto, pass-kv, pass-q"],
     "chunk_empty": ["holds no tokens"],
     "chunks_differ": ["disagree on the partial prefill", "chunk tokens (crc32)"],
+    "methods_differ": ["disagree on the partial prefill", "method"],
 }
-MULTI_RANK_ONLY = ("step", "tokens_differ", "chunks_differ")
+MULTI_RANK_ONLY = ("step", "tokens_differ", "chunks_differ", "methods_differ")
 
 
 @pytest.mark.parametrize("world", WORLD_SIZES, ids=lambda w: f"P{w}")

@@ -74,6 +74,10 @@ def partial_prefill(model: nn.Module, cache: KVCache, chunk: torch.Tensor, *, me
     error = None
     try:
         chunk = _check(model, cache, chunk, method, hardware)
+        if method == "auto":  # resolved before the ranks compare calls: each rank's hardware= could differ
+            method, _ = choose_partial_prefill(model=model.cfg, batch=cache.batch, cached=cache.seq_len,
+                                               new=chunk.shape[1], world=cache.world_size,
+                                               elem=cache.element_size, hw=hardware)
     except ValueError as e:
         error = e
     if check_consistency and cache.world_size > 1:
@@ -84,10 +88,6 @@ def partial_prefill(model: nn.Module, cache: KVCache, chunk: torch.Tensor, *, me
     world, rank = cache.world_size, cache.rank
     cached, new = cache.seq_len, chunk.shape[1]
     seq_len = cached + new
-    if method == "auto":
-        cfg = model.cfg
-        method, _ = choose_partial_prefill(model=cfg, batch=cache.batch, cached=cached, new=new, world=world,
-                                           elem=cache.element_size, hw=hardware)
     queries = [cache.next_positions(new, s) for s in range(world)]
     mine = queries[rank]
     tokens = chunk[:, mine - cached]  # (B, m)
@@ -112,7 +112,7 @@ def partial_prefill(model: nn.Module, cache: KVCache, chunk: torch.Tensor, *, me
         positions = mine.to(chunk.device)
         hidden = model.hidden_states(tokens, positions)  # (B, m, d)
         owner = (seq_len - 1) % world
-        logits = last_logits(model, hidden, rank == owner, owner, cache.group)
+        logits = last_logits(model, hidden, owner, cache)
     cache.commit(mine, seq_len=seq_len)
     return logits
 
