@@ -42,8 +42,9 @@ import torch.distributed as dist
 from ctxpar import auto
 from ctxpar.calibrate import calibrate, format_calibration
 from ctxpar.inference import KVCache, generate, partial_prefill, prefill
-from ctxpar.launch import launched_by_torchrun, run, run_local
+from ctxpar.launch import launched_by_torchrun, run, run_local, world_size
 from ctxpar.models import ModelConfig, Transformer
+from ctxpar.plan import ELEMENT_BYTES
 from ctxpar.plan.hardware import local_hardware
 from ctxpar.plan.inference import partial_prefill_crossover, pass_q_fraction
 from report import write_json
@@ -178,11 +179,10 @@ def crossover_part(args: argparse.Namespace, calibration: dict | None) -> dict:
     measured crossover and the planner's: printed on rank 0, and the JSON entries."""
     chunks = sorted(int(x) for x in args.chunks.split(","))
     shape = (args.cached, chunks, args.repeat, args.dtype)
+    world = world_size(args.cross_nproc)
     if launched_by_torchrun():
-        world = int(os.environ["WORLD_SIZE"])
         timings = run(chunk_rank, world, shape, device_type=args.device)
     else:
-        world = args.cross_nproc
         timings = run_local(chunk_rank, world, shape, threads=1 if args.device == "cpu" else None,
                             device_type=args.device)[0]
     rows = [dict(chunk=n, fraction=n / (args.cached + n), pass_kv_s=t["pass-kv"], pass_q_s=t["pass-q"],
@@ -193,7 +193,7 @@ def crossover_part(args: argparse.Namespace, calibration: dict | None) -> dict:
     else:
         hw = auto.hardware_for(torch.device("cuda", torch.cuda.current_device()) if args.device == "cuda" else
                                torch.device("cpu"))
-    elem = torch.tensor([], dtype=getattr(torch, args.dtype)).element_size()
+    elem = ELEMENT_BYTES[args.dtype]
     predicted = partial_prefill_crossover(model=MODEL, batch=1, cached=args.cached, world=world, elem=elem, hw=hw)
     error = predicted / measured - 1 if predicted and measured else None
     bytes_rule = pass_q_fraction(MODEL, elem)

@@ -34,19 +34,13 @@ import torch
 import torch.distributed as dist
 
 import ctxpar
-from ctxpar.launch import run_local
+from ctxpar.launch import hybrid_mesh, run_local
 from ctxpar.plan import traffic
 from ctxpar.verify import unsplit_attention
 from report import write_json
 
 STRATEGIES = ("ring", "allgather", "alltoall", "hybrid")
 LIMIT, TORCH_RING = "limit (1 process, all cores)", "torch ring"
-
-
-def _mesh(world: int, ulysses: int):
-    from torch.distributed.device_mesh import init_device_mesh
-
-    return init_device_mesh("cpu", (world // ulysses, ulysses), mesh_dim_names=("ring", "ulysses"))
 
 
 def _inputs(shape: tuple[int, ...], kv_heads: int, seed: int) -> list[torch.Tensor]:
@@ -87,7 +81,7 @@ def _torch_ring_step(scale: float):
 
 def timing_rank(rank: int, world: int, cfg: dict) -> dict:
     """Every row's wall time per repeat on this rank, and ctxpar's synchronisation counts."""
-    mesh = _mesh(world, cfg["ulysses"])
+    mesh = hybrid_mesh("cpu", world, cfg["ulysses"])
     layout = ctxpar.get_layout(cfg["layout"], world)
     h, d, seq = cfg["heads"], cfg["head_dim"], cfg["seq"]
     scale = d**-0.5
@@ -140,7 +134,7 @@ def timing_rank(rank: int, world: int, cfg: dict) -> dict:
 def memory_rank(rank: int, world: int, cfg: dict) -> dict:
     """Peak growth of one forward + backward in a fresh process, and the bytes it moved."""
     strategy, kv_heads = cfg["strategy"], cfg["kv_heads"]
-    mesh = _mesh(world, cfg["ulysses"]) if strategy == "hybrid" else None
+    mesh = hybrid_mesh("cpu", world, cfg["ulysses"]) if strategy == "hybrid" else None
     layout = ctxpar.get_layout(cfg["layout"], world)
     small = [layout.shard(t, rank, dim=2).contiguous()
              for t in _inputs((1, cfg["heads"], layout.multiple, cfg["head_dim"]), kv_heads, seed=1)]

@@ -4,11 +4,12 @@ from __future__ import annotations
 
 import math
 
+import pytest
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from ctxpar.merge import merge, merge_into
+from ctxpar.merge import merge, merge_into, merge_packed
 
 
 def partial(scores: torch.Tensor, values: torch.Tensor, mask: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -90,10 +91,6 @@ def test_a_row_without_a_defined_softmax_gets_lse_plus_inf_and_a_nan_output() ->
 
 
 def test_merge_packed_folds_a_stack_in_order_and_refuses_what_is_not_one() -> None:
-    import pytest
-
-    from ctxpar.merge import merge_packed
-
     gen = torch.Generator().manual_seed(0)
     outs, lses = torch.randn(3, 2, 5, 4, generator=gen), torch.randn(3, 2, 5, generator=gen)
     lses[1, 0, 2] = float("-inf")  # a part that saw no key for one row

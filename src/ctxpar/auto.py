@@ -26,7 +26,7 @@ import logging
 
 import torch
 
-from ctxpar import profile
+from ctxpar import profile, strategy_rules
 from ctxpar.layout import LAYOUT_NAMES
 from ctxpar.masks import Mask
 from ctxpar.models.config import attention_only
@@ -34,7 +34,7 @@ from ctxpar.plan import cost
 from ctxpar.plan.hardware import PRESETS, Hardware
 from ctxpar.plan.workload import Workload
 
-AUTO = "auto"
+AUTO = strategy_rules.AUTO
 CANDIDATES = ("ring", "allgather", "alltoall")
 _log = logging.getLogger("ctxpar")
 

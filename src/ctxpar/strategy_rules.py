@@ -16,6 +16,7 @@ from __future__ import annotations
 import math
 
 STRATEGY_NAMES = ("ring", "allgather", "alltoall", "hybrid")
+AUTO = "auto"  # a call's strategy picked per call by ``ctxpar.auto`` among ring, allgather and alltoall
 
 
 def check_strategy(strategy: object) -> str:
@@ -39,6 +40,17 @@ def ulysses_degree(strategy: str, world: int, ulysses: int | None = None, name: 
     if ulysses is not None:
         raise ValueError(f"a {name} is only for strategy 'hybrid', not {strategy!r}")
     return world if strategy == "alltoall" else 1
+
+
+def call_ulysses_degree(strategy: str, world: int, ulysses: int | None = None, name: str = "ulysses degree") -> int:
+    """``ulysses_degree`` for a call that may ask for ``AUTO``: 1 there, since auto takes
+    all-to-all only where P divides the heads (so ``check_heads`` has nothing to refuse),
+    and auto takes no degree of its own."""
+    if strategy == AUTO:
+        if ulysses is not None:
+            raise ValueError(f"a {name} is only for strategy 'hybrid', not {AUTO!r}")
+        return 1
+    return ulysses_degree(strategy, world, ulysses, name)
 
 
 def check_heads(strategy: str, heads: int, kv_heads: int, ulysses: int) -> None:

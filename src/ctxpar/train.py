@@ -66,9 +66,8 @@ class TrainConfig:
         limits.check_seed(self.seed)
         cfg = get_config(self.model)
         ctxpar.get_layout(self.layout, self.cp(world)).validate(self.seq)
-        if self.strategy != "auto":  # auto considers all-to-all only where it splits the heads
-            u = strategy_rules.ulysses_degree(self.strategy, self.cp(world))
-            strategy_rules.check_heads(self.strategy, cfg.heads, cfg.kv_heads, u)
+        u = strategy_rules.call_ulysses_degree(self.strategy, self.cp(world))
+        strategy_rules.check_heads(self.strategy, cfg.heads, cfg.kv_heads, u)
         if self.save_every < 0:
             raise ValueError(f"--save-every {self.save_every} must be >= 0 (steps between checkpoints; 0: never)")
         if (self.save_every or self.resume) and not self.checkpoint_dir:

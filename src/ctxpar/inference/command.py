@@ -14,7 +14,7 @@ from dataclasses import asdict, dataclass
 import torch
 import torch.distributed as dist
 
-from ctxpar import auto, launch, limits, profile, strategy_rules
+from ctxpar import launch, limits, profile, strategy_rules
 from ctxpar.inference.generate import check_sampling, generate, reference_generate
 from ctxpar.inference.prefill import INFERENCE_STRATEGIES
 from ctxpar.layout import get_layout
@@ -49,11 +49,8 @@ class GenerateConfig:
             get_layout(self.layout, world).validate(self.prompt_len)
         except ValueError as e:
             raise ValueError(f"--prompt-len: {e}") from None
-        if self.strategy != auto.AUTO:  # auto takes all-to-all only where P divides the heads
-            strategy_rules.check_heads(self.strategy, cfg.heads, cfg.kv_heads, strategy_rules.ulysses_degree(
-                self.strategy, world, self.ulysses_degree, name="--ulysses-degree"))
-        elif self.ulysses_degree is not None:
-            raise ValueError("a --ulysses-degree is only for strategy 'hybrid', not 'auto'")
+        strategy_rules.check_heads(self.strategy, cfg.heads, cfg.kv_heads, strategy_rules.call_ulysses_degree(
+            self.strategy, world, self.ulysses_degree, name="--ulysses-degree"))
         try:
             check_sampling(self.temperature, self.seed)
         except ValueError as e:

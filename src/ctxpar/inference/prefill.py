@@ -15,13 +15,13 @@ from __future__ import annotations
 import torch
 import torch.nn as nn
 
-from ctxpar import agreement, auto, comm, strategy_rules, topology
+from ctxpar import agreement, comm, strategy_rules, topology
 from ctxpar.attention import attention
 from ctxpar.inference.cache import KVCache
 from ctxpar.inference.hooks import attention_replaced, check_model_fits
 from ctxpar.layout import Layout, fingerprint, get_layout
 
-INFERENCE_STRATEGIES = (*strategy_rules.STRATEGY_NAMES, auto.AUTO)
+INFERENCE_STRATEGIES = (*strategy_rules.STRATEGY_NAMES, strategy_rules.AUTO)
 
 
 def prefill(model: nn.Module, cache: KVCache, prompt: torch.Tensor, *, layout: str | Layout,
@@ -79,7 +79,7 @@ def prefill(model: nn.Module, cache: KVCache, prompt: torch.Tensor, *, layout: s
         hidden = model.hidden_states(tokens, positions)  # (B, T/P, d)
         owner = last_position_owner(layout, seq_len)
         owner_in_group = topology.hybrid_group_rank(mesh, owner, cache.group) if strategy == "hybrid" else owner
-        logits = last_logits(model, hidden, layout_rank == owner, owner_in_group, cache.group)
+        logits = last_logits(model, hidden, owner_in_group, cache)
     cache.commit(positions, seq_len=seq_len)
     return logits
 
@@ -107,15 +107,15 @@ def check_tokens(tokens: object, cache: KVCache, vocab: int, what: str) -> None:
                          f"0..{vocab - 1}")
 
 
-def last_logits(model: nn.Module, hidden: torch.Tensor, owns_last: bool, owner: int, group) -> torch.Tensor:
-    """(B, vocab) logits of the sequence's last position on every rank of ``group``: the
-    rank holding it (``owner`` in the group, ``owns_last`` there; positions ascend, so it is
-    that rank's last row) runs the output layer and broadcasts."""
-    if owns_last:
+def last_logits(model: nn.Module, hidden: torch.Tensor, owner: int, cache: KVCache) -> torch.Tensor:
+    """(B, vocab) logits of the sequence's last position on every rank of the cache's group:
+    the rank holding it (``owner``, its rank in that group; positions ascend, so it is that
+    rank's last row) runs the output layer and broadcasts."""
+    if cache.rank == owner:
         last = model.output(hidden[:, -1])
     else:
         last = hidden.new_empty((hidden.shape[0], model.output.out_features))
-    return comm.broadcast(last, owner, group)
+    return comm.broadcast(last, owner, cache.group)
 
 
 def _check(model: nn.Module, cache: KVCache, prompt: torch.Tensor, layout: str | Layout, strategy: str,
@@ -142,10 +142,8 @@ def _check(model: nn.Module, cache: KVCache, prompt: torch.Tensor, layout: str |
         layout_rank, ulysses = topo.rank, topo.ulysses_degree
     elif mesh is not None:
         raise ValueError(f"mesh= is for strategy='hybrid'; {strategy!r} runs on the cache's group")
-    elif strategy == auto.AUTO:  # all-to-all (U = P) is a candidate only where P divides H: none to refuse
-        ulysses = 1
     else:
-        ulysses = strategy_rules.ulysses_degree(strategy, cache.world_size)
+        ulysses = strategy_rules.call_ulysses_degree(strategy, cache.world_size)
     check_tokens(prompt, cache, model.cfg.vocab, "prompt")
     seq_len = prompt.shape[1]
     layout = get_layout(layout, cache.world_size)

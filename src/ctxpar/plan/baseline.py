@@ -24,7 +24,6 @@ DP would be). Then, for the requested configuration:
 
 from __future__ import annotations
 
-import math
 from dataclasses import asdict, dataclass, field
 
 from ctxpar.plan import cost
@@ -93,8 +92,7 @@ def baseline(w: Workload, hw: Hardware) -> Baseline:
     for t in tp_degrees(gpus):
         for checkpointing in CHECKPOINTING:
             try:
-                dp = math.lcm(w.data_parallel * gpus // t, w.fsdp)  # the same GPUs hold each TP shard
-                v = w.with_(cp=1, strategy="ring", ulysses=None, tp=t, dp=dp, checkpointing=checkpointing)
+                v = w.unsplit(tp=t).with_(checkpointing=checkpointing)
             except ValueError as e:  # TP that does not split the heads or the sequence
                 skipped[t] = str(e)
                 break

@@ -295,11 +295,14 @@ class Workload:
     def with_(self, **changes) -> Workload:
         return replace(self, **changes)
 
-    def unsplit(self) -> Workload:
-        """The same step without CP (CP-1, the same TP), the baseline of every CP comparison:
-        on the same GPUs, the P CP ranks become data-parallel replicas, so the G = DP·P GPUs
-        holding each TP shard (``data_parallel_group``) stay the same."""
-        return replace(self, cp=1, strategy="ring", ulysses=None, dp=self.data_parallel_group)
+    def unsplit(self, tp: int | None = None) -> Workload:
+        """The same step without CP on the same GPUs (CP-1, at TP ``tp``, default the same):
+        the baseline of every CP comparison. A stage's t·P·DP GPUs become replicas of TP
+        groups of ``tp``, t·P·DP/tp of them holding each TP shard (at least Z, as an implied
+        DP would be); at the same TP the G = DP·P of ``data_parallel_group`` stay the same."""
+        tp = self.tp if tp is None else tp
+        dp = math.lcm(self.data_parallel * self.gpus_per_stage // tp, self.fsdp)
+        return replace(self, cp=1, strategy="ring", ulysses=None, tp=tp, dp=dp)
 
     def as_dict(self) -> dict:
         d = asdict(self)

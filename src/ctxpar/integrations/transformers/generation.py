@@ -311,12 +311,12 @@ def _crc(value) -> int:
         return zlib.crc32(value.detach().to("cpu").contiguous().reshape(-1).view(torch.uint8).numpy().tobytes()
                           + str((tuple(value.shape), value.dtype)).encode())
     if isinstance(value, (list, tuple)):
-        return zlib.crc32(str([_crc(v) for v in value]).encode())
+        return agreement.text_code(str([_crc(v) for v in value]))
     if isinstance(value, dict):
-        return zlib.crc32(str(sorted((str(k), _crc(v)) for k, v in value.items())).encode())
+        return agreement.text_code(str(sorted((str(k), _crc(v)) for k, v in value.items())))
     if value is None or isinstance(value, (bool, int, float, str)):
-        return zlib.crc32(repr(value).encode())
-    return zlib.crc32(type(value).__qualname__.encode())
+        return agreement.text_code(repr(value))
+    return agreement.text_code(type(value).__qualname__)
 
 
 def _forward_signature(cache: ShardedCache, kwargs: dict) -> dict[str, int]:
