@@ -3,11 +3,19 @@
     make gpu-check                                   # on a machine with one GPU and its own PyTorch
     python benchmarks/gpu_check.py --dry-run --json out.json     # the same plumbing on the CPU, tiny shapes
 
-Installs nothing. Prints a table and writes JSON (default gpu_check.json) with:
+Installs nothing. Prints a table and writes JSON (default gpu_check.json, rewritten after every
+section so a run stopped part-way keeps what it measured) with:
 
 - ``environment``: torch, CUDA, GPU, driver.
-- ``tests``: the summary of ``pytest tests/test_cuda.py`` (kernels vs fp64, every strategy on
-  P = 1-4 ranks sharing the GPU, demo and train on four ranks).
+- ``calibration``: what the planner's hardware preset states, measured (first, on a quiet
+  GPU): attention forward and backward TFLOP/s at Llama-3-8B's attention shape by sequence
+  length, full and causal, and the size curve they make; bf16 matmul rate; device copy
+  bandwidth; the cost of one tiny kernel call (the planner's launch overhead); each beside
+  the preset's figure for this GPU.
+- ``tests``: ``pytest tests/test_cuda.py`` (kernels vs fp64, every strategy on P = 1-4 ranks
+  sharing the GPU, train on four ranks), one process per world size side by side while the
+  exactness section runs, each logging to ``gpu_check_pytest_<group>.log`` beside the JSON;
+  stopped after ``--tests-timeout`` seconds.
 - ``exactness``: ``ctxpar demo`` on 4 ranks sharing the GPU per strategy, bf16: max abs
   error of out, lse, dq, dk, dv against float64, and the tolerance.
 - ``efficiency``: each rank's forward + backward block loops of the ring (communication
@@ -32,11 +40,13 @@ import re
 import subprocess
 import sys
 import time
+import traceback
 
 import torch
 
 import ctxpar
 from ctxpar.masks import Mask
+from ctxpar.plan.hardware import BACKWARD_FLOPS_RATIO, PRESETS
 from ctxpar.plan.work import rank_pairs
 from ctxpar.demo import DemoConfig, run_demo
 from ctxpar.verify import unsplit_attention
@@ -61,15 +71,49 @@ def environment(device: torch.device) -> dict:
     return env
 
 
-def run_tests(timeout_s: float) -> dict:
-    """``pytest tests/test_cuda.py``: the counts pytest prints (all skipped without a GPU)."""
-    start = time.perf_counter()
-    proc = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "tests/test_cuda.py"],
-                          cwd=ROOT, capture_output=True, text=True, timeout=timeout_s)
-    tail = (proc.stdout + proc.stderr).strip().splitlines()[-40:]
-    counts = {word: int(n) for n, word in re.findall(r"(\d+) (passed|failed|skipped|error|errors)", "\n".join(tail))}
-    return dict(returncode=proc.returncode, seconds=time.perf_counter() - start, counts=counts,
-                failures=[line for line in tail if line.startswith(("FAILED", "ERROR"))][:20])
+TEST_GROUPS = {  # pytest -k expressions run side by side: the spawned world sizes, then the rest
+    **{f"P{w}": f"P{w}-" for w in (1, 2, 3, 4)},
+    "kernels-memory-train": "not P1- and not P2- and not P3- and not P4-",
+}
+
+
+def start_tests(log_dir: str) -> dict:
+    """``pytest tests/test_cuda.py``, one process per TEST_GROUPS entry, all at once (they only
+    check results, so sharing the GPU does not matter), each writing its log in ``log_dir``."""
+    running = {}
+    for name, expression in TEST_GROUPS.items():
+        log_path = os.path.join(log_dir, f"gpu_check_pytest_{name}.log")
+        log = open(log_path, "w")
+        command = [sys.executable, "-m", "pytest", "-q", "-rfE", "-p", "no:cacheprovider", "tests/test_cuda.py",
+                   "-k", expression]
+        proc = subprocess.Popen(command, cwd=ROOT, stdout=log, stderr=subprocess.STDOUT)
+        running[name] = (proc, log, log_path)
+    return dict(started=time.perf_counter(), running=running)
+
+
+def finish_tests(tests: dict, timeout_s: float) -> dict:
+    """Waits for ``start_tests``' processes until ``timeout_s`` after their start, stopping any
+    still running then; the counts pytest printed and its FAILED/ERROR lines, per group."""
+    groups, counts = {}, {}
+    for name, (proc, log, log_path) in tests["running"].items():
+        try:
+            proc.wait(timeout=max(1.0, tests["started"] + timeout_s - time.perf_counter()))
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
+        log.close()
+        with open(log_path) as f:
+            text = f.read()
+        tail = text.strip().splitlines()[-60:]
+        found = {word: int(n) for n, word in re.findall(r"(\d+) (passed|failed|skipped|errors?)\b", tail[-1] if tail
+                                                       else "")}
+        for word, n in found.items():
+            counts[word] = counts.get(word, 0) + n
+        groups[name] = dict(returncode=proc.returncode, counts=found, timed_out=proc.returncode == -9,
+                            failures=[line for line in text.splitlines() if line.startswith(("FAILED", "ERROR"))][:20])
+    return dict(seconds=time.perf_counter() - tests["started"], counts=counts, groups=groups,
+                returncode=max((abs(g["returncode"]) for g in groups.values()), default=0),
+                failures=[f for g in groups.values() for f in g["failures"]][:40])
 
 
 def exactness(device: torch.device, seq: int, dtype: str) -> list[dict]:
@@ -77,7 +121,11 @@ def exactness(device: torch.device, seq: int, dtype: str) -> list[dict]:
     for strategy in ("ring", "allgather", "alltoall", "hybrid"):
         cfg = DemoConfig(nproc=4, seq=seq, heads=8, kv_heads=2, head_dim=64, strategy=strategy, dtype=dtype,
                          ulysses_degree=2 if strategy == "hybrid" else None, device=device.type)
-        report = run_demo(cfg)
+        try:
+            report = run_demo(cfg)
+        except Exception as e:  # noqa: BLE001  the other strategies' verdicts still count
+            rows.append(dict(strategy=strategy, ok=False, error=f"{type(e).__name__}: {e}"[:2000]))
+            continue
         rows.append(dict(strategy=strategy, ok=report["ok"], max_abs_err=report["max_abs_err"],
                          tolerance=report["tolerance"],
                          bytes_sent=max(r["bytes_sent"] for r in report["ranks"])))
@@ -186,6 +234,72 @@ def kernels(device: torch.device, seq: int, repeat: int) -> dict:
     return result
 
 
+def attention_rates(device: torch.device, dtype: torch.dtype, shape: dict, seq: int, causal: bool,
+                    repeat: int) -> dict:
+    """One unsplit attention forward and backward over ``seq`` tokens: seconds, and FLOP/s in
+    the planner's convention (visible pairs; the backward's FLOPs 2.5x the forward's)."""
+    from ctxpar import kernels as k_
+
+    h, hkv, d = shape["heads"], shape["kv_heads"], shape["head_dim"]
+    gen = torch.Generator(device=device).manual_seed(0)
+    q, dout = (torch.randn(1, h, seq, d, device=device, dtype=dtype, generator=gen) for _ in range(2))
+    k, v = (torch.randn(1, hkv, seq, d, device=device, dtype=dtype, generator=gen) for _ in range(2))
+    scale = d**-0.5
+    out, lse = k_.attention_forward(q, k, v, causal=causal, scale=scale)  # warm-up
+    k_.attention_backward(dout, q, k, v, out, lse, causal=causal, scale=scale)
+    forward = _timed(lambda: k_.attention_forward(q, k, v, causal=causal, scale=scale), device, repeat)
+    backward = _timed(lambda: k_.attention_backward(dout, q, k, v, out, lse, causal=causal, scale=scale),
+                      device, repeat)
+    flops = 4 * h * d * (seq * (seq + 1) // 2 if causal else seq * seq)
+    return dict(seq=seq, causal=causal, forward_seconds=forward, backward_seconds=backward,
+                forward_flops=flops / forward, backward_flops=BACKWARD_FLOPS_RATIO * flops / backward)
+
+
+def calibration(device: torch.device, dtype: torch.dtype, shape: dict, sizes: tuple[int, ...], repeat: int,
+                matmul_n: int, copy_bytes: int) -> dict:
+    """What the planner's preset for this GPU states, measured: attention forward / backward
+    rates by size (full and causal), matmul rate, memory bandwidth, and the fixed cost of a
+    kernel call (a tiny attention forward, whose arithmetic is negligible: the host's time to
+    issue it). Beside the preset's figures when the GPU has one."""
+    from ctxpar import kernels as k_
+
+    attention = [attention_rates(device, dtype, shape, seq, causal, repeat) for causal in (True, False)
+                 for seq in sizes]
+    a, b = (torch.randn(matmul_n, matmul_n, device=device, dtype=dtype) for _ in range(2))
+    a @ b
+    matmul = 2 * matmul_n**3 / _timed(lambda: a @ b, device, max(repeat, 3))
+    src = torch.ones(copy_bytes // 4, device=device)
+    dst = torch.empty_like(src)
+    dst.copy_(src)
+    memory = 2 * copy_bytes / _timed(lambda: dst.copy_(src), device, max(repeat, 3))
+    tiny = torch.randn(1, 1, 16, 64, device=device, dtype=dtype)
+    calls = 200
+    k_.attention_forward(tiny, tiny, tiny, causal=True, scale=0.125)
+
+    def many() -> None:
+        for _ in range(calls):
+            k_.attention_forward(tiny, tiny, tiny, causal=True, scale=0.125)
+
+    launch = _timed(many, device, max(repeat, 3)) / calls
+    largest = {c: max((r for r in attention if r["causal"] == c), key=lambda r: r["seq"]) for c in (True, False)}
+    result = dict(shape=shape, dtype=str(dtype).removeprefix("torch."), attention=attention,
+                  size_curve={("causal" if c else "full"): [[r["seq"], r["forward_flops"] / largest[c]["forward_flops"],
+                                                              r["backward_flops"] / largest[c]["backward_flops"]]
+                                                             for r in attention if r["causal"] == c]
+                              for c in (True, False)},
+                  matmul_n=matmul_n, matmul_flops=matmul, memory_bandwidth=memory, launch_overhead=launch)
+    name = torch.cuda.get_device_name(device) if device.type == "cuda" else ""
+    preset = next((h for key, h in PRESETS.items() if key.lower().split("-")[0] in name.lower()), None)
+    if preset is not None:
+        measured = dict(attention_forward_rate=largest[True]["forward_flops"],
+                        attention_backward_rate=largest[True]["backward_flops"], matmul_rate=matmul,
+                        memory_bandwidth=memory)
+        result["preset"] = dict(name=preset.name, **{key: dict(preset=getattr(preset, key), measured=value,
+                                                              measured_over_preset=value / getattr(preset, key))
+                                                     for key, value in measured.items()})
+    return result
+
+
 def targets(rows: list[dict]) -> dict:
     zigzag = [r for r in rows if r["layout"] == "zigzag"]
     peaks_ok = all(p is None or p <= 4 * r["rank_o_s_bytes"] for r in rows for p in r["rank_peak_growth_bytes"])
@@ -194,33 +308,61 @@ def targets(rows: list[dict]) -> dict:
                 no_s_squared_allocation=peaks_ok)
 
 
+SECTIONS = ("calibration", "kernels", "efficiency", "targets", "exactness", "tests")
+
+
+def save(report: dict, path: str) -> None:
+    """Written after every section, so a run stopped part-way still leaves what it measured."""
+    with open(path, "w") as f:
+        json.dump(report, f, indent=2)
+
+
+def run_section(report: dict, name: str, fn, path: str) -> None:
+    """``report[name] = fn()``; an exception is recorded there instead (and its traceback
+    printed), so that one section failing on new hardware does not cost the others' figures."""
+    try:
+        report[name] = fn()
+    except Exception as e:  # noqa: BLE001
+        traceback.print_exc()
+        report[name] = dict(error=f"{type(e).__name__}: {e}"[:2000])
+    save(report, path)
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--dry-run", action="store_true", help="on the CPU with tiny shapes: the same steps and JSON keys")
     p.add_argument("--skip-tests", action="store_true", help="leave out pytest tests/test_cuda.py")
+    p.add_argument("--tests-timeout", type=float, default=360, help="seconds the CUDA tests may take in all")
     p.add_argument("--repeat", type=int, default=2, help="best of N for every timing")
-    p.add_argument("--json", metavar="PATH", default="gpu_check.json")
+    p.add_argument("--json", metavar="PATH", default="gpu_check.json", help="the report; pytest logs beside it")
     args = p.parse_args()
     if not args.dry_run and not torch.cuda.is_available():
         sys.exit("gpu_check: no CUDA device visible; run with --dry-run to check the plumbing on the CPU")
     device = torch.device("cpu") if args.dry_run else torch.device("cuda", 0)
     if args.dry_run:  # tiny shapes, float32 (the CPU op's native dtype)
         dtype, demo_seq, shape = torch.float32, 256, dict(heads=4, kv_heads=2, head_dim=32)
-        cases, kernel_seq = [(2048, 4), (1024, 2)], 1024
+        cases, kernel_seq, sizes, matmul_n, copy_bytes = [(2048, 4), (1024, 2)], 1024, (256, 512), 256, 2**24
     else:
         dtype, demo_seq, shape = torch.bfloat16, 16384, LLAMA3_8B
         cases, kernel_seq = [(131072, 8), (32768, 4)], 32768
+        sizes, matmul_n, copy_bytes = (1024, 2048, 4096, 8192, 16384, 32768), 8192, 2**30
 
+    os.makedirs(os.path.dirname(os.path.abspath(args.json)), exist_ok=True)
     start = time.perf_counter()
     report = dict(dry_run=args.dry_run, environment=environment(device))
-    report["tests"] = dict(skipped="--skip-tests") if args.skip_tests else run_tests(timeout_s=300)
-    report["exactness"] = exactness(device, demo_seq, "float32" if args.dry_run else "bfloat16")
-    report["efficiency"] = efficiency(device, dtype, cases, args.repeat, shape)
-    report["kernels"] = kernels(device, kernel_seq, args.repeat)
-    report["targets"] = targets(report["efficiency"])
+    # timings first, on a quiet device; then the correctness checks, side by side
+    run_section(report, "calibration", lambda: calibration(device, dtype, shape, sizes, args.repeat, matmul_n,
+                                                           copy_bytes), args.json)
+    run_section(report, "kernels", lambda: kernels(device, kernel_seq, args.repeat), args.json)
+    run_section(report, "efficiency", lambda: efficiency(device, dtype, cases, args.repeat, shape), args.json)
+    run_section(report, "targets", lambda: targets(report["efficiency"]), args.json)
+    tests = None if args.skip_tests else start_tests(os.path.dirname(os.path.abspath(args.json)))
+    run_section(report, "exactness", lambda: exactness(device, demo_seq, "float32" if args.dry_run else "bfloat16"),
+                args.json)
+    run_section(report, "tests", lambda: dict(skipped="--skip-tests") if tests is None
+                else finish_tests(tests, args.tests_timeout), args.json)
     report["seconds"] = time.perf_counter() - start
-    with open(args.json, "w") as f:
-        json.dump(report, f, indent=2)
+    save(report, args.json)
     print(format_report(report))
 
 
@@ -228,23 +370,41 @@ def format_report(r: dict) -> str:
     env = r["environment"]
     lines = [f"ctxpar gpu-check{' (dry run, CPU)' if r['dry_run'] else ''}: {env['gpu'] or env['device']}, "
              f"torch {env['torch']}, CUDA {env['cuda']}, driver {env['driver']}; {r['seconds']:.0f} s", ""]
+    failed = [f"{name} FAILED: {r[name]['error']}" for name in SECTIONS
+              if isinstance(r[name], dict) and "error" in r[name]]
+    lines += failed + ([""] if failed else [])
     t = r["tests"]
     status = f" (exit {t['returncode']})" if "returncode" in t else ""
     lines.append(f"tests/test_cuda.py: {t.get('counts', t)}{status}")
+    lines += [f"  {name}: stopped at --tests-timeout" for name, g in t.get("groups", {}).items() if g["timed_out"]]
     lines += [f"  {f}" for f in t.get("failures", [])]
     names = ("out", "lse", "dq", "dk", "dv")
     lines += ["", f"{'strategy':<10} {'ok':>3} " + " ".join(f"{n + ' err':>10}" for n in names)]
-    for e in r["exactness"]:
-        lines.append(f"{e['strategy']:<10} {'yes' if e['ok'] else 'NO':>3} "
-                     + " ".join(f"{e['max_abs_err'][n]:>10.2e}" for n in names))
+    for e in r["exactness"] if isinstance(r["exactness"], list) else []:
+        lines.append(f"{e['strategy']:<10} {'yes' if e['ok'] else 'NO':>3} " + (
+            e["error"] if "error" in e else " ".join(f"{e['max_abs_err'][n]:>10.2e}" for n in names)))
     lines += ["", f"{'T':>7} {'P':>2} {'layout':<8} {'unsplit s':>9} {'sum/unsplit':>11} {'max/min':>8} "
                   f"{'TFLOP/s unsplit':>15} {'slowest rank':>12} {'peak/O(S)':>9}"]
-    for e in r["efficiency"]:
+    for e in r["efficiency"] if isinstance(r["efficiency"], list) else []:
         peaks = [p for p in e["rank_peak_growth_bytes"] if p is not None]
         ratio = f"{max(peaks) / e['rank_o_s_bytes']:.2f}" if peaks else "n/a"
         lines.append(f"{e['seq']:>7} {e['world']:>2} {e['layout']:<8} {e['unsplit_seconds']:>9.4f} "
                      f"{e['sum_over_unsplit']:>11.3f} {e['max_over_min']:>8.3f} {e['unsplit_tflops']:>15.1f} "
                      f"{e['slowest_rank_tflops']:>12.1f} {ratio:>9}")
+    c = r["calibration"]
+    if "error" not in c:
+        lines += ["", f"attention kernels, H={c['shape']['heads']} H_kv={c['shape']['kv_heads']} "
+                      f"D={c['shape']['head_dim']} {c['dtype']}: TFLOP/s forward / backward (planner's FLOP count)"]
+        for a in c["attention"]:
+            lines.append(f"  T={a['seq']:>6} {'causal' if a['causal'] else 'full  '} "
+                         f"{a['forward_flops'] / 1e12:7.1f} / {a['backward_flops'] / 1e12:7.1f}   "
+                         f"({a['forward_seconds'] * 1e3:.2f} + {a['backward_seconds'] * 1e3:.2f} ms)")
+        lines.append(f"  matmul {c['matmul_n']}^3: {c['matmul_flops'] / 1e12:.1f} TFLOP/s; copy: "
+                     f"{c['memory_bandwidth'] / 1e12:.2f} TB/s read + write; one tiny kernel call: "
+                     f"{c['launch_overhead'] * 1e6:.1f} us")
+        if "preset" in c:
+            lines.append(f"  measured / preset {c['preset']['name']}: " + ", ".join(
+                f"{key} {v['measured_over_preset']:.2f}" for key, v in c["preset"].items() if key != "name"))
     lines += ["", f"kernels: {r['kernels']}", f"targets: {r['targets']}"]
     return "\n".join(lines)
 

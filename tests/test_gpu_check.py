@@ -19,8 +19,13 @@ def test_gpu_check_dry_run_writes_every_section(tmp_path) -> None:
                            "--json", str(path)], cwd=ROOT, capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stdout + proc.stderr
     report = json.loads(path.read_text())
-    assert set(report) == {"dry_run", "environment", "tests", "exactness", "efficiency", "kernels", "targets",
-                           "seconds"}
+    assert set(report) == {"dry_run", "environment", "calibration", "tests", "exactness", "efficiency", "kernels",
+                           "targets", "seconds"}
+    cal = report["calibration"]
+    assert [(a["seq"], a["causal"]) for a in cal["attention"]] == [(256, True), (512, True), (256, False),
+                                                                   (512, False)]
+    assert all(a["forward_flops"] > 0 and a["backward_flops"] > 0 for a in cal["attention"])
+    assert cal["size_curve"]["causal"][-1][1:] == [1.0, 1.0] and cal["launch_overhead"] > 0
     assert [e["strategy"] for e in report["exactness"]] == ["ring", "allgather", "alltoall", "hybrid"]
     assert all(e["ok"] for e in report["exactness"])
     assert {(e["seq"], e["world"], e["layout"]) for e in report["efficiency"]} == {
