@@ -201,10 +201,13 @@ def efficiency(device: torch.device, dtype: torch.dtype, cases: list[tuple[int, 
 
 
 def kernels(device: torch.device, seq: int, repeat: int) -> dict:
-    """The flash op (ctxpar's choice for bf16) against cuDNN's on one causal block."""
+    """torch's flash op against cuDNN's (through ctxpar's wrapper, lse handed back as the
+    strategies do) on one causal bf16 block: seconds, how far apart their results are
+    (max abs difference over out, dq, dk, dv, and that over the largest value), and which
+    op ctxpar chose here."""
     if device.type != "cuda":
         return dict(skipped="no GPU")
-    from ctxpar import kernels as k_
+    from ctxpar.kernels import cuda
 
     h, d = LLAMA3_8B["heads"], LLAMA3_8B["head_dim"]
     gen = torch.Generator(device=device).manual_seed(0)
@@ -212,23 +215,25 @@ def kernels(device: torch.device, seq: int, repeat: int) -> dict:
     scale = d**-0.5
 
     def flash():
-        out, lse = k_.attention_forward(q, k, v, causal=True, scale=scale)
-        return out, k_.attention_backward(dout, q, k, v, out, lse, causal=True, scale=scale)
-
-    cudnn_fwd = torch.ops.aten._scaled_dot_product_cudnn_attention.default
-    cudnn_bwd = torch.ops.aten._scaled_dot_product_cudnn_attention_backward.default
+        out, lse = cuda._flash_fwd(q, k, v, 0.0, True, False, scale=scale)[:2]
+        seed, offset = cuda._flash_aux(device, q.dtype)
+        return out, cuda._flash_bwd(dout, q, k, v, out, lse, None, None, seq, seq, 0.0, True, seed, offset,
+                                    scale=scale)
 
     def cudnn():
-        out, lse, cq, ck, mq, mk, seed, offset, _ = cudnn_fwd(q, k, v, None, True, 0.0, True, False, scale=scale)
-        grads = cudnn_bwd(dout, q, k, v, out, lse, seed, offset, None, cq, ck, mq, mk, 0.0, True, scale=scale)
-        return out, grads
+        out, lse, _ = cuda._cudnn_forward(q, k, v, True, scale)
+        return out, cuda._cudnn_backward(dout, q, k, v, out, lse, True, scale)
 
-    result = dict(seq=seq, heads=h, head_dim=d, flash_seconds=_timed(flash, device, repeat))
+    result = dict(seq=seq, heads=h, head_dim=d, ctxpar_op=cuda.op_for(q),
+                  cudnn_honours_lse=cuda._cudnn_honours_lse(device, q.dtype),
+                  flash_takes_gqa=cuda._flash_takes_gqa(device, q.dtype), flash_seconds=_timed(flash, device, repeat))
     try:
         result["cudnn_seconds"] = _timed(cudnn, device, repeat)
         (fo, fg), (co, cg) = flash(), cudnn()
-        result["cudnn_max_abs_diff"] = max((a.float() - b.float()).abs().max().item()
-                                           for a, b in zip((fo, *fg), (co, *cg)))
+        pairs = list(zip((fo, *fg), (co, *cg)))
+        result["cudnn_max_abs_diff"] = max((a.float() - b.float()).abs().max().item() for a, b in pairs)
+        result["cudnn_max_rel_diff"] = max((a.float() - b.float()).abs().max().item() / a.float().abs().max().item()
+                                           for a, b in pairs)
     except (RuntimeError, TypeError) as e:
         result["cudnn_error"] = str(e).splitlines()[0][:300]
     return result

@@ -65,4 +65,12 @@ def attention_backward(
     return _backend(q).attention_backward(dout, q, k, v, out, lse, causal=causal, scale=scale, mask=mask)
 
 
-__all__ = ["accumulation_dtype", "attention_forward", "attention_backward", "cpu", "cuda", "reference", "unit_stride"]
+def partial_dtype(q: torch.Tensor) -> torch.dtype:
+    """The dtype a block's out and gradients come back in for blocks like ``q``: the
+    accumulation dtype, or q's where a GPU op writes them so (each block then rounded once
+    before the strategies merge and sum blocks)."""
+    return cuda.partial_dtype(q) if q.device.type == "cuda" else accumulation_dtype(q.dtype)
+
+
+__all__ = ["accumulation_dtype", "attention_forward", "attention_backward", "cpu", "cuda", "partial_dtype",
+           "reference", "unit_stride"]

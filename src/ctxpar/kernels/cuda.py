@@ -2,56 +2,74 @@
 
 Which op computes a block (q's dtype, head dim D)::
 
-    bf16 / fp16, D % 8 == 0, D <= 256   flash     aten._scaled_dot_product_flash_attention
-    fp32 (or the above, other D),        efficient aten._scaled_dot_product_efficient_attention
-        D % 8 == 0
-    anything else (fp64, odd D)          reference ctxpar.kernels.reference, tiled (bounded memory)
-    a PARTIAL tile (explicit mask)       reference, tiled: the flash op takes no mask. Their
-                                         share of the work grows as windows and documents
-                                         shrink (about half of it at window 128); the efficient
-                                         op's attn_bias is the candidate, once measured on a GPU
+    bf16 / fp16, 64 <= D <= 128, D % 8 == 0,  cudnn     aten._scaled_dot_product_cudnn_attention
+        where the probe below passes
+    bf16 / fp16, D % 8 == 0, D <= 256         flash     aten._scaled_dot_product_flash_attention
+    fp32 (or the above, other D), D % 8 == 0  efficient aten._scaled_dot_product_efficient_attention
+    anything else (fp64, odd D)               reference ctxpar.kernels.reference, tiled (bounded memory)
+    a PARTIAL tile (explicit mask)            reference, tiled: the fused ops here take no mask. Their
+                                              share of the work grows as windows and documents
+                                              shrink (about half of it at window 128); the efficient
+                                              op's attn_bias is the candidate, once measured on a GPU
 
-Both fused ops' backwards recompute probabilities as exp(q k^T * scale - lse) and use
+cuDNN's op: on an H200 (torch 2.11, cuDNN 9) its forward + backward over one causal
+block of 32768 tokens (H=32, D=128, bf16) took 54 ms against the flash op's 93 ms
+(``make gpu-check``, docs/benchmarks.md). It is used only where one probe per device and
+dtype (``_cudnn_honours_lse``) finds that it runs and that its backward takes the lse it
+is handed (a merged, global lse) rather than one of its own: the gradient from lse + ln 2
+must be half the gradient from lse. Elsewhere (other GPUs, builds without it) the flash op.
+
+The fused ops' backwards recompute probabilities as exp(q k^T * scale - lse) and use
 rowsum(dout * out) as delta, so, as on CPU, handing them the merged, *global* (out, lse)
 yields this block's exact share of the gradient. Their outputs and gradients come back in
-q's dtype (bf16 stays bf16; the kernels accumulate in fp32 inside); lse is fp32, and the
-strategies merge and sum blocks in fp32 accumulators.
+q's dtype (bf16 stays bf16; the kernels accumulate in fp32 inside): each block's partial
+result is rounded once before the strategies merge and sum blocks in fp32 accumulators,
+so a row split over P blocks carries up to P + 1 roundings where single-GPU attention
+carries one (``partial_dtype``; the tests allow for it). lse is fp32.
 
 GQA: the flash op takes K/V with fewer heads than Q. Whether this build's op does is
 checked once per device against K/V repeated to H heads (``_flash_takes_gqa``); if not,
-K/V are repeated per block and dK/dV summed back to H_kv heads, as for the efficient op,
-which has no GQA. The efficient op's lse is padded to a multiple of 32 rows; the global
-lse handed to its backward is padded the same way.
-
-``aten._scaled_dot_product_cudnn_attention`` is not used: on H100/H200 it is chosen only
-where ``benchmarks/gpu_check.py`` measures it faster and exact (not measured yet).
+K/V are repeated per block and dK/dV summed back to H_kv heads, as for the efficient and
+cuDNN ops. The efficient op's lse is padded to a multiple of 32 rows; the global lse
+handed to its backward is padded the same way.
 """
 
 from __future__ import annotations
 
 import functools
+import math
 
 import torch
 import torch.nn.functional as F
 
 from ctxpar.kernels import reference
-from ctxpar.kernels.contract import unit_stride
+from ctxpar.kernels.contract import accumulation_dtype, unit_stride
 
 _flash_fwd = torch.ops.aten._scaled_dot_product_flash_attention.default
 _flash_bwd = torch.ops.aten._scaled_dot_product_flash_attention_backward.default
 _eff_fwd = torch.ops.aten._scaled_dot_product_efficient_attention.default
 _eff_bwd = torch.ops.aten._scaled_dot_product_efficient_attention_backward.default
+_cudnn_fwd = torch.ops.aten._scaled_dot_product_cudnn_attention.default
+_cudnn_bwd = torch.ops.aten._scaled_dot_product_cudnn_attention_backward.default
 _LSE_ROWS = 32  # the efficient op pads lse rows to a multiple of this
 
 
 def op_for(q: torch.Tensor) -> str:
-    """"flash" | "efficient" | "reference": which op computes blocks like ``q`` (see above)."""
+    """"cudnn" | "flash" | "efficient" | "reference": which op computes blocks like ``q`` (see above)."""
     d = q.shape[-1]
-    if q.dtype in (torch.bfloat16, torch.float16) and d % 8 == 0 and d <= 256:
-        return "flash"
+    if q.dtype in (torch.bfloat16, torch.float16) and d % 8 == 0:
+        if 64 <= d <= 128 and _cudnn_honours_lse(q.device, q.dtype):
+            return "cudnn"
+        if d <= 256:
+            return "flash"
     if q.dtype in (torch.float32, torch.bfloat16, torch.float16) and d % 8 == 0:
         return "efficient"
     return "reference"
+
+
+def partial_dtype(q: torch.Tensor) -> torch.dtype:
+    """The dtype a block's out and gradients come back in: q's for the fused ops."""
+    return accumulation_dtype(q.dtype) if op_for(q) == "reference" else q.dtype
 
 
 def _repeat_kv(t: torch.Tensor, heads: int) -> torch.Tensor:
@@ -95,6 +113,54 @@ def _flash_takes_gqa(device: torch.device, dtype: torch.dtype) -> bool:
     return bool(torch.equal(grouped, repeated))
 
 
+def _cudnn_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool, scale: float):
+    """cuDNN's forward on dense tensors with K/V repeated to H heads: (out, lse (B, H, Sq), rest)."""
+    k, v = _repeat_kv(k, q.shape[1]), _repeat_kv(v, q.shape[1])
+    out, lse, *rest = _cudnn_fwd(q.contiguous(), k.contiguous(), v.contiguous(), None, True, 0.0, causal, False,
+                                 scale=scale)
+    return out, lse.reshape(q.shape[:3]), rest
+
+
+def _cudnn_backward(dout, q, k, v, out, lse, causal: bool, scale: float):
+    """cuDNN's backward from a given (out, lse); dk, dv with H_kv heads."""
+    heads, kv_heads = q.shape[1], k.shape[1]
+    k, v = _repeat_kv(k, heads).contiguous(), _repeat_kv(v, heads).contiguous()
+    seed, offset, cum_q, cum_k, lse_dims = _cudnn_aux(q.device, q.dtype)
+    lse = lse.float().reshape(*q.shape[:3], *([1] if lse_dims == 4 else [])).contiguous()
+    dq, dk, dv = _cudnn_bwd(dout.contiguous(), q.contiguous(), k, v, out.contiguous(), lse, seed, offset, None,
+                            cum_q, cum_k, q.shape[2], k.shape[2], 0.0, causal, scale=scale)
+    return dq, _sum_kv(dk, kv_heads), _sum_kv(dv, kv_heads)
+
+
+@functools.lru_cache(maxsize=None)
+def _cudnn_aux(device: torch.device, dtype: torch.dtype) -> tuple:
+    """What cuDNN's backward takes besides tensors, from one tiny forward: the (unused, dropout
+    0) RNG state, the (empty: no packed sequences) cumulative lengths, and the lse's rank."""
+    x = torch.zeros(1, 1, 64, 64, device=device, dtype=dtype)
+    _, lse, cum_q, cum_k, _, _, seed, offset, _ = _cudnn_fwd(x, x, x, None, True, 0.0, False, False, scale=1.0)
+    return seed, offset, cum_q, cum_k, lse.dim()
+
+
+@functools.lru_cache(maxsize=None)
+def _cudnn_honours_lse(device: torch.device, dtype: torch.dtype) -> bool:
+    """Whether cuDNN's op runs here and its backward uses the lse it is handed: from lse + ln 2
+    every probability halves, and with it dV (delta = rowsum(dout * out) is unchanged)."""
+    gen = torch.Generator(device=device).manual_seed(0)
+    q, k, v, dout = (torch.randn(1, 2, 128, 64, device=device, dtype=dtype, generator=gen) for _ in range(4))
+    try:
+        out, lse, _ = _cudnn_forward(q, k, v, True, 0.125)
+        dv = _cudnn_backward(dout, q, k, v, out, lse, True, 0.125)[2].float()
+        dv_half = _cudnn_backward(dout, q, k, v, out, lse + math.log(2.0), True, 0.125)[2].float()
+        flash = _flash_fwd(q, k, v, 0.0, True, False, scale=0.125)
+    except (RuntimeError, TypeError, NotImplementedError):
+        return False
+    ulp = 2.0 ** -7 if dtype == torch.bfloat16 else 2.0 ** -10
+    same_forward = bool(torch.allclose(out.float(), flash[0].float(), rtol=2 * ulp, atol=2 * ulp)
+                        and torch.allclose(lse, flash[1].float(), rtol=1e-4, atol=1e-4))
+    halves = bool(torch.allclose(dv_half, dv / 2, rtol=2 * ulp, atol=2 * ulp * float(dv.abs().max())))
+    return same_forward and halves
+
+
 def attention_forward(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, causal: bool, scale: float, mask: torch.Tensor | None = None
 ) -> tuple[torch.Tensor, torch.Tensor]:
@@ -104,6 +170,8 @@ def attention_forward(
         return reference.attention_forward(q, k, v, causal=causal, scale=scale, mask=mask)
     q, k, v = unit_stride(q), unit_stride(k), unit_stride(v)
     heads = q.shape[1]
+    if op == "cudnn":
+        return _cudnn_forward(q, k, v, causal, scale)[:2]
     if op == "flash":
         if not _flash_takes_gqa(q.device, q.dtype):
             k, v = _repeat_kv(k, heads), _repeat_kv(v, heads)
@@ -130,6 +198,8 @@ def attention_backward(
     op = op_for(q)
     if op == "reference" or mask is not None:
         return reference.attention_backward(dout, q, k, v, out, lse, causal=causal, scale=scale, mask=mask)
+    if op == "cudnn":
+        return _cudnn_backward(dout, q, k, v, out.to(q.dtype), lse, causal, scale)
     heads, kv_heads = q.shape[1], k.shape[1]
     dout, q, k, v = (unit_stride(t) for t in (dout, q, k, v))
     out = unit_stride(out.to(q.dtype))
