@@ -124,7 +124,7 @@ def exactness(device: torch.device, seq: int, dtype: str) -> list[dict]:
         try:
             report = run_demo(cfg)
         except Exception as e:  # noqa: BLE001  the other strategies' verdicts still count
-            rows.append(dict(strategy=strategy, ok=False, error=f"{type(e).__name__}: {e}"[:2000]))
+            rows.append(dict(strategy=strategy, ok=False, error=f"{type(e).__name__}: {e}"[-2000:]))
             continue
         rows.append(dict(strategy=strategy, ok=report["ok"], max_abs_err=report["max_abs_err"],
                          tolerance=report["tolerance"],
@@ -329,7 +329,7 @@ def run_section(report: dict, name: str, fn, path: str) -> None:
         report[name] = fn()
     except Exception as e:  # noqa: BLE001
         traceback.print_exc()
-        report[name] = dict(error=f"{type(e).__name__}: {e}"[:2000])
+        report[name] = dict(error=f"{type(e).__name__}: {e}"[-2000:])
     save(report, path)
 
 

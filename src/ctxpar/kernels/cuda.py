@@ -54,11 +54,12 @@ _cudnn_bwd = torch.ops.aten._scaled_dot_product_cudnn_attention_backward.default
 _LSE_ROWS = 32  # the efficient op pads lse rows to a multiple of this
 
 
-def op_for(q: torch.Tensor) -> str:
-    """"cudnn" | "flash" | "efficient" | "reference": which op computes blocks like ``q`` (see above)."""
+def op_for(q: torch.Tensor, keys: int | None = None) -> str:
+    """"cudnn" | "flash" | "efficient" | "reference": which op computes blocks like ``q`` (see
+    above) against ``keys`` keys (cuDNN's backward refuses one query against one key)."""
     d = q.shape[-1]
     if q.dtype in (torch.bfloat16, torch.float16) and d % 8 == 0:
-        if 64 <= d <= 128 and _cudnn_honours_lse(q.device, q.dtype):
+        if 64 <= d <= 128 and not q.shape[2] == keys == 1 and _cudnn_honours_lse(q.device, q.dtype):
             return "cudnn"
         if d <= 256:
             return "flash"
@@ -165,7 +166,7 @@ def attention_forward(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, causal: bool, scale: float, mask: torch.Tensor | None = None
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Kernel contract (see ``ctxpar.kernels``); out in q's dtype, lse float32 (B, H, Sq)."""
-    op = op_for(q)
+    op = op_for(q, k.shape[2])
     if op == "reference" or mask is not None:
         return reference.attention_forward(q, k, v, causal=causal, scale=scale, mask=mask)
     q, k, v = unit_stride(q), unit_stride(k), unit_stride(v)
@@ -195,7 +196,7 @@ def attention_backward(
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Kernel contract; ``out`` and ``lse`` are the global (merged) values for these rows.
     Gradients in q's dtype; dk, dv with H_kv heads."""
-    op = op_for(q)
+    op = op_for(q, k.shape[2])
     if op == "reference" or mask is not None:
         return reference.attention_backward(dout, q, k, v, out, lse, causal=causal, scale=scale, mask=mask)
     if op == "cudnn":
