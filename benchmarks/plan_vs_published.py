@@ -19,7 +19,7 @@ NeMo's page does not say whether activations were recomputed, so both are predic
 checkpointing for its table, so there the "full" column is its setup. Nothing is fitted: the
 presets' rates are those of docs/planner.md section 6, set before these rows were
 compared. Rows with PP > 1 are left out: their sources do not give the schedule
-(docs/planner.md section 12). The planner's own fixed costs are 0 in the presets (no
+(docs/planner.md section 12). The planner's own fixed costs are 0 in the H100 preset (no
 published figure checked), and FP8 casts and the elementwise kernels (norms, SwiGLU,
 RoPE) are not modelled: where matmuls dominate (short sequences) the prediction is an upper bound on
 throughput.

@@ -5,18 +5,20 @@ HBM in GB = 1e9 bytes as the datasheets give it; NVLink per direction = half the
 bidirectional total; the inter-node link is one NIC per GPU as in the DGX/HGX reference
 systems).
 
-Kernel rates (achieved FLOP/s), each from a published kernel benchmark (docs/planner.md
-section 6 gives every figure and how the ones not published for a GPU were derived):
-attention forward and backward are FlashAttention-2's (the kernel torch's flash SDPA runs)
-at head dim 128 in bf16, causal where published; matmuls are the Maximum Achievable
-Matmul FLOPS (bf16) of stas00/ml-engineering. ``--flops`` / ``--efficiency`` replace all
-three with one rate, peak x efficiency (``efficiency`` is 0.5 in the presets: the rate
-before separate kernel rates). ``--fp8`` runs matmuls at the fp8 dense peak times the
+Kernel rates (achieved FLOP/s; docs/planner.md section 6 gives every figure, its source and
+how the ones not published for a GPU were derived): attention forward and backward are
+FlashAttention-2's published rates at head dim 128 in bf16, causal where published, except
+on the H200, where they, how they fall for small kernels (size curves) and the cost of a
+kernel call were measured with ctxpar's own kernels (torch's cuDNN op) by ``make
+gpu-check``; matmuls are the Maximum Achievable Matmul FLOPS (bf16) of
+stas00/ml-engineering. ``--flops`` / ``--efficiency`` replace all three with one rate,
+peak x efficiency (``efficiency`` is 0.5 in the presets: the rate before separate kernel
+rates). ``--fp8`` runs matmuls at the fp8 dense peak times the
 matmul efficiency (matmul rate / peak); attention stays in the compute dtype.
 
 Fixed costs: ``latency`` per message, ``launch_overhead`` per kernel call,
-``step_overhead`` per pipeline stage; 0 in the presets unless given, measured for
-``local``.
+``step_overhead`` per pipeline stage; 0 in the presets unless given or measured (the H200's
+launch overhead), measured for ``local``.
 
 ``local`` has no datasheet: its rates, latency and bandwidth come from ``ctxpar plan
 --calibrate`` (``ctxpar.calibrate``), measured here, and its memory is this machine's RAM.
@@ -160,6 +162,12 @@ _DATASHEETS = "NVIDIA datasheets (dense peak, HBM in GB); NVLink per direction; 
 _KERNELS = "kernel rates: FlashAttention-2 and MAMF benchmarks, docs/planner.md section 6"
 GB = 10**9
 T = 10**12
+# (tokens, forward, backward): one kernel over ``tokens`` queries and keys (H=32, H_kv=8, D=128,
+# bf16) as a fraction of the preset's rates, the causal 32K kernel's (make gpu-check, H200)
+_H200_CAUSAL_CURVE = ((1024, 0.112, 0.136), (2048, 0.297, 0.398), (4096, 0.584, 0.676), (8192, 0.782, 0.878),
+                      (16384, 0.931, 1.019), (32768, 1.0, 1.0))
+_H200_FULL_CURVE = ((1024, 0.243, 0.355), (2048, 0.545, 0.677), (4096, 0.823, 0.892), (8192, 0.941, 1.013),
+                    (16384, 1.011, 1.009), (32768, 0.954, 0.983))
 MIN_EFFICIENCY = 0.01  # below 1% of peak, kernels are not what the cost model describes
 MAX_GPUS_PER_NODE = 2**16  # a "node" is the domain of the fast link (an NVL72 rack is 72)
 BACKWARD_FLOPS_RATIO = 2.5  # FlashAttention's convention: backward = 2.5 x forward FLOPs
@@ -172,9 +180,12 @@ PRESETS: dict[str, Hardware] = {
                  memory_bandwidth=3.35e12, attention_forward_rate=335 * T, attention_backward_rate=322 * T,
                  matmul_rate=794.5 * T, fp8_peak_flops=1979 * T),
         Hardware("H200", 989e12, 0.5, 141 * GB, 8, 450e9, 50e9,
-                 _DATASHEETS + " (NVLink 4 900 GB/s, 400 Gb/s, HBM3e 4.8 TB/s); " + _KERNELS + " (H100's: same die)",
-                 memory_bandwidth=4.8e12, attention_forward_rate=335 * T, attention_backward_rate=322 * T,
-                 matmul_rate=794.5 * T, fp8_peak_flops=1979 * T),
+                 _DATASHEETS + " (NVLink 4 900 GB/s, 400 Gb/s, HBM3e 4.8 TB/s); attention rates, their size curves "
+                 "and the launch overhead measured with ctxpar's kernels (cuDNN) by `make gpu-check` on one H200, "
+                 "docs/planner.md section 6; matmuls: MAMF",
+                 memory_bandwidth=4.8e12, attention_forward_rate=652 * T, attention_backward_rate=558 * T,
+                 matmul_rate=794.5 * T, fp8_peak_flops=1979 * T, launch_overhead=33e-6,
+                 attention_size_curve=_H200_FULL_CURVE, attention_causal_size_curve=_H200_CAUSAL_CURVE),
         Hardware("A100-80GB", 312e12, 0.5, 80 * GB, 8, 300e9, 25e9,
                  _DATASHEETS + " (NVLink 3 600 GB/s, 200 Gb/s, HBM2e 2.0 TB/s); " + _KERNELS,
                  memory_bandwidth=2.039e12, attention_forward_rate=0.73 * 312 * T,
