@@ -18,7 +18,7 @@ from ctxpar.plan import cost, get_hardware, make_plan, parse_bandwidth, parse_fl
 from ctxpar.cli import main
 from ctxpar import calibrate
 from ctxpar.calibrate import measure_link, measure_memory_bandwidth
-from ctxpar.plan import inference, inference_report, planner, traffic
+from ctxpar.plan import inference, inference_report, planner, traffic, work
 from ctxpar.plan.baseline import VERDICTS, baseline
 from ctxpar.plan.cost import Pipeline
 from ctxpar.plan.documents import pack, parse_doc_dist, parse_lengths, sample_lengths
@@ -1080,13 +1080,50 @@ def test_fixed_costs_add_their_counts(strategy: str) -> None:
     base, t = cost.attention_time(w, hw), cost.attention_time(w, fixed)
     n = t.forward.stages
     messages = {"ring": (3, 3 * 2 + 1), "allgather": (8, 8 * 2), "alltoall": (2, 2)}[strategy]  # forward, backward
-    assert t.forward.seconds - base.forward.seconds == pytest.approx(messages[0] * lat + n * (launch + step),
+    # kernel calls per stage, zigzag on 4 ranks: one tile per ring step and all-to-all pass; the all-gather's
+    # ranks 1-2 attend in position order, two tiles per chunk (the keys before it, its causal diagonal)
+    kernels = {"ring": 1, "allgather": 4, "alltoall": 1}[strategy]
+    assert cost.kernels_per_stage(w) == kernels
+    assert t.forward.seconds - base.forward.seconds == pytest.approx(messages[0] * lat + n * (kernels * launch + step),
                                                                      rel=1e-9)
-    assert t.backward.seconds - base.backward.seconds == pytest.approx(messages[1] * lat + n * (launch + step),
-                                                                       rel=1e-9)
+    assert t.backward.seconds - base.backward.seconds == pytest.approx(
+        messages[1] * lat + n * (kernels * launch + step), rel=1e-9)
     # shards get small: time stops falling, every stage still pays its fixed costs
     tiny = worked(strategy=strategy, seq=4096)
-    assert cost.attention_time(tiny, fixed).forward.seconds >= n * (launch + step)
+    assert cost.attention_time(tiny, fixed).forward.seconds >= n * (kernels * launch + step)
+
+
+STRATEGIES = ("ring", "allgather", "alltoall")
+
+
+@pytest.mark.parametrize("layout", ["contiguous", "zigzag", "striped"])
+def test_kernel_calls_per_stage_follow_the_block_plan(layout: str) -> None:
+    """The launches a stage pays are the block plan's tiles (ctxpar.blocks), counted for the
+    busiest rank; under a plain mask on a short stand-in sequence, which must not change them."""
+    from ctxpar.blocks import layout_tiles, tiles_between
+    from ctxpar.layout import get_layout
+
+    for cp in (2, 3, 4, 8):
+        lay = get_layout(layout, cp)
+        seq = lay.multiple * 64
+        for causal in (True, False):
+            plain = Mask(causal=causal)
+            short = lay.multiple * max(cost.PLAIN_MASK_CHUNKS, 2 * cp)
+            full_length = [work.kernel_calls(lay, seq, rank, plain, s) for rank in range(cp) for s in STRATEGIES]
+            stand_in = [work.kernel_calls(lay, short, rank, plain, s) for rank in range(cp) for s in STRATEGIES]
+            assert stand_in == full_length, (layout, cp, causal)
+    # documents: the counts of the busiest rank's own tiles, taken from the block plan directly
+    w = worked(strategy="ring", layout=layout, documents=(1000,) * 32 + (768,))  # several per shard
+    pairs, lay, everything = cost.head_pairs(w), get_layout(layout, 4), torch.arange(w.seq)
+    ring = gathered = 0
+    for rank in (r for r in range(4) if pairs[r] == max(pairs)):  # the busiest ranks (zigzag: tied)
+        per_source = [len(layout_tiles(lay, w.seq, rank, src, w.mask)) for src in range(4)]
+        whole = len(tiles_between(lay.positions(w.seq, rank), everything, w.mask, w.seq))
+        ring, gathered = max(ring, *per_source), max(gathered, min(sum(per_source), whole))
+    assert cost.kernels_per_stage(w) == ring > 1
+    assert cost.kernels_per_stage(w.with_(strategy="allgather")) == gathered
+    assert cost.kernels_per_stage(w.with_(strategy="alltoall")) == len(tiles_between(everything, everything, w.mask,
+                                                                                     w.seq))
 
 
 def test_fixed_costs_from_the_cli(tmp_path) -> None:

@@ -36,10 +36,11 @@ backward (2.5x the forward's FLOPs) at ``backward_flops``, matmuls at ``matmul_f
 
 Fixed costs: every message a stage posts costs ``latency`` on top of its bytes (a ring
 hop one, the backward's K/V and dK/dV hops two, an all-gather or reduce-scatter one, the
-all-to-all two per pass); every stage pays ``KERNELS_PER_STAGE`` kernel launches and one
-step overhead (``Hardware.step_overhead_for``: measured per strategy for ``local``),
-serially (``Pipeline.overhead``). So when shards get small, time stops
-falling as 1/P²: it approaches stages x (overhead + latency). TP collectives pay one
+all-to-all two per pass); every stage pays one launch per kernel call of the busiest
+rank's block plan (``kernels_per_stage``) and one step overhead
+(``Hardware.step_overhead_for``: measured per strategy for ``local``), serially
+(``Pipeline.overhead``). So when shards get small, time stops falling as 1/P²: it
+approaches stages x (overhead + latency). TP collectives pay one
 latency each.
 
 Tensor parallelism (t): each GPU computes H/t heads' attention and moves H_kv/t heads' K/V
@@ -69,12 +70,11 @@ from dataclasses import dataclass, replace
 
 from ctxpar.layout import get_layout
 from ctxpar.masks import Mask
-from ctxpar.plan.work import pairs_per_rank
+from ctxpar.plan.work import kernel_calls, pairs_per_rank
 from ctxpar.plan.hardware import BACKWARD_FLOPS_RATIO, Hardware
 from ctxpar.plan.workload import Workload
 from ctxpar.plan import traffic
 
-KERNELS_PER_STAGE = 1  # kernel calls a pipeline stage makes: one tile's attention (forward or backward)
 A2A_MESSAGES = 2  # all-to-alls per pass (strategies/alltoall.py): q/k/v to heads, then the results back
 
 
@@ -256,7 +256,8 @@ def compute_seconds(w: Workload, hw: Hardware, flops: float) -> tuple[float, flo
 def attention_time(w: Workload, hw: Hardware) -> AttentionTime:
     """Forward and backward pipelines of one layer (see the module docstring)."""
     fwd_compute, bwd_compute = compute_seconds(w, hw, attention_forward_flops(w))
-    lat, overhead = hw.latency, stage_overhead(hw, w.strategy)
+    kernels = kernels_per_stage(w) if hw.launch_overhead else 1  # counting walks the block plan: only if it costs
+    lat, overhead = hw.latency, stage_overhead(hw, w.strategy, kernels)
     a2a, rest = _split(w)
     bw = hw.bandwidth(w.tp * w.cp)
     a2a_bw = hw.bandwidth(w.tp * w.ulysses_degree)
@@ -472,9 +473,45 @@ def matmul_seconds(w: Workload, hw: Hardware, passes: int) -> float:
     return passes * matmul_flops_per_token(w) * w.batch * w.local_len / w.tp / hw.matmul_flops
 
 
-def stage_overhead(hw: Hardware, strategy: str) -> float:
-    """What every pipeline stage pays serially: its kernel launches and the step overhead."""
-    return KERNELS_PER_STAGE * hw.launch_overhead + hw.step_overhead_for(strategy)
+def kernels_per_stage(w: Workload) -> int:
+    """Kernel calls one pipeline stage makes (its forward, or its backward), from the block
+    plans of the busiest ranks (``work.kernel_calls``, the most over the ranks tied for the
+    most pairs): a ring step's tiles against one shard, the all-gather's against all keys
+    per head group, the all-to-all's over the whole sequence. The hybrid's ring steps over
+    its groups' unions of shards count one each."""
+    if w.strategy == "hybrid":
+        return 1
+    pairs = head_pairs(w)
+    busiest = (0,) if w.strategy == "alltoall" else tuple(r for r, p in enumerate(pairs) if p == max(pairs))
+    return _kernel_calls(w.layout, w.seq, w.cp, w.mask, w.strategy, busiest)
+
+
+PLAIN_MASK_CHUNKS = 4  # a plain mask's tile counts, counted at T = max(this, 2P) layout multiples
+COUNTED_TOKENS = 2**16  # longer windowed rows are counted scaled down to about this length
+
+
+@functools.lru_cache(maxsize=4096)
+def _kernel_calls(layout: str, seq: int, cp: int, mask: Mask, strategy: str, ranks: tuple[int, ...]) -> int:
+    """``work.kernel_calls``, the most over ``ranks``, counted on the row itself except:
+    under a plain mask the counts do not depend on T once each layout chunk holds a few
+    tokens (tested), so a short row stands in; a window on a row longer than
+    ``COUNTED_TOKENS`` is counted on a row shortened by a power of two with the window
+    shortened alike, a lower bound (a window's edge is cut into bands of a bounded number
+    of rows, so longer rows make more tiles), because the block plan walks every row in
+    Python and a sweep plans lengths up to millions. Documents are counted on the row they
+    describe (a plan with documents is not swept over lengths)."""
+    lay = get_layout(layout, cp)
+    if mask.is_plain:
+        seq = lay.multiple * max(PLAIN_MASK_CHUNKS, 2 * cp)
+    elif mask.documents is None:
+        while seq > COUNTED_TOKENS and seq % (2 * lay.multiple) == 0 and mask.window % 2 == 0:
+            seq, mask = seq // 2, Mask(mask.causal, None, mask.window // 2)
+    return max(kernel_calls(lay, seq, rank, mask, strategy) for rank in ranks)
+
+
+def stage_overhead(hw: Hardware, strategy: str, kernels: int = 1) -> float:
+    """What every pipeline stage pays serially: its ``kernels`` launches and the step overhead."""
+    return kernels * hw.launch_overhead + hw.step_overhead_for(strategy)
 
 
 def pipeline_schedule(w: Workload, hw: Hardware) -> PipelineSchedule | None:

@@ -1,6 +1,7 @@
-"""Attention work per rank: exact (query, key) pair counts, for the planner and the reports.
+"""Attention work per rank: exact (query, key) pair counts, for the planner and the reports,
+and the kernel calls the block plan makes for them.
 
-Equal to the pairs of the block plan a rank computes (``ctxpar.blocks``; tested against
+Pairs equal those of the block plan a rank computes (``ctxpar.blocks``; tested against
 it), but counted directly from the layout's positions in O(T/P).
 """
 
@@ -10,6 +11,7 @@ import functools
 
 import torch
 
+from ctxpar.blocks import layout_tiles, tiles_between
 from ctxpar.layout import Layout
 from ctxpar.masks import Mask
 
@@ -47,3 +49,25 @@ def pairs_per_rank(layout: Layout, seq_len: int, mask: Mask, ulysses: int = 1) -
     keys = _keys_seen(seq_len, mask)
     own = [int(keys[layout.positions(seq_len, r)].sum()) for r in range(layout.world_size)]
     return tuple(sum(own[r - r % ulysses:r - r % ulysses + ulysses]) for r in range(layout.world_size))
+
+
+def kernel_calls(layout: Layout, seq_len: int, rank: int, mask: Mask, strategy: str) -> int:
+    """Kernel calls of ``rank``'s block plans per pipeline stage of ``strategy`` (each
+    forward, and again each backward):
+
+    - "ring": a step's, the most tiles against one rank's keys;
+    - "allgather": per head group, against all keys, in arrival order (the tiles of every
+      shard) or in position order, whichever takes fewer (as ``strategies/allgather.py``
+      chooses);
+    - "alltoall": per pass, the whole sequence against itself.
+
+    One each under a plain causal or full mask on the ring; more under documents and
+    windows, whose edges cut shards into several tiles."""
+    if strategy == "alltoall":
+        everything = torch.arange(seq_len)
+        return len(tiles_between(everything, everything, mask, seq_len))
+    per_source = [len(layout_tiles(layout, seq_len, rank, src, mask)) for src in range(layout.world_size)]
+    if strategy == "ring":
+        return max(per_source)
+    in_order = tiles_between(layout.positions(seq_len, rank), torch.arange(seq_len), mask, seq_len)
+    return min(sum(per_source), len(in_order))
