@@ -165,10 +165,10 @@ def _cut_band(i: int, lo: list[int], hi: list[int], tiles: list[Tile]) -> None:
     row's first one as one ANTI_CAUSAL tile (lo moving by one key per row) or PARTIAL tile,
     the rest as a prefix from there."""
     left_stop = lo[-1] + 1  # every row sees something left of here: lo_r <= lo[-1] < hi_r
-    rows = tuple((a - lo[0], min(b, left_stop) - lo[0]) for a, b in zip(lo, hi))
-    if rows == tuple((r, len(lo)) for r in range(len(lo))):  # row r sees keys r.. of the square
+    if lo == list(range(lo[0], left_stop)) and min(hi) >= left_stop:  # row r sees keys r.. of the square
         tiles.append(Tile(i, i + len(lo), lo[0], left_stop, MaskKind.ANTI_CAUSAL))
     else:
+        rows = tuple((a - lo[0], min(b, left_stop) - lo[0]) for a, b in zip(lo, hi))
         tiles.append(Tile(i, i + len(lo), lo[0], left_stop, MaskKind.PARTIAL, rows))
     _cut_prefix(i, [max(0, b - left_stop) for b in hi], left_stop, tiles)
 

@@ -487,26 +487,23 @@ def kernels_per_stage(w: Workload) -> int:
 
 
 PLAIN_MASK_CHUNKS = 4  # a plain mask's tile counts, counted at T = max(this, 2P) layout multiples
-COUNTED_TOKENS = 2**16  # longer windowed rows are counted scaled down to about this length
-
-
 @functools.lru_cache(maxsize=4096)
 def _kernel_calls(layout: str, seq: int, cp: int, mask: Mask, strategy: str, ranks: tuple[int, ...]) -> int:
-    """``work.kernel_calls``, the most over ``ranks``, counted on the row itself except:
-    under a plain mask the counts do not depend on T once each layout chunk holds a few
-    tokens (tested), so a short row stands in; a window on a row longer than
-    ``COUNTED_TOKENS`` is counted on a row shortened by a power of two with the window
-    shortened alike, a lower bound (a window's edge is cut into bands of a bounded number
-    of rows, so longer rows make more tiles), because the block plan walks every row in
-    Python and a sweep plans lengths up to millions. Documents are counted on the row they
-    describe (a plan with documents is not swept over lengths)."""
+    """``work.kernel_calls``, the most over ``ranks``. Under a plain mask the counts do not
+    depend on T once each layout chunk holds a few tokens (tested), so a short row stands
+    in; under documents or a window the row itself is walked (about a second per rank at
+    1M tokens on a CPU core: the block plan cuts rows in Python)."""
     lay = get_layout(layout, cp)
     if mask.is_plain:
         seq = lay.multiple * max(PLAIN_MASK_CHUNKS, 2 * cp)
-    elif mask.documents is None:
-        while seq > COUNTED_TOKENS and seq % (2 * lay.multiple) == 0 and mask.window % 2 == 0:
-            seq, mask = seq // 2, Mask(mask.causal, None, mask.window // 2)
+    if strategy == "alltoall":  # the whole row against itself: the same for every layout, degree and rank
+        return _whole_row_calls(seq, mask)
     return max(kernel_calls(lay, seq, rank, mask, strategy) for rank in ranks)
+
+
+@functools.lru_cache(maxsize=64)
+def _whole_row_calls(seq: int, mask: Mask) -> int:
+    return kernel_calls(get_layout("contiguous", 1), seq, 0, mask, "alltoall")
 
 
 def stage_overhead(hw: Hardware, strategy: str, kernels: int = 1) -> float:
