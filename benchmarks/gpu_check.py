@@ -18,6 +18,8 @@ section so a run stopped part-way keeps what it measured) with:
   stopped after ``--tests-timeout`` seconds.
 - ``exactness``: ``ctxpar demo`` on 4 ranks sharing the GPU per strategy, bf16: max abs
   error of out, lse, dq, dk, dv against float64, and the tolerance.
+- ``generation``: ``ctxpar generate --compare`` on 4 ranks sharing the GPU, ring and auto:
+  tokens equal to the single-process generation, TTFT, TPOT, KV-cache bytes per rank.
 - ``efficiency``: each rank's forward + backward block loops of the ring (communication
   taken out, every K/V shard local, as ``benchmarks/overhead.py``) at Llama-3-8B's
   attention shape (H=32, H_kv=8, D=128, bf16), T=131072 on P=8 and T=32768 on P=4, zigzag
@@ -37,6 +39,7 @@ import json
 import os
 import platform
 import re
+import signal
 import subprocess
 import sys
 import time
@@ -46,9 +49,11 @@ import torch
 
 import ctxpar
 from ctxpar.masks import Mask
-from ctxpar.plan.hardware import BACKWARD_FLOPS_RATIO, PRESETS
+from ctxpar.auto import hardware_for
+from ctxpar.plan.hardware import BACKWARD_FLOPS_RATIO
 from ctxpar.plan.work import rank_pairs
 from ctxpar.demo import DemoConfig, run_demo
+from ctxpar.inference.command import GenerateConfig, run_generate
 from ctxpar.verify import unsplit_attention
 from overhead import rank_step
 
@@ -86,7 +91,8 @@ def start_tests(log_dir: str) -> dict:
         log = open(log_path, "w")
         command = [sys.executable, "-m", "pytest", "-q", "-rfE", "-p", "no:cacheprovider", "tests/test_cuda.py",
                    "-k", expression]
-        proc = subprocess.Popen(command, cwd=ROOT, stdout=log, stderr=subprocess.STDOUT)
+        # a session of its own, so that stopping it stops what it started (ctxpar train and its ranks)
+        proc = subprocess.Popen(command, cwd=ROOT, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
         running[name] = (proc, log, log_path)
     return dict(started=time.perf_counter(), running=running)
 
@@ -99,7 +105,7 @@ def finish_tests(tests: dict, timeout_s: float) -> dict:
         try:
             proc.wait(timeout=max(1.0, tests["started"] + timeout_s - time.perf_counter()))
         except subprocess.TimeoutExpired:
-            proc.kill()
+            os.killpg(proc.pid, signal.SIGKILL)
             proc.wait()
         log.close()
         with open(log_path) as f:
@@ -129,6 +135,25 @@ def exactness(device: torch.device, seq: int, dtype: str) -> list[dict]:
         rows.append(dict(strategy=strategy, ok=report["ok"], max_abs_err=report["max_abs_err"],
                          tolerance=report["tolerance"],
                          bytes_sent=max(r["bytes_sent"] for r in report["ranks"])))
+    return rows
+
+
+def generation(device: torch.device, dry_run: bool) -> list[dict]:
+    """``ctxpar generate --compare`` on 4 ranks sharing the device (2 on the dry run), ring and
+    auto: whether the tokens equal the single-process generation, TTFT, TPOT, KV bytes."""
+    rows = []
+    for strategy in ("ring", "auto"):
+        cfg = GenerateConfig(nproc=2 if dry_run else 4, prompt_len=64 if dry_run else 2048,
+                             new_tokens=4 if dry_run else 16, batch=2, strategy=strategy, compare=True,
+                             progress=False, device=device.type)
+        try:
+            report = run_generate(cfg)
+        except Exception as e:  # noqa: BLE001  the other strategy's verdict still counts
+            rows.append(dict(strategy=strategy, ok=False, error=f"{type(e).__name__}: {e}"[-2000:]))
+            continue
+        rows.append(dict(strategy=strategy, ok=report["tokens_match"], chosen=report["strategy_chosen"],
+                         ttft_s=report["ttft_s"], tpot_s=report["tpot_s"],
+                         kv_cache_bytes_per_rank=report["kv_cache_bytes_per_rank"]))
     return rows
 
 
@@ -293,8 +318,7 @@ def calibration(device: torch.device, dtype: torch.dtype, shape: dict, sizes: tu
                                                              for r in attention if r["causal"] == c]
                               for c in (True, False)},
                   matmul_n=matmul_n, matmul_flops=matmul, memory_bandwidth=memory, launch_overhead=launch)
-    name = torch.cuda.get_device_name(device) if device.type == "cuda" else ""
-    preset = next((h for key, h in PRESETS.items() if key.lower().split("-")[0] in name.lower()), None)
+    preset = hardware_for(device) if device.type == "cuda" else None  # the preset strategy="auto" uses here
     if preset is not None:
         measured = dict(attention_forward_rate=largest[True]["forward_flops"],
                         attention_backward_rate=largest[True]["backward_flops"], matmul_rate=matmul,
@@ -313,7 +337,7 @@ def targets(rows: list[dict]) -> dict:
                 no_s_squared_allocation=peaks_ok)
 
 
-SECTIONS = ("calibration", "kernels", "efficiency", "targets", "exactness", "tests")
+SECTIONS = ("calibration", "kernels", "efficiency", "targets", "exactness", "generation", "tests")
 
 
 def save(report: dict, path: str) -> None:
@@ -364,6 +388,7 @@ def main() -> None:
     tests = None if args.skip_tests else start_tests(os.path.dirname(os.path.abspath(args.json)))
     run_section(report, "exactness", lambda: exactness(device, demo_seq, "float32" if args.dry_run else "bfloat16"),
                 args.json)
+    run_section(report, "generation", lambda: generation(device, args.dry_run), args.json)
     run_section(report, "tests", lambda: dict(skipped="--skip-tests") if tests is None
                 else finish_tests(tests, args.tests_timeout), args.json)
     report["seconds"] = time.perf_counter() - start
@@ -388,6 +413,10 @@ def format_report(r: dict) -> str:
     for e in r["exactness"] if isinstance(r["exactness"], list) else []:
         lines.append(f"{e['strategy']:<10} {'yes' if e['ok'] else 'NO':>3} " + (
             e["error"] if "error" in e else " ".join(f"{e['max_abs_err'][n]:>10.2e}" for n in names)))
+    for g in r["generation"] if isinstance(r["generation"], list) else []:
+        lines.append(f"generate, {g['strategy']}: " + (g["error"] if "error" in g else (
+            f"tokens {'equal' if g['ok'] else 'DIFFER from'} the single-process run, TTFT {g['ttft_s'] * 1e3:.0f} ms, "
+            f"TPOT {g['tpot_s'] * 1e3:.1f} ms" + (f", auto chose {', '.join(g['chosen'])}" if g["chosen"] else ""))))
     lines += ["", f"{'T':>7} {'P':>2} {'layout':<8} {'unsplit s':>9} {'sum/unsplit':>11} {'max/min':>8} "
                   f"{'TFLOP/s unsplit':>15} {'slowest rank':>12} {'peak/O(S)':>9}"]
     for e in r["efficiency"] if isinstance(r["efficiency"], list) else []:

@@ -17,10 +17,9 @@ import torch
 import torch.distributed as dist
 
 import ctxpar
-from ctxpar import kernels
 from ctxpar.kernels.reference import reference_attention
 from ctxpar.masks import Mask
-from ctxpar.verify import FP32_RTOL, TENSORS, max_abs_errors, tolerances, torch_sdpa
+from ctxpar.verify import FP32_RTOL, TENSORS, max_abs_errors, rounded_partials_on, tolerances, torch_sdpa
 
 STRATEGIES = ("ring", "allgather", "alltoall", "hybrid")
 LAYOUTS = ("contiguous", "zigzag", "striped")
@@ -194,9 +193,7 @@ def _case_problems(case: Case, rank: int, world: int, group, group_rank: int | N
     got = {n: t.detach().cpu() for n, t in
            dict(out=got_out, lse=got_lse, dq=local[0].grad, dk=local[1].grad, dv=local[2].grad).items()}
     errors = max_abs_errors(got, {n: shard(t) for n, t in ref.items()})
-    # GPU ops round each block's partial result: up to one block per source rank, and the final rounding
-    rounded = world + 1 if kernels.partial_dtype(local[0]) in (torch.bfloat16, torch.float16) else 0
-    tol = tolerances(dtype, ref, baseline, rounded_partials=rounded)
+    tol = tolerances(dtype, ref, baseline, rounded_partials=rounded_partials_on(local[0], world))
     problems = [f"{n} max abs error {errors[n]:.3g} > tolerance {tol[n]:.3g}" for n in TENSORS
                 if not errors[n] <= tol[n]]
     problems += [f"{n} not finite" for n in TENSORS if not bool(torch.isfinite(got[n]).all())]

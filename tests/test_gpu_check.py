@@ -19,8 +19,9 @@ def test_gpu_check_dry_run_writes_every_section(tmp_path) -> None:
                            "--json", str(path)], cwd=ROOT, capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stdout + proc.stderr
     report = json.loads(path.read_text())
-    assert set(report) == {"dry_run", "environment", "calibration", "tests", "exactness", "efficiency", "kernels",
-                           "targets", "seconds"}
+    assert set(report) == {"dry_run", "environment", "calibration", "tests", "exactness", "generation", "efficiency",
+                           "kernels", "targets", "seconds"}
+    assert [(g["strategy"], g["ok"]) for g in report["generation"]] == [("ring", True), ("auto", True)]
     cal = report["calibration"]
     assert [(a["seq"], a["causal"]) for a in cal["attention"]] == [(256, True), (512, True), (256, False),
                                                                    (512, False)]

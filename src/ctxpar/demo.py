@@ -18,8 +18,8 @@ import torch.distributed as dist
 import ctxpar
 from ctxpar.masks import Mask
 from ctxpar.plan.work import union_pairs
-from ctxpar import kernels, launch, limits, strategy_rules
-from ctxpar.verify import TENSORS, max_abs_errors, tolerances, torch_sdpa, unsplit_attention
+from ctxpar import launch, limits, strategy_rules
+from ctxpar.verify import TENSORS, max_abs_errors, rounded_partials_on, tolerances, torch_sdpa, unsplit_attention
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -143,8 +143,7 @@ def demo_rank(rank: int, world: int, cfg: DemoConfig, device: torch.device | Non
     baseline = None
     if cfg.dtype != "float32":
         baseline = max_abs_errors(_to_cpu(torch_sdpa(*on_device, causal=cfg.causal, scale=scale)), ref)
-    # GPU ops round each block's partial result (up to one per rank) before the merge, then the result once more
-    rounded = world + 1 if kernels.partial_dtype(on_device[0].to(DTYPES[cfg.dtype])) != torch.float32 else 0
+    rounded = rounded_partials_on(on_device[0].to(DTYPES[cfg.dtype]), world)
     errors, tol = max_abs_errors(got, ref), tolerances(DTYPES[cfg.dtype], ref, baseline, rounded_partials=rounded)
     mean = lambda key: sum(s[key] for s in all_stats) / world  # noqa: E731
     return {
