@@ -32,8 +32,8 @@ checked once per device against K/V repeated to H heads (``_flash_takes_gqa``); 
 K/V are repeated per block and dK/dV summed back to H_kv heads in float32, as for the
 efficient and cuDNN ops (cuDNN's own GQA is not used: not yet checked on a GPU). The
 repeated K/V are a per-call workspace of H/H_kv times the block's K/V, which the planner's
-memory model does not count. The efficient op's lse is padded to a multiple of 32 rows; the global lse
-handed to its backward is padded the same way.
+memory model does not count. The efficient op's lse is padded to a multiple of 32 rows;
+the global lse handed to its backward is padded the same way.
 """
 
 from __future__ import annotations

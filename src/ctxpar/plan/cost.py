@@ -487,6 +487,8 @@ def kernels_per_stage(w: Workload) -> int:
 
 
 PLAIN_MASK_CHUNKS = 4  # a plain mask's tile counts, counted at T = max(this, 2P) layout multiples
+
+
 @functools.lru_cache(maxsize=4096)
 def _kernel_calls(layout: str, seq: int, cp: int, mask: Mask, strategy: str, ranks: tuple[int, ...]) -> int:
     """``work.kernel_calls``, the most over ``ranks``. Under a plain mask the counts do not
