@@ -835,6 +835,9 @@ def test_decode_falls_with_cp_by_less_than_the_kv_share_and_kv_cache_splits() ->
     assert inference.decode_seconds(LLAMA_8B, cp=2, hw=slow, **kw) > inference.decode_seconds(LLAMA_8B, cp=1,
                                                                                               hw=slow, **kw)
     assert inference.decode_seconds(LLAMA_8B, cp=2, hw=replace(hw, memory_bandwidth=0.0), **kw) is None
+    launching = replace(hw, launch_overhead=3e-5)  # one attention call per layer, one after another
+    for p, t in zip((1, 2, 4, 8, 16), times):
+        assert inference.decode_seconds(LLAMA_8B, cp=p, hw=launching, **kw) == pytest.approx(t + 32 * 3e-5, rel=1e-12)
 
 
 def test_prefill_is_the_forward_of_a_training_step() -> None:

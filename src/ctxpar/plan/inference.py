@@ -200,7 +200,8 @@ def decode_seconds(model: ModelConfig, *, batch: int, positions: int, cp: int, e
     heads = model.heads // tp
     compute = (2 * model.parameters_per_tp_rank(tp) * batch / hw.matmul_flops
                + 4 * model.head_dim * batch * heads * positions * model.layers / cp / hw.forward_flops)
-    seconds = max((weights + kv) / hw.memory_bandwidth, compute)
+    # + one attention call per layer, launched one after another (matmul launches are not counted, as in training)
+    seconds = max((weights + kv) / hw.memory_bandwidth, compute) + model.layers * hw.launch_overhead
     if tp > 1:  # two all-reduces of the token's (B, d) activation per layer
         reduce = traffic.tensor_parallel(batch=batch, local_len=1, hidden=model.hidden, tp=tp, elem=elem,
                                          sequence_parallel=False)
