@@ -27,7 +27,8 @@ section so a run stopped part-way keeps what it measured) with:
   sequence, max / min over ranks, TFLOP/s of the unsplit call and of the slowest rank,
   and each rank's peak memory against the O(S) of its tensors.
 - ``kernels``: the flash op against the cuDNN op on one large block (time, and whether
-  cuDNN gives the same result), to decide by measurement which one ctxpar should use.
+  cuDNN gives the same result), which op ctxpar chose, and for the next decisions: whether
+  cuDNN takes GQA without repeated K/V, and the first call's cost on new block shapes.
 - ``targets``: sum / unsplit <= 1.10, max / min <= 1.05 (zigzag), no allocation growing
   with S^2 (peak growth <= 4x the rank's O(S) tensors).
 """
@@ -40,6 +41,7 @@ import os
 import platform
 import re
 import signal
+import statistics
 import subprocess
 import sys
 import time
@@ -261,7 +263,60 @@ def kernels(device: torch.device, seq: int, repeat: int) -> dict:
                                            for a, b in pairs)
     except (RuntimeError, TypeError) as e:
         result["cudnn_error"] = str(e).splitlines()[0][:300]
+    result.update(cudnn_candidates(device))
     return result
+
+
+def cudnn_candidates(device: torch.device) -> dict:
+    """What ctxpar does not use yet, measured for the next decision:
+
+    - ``cudnn_takes_gqa``: whether cuDNN's forward and backward given K/V with fewer heads
+      match K/V repeated (ctxpar repeats them: a workspace of H/H_kv times K/V per call);
+    - ``first_call_seconds``: a forward + backward on each of 8 block shapes never seen
+      before (documents and windows make new tile shapes every batch; cuDNN builds a plan
+      per shape) against the second call on the same shape, cuDNN and flash."""
+    from ctxpar.kernels import cuda
+
+    out = {}
+    gen = torch.Generator(device=device).manual_seed(1)
+    q, dout = (torch.randn(1, 8, 256, 128, device=device, dtype=torch.bfloat16, generator=gen) for _ in range(2))
+    k, v = (torch.randn(1, 2, 256, 128, device=device, dtype=torch.bfloat16, generator=gen) for _ in range(2))
+    try:
+        grouped = cuda._cudnn_fwd(q, k, v, None, True, 0.0, True, False, scale=0.1)
+        repeated = cuda._cudnn_fwd(q, cuda._repeat_kv(k, 8), cuda._repeat_kv(v, 8), None, True, 0.0, True, False,
+                                   scale=0.1)
+        _, lse, cum_q, cum_k, _, _, seed, offset, _ = grouped
+        grads = cuda._cudnn_bwd(dout, q, k, v, grouped[0], lse, seed, offset, None, cum_q, cum_k, 256, 256, 0.0,
+                                True, scale=0.1)
+        want = cuda._cudnn_backward(dout, q, k, v, grouped[0], lse, True, 0.1)
+        out["cudnn_takes_gqa"] = bool(torch.equal(grouped[0], repeated[0]) and grads[1].shape == k.shape and all(
+            torch.allclose(a.float(), b.float(), rtol=2**-6, atol=2**-6) for a, b in zip(grads, want)))
+    except Exception as e:  # noqa: BLE001  a refusal is the answer
+        out["cudnn_takes_gqa"] = f"no: {type(e).__name__}: {str(e).splitlines()[0][:200]}"
+    for name, op in (("cudnn", "cudnn"), ("flash", "flash")):
+        first, second = [], []
+        for i in range(8):
+            sq, sk = 1000 + 37 * i, 900 + 53 * i
+            qs, ds = (torch.randn(1, 8, sq, 128, device=device, dtype=torch.bfloat16, generator=gen) for _ in range(2))
+            ks, vs = (torch.randn(1, 8, sk, 128, device=device, dtype=torch.bfloat16, generator=gen) for _ in range(2))
+
+            def call() -> None:
+                if op == "cudnn":
+                    o, lse, _ = cuda._cudnn_forward(qs, ks, vs, False, 0.1)
+                    cuda._cudnn_backward(ds, qs, ks, vs, o, lse, False, 0.1)
+                else:
+                    o, lse = cuda._flash_fwd(qs, ks, vs, 0.0, False, False, scale=0.1)[:2]
+                    seed, offset = cuda._flash_aux(device, qs.dtype)
+                    cuda._flash_bwd(ds, qs, ks, vs, o, lse, None, None, sq, sk, 0.0, False, seed, offset, scale=0.1)
+
+            try:
+                first.append(_timed(call, device, 1))
+                second.append(_timed(call, device, 1))
+            except Exception as e:  # noqa: BLE001
+                out[f"{name}_first_call_error"] = f"{type(e).__name__}: {str(e).splitlines()[0][:200]}"
+                break
+        out[f"{name}_first_call_seconds"], out[f"{name}_second_call_seconds"] = first, second
+    return out
 
 
 def attention_rates(device: torch.device, dtype: torch.dtype, shape: dict, seq: int, causal: bool,
@@ -439,7 +494,14 @@ def format_report(r: dict) -> str:
         if "preset" in c:
             lines.append(f"  measured / preset {c['preset']['name']}: " + ", ".join(
                 f"{key} {v['measured_over_preset']:.2f}" for key, v in c["preset"].items() if key != "name"))
-    lines += ["", f"kernels: {r['kernels']}", f"targets: {r['targets']}"]
+    k = r["kernels"]
+    lines += ["", "kernels: " + str({key: value for key, value in k.items() if not key.endswith("call_seconds")})]
+    for name in ("cudnn", "flash"):
+        first, second = k.get(f"{name}_first_call_seconds"), k.get(f"{name}_second_call_seconds")
+        if first and second:
+            lines.append(f"  {name}, a block shape never seen before (8 shapes, median): first call "
+                         f"{statistics.median(first) * 1e3:.2f} ms, second {statistics.median(second) * 1e3:.2f} ms")
+    lines.append(f"targets: {r['targets']}")
     return "\n".join(lines)
 
 
