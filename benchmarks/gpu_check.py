@@ -227,6 +227,24 @@ def efficiency(device: torch.device, dtype: torch.dtype, cases: list[tuple[int, 
     return rows
 
 
+def _flash_pass(q, k, v, dout, causal: bool, scale: float):
+    """torch's flash op, forward and backward from its own lse: (out, (dq, dk, dv))."""
+    from ctxpar.kernels import cuda
+
+    out, lse = cuda._flash_fwd(q, k, v, 0.0, causal, False, scale=scale)[:2]
+    seed, offset = cuda._flash_aux(q.device, q.dtype)
+    return out, cuda._flash_bwd(dout, q, k, v, out, lse, None, None, q.shape[2], k.shape[2], 0.0, causal, seed,
+                                offset, scale=scale)
+
+
+def _cudnn_pass(q, k, v, dout, causal: bool, scale: float):
+    """cuDNN's op through ctxpar's wrapper, the same: (out, (dq, dk, dv))."""
+    from ctxpar.kernels import cuda
+
+    out, lse, _ = cuda._cudnn_forward(q, k, v, causal, scale)
+    return out, cuda._cudnn_backward(dout, q, k, v, out, lse, causal, scale)
+
+
 def kernels(device: torch.device, seq: int, repeat: int) -> dict:
     """torch's flash op against cuDNN's (through ctxpar's wrapper, lse handed back as the
     strategies do) on one causal bf16 block: seconds, how far apart their results are
@@ -242,14 +260,10 @@ def kernels(device: torch.device, seq: int, repeat: int) -> dict:
     scale = d**-0.5
 
     def flash():
-        out, lse = cuda._flash_fwd(q, k, v, 0.0, True, False, scale=scale)[:2]
-        seed, offset = cuda._flash_aux(device, q.dtype)
-        return out, cuda._flash_bwd(dout, q, k, v, out, lse, None, None, seq, seq, 0.0, True, seed, offset,
-                                    scale=scale)
+        return _flash_pass(q, k, v, dout, True, scale)
 
     def cudnn():
-        out, lse, _ = cuda._cudnn_forward(q, k, v, True, scale)
-        return out, cuda._cudnn_backward(dout, q, k, v, out, lse, True, scale)
+        return _cudnn_pass(q, k, v, dout, True, scale)
 
     result = dict(seq=seq, heads=h, head_dim=d, ctxpar_op=cuda.op_for(q),
                   cudnn_honours_lse=cuda._cudnn_honours_lse(device, q.dtype),
@@ -293,7 +307,7 @@ def cudnn_candidates(device: torch.device) -> dict:
             torch.allclose(a.float(), b.float(), rtol=2**-6, atol=2**-6) for a, b in zip(grads, want)))
     except Exception as e:  # noqa: BLE001  a refusal is the answer
         out["cudnn_takes_gqa"] = f"no: {type(e).__name__}: {str(e).splitlines()[0][:200]}"
-    for name, op in (("cudnn", "cudnn"), ("flash", "flash")):
+    for op in ("cudnn", "flash"):
         first, second = [], []
         for i in range(8):
             sq, sk = 1000 + 37 * i, 900 + 53 * i
@@ -301,21 +315,15 @@ def cudnn_candidates(device: torch.device) -> dict:
             ks, vs = (torch.randn(1, 8, sk, 128, device=device, dtype=torch.bfloat16, generator=gen) for _ in range(2))
 
             def call() -> None:
-                if op == "cudnn":
-                    o, lse, _ = cuda._cudnn_forward(qs, ks, vs, False, 0.1)
-                    cuda._cudnn_backward(ds, qs, ks, vs, o, lse, False, 0.1)
-                else:
-                    o, lse = cuda._flash_fwd(qs, ks, vs, 0.0, False, False, scale=0.1)[:2]
-                    seed, offset = cuda._flash_aux(device, qs.dtype)
-                    cuda._flash_bwd(ds, qs, ks, vs, o, lse, None, None, sq, sk, 0.0, False, seed, offset, scale=0.1)
+                (_cudnn_pass if op == "cudnn" else _flash_pass)(qs, ks, vs, ds, False, 0.1)
 
             try:
                 first.append(_timed(call, device, 1))
                 second.append(_timed(call, device, 1))
             except Exception as e:  # noqa: BLE001
-                out[f"{name}_first_call_error"] = f"{type(e).__name__}: {str(e).splitlines()[0][:200]}"
+                out[f"{op}_first_call_error"] = f"{type(e).__name__}: {str(e).splitlines()[0][:200]}"
                 break
-        out[f"{name}_first_call_seconds"], out[f"{name}_second_call_seconds"] = first, second
+        out[f"{op}_first_call_seconds"], out[f"{op}_second_call_seconds"] = first, second
     return out
 
 

@@ -207,3 +207,23 @@ def count_pairs(tiles: tuple[Tile, ...] | list[Tile]) -> int:
 def layout_tiles(layout: Layout, seq_len: int, q_rank: int, kv_rank: int, mask: Mask) -> tuple[Tile, ...]:
     """The tiles of ``q_rank``'s queries against ``kv_rank``'s keys under ``layout`` (cached)."""
     return tiles_between(layout.positions(seq_len, q_rank), layout.positions(seq_len, kv_rank), mask, seq_len)
+
+
+@functools.lru_cache(maxsize=16)  # a mask with documents may change every batch
+def gathered_key_order(layout: Layout, seq_len: int, rank: int, mask: Mask):
+    """How ``rank`` attends to every rank's keys gathered (the all-gather strategy), whichever
+    takes fewer kernel calls:
+
+    ("global", tiles, index): keys put in position order, tiles against 0..T-1;
+        ``index`` (T,): each position's arrival slot (source rank * S + local index).
+    ("by_rank", tiles_per_rank, None): keys left as they arrived, tiles against each shard.
+    """
+    world = layout.world_size
+    by_rank = tuple(layout_tiles(layout, seq_len, rank, src, mask) for src in range(world))
+    whole = tiles_between(layout.positions(seq_len, rank), torch.arange(seq_len), mask, seq_len)
+    if len(whole) >= sum(len(t) for t in by_rank):
+        return "by_rank", by_rank, None
+    arrival = torch.cat([layout.positions(seq_len, src) for src in range(world)])
+    index = torch.empty_like(arrival)
+    index[arrival] = torch.arange(seq_len)
+    return "global", whole, index

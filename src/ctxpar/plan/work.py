@@ -11,7 +11,7 @@ import functools
 
 import torch
 
-from ctxpar.blocks import layout_tiles, tiles_between
+from ctxpar.blocks import gathered_key_order, layout_tiles, tiles_between
 from ctxpar.layout import Layout
 from ctxpar.masks import Mask
 
@@ -56,9 +56,8 @@ def kernel_calls(layout: Layout, seq_len: int, rank: int, mask: Mask, strategy: 
     forward, and again each backward):
 
     - "ring": a step's, the most tiles against one rank's keys;
-    - "allgather": per head group, against all keys, in arrival order (the tiles of every
-      shard) or in position order, whichever takes fewer (as ``strategies/allgather.py``
-      chooses);
+    - "allgather": per head group, against all keys, in the order the strategy takes them
+      (``blocks.gathered_key_order``: arrival or position order, whichever has fewer tiles);
     - "alltoall": per pass, the whole sequence against itself.
 
     One each under a plain causal or full mask on the ring; more under documents and
@@ -66,8 +65,7 @@ def kernel_calls(layout: Layout, seq_len: int, rank: int, mask: Mask, strategy: 
     if strategy == "alltoall":
         everything = torch.arange(seq_len)
         return len(tiles_between(everything, everything, mask, seq_len))
-    per_source = [len(layout_tiles(layout, seq_len, rank, src, mask)) for src in range(layout.world_size)]
     if strategy == "ring":
-        return max(per_source)
-    in_order = tiles_between(layout.positions(seq_len, rank), torch.arange(seq_len), mask, seq_len)
-    return min(sum(per_source), len(in_order))
+        return max(len(layout_tiles(layout, seq_len, rank, src, mask)) for src in range(layout.world_size))
+    kind, tiles, _ = gathered_key_order(layout, seq_len, rank, mask)
+    return sum(len(t) for t in tiles) if kind == "by_rank" else len(tiles)

@@ -18,8 +18,8 @@ contiguous), they are put in global position order once, and a rank's queries at
 the whole sequence through the tiles between its positions and 0..T-1: the few large calls
 the unsplit computation would make (zigzag: two per query chunk), not one or two per
 shard. Where it does not (striped, whose rows each see a different prefix of the ordered
-keys), the tiles are taken against each rank's shard as it arrived. ``_key_order`` asks
-the block plan for both and keeps the one with fewer tiles.
+keys), the tiles are taken against each rank's shard as it arrived. ``blocks.gathered_key_order``
+asks the block plan for both and keeps the one with fewer tiles.
 
 Backward gathers K/V again, computes dQ and this rank's share of every position's dK/dV
 (fp32), puts that back in rank order and reduce-scatters it, so each rank receives the sum
@@ -33,13 +33,11 @@ one gather and one reduce-scatter backward.
 
 from __future__ import annotations
 
-import functools
-
 import torch
 from torch.autograd.function import once_differentiable
 
 from ctxpar import profile
-from ctxpar.blocks import layout_tiles, tiles_between
+from ctxpar.blocks import gathered_key_order
 from ctxpar.comm import PendingAllGather, PendingReduceScatter
 from ctxpar.layout import Layout
 from ctxpar.masks import Mask
@@ -54,25 +52,6 @@ def head_groups(kv_heads: int) -> list[slice]:
     """The KV heads in at most ``MAX_GATHERS`` equal groups, one gather each."""
     size = -(-kv_heads // MAX_GATHERS)
     return [slice(start, min(start + size, kv_heads)) for start in range(0, kv_heads, size)]
-
-
-@functools.lru_cache(maxsize=16)  # a mask with documents may change every batch
-def _key_order(layout: Layout, seq_len: int, rank: int, mask: Mask):
-    """How this rank attends to the gathered keys, whichever takes fewer kernel calls:
-
-    ("global", tiles, index): keys put in position order, tiles against 0..T-1;
-        ``index`` (T,): each position's arrival slot (source rank * S + local index).
-    ("by_rank", tiles_per_rank, None): keys left as they arrived, tiles against each shard.
-    """
-    world = layout.world_size
-    by_rank = tuple(layout_tiles(layout, seq_len, rank, src, mask) for src in range(world))
-    whole = tiles_between(layout.positions(seq_len, rank), torch.arange(seq_len), mask, seq_len)
-    if len(whole) >= sum(len(t) for t in by_rank):
-        return "by_rank", by_rank, None
-    arrival = torch.cat([layout.positions(seq_len, src) for src in range(world)])
-    index = torch.empty_like(arrival)
-    index[arrival] = torch.arange(seq_len)
-    return "global", whole, index
 
 
 def _arrange(gathered: torch.Tensor, order) -> torch.Tensor:
@@ -124,7 +103,7 @@ def _by_arrival(shares: torch.Tensor, order, world: int) -> torch.Tensor:
 class AllGatherAttention(torch.autograd.Function):
     @staticmethod
     def forward(ctx, q, k, v, sinks, layout: Layout, group, rank: int, mask: Mask, scale: float):
-        order = _key_order(layout, q.shape[2] * layout.world_size, rank, mask)
+        order = gathered_key_order(layout, q.shape[2] * layout.world_size, rank, mask)
         g = q.shape[1] // k.shape[1]  # query heads per KV head
         acc_out, acc_lse = output_accumulators(q)  # (B, H, S, D), (B, H, S)
         kv = torch.stack([k, v])  # (2, B, H_kv, S, D)
