@@ -1144,15 +1144,21 @@ def test_calibration_gives_three_rates_and_the_launch_overhead(monkeypatch) -> N
                                                                 message_bytes=2**24))
     monkeypatch.setattr(calibrate, "measure_memory_bandwidth", lambda: 1e10)
     monkeypatch.setattr(calibrate, "BLOCK", dict(batch=1, heads=2, kv_heads=1, head_dim=16, tokens=256))
-    probe = {s: dict(seconds=4e-3, predicted_seconds=1e-3, stages=4, step_overhead=(0.75e-3, 1.5e-3, 2.25e-3)[i])
+    probes = [dict(tokens_per_rank=8, bytes_per_stage=2**12, seconds=4e-3, predicted_seconds=1e-3, stages=4),
+              dict(tokens_per_rank=1024, bytes_per_stage=2**19, seconds=9e-3, predicted_seconds=5e-3, stages=4)]
+    probe = {s: dict(probes=probes, step_overhead=(0.75e-3, 1.5e-3, 2.25e-3)[i],
+                     step_overhead_per_byte=(1e-9, 2e-9, 3e-9)[i])
              for i, s in enumerate(calibrate.PROBE_STRATEGIES)}
     monkeypatch.setattr(calibrate, "measure_step_overheads",
-                        lambda hw: dict(tokens_per_rank=8, world=2, strategies=probe))
+                        lambda hw: dict(tokens_per_rank=[8, 1024], world=2, strategies=probe))
     c = calibrate.calibrate()
     hw = local_hardware(c)
     assert (hw.step_overhead, hw.step_overhead_for("allgather"), hw.step_overhead_for("alltoall"),
             hw.step_overhead_for("hybrid")) == (7.5e-4, 1.5e-3, 2.25e-3, 7.5e-4)
-    assert "alltoall 4.00 / 1.00 ms -> 2250 us" in calibrate.format_calibration(c)
+    assert [hw.step_overhead_per_byte(s) for s in ("ring", "allgather", "alltoall", "hybrid")] == \
+        [1e-9, 2e-9, 3e-9, 0.0]
+    assert "alltoall 8 tok 4.00 / 1.00 ms, 1024 tok 9.00 / 5.00 ms -> 2250 us + 3.00 ns/B sent" in \
+        calibrate.format_calibration(c)
     a = c["attention"]
     assert hw.forward_flops == a["forward_flops"] / a["forward_seconds"]
     assert hw.backward_flops == 2.5 * a["forward_flops"] / a["backward_seconds"]
@@ -1161,47 +1167,102 @@ def test_calibration_gives_three_rates_and_the_launch_overhead(monkeypatch) -> N
     assert "launch overhead" in calibrate.format_calibration(c)
     assert hw.attention_size_curve == ((256, 1.0, 1.0),) and hw.attention_size_scale(64) == (1.0, 1.0)
     old = {k: v for k, v in c.items() if k not in ("matmul_flops", "launch_overhead", "step_overhead",
-                                                   "strategy_step_overheads")}  # an older calibration
+                                                   "strategy_step_overheads", "strategy_step_byte_overheads")}
     assert (local_hardware(old).matmul_flops, local_hardware(old).launch_overhead) == (c["attention_flops"], 0.0)
-    assert local_hardware(old).step_overhead_for("alltoall") == 0.0
-    with pytest.raises(ValueError, match="calibration 'strategy_step_overheads' is"):
-        local_hardware(dict(c, strategy_step_overheads={"ring": -1.0}))
-    with pytest.raises(ValueError, match="calibration 'strategy_step_overheads' is"):
-        local_hardware(dict(c, strategy_step_overheads={"spiral": 1e-3}))
+    assert local_hardware(old).step_overhead_for("alltoall") == local_hardware(old).step_overhead_per_byte("ring") == 0
+    one_probe = dict(c, step=dict(tokens_per_rank=8, world=2, strategies={"ring": dict(
+        seconds=4e-3, predicted_seconds=1e-3, stages=4, step_overhead=7.5e-4)}))  # before per-byte overheads
+    assert "ring 4.00 / 1.00 ms -> 750 us" in calibrate.format_calibration(one_probe)
+    for key in ("strategy_step_overheads", "strategy_step_byte_overheads"):
+        for table in ({"ring": -1.0}, {"spiral": 1e-3}, [1e-3]):
+            with pytest.raises(ValueError, match=f"calibration '{key}' is"):
+                local_hardware(dict(c, **{key: table}))
     for key, value in (("step_overhead", None), ("launch_overhead", -1.0), ("latency", float("nan")),
                        ("memory_bandwidth", "fast")):
         with pytest.raises(ValueError, match=f"calibration '{key}' is .*, not a number >= 0"):
             local_hardware(dict(c, **{key: value}))
 
 
-def test_step_overheads_are_what_a_tiny_call_takes_beyond_the_pipeline() -> None:
-    """Two real ranks: each strategy's probe, and its overhead per stage closes the gap
-    between the pipeline without it and the measured call."""
+def test_step_overheads_are_what_probe_calls_take_beyond_the_pipeline() -> None:
+    """Two real ranks: each strategy's two probes, and the fixed and per-byte overheads
+    through them close the gap between the pipeline without them and both measured calls
+    (where neither is clamped at 0)."""
     hw = local_hardware(dict(attention_flops=5e10, bandwidth=1e9, latency=2e-4, launch_overhead=4e-5))
-    step = calibrate.measure_step_overheads(hw, repeats=3)
-    assert set(step["strategies"]) == set(calibrate.PROBE_STRATEGIES)
+    step = calibrate.measure_step_overheads(hw, sizes=(8, 64), repeats=3)
+    assert set(step["strategies"]) == set(calibrate.PROBE_STRATEGIES) and step["tokens_per_rank"] == [8, 64]
     for strategy, m in step["strategies"].items():
-        w = calibrate.step_probe_workload(8, strategy)
-        assert m["predicted_seconds"] == pytest.approx(cost.attention_time(w, hw).seconds)
-        assert m["seconds"] > 0 and m["step_overhead"] == pytest.approx(
-            max(0.0, (m["seconds"] - m["predicted_seconds"]) / m["stages"]))
-        with_it = replace(hw, strategy_step_overheads=((strategy, m["step_overhead"]),))
-        assert cost.attention_time(w, with_it).seconds == pytest.approx(max(m["seconds"], m["predicted_seconds"]))
+        with_it = replace(hw, strategy_step_overheads=((strategy, m["step_overhead"]),),
+                          strategy_step_byte_overheads=((strategy, m["step_overhead_per_byte"]),))
+        for p in m["probes"]:
+            w = calibrate.step_probe_workload(p["tokens_per_rank"], strategy)
+            assert p["bytes_per_stage"] == cost.layer_traffic(w).total / p["stages"] > 0
+            assert p["predicted_seconds"] == pytest.approx(cost.attention_time(w, hw).seconds)
+            assert p["seconds"] > 0 and p["residual_per_stage"] == pytest.approx(
+                (p["seconds"] - p["predicted_seconds"]) / p["stages"])
+            if m["step_overhead"] > 0 and m["step_overhead_per_byte"] > 0:
+                assert cost.attention_time(w, with_it).seconds == pytest.approx(p["seconds"])
+
+
+@pytest.mark.parametrize("residuals, fixed, per_byte", [
+    ((1e-3, 3e-3), 1e-3 - 2e-5, 2e-3 / 3e5),  # grows with the bytes: the line through both
+    ((3e-3, 1e-3), 3e-3, 0.0),  # shrinks (noise): no per-byte overhead, the tiny probe's as the fixed one
+    ((1e-5, 1e-2), 0.0, 9.99e-3 / 3e5),  # the line crosses 0 above 0 bytes: fixed 0
+])
+def test_step_overhead_fit_is_the_line_through_both_probes_clamped_at_zero(monkeypatch, residuals, fixed,
+                                                                           per_byte) -> None:
+    """The fit on synthetic probes: each strategy's measured seconds are its bare pipeline
+    plus ``residuals`` per stage at the two sizes."""
+    hw = local_hardware(dict(attention_flops=5e10, bandwidth=1e9))
+    stages = {s: 2 * cost.attention_time(calibrate.step_probe_workload(8, s), hw).forward.stages
+              for s in calibrate.PROBE_STRATEGIES}  # the probe's forward and backward have as many
+    monkeypatch.setattr(cost, "layer_traffic", lambda w: traffic.Traffic(
+        0, stages[w.strategy] * {8: 3e3, 1000: 3e3 + 3e5}[w.local_len]))  # 3e3 and 3e3 + 3e5 bytes per stage
+
+    def fake_run_local(fn, world, args, threads):
+        sizes, _ = args
+        out = {}
+        for tokens, residual in zip(sizes, residuals):
+            out[tokens] = {}
+            for s in calibrate.PROBE_STRATEGIES:
+                t = cost.attention_time(calibrate.step_probe_workload(tokens, s), hw)
+                out[tokens][s] = t.seconds + residual * (t.forward.stages + t.backward.stages)
+        return [out, out]
+
+    monkeypatch.setattr(calibrate, "run_local", fake_run_local)
+    for m in calibrate.measure_step_overheads(hw, sizes=(8, 1000))["strategies"].values():
+        assert (m["step_overhead"], m["step_overhead_per_byte"]) == (pytest.approx(fixed, abs=1e-15),
+                                                                     pytest.approx(per_byte, abs=1e-20))
 
 
 def test_time_sharing_slows_overheads_and_a_given_step_overhead_replaces_measured_ones() -> None:
     hw = replace(get_hardware("H100-SXM"), launch_overhead=1e-5, step_overhead=2e-5,
-                 strategy_step_overheads=(("alltoall", 3e-5),))
+                 strategy_step_overheads=(("alltoall", 3e-5),), strategy_step_byte_overheads=(("alltoall", 1e-12),))
     half = hw.with_compute_share(0.5)
     assert (half.launch_overhead, half.step_overhead, half.step_overhead_for("alltoall")) == (2e-5, 4e-5, 6e-5)
+    assert (half.step_overhead_per_byte("alltoall"), half.step_overhead_per_byte("ring")) == (2e-12, 0.0)
+    from ctxpar.plan.report import fixed_costs_words
+    assert fixed_costs_words(half, "alltoall").endswith("60 us + 0.002 ns per byte sent per alltoall step")
+    assert fixed_costs_words(half, "ring").endswith("40 us per ring step")
     assert half.forward_flops == hw.forward_flops / 2
     w = Workload(resolve_model("llama-3-8b"), batch=1, seq=1024, dtype="bfloat16", cp=4, strategy="alltoall")
-    assert cost.attention_time(w, hw).forward.overhead == pytest.approx(1e-5 + 3e-5)
+    sent = cost.layer_traffic(w)  # the all-to-all: one stage per pass
+    t = cost.attention_time(w, hw)
+    assert (t.forward.overhead, t.backward.overhead) == (pytest.approx(1e-5 + 3e-5 + sent.forward * 1e-12),
+                                                         pytest.approx(1e-5 + 3e-5 + sent.backward * 1e-12))
+    ring = cost.attention_time(w.with_(strategy="ring"), replace(hw, strategy_step_byte_overheads=(("ring", 1e-12),)))
+    hop = cost.layer_traffic(w.with_(strategy="ring")).forward / 4  # P = 4 stages, 3 hops' bytes over them
+    assert ring.forward.overhead == pytest.approx(1e-5 + 2e-5 + hop * 1e-12)
+    for method in ("pass-kv", "pass-q"):  # a prefill's ring steps pay it too
+        c = inference.partial_prefill_cost(method, model=LLAMA_8B, batch=1, cached=4096, new=1024, world=4, elem=2,
+                                           hw=replace(hw, strategy_step_byte_overheads=(("ring", 1e-12),)))
+        assert c.pipeline.overhead == pytest.approx(1e-5 + 2e-5 + c.bytes_sent / 4 * 1e-12) and c.bytes_sent > 0
     assert cost.attention_time(w.with_(strategy="ring"), hw).forward.overhead == pytest.approx(1e-5 + 2e-5)
     calibrated = dict(attention_flops=5e10, bandwidth=1e9, step_overhead=1e-3,
-                      strategy_step_overheads={"ring": 1e-3, "alltoall": 2e-3})
+                      strategy_step_overheads={"ring": 1e-3, "alltoall": 2e-3},
+                      strategy_step_byte_overheads={"ring": 1e-9, "alltoall": 2e-9})
     given = get_hardware("local", calibration=calibrated, step_overhead=5e-4)
     assert given.step_overhead_for("alltoall") == given.step_overhead_for("ring") == 5e-4
+    assert given.step_overhead_per_byte("alltoall") == 0.0
     assert "overridden: step_overhead" in given.source
 
 

@@ -19,12 +19,17 @@ for ``ctxpar plan --calibrate`` and ``--calibration``.
   16 tokens), whose arithmetic is negligible: what every kernel call costs whatever its
   size (dispatch, checks, allocation), the planner's ``launch_overhead``.
 - Step overheads: two local ranks run ``ctxpar.attention`` (zigzag, causal, the block's
-  heads) forward + backward on 8-token shards by ring, allgather and alltoall, median
-  wall seconds of the slower rank; what the planner's pipeline does not already account
-  for (compute, latency, launches) over the call's pipeline stages is that strategy's
-  step overhead (``step_overhead`` is the ring's): the Python of a step, its merges,
-  buffers and collectives' own costs, and a share of the call's checks (the consistency
-  all-gather, the layout), which small shards cannot hide.
+  heads) forward + backward on 8-token and on 1024-token shards by ring, allgather and
+  alltoall, the slower rank's best wall seconds of 12 (best, as the benchmarks time the
+  strategies: what a call takes without scheduling noise on top). What the planner's
+  pipeline does not already account for (compute, latency, launches), per pipeline
+  stage, is on the tiny shards that strategy's fixed step overhead (``step_overhead`` is
+  the ring's): the Python of a step and a share of the call's checks (the consistency
+  all-gather, the layout), which small shards cannot hide. Its growth to the larger
+  shards, per byte a stage sends, is the step overhead per byte: the serial work that
+  grows with what a stage moves (packing and unpacking buffers, the all-to-all's
+  re-layouts, gloo's all-gather, reduce-scatter and all-to-all, slower than the ring hop
+  the bandwidth is measured on).
 - Bandwidth: two local gloo ranks exchange a buffer over ``ctxpar.comm.RingComm`` (each
   sends and receives ``message_bytes`` at once, as a ring hop does); bytes per second per
   direction, best of ``repeats``, after the latency: the time of a 4-byte hop, which
@@ -39,7 +44,6 @@ import contextlib
 import json
 import os
 import platform
-import statistics
 import time
 from dataclasses import replace
 
@@ -149,26 +153,31 @@ def measure_launch_overhead(calls: int = 200, repeats: int = 5, threads: int = 1
 PROBE_STRATEGIES = CANDIDATES  # the strategies auto chooses among
 
 
-def _tiny_attention_rank(rank: int, world: int, tokens_per_rank: int, repeats: int) -> dict[str, float]:
-    """Per strategy, the median wall seconds of one attention forward + backward on
-    ``tokens_per_rank`` tokens (the strategies interleaved, so drift hits them alike)."""
+def _probe_rank(rank: int, world: int, sizes: tuple[int, ...], repeats: int) -> dict[int, dict[str, float]]:
+    """Per shard size (tokens per rank), per strategy, the best wall seconds of one
+    attention forward + backward (the sizes and strategies interleaved, so drift hits
+    them alike)."""
     import torch.distributed as dist
 
     from ctxpar.attention import attention
 
     b, h, h_kv, d = (BLOCK[k] for k in ("batch", "heads", "kv_heads", "head_dim"))
     gen = torch.Generator().manual_seed(rank)
-    q = torch.randn(b, h, tokens_per_rank, d, generator=gen, requires_grad=True)
-    k, v = (torch.randn(b, h_kv, tokens_per_rank, d, generator=gen, requires_grad=True) for _ in range(2))
-    times = {s: [] for s in PROBE_STRATEGIES}
+    inputs = {}
+    for tokens in sizes:
+        q = torch.randn(b, h, tokens, d, generator=gen, requires_grad=True)
+        k, v = (torch.randn(b, h_kv, tokens, d, generator=gen, requires_grad=True) for _ in range(2))
+        inputs[tokens] = (q, k, v)
+    times = {tokens: {s: [] for s in PROBE_STRATEGIES} for tokens in sizes}
     for i in range(repeats + 2):  # two untimed rounds connect the ranks and warm the allocator
-        for strategy in PROBE_STRATEGIES:
-            dist.barrier()
-            start = time.perf_counter()
-            attention(q, k, v, layout="zigzag", strategy=strategy).sum().backward()
-            if i >= 2:
-                times[strategy].append(time.perf_counter() - start)
-    return {s: statistics.median(t) for s, t in times.items()}
+        for tokens in sizes:
+            for strategy in PROBE_STRATEGIES:
+                dist.barrier()
+                start = time.perf_counter()
+                attention(*inputs[tokens], layout="zigzag", strategy=strategy).sum().backward()
+                if i >= 2:
+                    times[tokens][strategy].append(time.perf_counter() - start)
+    return {tokens: {s: min(t) for s, t in by_strategy.items()} for tokens, by_strategy in times.items()}
 
 
 def step_probe_workload(tokens_per_rank: int, strategy: str) -> Workload:
@@ -178,20 +187,34 @@ def step_probe_workload(tokens_per_rank: int, strategy: str) -> Workload:
                     strategy=strategy)
 
 
-def measure_step_overheads(hw: Hardware, tokens_per_rank: int = 8, repeats: int = 20) -> dict:
-    """Per strategy, the seconds per pipeline stage that a tiny attention call takes beyond
-    what ``hw`` (this machine without step overheads) predicts for it: (measured -
-    predicted) / stages, at least 0. Two ranks, one thread each."""
-    per_rank = run_local(_tiny_attention_rank, 2, (tokens_per_rank, repeats), threads=1)
-    bare = replace(hw, step_overhead=0.0, strategy_step_overheads=None)
+# tokens per rank of the step probes: a tiny shard (fixed costs), then a shard as large as
+# the benchmarks' middle ones (what grows with the bytes a stage sends)
+PROBE_TOKENS = (8, 1024)
+
+
+def measure_step_overheads(hw: Hardware, sizes: tuple[int, int] = PROBE_TOKENS, repeats: int = 12) -> dict:
+    """Per strategy, what an attention call takes beyond what ``hw`` (this machine without
+    step overheads) predicts for it, per pipeline stage, against the bytes it sends per
+    stage (``cost.layer_traffic`` over the stages): the line through the probes on a tiny
+    shard (``sizes[0]`` tokens per rank) and a larger one (``sizes[1]``), its value at 0
+    bytes the fixed step overhead and its slope the step overhead per byte sent, each at
+    least 0. Two ranks, one thread each, best of ``repeats``."""
+    per_rank = run_local(_probe_rank, 2, (sizes, repeats), threads=1)
+    bare = replace(hw, step_overhead=0.0, strategy_step_overheads=None, strategy_step_byte_overheads=None)
     out = {}
     for strategy in PROBE_STRATEGIES:
-        seconds = max(r[strategy] for r in per_rank)
-        predicted = cost.attention_time(step_probe_workload(tokens_per_rank, strategy), bare)
-        stages = predicted.forward.stages + predicted.backward.stages
-        out[strategy] = dict(seconds=seconds, predicted_seconds=predicted.seconds, stages=stages,
-                             step_overhead=max(0.0, (seconds - predicted.seconds) / stages))
-    return dict(tokens_per_rank=tokens_per_rank, world=2, strategies=out)
+        probes = []
+        for tokens in sizes:
+            w = step_probe_workload(tokens, strategy)
+            seconds, predicted = max(r[tokens][strategy] for r in per_rank), cost.attention_time(w, bare)
+            stages = predicted.forward.stages + predicted.backward.stages
+            probes.append(dict(tokens_per_rank=tokens, bytes_per_stage=cost.layer_traffic(w).total / stages,
+                               seconds=seconds, predicted_seconds=predicted.seconds, stages=stages,
+                               residual_per_stage=(seconds - predicted.seconds) / stages))
+        (x0, y0), (x1, y1) = ((p["bytes_per_stage"], p["residual_per_stage"]) for p in probes)
+        per_byte = max(0.0, (y1 - y0) / (x1 - x0))
+        out[strategy] = dict(probes=probes, step_overhead=max(0.0, y0 - per_byte * x0), step_overhead_per_byte=per_byte)
+    return dict(tokens_per_rank=list(sizes), world=2, strategies=out)
 
 
 def _exchange_rank(rank: int, world: int, sizes: tuple[int, ...], repeats: int) -> list[float]:
@@ -265,8 +288,10 @@ def calibrate() -> dict:
                     attention_size_curve=curve, attention_causal_size_curve=causal_curve,
                     attention=attention, matmul=matmul, link=link)
     step = measure_step_overheads(local_hardware(measured))
-    per_strategy = {s: m["step_overhead"] for s, m in step["strategies"].items()}
-    return dict(measured, step_overhead=per_strategy["ring"], strategy_step_overheads=per_strategy, step=step)
+    fixed = {s: m["step_overhead"] for s, m in step["strategies"].items()}
+    per_byte = {s: m["step_overhead_per_byte"] for s, m in step["strategies"].items()}
+    return dict(measured, step_overhead=fixed["ring"], strategy_step_overheads=fixed,
+                strategy_step_byte_overheads=per_byte, step=step)
 
 
 def check_calibration_flags(hardware: str, *, measure: bool, path: str | None) -> None:
@@ -325,13 +350,21 @@ def format_calibration(c: dict) -> str:
           if "matmul" in c else []),
         *([f"  one tiny attention kernel call: {c['launch_overhead'] * 1e6:.1f} us (launch overhead)"]
           if "launch_overhead" in c else []),
-        *([f"  attention forward + backward, 2 ranks x {c['step']['tokens_per_rank']} tokens, measured / predicted "
-           f"without step overhead -> per pipeline stage (step overhead): " + ", ".join(
-               f"{s} {m['seconds'] * 1e3:.2f} / {m['predicted_seconds'] * 1e3:.2f} ms -> "
-               f"{m['step_overhead'] * 1e6:.0f} us" for s, m in c["step"]["strategies"].items())]
+        *(["  attention forward + backward, 2 ranks, measured / predicted without step overheads, per "
+           "pipeline stage: " + "; ".join(_format_step(s, m) for s, m in c["step"]["strategies"].items())]
           if "step" in c else []),
         f"  gloo ring hop between 2 local ranks: {link['message_bytes'] / 2**20:.0f} MiB in "
         f"{link['seconds'] * 1e3:.2f} ms -> {c['bandwidth'] / 1e9:.3f} GB/s per direction; a 4-byte hop "
         f"{link.get('latency', 0) * 1e6:.0f} us (latency)",
         f"  memory copy, 1 thread: {c.get('memory_bandwidth', 0) / 1e9:.1f} GB/s read + write",
     ])
+
+
+def _format_step(strategy: str, m: dict) -> str:
+    """'ring 8 tok 4.00 / 1.00 ms, 1024 tok 9.00 / 5.00 ms -> 750 us + 1.20 ns/B sent' (older
+    calibrations: one probe, no per-byte part)."""
+    probes = m.get("probes") or [dict(m, tokens_per_rank=None)]
+    sizes = ", ".join(("" if p["tokens_per_rank"] is None else f"{p['tokens_per_rank']} tok ")
+                      + f"{p['seconds'] * 1e3:.2f} / {p['predicted_seconds'] * 1e3:.2f} ms" for p in probes)
+    per_byte = f" + {m['step_overhead_per_byte'] * 1e9:.2f} ns/B sent" if "step_overhead_per_byte" in m else ""
+    return f"{strategy} {sizes} -> {m['step_overhead'] * 1e6:.0f} us{per_byte}"

@@ -213,7 +213,8 @@ def _plan_parser(sub) -> None:
     hw.add_argument("--launch-overhead", metavar="SECONDS",
                     help="seconds every kernel call costs, e.g. 5us (default: 0 for presets, measured for local)")
     hw.add_argument("--step-overhead", metavar="SECONDS",
-                    help="seconds every ring step (pipeline stage) costs besides kernels and messages (default 0)")
+                    help="seconds every ring step (pipeline stage) costs besides kernels and messages (default 0 for "
+                         "presets; measured per strategy for local, fixed and per byte sent: this replaces both)")
     hw.add_argument("--fp8", action="store_true",
                     help="matmuls in fp8: the fp8 dense peak x the matmul efficiency (attention stays in --dtype)")
     serve = p.add_argument_group("inference (serving instead of a training step; --seq is the prompt length)")

@@ -37,8 +37,9 @@ backward (2.5x the forward's FLOPs) at ``backward_flops``, matmuls at ``matmul_f
 Fixed costs: every message a stage posts costs ``latency`` on top of its bytes (a ring
 hop one, the backward's K/V and dK/dV hops two, an all-gather or reduce-scatter one, the
 all-to-all two per pass); every stage pays one launch per kernel call of the busiest
-rank's block plan (``kernels_per_stage``) and one step overhead
-(``Hardware.step_overhead_for``: measured per strategy for ``local``), serially
+rank's block plan (``kernels_per_stage``) and one step overhead, fixed
+(``Hardware.step_overhead_for``) and per byte the stage sends (``step_overhead_per_byte``:
+the pass's bytes over its stages; both measured per strategy for ``local``), serially
 (``Pipeline.overhead``). So when shards get small, time stops falling as 1/P²: it
 approaches stages x (overhead + latency). TP collectives pay one
 latency each.
@@ -257,16 +258,21 @@ def attention_time(w: Workload, hw: Hardware) -> AttentionTime:
     """Forward and backward pipelines of one layer (see the module docstring)."""
     fwd_compute, bwd_compute = compute_seconds(w, hw, attention_forward_flops(w))
     kernels = kernels_per_stage(w) if hw.launch_overhead else 1  # counting walks the block plan: only if it costs
-    lat, overhead = hw.latency, stage_overhead(hw, w.strategy, kernels)
+    lat = hw.latency
     a2a, rest = _split(w)
+
+    def overhead(moved: float, stages: int) -> float:  # per stage of a pass that sends ``moved`` bytes
+        return stage_overhead(hw, w.strategy, kernels, moved / stages)
+
     bw = hw.bandwidth(w.tp * w.cp)
     a2a_bw = hw.bandwidth(w.tp * w.ulysses_degree)
     if w.strategy == "allgather":
         n = w.kv_heads_per_gpu  # one KV head gathered per stage
         gather, reduce = rest.forward / n / bw + lat, (rest.backward - rest.forward) / n / bw + lat
         return AttentionTime(
-            Pipeline(n, fwd_compute / n, gather, lead=gather, overhead=overhead),
-            Pipeline(n, bwd_compute / n, gather + reduce, lead=gather, tail=reduce, overhead=overhead), bw)
+            Pipeline(n, fwd_compute / n, gather, lead=gather, overhead=overhead(rest.forward, n)),
+            Pipeline(n, bwd_compute / n, gather + reduce, lead=gather, tail=reduce,
+                     overhead=overhead(rest.backward, n)), bw)
     r = w.ring_degree
     if ring_window_per_rank(w) is not None:  # the ring stops once the halo has arrived
         r = 1 + traffic.window_steps(local_len=w.local_len, world=w.cp, window=w.mask.window)
@@ -276,9 +282,10 @@ def attention_time(w: Workload, hw: Hardware) -> AttentionTime:
     dkv_hop = (rest.backward - rest.forward) / hops / bw + hop_latency
     a2a_latency = A2A_MESSAGES * lat if w.ulysses_degree > 1 else 0.0  # q/k/v there, outputs (or gradients) back
     return AttentionTime(
-        Pipeline(r, fwd_compute / r, kv_hop, lead=a2a.forward / a2a_bw + a2a_latency, overhead=overhead),
+        Pipeline(r, fwd_compute / r, kv_hop, lead=a2a.forward / a2a_bw + a2a_latency,
+                 overhead=overhead(a2a.forward + rest.forward, r)),
         Pipeline(r, bwd_compute / r, kv_hop + dkv_hop, lead=a2a.backward / a2a_bw + a2a_latency, tail=dkv_hop,
-                 overhead=overhead),
+                 overhead=overhead(a2a.backward + rest.backward, r)),
         bw if r > 1 else a2a_bw)
 
 
@@ -508,9 +515,10 @@ def _whole_row_calls(seq: int, mask: Mask) -> int:
     return kernel_calls(get_layout("contiguous", 1), seq, 0, mask, "alltoall")
 
 
-def stage_overhead(hw: Hardware, strategy: str, kernels: int = 1) -> float:
-    """What every pipeline stage pays serially: its ``kernels`` launches and the step overhead."""
-    return kernels * hw.launch_overhead + hw.step_overhead_for(strategy)
+def stage_overhead(hw: Hardware, strategy: str, kernels: int = 1, moved: float = 0.0) -> float:
+    """What every pipeline stage pays serially: its ``kernels`` launches and the step
+    overhead, fixed and per byte of the ``moved`` bytes the stage sends."""
+    return kernels * hw.launch_overhead + hw.step_overhead_for(strategy) + moved * hw.step_overhead_per_byte(strategy)
 
 
 def pipeline_schedule(w: Workload, hw: Hardware) -> PipelineSchedule | None:

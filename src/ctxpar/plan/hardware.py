@@ -60,6 +60,12 @@ class Hardware:
         strategy_step_overheads: ((strategy, seconds), ...): a step overhead measured for
             each listed strategy (``local``: each strategy's steps do different work);
             the others pay ``step_overhead``. None: ``step_overhead`` for all.
+        strategy_step_byte_overheads: ((strategy, seconds per byte), ...): what each of the
+            strategy's stages costs besides, serially, per byte it sends: the work that grows
+            with what a stage moves but is neither kernel nor overlapped link time (packing
+            and unpacking buffers, the all-to-all's re-layouts, collectives slower than the
+            one hop ``intra_node_bandwidth`` is measured on), measured for ``local``; None:
+            nothing for any.
         attention_size_curve: ((tokens, forward, backward), ...) ascending: the attention
             rates of a kernel over ``tokens`` queries and keys as fractions of the rates
             above (measured for ``local``: small tiles run below the large-tile rate);
@@ -86,6 +92,7 @@ class Hardware:
     launch_overhead: float = 0.0
     step_overhead: float = 0.0
     strategy_step_overheads: tuple[tuple[str, float], ...] | None = None
+    strategy_step_byte_overheads: tuple[tuple[str, float], ...] | None = None
     attention_size_curve: tuple[tuple[int, float, float], ...] | None = None
     attention_causal_size_curve: tuple[tuple[int, float, float], ...] | None = None
 
@@ -114,6 +121,11 @@ class Hardware:
         """Seconds per pipeline stage of ``strategy`` (``strategy_step_overheads``, else ``step_overhead``)."""
         return dict(self.strategy_step_overheads or ()).get(strategy, self.step_overhead)
 
+    def step_overhead_per_byte(self, strategy: str) -> float:
+        """Seconds per pipeline stage of ``strategy`` per byte the stage sends
+        (``strategy_step_byte_overheads``; 0 where not measured)."""
+        return dict(self.strategy_step_byte_overheads or ()).get(strategy, 0.0)
+
     def attention_size_scale(self, tokens: float, causal: bool = False) -> tuple[float, float]:
         """(forward, backward) rate fractions for a full (or ``causal``) kernel over ``tokens``:
         the size curve interpolated in log tokens, its end values beyond its ends; (1, 1)
@@ -139,8 +151,8 @@ class Hardware:
                        attention_backward_rate=scaled(self.attention_backward_rate),
                        matmul_rate=scaled(self.matmul_rate), launch_overhead=self.launch_overhead / share,
                        step_overhead=self.step_overhead / share,
-                       strategy_step_overheads=None if self.strategy_step_overheads is None else tuple(
-                           (name, seconds / share) for name, seconds in self.strategy_step_overheads))
+                       strategy_step_overheads=_over(self.strategy_step_overheads, share),
+                       strategy_step_byte_overheads=_over(self.strategy_step_byte_overheads, share))
 
     def bandwidth(self, group_size: int) -> float:
         """Bytes/s per GPU per direction for a collective over ``group_size`` consecutive GPUs.
@@ -239,10 +251,16 @@ def local_hardware(calibration: dict) -> Hardware:
                     matmul_rate=calibration.get("matmul_flops"),
                     launch_overhead=calibration.get("launch_overhead", 0.0),
                     step_overhead=calibration.get("step_overhead", 0.0),
-                    strategy_step_overheads=_strategy_overheads(calibration.get("strategy_step_overheads")),
+                    strategy_step_overheads=_strategy_overheads(calibration, "strategy_step_overheads"),
+                    strategy_step_byte_overheads=_strategy_overheads(calibration, "strategy_step_byte_overheads"),
                     attention_size_curve=_size_curve(calibration.get("attention_size_curve")),
                     attention_causal_size_curve=_size_curve(calibration.get("attention_causal_size_curve"),
                                                             "attention_causal_size_curve"))
+
+
+def _over(table: tuple[tuple[str, float], ...] | None, share: float) -> tuple[tuple[str, float], ...] | None:
+    """Every strategy's figure in ``table`` over ``share``."""
+    return None if table is None else tuple((name, seconds / share) for name, seconds in table)
 
 
 def _is_number(value, *, positive: bool = False) -> bool:
@@ -252,14 +270,15 @@ def _is_number(value, *, positive: bool = False) -> bool:
     return value > 0 if positive else value >= 0
 
 
-def _strategy_overheads(table) -> tuple[tuple[str, float], ...] | None:
-    """A calibration's {strategy: seconds}, checked: known strategies, finite seconds >= 0."""
+def _strategy_overheads(calibration: dict, key: str) -> tuple[tuple[str, float], ...] | None:
+    """A calibration's {strategy: seconds} under ``key``, checked: known strategies, finite seconds >= 0."""
+    table = calibration.get(key)
     if table is None:
         return None
     ok = isinstance(table, dict) and all(name in ("ring", "allgather", "alltoall", "hybrid") and _is_number(v)
                                          for name, v in table.items())
     if not ok:
-        raise ValueError(f"calibration 'strategy_step_overheads' is {str(table)[:80]}, not {{strategy: seconds}}; "
+        raise ValueError(f"calibration {key!r} is {str(table)[:80]}, not {{strategy: seconds}}; "
                          f"measure again with `ctxpar plan --hardware local --calibrate --json PATH`")
     return tuple(sorted((name, float(v)) for name, v in table.items()))
 
@@ -364,11 +383,11 @@ def get_hardware(
                    launch_overhead=launch_overhead, step_overhead=step_overhead)
     changes = {k: v for k, v in changes.items() if v is not None}
     if step_overhead is not None:  # one step overhead for every strategy, replacing measured ones
-        changes["strategy_step_overheads"] = None
+        changes.update(strategy_step_overheads=None, strategy_step_byte_overheads=None)
     if peak_flops is not None or efficiency is not None:  # one rate for every kernel, as before kernel rates
         changes.update(attention_forward_rate=None, attention_backward_rate=None, matmul_rate=None)
     if changes:
-        given = sorted(k for k in changes if not k.endswith("_rate") and k != "strategy_step_overheads")
+        given = sorted(k for k in changes if not k.endswith("_rate") and not k.startswith("strategy_"))
         hw = replace(hw, source=hw.source + "; overridden: " + ", ".join(given), **changes)
     if fp8:
         hw = replace(hw, fp8=True, source=hw.source + "; fp8 matmuls")

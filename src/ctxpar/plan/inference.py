@@ -85,7 +85,7 @@ def partial_prefill_cost(method: str, *, model: ModelConfig, batch: int, cached:
                                    head_dim=model.head_dim, world=world, elem=elem, acc=acc)
     flops = 4 * model.head_dim * batch * heads * busiest_partial_pairs(cached=cached, new=new, world=world)
     compute = flops / hw.forward_flops
-    overhead = cost.stage_overhead(hw, "ring")  # a ring of P steps, whichever way it passes
+    overhead = cost.stage_overhead(hw, "ring", moved=sent / world)  # a ring of P steps, whichever way it passes
     if world == 1:
         return PartialPrefillCost(method, 0, cost.Pipeline(1, compute, 0.0, overhead=overhead))
     bw, latency = hw.bandwidth(tp * world), hw.latency

@@ -251,9 +251,12 @@ def rates_words(hw: Hardware) -> str:
 
 
 def fixed_costs_words(hw: Hardware, strategy: str) -> str:
-    """'latency 20 us per message, launch 5 us per kernel, 0 per step' (the step overhead of ``strategy``)."""
+    """'latency 20 us per message, launch 5 us per kernel, 0 per step' (the step overhead of
+    ``strategy``, and its part per byte sent where measured)."""
+    per_byte = hw.step_overhead_per_byte(strategy)
+    moved = f" + {per_byte * 1e9:.3g} ns per byte sent" if per_byte else ""
     return (f"fixed costs: latency {format_seconds(hw.latency)} per message, {format_seconds(hw.launch_overhead)} "
-            f"per kernel launch, {format_seconds(hw.step_overhead_for(strategy))} per {strategy} step")
+            f"per kernel launch, {format_seconds(hw.step_overhead_for(strategy))}{moved} per {strategy} step")
 
 
 def _parallel_words(plan: Plan) -> str:
