@@ -93,6 +93,30 @@ def test_traffic_matches_the_strategies_doc_table() -> None:
             assert cost.layer_traffic(w).total == mib * MiB, (strategy, kv_heads)
 
 
+@pytest.mark.parametrize("kv_heads, tp, groups, group_heads", [(2, 1, 2, 1), (8, 1, 8, 1), (12, 1, 6, 2),
+                                                             (32, 1, 8, 4), (32, 2, 8, 2)])
+def test_allgather_plan_follows_the_strategys_head_groups(kv_heads: int, tp: int, groups: int,
+                                                          group_heads: int) -> None:
+    """strategies/allgather.py gathers the H_kv/t heads of a GPU in at most eight equal groups:
+    the planner's stages and the gathered buffer in its workspace are those groups."""
+    from ctxpar.plan.memory import attention_workspace
+    from ctxpar.strategies.allgather import head_groups
+    from ctxpar.strategy_rules import gather_group_heads, gather_groups
+
+    per_gpu = kv_heads // tp
+    assert (gather_groups(per_gpu), gather_group_heads(per_gpu)) == (groups, group_heads)
+    assert (len(head_groups(per_gpu)), head_groups(per_gpu)[0].stop) == (groups, group_heads)
+    w = Workload(attention_only(2 * kv_heads, kv_heads, 64), batch=1, seq=8192, dtype="bfloat16", cp=4,
+                 strategy="allgather", tp=tp)
+    t = cost.attention_time(w, get_hardware("H100-SXM"))
+    assert t.forward.stages == t.backward.stages == groups
+    sent = cost.layer_traffic(w)
+    assert t.forward.transfer == pytest.approx(sent.forward / groups / get_hardware("H100-SXM").bandwidth(4 * tp))
+    s, a, e, bhs = 2048, 4, 2, 2 * per_gpu * 2048  # S, fp32 accumulators, bf16, B·(H/t)·S
+    gathered = 4 * 2 * group_heads * s * 64  # P shards of K and V, one group's heads
+    assert attention_workspace(w) == max(bhs * 65 * a + 2 * gathered * e, bhs * 64 * a + 2 * gathered * (e + a))
+
+
 # -- work and time -----------------------------------------------------------------------------
 
 

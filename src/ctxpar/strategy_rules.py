@@ -16,6 +16,7 @@ from __future__ import annotations
 import math
 
 STRATEGY_NAMES = ("ring", "allgather", "alltoall", "hybrid")
+MAX_GATHERS = 8  # all-gather head groups per pass (why eight: strategies/allgather.py)
 AUTO = "auto"  # a call's strategy picked per call by ``ctxpar.auto`` among ring, allgather and alltoall
 
 
@@ -65,3 +66,14 @@ def check_heads(strategy: str, heads: int, kv_heads: int, ulysses: int) -> None:
 def kv_copies(kv_heads: int, ulysses: int) -> int:
     """f: copies of each KV head that make H_kv * f divisible by U (the fewest)."""
     return ulysses // math.gcd(kv_heads, ulysses)
+
+
+def gather_group_heads(kv_heads: int) -> int:
+    """KV heads the all-gather gathers at a time: the H_kv heads in at most ``MAX_GATHERS``
+    equal groups (the last may be smaller)."""
+    return -(-kv_heads // MAX_GATHERS)
+
+
+def gather_groups(kv_heads: int) -> int:
+    """The all-gather's head groups per pass: one gather each (and a reduce-scatter backward)."""
+    return -(-kv_heads // gather_group_heads(kv_heads))

@@ -24,7 +24,7 @@ current compute, the last stage's compute, then a tail transfer nobody can hide)
 
     ring       forward  P stages, K/V hop per stage;      backward adds the dK/dV hop, the last one exposed
                (window on contiguous: m + 1 stages, m = min(P-1, ceil((w-1)/S)) hops of the halo)
-    allgather  forward  H_kv stages (one KV head each), the first gather exposed;
+    allgather  forward  G stages (a head group each: min(H_kv, 8) groups), the first gather exposed;
                backward the re-gather and the reduce-scatter per head, the first gather and last reduce-scatter exposed
     alltoall   one stage: all-to-all traffic, then compute (nothing overlaps)
     hybrid     the all-to-all over U as a lead, then the ring over R groups
@@ -75,6 +75,7 @@ from ctxpar.plan.work import kernel_calls, pairs_per_rank
 from ctxpar.plan.hardware import BACKWARD_FLOPS_RATIO, Hardware
 from ctxpar.plan.workload import Workload
 from ctxpar.plan import traffic
+from ctxpar.strategy_rules import gather_groups
 
 A2A_MESSAGES = 2  # all-to-alls per pass (strategies/alltoall.py): q/k/v to heads, then the results back
 
@@ -267,7 +268,7 @@ def attention_time(w: Workload, hw: Hardware) -> AttentionTime:
     bw = hw.bandwidth(w.tp * w.cp)
     a2a_bw = hw.bandwidth(w.tp * w.ulysses_degree)
     if w.strategy == "allgather":
-        n = w.kv_heads_per_gpu  # one KV head gathered per stage
+        n = gather_groups(w.kv_heads_per_gpu)  # one head group gathered per stage
         gather, reduce = rest.forward / n / bw + lat, (rest.backward - rest.forward) / n / bw + lat
         return AttentionTime(
             Pipeline(n, fwd_compute / n, gather, lead=gather, overhead=overhead(rest.forward, n)),

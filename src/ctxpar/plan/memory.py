@@ -33,6 +33,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from ctxpar.plan.workload import Workload
+from ctxpar.strategy_rules import gather_group_heads
 
 
 @dataclass(frozen=True)
@@ -138,14 +139,14 @@ def layers_in_flight(w: Workload) -> int:
 def attention_workspace(w: Workload) -> int:
     """Transient extra bytes of one attention call (forward or backward, the larger).
 
-    The leading terms of docs/strategies.md's peak-memory table; all-gather gathers one
-    KV head per step (``kv_heads_per_step`` = 1, the default).
+    The leading terms of docs/strategies.md's peak-memory table; all-gather gathers a
+    head group per step (``strategy_rules.gather_group_heads``: one KV head up to H_kv = 8).
     """
     m, e, a, s = w.model, w.elem, w.acc, w.local_len
     heads = w.heads_per_gpu
     bhs = w.batch * heads * s  # B·H·S (H/t heads under TP)
     if w.strategy == "allgather":
-        gathered = w.cp * 2 * w.batch * 1 * s * m.head_dim
+        gathered = w.cp * 2 * w.batch * gather_group_heads(w.kv_heads_per_gpu) * s * m.head_dim
         fwd = bhs * (m.head_dim + 1) * a + 2 * gathered * e
         bwd = bhs * m.head_dim * a + 2 * gathered * e + 2 * gathered * a
         return max(fwd, bwd)

@@ -1,8 +1,9 @@
 """All-gather attention (Llama 3 style): every rank gathers all K/V and keeps its queries.
 
-K/V are gathered in groups of KV heads (at most eight), each group's gather posted before
-the previous group is computed, so transfers hide behind compute; only the first group's
-gather is exposed, and no more than two groups' K/V of the whole sequence are alive::
+K/V are gathered in groups of KV heads (at most eight, ``strategy_rules.MAX_GATHERS``),
+each group's gather posted before the previous group is computed, so transfers hide behind
+compute; only the first group's gather is exposed, and no more than two groups' K/V of the
+whole sequence are alive::
 
     KV heads, group 0:   gather ──wait──▶ compute (their query heads x all T keys)
     KV heads, group 1:          gather ─────────────wait──▶ compute
@@ -43,14 +44,12 @@ from ctxpar.layout import Layout
 from ctxpar.masks import Mask
 from ctxpar.strategies.blockwise import (backward_tiles, finish_forward, forward_tiles, gradient_accumulators,
                                          output_accumulators, sink_gradient)
+from ctxpar.strategy_rules import gather_group_heads
 from ctxpar.topology import Topology
 
-MAX_GATHERS = 8  # head groups per pass
-
-
 def head_groups(kv_heads: int) -> list[slice]:
-    """The KV heads in at most ``MAX_GATHERS`` equal groups, one gather each."""
-    size = -(-kv_heads // MAX_GATHERS)
+    """The KV heads in at most ``strategy_rules.MAX_GATHERS`` equal groups, one gather each."""
+    size = gather_group_heads(kv_heads)
     return [slice(start, min(start + size, kv_heads)) for start in range(0, kv_heads, size)]
 
 
