@@ -1180,7 +1180,7 @@ def test_calibration_gives_three_rates_and_the_launch_overhead(monkeypatch) -> N
     assert (hw.step_overhead, hw.step_overhead_for("allgather"), hw.step_overhead_for("alltoall"),
             hw.step_overhead_for("hybrid")) == (7.5e-4, 1.5e-3, 2.25e-3, 7.5e-4)
     assert [hw.step_overhead_per_byte(s) for s in ("ring", "allgather", "alltoall", "hybrid")] == \
-        [1e-9, 2e-9, 3e-9, 0.0]
+        [1e-9, 2e-9, 3e-9, 1e-9]  # the hybrid, not probed, at the ring's
     assert "alltoall 8 tok 4.00 / 1.00 ms, 1024 tok 9.00 / 5.00 ms -> 2250 us + 3.00 ns/B sent" in \
         calibrate.format_calibration(c)
     a = c["attention"]
@@ -1208,9 +1208,8 @@ def test_calibration_gives_three_rates_and_the_launch_overhead(monkeypatch) -> N
 
 
 def test_step_overheads_are_what_probe_calls_take_beyond_the_pipeline() -> None:
-    """Two real ranks: each strategy's two probes, and the fixed and per-byte overheads
-    through them close the gap between the pipeline without them and both measured calls
-    (where neither is clamped at 0)."""
+    """Two real ranks: each strategy's two probes, the overheads fitted through them, and
+    the pipeline with them: what it adds to each probe is the fitted line at its bytes."""
     hw = local_hardware(dict(attention_flops=5e10, bandwidth=1e9, latency=2e-4, launch_overhead=4e-5))
     step = calibrate.measure_step_overheads(hw, sizes=(8, 64), repeats=3)
     assert set(step["strategies"]) == set(calibrate.PROBE_STRATEGIES) and step["tokens_per_rank"] == [8, 64]
@@ -1223,14 +1222,18 @@ def test_step_overheads_are_what_probe_calls_take_beyond_the_pipeline() -> None:
             assert p["predicted_seconds"] == pytest.approx(cost.attention_time(w, hw).seconds)
             assert p["seconds"] > 0 and p["residual_per_stage"] == pytest.approx(
                 (p["seconds"] - p["predicted_seconds"]) / p["stages"])
-            if m["step_overhead"] > 0 and m["step_overhead_per_byte"] > 0:
-                assert cost.attention_time(w, with_it).seconds == pytest.approx(p["seconds"])
+            line = m["step_overhead"] + m["step_overhead_per_byte"] * p["bytes_per_stage"]
+            assert cost.attention_time(w, with_it).seconds == pytest.approx(p["predicted_seconds"] + p["stages"] * line)
+        small, large = ((p["bytes_per_stage"], p["residual_per_stage"]) for p in m["probes"])
+        assert (m["step_overhead"], m["step_overhead_per_byte"]) == tuple(
+            calibrate._fit_step_overhead(small, large).values())
 
 
 @pytest.mark.parametrize("residuals, fixed, per_byte", [
     ((1e-3, 3e-3), 1e-3 - 2e-5, 2e-3 / 3e5),  # grows with the bytes: the line through both
     ((3e-3, 1e-3), 3e-3, 0.0),  # shrinks (noise): no per-byte overhead, the tiny probe's as the fixed one
-    ((1e-5, 1e-2), 0.0, 9.99e-3 / 3e5),  # the line crosses 0 above 0 bytes: fixed 0
+    ((1e-5, 1e-2), 0.0, 1e-2 / (3e3 + 3e5)),  # the line crosses 0 above 0 bytes: through 0 and the larger probe
+    ((-1e-4, -2e-4), 0.0, 0.0),  # faster than predicted: nothing
 ])
 def test_step_overhead_fit_is_the_line_through_both_probes_clamped_at_zero(monkeypatch, residuals, fixed,
                                                                            per_byte) -> None:
@@ -1256,6 +1259,31 @@ def test_step_overhead_fit_is_the_line_through_both_probes_clamped_at_zero(monke
     for m in calibrate.measure_step_overheads(hw, sizes=(8, 1000))["strategies"].values():
         assert (m["step_overhead"], m["step_overhead_per_byte"]) == (pytest.approx(fixed, abs=1e-15),
                                                                      pytest.approx(per_byte, abs=1e-20))
+
+
+@pytest.mark.parametrize("strategy, layout, window", [
+    ("ring", "zigzag", None), ("allgather", "zigzag", None), ("alltoall", "zigzag", None), ("hybrid", "zigzag", None),
+    ("ring", "contiguous", 1000),  # the ring stops once the halo has arrived
+])
+def test_step_overhead_per_byte_charges_each_pass_its_own_bytes(strategy: str, layout: str, window: int | None) -> None:
+    """Over a pass's stages the per-byte overhead adds up to its bytes (forward, or the whole
+    backward) at the strategy's figure, the all-to-all's bytes at the all-to-all's (the
+    hybrid's ring at the ring's)."""
+    w = Workload(attention_only(8, 4, 64), batch=1, seq=8192, dtype="bfloat16", cp=4, strategy=strategy, layout=layout,
+                 window=window, ulysses=2 if strategy == "hybrid" else None)
+    rates = {"ring": 1e-9, "allgather": 2e-9, "alltoall": 3e-9}
+    hw = replace(get_hardware("H100-SXM"), strategy_step_byte_overheads=tuple(rates.items()))
+    bare, with_it = cost.attention_time(w, get_hardware("H100-SXM")), cost.attention_time(w, hw)
+    total = cost.layer_traffic(w)
+    a2a = traffic.alltoall(batch=1, local_len=2048, heads=8, kv_heads=4, head_dim=64, ulysses=2, elem=2, acc=4) \
+        if strategy == "hybrid" else total if strategy == "alltoall" else traffic.Traffic(0, 0)
+    own = rates.get(strategy, rates["ring"])
+    for p, q, part in ((bare.forward, with_it.forward, lambda t: t.forward),
+                       (bare.backward, with_it.backward, lambda t: t.backward)):
+        assert q.stages * (q.overhead - p.overhead) == pytest.approx(
+            own * (part(total) - part(a2a)) + rates["alltoall"] * part(a2a))
+    if window:
+        assert with_it.forward.stages < 4
 
 
 def test_time_sharing_slows_overheads_and_a_given_step_overhead_replaces_measured_ones() -> None:

@@ -197,8 +197,10 @@ def measure_step_overheads(hw: Hardware, sizes: tuple[int, int] = PROBE_TOKENS, 
     step overheads) predicts for it, per pipeline stage, against the bytes it sends per
     stage (``cost.layer_traffic`` over the stages): the line through the probes on a tiny
     shard (``sizes[0]`` tokens per rank) and a larger one (``sizes[1]``), its value at 0
-    bytes the fixed step overhead and its slope the step overhead per byte sent, each at
-    least 0. Two ranks, one thread each, best of ``repeats``."""
+    bytes the fixed step overhead and its slope the step overhead per byte sent. Neither
+    is negative: a falling line has no slope (the tiny probe's residual is the fixed
+    overhead), one crossing 0 above 0 bytes goes through 0 and the larger probe instead.
+    Two ranks, one thread each, best of ``repeats``."""
     per_rank = run_local(_probe_rank, 2, (sizes, repeats), threads=1)
     bare = replace(hw, step_overhead=0.0, strategy_step_overheads=None, strategy_step_byte_overheads=None)
     out = {}
@@ -211,10 +213,20 @@ def measure_step_overheads(hw: Hardware, sizes: tuple[int, int] = PROBE_TOKENS, 
             probes.append(dict(tokens_per_rank=tokens, bytes_per_stage=cost.layer_traffic(w).total / stages,
                                seconds=seconds, predicted_seconds=predicted.seconds, stages=stages,
                                residual_per_stage=(seconds - predicted.seconds) / stages))
-        (x0, y0), (x1, y1) = ((p["bytes_per_stage"], p["residual_per_stage"]) for p in probes)
-        per_byte = max(0.0, (y1 - y0) / (x1 - x0))
-        out[strategy] = dict(probes=probes, step_overhead=max(0.0, y0 - per_byte * x0), step_overhead_per_byte=per_byte)
+        out[strategy] = dict(probes=probes, **_fit_step_overhead(*((p["bytes_per_stage"], p["residual_per_stage"])
+                                                                   for p in probes)))
     return dict(tokens_per_rank=list(sizes), world=2, strategies=out)
+
+
+def _fit_step_overhead(small: tuple[float, float], large: tuple[float, float]) -> dict[str, float]:
+    """{step_overhead, step_overhead_per_byte} from two (bytes per stage, residual seconds
+    per stage) probes (``measure_step_overheads``)."""
+    (x0, y0), (x1, y1) = small, large
+    per_byte = max(0.0, (y1 - y0) / (x1 - x0))
+    fixed = y0 - per_byte * x0
+    if fixed < 0:  # through 0 and the larger probe
+        return dict(step_overhead=0.0, step_overhead_per_byte=max(0.0, y1 / x1))
+    return dict(step_overhead=fixed, step_overhead_per_byte=per_byte)
 
 
 def _exchange_rank(rank: int, world: int, sizes: tuple[int, ...], repeats: int) -> list[float]:

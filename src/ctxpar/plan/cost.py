@@ -162,7 +162,7 @@ class Pipeline:
 
     ``compute`` and ``transfer`` are per stage (a transfer includes its messages' latency);
     ``overhead`` is what every stage pays besides them and cannot overlap: its kernel
-    launches and the step's own cost (``Hardware.launch_overhead``, ``step_overhead``).
+    launches and the step's own cost, fixed and per byte sent (``stage_overhead``).
     """
 
     stages: int
@@ -262,8 +262,10 @@ def attention_time(w: Workload, hw: Hardware) -> AttentionTime:
     lat = hw.latency
     a2a, rest = _split(w)
 
-    def overhead(moved: float, stages: int) -> float:  # per stage of a pass that sends ``moved`` bytes
-        return stage_overhead(hw, w.strategy, kernels, moved / stages)
+    def overhead(stages: int, backward: bool) -> float:
+        """Per stage of the forward (or backward) pass, whose bytes are spread over its stages."""
+        own, shuffled = (rest.backward, a2a.backward) if backward else (rest.forward, a2a.forward)
+        return stage_overhead(hw, w.strategy, kernels, own / stages, shuffled / stages)
 
     bw = hw.bandwidth(w.tp * w.cp)
     a2a_bw = hw.bandwidth(w.tp * w.ulysses_degree)
@@ -271,9 +273,9 @@ def attention_time(w: Workload, hw: Hardware) -> AttentionTime:
         n = gather_groups(w.kv_heads_per_gpu)  # one head group gathered per stage
         gather, reduce = rest.forward / n / bw + lat, (rest.backward - rest.forward) / n / bw + lat
         return AttentionTime(
-            Pipeline(n, fwd_compute / n, gather, lead=gather, overhead=overhead(rest.forward, n)),
+            Pipeline(n, fwd_compute / n, gather, lead=gather, overhead=overhead(n, False)),
             Pipeline(n, bwd_compute / n, gather + reduce, lead=gather, tail=reduce,
-                     overhead=overhead(rest.backward, n)), bw)
+                     overhead=overhead(n, True)), bw)
     r = w.ring_degree
     if ring_window_per_rank(w) is not None:  # the ring stops once the halo has arrived
         r = 1 + traffic.window_steps(local_len=w.local_len, world=w.cp, window=w.mask.window)
@@ -284,9 +286,9 @@ def attention_time(w: Workload, hw: Hardware) -> AttentionTime:
     a2a_latency = A2A_MESSAGES * lat if w.ulysses_degree > 1 else 0.0  # q/k/v there, outputs (or gradients) back
     return AttentionTime(
         Pipeline(r, fwd_compute / r, kv_hop, lead=a2a.forward / a2a_bw + a2a_latency,
-                 overhead=overhead(a2a.forward + rest.forward, r)),
+                 overhead=overhead(r, False)),
         Pipeline(r, bwd_compute / r, kv_hop + dkv_hop, lead=a2a.backward / a2a_bw + a2a_latency, tail=dkv_hop,
-                 overhead=overhead(a2a.backward + rest.backward, r)),
+                 overhead=overhead(r, True)),
         bw if r > 1 else a2a_bw)
 
 
@@ -516,10 +518,13 @@ def _whole_row_calls(seq: int, mask: Mask) -> int:
     return kernel_calls(get_layout("contiguous", 1), seq, 0, mask, "alltoall")
 
 
-def stage_overhead(hw: Hardware, strategy: str, kernels: int = 1, moved: float = 0.0) -> float:
+def stage_overhead(hw: Hardware, strategy: str, kernels: int = 1, moved: float = 0.0, a2a_moved: float = 0.0) -> float:
     """What every pipeline stage pays serially: its ``kernels`` launches and the step
-    overhead, fixed and per byte of the ``moved`` bytes the stage sends."""
-    return kernels * hw.launch_overhead + hw.step_overhead_for(strategy) + moved * hw.step_overhead_per_byte(strategy)
+    overhead, fixed and per byte it sends: ``moved`` bytes by the strategy's own hops or
+    collectives, ``a2a_moved`` by all-to-all (the all-to-all's figure, also for the
+    hybrid's)."""
+    return (kernels * hw.launch_overhead + hw.step_overhead_for(strategy) + moved * hw.step_overhead_per_byte(strategy)
+            + a2a_moved * hw.step_overhead_per_byte("alltoall"))
 
 
 def pipeline_schedule(w: Workload, hw: Hardware) -> PipelineSchedule | None:

@@ -17,8 +17,9 @@ rates). ``--fp8`` runs matmuls at the fp8 dense peak times the
 matmul efficiency (matmul rate / peak); attention stays in the compute dtype.
 
 Fixed costs: ``latency`` per message, ``launch_overhead`` per kernel call,
-``step_overhead`` per pipeline stage; 0 in the presets unless given or measured (the H200's
-launch overhead), measured for ``local``.
+``step_overhead`` per pipeline stage (for ``local`` per strategy, and a part per byte the
+stage sends); 0 in the presets unless given or measured (the H200's launch overhead),
+measured for ``local``.
 
 ``local`` has no datasheet: its rates, latency and bandwidth come from ``ctxpar plan
 --calibrate`` (``ctxpar.calibrate``), measured here, and its memory is this machine's RAM.
@@ -123,8 +124,10 @@ class Hardware:
 
     def step_overhead_per_byte(self, strategy: str) -> float:
         """Seconds per pipeline stage of ``strategy`` per byte the stage sends
-        (``strategy_step_byte_overheads``; 0 where not measured)."""
-        return dict(self.strategy_step_byte_overheads or ()).get(strategy, 0.0)
+        (``strategy_step_byte_overheads``; a strategy not measured, the hybrid, pays the
+        ring's, as it does ``step_overhead``; 0 where nothing was measured)."""
+        table = dict(self.strategy_step_byte_overheads or ())
+        return table.get(strategy, table.get("ring", 0.0))
 
     def attention_size_scale(self, tokens: float, causal: bool = False) -> tuple[float, float]:
         """(forward, backward) rate fractions for a full (or ``causal``) kernel over ``tokens``:
@@ -218,9 +221,10 @@ def local_hardware(calibration: dict) -> Hardware:
 
     The peak is one CPU rank's (one thread) attention forward + backward FLOP/s, taken as
     achieved (efficiency 1); the attention forward and backward rates, the matmul rate and
-    the per-call launch and per-stage step overheads are their own measurements where the
-    calibration has them (older calibrations: the combined rate, no overheads). Each core counts as a "GPU" and
-    the loopback bandwidth joins them all, so intra- and inter-node links are the same.
+    the per-call launch and per-stage step overheads (fixed and per byte sent, per
+    strategy) are their own measurements where the calibration has them (older
+    calibrations: the combined rate, no overheads). Each core counts as a "GPU" and the
+    loopback bandwidth joins them all, so intra- and inter-node links are the same.
     """
     for key in ("attention_flops", "bandwidth"):
         if key not in calibration:
@@ -278,7 +282,8 @@ def _strategy_overheads(calibration: dict, key: str) -> tuple[tuple[str, float],
     ok = isinstance(table, dict) and all(name in ("ring", "allgather", "alltoall", "hybrid") and _is_number(v)
                                          for name, v in table.items())
     if not ok:
-        raise ValueError(f"calibration {key!r} is {str(table)[:80]}, not {{strategy: seconds}}; "
+        unit = "seconds per byte" if key == "strategy_step_byte_overheads" else "seconds"
+        raise ValueError(f"calibration {key!r} is {str(table)[:80]}, not {{strategy: {unit}}}; "
                          f"measure again with `ctxpar plan --hardware local --calibrate --json PATH`")
     return tuple(sorted((name, float(v)) for name, v in table.items()))
 

@@ -27,7 +27,7 @@ JSON (bytes exact, times in seconds):
 from __future__ import annotations
 
 from ctxpar.plan.inference import InferencePlan
-from ctxpar.plan.report import rates_words
+from ctxpar.plan.report import rates_words, step_overhead_words
 from ctxpar.plan.units import format_bandwidth, format_bytes, format_seconds, format_tokens
 
 PARTIAL_FORMULAS = {
@@ -111,7 +111,7 @@ def _header(plan: InferencePlan) -> list[str]:
         f"ffn={m.ffn} vocab={m.vocab} ({m.parameters:,} parameters)",
         f"hardware: {hw.name}: {rates_words(hw)}; {format_bytes(hw.hbm_bytes)} memory at {memory}; "
         f"links {links}; latency {latency}; launch {format_seconds(hw.launch_overhead)} per kernel, "
-        f"{format_seconds(hw.step_overhead_for(w.strategy))} per {w.strategy} step [{hw.source}]",
+        f"{step_overhead_words(hw, w.strategy)} [{hw.source}]",
         "units: MiB = 2^20 B, GiB = 2^30 B; bandwidth per GPU per direction, GB/s = 1e9 B/s",
     ]
 

@@ -251,12 +251,16 @@ def rates_words(hw: Hardware) -> str:
 
 
 def fixed_costs_words(hw: Hardware, strategy: str) -> str:
-    """'latency 20 us per message, launch 5 us per kernel, 0 per step' (the step overhead of
-    ``strategy``, and its part per byte sent where measured)."""
+    """'fixed costs: latency 20 us per message, 5 us per kernel launch, 0 per ring step'."""
+    return (f"fixed costs: latency {format_seconds(hw.latency)} per message, {format_seconds(hw.launch_overhead)} "
+            f"per kernel launch, {step_overhead_words(hw, strategy)}")
+
+
+def step_overhead_words(hw: Hardware, strategy: str) -> str:
+    """'1 ms + 2 ns per byte sent per alltoall step' (the part per byte where measured)."""
     per_byte = hw.step_overhead_per_byte(strategy)
     moved = f" + {per_byte * 1e9:.3g} ns per byte sent" if per_byte else ""
-    return (f"fixed costs: latency {format_seconds(hw.latency)} per message, {format_seconds(hw.launch_overhead)} "
-            f"per kernel launch, {format_seconds(hw.step_overhead_for(strategy))}{moved} per {strategy} step")
+    return f"{format_seconds(hw.step_overhead_for(strategy))}{moved} per {strategy} step"
 
 
 def _parallel_words(plan: Plan) -> str:
