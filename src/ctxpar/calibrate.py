@@ -289,7 +289,7 @@ def machine() -> str:
 
 
 def calibrate() -> dict:
-    """Every measurement (a few seconds); the dict ``hardware.local_hardware`` reads."""
+    """Every measurement (about 25 s on a 2-core CPU); the dict ``hardware.local_hardware`` reads."""
     attention = measure_attention()
     curve, causal_curve = measure_size_curve(), measure_size_curve(causal=True, reference=attention)
     matmul = measure_matmul()
