@@ -143,7 +143,7 @@ def demo_rank(rank: int, world: int, cfg: DemoConfig, device: torch.device | Non
     baseline = None
     if cfg.dtype != "float32":
         baseline = max_abs_errors(_to_cpu(torch_sdpa(*on_device, causal=cfg.causal, scale=scale)), ref)
-    rounded = rounded_partials_on(on_device[0].to(DTYPES[cfg.dtype]), world)
+    rounded = rounded_partials_on(on_device[0], world)  # q is in the demo dtype
     errors, tol = max_abs_errors(got, ref), tolerances(DTYPES[cfg.dtype], ref, baseline, rounded_partials=rounded)
     mean = lambda key: sum(s[key] for s in all_stats) / world  # noqa: E731
     return {
