@@ -1229,6 +1229,16 @@ def test_step_overheads_are_what_probe_calls_take_beyond_the_pipeline() -> None:
             calibrate._fit_step_overhead(small, large).values())
 
 
+@pytest.mark.parametrize("sizes, repeats", [((8, 8), 3), ((1024, 8), 3), ((8,), 3), ((0, 8), 3), ((8, 64), 0),
+                                            ((8.5, 64), 3)])
+def test_step_probes_refuse_sizes_no_line_goes_through(sizes, repeats) -> None:
+    """Before any rank starts: equal, descending, missing or empty sizes (the fit would divide
+    by zero or extrapolate backwards), no repeats."""
+    hw = local_hardware(dict(attention_flops=5e10, bandwidth=1e9))
+    with pytest.raises(ValueError, match="step probes need two shard sizes"):
+        calibrate.measure_step_overheads(hw, sizes=sizes, repeats=repeats)
+
+
 @pytest.mark.parametrize("residuals, fixed, per_byte", [
     ((1e-3, 3e-3), 1e-3 - 2e-5, 2e-3 / 3e5),  # grows with the bytes: the line through both
     ((3e-3, 1e-3), 3e-3, 0.0),  # shrinks (noise): no per-byte overhead, the tiny probe's as the fixed one

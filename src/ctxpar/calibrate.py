@@ -201,6 +201,10 @@ def measure_step_overheads(hw: Hardware, sizes: tuple[int, int] = PROBE_TOKENS, 
     is negative: a falling line has no slope (the tiny probe's residual is the fixed
     overhead), one crossing 0 above 0 bytes goes through 0 and the larger probe instead.
     Two ranks, one thread each, best of ``repeats``."""
+    if len(sizes) != 2 or not all(isinstance(t, int) and t > 0 for t in sizes) or sizes[0] >= sizes[1] \
+            or not (isinstance(repeats, int) and repeats >= 1):
+        raise ValueError(f"step probes need two shard sizes, tokens per rank, ascending, and repeats >= 1; "
+                         f"got sizes={sizes!r}, repeats={repeats!r}")
     per_rank = run_local(_probe_rank, 2, (sizes, repeats), threads=1)
     bare = replace(hw, step_overhead=0.0, strategy_step_overheads=None, strategy_step_byte_overheads=None)
     out = {}
