@@ -1198,7 +1198,7 @@ def test_calibration_gives_three_rates_and_the_launch_overhead(monkeypatch) -> N
         seconds=4e-3, predicted_seconds=1e-3, stages=4, step_overhead=7.5e-4)}))  # before per-byte overheads
     assert "ring 4.00 / 1.00 ms -> 750 us" in calibrate.format_calibration(one_probe)
     for key in ("strategy_step_overheads", "strategy_step_byte_overheads"):
-        for table in ({"ring": -1.0}, {"spiral": 1e-3}, [1e-3]):
+        for table in ({"ring": -1.0}, {"ring": float("nan")}, {"spiral": 1e-3}, [1e-3]):
             with pytest.raises(ValueError, match=f"calibration '{key}' is"):
                 local_hardware(dict(c, **{key: table}))
     for key, value in (("step_overhead", None), ("launch_overhead", -1.0), ("latency", float("nan")),
