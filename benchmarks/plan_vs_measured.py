@@ -11,8 +11,9 @@ ranks, one thread each; H=8, H_kv=2, D=64, float32, causal, zigzag) and compares
   counted bytes exactly;
 - attention CPU seconds (the demo's ``attn_seconds``: process CPU time in kernels and
   merges, forward + backward): 4·B·D·(pairs·heads of the rank) FLOPs forward and 2.5x
-  backward at the calibrated forward and backward rates, by kernel size and with the
-  diagonal tile at the causal rate (``cost.compute_seconds``). CPU time does not grow
+  backward at the calibrated forward and backward rates, each tile of the rank's block
+  plan at the size curve's rate for its keys (``cost.compute_seconds``; the rank's work
+  alone against the same prediction: ``rank_work.py``). CPU time does not grow
   when ranks time-share cores, so no oversubscription term;
 - wall seconds of the forward + backward: the planner's pipeline
   (``cost.attention_time``) with each rank's FLOP/s scaled by cores / P when P ranks
@@ -53,7 +54,7 @@ def predict(cfg: DemoConfig, calibration: dict) -> dict:
     share = min(1.0, (os.cpu_count() or 1) / cfg.nproc)  # of a core, per rank
     shared = hw.with_compute_share(share)
     return dict(bytes_sent=cost.layer_traffic(w).total,
-                attn_seconds=[sum(cost.compute_seconds(w, hw, f)) for f in cost.attention_forward_flops_per_rank(w)],
+                attn_seconds=[sum(cost.compute_seconds(w, hw, rank)) for rank in range(cfg.nproc)],
                 wall_seconds=cost.attention_time(w, shared).seconds)
 
 

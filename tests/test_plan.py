@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import itertools
 import json
 import os
 import re
@@ -1139,6 +1140,14 @@ def test_kernel_calls_per_stage_follow_the_block_plan(layout: str) -> None:
             full_length = [work.kernel_calls(lay, seq, rank, plain, s) for rank in range(cp) for s in STRATEGIES]
             stand_in = [work.kernel_calls(lay, short, rank, plain, s) for rank in range(cp) for s in STRATEGIES]
             assert stand_in == full_length, (layout, cp, causal)
+            for rank, strategy in itertools.product(range(cp), STRATEGIES):  # their sides in proportion to T,
+                scale = seq / short  # within one stand-in token (striped's shifted diagonals are S - 1 wide)
+                sides = [[(t.kind, t.q_stop - t.q_start, t.kv_stop - t.kv_start) for t in tiles]
+                         for tiles in work.stage_tiles(lay, seq, rank, plain, strategy)]
+                scaled = [[(t.kind, pytest.approx((t.q_stop - t.q_start) * scale, abs=scale),
+                            pytest.approx((t.kv_stop - t.kv_start) * scale, abs=scale)) for t in tiles]
+                          for tiles in work.stage_tiles(lay, short, rank, plain, strategy)]
+                assert sides == scaled, (layout, cp, causal, rank, strategy)
     # documents: the counts of the busiest rank's own tiles, taken from the block plan directly
     w = worked(strategy="ring", layout=layout, documents=(1000,) * 32 + (768,))  # several per shard
     pairs, lay, everything = cost.head_pairs(w), get_layout(layout, 4), torch.arange(w.seq)
@@ -1151,6 +1160,16 @@ def test_kernel_calls_per_stage_follow_the_block_plan(layout: str) -> None:
     assert cost.kernels_per_stage(w.with_(strategy="allgather")) == gathered
     assert cost.kernels_per_stage(w.with_(strategy="alltoall")) == len(tiles_between(everything, everything, w.mask,
                                                                                      w.seq))
+
+
+def test_a_plain_masks_block_plan_is_walked_once_for_every_length() -> None:
+    """The stand-in row does not depend on T, so neither does the walk: a sweep over lengths
+    (``ctxpar plan``'s) walks each rank's plan once (keyed on T, a 256-rank plan took 6 minutes)."""
+    cost._stage_tiles.cache_clear()
+    hw = get_hardware("H200")  # a launch overhead and size curves: both walk the plan
+    for seq in (2**15, 2**17, 2**20):
+        cost.attention_time(worked(seq=seq, cp=8), hw)
+    assert cost._stage_tiles.cache_info().misses == 8  # zigzag: every rank is among the busiest
 
 
 def test_fixed_costs_from_the_cli(tmp_path) -> None:
@@ -1189,7 +1208,9 @@ def test_calibration_gives_three_rates_and_the_launch_overhead(monkeypatch) -> N
     assert hw.matmul_flops == c["matmul_flops"] == 2 * 1024**3 / c["matmul"]["seconds"]
     assert 0 < hw.launch_overhead == c["launch_overhead"] < 1e-2
     assert "launch overhead" in calibrate.format_calibration(c)
-    assert hw.attention_size_curve == ((256, 1.0, 1.0),) and hw.attention_size_scale(64) == (1.0, 1.0)
+    # the curve: the sizes below the (here 256-token) block, then the block's own
+    assert [row[0] for row in hw.attention_size_curve] == [64, 128, 256] and hw.attention_size_curve[-1][1:] == (1, 1)
+    assert hw.attention_size_scale(8192) == (1.0, 1.0) and hw.attention_size_scale(32) == hw.attention_size_curve[0][1:]
     old = {k: v for k, v in c.items() if k not in ("matmul_flops", "launch_overhead", "step_overhead",
                                                    "strategy_step_overheads", "strategy_step_byte_overheads")}
     assert (local_hardware(old).matmul_flops, local_hardware(old).launch_overhead) == (c["attention_flops"], 0.0)
@@ -1347,18 +1368,40 @@ def test_small_kernels_run_at_the_size_curve_rate() -> None:
         local_hardware(dict(attention_flops=1e11, bandwidth=1e9, attention_size_curve=[[512, 1, 1], [256, 1, 1]]))
 
 
-def test_the_diagonal_tile_runs_at_the_causal_size_rate() -> None:
+def test_each_tile_runs_at_the_size_rate_for_its_keys() -> None:
+    """Zigzag on 4 ranks, S = 1024 (chunks of 512): rank r's ring steps are its causal S x S
+    diagonal, r tiles of S queries x S/2 keys (earlier ranks: only their first chunk is
+    visible) and 3 - r of S/2 queries x S keys. Each runs at its curve's fraction for its keys."""
     m = resolve_model("llama-3-8b")
-    w = Workload(m, batch=1, seq=4096, dtype="bfloat16", cp=4)  # zigzag, S = 1024
-    s = 1024
-    assert cost.diagonal_share(w) == pytest.approx(s * (s + 1) / 2 * m.heads / max(cost.head_pairs(w)))
-    assert cost.diagonal_share(w.with_(layout="striped")) == cost.diagonal_share(w.with_(strategy="alltoall")) == 1
-    assert cost.diagonal_share(w.with_(window=512)) == 0
+    w = Workload(m, batch=1, seq=4096, dtype="bfloat16", cp=4)
     flat = get_hardware("H100-SXM")
-    slow_diagonal = replace(flat, attention_causal_size_curve=((1024, 0.5, 0.5), (4096, 1.0, 1.0)))
-    share = cost.diagonal_share(w)
-    want = cost.attention_time(w, flat).forward.compute * (1 + share)  # the diagonal's share at half the rate
-    assert cost.attention_time(w, slow_diagonal).forward.compute == pytest.approx(want)
+    full_curve = ((512, 0.5, 0.4), (2048, 1.0, 1.0))  # 1024 keys: 0.75 / 0.7, halfway in log tokens
+    hw = replace(flat, attention_size_curve=full_curve, attention_causal_size_curve=((1024, 0.25, 0.2), (4096, 1, 1)))
+    s = 1024
+    diagonal, half = s * (s + 1) / 2, s * s / 2  # pairs per head
+
+    def expected(rank: int, f512: float, f1024: float, causal: float) -> float:
+        """Seconds over the flat hardware's for the same FLOPs."""
+        return (diagonal / causal + rank * half / f512 + (3 - rank) * half / f1024) / (diagonal + 3 * half)
+
+    for rank in range(4):
+        got, base = cost.compute_seconds(w, hw, rank), cost.compute_seconds(w, flat, rank)
+        assert got[0] == pytest.approx(base[0] * expected(rank, 0.5, 0.75, 0.25))
+        assert got[1] == pytest.approx(base[1] * expected(rank, 0.4, 0.7, 0.2))
+    assert cost.compute_seconds(w, hw) == cost.compute_seconds(w, hw, 3)  # the slowest of the tied ranks
+    forward = cost.attention_time(w, hw).forward  # its compute spread over its stages
+    assert forward.compute * forward.stages == pytest.approx(cost.compute_seconds(w, hw, 3)[0])
+    # striped: every tile a shifted diagonal over S keys; all-to-all: one causal kernel over all T
+    striped = w.with_(layout="striped")
+    slow = cost.compute_seconds(striped, flat)[0] / 0.25
+    assert cost.compute_seconds(striped, hw)[0] == pytest.approx(slow, rel=1e-3)
+    a2a = w.with_(strategy="alltoall")
+    assert cost.compute_seconds(a2a, hw) == pytest.approx(cost.compute_seconds(a2a, flat))
+    # 2 ranks: the all-gather attends by rank, the ring's tiles; under a window, one full kernel over S keys
+    two = w.with_(cp=2, seq=2048)
+    assert cost.compute_seconds(two.with_(strategy="allgather"), hw) == cost.compute_seconds(two, hw)
+    windowed = w.with_(window=512)
+    assert cost.compute_seconds(windowed, hw)[0] == pytest.approx(cost.compute_seconds(windowed, flat)[0] / 0.75)
 
 
 def test_published_cp_runs_within_a_quarter(tmp_path) -> None:

@@ -105,7 +105,7 @@ def measure_attention(repeats: int = 3, threads: int = 1, tokens: int | None = N
                 attention_flops=3.5 * flops / (fwd + bwd))
 
 
-CURVE_TOKENS = (256, 512, 1024, 2048)  # kernel sizes below the block's, where small tiles lose efficiency
+CURVE_TOKENS = (64, 128, 256, 512, 1024, 2048)  # kernel sizes below the block's, where small tiles lose efficiency
 
 
 def measure_size_curve(repeats: int = 3, causal: bool = False, reference: dict | None = None) -> list[list[float]]:
@@ -117,7 +117,8 @@ def measure_size_curve(repeats: int = 3, causal: bool = False, reference: dict |
     reference = reference or measure_attention(repeats=repeats, causal=causal)
     curve = []
     for tokens in (t for t in CURVE_TOKENS if t < reference["block"]["tokens"]):
-        m = measure_attention(repeats=repeats, tokens=tokens, causal=causal)
+        # small kernels take microseconds and time noisily: more repeats, at little cost
+        m = measure_attention(repeats=repeats * max(1, 1024 // tokens), tokens=tokens, causal=causal)
         curve.append([tokens, reference["forward_seconds"] / reference["forward_flops"] * m["forward_flops"]
                       / m["forward_seconds"], reference["backward_seconds"] / reference["forward_flops"]
                       * m["forward_flops"] / m["backward_seconds"]])

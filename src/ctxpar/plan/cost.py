@@ -66,12 +66,14 @@ sends to the neighbouring stages.
 
 from __future__ import annotations
 
+import collections
 import functools
 from dataclasses import dataclass, replace
 
+from ctxpar.blocks import MaskKind, Tile
 from ctxpar.layout import get_layout
 from ctxpar.masks import Mask
-from ctxpar.plan.work import kernel_calls, pairs_per_rank
+from ctxpar.plan.work import pairs_per_rank, stage_tiles
 from ctxpar.plan.hardware import BACKWARD_FLOPS_RATIO, Hardware
 from ctxpar.plan.workload import Workload
 from ctxpar.plan import traffic
@@ -223,41 +225,102 @@ def _split(w: Workload) -> tuple[traffic.Traffic, traffic.Traffic]:
 
 
 def kernel_tokens(w: Workload) -> int:
-    """The queries one kernel call takes, for the hardware's size curve: the rank's shard for
-    the ring and all-gather, the whole sequence for all-to-all (H/P heads of all T), the U
-    shards of its group for the hybrid."""
+    """The keys of a kernel call where the block plan is not walked for them
+    (``kernel_rate_fractions``): a ring step's shard, the U shards of a hybrid group's, the
+    whole sequence for all-to-all."""
     return w.local_len * w.ulysses_degree
 
 
-def diagonal_share(w: Workload) -> float:
-    """The share of the busiest rank's pairs in causal (diagonal) kernels, which run at the
-    causal size curve's rate: under a plain causal mask the rank's own S x S tile for the
-    ring and all-gather on contiguous and zigzag layouts, every tile on striped (each is a
-    shifted diagonal) and all of all-to-all's one kernel; 0 for the hybrid and under
-    documents or windows (their edges are cut into full and partial tiles)."""
-    m = w.mask
-    if not (m.causal and m.is_plain) or w.strategy == "hybrid":
-        return 0.0
-    if w.strategy == "alltoall" or w.layout == "striped":
-        return 1.0
-    s = w.local_len
-    return min(1.0, s * (s + 1) / 2 * w.heads_per_gpu / max(head_pairs(w)))
+def busiest_ranks(w: Workload) -> tuple[int, ...]:
+    """The ranks tied for the most pairs (zigzag: all of them); all-to-all's rank 0, whose
+    one kernel every rank runs alike."""
+    if w.strategy == "alltoall":
+        return (0,)
+    pairs = head_pairs(w)
+    return tuple(r for r, p in enumerate(pairs) if p == max(pairs))
 
 
-def compute_seconds(w: Workload, hw: Hardware, flops: float) -> tuple[float, float]:
-    """(forward, backward) kernel seconds of ``flops`` forward attention FLOPs of ``w`` (the
-    backward's 2.5x), at the forward and backward rates, full tiles at the full size
-    curve's fraction and the diagonal's share at the causal one's."""
-    tokens, diagonal = kernel_tokens(w), diagonal_share(w)
-    (full_f, full_b), (causal_f, causal_b) = (hw.attention_size_scale(tokens, causal) for causal in (False, True))
-    forward = flops * ((1 - diagonal) / full_f + diagonal / causal_f) / hw.forward_flops
-    backward = BACKWARD_FLOPS_RATIO * flops * ((1 - diagonal) / full_b + diagonal / causal_b) / hw.backward_flops
-    return forward, backward
+PLAIN_MASK_CHUNKS = 4  # a plain mask's block plan is walked on T = max(this, 2P) layout multiples
+
+
+def _plan_seq(w: Workload) -> int:
+    """The row a block plan is walked on. Under a plain mask a short stand-in: tile counts,
+    and tile sizes in proportion to T, do not depend on T once each layout chunk holds a
+    few tokens (tested); under documents or a window the row itself (about a second per
+    rank at 1M tokens on a CPU core: the block plan cuts rows in Python)."""
+    if not w.mask.is_plain:
+        return w.seq
+    return get_layout(w.layout, w.cp).multiple * max(PLAIN_MASK_CHUNKS, 2 * w.cp)
+
+
+@functools.lru_cache(maxsize=1024)  # one entry per rank, read by _most_calls and _tile_shapes, which keep counts
+def _stage_tiles(layout: str, seq: int, cp: int, mask: Mask, strategy: str, rank: int) -> tuple[tuple[Tile, ...], ...]:
+    if strategy == "alltoall":  # the whole row against itself: the same for every layout, degree and rank
+        layout, cp, rank = "contiguous", 1, 0
+    return stage_tiles(get_layout(layout, cp), seq, rank, mask, strategy)
+
+
+def kernels_per_stage(w: Workload) -> int:
+    """Kernel calls one pipeline stage makes (its forward, or its backward), the most over the
+    busiest ranks' block plans (``work.stage_tiles``): a ring step's tiles against one
+    shard, the all-gather's against all keys per head group, the all-to-all's over the
+    whole sequence. The hybrid's ring steps over its groups' unions of shards count one each."""
+    if w.strategy == "hybrid":
+        return 1
+    return _most_calls(w.layout, _plan_seq(w), w.cp, w.mask, w.strategy, busiest_ranks(w))
+
+
+@functools.lru_cache(maxsize=4096)
+def _most_calls(layout: str, seq: int, cp: int, mask: Mask, strategy: str, ranks: tuple[int, ...]) -> int:
+    return max(len(tiles) for rank in ranks for tiles in _stage_tiles(layout, seq, cp, mask, strategy, rank))
+
+
+@functools.lru_cache(maxsize=2**16)
+def _tile_shapes(layout: str, seq: int, cp: int, mask: Mask, strategy: str, rank: int
+                 ) -> tuple[tuple[MaskKind, int, int, int], ...]:
+    """(kind, queries, keys, how many) of ``rank``'s tiles over all its stages: a plain mask's
+    plan has a few shapes, however many ranks."""
+    shapes = collections.Counter((t.kind, t.q_stop - t.q_start, t.kv_stop - t.kv_start)
+                                 for tiles in _stage_tiles(layout, seq, cp, mask, strategy, rank) for t in tiles)
+    return tuple((kind, nq, nk, n) for (kind, nq, nk), n in shapes.items())
+
+
+def kernel_rate_fractions(w: Workload, hw: Hardware, rank: int) -> tuple[float, float]:
+    """(forward, backward): the fractions of the hardware's attention rates ``rank``'s kernels
+    run at. Each tile of its block plan runs at the size curve's value for its keys (on
+    this CPU the keys, not the queries, set a kernel's rate: docs/planner.md section 6),
+    the causal curve for causal tiles; the tiles' times add, so the fractions are their
+    pair-weighted harmonic mean. Under documents or a window and for the hybrid, one full
+    kernel over the rank's keys per step: the shard (U shards for the hybrid)."""
+    if not (hw.attention_size_curve or hw.attention_causal_size_curve):
+        return 1.0, 1.0
+    if w.strategy == "hybrid" or not w.mask.is_plain:
+        return hw.attention_size_scale(kernel_tokens(w))
+    seq = _plan_seq(w)
+    scale = w.seq / seq  # a stand-in tile's sides at T
+    pairs = forward = backward = 0.0
+    for kind, nq, nk, n in _tile_shapes(w.layout, seq, w.cp, w.mask, w.strategy, rank):
+        full = kind is MaskKind.FULL  # plain masks cut FULL and CAUSAL tiles only
+        weight = n * (nq * nk * scale**2 if full else nq * scale * (nq * scale + 1) / 2)
+        f, b = hw.attention_size_scale(nk * scale, not full)
+        pairs, forward, backward = pairs + weight, forward + weight / f, backward + weight / b
+    return (pairs / forward, pairs / backward) if pairs else (1.0, 1.0)
+
+
+def compute_seconds(w: Workload, hw: Hardware, rank: int | None = None) -> tuple[float, float]:
+    """(forward, backward) kernel seconds of one layer on ``rank`` (by default the slowest of
+    the busiest ranks): its forward FLOPs at the forward rate and the backward's 2.5x at
+    the backward rate, each at the fraction its kernels run at (``kernel_rate_fractions``)."""
+    if rank is None:
+        return max((compute_seconds(w, hw, r) for r in busiest_ranks(w)), key=sum)
+    flops = attention_forward_flops_per_rank(w)[rank]
+    forward, backward = kernel_rate_fractions(w, hw, rank)
+    return flops / (forward * hw.forward_flops), BACKWARD_FLOPS_RATIO * flops / (backward * hw.backward_flops)
 
 
 def attention_time(w: Workload, hw: Hardware) -> AttentionTime:
     """Forward and backward pipelines of one layer (see the module docstring)."""
-    fwd_compute, bwd_compute = compute_seconds(w, hw, attention_forward_flops(w))
+    fwd_compute, bwd_compute = compute_seconds(w, hw)
     kernels = kernels_per_stage(w) if hw.launch_overhead else 1  # counting walks the block plan: only if it costs
     lat = hw.latency
     a2a, rest = _split(w)
@@ -481,41 +544,6 @@ def matmul_passes(recompute: bool) -> int:
 def matmul_seconds(w: Workload, hw: Hardware, passes: int) -> float:
     """``passes`` forwards' worth of the matmuls on the rank's B·T/P tokens, 1/t of them per GPU."""
     return passes * matmul_flops_per_token(w) * w.batch * w.local_len / w.tp / hw.matmul_flops
-
-
-def kernels_per_stage(w: Workload) -> int:
-    """Kernel calls one pipeline stage makes (its forward, or its backward), from the block
-    plans of the busiest ranks (``work.kernel_calls``, the most over the ranks tied for the
-    most pairs): a ring step's tiles against one shard, the all-gather's against all keys
-    per head group, the all-to-all's over the whole sequence. The hybrid's ring steps over
-    its groups' unions of shards count one each."""
-    if w.strategy == "hybrid":
-        return 1
-    pairs = head_pairs(w)
-    busiest = (0,) if w.strategy == "alltoall" else tuple(r for r, p in enumerate(pairs) if p == max(pairs))
-    return _kernel_calls(w.layout, w.seq, w.cp, w.mask, w.strategy, busiest)
-
-
-PLAIN_MASK_CHUNKS = 4  # a plain mask's tile counts, counted at T = max(this, 2P) layout multiples
-
-
-@functools.lru_cache(maxsize=4096)
-def _kernel_calls(layout: str, seq: int, cp: int, mask: Mask, strategy: str, ranks: tuple[int, ...]) -> int:
-    """``work.kernel_calls``, the most over ``ranks``. Under a plain mask the counts do not
-    depend on T once each layout chunk holds a few tokens (tested), so a short row stands
-    in; under documents or a window the row itself is walked (about a second per rank at
-    1M tokens on a CPU core: the block plan cuts rows in Python)."""
-    lay = get_layout(layout, cp)
-    if mask.is_plain:
-        seq = lay.multiple * max(PLAIN_MASK_CHUNKS, 2 * cp)
-    if strategy == "alltoall":  # the whole row against itself: the same for every layout, degree and rank
-        return _whole_row_calls(seq, mask)
-    return max(kernel_calls(lay, seq, rank, mask, strategy) for rank in ranks)
-
-
-@functools.lru_cache(maxsize=64)
-def _whole_row_calls(seq: int, mask: Mask) -> int:
-    return kernel_calls(get_layout("contiguous", 1), seq, 0, mask, "alltoall")
 
 
 def stage_overhead(hw: Hardware, strategy: str, kernels: int = 1, moved: float = 0.0, a2a_moved: float = 0.0) -> float:

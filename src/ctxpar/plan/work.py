@@ -11,7 +11,7 @@ import functools
 
 import torch
 
-from ctxpar.blocks import gathered_key_order, layout_tiles, tiles_between
+from ctxpar.blocks import Tile, gathered_key_order, layout_tiles, tiles_between
 from ctxpar.layout import Layout
 from ctxpar.masks import Mask
 
@@ -51,21 +51,28 @@ def pairs_per_rank(layout: Layout, seq_len: int, mask: Mask, ulysses: int = 1) -
     return tuple(sum(own[r - r % ulysses:r - r % ulysses + ulysses]) for r in range(layout.world_size))
 
 
-def kernel_calls(layout: Layout, seq_len: int, rank: int, mask: Mask, strategy: str) -> int:
-    """Kernel calls of ``rank``'s block plans per pipeline stage of ``strategy`` (each
-    forward, and again each backward):
+def stage_tiles(layout: Layout, seq_len: int, rank: int, mask: Mask, strategy: str) -> tuple[tuple[Tile, ...], ...]:
+    """``rank``'s block plans, the tiles of each pipeline stage of ``strategy`` (each forward,
+    and again each backward):
 
-    - "ring": a step's, the most tiles against one rank's keys;
-    - "allgather": per head group, against all keys, in the order the strategy takes them
-      (``blocks.gathered_key_order``: arrival or position order, whichever has fewer tiles);
-    - "alltoall": per pass, the whole sequence against itself.
+    - "ring": one stage per step, the tiles against that rank's keys;
+    - "allgather": one head group's (every group's are the same), against all keys in the
+      order the strategy takes them (``blocks.gathered_key_order``: arrival or position
+      order, whichever has fewer tiles);
+    - "alltoall": one pass's, the whole sequence against itself.
+    """
+    if strategy == "alltoall":
+        everything = torch.arange(seq_len)
+        return (tiles_between(everything, everything, mask, seq_len),)
+    if strategy == "ring":
+        return tuple(layout_tiles(layout, seq_len, rank, src, mask) for src in range(layout.world_size))
+    kind, tiles, _ = gathered_key_order(layout, seq_len, rank, mask)
+    return (sum(tiles, ()),) if kind == "by_rank" else (tiles,)
+
+
+def kernel_calls(layout: Layout, seq_len: int, rank: int, mask: Mask, strategy: str) -> int:
+    """Kernel calls of ``rank``'s busiest pipeline stage of ``strategy`` (``stage_tiles``).
 
     One each under a plain causal or full mask on the ring; more under documents and
     windows, whose edges cut shards into several tiles."""
-    if strategy == "alltoall":
-        everything = torch.arange(seq_len)
-        return len(tiles_between(everything, everything, mask, seq_len))
-    if strategy == "ring":
-        return max(len(layout_tiles(layout, seq_len, rank, src, mask)) for src in range(layout.world_size))
-    kind, tiles, _ = gathered_key_order(layout, seq_len, rank, mask)
-    return sum(len(t) for t in tiles) if kind == "by_rank" else len(tiles)
+    return max(len(tiles) for tiles in stage_tiles(layout, seq_len, rank, mask, strategy))
