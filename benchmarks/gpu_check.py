@@ -328,23 +328,25 @@ def cudnn_candidates(device: torch.device) -> dict:
 
 
 def attention_rates(device: torch.device, dtype: torch.dtype, shape: dict, seq: int, causal: bool,
-                    repeat: int) -> dict:
-    """One unsplit attention forward and backward over ``seq`` tokens: seconds, and FLOP/s in
-    the planner's convention (visible pairs; the backward's FLOPs 2.5x the forward's)."""
+                    repeat: int, keys: int | None = None) -> dict:
+    """One unsplit attention forward and backward of ``seq`` queries over ``keys`` (default as
+    many) keys: seconds, and FLOP/s in the planner's convention (visible pairs; the
+    backward's FLOPs 2.5x the forward's)."""
     from ctxpar import kernels as k_
 
     h, hkv, d = shape["heads"], shape["kv_heads"], shape["head_dim"]
+    keys = keys or seq
     gen = torch.Generator(device=device).manual_seed(0)
     q, dout = (torch.randn(1, h, seq, d, device=device, dtype=dtype, generator=gen) for _ in range(2))
-    k, v = (torch.randn(1, hkv, seq, d, device=device, dtype=dtype, generator=gen) for _ in range(2))
+    k, v = (torch.randn(1, hkv, keys, d, device=device, dtype=dtype, generator=gen) for _ in range(2))
     scale = d**-0.5
     out, lse = k_.attention_forward(q, k, v, causal=causal, scale=scale)  # warm-up
     k_.attention_backward(dout, q, k, v, out, lse, causal=causal, scale=scale)
     forward = _timed(lambda: k_.attention_forward(q, k, v, causal=causal, scale=scale), device, repeat)
     backward = _timed(lambda: k_.attention_backward(dout, q, k, v, out, lse, causal=causal, scale=scale),
                       device, repeat)
-    flops = 4 * h * d * (seq * (seq + 1) // 2 if causal else seq * seq)
-    return dict(seq=seq, causal=causal, forward_seconds=forward, backward_seconds=backward,
+    flops = 4 * h * d * (seq * (seq + 1) // 2 if causal else seq * keys)
+    return dict(seq=seq, keys=keys, causal=causal, forward_seconds=forward, backward_seconds=backward,
                 forward_flops=flops / forward, backward_flops=BACKWARD_FLOPS_RATIO * flops / backward)
 
 
@@ -375,12 +377,23 @@ def calibration(device: torch.device, dtype: torch.dtype, shape: dict, sizes: tu
 
     launch = _timed(many, device, max(repeat, 3)) / calls
     largest = {c: max((r for r in attention if r["causal"] == c), key=lambda r: r["seq"]) for c in (True, False)}
+    # the planner runs a tile at the size curve's rate for its keys (docs/planner.md section 6,
+    # measured on CPU): half-key and half-query tiles of the two largest sizes, to check it here
+    rectangles = []
+    for seq in sizes[-2:]:
+        square = next(r for r in attention if (r["seq"], r["causal"]) == (seq, False))
+        for queries, keys in ((seq, seq // 2), (seq // 2, seq)):
+            r = attention_rates(device, dtype, shape, queries, False, repeat, keys)
+            rectangles.append(dict(queries=queries, keys=keys, forward_over_square=r["forward_flops"]
+                                   / square["forward_flops"], backward_over_square=r["backward_flops"]
+                                   / square["backward_flops"]))
     result = dict(shape=shape, dtype=str(dtype).removeprefix("torch."), attention=attention,
                   size_curve={("causal" if c else "full"): [[r["seq"], r["forward_flops"] / largest[c]["forward_flops"],
                                                               r["backward_flops"] / largest[c]["backward_flops"]]
                                                              for r in attention if r["causal"] == c]
                               for c in (True, False)},
-                  matmul_n=matmul_n, matmul_flops=matmul, memory_bandwidth=memory, launch_overhead=launch)
+                  rectangles=rectangles, matmul_n=matmul_n, matmul_flops=matmul, memory_bandwidth=memory,
+                  launch_overhead=launch)
     preset = hardware_for(device) if device.type == "cuda" else None  # the preset strategy="auto" uses here
     if preset is not None:
         measured = dict(attention_forward_rate=largest[True]["forward_flops"],
@@ -496,6 +509,8 @@ def format_report(r: dict) -> str:
             lines.append(f"  T={a['seq']:>6} {'causal' if a['causal'] else 'full  '} "
                          f"{a['forward_flops'] / 1e12:7.1f} / {a['backward_flops'] / 1e12:7.1f}   "
                          f"({a['forward_seconds'] * 1e3:.2f} + {a['backward_seconds'] * 1e3:.2f} ms)")
+        lines += [f"  full {t['queries']} queries x {t['keys']} keys over the square's rates: "
+                  f"{t['forward_over_square']:.2f} / {t['backward_over_square']:.2f}" for t in c["rectangles"]]
         lines.append(f"  matmul {c['matmul_n']}^3: {c['matmul_flops'] / 1e12:.1f} TFLOP/s; copy: "
                      f"{c['memory_bandwidth'] / 1e12:.2f} TB/s read + write; one tiny kernel call: "
                      f"{c['launch_overhead'] * 1e6:.1f} us")

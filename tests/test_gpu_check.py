@@ -27,6 +27,8 @@ def test_gpu_check_dry_run_writes_every_section(tmp_path) -> None:
                                                                    (512, False)]
     assert all(a["forward_flops"] > 0 and a["backward_flops"] > 0 for a in cal["attention"])
     assert cal["size_curve"]["causal"][-1][1:] == [1.0, 1.0] and cal["launch_overhead"] > 0
+    assert [(r["queries"], r["keys"]) for r in cal["rectangles"]] == [(256, 128), (128, 256), (512, 256), (256, 512)]
+    assert all(r["forward_over_square"] > 0 and r["backward_over_square"] > 0 for r in cal["rectangles"])
     assert [e["strategy"] for e in report["exactness"]] == ["ring", "allgather", "alltoall", "hybrid"]
     assert all(e["ok"] for e in report["exactness"])
     assert {(e["seq"], e["world"], e["layout"]) for e in report["efficiency"]} == {
