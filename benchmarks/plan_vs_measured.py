@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import statistics
 
 import torch
 
@@ -73,8 +74,8 @@ def repeated_demo(rank: int, world: int, cfgs: list[DemoConfig], runs: int) -> l
 
 
 def measure(cfgs: list[DemoConfig], repeat: int) -> list[list[dict]]:
-    """Per configuration (one P, any strategies), per rank: bytes, and the best attention and
-    wall seconds of ``repeat`` warm demo runs.
+    """Per configuration (one P, any strategies), per rank: bytes, the best attention and
+    wall seconds of ``repeat`` warm demo runs, and the wall seconds of each.
 
     The demo's own code (``run_demo`` runs ``demo_rank`` once on fresh local ranks), run
     1 + ``repeat`` rounds in one group of ranks, the configurations interleaved: the first
@@ -89,7 +90,8 @@ def measure(cfgs: list[DemoConfig], repeat: int) -> list[list[dict]]:
             raise RuntimeError(f"the demo's result does not match unsplit attention for {cfg}")
         runs = [report["ranks"] for report in reports[1:]]
         measured.append([dict(runs[0][r], **{key: min(run[r][key] for run in runs)
-                                            for key in ("attn_seconds", "wall_seconds")})
+                                            for key in ("attn_seconds", "wall_seconds")},
+                              wall_seconds_rounds=[run[r]["wall_seconds"] for run in runs])
                          for r in range(cfg.nproc)])
     return measured
 
@@ -109,16 +111,21 @@ def compare(cfg: DemoConfig, calibration: dict, ranks: list[dict]) -> dict:
         attn_seconds_per_rank=[r["attn_seconds"] for r in ranks],
         wall_seconds_predicted=want["wall_seconds"], wall_seconds_measured=measured_wall,
         wall_error=want["wall_seconds"] / measured_wall - 1,
+        wall_seconds_rounds=[mean(walls) for walls in zip(*(r["wall_seconds_rounds"] for r in ranks))],
     )
 
 
 def auto_verdicts(rows: list[dict], calibration: dict) -> list[dict]:
     """For each (P, T) measured with more than one strategy: ``strategy="auto"``'s choice on
     this machine's calibration (each rank's rate scaled by its share of the cores, as the
-    wall-time predictions are), the measured fastest, and auto's measured time over it."""
+    wall-time predictions are), the measured fastest, and auto's measured time over it:
+    best over best, and the median over rounds of the two strategies' times in the same
+    round (run side by side, so drift between rounds cancels: how far apart the two are
+    from round to round, where a best of a few can be one lucky run)."""
     out = []
     for (nproc, seq) in dict.fromkeys((r["nproc"], r["seq"]) for r in rows):
-        measured = {r["strategy"]: r["wall_seconds_measured"] for r in rows if (r["nproc"], r["seq"]) == (nproc, seq)}
+        case = {r["strategy"]: r for r in rows if (r["nproc"], r["seq"]) == (nproc, seq)}
+        measured = {strategy: r["wall_seconds_measured"] for strategy, r in case.items()}
         if len(measured) < 2:
             continue
         d = DemoConfig(nproc=nproc, seq=seq)
@@ -128,8 +135,13 @@ def auto_verdicts(rows: list[dict], calibration: dict) -> list[dict]:
         choice, why = auto.choose_for_shapes(d.batch, d.heads, d.kv_heads, d.head_dim, seq, nproc, d.dtype,
                                              d.layout, Mask(causal=d.causal), True, hw)
         fastest = min(measured, key=measured.get)
+        paired = None
+        if choice in measured:
+            paired = statistics.median(a / f for a, f in zip(case[choice]["wall_seconds_rounds"],
+                                                             case[fastest]["wall_seconds_rounds"]))
         out.append(dict(nproc=nproc, seq=seq, auto=choice, why=why, fastest=fastest, measured=measured,
-                        auto_over_fastest=measured[choice] / measured[fastest] if choice in measured else None))
+                        auto_over_fastest=measured[choice] / measured[fastest] if choice in measured else None,
+                        auto_over_fastest_per_round=paired))
     return out
 
 
@@ -160,11 +172,12 @@ def main() -> None:
     verdicts = auto_verdicts(rows, calibration)
     if verdicts:
         print("\nstrategy='auto' against the measured fastest (wall seconds, forward + backward, mean over ranks)")
-        print(f"{'P':>2} {'T':>6} {'auto':<10} {'fastest':<10} {'auto / fastest':>14}  measured")
+        print(f"{'P':>2} {'T':>6} {'auto':<10} {'fastest':<10} {'auto / fastest':>14} {'per round':>9}  measured")
         for v in verdicts:
-            ratio = "not measured" if v["auto_over_fastest"] is None else f"{v['auto_over_fastest']:.3f}"
+            ratio, paired = ("not measured" if v[key] is None else f"{v[key]:.3f}"
+                             for key in ("auto_over_fastest", "auto_over_fastest_per_round"))
             times = ", ".join(f"{k} {t:.3f}" for k, t in v["measured"].items())
-            print(f"{v['nproc']:>2} {v['seq']:>6} {v['auto']:<10} {v['fastest']:<10} {ratio:>14}  {times}")
+            print(f"{v['nproc']:>2} {v['seq']:>6} {v['auto']:<10} {v['fastest']:<10} {ratio:>14} {paired:>9}  {times}")
     if args.json:
         write_json(args.json, args, calibration=calibration, rows=rows, auto=verdicts)
 
