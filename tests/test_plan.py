@@ -1133,21 +1133,20 @@ def test_kernel_calls_per_stage_follow_the_block_plan(layout: str) -> None:
 
     for cp in (2, 3, 4, 8):
         lay = get_layout(layout, cp)
-        seq = lay.multiple * 64
-        for causal in (True, False):
+        seq = lay.multiple * 320
+        short = lay.multiple * max(cost.STAND_IN_MULTIPLES, 2 * cp)
+        for causal, rank, strategy in itertools.product((True, False), range(cp), STRATEGIES):
             plain = Mask(causal=causal)
-            short = lay.multiple * max(cost.PLAIN_MASK_CHUNKS, 2 * cp)
-            full_length = [work.kernel_calls(lay, seq, rank, plain, s) for rank in range(cp) for s in STRATEGIES]
-            stand_in = [work.kernel_calls(lay, short, rank, plain, s) for rank in range(cp) for s in STRATEGIES]
-            assert stand_in == full_length, (layout, cp, causal)
-            for rank, strategy in itertools.product(range(cp), STRATEGIES):  # their sides in proportion to T,
-                scale = seq / short  # within one stand-in token (striped's shifted diagonals are S - 1 wide)
-                sides = [[(t.kind, t.q_stop - t.q_start, t.kv_stop - t.kv_start) for t in tiles]
-                         for tiles in work.stage_tiles(lay, seq, rank, plain, strategy)]
-                scaled = [[(t.kind, pytest.approx((t.q_stop - t.q_start) * scale, abs=scale),
-                            pytest.approx((t.kv_stop - t.kv_start) * scale, abs=scale)) for t in tiles]
-                          for tiles in work.stage_tiles(lay, short, rank, plain, strategy)]
-                assert sides == scaled, (layout, cp, causal, rank, strategy)
+            full_length, stand_in = (work.stage_tiles(lay, t, rank, plain, strategy) for t in (seq, short))
+            # the same tiles per stage, their sides in proportion to T within one stand-in token, under 2%
+            # of them (striped's shifted diagonals are S - 1 wide)
+            scale = seq / short
+            sides = [[(t.kind, t.q_stop - t.q_start, t.kv_stop - t.kv_start) for t in tiles] for tiles in full_length]
+            scaled = [[(t.kind, pytest.approx((t.q_stop - t.q_start) * scale, abs=scale),
+                        pytest.approx((t.kv_stop - t.kv_start) * scale, abs=scale)) for t in tiles]
+                      for tiles in stand_in]
+            assert sides == scaled, (layout, cp, causal, rank, strategy)
+            assert all(t.kv_stop - t.kv_start >= 63 for tiles in stand_in for t in tiles)
     # documents: the counts of the busiest rank's own tiles, taken from the block plan directly
     w = worked(strategy="ring", layout=layout, documents=(1000,) * 32 + (768,))  # several per shard
     pairs, lay, everything = cost.head_pairs(w), get_layout(layout, 4), torch.arange(w.seq)
@@ -1165,11 +1164,11 @@ def test_kernel_calls_per_stage_follow_the_block_plan(layout: str) -> None:
 def test_a_plain_masks_block_plan_is_walked_once_for_every_length() -> None:
     """The stand-in row does not depend on T, so neither does the walk: a sweep over lengths
     (``ctxpar plan``'s) walks each rank's plan once (keyed on T, a 256-rank plan took 6 minutes)."""
-    cost._stage_tiles.cache_clear()
-    hw = get_hardware("H200")  # a launch overhead and size curves: both walk the plan
+    cost._rank_plan.cache_clear()
+    hw = get_hardware("H200")  # a launch overhead and size curves: both read the plan
     for seq in (2**15, 2**17, 2**20):
         cost.attention_time(worked(seq=seq, cp=8), hw)
-    assert cost._stage_tiles.cache_info().misses == 8  # zigzag: every rank is among the busiest
+    assert cost._rank_plan.cache_info().misses == 8  # zigzag: every rank is among the busiest
 
 
 def test_fixed_costs_from_the_cli(tmp_path) -> None:
@@ -1376,7 +1375,8 @@ def test_each_tile_runs_at_the_size_rate_for_its_keys() -> None:
     w = Workload(m, batch=1, seq=4096, dtype="bfloat16", cp=4)
     flat = get_hardware("H100-SXM")
     full_curve = ((512, 0.5, 0.4), (2048, 1.0, 1.0))  # 1024 keys: 0.75 / 0.7, halfway in log tokens
-    hw = replace(flat, attention_size_curve=full_curve, attention_causal_size_curve=((1024, 0.25, 0.2), (4096, 1, 1)))
+    hw = replace(flat, attention_size_curve=full_curve, attention_causal_size_curve=((1024, 0.25, 0.2), (4096, 1, 1)),
+                 size_curve_by_keys=True)
     s = 1024
     diagonal, half = s * (s + 1) / 2, s * s / 2  # pairs per head
 
@@ -1402,6 +1402,13 @@ def test_each_tile_runs_at_the_size_rate_for_its_keys() -> None:
     assert cost.compute_seconds(two.with_(strategy="allgather"), hw) == cost.compute_seconds(two, hw)
     windowed = w.with_(window=512)
     assert cost.compute_seconds(windowed, hw)[0] == pytest.approx(cost.compute_seconds(windowed, flat)[0] / 0.75)
+    # not measured by keys (the GPU presets): every tile at the shard's S = 1024, the diagonal on the causal curve
+    by_shard = replace(hw, size_curve_by_keys=False)
+    for rank in range(4):
+        got, base = cost.compute_seconds(w, by_shard, rank), cost.compute_seconds(w, flat, rank)
+        assert got[0] == pytest.approx(base[0] * expected(rank, 0.75, 0.75, 0.25))
+    assert local_hardware(dict(attention_flops=1e11, bandwidth=1e9)).size_curve_by_keys
+    assert not get_hardware("H200").size_curve_by_keys
 
 
 def test_published_cp_runs_within_a_quarter(tmp_path) -> None:

@@ -70,7 +70,7 @@ import collections
 import functools
 from dataclasses import dataclass, replace
 
-from ctxpar.blocks import MaskKind, Tile
+from ctxpar.blocks import MaskKind
 from ctxpar.layout import get_layout
 from ctxpar.masks import Mask
 from ctxpar.plan.work import pairs_per_rank, stage_tiles
@@ -240,24 +240,42 @@ def busiest_ranks(w: Workload) -> tuple[int, ...]:
     return tuple(r for r, p in enumerate(pairs) if p == max(pairs))
 
 
-PLAIN_MASK_CHUNKS = 4  # a plain mask's block plan is walked on T = max(this, 2P) layout multiples
+STAND_IN_MULTIPLES = 64  # layout multiples in a plain mask's stand-in row (at least 2P)
 
 
 def _plan_seq(w: Workload) -> int:
-    """The row a block plan is walked on. Under a plain mask a short stand-in: tile counts,
-    and tile sizes in proportion to T, do not depend on T once each layout chunk holds a
-    few tokens (tested); under documents or a window the row itself (about a second per
-    rank at 1M tokens on a CPU core: the block plan cuts rows in Python)."""
+    """The row a block plan is walked on. Under a plain mask a short stand-in: tile counts do
+    not depend on T once each layout chunk holds a few tokens, and tile sides grow in
+    proportion to T up to a constant (striped's shifted diagonals are S - 1 wide), which
+    chunks of 64 tokens or more make under 2% (tested); under documents or a window the
+    row itself (about a second per rank at 1M tokens on a CPU core: the block plan cuts
+    rows in Python)."""
     if not w.mask.is_plain:
         return w.seq
-    return get_layout(w.layout, w.cp).multiple * max(PLAIN_MASK_CHUNKS, 2 * w.cp)
+    return get_layout(w.layout, w.cp).multiple * max(STAND_IN_MULTIPLES, 2 * w.cp)
 
 
-@functools.lru_cache(maxsize=1024)  # one entry per rank, read by _most_calls and _tile_shapes, which keep counts
-def _stage_tiles(layout: str, seq: int, cp: int, mask: Mask, strategy: str, rank: int) -> tuple[tuple[Tile, ...], ...]:
+@dataclass(frozen=True)
+class RankPlan:
+    """What the cost model reads from one rank's block plans (``work.stage_tiles``)."""
+
+    most_calls: int  # kernel calls of its busiest pipeline stage
+    shapes: tuple[tuple[MaskKind, int, int, int], ...]  # (kind, queries, keys, how many) over all its stages
+
+
+@functools.lru_cache(maxsize=2**16)  # one small entry per rank, keyed on the walked row (not T under a plain mask)
+def _rank_plan(layout: str, seq: int, cp: int, mask: Mask, strategy: str, rank: int) -> RankPlan:
     if strategy == "alltoall":  # the whole row against itself: the same for every layout, degree and rank
         layout, cp, rank = "contiguous", 1, 0
-    return stage_tiles(get_layout(layout, cp), seq, rank, mask, strategy)
+    stages = stage_tiles(get_layout(layout, cp), seq, rank, mask, strategy)
+    shapes = collections.Counter((t.kind, t.q_stop - t.q_start, t.kv_stop - t.kv_start)
+                                 for tiles in stages for t in tiles)
+    return RankPlan(max(len(tiles) for tiles in stages),
+                    tuple((kind, nq, nk, n) for (kind, nq, nk), n in shapes.items()))
+
+
+def rank_plan(w: Workload, rank: int) -> RankPlan:
+    return _rank_plan(w.layout, _plan_seq(w), w.cp, w.mask, w.strategy, rank)
 
 
 def kernels_per_stage(w: Workload) -> int:
@@ -267,42 +285,27 @@ def kernels_per_stage(w: Workload) -> int:
     whole sequence. The hybrid's ring steps over its groups' unions of shards count one each."""
     if w.strategy == "hybrid":
         return 1
-    return _most_calls(w.layout, _plan_seq(w), w.cp, w.mask, w.strategy, busiest_ranks(w))
-
-
-@functools.lru_cache(maxsize=4096)
-def _most_calls(layout: str, seq: int, cp: int, mask: Mask, strategy: str, ranks: tuple[int, ...]) -> int:
-    return max(len(tiles) for rank in ranks for tiles in _stage_tiles(layout, seq, cp, mask, strategy, rank))
-
-
-@functools.lru_cache(maxsize=2**16)
-def _tile_shapes(layout: str, seq: int, cp: int, mask: Mask, strategy: str, rank: int
-                 ) -> tuple[tuple[MaskKind, int, int, int], ...]:
-    """(kind, queries, keys, how many) of ``rank``'s tiles over all its stages: a plain mask's
-    plan has a few shapes, however many ranks."""
-    shapes = collections.Counter((t.kind, t.q_stop - t.q_start, t.kv_stop - t.kv_start)
-                                 for tiles in _stage_tiles(layout, seq, cp, mask, strategy, rank) for t in tiles)
-    return tuple((kind, nq, nk, n) for (kind, nq, nk), n in shapes.items())
+    return max(rank_plan(w, rank).most_calls for rank in busiest_ranks(w))
 
 
 def kernel_rate_fractions(w: Workload, hw: Hardware, rank: int) -> tuple[float, float]:
     """(forward, backward): the fractions of the hardware's attention rates ``rank``'s kernels
-    run at. Each tile of its block plan runs at the size curve's value for its keys (on
-    this CPU the keys, not the queries, set a kernel's rate: docs/planner.md section 6),
-    the causal curve for causal tiles; the tiles' times add, so the fractions are their
+    run at. Each tile of its block plan runs at a size curve's value, the causal curve's
+    for causal tiles, the full curve's for the rest, looked up at the tile's keys where
+    ``hw.size_curve_by_keys`` (measured so for ``local``'s kernels: docs/planner.md section
+    6), else at the rank's shard; the tiles' times add, so the fractions are their
     pair-weighted harmonic mean. Under documents or a window and for the hybrid, one full
-    kernel over the rank's keys per step: the shard (U shards for the hybrid)."""
+    kernel over the rank's keys per step (``kernel_tokens``)."""
     if not (hw.attention_size_curve or hw.attention_causal_size_curve):
         return 1.0, 1.0
     if w.strategy == "hybrid" or not w.mask.is_plain:
         return hw.attention_size_scale(kernel_tokens(w))
-    seq = _plan_seq(w)
-    scale = w.seq / seq  # a stand-in tile's sides at T
+    scale = w.seq / _plan_seq(w)  # a stand-in tile's sides at T
     pairs = forward = backward = 0.0
-    for kind, nq, nk, n in _tile_shapes(w.layout, seq, w.cp, w.mask, w.strategy, rank):
+    for kind, nq, nk, n in rank_plan(w, rank).shapes:
         full = kind is MaskKind.FULL  # plain masks cut FULL and CAUSAL tiles only
         weight = n * (nq * nk * scale**2 if full else nq * scale * (nq * scale + 1) / 2)
-        f, b = hw.attention_size_scale(nk * scale, not full)
+        f, b = hw.attention_size_scale(nk * scale if hw.size_curve_by_keys else kernel_tokens(w), not full)
         pairs, forward, backward = pairs + weight, forward + weight / f, backward + weight / b
     return (pairs / forward, pairs / backward) if pairs else (1.0, 1.0)
 

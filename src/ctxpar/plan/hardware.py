@@ -68,11 +68,14 @@ class Hardware:
             one hop ``intra_node_bandwidth`` is measured on), measured for ``local``; None:
             nothing for any.
         attention_size_curve: ((tokens, forward, backward), ...) ascending: the attention
-            rates of a kernel over ``tokens`` queries and keys as fractions of the rates
-            above (measured for ``local``: small tiles run below the large-tile rate);
-            None: every size at the full rate. These are full (unmasked) kernels'.
+            rates of a square full (unmasked) kernel over ``tokens`` queries and keys as
+            fractions of the rates above (small tiles run below the large-tile rate);
+            None: every size at the full rate.
         attention_causal_size_curve: the same for causal kernels, whose tiles on the
-            diagonal are computed whole: what a stage's diagonal tile runs at.
+            diagonal are computed whole: what the plan's causal tiles run at.
+        size_curve_by_keys: the curves are looked up at a tile's keys (measured so for
+            ``local``'s CPU kernels, docs/planner.md section 6); else at the rank's shard,
+            for every tile of its plan (the GPU presets, until measured there).
     """
 
     name: str
@@ -96,6 +99,7 @@ class Hardware:
     strategy_step_byte_overheads: tuple[tuple[str, float], ...] | None = None
     attention_size_curve: tuple[tuple[int, float, float], ...] | None = None
     attention_causal_size_curve: tuple[tuple[int, float, float], ...] | None = None
+    size_curve_by_keys: bool = False
 
     @property
     def flops(self) -> float:
@@ -259,7 +263,8 @@ def local_hardware(calibration: dict) -> Hardware:
                     strategy_step_byte_overheads=_strategy_overheads(calibration, "strategy_step_byte_overheads"),
                     attention_size_curve=_size_curve(calibration.get("attention_size_curve")),
                     attention_causal_size_curve=_size_curve(calibration.get("attention_causal_size_curve"),
-                                                            "attention_causal_size_curve"))
+                                                            "attention_causal_size_curve"),
+                    size_curve_by_keys=True)
 
 
 def _over(table: tuple[tuple[str, float], ...] | None, share: float) -> tuple[tuple[str, float], ...] | None:

@@ -68,11 +68,3 @@ def stage_tiles(layout: Layout, seq_len: int, rank: int, mask: Mask, strategy: s
         return tuple(layout_tiles(layout, seq_len, rank, src, mask) for src in range(layout.world_size))
     kind, tiles, _ = gathered_key_order(layout, seq_len, rank, mask)
     return (sum(tiles, ()),) if kind == "by_rank" else (tiles,)
-
-
-def kernel_calls(layout: Layout, seq_len: int, rank: int, mask: Mask, strategy: str) -> int:
-    """Kernel calls of ``rank``'s busiest pipeline stage of ``strategy`` (``stage_tiles``).
-
-    One each under a plain causal or full mask on the ring; more under documents and
-    windows, whose edges cut shards into several tiles."""
-    return max(len(tiles) for tiles in stage_tiles(layout, seq_len, rank, mask, strategy))
