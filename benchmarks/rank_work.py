@@ -35,6 +35,8 @@ from ctxpar.strategies.blockwise import backward_tiles, forward_tiles, gradient_
 from ctxpar.strategies.ring import ring_schedule
 from report import write_json
 
+TIMED = ("ring", "allgather")  # the strategies whose per-rank compute this times
+
 
 def _best_cpu_seconds(run, prepare, repeat: int) -> float:
     """Best process CPU seconds of ``run(*prepare())``: what ``prepare`` makes (the buffers the
@@ -90,7 +92,7 @@ def rank_compute(cfg: DemoConfig, rank: int, repeat: int) -> tuple[float, float]
                 _by_arrival(_attend_backward(dout[:, qh], q[:, qh], keys, out[:, qh], lse[:, qh], order, scale,
                                              dq[:, qh]), order, world)
     else:
-        raise ValueError(f"rank_work times the ring and the all-gather, not {cfg.strategy!r}")
+        raise ValueError(f"rank_work times {' and '.join(TIMED)}, not {cfg.strategy!r}")
     out, lse = output_accumulators(q)
     forward(out, lse)  # warm-up, and the (out, lse) the backward reads
     backward(*gradients())
@@ -108,22 +110,25 @@ def main() -> None:
     p.add_argument("--json", metavar="PATH")
     args = p.parse_args()
 
+    cfgs = [DemoConfig(nproc=int(nproc), seq=int(seq), strategy=strategy) for nproc in args.nprocs.split(",")
+            for seq in args.seqs.split(",") for strategy in args.strategies.split(",")]
+    for cfg in cfgs:  # every case refused before the half-minute calibration, not after it
+        cfg.validate(cfg.nproc)
+        if cfg.strategy not in TIMED:
+            p.error(f"rank_work times {' and '.join(TIMED)}, not {cfg.strategy!r}")
     torch.set_num_threads(1)
     calibration = load_calibration(args.calibration) if args.calibration else calibrate()
     hw = local_hardware(calibration)
     rows = []
-    for nproc in (int(x) for x in args.nprocs.split(",")):
-        for seq in (int(x) for x in args.seqs.split(",")):
-            for strategy in args.strategies.split(","):
-                cfg = DemoConfig(nproc=nproc, seq=seq, strategy=strategy)
-                cfg.validate(nproc)
-                w = Workload(attention_only(cfg.heads, cfg.kv_heads, cfg.head_dim), batch=cfg.batch, seq=seq,
-                             dtype=cfg.dtype, cp=nproc, strategy=strategy, layout=cfg.layout, causal=cfg.causal)
-                for rank in range(nproc):
-                    timed, planned = rank_compute(cfg, rank, args.repeat), cost.compute_seconds(w, hw, rank)
-                    rows.append(dict(nproc=nproc, seq=seq, strategy=strategy, rank=rank, tokens_per_rank=seq // nproc,
-                                     forward_timed=timed[0], backward_timed=timed[1], forward_planned=planned[0],
-                                     backward_planned=planned[1], error=sum(planned) / sum(timed) - 1))
+    for cfg in cfgs:
+        w = Workload(attention_only(cfg.heads, cfg.kv_heads, cfg.head_dim), batch=cfg.batch, seq=cfg.seq,
+                     dtype=cfg.dtype, cp=cfg.nproc, strategy=cfg.strategy, layout=cfg.layout, causal=cfg.causal)
+        for rank in range(cfg.nproc):
+            timed, planned = rank_compute(cfg, rank, args.repeat), cost.compute_seconds(w, hw, rank)
+            rows.append(dict(nproc=cfg.nproc, seq=cfg.seq, strategy=cfg.strategy, rank=rank,
+                             tokens_per_rank=cfg.seq // cfg.nproc, forward_timed=timed[0], backward_timed=timed[1],
+                             forward_planned=planned[0], backward_planned=planned[1],
+                             error=sum(planned) / sum(timed) - 1))
     print(f"{'P':>2} {'T':>5} {'strategy':<10} {'rank':>4} {'fwd ms':>7} {'plan':>7} {'bwd ms':>7} {'plan':>7} "
           f"{'error':>7}")
     for r in rows:
