@@ -32,7 +32,9 @@ current compute, the last stage's compute, then a tail transfer nobody can hide)
 Per-stage compute is the rank's pairs spread evenly over its stages: exact for zigzag
 (every block holds S²/2 pairs), close for striped, optimistic for contiguous, where
 ranks idle on hidden blocks. Rates: the forward at ``Hardware.forward_flops``, the
-backward (2.5x the forward's FLOPs) at ``backward_flops``, matmuls at ``matmul_flops``.
+backward (2.5x the forward's FLOPs) at ``backward_flops``, each tile of the rank's block
+plan at its size curve's fraction of them (``kernel_rate_fractions``), matmuls at
+``matmul_flops``.
 
 Fixed costs: every message a stage posts costs ``latency`` on top of its bytes (a ring
 hop one, the backward's K/V and dK/dV hops two, an all-gather or reduce-scatter one, the
@@ -275,6 +277,7 @@ def _rank_plan(layout: str, seq: int, cp: int, mask: Mask, strategy: str, rank: 
 
 
 def rank_plan(w: Workload, rank: int) -> RankPlan:
+    """``rank``'s plan summary, walked on ``_plan_seq`` (its tile sides are the stand-in's)."""
     return _rank_plan(w.layout, _plan_seq(w), w.cp, w.mask, w.strategy, rank)
 
 
