@@ -123,8 +123,8 @@ def test_allgather_plan_follows_the_strategys_head_groups(kv_heads: int, tp: int
 
 def test_flops_follow_the_flashattention_convention() -> None:
     w = Workload(attention_only(8, 2, 64), batch=2, seq=1024, dtype="bfloat16", cp=1, causal=False)
-    assert cost.attention_forward_flops(w) == 4 * 2 * 1024**2 * 8 * 64
-    causal = cost.attention_forward_flops(w.with_(causal=True))
+    assert max(cost.attention_forward_flops_per_rank(w)) == 4 * 2 * 1024**2 * 8 * 64
+    causal = max(cost.attention_forward_flops_per_rank(w.with_(causal=True)))
     assert causal == 4 * 2 * (1024 * 1025 // 2) * 8 * 64  # halved, counting the diagonal exactly
 
 
@@ -382,7 +382,8 @@ def test_tp_traffic_and_time_are_megatrons_collectives() -> None:
     assert step.seconds == step.matmul + step.attention_seconds + step.tp_seconds + step.dp_seconds
     plain = cost.step_time(worked(), hw)
     assert step.matmul == pytest.approx(plain.matmul / 4, rel=1e-12)  # matmul FLOPs / TP
-    assert cost.attention_forward_flops(w) * 4 == cost.attention_forward_flops(worked())  # H/t heads
+    flops = max(cost.attention_forward_flops_per_rank(w))
+    assert flops * 4 == max(cost.attention_forward_flops_per_rank(worked()))  # H/t heads
     assert cost.layer_traffic(w).forward * 4 == cost.layer_traffic(worked()).forward  # CP moves H_kv/t heads
 
 
@@ -1069,7 +1070,7 @@ def test_inference_plan_refuses_a_training_workload() -> None:
 def test_each_kernel_rate_times_only_its_own_kernels() -> None:
     hw, w = get_hardware("H100-SXM", bandwidth=1e30), worked()  # free links: compute alone
     t, step = cost.attention_time(w, hw), cost.step_time(w, hw)
-    flops = cost.attention_forward_flops(w)
+    flops = max(cost.attention_forward_flops_per_rank(w))
     assert t.forward.seconds == pytest.approx(flops / 335e12, rel=1e-9)
     assert t.backward.seconds == pytest.approx(2.5 * flops / 322e12, rel=1e-9)
     assert step.matmul == pytest.approx(3 * cost.matmul_flops_per_token(w) * 8192 / 794.5e12, rel=1e-12)

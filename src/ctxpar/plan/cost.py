@@ -112,11 +112,6 @@ def attention_forward_flops_per_rank(w: Workload) -> tuple[int, ...]:
     return tuple(4 * w.batch * w.model.head_dim * p for p in head_pairs(w))
 
 
-def attention_forward_flops(w: Workload) -> int:
-    """The busiest rank's forward attention FLOPs for one layer."""
-    return max(attention_forward_flops_per_rank(w))
-
-
 def matmul_flops_per_token(w: Workload) -> int:
     """Forward matmul FLOPs per token, all layers and the LM head: 2·(N - V·d) (the whole
     model's; each of t tensor-parallel GPUs does 1/t of them)."""

@@ -47,6 +47,7 @@ from ctxpar.strategies.blockwise import (backward_tiles, finish_forward, forward
 from ctxpar.strategy_rules import gather_group_heads
 from ctxpar.topology import Topology
 
+
 def head_groups(kv_heads: int) -> list[slice]:
     """The KV heads in at most ``strategy_rules.MAX_GATHERS`` equal groups, one gather each."""
     size = gather_group_heads(kv_heads)
