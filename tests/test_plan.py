@@ -1390,6 +1390,9 @@ def test_each_tile_runs_at_the_size_rate_for_its_keys() -> None:
         assert got[0] == pytest.approx(base[0] * expected(rank, 0.5, 0.75, 0.25))
         assert got[1] == pytest.approx(base[1] * expected(rank, 0.4, 0.7, 0.2))
     assert cost.compute_seconds(w, hw) == cost.compute_seconds(w, hw, 3)  # the slowest of the tied ranks
+    for bad in (4, -1, 1.0):  # a rank outside the group: refused, not the last rank's or an IndexError
+        with pytest.raises(ValueError, match="not one of the CP group's ranks 0..3"):
+            cost.compute_seconds(w, hw, bad)
     forward = cost.attention_time(w, hw).forward  # its compute spread over its stages
     assert forward.compute * forward.stages == pytest.approx(cost.compute_seconds(w, hw, 3)[0])
     # striped: every tile a shifted diagonal over S keys; all-to-all: one causal kernel over all T

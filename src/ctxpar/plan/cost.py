@@ -314,6 +314,8 @@ def compute_seconds(w: Workload, hw: Hardware, rank: int | None = None) -> tuple
     the backward rate, each at the fraction its kernels run at (``kernel_rate_fractions``)."""
     if rank is None:
         return max((compute_seconds(w, hw, r) for r in busiest_ranks(w)), key=sum)
+    if not (isinstance(rank, int) and 0 <= rank < w.cp):
+        raise ValueError(f"rank {rank!r} is not one of the CP group's ranks 0..{w.cp - 1}")
     flops = attention_forward_flops_per_rank(w)[rank]
     forward, backward = kernel_rate_fractions(w, hw, rank)
     return flops / (forward * hw.forward_flops), BACKWARD_FLOPS_RATIO * flops / (backward * hw.backward_flops)
