@@ -7,7 +7,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from ctxpar.blocks import MaskKind, Tile, count_pairs, layout_tiles, tiles_between
+from ctxpar.blocks import MaskKind, Tile, count_pairs, gathered_key_order, layout_tiles, tiles_between
 from ctxpar.layout import LAYOUT_NAMES, UnionLayout, get_layout
 from ctxpar.masks import Mask
 from ctxpar.plan.work import rank_pairs, union_pairs
@@ -103,6 +103,39 @@ def test_malformed_blocks_are_rejected() -> None:
         Tile(0, 4, 0, 3, MaskKind.CAUSAL)
     with pytest.raises(ValueError, match="ascending"):
         tiles_between(torch.tensor([3, 1]), torch.tensor([0, 1]), Mask(), 4)
+
+
+@pytest.mark.parametrize("name", LAYOUT_NAMES)
+def test_gathered_keys_take_the_order_with_fewer_tiles(name: str) -> None:
+    """The all-gather reads its gathered keys in arrival order (a plan per shard) or in
+    position order (one plan against 0..T-1), whichever makes fewer kernel calls, ties to
+    the arrival order."""
+    for world in (2, 3, 4, 8):
+        lay = get_layout(name, world)
+        seq = lay.multiple * 12
+        everything = torch.arange(seq)
+        arrival = torch.cat([lay.positions(seq, src) for src in range(world)])
+        for mask in (Mask(), Mask(causal=False), Mask(window=seq // 5), Mask(documents=(seq // 3, seq - seq // 3))):
+            for rank in range(world):
+                per_shard = tuple(layout_tiles(lay, seq, rank, src, mask) for src in range(world))
+                whole = tiles_between(lay.positions(seq, rank), everything, mask, seq)
+                kind, tiles, index = gathered_key_order(lay, seq, rank, mask)
+                if kind == "by_rank":
+                    assert tiles == per_shard and len(whole) >= sum(map(len, per_shard))
+                else:
+                    assert tiles == whole and len(whole) < sum(map(len, per_shard))
+                    assert torch.equal(arrival[index], everything)  # index: where each position arrived
+
+
+def test_gathered_keys_in_position_order_skip_the_per_shard_plans() -> None:
+    """Every shard a rank's queries see costs the arrival order a tile at least, so zigzag's
+    few tiles in position order win without walking its P per-shard plans (at 256 ranks,
+    the planner's sweep spent 12 s walking them)."""
+    lay, seq = get_layout("zigzag", 8), 16 * 64
+    gathered_key_order.cache_clear()
+    layout_tiles.cache_clear()
+    assert all(gathered_key_order(lay, seq, rank, Mask())[0] == "global" for rank in range(8))
+    assert layout_tiles.cache_info().misses == 0
 
 
 def test_union_pairs_are_the_pairs_of_the_union_layout() -> None:

@@ -1135,7 +1135,7 @@ def test_kernel_calls_per_stage_follow_the_block_plan(layout: str) -> None:
     for cp in (2, 3, 4, 8):
         lay = get_layout(layout, cp)
         seq = lay.multiple * 320
-        short = lay.multiple * max(cost.STAND_IN_MULTIPLES, 2 * cp)
+        short = lay.multiple * cost.STAND_IN_MULTIPLES  # the all-gather's too while P <= 64
         for causal, rank, strategy in itertools.product((True, False), range(cp), STRATEGIES):
             plain = Mask(causal=causal)
             full_length, stand_in = (work.stage_tiles(lay, t, rank, plain, strategy) for t in (seq, short))
@@ -1160,6 +1160,24 @@ def test_kernel_calls_per_stage_follow_the_block_plan(layout: str) -> None:
     assert cost.kernels_per_stage(w.with_(strategy="allgather")) == gathered
     assert cost.kernels_per_stage(w.with_(strategy="alltoall")) == len(tiles_between(everything, everything, w.mask,
                                                                                      w.seq))
+
+
+@pytest.mark.parametrize("cp", [65, 96])
+def test_the_allgathers_stand_in_keeps_its_key_order_beyond_64_ranks(cp: int) -> None:
+    """Striped's gathered keys take the arrival order once a shard holds P rows, position
+    order before (one tile per row): the all-gather's stand-in row must hold P multiples
+    when P is more than 64, or it counts a shard's rows as its launches."""
+    from ctxpar.blocks import gathered_key_order
+    from ctxpar.layout import get_layout
+
+    w = worked(strategy="allgather", layout="striped", cp=cp, seq=cp * 4096)
+    stand_in = cost._plan_seq(w)
+    assert stand_in == cp * cp
+    lay = get_layout("striped", cp)
+    for rank in (0, cp - 1):
+        assert gathered_key_order(lay, stand_in, rank, w.mask)[0] == "by_rank"
+        assert gathered_key_order(lay, cp * cost.STAND_IN_MULTIPLES, rank, w.mask)[0] == "global"
+    assert cost.kernels_per_stage(w) == cp
 
 
 def test_a_plain_masks_block_plan_is_walked_once_for_every_length() -> None:

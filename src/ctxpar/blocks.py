@@ -219,11 +219,23 @@ def gathered_key_order(layout: Layout, seq_len: int, rank: int, mask: Mask):
     ("by_rank", tiles_per_rank, None): keys left as they arrived, tiles against each shard.
     """
     world = layout.world_size
-    by_rank = tuple(layout_tiles(layout, seq_len, rank, src, mask) for src in range(world))
-    whole = tiles_between(layout.positions(seq_len, rank), torch.arange(seq_len), mask, seq_len)
-    if len(whole) >= sum(len(t) for t in by_rank):
-        return "by_rank", by_rank, None
+    queries = layout.positions(seq_len, rank)
+    whole = tiles_between(queries, torch.arange(seq_len), mask, seq_len)
+    # Each shard the queries see costs the arrival order at least one tile: with fewer tiles
+    # in position order (zigzag's few against P or more), its P plans need not be walked.
+    if len(whole) >= _shards_seen(layout, seq_len, queries, mask):
+        by_rank = tuple(layout_tiles(layout, seq_len, rank, src, mask) for src in range(world))
+        if len(whole) >= sum(len(t) for t in by_rank):
+            return "by_rank", by_rank, None
     arrival = torch.cat([layout.positions(seq_len, src) for src in range(world)])
     index = torch.empty_like(arrival)
     index[arrival] = torch.arange(seq_len)
     return "global", whole, index
+
+
+def _shards_seen(layout: Layout, seq_len: int, q_positions: torch.Tensor, mask: Mask) -> int:
+    """How many ranks' shards hold a key one of these queries sees."""
+    first, stop = mask.intervals(q_positions, seq_len)
+    keys = torch.stack([layout.positions(seq_len, src) for src in range(layout.world_size)])  # (P, S), rows ascending
+    first, stop = (bound.expand(len(keys), -1).contiguous() for bound in (first, stop))  # every shard's row
+    return int((torch.searchsorted(keys, stop) > torch.searchsorted(keys, first)).any(dim=1).sum())

@@ -237,19 +237,21 @@ def busiest_ranks(w: Workload) -> tuple[int, ...]:
     return tuple(r for r, p in enumerate(pairs) if p == max(pairs))
 
 
-STAND_IN_MULTIPLES = 64  # layout multiples in a plain mask's stand-in row (at least 2P)
+STAND_IN_MULTIPLES = 64  # layout multiples in a plain mask's stand-in row (the all-gather's: at least P)
 
 
 def _plan_seq(w: Workload) -> int:
     """The row a block plan is walked on. Under a plain mask a short stand-in: tile counts do
     not depend on T once each layout chunk holds a few tokens, and tile sides grow in
     proportion to T up to a constant (striped's shifted diagonals are S - 1 wide), which
-    chunks of 64 tokens or more make under 2% (tested); under documents or a window the
-    row itself (about a second per rank at 1M tokens on a CPU core: the block plan cuts
-    rows in Python)."""
+    chunks of 64 tokens or more make under 2% (tested); the all-gather's choice of key
+    order compares tile counts that settle once a striped shard holds P rows (tested), so
+    its row has P multiples where that is more. Under documents or a window the row itself
+    (about a second per rank at 1M tokens on a CPU core: the block plan cuts rows in Python)."""
     if not w.mask.is_plain:
         return w.seq
-    return get_layout(w.layout, w.cp).multiple * max(STAND_IN_MULTIPLES, 2 * w.cp)
+    multiples = max(STAND_IN_MULTIPLES, w.cp) if w.strategy == "allgather" else STAND_IN_MULTIPLES
+    return get_layout(w.layout, w.cp).multiple * multiples
 
 
 @dataclass(frozen=True)
