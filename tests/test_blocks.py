@@ -2,12 +2,15 @@
 
 from __future__ import annotations
 
+import itertools
+
 import pytest
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from ctxpar.blocks import MaskKind, Tile, count_pairs, gathered_key_order, layout_tiles, tiles_between
+from ctxpar.blocks import (MaskKind, Tile, count_pairs, gathered_key_order, layout_tiles, shards_in_sight,
+                           tiles_between)
 from ctxpar.layout import LAYOUT_NAMES, UnionLayout, get_layout
 from ctxpar.masks import Mask
 from ctxpar.plan.work import rank_pairs, union_pairs
@@ -64,6 +67,21 @@ def test_any_ascending_positions_get_an_exact_plan(q_pos: list[int], kv_pos: lis
     assert torch.equal(covered(blocks, len(q), len(kv)), brute_force(q, kv, True))
 
 
+def test_a_diagonal_of_any_length_is_one_tile() -> None:
+    """Queries at the positions after a prefix of keys: one FULL tile for the prefix and one
+    CAUSAL for the diagonal, however long either (the walk finds where a diagonal ends by
+    comparing doubling, then halving slices: an end found a row early would still cover
+    the pairs, in one tile more)."""
+    for n, prefix, after in itertools.product(range(2, 140), (0, 1, 5, 64), (False, True)):
+        seq = prefix + n + 6
+        queries = torch.arange(prefix, prefix + n + after)  # after: a row past the keys, which sees them all
+        tiles = tiles_between(queries, torch.arange(prefix + n), Mask(), seq)
+        expected = (Tile(0, n, 0, prefix, MaskKind.FULL),) if prefix else ()
+        expected += (Tile(0, n, prefix, prefix + n, MaskKind.CAUSAL),)
+        expected += (Tile(n, n + 1, 0, prefix + n, MaskKind.FULL),) if after else ()
+        assert tiles == expected, (n, prefix, after)
+
+
 def test_zigzag_off_diagonal_steps_are_half_size_blocks() -> None:
     layout, seq_len = get_layout("zigzag", 4), 64  # local shard 16 = two chunks of 8
     (early,) = layout_tiles(layout, seq_len, 2, 1, Mask())  # keys from an earlier rank
@@ -109,7 +127,7 @@ def test_malformed_blocks_are_rejected() -> None:
 def test_gathered_keys_take_the_order_with_fewer_tiles(name: str) -> None:
     """The all-gather reads its gathered keys in arrival order (a plan per shard) or in
     position order (one plan against 0..T-1), whichever makes fewer kernel calls, ties to
-    the arrival order."""
+    the arrival order; ``shards_in_sight`` says which shards' plans have tiles."""
     for world in (2, 3, 4, 8):
         lay = get_layout(name, world)
         seq = lay.multiple * 12
@@ -118,6 +136,7 @@ def test_gathered_keys_take_the_order_with_fewer_tiles(name: str) -> None:
         for mask in (Mask(), Mask(causal=False), Mask(window=seq // 5), Mask(documents=(seq // 3, seq - seq // 3))):
             for rank in range(world):
                 per_shard = tuple(layout_tiles(lay, seq, rank, src, mask) for src in range(world))
+                assert shards_in_sight(lay, seq, rank, mask) == tuple(bool(tiles) for tiles in per_shard)
                 whole = tiles_between(lay.positions(seq, rank), everything, mask, seq)
                 kind, tiles, index = gathered_key_order(lay, seq, rank, mask)
                 if kind == "by_rank":

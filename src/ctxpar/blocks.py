@@ -39,6 +39,7 @@ pattern still yields an exact, if finer-grained, plan.
 
 from __future__ import annotations
 
+import bisect
 import enum
 import functools
 from dataclasses import dataclass
@@ -137,66 +138,84 @@ def tiles_between(q_positions: torch.Tensor, kv_positions: torch.Tensor, mask: M
             raise ValueError(f"{name} positions must be strictly ascending for a block plan")
     first, stop = mask.intervals(q_positions, seq_len)
     kv = kv_positions.to(torch.int64)
-    lo = torch.searchsorted(kv, first).tolist()  # row i sees key indices [lo_i, hi_i)
-    hi = torch.searchsorted(kv, stop).tolist()
+    lo, hi = torch.searchsorted(kv, first), torch.searchsorted(kv, stop)  # row i sees key indices [lo_i, hi_i)
+    seen = hi > lo
+    if not bool(seen.any()):  # a shard wholly out of sight (a window's, a causal future's): no walk
+        return ()
+    lo, hi, seen = lo.tolist(), hi.tolist(), seen.tolist()
     tiles: list[Tile] = []
-    i, sq = 0, len(lo)
+    # The walk jumps from run to run of rows (bisect, list.index and slice comparisons: C
+    # loops, not one Python step per row; a 1M-token window plan walks tens of millions).
+    sq, i = len(lo), seen.index(True)
     while i < sq:
-        if hi[i] <= lo[i]:
-            i += 1
-            continue
-        j = i  # rows i..j-1 share lo and see something
-        while j < sq and lo[j] == lo[i] and hi[j] > lo[j]:
-            j += 1
+        # rows i..j-1 share lo and see something: as hi never decreases, rows sharing lo see
+        # something from the first that does on
+        j = bisect.bisect_right(lo, lo[i], i)
         band = min(MAX_BAND_ROWS, max(MIN_BAND_ROWS, hi[i] - lo[i]))
-        if j - i >= band or j == sq or hi[j] <= lo[j]:
-            _cut_prefix(i, [h - lo[i] for h in hi[i:j]], lo[i], tiles)
-        else:  # lo moves within the next few rows: a band block
-            j = i + 1
-            while j < min(sq, i + band) and hi[j] > lo[j]:
-                j += 1
-            _cut_band(i, lo[i:j], hi[i:j], tiles)
-        i = j
+        if j - i >= band or j == sq or not seen[j]:
+            _cut_prefix(hi, i, j, lo[i], tiles)
+        else:  # lo moves within the next few rows: a band block, up to the first row that sees nothing
+            j = _first_index(seen, False, i + 1, min(sq, i + band))
+            _cut_band(lo, hi, i, j, tiles)
+        i = _first_index(seen, True, j, sq)
     return tuple(tiles)
 
 
-def _cut_band(i: int, lo: list[int], hi: list[int], tiles: list[Tile]) -> None:
-    """Rows i.. with nondecreasing, non-empty intervals [lo_r, hi_r): the keys up to the last
-    row's first one as one ANTI_CAUSAL tile (lo moving by one key per row) or PARTIAL tile,
-    the rest as a prefix from there."""
-    left_stop = lo[-1] + 1  # every row sees something left of here: lo_r <= lo[-1] < hi_r
-    if lo == list(range(lo[0], left_stop)) and min(hi) >= left_stop:  # row r sees keys r.. of the square
-        tiles.append(Tile(i, i + len(lo), lo[0], left_stop, MaskKind.ANTI_CAUSAL))
+def _first_index(items: list, value, start: int, stop: int) -> int:
+    """The first index in start..stop-1 holding ``value``; ``stop`` if there is none."""
+    try:
+        return items.index(value, start, stop)
+    except ValueError:
+        return stop
+
+
+def _cut_band(lo: list[int], hi: list[int], start: int, stop: int, tiles: list[Tile]) -> None:
+    """Rows start..stop-1, row r seeing keys [lo[r], hi[r]), non-empty and nondecreasing: the
+    keys up to the last row's first one as one ANTI_CAUSAL tile (lo moving by one key per
+    row) or PARTIAL tile, the rest as a prefix from there."""
+    first, left_stop = lo[start], lo[stop - 1] + 1  # every row sees something left of left_stop
+    if lo[start:stop] == list(range(first, left_stop)) and hi[start] >= left_stop:  # row r sees keys r.. of the square
+        tiles.append(Tile(start, stop, first, left_stop, MaskKind.ANTI_CAUSAL))
     else:
-        rows = tuple((a - lo[0], min(b, left_stop) - lo[0]) for a, b in zip(lo, hi))
-        tiles.append(Tile(i, i + len(lo), lo[0], left_stop, MaskKind.PARTIAL, rows))
-    _cut_prefix(i, [max(0, b - left_stop) for b in hi], left_stop, tiles)
+        rows = tuple((a - first, min(b, left_stop) - first) for a, b in zip(lo[start:stop], hi[start:stop]))
+        tiles.append(Tile(start, stop, first, left_stop, MaskKind.PARTIAL, rows))
+    _cut_prefix(hi, start, stop, left_stop, tiles)
 
 
-def _cut_prefix(i: int, counts: list[int], base: int, tiles: list[Tile]) -> None:
-    """Rows i.. where row i + r sees keys [base, base + counts[r]), counts nondecreasing:
-    runs of equal counts become FULL tiles, runs growing by one per row diagonals."""
-    r, n_rows = 0, len(counts)
-    while r < n_rows:
-        n = counts[r]
-        if n == 0:
-            r += 1
-            continue
-        if r + 1 < n_rows and counts[r + 1] == n + 1:  # a diagonal: row r + a sees n + a keys
-            e = r + 1
-            while e + 1 < n_rows and counts[e + 1] == counts[e] + 1:
-                e += 1
-            length = e - r + 1
+def _cut_prefix(hi: list[int], start: int, stop: int, base: int, tiles: list[Tile]) -> None:
+    """Rows start..stop-1, row r seeing keys [base, hi[r]), hi nondecreasing: runs of rows
+    that see the same keys become FULL tiles, runs that see one key more per row diagonals."""
+    r = bisect.bisect_right(hi, base, start, stop)  # the rows before see nothing from base on
+    while r < stop:
+        n = hi[r] - base
+        if r + 1 < stop and hi[r + 1] == hi[r] + 1:  # a diagonal: row r + a sees n + a keys
+            e = _diagonal_end(hi, r, stop)
             if n > 1:
-                tiles.append(Tile(i + r, i + e + 1, base, base + n - 1, MaskKind.FULL))
-            tiles.append(Tile(i + r, i + e + 1, base + n - 1, base + n - 1 + length, MaskKind.CAUSAL))
-            r = e + 1
-            continue
-        e = r  # a run of rows that all see the same first n keys
-        while e + 1 < n_rows and counts[e + 1] == n:
-            e += 1
-        tiles.append(Tile(i + r, i + e + 1, base, base + n, MaskKind.FULL))
+                tiles.append(Tile(r, e + 1, base, base + n - 1, MaskKind.FULL))
+            tiles.append(Tile(r, e + 1, base + n - 1, base + n + e - r, MaskKind.CAUSAL))
+        else:
+            e = bisect.bisect_right(hi, hi[r], r, stop) - 1  # a run of rows that all see the same keys
+            tiles.append(Tile(r, e + 1, base, base + n, MaskKind.FULL))
         r = e + 1
+
+
+def _diagonal_end(hi: list[int], r: int, stop: int) -> int:
+    """The last row e < stop with hi[r..e] = h, h + 1, ..., h = hi[r]: found by galloping
+    (rows compared a slice at a time, the slices doubling, then halving), which compares
+    about three times the diagonal's rows in C, not one Python step per row."""
+    h, rows = hi[r], stop - r
+
+    def continues(a: int, b: int) -> bool:  # rows r+a..r+b-1 carry the diagonal on
+        return hi[r + a:r + b] == list(range(h + a, h + b))
+
+    known, step = 1, 1  # rows r..r+known-1 are on the diagonal
+    while known < rows and continues(known, min(known + step, rows)):
+        known, step = min(known + step, rows), step * 2
+    while step > 1:  # the row that leaves it lies within the next step rows
+        step //= 2
+        if known < rows and continues(known, min(known + step, rows)):
+            known = min(known + step, rows)
+    return r + known - 1
 
 
 def count_pairs(tiles: tuple[Tile, ...] | list[Tile]) -> int:
@@ -219,12 +238,13 @@ def gathered_key_order(layout: Layout, seq_len: int, rank: int, mask: Mask):
     ("by_rank", tiles_per_rank, None): keys left as they arrived, tiles against each shard.
     """
     world = layout.world_size
-    queries = layout.positions(seq_len, rank)
-    whole = tiles_between(queries, torch.arange(seq_len), mask, seq_len)
+    whole = tiles_between(layout.positions(seq_len, rank), torch.arange(seq_len), mask, seq_len)
     # Each shard the queries see costs the arrival order at least one tile: with fewer tiles
     # in position order (zigzag's few against P or more), its P plans need not be walked.
-    if len(whole) >= _shards_seen(layout, seq_len, queries, mask):
-        by_rank = tuple(layout_tiles(layout, seq_len, rank, src, mask) for src in range(world))
+    in_sight = shards_in_sight(layout, seq_len, rank, mask)
+    if len(whole) >= sum(in_sight):
+        by_rank = tuple(layout_tiles(layout, seq_len, rank, src, mask) if seen else ()
+                        for src, seen in enumerate(in_sight))
         if len(whole) >= sum(len(t) for t in by_rank):
             return "by_rank", by_rank, None
     arrival = torch.cat([layout.positions(seq_len, src) for src in range(world)])
@@ -233,9 +253,18 @@ def gathered_key_order(layout: Layout, seq_len: int, rank: int, mask: Mask):
     return "global", whole, index
 
 
-def _shards_seen(layout: Layout, seq_len: int, q_positions: torch.Tensor, mask: Mask) -> int:
-    """How many ranks' shards hold a key one of these queries sees."""
-    first, stop = mask.intervals(q_positions, seq_len)
+def shards_in_sight(layout: Layout, seq_len: int, rank: int, mask: Mask) -> tuple[bool, ...]:
+    """For each rank, whether its shard holds a key ``rank``'s queries see, i.e. whether the
+    block plan between them has a tile: found for all shards at once, with a few lookups
+    per shard where a plan looks up every query (a window's far shards cost nothing)."""
+    first, stop = mask.intervals(layout.positions(seq_len, rank), seq_len)
+    # the union of the queries' intervals, as disjoint spans: as first and stop never decrease,
+    # a span opens only past the previous query's stop (few: one per layout chunk, document or so)
+    opens = torch.ones(len(first), dtype=torch.bool)
+    opens[1:] = first[1:] > stop[:-1]
+    closes = torch.cat([opens[1:], torch.ones(1, dtype=torch.bool)])
     keys = torch.stack([layout.positions(seq_len, src) for src in range(layout.world_size)])  # (P, S), rows ascending
-    first, stop = (bound.expand(len(keys), -1).contiguous() for bound in (first, stop))  # every shard's row
-    return int((torch.searchsorted(keys, stop) > torch.searchsorted(keys, first)).any(dim=1).sum())
+    spans = (len(keys), int(opens.sum()))
+    starts, stops = (bound.expand(spans).contiguous() for bound in (first[opens], stop[closes]))
+    return tuple((torch.searchsorted(keys, stops) > torch.searchsorted(keys, starts)).any(dim=1).tolist())
+
