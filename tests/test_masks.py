@@ -17,6 +17,20 @@ def test_intervals_follow_documents_and_the_window() -> None:
     assert (first.tolist(), stop.tolist()) == ([0, 0, 0, 3, 3, 3, 3, 3], [3, 3, 3, 8, 8, 8, 8, 8])
 
 
+def test_documents_that_do_not_cover_the_row_are_refused_by_every_plan() -> None:
+    """The block plan's entries take the mask and T separately: documents summing to another
+    length get the mask's own message, not an IndexError from deep in the walk."""
+    from ctxpar.blocks import gathered_key_order, layout_tiles, shards_in_sight, tiles_between
+    from ctxpar.layout import get_layout
+
+    lay, mask = get_layout("zigzag", 2), Mask(documents=(10, 20))
+    for plan in (lambda: tiles_between(torch.arange(8), torch.arange(8), mask, 64),
+                 lambda: layout_tiles(lay, 64, 0, 1, mask), lambda: shards_in_sight(lay, 64, 0, mask),
+                 lambda: gathered_key_order(lay, 64, 1, mask), lambda: mask.intervals(torch.arange(64), 64)):
+        with pytest.raises(ValueError, match="document lengths sum to 30 but the sequence has 64 tokens"):
+            plan()
+
+
 def test_documents_as_lengths_cu_seqlens_or_tensors() -> None:
     assert document_lengths([3, 5], 8) == (3, 5)
     assert document_lengths([0, 3, 8], 8) == (3, 5)  # cu_seqlens: a length is never 0

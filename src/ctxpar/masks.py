@@ -63,6 +63,7 @@ class Mask:
 
     def intervals(self, positions: torch.Tensor, seq_len: int) -> tuple[torch.Tensor, torch.Tensor]:
         """(first, stop) int64 tensors like ``positions``: query at p sees keys first <= key < stop."""
+        self.check(seq_len)  # documents that do not cover the row: a clear error, not an IndexError
         p = positions.to(torch.int64)
         if self.documents is None:
             first, end = torch.zeros_like(p), torch.full_like(p, seq_len)
