@@ -72,13 +72,12 @@ def test_a_diagonal_of_any_length_is_one_tile() -> None:
     CAUSAL for the diagonal, however long either (the walk finds where a diagonal ends by
     comparing doubling, then halving slices: an end found a row early would still cover
     the pairs, in one tile more)."""
-    for n, prefix, after in itertools.product(range(2, 140), (0, 1, 5, 64), (False, True)):
-        seq = prefix + n + 6
-        queries = torch.arange(prefix, prefix + n + after)  # after: a row past the keys, which sees them all
-        tiles = tiles_between(queries, torch.arange(prefix + n), Mask(), seq)
+    for n, prefix, after in itertools.product(range(2, 140), (0, 1, 5, 64), (0, 1, 100)):
+        queries = torch.arange(prefix, prefix + n + after)  # after: rows past the keys, which see them all
+        tiles = tiles_between(queries, torch.arange(prefix + n), Mask(), prefix + n + after)
         expected = (Tile(0, n, 0, prefix, MaskKind.FULL),) if prefix else ()
         expected += (Tile(0, n, prefix, prefix + n, MaskKind.CAUSAL),)
-        expected += (Tile(n, n + 1, 0, prefix + n, MaskKind.FULL),) if after else ()
+        expected += (Tile(n, n + after, 0, prefix + n, MaskKind.FULL),) if after else ()
         assert tiles == expected, (n, prefix, after)
 
 

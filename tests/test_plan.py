@@ -1180,6 +1180,18 @@ def test_the_allgathers_stand_in_keeps_its_key_order_beyond_64_ranks(cp: int) ->
     assert cost.kernels_per_stage(w) == cp
 
 
+def test_a_row_shorter_than_the_stand_in_is_walked_itself() -> None:
+    """Striped's gathered keys take position order while a shard holds fewer than P rows, so
+    a short row's launches are its own plan's, not the longer stand-in's."""
+    from ctxpar.blocks import gathered_key_order
+    from ctxpar.layout import get_layout
+
+    w = worked(strategy="allgather", layout="striped", cp=16, seq=128)
+    assert cost._plan_seq(w) == 128
+    kind, tiles, _ = gathered_key_order(get_layout("striped", 16), 128, 15, w.mask)
+    assert kind == "global" and cost.kernels_per_stage(w) == len(tiles) == 8
+
+
 def test_a_plain_masks_block_plan_is_walked_once_for_every_length() -> None:
     """The stand-in row does not depend on T, so neither does the walk: a sweep over lengths
     (``ctxpar plan``'s) walks each rank's plan once (keyed on T, a 256-rank plan took 6 minutes)."""

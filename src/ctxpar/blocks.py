@@ -161,7 +161,7 @@ def tiles_between(q_positions: torch.Tensor, kv_positions: torch.Tensor, mask: M
     return tuple(tiles)
 
 
-def _first_index(items: list, value, start: int, stop: int) -> int:
+def _first_index(items: list[bool], value: bool, start: int, stop: int) -> int:
     """The first index in start..stop-1 holding ``value``; ``stop`` if there is none."""
     try:
         return items.index(value, start, stop)
@@ -255,11 +255,12 @@ def gathered_key_order(layout: Layout, seq_len: int, rank: int, mask: Mask):
 
 def shards_in_sight(layout: Layout, seq_len: int, rank: int, mask: Mask) -> tuple[bool, ...]:
     """For each rank, whether its shard holds a key ``rank``'s queries see, i.e. whether the
-    block plan between them has a tile: found for all shards at once, with a few lookups
-    per shard where a plan looks up every query (a window's far shards cost nothing)."""
+    block plan between them has a tile: found for all shards at once, looking up the
+    spans the queries see rather than every query (a window's far shards cost nothing)."""
     first, stop = mask.intervals(layout.positions(seq_len, rank), seq_len)
     # the union of the queries' intervals, as disjoint spans: as first and stop never decrease,
-    # a span opens only past the previous query's stop (few: one per layout chunk, document or so)
+    # a span opens only past the previous query's stop (one per layout chunk or document
+    # mostly; one per query where striped's are further apart than a window or a document)
     opens = torch.ones(len(first), dtype=torch.bool)
     opens[1:] = first[1:] > stop[:-1]
     closes = torch.cat([opens[1:], torch.ones(1, dtype=torch.bool)])
@@ -267,4 +268,3 @@ def shards_in_sight(layout: Layout, seq_len: int, rank: int, mask: Mask) -> tupl
     spans = (len(keys), int(opens.sum()))
     starts, stops = (bound.expand(spans).contiguous() for bound in (first[opens], stop[closes]))
     return tuple((torch.searchsorted(keys, stops) > torch.searchsorted(keys, starts)).any(dim=1).tolist())
-
