@@ -244,9 +244,9 @@ STAND_IN_MULTIPLES = 64  # layout multiples in a plain mask's stand-in row (the 
 
 def _plan_seq(w: Workload) -> int:
     """The row a block plan is walked on. Under a plain mask a short stand-in: tile counts do
-    not depend on T once each layout chunk holds a few tokens, and tile sides grow in
+    not depend on T once the row holds a few layout multiples, and tile sides grow in
     proportion to T up to a constant (striped's shifted diagonals are S - 1 wide), which
-    chunks of 64 tokens or more make under 2% (tested); the all-gather's choice of key
+    64 multiples or more make under 2% (tested); the all-gather's choice of key
     order compares tile counts that settle once a striped shard holds P rows (tested), so
     its row has P multiples where that is more. A row shorter than the stand-in is walked
     itself, as is one under documents or a window (0.03-0.07 s per rank at 1M tokens on
