@@ -237,7 +237,6 @@ def gathered_key_order(layout: Layout, seq_len: int, rank: int, mask: Mask):
         ``index`` (T,): each position's arrival slot (source rank * S + local index).
     ("by_rank", tiles_per_rank, None): keys left as they arrived, tiles against each shard.
     """
-    world = layout.world_size
     whole = tiles_between(layout.positions(seq_len, rank), torch.arange(seq_len), mask, seq_len)
     # Each shard the queries see costs the arrival order at least one tile: with fewer tiles
     # in position order (zigzag's few against P or more), its P plans need not be walked.
@@ -247,7 +246,7 @@ def gathered_key_order(layout: Layout, seq_len: int, rank: int, mask: Mask):
                         for src, seen in enumerate(in_sight))
         if len(whole) >= sum(len(t) for t in by_rank):
             return "by_rank", by_rank, None
-    arrival = torch.cat([layout.positions(seq_len, src) for src in range(world)])
+    arrival = _every_shard(layout, seq_len).flatten()
     index = torch.empty_like(arrival)
     index[arrival] = torch.arange(seq_len)
     return "global", whole, index
@@ -264,7 +263,14 @@ def shards_in_sight(layout: Layout, seq_len: int, rank: int, mask: Mask) -> tupl
     opens = torch.ones(len(first), dtype=torch.bool)
     opens[1:] = first[1:] > stop[:-1]
     closes = torch.cat([opens[1:], torch.ones(1, dtype=torch.bool)])
-    keys = torch.stack([layout.positions(seq_len, src) for src in range(layout.world_size)])  # (P, S), rows ascending
+    keys = _every_shard(layout, seq_len)
     spans = (len(keys), int(opens.sum()))
     starts, stops = (bound.expand(spans).contiguous() for bound in (first[opens], stop[closes]))
     return tuple((torch.searchsorted(keys, stops) > torch.searchsorted(keys, starts)).any(dim=1).tolist())
+
+
+@functools.lru_cache(maxsize=2)  # T int64 each: 8 MB at 1M tokens
+def _every_shard(layout: Layout, seq_len: int) -> torch.Tensor:
+    """(P, S): each rank's positions, ascending, a row per rank (read-only: cached for the
+    planner, which asks for every rank's plan against every shard)."""
+    return torch.stack([layout.positions(seq_len, src) for src in range(layout.world_size)])

@@ -248,13 +248,16 @@ def _plan_seq(w: Workload) -> int:
     proportion to T up to a constant (striped's shifted diagonals are S - 1 wide), which
     64 multiples or more make under 2% (tested); the all-gather's choice of key
     order compares tile counts that settle once a striped shard holds P rows (tested), so
-    its row has P multiples where that is more. A row shorter than the stand-in is walked
-    itself, as is one under documents or a window (0.03-0.07 s per rank at 1M tokens on
-    P=8 on a CPU core)."""
+    its row has P multiples where that is more, and is the row itself where that is shorter
+    (the others' counts hold at any T: one stand-in serves every length of a sweep). Under
+    documents or a window the row itself (0.03-0.07 s per rank at 1M tokens on P=8 on a CPU
+    core)."""
     if not w.mask.is_plain:
         return w.seq
-    multiples = max(STAND_IN_MULTIPLES, w.cp) if w.strategy == "allgather" else STAND_IN_MULTIPLES
-    return min(w.seq, get_layout(w.layout, w.cp).multiple * multiples)
+    multiple = get_layout(w.layout, w.cp).multiple
+    if w.strategy == "allgather":
+        return min(w.seq, multiple * max(STAND_IN_MULTIPLES, w.cp))
+    return multiple * STAND_IN_MULTIPLES
 
 
 @dataclass(frozen=True)
