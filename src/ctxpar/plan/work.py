@@ -11,7 +11,7 @@ import functools
 
 import torch
 
-from ctxpar.blocks import Tile, gathered_key_order, layout_tiles, shards_in_sight, tiles_between
+from ctxpar.blocks import Tile, gathered_key_order, tiles_between, tiles_per_shard
 from ctxpar.layout import Layout
 from ctxpar.masks import Mask
 
@@ -65,8 +65,6 @@ def stage_tiles(layout: Layout, seq_len: int, rank: int, mask: Mask, strategy: s
         everything = torch.arange(seq_len)
         return (tiles_between(everything, everything, mask, seq_len),)
     if strategy == "ring":
-        in_sight = shards_in_sight(layout, seq_len, rank, mask)
-        return tuple(layout_tiles(layout, seq_len, rank, src, mask) if seen else ()
-                     for src, seen in enumerate(in_sight))
+        return tiles_per_shard(layout, seq_len, rank, mask)
     kind, tiles, _ = gathered_key_order(layout, seq_len, rank, mask)
     return (sum(tiles, ()),) if kind == "by_rank" else (tiles,)
