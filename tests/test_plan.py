@@ -1260,21 +1260,30 @@ def test_calibration_gives_three_rates_and_the_launch_overhead(monkeypatch) -> N
 
 def test_step_overheads_are_what_probe_calls_take_beyond_the_pipeline() -> None:
     """Two real ranks: each strategy's two probes, the overheads fitted through them, and
-    the pipeline with them: what it adds to each probe is the fitted line at its bytes."""
+    the pipeline with them: what it adds to each probe is the fitted line at its bytes.
+    The tiny probe is predicted at the kernel rates; the larger one with its measured
+    compute less the tiny one's excess over the rates."""
     hw = local_hardware(dict(attention_flops=5e10, bandwidth=1e9, latency=2e-4, launch_overhead=4e-5))
     step = calibrate.measure_step_overheads(hw, sizes=(8, 64), repeats=3)
     assert set(step["strategies"]) == set(calibrate.PROBE_STRATEGIES) and step["tokens_per_rank"] == [8, 64]
     for strategy, m in step["strategies"].items():
         with_it = replace(hw, strategy_step_overheads=((strategy, m["step_overhead"]),),
                           strategy_step_byte_overheads=((strategy, m["step_overhead_per_byte"]),))
+        tiny, larger = m["probes"]
+        excess = [tiny[f"{p}_compute_seconds"] - c for p, c in zip(("forward", "backward"), cost.compute_seconds(
+            calibrate.step_probe_workload(8, strategy), hw))]
         for p in m["probes"]:
             w = calibrate.step_probe_workload(p["tokens_per_rank"], strategy)
             assert p["bytes_per_stage"] == cost.layer_traffic(w).total / p["stages"] > 0
-            assert p["predicted_seconds"] == pytest.approx(cost.attention_time(w, hw).seconds)
+            t = cost.attention_time(w, hw)
+            measured = (p["forward_compute_seconds"] - excess[0], p["backward_compute_seconds"] - excess[1])
+            assert p["predicted_seconds"] == pytest.approx(t.seconds if p is tiny else sum(
+                replace(one, compute=c / one.stages).seconds for one, c in zip((t.forward, t.backward), measured)))
             assert p["seconds"] > 0 and p["residual_per_stage"] == pytest.approx(
                 (p["seconds"] - p["predicted_seconds"]) / p["stages"])
             line = m["step_overhead"] + m["step_overhead_per_byte"] * p["bytes_per_stage"]
-            assert cost.attention_time(w, with_it).seconds == pytest.approx(p["predicted_seconds"] + p["stages"] * line)
+            assert cost.attention_time(w, with_it).seconds == pytest.approx(t.seconds + p["stages"] * line)
+        assert 0 < larger["forward_compute_seconds"] and 0 < larger["backward_compute_seconds"]
         small, large = ((p["bytes_per_stage"], p["residual_per_stage"]) for p in m["probes"])
         assert (m["step_overhead"], m["step_overhead_per_byte"]) == tuple(
             calibrate._fit_step_overhead(small, large).values())
@@ -1290,6 +1299,7 @@ def test_step_probes_refuse_sizes_no_line_goes_through(sizes, repeats) -> None:
         calibrate.measure_step_overheads(hw, sizes=sizes, repeats=repeats)
 
 
+@pytest.mark.parametrize("rate_error", [0.0, 0.1, -0.05])
 @pytest.mark.parametrize("residuals, fixed, per_byte", [
     ((1e-3, 3e-3), 1e-3 - 2e-5, 2e-3 / 3e5),  # grows with the bytes: the line through both
     ((3e-3, 1e-3), 3e-3, 0.0),  # shrinks (noise): no per-byte overhead, the tiny probe's as the fixed one
@@ -1297,23 +1307,32 @@ def test_step_probes_refuse_sizes_no_line_goes_through(sizes, repeats) -> None:
     ((-1e-4, -2e-4), 0.0, 0.0),  # faster than predicted: nothing
 ])
 def test_step_overhead_fit_is_the_line_through_both_probes_clamped_at_zero(monkeypatch, residuals, fixed,
-                                                                           per_byte) -> None:
-    """The fit on synthetic probes: each strategy's measured seconds are its bare pipeline
-    plus ``residuals`` per stage at the two sizes."""
+                                                                           per_byte, rate_error) -> None:
+    """The fit on synthetic probes: each strategy's least-noisy call at each size takes its
+    pipeline plus ``residuals`` per stage, the Python around its kernels (2e-4 s a pass)
+    counted as compute and part of the residual, and at the larger size the kernel rates
+    off by ``rate_error``, which the fit must not take for a step overhead."""
     hw = local_hardware(dict(attention_flops=5e10, bandwidth=1e9))
     stages = {s: 2 * cost.attention_time(calibrate.step_probe_workload(8, s), hw).forward.stages
               for s in calibrate.PROBE_STRATEGIES}  # the probe's forward and backward have as many
     monkeypatch.setattr(cost, "layer_traffic", lambda w: traffic.Traffic(
         0, stages[w.strategy] * {8: 3e3, 1000: 3e3 + 3e5}[w.local_len]))  # 3e3 and 3e3 + 3e5 bytes per stage
+    python = 2e-4
 
     def fake_run_local(fn, world, args, threads):
         sizes, _ = args
         out = {}
-        for tokens, residual in zip(sizes, residuals):
+        for tokens, residual, error in zip(sizes, residuals, (0.0, rate_error)):
             out[tokens] = {}
             for s in calibrate.PROBE_STRATEGIES:
                 t = cost.attention_time(calibrate.step_probe_workload(tokens, s), hw)
-                out[tokens][s] = t.seconds + residual * (t.forward.stages + t.backward.stages)
+                arithmetic = [one.compute * one.stages * (1 + error) for one in (t.forward, t.backward)]
+                seconds = sum(replace(one, compute=c / one.stages).seconds
+                              for one, c in zip((t.forward, t.backward), arithmetic))
+                clean = dict(seconds=seconds + residual * stages[s], forward_compute=arithmetic[0] + python,
+                             backward_compute=arithmetic[1] + python)
+                noisy = dict(clean, seconds=clean["seconds"] + 5e-3)  # scheduling noise: not the one fitted
+                out[tokens][s] = [noisy, clean, noisy]
         return [out, out]
 
     monkeypatch.setattr(calibrate, "run_local", fake_run_local)

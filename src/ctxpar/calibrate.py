@@ -20,16 +20,18 @@ for ``ctxpar plan --calibrate`` and ``--calibration``.
   size (dispatch, checks, allocation), the planner's ``launch_overhead``.
 - Step overheads: two local ranks run ``ctxpar.attention`` (zigzag, causal, the block's
   heads) forward + backward on 8-token and on 1024-token shards by ring, allgather and
-  alltoall, the slower rank's best wall seconds of 12 (best, as the benchmarks time the
-  strategies: what a call takes without scheduling noise on top). What the planner's
-  pipeline does not already account for (compute, latency, launches), per pipeline
-  stage, is on the tiny shards that strategy's fixed step overhead (``step_overhead`` is
-  the ring's): the Python of a step and a share of the call's checks (the consistency
-  all-gather, the layout), which small shards cannot hide. Its growth to the larger
-  shards, per byte a stage sends, is the step overhead per byte: the serial work that
-  grows with what a stage moves (packing and unpacking buffers, the all-to-all's
-  re-layouts, gloo's all-gather, reduce-scatter and all-to-all, slower than the ring hop
-  the bandwidth is measured on).
+  alltoall, 12 rounds, the slower rank's call with the least residual (as the benchmarks
+  time the strategies: what a call takes without scheduling noise on top). What the
+  planner's pipeline does not already account for (compute, latency, launches), per
+  pipeline stage, is on the tiny shards that strategy's fixed step overhead
+  (``step_overhead`` is the ring's): the Python of a step and around its kernels, and a
+  share of the call's checks (the consistency all-gather, the layout), which small shards
+  cannot hide. Its growth to the larger shards, per byte a stage sends, is the step
+  overhead per byte: the serial work that grows with what a stage moves (packing and
+  unpacking buffers, the all-to-all's re-layouts, gloo's all-gather, reduce-scatter and
+  all-to-all, slower than the ring hop the bandwidth is measured on). At the larger
+  shards the pipeline is given the call's measured compute, not the rates' prediction,
+  whose few-% miss is as large as the overheads (``measure_step_overheads``).
 - Bandwidth: two local gloo ranks exchange a buffer over ``ctxpar.comm.RingComm`` (each
   sends and receives ``message_bytes`` at once, as a ring hop does); bytes per second per
   direction, best of ``repeats``, after the latency: the time of a 4-byte hop, which
@@ -45,6 +47,7 @@ import json
 import os
 import platform
 import time
+from collections.abc import Callable
 from dataclasses import replace
 
 import torch
@@ -154,12 +157,18 @@ def measure_launch_overhead(calls: int = 200, repeats: int = 5, threads: int = 1
 PROBE_STRATEGIES = CANDIDATES  # the strategies auto chooses among
 
 
-def _probe_rank(rank: int, world: int, sizes: tuple[int, ...], repeats: int) -> dict[int, dict[str, float]]:
-    """Per shard size (tokens per rank), per strategy, the best wall seconds of one
-    attention forward + backward (the sizes and strategies interleaved, so drift hits
-    them alike)."""
+SMALL_PROBE_CALLS = 8  # calls per round of a probe an eighth the largest's size or less: milliseconds each, noisier
+
+
+def _probe_rank(rank: int, world: int, sizes: tuple[int, ...], repeats: int) -> dict[int, dict[str, list[dict]]]:
+    """Per shard size (tokens per rank), per strategy, every timed call of one attention
+    forward + backward: {seconds, forward_compute, backward_compute}, the compute being the
+    wall seconds of its kernels and merges (``ctxpar.record()``). Each round calls every
+    size and strategy (interleaved, so drift hits them alike), a small size
+    ``SMALL_PROBE_CALLS`` times."""
     import torch.distributed as dist
 
+    from ctxpar import profile
     from ctxpar.attention import attention
 
     b, h, h_kv, d = (BLOCK[k] for k in ("batch", "heads", "kv_heads", "head_dim"))
@@ -169,16 +178,22 @@ def _probe_rank(rank: int, world: int, sizes: tuple[int, ...], repeats: int) -> 
         q = torch.randn(b, h, tokens, d, generator=gen, requires_grad=True)
         k, v = (torch.randn(b, h_kv, tokens, d, generator=gen, requires_grad=True) for _ in range(2))
         inputs[tokens] = (q, k, v)
-    times = {tokens: {s: [] for s in PROBE_STRATEGIES} for tokens in sizes}
+    calls = {tokens: {s: [] for s in PROBE_STRATEGIES} for tokens in sizes}
     for i in range(repeats + 2):  # two untimed rounds connect the ranks and warm the allocator
         for tokens in sizes:
             for strategy in PROBE_STRATEGIES:
-                dist.barrier()
-                start = time.perf_counter()
-                attention(*inputs[tokens], layout="zigzag", strategy=strategy).sum().backward()
-                if i >= 2:
-                    times[tokens][strategy].append(time.perf_counter() - start)
-    return {tokens: {s: min(t) for s, t in by_strategy.items()} for tokens, by_strategy in times.items()}
+                for _ in range(SMALL_PROBE_CALLS if SMALL_PROBE_CALLS * tokens <= sizes[-1] else 1):
+                    dist.barrier()
+                    with profile.record() as rec:
+                        start = time.perf_counter()
+                        out = attention(*inputs[tokens], layout="zigzag", strategy=strategy)
+                        forward = rec.compute_seconds
+                        out.sum().backward()
+                        seconds = time.perf_counter() - start
+                    if i >= 2:
+                        calls[tokens][strategy].append(dict(seconds=seconds, forward_compute=forward,
+                                                            backward_compute=rec.compute_seconds - forward))
+    return calls
 
 
 def step_probe_workload(tokens_per_rank: int, strategy: str) -> Workload:
@@ -201,7 +216,13 @@ def measure_step_overheads(hw: Hardware, sizes: tuple[int, int] = PROBE_TOKENS, 
     bytes the fixed step overhead and its slope the step overhead per byte sent. Neither
     is negative: a falling line has no slope (the tiny probe's residual is the fixed
     overhead), one crossing 0 above 0 bytes goes through 0 and the larger probe instead.
-    Two ranks, one thread each, best of ``repeats``."""
+
+    Each probe's residual is its call with the least one (what the steps cost without
+    scheduling noise), on the slower of two ranks, one thread each, over ``repeats``
+    rounds. The tiny probe's compute is the kernel rates' (its measured excess over them,
+    the Python around the kernels, is part of what small shards cannot hide). The larger
+    probe's is each call's measured compute less that excess: the rates miss it by a few %,
+    as much as the overheads there, and the rates' error is not a step overhead."""
     if len(sizes) != 2 or not all(isinstance(t, int) and t > 0 for t in sizes) or sizes[0] >= sizes[1] \
             or not (isinstance(repeats, int) and repeats >= 1):
         raise ValueError(f"step probes need two shard sizes, tokens per rank, ascending, and repeats >= 1; "
@@ -210,17 +231,35 @@ def measure_step_overheads(hw: Hardware, sizes: tuple[int, int] = PROBE_TOKENS, 
     bare = replace(hw, step_overhead=0.0, strategy_step_overheads=None, strategy_step_byte_overheads=None)
     out = {}
     for strategy in PROBE_STRATEGIES:
-        probes = []
-        for tokens in sizes:
-            w = step_probe_workload(tokens, strategy)
-            seconds, predicted = max(r[tokens][strategy] for r in per_rank), cost.attention_time(w, bare)
-            stages = predicted.forward.stages + predicted.backward.stages
-            probes.append(dict(tokens_per_rank=tokens, bytes_per_stage=cost.layer_traffic(w).total / stages,
-                               seconds=seconds, predicted_seconds=predicted.seconds, stages=stages,
-                               residual_per_stage=(seconds - predicted.seconds) / stages))
+        # each call on the slower rank (the ranks make theirs in the same order)
+        slower = [[max(same, key=lambda call: call["seconds"])
+                   for same in zip(*(r[tokens][strategy] for r in per_rank))] for tokens in sizes]
+        tiny, larger = (step_probe_workload(tokens, strategy) for tokens in sizes)
+        modelled = cost.compute_seconds(tiny, bare)
+        first = _step_probe(tiny, bare, slower[0], lambda call: modelled)
+        excess = (first["forward_compute_seconds"] - modelled[0], first["backward_compute_seconds"] - modelled[1])
+        probes = [first, _step_probe(larger, bare, slower[1], lambda call: (
+            max(0.0, call["forward_compute"] - excess[0]), max(0.0, call["backward_compute"] - excess[1])))]
         out[strategy] = dict(probes=probes, **_fit_step_overhead(*((p["bytes_per_stage"], p["residual_per_stage"])
                                                                    for p in probes)))
     return dict(tokens_per_rank=list(sizes), world=2, strategies=out)
+
+
+def _step_probe(w: Workload, bare: Hardware, calls: list[dict], compute: Callable[[dict], tuple[float, float]]) -> dict:
+    """One probe of ``measure_step_overheads``: of ``calls``, the one with the least residual
+    over ``bare``'s pipelines given the (forward, backward) compute seconds ``compute(call)``."""
+    modelled = cost.attention_time(w, bare)
+    stages = modelled.forward.stages + modelled.backward.stages
+
+    def predicted(call: dict) -> float:
+        return sum(replace(p, compute=seconds / p.stages).seconds
+                   for p, seconds in zip((modelled.forward, modelled.backward), compute(call)))
+
+    call = min(calls, key=lambda c: c["seconds"] - predicted(c))
+    return dict(tokens_per_rank=w.local_len, bytes_per_stage=cost.layer_traffic(w).total / stages,
+                seconds=call["seconds"], forward_compute_seconds=call["forward_compute"],
+                backward_compute_seconds=call["backward_compute"], predicted_seconds=predicted(call),
+                stages=stages, residual_per_stage=(call["seconds"] - predicted(call)) / stages)
 
 
 def _fit_step_overhead(small: tuple[float, float], large: tuple[float, float]) -> dict[str, float]:
