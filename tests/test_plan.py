@@ -1270,17 +1270,21 @@ def test_step_overheads_are_what_probe_calls_take_beyond_the_pipeline() -> None:
         with_it = replace(hw, strategy_step_overheads=((strategy, m["step_overhead"]),),
                           strategy_step_byte_overheads=((strategy, m["step_overhead_per_byte"]),))
         tiny, larger = m["probes"]
-        excess = [tiny[f"{p}_compute_seconds"] - c for p, c in zip(("forward", "backward"), cost.compute_seconds(
-            calibrate.step_probe_workload(8, strategy), hw))]
+        excess = m["compute_excess_seconds"]  # the tiny calls' least: at most the fitted tiny call's
+        for e, p, c in zip(excess, ("forward", "backward"), cost.compute_seconds(
+                calibrate.step_probe_workload(8, strategy), hw)):
+            assert e <= tiny[f"{p}_compute_seconds"] - c
         for p in m["probes"]:
             w = calibrate.step_probe_workload(p["tokens_per_rank"], strategy)
             assert p["bytes_per_stage"] == cost.layer_traffic(w).total / p["stages"] > 0
             t = cost.attention_time(w, hw)
-            measured = (p["forward_compute_seconds"] - excess[0], p["backward_compute_seconds"] - excess[1])
+            measured = (max(0.0, p["forward_compute_seconds"] - excess[0]),
+                        max(0.0, p["backward_compute_seconds"] - excess[1]))
             assert p["predicted_seconds"] == pytest.approx(t.seconds if p is tiny else sum(
                 replace(one, compute=c / one.stages).seconds for one, c in zip((t.forward, t.backward), measured)))
             assert p["seconds"] > 0 and p["residual_per_stage"] == pytest.approx(
                 (p["seconds"] - p["predicted_seconds"]) / p["stages"])
+            # the fitted figures, given to the planner, add the line at each probe's bytes
             line = m["step_overhead"] + m["step_overhead_per_byte"] * p["bytes_per_stage"]
             assert cost.attention_time(w, with_it).seconds == pytest.approx(t.seconds + p["stages"] * line)
         assert 0 < larger["forward_compute_seconds"] and 0 < larger["backward_compute_seconds"]
@@ -1311,7 +1315,11 @@ def test_step_overhead_fit_is_the_line_through_both_probes_clamped_at_zero(monke
     """The fit on synthetic probes: each strategy's least-noisy call at each size takes its
     pipeline plus ``residuals`` per stage, the Python around its kernels (2e-4 s a pass)
     counted as compute and part of the residual, and at the larger size the kernel rates
-    off by ``rate_error``, which the fit must not take for a step overhead."""
+    off by ``rate_error``, which the fit must not take for a step overhead. Around those
+    calls: scheduling noise, a call the faster rank made early (the slower rank's time is
+    the call's), a tiny call with more compute (the excess is the calls' least) and a
+    larger call faster by less than its compute is (the least residual, not the least
+    seconds)."""
     hw = local_hardware(dict(attention_flops=5e10, bandwidth=1e9))
     stages = {s: 2 * cost.attention_time(calibrate.step_probe_workload(8, s), hw).forward.stages
               for s in calibrate.PROBE_STRATEGIES}  # the probe's forward and backward have as many
@@ -1321,9 +1329,10 @@ def test_step_overhead_fit_is_the_line_through_both_probes_clamped_at_zero(monke
 
     def fake_run_local(fn, world, args, threads):
         sizes, _ = args
-        out = {}
+        ranks = ({}, {})
         for tokens, residual, error in zip(sizes, residuals, (0.0, rate_error)):
-            out[tokens] = {}
+            for r in ranks:
+                r[tokens] = {}
             for s in calibrate.PROBE_STRATEGIES:
                 t = cost.attention_time(calibrate.step_probe_workload(tokens, s), hw)
                 arithmetic = [one.compute * one.stages * (1 + error) for one in (t.forward, t.backward)]
@@ -1331,9 +1340,17 @@ def test_step_overhead_fit_is_the_line_through_both_probes_clamped_at_zero(monke
                               for one, c in zip((t.forward, t.backward), arithmetic))
                 clean = dict(seconds=seconds + residual * stages[s], forward_compute=arithmetic[0] + python,
                              backward_compute=arithmetic[1] + python)
-                noisy = dict(clean, seconds=clean["seconds"] + 5e-3)  # scheduling noise: not the one fitted
-                out[tokens][s] = [noisy, clean, noisy]
-        return [out, out]
+                noisy = dict(clean, seconds=clean["seconds"] + 5e-3)
+                early = dict(clean, seconds=clean["seconds"] - 2e-3)  # rank 0 only; rank 1 makes it noisy
+                if tokens == sizes[0]:  # the clean call itself with more compute: the excess is not its
+                    odd = dict(clean, forward_compute=clean["forward_compute"] + 1e-3)
+                    clean = dict(noisy, forward_compute=clean["forward_compute"])
+                else:  # 1 ms faster, with 2 ms less compute each pass: its residual is 3 ms more
+                    odd = dict(clean, seconds=clean["seconds"] - 1e-3, forward_compute=clean["forward_compute"] - 2e-3,
+                               backward_compute=clean["backward_compute"] - 2e-3)
+                ranks[0][tokens][s] = [noisy, early, odd, clean]
+                ranks[1][tokens][s] = [noisy, noisy, odd, clean]
+        return list(ranks)
 
     monkeypatch.setattr(calibrate, "run_local", fake_run_local)
     for m in calibrate.measure_step_overheads(hw, sizes=(8, 1000))["strategies"].values():

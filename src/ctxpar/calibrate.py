@@ -157,15 +157,17 @@ def measure_launch_overhead(calls: int = 200, repeats: int = 5, threads: int = 1
 PROBE_STRATEGIES = CANDIDATES  # the strategies auto chooses among
 
 
-SMALL_PROBE_CALLS = 8  # calls per round of a probe an eighth the largest's size or less: milliseconds each, noisier
+# a probe of at most 1/SMALL_PROBE_SHARE the largest's tokens makes SMALL_PROBE_CALLS calls a
+# round: each takes milliseconds, and the least noisy of more of them is cheap
+SMALL_PROBE_SHARE, SMALL_PROBE_CALLS = 8, 8
 
 
 def _probe_rank(rank: int, world: int, sizes: tuple[int, ...], repeats: int) -> dict[int, dict[str, list[dict]]]:
     """Per shard size (tokens per rank), per strategy, every timed call of one attention
     forward + backward: {seconds, forward_compute, backward_compute}, the compute being the
-    wall seconds of its kernels and merges (``ctxpar.record()``). Each round calls every
-    size and strategy (interleaved, so drift hits them alike), a small size
-    ``SMALL_PROBE_CALLS`` times."""
+    wall seconds of its compute blocks: kernels, merges and the Python around them
+    (``ctxpar.record()``). Each round calls every size and strategy (interleaved, so drift
+    hits them alike), a small size ``SMALL_PROBE_CALLS`` times."""
     import torch.distributed as dist
 
     from ctxpar import profile
@@ -182,7 +184,7 @@ def _probe_rank(rank: int, world: int, sizes: tuple[int, ...], repeats: int) -> 
     for i in range(repeats + 2):  # two untimed rounds connect the ranks and warm the allocator
         for tokens in sizes:
             for strategy in PROBE_STRATEGIES:
-                for _ in range(SMALL_PROBE_CALLS if SMALL_PROBE_CALLS * tokens <= sizes[-1] else 1):
+                for _ in range(SMALL_PROBE_CALLS if SMALL_PROBE_SHARE * tokens <= sizes[-1] else 1):
                     dist.barrier()
                     with profile.record() as rec:
                         start = time.perf_counter()
@@ -219,10 +221,16 @@ def measure_step_overheads(hw: Hardware, sizes: tuple[int, int] = PROBE_TOKENS, 
 
     Each probe's residual is its call with the least one (what the steps cost without
     scheduling noise), on the slower of two ranks, one thread each, over ``repeats``
-    rounds. The tiny probe's compute is the kernel rates' (its measured excess over them,
-    the Python around the kernels, is part of what small shards cannot hide). The larger
-    probe's is each call's measured compute less that excess: the rates miss it by a few %,
-    as much as the overheads there, and the rates' error is not a step overhead."""
+    rounds. The tiny probe's compute is the kernel rates' (its calls' least measured excess
+    over them, the Python around the kernels, is part of what small shards cannot hide).
+    The larger probe's is each call's measured compute less that excess: the rates miss it
+    by a few %, as much as the overheads there, and the rates' error is not a step
+    overhead. What the compute blocks do beyond their kernels that grows with the shard
+    (merges into the accumulators, gradient adds, the all-gather's dK/dV shares) goes
+    with the measured compute, out of the residual: it scales with a rank's queries, not
+    with the bytes a stage sends, and neither line nor rates model it (the ring's
+    1024-token probe: 2.3 ms of its 144 ms of compute against 0.27 of 0.67 at 8 tokens,
+    0.66 ns per byte sent were it charged per byte)."""
     if len(sizes) != 2 or not all(isinstance(t, int) and t > 0 for t in sizes) or sizes[0] >= sizes[1] \
             or not (isinstance(repeats, int) and repeats >= 1):
         raise ValueError(f"step probes need two shard sizes, tokens per rank, ascending, and repeats >= 1; "
@@ -235,31 +243,32 @@ def measure_step_overheads(hw: Hardware, sizes: tuple[int, int] = PROBE_TOKENS, 
         slower = [[max(same, key=lambda call: call["seconds"])
                    for same in zip(*(r[tokens][strategy] for r in per_rank))] for tokens in sizes]
         tiny, larger = (step_probe_workload(tokens, strategy) for tokens in sizes)
-        modelled = cost.compute_seconds(tiny, bare)
-        first = _step_probe(tiny, bare, slower[0], lambda call: modelled)
-        excess = (first["forward_compute_seconds"] - modelled[0], first["backward_compute_seconds"] - modelled[1])
-        probes = [first, _step_probe(larger, bare, slower[1], lambda call: (
-            max(0.0, call["forward_compute"] - excess[0]), max(0.0, call["backward_compute"] - excess[1])))]
-        out[strategy] = dict(probes=probes, **_fit_step_overhead(*((p["bytes_per_stage"], p["residual_per_stage"])
-                                                                   for p in probes)))
+        at_rates = cost.compute_seconds(tiny, bare)
+        excess = tuple(min(call[f"{p}_compute"] for call in slower[0]) - c
+                       for p, c in zip(("forward", "backward"), at_rates))
+        probes = [_step_probe(tiny, bare, slower[0], lambda call: at_rates),
+                  _step_probe(larger, bare, slower[1], lambda call: (
+                      max(0.0, call["forward_compute"] - excess[0]), max(0.0, call["backward_compute"] - excess[1])))]
+        out[strategy] = dict(probes=probes, compute_excess_seconds=list(excess),
+                             **_fit_step_overhead(*((p["bytes_per_stage"], p["residual_per_stage"]) for p in probes)))
     return dict(tokens_per_rank=list(sizes), world=2, strategies=out)
 
 
 def _step_probe(w: Workload, bare: Hardware, calls: list[dict], compute: Callable[[dict], tuple[float, float]]) -> dict:
     """One probe of ``measure_step_overheads``: of ``calls``, the one with the least residual
     over ``bare``'s pipelines given the (forward, backward) compute seconds ``compute(call)``."""
-    modelled = cost.attention_time(w, bare)
-    stages = modelled.forward.stages + modelled.backward.stages
+    pipelines = cost.attention_time(w, bare)
+    stages = pipelines.forward.stages + pipelines.backward.stages
 
     def predicted(call: dict) -> float:
         return sum(replace(p, compute=seconds / p.stages).seconds
-                   for p, seconds in zip((modelled.forward, modelled.backward), compute(call)))
+                   for p, seconds in zip((pipelines.forward, pipelines.backward), compute(call)))
 
-    call = min(calls, key=lambda c: c["seconds"] - predicted(c))
+    residual, call = min(((c["seconds"] - predicted(c), c) for c in calls), key=lambda pair: pair[0])
     return dict(tokens_per_rank=w.local_len, bytes_per_stage=cost.layer_traffic(w).total / stages,
                 seconds=call["seconds"], forward_compute_seconds=call["forward_compute"],
-                backward_compute_seconds=call["backward_compute"], predicted_seconds=predicted(call),
-                stages=stages, residual_per_stage=(call["seconds"] - predicted(call)) / stages)
+                backward_compute_seconds=call["backward_compute"], predicted_seconds=call["seconds"] - residual,
+                stages=stages, residual_per_stage=residual / stages)
 
 
 def _fit_step_overhead(small: tuple[float, float], large: tuple[float, float]) -> dict[str, float]:
@@ -406,8 +415,9 @@ def format_calibration(c: dict) -> str:
           if "matmul" in c else []),
         *([f"  one tiny attention kernel call: {c['launch_overhead'] * 1e6:.1f} us (launch overhead)"]
           if "launch_overhead" in c else []),
-        *(["  attention forward + backward, 2 ranks, measured / predicted without step overheads, per "
-           "pipeline stage: " + "; ".join(_format_step(s, m) for s, m in c["step"]["strategies"].items())]
+        *(["  attention forward + backward, 2 ranks, measured / predicted without step overheads (the "
+           "larger shards' from their measured compute), per pipeline stage: "
+           + "; ".join(_format_step(s, m) for s, m in c["step"]["strategies"].items())]
           if "step" in c else []),
         f"  gloo ring hop between 2 local ranks: {link['message_bytes'] / 2**20:.0f} MiB in "
         f"{link['seconds'] * 1e3:.2f} ms -> {c['bandwidth'] / 1e9:.3f} GB/s per direction; a 4-byte hop "
