@@ -1239,8 +1239,11 @@ def test_calibration_gives_three_rates_and_the_launch_overhead(monkeypatch) -> N
     assert 0 < hw.launch_overhead == c["launch_overhead"] < 1e-2
     assert "launch overhead" in calibrate.format_calibration(c)
     # the curve: the sizes below the (here 256-token) block, then the block's own
-    assert [row[0] for row in hw.attention_size_curve] == [64, 128, 256] and hw.attention_size_curve[-1][1:] == (1, 1)
-    assert hw.attention_size_scale(8192) == (1.0, 1.0) and hw.attention_size_scale(32) == hw.attention_size_curve[0][1:]
+    # a full kernel of the block's size runs above the causal one's rate, which the curves are fractions of
+    assert [row[0] for row in hw.attention_size_curve] == [64, 128, 256] and hw.attention_size_curve[-1][1] > 1
+    assert hw.attention_causal_size_curve[-1][1:] == (1, 1) and hw.attention_size_scale(8192, True) == (1.0, 1.0)
+    assert hw.attention_size_scale(8192) == hw.attention_size_curve[-1][1:]
+    assert hw.attention_size_scale(32) == hw.attention_size_curve[0][1:]
     old = {k: v for k, v in c.items() if k not in ("matmul_flops", "launch_overhead", "step_overhead",
                                                    "strategy_step_overheads", "strategy_step_byte_overheads")}
     assert (local_hardware(old).matmul_flops, local_hardware(old).launch_overhead) == (c["attention_flops"], 0.0)
@@ -1413,6 +1416,28 @@ def test_time_sharing_slows_overheads_and_a_given_step_overhead_replaces_measure
     assert given.step_overhead_for("alltoall") == given.step_overhead_for("ring") == 5e-4
     assert given.step_overhead_per_byte("alltoall") == 0.0
     assert "overridden: step_overhead" in given.source
+
+
+def test_size_curves_are_fractions_of_the_causal_block_rate(monkeypatch) -> None:
+    """Kernels whose full rate is 1.25x their causal rate per visible pair, whatever their
+    size: the full curve says 1.25 everywhere (a full tile runs that much faster than the
+    causal rate the hardware takes), the causal curve 1. A full reference is refused."""
+    def fake(repeats: int = 3, threads: int = 1, tokens: int | None = None, causal: bool = True) -> dict:
+        s = tokens or calibrate.BLOCK["tokens"]
+        flops = 4 * 8 * 64 * (s * (s + 1) // 2 if causal else s * s)
+        rate = 1e9 if causal else 1.25e9
+        return dict(block=dict(calibrate.BLOCK), causal=causal, forward_flops=flops, forward_seconds=flops / rate,
+                    backward_seconds=2 * flops / rate)
+
+    monkeypatch.setattr(calibrate, "measure_attention", fake)
+    causal_block = fake()
+    full, causal = (calibrate.measure_size_curve(causal=c, reference=causal_block) for c in (False, True))
+    assert [row[0] for row in full] == [*calibrate.CURVE_TOKENS, calibrate.BLOCK["tokens"]]
+    assert all(f == pytest.approx(1.25) and b == pytest.approx(1.25) for _, f, b in full)
+    assert all(f == pytest.approx(1) and b == pytest.approx(1) for _, f, b in causal)
+    assert calibrate.measure_size_curve()[-1][1:] == [pytest.approx(1.25), pytest.approx(1.25)]  # measures its own
+    with pytest.raises(ValueError, match="fractions of the block's causal kernel"):
+        calibrate.measure_size_curve(reference=fake(causal=False))
 
 
 def test_small_kernels_run_at_the_size_curve_rate() -> None:

@@ -103,7 +103,7 @@ def measure_attention(repeats: int = 3, threads: int = 1, tokens: int | None = N
         fwd = min(_cpu_seconds(forward) for _ in range(repeats))
         bwd = min(_cpu_seconds(backward) for _ in range(repeats))
     flops = 4 * b * h * d * (s * (s + 1) // 2 if causal else s * s)  # visible (query, key) pairs
-    return dict(block=dict(BLOCK), threads=threads, forward_seconds=fwd, backward_seconds=bwd,
+    return dict(block=dict(BLOCK), causal=causal, threads=threads, forward_seconds=fwd, backward_seconds=bwd,
                 forward_flops=flops, backward_to_forward_seconds=bwd / fwd,
                 attention_flops=3.5 * flops / (fwd + bwd))
 
@@ -113,19 +113,27 @@ CURVE_TOKENS = (64, 128, 256, 512, 1024, 2048)  # kernel sizes below the block's
 
 def measure_size_curve(repeats: int = 3, causal: bool = False, reference: dict | None = None) -> list[list[float]]:
     """[tokens, forward, backward]: the rates of a kernel of ``tokens`` queries and keys,
-    full (unmasked) or causal, as fractions of one of the block's size, for each of
-    CURVE_TOKENS below it, and the block's (1, 1). A causal kernel computes the tiles
-    straddling its diagonal whole, so its rate falls faster as it shrinks. ``reference``:
-    the block's ``measure_attention`` with the same ``causal``, if already measured."""
-    reference = reference or measure_attention(repeats=repeats, causal=causal)
+    full (unmasked) or causal, for each of CURVE_TOKENS below the block's size and the
+    block's own, as fractions of the block's causal kernel's (``reference``, measured here
+    if not given): the rates the hardware takes (``local_hardware``). A causal kernel
+    computes the tiles straddling its diagonal whole, so its rate falls faster as it
+    shrinks, and a full kernel of the block's size runs above 1 (1.12-1.14 here)."""
+    reference = reference or measure_attention(repeats=repeats)
+    if not reference["causal"]:
+        raise ValueError("the size curves are fractions of the block's causal kernel's rates: pass its measurement")
+
+    def fractions(m: dict) -> list[float]:
+        return [reference["forward_seconds"] / reference["forward_flops"] * m["forward_flops"] / m["forward_seconds"],
+                reference["backward_seconds"] / reference["forward_flops"] * m["forward_flops"] / m["backward_seconds"]]
+
+    block = reference["block"]["tokens"]
     curve = []
-    for tokens in (t for t in CURVE_TOKENS if t < reference["block"]["tokens"]):
+    for tokens in (t for t in CURVE_TOKENS if t < block):
         # small kernels take microseconds and time noisily: more repeats, at little cost
         m = measure_attention(repeats=repeats * max(1, 1024 // tokens), tokens=tokens, causal=causal)
-        curve.append([tokens, reference["forward_seconds"] / reference["forward_flops"] * m["forward_flops"]
-                      / m["forward_seconds"], reference["backward_seconds"] / reference["forward_flops"]
-                      * m["forward_flops"] / m["backward_seconds"]])
-    return curve + [[reference["block"]["tokens"], 1.0, 1.0]]
+        curve.append([tokens, *fractions(m)])
+    own = reference if causal else measure_attention(repeats=repeats, tokens=block, causal=False)
+    return curve + [[block, *fractions(own)]]
 
 
 def measure_matmul(n: int = 1024, repeats: int = 3, threads: int = 1) -> dict:
@@ -344,7 +352,7 @@ def machine() -> str:
 def calibrate() -> dict:
     """Every measurement (about 25 s on a 2-core CPU); the dict ``hardware.local_hardware`` reads."""
     attention = measure_attention()
-    curve, causal_curve = measure_size_curve(), measure_size_curve(causal=True, reference=attention)
+    curve, causal_curve = (measure_size_curve(causal=causal, reference=attention) for causal in (False, True))
     matmul = measure_matmul()
     link = measure_link()
     measured = dict(machine=machine(), attention_flops=attention["attention_flops"], bandwidth=link["bandwidth"],
@@ -405,7 +413,8 @@ def format_calibration(c: dict) -> str:
         f"  -> {c['attention_flops'] / 1e9:.1f} GFLOP/s = 3.5 x {a['forward_flops']:,} FLOPs / (forward + backward); "
         f"forward {a['forward_flops'] / a['forward_seconds'] / 1e9:.1f}, backward "
         f"{BACKWARD_FLOPS_RATIO * a['forward_flops'] / a['backward_seconds'] / 1e9:.1f} GFLOP/s",
-        *(["  full attention kernels by size (rate as a fraction of T=4096's, forward / backward): " + ", ".join(
+        *(["  full attention kernels by size (rate as a fraction of the causal T=4096 kernel's, forward / "
+           "backward): " + ", ".join(
             f"T={int(t)} {f:.2f}/{b:.2f}" for t, f, b in c["attention_size_curve"])]
           if "attention_size_curve" in c else []),
         *(["  causal attention kernels by size (likewise): " + ", ".join(
