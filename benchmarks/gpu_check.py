@@ -376,7 +376,9 @@ def calibration(device: torch.device, dtype: torch.dtype, shape: dict, sizes: tu
             k_.attention_forward(tiny, tiny, tiny, causal=True, scale=0.125)
 
     launch = _timed(many, device, max(repeat, 3)) / calls
-    largest = {c: max((r for r in attention if r["causal"] == c), key=lambda r: r["seq"]) for c in (True, False)}
+    # the largest causal kernel's rates are the preset's: both size curves are fractions of them
+    # (a full kernel runs above 1 per visible pair, having no diagonal tiles to compute whole)
+    largest = max((r for r in attention if r["causal"]), key=lambda r: r["seq"])
     # the planner runs a tile at the size curve's rate for its keys (docs/planner.md section 6,
     # measured on CPU): half-key and half-query tiles of the two largest sizes, to check it here
     rectangles = []
@@ -388,16 +390,16 @@ def calibration(device: torch.device, dtype: torch.dtype, shape: dict, sizes: tu
                                    / square["forward_flops"], backward_over_square=r["backward_flops"]
                                    / square["backward_flops"]))
     result = dict(shape=shape, dtype=str(dtype).removeprefix("torch."), attention=attention,
-                  size_curve={("causal" if c else "full"): [[r["seq"], r["forward_flops"] / largest[c]["forward_flops"],
-                                                              r["backward_flops"] / largest[c]["backward_flops"]]
+                  size_curve={("causal" if c else "full"): [[r["seq"], r["forward_flops"] / largest["forward_flops"],
+                                                              r["backward_flops"] / largest["backward_flops"]]
                                                              for r in attention if r["causal"] == c]
                               for c in (True, False)},
                   rectangles=rectangles, matmul_n=matmul_n, matmul_flops=matmul, memory_bandwidth=memory,
                   launch_overhead=launch)
     preset = hardware_for(device) if device.type == "cuda" else None  # the preset strategy="auto" uses here
     if preset is not None:
-        measured = dict(attention_forward_rate=largest[True]["forward_flops"],
-                        attention_backward_rate=largest[True]["backward_flops"], matmul_rate=matmul,
+        measured = dict(attention_forward_rate=largest["forward_flops"],
+                        attention_backward_rate=largest["backward_flops"], matmul_rate=matmul,
                         memory_bandwidth=memory)
         result["preset"] = dict(name=preset.name, **{key: dict(preset=getattr(preset, key), measured=value,
                                                               measured_over_preset=value / getattr(preset, key))

@@ -8,6 +8,7 @@ import os
 import re
 import subprocess
 import sys
+import warnings
 from dataclasses import replace
 
 import pytest
@@ -696,6 +697,16 @@ def test_local_hardware_from_a_calibration_file(tmp_path) -> None:
     assert (hw.flops, hw.bandwidth(2)) == (1e11, 2e9)
     with pytest.raises(ValueError, match="use them with --hardware local"):
         calibrate.plan_calibration("H100-SXM", measure=False, path=str(path))
+    # a size curve measured before it was a fraction of the causal kernel's rate: loaded, with a warning
+    old = dict(attention_flops=1e11, bandwidth=2e9, attention_size_curve=[[64, 0.5, 0.9], [4096, 1, 1]],
+               attention=dict(forward_seconds=1.0, backward_seconds=2.0, forward_flops=1e9))
+    path.write_text(json.dumps(old))
+    with pytest.warns(UserWarning, match="calibrated before 2026-12-01: .* charges full tiles 12-14% too slowly"):
+        assert calibrate.load_calibration(str(path)) == old
+    path.write_text(json.dumps(dict(old, attention=dict(old["attention"], causal=True))))
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        calibrate.load_calibration(str(path))
 
 
 def test_gloo_link_and_memory_are_measured() -> None:
@@ -1419,23 +1430,28 @@ def test_time_sharing_slows_overheads_and_a_given_step_overhead_replaces_measure
 
 
 def test_size_curves_are_fractions_of_the_causal_block_rate(monkeypatch) -> None:
-    """Kernels whose full rate is 1.25x their causal rate per visible pair, whatever their
-    size: the full curve says 1.25 everywhere (a full tile runs that much faster than the
-    causal rate the hardware takes), the causal curve 1. A full reference is refused."""
+    """Kernels whose rate grows with their size (s / block per visible pair), a full one's
+    forward 1.25x and backward 1.1x a causal one's: the full curve says 1.25 and 1.1 times
+    the size's share (a full tile runs that much faster than the causal rate the hardware
+    takes), the causal curve the share alone, exactly 1 at the block. A full reference is
+    refused."""
+    block = calibrate.BLOCK["tokens"]
+
     def fake(repeats: int = 3, threads: int = 1, tokens: int | None = None, causal: bool = True) -> dict:
-        s = tokens or calibrate.BLOCK["tokens"]
+        s = tokens or block
         flops = 4 * 8 * 64 * (s * (s + 1) // 2 if causal else s * s)
-        rate = 1e9 if causal else 1.25e9
-        return dict(block=dict(calibrate.BLOCK), causal=causal, forward_flops=flops, forward_seconds=flops / rate,
-                    backward_seconds=2 * flops / rate)
+        forward, backward = (1e9 * s / block * (1 if causal else ratio) for ratio in (1.25, 1.1))
+        return dict(block=dict(calibrate.BLOCK), causal=causal, forward_flops=flops, forward_seconds=flops / forward,
+                    backward_seconds=2 * flops / backward)
 
     monkeypatch.setattr(calibrate, "measure_attention", fake)
     causal_block = fake()
     full, causal = (calibrate.measure_size_curve(causal=c, reference=causal_block) for c in (False, True))
-    assert [row[0] for row in full] == [*calibrate.CURVE_TOKENS, calibrate.BLOCK["tokens"]]
-    assert all(f == pytest.approx(1.25) and b == pytest.approx(1.25) for _, f, b in full)
-    assert all(f == pytest.approx(1) and b == pytest.approx(1) for _, f, b in causal)
-    assert calibrate.measure_size_curve()[-1][1:] == [pytest.approx(1.25), pytest.approx(1.25)]  # measures its own
+    assert [row[0] for row in full] == [*calibrate.CURVE_TOKENS, block]
+    assert all(f == pytest.approx(1.25 * s / block) and b == pytest.approx(1.1 * s / block) for s, f, b in full)
+    assert all(f == pytest.approx(s / block) and b == pytest.approx(s / block) for s, f, b in causal)
+    assert causal[-1] == [block, 1.0, 1.0]
+    assert calibrate.measure_size_curve()[-1][1:] == [pytest.approx(1.25), pytest.approx(1.1)]  # measures its own
     with pytest.raises(ValueError, match="fractions of the block's causal kernel"):
         calibrate.measure_size_curve(reference=fake(causal=False))
 

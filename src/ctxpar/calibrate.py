@@ -47,6 +47,7 @@ import json
 import os
 import platform
 import time
+import warnings
 from collections.abc import Callable
 from dataclasses import replace
 
@@ -117,9 +118,9 @@ def measure_size_curve(repeats: int = 3, causal: bool = False, reference: dict |
     block's own, as fractions of the block's causal kernel's (``reference``, measured here
     if not given): the rates the hardware takes (``local_hardware``). A causal kernel
     computes the tiles straddling its diagonal whole, so its rate falls faster as it
-    shrinks, and a full kernel of the block's size runs above 1 (1.12-1.14 here)."""
+    shrinks, and a full kernel of the block's size runs above 1 (1.12-1.15 here)."""
     reference = reference or measure_attention(repeats=repeats)
-    if not reference["causal"]:
+    if not reference.get("causal", True):  # measurements from before the key was kept were causal
         raise ValueError("the size curves are fractions of the block's causal kernel's rates: pass its measurement")
 
     def fractions(m: dict) -> list[float]:
@@ -132,8 +133,8 @@ def measure_size_curve(repeats: int = 3, causal: bool = False, reference: dict |
         # small kernels take microseconds and time noisily: more repeats, at little cost
         m = measure_attention(repeats=repeats * max(1, 1024 // tokens), tokens=tokens, causal=causal)
         curve.append([tokens, *fractions(m)])
-    own = reference if causal else measure_attention(repeats=repeats, tokens=block, causal=False)
-    return curve + [[block, *fractions(own)]]
+    own = [1.0, 1.0] if causal else fractions(measure_attention(repeats=repeats, tokens=block, causal=False))
+    return curve + [[block, *own]]
 
 
 def measure_matmul(n: int = 1024, repeats: int = 3, threads: int = 1) -> dict:
@@ -391,6 +392,11 @@ def load_calibration(path: str) -> dict:
     if not isinstance(found, dict) or "attention_flops" not in found:
         raise ValueError(f"{path} holds no calibration; write one with `ctxpar plan --hardware local --calibrate "
                          f"--json {path}`")
+    if "attention_size_curve" in found and "causal" not in found.get("attention", {}):
+        warnings.warn(f"{path} was calibrated before 2026-12-01: its full-kernel size curve is a fraction of a full "
+                      f"kernel's rate, not of the causal kernel's the rates are, and charges full tiles 12-14% too "
+                      f"slowly; measure again with `ctxpar plan --hardware local --calibrate --json {path}`",
+                      stacklevel=2)
     return found
 
 
