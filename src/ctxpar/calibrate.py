@@ -351,7 +351,7 @@ def machine() -> str:
 
 
 def calibrate() -> dict:
-    """Every measurement (about 25 s on a 2-core CPU); the dict ``hardware.local_hardware`` reads."""
+    """Every measurement (about 35 s on a 2-core CPU); the dict ``hardware.local_hardware`` reads."""
     attention = measure_attention()
     curve, causal_curve = (measure_size_curve(causal=causal, reference=attention) for causal in (False, True))
     matmul = measure_matmul()
