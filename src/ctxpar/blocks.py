@@ -240,8 +240,9 @@ def gathered_key_order(layout: Layout, seq_len: int, rank: int, mask: Mask):
     whole = tiles_between(layout.positions(seq_len, rank), torch.arange(seq_len), mask, seq_len)
     # Each shard the queries see costs the arrival order at least one tile: with fewer tiles
     # in position order (zigzag's few against P or more), its P plans need not be walked.
-    if len(whole) >= sum(shards_in_sight(layout, seq_len, rank, mask)):
-        by_rank = tiles_per_shard(layout, seq_len, rank, mask)
+    in_sight = shards_in_sight(layout, seq_len, rank, mask)
+    if len(whole) >= sum(in_sight):
+        by_rank = tiles_per_shard(layout, seq_len, rank, mask, in_sight)
         if len(whole) >= sum(len(t) for t in by_rank):
             return "by_rank", by_rank, None
     arrival = _every_shard(layout, seq_len).flatten()
@@ -250,11 +251,12 @@ def gathered_key_order(layout: Layout, seq_len: int, rank: int, mask: Mask):
     return "global", whole, index
 
 
-def tiles_per_shard(layout: Layout, seq_len: int, rank: int, mask: Mask) -> tuple[tuple[Tile, ...], ...]:
+def tiles_per_shard(layout: Layout, seq_len: int, rank: int, mask: Mask,
+                    in_sight: tuple[bool, ...] | None = None) -> tuple[tuple[Tile, ...], ...]:
     """``rank``'s tiles against each rank's shard (``layout_tiles``), the shards out of sight
-    skipped without a walk (``shards_in_sight``)."""
-    return tuple(layout_tiles(layout, seq_len, rank, src, mask) if seen else ()
-                 for src, seen in enumerate(shards_in_sight(layout, seq_len, rank, mask)))
+    skipped without a walk (``shards_in_sight``, found here unless the caller has it)."""
+    in_sight = in_sight or shards_in_sight(layout, seq_len, rank, mask)
+    return tuple(layout_tiles(layout, seq_len, rank, src, mask) if seen else () for src, seen in enumerate(in_sight))
 
 
 def shards_in_sight(layout: Layout, seq_len: int, rank: int, mask: Mask) -> tuple[bool, ...]:
