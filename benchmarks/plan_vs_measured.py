@@ -12,7 +12,8 @@ ranks, one thread each; H=8, H_kv=2, D=64, float32, causal, zigzag) and compares
 - attention CPU seconds (the demo's ``attn_seconds``: process CPU time in kernels and
   merges, forward + backward): 4·B·D·(pairs·heads of the rank) FLOPs forward and 2.5x
   backward at the calibrated forward and backward rates, each tile of the rank's block
-  plan at the size curve's rate for its keys (``cost.compute_seconds``; the rank's work
+  plan at the size curve's rate for its keys, plus what each tile costs beyond its kernel
+  (``cost.compute_seconds``; the rank's work
   alone against the same prediction: ``rank_work.py``). CPU time does not grow
   when ranks time-share cores, so no oversubscription term;
 - wall seconds of the forward + backward: the planner's pipeline

@@ -10,7 +10,8 @@ all-gather strategies do between their transfers (``blockwise.forward_tiles`` /
 ``backward_tiles`` over the rank's block plan, the all-gather's head groups and key
 order; random K/V in place of the gathered ones) in this one process, one thread, and
 takes the best of ``--repeat`` runs of the process CPU time, forward + backward. Against it:
-``cost.compute_seconds(w, hw, rank)`` (each tile at the size curve's rate for its keys).
+``cost.compute_seconds(w, hw, rank)`` (each tile at the size curve's rate for its keys,
+plus its merge and gradient adds: ``cost.tile_overhead_seconds``).
 The demo's shape: H=8, H_kv=2, D=64, float32, causal, zigzag. Error = predicted / timed - 1.
 """
 

@@ -8,6 +8,7 @@ import os
 import re
 import subprocess
 import sys
+import time
 import warnings
 from dataclasses import replace
 
@@ -24,7 +25,7 @@ from ctxpar.plan import inference, inference_report, planner, traffic, work
 from ctxpar.plan.baseline import VERDICTS, baseline
 from ctxpar.plan.cost import Pipeline
 from ctxpar.plan.documents import pack, parse_doc_dist, parse_lengths, sample_lengths
-from ctxpar.plan.hardware import local_hardware
+from ctxpar.plan.hardware import TILE_OVERHEADS, local_hardware
 from ctxpar.plan.memory import (layers_in_flight, memory_per_gpu, parameters_per_gpu, saved_bytes_per_layer,
                                 saved_tensors_per_token, sequence_tensors)
 from ctxpar.plan.recommend import crossover, fits_up_to, recommend, variant
@@ -1249,6 +1250,10 @@ def test_calibration_gives_three_rates_and_the_launch_overhead(monkeypatch) -> N
     assert hw.matmul_flops == c["matmul_flops"] == 2 * 1024**3 / c["matmul"]["seconds"]
     assert 0 < hw.launch_overhead == c["launch_overhead"] < 1e-2
     assert "launch overhead" in calibrate.format_calibration(c)
+    assert (hw.tile_forward_overhead, hw.tile_backward_seconds_per_byte) == \
+        (c["tile_forward_overhead"], c["tiles"]["tile_backward_seconds_per_byte"])
+    assert "a tile beyond its kernel call (merging its output, adding its gradients): forward " in \
+        calibrate.format_calibration(c)
     # the curve: the sizes below the (here 256-token) block, then the block's own
     # a full kernel of the block's size runs above the causal one's rate, which the curves are fractions of
     assert [row[0] for row in hw.attention_size_curve] == [64, 128, 256] and hw.attention_size_curve[-1][1] > 1
@@ -1256,9 +1261,11 @@ def test_calibration_gives_three_rates_and_the_launch_overhead(monkeypatch) -> N
     assert hw.attention_size_scale(8192) == hw.attention_size_curve[-1][1:]
     assert hw.attention_size_scale(32) == hw.attention_size_curve[0][1:]
     old = {k: v for k, v in c.items() if k not in ("matmul_flops", "launch_overhead", "step_overhead",
-                                                   "strategy_step_overheads", "strategy_step_byte_overheads")}
+                                                   "strategy_step_overheads", "strategy_step_byte_overheads",
+                                                   *TILE_OVERHEADS)}
     assert (local_hardware(old).matmul_flops, local_hardware(old).launch_overhead) == (c["attention_flops"], 0.0)
     assert local_hardware(old).step_overhead_for("alltoall") == local_hardware(old).step_overhead_per_byte("ring") == 0
+    assert all(getattr(local_hardware(old), key) == 0 for key in TILE_OVERHEADS)
     one_probe = dict(c, step=dict(tokens_per_rank=8, world=2, strategies={"ring": dict(
         seconds=4e-3, predicted_seconds=1e-3, stages=4, step_overhead=7.5e-4)}))  # before per-byte overheads
     assert "ring 4.00 / 1.00 ms -> 750 us" in calibrate.format_calibration(one_probe)
@@ -1267,7 +1274,7 @@ def test_calibration_gives_three_rates_and_the_launch_overhead(monkeypatch) -> N
             with pytest.raises(ValueError, match=f"calibration '{key}' is"):
                 local_hardware(dict(c, **{key: table}))
     for key, value in (("step_overhead", None), ("launch_overhead", -1.0), ("latency", float("nan")),
-                       ("memory_bandwidth", "fast")):
+                       ("memory_bandwidth", "fast"), ("tile_backward_seconds_per_byte", -1e-10)):
         with pytest.raises(ValueError, match=f"calibration '{key}' is .*, not a number >= 0"):
             local_hardware(dict(c, **{key: value}))
 
@@ -1520,6 +1527,89 @@ def test_each_tile_runs_at_the_size_rate_for_its_keys() -> None:
         assert got[0] == pytest.approx(base[0] * expected(rank, 0.75, 0.75, 0.25))
     assert local_hardware(dict(attention_flops=1e11, bandwidth=1e9)).size_curve_by_keys
     assert not get_hardware("H200").size_curve_by_keys
+
+
+TILE_COSTS = dict(tile_forward_overhead=6e-5, tile_backward_overhead=3e-5, tile_forward_seconds_per_byte=4e-10,
+                  tile_backward_seconds_per_byte=3e-10)
+
+
+@pytest.mark.parametrize("strategy", ["ring", "allgather", "alltoall", "hybrid"])
+def test_each_tile_costs_its_merge_and_gradient_adds_beyond_its_kernel(strategy) -> None:
+    """H=8, H_kv=2, D=64, float32 accumulators (256 bytes per row and head), T=4096 on 4
+    ranks, zigzag (S = 1024). A tile of q queries and k keys over h (h_kv) heads costs
+    a + c·256·q·h forward and b + e·256·(q·h + 2·k·h_kv) backward, on top of its kernel,
+    in the rank's compute (so behind the transfers, like the kernels).
+
+    ring, rank r: its causal S x S diagonal, r tiles of S x S/2, 3 - r of S/2 x S, all heads.
+    allgather, rank 3: per head group (two, of 4 and 1 heads), S x 3S/2 full and its S x S
+    diagonal. alltoall: one causal T x T tile over 2 heads and 1 KV head (the two KV heads
+    copied to four ranks). hybrid (U=2): two ring steps, each one tile of 2S x 2S over 4
+    heads and 1 KV head."""
+    a, b, c, e = (TILE_COSTS[k] for k in ("tile_forward_overhead", "tile_backward_overhead",
+                                         "tile_forward_seconds_per_byte", "tile_backward_seconds_per_byte"))
+    bare = local_hardware(dict(attention_flops=5e10, bandwidth=1e9))
+    hw = replace(bare, **TILE_COSTS)
+    w = Workload(attention_only(8, 2, 64), batch=1, seq=4096, dtype="float32", cp=4, strategy=strategy,
+                 ulysses=2 if strategy == "hybrid" else None)
+    s, row = 1024, 256
+
+    def cost_of(tiles, heads, kv_heads):  # tiles: (count, queries, keys)
+        return (sum(n * (a + c * row * q * heads) for n, q, _ in tiles),
+                sum(n * (b + e * row * (q * heads + 2 * k * kv_heads)) for n, q, k in tiles))
+
+    expected = {
+        "ring": {r: cost_of([(1, s, s), (r, s, s // 2), (3 - r, s // 2, s)], 8, 2) for r in range(4)},
+        "allgather": {3: tuple(2 * x for x in cost_of([(1, s, 3 * s // 2), (1, s, s)], 4, 1))},
+        "alltoall": {0: cost_of([(1, 4096, 4096)], 2, 1)},
+        "hybrid": {0: cost_of([(2, 2 * s, 2 * s)], 4, 1)},
+    }[strategy]
+    for rank, (forward, backward) in expected.items():
+        got = cost.tile_overhead_seconds(w, hw, rank)
+        assert got == (pytest.approx(forward), pytest.approx(backward))
+        with_tiles, without = cost.compute_seconds(w, hw, rank), cost.compute_seconds(w, bare, rank)
+        assert (with_tiles[0] - without[0], with_tiles[1] - without[1]) == (pytest.approx(forward),
+                                                                            pytest.approx(backward))
+        assert cost.tile_overhead_seconds(w, bare, rank) == (0.0, 0.0)
+    # the tiles cost CPU time: ranks time-sharing a core pay it over their share
+    assert cost.tile_overhead_seconds(w, hw.with_compute_share(0.5), rank) == (pytest.approx(2 * forward),
+                                                                                 pytest.approx(2 * backward))
+
+
+def test_tile_overheads_are_what_the_tile_loop_adds_to_its_kernel(monkeypatch) -> None:
+    """Measured on real tiles: the fit is the line through the two tiles' (bytes they
+    accumulate, seconds beyond the kernel); a merge made 2 ms slower shows in the forward's
+    fixed part and nowhere else, and a kernel made slower does not (it is subtracted)."""
+    monkeypatch.setattr(calibrate, "BLOCK", dict(batch=1, heads=2, kv_heads=1, head_dim=16, tokens=256))
+    from ctxpar.strategies import blockwise
+    from ctxpar import kernels
+
+    def fitted(m: dict) -> dict:
+        for p in ("forward", "backward"):
+            line = calibrate._line_through(*((r[f"{p}_bytes"], r[f"{p}_extra_seconds"]) for r in m["tiles"]))
+            assert line == (m[f"tile_{p}_overhead"], m[f"tile_{p}_seconds_per_byte"])
+            assert min(line) >= 0
+        return m
+
+    m = fitted(calibrate.measure_tile_overheads(calls=2000))
+    assert [(r["queries"], r["keys"]) for r in m["tiles"]] == list(calibrate.TILE_PROBES)
+    small, large = m["tiles"]
+    assert (large["forward_bytes"], large["backward_bytes"]) == (4 * 256 * 2 * 16, 4 * (256 * 2 + 2 * 256) * 16)
+    assert 0 < m["tile_forward_overhead"] < 1e-3
+    merge, kernel = blockwise.merge_into, kernels.attention_forward
+
+    def slow(fn):
+        def wrapped(*args, **kwargs):
+            time.sleep(2e-3)
+            return fn(*args, **kwargs)
+        return wrapped
+
+    monkeypatch.setattr(blockwise, "merge_into", slow(merge))
+    slow_merge = fitted(calibrate.measure_tile_overheads(calls=2000))
+    assert slow_merge["tile_forward_overhead"] > m["tile_forward_overhead"] + 1.5e-3
+    assert slow_merge["tile_backward_overhead"] < 1e-3
+    monkeypatch.setattr(blockwise, "merge_into", merge)
+    monkeypatch.setattr(kernels, "attention_forward", slow(kernel))
+    assert fitted(calibrate.measure_tile_overheads(calls=2000))["tile_forward_overhead"] < 1e-3
 
 
 def test_published_cp_runs_within_a_quarter(tmp_path) -> None:

@@ -18,6 +18,10 @@ for ``ctxpar plan --calibrate`` and ``--calibration``.
 - Launch overhead: the wall seconds of one attention kernel call on a tiny tile (one head,
   16 tokens), whose arithmetic is negligible: what every kernel call costs whatever its
   size (dispatch, checks, allocation), the planner's ``launch_overhead``.
+- Tile overheads: what a tile of a block plan costs beyond its kernel call, merging its
+  output into the accumulators (forward) or adding its gradients into dQ, dK, dV
+  (backward): fixed and per byte accumulated, from a tiny and a 256 x 256 tile
+  (``measure_tile_overheads``).
 - Step overheads: two local ranks run ``ctxpar.attention`` (zigzag, causal, the block's
   heads) forward + backward on 8-token and on 1024-token shards by ring, allgather and
   alltoall, 12 rounds, the slower rank's call with the least residual (as the benchmarks
@@ -46,6 +50,7 @@ import contextlib
 import json
 import os
 import platform
+import statistics
 import time
 import warnings
 from collections.abc import Callable
@@ -58,7 +63,7 @@ from ctxpar.auto import CANDIDATES
 from ctxpar.launch import run_local
 from ctxpar.models.config import attention_only
 from ctxpar.plan import cost
-from ctxpar.plan.hardware import BACKWARD_FLOPS_RATIO, LOCAL, Hardware, local_hardware
+from ctxpar.plan.hardware import BACKWARD_FLOPS_RATIO, LOCAL, TILE_OVERHEADS, Hardware, local_hardware
 from ctxpar.plan.workload import Workload
 
 BLOCK = dict(batch=1, heads=8, kv_heads=2, head_dim=64, tokens=4096)  # the demo's head shape
@@ -161,6 +166,62 @@ def measure_launch_overhead(calls: int = 200, repeats: int = 5, threads: int = 1
                 kernels.attention_forward(q, k, v, causal=True, scale=0.125)
 
         return min(_wall_seconds(many) for _ in range(repeats)) / calls
+
+
+# (queries, keys) of the tiles timed for the tile overheads: one whose merge and adds are
+# almost all fixed cost, one as large as the benchmarks' smaller tiles, whose are mostly per
+# byte (tiles of 1024 queries took 0.88-0.90 ms beyond their forward kernel, this line's
+# value within 3%)
+TILE_PROBES = ((16, 16), (256, 256))
+
+
+def measure_tile_overheads(calls: int = 30000, threads: int = 1) -> dict:
+    """What a tile of a block plan costs beyond its kernel call, forward and backward: the
+    wall seconds of ``blockwise.forward_tiles`` (``backward_tiles``) on one full tile of
+    each of TILE_PROBES' shapes at the block's heads, less those of its kernel call alone
+    on the same inputs: the median over about ``calls`` / (q + k) pairs of calls, one of
+    each, made back to back (so that the machine's drift, as large as the difference
+    between them, hits both alike). The line through the two tiles against the bytes each
+    accumulates (forward: its output, B·q·H·D floats, merged; backward: its gradients,
+    B·(q·H + 2·k·H_kv)·D, added) gives the fixed ``tile_*_overhead`` and the
+    ``tile_*_seconds_per_byte``, neither negative."""
+    from ctxpar.blocks import MaskKind, Tile
+    from ctxpar.strategies.blockwise import (backward_tiles, forward_tiles, gradient_accumulators,
+                                             output_accumulators)
+
+    b, h, h_kv, d = (BLOCK[k] for k in ("batch", "heads", "kv_heads", "head_dim"))
+    scale = d**-0.5
+    gen = torch.Generator().manual_seed(0)
+    rows = []
+    with _threads(threads):
+        for queries, keys in TILE_PROBES:
+            q, dout = (torch.randn(b, h, queries, d, generator=gen) for _ in range(2))
+            k, v = (torch.randn(b, h_kv, keys, d, generator=gen) for _ in range(2))
+            tile = (Tile(0, queries, 0, keys, MaskKind.FULL),)
+            out, lse = output_accumulators(q)
+            forward_tiles(q, k, v, tile, out, lse, scale)  # warm-up, and the (out, lse) the backward reads
+            dq, dkv = gradient_accumulators(q, k)
+            timed = dict(
+                forward_kernel=lambda: kernels.attention_forward(q, k, v, causal=False, scale=scale),
+                forward_tile=lambda: forward_tiles(q, k, v, tile, out, lse, scale),
+                backward_kernel=lambda: kernels.attention_backward(dout, q, k, v, out, lse, causal=False,
+                                                                   scale=scale),
+                backward_tile=lambda: backward_tiles(dout, q, k, v, out, lse, tile, scale, dq, dkv[0], dkv[1]))
+            seconds = {name: [] for name in timed}
+            for _ in range(max(16, calls // (queries + keys))):
+                for name, fn in timed.items():
+                    seconds[name].append(_wall_seconds(fn))
+            rows.append(dict(queries=queries, keys=keys, forward_bytes=4 * b * queries * h * d,
+                             backward_bytes=4 * b * (queries * h + 2 * keys * h_kv) * d,
+                             **{f"{name}_seconds": statistics.median(t) for name, t in seconds.items()},
+                             **{f"{p}_extra_seconds": statistics.median(
+                                 tile - kernel for kernel, tile in zip(seconds[f"{p}_kernel"], seconds[f"{p}_tile"]))
+                                for p in ("forward", "backward")}))
+    fitted = {}
+    for p in ("forward", "backward"):
+        fixed, per_byte = _line_through(*((r[f"{p}_bytes"], r[f"{p}_extra_seconds"]) for r in rows))
+        fitted.update({f"tile_{p}_overhead": fixed, f"tile_{p}_seconds_per_byte": per_byte})
+    return dict(threads=threads, tiles=rows, **fitted)
 
 
 PROBE_STRATEGIES = CANDIDATES  # the strategies auto chooses among
@@ -283,12 +344,20 @@ def _step_probe(w: Workload, bare: Hardware, calls: list[dict], compute: Callabl
 def _fit_step_overhead(small: tuple[float, float], large: tuple[float, float]) -> dict[str, float]:
     """{step_overhead, step_overhead_per_byte} from two (bytes per stage, residual seconds
     per stage) probes (``measure_step_overheads``)."""
+    fixed, per_byte = _line_through(small, large)
+    return dict(step_overhead=fixed, step_overhead_per_byte=per_byte)
+
+
+def _line_through(small: tuple[float, float], large: tuple[float, float]) -> tuple[float, float]:
+    """(seconds at 0 bytes, seconds per byte) of the line through two (bytes, seconds) points,
+    neither negative: a falling line has no slope (the smaller point's seconds are the
+    fixed part), one crossing 0 above 0 bytes goes through 0 and the larger point."""
     (x0, y0), (x1, y1) = small, large
     per_byte = max(0.0, (y1 - y0) / (x1 - x0))
     fixed = y0 - per_byte * x0
-    if fixed < 0:  # through 0 and the larger probe
-        return dict(step_overhead=0.0, step_overhead_per_byte=max(0.0, y1 / x1))
-    return dict(step_overhead=fixed, step_overhead_per_byte=per_byte)
+    if fixed < 0:
+        return 0.0, max(0.0, y1 / x1)
+    return fixed, per_byte
 
 
 def _exchange_rank(rank: int, world: int, sizes: tuple[int, ...], repeats: int) -> list[float]:
@@ -356,11 +425,13 @@ def calibrate() -> dict:
     curve, causal_curve = (measure_size_curve(causal=causal, reference=attention) for causal in (False, True))
     matmul = measure_matmul()
     link = measure_link()
+    tiles = measure_tile_overheads()
     measured = dict(machine=machine(), attention_flops=attention["attention_flops"], bandwidth=link["bandwidth"],
                     latency=link["latency"], memory_bandwidth=measure_memory_bandwidth(),
                     matmul_flops=matmul["matmul_flops"], launch_overhead=measure_launch_overhead(),
                     attention_size_curve=curve, attention_causal_size_curve=causal_curve,
-                    attention=attention, matmul=matmul, link=link)
+                    **{key: tiles[key] for key in TILE_OVERHEADS},
+                    attention=attention, matmul=matmul, link=link, tiles=tiles)
     step = measure_step_overheads(local_hardware(measured))
     fixed = {s: m["step_overhead"] for s, m in step["strategies"].items()}
     per_byte = {s: m["step_overhead_per_byte"] for s, m in step["strategies"].items()}
@@ -430,6 +501,10 @@ def format_calibration(c: dict) -> str:
           if "matmul" in c else []),
         *([f"  one tiny attention kernel call: {c['launch_overhead'] * 1e6:.1f} us (launch overhead)"]
           if "launch_overhead" in c else []),
+        *([f"  a tile beyond its kernel call (merging its output, adding its gradients): forward "
+           f"{c['tile_forward_overhead'] * 1e6:.0f} us + {c['tile_forward_seconds_per_byte'] * 1e9:.2f} ns/B merged, "
+           f"backward {c['tile_backward_overhead'] * 1e6:.0f} us + {c['tile_backward_seconds_per_byte'] * 1e9:.2f} "
+           f"ns/B added"] if "tile_forward_overhead" in c else []),
         *(["  attention forward + backward, 2 ranks, measured / predicted without step overheads (the "
            "larger shards' from their measured compute), per pipeline stage: "
            + "; ".join(_format_step(s, m) for s, m in c["step"]["strategies"].items())]

@@ -34,7 +34,9 @@ Per-stage compute is the rank's pairs spread evenly over its stages: exact for z
 ranks idle on hidden blocks. Rates: the forward at ``Hardware.forward_flops``, the
 backward (2.5x the forward's FLOPs) at ``backward_flops``, each tile of the rank's block
 plan at its size curve's fraction of them (``kernel_rate_fractions``), matmuls at
-``matmul_flops``.
+``matmul_flops``. Each tile also costs, beyond its kernel, the merge of its output into
+the accumulators (forward) or the adds of its gradients (backward): a fixed part and one
+per byte accumulated (``tile_overhead_seconds``), compute like the kernels.
 
 Fixed costs: every message a stage posts costs ``latency`` on top of its bytes (a ring
 hop one, the backward's K/V and dK/dV hops two, an all-gather or reduce-scatter one, the
@@ -76,7 +78,7 @@ from ctxpar.blocks import MaskKind
 from ctxpar.layout import get_layout
 from ctxpar.masks import Mask
 from ctxpar.plan.work import pairs_per_rank, stage_tiles
-from ctxpar.plan.hardware import BACKWARD_FLOPS_RATIO, Hardware
+from ctxpar.plan.hardware import BACKWARD_FLOPS_RATIO, TILE_OVERHEADS, Hardware
 from ctxpar.plan.workload import Workload
 from ctxpar.plan import traffic
 from ctxpar.strategy_rules import gather_groups
@@ -316,17 +318,50 @@ def kernel_rate_fractions(w: Workload, hw: Hardware, rank: int) -> tuple[float, 
     return (pairs / forward, pairs / backward) if pairs else (1.0, 1.0)
 
 
+def tile_overhead_seconds(w: Workload, hw: Hardware, rank: int) -> tuple[float, float]:
+    """(forward, backward) seconds ``rank``'s tiles cost beyond their kernels: each tile of
+    its block plan merges its output into the accumulators (forward) and adds its
+    gradients into dQ, dK and dV (backward), at the hardware's tile overhead plus its
+    seconds per byte accumulated: B·q·h·D accumulator elements forward, B·(q·h + 2·k·h_kv)·D
+    backward, for a tile of q queries and k keys over the h (h_kv) heads one kernel call
+    holds. The all-gather runs its plan once per head group; the hybrid, not walked, one
+    tile per ring step over its group's U shards."""
+    if not any(getattr(hw, key) for key in TILE_OVERHEADS):
+        return 0.0, 0.0
+    u = w.ulysses_degree
+    heads, kv_heads = w.heads_per_gpu // u, w.kv_heads_sent // u
+    if w.strategy == "hybrid":
+        tiles = [(w.ring_degree, kernel_tokens(w), kernel_tokens(w))]
+    else:
+        scale = w.seq / _plan_seq(w)  # a stand-in tile's sides at T
+        tiles = [(n, nq * scale, nk * scale) for _, nq, nk, n in rank_plan(w, rank).shapes]
+    if w.strategy == "allgather":
+        groups = gather_groups(w.kv_heads_per_gpu)
+        heads, kv_heads = heads // groups, kv_heads // groups
+        tiles = [(n * groups, nq, nk) for n, nq, nk in tiles]
+    element = w.batch * w.model.head_dim * w.acc
+    forward = sum(n * (hw.tile_forward_overhead + hw.tile_forward_seconds_per_byte * element * nq * heads)
+                  for n, nq, _ in tiles)
+    backward = sum(n * (hw.tile_backward_overhead
+                        + hw.tile_backward_seconds_per_byte * element * (nq * heads + 2 * nk * kv_heads))
+                   for n, nq, nk in tiles)
+    return forward, backward
+
+
 def compute_seconds(w: Workload, hw: Hardware, rank: int | None = None) -> tuple[float, float]:
-    """(forward, backward) kernel seconds of one layer on ``rank`` (by default the slowest of
+    """(forward, backward) compute seconds of one layer on ``rank`` (by default the slowest of
     the busiest ranks): its forward FLOPs at the forward rate and the backward's 2.5x at
-    the backward rate, each at the fraction its kernels run at (``kernel_rate_fractions``)."""
+    the backward rate, each at the fraction its kernels run at (``kernel_rate_fractions``),
+    plus what its tiles cost beyond their kernels (``tile_overhead_seconds``)."""
     if rank is None:
         return max((compute_seconds(w, hw, r) for r in busiest_ranks(w)), key=sum)
     if not (isinstance(rank, int) and 0 <= rank < w.cp):
         raise ValueError(f"rank {rank!r} is not one of the CP group's ranks 0..{w.cp - 1}")
     flops = attention_forward_flops_per_rank(w)[rank]
     forward, backward = kernel_rate_fractions(w, hw, rank)
-    return flops / (forward * hw.forward_flops), BACKWARD_FLOPS_RATIO * flops / (backward * hw.backward_flops)
+    extra = tile_overhead_seconds(w, hw, rank)
+    return (flops / (forward * hw.forward_flops) + extra[0],
+            BACKWARD_FLOPS_RATIO * flops / (backward * hw.backward_flops) + extra[1])
 
 
 def attention_time(w: Workload, hw: Hardware) -> AttentionTime:

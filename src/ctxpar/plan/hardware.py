@@ -16,10 +16,10 @@ peak x efficiency (``efficiency`` is 0.5 in the presets: the rate before separat
 rates). ``--fp8`` runs matmuls at the fp8 dense peak times the
 matmul efficiency (matmul rate / peak); attention stays in the compute dtype.
 
-Fixed costs: ``latency`` per message, ``launch_overhead`` per kernel call,
-``step_overhead`` per pipeline stage (for ``local`` per strategy, and a part per byte the
-stage sends); 0 in the presets unless given or measured (the H200's launch overhead),
-measured for ``local``.
+Fixed costs: ``latency`` per message, ``launch_overhead`` per kernel call, the tile
+overheads per tile of a block plan (and per byte it accumulates), ``step_overhead`` per
+pipeline stage (for ``local`` per strategy, and a part per byte the stage sends); 0 in the
+presets unless given or measured (the H200's launch overhead), measured for ``local``.
 
 ``local`` has no datasheet: its rates, latency and bandwidth come from ``ctxpar plan
 --calibrate`` (``ctxpar.calibrate``), measured here, and its memory is this machine's RAM.
@@ -76,6 +76,13 @@ class Hardware:
         size_curve_by_keys: the curves are looked up at a tile's keys (measured so for
             ``local``'s CPU kernels, docs/planner.md section 6); else at the rank's shard,
             for every tile of its plan (the GPU presets, until measured there).
+        tile_forward_overhead, tile_backward_overhead: seconds every tile of a block plan
+            costs in the forward (backward) besides its kernel call: the merge of its output
+            into the accumulators (the adds of its gradients into dQ, dK, dV), fixed part.
+        tile_forward_seconds_per_byte: and per byte of output the forward merges (B·q·H·D
+            accumulator elements); tile_backward_seconds_per_byte: per byte of gradients
+            the backward adds (B·(q·H + 2·k·H_kv)·D). All four measured for ``local``, 0 in
+            the presets.
     """
 
     name: str
@@ -100,6 +107,10 @@ class Hardware:
     attention_size_curve: tuple[tuple[int, float, float], ...] | None = None
     attention_causal_size_curve: tuple[tuple[int, float, float], ...] | None = None
     size_curve_by_keys: bool = False
+    tile_forward_overhead: float = 0.0
+    tile_backward_overhead: float = 0.0
+    tile_forward_seconds_per_byte: float = 0.0
+    tile_backward_seconds_per_byte: float = 0.0
 
     @property
     def flops(self) -> float:
@@ -150,7 +161,7 @@ class Hardware:
 
     def with_compute_share(self, share: float) -> Hardware:
         """Ranks time-sharing cores, each with ``share`` of one: every rate times ``share``, and
-        the per-call and per-step CPU costs (launch and step overheads) over it."""
+        the per-call, per-tile and per-step CPU costs (launch, tile and step overheads) over it."""
         def scaled(rate: float | None) -> float | None:
             return None if rate is None else rate * share
         return replace(self, peak_flops=self.peak_flops * share, fp8_peak_flops=self.fp8_peak_flops * share,
@@ -159,7 +170,8 @@ class Hardware:
                        matmul_rate=scaled(self.matmul_rate), launch_overhead=self.launch_overhead / share,
                        step_overhead=self.step_overhead / share,
                        strategy_step_overheads=_over(self.strategy_step_overheads, share),
-                       strategy_step_byte_overheads=_over(self.strategy_step_byte_overheads, share))
+                       strategy_step_byte_overheads=_over(self.strategy_step_byte_overheads, share),
+                       **{key: getattr(self, key) / share for key in TILE_OVERHEADS})
 
     def bandwidth(self, group_size: int) -> float:
         """Bytes/s per GPU per direction for a collective over ``group_size`` consecutive GPUs.
@@ -187,6 +199,8 @@ _H200_CAUSAL_CURVE = ((1024, 0.112, 0.136), (2048, 0.297, 0.398), (4096, 0.584, 
                       (16384, 0.931, 1.019), (32768, 1.0, 1.0))
 _H200_FULL_CURVE = ((1024, 0.243, 0.355), (2048, 0.545, 0.677), (4096, 0.823, 0.892), (8192, 0.941, 1.013),
                     (16384, 1.011, 1.009), (32768, 0.954, 0.983))
+TILE_OVERHEADS = ("tile_forward_overhead", "tile_backward_overhead", "tile_forward_seconds_per_byte",
+                  "tile_backward_seconds_per_byte")  # what a tile costs beyond its kernel (``Hardware``)
 MIN_EFFICIENCY = 0.01  # below 1% of peak, kernels are not what the cost model describes
 MAX_GPUS_PER_NODE = 2**16  # a "node" is the domain of the fast link (an NVL72 rack is 72)
 BACKWARD_FLOPS_RATIO = 2.5  # FlashAttention's convention: backward = 2.5 x forward FLOPs
@@ -225,7 +239,7 @@ def local_hardware(calibration: dict) -> Hardware:
 
     The peak is one CPU rank's (one thread) attention forward + backward FLOP/s, taken as
     achieved (efficiency 1); the attention forward and backward rates, the matmul rate and
-    the per-call launch and per-stage step overheads (fixed and per byte sent, per
+    the per-call launch, per-tile and per-stage step overheads (fixed and per byte sent, per
     strategy) are their own measurements where the calibration has them (older
     calibrations: the combined rate, no overheads). Each core counts as a "GPU" and the
     loopback bandwidth joins them all, so intra- and inter-node links are the same.
@@ -238,7 +252,7 @@ def local_hardware(calibration: dict) -> Hardware:
         if not _is_number(value, positive=True):
             raise ValueError(f"calibration {key!r} is {value!r}, not a positive rate; measure again with "
                              f"`ctxpar plan --hardware local --calibrate --json PATH`")
-    for key in ("memory_bandwidth", "latency", "launch_overhead", "step_overhead"):
+    for key in ("memory_bandwidth", "latency", "launch_overhead", "step_overhead", *TILE_OVERHEADS):
         value = calibration.get(key, 0.0)
         if not _is_number(value):
             raise ValueError(f"calibration {key!r} is {value!r}, not a number >= 0; measure again with "
@@ -264,7 +278,7 @@ def local_hardware(calibration: dict) -> Hardware:
                     attention_size_curve=_size_curve(calibration.get("attention_size_curve")),
                     attention_causal_size_curve=_size_curve(calibration.get("attention_causal_size_curve"),
                                                             "attention_causal_size_curve"),
-                    size_curve_by_keys=True)
+                    size_curve_by_keys=True, **{key: calibration.get(key, 0.0) for key in TILE_OVERHEADS})
 
 
 def _over(table: tuple[tuple[str, float], ...] | None, share: float) -> tuple[tuple[str, float], ...] | None:

@@ -57,7 +57,7 @@ from __future__ import annotations
 
 from ctxpar.plan.cost import attention_time, overlap_local_len, ring_window_per_rank, traffic_bound
 from ctxpar.plan.recommend import variant
-from ctxpar.plan.hardware import Hardware
+from ctxpar.plan.hardware import TILE_OVERHEADS, Hardware
 from ctxpar.plan.memory import layers_in_flight, parameters_per_gpu
 from ctxpar.plan.documents import describe
 from ctxpar.plan.planner import Plan
@@ -251,9 +251,15 @@ def rates_words(hw: Hardware) -> str:
 
 
 def fixed_costs_words(hw: Hardware, strategy: str) -> str:
-    """'fixed costs: latency 20 us per message, 5 us per kernel launch, 0 per ring step'."""
+    """'fixed costs: latency 20 us per message, 5 us per kernel launch, 0 per ring step', with
+    the tiles' own where measured: '..., 60 us + 0.4 ns per byte merged per tile forward, 30 us +
+    0.3 ns per byte added backward, ...'."""
+    tiles = (f"{format_seconds(hw.tile_forward_overhead)} + {hw.tile_forward_seconds_per_byte * 1e9:.3g} ns per "
+             f"byte merged per tile forward, {format_seconds(hw.tile_backward_overhead)} + "
+             f"{hw.tile_backward_seconds_per_byte * 1e9:.3g} ns per byte added backward, "
+             if any(getattr(hw, key) for key in TILE_OVERHEADS) else "")
     return (f"fixed costs: latency {format_seconds(hw.latency)} per message, {format_seconds(hw.launch_overhead)} "
-            f"per kernel launch, {step_overhead_words(hw, strategy)}")
+            f"per kernel launch, {tiles}{step_overhead_words(hw, strategy)}")
 
 
 def step_overhead_words(hw: Hardware, strategy: str) -> str:
