@@ -1257,7 +1257,8 @@ def test_calibration_gives_three_rates_and_the_launch_overhead(monkeypatch) -> N
     # the curve: the sizes below the (here 256-token) block, then the block's own
     # a full kernel of the block's size runs above the causal one's rate, which the curves are fractions of
     assert [row[0] for row in hw.attention_size_curve] == [64, 128, 256] and hw.attention_size_curve[-1][1] > 1
-    assert hw.attention_causal_size_curve[-1][1:] == (1, 1) and hw.attention_size_scale(8192, True) == (1.0, 1.0)
+    assert hw.attention_causal_size_curve[-1][1:] == (1, 1)
+    assert 1 < hw.attention_size_scale(8192, True)[0] < hw.attention_size_curve[-1][1]  # toward the full rate
     assert hw.attention_size_scale(8192) == hw.attention_size_curve[-1][1:]
     assert hw.attention_size_scale(32) == hw.attention_size_curve[0][1:]
     old = {k: v for k, v in c.items() if k not in ("matmul_flops", "launch_overhead", "step_overhead",
@@ -1480,6 +1481,24 @@ def test_small_kernels_run_at_the_size_curve_rate() -> None:
         cost.attention_time(a2a, get_hardware("H100-SXM")).forward.compute / scale)
     with pytest.raises(ValueError, match="not ascending"):
         local_hardware(dict(attention_flops=1e11, bandwidth=1e9, attention_size_curve=[[512, 1, 1], [256, 1, 1]]))
+
+
+def test_causal_kernels_beyond_the_curve_lose_less_to_their_diagonal() -> None:
+    """Full kernels of 4096 tokens at 1.2 / 1.1 of the causal one's rate: the causal kernel
+    loses 1/6 (1/11) of its time to its diagonal, half that at 8192 tokens, so it runs at
+    1.2·(1 - 1/12) = 1.1 (1.1·(1 - 1/22) = 1.05), and toward 1.2 / 1.1 as it grows; from its
+    curve's end on, continuously. Where the full kernel is slower, the causal curve's end."""
+    full, causal = ((1024, 0.5, 0.5), (4096, 1.2, 1.1)), ((1024, 0.2, 0.2), (4096, 1.0, 1.0))
+    hw = replace(get_hardware("H100-SXM"), attention_size_curve=full, attention_causal_size_curve=causal)
+    assert hw.attention_size_scale(8192, True) == (pytest.approx(1.1), pytest.approx(1.05))
+    for at_end in (4096, 4096.001):
+        assert hw.attention_size_scale(at_end, True) == (pytest.approx(1.0), pytest.approx(1.0))
+    assert hw.attention_size_scale(2**30, True) == (pytest.approx(1.2), pytest.approx(1.1))
+    assert hw.attention_size_scale(8192) == (1.2, 1.1)  # a full kernel: its curve's end
+    slower = replace(hw, attention_size_curve=((1024, 0.5, 0.5), (4096, 0.9, 1.1)))
+    assert slower.attention_size_scale(8192, True) == (1.0, pytest.approx(1.05))
+    h200 = get_hardware("H200")
+    assert h200.attention_size_scale(65536, True) == h200.attention_causal_size_curve[-1][1:]
 
 
 def test_each_tile_runs_at_the_size_rate_for_its_keys() -> None:
