@@ -113,7 +113,7 @@ def main() -> None:
 
     cfgs = [DemoConfig(nproc=int(nproc), seq=int(seq), strategy=strategy) for nproc in args.nprocs.split(",")
             for seq in args.seqs.split(",") for strategy in args.strategies.split(",")]
-    for cfg in cfgs:  # every case refused before the half-minute calibration, not after it
+    for cfg in cfgs:  # every case refused before the minute of calibration, not after it
         cfg.validate(cfg.nproc)
         if cfg.strategy not in TIMED:
             p.error(f"rank_work times {' and '.join(TIMED)}, not {cfg.strategy!r}")

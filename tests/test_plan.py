@@ -1460,6 +1460,18 @@ def test_size_curves_are_fractions_of_the_causal_block_rate(monkeypatch) -> None
     assert all(f == pytest.approx(s / block) and b == pytest.approx(s / block) for s, f, b in causal)
     assert causal[-1] == [block, 1.0, 1.0]
     assert calibrate.measure_size_curve()[-1][1:] == [pytest.approx(1.25), pytest.approx(1.1)]  # measures its own
+    calls = []
+
+    def slow_spell(**kwargs) -> dict:
+        """The machine 30% slower for as long as a round takes, from the third call on."""
+        calls.append(None)
+        m = fake(**kwargs)
+        slow = 1.3 if 3 <= len(calls) < 3 + len(full) else 1.0
+        return dict(m, forward_seconds=slow * m["forward_seconds"], backward_seconds=slow * m["backward_seconds"])
+
+    monkeypatch.setattr(calibrate, "measure_attention", slow_spell)
+    assert calibrate.measure_size_curve(reference=causal_block) == [[t, pytest.approx(f), pytest.approx(b)]
+                                                                    for t, f, b in full]
     with pytest.raises(ValueError, match="fractions of the block's causal kernel"):
         calibrate.measure_size_curve(reference=fake(causal=False))
 

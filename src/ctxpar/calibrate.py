@@ -115,31 +115,42 @@ def measure_attention(repeats: int = 3, threads: int = 1, tokens: int | None = N
 
 
 CURVE_TOKENS = (64, 128, 256, 512, 1024, 2048)  # kernel sizes below the block's, where small tiles lose efficiency
+CURVE_ROUNDS = 5  # rounds of every size of a size curve, each size's best kept
 
 
-def measure_size_curve(repeats: int = 3, causal: bool = False, reference: dict | None = None) -> list[list[float]]:
+def measure_size_curve(rounds: int = CURVE_ROUNDS, causal: bool = False, reference: dict | None = None
+                       ) -> list[list[float]]:
     """[tokens, forward, backward]: the rates of a kernel of ``tokens`` queries and keys,
     full (unmasked) or causal, for each of CURVE_TOKENS below the block's size and the
     block's own, as fractions of the block's causal kernel's (``reference``, measured here
     if not given): the rates the hardware takes (``local_hardware``). A causal kernel
     computes the tiles straddling its diagonal whole, so its rate falls faster as it
-    shrinks, and a full kernel of the block's size runs above 1 (1.12-1.15 here)."""
-    reference = reference or measure_attention(repeats=repeats)
+    shrinks, and a full kernel of the block's size runs above 1 (1.12-1.15 here).
+
+    Each of ``rounds`` rounds times every size once (the small ones several times: they
+    take microseconds), and each size keeps its best forward and backward: a slow spell of
+    the machine, which lasts seconds, then spoils one round of every size, not every run of
+    one (run back to back, a size's three runs once came out 20% slow: docs/benchmarks.md,
+    run 11)."""
+    reference = reference or measure_attention()
     if not reference.get("causal", True):  # measurements from before the key was kept were causal
         raise ValueError("the size curves are fractions of the block's causal kernel's rates: pass its measurement")
 
-    def fractions(m: dict) -> list[float]:
-        return [reference["forward_seconds"] / reference["forward_flops"] * m["forward_flops"] / m["forward_seconds"],
-                reference["backward_seconds"] / reference["forward_flops"] * m["forward_flops"] / m["backward_seconds"]]
+    def fractions(forward: float, backward: float, flops: int) -> list[float]:
+        return [reference["forward_seconds"] / reference["forward_flops"] * flops / forward,
+                reference["backward_seconds"] / reference["forward_flops"] * flops / backward]
 
     block = reference["block"]["tokens"]
-    curve = []
-    for tokens in (t for t in CURVE_TOKENS if t < block):
-        # small kernels take microseconds and time noisily: more repeats, at little cost
-        m = measure_attention(repeats=repeats * max(1, 1024 // tokens), tokens=tokens, causal=causal)
-        curve.append([tokens, *fractions(m)])
-    own = [1.0, 1.0] if causal else fractions(measure_attention(repeats=repeats, tokens=block, causal=False))
-    return curve + [[block, *own]]
+    sizes = [t for t in CURVE_TOKENS if t < block] + ([] if causal else [block])
+    best = {tokens: (float("inf"), float("inf"), 0) for tokens in sizes}  # forward, backward seconds; FLOPs
+    for _ in range(rounds):
+        for tokens in sizes:
+            m = measure_attention(repeats=max(1, 1024 // tokens), tokens=tokens, causal=causal)
+            forward, backward, _ = best[tokens]
+            best[tokens] = (min(forward, m["forward_seconds"]), min(backward, m["backward_seconds"]),
+                            m["forward_flops"])
+    curve = [[tokens, *fractions(*best[tokens])] for tokens in sizes]
+    return curve if not causal else curve + [[block, 1.0, 1.0]]
 
 
 def measure_matmul(n: int = 1024, repeats: int = 3, threads: int = 1) -> dict:
@@ -420,7 +431,7 @@ def machine() -> str:
 
 
 def calibrate() -> dict:
-    """Every measurement (about 35 s on a 2-core CPU); the dict ``hardware.local_hardware`` reads."""
+    """Every measurement (about 50 s on a 2-core CPU); the dict ``hardware.local_hardware`` reads."""
     attention = measure_attention()
     curve, causal_curve = (measure_size_curve(causal=causal, reference=attention) for causal in (False, True))
     matmul = measure_matmul()
