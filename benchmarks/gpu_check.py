@@ -11,7 +11,8 @@ section so a run stopped part-way keeps what it measured) with:
   GPU): attention forward and backward TFLOP/s at Llama-3-8B's attention shape by sequence
   length, full and causal, and the size curve they make; bf16 matmul rate; device copy
   bandwidth; the cost of one tiny kernel call (the planner's launch overhead); each beside
-  the preset's figure for this GPU.
+  the preset's figure for this GPU; and what a tile costs beyond its kernel (the planner's
+  tile overheads, 0 in the presets until measured: ``calibrate.measure_tile_overheads``).
 - ``tests``: ``pytest tests/test_cuda.py`` (kernels vs fp64, every strategy on P = 1-4 ranks
   sharing the GPU, train on four ranks), one process per world size side by side while the
   exactness section runs, each logging to ``gpu_check_pytest_<group>.log`` beside the JSON;
@@ -52,6 +53,7 @@ import torch
 import ctxpar
 from ctxpar.masks import Mask
 from ctxpar.auto import hardware_for
+from ctxpar.calibrate import measure_tile_overheads
 from ctxpar.plan.hardware import BACKWARD_FLOPS_RATIO
 from ctxpar.plan.work import rank_pairs
 from ctxpar.demo import DemoConfig, run_demo
@@ -376,6 +378,10 @@ def calibration(device: torch.device, dtype: torch.dtype, shape: dict, sizes: tu
             k_.attention_forward(tiny, tiny, tiny, causal=True, scale=0.125)
 
     launch = _timed(many, device, max(repeat, 3)) / calls
+    # what a block plan's tile costs beyond its kernel (its merge, its gradient adds): a tiny
+    # tile and one of the smallest size a ring step of the presets' workloads runs
+    tiles = measure_tile_overheads(device=device, dtype=dtype, shape=shape, batch=10,
+                                   probes=((16, 16), (sizes[0], sizes[0]) if device.type == "cpu" else (4096, 4096)))
     # the largest causal kernel's rates are the preset's: both size curves are fractions of them
     # (a full kernel runs above 1 per visible pair, having no diagonal tiles to compute whole)
     largest = max((r for r in attention if r["causal"]), key=lambda r: r["seq"])
@@ -395,7 +401,7 @@ def calibration(device: torch.device, dtype: torch.dtype, shape: dict, sizes: tu
                                                              for r in attention if r["causal"] == c]
                               for c in (True, False)},
                   rectangles=rectangles, matmul_n=matmul_n, matmul_flops=matmul, memory_bandwidth=memory,
-                  launch_overhead=launch)
+                  launch_overhead=launch, tile_overheads=tiles)
     preset = hardware_for(device) if device.type == "cuda" else None  # the preset strategy="auto" uses here
     if preset is not None:
         measured = dict(attention_forward_rate=largest["forward_flops"],
@@ -516,6 +522,11 @@ def format_report(r: dict) -> str:
         lines.append(f"  matmul {c['matmul_n']}^3: {c['matmul_flops'] / 1e12:.1f} TFLOP/s; copy: "
                      f"{c['memory_bandwidth'] / 1e12:.2f} TB/s read + write; one tiny kernel call: "
                      f"{c['launch_overhead'] * 1e6:.1f} us")
+        t = c["tile_overheads"]
+        lines.append(f"  a tile beyond its kernel (merge, gradient adds): forward "
+                     f"{t['tile_forward_overhead'] * 1e6:.1f} us + {t['tile_forward_seconds_per_byte'] * 1e12:.2f} "
+                     f"ps/B, backward {t['tile_backward_overhead'] * 1e6:.1f} us + "
+                     f"{t['tile_backward_seconds_per_byte'] * 1e12:.2f} ps/B")
         if "preset" in c:
             lines.append(f"  measured / preset {c['preset']['name']}: " + ", ".join(
                 f"{key} {v['measured_over_preset']:.2f}" for key, v in c["preset"].items() if key != "name"))

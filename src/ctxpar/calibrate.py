@@ -179,35 +179,52 @@ def measure_launch_overhead(calls: int = 200, repeats: int = 5, threads: int = 1
         return min(_wall_seconds(many) for _ in range(repeats)) / calls
 
 
-# (queries, keys) of the tiles timed for the tile overheads: one whose merge and adds are
-# almost all fixed cost, one as large as the benchmarks' smaller tiles, whose are mostly per
-# byte (tiles of 1024 queries took 0.88-0.90 ms beyond their forward kernel, this line's
-# value within 3%)
+# (queries, keys) of the tiles timed for the tile overheads on this CPU: one whose merge and
+# adds are almost all fixed cost, one as large as the benchmarks' smaller tiles, whose are
+# mostly per byte (tiles of 1024 queries took 0.88-0.90 ms beyond their forward kernel, this
+# line's value within 3%)
 TILE_PROBES = ((16, 16), (256, 256))
 
 
-def measure_tile_overheads(calls: int = 30000, threads: int = 1) -> dict:
+def measure_tile_overheads(calls: int = 30000, threads: int = 1, *, device: torch.device | str = "cpu",
+                           dtype: torch.dtype = torch.float32, shape: dict | None = None,
+                           probes: tuple[tuple[int, int], ...] = TILE_PROBES, batch: int = 1) -> dict:
     """What a tile of a block plan costs beyond its kernel call, forward and backward: the
     wall seconds of ``blockwise.forward_tiles`` (``backward_tiles``) on one full tile of
-    each of TILE_PROBES' shapes at the block's heads, less those of its kernel call alone
-    on the same inputs: the median over about ``calls`` / (q + k) pairs of calls, one of
-    each, made back to back (so that the machine's drift, as large as the difference
-    between them, hits both alike). The line through the two tiles against the bytes each
-    accumulates (forward: its output, B·q·H·D floats, merged; backward: its gradients,
-    B·(q·H + 2·k·H_kv)·D, added) gives the fixed ``tile_*_overhead`` and the
-    ``tile_*_seconds_per_byte``, neither negative."""
+    each of ``probes``' shapes at ``shape``'s heads (default the block's), less those of its
+    kernel call alone on the same inputs: the median over about ``calls`` / (q + k) pairs
+    of samples, one of each, taken back to back (so that the machine's drift, as large as
+    the difference between them, hits both alike). A sample is ``batch`` calls issued back
+    to back and drained once (on a GPU, as a block loop issues them: the host's time to
+    issue the merge's small kernels counts only where it outpaces the device). The line
+    through the two tiles against the bytes each accumulates (forward: its output, B·q·H·D
+    accumulator elements, merged; backward: its gradients, B·(q·H + 2·k·H_kv)·D, added)
+    gives the fixed ``tile_*_overhead`` and the ``tile_*_seconds_per_byte``, neither
+    negative."""
     from ctxpar.blocks import MaskKind, Tile
     from ctxpar.strategies.blockwise import (backward_tiles, forward_tiles, gradient_accumulators,
                                              output_accumulators)
 
-    b, h, h_kv, d = (BLOCK[k] for k in ("batch", "heads", "kv_heads", "head_dim"))
+    shape = shape or BLOCK
+    b, h, h_kv, d = shape.get("batch", 1), shape["heads"], shape["kv_heads"], shape["head_dim"]
+    acc = kernels.accumulation_dtype(dtype).itemsize
+    device = torch.device(device)
     scale = d**-0.5
-    gen = torch.Generator().manual_seed(0)
+    gen = torch.Generator(device=device).manual_seed(0)
+
+    def sample(fn) -> float:
+        _drain(device)
+        start = time.perf_counter()
+        for _ in range(batch):
+            fn()
+        _drain(device)
+        return (time.perf_counter() - start) / batch
+
     rows = []
     with _threads(threads):
-        for queries, keys in TILE_PROBES:
-            q, dout = (torch.randn(b, h, queries, d, generator=gen) for _ in range(2))
-            k, v = (torch.randn(b, h_kv, keys, d, generator=gen) for _ in range(2))
+        for queries, keys in probes:
+            q, dout = (torch.randn(b, h, queries, d, generator=gen, device=device, dtype=dtype) for _ in range(2))
+            k, v = (torch.randn(b, h_kv, keys, d, generator=gen, device=device, dtype=dtype) for _ in range(2))
             tile = (Tile(0, queries, 0, keys, MaskKind.FULL),)
             out, lse = output_accumulators(q)
             forward_tiles(q, k, v, tile, out, lse, scale)  # warm-up, and the (out, lse) the backward reads
@@ -219,11 +236,11 @@ def measure_tile_overheads(calls: int = 30000, threads: int = 1) -> dict:
                                                                    scale=scale),
                 backward_tile=lambda: backward_tiles(dout, q, k, v, out, lse, tile, scale, dq, dkv[0], dkv[1]))
             seconds = {name: [] for name in timed}
-            for _ in range(max(16, calls // (queries + keys))):
+            for _ in range(max(16, calls // ((queries + keys) * batch))):
                 for name, fn in timed.items():
-                    seconds[name].append(_wall_seconds(fn))
-            rows.append(dict(queries=queries, keys=keys, forward_bytes=4 * b * queries * h * d,
-                             backward_bytes=4 * b * (queries * h + 2 * keys * h_kv) * d,
+                    seconds[name].append(sample(fn))
+            rows.append(dict(queries=queries, keys=keys, forward_bytes=acc * b * queries * h * d,
+                             backward_bytes=acc * b * (queries * h + 2 * keys * h_kv) * d,
                              **{f"{name}_seconds": statistics.median(t) for name, t in seconds.items()},
                              **{f"{p}_extra_seconds": statistics.median(
                                  tile - kernel for kernel, tile in zip(seconds[f"{p}_kernel"], seconds[f"{p}_tile"]))
@@ -232,7 +249,13 @@ def measure_tile_overheads(calls: int = 30000, threads: int = 1) -> dict:
     for p in ("forward", "backward"):
         fixed, per_byte = _line_through(*((r[f"{p}_bytes"], r[f"{p}_extra_seconds"]) for r in rows))
         fitted.update({f"tile_{p}_overhead": fixed, f"tile_{p}_seconds_per_byte": per_byte})
-    return dict(threads=threads, tiles=rows, **fitted)
+    return dict(threads=threads, batch=batch, tiles=rows, **fitted)
+
+
+def _drain(device: torch.device) -> None:
+    """Wait for ``device``'s queued work (nothing to wait for on the CPU)."""
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
 
 
 PROBE_STRATEGIES = CANDIDATES  # the strategies auto chooses among

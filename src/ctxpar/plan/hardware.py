@@ -82,7 +82,7 @@ class Hardware:
         tile_forward_seconds_per_byte: and per byte of output the forward merges (B·q·H·D
             accumulator elements); tile_backward_seconds_per_byte: per byte of gradients
             the backward adds (B·(q·H + 2·k·H_kv)·D). All four measured for ``local``, 0 in
-            the presets.
+            the presets (``make gpu-check`` measures them on a GPU).
     """
 
     name: str
