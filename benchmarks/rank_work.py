@@ -12,7 +12,8 @@ order; random K/V in place of the gathered ones) in this one process, one thread
 takes the best of ``--repeat`` runs of the process CPU time, forward + backward. Against it:
 ``cost.compute_seconds(w, hw, rank)`` (each tile at the size curve's rate for its keys,
 plus its merge and gradient adds: ``cost.tile_overhead_seconds``).
-The demo's shape: H=8, H_kv=2, D=64, float32, causal, zigzag. Error = predicted / timed - 1.
+The demo's shape: H=8, H_kv=2, D=64, float32, causal, zigzag; ``--window`` and ``--doc-len``
+add a sliding window or packed documents to the mask. Error = predicted / timed - 1.
 """
 
 from __future__ import annotations
@@ -51,10 +52,10 @@ def _best_cpu_seconds(run, prepare, repeat: int) -> float:
     return best
 
 
-def rank_compute(cfg: DemoConfig, rank: int, repeat: int) -> tuple[float, float]:
-    """(forward, backward) CPU seconds of ``rank``'s compute under ``cfg.strategy``, alone: what
-    the strategy runs inside ``profile.timed("compute")``, no more."""
-    world, seq, mask = cfg.nproc, cfg.seq, Mask(causal=cfg.causal)
+def rank_compute(cfg: DemoConfig, rank: int, repeat: int, mask: Mask) -> tuple[float, float]:
+    """(forward, backward) CPU seconds of ``rank``'s compute under ``cfg.strategy`` and ``mask``,
+    alone: what the strategy runs inside ``profile.timed("compute")``, no more."""
+    world, seq = cfg.nproc, cfg.seq
     layout, local, scale = get_layout(cfg.layout, world), cfg.seq // cfg.nproc, cfg.head_dim**-0.5
     gen = torch.Generator().manual_seed(rank)
     q, dout = (torch.randn(cfg.batch, cfg.heads, local, cfg.head_dim, generator=gen) for _ in range(2))
@@ -101,6 +102,13 @@ def rank_compute(cfg: DemoConfig, rank: int, repeat: int) -> tuple[float, float]
             _best_cpu_seconds(backward, gradients, repeat))
 
 
+def documents_of(seq: int, length: int) -> tuple[int, ...]:
+    """Documents of ``length`` tokens filling ``seq``, the last one shorter if it must be."""
+    if length < 1:
+        raise ValueError(f"--doc-len must be >= 1, got {length}")
+    return (length,) * (seq // length) + ((seq % length,) if seq % length else ())
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--nprocs", default="2,4")
@@ -108,6 +116,8 @@ def main() -> None:
     p.add_argument("--strategies", default="ring,allgather")
     p.add_argument("--repeat", type=int, default=10, help="runs per rank; best CPU seconds")
     p.add_argument("--calibration", metavar="PATH", help="a saved calibration instead of measuring one")
+    p.add_argument("--window", type=int, help="a causal sliding window of this many keys")
+    p.add_argument("--doc-len", type=int, help="documents of this many tokens packed in the row (the last shorter)")
     p.add_argument("--json", metavar="PATH")
     args = p.parse_args()
 
@@ -122,10 +132,13 @@ def main() -> None:
     hw = local_hardware(calibration)
     rows = []
     for cfg in cfgs:
+        documents = None if args.doc_len is None else documents_of(cfg.seq, args.doc_len)
+        mask = Mask(causal=cfg.causal, window=args.window, documents=documents)
         w = Workload(attention_only(cfg.heads, cfg.kv_heads, cfg.head_dim), batch=cfg.batch, seq=cfg.seq,
-                     dtype=cfg.dtype, cp=cfg.nproc, strategy=cfg.strategy, layout=cfg.layout, causal=cfg.causal)
+                     dtype=cfg.dtype, cp=cfg.nproc, strategy=cfg.strategy, layout=cfg.layout, causal=cfg.causal,
+                     window=args.window, documents=documents)
         for rank in range(cfg.nproc):
-            timed, planned = rank_compute(cfg, rank, args.repeat), cost.compute_seconds(w, hw, rank)
+            timed, planned = rank_compute(cfg, rank, args.repeat, mask), cost.compute_seconds(w, hw, rank)
             rows.append(dict(nproc=cfg.nproc, seq=cfg.seq, strategy=cfg.strategy, rank=rank,
                              tokens_per_rank=cfg.seq // cfg.nproc, forward_timed=timed[0], backward_timed=timed[1],
                              forward_planned=planned[0], backward_planned=planned[1],

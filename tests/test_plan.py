@@ -15,6 +15,8 @@ from dataclasses import replace
 import pytest
 import torch
 
+from ctxpar.blocks import MaskKind
+from ctxpar.layout import get_layout
 from ctxpar.masks import Mask
 from ctxpar.models.config import ModelConfig
 from ctxpar.plan import cost, get_hardware, make_plan, parse_bandwidth, parse_flops, resolve_model
@@ -1546,11 +1548,12 @@ def test_each_tile_runs_at_the_size_rate_for_its_keys() -> None:
     assert cost.compute_seconds(striped, hw)[0] == pytest.approx(slow, rel=1e-3)
     a2a = w.with_(strategy="alltoall")
     assert cost.compute_seconds(a2a, hw) == pytest.approx(cost.compute_seconds(a2a, flat))
-    # 2 ranks: the all-gather attends by rank, the ring's tiles; under a window, one full kernel over S keys
+    # 2 ranks: the all-gather attends by rank, the ring's tiles
     two = w.with_(cp=2, seq=2048)
     assert cost.compute_seconds(two.with_(strategy="allgather"), hw) == cost.compute_seconds(two, hw)
-    windowed = w.with_(window=512)
-    assert cost.compute_seconds(windowed, hw)[0] == pytest.approx(cost.compute_seconds(windowed, flat)[0] / 0.75)
+    # a document per shard on the contiguous layout: each rank one causal S x S tile
+    aligned = w.with_(layout="contiguous", documents=(s,) * 4)
+    assert cost.compute_seconds(aligned, hw, 2)[0] == pytest.approx(cost.compute_seconds(aligned, flat, 2)[0] / 0.25)
     # not measured by keys (the GPU presets): every tile at the shard's S = 1024, the diagonal on the causal curve
     by_shard = replace(hw, size_curve_by_keys=False)
     for rank in range(4):
@@ -1641,6 +1644,39 @@ def test_tile_overheads_are_what_the_tile_loop_adds_to_its_kernel(monkeypatch) -
     monkeypatch.setattr(blockwise, "merge_into", merge)
     monkeypatch.setattr(kernels, "attention_forward", slow(kernel))
     assert fitted(calibrate.measure_tile_overheads(calls=2000))["tile_forward_overhead"] < 1e-3
+
+
+@pytest.mark.parametrize("strategy", ["ring", "allgather", "alltoall"])
+@pytest.mark.parametrize("mask", [dict(window=300), dict(documents=(700, 300, 1000, 2096))])
+def test_masked_tiles_run_at_their_own_curves_and_explicit_masks_cost_their_whole_area(strategy, mask) -> None:
+    """Under a window or documents, each tile of the walked plan at its own rate: causal and
+    anti-causal tiles (computed as causal) at the causal curve for their keys, full ones at
+    the full curve, a tile with an explicit mask at the full curve over its whole area, the
+    pairs it masks out costing as much as those it computes."""
+    full_curve, causal_curve = ((64, 0.25, 0.2), (4096, 1.0, 1.0)), ((64, 0.1, 0.1), (4096, 0.8, 0.9))
+    hw = replace(get_hardware("H100-SXM"), attention_size_curve=full_curve, attention_causal_size_curve=causal_curve,
+                 size_curve_by_keys=True)
+    w = Workload(attention_only(8, 2, 64), batch=1, seq=4096, dtype="float32", cp=4, strategy=strategy, **mask)
+    kinds = set()
+    for rank in range(4):
+        tiles = [t for stage in work.stage_tiles(get_layout("zigzag", 4), 4096, rank, w.mask, strategy)
+                 for t in stage]
+        if strategy == "alltoall":  # every rank the whole row, H/P heads
+            tiles = [t for stage in work.stage_tiles(get_layout("contiguous", 1), 4096, 0, w.mask, strategy)
+                     for t in stage]
+        kinds |= {t.kind for t in tiles}
+        time = [0.0, 0.0]
+        for t in tiles:
+            causal = t.kind in (MaskKind.CAUSAL, MaskKind.ANTI_CAUSAL)
+            area = t.pairs if causal else (t.q_stop - t.q_start) * (t.kv_stop - t.kv_start)
+            for i, fraction in enumerate(hw.attention_size_scale(t.kv_stop - t.kv_start, causal)):
+                time[i] += area / fraction
+        visible = sum(t.pairs for t in tiles)
+        assert cost.kernel_rate_fractions(w, hw, rank) == (pytest.approx(visible / time[0]),
+                                                           pytest.approx(visible / time[1]))
+    assert MaskKind.CAUSAL in kinds
+    if "window" in mask and strategy != "alltoall":  # the cases exercise both non-square-causal kinds
+        assert {MaskKind.PARTIAL, MaskKind.ANTI_CAUSAL} <= kinds
 
 
 def test_published_cp_runs_within_a_quarter(tmp_path) -> None:

@@ -33,7 +33,8 @@ Per-stage compute is the rank's pairs spread evenly over its stages: exact for z
 (every block holds S²/2 pairs), close for striped, optimistic for contiguous, where
 ranks idle on hidden blocks. Rates: the forward at ``Hardware.forward_flops``, the
 backward (2.5x the forward's FLOPs) at ``backward_flops``, each tile of the rank's block
-plan at its size curve's fraction of them (``kernel_rate_fractions``), matmuls at
+plan at its size curve's fraction of them, a masked tile's whole area computed
+(``kernel_rate_fractions``), matmuls at
 ``matmul_flops``. Each tile also costs, beyond its kernel, the merge of its output into
 the accumulators (forward) or the adds of its gradients (backward): a fixed part and one
 per byte accumulated (``tile_overhead_seconds``), compute like the kernels.
@@ -267,7 +268,8 @@ class RankPlan:
     """What the cost model reads from one rank's block plans (``work.stage_tiles``)."""
 
     most_calls: int  # kernel calls of its busiest pipeline stage
-    shapes: tuple[tuple[MaskKind, int, int, int], ...]  # (kind, queries, keys, how many) over all its stages
+    # (kind, queries, keys, visible pairs, how many) over all its stages
+    shapes: tuple[tuple[MaskKind, int, int, int, int], ...]
 
 
 @functools.lru_cache(maxsize=2**16)  # one small entry per rank, keyed on the walked row (not T under a plain mask)
@@ -275,10 +277,10 @@ def _rank_plan(layout: str, seq: int, cp: int, mask: Mask, strategy: str, rank: 
     if strategy == "alltoall":  # the whole row against itself: the same for every layout, degree and rank
         layout, cp, rank = "contiguous", 1, 0
     stages = stage_tiles(get_layout(layout, cp), seq, rank, mask, strategy)
-    shapes = collections.Counter((t.kind, t.q_stop - t.q_start, t.kv_stop - t.kv_start)
+    shapes = collections.Counter((t.kind, t.q_stop - t.q_start, t.kv_stop - t.kv_start, t.pairs)
                                  for tiles in stages for t in tiles)
     return RankPlan(max(len(tiles) for tiles in stages),
-                    tuple((kind, nq, nk, n) for (kind, nq, nk), n in shapes.items()))
+                    tuple((kind, nq, nk, pairs, n) for (kind, nq, nk, pairs), n in shapes.items()))
 
 
 def rank_plan(w: Workload, rank: int) -> RankPlan:
@@ -299,22 +301,27 @@ def kernels_per_stage(w: Workload) -> int:
 def kernel_rate_fractions(w: Workload, hw: Hardware, rank: int) -> tuple[float, float]:
     """(forward, backward): the fractions of the hardware's attention rates ``rank``'s kernels
     run at. Each tile of its block plan runs at a size curve's value, the causal curve's
-    for causal tiles, the full curve's for the rest, looked up at the tile's keys where
-    ``hw.size_curve_by_keys`` (measured so for ``local``'s kernels: docs/planner.md section
-    6), else at the rank's shard; the tiles' times add, so the fractions are their
-    pair-weighted harmonic mean. Under documents or a window and for the hybrid, one full
-    kernel over the rank's keys per step (``kernel_tokens``)."""
+    for causal tiles (and anti-causal ones, which the kernels compute as causal), the full
+    curve's for the rest, looked up at the tile's keys where ``hw.size_curve_by_keys``
+    (measured so for ``local``'s kernels: docs/planner.md section 6), else at the rank's
+    shard. A tile with an explicit mask (windows' and documents' edges) computes its whole
+    area, the pairs it masks out too, at the full curve's rate. The tiles' times add, so
+    the fractions are the rank's visible pairs over the sum of each tile's computed pairs
+    over its rate's fraction. The hybrid, whose plan is not walked: one full kernel over
+    its group's keys per step (``kernel_tokens``)."""
     if not (hw.attention_size_curve or hw.attention_causal_size_curve):
         return 1.0, 1.0
-    if w.strategy == "hybrid" or not w.mask.is_plain:
+    if w.strategy == "hybrid":
         return hw.attention_size_scale(kernel_tokens(w))
-    scale = w.seq / _plan_seq(w)  # a stand-in tile's sides at T
+    scale = w.seq / _plan_seq(w)  # a stand-in tile's sides at T (1 where the row itself is walked)
     pairs = forward = backward = 0.0
-    for kind, nq, nk, n in rank_plan(w, rank).shapes:
-        full = kind is MaskKind.FULL  # plain masks cut FULL and CAUSAL tiles only
-        weight = n * (nq * nk * scale**2 if full else nq * scale * (nq * scale + 1) / 2)
-        f, b = hw.attention_size_scale(nk * scale if hw.size_curve_by_keys else kernel_tokens(w), not full)
-        pairs, forward, backward = pairs + weight, forward + weight / f, backward + weight / b
+    for kind, nq, nk, visible, n in rank_plan(w, rank).shapes:
+        queries, keys = nq * scale, nk * scale
+        causal = kind in (MaskKind.CAUSAL, MaskKind.ANTI_CAUSAL)
+        computed = queries * (queries + 1) / 2 if causal else queries * keys
+        seen = visible if kind is MaskKind.PARTIAL else computed
+        f, b = hw.attention_size_scale(keys if hw.size_curve_by_keys else kernel_tokens(w), causal)
+        pairs, forward, backward = pairs + n * seen, forward + n * computed / f, backward + n * computed / b
     return (pairs / forward, pairs / backward) if pairs else (1.0, 1.0)
 
 
@@ -334,7 +341,7 @@ def tile_overhead_seconds(w: Workload, hw: Hardware, rank: int) -> tuple[float, 
         tiles = [(w.ring_degree, kernel_tokens(w), kernel_tokens(w))]
     else:
         scale = w.seq / _plan_seq(w)  # a stand-in tile's sides at T
-        tiles = [(n, nq * scale, nk * scale) for _, nq, nk, n in rank_plan(w, rank).shapes]
+        tiles = [(n, nq * scale, nk * scale) for _, nq, nk, _, n in rank_plan(w, rank).shapes]
     if w.strategy == "allgather":
         groups = gather_groups(w.kv_heads_per_gpu)
         heads, kv_heads = heads // groups, kv_heads // groups
