@@ -1604,6 +1604,10 @@ def test_each_tile_costs_its_merge_and_gradient_adds_beyond_its_kernel(strategy)
         assert (with_tiles[0] - without[0], with_tiles[1] - without[1]) == (pytest.approx(forward),
                                                                             pytest.approx(backward))
         assert cost.tile_overhead_seconds(w, bare, rank) == (0.0, 0.0)
+    from ctxpar.plan.report import fixed_costs_words
+    assert "per kernel launch, 60 us + 0.4 ns per byte merged per tile forward, 30 us + 0.3 ns per byte added " \
+        "backward, 0 s per" in fixed_costs_words(hw, strategy)
+    assert "per tile" not in fixed_costs_words(bare, strategy)
     # the tiles cost CPU time: ranks time-sharing a core pay it over their share
     assert cost.tile_overhead_seconds(w, hw.with_compute_share(0.5), rank) == (pytest.approx(2 * forward),
                                                                                  pytest.approx(2 * backward))
@@ -1644,6 +1648,10 @@ def test_tile_overheads_are_what_the_tile_loop_adds_to_its_kernel(monkeypatch) -
     monkeypatch.setattr(blockwise, "merge_into", merge)
     monkeypatch.setattr(kernels, "attention_forward", slow(kernel))
     assert fitted(calibrate.measure_tile_overheads(calls=2000))["tile_forward_overhead"] < 1e-3
+    for probes, batch in ((((16, 16),), 1), (((16, 16), (64, 64), (256, 256)), 1), (((256, 256), (16, 16)), 1),
+                          (((16, 16), (0, 256)), 1), (((16, 16), (256, 256)), 0)):  # no line, or nothing timed
+        with pytest.raises(ValueError, match="tile overheads need two tiles"):
+            calibrate.measure_tile_overheads(probes=probes, batch=batch)
 
 
 @pytest.mark.parametrize("strategy", ["ring", "allgather", "alltoall"])

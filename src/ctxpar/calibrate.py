@@ -180,9 +180,10 @@ def measure_launch_overhead(calls: int = 200, repeats: int = 5, threads: int = 1
 
 
 # (queries, keys) of the tiles timed for the tile overheads on this CPU: one whose merge and
-# adds are almost all fixed cost, one as large as the benchmarks' smaller tiles, whose are
-# mostly per byte (tiles of 1024 queries took 0.88-0.90 ms beyond their forward kernel, this
-# line's value within 3%)
+# adds are almost all fixed cost, and one as large as the tiles of the small shards, where
+# these costs weigh most; a larger tile's accumulators leave the caches and cost 2-3x more
+# per byte (1024 x 1024: 1.4-1.6 ms beyond its forward kernel, 5% of it, against this
+# line's 0.55), which its kernel's rate hides (docs/planner.md section 6)
 TILE_PROBES = ((16, 16), (256, 256))
 
 
@@ -205,6 +206,10 @@ def measure_tile_overheads(calls: int = 30000, threads: int = 1, *, device: torc
     from ctxpar.strategies.blockwise import (backward_tiles, forward_tiles, gradient_accumulators,
                                              output_accumulators)
 
+    if len(probes) != 2 or not all(isinstance(n, int) and n > 0 for tile in probes for n in tile) \
+            or sum(probes[0]) >= sum(probes[1]) or not (isinstance(batch, int) and batch >= 1):
+        raise ValueError(f"tile overheads need two tiles (queries, keys), the second the larger, and batch >= 1; "
+                         f"got probes={probes!r}, batch={batch!r}")
     shape = shape or BLOCK
     b, h, h_kv, d = shape.get("batch", 1), shape["heads"], shape["kv_heads"], shape["head_dim"]
     acc = kernels.accumulation_dtype(dtype).itemsize

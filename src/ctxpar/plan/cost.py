@@ -33,11 +33,11 @@ Per-stage compute is the rank's pairs spread evenly over its stages: exact for z
 (every block holds S²/2 pairs), close for striped, optimistic for contiguous, where
 ranks idle on hidden blocks. Rates: the forward at ``Hardware.forward_flops``, the
 backward (2.5x the forward's FLOPs) at ``backward_flops``, each tile of the rank's block
-plan at its size curve's fraction of them, a masked tile's whole area computed
-(``kernel_rate_fractions``), matmuls at
-``matmul_flops``. Each tile also costs, beyond its kernel, the merge of its output into
-the accumulators (forward) or the adds of its gradients (backward): a fixed part and one
-per byte accumulated (``tile_overhead_seconds``), compute like the kernels.
+plan at its size curve's fraction of them, an explicitly masked tile over its whole area
+(``kernel_rate_fractions``), matmuls at ``matmul_flops``. Each tile also costs, beyond its
+kernel, the merge of its output into the accumulators (forward) or the adds of its
+gradients (backward): a fixed part and one per byte accumulated
+(``tile_overhead_seconds``), compute like the kernels.
 
 Fixed costs: every message a stage posts costs ``latency`` on top of its bytes (a ring
 hop one, the backward's K/V and dK/dV hops two, an all-gather or reduce-scatter one, the
