@@ -16,7 +16,7 @@ import pytest
 import torch
 
 from ctxpar.blocks import MaskKind
-from ctxpar.layout import get_layout
+from ctxpar.layout import UnionLayout, get_layout
 from ctxpar.masks import Mask
 from ctxpar.models.config import ModelConfig
 from ctxpar.plan import cost, get_hardware, make_plan, parse_bandwidth, parse_flops, resolve_model
@@ -1144,7 +1144,6 @@ def test_kernel_calls_per_stage_follow_the_block_plan(layout: str) -> None:
     """The launches a stage pays are the block plan's tiles (ctxpar.blocks), counted for the
     busiest rank; under a plain mask on a short stand-in sequence, which must not change them."""
     from ctxpar.blocks import layout_tiles, tiles_between
-    from ctxpar.layout import get_layout
 
     for cp in (2, 3, 4, 8):
         lay = get_layout(layout, cp)
@@ -1182,7 +1181,6 @@ def test_the_allgathers_stand_in_keeps_its_key_order_beyond_64_ranks(cp: int) ->
     order before (one tile per row): the all-gather's stand-in row must hold P multiples
     when P is more than 64, or it counts a shard's rows as its launches."""
     from ctxpar.blocks import gathered_key_order
-    from ctxpar.layout import get_layout
 
     w = worked(strategy="allgather", layout="striped", cp=cp, seq=cp * 4096)
     stand_in = cost._plan_seq(w)
@@ -1198,7 +1196,6 @@ def test_a_row_shorter_than_the_stand_in_is_walked_itself() -> None:
     """Striped's gathered keys take position order while a shard holds fewer than P rows, so
     a short row's launches are its own plan's, not the longer stand-in's."""
     from ctxpar.blocks import gathered_key_order
-    from ctxpar.layout import get_layout
 
     w = worked(strategy="allgather", layout="striped", cp=16, seq=128)
     assert cost._plan_seq(w) == 128
@@ -1577,8 +1574,9 @@ def test_each_tile_costs_its_merge_and_gradient_adds_beyond_its_kernel(strategy)
     ring, rank r: its causal S x S diagonal, r tiles of S x S/2, 3 - r of S/2 x S, all heads.
     allgather, rank 3: per head group (two, of 4 and 1 heads), S x 3S/2 full and its S x S
     diagonal. alltoall: one causal T x T tile over 2 heads and 1 KV head (the two KV heads
-    copied to four ranks). hybrid (U=2): two ring steps, each one tile of 2S x 2S over 4
-    heads and 1 KV head."""
+    copied to four ranks). hybrid (U=2), over 4 heads and 1 KV head: union 0 holds zigzag
+    chunks 0-1 and 6-7 (2S tokens, ascending), so against itself one causal 2S x 2S tile,
+    against union 1 (chunks 2-5) one tile of its S late queries x 2S keys."""
     a, b, c, e = (TILE_COSTS[k] for k in ("tile_forward_overhead", "tile_backward_overhead",
                                          "tile_forward_seconds_per_byte", "tile_backward_seconds_per_byte"))
     bare = local_hardware(dict(attention_flops=5e10, bandwidth=1e9))
@@ -1595,7 +1593,7 @@ def test_each_tile_costs_its_merge_and_gradient_adds_beyond_its_kernel(strategy)
         "ring": {r: cost_of([(1, s, s), (r, s, s // 2), (3 - r, s // 2, s)], 8, 2) for r in range(4)},
         "allgather": {3: tuple(2 * x for x in cost_of([(1, s, 3 * s // 2), (1, s, s)], 4, 1))},
         "alltoall": {0: cost_of([(1, 4096, 4096)], 2, 1)},
-        "hybrid": {0: cost_of([(2, 2 * s, 2 * s)], 4, 1)},
+        "hybrid": {0: cost_of([(1, 2 * s, 2 * s), (1, s, 2 * s)], 4, 1)},
     }[strategy]
     for rank, (forward, backward) in expected.items():
         got = cost.tile_overhead_seconds(w, hw, rank)
@@ -1654,24 +1652,27 @@ def test_tile_overheads_are_what_the_tile_loop_adds_to_its_kernel(monkeypatch) -
             calibrate.measure_tile_overheads(probes=probes, batch=batch)
 
 
-@pytest.mark.parametrize("strategy", ["ring", "allgather", "alltoall"])
+@pytest.mark.parametrize("strategy", ["ring", "allgather", "alltoall", "hybrid"])
 @pytest.mark.parametrize("mask", [dict(window=300), dict(documents=(700, 300, 1000, 2096))])
 def test_masked_tiles_run_at_their_own_curves_and_explicit_masks_cost_their_whole_area(strategy, mask) -> None:
     """Under a window or documents, each tile of the walked plan at its own rate: causal and
     anti-causal tiles (computed as causal) at the causal curve for their keys, full ones at
     the full curve, a tile with an explicit mask at the full curve over its whole area, the
-    pairs it masks out costing as much as those it computes."""
+    pairs it masks out costing as much as those it computes. The all-to-all walks the whole
+    row, the hybrid (U=2) the ring between unions of two ranks."""
     full_curve, causal_curve = ((64, 0.25, 0.2), (4096, 1.0, 1.0)), ((64, 0.1, 0.1), (4096, 0.8, 0.9))
     hw = replace(get_hardware("H100-SXM"), attention_size_curve=full_curve, attention_causal_size_curve=causal_curve,
                  size_curve_by_keys=True)
-    w = Workload(attention_only(8, 2, 64), batch=1, seq=4096, dtype="float32", cp=4, strategy=strategy, **mask)
+    w = Workload(attention_only(8, 2, 64), batch=1, seq=4096, dtype="float32", cp=4, strategy=strategy,
+                 ulysses=2 if strategy == "hybrid" else None, **mask)
+    zigzag = get_layout("zigzag", 4)
+    walked = dict(ring=lambda r: (zigzag, r, "ring"), allgather=lambda r: (zigzag, r, "allgather"),
+                  alltoall=lambda r: (get_layout("contiguous", 1), 0, "alltoall"),
+                  hybrid=lambda r: (UnionLayout(2, zigzag, 2), r // 2, "ring"))[strategy]
     kinds = set()
     for rank in range(4):
-        tiles = [t for stage in work.stage_tiles(get_layout("zigzag", 4), 4096, rank, w.mask, strategy)
-                 for t in stage]
-        if strategy == "alltoall":  # every rank the whole row, H/P heads
-            tiles = [t for stage in work.stage_tiles(get_layout("contiguous", 1), 4096, 0, w.mask, strategy)
-                     for t in stage]
+        layout, plan_rank, plan = walked(rank)
+        tiles = [t for stage in work.stage_tiles(layout, 4096, plan_rank, w.mask, plan) for t in stage]
         kinds |= {t.kind for t in tiles}
         time = [0.0, 0.0]
         for t in tiles:

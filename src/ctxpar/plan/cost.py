@@ -76,7 +76,7 @@ import functools
 from dataclasses import dataclass, replace
 
 from ctxpar.blocks import MaskKind
-from ctxpar.layout import get_layout
+from ctxpar.layout import UnionLayout, get_layout
 from ctxpar.masks import Mask
 from ctxpar.plan.work import pairs_per_rank, stage_tiles
 from ctxpar.plan.hardware import BACKWARD_FLOPS_RATIO, TILE_OVERHEADS, Hardware
@@ -226,9 +226,9 @@ def _split(w: Workload) -> tuple[traffic.Traffic, traffic.Traffic]:
 
 
 def kernel_tokens(w: Workload) -> int:
-    """The keys of a kernel call where the block plan is not walked for them
-    (``kernel_rate_fractions``): a ring step's shard, the U shards of a hybrid group's, the
-    whole sequence for all-to-all."""
+    """The keys every kernel call is looked up at on hardware whose size curves are not by
+    a tile's keys (``kernel_rate_fractions``): a ring step's shard, the U shards of a hybrid
+    union's, the whole sequence for all-to-all."""
     return w.local_len * w.ulysses_degree
 
 
@@ -273,10 +273,13 @@ class RankPlan:
 
 
 @functools.lru_cache(maxsize=2**16)  # one small entry per rank, keyed on the walked row (not T under a plain mask)
-def _rank_plan(layout: str, seq: int, cp: int, mask: Mask, strategy: str, rank: int) -> RankPlan:
+def _rank_plan(layout: str, seq: int, cp: int, mask: Mask, strategy: str, rank: int, ulysses: int) -> RankPlan:
     if strategy == "alltoall":  # the whole row against itself: the same for every layout, degree and rank
         layout, cp, rank = "contiguous", 1, 0
-    stages = stage_tiles(get_layout(layout, cp), seq, rank, mask, strategy)
+    shards = get_layout(layout, cp)
+    if strategy == "hybrid":  # the ring between unions of U consecutive ranks (strategies/hybrid.py)
+        shards, rank, strategy = UnionLayout(cp // ulysses, shards, ulysses), rank // ulysses, "ring"
+    stages = stage_tiles(shards, seq, rank, mask, strategy)
     shapes = collections.Counter((t.kind, t.q_stop - t.q_start, t.kv_stop - t.kv_start, t.pairs)
                                  for tiles in stages for t in tiles)
     return RankPlan(max(len(tiles) for tiles in stages),
@@ -285,16 +288,14 @@ def _rank_plan(layout: str, seq: int, cp: int, mask: Mask, strategy: str, rank: 
 
 def rank_plan(w: Workload, rank: int) -> RankPlan:
     """``rank``'s plan summary, walked on ``_plan_seq`` (its tile sides are the stand-in's)."""
-    return _rank_plan(w.layout, _plan_seq(w), w.cp, w.mask, w.strategy, rank)
+    return _rank_plan(w.layout, _plan_seq(w), w.cp, w.mask, w.strategy, rank, w.ulysses_degree)
 
 
 def kernels_per_stage(w: Workload) -> int:
     """Kernel calls one pipeline stage makes (its forward, or its backward), the most over the
     busiest ranks' block plans (``work.stage_tiles``): a ring step's tiles against one
-    shard, the all-gather's against all keys per head group, the all-to-all's over the
-    whole sequence. The hybrid's ring steps over its groups' unions of shards count one each."""
-    if w.strategy == "hybrid":
-        return 1
+    shard (the hybrid's against one union of U shards), the all-gather's against all keys
+    per head group, the all-to-all's over the whole sequence."""
     return max(rank_plan(w, rank).most_calls for rank in busiest_ranks(w))
 
 
@@ -307,12 +308,9 @@ def kernel_rate_fractions(w: Workload, hw: Hardware, rank: int) -> tuple[float, 
     shard. A tile with an explicit mask (windows' and documents' edges) computes its whole
     area, the pairs it masks out too, at the full curve's rate. The tiles' times add, so
     the fractions are the rank's visible pairs over the sum of each tile's computed pairs
-    over its rate's fraction. The hybrid, whose plan is not walked: one full kernel over
-    its group's keys per step (``kernel_tokens``)."""
+    over its rate's fraction."""
     if not (hw.attention_size_curve or hw.attention_causal_size_curve):
         return 1.0, 1.0
-    if w.strategy == "hybrid":
-        return hw.attention_size_scale(kernel_tokens(w))
     scale = w.seq / _plan_seq(w)  # a stand-in tile's sides at T (1 where the row itself is walked)
     pairs = forward = backward = 0.0
     for kind, nq, nk, visible, n in rank_plan(w, rank).shapes:
@@ -331,17 +329,14 @@ def tile_overhead_seconds(w: Workload, hw: Hardware, rank: int) -> tuple[float, 
     gradients into dQ, dK and dV (backward), at the hardware's tile overhead plus its
     seconds per byte accumulated: B·q·h·D accumulator elements forward, B·(q·h + 2·k·h_kv)·D
     backward, for a tile of q queries and k keys over the h (h_kv) heads one kernel call
-    holds. The all-gather runs its plan once per head group; the hybrid, not walked, one
-    tile per ring step over its group's U shards."""
+    holds (the hybrid's and the all-to-all's H/U and H_kv'/U after their all-to-all). The
+    all-gather runs its plan once per head group."""
     if not any(getattr(hw, key) for key in TILE_OVERHEADS):
         return 0.0, 0.0
     u = w.ulysses_degree
     heads, kv_heads = w.heads_per_gpu // u, w.kv_heads_sent // u
-    if w.strategy == "hybrid":
-        tiles = [(w.ring_degree, kernel_tokens(w), kernel_tokens(w))]
-    else:
-        scale = w.seq / _plan_seq(w)  # a stand-in tile's sides at T
-        tiles = [(n, nq * scale, nk * scale) for _, nq, nk, _, n in rank_plan(w, rank).shapes]
+    scale = w.seq / _plan_seq(w)  # a stand-in tile's sides at T
+    tiles = [(n, nq * scale, nk * scale) for _, nq, nk, _, n in rank_plan(w, rank).shapes]
     if w.strategy == "allgather":
         groups = gather_groups(w.kv_heads_per_gpu)
         heads, kv_heads = heads // groups, kv_heads // groups
