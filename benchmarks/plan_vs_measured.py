@@ -51,7 +51,7 @@ def predict(cfg: DemoConfig, calibration: dict) -> dict:
     """The planner's figures for one demo configuration (one attention layer)."""
     model = attention_only(cfg.heads, cfg.kv_heads, cfg.head_dim)
     w = Workload(model, batch=cfg.batch, seq=cfg.seq, dtype=cfg.dtype, cp=cfg.nproc, strategy=cfg.strategy,
-                 layout=cfg.layout, causal=cfg.causal)
+                 layout=cfg.layout, causal=cfg.causal, ulysses=cfg.ulysses_degree)
     hw = local_hardware(calibration)
     share = min(1.0, (os.cpu_count() or 1) / cfg.nproc)  # of a core, per rank
     shared = hw.with_compute_share(share)
@@ -125,7 +125,8 @@ def auto_verdicts(rows: list[dict], calibration: dict) -> list[dict]:
     from round to round, where a best of a few can be one lucky run)."""
     out = []
     for (nproc, seq) in dict.fromkeys((r["nproc"], r["seq"]) for r in rows):
-        case = {r["strategy"]: r for r in rows if (r["nproc"], r["seq"]) == (nproc, seq)}
+        case = {r["strategy"]: r for r in rows if (r["nproc"], r["seq"]) == (nproc, seq)
+                and r["strategy"] in auto.CANDIDATES}  # what auto chooses among (not the hybrid)
         measured = {strategy: r["wall_seconds_measured"] for strategy, r in case.items()}
         if len(measured) < 2:
             continue
@@ -151,6 +152,7 @@ def main() -> None:
     p.add_argument("--nprocs", default="2,4")
     p.add_argument("--seqs", default="4096,8192,16384")
     p.add_argument("--strategies", default="ring,allgather,alltoall")
+    p.add_argument("--ulysses-degree", type=int, default=2, help="the hybrid's all-to-all degree U")
     p.add_argument("--repeat", type=int, default=2, help="demo runs per case; best seconds per rank")
     p.add_argument("--json", metavar="PATH")
     args = p.parse_args()
@@ -160,7 +162,9 @@ def main() -> None:
     rows = []
     for nproc in (int(x) for x in args.nprocs.split(",")):
         for seq in (int(x) for x in args.seqs.split(",")):
-            cfgs = [DemoConfig(nproc=nproc, seq=seq, strategy=strategy) for strategy in args.strategies.split(",")]
+            cfgs = [DemoConfig(nproc=nproc, seq=seq, strategy=strategy,
+                               ulysses_degree=args.ulysses_degree if strategy == "hybrid" else None)
+                    for strategy in args.strategies.split(",")]
             rows += [compare(cfg, calibration, ranks) for cfg, ranks in zip(cfgs, measure(cfgs, args.repeat))]
     mib = 2**20
     print(f"{'P':>2} {'T':>6} {'strategy':<10} {'sent MiB':>9} {'= plan':>6} {'attn s plan':>11} {'measured':>9} "
