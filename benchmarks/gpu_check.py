@@ -380,7 +380,7 @@ def calibration(device: torch.device, dtype: torch.dtype, shape: dict, sizes: tu
     launch = _timed(many, device, max(repeat, 3)) / calls
     # what a block plan's tile costs beyond its kernel (its merge, its gradient adds): a tiny
     # tile and one of the smallest size a ring step of the presets' workloads runs
-    tiles = measure_tile_overheads(device=device, dtype=dtype, shape=shape, batch=10,
+    tiles = measure_tile_overheads(device=device, dtype=dtype, shape=shape, calls_per_sample=10,
                                    probes=((16, 16), (sizes[0], sizes[0]) if device.type == "cpu" else (4096, 4096)))
     # the largest causal kernel's rates are the preset's: both size curves are fractions of them
     # (a full kernel runs above 1 per visible pair, having no diagonal tiles to compute whole)

@@ -30,7 +30,8 @@ def test_gpu_check_dry_run_writes_every_section(tmp_path) -> None:
     assert [(r["queries"], r["keys"]) for r in cal["rectangles"]] == [(256, 128), (128, 256), (512, 256), (256, 512)]
     assert all(r["forward_over_square"] > 0 and r["backward_over_square"] > 0 for r in cal["rectangles"])
     tiles = cal["tile_overheads"]  # a tiny tile and one of the smallest size, at the dry run's heads
-    assert [(r["queries"], r["keys"]) for r in tiles["tiles"]] == [(16, 16), (256, 256)] and tiles["batch"] == 10
+    assert [(r["queries"], r["keys"]) for r in tiles["tiles"]] == [(16, 16), (256, 256)]
+    assert tiles["calls_per_sample"] == 10
     assert tiles["tiles"][1]["forward_bytes"] == 4 * 256 * 4 * 32 and tiles["tile_forward_overhead"] >= 0
     assert "a tile beyond its kernel (merge, gradient adds): forward " in proc.stdout
     assert [e["strategy"] for e in report["exactness"]] == ["ring", "allgather", "alltoall", "hybrid"]

@@ -1606,6 +1606,16 @@ def test_each_tile_costs_its_merge_and_gradient_adds_beyond_its_kernel(strategy)
     assert "per kernel launch, 60 us + 0.4 ns per byte merged per tile forward, 30 us + 0.3 ns per byte added " \
         "backward, 0 s per" in fixed_costs_words(hw, strategy)
     assert "per tile" not in fixed_costs_words(bare, strategy)
+    if strategy == "allgather":  # 40 heads in 7 uneven groups of KV heads: every head's bytes, a fixed part per group
+        bytes_only = replace(hw, tile_forward_overhead=0.0, tile_backward_overhead=0.0)
+        wide = w.with_(model=attention_only(40, 20, 64))
+        per_byte = [(1, s, 3 * s // 2), (1, s, s)]
+        assert cost.tile_overhead_seconds(wide, bytes_only, rank) == (
+            pytest.approx(sum(n * c * row * q * 40 for n, q, _ in per_byte)),
+            pytest.approx(sum(n * e * row * (q * 40 + 2 * k * 20) for n, q, k in per_byte)))
+        fixed_only = replace(hw, tile_forward_seconds_per_byte=0.0, tile_backward_seconds_per_byte=0.0)
+        assert cost.tile_overhead_seconds(wide, fixed_only, rank) == (pytest.approx(7 * 2 * a),
+                                                                       pytest.approx(7 * 2 * b))
     # the tiles cost CPU time: ranks time-sharing a core pay it over their share
     assert cost.tile_overhead_seconds(w, hw.with_compute_share(0.5), rank) == (pytest.approx(2 * forward),
                                                                                  pytest.approx(2 * backward))
@@ -1630,7 +1640,7 @@ def test_tile_overheads_are_what_the_tile_loop_adds_to_its_kernel(monkeypatch) -
     assert [(r["queries"], r["keys"]) for r in m["tiles"]] == list(calibrate.TILE_PROBES)
     small, large = m["tiles"]
     assert (large["forward_bytes"], large["backward_bytes"]) == (4 * 256 * 2 * 16, 4 * (256 * 2 + 2 * 256) * 16)
-    assert 0 < m["tile_forward_overhead"] < 1e-3
+    assert m["tile_forward_overhead"] < 1e-3  # the merge's own (its being measured at all: the slow merge below)
     merge, kernel = blockwise.merge_into, kernels.attention_forward
 
     def slow(fn):
@@ -1646,10 +1656,20 @@ def test_tile_overheads_are_what_the_tile_loop_adds_to_its_kernel(monkeypatch) -
     monkeypatch.setattr(blockwise, "merge_into", merge)
     monkeypatch.setattr(kernels, "attention_forward", slow(kernel))
     assert fitted(calibrate.measure_tile_overheads(calls=2000))["tile_forward_overhead"] < 1e-3
-    for probes, batch in ((((16, 16),), 1), (((16, 16), (64, 64), (256, 256)), 1), (((256, 256), (16, 16)), 1),
-                          (((16, 16), (0, 256)), 1), (((16, 16), (256, 256)), 0)):  # no line, or nothing timed
+    # before anything is timed: no line through the tiles (one, three, descending, the same queries, fewer
+    # keys, a side of 0) or nothing to time
+    for probes, calls, per_sample in ((((16, 16),), 2000, 1), (((16, 16), (64, 64), (256, 256)), 2000, 1),
+                                      (((256, 256), (16, 16)), 2000, 1), (((16, 16), (16, 64)), 2000, 1),
+                                      (((16, 64), (256, 16)), 2000, 1), (((16, 16), (0, 256)), 2000, 1),
+                                      (((16, 16), (256, 256)), 2000, 0), (((16, 16), (256, 256)), 2000.0, 1)):
         with pytest.raises(ValueError, match="tile overheads need two tiles"):
-            calibrate.measure_tile_overheads(probes=probes, batch=batch)
+            calibrate.measure_tile_overheads(probes=probes, calls=calls, calls_per_sample=per_sample)
+    for shape in (dict(heads=2, head_dim=16), dict(heads=3, kv_heads=2, head_dim=16),
+                  dict(heads=2, kv_heads=1, head_dim=16, batch=0)):
+        with pytest.raises(ValueError, match="shape needs heads, kv_heads"):
+            calibrate.measure_tile_overheads(shape=shape)
+    with pytest.raises(ValueError, match="a size curve needs rounds >= 1"):
+        calibrate.measure_size_curve(rounds=0)
 
 
 @pytest.mark.parametrize("strategy", ["ring", "allgather", "alltoall", "hybrid"])
@@ -1674,15 +1694,15 @@ def test_masked_tiles_run_at_their_own_curves_and_explicit_masks_cost_their_whol
         layout, plan_rank, plan = walked(rank)
         tiles = [t for stage in work.stage_tiles(layout, 4096, plan_rank, w.mask, plan) for t in stage]
         kinds |= {t.kind for t in tiles}
-        time = [0.0, 0.0]
+        seconds = [0.0, 0.0]  # per unit rate
         for t in tiles:
             causal = t.kind in (MaskKind.CAUSAL, MaskKind.ANTI_CAUSAL)
             area = t.pairs if causal else (t.q_stop - t.q_start) * (t.kv_stop - t.kv_start)
             for i, fraction in enumerate(hw.attention_size_scale(t.kv_stop - t.kv_start, causal)):
-                time[i] += area / fraction
+                seconds[i] += area / fraction
         visible = sum(t.pairs for t in tiles)
-        assert cost.kernel_rate_fractions(w, hw, rank) == (pytest.approx(visible / time[0]),
-                                                           pytest.approx(visible / time[1]))
+        assert cost.kernel_rate_fractions(w, hw, rank) == (pytest.approx(visible / seconds[0]),
+                                                           pytest.approx(visible / seconds[1]))
     assert MaskKind.CAUSAL in kinds
     if "window" in mask and strategy != "alltoall":  # the cases exercise both non-square-causal kinds
         assert {MaskKind.PARTIAL, MaskKind.ANTI_CAUSAL} <= kinds

@@ -132,6 +132,8 @@ def measure_size_curve(rounds: int = CURVE_ROUNDS, causal: bool = False, referen
     the machine, which lasts seconds, then spoils one round of every size, not every run of
     one (run back to back, a size's three runs once came out 20% slow: docs/benchmarks.md,
     run 11)."""
+    if not (isinstance(rounds, int) and rounds >= 1):
+        raise ValueError(f"a size curve needs rounds >= 1, got {rounds!r}")
     reference = reference or measure_attention()
     if not reference.get("causal", True):  # measurements from before the key was kept were causal
         raise ValueError("the size curves are fractions of the block's causal kernel's rates: pass its measurement")
@@ -189,28 +191,36 @@ TILE_PROBES = ((16, 16), (256, 256))
 
 def measure_tile_overheads(calls: int = 30000, threads: int = 1, *, device: torch.device | str = "cpu",
                            dtype: torch.dtype = torch.float32, shape: dict | None = None,
-                           probes: tuple[tuple[int, int], ...] = TILE_PROBES, batch: int = 1) -> dict:
+                           probes: tuple[tuple[int, int], ...] = TILE_PROBES, calls_per_sample: int = 1) -> dict:
     """What a tile of a block plan costs beyond its kernel call, forward and backward: the
     wall seconds of ``blockwise.forward_tiles`` (``backward_tiles``) on one full tile of
     each of ``probes``' shapes at ``shape``'s heads (default the block's), less those of its
-    kernel call alone on the same inputs: the median over about ``calls`` / (q + k) pairs
-    of samples, one of each, taken back to back (so that the machine's drift, as large as
-    the difference between them, hits both alike). A sample is ``batch`` calls issued back
-    to back and drained once (on a GPU, as a block loop issues them: the host's time to
-    issue the merge's small kernels counts only where it outpaces the device). The line
-    through the two tiles against the bytes each accumulates (forward: its output, B·q·H·D
-    accumulator elements, merged; backward: its gradients, B·(q·H + 2·k·H_kv)·D, added)
-    gives the fixed ``tile_*_overhead`` and the ``tile_*_seconds_per_byte``, neither
-    negative."""
+    kernel call alone on the same inputs: the median over pairs of samples, one of each,
+    taken back to back (so that the machine's drift, as large as the difference between
+    them, hits both alike); a tile of q x k gets ``calls`` / (q + k) calls of each (at least
+    16 samples). A sample is ``calls_per_sample`` calls issued back to back and drained
+    once (on a GPU, as a block loop issues them: the host's time to issue the merge's small
+    kernels counts only where it outpaces the device). The line through the two tiles
+    against the bytes each accumulates (``cost.accumulated_bytes``) gives the fixed
+    ``tile_*_overhead`` and the ``tile_*_seconds_per_byte``, neither negative."""
     from ctxpar.blocks import MaskKind, Tile
     from ctxpar.strategies.blockwise import (backward_tiles, forward_tiles, gradient_accumulators,
                                              output_accumulators)
 
-    if len(probes) != 2 or not all(isinstance(n, int) and n > 0 for tile in probes for n in tile) \
-            or sum(probes[0]) >= sum(probes[1]) or not (isinstance(batch, int) and batch >= 1):
-        raise ValueError(f"tile overheads need two tiles (queries, keys), the second the larger, and batch >= 1; "
-                         f"got probes={probes!r}, batch={batch!r}")
+    def positive(n) -> bool:
+        return isinstance(n, int) and not isinstance(n, bool) and n > 0
+
     shape = shape or BLOCK
+    if not all(positive(n) for n in (calls, calls_per_sample)) or len(probes) != 2 \
+            or not all(len(tile) == 2 and all(positive(n) for n in tile) for tile in probes) \
+            or not (probes[0][0] < probes[1][0] and probes[0][1] <= probes[1][1]):
+        raise ValueError(f"tile overheads need two tiles (queries, keys), the second with more queries and no fewer "
+                         f"keys (a line through both), and calls, calls_per_sample >= 1; got probes={probes!r}, "
+                         f"calls={calls!r}, calls_per_sample={calls_per_sample!r}")
+    if not (all(positive(shape.get(key)) for key in ("heads", "kv_heads", "head_dim"))
+            and positive(shape.get("batch", 1)) and shape["heads"] % shape["kv_heads"] == 0):
+        raise ValueError(f"shape needs heads, kv_heads (dividing heads) and head_dim, and batch if given, all >= 1; "
+                         f"got {shape!r}")
     b, h, h_kv, d = shape.get("batch", 1), shape["heads"], shape["kv_heads"], shape["head_dim"]
     acc = kernels.accumulation_dtype(dtype).itemsize
     device = torch.device(device)
@@ -220,10 +230,10 @@ def measure_tile_overheads(calls: int = 30000, threads: int = 1, *, device: torc
     def sample(fn) -> float:
         _drain(device)
         start = time.perf_counter()
-        for _ in range(batch):
+        for _ in range(calls_per_sample):
             fn()
         _drain(device)
-        return (time.perf_counter() - start) / batch
+        return (time.perf_counter() - start) / calls_per_sample
 
     rows = []
     with _threads(threads):
@@ -241,11 +251,12 @@ def measure_tile_overheads(calls: int = 30000, threads: int = 1, *, device: torc
                                                                    scale=scale),
                 backward_tile=lambda: backward_tiles(dout, q, k, v, out, lse, tile, scale, dq, dkv[0], dkv[1]))
             seconds = {name: [] for name in timed}
-            for _ in range(max(16, calls // ((queries + keys) * batch))):
+            for _ in range(max(16, calls // ((queries + keys) * calls_per_sample))):
                 for name, fn in timed.items():
                     seconds[name].append(sample(fn))
-            rows.append(dict(queries=queries, keys=keys, forward_bytes=acc * b * queries * h * d,
-                             backward_bytes=acc * b * (queries * h + 2 * keys * h_kv) * d,
+            merged, added = cost.accumulated_bytes(batch=b, queries=queries, keys=keys, heads=h, kv_heads=h_kv,
+                                                   head_dim=d, acc=acc)
+            rows.append(dict(queries=queries, keys=keys, forward_bytes=merged, backward_bytes=added,
                              **{f"{name}_seconds": statistics.median(t) for name, t in seconds.items()},
                              **{f"{p}_extra_seconds": statistics.median(
                                  tile - kernel for kernel, tile in zip(seconds[f"{p}_kernel"], seconds[f"{p}_tile"]))
@@ -254,7 +265,7 @@ def measure_tile_overheads(calls: int = 30000, threads: int = 1, *, device: torc
     for p in ("forward", "backward"):
         fixed, per_byte = _line_through(*((r[f"{p}_bytes"], r[f"{p}_extra_seconds"]) for r in rows))
         fitted.update({f"tile_{p}_overhead": fixed, f"tile_{p}_seconds_per_byte": per_byte})
-    return dict(threads=threads, batch=batch, tiles=rows, **fitted)
+    return dict(threads=threads, calls_per_sample=calls_per_sample, tiles=rows, **fitted)
 
 
 def _drain(device: torch.device) -> None:
@@ -330,16 +341,17 @@ def measure_step_overheads(hw: Hardware, sizes: tuple[int, int] = PROBE_TOKENS, 
 
     Each probe's residual is its call with the least one (what the steps cost without
     scheduling noise), on the slower of two ranks, one thread each, over ``repeats``
-    rounds. The tiny probe's compute is the kernel rates' (its calls' least measured excess
-    over them, the Python around the kernels, is part of what small shards cannot hide).
-    The larger probe's is each call's measured compute less that excess: the rates miss it
-    by a few %, as much as the overheads there, and the rates' error is not a step
-    overhead. What the compute blocks do beyond their kernels that grows with the shard
-    (merges into the accumulators, gradient adds, the all-gather's dK/dV shares) goes
-    with the measured compute, out of the residual: it scales with a rank's queries, not
-    with the bytes a stage sends, and neither line nor rates model it (the ring's
-    1024-token probe: 2.3 ms of its 144 ms of compute against 0.27 of 0.67 at 8 tokens,
-    0.66 ns per byte sent were it charged per byte)."""
+    rounds. The tiny probe's compute is what ``hw`` predicts for it, its kernel rates and
+    tile overheads (its calls' least measured excess over that, the Python around the
+    tiles, is part of what small shards cannot hide). The larger probe's is each call's
+    measured compute less that excess: the rates miss it by a few %, as much as the
+    overheads there, and the rates' error is not a step overhead. What the compute blocks
+    do beyond their kernels that grows with the shard (merges into the accumulators,
+    gradient adds, the all-gather's dK/dV shares) goes with the measured compute, out of
+    the residual: it scales with a rank's queries, not with the bytes a stage sends, and
+    the tile overheads model it (the ring's 1024-token probe: 2.3 ms of its 144 ms of
+    compute against 0.27 of 0.67 at 8 tokens, 0.66 ns per byte sent were it charged per
+    byte)."""
     if len(sizes) != 2 or not all(isinstance(t, int) and t > 0 for t in sizes) or sizes[0] >= sizes[1] \
             or not (isinstance(repeats, int) and repeats >= 1):
         raise ValueError(f"step probes need two shard sizes, tokens per rank, ascending, and repeats >= 1; "
@@ -543,7 +555,7 @@ def format_calibration(c: dict) -> str:
         *([f"  a tile beyond its kernel call (merging its output, adding its gradients): forward "
            f"{c['tile_forward_overhead'] * 1e6:.0f} us + {c['tile_forward_seconds_per_byte'] * 1e9:.2f} ns/B merged, "
            f"backward {c['tile_backward_overhead'] * 1e6:.0f} us + {c['tile_backward_seconds_per_byte'] * 1e9:.2f} "
-           f"ns/B added"] if "tile_forward_overhead" in c else []),
+           f"ns/B added"] if all(key in c for key in TILE_OVERHEADS) else []),
         *(["  attention forward + backward, 2 ranks, measured / predicted without step overheads (the "
            "larger shards' from their measured compute), per pipeline stage: "
            + "; ".join(_format_step(s, m) for s, m in c["step"]["strategies"].items())]

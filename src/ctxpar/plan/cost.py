@@ -299,6 +299,16 @@ def kernels_per_stage(w: Workload) -> int:
     return max(rank_plan(w, rank).most_calls for rank in busiest_ranks(w))
 
 
+def _tiles_at_length(w: Workload, rank: int):
+    """(kind, queries, keys, visible pairs, how many) of each tile shape of ``rank``'s plan at
+    ``w``'s length: a stand-in's sides scaled to T (its visible pairs are kept: only masks
+    that are not plain cut tiles with explicit masks, and those are walked on the row
+    itself)."""
+    scale = w.seq / _plan_seq(w)
+    for kind, nq, nk, visible, n in rank_plan(w, rank).shapes:
+        yield kind, nq * scale, nk * scale, visible, n
+
+
 def kernel_rate_fractions(w: Workload, hw: Hardware, rank: int) -> tuple[float, float]:
     """(forward, backward): the fractions of the hardware's attention rates ``rank``'s kernels
     run at. Each tile of its block plan runs at a size curve's value, the causal curve's
@@ -311,10 +321,8 @@ def kernel_rate_fractions(w: Workload, hw: Hardware, rank: int) -> tuple[float, 
     over its rate's fraction."""
     if not (hw.attention_size_curve or hw.attention_causal_size_curve):
         return 1.0, 1.0
-    scale = w.seq / _plan_seq(w)  # a stand-in tile's sides at T (1 where the row itself is walked)
     pairs = forward = backward = 0.0
-    for kind, nq, nk, visible, n in rank_plan(w, rank).shapes:
-        queries, keys = nq * scale, nk * scale
+    for kind, queries, keys, visible, n in _tiles_at_length(w, rank):
         causal = kind in (MaskKind.CAUSAL, MaskKind.ANTI_CAUSAL)
         computed = queries * (queries + 1) / 2 if causal else queries * keys
         seen = visible if kind is MaskKind.PARTIAL else computed
@@ -323,30 +331,34 @@ def kernel_rate_fractions(w: Workload, hw: Hardware, rank: int) -> tuple[float, 
     return (pairs / forward, pairs / backward) if pairs else (1.0, 1.0)
 
 
+def accumulated_bytes(*, batch: int, queries: float, keys: float, heads: int, kv_heads: int, head_dim: int,
+                      acc: int) -> tuple[float, float]:
+    """(forward, backward) accumulator bytes one tile of ``queries`` x ``keys`` updates over
+    ``heads`` (``kv_heads``): its output merged, B·q·h·D elements; its gradients added,
+    B·(q·h + 2·k·h_kv)·D."""
+    return (acc * batch * queries * heads * head_dim,
+            acc * batch * (queries * heads + 2 * keys * kv_heads) * head_dim)
+
+
 def tile_overhead_seconds(w: Workload, hw: Hardware, rank: int) -> tuple[float, float]:
     """(forward, backward) seconds ``rank``'s tiles cost beyond their kernels: each tile of
     its block plan merges its output into the accumulators (forward) and adds its
-    gradients into dQ, dK and dV (backward), at the hardware's tile overhead plus its
-    seconds per byte accumulated: B·q·h·D accumulator elements forward, B·(q·h + 2·k·h_kv)·D
-    backward, for a tile of q queries and k keys over the h (h_kv) heads one kernel call
-    holds (the hybrid's and the all-to-all's H/U and H_kv'/U after their all-to-all). The
-    all-gather runs its plan once per head group."""
+    gradients into dQ, dK and dV (backward), at the hardware's tile overhead per kernel
+    call plus its seconds per byte accumulated (``accumulated_bytes``) over the heads the
+    rank computes (the hybrid's and the all-to-all's H/U and H_kv'/U after their
+    all-to-all). The all-gather calls each tile once per head group: the fixed part once
+    per group, the bytes those of all its heads."""
     if not any(getattr(hw, key) for key in TILE_OVERHEADS):
         return 0.0, 0.0
     u = w.ulysses_degree
     heads, kv_heads = w.heads_per_gpu // u, w.kv_heads_sent // u
-    scale = w.seq / _plan_seq(w)  # a stand-in tile's sides at T
-    tiles = [(n, nq * scale, nk * scale) for _, nq, nk, _, n in rank_plan(w, rank).shapes]
-    if w.strategy == "allgather":
-        groups = gather_groups(w.kv_heads_per_gpu)
-        heads, kv_heads = heads // groups, kv_heads // groups
-        tiles = [(n * groups, nq, nk) for n, nq, nk in tiles]
-    element = w.batch * w.model.head_dim * w.acc
-    forward = sum(n * (hw.tile_forward_overhead + hw.tile_forward_seconds_per_byte * element * nq * heads)
-                  for n, nq, _ in tiles)
-    backward = sum(n * (hw.tile_backward_overhead
-                        + hw.tile_backward_seconds_per_byte * element * (nq * heads + 2 * nk * kv_heads))
-                   for n, nq, nk in tiles)
+    calls = gather_groups(w.kv_heads_per_gpu) if w.strategy == "allgather" else 1  # kernel calls per tile
+    forward = backward = 0.0
+    for _, queries, keys, _, n in _tiles_at_length(w, rank):
+        merged, added = accumulated_bytes(batch=w.batch, queries=queries, keys=keys, heads=heads, kv_heads=kv_heads,
+                                          head_dim=w.model.head_dim, acc=w.acc)
+        forward += n * (calls * hw.tile_forward_overhead + hw.tile_forward_seconds_per_byte * merged)
+        backward += n * (calls * hw.tile_backward_overhead + hw.tile_backward_seconds_per_byte * added)
     return forward, backward
 
 
