@@ -9,13 +9,13 @@ ranks, one thread each; H=8, H_kv=2, D=64, float32, causal, zigzag) and compares
 
 - bytes sent: ``ctxpar.plan.cost.layer_traffic`` (one layer), which must equal the
   counted bytes exactly;
-- attention CPU seconds (the demo's ``attn_seconds``: process CPU time in kernels and
-  merges, forward + backward): 4·B·D·(pairs·heads of the rank) FLOPs forward and 2.5x
-  backward at the calibrated forward and backward rates, each tile of the rank's block
-  plan at the size curve's rate for its keys, plus what each tile costs beyond its kernel
-  (``cost.compute_seconds``; the rank's work
-  alone against the same prediction: ``rank_work.py``). CPU time does not grow
-  when ranks time-share cores, so no oversubscription term;
+- attention CPU seconds (the demo's ``attn_seconds``: CPU time of the computing thread in
+  kernels and merges, forward + backward, not of gloo's threads moving data meanwhile):
+  4·B·D·(pairs·heads of the rank) FLOPs forward and 2.5x backward at the calibrated
+  forward and backward rates, each tile of the rank's block plan at the size curve's rate
+  for its keys, plus what each tile costs beyond its kernel (``cost.compute_seconds``;
+  the rank's work alone against the same prediction: ``rank_work.py``). CPU time does not
+  grow when ranks time-share cores, so no oversubscription term;
 - wall seconds of the forward + backward: the planner's pipeline
   (``cost.attention_time``) with each rank's FLOP/s scaled by cores / P when P ranks
   share fewer cores (time-sharing), at the calibrated bandwidth.

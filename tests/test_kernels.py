@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import time
+
 import pytest
 import torch
 
@@ -142,6 +144,36 @@ def test_an_explicit_tile_mask_is_honoured_and_a_row_that_sees_nothing_gets_minu
     for got, leaf in zip(grads, leaves):
         assert torch.isfinite(got).all()
         torch.testing.assert_close(got, leaf.grad, rtol=0, atol=1e-12)
+
+
+def test_compute_cpu_time_leaves_out_other_threads_work() -> None:
+    """With torch on one thread (every local rank of the demo), a compute block's CPU time is
+    its own thread's: work another thread does meanwhile (gloo moving the next K/V) is not
+    compute. With more torch threads, the process's (the block's own helpers included)."""
+    import threading
+
+    from ctxpar import profile
+
+    cpu_device = torch.device("cpu")
+    a = torch.randn(256, 256)
+    previous = torch.get_num_threads()
+
+    def busy(seconds: float) -> None:  # torch ops release the GIL: CPU time on another thread
+        end = time.perf_counter() + seconds
+        while time.perf_counter() < end:
+            a @ a
+
+    try:
+        for threads, counted in ((1, False), (2, True)):
+            torch.set_num_threads(threads)
+            other = threading.Thread(target=busy, args=(0.3,))
+            with profile.record() as rec:
+                with profile.timed("compute", cpu_device):
+                    other.start()
+                    other.join()  # this thread waits: no CPU of its own
+            assert (rec.compute_cpu_seconds > 0.1) is counted, (threads, rec.compute_cpu_seconds)
+    finally:
+        torch.set_num_threads(previous)
 
 
 def test_a_record_without_timing_counts_everything_but_seconds() -> None:

@@ -158,7 +158,7 @@ def demo_rank(rank: int, world: int, cfg: DemoConfig, device: torch.device | Non
         "ranks": all_stats,
         "device": str(device),
         "backend": dist.get_backend(),
-        "attn_seconds_source": "process CPU time in kernels and merges"
+        "attn_seconds_source": "CPU time in kernels and merges (the computing thread's)"
         if device.type == "cpu"
         else "wall time in kernels and merges",
         "peak_memory_source": peak_source,

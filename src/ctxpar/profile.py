@@ -28,7 +28,7 @@ class Record:
     bytes_sent: int = 0
     bytes_received: int = 0
     compute_seconds: float = 0.0  # local kernels and merges, wall clock
-    compute_cpu_seconds: float = 0.0  # the same, CPU time of this process (immune to time-sharing)
+    compute_cpu_seconds: float = 0.0  # the same, CPU time (immune to time-sharing): see ``timed``
     wait_seconds: float = 0.0  # blocked on communication that compute did not hide
     collectives: int = 0  # communications posted (one ring step's send + receive counts once)
     waits: int = 0  # times this rank blocked until a communication completed: synchronisation points
@@ -69,8 +69,11 @@ def add_traffic(sent: int, received: int) -> None:
 def timed(counter: str, device: torch.device) -> Iterator[None]:
     """Add the time the block takes to ``counter`` ('compute' | 'wait').
 
-    Wall time goes to ``<counter>_seconds``; for 'compute' the process CPU time also
-    goes to ``compute_cpu_seconds``.
+    Wall time goes to ``<counter>_seconds``; for 'compute' the CPU time also goes to
+    ``compute_cpu_seconds``: this thread's where torch computes on it alone (one thread, as
+    every local rank of ``ctxpar demo``), so that the communication threads' work at the
+    same time (gloo moving the next K/V over loopback) is not counted as compute; else the
+    process's, which counts them too.
     """
     if not _open:  # nothing is recording: the common case, on every compute block and wait
         yield
@@ -83,13 +86,14 @@ def timed(counter: str, device: torch.device) -> Iterator[None]:
         yield
         return
     sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
+    cpu_clock = time.thread_time if torch.get_num_threads() == 1 else time.process_time
     sync()
-    wall, cpu = time.perf_counter(), time.process_time()
+    wall, cpu = time.perf_counter(), cpu_clock()
     try:
         yield
     finally:
         sync()
-        wall, cpu = time.perf_counter() - wall, time.process_time() - cpu
+        wall, cpu = time.perf_counter() - wall, cpu_clock() - cpu
         for rec in timing:
             setattr(rec, f"{counter}_seconds", getattr(rec, f"{counter}_seconds") + wall)
             if counter == "compute":
