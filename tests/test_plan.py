@@ -31,7 +31,7 @@ from ctxpar.plan.hardware import TILE_OVERHEADS, local_hardware
 from ctxpar.plan.memory import (layers_in_flight, memory_per_gpu, parameters_per_gpu, saved_bytes_per_layer,
                                 saved_tensors_per_token, sequence_tensors)
 from ctxpar.plan.recommend import crossover, fits_up_to, recommend, variant
-from ctxpar.plan.units import format_bytes, format_seconds, parse_latency
+from ctxpar.plan.units import format_bytes, format_seconds, parse_latency, parse_tile_overhead
 from ctxpar.plan.work import pairs_per_rank, union_pairs
 from ctxpar.plan.workload import Workload
 
@@ -1057,6 +1057,9 @@ def test_cli_inference_latency_and_unknown_memory_bandwidth(tmp_path, capsys) ->
     (("--fp8",), "--fp8: local has no fp8 tensor cores (fp8 matmuls need one of H100-SXM, H200, B200)"),
     (("--launch-overhead", "fast"), "--launch-overhead 'fast' is not understood"),
     (("--step-overhead", "2s"), "--step-overhead '2s' = 2 s is outside 0 .. 1 s"),
+    (("--tile-overhead", "1us,2us,3us"), "--tile-overhead '1us,2us,3us' has 3 values; give forward,backward"),
+    (("--tile-overhead", "5us,"), "--tile-overhead '' is not understood"),
+    (("--tile-overhead=-5us",), "--tile-overhead '-5us' is not understood"),
 ])
 def test_cli_inference_flags_are_refused_naming_the_flag(args: tuple[str, ...], message: str, capsys,
                                                         monkeypatch) -> None:
@@ -1216,10 +1219,12 @@ def test_a_plain_masks_block_plan_is_walked_once_for_every_length() -> None:
 def test_fixed_costs_from_the_cli(tmp_path) -> None:
     out = tmp_path / "plan.json"
     assert main(["plan", *WORKED, "--latency", "20us", "--launch-overhead", "5us", "--step-overhead", "1us",
-                 "--fp8", "--max-cp", "4", "--json", str(out)]) == 0
+                 "--tile-overhead", "20us,8us", "--fp8", "--max-cp", "4", "--json", str(out)]) == 0
     hw = json.loads(out.read_text())["hardware"]
     assert (hw["latency"], hw["launch_overhead"], hw["step_overhead"], hw["fp8"]) == \
         (pytest.approx(2e-5), pytest.approx(5e-6), pytest.approx(1e-6), True)
+    assert (hw["tile_forward_overhead"], hw["tile_backward_overhead"]) == (pytest.approx(2e-5), pytest.approx(8e-6))
+    assert "tile_backward_overhead, tile_forward_overhead" in hw["source"]
     assert hw["matmul_flops"] == pytest.approx(1979e12 * 794.5 / 989)
 
 
@@ -1619,6 +1624,26 @@ def test_each_tile_costs_its_merge_and_gradient_adds_beyond_its_kernel(strategy)
     # the tiles cost CPU time: ranks time-sharing a core pay it over their share
     assert cost.tile_overhead_seconds(w, hw.with_compute_share(0.5), rank) == (pytest.approx(2 * forward),
                                                                                  pytest.approx(2 * backward))
+
+
+def test_tile_overheads_given_for_a_preset_or_replacing_measured_ones() -> None:
+    """``--tile-overhead`` sets the fixed parts (one value: forward and backward alike) and
+    drops measured per-byte parts, as ``--step-overhead`` does; each tile pays it."""
+    assert parse_tile_overhead("20us, 8us") == (pytest.approx(2e-5), pytest.approx(8e-6))
+    assert parse_tile_overhead("5us") == (pytest.approx(5e-6), pytest.approx(5e-6))
+    w = Workload(attention_only(8, 2, 64), batch=1, seq=4096, dtype="float32", cp=4, strategy="ring")
+    ring_tiles = 4  # rank 0 of the zigzag ring: its diagonal, then one tile per step
+    preset = get_hardware("H100-SXM", tile_overhead=(2e-5, 8e-6))
+    assert cost.tile_overhead_seconds(w, preset, 0) == (pytest.approx(ring_tiles * 2e-5),
+                                                        pytest.approx(ring_tiles * 8e-6))
+    measured = get_hardware("local", calibration=dict(attention_flops=5e10, bandwidth=1e9, **TILE_COSTS),
+                            tile_overhead=(1e-5, 1e-5))
+    assert (measured.tile_forward_seconds_per_byte, measured.tile_backward_seconds_per_byte) == (0.0, 0.0)
+    assert cost.tile_overhead_seconds(w, measured, 0) == (pytest.approx(4e-5), pytest.approx(4e-5))
+    assert get_hardware("H100-SXM", tile_overhead=[2e-5, 8e-6]) == preset
+    for bad in ((1e-5,), (1e-5, float("nan")), (-1e-6, 0.0), (True, 0.0), "20us"):
+        with pytest.raises(ValueError, match="--tile-overhead .* must be \\(forward, backward\\) seconds"):
+            get_hardware("H100-SXM", tile_overhead=bad)
 
 
 def test_tile_overheads_are_what_the_tile_loop_adds_to_its_kernel(monkeypatch) -> None:

@@ -215,6 +215,11 @@ def _plan_parser(sub) -> None:
     hw.add_argument("--step-overhead", metavar="SECONDS",
                     help="seconds every ring step (pipeline stage) costs besides kernels and messages (default 0 for "
                          "presets; measured per strategy for local, fixed and per byte sent: this replaces both)")
+    hw.add_argument("--tile-overhead", metavar="SECONDS[,SECONDS]",
+                    help="seconds every tile of a block plan costs beyond its kernel call (merging its output; "
+                         "adding its gradients), forward,backward or one value for both, e.g. 20us,10us (default 0 "
+                         "for presets; measured for local, fixed and per byte: this replaces both; make gpu-check "
+                         "measures a GPU's)")
     hw.add_argument("--fp8", action="store_true",
                     help="matmuls in fp8: the fp8 dense peak x the matmul efficiency (attention stays in --dtype)")
     serve = p.add_argument_group("inference (serving instead of a training step; --seq is the prompt length)")
@@ -290,6 +295,7 @@ def _run_plan(args: argparse.Namespace) -> int:
     latency, launch, step = (None if text is None else planning.parse_latency(text, flag) for text, flag in (
         (args.latency, "--latency"), (args.launch_overhead, "--launch-overhead"),
         (args.step_overhead, "--step-overhead")))
+    tile = None if args.tile_overhead is None else planning.parse_tile_overhead(args.tile_overhead)
     planning.check_overrides(bandwidth=bandwidth, peak_flops=peak_flops, efficiency=args.efficiency,
                              gpus_per_node=args.gpus_per_node)
     if args.fp8:
@@ -327,7 +333,7 @@ def _run_plan(args: argparse.Namespace) -> int:
     hardware = planning.get_hardware(args.hardware, calibration=calibration, efficiency=args.efficiency,
                                      bandwidth=bandwidth, peak_flops=peak_flops, latency=latency,
                                      gpus_per_node=args.gpus_per_node, launch_overhead=launch, step_overhead=step,
-                                     fp8=args.fp8)
+                                     tile_overhead=tile, fp8=args.fp8)
     if args.inference:
         served = planning.make_inference_plan(workload, hardware, new_tokens=new_tokens, chunk=chunk,
                                               max_cp=args.max_cp, calibration=calibration)

@@ -14,7 +14,7 @@ from ctxpar.plan.inference_report import format_inference_plan, inference_to_jso
 from ctxpar.plan.planner import Plan, check_plan_size, make_plan, sweep_seqs
 from ctxpar.plan.plot import check_plot_support, write_plot
 from ctxpar.plan.report import format_plan, to_json
-from ctxpar.plan.units import parse_bandwidth, parse_flops, parse_latency
+from ctxpar.plan.units import parse_bandwidth, parse_flops, parse_latency, parse_tile_overhead
 from ctxpar.plan.workload import (CHECKPOINTING, DEFAULT_MODEL, ELEMENT_BYTES, Workload,
                                   default_ulysses, resolve_model)
 
@@ -23,6 +23,6 @@ __all__ = [
     "Workload", "check_fp8", "check_overrides", "check_plan_size", "check_plot_support",
     "default_ulysses", "format_inference_plan", "format_plan", "get_hardware", "gpus_per_node",
     "inference_to_json", "make_inference_plan", "make_plan", "parse_bandwidth", "parse_doc_dist", "parse_flops",
-    "parse_latency", "parse_lengths", "resolve_model",
+    "parse_latency", "parse_lengths", "parse_tile_overhead", "resolve_model",
     "sample_lengths", "sweep_seqs", "to_json", "write_plot",
 ]

@@ -362,10 +362,11 @@ def check_fp8(name: str) -> None:
 def check_overrides(
     *, bandwidth: float | None = None, peak_flops: float | None = None, efficiency: float | None = None,
     latency: float | None = None, gpus_per_node: int | None = None, launch_overhead: float | None = None,
-    step_overhead: float | None = None,
+    step_overhead: float | None = None, tile_overhead: tuple[float, float] | None = None,
 ) -> None:
     """Refuse override figures that are not positive finite numbers (efficiency: in [0.01, 1];
-    latency and overheads: finite, >= 0; GPUs per node: an integer >= 1)."""
+    latency and overheads: finite, >= 0, the tile overhead a (forward, backward) pair; GPUs
+    per node: an integer >= 1)."""
     if gpus_per_node is not None and (isinstance(gpus_per_node, bool) or not isinstance(gpus_per_node, int)
                                       or not 1 <= gpus_per_node <= MAX_GPUS_PER_NODE):
         raise ValueError(f"--gpus-per-node {gpus_per_node} must be an integer between 1 and {MAX_GPUS_PER_NODE}")
@@ -379,6 +380,9 @@ def check_overrides(
                         ("--step-overhead", step_overhead)):
         if value is not None and not _is_number(value):
             raise ValueError(f"{flag} {value} must be a finite number of seconds >= 0")
+    if tile_overhead is not None and not (isinstance(tile_overhead, (tuple, list)) and len(tile_overhead) == 2
+                                          and all(_is_number(value) for value in tile_overhead)):
+        raise ValueError(f"--tile-overhead {tile_overhead!r} must be (forward, backward) seconds, finite and >= 0")
 
 
 def get_hardware(
@@ -392,6 +396,7 @@ def get_hardware(
     gpus_per_node: int | None = None,
     launch_overhead: float | None = None,
     step_overhead: float | None = None,
+    tile_overhead: tuple[float, float] | None = None,
     fp8: bool = False,
 ) -> Hardware:
     """A preset by name (case-insensitive), with optional overrides.
@@ -399,13 +404,16 @@ def get_hardware(
     ``bandwidth`` replaces both links (intra- and inter-node); ``peak_flops`` the peak and
     ``efficiency`` the achieved fraction: either one replaces the kernel rates with one rate,
     peak x efficiency; ``latency`` the seconds per message, ``launch_overhead`` per kernel
-    call, ``step_overhead`` per pipeline stage; ``gpus_per_node`` the GPUs the intra-node
-    link joins; ``fp8`` runs matmuls at the fp8 peak x the matmul efficiency (refused for
-    hardware without fp8). ``local`` needs ``calibration``.
+    call, ``step_overhead`` per pipeline stage, ``tile_overhead`` (forward, backward) per
+    tile beyond its kernel (both replace the measured figures, fixed and per byte);
+    ``gpus_per_node`` the GPUs the intra-node link joins; ``fp8`` runs matmuls at the fp8
+    peak x the matmul efficiency (refused for hardware without fp8). ``local`` needs
+    ``calibration``.
     """
     _node_size(name)  # refuses an unknown name
     check_overrides(bandwidth=bandwidth, peak_flops=peak_flops, efficiency=efficiency, latency=latency,
-                    gpus_per_node=gpus_per_node, launch_overhead=launch_overhead, step_overhead=step_overhead)
+                    gpus_per_node=gpus_per_node, launch_overhead=launch_overhead, step_overhead=step_overhead,
+                    tile_overhead=tile_overhead)
     key = name.lower()
     if key == LOCAL:
         if calibration is None:
@@ -419,13 +427,16 @@ def get_hardware(
     changes = dict(intra_node_bandwidth=bandwidth, inter_node_bandwidth=bandwidth, peak_flops=peak_flops,
                    efficiency=efficiency, latency=latency, gpus_per_node=gpus_per_node,
                    launch_overhead=launch_overhead, step_overhead=step_overhead)
+    if tile_overhead is not None:  # the fixed parts given, replacing measured ones and their per-byte parts
+        changes.update(tile_forward_overhead=tile_overhead[0], tile_backward_overhead=tile_overhead[1],
+                       tile_forward_seconds_per_byte=0.0, tile_backward_seconds_per_byte=0.0)
     changes = {k: v for k, v in changes.items() if v is not None}
     if step_overhead is not None:  # one step overhead for every strategy, replacing measured ones
         changes.update(strategy_step_overheads=None, strategy_step_byte_overheads=None)
     if peak_flops is not None or efficiency is not None:  # one rate for every kernel, as before kernel rates
         changes.update(attention_forward_rate=None, attention_backward_rate=None, matmul_rate=None)
     if changes:
-        given = sorted(k for k in changes if not k.endswith("_rate") and not k.startswith("strategy_"))
+        given = sorted(k for k in changes if not k.endswith(("_rate", "_per_byte")) and not k.startswith("strategy_"))
         hw = replace(hw, source=hw.source + "; overridden: " + ", ".join(given), **changes)
     if fp8:
         hw = replace(hw, fp8=True, source=hw.source + "; fp8 matmuls")

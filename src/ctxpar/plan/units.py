@@ -50,8 +50,18 @@ def parse_flops(text: str) -> float:
 
 def parse_latency(text: str, flag: str = "--latency") -> float:
     """Seconds from ``20us``, ``0.5ms``, ``2e-5`` (no unit: seconds); 0 is allowed (no fixed cost).
-    ``flag`` names the option in errors (--latency, --launch-overhead, --step-overhead)."""
+    ``flag`` names the option in errors (--latency, --launch-overhead, --step-overhead, --tile-overhead)."""
     return _scaled(text, _LATENCY, _SECONDS, LATENCY_RANGE, flag, "s", "20us, 0.5ms or 0.00002 (seconds)")
+
+
+def parse_tile_overhead(text: str, flag: str = "--tile-overhead") -> tuple[float, float]:
+    """(forward, backward) seconds from ``20us,10us``; one value is both."""
+    parts = str(text).split(",")
+    if len(parts) > 2:
+        raise ValueError(f"{flag} {text!r} has {len(parts)} values; give forward,backward (e.g. 20us,10us) or one "
+                         f"value for both")
+    values = [parse_latency(part.strip(), flag) for part in parts]
+    return values[0], values[-1]
 
 
 def _scaled(text: str, pattern: re.Pattern, scales: dict[str, float], bounds: tuple[float, float, str], flag: str,
