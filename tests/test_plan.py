@@ -1239,7 +1239,8 @@ def test_calibration_gives_three_rates_and_the_launch_overhead(monkeypatch) -> N
                      step_overhead_per_byte=(1e-9, 2e-9, 3e-9)[i])
              for i, s in enumerate(calibrate.PROBE_STRATEGIES)}
     monkeypatch.setattr(calibrate, "measure_step_overheads",
-                        lambda hw: dict(tokens_per_rank=[8, 1024], world=2, strategies=probe))
+                        lambda hw: dict(tokens_per_rank=[8, 1024], world=2, strategies=probe,
+                                        tile_overheads_in_calls=dict(forward=1e-4, backward=5e-5)))
     c = calibrate.calibrate()
     hw = local_hardware(c)
     assert (hw.step_overhead, hw.step_overhead_for("allgather"), hw.step_overhead_for("alltoall"),
@@ -1254,10 +1255,13 @@ def test_calibration_gives_three_rates_and_the_launch_overhead(monkeypatch) -> N
     assert hw.matmul_flops == c["matmul_flops"] == 2 * 1024**3 / c["matmul"]["seconds"]
     assert 0 < hw.launch_overhead == c["launch_overhead"] < 1e-2
     assert "launch overhead" in calibrate.format_calibration(c)
-    assert (hw.tile_forward_overhead, hw.tile_backward_seconds_per_byte) == \
-        (c["tile_forward_overhead"], c["tiles"]["tile_backward_seconds_per_byte"])
+    # the tile loop's fixed parts and what attention calls spend around each tile
+    assert (hw.tile_forward_overhead, hw.tile_backward_overhead, hw.tile_backward_seconds_per_byte) == (
+        c["tiles"]["tile_forward_overhead"] + 1e-4, c["tiles"]["tile_backward_overhead"] + 5e-5,
+        c["tiles"]["tile_backward_seconds_per_byte"])
     assert "a tile beyond its kernel call (merging its output, adding its gradients): forward " in \
         calibrate.format_calibration(c)
+    assert "us in the tile loop + 100 / 50 us around it in attention calls)" in calibrate.format_calibration(c)
     # the curve: the sizes below the (here 256-token) block, then the block's own
     # a full kernel of the block's size runs above the causal one's rate, which the curves are fractions of
     assert [row[0] for row in hw.attention_size_curve] == [64, 128, 256] and hw.attention_size_curve[-1][1] > 1
@@ -1285,15 +1289,26 @@ def test_calibration_gives_three_rates_and_the_launch_overhead(monkeypatch) -> N
 
 
 def test_step_overheads_are_what_probe_calls_take_beyond_the_pipeline() -> None:
-    """Two real ranks: each strategy's two probes, the overheads fitted through them, and
-    the pipeline with them: what it adds to each probe is the fitted line at its bytes.
-    The tiny probe is predicted at the kernel rates; the larger one with its measured
-    compute less the tiny one's excess over the rates."""
-    hw = local_hardware(dict(attention_flops=5e10, bandwidth=1e9, latency=2e-4, launch_overhead=4e-5))
+    """Two real ranks: the compute the tiny calls spend beyond the rates and the tile loop,
+    per tile, pooled over the strategies; each strategy's two probes, the overheads fitted
+    through them, and the pipeline with them: what it adds to each probe is the fitted line
+    at its bytes. The tiny probe is predicted at the kernel rates and the tile overheads
+    with that compute; the larger one with its measured compute."""
+    hw = local_hardware(dict(attention_flops=5e10, bandwidth=1e9, latency=2e-4, launch_overhead=4e-5,
+                             tile_forward_overhead=2e-5, tile_backward_overhead=1e-5))
     step = calibrate.measure_step_overheads(hw, sizes=(8, 64), repeats=3)
     assert set(step["strategies"]) == set(calibrate.PROBE_STRATEGIES) and step["tokens_per_rank"] == [8, 64]
+    excesses = [m["compute_excess_seconds"] for m in step["strategies"].values()]
+    calls = [m["tile_calls"] for m in step["strategies"].values()]
+    in_calls = step["tile_overheads_in_calls"]
+    assert calls == [2, 4, 1]  # zigzag on 2 ranks: the ring's two steps; the all-gather's two tiles per head group
+    for i, p in enumerate(("forward", "backward")):
+        assert in_calls[p] == pytest.approx(max(0.0, sum(e[i] for e in excesses) / sum(calls)))
+        assert 0 < in_calls[p] < 1e-2  # every call runs Python around its tiles
+    with_calls = replace(hw, tile_forward_overhead=2e-5 + in_calls["forward"],
+                         tile_backward_overhead=1e-5 + in_calls["backward"])
     for strategy, m in step["strategies"].items():
-        with_it = replace(hw, strategy_step_overheads=((strategy, m["step_overhead"]),),
+        with_it = replace(with_calls, strategy_step_overheads=((strategy, m["step_overhead"]),),
                           strategy_step_byte_overheads=((strategy, m["step_overhead_per_byte"]),))
         tiny, larger = m["probes"]
         excess = m["compute_excess_seconds"]  # the tiny calls' least: at most the fitted tiny call's
@@ -1303,9 +1318,8 @@ def test_step_overheads_are_what_probe_calls_take_beyond_the_pipeline() -> None:
         for p in m["probes"]:
             w = calibrate.step_probe_workload(p["tokens_per_rank"], strategy)
             assert p["bytes_per_stage"] == cost.layer_traffic(w).total / p["stages"] > 0
-            t = cost.attention_time(w, hw)
-            measured = (max(0.0, p["forward_compute_seconds"] - excess[0]),
-                        max(0.0, p["backward_compute_seconds"] - excess[1]))
+            t = cost.attention_time(w, with_calls)
+            measured = (p["forward_compute_seconds"], p["backward_compute_seconds"])
             assert p["predicted_seconds"] == pytest.approx(t.seconds if p is tiny else sum(
                 replace(one, compute=c / one.stages).seconds for one, c in zip((t.forward, t.backward), measured)))
             assert p["seconds"] > 0 and p["residual_per_stage"] == pytest.approx(
@@ -1339,8 +1353,8 @@ def test_step_probes_refuse_sizes_no_line_goes_through(sizes, repeats) -> None:
 def test_step_overhead_fit_is_the_line_through_both_probes_clamped_at_zero(monkeypatch, residuals, fixed,
                                                                            per_byte, rate_error) -> None:
     """The fit on synthetic probes: each strategy's least-noisy call at each size takes its
-    pipeline plus ``residuals`` per stage, the Python around its kernels (2e-4 s a pass)
-    counted as compute and part of the residual, and at the larger size the kernel rates
+    pipeline plus ``residuals`` per stage, the Python around its tiles (2e-4 s a tile call
+    and pass) counted as compute, in the pipeline, and at the larger size the kernel rates
     off by ``rate_error``, which the fit must not take for a step overhead. Around those
     calls: scheduling noise, a call the faster rank made early (the slower rank's time is
     the call's), a tiny call with more compute (the excess is the calls' least) and a
@@ -1351,7 +1365,7 @@ def test_step_overhead_fit_is_the_line_through_both_probes_clamped_at_zero(monke
               for s in calibrate.PROBE_STRATEGIES}  # the probe's forward and backward have as many
     monkeypatch.setattr(cost, "layer_traffic", lambda w: traffic.Traffic(
         0, stages[w.strategy] * {8: 3e3, 1000: 3e3 + 3e5}[w.local_len]))  # 3e3 and 3e3 + 3e5 bytes per stage
-    python = 2e-4
+    python = replace(hw, tile_forward_overhead=2e-4, tile_backward_overhead=2e-4)
 
     def fake_run_local(fn, world, args, threads):
         sizes, _ = args
@@ -1360,12 +1374,12 @@ def test_step_overhead_fit_is_the_line_through_both_probes_clamped_at_zero(monke
             for r in ranks:
                 r[tokens] = {}
             for s in calibrate.PROBE_STRATEGIES:
-                t = cost.attention_time(calibrate.step_probe_workload(tokens, s), hw)
-                arithmetic = [one.compute * one.stages * (1 + error) for one in (t.forward, t.backward)]
+                t = cost.attention_time(calibrate.step_probe_workload(tokens, s), python)
+                compute = [one.compute * one.stages * (1 + error) for one in (t.forward, t.backward)]
                 seconds = sum(replace(one, compute=c / one.stages).seconds
-                              for one, c in zip((t.forward, t.backward), arithmetic))
-                clean = dict(seconds=seconds + residual * stages[s], forward_compute=arithmetic[0] + python,
-                             backward_compute=arithmetic[1] + python)
+                              for one, c in zip((t.forward, t.backward), compute))
+                clean = dict(seconds=seconds + residual * stages[s], forward_compute=compute[0],
+                             backward_compute=compute[1])
                 noisy = dict(clean, seconds=clean["seconds"] + 5e-3)
                 early = dict(clean, seconds=clean["seconds"] - 2e-3)  # rank 0 only; rank 1 makes it noisy
                 if tokens == sizes[0]:  # the clean call itself with more compute: the excess is not its

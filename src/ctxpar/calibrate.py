@@ -21,19 +21,21 @@ for ``ctxpar plan --calibrate`` and ``--calibration``.
 - Tile overheads: what a tile of a block plan costs beyond its kernel call, merging its
   output into the accumulators (forward) or adding its gradients into dQ, dK, dV
   (backward): fixed and per byte accumulated, from a tiny and a 256 x 256 tile
-  (``measure_tile_overheads``).
+  (``measure_tile_overheads``); and, fixed, what the strategies' calls spend around each
+  tile beyond that loop, from the step probes below.
 - Step overheads: two local ranks run ``ctxpar.attention`` (zigzag, causal, the block's
   heads) forward + backward on 8-token and on 1024-token shards by ring, allgather and
   alltoall, 12 rounds, the slower rank's call with the least residual (as the benchmarks
   time the strategies: what a call takes without scheduling noise on top). What the
   planner's pipeline does not already account for (compute, latency, launches), per
   pipeline stage, is on the tiny shards that strategy's fixed step overhead
-  (``step_overhead`` is the ring's): the Python of a step and around its kernels, and a
-  share of the call's checks (the consistency all-gather, the layout), which small shards
-  cannot hide. Its growth to the larger shards, per byte a stage sends, is the step
-  overhead per byte: the serial work that grows with what a stage moves (packing and
-  unpacking buffers, the all-to-all's re-layouts, gloo's all-gather, reduce-scatter and
-  all-to-all, slower than the ring hop the bandwidth is measured on). At the larger
+  (``step_overhead`` is the ring's): the Python of a step, and a share of the call's
+  checks (the consistency all-gather, the layout), which small shards cannot hide; the
+  compute around each tile is a tile overhead (above). Its growth to the larger shards,
+  per byte a stage sends, is the step overhead per byte: the serial work that grows with
+  what a stage moves (packing and unpacking buffers, the all-to-all's re-layouts, gloo's
+  all-gather, reduce-scatter and all-to-all, slower than the ring hop the bandwidth is
+  measured on). At the larger
   shards the pipeline is given the call's measured compute, not the rates' prediction,
   whose few-% miss is as large as the overheads (``measure_step_overheads``).
 - Bandwidth: two local gloo ranks exchange a buffer over ``ctxpar.comm.RingComm`` (each
@@ -331,48 +333,66 @@ PROBE_TOKENS = (8, 1024)
 
 
 def measure_step_overheads(hw: Hardware, sizes: tuple[int, int] = PROBE_TOKENS, repeats: int = 12) -> dict:
-    """Per strategy, what an attention call takes beyond what ``hw`` (this machine without
-    step overheads) predicts for it, per pipeline stage, against the bytes it sends per
-    stage (``cost.layer_traffic`` over the stages): the line through the probes on a tiny
-    shard (``sizes[0]`` tokens per rank) and a larger one (``sizes[1]``), its value at 0
-    bytes the fixed step overhead and its slope the step overhead per byte sent. Neither
-    is negative: a falling line has no slope (the tiny probe's residual is the fixed
-    overhead), one crossing 0 above 0 bytes goes through 0 and the larger probe instead.
+    """What real attention calls cost beyond what ``hw`` (this machine without step
+    overheads) predicts for them: per tile, the compute the tile-loop probe misses; then,
+    per strategy, per pipeline stage, against the bytes it sends per stage
+    (``cost.layer_traffic`` over the stages), the step overheads: the line through the
+    probes on a tiny shard (``sizes[0]`` tokens per rank) and a larger one (``sizes[1]``),
+    its value at 0 bytes the fixed step overhead and its slope the step overhead per byte
+    sent. Neither is negative: a falling line has no slope (the tiny probe's residual is
+    the fixed overhead), one crossing 0 above 0 bytes goes through 0 and the larger probe
+    instead.
 
     Each probe's residual is its call with the least one (what the steps cost without
     scheduling noise), on the slower of two ranks, one thread each, over ``repeats``
-    rounds. The tiny probe's compute is what ``hw`` predicts for it, its kernel rates and
-    tile overheads (its calls' least measured excess over that, the Python around the
-    tiles, is part of what small shards cannot hide). The larger probe's is each call's
-    measured compute less that excess: the rates miss it by a few %, as much as the
-    overheads there, and the rates' error is not a step overhead. What the compute blocks
-    do beyond their kernels that grows with the shard (merges into the accumulators,
-    gradient adds, the all-gather's dK/dV shares) goes with the measured compute, out of
-    the residual: it scales with a rank's queries, not with the bytes a stage sends, and
-    the tile overheads model it (the ring's 1024-token probe: 2.3 ms of its 144 ms of
-    compute against 0.27 of 0.67 at 8 tokens, 0.66 ns per byte sent were it charged per
-    byte)."""
+    rounds. The tiny calls' compute (their least, forward and backward) beyond ``hw``'s
+    kernel rates and tile overheads is the Python a strategy runs around each tile (its
+    block plan's lookups, views and bookkeeping), which the tile-loop probe
+    (``measure_tile_overheads``) does not run: over all strategies' tiny calls, per kernel
+    call, it is added to the fixed tile overheads (``tile_overheads_in_calls``, 0.1-0.15
+    ms a tile forward on this CPU, as much as the tile loop's own). It is compute: the
+    compute-time predictions carry it and the pipeline overlaps it with transfers, where
+    it was a serial step overhead before. The tiny probe's compute is then what that
+    ``hw`` predicts; the larger probe's its measured compute (the rates miss it by a few
+    %, as much as the overheads there, and the rates' error is not a step overhead)."""
     if len(sizes) != 2 or not all(isinstance(t, int) and t > 0 for t in sizes) or sizes[0] >= sizes[1] \
             or not (isinstance(repeats, int) and repeats >= 1):
         raise ValueError(f"step probes need two shard sizes, tokens per rank, ascending, and repeats >= 1; "
                          f"got sizes={sizes!r}, repeats={repeats!r}")
     per_rank = run_local(_probe_rank, 2, (sizes, repeats), threads=1)
     bare = replace(hw, step_overhead=0.0, strategy_step_overheads=None, strategy_step_byte_overheads=None)
+    # each call on the slower rank (the ranks make theirs in the same order)
+    slower = {strategy: [[max(same, key=lambda call: call["seconds"])
+                          for same in zip(*(r[tokens][strategy] for r in per_rank))] for tokens in sizes]
+              for strategy in PROBE_STRATEGIES}
+    tiny = {strategy: step_probe_workload(sizes[0], strategy) for strategy in PROBE_STRATEGIES}
+    excess = {strategy: tuple(min(call[f"{p}_compute"] for call in slower[strategy][0]) - c
+                              for p, c in zip(("forward", "backward"), cost.compute_seconds(w, bare)))
+              for strategy, w in tiny.items()}
+    calls = {strategy: _tile_calls(w, bare) for strategy, w in tiny.items()}
+    in_calls = tuple(max(0.0, sum(e[i] for e in excess.values()) / sum(calls.values())) for i in (0, 1))
+    bare = replace(bare, tile_forward_overhead=hw.tile_forward_overhead + in_calls[0],
+                   tile_backward_overhead=hw.tile_backward_overhead + in_calls[1])
     out = {}
     for strategy in PROBE_STRATEGIES:
-        # each call on the slower rank (the ranks make theirs in the same order)
-        slower = [[max(same, key=lambda call: call["seconds"])
-                   for same in zip(*(r[tokens][strategy] for r in per_rank))] for tokens in sizes]
-        tiny, larger = (step_probe_workload(tokens, strategy) for tokens in sizes)
-        at_rates = cost.compute_seconds(tiny, bare)
-        excess = tuple(min(call[f"{p}_compute"] for call in slower[0]) - c
-                       for p, c in zip(("forward", "backward"), at_rates))
-        probes = [_step_probe(tiny, bare, slower[0], lambda call: at_rates),
-                  _step_probe(larger, bare, slower[1], lambda call: (
-                      max(0.0, call["forward_compute"] - excess[0]), max(0.0, call["backward_compute"] - excess[1])))]
-        out[strategy] = dict(probes=probes, compute_excess_seconds=list(excess),
+        larger = step_probe_workload(sizes[1], strategy)
+        at_rates = cost.compute_seconds(tiny[strategy], bare)
+        probes = [_step_probe(tiny[strategy], bare, slower[strategy][0], lambda call: at_rates),
+                  _step_probe(larger, bare, slower[strategy][1],
+                              lambda call: (call["forward_compute"], call["backward_compute"]))]
+        out[strategy] = dict(probes=probes, compute_excess_seconds=list(excess[strategy]), tile_calls=calls[strategy],
                              **_fit_step_overhead(*((p["bytes_per_stage"], p["residual_per_stage"]) for p in probes)))
-    return dict(tokens_per_rank=list(sizes), world=2, strategies=out)
+    return dict(tokens_per_rank=list(sizes), world=2, strategies=out,
+                tile_overheads_in_calls=dict(forward=in_calls[0], backward=in_calls[1]))
+
+
+def _tile_calls(w: Workload, hw: Hardware) -> int:
+    """Kernel calls of the tiles of the rank ``cost.compute_seconds(w, hw)`` times (of the
+    busiest, the one with the most compute), forward or backward alike: what a fixed tile
+    overhead is paid on."""
+    rank = max(cost.busiest_ranks(w), key=lambda r: sum(cost.compute_seconds(w, hw, r)))
+    unit = replace(hw, tile_forward_overhead=1.0, tile_forward_seconds_per_byte=0.0)
+    return round(cost.tile_overhead_seconds(w, unit, rank)[0])
 
 
 def _step_probe(w: Workload, bare: Hardware, calls: list[dict], compute: Callable[[dict], tuple[float, float]]) -> dict:
@@ -486,8 +506,11 @@ def calibrate() -> dict:
     step = measure_step_overheads(local_hardware(measured))
     fixed = {s: m["step_overhead"] for s, m in step["strategies"].items()}
     per_byte = {s: m["step_overhead_per_byte"] for s, m in step["strategies"].items()}
+    in_calls = step["tile_overheads_in_calls"]
     return dict(measured, step_overhead=fixed["ring"], strategy_step_overheads=fixed,
-                strategy_step_byte_overheads=per_byte, step=step)
+                strategy_step_byte_overheads=per_byte, step=step,
+                tile_forward_overhead=tiles["tile_forward_overhead"] + in_calls["forward"],
+                tile_backward_overhead=tiles["tile_backward_overhead"] + in_calls["backward"])
 
 
 def check_calibration_flags(hardware: str, *, measure: bool, path: str | None) -> None:
@@ -555,7 +578,7 @@ def format_calibration(c: dict) -> str:
         *([f"  a tile beyond its kernel call (merging its output, adding its gradients): forward "
            f"{c['tile_forward_overhead'] * 1e6:.0f} us + {c['tile_forward_seconds_per_byte'] * 1e9:.2f} ns/B merged, "
            f"backward {c['tile_backward_overhead'] * 1e6:.0f} us + {c['tile_backward_seconds_per_byte'] * 1e9:.2f} "
-           f"ns/B added"] if all(key in c for key in TILE_OVERHEADS) else []),
+           f"ns/B added" + _in_calls_words(c)] if all(key in c for key in TILE_OVERHEADS) else []),
         *(["  attention forward + backward, 2 ranks, measured / predicted without step overheads (the "
            "larger shards' from their measured compute), per pipeline stage: "
            + "; ".join(_format_step(s, m) for s, m in c["step"]["strategies"].items())]
@@ -565,6 +588,17 @@ def format_calibration(c: dict) -> str:
         f"{link.get('latency', 0) * 1e6:.0f} us (latency)",
         f"  memory copy, 1 thread: {c.get('memory_bandwidth', 0) / 1e9:.1f} GB/s read + write",
     ])
+
+
+def _in_calls_words(c: dict) -> str:
+    """' (fixed parts: 60 / 35 us in the tile loop + 120 / 90 us around it in attention
+    calls)' where the step probes measured the latter (``measure_step_overheads``)."""
+    in_calls = c.get("step", {}).get("tile_overheads_in_calls")
+    if not in_calls:
+        return ""
+    loop = (c["tiles"]["tile_forward_overhead"], c["tiles"]["tile_backward_overhead"])
+    return (f" (fixed parts: {loop[0] * 1e6:.0f} / {loop[1] * 1e6:.0f} us in the tile loop + "
+            f"{in_calls['forward'] * 1e6:.0f} / {in_calls['backward'] * 1e6:.0f} us around it in attention calls)")
 
 
 def _format_step(strategy: str, m: dict) -> str:
