@@ -1,9 +1,9 @@
 """The planner's predictions against ``ctxpar demo`` runs on this machine: bytes and seconds per rank.
 
-    python benchmarks/plan_vs_measured.py                     # P in {2,4}, T in {4096,8192,16384}, ring + allgather
+    python benchmarks/plan_vs_measured.py       # P in {2,4}, T in {4096,8192,16384}, ring, allgather, alltoall
     python benchmarks/plan_vs_measured.py --json plan_vs_measured.json
 
-First calibrates the ``local`` hardware preset (``ctxpar.plan.calibrate``: one-thread
+First calibrates the ``local`` hardware preset (``ctxpar.calibrate``: one-thread
 attention kernel FLOP/s, gloo bandwidth), then for every case runs the demo (P local gloo
 ranks, one thread each; H=8, H_kv=2, D=64, float32, causal, zigzag) and compares per rank:
 
@@ -164,7 +164,7 @@ def main() -> None:
     p.add_argument("--seqs", default="4096,8192,16384")
     p.add_argument("--strategies", default="ring,allgather,alltoall")
     p.add_argument("--ulysses-degree", type=int, default=2, help="the hybrid's all-to-all degree U")
-    p.add_argument("--repeat", type=int, default=2, help="demo runs per case; best seconds per rank")
+    p.add_argument("--repeat", type=int, default=10, help="demo runs per case; best seconds per rank")
     p.add_argument("--json", metavar="PATH")
     args = p.parse_args()
 
@@ -191,13 +191,13 @@ def main() -> None:
         print("(best: each strategy's best round; same round: the median over rounds of auto's time over each "
               "other's in the same round, the largest)")
         print(f"{'P':>2} {'T':>6} {'auto':<10} {'fastest':<10} {'by median':<10} {'auto / fastest':>14} "
-              f"{'same round':>10}  best, median rounds")
+              f"{'same round':>12}  best, median rounds")
         for v in verdicts:
             ratio, paired = ("not measured" if v[key] is None else f"{v[key]:.3f}"
                              for key in ("auto_over_fastest", "auto_over_others_per_round"))
             times = ", ".join(f"{k} {t:.3f} {v['median_rounds'][k]:.3f}" for k, t in v["measured"].items())
             print(f"{v['nproc']:>2} {v['seq']:>6} {v['auto']:<10} {v['fastest']:<10} {v['fastest_by_median']:<10} "
-                  f"{ratio:>14} {paired:>10}  {times}")
+                  f"{ratio:>14} {paired:>12}  {times}")
     if args.json:
         write_json(args.json, args, calibration=calibration, rows=rows, auto=verdicts)
 

@@ -1393,7 +1393,9 @@ def test_step_overhead_fit_is_the_line_through_both_probes_clamped_at_zero(monke
         return list(ranks)
 
     monkeypatch.setattr(calibrate, "run_local", fake_run_local)
-    for m in calibrate.measure_step_overheads(hw, sizes=(8, 1000))["strategies"].values():
+    step = calibrate.measure_step_overheads(hw, sizes=(8, 1000))
+    assert step["tile_overheads_in_calls"] == dict(forward=pytest.approx(2e-4), backward=pytest.approx(2e-4))
+    for m in step["strategies"].values():
         assert (m["step_overhead"], m["step_overhead_per_byte"]) == (pytest.approx(fixed, abs=1e-15),
                                                                      pytest.approx(per_byte, abs=1e-20))
 

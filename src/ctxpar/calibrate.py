@@ -334,7 +334,7 @@ PROBE_TOKENS = (8, 1024)
 
 def measure_step_overheads(hw: Hardware, sizes: tuple[int, int] = PROBE_TOKENS, repeats: int = 12) -> dict:
     """What real attention calls cost beyond what ``hw`` (this machine without step
-    overheads) predicts for them: per tile, the compute the tile-loop probe misses; then,
+    overheads) predicts for them: per kernel call, the compute the tile-loop probe misses; then,
     per strategy, per pipeline stage, against the bytes it sends per stage
     (``cost.layer_traffic`` over the stages), the step overheads: the line through the
     probes on a tiny shard (``sizes[0]`` tokens per rank) and a larger one (``sizes[1]``),
@@ -346,15 +346,15 @@ def measure_step_overheads(hw: Hardware, sizes: tuple[int, int] = PROBE_TOKENS, 
     Each probe's residual is its call with the least one (what the steps cost without
     scheduling noise), on the slower of two ranks, one thread each, over ``repeats``
     rounds. The tiny calls' compute (their least, forward and backward) beyond ``hw``'s
-    kernel rates and tile overheads is the Python a strategy runs around each tile (its
-    block plan's lookups, views and bookkeeping), which the tile-loop probe
+    kernel rates and tile overheads is the Python a strategy runs around each kernel call
+    (its block plan's lookups, views and bookkeeping), which the tile-loop probe
     (``measure_tile_overheads``) does not run: over all strategies' tiny calls, per kernel
-    call, it is added to the fixed tile overheads (``tile_overheads_in_calls``, 0.1-0.15
-    ms a tile forward on this CPU, as much as the tile loop's own). It is compute: the
-    compute-time predictions carry it and the pipeline overlaps it with transfers, where
-    it was a serial step overhead before. The tiny probe's compute is then what that
-    ``hw`` predicts; the larger probe's its measured compute (the rates miss it by a few
-    %, as much as the overheads there, and the rates' error is not a step overhead)."""
+    call, it is added to the fixed tile overheads (``tile_overheads_in_calls``, 0.12-0.14
+    ms a call forward on this CPU, twice the tile loop's own). It is compute, so the
+    compute-time predictions carry it and the pipeline overlaps it with transfers. The
+    tiny probe's compute is then what that ``hw`` predicts; the larger probe's its
+    measured compute (the rates miss it by a few %, as much as the overheads there, and
+    the rates' error is not a step overhead)."""
     if len(sizes) != 2 or not all(isinstance(t, int) and t > 0 for t in sizes) or sizes[0] >= sizes[1] \
             or not (isinstance(repeats, int) and repeats >= 1):
         raise ValueError(f"step probes need two shard sizes, tokens per rank, ascending, and repeats >= 1; "
@@ -594,7 +594,7 @@ def _in_calls_words(c: dict) -> str:
     """' (fixed parts: 60 / 35 us in the tile loop + 120 / 90 us around it in attention
     calls)' where the step probes measured the latter (``measure_step_overheads``)."""
     in_calls = c.get("step", {}).get("tile_overheads_in_calls")
-    if not in_calls:
+    if not in_calls or "tiles" not in c:
         return ""
     loop = (c["tiles"]["tile_forward_overhead"], c["tiles"]["tile_backward_overhead"])
     return (f" (fixed parts: {loop[0] * 1e6:.0f} / {loop[1] * 1e6:.0f} us in the tile loop + "

@@ -219,7 +219,7 @@ def _plan_parser(sub) -> None:
                     help="seconds every tile of a block plan costs beyond its kernel call (merging its output; "
                          "adding its gradients), forward,backward or one value for both, e.g. 20us,10us (default 0 "
                          "for presets; measured for local, fixed and per byte: this replaces both; make gpu-check "
-                         "measures a GPU's)")
+                         "measures a GPU's tile loop)")
     hw.add_argument("--fp8", action="store_true",
                     help="matmuls in fp8: the fp8 dense peak x the matmul efficiency (attention stays in --dtype)")
     serve = p.add_argument_group("inference (serving instead of a training step; --seq is the prompt length)")

@@ -76,13 +76,14 @@ class Hardware:
         size_curve_by_keys: the curves are looked up at a tile's keys (measured so for
             ``local``'s CPU kernels, docs/planner.md section 6); else at the rank's shard,
             for every tile of its plan (the GPU presets, until measured there).
-        tile_forward_overhead, tile_backward_overhead: seconds every tile of a block plan
-            costs in the forward (backward) besides its kernel call: the merge of its output
-            into the accumulators (the adds of its gradients into dQ, dK, dV), fixed part.
+        tile_forward_overhead, tile_backward_overhead: seconds every kernel call of a block
+            plan's tile costs in the forward (backward) besides the kernel: the merge of its
+            output into the accumulators (the adds of its gradients into dQ, dK, dV) and,
+            for ``local``, the strategy's Python around the call, fixed part.
         tile_forward_seconds_per_byte: and per byte of output the forward merges (B·q·H·D
             accumulator elements); tile_backward_seconds_per_byte: per byte of gradients
             the backward adds (B·(q·H + 2·k·H_kv)·D). All four measured for ``local``, 0 in
-            the presets (``make gpu-check`` measures them on a GPU).
+            the presets (``make gpu-check`` measures the tile loop's on a GPU).
     """
 
     name: str
