@@ -526,7 +526,9 @@ def format_report(r: dict) -> str:
         lines.append(f"  a tile beyond its kernel (merge, gradient adds): forward "
                      f"{t['tile_forward_overhead'] * 1e6:.1f} us + {t['tile_forward_seconds_per_byte'] * 1e12:.2f} "
                      f"ps/B, backward {t['tile_backward_overhead'] * 1e6:.1f} us + "
-                     f"{t['tile_backward_seconds_per_byte'] * 1e12:.2f} ps/B")
+                     f"{t['tile_backward_seconds_per_byte'] * 1e12:.2f} ps/B (for the planner: ctxpar plan "
+                     f"--tile-overhead {t['tile_forward_overhead'] * 1e6:.1f}us,"
+                     f"{t['tile_backward_overhead'] * 1e6:.1f}us)")
         if "preset" in c:
             lines.append(f"  measured / preset {c['preset']['name']}: " + ", ".join(
                 f"{key} {v['measured_over_preset']:.2f}" for key, v in c["preset"].items() if key != "name"))

@@ -7,8 +7,13 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import subprocess
 import sys
+
+import pytest
+
+from ctxpar.plan import parse_tile_overhead
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -34,6 +39,9 @@ def test_gpu_check_dry_run_writes_every_section(tmp_path) -> None:
     assert tiles["calls_per_sample"] == 10
     assert tiles["tiles"][1]["forward_bytes"] == 4 * 256 * 4 * 32 and tiles["tile_forward_overhead"] >= 0
     assert "a tile beyond its kernel (merge, gradient adds): forward " in proc.stdout
+    flag = re.search(r"ctxpar plan --tile-overhead (\S+)\)", proc.stdout).group(1)  # what the planner takes
+    assert parse_tile_overhead(flag) == (pytest.approx(tiles["tile_forward_overhead"], abs=1e-7),
+                                         pytest.approx(tiles["tile_backward_overhead"], abs=1e-7))
     assert [e["strategy"] for e in report["exactness"]] == ["ring", "allgather", "alltoall", "hybrid"]
     assert all(e["ok"] for e in report["exactness"])
     assert {(e["seq"], e["world"], e["layout"]) for e in report["efficiency"]} == {
