@@ -35,9 +35,9 @@ for ``ctxpar plan --calibrate`` and ``--calibration``.
   per byte a stage sends, is the step overhead per byte: the serial work that grows with
   what a stage moves (packing and unpacking buffers, the all-to-all's re-layouts, gloo's
   all-gather, reduce-scatter and all-to-all, slower than the ring hop the bandwidth is
-  measured on). At the larger
-  shards the pipeline is given the call's measured compute, not the rates' prediction,
-  whose few-% miss is as large as the overheads (``measure_step_overheads``).
+  measured on). At the larger shards the pipeline is given the call's measured compute,
+  not the rates' prediction, whose few-% miss is as large as the overheads
+  (``measure_step_overheads``).
 - Bandwidth: two local gloo ranks exchange a buffer over ``ctxpar.comm.RingComm`` (each
   sends and receives ``message_bytes`` at once, as a ring hop does); bytes per second per
   direction, best of ``repeats``, after the latency: the time of a 4-byte hop, which
@@ -334,8 +334,8 @@ PROBE_TOKENS = (8, 1024)
 
 def measure_step_overheads(hw: Hardware, sizes: tuple[int, int] = PROBE_TOKENS, repeats: int = 12) -> dict:
     """What real attention calls cost beyond what ``hw`` (this machine without step
-    overheads) predicts for them: per kernel call, the compute the tile-loop probe misses; then,
-    per strategy, per pipeline stage, against the bytes it sends per stage
+    overheads) predicts for them: per kernel call, the compute the tile-loop probe
+    misses; then, per strategy, per pipeline stage, against the bytes it sends per stage
     (``cost.layer_traffic`` over the stages), the step overheads: the line through the
     probes on a tiny shard (``sizes[0]`` tokens per rank) and a larger one (``sizes[1]``),
     its value at 0 bytes the fixed step overhead and its slope the step overhead per byte
