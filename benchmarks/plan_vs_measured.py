@@ -145,14 +145,14 @@ def auto_verdicts(rows: list[dict], calibration: dict) -> list[dict]:
         choice, why = auto.choose_for_shapes(d.batch, d.heads, d.kv_heads, d.head_dim, seq, nproc, d.dtype,
                                              d.layout, Mask(causal=d.causal), True, hw)
         rounds = {strategy: r["wall_seconds_rounds"] for strategy, r in case.items()}
+        medians = {strategy: statistics.median(times) for strategy, times in rounds.items()}
         fastest = min(measured, key=measured.get)
         paired = None
         if choice in measured:
             paired = max(statistics.median(a / b for a, b in zip(rounds[choice], rounds[other]))
                          for other in rounds if other != choice)
         out.append(dict(nproc=nproc, seq=seq, auto=choice, why=why, fastest=fastest, measured=measured,
-                        fastest_by_median=min(rounds, key=lambda s: statistics.median(rounds[s])),
-                        median_rounds={s: statistics.median(times) for s, times in rounds.items()},
+                        fastest_by_median=min(medians, key=medians.get), median_rounds=medians,
                         auto_over_fastest=measured[choice] / measured[fastest] if choice in measured else None,
                         auto_over_others_per_round=paired))
     return out

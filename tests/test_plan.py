@@ -1290,7 +1290,7 @@ def test_calibration_gives_three_rates_and_the_launch_overhead(monkeypatch) -> N
 
 def test_step_overheads_are_what_probe_calls_take_beyond_the_pipeline() -> None:
     """Two real ranks: the compute the tiny calls spend beyond the rates and the tile loop,
-    per tile, pooled over the strategies; each strategy's two probes, the overheads fitted
+    per kernel call, pooled over the strategies; each strategy's two probes, the overheads fitted
     through them, and the pipeline with them: what it adds to each probe is the fitted line
     at its bytes. The tiny probe is predicted at the kernel rates and the tile overheads
     with that compute; the larger one with its measured compute."""
