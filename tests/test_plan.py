@@ -27,7 +27,7 @@ from ctxpar.plan import inference, inference_report, planner, traffic, work
 from ctxpar.plan.baseline import VERDICTS, baseline
 from ctxpar.plan.cost import Pipeline
 from ctxpar.plan.documents import pack, parse_doc_dist, parse_lengths, sample_lengths
-from ctxpar.plan.hardware import TILE_OVERHEADS, local_hardware
+from ctxpar.plan.hardware import TILE_OVERHEADS, Hardware, local_hardware
 from ctxpar.plan.memory import (layers_in_flight, memory_per_gpu, parameters_per_gpu, saved_bytes_per_layer,
                                 saved_tensors_per_token, sequence_tensors)
 from ctxpar.plan.recommend import crossover, fits_up_to, recommend, variant
@@ -1238,8 +1238,11 @@ def test_calibration_gives_three_rates_and_the_launch_overhead(monkeypatch) -> N
     probe = {s: dict(probes=probes, step_overhead=(0.75e-3, 1.5e-3, 2.25e-3)[i],
                      step_overhead_per_byte=(1e-9, 2e-9, 3e-9)[i])
              for i, s in enumerate(calibrate.PROBE_STRATEGIES)}
+    # three process groups' fits, the middle one the median
+    pooled = {s: dict(m, groups=[dict(m, step_overhead=m["step_overhead"] * f) for f in (2, 1, 0.5)])
+              for s, m in probe.items()}
     monkeypatch.setattr(calibrate, "measure_step_overheads",
-                        lambda hw: dict(tokens_per_rank=[8, 1024], world=2, strategies=probe,
+                        lambda hw: dict(tokens_per_rank=[8, 1024], world=2, groups=3, strategies=pooled,
                                         tile_overheads_in_calls=dict(forward=1e-4, backward=5e-5)))
     c = calibrate.calibrate()
     hw = local_hardware(c)
@@ -1247,8 +1250,13 @@ def test_calibration_gives_three_rates_and_the_launch_overhead(monkeypatch) -> N
             hw.step_overhead_for("hybrid")) == (7.5e-4, 1.5e-3, 2.25e-3, 7.5e-4)
     assert [hw.step_overhead_per_byte(s) for s in ("ring", "allgather", "alltoall", "hybrid")] == \
         [1e-9, 2e-9, 3e-9, 1e-9]  # the hybrid, not probed, at the ring's
+    assert ("per pipeline stage, the median of 3 process groups' fits:\n    ring 750 us + 1.00 ns/B sent (8 tok "
+            "4.00 / 1.00 ms, 1024 tok 9.00 / 5.00 ms -> 1500 us + 1.00 ns/B; 8 tok 4.00 / 1.00 ms, 1024 tok 9.00 / "
+            "5.00 ms -> 750 us + 1.00 ns/B; 8 tok 4.00 / 1.00 ms, 1024 tok 9.00 / 5.00 ms -> 375 us + 1.00 ns/B);\n"
+            "    allgather 1500 us") in calibrate.format_calibration(c)
+    one_group = dict(c, step=dict(tokens_per_rank=[8, 1024], world=2, strategies=probe))  # before process groups
     assert "alltoall 8 tok 4.00 / 1.00 ms, 1024 tok 9.00 / 5.00 ms -> 2250 us + 3.00 ns/B sent" in \
-        calibrate.format_calibration(c)
+        calibrate.format_calibration(one_group)
     a = c["attention"]
     assert hw.forward_flops == a["forward_flops"] / a["forward_seconds"]
     assert hw.backward_flops == 2.5 * a["forward_flops"] / a["backward_seconds"]
@@ -1296,18 +1304,30 @@ def test_step_overheads_are_what_probe_calls_take_beyond_the_pipeline() -> None:
     with that compute; the larger one with its measured compute."""
     hw = local_hardware(dict(attention_flops=5e10, bandwidth=1e9, latency=2e-4, launch_overhead=4e-5,
                              tile_forward_overhead=2e-5, tile_backward_overhead=1e-5))
-    step = calibrate.measure_step_overheads(hw, sizes=(8, 64), repeats=3)
-    assert set(step["strategies"]) == set(calibrate.PROBE_STRATEGIES) and step["tokens_per_rank"] == [8, 64]
-    excesses = [m["compute_excess_seconds"] for m in step["strategies"].values()]
-    calls = [m["tile_calls"] for m in step["strategies"].values()]
-    in_calls = step["tile_overheads_in_calls"]
+    pooled = calibrate.measure_step_overheads(hw, sizes=(8, 64), repeats=3, groups=2)
+    assert set(pooled["strategies"]) == set(calibrate.PROBE_STRATEGIES) and pooled["tokens_per_rank"] == [8, 64]
+    assert pooled["groups"] == len(pooled["groups_tile_overheads_in_calls"]) == 2
+    for p in ("forward", "backward"):  # the median of two groups: their mean
+        assert pooled["tile_overheads_in_calls"][p] == pytest.approx(
+            sum(g[p] for g in pooled["groups_tile_overheads_in_calls"]) / 2)
+    for m in pooled["strategies"].values():
+        for key in ("step_overhead", "step_overhead_per_byte"):
+            assert m[key] == pytest.approx(sum(g[key] for g in m["groups"]) / 2)
+    for group, in_calls in enumerate(pooled["groups_tile_overheads_in_calls"]):
+        _check_probe_group(hw, {s: m["groups"][group] for s, m in pooled["strategies"].items()}, in_calls)
+
+
+def _check_probe_group(hw: Hardware, fits: dict, in_calls: dict) -> None:
+    """One process group's fits (``calibrate._fit_probe_group``) against its own probes."""
+    excesses = [m["compute_excess_seconds"] for m in fits.values()]
+    calls = [m["tile_calls"] for m in fits.values()]
     assert calls == [2, 4, 1]  # zigzag on 2 ranks: the ring's two steps; the all-gather's two tiles per head group
     for i, p in enumerate(("forward", "backward")):
         assert in_calls[p] == pytest.approx(max(0.0, sum(e[i] for e in excesses) / sum(calls)))
         assert 0 < in_calls[p] < 1e-2  # every call runs Python around its tiles
     with_calls = replace(hw, tile_forward_overhead=2e-5 + in_calls["forward"],
                          tile_backward_overhead=1e-5 + in_calls["backward"])
-    for strategy, m in step["strategies"].items():
+    for strategy, m in fits.items():
         with_it = replace(with_calls, strategy_step_overheads=((strategy, m["step_overhead"]),),
                           strategy_step_byte_overheads=((strategy, m["step_overhead_per_byte"]),))
         tiny, larger = m["probes"]
@@ -1333,14 +1353,16 @@ def test_step_overheads_are_what_probe_calls_take_beyond_the_pipeline() -> None:
             calibrate._fit_step_overhead(small, large).values())
 
 
-@pytest.mark.parametrize("sizes, repeats", [((8, 8), 3), ((1024, 8), 3), ((8,), 3), ((0, 8), 3), ((8, 64), 0),
-                                            ((8.5, 64), 3)])
-def test_step_probes_refuse_sizes_no_line_goes_through(sizes, repeats) -> None:
+@pytest.mark.parametrize("sizes, repeats, groups", [((8, 8), 3, 1), ((1024, 8), 3, 1), ((8,), 3, 1), ((0, 8), 3, 1),
+                                                    ((8, 64), 0, 1), ((8.5, 64), 3, 1), ((8, 64), 3, 0),
+                                                    ((8, 64), 3, True), ((8, 64), 3, 2.0)])
+def test_step_probes_refuse_sizes_no_line_goes_through(monkeypatch, sizes, repeats, groups) -> None:
     """Before any rank starts: equal, descending, missing or empty sizes (the fit would divide
-    by zero or extrapolate backwards), no repeats."""
+    by zero or extrapolate backwards), no repeats, no process group or not a count of them."""
+    monkeypatch.setattr(calibrate, "run_local", lambda *args, **kwargs: pytest.fail("ranks started"))
     hw = local_hardware(dict(attention_flops=5e10, bandwidth=1e9))
     with pytest.raises(ValueError, match="step probes need two shard sizes"):
-        calibrate.measure_step_overheads(hw, sizes=sizes, repeats=repeats)
+        calibrate.measure_step_overheads(hw, sizes=sizes, repeats=repeats, groups=groups)
 
 
 @pytest.mark.parametrize("rate_error", [0.0, 0.1, -0.05])
@@ -1359,7 +1381,8 @@ def test_step_overhead_fit_is_the_line_through_both_probes_clamped_at_zero(monke
     calls: scheduling noise, a call the faster rank made early (the slower rank's time is
     the call's), a tiny call with more compute (the excess is the calls' least) and a
     larger call faster by less than its compute is (the least residual, not the least
-    seconds)."""
+    seconds). Of three process groups, the second is an outlier (its larger calls 1 ms a
+    stage slower): the medians are the other two's fit."""
     hw = local_hardware(dict(attention_flops=5e10, bandwidth=1e9))
     stages = {s: 2 * cost.attention_time(calibrate.step_probe_workload(8, s), hw).forward.stages
               for s in calibrate.PROBE_STRATEGIES}  # the probe's forward and backward have as many
@@ -1367,10 +1390,14 @@ def test_step_overhead_fit_is_the_line_through_both_probes_clamped_at_zero(monke
         0, stages[w.strategy] * {8: 3e3, 1000: 3e3 + 3e5}[w.local_len]))  # 3e3 and 3e3 + 3e5 bytes per stage
     python = replace(hw, tile_forward_overhead=2e-4, tile_backward_overhead=2e-4)
 
+    groups = []
+
     def fake_run_local(fn, world, args, threads):
         sizes, _ = args
+        outlier = 1e-3 if len(groups) == 1 else 0.0
+        groups.append(sizes)
         ranks = ({}, {})
-        for tokens, residual, error in zip(sizes, residuals, (0.0, rate_error)):
+        for tokens, residual, error in zip(sizes, (residuals[0], residuals[1] + outlier), (0.0, rate_error)):
             for r in ranks:
                 r[tokens] = {}
             for s in calibrate.PROBE_STRATEGIES:
@@ -1394,10 +1421,13 @@ def test_step_overhead_fit_is_the_line_through_both_probes_clamped_at_zero(monke
 
     monkeypatch.setattr(calibrate, "run_local", fake_run_local)
     step = calibrate.measure_step_overheads(hw, sizes=(8, 1000))
+    assert len(groups) == step["groups"] == calibrate.PROBE_GROUPS == 3
     assert step["tile_overheads_in_calls"] == dict(forward=pytest.approx(2e-4), backward=pytest.approx(2e-4))
     for m in step["strategies"].values():
         assert (m["step_overhead"], m["step_overhead_per_byte"]) == (pytest.approx(fixed, abs=1e-15),
                                                                      pytest.approx(per_byte, abs=1e-20))
+        assert m["groups"][1]["probes"][1]["residual_per_stage"] == pytest.approx(
+            m["groups"][0]["probes"][1]["residual_per_stage"] + 1e-3)
 
 
 @pytest.mark.parametrize("strategy, layout, window", [

@@ -26,7 +26,8 @@ for ``ctxpar plan --calibrate`` and ``--calibration``.
 - Step overheads: two local ranks run ``ctxpar.attention`` (zigzag, causal, the block's
   heads) forward + backward on 8-token and on 1024-token shards by ring, allgather and
   alltoall, 12 rounds, the slower rank's call with the least residual (as the benchmarks
-  time the strategies: what a call takes without scheduling noise on top). What the
+  time the strategies: what a call takes without scheduling noise on top), in three
+  process groups, each fitted on its own, the median of their fits kept. What the
   planner's pipeline does not already account for (compute, latency, launches), per
   pipeline stage, is on the tiny shards that strategy's fixed step overhead
   (``step_overhead`` is the ring's): the Python of a step, and a share of the call's
@@ -332,7 +333,14 @@ def step_probe_workload(tokens_per_rank: int, strategy: str) -> Workload:
 PROBE_TOKENS = (8, 1024)
 
 
-def measure_step_overheads(hw: Hardware, sizes: tuple[int, int] = PROBE_TOKENS, repeats: int = 12) -> dict:
+# process groups the step probes run in, each fitted on its own: a group's fit moved its
+# per-byte overheads by up to 2x from one group to the next (docs/benchmarks.md), more than
+# its rounds' spread; the median of the groups' fits is what the planner gets
+PROBE_GROUPS = 3
+
+
+def measure_step_overheads(hw: Hardware, sizes: tuple[int, int] = PROBE_TOKENS, repeats: int = 12,
+                           groups: int = PROBE_GROUPS) -> dict:
     """What real attention calls cost beyond what ``hw`` (this machine without step
     overheads) predicts for them: per kernel call, the compute the tile-loop probe
     misses; then, per strategy, per pipeline stage, against the bytes it sends per stage
@@ -343,23 +351,42 @@ def measure_step_overheads(hw: Hardware, sizes: tuple[int, int] = PROBE_TOKENS, 
     the fixed overhead), one crossing 0 above 0 bytes goes through 0 and the larger probe
     instead.
 
+    Each of ``groups`` fresh process groups of two ranks, one thread each, makes the
+    calls of ``repeats`` rounds and is fitted on its own (``_fit_probe_group``); every
+    figure is the median of the groups' (each group's fit is kept under "groups").
+
     Each probe's residual is its call with the least one (what the steps cost without
-    scheduling noise), on the slower of two ranks, one thread each, over ``repeats``
-    rounds. The tiny calls' compute (their least, forward and backward) beyond ``hw``'s
-    kernel rates and tile overheads is the Python a strategy runs around each kernel call
-    (its block plan's lookups, views and bookkeeping), which the tile-loop probe
-    (``measure_tile_overheads``) does not run: over all strategies' tiny calls, per kernel
-    call, it is added to the fixed tile overheads (``tile_overheads_in_calls``, 0.12-0.14
-    ms a call forward on this CPU, twice the tile loop's own). It is compute, so the
-    compute-time predictions carry it and the pipeline overlaps it with transfers. The
-    tiny probe's compute is then what that ``hw`` predicts; the larger probe's its
-    measured compute (the rates miss it by a few %, as much as the overheads there, and
-    the rates' error is not a step overhead)."""
+    scheduling noise), on the slower of the two ranks. The tiny calls' compute (their
+    least, forward and backward) beyond ``hw``'s kernel rates and tile overheads is the
+    Python a strategy runs around each kernel call (its block plan's lookups, views and
+    bookkeeping), which the tile-loop probe (``measure_tile_overheads``) does not run:
+    over all strategies' tiny calls, per kernel call, it is added to the fixed tile
+    overheads (``tile_overheads_in_calls``, 0.12-0.14 ms a call forward on this CPU, twice
+    the tile loop's own). It is compute, so the compute-time predictions carry it and the
+    pipeline overlaps it with transfers. The tiny probe's compute is then what that
+    ``hw`` predicts; the larger probe's its measured compute (the rates miss it by a few
+    %, as much as the overheads there, and the rates' error is not a step overhead)."""
     if len(sizes) != 2 or not all(isinstance(t, int) and t > 0 for t in sizes) or sizes[0] >= sizes[1] \
-            or not (isinstance(repeats, int) and repeats >= 1):
-        raise ValueError(f"step probes need two shard sizes, tokens per rank, ascending, and repeats >= 1; "
-                         f"got sizes={sizes!r}, repeats={repeats!r}")
-    per_rank = run_local(_probe_rank, 2, (sizes, repeats), threads=1)
+            or not all(isinstance(n, int) and not isinstance(n, bool) and n >= 1 for n in (repeats, groups)):
+        raise ValueError(f"step probes need two shard sizes, tokens per rank, ascending, and repeats, groups >= 1; "
+                         f"got sizes={sizes!r}, repeats={repeats!r}, groups={groups!r}")
+    fits = [_fit_probe_group(hw, sizes, run_local(_probe_rank, 2, (sizes, repeats), threads=1))
+            for _ in range(groups)]
+    median = statistics.median
+    strategies = {strategy: dict(**{key: median(f["strategies"][strategy][key] for f in fits)
+                                    for key in ("step_overhead", "step_overhead_per_byte")},
+                                 groups=[f["strategies"][strategy] for f in fits])
+                  for strategy in PROBE_STRATEGIES}
+    in_calls = {p: median(f["tile_overheads_in_calls"][p] for f in fits) for p in ("forward", "backward")}
+    return dict(tokens_per_rank=list(sizes), world=2, groups=groups, strategies=strategies,
+                tile_overheads_in_calls=in_calls,
+                groups_tile_overheads_in_calls=[f["tile_overheads_in_calls"] for f in fits])
+
+
+def _fit_probe_group(hw: Hardware, sizes: tuple[int, int], per_rank: list[dict]) -> dict:
+    """One process group's calls (``_probe_rank``'s, per rank) fitted as
+    ``measure_step_overheads`` says: the compute around each tile call, then each
+    strategy's probes and the line through them."""
     bare = replace(hw, step_overhead=0.0, strategy_step_overheads=None, strategy_step_byte_overheads=None)
     # each call on the slower rank (the ranks make theirs in the same order)
     slower = {strategy: [[max(same, key=lambda call: call["seconds"])
@@ -382,8 +409,7 @@ def measure_step_overheads(hw: Hardware, sizes: tuple[int, int] = PROBE_TOKENS, 
                               lambda call: (call["forward_compute"], call["backward_compute"]))]
         out[strategy] = dict(probes=probes, compute_excess_seconds=list(excess[strategy]), tile_calls=calls[strategy],
                              **_fit_step_overhead(*((p["bytes_per_stage"], p["residual_per_stage"]) for p in probes)))
-    return dict(tokens_per_rank=list(sizes), world=2, strategies=out,
-                tile_overheads_in_calls=dict(forward=in_calls[0], backward=in_calls[1]))
+    return dict(strategies=out, tile_overheads_in_calls=dict(forward=in_calls[0], backward=in_calls[1]))
 
 
 def _tile_calls(w: Workload, hw: Hardware) -> int:
@@ -491,7 +517,7 @@ def machine() -> str:
 
 
 def calibrate() -> dict:
-    """Every measurement (about 50 s on a 2-core CPU); the dict ``hardware.local_hardware`` reads."""
+    """Every measurement (about 75 s on a 2-core CPU); the dict ``hardware.local_hardware`` reads."""
     attention = measure_attention()
     curve, causal_curve = (measure_size_curve(causal=causal, reference=attention) for causal in (False, True))
     matmul = measure_matmul()
@@ -580,8 +606,10 @@ def format_calibration(c: dict) -> str:
            f"backward {c['tile_backward_overhead'] * 1e6:.0f} us + {c['tile_backward_seconds_per_byte'] * 1e9:.2f} "
            f"ns/B added" + _in_calls_words(c)] if all(key in c for key in TILE_OVERHEADS) else []),
         *(["  attention forward + backward, 2 ranks, measured / predicted without step overheads (the "
-           "larger shards' from their measured compute), per pipeline stage: "
-           + "; ".join(_format_step(s, m) for s, m in c["step"]["strategies"].items())]
+           "larger shards' from their measured compute), per pipeline stage"
+           + (f", the median of {c['step']['groups']} process groups' fits:\n" if "groups" in c["step"] else ": ")
+           + (";\n" if "groups" in c["step"] else "; ").join(
+               _format_step(s, m) for s, m in c["step"]["strategies"].items())]
           if "step" in c else []),
         f"  gloo ring hop between 2 local ranks: {link['message_bytes'] / 2**20:.0f} MiB in "
         f"{link['seconds'] * 1e3:.2f} ms -> {c['bandwidth'] / 1e9:.3f} GB/s per direction; a 4-byte hop "
@@ -602,10 +630,24 @@ def _in_calls_words(c: dict) -> str:
 
 
 def _format_step(strategy: str, m: dict) -> str:
-    """'ring 8 tok 4.00 / 1.00 ms, 1024 tok 9.00 / 5.00 ms -> 750 us + 1.20 ns/B sent' (older
-    calibrations: one probe, no per-byte part)."""
+    """'    ring 750 us + 1.20 ns/B sent (8 tok 4.00 / 1.00 ms, 1024 tok 9.00 / 5.00 ms -> 750 us
+    + 1.20 ns/B; ...)', a fit per process group; older calibrations: one group, 'ring 8
+    tok 4.00 / 1.00 ms, 1024 tok 9.00 / 5.00 ms -> 750 us + 1.20 ns/B sent', or one probe
+    and no per-byte part."""
+    if "groups" in m:
+        fits = "; ".join(_format_fit(g, " ns/B") for g in m["groups"])
+        return f"    {strategy} {_overheads(m, ' ns/B sent')} ({fits})"
+    return f"{strategy} {_format_fit(m, ' ns/B sent')}"
+
+
+def _format_fit(m: dict, unit: str) -> str:
+    """One process group's probes and the overheads fitted through them."""
     probes = m.get("probes") or [dict(m, tokens_per_rank=None)]
     sizes = ", ".join(("" if p["tokens_per_rank"] is None else f"{p['tokens_per_rank']} tok ")
                       + f"{p['seconds'] * 1e3:.2f} / {p['predicted_seconds'] * 1e3:.2f} ms" for p in probes)
-    per_byte = f" + {m['step_overhead_per_byte'] * 1e9:.2f} ns/B sent" if "step_overhead_per_byte" in m else ""
-    return f"{strategy} {sizes} -> {m['step_overhead'] * 1e6:.0f} us{per_byte}"
+    return f"{sizes} -> {_overheads(m, unit)}"
+
+
+def _overheads(m: dict, unit: str) -> str:
+    per_byte = f" + {m['step_overhead_per_byte'] * 1e9:.2f}{unit}" if "step_overhead_per_byte" in m else ""
+    return f"{m['step_overhead'] * 1e6:.0f} us{per_byte}"
