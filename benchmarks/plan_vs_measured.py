@@ -122,7 +122,11 @@ def median_interval(values: list[float], confidence: float = 0.95) -> tuple[floa
     """(low, high, coverage): a distribution-free interval for the median of ``values``,
     their k-th least and k-th greatest, k the largest with P(Binomial(n, 1/2) < k) at most
     (1 - ``confidence``) / 2, and the coverage it has (at least ``confidence``); with too
-    few values for any k, their range and its coverage."""
+    few values for any k, their range and its coverage. It takes the values for
+    independent draws: rounds run side by side, drift between them shared."""
+    if not values or not 0 < confidence < 1:
+        raise ValueError(f"an interval needs values and a confidence between 0 and 1; got {len(values)} values, "
+                         f"confidence {confidence!r}")
     n, ordered = len(values), sorted(values)
     tail = lambda k: sum(math.comb(n, i) for i in range(k)) / 2**n  # noqa: E731  P(fewer than k below the median)
     k = max((k for k in range(1, n // 2 + 1) if tail(k) <= (1 - confidence) / 2), default=1)
@@ -143,10 +147,13 @@ def auto_verdicts(rows: list[dict], calibration: dict) -> list[dict]:
       round is one lucky schedule (at P=4 T=1024 the ring's and the all-to-all's best
       of 20 rounds were 8% apart while their medians were 1% apart), so this is the
       verdict there; ``fastest_by_median`` names the strategy with the least median round.
-      With it, the 95% interval of that median (``median_interval``): where it reaches
-      below 1.05, the rounds do not show auto more than 5% slower, however far the
-      median is (four ranks on two cores at T=1024 spread one strategy's time over its
-      fastest and slowest of 10 rounds by 20-30%)."""
+
+    With each same-round median its interval (``median_interval``), 95% for all the other
+    strategies at once (each at 1 - 0.05/m against m others), in
+    ``auto_over_each_other_per_round``: ``slower_shown`` where some interval lies wholly
+    above 1.05, the rounds showing auto more than 5% slower than that strategy; where
+    none does, they do not, however far a median is (four ranks on two cores at T=1024
+    spread one strategy's rounds by 20-30%)."""
     out = []
     for (nproc, seq) in dict.fromkeys((r["nproc"], r["seq"]) for r in rows):
         case = {r["strategy"]: r for r in rows if (r["nproc"], r["seq"]) == (nproc, seq)
@@ -163,17 +170,20 @@ def auto_verdicts(rows: list[dict], calibration: dict) -> list[dict]:
         rounds = {strategy: r["wall_seconds_rounds"] for strategy, r in case.items()}
         medians = {strategy: statistics.median(times) for strategy, times in rounds.items()}
         fastest = min(measured, key=measured.get)
-        paired = interval = None
+        each = coverage = None
         if choice in measured:
-            ratios = [[a / b for a, b in zip(rounds[choice], rounds[other])] for other in rounds if other != choice]
-            paired, worst = max((statistics.median(r), r) for r in ratios)
-            interval = median_interval(worst)
+            others = [other for other in rounds if other != choice]
+            each = {}
+            for other in others:
+                ratios = [a / b for a, b in zip(rounds[choice], rounds[other])]
+                low, high, coverage = median_interval(ratios, 1 - 0.05 / len(others))
+                each[other] = dict(median=statistics.median(ratios), interval=[low, high])
         out.append(dict(nproc=nproc, seq=seq, auto=choice, why=why, fastest=fastest, measured=measured,
                         fastest_by_median=min(medians, key=medians.get), median_rounds=medians,
                         auto_over_fastest=measured[choice] / measured[fastest] if choice in measured else None,
-                        auto_over_others_per_round=paired,
-                        auto_over_others_per_round_interval=None if interval is None else list(interval[:2]),
-                        interval_coverage=None if interval is None else interval[2]))
+                        auto_over_others_per_round=None if each is None else max(v["median"] for v in each.values()),
+                        auto_over_each_other_per_round=each, interval_coverage=coverage,
+                        slower_shown=None if each is None else any(v["interval"][0] > 1.05 for v in each.values())))
     return out
 
 
@@ -208,17 +218,22 @@ def main() -> None:
     if verdicts:
         print("\nstrategy='auto' against the measured fastest (wall seconds, forward + backward, mean over ranks)")
         print("(best: each strategy's best round; same round: the median over rounds of auto's time over each "
-              "other's in the same round, the largest, and its 95% interval)")
+              "other's in the same round, the largest, and its interval, 95% for all the others at once; * where "
+              "some interval lies wholly above 1.05)")
         print(f"{'P':>2} {'T':>6} {'auto':<10} {'fastest':<10} {'by median':<10} {'auto / fastest':>14} "
-              f"{'same round':>22}  best, median rounds")
+              f"{'same round':>23}  best, median rounds")
         for v in verdicts:
-            ratio, paired = ("not measured" if v[key] is None else f"{v[key]:.3f}"
-                             for key in ("auto_over_fastest", "auto_over_others_per_round"))
-            if v["auto_over_others_per_round_interval"] is not None:
-                paired += " ({:.3f}-{:.3f})".format(*v["auto_over_others_per_round_interval"])
+            ratio = "not measured" if v["auto_over_fastest"] is None else f"{v['auto_over_fastest']:.3f}"
+            paired = "not measured"
+            if v["auto_over_each_other_per_round"] is not None:
+                worst = max(v["auto_over_each_other_per_round"].values(), key=lambda o: o["median"])
+                paired = "{:.3f} ({:.3f}-{:.3f}){}".format(worst["median"], *worst["interval"],
+                                                           "*" if v["slower_shown"] else " ")
+                if v["interval_coverage"] < 0.95:
+                    paired += f" only {v['interval_coverage']:.0%} sure"
             times = ", ".join(f"{k} {t:.3f} {v['median_rounds'][k]:.3f}" for k, t in v["measured"].items())
             print(f"{v['nproc']:>2} {v['seq']:>6} {v['auto']:<10} {v['fastest']:<10} {v['fastest_by_median']:<10} "
-                  f"{ratio:>14} {paired:>22}  {times}")
+                  f"{ratio:>14} {paired:>23}  {times}")
     if args.json:
         write_json(args.json, args, calibration=calibration, rows=rows, auto=verdicts)
 

@@ -27,7 +27,7 @@ from ctxpar.plan import inference, inference_report, planner, traffic, work
 from ctxpar.plan.baseline import VERDICTS, baseline
 from ctxpar.plan.cost import Pipeline
 from ctxpar.plan.documents import pack, parse_doc_dist, parse_lengths, sample_lengths
-from ctxpar.plan.hardware import TILE_OVERHEADS, Hardware, local_hardware
+from ctxpar.plan.hardware import TILE_OVERHEADS, local_hardware
 from ctxpar.plan.memory import (layers_in_flight, memory_per_gpu, parameters_per_gpu, saved_bytes_per_layer,
                                 saved_tensors_per_token, sequence_tensors)
 from ctxpar.plan.recommend import crossover, fits_up_to, recommend, variant
@@ -1238,11 +1238,15 @@ def test_calibration_gives_three_rates_and_the_launch_overhead(monkeypatch) -> N
     probe = {s: dict(probes=probes, step_overhead=(0.75e-3, 1.5e-3, 2.25e-3)[i],
                      step_overhead_per_byte=(1e-9, 2e-9, 3e-9)[i])
              for i, s in enumerate(calibrate.PROBE_STRATEGIES)}
-    # three process groups' fits, the middle one the median
-    pooled = {s: dict(m, groups=[dict(m, step_overhead=m["step_overhead"] * f) for f in (2, 1, 0.5)])
+    # three process groups' probes; the line through the median residuals
+    groups = [dict(tile_overheads_in_calls=dict(forward=1e-4 * f, backward=5e-5 * f),
+                   strategies={s: dict(probes=probes, compute_excess_seconds=[1e-4, 1e-4]) for s in probe})
+              for f in (2, 1, 0.5)]
+    pooled = {s: dict(step_overhead=m["step_overhead"], step_overhead_per_byte=m["step_overhead_per_byte"],
+                      bytes_per_stage=[2**12, 2**19], residual_per_stage=[7.5e-4, 1.25e-3], tile_calls=2)
               for s, m in probe.items()}
     monkeypatch.setattr(calibrate, "measure_step_overheads",
-                        lambda hw: dict(tokens_per_rank=[8, 1024], world=2, groups=3, strategies=pooled,
+                        lambda hw: dict(tokens_per_rank=[8, 1024], world=2, strategies=pooled, groups=groups,
                                         tile_overheads_in_calls=dict(forward=1e-4, backward=5e-5)))
     c = calibrate.calibrate()
     hw = local_hardware(c)
@@ -1250,10 +1254,10 @@ def test_calibration_gives_three_rates_and_the_launch_overhead(monkeypatch) -> N
             hw.step_overhead_for("hybrid")) == (7.5e-4, 1.5e-3, 2.25e-3, 7.5e-4)
     assert [hw.step_overhead_per_byte(s) for s in ("ring", "allgather", "alltoall", "hybrid")] == \
         [1e-9, 2e-9, 3e-9, 1e-9]  # the hybrid, not probed, at the ring's
-    assert ("per pipeline stage, the median of 3 process groups' fits:\n    ring 750 us + 1.00 ns/B sent (8 tok "
-            "4.00 / 1.00 ms, 1024 tok 9.00 / 5.00 ms -> 1500 us + 1.00 ns/B; 8 tok 4.00 / 1.00 ms, 1024 tok 9.00 / "
-            "5.00 ms -> 750 us + 1.00 ns/B; 8 tok 4.00 / 1.00 ms, 1024 tok 9.00 / 5.00 ms -> 375 us + 1.00 ns/B);\n"
-            "    allgather 1500 us") in calibrate.format_calibration(c)
+    assert ("in 3 process groups; the line through each probe's median residual per pipeline stage:\n    ring 750 us "
+            "+ 1.00 ns/B sent (residuals 0.75 / 1.25 ms at 4 / 512 KiB sent a stage; 8 tok 4.00 / 1.00 ms, 1024 tok "
+            "9.00 / 5.00 ms; 8 tok 4.00 / 1.00 ms, 1024 tok 9.00 / 5.00 ms; 8 tok 4.00 / 1.00 ms, 1024 tok 9.00 / "
+            "5.00 ms)\n    allgather 1500 us") in calibrate.format_calibration(c)
     one_group = dict(c, step=dict(tokens_per_rank=[8, 1024], world=2, strategies=probe))  # before process groups
     assert "alltoall 8 tok 4.00 / 1.00 ms, 1024 tok 9.00 / 5.00 ms -> 2250 us + 3.00 ns/B sent" in \
         calibrate.format_calibration(one_group)
@@ -1297,60 +1301,60 @@ def test_calibration_gives_three_rates_and_the_launch_overhead(monkeypatch) -> N
 
 
 def test_step_overheads_are_what_probe_calls_take_beyond_the_pipeline() -> None:
-    """Two real ranks: the compute the tiny calls spend beyond the rates and the tile loop,
-    per kernel call, pooled over the strategies; each strategy's two probes, the overheads fitted
-    through them, and the pipeline with them: what it adds to each probe is the fitted line
-    at its bytes. The tiny probe is predicted at the kernel rates and the tile overheads
-    with that compute; the larger one with its measured compute."""
+    """Two real process groups of two ranks: in each, the compute the tiny calls spend
+    beyond the rates and the tile loop, per kernel call, pooled over the strategies, and
+    its median over the groups; each strategy's two probes in each group, and the line
+    through their median residuals; the pipeline with those overheads adds the line at
+    each probe's bytes. The tiny probe is predicted at the kernel rates and the tile
+    overheads with the pooled compute; the larger one with its measured compute."""
     hw = local_hardware(dict(attention_flops=5e10, bandwidth=1e9, latency=2e-4, launch_overhead=4e-5,
                              tile_forward_overhead=2e-5, tile_backward_overhead=1e-5))
-    pooled = calibrate.measure_step_overheads(hw, sizes=(8, 64), repeats=3, groups=2)
-    assert set(pooled["strategies"]) == set(calibrate.PROBE_STRATEGIES) and pooled["tokens_per_rank"] == [8, 64]
-    assert pooled["groups"] == len(pooled["groups_tile_overheads_in_calls"]) == 2
+    step = calibrate.measure_step_overheads(hw, sizes=(8, 64), repeats=3, groups=2)
+    assert set(step["strategies"]) == set(calibrate.PROBE_STRATEGIES) and step["tokens_per_rank"] == [8, 64]
+    assert len(step["groups"]) == 2
+    in_calls = step["tile_overheads_in_calls"]
     for p in ("forward", "backward"):  # the median of two groups: their mean
-        assert pooled["tile_overheads_in_calls"][p] == pytest.approx(
-            sum(g[p] for g in pooled["groups_tile_overheads_in_calls"]) / 2)
-    for m in pooled["strategies"].values():
-        for key in ("step_overhead", "step_overhead_per_byte"):
-            assert m[key] == pytest.approx(sum(g[key] for g in m["groups"]) / 2)
-    for group, in_calls in enumerate(pooled["groups_tile_overheads_in_calls"]):
-        _check_probe_group(hw, {s: m["groups"][group] for s, m in pooled["strategies"].items()}, in_calls)
-
-
-def _check_probe_group(hw: Hardware, fits: dict, in_calls: dict) -> None:
-    """One process group's fits (``calibrate._fit_probe_group``) against its own probes."""
-    excesses = [m["compute_excess_seconds"] for m in fits.values()]
-    calls = [m["tile_calls"] for m in fits.values()]
-    assert calls == [2, 4, 1]  # zigzag on 2 ranks: the ring's two steps; the all-gather's two tiles per head group
-    for i, p in enumerate(("forward", "backward")):
-        assert in_calls[p] == pytest.approx(max(0.0, sum(e[i] for e in excesses) / sum(calls)))
-        assert 0 < in_calls[p] < 1e-2  # every call runs Python around its tiles
+        assert in_calls[p] == pytest.approx(sum(g["tile_overheads_in_calls"][p] for g in step["groups"]) / 2)
+    for group in step["groups"]:
+        excesses = [m["compute_excess_seconds"] for m in group["strategies"].values()]
+        calls = [m["tile_calls"] for m in step["strategies"].values()]
+        assert calls == [2, 4, 1]  # zigzag on 2 ranks: the ring's two steps; the all-gather's two tiles per head group
+        for i, p in enumerate(("forward", "backward")):
+            assert group["tile_overheads_in_calls"][p] == pytest.approx(max(0.0, sum(e[i] for e in excesses) / 7))
+            assert 0 < group["tile_overheads_in_calls"][p] < 1e-2  # every call runs Python around its tiles
     with_calls = replace(hw, tile_forward_overhead=2e-5 + in_calls["forward"],
                          tile_backward_overhead=1e-5 + in_calls["backward"])
-    for strategy, m in fits.items():
+    for strategy, m in step["strategies"].items():
         with_it = replace(with_calls, strategy_step_overheads=((strategy, m["step_overhead"]),),
                           strategy_step_byte_overheads=((strategy, m["step_overhead_per_byte"]),))
-        tiny, larger = m["probes"]
-        excess = m["compute_excess_seconds"]  # the tiny calls' least: at most the fitted tiny call's
-        for e, p, c in zip(excess, ("forward", "backward"), cost.compute_seconds(
-                calibrate.step_probe_workload(8, strategy), hw)):
-            assert e <= tiny[f"{p}_compute_seconds"] - c
-        for p in m["probes"]:
-            w = calibrate.step_probe_workload(p["tokens_per_rank"], strategy)
-            assert p["bytes_per_stage"] == cost.layer_traffic(w).total / p["stages"] > 0
-            t = cost.attention_time(w, with_calls)
-            measured = (p["forward_compute_seconds"], p["backward_compute_seconds"])
-            assert p["predicted_seconds"] == pytest.approx(t.seconds if p is tiny else sum(
-                replace(one, compute=c / one.stages).seconds for one, c in zip((t.forward, t.backward), measured)))
-            assert p["seconds"] > 0 and p["residual_per_stage"] == pytest.approx(
-                (p["seconds"] - p["predicted_seconds"]) / p["stages"])
-            # the fitted figures, given to the planner, add the line at each probe's bytes
-            line = m["step_overhead"] + m["step_overhead_per_byte"] * p["bytes_per_stage"]
-            assert cost.attention_time(w, with_it).seconds == pytest.approx(t.seconds + p["stages"] * line)
-        assert 0 < larger["forward_compute_seconds"] and 0 < larger["backward_compute_seconds"]
-        small, large = ((p["bytes_per_stage"], p["residual_per_stage"]) for p in m["probes"])
+        groups = [g["strategies"][strategy] for g in step["groups"]]
+        for g in groups:
+            tiny, larger = g["probes"]
+            for e, p, c in zip(g["compute_excess_seconds"], ("forward", "backward"), cost.compute_seconds(
+                    calibrate.step_probe_workload(8, strategy), hw)):
+                assert e <= tiny[f"{p}_compute_seconds"] - c  # the tiny calls' least: at most the chosen call's
+            for p in g["probes"]:
+                w = calibrate.step_probe_workload(p["tokens_per_rank"], strategy)
+                assert p["bytes_per_stage"] == cost.layer_traffic(w).total / p["stages"] > 0
+                t = cost.attention_time(w, with_calls)
+                measured = (p["forward_compute_seconds"], p["backward_compute_seconds"])
+                assert p["predicted_seconds"] == pytest.approx(t.seconds if p is tiny else sum(
+                    replace(one, compute=c / one.stages).seconds for one, c in zip((t.forward, t.backward), measured)))
+                assert p["seconds"] > 0 and p["residual_per_stage"] == pytest.approx(
+                    (p["seconds"] - p["predicted_seconds"]) / p["stages"])
+            assert 0 < larger["forward_compute_seconds"] and 0 < larger["backward_compute_seconds"]
+        points = [(groups[0]["probes"][i]["bytes_per_stage"],
+                   sum(g["probes"][i]["residual_per_stage"] for g in groups) / 2) for i in (0, 1)]
+        assert (m["bytes_per_stage"], m["residual_per_stage"]) == ([x for x, _ in points],
+                                                                   pytest.approx([y for _, y in points]))
         assert (m["step_overhead"], m["step_overhead_per_byte"]) == tuple(
-            calibrate._fit_step_overhead(small, large).values())
+            calibrate._fit_step_overhead(*points).values())
+        for i, tokens in enumerate((8, 64)):  # the planner, given them, adds the line at each probe's bytes
+            w = calibrate.step_probe_workload(tokens, strategy)
+            stages = groups[0]["probes"][i]["stages"]
+            line = m["step_overhead"] + m["step_overhead_per_byte"] * points[i][0]
+            assert cost.attention_time(w, with_it).seconds == pytest.approx(
+                cost.attention_time(w, with_calls).seconds + stages * line)
 
 
 @pytest.mark.parametrize("sizes, repeats, groups", [((8, 8), 3, 1), ((1024, 8), 3, 1), ((8,), 3, 1), ((0, 8), 3, 1),
@@ -1381,27 +1385,31 @@ def test_step_overhead_fit_is_the_line_through_both_probes_clamped_at_zero(monke
     calls: scheduling noise, a call the faster rank made early (the slower rank's time is
     the call's), a tiny call with more compute (the excess is the calls' least) and a
     larger call faster by less than its compute is (the least residual, not the least
-    seconds). Of three process groups, the second is an outlier (its larger calls 1 ms a
-    stage slower): the medians are the other two's fit."""
+    seconds). Of three process groups, the first's larger calls are 1 ms a stage slower
+    and the third's tiny calls spend 3e-4 s around each tile call: the line through the
+    median residuals, with the median of the Python around each call, is the others'."""
     hw = local_hardware(dict(attention_flops=5e10, bandwidth=1e9))
     stages = {s: 2 * cost.attention_time(calibrate.step_probe_workload(8, s), hw).forward.stages
               for s in calibrate.PROBE_STRATEGIES}  # the probe's forward and backward have as many
     monkeypatch.setattr(cost, "layer_traffic", lambda w: traffic.Traffic(
         0, stages[w.strategy] * {8: 3e3, 1000: 3e3 + 3e5}[w.local_len]))  # 3e3 and 3e3 + 3e5 bytes per stage
     python = replace(hw, tile_forward_overhead=2e-4, tile_backward_overhead=2e-4)
+    more_python = replace(hw, tile_forward_overhead=3e-4, tile_backward_overhead=3e-4)
 
     groups = []
 
     def fake_run_local(fn, world, args, threads):
         sizes, _ = args
-        outlier = 1e-3 if len(groups) == 1 else 0.0
+        outlier = 1e-3 if not groups else 0.0
+        around = more_python if len(groups) == 2 else python
         groups.append(sizes)
         ranks = ({}, {})
         for tokens, residual, error in zip(sizes, (residuals[0], residuals[1] + outlier), (0.0, rate_error)):
             for r in ranks:
                 r[tokens] = {}
             for s in calibrate.PROBE_STRATEGIES:
-                t = cost.attention_time(calibrate.step_probe_workload(tokens, s), python)
+                t = cost.attention_time(calibrate.step_probe_workload(tokens, s),
+                                        around if tokens == sizes[0] else python)
                 compute = [one.compute * one.stages * (1 + error) for one in (t.forward, t.backward)]
                 seconds = sum(replace(one, compute=c / one.stages).seconds
                               for one, c in zip((t.forward, t.backward), compute))
@@ -1421,13 +1429,15 @@ def test_step_overhead_fit_is_the_line_through_both_probes_clamped_at_zero(monke
 
     monkeypatch.setattr(calibrate, "run_local", fake_run_local)
     step = calibrate.measure_step_overheads(hw, sizes=(8, 1000))
-    assert len(groups) == step["groups"] == calibrate.PROBE_GROUPS == 3
+    assert len(groups) == len(step["groups"]) == calibrate.PROBE_GROUPS == 3
     assert step["tile_overheads_in_calls"] == dict(forward=pytest.approx(2e-4), backward=pytest.approx(2e-4))
-    for m in step["strategies"].values():
+    assert step["groups"][2]["tile_overheads_in_calls"] == dict(forward=pytest.approx(3e-4),
+                                                                backward=pytest.approx(3e-4))
+    for strategy, m in step["strategies"].items():
         assert (m["step_overhead"], m["step_overhead_per_byte"]) == (pytest.approx(fixed, abs=1e-15),
                                                                      pytest.approx(per_byte, abs=1e-20))
-        assert m["groups"][1]["probes"][1]["residual_per_stage"] == pytest.approx(
-            m["groups"][0]["probes"][1]["residual_per_stage"] + 1e-3)
+        outlier, second = (step["groups"][g]["strategies"][strategy]["probes"][1] for g in (0, 1))
+        assert outlier["residual_per_stage"] == pytest.approx(second["residual_per_stage"] + 1e-3)
 
 
 @pytest.mark.parametrize("strategy, layout, window", [

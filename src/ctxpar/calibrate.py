@@ -27,9 +27,9 @@ for ``ctxpar plan --calibrate`` and ``--calibration``.
   heads) forward + backward on 8-token and on 1024-token shards by ring, allgather and
   alltoall, 12 rounds, the slower rank's call with the least residual (as the benchmarks
   time the strategies: what a call takes without scheduling noise on top), in three
-  process groups, each fitted on its own, the median of their fits kept. What the
-  planner's pipeline does not already account for (compute, latency, launches), per
-  pipeline stage, is on the tiny shards that strategy's fixed step overhead
+  process groups, the median over them of each probe's residual. What the planner's
+  pipeline does not already account for (compute, latency, launches), per pipeline
+  stage, is on the tiny shards that strategy's fixed step overhead
   (``step_overhead`` is the ring's): the Python of a step, and a share of the call's
   checks (the consistency all-gather, the layout), which small shards cannot hide; the
   compute around each tile is a tile overhead (above). Its growth to the larger shards,
@@ -333,9 +333,9 @@ def step_probe_workload(tokens_per_rank: int, strategy: str) -> Workload:
 PROBE_TOKENS = (8, 1024)
 
 
-# process groups the step probes run in, each fitted on its own: a group's fit moved its
-# per-byte overheads by up to 2x from one group to the next (docs/benchmarks.md), more than
-# its rounds' spread; the median of the groups' fits is what the planner gets
+# process groups the step probes run in: a group's least residuals moved the per-byte
+# overheads fitted through them up to 2x from one group to the next (docs/benchmarks.md),
+# more than more rounds in one group did; the line goes through the groups' medians
 PROBE_GROUPS = 3
 
 
@@ -345,71 +345,72 @@ def measure_step_overheads(hw: Hardware, sizes: tuple[int, int] = PROBE_TOKENS, 
     overheads) predicts for them: per kernel call, the compute the tile-loop probe
     misses; then, per strategy, per pipeline stage, against the bytes it sends per stage
     (``cost.layer_traffic`` over the stages), the step overheads: the line through the
-    probes on a tiny shard (``sizes[0]`` tokens per rank) and a larger one (``sizes[1]``),
-    its value at 0 bytes the fixed step overhead and its slope the step overhead per byte
-    sent. Neither is negative: a falling line has no slope (the tiny probe's residual is
-    the fixed overhead), one crossing 0 above 0 bytes goes through 0 and the larger probe
-    instead.
+    probes' residuals on a tiny shard (``sizes[0]`` tokens per rank) and a larger one
+    (``sizes[1]``), its value at 0 bytes the fixed step overhead and its slope the step
+    overhead per byte sent. Neither is negative: a falling line has no slope (the tiny
+    probe's residual is the fixed overhead), one crossing 0 above 0 bytes goes through 0
+    and the larger probe instead.
 
     Each of ``groups`` fresh process groups of two ranks, one thread each, makes the
-    calls of ``repeats`` rounds and is fitted on its own (``_fit_probe_group``); every
-    figure is the median of the groups' (each group's fit is kept under "groups").
+    calls of ``repeats`` rounds. In each, each probe's residual is its call with the
+    least one (what the steps cost without scheduling noise), on the slower of the two
+    ranks; the line goes through the median over the groups of each probe's residual.
+    The tiny calls' compute (their least, forward and backward) beyond ``hw``'s kernel
+    rates and tile overheads is the Python a strategy runs around each kernel call (its
+    block plan's lookups, views and bookkeeping), which the tile-loop probe
+    (``measure_tile_overheads``) does not run: over all strategies' tiny calls, per
+    kernel call, the median over the groups, it is added to the fixed tile overheads
+    (``tile_overheads_in_calls``, 0.12-0.14 ms a call forward on this CPU, twice the tile
+    loop's own) before any residual is taken. It is compute, so the compute-time
+    predictions carry it and the pipeline overlaps it with transfers. The tiny probe's
+    compute is then what that ``hw`` predicts; the larger probe's its measured compute
+    (the rates miss it by a few %, as much as the overheads there, and the rates' error
+    is not a step overhead). Each group's probes are kept under "groups"."""
+    def count(n) -> bool:
+        return isinstance(n, int) and not isinstance(n, bool) and n >= 1
 
-    Each probe's residual is its call with the least one (what the steps cost without
-    scheduling noise), on the slower of the two ranks. The tiny calls' compute (their
-    least, forward and backward) beyond ``hw``'s kernel rates and tile overheads is the
-    Python a strategy runs around each kernel call (its block plan's lookups, views and
-    bookkeeping), which the tile-loop probe (``measure_tile_overheads``) does not run:
-    over all strategies' tiny calls, per kernel call, it is added to the fixed tile
-    overheads (``tile_overheads_in_calls``, 0.12-0.14 ms a call forward on this CPU, twice
-    the tile loop's own). It is compute, so the compute-time predictions carry it and the
-    pipeline overlaps it with transfers. The tiny probe's compute is then what that
-    ``hw`` predicts; the larger probe's its measured compute (the rates miss it by a few
-    %, as much as the overheads there, and the rates' error is not a step overhead)."""
-    if len(sizes) != 2 or not all(isinstance(t, int) and t > 0 for t in sizes) or sizes[0] >= sizes[1] \
-            or not all(isinstance(n, int) and not isinstance(n, bool) and n >= 1 for n in (repeats, groups)):
+    if len(sizes) != 2 or not all(count(t) for t in sizes) or sizes[0] >= sizes[1] \
+            or not all(count(n) for n in (repeats, groups)):
         raise ValueError(f"step probes need two shard sizes, tokens per rank, ascending, and repeats, groups >= 1; "
                          f"got sizes={sizes!r}, repeats={repeats!r}, groups={groups!r}")
-    fits = [_fit_probe_group(hw, sizes, run_local(_probe_rank, 2, (sizes, repeats), threads=1))
-            for _ in range(groups)]
-    median = statistics.median
-    strategies = {strategy: dict(**{key: median(f["strategies"][strategy][key] for f in fits)
-                                    for key in ("step_overhead", "step_overhead_per_byte")},
-                                 groups=[f["strategies"][strategy] for f in fits])
-                  for strategy in PROBE_STRATEGIES}
-    in_calls = {p: median(f["tile_overheads_in_calls"][p] for f in fits) for p in ("forward", "backward")}
-    return dict(tokens_per_rank=list(sizes), world=2, groups=groups, strategies=strategies,
-                tile_overheads_in_calls=in_calls,
-                groups_tile_overheads_in_calls=[f["tile_overheads_in_calls"] for f in fits])
-
-
-def _fit_probe_group(hw: Hardware, sizes: tuple[int, int], per_rank: list[dict]) -> dict:
-    """One process group's calls (``_probe_rank``'s, per rank) fitted as
-    ``measure_step_overheads`` says: the compute around each tile call, then each
-    strategy's probes and the line through them."""
+    slower = [_slower_calls(run_local(_probe_rank, 2, (sizes, repeats), threads=1), sizes) for _ in range(groups)]
     bare = replace(hw, step_overhead=0.0, strategy_step_overheads=None, strategy_step_byte_overheads=None)
-    # each call on the slower rank (the ranks make theirs in the same order)
-    slower = {strategy: [[max(same, key=lambda call: call["seconds"])
-                          for same in zip(*(r[tokens][strategy] for r in per_rank))] for tokens in sizes]
-              for strategy in PROBE_STRATEGIES}
     tiny = {strategy: step_probe_workload(sizes[0], strategy) for strategy in PROBE_STRATEGIES}
-    excess = {strategy: tuple(min(call[f"{p}_compute"] for call in slower[strategy][0]) - c
-                              for p, c in zip(("forward", "backward"), cost.compute_seconds(w, bare)))
-              for strategy, w in tiny.items()}
     calls = {strategy: _tile_calls(w, bare) for strategy, w in tiny.items()}
-    in_calls = tuple(max(0.0, sum(e[i] for e in excess.values()) / sum(calls.values())) for i in (0, 1))
-    bare = replace(bare, tile_forward_overhead=hw.tile_forward_overhead + in_calls[0],
-                   tile_backward_overhead=hw.tile_backward_overhead + in_calls[1])
-    out = {}
+    excess = [{strategy: tuple(min(call[f"{p}_compute"] for call in group[strategy][0]) - c
+                               for p, c in zip(("forward", "backward"), cost.compute_seconds(w, bare)))
+               for strategy, w in tiny.items()} for group in slower]
+    in_calls = [tuple(max(0.0, sum(e[i] for e in group.values()) / sum(calls.values())) for i in (0, 1))
+                for group in excess]
+    pooled = tuple(statistics.median(group[i] for group in in_calls) for i in (0, 1))
+    bare = replace(bare, tile_forward_overhead=hw.tile_forward_overhead + pooled[0],
+                   tile_backward_overhead=hw.tile_backward_overhead + pooled[1])
+    out, probes = {}, {}
     for strategy in PROBE_STRATEGIES:
         larger = step_probe_workload(sizes[1], strategy)
         at_rates = cost.compute_seconds(tiny[strategy], bare)
-        probes = [_step_probe(tiny[strategy], bare, slower[strategy][0], lambda call: at_rates),
-                  _step_probe(larger, bare, slower[strategy][1],
-                              lambda call: (call["forward_compute"], call["backward_compute"]))]
-        out[strategy] = dict(probes=probes, compute_excess_seconds=list(excess[strategy]), tile_calls=calls[strategy],
-                             **_fit_step_overhead(*((p["bytes_per_stage"], p["residual_per_stage"]) for p in probes)))
-    return dict(strategies=out, tile_overheads_in_calls=dict(forward=in_calls[0], backward=in_calls[1]))
+        probes[strategy] = [[_step_probe(tiny[strategy], bare, group[strategy][0], lambda call: at_rates),
+                             _step_probe(larger, bare, group[strategy][1],
+                                         lambda call: (call["forward_compute"], call["backward_compute"]))]
+                            for group in slower]
+        points = [(p["bytes_per_stage"], statistics.median(g[i]["residual_per_stage"] for g in probes[strategy]))
+                  for i, p in enumerate(probes[strategy][0])]
+        out[strategy] = dict(bytes_per_stage=[x for x, _ in points], residual_per_stage=[y for _, y in points],
+                             tile_calls=calls[strategy], **_fit_step_overhead(*points))
+    per_group = [dict(tile_overheads_in_calls=dict(forward=forward, backward=backward),
+                      strategies={strategy: dict(probes=probes[strategy][g], compute_excess_seconds=list(e[strategy]))
+                                  for strategy in PROBE_STRATEGIES})
+                 for g, ((forward, backward), e) in enumerate(zip(in_calls, excess))]
+    return dict(tokens_per_rank=list(sizes), world=2, strategies=out,
+                tile_overheads_in_calls=dict(forward=pooled[0], backward=pooled[1]), groups=per_group)
+
+
+def _slower_calls(per_rank: list[dict], sizes: tuple[int, int]) -> dict[str, list[list[dict]]]:
+    """Per strategy, per size, each of one process group's calls (``_probe_rank``'s, per
+    rank) on the slower rank: the ranks make theirs in the same order."""
+    return {strategy: [[max(same, key=lambda call: call["seconds"])
+                        for same in zip(*(r[tokens][strategy] for r in per_rank))] for tokens in sizes]
+            for strategy in PROBE_STRATEGIES}
 
 
 def _tile_calls(w: Workload, hw: Hardware) -> int:
@@ -605,12 +606,7 @@ def format_calibration(c: dict) -> str:
            f"{c['tile_forward_overhead'] * 1e6:.0f} us + {c['tile_forward_seconds_per_byte'] * 1e9:.2f} ns/B merged, "
            f"backward {c['tile_backward_overhead'] * 1e6:.0f} us + {c['tile_backward_seconds_per_byte'] * 1e9:.2f} "
            f"ns/B added" + _in_calls_words(c)] if all(key in c for key in TILE_OVERHEADS) else []),
-        *(["  attention forward + backward, 2 ranks, measured / predicted without step overheads (the "
-           "larger shards' from their measured compute), per pipeline stage"
-           + (f", the median of {c['step']['groups']} process groups' fits:\n" if "groups" in c["step"] else ": ")
-           + (";\n" if "groups" in c["step"] else "; ").join(
-               _format_step(s, m) for s, m in c["step"]["strategies"].items())]
-          if "step" in c else []),
+        *([_format_steps(c["step"])] if "step" in c else []),
         f"  gloo ring hop between 2 local ranks: {link['message_bytes'] / 2**20:.0f} MiB in "
         f"{link['seconds'] * 1e3:.2f} ms -> {c['bandwidth'] / 1e9:.3f} GB/s per direction; a 4-byte hop "
         f"{link.get('latency', 0) * 1e6:.0f} us (latency)",
@@ -629,25 +625,31 @@ def _in_calls_words(c: dict) -> str:
             f"{in_calls['forward'] * 1e6:.0f} / {in_calls['backward'] * 1e6:.0f} us around it in attention calls)")
 
 
-def _format_step(strategy: str, m: dict) -> str:
-    """'    ring 750 us + 1.20 ns/B sent (8 tok 4.00 / 1.00 ms, 1024 tok 9.00 / 5.00 ms -> 750 us
-    + 1.20 ns/B; ...)', a fit per process group; older calibrations: one group, 'ring 8
-    tok 4.00 / 1.00 ms, 1024 tok 9.00 / 5.00 ms -> 750 us + 1.20 ns/B sent', or one probe
-    and no per-byte part."""
-    if "groups" in m:
-        fits = "; ".join(_format_fit(g, " ns/B") for g in m["groups"])
-        return f"    {strategy} {_overheads(m, ' ns/B sent')} ({fits})"
-    return f"{strategy} {_format_fit(m, ' ns/B sent')}"
+def _format_steps(step: dict) -> str:
+    """The step probes' lines of ``format_calibration``."""
+    head = ("  attention forward + backward, 2 ranks, measured / predicted without step overheads (the larger "
+            "shards' from their measured compute)")
+    if "groups" not in step:  # before process groups
+        return f"{head}, per pipeline stage: " + "; ".join(
+            f"{strategy} {_format_probes(m)} -> {_overheads(m)}" for strategy, m in step["strategies"].items())
+    lines = [f"{head}, in {len(step['groups'])} process groups; the line through each probe's median residual "
+             f"per pipeline stage:"]
+    for strategy, m in step["strategies"].items():
+        residuals = " / ".join(f"{r * 1e3:.2f}" for r in m["residual_per_stage"])
+        sent = " / ".join(f"{b / 2**10:.0f}" for b in m["bytes_per_stage"])
+        groups = "; ".join(_format_probes(g["strategies"][strategy]) for g in step["groups"])
+        lines.append(f"    {strategy} {_overheads(m)} (residuals {residuals} ms at {sent} KiB sent a stage; {groups})")
+    return "\n".join(lines)
 
 
-def _format_fit(m: dict, unit: str) -> str:
-    """One process group's probes and the overheads fitted through them."""
+def _format_probes(m: dict) -> str:
+    """'8 tok 4.00 / 1.00 ms, 1024 tok 9.00 / 5.00 ms' (older calibrations: one probe, '4.00 / 1.00 ms')."""
     probes = m.get("probes") or [dict(m, tokens_per_rank=None)]
-    sizes = ", ".join(("" if p["tokens_per_rank"] is None else f"{p['tokens_per_rank']} tok ")
-                      + f"{p['seconds'] * 1e3:.2f} / {p['predicted_seconds'] * 1e3:.2f} ms" for p in probes)
-    return f"{sizes} -> {_overheads(m, unit)}"
+    return ", ".join(("" if p["tokens_per_rank"] is None else f"{p['tokens_per_rank']} tok ")
+                     + f"{p['seconds'] * 1e3:.2f} / {p['predicted_seconds'] * 1e3:.2f} ms" for p in probes)
 
 
-def _overheads(m: dict, unit: str) -> str:
-    per_byte = f" + {m['step_overhead_per_byte'] * 1e9:.2f}{unit}" if "step_overhead_per_byte" in m else ""
+def _overheads(m: dict) -> str:
+    """'750 us + 1.20 ns/B sent' (older calibrations: no per-byte part)."""
+    per_byte = f" + {m['step_overhead_per_byte'] * 1e9:.2f} ns/B sent" if "step_overhead_per_byte" in m else ""
     return f"{m['step_overhead'] * 1e6:.0f} us{per_byte}"

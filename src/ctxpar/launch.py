@@ -14,8 +14,9 @@ the list of results (rank order). What it guarantees:
   on its results), reported with its exit code or signal, and the others are stopped.
 - A rank that never arrives where the others wait is named: they time out after
   ``timeout_s`` and report; the rank that is still running is the one they waited for.
-- On glibc, a rank reuses the memory it frees instead of handing it back to the OS
-  (``_reuse_freed_memory``), unless the environment sets glibc's malloc thresholds itself.
+- On glibc, a local rank keeps the memory it frees for its next allocations instead of
+  handing it back to the OS (``heap.keep_freed_memory``), unless the environment sets
+  glibc's thresholds itself. Ranks torchrun starts are the user's processes: left alone.
 
 ``run(fn, nproc, ...)`` picks the mode: the ranks of a real torchrun launch
 (``launched_by_torchrun``), or ``nproc`` local ranks, and says which on stderr.
@@ -47,6 +48,8 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
+from ctxpar import heap
+
 # The longest one wait at one collective may last: torch's own default for NCCL. A healthy
 # run on CPU or GPU waits far less at any collective (for a peer to finish its step or a
 # checkpoint); a rank that never arrives is named when it expires.
@@ -75,11 +78,6 @@ LAUNCHER_VARS = (*TORCHRUN_VARS, "GROUP_RANK", "GROUP_WORLD_SIZE", "ROLE_RANK", 
                  "GLOO_SOCKET_IFNAME")
 
 _PR_SET_PDEATHSIG = 1  # <linux/prctl.h>
-_M_TRIM_THRESHOLD, _M_MMAP_THRESHOLD = -1, -3  # mallopt's parameters (<malloc.h>)
-# Freed blocks up to this size go back to the heap, to be reused (glibc's largest mmap
-# threshold on 64-bit), and up to this much free heap is kept rather than returned.
-REUSED_BLOCK_BYTES = 32 * 2**20
-KEPT_FREE_BYTES = 1 << 30
 _collective_timeout: datetime.timedelta | None = None  # this process's, once it joined a group
 
 
@@ -262,30 +260,6 @@ def _isolate_from_launcher_env() -> None:
         os.environ["GLOO_SOCKET_IFNAME"] = loopback
 
 
-def _reuse_freed_memory() -> None:
-    """Make glibc keep what this rank frees for its next allocations.
-
-    An attention call allocates and frees MiBs of buffers (K/V in flight, packed
-    all-to-all chunks, accumulators); glibc's default returns the freed heap to the OS
-    once its free top exceeds twice the largest block freed so far, and the next call
-    faults the same pages back in: 0 to 4,600 page faults a call at 1024 tokens per rank
-    (2 ranks, H=8, H_kv=2, D=64), a cost that changed from one call to the next and from
-    one process to the next (docs/benchmarks.md, "Freed memory kept"). Fixed thresholds
-    keep the heap at its peak, as a GPU's caching allocator keeps its blocks. Left alone
-    where the environment sets the thresholds (``MALLOC_TRIM_THRESHOLD_``,
-    ``MALLOC_MMAP_THRESHOLD_``, ``GLIBC_TUNABLES``) and where the C library has no
-    ``mallopt``."""
-    if ("MALLOC_TRIM_THRESHOLD_" in os.environ or "MALLOC_MMAP_THRESHOLD_" in os.environ
-            or "glibc.malloc" in os.environ.get("GLIBC_TUNABLES", "")):
-        return
-    try:
-        mallopt = ctypes.CDLL(None).mallopt
-    except (OSError, AttributeError):  # no C library to ask, or not one with mallopt
-        return
-    mallopt(_M_MMAP_THRESHOLD, REUSED_BLOCK_BYTES)
-    mallopt(_M_TRIM_THRESHOLD, KEPT_FREE_BYTES)
-
-
 def _watch_parent(parent_pid: int, interval: float = PARENT_POLL_S) -> None:
     """Exit this process once ``parent_pid`` is no longer its parent (it died; we were re-parented)."""
     while os.getppid() == parent_pid:
@@ -393,7 +367,7 @@ def _worker(rank, world_size, port, threads, timeout_s, parent_pid, backend, dev
     # (and stops the workers), so that one interrupt gives one message.
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     _isolate_from_launcher_env()
-    _reuse_freed_memory()
+    heap.keep_freed_memory()
     torch.set_num_threads(threads)
     try:
         if device is not None and device.type == "cuda":

@@ -22,6 +22,8 @@ from dataclasses import dataclass, field
 
 import torch
 
+from ctxpar import heap
+
 
 @dataclass
 class Record:
@@ -109,8 +111,11 @@ def peak_memory(device: torch.device) -> tuple[int, str]:
 
 
 def current_memory(device: torch.device) -> int:
-    """Bytes in use now: allocated CUDA memory, or the process's resident set."""
+    """Bytes in use now: allocated CUDA memory, or the process's resident set once the
+    heap's free memory is handed back (``heap.release_freed_memory``: a local rank keeps
+    what it frees, and a peak measured from here must count what the step allocates)."""
     if device.type == "cuda":
         return torch.cuda.memory_allocated(device)
+    heap.release_freed_memory()
     with open("/proc/self/statm") as f:
         return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")

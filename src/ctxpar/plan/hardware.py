@@ -418,7 +418,7 @@ def get_hardware(
     key = name.lower()
     if key == LOCAL:
         if calibration is None:
-            raise ValueError("--hardware local needs measured figures: add --calibrate (about half a minute) or "
+            raise ValueError("--hardware local needs measured figures: add --calibrate (about 75 s on 2 cores) or "
                              "--calibration PATH (a JSON written by --calibrate --json PATH)")
         hw = local_hardware(calibration)
     else:

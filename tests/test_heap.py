@@ -1,0 +1,111 @@
+"""Local ranks keep the memory they free (``ctxpar.heap``), each threshold unless the environment sets it.
+
+glibc's default serves a large block (above 128 KiB until larger mapped ones have been
+freed) with a fresh mapping, unmaps it when freed, and hands a heap's free top back to
+the OS: either way the next call faults the pages in again. A local rank serves blocks
+below ``HEAP_BLOCK_BYTES`` from its heap and keeps what it frees resident. What that
+saves is measured in docs/benchmarks.md ("Freed memory kept"); here, where a block lands,
+that freeing it leaves it resident, and that measuring hands it back.
+"""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+
+from ctxpar import heap, profile
+from ctxpar.launch import run_local
+
+glibc_only = pytest.mark.skipif(not heap.glibc(), reason="glibc's heap and its thresholds")
+
+BLOCK_BYTES = heap.HEAP_BLOCK_BYTES - 2**20  # above any threshold glibc's default reaches in a fresh rank
+VARIABLES = ("MALLOC_MMAP_THRESHOLD_", "MALLOC_TRIM_THRESHOLD_", "GLIBC_TUNABLES")
+
+
+def _heap() -> tuple[int, int]:
+    """[start, end) of this process's brk heap, glibc's main arena."""
+    with open("/proc/self/maps") as f:
+        for line in f:
+            if line.rstrip().endswith("[heap]"):
+                start, end = line.split()[0].split("-")
+                return int(start, 16), int(end, 16)
+    return 0, 0
+
+
+def _resident() -> int:
+    with open("/proc/self/statm") as f:
+        return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+
+
+def where_a_large_block_goes(rank: int, world: int) -> dict:
+    block = torch.ones(BLOCK_BYTES // 4)  # written: resident
+    start, end = _heap()
+    in_heap = start <= block.data_ptr() < end
+    resident = _resident()
+    del block
+    kept = _resident() > resident - BLOCK_BYTES // 2
+    profile.current_memory(torch.device("cpu"))  # measuring hands the free heap back
+    return dict(in_heap=in_heap, kept=kept, released=_resident() < resident - BLOCK_BYTES // 2)
+
+
+@glibc_only
+def test_a_local_rank_serves_large_blocks_from_its_heap_keeps_them_and_measures_without_them() -> None:
+    assert run_local(where_a_large_block_goes, 1)[0] == dict(in_heap=True, kept=True, released=True)
+
+
+@glibc_only
+def test_an_mmap_threshold_the_environment_sets_is_glibcs(monkeypatch) -> None:
+    """glibc's default, 128 KiB, from the environment: the block gets its own mapping, gone when freed."""
+    monkeypatch.setenv("MALLOC_MMAP_THRESHOLD_", str(128 * 1024))
+    found = run_local(where_a_large_block_goes, 1)[0]
+    assert (found["in_heap"], found["kept"]) == (False, False)
+
+
+@pytest.mark.parametrize("environment, kept", [
+    ({}, ("mmap_threshold", "trim_threshold")),
+    ({"MALLOC_MMAP_THRESHOLD_": "131072"}, ("trim_threshold",)),
+    ({"MALLOC_TRIM_THRESHOLD_": "0"}, ("mmap_threshold",)),
+    ({"GLIBC_TUNABLES": "glibc.malloc.trim_threshold=0"}, ("mmap_threshold",)),
+    ({"GLIBC_TUNABLES": "glibc.malloc.tcache_count=0:glibc.malloc.mmap_threshold=131072"}, ("trim_threshold",)),
+    ({"GLIBC_TUNABLES": "glibc.malloc.arena_max=2"}, ("mmap_threshold", "trim_threshold")),  # not a threshold
+    ({"MALLOC_MMAP_THRESHOLD_": "131072", "MALLOC_TRIM_THRESHOLD_": "0"}, ()),
+])
+def test_each_threshold_the_environment_sets_is_left_alone(monkeypatch, environment, kept) -> None:
+    for name in VARIABLES:
+        monkeypatch.delenv(name, raising=False)
+    for name, value in environment.items():
+        monkeypatch.setenv(name, value)
+    asked = []
+
+    class Libc:
+        def mallopt(self, parameter: int, value: int) -> int:
+            asked.append(parameter)
+            return 1
+
+    monkeypatch.setattr(heap, "glibc", lambda: True)
+    monkeypatch.setattr(heap, "_libc", Libc)
+    assert heap.keep_freed_memory() == kept
+    assert asked == [heap._THRESHOLDS[name][0] for name in kept]
+
+
+def test_a_threshold_glibc_refuses_is_not_reported_kept(monkeypatch) -> None:
+    """32-bit glibc refuses an mmap threshold above 512 KiB."""
+    for name in VARIABLES:
+        monkeypatch.delenv(name, raising=False)
+
+    class Libc:
+        def mallopt(self, parameter: int, value: int) -> int:
+            return int(parameter != heap._THRESHOLDS["mmap_threshold"][0])
+
+    monkeypatch.setattr(heap, "glibc", lambda: True)
+    monkeypatch.setattr(heap, "_libc", Libc)
+    assert heap.keep_freed_memory() == ("trim_threshold",)
+
+
+def test_only_glibc_is_asked(monkeypatch) -> None:
+    monkeypatch.setattr(heap, "glibc", lambda: False)
+    monkeypatch.setattr(heap, "_libc", lambda: pytest.fail("the C library was asked"))
+    assert heap.keep_freed_memory() == ()
+    heap.release_freed_memory()
