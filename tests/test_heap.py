@@ -18,10 +18,10 @@ import torch
 from ctxpar import heap, profile
 from ctxpar.launch import run_local
 
-glibc_only = pytest.mark.skipif(not heap.glibc(), reason="glibc's heap and its thresholds")
+glibc_only = pytest.mark.skipif(not heap.on_glibc(), reason="glibc's heap and its thresholds")
 
 BLOCK_BYTES = heap.HEAP_BLOCK_BYTES - 2**20  # above any threshold glibc's default reaches in a fresh rank
-VARIABLES = ("MALLOC_MMAP_THRESHOLD_", "MALLOC_TRIM_THRESHOLD_", "GLIBC_TUNABLES")
+VARIABLES = ("MALLOC_MMAP_THRESHOLD_", "MALLOC_TRIM_THRESHOLD_", "GLIBC_TUNABLES", heap.OFF_SWITCH)
 
 
 def _heap() -> tuple[int, int]:
@@ -56,7 +56,7 @@ def test_a_local_rank_serves_large_blocks_from_its_heap_keeps_them_and_measures_
 
 
 @glibc_only
-def test_an_mmap_threshold_the_environment_sets_is_glibcs(monkeypatch) -> None:
+def test_an_mmap_threshold_the_environment_sets_is_left_to_glibc(monkeypatch) -> None:
     """glibc's default, 128 KiB, from the environment: the block gets its own mapping, gone when freed."""
     monkeypatch.setenv("MALLOC_MMAP_THRESHOLD_", str(128 * 1024))
     found = run_local(where_a_large_block_goes, 1)[0]
@@ -84,10 +84,26 @@ def test_each_threshold_the_environment_sets_is_left_alone(monkeypatch, environm
             asked.append(parameter)
             return 1
 
-    monkeypatch.setattr(heap, "glibc", lambda: True)
+    monkeypatch.setattr(heap, "on_glibc", lambda: True)
     monkeypatch.setattr(heap, "_libc", Libc)
     assert heap.keep_freed_memory() == kept
     assert asked == [heap._THRESHOLDS[name][0] for name in kept]
+
+
+@pytest.mark.parametrize("value, kept", [("0", ()), (" Off", ()), ("false", ()), ("no", ()),
+                                         ("1", ("mmap_threshold", "trim_threshold"))])
+def test_the_off_switch_leaves_glibcs_defaults(monkeypatch, value: str, kept: tuple) -> None:
+    for name in VARIABLES:
+        monkeypatch.delenv(name, raising=False)
+    monkeypatch.setenv(heap.OFF_SWITCH, value)
+
+    class Libc:
+        def mallopt(self, parameter: int, value: int) -> int:
+            return 1
+
+    monkeypatch.setattr(heap, "on_glibc", lambda: True)
+    monkeypatch.setattr(heap, "_libc", Libc if kept else lambda: pytest.fail("the C library was asked"))
+    assert heap.keep_freed_memory() == kept
 
 
 def test_a_threshold_glibc_refuses_is_not_reported_kept(monkeypatch) -> None:
@@ -99,13 +115,13 @@ def test_a_threshold_glibc_refuses_is_not_reported_kept(monkeypatch) -> None:
         def mallopt(self, parameter: int, value: int) -> int:
             return int(parameter != heap._THRESHOLDS["mmap_threshold"][0])
 
-    monkeypatch.setattr(heap, "glibc", lambda: True)
+    monkeypatch.setattr(heap, "on_glibc", lambda: True)
     monkeypatch.setattr(heap, "_libc", Libc)
     assert heap.keep_freed_memory() == ("trim_threshold",)
 
 
 def test_only_glibc_is_asked(monkeypatch) -> None:
-    monkeypatch.setattr(heap, "glibc", lambda: False)
+    monkeypatch.setattr(heap, "on_glibc", lambda: False)
     monkeypatch.setattr(heap, "_libc", lambda: pytest.fail("the C library was asked"))
     assert heap.keep_freed_memory() == ()
     heap.release_freed_memory()

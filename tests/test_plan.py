@@ -1261,6 +1261,11 @@ def test_calibration_gives_three_rates_and_the_launch_overhead(monkeypatch) -> N
     one_group = dict(c, step=dict(tokens_per_rank=[8, 1024], world=2, strategies=probe))  # before process groups
     assert "alltoall 8 tok 4.00 / 1.00 ms, 1024 tok 9.00 / 5.00 ms -> 2250 us + 3.00 ns/B sent" in \
         calibrate.format_calibration(one_group)
+    fitted = {s: dict(m, groups=[dict(m, step_overhead=m["step_overhead"] * f) for f in (2, 1, 0.5)])
+              for s, m in probe.items()}  # commit 3c63fc3's: each group's fit, and the median of each figure
+    fits = dict(c, step=dict(tokens_per_rank=[8, 1024], world=2, groups=3, strategies=fitted))
+    assert ("alltoall 2250 us + 3.00 ns/B sent, the median of 3 groups' fits (8 tok 4.00 / 1.00 ms, 1024 tok 9.00 / "
+            "5.00 ms -> 4500 us + 3.00 ns/B sent; ") in calibrate.format_calibration(fits)
     a = c["attention"]
     assert hw.forward_flops == a["forward_flops"] / a["forward_seconds"]
     assert hw.backward_flops == 2.5 * a["forward_flops"] / a["backward_seconds"]
@@ -1438,6 +1443,38 @@ def test_step_overhead_fit_is_the_line_through_both_probes_clamped_at_zero(monke
                                                                      pytest.approx(per_byte, abs=1e-20))
         outlier, second = (step["groups"][g]["strategies"][strategy]["probes"][1] for g in (0, 1))
         assert outlier["residual_per_stage"] == pytest.approx(second["residual_per_stage"] + 1e-3)
+
+
+def test_step_overheads_go_through_the_groups_median_residuals(monkeypatch) -> None:
+    """Three groups whose probes leave (0, 2), (1, 2) and (1, 3) ms a stage at 3e3 and
+    3e3 + 3e5 bytes a stage: the line goes through the medians, (1, 2) ms, 1 ms per 3e5
+    bytes; the median of the groups' own lines would be twice as steep."""
+    hw = local_hardware(dict(attention_flops=5e10, bandwidth=1e9))
+    stages = {s: 2 * cost.attention_time(calibrate.step_probe_workload(8, s), hw).forward.stages
+              for s in calibrate.PROBE_STRATEGIES}
+    monkeypatch.setattr(cost, "layer_traffic", lambda w: traffic.Traffic(
+        0, stages[w.strategy] * {8: 3e3, 1000: 3e3 + 3e5}[w.local_len]))
+    groups = iter([(0.0, 2e-3), (1e-3, 2e-3), (1e-3, 3e-3)])
+
+    def fake_run_local(fn, world, args, threads):
+        sizes, _ = args
+        ranks = ({}, {})
+        for tokens, residual in zip(sizes, next(groups)):
+            for s in calibrate.PROBE_STRATEGIES:
+                t = cost.attention_time(calibrate.step_probe_workload(tokens, s), hw)
+                call = dict(seconds=t.seconds + residual * stages[s],
+                            forward_compute=t.forward.compute * t.forward.stages,
+                            backward_compute=t.backward.compute * t.backward.stages)
+                for r in ranks:
+                    r.setdefault(tokens, {})[s] = [call]
+        return list(ranks)
+
+    monkeypatch.setattr(calibrate, "run_local", fake_run_local)
+    step = calibrate.measure_step_overheads(hw, sizes=(8, 1000))
+    for m in step["strategies"].values():
+        assert m["residual_per_stage"] == pytest.approx([1e-3, 2e-3])
+        assert (m["step_overhead"], m["step_overhead_per_byte"]) == (pytest.approx(1e-3 - 1e-5),
+                                                                     pytest.approx(1e-3 / 3e5))
 
 
 @pytest.mark.parametrize("strategy, layout, window", [

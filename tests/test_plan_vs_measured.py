@@ -25,29 +25,45 @@ def test_too_few_rounds_give_their_range_and_say_how_sure_it_is() -> None:
     assert median_interval([3.0, 1.0, 2.0, 5.0, 4.0]) == (1.0, 5.0, 1 - 2 / 32)
 
 
-def test_auto_is_judged_against_every_other_strategy_round_by_round() -> None:
-    """Ten rounds, auto's choice (whatever the planner picks) against two others: one it
-    loses to by 10% in the median round but not in every round (its interval reaches
-    below 1.05), one by 8% in every round (its interval lies above 1.05). The largest
-    median is the first's; the verdict that the rounds show auto slower is the second's."""
+def _verdict(wide: list[float], narrow: list[float]) -> tuple[dict, str, str]:
+    """auto_verdicts on rounds where auto's choice (whatever the planner picks) takes
+    ``wide`` and ``narrow`` times as long as the two other strategies' in the same round;
+    the verdict and those two strategies."""
     calibration = dict(attention_flops=5e10, bandwidth=1e9)
     choice = auto_verdicts([dict(nproc=2, seq=1024, strategy=s, wall_seconds_measured=1.0, wall_seconds_rounds=[1.0])
                             for s in ("ring", "alltoall")], calibration)[0]["auto"]
-    wide, narrow = (s for s in ("ring", "allgather", "alltoall") if s != choice)
-    ratios = {choice: [1.0] * 10, wide: [0.8, 0.9] + [1.1] * 6 + [1.3, 1.4], narrow: [1.06, 1.07] + [1.08] * 6 +
-              [1.09, 1.10]}
+    first, second = (s for s in ("ring", "allgather", "alltoall") if s != choice)
+    ratios = {choice: [1.0] * len(wide), first: wide, second: narrow}
     rows = [dict(nproc=2, seq=1024, strategy=s, wall_seconds_measured=min(1 / r for r in rs),
                  wall_seconds_rounds=[1 / r for r in rs]) for s, rs in ratios.items()]
-    v = auto_verdicts(rows, calibration)[0]
+    return auto_verdicts(rows, calibration)[0], first, second
+
+
+def test_auto_is_judged_against_every_other_strategy_round_by_round() -> None:
+    """Ten rounds: auto loses to one strategy by 10% in the median round but not in every
+    round (its interval reaches below 1.05), to the other by 8% in every round (its
+    interval lies above 1.05). The largest median is the first's; the rounds show auto
+    slower than the second."""
+    v, wide, narrow = _verdict([0.8, 0.9] + [1.1] * 6 + [1.3, 1.4], [1.06, 1.07] + [1.08] * 6 + [1.09, 1.10])
     assert v["auto_over_others_per_round"] == pytest.approx(1.1)
     each = v["auto_over_each_other_per_round"]
     assert set(each) == {wide, narrow}
     assert each[wide]["median"] == pytest.approx(1.1) and each[wide]["interval"] == pytest.approx([0.9, 1.3])
     assert each[narrow]["median"] == pytest.approx(1.08) and each[narrow]["interval"] == pytest.approx([1.07, 1.09])
     assert v["slower_shown"] is True
-    assert v["interval_coverage"] == pytest.approx(1 - 2 * 11 / 1024)
-    assert v["interval_coverage"] >= 1 - 0.05 / 2  # 95% for both at once
+    assert v["intervals_coverage"] == pytest.approx(1 - 2 * (2 * 11 / 1024))
+    assert v["intervals_coverage"] >= 0.95  # both at once
     assert v["auto_over_fastest"] == pytest.approx(1.4) and v["fastest"] == wide
+
+
+def test_each_interval_is_wide_enough_for_all_of_them_at_once() -> None:
+    """Twelve rounds: at 95% alone the second strategy's interval would be its 3rd and 10th
+    ratios, 1.06-1.09, above 1.05; at 97.5% each, for both at once, its 2nd and 11th,
+    1.04-1.09: the rounds do not show auto slower."""
+    v, wide, narrow = _verdict([0.8, 0.9] + [1.1] * 8 + [1.3, 1.4], [1.0, 1.04, 1.06] + [1.08] * 7 + [1.09, 1.10])
+    assert v["auto_over_each_other_per_round"][narrow]["interval"] == pytest.approx([1.04, 1.09])
+    assert v["slower_shown"] is False
+    assert v["intervals_coverage"] == pytest.approx(1 - 2 * (2 * 13 / 4096))
 
 
 def test_an_interval_needs_values_and_a_confidence() -> None:

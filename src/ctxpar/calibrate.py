@@ -334,8 +334,9 @@ PROBE_TOKENS = (8, 1024)
 
 
 # process groups the step probes run in: a group's least residuals moved the per-byte
-# overheads fitted through them up to 2x from one group to the next (docs/benchmarks.md),
-# more than more rounds in one group did; the line goes through the groups' medians
+# overheads fitted through them by up to 2.8x from one group to the next (the ring's
+# 0.58-1.61 ns/B over ten groups: docs/benchmarks.md), more than more rounds in one group
+# did; the line goes through the groups' medians
 PROBE_GROUPS = 3
 
 
@@ -629,9 +630,9 @@ def _format_steps(step: dict) -> str:
     """The step probes' lines of ``format_calibration``."""
     head = ("  attention forward + backward, 2 ranks, measured / predicted without step overheads (the larger "
             "shards' from their measured compute)")
-    if "groups" not in step:  # before process groups
+    if not isinstance(step.get("groups"), list):  # before the line through the groups' medians
         return f"{head}, per pipeline stage: " + "; ".join(
-            f"{strategy} {_format_probes(m)} -> {_overheads(m)}" for strategy, m in step["strategies"].items())
+            f"{strategy} {_format_fits(m)}" for strategy, m in step["strategies"].items())
     lines = [f"{head}, in {len(step['groups'])} process groups; the line through each probe's median residual "
              f"per pipeline stage:"]
     for strategy, m in step["strategies"].items():
@@ -640,6 +641,16 @@ def _format_steps(step: dict) -> str:
         groups = "; ".join(_format_probes(g["strategies"][strategy]) for g in step["groups"])
         lines.append(f"    {strategy} {_overheads(m)} (residuals {residuals} ms at {sent} KiB sent a stage; {groups})")
     return "\n".join(lines)
+
+
+def _format_fits(m: dict) -> str:
+    """'8 tok 4.00 / 1.00 ms, 1024 tok 9.00 / 5.00 ms -> 750 us + 1.20 ns/B sent'; for
+    calibrations of commit 3c63fc3, the median of each group's fitted figures, and each
+    group's probes and fit."""
+    if "groups" not in m:
+        return f"{_format_probes(m)} -> {_overheads(m)}"
+    fits = "; ".join(f"{_format_probes(g)} -> {_overheads(g)}" for g in m["groups"])
+    return f"{_overheads(m)}, the median of {len(m['groups'])} groups' fits ({fits})"
 
 
 def _format_probes(m: dict) -> str:

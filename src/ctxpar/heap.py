@@ -24,6 +24,7 @@ _M_TRIM_THRESHOLD, _M_MMAP_THRESHOLD = -1, -3  # mallopt's parameters (<malloc.h
 # own mapping), and up to this much free heap is kept rather than handed back.
 HEAP_BLOCK_BYTES = 32 * 2**20
 KEPT_FREE_BYTES = 1 << 30
+OFF_SWITCH = "CTXPAR_KEEP_FREED_MEMORY"
 # Each threshold: its parameter, its value here, and where the environment sets it instead
 # (glibc reads both when the process starts).
 _THRESHOLDS = {
@@ -32,7 +33,7 @@ _THRESHOLDS = {
 }
 
 
-def glibc() -> bool:
+def on_glibc() -> bool:
     """Whether this process runs on glibc, whose ``mallopt`` parameters these are."""
     try:
         return os.confstr("CS_GNU_LIBC_VERSION") is not None
@@ -45,8 +46,9 @@ def keep_freed_memory() -> tuple[str, ...]:
     each unless the environment sets it (``MALLOC_MMAP_THRESHOLD_`` /
     ``MALLOC_TRIM_THRESHOLD_``, or ``glibc.malloc.mmap_threshold`` / ``trim_threshold`` in
     ``GLIBC_TUNABLES``); the thresholds set, those glibc accepted (32-bit glibc refuses an
-    mmap threshold above 512 KiB). Nothing off glibc."""
-    if not glibc():
+    mmap threshold above 512 KiB). Nothing off glibc, or where ``CTXPAR_KEEP_FREED_MEMORY``
+    is 0, false, no or off (glibc's defaults: what ``benchmarks/heap.py`` compares with)."""
+    if not on_glibc() or os.environ.get(OFF_SWITCH, "").strip().lower() in ("0", "false", "no", "off"):
         return ()
     mallopt = _libc().mallopt
     tunables = os.environ.get("GLIBC_TUNABLES", "")
@@ -62,7 +64,7 @@ def keep_freed_memory() -> tuple[str, ...]:
 def release_freed_memory() -> None:
     """Hand the heap's free memory back to the OS (glibc's ``malloc_trim``), so that the
     resident set counts what is in use, not what is kept for reuse. Nothing off glibc."""
-    if glibc():
+    if on_glibc():
         _libc().malloc_trim(0)
 
 

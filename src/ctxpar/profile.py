@@ -113,7 +113,10 @@ def peak_memory(device: torch.device) -> tuple[int, str]:
 def current_memory(device: torch.device) -> int:
     """Bytes in use now: allocated CUDA memory, or the process's resident set once the
     heap's free memory is handed back (``heap.release_freed_memory``: a local rank keeps
-    what it frees, and a peak measured from here must count what the step allocates)."""
+    what it frees, and a peak measured from here must count what the step allocates; the
+    next allocations fault those pages in again). Not a pure read on CPU, so call it where
+    memory is about to be measured. ``peak_memory`` on CPU is the process's lifetime peak:
+    growth from here means something only where nothing before peaked higher."""
     if device.type == "cuda":
         return torch.cuda.memory_allocated(device)
     heap.release_freed_memory()
