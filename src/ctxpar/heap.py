@@ -6,7 +6,7 @@ threshold (128 KiB, raised to the largest mapped block freed so far, at most 32 
 a fresh mapping, unmapped when freed, and hand a heap's free top back to the OS once it
 exceeds the trim threshold (twice the mmap threshold): either way the next call faults
 the pages in again, a cost that changed from one call to the next and from one process
-to the next, and that slowed gloo's transfers between local ranks 1.6x
+to the next, and that slowed gloo's transfers between local ranks 1.65x
 (docs/benchmarks.md, "Freed memory kept"). ``keep_freed_memory`` fixes both thresholds,
 as the local ranks ``ctxpar.launch.run_local`` starts do; the heap then stays at its
 peak, as a GPU's caching allocator keeps its blocks, so ``release_freed_memory`` hands
@@ -24,7 +24,7 @@ _M_TRIM_THRESHOLD, _M_MMAP_THRESHOLD = -1, -3  # mallopt's parameters (<malloc.h
 # own mapping), and up to this much free heap is kept rather than handed back.
 HEAP_BLOCK_BYTES = 32 * 2**20
 KEPT_FREE_BYTES = 1 << 30
-OFF_SWITCH = "CTXPAR_KEEP_FREED_MEMORY"
+OFF_SWITCH = "CTXPAR_KEEP_FREED_MEMORY"  # 0, false, no or off: glibc's defaults in every local rank
 # Each threshold: its parameter, its value here, and where the environment sets it instead
 # (glibc reads both when the process starts).
 _THRESHOLDS = {
