@@ -8,58 +8,23 @@ defaults), then without it (the launcher's thresholds):
 
 - the calibration's gloo hop (``calibrate.measure_link``: 16 MiB each way between two
   ranks, best of 20): seconds and bytes per second per direction;
-- the calibration's step-probe calls (two ranks, one thread each, H=8, H_kv=2, D=64,
-  zigzag, causal; per round of ``--probe-rounds``, eight calls on 8-token shards and one
-  on 1024-token shards per strategy, interleaved): per strategy, rank 0's page faults
-  (``ru_minflt``) per 1024-token call, their median, and its best call's seconds.
+- the calibration's step-probe calls (``calibrate._probe_rank``: two ranks, one thread
+  each, H=8, H_kv=2, D=64, zigzag, causal; per round of ``--probe-rounds``, eight calls on
+  8-token shards and one on 1024-token shards per strategy, interleaved): per strategy,
+  rank 0's page faults (``ru_minflt``) per 1024-token call, their median, and its best
+  call's seconds.
 """
 
 from __future__ import annotations
 
 import argparse
 import os
-import resource
 import statistics
-import time
-
-import torch
 
 from ctxpar import heap
-from ctxpar.calibrate import BLOCK, PROBE_STRATEGIES, measure_link
+from ctxpar.calibrate import PROBE_STRATEGIES, PROBE_TOKENS, _probe_rank, measure_link
 from ctxpar.launch import run_local
 from report import write_json
-
-SIZES = (8, 1024)  # the step probes' tokens per rank
-SMALL_CALLS = 8  # calls a round on the small shards, as the probes make
-
-
-def probe_faults(rank: int, world: int, rounds: int) -> dict[str, list[dict]]:
-    """Per strategy, every 1024-token forward + backward after two untimed rounds:
-    {seconds, faults}."""
-    import torch.distributed as dist
-
-    from ctxpar.attention import attention
-
-    b, h, h_kv, d = (BLOCK[k] for k in ("batch", "heads", "kv_heads", "head_dim"))
-    gen = torch.Generator().manual_seed(rank)
-    inputs = {tokens: (torch.randn(b, h, tokens, d, generator=gen, requires_grad=True),
-                       *(torch.randn(b, h_kv, tokens, d, generator=gen, requires_grad=True) for _ in range(2)))
-              for tokens in SIZES}
-    calls = {strategy: [] for strategy in PROBE_STRATEGIES}
-    for i in range(rounds + 2):
-        for tokens in SIZES:
-            for strategy in PROBE_STRATEGIES:
-                for _ in range(SMALL_CALLS if tokens < SIZES[-1] else 1):
-                    dist.barrier()
-                    faults = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
-                    start = time.perf_counter()
-                    attention(*inputs[tokens], layout="zigzag", strategy=strategy).sum().backward()
-                    seconds = time.perf_counter() - start
-                    if i >= 2 and tokens == SIZES[-1]:
-                        calls[strategy].append(dict(seconds=seconds,
-                                                    faults=resource.getrusage(resource.RUSAGE_SELF).ru_minflt - faults))
-    return calls
-
 
 def measure(kept: bool, probe_rounds: int) -> dict:
     """One setting's link and probe figures, in fresh ranks that inherit the switch."""
@@ -69,7 +34,7 @@ def measure(kept: bool, probe_rounds: int) -> dict:
         os.environ[heap.OFF_SWITCH] = "0"
     try:
         link = measure_link()
-        calls = run_local(probe_faults, 2, (probe_rounds,), threads=1)[0]
+        calls = run_local(_probe_rank, 2, (PROBE_TOKENS, probe_rounds), threads=1)[0][PROBE_TOKENS[-1]]  # rank 0's
     finally:
         os.environ.pop(heap.OFF_SWITCH, None)
     return dict(kept=kept, link_seconds=link["seconds"], bandwidth=link["bandwidth"],

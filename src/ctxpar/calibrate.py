@@ -53,6 +53,7 @@ import contextlib
 import json
 import os
 import platform
+import resource
 import statistics
 import time
 import warnings
@@ -287,8 +288,8 @@ SMALL_PROBE_SHARE, SMALL_PROBE_CALLS = 8, 8
 
 def _probe_rank(rank: int, world: int, sizes: tuple[int, ...], repeats: int) -> dict[int, dict[str, list[dict]]]:
     """Per shard size (tokens per rank), per strategy, every timed call of one attention
-    forward + backward: {seconds, forward_compute, backward_compute}, the compute being the
-    wall seconds of its compute blocks: kernels, merges and the Python around them
+    forward + backward: {seconds, forward_compute, backward_compute, faults}, the compute
+    being the wall seconds of its compute blocks: kernels, merges and the Python around them
     (``ctxpar.record()``). Each round calls every size and strategy (interleaved, so drift
     hits them alike), a small size ``SMALL_PROBE_CALLS`` times."""
     import torch.distributed as dist
@@ -309,6 +310,7 @@ def _probe_rank(rank: int, world: int, sizes: tuple[int, ...], repeats: int) -> 
             for strategy in PROBE_STRATEGIES:
                 for _ in range(SMALL_PROBE_CALLS if SMALL_PROBE_SHARE * tokens <= sizes[-1] else 1):
                     dist.barrier()
+                    faults = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
                     with profile.record() as rec:
                         start = time.perf_counter()
                         out = attention(*inputs[tokens], layout="zigzag", strategy=strategy)
@@ -316,8 +318,9 @@ def _probe_rank(rank: int, world: int, sizes: tuple[int, ...], repeats: int) -> 
                         out.sum().backward()
                         seconds = time.perf_counter() - start
                     if i >= 2:
-                        calls[tokens][strategy].append(dict(seconds=seconds, forward_compute=forward,
-                                                            backward_compute=rec.compute_seconds - forward))
+                        calls[tokens][strategy].append(dict(
+                            seconds=seconds, forward_compute=forward, backward_compute=rec.compute_seconds - forward,
+                            faults=resource.getrusage(resource.RUSAGE_SELF).ru_minflt - faults))
     return calls
 
 
