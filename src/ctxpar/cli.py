@@ -20,26 +20,38 @@ from ctxpar.train import TRAIN_STRATEGIES, TrainConfig, run_train
 from ctxpar.train import format_report as format_train_report
 
 
+class _HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
+    """Appends "(default: X)" only where it says something: not for an unset flag (None), not for a
+    plain switch (--compare's False, --no-progress's True) and not where the help already states its
+    default in words."""
+
+    def _get_help_string(self, action: argparse.Action) -> str:
+        switch = action.nargs == 0 and not isinstance(action, argparse.BooleanOptionalAction)
+        if action.default is None or action.default is argparse.SUPPRESS or switch or "default" in action.help:
+            return action.help
+        return super()._get_help_string(action)
+
+
 def _demo_parser(sub) -> None:
     d = DemoConfig()
     p = sub.add_parser(
         "demo",
         help="run CP attention on local CPU ranks (or torchrun's) and check it against unsplit attention",
-        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+        formatter_class=_HelpFormatter,
     )
     _launch_flags(p, d.nproc)
     p.add_argument("--seq", type=int, default=d.seq, help="global sequence length T")
-    p.add_argument("--batch", type=int, default=d.batch)
+    p.add_argument("--batch", type=int, default=d.batch, help="sequences B")
     p.add_argument("--heads", type=int, default=d.heads, help="query heads H")
     p.add_argument("--kv-heads", type=int, default=d.kv_heads, help="key/value heads H_kv (GQA)")
-    p.add_argument("--head-dim", type=int, default=d.head_dim)
-    p.add_argument("--layout", choices=LAYOUT_NAMES, default=d.layout)
-    p.add_argument("--strategy", choices=STRATEGY_NAMES, default=d.strategy)
+    p.add_argument("--head-dim", type=int, default=d.head_dim, help="head dim D")
+    p.add_argument("--layout", choices=LAYOUT_NAMES, default=d.layout, help="which positions each rank holds")
+    p.add_argument("--strategy", choices=STRATEGY_NAMES, default=d.strategy, help="how ranks exchange K/V")
     p.add_argument("--ulysses-degree", type=int, default=d.ulysses_degree,
                    help="hybrid only: all-to-all degree; the ring degree is nproc / this")
-    p.add_argument("--dtype", choices=sorted(DTYPES), default=d.dtype)
-    p.add_argument("--causal", action=argparse.BooleanOptionalAction, default=d.causal)
-    p.add_argument("--seed", type=int, default=d.seed)
+    p.add_argument("--dtype", choices=sorted(DTYPES), default=d.dtype, help="dtype of q, k, v")
+    p.add_argument("--causal", action=argparse.BooleanOptionalAction, default=d.causal, help="causal mask")
+    p.add_argument("--seed", type=int, default=d.seed, help="seed of the random inputs")
     p.add_argument("--json", metavar="PATH", help="also write the full report as JSON")
 
 
@@ -106,20 +118,21 @@ def _train_parser(sub) -> None:
     p = sub.add_parser(
         "train",
         help="train the reference model with CP (x FSDP data parallelism) on a long-range recall task",
-        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+        formatter_class=_HelpFormatter,
     )
     _launch_flags(p, d.nproc)
     p.add_argument("--dp", type=int, default=d.dp, help="data-parallel degree; CP degree = ranks / dp")
     p.add_argument("--cp", type=int, help="CP degree; if given, must equal ranks / dp")
     p.add_argument("--seq", type=int, default=d.seq, help="sequence length T")
     p.add_argument("--batch", type=int, default=d.batch, help="sequences per data-parallel group per step")
-    p.add_argument("--steps", type=int, default=d.steps)
-    p.add_argument("--lr", type=float, default=d.lr)
+    p.add_argument("--steps", type=int, default=d.steps, help="optimizer steps")
+    p.add_argument("--lr", type=float, default=d.lr, help="learning rate")
     p.add_argument("--model", choices=sorted(MODEL_PRESETS), default=d.model, help="model preset")
-    p.add_argument("--strategy", choices=TRAIN_STRATEGIES, default=d.strategy)
-    p.add_argument("--layout", choices=LAYOUT_NAMES, default=d.layout)
-    p.add_argument("--seed", type=int, default=d.seed)
-    p.add_argument("--activation-checkpointing", action="store_true")
+    p.add_argument("--strategy", choices=TRAIN_STRATEGIES, default=d.strategy, help="how ranks exchange K/V")
+    p.add_argument("--layout", choices=LAYOUT_NAMES, default=d.layout, help="which positions each rank holds")
+    p.add_argument("--seed", type=int, default=d.seed, help="seeds the weights and the data")
+    p.add_argument("--activation-checkpointing", action="store_true",
+                   help="recompute each decoder layer in the backward instead of storing its activations")
     p.add_argument("--compare", action="store_true",
                    help="also train on unsplit sequences in one process and compare the losses")
     p.add_argument("--checkpoint-dir", help="where torch.distributed.checkpoint saves and resumes")
@@ -155,7 +168,7 @@ def _plan_parser(sub) -> None:
     p = sub.add_parser(
         "plan",
         help="memory, traffic and time per GPU for a model and sequence; when CP pays off, and which CP to use",
-        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+        formatter_class=_HelpFormatter,
     )
     shape = p.add_argument_group("model shape (fields not given come from --model)")
     shape.add_argument("--model", choices=sorted(MODEL_PRESETS), help=f"preset (default {planning.DEFAULT_MODEL})")
@@ -166,12 +179,12 @@ def _plan_parser(sub) -> None:
         shape.add_argument(f"--{flag}", type=int, help=what)
     p.add_argument("--batch", type=int, default=1, help="sequences per step B")
     p.add_argument("--seq", type=int, default=32768, help="sequence length T")
-    p.add_argument("--dtype", choices=sorted(planning.ELEMENT_BYTES), default="bfloat16")
+    p.add_argument("--dtype", choices=sorted(planning.ELEMENT_BYTES), default="bfloat16", help="activation dtype")
     p.add_argument("--cp", type=int, default=8, help="CP degree P")
-    p.add_argument("--strategy", choices=STRATEGY_NAMES, default="ring")
-    p.add_argument("--layout", choices=LAYOUT_NAMES, default="zigzag")
+    p.add_argument("--strategy", choices=STRATEGY_NAMES, default="ring", help="how ranks exchange K/V")
+    p.add_argument("--layout", choices=LAYOUT_NAMES, default="zigzag", help="which positions each rank holds")
     p.add_argument("--ulysses-degree", type=int, help="hybrid only (default: the largest fitting in a node)")
-    p.add_argument("--causal", action=argparse.BooleanOptionalAction, default=True)
+    p.add_argument("--causal", action=argparse.BooleanOptionalAction, default=True, help="causal mask")
     mask = p.add_argument_group("mask (work and traffic follow it exactly, or the traffic is reported as a bound)")
     mask.add_argument("--window", type=int, metavar="W",
                       help="causal sliding window: each query sees itself and the W-1 keys before it")
@@ -211,7 +224,8 @@ def _plan_parser(sub) -> None:
                     help="seconds every message costs, 20us or 0.00002 (default: the hardware's, 0 for presets, "
                          "measured for local)")
     hw.add_argument("--launch-overhead", metavar="SECONDS",
-                    help="seconds every kernel call costs, e.g. 5us (default: 0 for presets, measured for local)")
+                    help="seconds every kernel call costs, e.g. 5us (default: the hardware's: measured by make "
+                         "gpu-check for H200, 0 for the other presets, measured here for local)")
     hw.add_argument("--step-overhead", metavar="SECONDS",
                     help="seconds every ring step (pipeline stage) costs besides kernels and messages (default 0 for "
                          "presets; measured per strategy for local, fixed and per byte sent: this replaces both)")
@@ -356,7 +370,7 @@ def _generate_parser(sub) -> None:
         "generate",
         help="generate with the reference model, its KV cache sharded over the ranks; time to first token, time "
              "per output token, KV-cache bytes per rank",
-        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+        formatter_class=_HelpFormatter,
     )
     _launch_flags(p, d.nproc)
     p.add_argument("--prompt-len", type=int, default=d.prompt_len, help="prompt length T (random tokens)")
