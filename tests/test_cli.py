@@ -191,6 +191,8 @@ def bad_values(tmp: Path) -> list[tuple[tuple[str, ...], str]]:
         (("plan", "--json", missing), "does not exist; create it first"),
         (("plan", "--json", str(tmp)), f"--json {str(tmp)!r} is a directory"),
         (("plan", "--plot", str(tmp)), "plan.png"),
+        (("demo", "--json", "/proc/ctxpar.json"), "is not writable (No such file or directory)"),  # writable bits
+        (("plan", "--json", "/dev/full"), "could not be written (No space left on device); the report above"),
         (("plan", "--hardware", "local", "--calibration", missing), f"--calibration {missing!r} cannot be read"),
         (("plan", "--hardware", "local", "--calibration", str(not_json)), "is not JSON"),
         (("plan", "--hardware", "local", "--calibration", str(bad_rate)), "calibration 'attention_flops' is 'fast'"),

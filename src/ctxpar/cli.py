@@ -87,13 +87,24 @@ def _check_output(flag: str, path: str | None, example: str = "out.json") -> Non
     if not os.path.isdir(parent):
         raise ValueError(f"{flag} {path!r}: the directory {parent} does not exist; create it first "
                          f"(mkdir -p {parent}) or choose another path")
-    if not os.access(parent, os.W_OK | os.X_OK) or (os.path.exists(path) and not os.access(path, os.W_OK)):
-        raise ValueError(f"{flag} {path!r} is not writable; choose a path you can write")
+    existed = os.path.exists(path)
+    if existed and not os.path.isfile(path):
+        return  # /dev/stdout, a FIFO: opening one to try it could block
+    try:  # permission bits are not the whole answer (root, read-only mounts, /proc): try it
+        with open(path, "a"):
+            pass
+    except OSError as e:
+        raise ValueError(f"{flag} {path!r} is not writable ({e.strerror}); choose a path you can write") from None
+    if not existed:
+        os.remove(path)
 
 
 def _write_json(path: str, data: dict) -> None:
-    with open(path, "w") as f:
-        json.dump(data, f, indent=2)
+    try:
+        with open(path, "w") as f:
+            json.dump(data, f, indent=2)
+    except OSError as e:  # e.g. the disk filled up during the run
+        raise ValueError(f"--json {path!r} could not be written ({e.strerror}); the report above is complete") from None
 
 
 def _run_demo(args: argparse.Namespace) -> int:
