@@ -233,13 +233,17 @@ def _bad_inputs(world: int, mesh) -> dict[str, tuple]:
         "rank3": ((q[0], kv[0], kv[0]), dict(layout="zigzag")),
         "layout_world": ((q, kv, kv), dict(layout=wrong_world)),
         "layout_name": ((q, kv, kv), dict(layout="spiral")),
+        "layout_type": ((q, kv, kv), dict(layout=["zigzag"])),
         "strategy": ((q, kv, kv), dict(layout="zigzag", strategy="telepathy")),
         "scale": ((q, kv, kv), dict(layout="zigzag", scale=-1.0)),
+        "scale_overflow": ((q, kv, kv), dict(layout="zigzag", scale=10**400)),
         "int_dtype": ((q.long(), kv.long(), kv.long()), dict(layout="zigzag")),
         "empty": ((good(n=0), good(2, n=0), good(2, n=0)), dict(layout="zigzag")),
         "causal_type": ((q, kv, kv), dict(layout="zigzag", causal="no")),
         "hybrid_without_mesh": ((q, kv, kv), dict(layout="zigzag", strategy="hybrid")),
         "mesh_for_ring": ((q, kv, kv), dict(layout="zigzag", strategy="ring", mesh=object())),
+        "mesh_type": ((q, kv, kv), dict(layout="zigzag", strategy="hybrid", mesh="2x2")),
+        "group_type": ((q, kv, kv), dict(layout="zigzag", group="cp")),
         "documents_sum": ((q, kv, kv), dict(layout="zigzag", documents=(3, 4))),
         "documents_empty": ((q, kv, kv), dict(layout="zigzag", documents=(6 * world, 0))),
         "documents_float": ((q, kv, kv), dict(layout="zigzag", documents=torch.tensor([6.0 * world]))),
@@ -249,6 +253,7 @@ def _bad_inputs(world: int, mesh) -> dict[str, tuple]:
         "sinks_shape": ((q, kv, kv), dict(layout="zigzag", sinks=torch.zeros(3))),
         "sinks_nan": ((q, kv, kv), dict(layout="zigzag", sinks=torch.full((4,), float("nan")))),
         "sinks_int": ((q, kv, kv), dict(layout="zigzag", sinks=torch.zeros(4, dtype=torch.long))),
+        "sinks_meta": ((q, kv, kv), dict(layout="zigzag", sinks=torch.zeros(4, device="meta"))),
     }
     if world > 1:  # gloo carries CPU and CUDA tensors only
         bad["gloo_device"] = ((q.to("meta"), kv.to("meta"), kv.to("meta")), dict(layout="zigzag"))

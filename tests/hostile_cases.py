@@ -52,6 +52,10 @@ def disagreeing_ranks(rank: int, world: int, mesh) -> dict[str, str]:
                                                 causal=rank != 0),
         "hybrid_vs_ring": lambda: _call(*_tensors(), layout="zigzag", strategy="ring" if odd else "hybrid",
                                         mesh=mesh),
+        "layout_not_a_name": lambda: _call(*_tensors(), layout=["zigzag"] if odd else "zigzag"),
+        "scale_overflows_a_float": lambda: _call(*_tensors(), layout="zigzag", scale=10**400 if odd else None),
+        "sinks_on_meta": lambda: _call(*_tensors(), layout="zigzag",
+                                       sinks=torch.zeros(4, device="meta" if odd else "cpu")),
         "agreeing": lambda: _call(*_tensors(), layout="zigzag"),
     }
     return {name: case() for name, case in cases.items()}
@@ -138,9 +142,26 @@ def dense_once(rank: int, world: int) -> dict:
     return dict(blocks=len(dense), dense=all(dense), query_storages=len(storages))
 
 
+def double_backward(mesh) -> dict[str, str]:
+    """A gradient penalty: differentiate a gradient of the output again. Single-process
+    SDPA on the CPU refuses it; so must every strategy (its backward is not differentiable),
+    instead of returning a gradient detached from the graph."""
+    found = {}
+    for strategy in ("ring", "allgather", "alltoall", "hybrid"):
+        q, k, v = _tensors()
+        out = ctxpar.attention(q, k, v, layout="zigzag", strategy=strategy, mesh=mesh if strategy == "hybrid" else None)
+        (dq,) = torch.autograd.grad((out**2).sum(), q, create_graph=True)
+        try:
+            (out.sum() + (dq**2).sum()).backward()
+            found[strategy] = f"no error; dq.requires_grad={dq.requires_grad}"
+        except RuntimeError as e:
+            found[strategy] = str(e)
+    return found
+
+
 def run(rank: int, world: int) -> dict:
     from torch.distributed.device_mesh import init_device_mesh
 
     mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("ring", "ulysses"))
     return dict(disagree=disagreeing_ranks(rank, world, mesh), nonfinite=nonfinite_inputs(rank, world),
-                dense_once=dense_once(rank, world))
+                dense_once=dense_once(rank, world), double_backward=double_backward(mesh))

@@ -44,13 +44,17 @@ EXPECTED_MESSAGES = {
     "rank3": ["4-D"],
     "layout_world": ["built for P=", "process group has"],
     "layout_name": ["unknown layout", "zigzag"],
+    "layout_type": ["layout must be a name", "got list"],
     "strategy": ["unknown strategy", "ring", "hybrid"],
     "scale": ["scale"],
+    "scale_overflow": ["scale must be a positive finite number, got 1000"],
     "int_dtype": ["not supported"],
     "empty": ["empty input"],
     "causal_type": ["causal must be True or False"],
     "hybrid_without_mesh": ["mesh="],
     "mesh_for_ring": ["mesh= is for strategy='hybrid'"],
+    "mesh_type": ["mesh= must be a torch DeviceMesh", "got str"],
+    "group_type": ["group=", "got str"],
     "alltoall_heads": ["H=5", "H_kv=5", "P="],
     "gloo_device": ["uses gloo", "move them to the CPU"],
     "hybrid_layout_world": ["ulysses degree 2", "ring degree 2"],
@@ -65,6 +69,7 @@ EXPECTED_MESSAGES = {
     "sinks_shape": ["shape (H,) = (4,)"],
     "sinks_nan": ["finite"],
     "sinks_int": ["floating point"],
+    "sinks_meta": ["sinks are on meta"],
 }
 
 

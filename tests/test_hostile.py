@@ -75,6 +75,9 @@ DISAGREEMENTS = {  # case -> what the ranks that called correctly are told
     "hybrid_one_rank_invalid": "rejected their attention inputs",
     "hybrid_one_rank_causal": "called attention with different",
     "hybrid_vs_ring": "rejected their attention inputs",
+    "layout_not_a_name": "rejected their attention inputs",  # once a TypeError that left the others waiting
+    "scale_overflows_a_float": "rejected their attention inputs",  # once an OverflowError, likewise
+    "sinks_on_meta": "rejected their attention inputs",  # once NotImplementedError from the signature
 }
 
 
@@ -95,6 +98,18 @@ def test_the_rank_with_invalid_arguments_raises_its_own_error() -> None:
     assert "unknown strategy 'rign'" in last["strategy_invalid"]
     assert "mesh= is for strategy='hybrid'" in last["hybrid_vs_ring"]
     assert "H_kv=3" in results()[0]["disagree"]["hybrid_one_rank_invalid"]
+    assert "layout must be" in last["layout_not_a_name"] and "list" in last["layout_not_a_name"]
+    assert "scale must be a positive finite number" in last["scale_overflows_a_float"]
+    assert "sinks are on meta" in last["sinks_on_meta"]
+
+
+@pytest.mark.parametrize("strategy", ["ring", "allgather", "alltoall", "hybrid"])
+def test_differentiating_a_gradient_again_is_refused_not_detached(strategy: str) -> None:
+    """alltoall and hybrid once returned dq detached from the graph, so a gradient penalty
+    silently contributed nothing to q.grad."""
+    for rank, res in enumerate(results()):
+        message = res["double_backward"][strategy]
+        assert "differentiate twice" in message, f"rank {rank}: {message}"
 
 
 # -- item 11: non-finite inputs -------------------------------------------------------

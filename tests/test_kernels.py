@@ -193,3 +193,17 @@ def test_a_record_without_timing_counts_everything_but_seconds() -> None:
     assert timed.compute_seconds > 0 and timed.compute_cpu_seconds >= 0
     for rec in (quiet, timed):
         assert (rec.waits, rec.strategy_choices, rec.bytes_sent, rec.bytes_received) == (1, [("ring", "why")], 8, 4)
+
+
+def test_nested_records_each_count_their_own_block() -> None:
+    """An inner record closing while its counts equal the outer's must close itself: records
+    are told apart by identity, not by their (equal) counts."""
+    from ctxpar import profile
+
+    with profile.record() as outer:
+        with profile.record() as inner:
+            pass
+        profile.add_traffic(8, 4)
+    profile.add_traffic(16, 16)
+    assert (outer.bytes_sent, outer.bytes_received) == (8, 4)
+    assert (inner.bytes_sent, inner.bytes_received) == (0, 0)

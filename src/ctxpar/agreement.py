@@ -60,17 +60,24 @@ def signature(q, k, v, *, layout_name: str, causal, scale, strategy, rejected: b
     shape = list(q.shape) if isinstance(q, torch.Tensor) and q.dim() == 4 else [-1] * 4
     kv_heads = k.shape[1] if isinstance(k, torch.Tensor) and k.dim() == 4 else -1
     dtype = text_code(str(q.dtype)) if isinstance(q, torch.Tensor) else -1
-    scale_bits = struct.unpack("<q", struct.pack("<d", float(scale)))[0] if isinstance(scale, (int, float)) else -1
+    scale_bits = _readable(lambda: struct.unpack("<q", struct.pack("<d", float(scale)))[0])
     mask_code = -1 if mask is None else text_code(f"{mask.documents}/{mask.window}")
-    sinks_code = 0 if sinks is None else -1
-    if isinstance(sinks, torch.Tensor):
-        sinks_code = tensor_code(sinks, torch.float64)
+    sinks_code = 0 if sinks is None else _readable(lambda: tensor_code(sinks, torch.float64))
     return [OWN_INPUTS_REJECTED if rejected else 0, shape[0], shape[1], kv_heads, shape[2], shape[3], dtype,
-            int(bool(causal)), scale_bits, text_code(str(strategy)), text_code(layout_name),
+            _readable(lambda: int(bool(causal))), scale_bits, text_code(str(strategy)), text_code(layout_name),
             int(needs_grad(q, k, v, sinks)), mask_code, sinks_code]
 
 
-def check_ranks_agree(sig: list[int], topo: Topology, error: ValueError | None) -> None:
+def _readable(code) -> int:
+    """``code()``, or -1 for an argument it cannot read (a meta tensor, an int too large for a
+    float, a tensor as a flag): the signature of a rejected call must still be sent."""
+    try:
+        return code()
+    except Exception:  # noqa: BLE001  whatever the argument raises, the rank must join the exchange
+        return -1
+
+
+def check_ranks_agree(sig: list[int], topo: Topology, error: Exception | None) -> None:
     """All-gather ``sig`` over every group ``topo`` communicates on; raise on every rank if
     any rank rejected its inputs or the signatures differ. Re-raises ``error`` on the
     rank that had it. Every rank runs every exchange, whatever it has learnt, so that no

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+import reprlib
 
 import torch
 import torch.distributed as dist
@@ -108,8 +109,8 @@ def attention_with_lse(
             chosen = _strategy(strategy)
             topo = _topology(chosen.axis, strategy, group, mesh)
         chosen.check(q, k, topo)
-    except ValueError as e:
-        error = e
+    except Exception as e:  # noqa: BLE001  any failure, not only a ValueError: a rank that left here
+        error = e  # would strand its peers in the exchange below
     if check_consistency:
         # a rank whose own arguments name no valid strategy or topology still joins the
         # exchange its peers run, on the groups its group= or mesh= describe
@@ -201,9 +202,13 @@ def _validate(q, k, v, layout: Layout, topo: topology.Topology, scale: float | N
         raise ValueError(f"local length S={s} on each of P={layout.world_size} ranks: {e}") from None
     if scale is None:
         return d**-0.5
-    if isinstance(scale, bool) or not (isinstance(scale, (int, float)) and math.isfinite(scale) and scale > 0):
-        raise ValueError(f"scale must be a positive finite number, got {scale!r}")
-    return float(scale)
+    try:
+        value = float(scale) if isinstance(scale, (int, float)) and not isinstance(scale, bool) else math.nan
+    except OverflowError:  # an int beyond float range
+        value = math.inf
+    if not (math.isfinite(value) and value > 0):
+        raise ValueError(f"scale must be a positive finite number, got {reprlib.repr(scale)}")
+    return value
 
 
 def _check_sinks(sinks, q: torch.Tensor) -> None:

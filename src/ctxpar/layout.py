@@ -333,6 +333,9 @@ def get_layout(layout: str | Layout, world_size: int) -> Layout:
                 f"the group it was made for"
             )
         return layout
+    if not isinstance(layout, str):
+        raise ValueError(f"layout must be a name ({', '.join(LAYOUT_NAMES)}) or a Layout, got "
+                         f"{type(layout).__name__} {layout!r}")
     if layout not in _LAYOUTS:
         raise ValueError(f"unknown layout {layout!r}; choose one of {', '.join(LAYOUT_NAMES)}")
     return _LAYOUTS[layout](world_size)

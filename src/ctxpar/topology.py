@@ -14,6 +14,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch.distributed as dist
+from torch.distributed.device_mesh import DeviceMesh
 
 
 @dataclass(frozen=True)
@@ -48,6 +49,9 @@ def from_group(group: dist.ProcessGroup | None, axis: str = "ring") -> Topology:
         return Topology(rank=0, world_size=1)
     if axis not in ("ring", "ulysses"):
         raise ValueError(f"axis must be 'ring' or 'ulysses', got {axis!r}")
+    # new_group gives the ranks outside the group a sentinel: refused as "not a member" below
+    if not (group is None or group is dist.GroupMember.NON_GROUP_MEMBER or isinstance(group, dist.ProcessGroup)):
+        raise ValueError(f"group= must be a torch.distributed ProcessGroup (None: WORLD), got {type(group).__name__}")
     rank = dist.get_rank(group)
     if rank < 0:
         raise ValueError(
@@ -63,6 +67,8 @@ def from_group(group: dist.ProcessGroup | None, axis: str = "ring") -> Topology:
 
 def from_mesh(mesh) -> Topology:
     """A 2D DeviceMesh with dims "ulysses" and "ring" (any order)."""
+    if not isinstance(mesh, DeviceMesh):
+        raise ValueError(f"mesh= must be a torch DeviceMesh (2D, dims 'ulysses' and 'ring'), got {type(mesh).__name__}")
     names = tuple(getattr(mesh, "mesh_dim_names", None) or ())
     if mesh.ndim != 2 or set(names) != {"ulysses", "ring"}:
         raise ValueError(

@@ -25,6 +25,7 @@ from __future__ import annotations
 import functools
 
 import torch
+from torch.autograd.function import once_differentiable
 
 from ctxpar import comm
 from ctxpar.blocks import layout_tiles
@@ -64,6 +65,7 @@ class SeqToHeads(torch.autograd.Function):
         return tokens[:, :hq], tokens[:, hq:hq + hk], tokens[:, hq + hk:]
 
     @staticmethod
+    @once_differentiable
     def backward(ctx, dq, dk, dv):
         (hq, hk), u, src, loc = ctx.heads, ctx.u, ctx.src, ctx.loc
         b, _, t, d = dq.shape
@@ -94,6 +96,7 @@ class HeadsToSeq(torch.autograd.Function):
         return recv_out.transpose(0, 1).flatten(1, 2), recv_lse.transpose(0, 1).flatten(1, 2)  # (B, H, S, D), (B, H, S)
 
     @staticmethod
+    @once_differentiable
     def backward(ctx, dout, _dlse):
         b, h, s, d = dout.shape
         send = dout.unflatten(1, (ctx.u, h // ctx.u)).transpose(0, 1).contiguous()  # chunk j: member j's heads
