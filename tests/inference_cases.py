@@ -248,6 +248,9 @@ def _check_bad_inputs(rank: int, world: int) -> dict[str, str]:
         "chunk_batch": _attempt(lambda: partial_prefill(model, prefilled(cache()), prompt[:1, :2])),
         "chunk_method": _attempt(lambda: partial_prefill(model, prefilled(cache()), prompt[:, :2], method="pass-x")),
         "chunk_empty": _attempt(lambda: partial_prefill(model, prefilled(cache()), prompt[:, :0])),
+        "cache_not_a_cache": _attempt(lambda: prefill(model, None, prompt, layout="zigzag")),
+        "temperature_overflow": _attempt(lambda: generate(model, prompt, layout="zigzag", new_tokens=2,
+                                                          temperature=10**400)),
     }
     full = prefilled(cache(capacity=PROMPT_LEN + 1))
     decode_step(model, full, prompt[:, 0])
@@ -271,6 +274,10 @@ def _check_bad_inputs(rank: int, world: int) -> dict[str, str]:
         # only the last rank's prompt is wrong: it raises its own error, the others name it
         rows = prompt[:1] if rank == world - 1 else prompt
         messages["one_rank_bad"] = _attempt(lambda: prefill(model, cache(), rows, layout="zigzag"))
+        # only the last rank's temperature is out of float range: once an OverflowError that left the others waiting
+        hot = 10**400 if rank == world - 1 else 1.0
+        messages["one_rank_overflow"] = _attempt(lambda: generate(model, prompt, layout="zigzag", new_tokens=2,
+                                                                  temperature=hot))
     # no rank was left inside a collective: a whole generation still works afterwards
     r = generate(model, prompt, layout="zigzag", new_tokens=4)
     ok = r.tokens.tolist() == reference_generate(model, prompt, new_tokens=4).tolist()

@@ -60,17 +60,17 @@ def signature(q, k, v, *, layout_name: str, causal, scale, strategy, rejected: b
     shape = list(q.shape) if isinstance(q, torch.Tensor) and q.dim() == 4 else [-1] * 4
     kv_heads = k.shape[1] if isinstance(k, torch.Tensor) and k.dim() == 4 else -1
     dtype = text_code(str(q.dtype)) if isinstance(q, torch.Tensor) else -1
-    scale_bits = _readable(lambda: struct.unpack("<q", struct.pack("<d", float(scale)))[0])
+    scale_bits = readable(lambda: struct.unpack("<q", struct.pack("<d", float(scale)))[0])
     mask_code = -1 if mask is None else text_code(f"{mask.documents}/{mask.window}")
-    sinks_code = 0 if sinks is None else _readable(lambda: tensor_code(sinks, torch.float64))
+    sinks_code = 0 if sinks is None else readable(lambda: tensor_code(sinks, torch.float64))
     return [OWN_INPUTS_REJECTED if rejected else 0, shape[0], shape[1], kv_heads, shape[2], shape[3], dtype,
-            _readable(lambda: int(bool(causal))), scale_bits, text_code(str(strategy)), text_code(layout_name),
+            readable(lambda: int(bool(causal))), scale_bits, text_code(str(strategy)), text_code(layout_name),
             int(needs_grad(q, k, v, sinks)), mask_code, sinks_code]
 
 
-def _readable(code) -> int:
+def readable(code) -> int:
     """``code()``, or -1 for an argument it cannot read (a meta tensor, an int too large for a
-    float, a tensor as a flag): the signature of a rejected call must still be sent."""
+    float or for int64, a tensor as a flag): the signature of a rejected call must still be sent."""
     try:
         return code()
     except Exception:  # noqa: BLE001  whatever the argument raises, the rank must join the exchange
@@ -108,6 +108,13 @@ def check_ranks_agree(sig: list[int], topo: Topology, error: Exception | None) -
         )
 
 
+def _int64(value) -> int:
+    value = int(value)
+    if not -2**63 <= value < 2**63:
+        raise OverflowError(value)
+    return value
+
+
 def _global_rank(group: dist.ProcessGroup | None, group_rank: int) -> int:
     return group_rank if group is None else dist.get_global_rank(group, group_rank)
 
@@ -122,7 +129,7 @@ def _all_gather(sig: list[int], group: dist.ProcessGroup | None) -> torch.Tensor
         return table.view(-1, len(sig)).cpu()
 
 
-def check_values_agree(values: dict[str, int], group: dist.ProcessGroup | None, error: ValueError | None,
+def check_values_agree(values: dict[str, int], group: dist.ProcessGroup | None, error: Exception | None,
                        what: str) -> None:
     """The same guarantee for calls other than attention (inference's prefill and decode
     steps): one all-gather of ``values`` (integers naming the call: lengths, the step,
@@ -130,7 +137,8 @@ def check_values_agree(values: dict[str, int], group: dist.ProcessGroup | None, 
     ``error`` (it raises its own) or any value differs between ranks. ``what`` names the
     call in the message."""
     names = list(values)
-    table = _all_gather([OWN_INPUTS_REJECTED if error is not None else 0, *(int(values[n]) for n in names)], group)
+    fields = [readable(lambda: _int64(values[n])) for n in names]
+    table = _all_gather([OWN_INPUTS_REJECTED if error is not None else 0, *fields], group)
     rejected = [_global_rank(group, i) for i, bits in enumerate(table[:, 0].tolist()) if bits]
     if error is not None:
         raise error

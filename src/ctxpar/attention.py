@@ -10,6 +10,7 @@ import torch.distributed as dist
 
 from ctxpar import agreement, auto, kernels, topology
 from ctxpar.layout import Layout, fingerprint, get_layout
+from ctxpar.limits import as_real
 from ctxpar.masks import make_mask
 from ctxpar.strategies import STRATEGIES, Strategy
 from ctxpar.strategy_rules import check_strategy
@@ -202,10 +203,7 @@ def _validate(q, k, v, layout: Layout, topo: topology.Topology, scale: float | N
         raise ValueError(f"local length S={s} on each of P={layout.world_size} ranks: {e}") from None
     if scale is None:
         return d**-0.5
-    try:
-        value = float(scale) if isinstance(scale, (int, float)) and not isinstance(scale, bool) else math.nan
-    except OverflowError:  # an int beyond float range
-        value = math.inf
+    value = as_real(scale)
     if not (math.isfinite(value) and value > 0):
         raise ValueError(f"scale must be a positive finite number, got {reprlib.repr(scale)}")
     return value

@@ -1,7 +1,8 @@
-"""Bounds on counts and seeds given on a command line, checked the same way by every command."""
+"""Bounds on counts, seeds and real numbers a user passes, checked the same way everywhere."""
 
 from __future__ import annotations
 
+import math
 import numbers
 
 MAX_COUNT = 2**31 - 1  # shapes, lengths, batches, degrees: keeps every product well inside float range
@@ -21,3 +22,14 @@ def check_count(field: str, value: int) -> None:
 def check_seed(seed: int, flag: str = "--seed") -> None:
     if not 0 <= seed <= MAX_SEED:
         raise ValueError(f"{flag} must be between 0 and {MAX_SEED}, got {seed}")
+
+
+def as_real(value) -> float:
+    """``value`` as a float for range checks: NaN for what is not a real number (a bool, a
+    string, a tensor), inf for an int beyond float range (``float()`` would raise)."""
+    if isinstance(value, bool) or not isinstance(value, numbers.Real):
+        return math.nan
+    try:
+        return float(value)
+    except OverflowError:
+        return math.inf if value > 0 else -math.inf

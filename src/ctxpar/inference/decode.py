@@ -28,7 +28,7 @@ import torch.nn as nn
 from ctxpar import agreement, kernels
 from ctxpar.comm import PendingAllGather
 from ctxpar.inference.cache import KVCache
-from ctxpar.inference.hooks import attention_replaced, check_model_fits
+from ctxpar.inference.hooks import attention_replaced, check_cache, check_model_fits
 from ctxpar.inference.prefill import check_tokens
 from ctxpar.merge import merge_packed
 
@@ -54,11 +54,12 @@ def decode_step(model: nn.Module, cache: KVCache, tokens: torch.Tensor, *,
             ranks at different steps or with different tokens: on every rank, before
             any K/V is written.
     """
+    check_cache(cache)
     error = None
     try:
         tokens = _check(model, cache, tokens)
-    except ValueError as e:
-        error = e
+    except Exception as e:  # noqa: BLE001  any failure: this rank must still join the
+        error = e  # exchange below, or its peers wait there
     if check_consistency and cache.world_size > 1:
         agreement.check_values_agree(_signature(cache, tokens), cache.group, error, "decode step")
     elif error is not None:
@@ -136,6 +137,5 @@ def _signature(cache: KVCache, tokens) -> dict[str, int]:
         "position (prompt + steps)": cache.seq_len,
         "batch": tokens.shape[0] if ok and tokens.dim() else -1,
         "dtype": agreement.text_code(str(cache.dtype)),
-        "tokens (crc32)": agreement.tensor_code(tokens, torch.int64)
-        if ok else -1,
+        "tokens (crc32)": agreement.readable(lambda: agreement.tensor_code(tokens, torch.int64)) if ok else -1,
     }

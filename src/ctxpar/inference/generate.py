@@ -13,6 +13,7 @@ sequence through the model at every step, no cache, no CP): what the tests and
 from __future__ import annotations
 
 import math
+import reprlib
 import struct
 import time
 from collections.abc import Callable
@@ -51,9 +52,9 @@ class Sampler:
 
 
 def check_sampling(temperature: float, seed: int) -> None:
-    if isinstance(temperature, bool) or not isinstance(temperature, (int, float)) or not (
-            math.isfinite(temperature) and temperature >= 0):
-        raise ValueError(f"temperature must be a finite number >= 0 (0: greedy), got {temperature!r}")
+    value = limits.as_real(temperature)
+    if not (math.isfinite(value) and value >= 0):
+        raise ValueError(f"temperature must be a finite number >= 0 (0: greedy), got {reprlib.repr(temperature)}")
     if isinstance(seed, bool) or not isinstance(seed, int):
         raise ValueError(f"seed must be an int, got {seed!r}")
     limits.check_seed(seed, "seed")
@@ -92,8 +93,8 @@ def generate(model: nn.Module, prompt: torch.Tensor, *, layout: str | Layout, gr
     error = None
     try:
         _check(model, prompt, new_tokens, temperature, seed)
-    except ValueError as e:
-        error = e
+    except Exception as e:  # noqa: BLE001  any failure: this rank must still join the
+        error = e  # exchange below, or its peers wait there
     world = topology.from_group(group).world_size
     if check_consistency and world > 1:
         agreement.check_values_agree(_signature(new_tokens, temperature, seed), group, error, "generate call")
@@ -151,7 +152,7 @@ def _check(model: nn.Module, prompt: torch.Tensor, new_tokens: int, temperature:
 
 def _signature(new_tokens, temperature, seed) -> dict[str, int]:
     def bits(x) -> int:
-        return struct.unpack("<q", struct.pack("<d", float(x)))[0] if isinstance(x, (int, float)) else -1
+        return agreement.readable(lambda: struct.unpack("<q", struct.pack("<d", float(x)))[0])
     return {"new_tokens": new_tokens if isinstance(new_tokens, int) else -1, "temperature": bits(temperature),
             "seed": seed if isinstance(seed, int) else -1}
 

@@ -38,6 +38,14 @@ def attention_replaced(model: nn.Module, make: Callable[[int], AttentionFn]) -> 
             m.attention_fn = fn
 
 
+def check_cache(cache) -> None:
+    """Refuse a cache that is not a ``KVCache``. Raised before the ranks compare calls: the
+    cache names the group they would compare on."""
+    if not isinstance(cache, KVCache):
+        raise ValueError(f"cache must be a ctxpar KVCache (KVCache.for_model(model.cfg, ...)), got "
+                         f"{type(cache).__name__}")
+
+
 def check_model_fits(model: nn.Module, cache: KVCache) -> None:
     """Refuse a model whose shape is not the cache's, or that inference cannot drive
     (it needs the reference model's ``cfg``, ``hidden_states`` and ``output``)."""

@@ -37,7 +37,7 @@ from ctxpar import agreement, kernels
 from ctxpar.blocks import Tile, tiles_between
 from ctxpar.comm import PendingAllGather, RingComm
 from ctxpar.inference.cache import KVCache
-from ctxpar.inference.hooks import attention_replaced, check_model_fits
+from ctxpar.inference.hooks import attention_replaced, check_cache, check_model_fits
 from ctxpar.inference.prefill import check_tokens, last_logits
 from ctxpar.masks import Mask
 from ctxpar.merge import merge_packed
@@ -71,6 +71,7 @@ def partial_prefill(model: nn.Module, cache: KVCache, chunk: torch.Tensor, *, me
             unknown method), before any collective; with ``check_consistency`` on every
             rank together, also when ranks are at different positions or hold other tokens.
     """
+    check_cache(cache)
     error = None
     try:
         chunk = _check(model, cache, chunk, method, hardware)
@@ -78,8 +79,8 @@ def partial_prefill(model: nn.Module, cache: KVCache, chunk: torch.Tensor, *, me
             method, _ = choose_partial_prefill(model=model.cfg, batch=cache.batch, cached=cache.seq_len,
                                                new=chunk.shape[1], world=cache.world_size,
                                                elem=cache.element_size, hw=hardware)
-    except ValueError as e:
-        error = e
+    except Exception as e:  # noqa: BLE001  any failure: this rank must still join the
+        error = e  # exchange below, or its peers wait there
     if check_consistency and cache.world_size > 1:
         agreement.check_values_agree(_signature(cache, chunk, method), cache.group, error, "partial prefill")
     elif error is not None:
@@ -234,8 +235,7 @@ def _signature(cache: KVCache, chunk, method: str) -> dict[str, int]:
         "cached positions": cache.seq_len,
         "batch": chunk.shape[0] if ok else -1,
         "chunk length": chunk.shape[1] if ok else -1,
-        "chunk tokens (crc32)": agreement.tensor_code(chunk, torch.int64)
-        if ok else -1,
+        "chunk tokens (crc32)": agreement.readable(lambda: agreement.tensor_code(chunk, torch.int64)) if ok else -1,
         "method": agreement.text_code(str(method)),
         "dtype": agreement.text_code(str(cache.dtype)),
     }

@@ -18,7 +18,7 @@ import torch.nn as nn
 from ctxpar import agreement, comm, strategy_rules, topology
 from ctxpar.attention import attention
 from ctxpar.inference.cache import KVCache
-from ctxpar.inference.hooks import attention_replaced, check_model_fits
+from ctxpar.inference.hooks import attention_replaced, check_cache, check_model_fits
 from ctxpar.layout import Layout, fingerprint, get_layout
 
 INFERENCE_STRATEGIES = (*strategy_rules.STRATEGY_NAMES, strategy_rules.AUTO)
@@ -53,11 +53,12 @@ def prefill(model: nn.Module, cache: KVCache, prompt: torch.Tensor, *, layout: s
             length the layout cannot split, a filled cache, ...), before any collective;
             with ``check_consistency`` on every rank together.
     """
+    check_cache(cache)
     error, layout_rank = None, cache.rank
     try:
         layout, layout_rank = _check(model, cache, prompt, layout, strategy, mesh)
-    except ValueError as e:
-        error = e
+    except Exception as e:  # noqa: BLE001  any failure: this rank must still join the
+        error = e  # exchange below, or its peers wait there
     if check_consistency and cache.world_size > 1:
         agreement.check_values_agree(_signature(cache, prompt, layout, strategy), cache.group, error, "prefill")
     elif error is not None:
@@ -129,13 +130,7 @@ def _check(model: nn.Module, cache: KVCache, prompt: torch.Tensor, layout: str |
         if mesh is None:
             raise ValueError("strategy='hybrid' takes mesh= (a 2D DeviceMesh with dims 'ulysses' and 'ring' over the "
                              "cache's ranks)")
-        try:
-            topo = topology.from_mesh(mesh)
-        except ValueError:
-            raise
-        except Exception as e:  # noqa: BLE001  not a DeviceMesh at all
-            raise ValueError(f"mesh= must be a 2D DeviceMesh with dims 'ulysses' and 'ring', got "
-                             f"{type(mesh).__name__} ({e})") from None
+        topo = topology.from_mesh(mesh)
         if topo.world_size != cache.world_size:
             raise ValueError(f"the hybrid mesh holds {topo.world_size} ranks but the KV cache's group "
                              f"{cache.world_size}; build the cache on the group the mesh spans")
@@ -164,7 +159,7 @@ def _signature(cache: KVCache, prompt, layout, strategy) -> dict[str, int]:
     return {
         "batch": prompt.shape[0] if ok else -1,
         "prompt length": prompt.shape[1] if ok else -1,
-        "prompt tokens (crc32)": agreement.tensor_code(prompt, torch.int64) if ok else -1,
+        "prompt tokens (crc32)": agreement.readable(lambda: agreement.tensor_code(prompt, torch.int64)) if ok else -1,
         "capacity": cache.capacity,
         "dtype": agreement.text_code(str(cache.dtype)),
         "cached positions": cache.seq_len,

@@ -113,7 +113,7 @@ def _unshifted(labels: torch.Tensor | None, input_ids: torch.Tensor | None) -> b
             and torch.equal(labels.cpu(), input_ids.cpu()))
 
 
-def _refuse_together(name: str, error: ValueError | None, unshifted: bool, device: torch.device, group) -> None:
+def _refuse_together(name: str, error: Exception | None, unshifted: bool, device: torch.device, group) -> None:
     """One tiny all-reduce, so that every rank refuses a forward if any rank does (a refusal
     on some ranks only would leave the others waiting in attention): this rank's own error
     (declared documents, positions, caches), and unshifted labels on every rank."""
@@ -182,8 +182,8 @@ def _wrap_forward(model, loss: CPCausalLMLoss, settings: Settings) -> None:
             if documents is not None:
                 documents = _documents(name, settings, bound, documents)
             _check_positions(name, settings, bound, documents)
-        except ValueError as e:
-            error = e
+        except Exception as e:  # noqa: BLE001  any failure: this rank must still join the
+            error = e  # exchange below, or its peers wait there
         tokens = bound.get("input_ids")
         device = (tokens if tokens is not None else model.get_input_embeddings().weight).device
         _refuse_together(name, error, _unshifted(labels, tokens), device, loss.group)
