@@ -129,23 +129,35 @@ def _all_gather(sig: list[int], group: dist.ProcessGroup | None) -> torch.Tensor
         return table.view(-1, len(sig)).cpu()
 
 
-def check_values_agree(values: dict[str, int], group: dist.ProcessGroup | None, error: Exception | None,
-                       what: str) -> None:
+def check_values_agree(values: dict[str, int], group: dist.ProcessGroup | None | list[dist.ProcessGroup | None],
+                       error: Exception | None, what: str) -> None:
     """The same guarantee for calls other than attention (inference's prefill and decode
-    steps): one all-gather of ``values`` (integers naming the call: lengths, the step,
-    a checksum of the tokens) over ``group``; every rank raises if any rank had an
-    ``error`` (it raises its own) or any value differs between ranks. ``what`` names the
-    call in the message."""
+    steps, a model's forward): one all-gather of ``values`` (integers naming the call:
+    lengths, the step, a checksum of the tokens) over ``group``, or over each of a list of
+    groups in turn (a hybrid mesh's rows, then its columns: trouble seen in the first
+    reaches every rank in the second); every rank raises if any rank had an ``error`` (it
+    raises its own) or any value differs between ranks. ``what`` names the call."""
     names = list(values)
-    fields = [readable(lambda: _int64(values[n])) for n in names]
-    table = _all_gather([OWN_INPUTS_REJECTED if error is not None else 0, *fields], group)
-    rejected = [_global_rank(group, i) for i, bits in enumerate(table[:, 0].tolist()) if bits]
+    mine = [OWN_INPUTS_REJECTED if error is not None else 0, *(readable(lambda: _int64(values[n])) for n in names)]
+    rejected: list[int] = []
+    differ: dict[str, list[int]] = {}
+    for members in group if isinstance(group, list) else [group]:
+        table = _all_gather(mine, members)
+        bits = table[:, 0].tolist()
+        rejected += [_global_rank(members, i) for i, b in enumerate(bits) if b & OWN_INPUTS_REJECTED]
+        if any(b & (OWN_INPUTS_REJECTED | SAW_REJECTED) for b in bits):
+            mine[0] |= SAW_REJECTED
+        for i, name in enumerate(names, start=1):
+            if not bool((table[:, i] == table[0, i]).all()):
+                differ.setdefault(name, table[:, i].tolist())
+        if differ or any(b & SAW_DIFFERENT for b in bits):
+            mine[0] |= SAW_DIFFERENT
     if error is not None:
         raise error
-    if rejected:
-        raise ValueError(f"ranks {rejected} of the CP group rejected their {what} inputs; see their errors")
-    differ = [f"{name} {table[:, i].tolist()}" for i, name in enumerate(names, start=1)
-              if not bool((table[:, i] == table[0, i]).all())]
-    if differ:
-        raise ValueError(f"the ranks of the CP group disagree on the {what}: {'; '.join(differ)} (one value per "
+    if mine[0] & SAW_REJECTED:
+        who = f"ranks {sorted(set(rejected))}" if rejected else "a rank"
+        raise ValueError(f"{who} of the CP group rejected their {what} inputs; see their errors")
+    if mine[0] & SAW_DIFFERENT:
+        what_differs = "; ".join(f"{name} {column}" for name, column in differ.items()) or "(seen by another rank)"
+        raise ValueError(f"the ranks of the CP group disagree on the {what}: {what_differs} (one value per "
                          f"rank); every rank must make the same calls with the same tokens")

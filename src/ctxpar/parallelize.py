@@ -15,6 +15,7 @@ shards with different numbers of ignored labels weigh exactly as in the unsplit 
 from __future__ import annotations
 
 import functools
+import inspect
 import itertools
 from dataclasses import dataclass
 
@@ -23,6 +24,7 @@ import torch.distributed as dist
 import torch.nn as nn
 import torch.nn.functional as F
 
+from ctxpar import agreement, topology
 from ctxpar.attention import attention
 from ctxpar.layout import Layout
 from ctxpar.masks import document_lengths, positions_in_documents
@@ -88,7 +90,53 @@ def apply_context_parallel(
             swapped += 1
     if swapped == 0:
         raise ValueError(f"{type(model).__name__} has no module with an attention_fn to replace")
+    _guard_positions(model, layout, group, mesh, cp_attention)
     return model
+
+
+def _guard_positions(model: nn.Module, layout: Layout, group, mesh, cp_attention) -> None:
+    """Refuse, on every rank together, a forward whose positions are not this rank's layout
+    positions (counted from each document's start when ``documents=`` is given, as
+    ``shard_batch`` makes them): forgotten positions (the model would number the shard
+    from 0) or a shard taken with another layout give RoPE positions that the causal mask
+    does not share, silently wrong. One tiny all-gather per forward."""
+    signature = inspect.signature(model.forward)
+    if "positions" not in signature.parameters:
+        return  # not the reference model: its forward is not ours to check
+    previous = getattr(model, "_ctxpar_positions_guard", None)
+    if previous is not None:
+        previous.remove()
+
+    def check(module: nn.Module, args: tuple, kwargs: dict) -> None:
+        if not any(getattr(m, "attention_fn", None) is cp_attention for m in module.modules()):
+            return  # inference has swapped in its own attention, which passes its own positions
+        topo = topology.from_mesh(mesh) if mesh is not None else topology.from_group(group)
+        if topo.world_size == 1:
+            return
+        error = None
+        try:
+            bound = signature.bind(*args, **kwargs).arguments
+            tokens, positions, documents = (bound.get(name) for name in ("tokens", "positions", "documents"))
+            seq_len = tokens.shape[1] * layout.world_size
+            lengths = None if documents is None else document_lengths(documents, seq_len)
+            want = positions_in_documents(layout.positions(seq_len, topo.rank), lengths)  # (S,)
+            where = " within each document" if lengths else ""
+            if positions is None:
+                raise ValueError(f"{type(module).__name__} got no positions under context parallelism, so it would "
+                                 f"number this rank's tokens from 0; pass this rank's global positions{where}: "
+                                 f"model(batch.tokens, batch.positions) with batch = shard_batch(...)")
+            if positions.shape[-1] != want.numel() or not bool((positions.reshape(-1, want.numel()).cpu()
+                                                                 == want).all()):
+                raise ValueError(f"positions must be rank {topo.rank}'s global positions{where} under the "
+                                 f"{layout.name} layout given to apply_context_parallel (they begin "
+                                 f"{want[:6].tolist()}); shard with that layout: shard_batch(tokens, layout=layout, "
+                                 f"rank=rank)")
+        except Exception as e:  # noqa: BLE001  any failure: this rank must still join the exchange below
+            error = e
+        groups = topo.process_groups if topo.hybrid else topo.group
+        agreement.check_values_agree({}, groups, error, "forward")
+
+    model._ctxpar_positions_guard = model.register_forward_pre_hook(check, with_kwargs=True)
 
 
 def cp_loss(
