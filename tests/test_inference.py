@@ -256,3 +256,16 @@ def test_auto_chooses_by_bytes_without_hardware_and_by_predicted_time_with_it() 
         model = cases.build()
         cache = KVCache.for_model(model.cfg, batch=cases.BATCH, capacity=cases.PROMPT_LEN)
         partial_prefill(model, cache, cases.prompt_tokens(), hardware="H100-SXM")
+
+
+@pytest.mark.parametrize("temperature", [1e-40, 5e-324, 1e30])
+def test_sampling_at_extreme_temperatures_draws_real_tokens(temperature: float) -> None:
+    """A tiny temperature samples the largest logit (it once overflowed to inf and NaN
+    probabilities); a huge one still draws valid tokens."""
+    from ctxpar.inference.generate import Sampler
+
+    logits = torch.tensor([[1.0, 3.0, -2.0, float("-inf")], [0.5, -1.0, 0.25, 7.0]])
+    tokens = Sampler(temperature, seed=3)(logits)
+    if temperature < 1:
+        assert tokens.tolist() == [1, 3]
+    assert tokens.dtype == torch.int64 and tokens[0] in (0, 1, 2) and tokens[1] in (0, 1, 2, 3)

@@ -63,8 +63,9 @@ class GenerateConfig:
         positions = self.prompt_len + self.new_tokens - 1
         cache = 2 * cfg.layers * self.batch * cfg.kv_heads * cfg.head_dim * positions * 4
         launch.check_local_memory(4 * ranks * cfg.parameters + cache,
-                                  f"--model {self.model} on {ranks} ranks with --prompt-len {self.prompt_len}",
-                                  "choose a smaller --model, or lower --prompt-len, --batch or --nproc")
+                                  f"--model {self.model} on {ranks} ranks with --prompt-len {self.prompt_len}, "
+                                  f"--new-tokens {self.new_tokens} and --batch {self.batch}",
+                                  "choose a smaller --model, or lower --prompt-len, --new-tokens, --batch or --nproc")
 
 
 def build(cfg: GenerateConfig, device: torch.device) -> tuple[Transformer, torch.Tensor]:

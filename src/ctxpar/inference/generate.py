@@ -47,7 +47,10 @@ class Sampler:
         """logits (B, vocab) -> (B,) int64."""
         if self.generator is None:
             return logits.argmax(-1)
-        probs = torch.softmax(logits.float() / self.temperature, dim=-1)
+        logits = logits.double()  # a temperature below float32's range (1e-46) would round to 0
+        # shifted so the largest is 0 first: a tiny temperature then sends the others to -inf, not the
+        # largest to +inf (whose softmax is NaN)
+        probs = torch.softmax((logits - logits.amax(-1, keepdim=True)) / self.temperature, dim=-1)
         return torch.multinomial(probs, 1, generator=self.generator).squeeze(1)
 
 
