@@ -344,6 +344,27 @@ def test_make_plan_sweeps_every_valid_combination() -> None:
     assert plan.efficiency == pytest.approx(plan.cp1_step.seconds / (4 * plan.step.seconds))
 
 
+def test_the_sweeps_cp1_row_is_the_baseline_the_efficiencies_divide_by() -> None:
+    """CP-1 in the table was once a single replica without the gradient reduction its data-
+    parallel replicas pay, so its time disagreed with the header's and the crossovers'."""
+    hw = get_hardware("H100-SXM", bandwidth=100e9)
+    plan = make_plan(worked(), hw, max_cp=8)
+    (cp1,) = [p for p in plan.sweep if p.cp == 1 and p.seq == 32768]
+    assert cp1.step_seconds == plan.cp1_step.seconds
+    point = next(p for p in plan.sweep if (p.cp, p.strategy, p.seq) == (4, "ring", 32768))
+    assert point.efficiency == pytest.approx(cp1.step_seconds / (4 * point.step_seconds))
+
+
+def test_without_cp_attention_moves_nothing_and_needs_no_transfer_buffers() -> None:
+    """The ring at P=1 has no steps: no incoming K/V, no travelling dK/dV. What is left is
+    the float32 output and lse of the forward (the backward's dQ accumulator is smaller)."""
+    from ctxpar.plan.memory import attention_workspace
+
+    for strategy in ("ring", "allgather"):
+        w = worked(cp=1, strategy=strategy)
+        assert attention_workspace(w) == 1 * 32 * 32768 * (128 + 1) * 4
+
+
 # -- tensor parallelism, data parallelism, links ------------------------------------------------
 
 

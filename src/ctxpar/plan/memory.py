@@ -145,6 +145,8 @@ def attention_workspace(w: Workload) -> int:
     m, e, a, s = w.model, w.elem, w.acc, w.local_len
     heads = w.heads_per_gpu
     bhs = w.batch * heads * s  # B·H·S (H/t heads under TP)
+    if w.cp == 1:  # nothing moves: the float32 output and lse (forward), dQ accumulator (backward)
+        return bhs * (m.head_dim + 1) * a
     if w.strategy == "allgather":
         gathered = w.cp * 2 * w.batch * gather_group_heads(w.kv_heads_per_gpu) * s * m.head_dim
         fwd = bhs * (m.head_dim + 1) * a + 2 * gathered * e

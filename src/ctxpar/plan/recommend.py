@@ -91,15 +91,24 @@ def evaluate(w: Workload, hw: Hardware) -> SweepPoint:
 
 
 def sweep(w: Workload, hw: Hardware, degrees: Iterable[int], seqs: Iterable[int]) -> list[SweepPoint]:
-    """Every valid (strategy, degree, length) on the grid; degree 1 once, as "ring"."""
+    """Every valid (strategy, degree, length) on the grid; degree 1 once, as "ring": the
+    baseline the efficiencies and crossovers divide by (``Workload.unsplit``: the CP
+    group's GPUs as data-parallel replicas, whose gradients are reduced too)."""
     points = []
     for seq in seqs:
         for cp in degrees:
             for strategy in STRATEGY_NAMES if cp > 1 else ("ring",):
-                v = variant(w, hw, strategy=strategy, cp=cp, seq=seq)
+                v = variant(w, hw, strategy=strategy, cp=cp, seq=seq) if cp > 1 else _unsplit_at(w, seq)
                 if v is not None:
                     points.append(evaluate(v, hw))
     return points
+
+
+def _unsplit_at(w: Workload, seq: int) -> Workload | None:
+    try:
+        return w.unsplit().with_(seq=seq)
+    except ValueError:  # a length sequence parallelism cannot split
+        return None
 
 
 def _faster(w: Workload, hw: Hardware) -> bool:
