@@ -157,6 +157,8 @@ def bad_values(tmp: Path) -> list[tuple[tuple[str, ...], str]]:
           if not torch.cuda.is_available() else []),
         (("train", "--nproc", "0"), "--nproc 0 must be >= 1"),
         (("train", "--timeout", "-1"), "--timeout -1.0 must be a number of seconds"),
+        (("train", "--timeout", "0.001"), "--timeout 0.001 must be a number of seconds from 1 to"),
+        (("demo", "--timeout", "0.5"), "--timeout 0.5 must be a number of seconds from 1 to"),
         (("train", "--lr", "-0.1"), "--lr -0.1 must be a positive finite learning rate"),
         (("train", "--lr", "nan"), "--lr nan must be a positive finite learning rate"),
         (("train", "--cp", "-2", "--dp", "-2"), "--cp -2 x --dp -2 must equal the 4 ranks"),

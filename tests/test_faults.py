@@ -241,6 +241,21 @@ def test_a_frozen_rank_is_named_even_when_a_healthy_peer_times_out_later() -> No
     assert time.monotonic() - start < 60
 
 
+def test_a_stop_made_on_purpose_reads_as_its_message_and_a_crash_keeps_its_traceback() -> None:
+    """Ranks that raise ``launch.StopRun`` (train's non-finite loss: end to end in
+    test_checkpoints.py) are named with its message, once for the ranks that share it; a
+    crash is still shown with its traceback."""
+    crash = 'Traceback (most recent call last):\n  File "m.py", line 1, in f\nZeroDivisionError: division by zero\n'
+    stop = "step 2: the loss is nan; start a new run with a lower --lr"
+    failed = {2: ("error", crash), 1: ("stopped", stop), 0: ("stopped", stop), 3: ("error", crash)}
+    message = launch._failure_message(failed, {}, [], {0, 1, 2, 3}, {}, 5.0, None, 1.0)
+    assert message.splitlines() == [
+        "rank 2 failed:", *crash.rstrip().splitlines(), f"ranks 0, 1 stopped: {stop}",
+        "rank 3 failed too: ZeroDivisionError: division by zero"]
+    alone = launch._failure_message({1: ("stopped", stop)}, {}, [], {0, 1}, {}, 5.0, None, 1.0)
+    assert alone == f"rank 1 stopped: {stop}"
+
+
 def test_workers_are_tied_to_the_parent() -> None:
     assert run_local(parent_death_signal, 2) == [signal.SIGKILL, signal.SIGKILL]
 

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import os
+
 import pytest
 import torch
 
@@ -45,12 +47,17 @@ def test_dp2_x_cp2_with_fsdp_matches_single_process_on_the_global_batch() -> Non
 
 
 def test_resumed_run_continues_with_the_uninterrupted_losses(tmp_path) -> None:
-    common = dict(nproc=2, seq=128, model="tiny", progress=False, checkpoint_dir=str(tmp_path))
+    """A run given a checkpoint directory saves every --save-every steps and always its last
+    step (--save-every 0: that one only); resuming the last with more --steps continues it."""
+    common = dict(nproc=2, seq=128, model="tiny", progress=False)
+    ckpt = str(tmp_path / "ckpt")
     full = run_train(TrainConfig(steps=6, **common))
-    run_train(TrainConfig(steps=3, save_every=3, **dict(common, checkpoint_dir=str(tmp_path / "ckpt"))))
-    resumed = run_train(TrainConfig(steps=6, resume=True, **dict(common, checkpoint_dir=str(tmp_path / "ckpt"))))
-    assert resumed["start_step"] == 3
+    run_train(TrainConfig(steps=3, save_every=2, checkpoint_dir=ckpt, **common))
+    assert sorted(os.listdir(ckpt)) == ["step-000002", "step-000003"]
+    resumed = run_train(TrainConfig(steps=6, resume=True, checkpoint_dir=ckpt, **common))
+    assert resumed["start_step"] == 3 and resumed["resumed_from"] == os.path.join(ckpt, "step-000003")
     assert resumed["loss"] == full["loss"][3:]  # bit-identical
+    assert sorted(os.listdir(ckpt)) == ["step-000002", "step-000003", "step-000006"]
 
 
 def test_labels_are_shifted_before_sharding_and_positions_are_global() -> None:

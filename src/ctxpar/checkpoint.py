@@ -91,13 +91,14 @@ def list_checkpoints(directory: str) -> tuple[list[tuple[int, str]], list[Skippe
     return found, ignored
 
 
-def check_directory(directory: str, *, saving: bool, resuming: bool) -> None:
+def check_directory(directory: str, *, resuming: bool) -> None:
     """Refuse a ``--checkpoint-dir`` that would fail or destroy work later, before any rank starts.
 
-    Saving needs a writable directory (created here if missing; a probe file is written
-    and removed) that holds no checkpoints of an earlier run unless resuming it, since a
-    fresh run would overwrite them step by step. Resuming needs at least one
-    ``step-<N>`` directory; whether one is intact is decided by :func:`find_resumable`.
+    A run saves to it (at least its last step), so it must be writable (created here if
+    missing; a probe file is written and removed) and hold no checkpoints of an earlier
+    run unless resuming it, since a fresh run would overwrite them step by step. Resuming
+    needs at least one ``step-<N>`` directory; whether one is intact is decided by
+    :func:`find_resumable`.
     """
     if os.path.exists(directory) and not os.path.isdir(directory):
         raise ValueError(f"--checkpoint-dir {directory!r} is a file, not a directory; pass a directory path")
@@ -113,19 +114,18 @@ def check_directory(directory: str, *, saving: bool, resuming: bool) -> None:
         also = f" (ignored: {', '.join(os.path.basename(s.path) for s in ignored)})" if ignored else ""
         raise ValueError(f"--resume: no step-<number> checkpoint directory in {directory!r}{also}; pass the "
                          "directory the earlier run saved to, or drop --resume to start a new run")
-    if saving and not resuming and found:
+    if not resuming and found:
         raise ValueError(f"--checkpoint-dir {directory!r} already holds checkpoints (newest: "
                          f"{os.path.basename(found[0][1])}) that this new run would overwrite; add --resume to "
                          "continue that run, or pass an empty directory")
-    if saving:
-        try:
-            os.makedirs(directory, exist_ok=True)
-            fd, probe = tempfile.mkstemp(dir=directory, prefix=".ctxpar-write-test-")
-            os.close(fd)
-            os.remove(probe)
-        except OSError as e:
-            raise ValueError(f"--checkpoint-dir {directory!r} is not writable ({e.strerror or e}); pass a "
-                             "directory this user can create files in, or drop --save-every") from e
+    try:
+        os.makedirs(directory, exist_ok=True)
+        fd, probe = tempfile.mkstemp(dir=directory, prefix=".ctxpar-write-test-")
+        os.close(fd)
+        os.remove(probe)
+    except OSError as e:
+        raise ValueError(f"--checkpoint-dir {directory!r} is not writable ({e.strerror or e}); pass a "
+                         "directory this user can create files in, or drop --checkpoint-dir") from e
 
 
 def save(model: torch.nn.Module, optimizer: torch.optim.Optimizer, directory: str, step: int,

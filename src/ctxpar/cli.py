@@ -63,7 +63,8 @@ def _launch_flags(p: argparse.ArgumentParser, nproc: int) -> None:
                         "memory (a test and debug path)")
     p.add_argument("--timeout", type=float, default=launch.DEFAULT_TIMEOUT_S, metavar="SECONDS",
                    help="how long a rank waits at one collective (or for the others to join) before the run "
-                        "fails, naming the rank that did not arrive; the run as a whole has no time limit")
+                        f"fails, naming the rank that did not arrive (at least {launch.MIN_TIMEOUT_S:g}); the run as a "
+                        "whole has no time limit")
 
 
 def _check_launch_flags(args: argparse.Namespace) -> int:
@@ -146,9 +147,13 @@ def _train_parser(sub) -> None:
                    help="recompute each decoder layer in the backward instead of storing its activations")
     p.add_argument("--compare", action="store_true",
                    help="also train on unsplit sequences in one process and compare the losses")
-    p.add_argument("--checkpoint-dir", help="where torch.distributed.checkpoint saves and resumes")
-    p.add_argument("--save-every", type=int, default=d.save_every, help="steps between checkpoints (0: never)")
-    p.add_argument("--resume", action="store_true", help="continue from the latest checkpoint")
+    p.add_argument("--checkpoint-dir",
+                   help="where torch.distributed.checkpoint saves the last step (and every --save-every steps) "
+                        "and --resume continues from")
+    p.add_argument("--save-every", type=int, default=d.save_every,
+                   help="with --checkpoint-dir: steps between checkpoints besides the last (0: the last only)")
+    p.add_argument("--resume", action="store_true",
+                   help="continue from the newest verified checkpoint in --checkpoint-dir, to --steps in all")
     p.add_argument("--no-progress", dest="progress", action="store_false", help="no progress bar")
     p.add_argument("--json", metavar="PATH", help="write losses (and reference losses) as JSON")
 
@@ -166,7 +171,11 @@ def _run_train(args: argparse.Namespace) -> int:
         checkpoint_dir=args.checkpoint_dir, save_every=args.save_every, resume=args.resume, progress=args.progress,
         device=args.device,
     )
-    report = run_train(cfg, timeout_s=args.timeout)
+    try:
+        report = run_train(cfg, timeout_s=args.timeout)
+    except launch.StopRun as e:  # a torchrun rank (local ranks' stops come as a RankFailure) or --compare's run
+        print(f"ctxpar train: error: {e}", file=sys.stderr)
+        return 1
     if report is None:  # a non-zero rank under torchrun
         return 0
     print(format_train_report(report))

@@ -61,6 +61,10 @@ GRACE_S = 2.0
 PARENT_POLL_S = 1.0
 PROBE_S = 0.5  # for a stuck rank to write where it is
 MAX_TIMEOUT_S = 7 * 24 * 3600.0  # beyond a week it is no longer a timeout
+# Below a second a healthy run fails: ranks connect at the rendezvous and reach each
+# collective up to seconds apart on a loaded machine (at 1 ms the rendezvous's own
+# localhost connection times out, with torch's error instead of the launcher's).
+MIN_TIMEOUT_S = 1.0
 # Local ranks: at least 8 (tests of a few ranks on a small machine), else 4 per core; past
 # that, spawning alone (a torch import each) takes minutes and the memory of several GiB.
 MIN_RANKS_CAP = 8
@@ -81,11 +85,16 @@ _PR_SET_PDEATHSIG = 1  # <linux/prctl.h>
 _collective_timeout: datetime.timedelta | None = None  # this process's, once it joined a group
 
 
+class StopRun(Exception):
+    """Raised in a rank to end the run on purpose (a non-finite loss), its message saying what
+    happened and what to do: local runs report that message alone, without a traceback."""
+
+
 class RankFailure(RuntimeError):
     """Local ranks that failed, died or never finished; the message says which and why.
 
     Attributes:
-        failed: rank -> traceback of an exception raised in that rank.
+        failed: rank -> traceback of an exception raised in that rank (for a ``StopRun``, its message).
         died: rank -> how the process ended without reporting ("killed by SIGKILL", ...).
         stuck: ranks still running when the run was given up, then stopped.
     """
@@ -144,10 +153,12 @@ def check_local_memory(needed: int, what: str, fix: str) -> None:
 
 
 def check_timeout(seconds: float, name: str = "timeout_s") -> None:
-    """Refuse a collective timeout that is not a positive number of seconds up to a week."""
-    if not (isinstance(seconds, (int, float)) and math.isfinite(seconds) and 0 < seconds <= MAX_TIMEOUT_S):
-        raise ValueError(f"{name} {seconds!r} must be a number of seconds in (0, {MAX_TIMEOUT_S:.0f}]; "
-                         f"the default is {DEFAULT_TIMEOUT_S:.0f}")
+    """Refuse a collective timeout that is not a number of seconds from a second to a week."""
+    if not (isinstance(seconds, (int, float)) and math.isfinite(seconds)
+            and MIN_TIMEOUT_S <= seconds <= MAX_TIMEOUT_S):
+        raise ValueError(f"{name} {seconds!r} must be a number of seconds from {MIN_TIMEOUT_S:g} to "
+                         f"{MAX_TIMEOUT_S:.0f} (shorter waits fail healthy runs: ranks join and reach each collective "
+                         f"up to seconds apart); the default is {DEFAULT_TIMEOUT_S:.0f}")
 
 
 DEVICE_TYPES = ("cpu", "cuda")
@@ -378,6 +389,8 @@ def _worker(rank, world_size, port, threads, timeout_s, parent_pid, backend, dev
         # plain pickle copies tensors into the message; multiprocessing's would share their
         # memory with a process that is about to exit
         conn.send_bytes(pickle.dumps(("ok", result)))
+    except StopRun as e:  # on purpose: the message says it all
+        conn.send_bytes(pickle.dumps(("stopped", str(e))))
     except BaseException as e:  # report everything, including failed asserts, to the parent
         conn.send_bytes(pickle.dumps(("timeout" if _is_timeout(e) else "error", traceback.format_exc())))
     finally:
@@ -533,7 +546,9 @@ def _failure_message(
     failed: dict[int, tuple[str, str]], died: dict[int, str], stuck: list[int], joined: set[int],
     whereabouts: dict[int, _Whereabouts], timeout_s: float, deadline_s: float | None, elapsed: float,
 ) -> str:
-    """Root cause first: the dead, then the ranks the others waited for, then the tracebacks."""
+    """Root cause first: the dead, then the ranks the others waited for, then what the ranks raised in the
+    order it came: the first crash's traceback, the last line of later ones, and a ``StopRun``'s message
+    once for all the ranks that raised it."""
     oom = " (kill -9, or the kernel's out-of-memory killer)"
     lines = [f"rank {r} died {'during the run' if r in joined else 'before joining the process group'}: "
              f"{why}{oom if why == 'killed by SIGKILL' else ''}; it reported no result" for r, why in died.items()]
@@ -552,11 +567,22 @@ def _failure_message(
         else:
             lines.append(f"rank {r} was still waiting ({seen.where if seen else 'where unknown'}), most likely for "
                          f"the ranks named here, and was stopped")
-    for i, (r, (_, tb)) in enumerate(failed.items()):
-        if i == 0:
-            lines.append(f"rank {r} failed:\n{tb.rstrip()}")
+    stopped: dict[str, list[int]] = {}
+    for r, (kind, text) in failed.items():
+        if kind == "stopped":
+            stopped.setdefault(text, []).append(r)
+    crashed = False
+    for r, (kind, text) in failed.items():
+        if kind == "stopped":
+            ranks = sorted(stopped.pop(text, []))
+            if ranks:  # the first rank that raised this message: every rank that did
+                who = f"rank {ranks[0]}" if len(ranks) == 1 else f"ranks {', '.join(map(str, ranks))}"
+                lines.append(f"{who} stopped: {text}")
+        elif not crashed:
+            crashed = True
+            lines.append(f"rank {r} failed:\n{text.rstrip()}")
         else:
-            lines.append(f"rank {r} failed too: {tb.strip().splitlines()[-1] if tb.strip() else 'no message'}")
+            lines.append(f"rank {r} failed too: {text.strip().splitlines()[-1] if text.strip() else 'no message'}")
     return "\n".join(lines)
 
 

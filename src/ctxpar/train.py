@@ -43,8 +43,8 @@ class TrainConfig:
     seed: int = 0
     activation_checkpointing: bool = False
     compare: bool = False
-    checkpoint_dir: str | None = None
-    save_every: int = 0  # steps between checkpoints (0: never)
+    checkpoint_dir: str | None = None  # given: the last step is always saved there
+    save_every: int = 0  # steps between checkpoints besides the last (0: the last only)
     resume: bool = False  # continue from the newest verified checkpoint in checkpoint_dir
     progress: bool = True
     return_parameters: bool = False  # include the final full parameters in the report (tests)
@@ -69,7 +69,8 @@ class TrainConfig:
         u = strategy_rules.call_ulysses_degree(self.strategy, self.cp(world))
         strategy_rules.check_heads(self.strategy, cfg.heads, cfg.kv_heads, u)
         if self.save_every < 0:
-            raise ValueError(f"--save-every {self.save_every} must be >= 0 (steps between checkpoints; 0: never)")
+            raise ValueError(f"--save-every {self.save_every} must be >= 0 (steps between checkpoints; 0: the last "
+                             "step only)")
         if (self.save_every or self.resume) and not self.checkpoint_dir:
             raise ValueError("--save-every and --resume need --checkpoint-dir")
         self.task()
@@ -144,7 +145,7 @@ def _run_steps(
         value = loss.item()
         if not math.isfinite(value):
             # the loss is all-reduced, so every rank stops here at the same step, none waits in a collective
-            raise FloatingPointError(
+            raise launch.StopRun(
                 f"step {step + 1}: the loss is {value}; stopped before anything of this step is saved. Start a new "
                 "run with a lower --lr (a resumed run keeps the saved one), or, after --resume, check the "
                 "checkpoint it resumed from (its weights may not be finite)")
@@ -161,8 +162,32 @@ def _run_steps(
     return history
 
 
-def train_rank(rank: int, world: int, cfg: TrainConfig, device: torch.device | None = None) -> dict | None:
-    """One rank of a CP (x DP) training run; returns the report on rank 0."""
+def find_resume_point(cfg: TrainConfig) -> checkpoint.Resumable:
+    """The verified checkpoint ``--resume`` continues from (collective under a process group).
+
+    Raises:
+        ValueError: naming the flag: no checkpoint verifies, the newest verified one was
+            saved with other settings (``--seed``, ``--lr``, ...), or it leaves nothing of ``--steps``.
+    """
+    found = checkpoint.find_resumable(cfg.checkpoint_dir, cfg.checkpoint_settings())
+    if found.step >= cfg.steps:
+        raise ValueError(f"--resume: the newest verified checkpoint is at step {found.step}, nothing left of --steps "
+                         f"{cfg.steps}; ask for more steps")
+    return found
+
+
+def _say_skipped(found: checkpoint.Resumable) -> None:
+    for skipped in found.skipped:
+        print(f"ctxpar train: --resume skipped {skipped.path}: {skipped.reason}", file=sys.stderr)
+
+
+def train_rank(rank: int, world: int, cfg: TrainConfig, resume_from: checkpoint.Resumable | None = None,
+               device: torch.device | None = None) -> dict | None:
+    """One rank of a CP (x DP) training run; returns the report on rank 0.
+
+    With ``cfg.resume``, ``resume_from`` is the checkpoint the launching process found and
+    verified (local ranks share its file system); None: the ranks find it together (torchrun).
+    """
     from torch.distributed.fsdp import fully_shard
 
     device = device or torch.device("cpu")
@@ -181,16 +206,13 @@ def train_rank(rank: int, world: int, cfg: TrainConfig, device: torch.device | N
     fully_shard(model, mesh=shard_mesh)
     optimizer = _optimizer(model, cfg)
 
-    start, resumed = 0, None
+    start, resumed = 0, resume_from
     if cfg.resume:
-        resumed = checkpoint.find_resumable(cfg.checkpoint_dir, cfg.checkpoint_settings())
-        if rank == 0:
-            for skipped in resumed.skipped:
-                print(f"ctxpar train: --resume skipped {skipped.path}: {skipped.reason}", file=sys.stderr)
+        if resumed is None:
+            resumed = find_resume_point(cfg)
+            if rank == 0:
+                _say_skipped(resumed)
         start = resumed.step
-        if start >= cfg.steps:
-            raise ValueError(f"--resume: the newest verified checkpoint is at step {start}, nothing left of --steps "
-                             f"{cfg.steps}; ask for more steps")
         checkpoint.load(model, optimizer, resumed.path)
 
     rows = slice(dp_rank * cfg.batch, (dp_rank + 1) * cfg.batch)
@@ -202,7 +224,7 @@ def train_rank(rank: int, world: int, cfg: TrainConfig, device: torch.device | N
         return local.tokens.to(device), local.positions.to(device), local.labels.to(device), recall.to(device)
 
     def after_step(done: int) -> None:
-        if cfg.save_every and done % cfg.save_every == 0:
+        if cfg.checkpoint_dir and (done == cfg.steps or (cfg.save_every and done % cfg.save_every == 0)):
             checkpoint.save(model, optimizer, cfg.checkpoint_dir, done, cfg.checkpoint_settings())
 
     if device.type == "cuda":
@@ -246,14 +268,19 @@ def train_reference(cfg: TrainConfig) -> dict:
 def run_train(cfg: TrainConfig, *, timeout_s: float = launch.DEFAULT_TIMEOUT_S) -> dict | None:
     """Train on local gloo ranks (or torchrun's), then the reference if ``cfg.compare``.
 
-    The configuration is checked before any rank starts; ``timeout_s`` bounds each wait at
-    a collective.
+    The configuration is checked before any rank starts, and so, for local ranks, is the
+    checkpoint ``--resume`` continues from (under torchrun the ranks find it together);
+    ``timeout_s`` bounds each wait at a collective.
     """
     cfg.validate(launch.world_size(cfg.nproc))
     cfg.check_memory(launch.local_ranks(cfg.nproc))
+    resume_from = None
     if cfg.checkpoint_dir:  # here, not in validate (which every rank runs): it may create the directory
-        checkpoint.check_directory(cfg.checkpoint_dir, saving=cfg.save_every > 0, resuming=cfg.resume)
-    report = launch.run(train_rank, cfg.nproc, (cfg,), device_type=cfg.device, timeout_s=timeout_s)
+        checkpoint.check_directory(cfg.checkpoint_dir, resuming=cfg.resume)
+        if cfg.resume and not launch.launched_by_torchrun():
+            resume_from = find_resume_point(cfg)
+            _say_skipped(resume_from)
+    report = launch.run(train_rank, cfg.nproc, (cfg, resume_from), device_type=cfg.device, timeout_s=timeout_s)
     if report is not None and cfg.compare:
         reference = train_reference(cfg)
         report["reference_loss"] = reference["loss"]
