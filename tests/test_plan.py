@@ -355,6 +355,20 @@ def test_the_sweeps_cp1_row_is_the_baseline_the_efficiencies_divide_by() -> None
     assert point.efficiency == pytest.approx(cp1.step_seconds / (4 * point.step_seconds))
 
 
+def test_the_recommendations_verdict_is_about_the_recommended_degree() -> None:
+    """CP-8 does not fit, CP-16 is recommended: the verdict once judged the CP-8 that does
+    not fit ("does not pay off") beside a CP-16 that beats the best without CP."""
+    from ctxpar.plan.report import to_json
+
+    w = Workload(resolve_model("llama-3-8b"), batch=1, seq=131072, dtype="bfloat16", cp=8, fsdp=8)
+    plan = make_plan(w, get_hardware("H100-SXM"))
+    assert plan.recommendation.workload.cp == 16 and plan.baseline.verdict == "does_not_pay_off"
+    assert plan.recommended_baseline.verdict == "pays_off"
+    assert plan.recommended_baseline.speedup == pytest.approx(1.32, abs=0.01)
+    rec = to_json(plan)["recommendation"]
+    assert (rec["cp"], rec["cp_verdict"]) == (16, "pays_off")
+
+
 def test_without_cp_attention_moves_nothing_and_needs_no_transfer_buffers() -> None:
     """The ring at P=1 has no steps: no incoming K/V, no travelling dK/dV. What is left is
     the float32 output and lse of the forward (the backward's dQ accumulator is smaller)."""
@@ -692,8 +706,9 @@ def test_cli_parallel_flags_and_json_keys(tmp_path, capsys, monkeypatch) -> None
     assert base["verdict"] in VERDICTS and base["gpus_per_stage"] == 8
     assert set(base["candidates"][0]) == {"tp", "checkpointing", "step_seconds", "seconds_per_batch",
                                           "memory_bytes", "fits"}
-    assert (report["recommendation"]["cp_verdict"], report["recommendation"]["speedup_vs_baseline"]) == \
-        (base["verdict"], base["speedup"])
+    rec = report["recommendation"]
+    assert rec["cp"] != 4 and rec["cp_verdict"] in VERDICTS  # the verdict of the recommended degree, not of CP-4
+    assert rec["speedup_vs_baseline"] != base["speedup"]
     assert report["inputs"]["tp"] == 2 and report["inputs"]["dp"] == 2 and report["inputs"]["sequence_parallel"]
     assert main(["plan", "--tp", "3"]) == 2
     assert "--tp 3 does not divide the 32 query heads" in capsys.readouterr().err

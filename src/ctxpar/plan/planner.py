@@ -46,6 +46,7 @@ class Plan:
     crossovers: list[Crossover]
     recommendation: Recommendation
     baseline: Baseline  # the best without CP on the same TP·P GPUs, and whether CP beats it
+    recommended_baseline: Baseline  # the same for the recommended CP degree (the requested one's without one)
     calibration: dict | None = None
 
     @property
@@ -91,6 +92,8 @@ def make_plan(w: Workload, hw: Hardware, *, max_cp: int | None = None, calibrati
     """Memory, traffic, time, the sweep, crossovers and a recommendation for ``w`` on ``hw``."""
     check_plan_size(w.seq, w.cp, max_cp)
     degrees, seqs = sweep_degrees(w.cp, max_cp), sweep_seqs(w.seq)
+    requested, recommendation = baseline(w, hw), recommend(w, hw, degrees)
+    chosen = recommendation.workload
     return Plan(
         workload=w,
         hardware=hw,
@@ -106,7 +109,9 @@ def make_plan(w: Workload, hw: Hardware, *, max_cp: int | None = None, calibrati
         head_pairs=cost.head_pairs(w),
         sweep=sweep(w, hw, degrees, seqs),
         crossovers=crossovers(w, hw, degrees, seqs),
-        recommendation=recommend(w, hw, degrees),
-        baseline=baseline(w, hw),
+        recommendation=recommendation,
+        baseline=requested,
+        recommended_baseline=baseline(chosen, hw) if chosen is not None and chosen.cp > 1 and chosen != w
+        else requested,
         calibration=calibration,
     )

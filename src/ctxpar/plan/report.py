@@ -49,7 +49,8 @@ JSON (bytes exact, times in seconds; formulas in docs/planner.md):
                         memory_bytes, fits), skipped_tp (TP degree -> why it cannot run), summary
     recommendation      strategy, cp, layout, ulysses, step_seconds, efficiency, reasons (the smallest CP
                         degree that fits), cp_verdict and speedup_vs_baseline (``baseline``'s verdict
-                        and speedup, for the requested configuration)
+                        and speedup for the recommended CP degree; the requested configuration's when
+                        CP-1 or nothing is recommended)
     calibration         ``--hardware local``'s measurements, or null
 """
 
@@ -190,8 +191,8 @@ def to_json(plan: Plan) -> dict:
             "step_seconds": plan.recommendation.step_seconds,
             "efficiency": plan.recommendation.efficiency,
             "reasons": plan.recommendation.reasons,
-            "cp_verdict": plan.baseline.verdict,
-            "speedup_vs_baseline": plan.baseline.speedup,
+            "cp_verdict": plan.recommended_baseline.verdict,
+            "speedup_vs_baseline": plan.recommended_baseline.speedup,
         },
         "calibration": plan.calibration,
     }
@@ -481,11 +482,13 @@ def _degrees(plan: Plan) -> list[str]:
 
 def _crossovers(plan: Plan) -> list[str]:
     smallest, largest = min(p.seq for p in plan.sweep), max(p.seq for p in plan.sweep)
-    limit = plan.cp1_fits_up_to
+    limit, w = plan.cp1_fits_up_to, plan.workload
+    cp1 = f"CP-1 at TP={w.tp}, checkpointing {w.checkpointing}"
     lines = [f"Crossovers (T searched {format_tokens(smallest)}..{format_tokens(largest)}): CP-P's step is faster "
              f"than CP-1's from T on; the longest T that fits",
-             f"  CP-1 fits up to T={limit}: CP is necessary beyond it" if limit else
-             "  CP-1 does not fit at any length: CP (or more FSDP / checkpointing) is necessary",
+             f"  {cp1} fits up to T={limit}; beyond it, CP or another configuration without CP (below) is needed"
+             if limit else f"  {cp1} does not fit at any length: CP or another configuration without CP (below) "
+                           f"is needed",
              f"  {'CP':>4} {'strategy':<10} {'faster from T':>14} {'fits up to T':>13}"]
     for c in plan.crossovers:
         faster = "never" if c.faster_from is None else (f"<= {smallest}" if c.faster_from <= smallest
@@ -522,4 +525,5 @@ def _recommendation(plan: Plan) -> list[str]:
         extra = f", ulysses {w.ulysses} x ring {w.ring_degree}" if w.strategy == "hybrid" else ""
         head = (f"Recommendation: CP-{w.cp} {w.strategy}{extra}, {w.layout} layout: step "
                 f"{format_seconds(rec.step_seconds)}, efficiency {rec.efficiency:.3f}")
-    return [head, *(f"  - {r}" for r in rec.reasons), f"  - against the best without CP: {plan.baseline.summary}"]
+    return [head, *(f"  - {r}" for r in rec.reasons),
+            f"  - against the best without CP: {plan.recommended_baseline.summary}"]
