@@ -1,9 +1,10 @@
 """Hardware presets: one table of accelerators, plus ``local`` for this machine's measured figures.
 
 Figures are per GPU, from the vendors' datasheets (dense tensor-core peak, no sparsity;
-HBM in GB = 1e9 bytes as the datasheets give it; NVLink per direction = half the quoted
+NVLink per direction = half the quoted
 bidirectional total; the inter-node link is one NIC per GPU as in the DGX/HGX reference
-systems).
+systems), except device memory: the total NVML (nvidia-smi) reports, in MiB, which is
+about 7% more than the datasheets' round "80GB" read as 1e9 bytes (docs/planner.md section 6).
 
 Kernel rates (achieved FLOP/s; docs/planner.md section 6 gives every figure, its source and
 how the ones not published for a GPU were derived): attention forward and backward are
@@ -204,9 +205,9 @@ class Hardware:
                     attention_backward_flops=self.backward_flops, matmul_flops=self.matmul_flops)
 
 
-_DATASHEETS = "NVIDIA datasheets (dense peak, HBM in GB); NVLink per direction; one NDR/HDR NIC per GPU"
+_DATASHEETS = "NVIDIA datasheets (dense peak); memory: NVML's total; NVLink per direction; one NDR/HDR NIC per GPU"
 _KERNELS = "kernel rates: FlashAttention-2 and MAMF benchmarks, docs/planner.md section 6"
-GB = 10**9
+MiB = 2**20
 T = 10**12
 # (tokens, forward, backward): one kernel over ``tokens`` queries and keys (H=32, H_kv=8, D=128,
 # bf16) as a fraction of the preset's rates, the causal 32K kernel's (make gpu-check, H200)
@@ -223,22 +224,22 @@ BACKWARD_FLOPS_RATIO = 2.5  # FlashAttention's convention: backward = 2.5 x forw
 PRESETS: dict[str, Hardware] = {
     h.name.lower(): h
     for h in (
-        Hardware("H100-SXM", 989e12, 0.5, 80 * GB, 8, 450e9, 50e9,
+        Hardware("H100-SXM", 989e12, 0.5, 81559 * MiB, 8, 450e9, 50e9,
                  _DATASHEETS + " (NVLink 4 900 GB/s, 400 Gb/s, HBM3 3.35 TB/s); " + _KERNELS,
                  memory_bandwidth=3.35e12, attention_forward_rate=335 * T, attention_backward_rate=322 * T,
                  matmul_rate=794.5 * T, fp8_peak_flops=1979 * T),
-        Hardware("H200", 989e12, 0.5, 141 * GB, 8, 450e9, 50e9,
+        Hardware("H200", 989e12, 0.5, 143771 * MiB, 8, 450e9, 50e9,
                  _DATASHEETS + " (NVLink 4 900 GB/s, 400 Gb/s, HBM3e 4.8 TB/s); attention rates, their size curves "
                  "and the launch overhead measured with ctxpar's kernels (cuDNN) by `make gpu-check` on one H200, "
                  "docs/planner.md section 6; matmuls: MAMF",
                  memory_bandwidth=4.8e12, attention_forward_rate=652 * T, attention_backward_rate=558 * T,
                  matmul_rate=794.5 * T, fp8_peak_flops=1979 * T, launch_overhead=33e-6,
                  attention_size_curve=_H200_FULL_CURVE, attention_causal_size_curve=_H200_CAUSAL_CURVE),
-        Hardware("A100-80GB", 312e12, 0.5, 80 * GB, 8, 300e9, 25e9,
+        Hardware("A100-80GB", 312e12, 0.5, 81920 * MiB, 8, 300e9, 25e9,
                  _DATASHEETS + " (NVLink 3 600 GB/s, 200 Gb/s, HBM2e 2.0 TB/s); " + _KERNELS,
                  memory_bandwidth=2.039e12, attention_forward_rate=0.73 * 312 * T,
                  attention_backward_rate=0.63 * 312 * T, matmul_rate=271.2 * T),
-        Hardware("B200", 2250e12, 0.5, 180 * GB, 8, 900e9, 50e9,
+        Hardware("B200", 2250e12, 0.5, 179 * 1024 * MiB, 8, 900e9, 50e9,
                  _DATASHEETS + " (HGX B200, NVLink 5 1.8 TB/s, 400 Gb/s, HBM3e 8 TB/s); " + _KERNELS
                  + " (attention: H100's fractions of peak)",
                  memory_bandwidth=8e12, attention_forward_rate=335 / 989 * 2250 * T,
