@@ -369,6 +369,24 @@ def test_the_recommendations_verdict_is_about_the_recommended_degree() -> None:
     assert (rec["cp"], rec["cp_verdict"]) == (16, "pays_off")
 
 
+def test_float32_runs_every_kernel_at_the_fp32_peaks_share_and_fp8_matmuls_keep_their_speed() -> None:
+    """float32 once ran at bf16 tensor-core rates: torch's float32 matmuls (no TF32) and
+    attention run on the CUDA cores, 67 of 989 TFLOP/s on an H100."""
+    h100 = get_hardware("H100-SXM")
+    f32 = h100.for_dtype("float32")
+    share = 67 / 989
+    assert (f32.peak_flops, f32.matmul_flops) == (67e12, pytest.approx(h100.matmul_flops * share))
+    assert (f32.forward_flops, f32.backward_flops) == (pytest.approx(h100.forward_flops * share),
+                                                      pytest.approx(h100.backward_flops * share))
+    assert h100.for_dtype("bfloat16") is h100 and h100.for_dtype("float16") is h100
+    assert f32.for_dtype("float32") is f32  # applied once
+    fp8 = get_hardware("H100-SXM", fp8=True)
+    assert fp8.for_dtype("float32").matmul_flops == pytest.approx(fp8.matmul_flops)
+    w = worked(fsdp=8)
+    slow, fast = make_plan(w.with_(dtype="float32"), h100, max_cp=4), make_plan(w, h100, max_cp=4)
+    assert slow.step.matmul == pytest.approx(fast.step.matmul / share)
+
+
 def test_without_cp_attention_moves_nothing_and_needs_no_transfer_buffers() -> None:
     """The ring at P=1 has no steps: no incoming K/V, no travelling dK/dV. What is left is
     the float32 output and lse of the forward (the backward's dQ accumulator is smaller)."""

@@ -92,6 +92,7 @@ def choose_for_shapes(batch: int, heads: int, kv_heads: int, head_dim: int, seq:
     if world == 1:
         return "ring", "one rank: no K/V moves, every strategy is the local kernel"
     model = attention_only(heads, kv_heads, head_dim)
+    hw = hw.for_dtype(dtype)
     documents = mask.documents
     times = {}
     for strategy in CANDIDATES:

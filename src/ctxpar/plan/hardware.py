@@ -56,6 +56,10 @@ class Hardware:
         matmul_rate: achieved FLOP/s of the model's matmuls in the compute dtype; None: ``flops``.
         fp8_peak_flops: dense fp8 tensor-core peak FLOP/s; 0 where the GPU has none.
         fp8: matmuls run in fp8, at ``fp8_peak_flops`` x the matmul efficiency.
+        fp32_peak_flops: float32 peak FLOP/s without tensor cores (torch's default for float32
+            matmuls: no TF32); a float32 workload runs every kernel at the rates above x
+            fp32_peak_flops / peak_flops (``for_dtype``); 0: the rates stand for every dtype
+            (``local``: measured in the dtype the calibration ran).
         launch_overhead: seconds every kernel call costs whatever its size.
         step_overhead: seconds every pipeline stage (ring step) costs besides its kernels
             and messages.
@@ -102,6 +106,7 @@ class Hardware:
     matmul_rate: float | None = None
     fp8_peak_flops: float = 0.0
     fp8: bool = False
+    fp32_peak_flops: float = 0.0
     launch_overhead: float = 0.0
     step_overhead: float = 0.0
     strategy_step_overheads: tuple[tuple[str, float], ...] | None = None
@@ -134,6 +139,22 @@ class Hardware:
         """Achieved FLOP/s of the matmuls: in fp8, the fp8 peak x (matmul rate / peak)."""
         rate = self.matmul_rate or self.flops
         return rate * self.fp8_peak_flops / self.peak_flops if self.fp8 else rate
+
+    def for_dtype(self, dtype: str) -> Hardware:
+        """The rates a workload in ``dtype`` (a planner name: bfloat16, float16, float32) gets:
+        float32 runs on the CUDA cores, every kernel rate scaled by fp32_peak_flops / peak_flops
+        (the fraction of peak each achieves kept); other dtypes, or no fp32 figure, unchanged."""
+        if dtype != "float32" or not self.fp32_peak_flops:
+            return self
+        share = self.fp32_peak_flops / self.peak_flops
+
+        def scaled(rate: float | None) -> float | None:
+            return None if rate is None else rate * share
+        # fp8 matmuls (rate x fp8 peak / peak) keep their speed: rate and peak scale alike
+        return replace(self, peak_flops=self.fp32_peak_flops,
+                       attention_forward_rate=scaled(self.attention_forward_rate),
+                       attention_backward_rate=scaled(self.attention_backward_rate),
+                       matmul_rate=scaled(self.matmul_rate), fp32_peak_flops=0.0)
 
     def step_overhead_for(self, strategy: str) -> float:
         """Seconds per pipeline stage of ``strategy`` (``strategy_step_overheads``, else ``step_overhead``)."""
@@ -227,23 +248,24 @@ PRESETS: dict[str, Hardware] = {
         Hardware("H100-SXM", 989e12, 0.5, 81559 * MiB, 8, 450e9, 50e9,
                  _DATASHEETS + " (NVLink 4 900 GB/s, 400 Gb/s, HBM3 3.35 TB/s); " + _KERNELS,
                  memory_bandwidth=3.35e12, attention_forward_rate=335 * T, attention_backward_rate=322 * T,
-                 matmul_rate=794.5 * T, fp8_peak_flops=1979 * T),
+                 matmul_rate=794.5 * T, fp8_peak_flops=1979 * T, fp32_peak_flops=67 * T),
         Hardware("H200", 989e12, 0.5, 143771 * MiB, 8, 450e9, 50e9,
                  _DATASHEETS + " (NVLink 4 900 GB/s, 400 Gb/s, HBM3e 4.8 TB/s); attention rates, their size curves "
                  "and the launch overhead measured with ctxpar's kernels (cuDNN) by `make gpu-check` on one H200, "
                  "docs/planner.md section 6; matmuls: MAMF",
                  memory_bandwidth=4.8e12, attention_forward_rate=652 * T, attention_backward_rate=558 * T,
-                 matmul_rate=794.5 * T, fp8_peak_flops=1979 * T, launch_overhead=33e-6,
+                 matmul_rate=794.5 * T, fp8_peak_flops=1979 * T, fp32_peak_flops=67 * T, launch_overhead=33e-6,
                  attention_size_curve=_H200_FULL_CURVE, attention_causal_size_curve=_H200_CAUSAL_CURVE),
         Hardware("A100-80GB", 312e12, 0.5, 81920 * MiB, 8, 300e9, 25e9,
                  _DATASHEETS + " (NVLink 3 600 GB/s, 200 Gb/s, HBM2e 2.0 TB/s); " + _KERNELS,
                  memory_bandwidth=2.039e12, attention_forward_rate=0.73 * 312 * T,
-                 attention_backward_rate=0.63 * 312 * T, matmul_rate=271.2 * T),
+                 attention_backward_rate=0.63 * 312 * T, matmul_rate=271.2 * T, fp32_peak_flops=19.5 * T),
         Hardware("B200", 2250e12, 0.5, 179 * 1024 * MiB, 8, 900e9, 50e9,
                  _DATASHEETS + " (HGX B200, NVLink 5 1.8 TB/s, 400 Gb/s, HBM3e 8 TB/s); " + _KERNELS
                  + " (attention: H100's fractions of peak)",
                  memory_bandwidth=8e12, attention_forward_rate=335 / 989 * 2250 * T,
-                 attention_backward_rate=322 / 989 * 2250 * T, matmul_rate=1745 * T, fp8_peak_flops=4500 * T),
+                 attention_backward_rate=322 / 989 * 2250 * T, matmul_rate=1745 * T, fp8_peak_flops=4500 * T,
+                 fp32_peak_flops=75 * T),
     )
 }
 LOCAL = "local"

@@ -313,6 +313,7 @@ def make_inference_plan(w: Workload, hw: Hardware, *, new_tokens: int, chunk: in
     ``w.layout``; degrees 1, 2, 4, ... up to ``max_cp`` (``planner.sweep_degrees``), each CP rank
     ``w.tp`` GPUs; the chunk (default T // 16, at least 1) goes on top of T + ``new_tokens`` at ``w.cp``."""
     check_plan_size(w.seq, w.cp, max_cp)
+    hw = hw.for_dtype(w.dtype)
     check_count("new_tokens", new_tokens)
     chunk = max(1, w.seq // 16) if chunk is None else chunk
     check_count("chunk", chunk)

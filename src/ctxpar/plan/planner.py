@@ -91,6 +91,7 @@ def sweep_seqs(seq: int) -> list[int]:
 def make_plan(w: Workload, hw: Hardware, *, max_cp: int | None = None, calibration: dict | None = None) -> Plan:
     """Memory, traffic, time, the sweep, crossovers and a recommendation for ``w`` on ``hw``."""
     check_plan_size(w.seq, w.cp, max_cp)
+    hw = hw.for_dtype(w.dtype)
     degrees, seqs = sweep_degrees(w.cp, max_cp), sweep_seqs(w.seq)
     requested, recommendation = baseline(w, hw), recommend(w, hw, degrees)
     chosen = recommendation.workload
