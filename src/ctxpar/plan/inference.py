@@ -38,6 +38,7 @@ from ctxpar.models.config import ModelConfig
 from ctxpar.plan import cost, traffic
 from ctxpar.plan.hardware import Hardware
 from ctxpar.plan.planner import check_plan_size, sweep_degrees
+from ctxpar.plan.units import format_seconds
 from ctxpar.plan.workload import Workload, default_ulysses
 
 PARTIAL_PREFILL_METHODS = ("pass-kv", "pass-q")
@@ -129,8 +130,8 @@ def choose_partial_prefill(*, model: ModelConfig, batch: int, cached: int, new: 
                         f"{pass_q_fraction(model, elem, acc):.3f})")
     kv, q = (partial_prefill_cost(m, hw=hw, **kw) for m in PARTIAL_PREFILL_METHODS)
     method = "pass-q" if q.seconds < kv.seconds else "pass-kv"
-    return method, (f"predicted on {hw.name}: pass-KV {kv.seconds * 1e3:.3f} ms vs pass-Q {q.seconds * 1e3:.3f} ms "
-                    f"per layer")
+    return method, (f"predicted on {hw.name}: pass-KV {format_seconds(kv.seconds)} vs pass-Q "
+                    f"{format_seconds(q.seconds)} per layer")
 
 
 def partial_prefill_crossover(*, model: ModelConfig, batch: int, cached: int, world: int, elem: int, hw: Hardware,
