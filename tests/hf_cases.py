@@ -20,6 +20,10 @@ test_hf_generate.py:
   loss and gradients against the unsplit eager model given the per-document positions
   (transformers' packed-sequence mask; not for IGNORES_PACKING), and the logits against
   each document run alone.
+- ``guards``: on the same two groups, what a forward must run exactly or refuse on every
+  rank together: LongRoPE (``hf_families``' ``phi3+longrope``) per layout, the decoder
+  called alone, ``logits_to_keep``, a padding mask on one rank only, an attention
+  implementation switched after ``enable_context_parallel`` on one rank only.
 - ``generate``: ``model.generate()`` on CP groups of 2, 3 and 4 ranks (``hf_generate_cases``,
   asserted by test_hf_generate.py).
 """
@@ -293,6 +297,59 @@ def _one_rank_refuses(rank: int, world: int) -> dict:
     return dict(refused=refused, group_rank=dist.get_rank(group), after=after)
 
 
+def _attempt(fn) -> tuple[str, object]:
+    """("ran", what fn returns) or ("refused", the ValueError's message)."""
+    try:
+        return "ran", fn()
+    except ValueError as e:
+        return "refused", str(e)
+
+
+def _relative(got: torch.Tensor, want: torch.Tensor) -> float:
+    return ((got - want).abs().max() / want.abs().max()).item()
+
+
+def _guards(rank: int, world: int) -> dict:
+    """{check: ("ran", value) | ("refused", message)} on this rank's pair, plus the rank in it."""
+    import hf_families
+
+    group, _, _ = _pairs(rank, world)
+    me = dist.get_rank(group)
+    input_ids = torch.randint(3, hf_families.VOCAB, (1, SWEEP_TOKENS), generator=torch.Generator().manual_seed(6))
+    out: dict = dict(group_rank=me)
+    reference = hf_families.build("phi3+longrope")
+    with torch.no_grad():
+        want = reference(input_ids=input_ids, use_cache=False).logits  # long factors: 16 > 8
+        short = reference(input_ids=input_ids[:, :8], use_cache=False).logits  # short factors
+    out["longrope effect"] = _relative(want[:, :8], short)
+    for name in ("zigzag", "striped", "contiguous"):  # contiguous: rank 0 holds positions 0-7 only
+        layout = ctxpar.get_layout(name, SWEEP_P)
+        model = enable_context_parallel(hf_families.build("phi3+longrope"), layout=layout, group=group)
+        inputs, _ = shard_inputs(input_ids, layout=layout, rank=me)
+        with torch.no_grad():
+            out[f"longrope {name}"] = _attempt(lambda: _relative(_gather(model(**inputs).logits, layout, group), want))
+
+    layout = ctxpar.get_layout("zigzag", SWEEP_P)
+    inputs, _ = shard_inputs(input_ids, layout=layout, rank=me)
+    with torch.no_grad():
+        hidden = layout.shard(hf_families.build("llama").model(input_ids=input_ids).last_hidden_state, me, dim=1)
+        model = enable_context_parallel(hf_families.build("llama"), layout=layout, group=group)
+        out["decoder"] = _attempt(lambda: _relative(model.model(**inputs).last_hidden_state, hidden))
+        out["decoder without positions"] = _attempt(
+            lambda: tuple(model.model(input_ids=inputs["input_ids"]).last_hidden_state.shape))
+        out["logits_to_keep"] = _attempt(lambda: tuple(model(**inputs, logits_to_keep=1).logits.shape))
+        mask = torch.ones_like(input_ids)
+        mask[:, :2] = 0  # left padding: after sharding, only rank 0 holds zeros
+        padded = dict(inputs, attention_mask=layout.shard(mask, me, dim=1))
+        out["padding on one rank"] = _attempt(lambda: tuple(model(**padded).logits.shape))
+        if me == 1:
+            model.set_attn_implementation("sdpa")  # each rank would attend within its own shard
+        out["sdpa on one rank"] = _attempt(lambda: tuple(model(**inputs).logits.shape))
+        model.set_attn_implementation("ctxpar")
+        out["after"] = _attempt(lambda: tuple(model(**inputs).logits.shape))
+    return out
+
+
 def run(rank: int, world: int) -> dict:
     import warnings
 
@@ -304,4 +361,4 @@ def run(rank: int, world: int) -> dict:
 
     return dict(llama=_llama(rank, world), labels=_labels(rank, world), sweep=_sweep(rank, world),
                 masks=_masks(rank, world), packed=_packed(rank, world), one_rank_refuses=_one_rank_refuses(rank, world),
-                generate=hf_generate_cases.run(rank, world))
+                guards=_guards(rank, world), generate=hf_generate_cases.run(rank, world))

@@ -102,6 +102,13 @@ VARIANTS = {
                                                   sliding_window=4)),
     "bert+decoder": ("bert", dict(is_decoder=True, add_cross_attention=True)),  # cross-attention unused here
     "gpt2+dropout": ("gpt2", dict(attn_pdrop=0.1)),
+    # RoPE whose frequencies follow the largest position a forward sees: dynamic NTK scaling
+    # (beyond max_position_embeddings, 8 here) is refused; LongRoPE's long factors (from
+    # position 8 on) run exactly where every rank's positions reach past 8, as zigzag's do on 16
+    "llama+dynamic-rope": ("llama", dict(rope_parameters=dict(rope_type="dynamic", factor=4.0, rope_theta=1e4),
+                                         max_position_embeddings=8)),
+    "phi3+longrope": ("phi3", dict(rope_parameters=dict(rope_type="longrope", rope_theta=1e4, short_factor=[1.0] * 4,
+                                                        long_factor=[4.0] * 4), original_max_position_embeddings=8)),
 }
 
 # Feature names as ctxpar's errors spell them (fidelity.py). Sliding windows, chunked
@@ -111,8 +118,9 @@ DROPOUT, OWN_CODE, NOT_SOFTMAX = "attention dropout", "not through transformers'
 STATE, CONV, LOCAL_POSITIONS = "outside attention", "convolutions along", "positions counted within the local shard"
 PADDING_POSITIONS, NON_TEXT = "after padding_idx", "inputs beyond the token sequence"
 DYNAMIC_MASK, TEMPERATURE, ALIBI = "dynamic mask", "temperature tuning", "ALiBi"
+DYNAMIC_ROPE = "dynamic RoPE scaling"
 FEATURES = (SOFTCAP, OTHER_KV, DROPOUT, OWN_CODE, NOT_SOFTMAX, STATE, CONV, LOCAL_POSITIONS,
-            PADDING_POSITIONS, NON_TEXT, DYNAMIC_MASK, TEMPERATURE, ALIBI)
+            PADDING_POSITIONS, NON_TEXT, DYNAMIC_MASK, TEMPERATURE, ALIBI, DYNAMIC_ROPE)
 
 _SSM = (NOT_SOFTMAX, STATE, CONV)
 REFUSED = {
@@ -149,7 +157,7 @@ REFUSED = {
     **dict.fromkeys(("falcon_mamba", "mamba", "mamba2"), (*_SSM, LOCAL_POSITIONS)),
     # the hostile-testing list, each feature alone
     "gemma2+softcap-only": (SOFTCAP,), "vaultgemma+softcap-only": (SOFTCAP,),
-    "llama4_text+nope-temperature": (TEMPERATURE,), "gpt2+dropout": (DROPOUT,),
+    "llama4_text+nope-temperature": (TEMPERATURE,), "gpt2+dropout": (DROPOUT,), "llama+dynamic-rope": (DYNAMIC_ROPE,),
 }
 
 CASES = [f for f in sorted(MODEL_FOR_CAUSAL_LM_MAPPING_NAMES) if f not in UNBUILDABLE] + list(VARIANTS)

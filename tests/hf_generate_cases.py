@@ -149,6 +149,15 @@ def _attempt(fn) -> str:
     return "ran"
 
 
+def _switched(layout):
+    """Llama under CP, then switched to sdpa: each rank would attend within its own shard."""
+    import hf_families
+
+    model = enable_context_parallel(hf_families.build("llama"), layout=layout)
+    model.set_attn_implementation("sdpa")
+    return model
+
+
 def _refusals(rank: int, world: int) -> dict:
     import hf_families
     from transformers import DynamicCache
@@ -178,6 +187,9 @@ def _refusals(rank: int, world: int) -> dict:
         "seeds differ": _attempt(lambda: (torch.manual_seed(rank), model.generate(tokens, do_sample=True, **run))),
         "sinks": _attempt(lambda: enable_context_parallel(hf_families.build("gpt_oss+sinks-only"), layout=layout)
                           .generate(tokens, **run)),
+        "longrope prefill": _attempt(lambda: enable_context_parallel(  # rank 0 holds positions 0-5 of 24, limit 8
+            hf_families.build("phi3+longrope"), layout=ctxpar.get_layout("contiguous", world)).generate(tokens, **run)),
+        "sdpa after enable": _attempt(lambda: _switched(layout).generate(tokens, **run)),
         "dynamic cache in forward": _attempt(lambda: model(input_ids=layout.shard(tokens, rank, dim=1),
                                                            position_ids=layout.positions(PROMPT_LEN, rank)[None],
                                                            past_key_values=DynamicCache())),

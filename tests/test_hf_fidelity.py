@@ -156,3 +156,27 @@ def test_the_report_names_every_feature_and_llama_has_none() -> None:
     assert "Gemma2ForCausalLM cannot run exactly under context parallelism" in message
     assert "attention logit soft-capping (Gemma2Config.attn_logit_softcapping=50.0" in message
     assert "sliding" not in message  # honoured
+
+
+def test_dynamic_rope_scaling_is_refused_naming_the_setting_and_the_fix() -> None:
+    """Dynamic NTK scaling recomputes the frequencies from the largest position a forward
+    sees (and keeps them): each rank would rotate with its own."""
+    with pytest.raises(ValueError, match=r"dynamic RoPE scaling .*LlamaConfig.rope_parameters\['rope_type'\]="
+                                         r"'dynamic'.*max_position_embeddings=8"):
+        enable_context_parallel(hf_families.build("llama+dynamic-rope", meta=True), layout=ONE)
+
+
+def test_longrope_runs_exactly_where_every_rank_uses_the_sequences_factors_and_is_refused_elsewhere() -> None:
+    """LongRoPE switches to its long factors when the largest position a forward sees
+    reaches original_max_position_embeddings (8). On 16 tokens over 2 ranks, zigzag and
+    striped give every rank a position past 8: the unsplit logits; contiguous leaves rank 0
+    positions 0-7: refused on both ranks, naming the limit and the rank."""
+    for res in hf_cases.results():
+        got = res["guards"]
+        assert got["longrope effect"] > 1e-3  # the long factors change the logits
+        for name in ("zigzag", "striped"):
+            kind, detail = got[f"longrope {name}"]
+            assert kind == "ran" and detail <= 1e-5, f"{name}: {detail}"
+        kind, detail = got["longrope contiguous"]
+        assert kind == "refused", detail
+        assert "uses LongRoPE" in detail and "original_max_position_embeddings=8" in detail and "rank 0" in detail

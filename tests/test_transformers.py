@@ -159,3 +159,64 @@ def test_a_refusal_on_one_rank_is_a_refusal_on_every_rank() -> None:
         else:
             assert "another rank of the CP group refused" in got["refused"]
         assert got["after"][1] == hf_cases.SWEEP_TOKENS // 2
+
+
+def test_logits_to_keep_and_an_attention_implementation_switched_after_enable_are_refused() -> None:
+    """logits_to_keep keeps a shard's last rows, which are not the sequence's; after
+    set_attn_implementation("sdpa") (or a config set to another implementation) each rank
+    would attend within its own shard. Both refused, generate included; switching back works."""
+    model, inputs, _ = _one_rank(hf_families.build("llama"))
+    for keep in (1, torch.tensor([7])):
+        with pytest.raises(ValueError, match="logits_to_keep=.*not the sequence's last positions"):
+            model(**inputs, logits_to_keep=keep)
+    assert model(**inputs, logits_to_keep=0).logits.shape[1] == 8  # 0 keeps every row
+    model.set_attn_implementation("sdpa")
+    with pytest.raises(ValueError, match=r"LlamaForCausalLM's attention implementation is now 'sdpa'.*"
+                                         r"set_attn_implementation\(\"ctxpar\"\)"):
+        model(**inputs)
+    with pytest.raises(ValueError, match="attention implementation is now 'sdpa'"):
+        model.generate(inputs["input_ids"], max_new_tokens=2)
+    model.set_attn_implementation("ctxpar")
+    model.model.config._attn_implementation = "eager"
+    with pytest.raises(ValueError, match="attention implementation is now 'eager'"):
+        model.model(**inputs)
+    model.set_attn_implementation("ctxpar")
+    assert model(**inputs).logits.shape[1] == 8
+
+
+def _guards(check: str) -> list[tuple[int, tuple]]:
+    """(rank in its CP group, verdict) of every rank for one check of hf_cases' ``guards``."""
+    return [(res["guards"]["group_rank"], res["guards"][check]) for res in hf_cases.results()]
+
+
+def test_the_decoder_called_alone_is_guarded_like_the_model() -> None:
+    """model.model(...) on 2 ranks: with shard_inputs' positions, the unsplit hidden states;
+    without position_ids (it would number each shard from 0), refused on every rank."""
+    for _, (kind, detail) in _guards("decoder"):
+        assert kind == "ran" and detail <= 1e-5, detail
+    for _, (kind, detail) in _guards("decoder without positions"):
+        assert kind == "refused" and "LlamaModel got no position_ids" in detail, detail
+
+
+def test_logits_to_keep_is_refused_on_every_rank() -> None:
+    for _, (kind, detail) in _guards("logits_to_keep"):
+        assert kind == "refused" and "logits_to_keep=1" in detail, detail
+
+
+def test_a_padding_mask_on_one_rank_is_refused_on_every_rank_together() -> None:
+    """A left-padded row: after sharding only rank 0 holds zeros of the mask. Rank 0 says
+    why, rank 1 that another rank refused; nobody waits in attention."""
+    for rank, (kind, detail) in _guards("padding on one rank"):
+        assert kind == "refused", detail
+        assert ("padding masks are not supported" if rank == 0 else "another rank of the CP group refused") in detail
+
+
+def test_an_attention_implementation_switched_on_one_rank_is_refused_on_every_rank() -> None:
+    """set_attn_implementation("sdpa") on rank 1 after enable_context_parallel: every rank
+    refuses the forward; switched back, the next forward runs."""
+    for rank, (kind, detail) in _guards("sdpa on one rank"):
+        assert kind == "refused", detail
+        assert ("attention implementation is now 'sdpa'" if rank == 1 else "another rank of the CP group refused") \
+            in detail, detail
+    for _, got in _guards("after"):
+        assert got == ("ran", (1, hf_cases.SWEEP_TOKENS // 2, hf_families.VOCAB)), got

@@ -30,8 +30,10 @@ document lengths or cu_seqlens, the same on every rank): ``shard_inputs`` then n
 positions from 0 in each document and puts ``documents`` into the inputs, and
 ``model(..., documents=...)`` makes every attention layer of that forward see only its
 own document (the model itself never receives the argument). Position ids that restart
-without declared documents are refused. Pass the same kind of inputs on every rank: a
-padding mask refused on one rank only would leave the others waiting.
+without declared documents are refused. What the forward refuses (positions, a padding
+mask, logits_to_keep, an attention implementation switched after enabling, ...) is agreed
+by one all-reduce, so every rank refuses together; the decoder called on its own
+(``model.model(...)``) is checked alike.
 
 ``model.generate(input_ids, ...)`` with the whole prompt on every rank gives every rank
 the tokens generate gives without CP, greedy or sampled (``generation.py``: a sharded
@@ -51,8 +53,18 @@ import inspect
 import torch
 import torch.distributed as dist
 
-from ctxpar.integrations.transformers.attention import DOCUMENTS, NAME, Settings, attention_forward, mask_forward
-from ctxpar.integrations.transformers.fidelity import Unsupported, check_model, find_unsupported
+from ctxpar.integrations.transformers.attention import (
+    CHECKED,
+    DOCUMENTS,
+    NAME,
+    PADDING_REFUSED,
+    Settings,
+    attention_forward,
+    check_implementation,
+    check_rope_lengths,
+    mask_forward,
+)
+from ctxpar.integrations.transformers.fidelity import Unsupported, check_model, find_unsupported, longrope_limits
 from ctxpar.integrations.transformers.generation import CACHE_KEYS, ShardedCache, cached_forward, wrap_generate
 from ctxpar.integrations.transformers.loss import CPCausalLMLoss
 from ctxpar.layout import Layout
@@ -76,18 +88,24 @@ def _declare_fix() -> str:
             "document and passes documents= to the model")
 
 
+def _tokens(bound: dict) -> torch.Tensor | None:
+    """The forward's (B, S) input_ids, or its (B, S, C) inputs_embeds."""
+    tokens = bound.get("input_ids")
+    return bound.get("inputs_embeds") if tokens is None else tokens
+
+
 def _check_positions(name: str, settings: Settings, bound: dict, documents: tuple[int, ...] | None) -> None:
     """position_ids must be this rank's global layout positions, counted from the start of
     each declared document: RoPE reads them, and so does transformers' mask code (which
     ctxpar's mask replaces). Restarting positions without declared documents are refused:
-    transformers would read them as packing of this shard alone."""
-    tokens = bound.get("input_ids")
-    if tokens is None:
-        tokens = bound.get("inputs_embeds")
+    transformers would read them as packing of this shard alone. LongRoPE's choice of
+    factors, which reads the largest position, must be the whole sequence's on every rank."""
+    tokens = _tokens(bound)
     if tokens is None:
         if documents is not None:
             raise ValueError(f"{name} got documents= but neither input_ids nor inputs_embeds")
         return
+    check_rope_lengths(name, settings, tokens.shape[1] * settings.layout.world_size, documents)
     want = positions_in_documents(settings.positions(tokens.shape[1]), documents)  # (S,)
     positions = bound.get("position_ids")
     if positions is None:
@@ -102,6 +120,30 @@ def _check_positions(name: str, settings: Settings, bound: dict, documents: tupl
                              f"shard: {_declare_fix()}")
         raise ValueError(f"position_ids must be this rank's global layout positions counted from the start of "
                          f"each declared document {list(documents)[:8]} (use shard_inputs(..., documents=...))")
+
+
+def _check_call(name: str, bound: dict, extra: dict) -> None:
+    """Refuse in the forward, where every rank's verdict is agreed (``_refuse_together``),
+    what a layer or the LM head would get wrong on one shard: a padding or custom mask
+    (after sharding, a left-padded row's zeros sit on one rank only) and logits_to_keep
+    (a shard's last rows are not the sequence's last positions)."""
+    mask = bound.get("attention_mask", extra.get("attention_mask"))
+    if mask is not None:
+        if not isinstance(mask, torch.Tensor) or mask.dim() != 2:
+            shown = tuple(mask.shape) if isinstance(mask, torch.Tensor) else type(mask).__name__
+            raise ValueError(f"{name} got an explicit attention mask {shown}; under context parallelism the mask "
+                             f"follows the layout (and the declared documents), and custom or padding masks are "
+                             f"refused")
+        if not bool(mask.all()):
+            raise ValueError(f"{name}: {PADDING_REFUSED}")
+    for key in ("logits_to_keep", "num_logits_to_keep"):
+        keep = bound.get(key, extra.get(key))
+        if isinstance(keep, torch.Tensor) or keep not in (None, 0):
+            shown = f"a tensor {tuple(keep.shape)}" if isinstance(keep, torch.Tensor) else repr(keep)
+            raise ValueError(f"{name} got {key}={shown}: it keeps rows of this rank's shard, and under context "
+                             f"parallelism a shard's last rows are not the sequence's last positions; leave it out "
+                             f"(0 keeps every row) and pick rows by their global positions (the position_ids "
+                             f"shard_inputs returns), or call model.generate(), which keeps the right row itself")
 
 
 def _unshifted(labels: torch.Tensor | None, input_ids: torch.Tensor | None) -> bool:
@@ -132,46 +174,57 @@ def _refuse_together(name: str, error: Exception | None, unshifted: bool, device
 
 def _documents(name: str, settings: Settings, bound: dict, documents) -> tuple[int, ...] | None:
     """The declared documents as lengths over the whole row (None for one document)."""
-    tokens = bound.get("input_ids")
-    if tokens is None:
-        tokens = bound.get("inputs_embeds")
+    tokens = _tokens(bound)
     if tokens is None:
         raise ValueError(f"{name} got documents= but neither input_ids nor inputs_embeds")
     lengths = document_lengths(documents, tokens.shape[1] * settings.layout.world_size)
     return None if len(lengths) == 1 else lengths
 
 
-def _wrap_forward(model, loss: CPCausalLMLoss, settings: Settings) -> None:
-    """Refuse, before the forward, what the model would do wrong with labels or caches; and
-    after it, a labels= loss that did not go through ``loss`` (a model computing its own).
-    A forward over ctxpar's ``ShardedCache`` (generate's) goes to ``cached_forward``."""
+def _wrap_forward(model, settings: Settings, loss: CPCausalLMLoss | None = None) -> None:
+    """Refuse, before the forward and on every rank together, what the model would do wrong
+    with its inputs (positions, masks, caches, labels, logits_to_keep) or with an attention
+    implementation switched after ``enable_context_parallel``; and after it, a labels= loss
+    that did not go through ``loss`` (a model computing its own). ``loss`` None: a sub-model
+    (the decoder under the LM head), checked alike when called on its own and run unchecked
+    inside a checked forward (``CHECKED``). A forward of the model over ctxpar's
+    ``ShardedCache`` (generate's) goes to ``cached_forward``."""
+    from transformers import PreTrainedModel
+
     forward = model.__dict__.get("_ctxpar_inner_forward", model.forward)
     model._ctxpar_inner_forward = forward
     signature = inspect.signature(forward)
     var_kw = next((p.name for p in signature.parameters.values() if p.kind is inspect.Parameter.VAR_KEYWORD), None)
     name = type(model).__name__
+    models = [m for m in model.modules() if isinstance(m, PreTrainedModel)]
 
     if "documents" in signature.parameters:
         raise ValueError(f"{name}.forward takes its own documents= argument, which ctxpar's documents= would shadow")
 
-    @functools.wraps(forward)
-    def cp_forward(*args, documents=None, **kwargs):
+    def checked(args, kwargs, documents):
         bound = signature.bind_partial(*args, **kwargs).arguments
         extra = bound.get(var_kw, {}) if var_kw else {}
         caches = {key: bound.get(key, extra.get(key)) for key in CACHE_KEYS}
         sharded = [c for c in caches.values() if isinstance(c, ShardedCache)]
-        if sharded and documents is None:
+        if sharded and documents is None and loss is not None:
+            refusal = None
+            try:
+                check_implementation(name, models)
+            except ValueError as e:
+                refusal = e
             call = {k: v for k, v in bound.items() if k != var_kw}
             return cached_forward(forward, {**call, **extra}, name=name, settings=settings, cache=sharded[0],
-                                  accepts=signature.parameters)
+                                  accepts=signature.parameters, refusal=refusal)
         labels = bound.get("labels")
         error = None
         try:
+            check_implementation(name, models)
             for key, cache in caches.items():
                 if cache is not None:
                     raise ValueError(f"{name} got {key}={type(cache).__name__}: under context parallelism a "
                                      f"forward takes no KV cache but the one model.generate() builds (ctxpar's "
-                                     f"ShardedCache), and documents= do not go with it")
+                                     f"ShardedCache, for the model enable_context_parallel was applied to), and "
+                                     f"documents= do not go with it")
             router = bound.get("output_router_logits", extra.get("output_router_logits"))
             if router is None:
                 router = getattr(model.config, "output_router_logits", False)
@@ -179,6 +232,7 @@ def _wrap_forward(model, loss: CPCausalLMLoss, settings: Settings) -> None:
                 raise ValueError(f"{name} would add its router load-balancing loss, computed over this rank's "
                                  f"tokens only, to the labels= loss; pass output_router_logits=False, or compute "
                                  f"both losses yourself")
+            _check_call(name, bound, extra)
             if documents is not None:
                 documents = _documents(name, settings, bound, documents)
             _check_positions(name, settings, bound, documents)
@@ -186,18 +240,28 @@ def _wrap_forward(model, loss: CPCausalLMLoss, settings: Settings) -> None:
             error = e  # exchange below, or its peers wait there
         tokens = bound.get("input_ids")
         device = (tokens if tokens is not None else model.get_input_embeddings().weight).device
-        _refuse_together(name, error, _unshifted(labels, tokens), device, loss.group)
-        calls = loss.calls
+        _refuse_together(name, error, _unshifted(labels, tokens), device, settings.group)
+        calls = loss.calls if loss is not None else 0
         declared = DOCUMENTS.set(documents)
         try:
             out = forward(*args, **kwargs)
         finally:
             DOCUMENTS.reset(declared)
-        if labels is not None and loss.calls == calls:
+        if labels is not None and loss is not None and loss.calls == calls:
             raise ValueError(f"{name} computes its labels= loss without transformers' loss_function, so it would "
                              f"shift the already shifted labels and average per rank; call it without labels= and "
                              f"use ctxpar.parallelize.cp_loss(out.logits, labels)")
         return out
+
+    @functools.wraps(forward)
+    def cp_forward(*args, documents=None, **kwargs):
+        if CHECKED.get() and documents is None:  # a sub-model inside a forward checked as a whole
+            return forward(*args, **kwargs)
+        inside = CHECKED.set(True)
+        try:
+            return checked(args, kwargs, documents)
+        finally:
+            CHECKED.reset(inside)
 
     model.forward = cp_forward
 
@@ -225,7 +289,7 @@ def enable_context_parallel(
     """
     check_model(model)
     _register()
-    settings = Settings(layout, group, strategy, mesh)
+    settings = Settings(layout, group, strategy, mesh, longrope=longrope_limits(model))
     for module in model.modules():  # attention_forward finds its settings on the module that calls it
         module.ctxpar_settings = settings
     model.set_attn_implementation(NAME)
@@ -238,7 +302,10 @@ def enable_context_parallel(
                          f"cannot run this model")
     loss = CPCausalLMLoss(group)
     model.loss_function = loss
-    _wrap_forward(model, loss, settings)
+    for sub in model.modules():  # the decoder called on its own (model.model(...)) is checked too
+        if isinstance(sub, PreTrainedModel) and sub is not model:
+            _wrap_forward(sub, settings)
+    _wrap_forward(model, settings, loss)
     wrap_generate(model, settings)
     return model
 

@@ -33,7 +33,7 @@ import torch.nn.functional as F
 from ctxpar.attention import attention
 from ctxpar.inference.decode import sharded_attention
 from ctxpar.layout import Layout
-from ctxpar.masks import chunked
+from ctxpar.masks import chunked, positions_in_documents
 from ctxpar.topology import hybrid_rank
 
 NAME = "ctxpar"
@@ -79,12 +79,15 @@ KWARG_FIXES = dict.fromkeys(_PACKED, "declare the packed row's documents instead
 
 @dataclass(frozen=True)
 class Settings:
-    """What ``enable_context_parallel`` attached to a model: how its attention is split."""
+    """What ``enable_context_parallel`` attached to a model: how its attention is split.
+    ``longrope``: the original_max_position_embeddings of the model's LongRoPE set-ups
+    (``fidelity.longrope_limits``), checked per forward by ``check_rope_lengths``."""
 
     layout: Layout
     group: dist.ProcessGroup | None
     strategy: str
     mesh: object
+    longrope: tuple[int, ...] = ()
 
     def positions(self, local_len: int) -> torch.Tensor:
         """(S,) the global positions this rank's ``local_len`` tokens sit at."""
@@ -103,6 +106,52 @@ DOCUMENTS: contextvars.ContextVar[tuple[int, ...] | None] = contextvars.ContextV
 # The ShardedCache of the generate forward in progress (None outside generate), set by
 # generation.cached_forward: the cache this forward's layers store into and attend from.
 CACHED: contextvars.ContextVar[object | None] = contextvars.ContextVar("ctxpar_cached", default=None)
+
+# True while a forward that enable_context_parallel's wrapper checked is running: the wrapped
+# sub-models it calls (the decoder under the LM head) run unchecked, as part of it.
+CHECKED: contextvars.ContextVar[bool] = contextvars.ContextVar("ctxpar_checked", default=False)
+
+PADDING_REFUSED = ("padding masks are not supported under context parallelism: pack or crop the batch so every token "
+                   "is real (attention_mask all ones, or documents= for a packed row), or leave attention_mask out")
+
+
+def check_implementation(owner: str, models) -> None:
+    """Refuse a forward of ``owner`` when any of ``models`` (its transformers PreTrainedModels)
+    no longer attends with ctxpar (``set_attn_implementation`` or a config changed after
+    ``enable_context_parallel``): transformers would call that implementation on each rank's
+    shard alone."""
+    for model in models:
+        implementation = model.config._attn_implementation
+        if implementation != NAME:
+            raise ValueError(f"{owner}'s attention implementation is now {implementation!r} "
+                             f"({type(model.config).__name__}._attn_implementation), not ctxpar's, so each rank "
+                             f"would attend within its own shard only; call model.set_attn_implementation(\"ctxpar\") "
+                             f"to run under context parallelism again, or run a model enable_context_parallel was "
+                             f"not applied to")
+
+
+def check_rope_lengths(owner: str, settings: Settings, seq_len: int, documents: tuple[int, ...] | None) -> None:
+    """LongRoPE takes its long frequency factors when the largest position a forward sees is
+    at least original_max_position_embeddings (transformers' ``longrope_frequency_update``,
+    Phi-MoE's rotary embedding), and a rank sees only its own positions. Exact when every
+    rank's choice is the whole sequence's; refused otherwise. The verdict depends on the
+    layout, ``seq_len`` and the declared documents only, so every rank reaches the same one."""
+    if not settings.longrope:
+        return
+    layout = settings.layout
+    largest = int(positions_in_documents(torch.arange(seq_len), documents).max())  # what RoPE reads, unsplit
+    for limit in settings.longrope:
+        if largest < limit:
+            continue  # short factors everywhere
+        for rank in range(layout.world_size):
+            mine = int(positions_in_documents(layout.positions(seq_len, rank), documents).max())
+            if mine < limit:
+                raise ValueError(f"{owner} uses LongRoPE, which switches to its long frequency factors when a "
+                                 f"forward's largest position is at least original_max_position_embeddings={limit}: "
+                                 f"the sequence's is {largest}, but rank {rank} holds positions up to {mine} only, "
+                                 f"so the ranks would rotate with different frequencies. Use a layout or length "
+                                 f"that gives every rank a position of at least {limit} (striped gives rank r "
+                                 f"position T-P+r), or run without context parallelism")
 
 
 @dataclass(frozen=True)
@@ -369,13 +418,12 @@ def mask_forward(*args, attention_mask: torch.Tensor | None = None, mask_functio
     it returns no tensor but a description: None for plain causal attention over one
     document, a ``LayerMask`` (sliding window, chunks, the declared documents) that the
     attention function honours, or a ``RefusedMask`` (raised by the first layer that
-    attends with it) for anything else. A padding mask that pads is refused here. 4-D
-    masks never get here (transformers passes them straight to attention, which refuses
+    attends with it) for anything else. A padding mask is refused here too, although
+    ``enable_context_parallel``'s forward wrapper refuses it first, on every rank together.
+    4-D masks never get here (transformers passes them straight to attention, which refuses
     them)."""
     if attention_mask is not None and not bool(attention_mask.all()):
-        raise ValueError("padding masks are not supported under context parallelism: pack or crop the batch so "
-                         "every token is real (attention_mask all ones, or documents= for a packed row), or leave "
-                         "attention_mask out")
+        raise ValueError(PADDING_REFUSED)
     if mask_function is None:
         return None if DOCUMENTS.get() is None else LayerMask(documents=DOCUMENTS.get())
     described = describe_mask(mask_function)

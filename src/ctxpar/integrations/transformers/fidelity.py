@@ -9,8 +9,10 @@ sliding windows and chunked attention (layer kinds below; each layer's window or
 is read from the mask transformers builds for it, and anything else in that mask is
 refused at call time), attention sinks passed as ``s_aux``, any constant ``scaling`` the
 model passes (Granite, Gemma's query_pre_attn_scalar, Whisper), GQA / MQA, K and V head
-dims that differ (DeepSeek's MLA), final-logit soft-capping, MoE layers. The call-time
-half of the guard (keyword arguments, masks) lives in ``attention.py``.
+dims that differ (DeepSeek's MLA), final-logit soft-capping, MoE layers, RoPE whose
+frequencies are fixed, and LongRoPE where every rank takes the sequence's factors (checked
+per forward, ``longrope_limits``). The call-time half of the guard (keyword arguments,
+masks, LongRoPE's lengths) lives in ``attention.py``.
 """
 
 from __future__ import annotations
@@ -92,6 +94,36 @@ def _layer_kinds(config) -> dict[str, str]:
     return kinds
 
 
+def _rope_setups(config) -> list[tuple[str, dict]]:
+    """(field, parameters) of each RoPE set-up of a config: ``rope_parameters`` (one, or one
+    per layer type), or a legacy ``rope_scaling`` where there is none (transformers 5 keeps
+    ``rope_scaling`` as another name for ``rope_parameters``)."""
+    for field in ("rope_parameters", "rope_scaling"):
+        value = _get(config, field)
+        if not isinstance(value, dict):
+            continue
+        if "rope_type" in value or "type" in value:
+            return [(field, value)]
+        return [(f"{field}[{key!r}]", v) for key, v in value.items() if isinstance(v, dict)]
+    return []
+
+
+def _rope_type(parameters: dict) -> str:
+    return str(parameters.get("rope_type", parameters.get("type", "default")))
+
+
+def longrope_limits(model: nn.Module) -> tuple[int, ...]:
+    """The original_max_position_embeddings of every LongRoPE set-up in the model's configs:
+    from there on a forward takes the long factors (``attention.check_rope_lengths``)."""
+    limits = set()
+    for config in _configs(model):
+        for _, parameters in _rope_setups(config):
+            limit = parameters.get("original_max_position_embeddings")
+            if _rope_type(parameters) == "longrope" and limit is not None:
+                limits.add(int(limit))
+    return tuple(sorted(limits))
+
+
 def _config_features(config) -> list[Unsupported]:
     name = type(config).__name__
     found = []
@@ -102,6 +134,16 @@ def _config_features(config) -> list[Unsupported]:
         p = _get(config, field)
         if isinstance(p, (int, float)) and p > 0:
             found.append(Unsupported("attention dropout", f"{name}.{field}={p}", f"set {field}=0"))
+    for field, parameters in _rope_setups(config):
+        # transformers recomputes (and keeps) dynamic frequencies from the largest position a
+        # forward sees: under CP each rank's own
+        if "dynamic" in _rope_type(parameters):
+            limit = _get(config, "max_position_embeddings")
+            found.append(Unsupported(
+                "dynamic RoPE scaling (frequencies recomputed from the largest position each rank sees)",
+                f"{name}.{field}['rope_type']={_rope_type(parameters)!r}",
+                f"up to max_position_embeddings={limit} tokens it equals rope_type='default', which ctxpar runs; "
+                f"beyond, run without context parallelism"))
     if _get(config, "alibi") is True:
         found.append(Unsupported("ALiBi position biases", f"{name}.alibi=True"))
     for kind, field in _layer_kinds(config).items():

@@ -33,7 +33,9 @@ collective, naming it (``check_generate``): every mode but greedy and sampling (
 search, contrastive search, assisted decoding, ...), a cache passed in, other cache
 implementations (static, offloaded, quantized), ``use_cache=False``, chunked prefill,
 ``inputs_embeds``, padding, ``output_attentions`` / ``output_hidden_states``, attention
-sinks (gpt-oss), encoder-decoder models, the hybrid strategy. A model that attends with
+sinks (gpt-oss), encoder-decoder models, the hybrid strategy, an attention implementation
+switched after ``enable_context_parallel``, a prompt on whose length LongRoPE would pick
+different factors on different ranks. A model that attends with
 K/V other than the ones it cached (multi-head latent attention caches latents and expands
 them after), or caches K/V of different shapes per layer, is refused at its first layer
 of the prefill, on every rank alike (``ShardedCache.update`` / ``take``).
@@ -53,7 +55,7 @@ import torch.distributed as dist
 from ctxpar import agreement, auto, comm, topology
 from ctxpar.inference.cache import KVCache
 from ctxpar.inference.prefill import last_position_owner
-from ctxpar.integrations.transformers.attention import CACHED, Settings
+from ctxpar.integrations.transformers.attention import CACHED, Settings, check_implementation, check_rope_lengths
 
 try:
     from transformers.cache_utils import Cache
@@ -215,14 +217,17 @@ class ShardedCache(Cache):
         return int(torch.searchsorted(keys, first)) if first > 0 else 0
 
 
-def cached_forward(forward, kwargs: dict, *, name: str, settings: Settings, cache: ShardedCache, accepts):
+def cached_forward(forward, kwargs: dict, *, name: str, settings: Settings, cache: ShardedCache, accepts,
+                   refusal: Exception | None = None):
     """One forward of generate over ``cache`` (the prefill or a decode step), ``kwargs`` as
-    the caller passed them; ``accepts``: the names the model's forward takes."""
-    error, call, step = None, None, None
-    try:
-        call, step = _plan(name, settings, cache, dict(kwargs), accepts)
-    except (ValueError, NotImplementedError) as e:
-        error = e
+    the caller passed them; ``accepts``: the names the model's forward takes; ``refusal``:
+    what the caller already refused (raised on every rank together, like this call's own)."""
+    error, call, step = refusal, None, None
+    if error is None:
+        try:
+            call, step = _plan(name, settings, cache, dict(kwargs), accepts)
+        except (ValueError, NotImplementedError) as e:
+            error = e
     if cache.world_size > 1:
         agreement.check_values_agree(_forward_signature(cache, kwargs), cache.group, error, "generate forward")
     elif error is not None:
@@ -276,6 +281,7 @@ def _plan(name: str, settings: Settings, cache: ShardedCache, kwargs: dict, acce
     if past == 0:
         want = torch.arange(new)
         settings.layout.validate(new)
+        check_rope_lengths(name, settings, new, None)
         if new > cache.capacity:
             raise ValueError(f"a prompt of {new} tokens is longer than the sharded cache's {cache.capacity} positions")
         positions = settings.layout.positions(new, cache.rank)  # (T/P,) global, ascending
@@ -337,7 +343,10 @@ def _num_layers(config) -> int:
 def check_generate(model, settings: Settings, generate, args: tuple, kwargs: dict):
     """Refuse what generate would do that the sharded cache cannot honour (no collective);
     returns the prompt (B, T) and transformers' GenerationConfig for the call."""
+    from transformers import PreTrainedModel
+
     name = type(model).__name__
+    check_implementation(name, [m for m in model.modules() if isinstance(m, PreTrainedModel)])
     if settings.mesh is not None or settings.strategy not in STRATEGIES:
         raise NotImplementedError(f"model.generate() under context parallelism supports strategy "
                                   f"{' | '.join(map(repr, STRATEGIES))}, not {settings.strategy!r}")
@@ -387,6 +396,7 @@ def check_generate(model, settings: Settings, generate, args: tuple, kwargs: dic
         raise ValueError("padding (an attention_mask with zeros, a left-padded batch) is not supported by "
                          "generation under context parallelism: generate each prompt length separately")
     settings.layout.validate(prompt.shape[1])
+    check_rope_lengths(name, settings, prompt.shape[1], None)
     return prompt, config
 
 
