@@ -60,6 +60,12 @@ def _cases(rank: int, world: int) -> dict:
                 after=_attempt(lambda: (model(batch.tokens, batch.positions)
                                         - layout.shard(full, cp_rank, dim=1)).abs().max().item()),
             )
+            apply_context_parallel(model, layout="zigzag", **kwargs)  # by name, as ctxpar.attention takes it
+            found[name]["by_name"] = _attempt(lambda: (model(batch.tokens, batch.positions)
+                                                       - layout.shard(full, cp_rank, dim=1)).abs().max().item())
+            found[name]["by_name_forgotten"] = _attempt(lambda: model(batch.tokens))
+            apply_context_parallel(model, layout=layout, check_consistency=False, **kwargs)
+            found[name]["unchecked"] = _attempt(lambda: tuple(model(batch.tokens).shape))
     return found
 
 
@@ -71,7 +77,7 @@ def results() -> list[dict]:
 def test_the_positions_shard_batch_gives_are_exact(strategy: str) -> None:
     for rank, res in enumerate(results()):
         r = res[strategy]
-        for case in ("exact", "documents", "after"):
+        for case in ("exact", "documents", "after", "by_name"):
             assert isinstance(r[case], float) and r[case] < 1e-5, f"rank {rank} {case}: {r[case]}"
 
 
@@ -82,9 +88,18 @@ def test_wrong_positions_are_refused_on_every_rank(strategy: str) -> None:
         assert "got no positions under context parallelism" in r["forgotten"], (rank, r["forgotten"])
         assert "global positions under the zigzag layout" in r["other_layout"], (rank, r["other_layout"])
         assert "global positions within each document" in r["global_with_documents"], rank
+        assert "shard_batch(tokens, layout=layout, rank=rank, documents=documents)" in r["global_with_documents"] \
+            or strategy == "hybrid", r["global_with_documents"]
+        assert "got no positions" in r["by_name_forgotten"], (rank, r["by_name_forgotten"])
         # under the hybrid mesh a rank outside the culprit's row and column hears of it second hand, unnamed
         want = "got no positions" if rank == WORLD - 1 else "of the CP group rejected their forward inputs"
         assert want in r["one_rank_forgets"], (rank, r["one_rank_forgets"])
+
+
+def test_check_consistency_false_skips_the_guard() -> None:
+    """The opt-out ctxpar.attention has, for calls known to agree: the forward runs unchecked."""
+    for res in results():
+        assert res["ring"]["unchecked"] == (2, SEQ // WORLD, 256)
 
 
 def test_one_rank_needs_no_positions() -> None:

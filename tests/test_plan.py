@@ -380,6 +380,8 @@ def test_float32_runs_every_kernel_at_the_fp32_peaks_share_and_fp8_matmuls_keep_
                                                       pytest.approx(h100.backward_flops * share))
     assert h100.for_dtype("bfloat16") is h100 and h100.for_dtype("float16") is h100
     assert f32.for_dtype("float32") is f32  # applied once
+    given = get_hardware("H100-SXM", peak_flops=50e12)  # the user's peak stands for float32 too
+    assert given.for_dtype("float32").flops == given.flops == 25e12
     fp8 = get_hardware("H100-SXM", fp8=True)
     assert fp8.for_dtype("float32").matmul_flops == pytest.approx(fp8.matmul_flops)
     w = worked(fsdp=8)

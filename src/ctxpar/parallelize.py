@@ -17,6 +17,7 @@ from __future__ import annotations
 import functools
 import inspect
 import itertools
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -26,7 +27,7 @@ import torch.nn.functional as F
 
 from ctxpar import agreement, topology
 from ctxpar.attention import attention
-from ctxpar.layout import Layout
+from ctxpar.layout import Layout, get_layout
 from ctxpar.masks import document_lengths, positions_in_documents
 
 IGNORE_INDEX = -100
@@ -74,15 +75,22 @@ def shard_batch(
 
 
 def apply_context_parallel(
-    model: nn.Module, *, layout: Layout, group: dist.ProcessGroup | None = None, strategy: str = "ring", mesh=None
+    model: nn.Module, *, layout: str | Layout, group: dist.ProcessGroup | None = None, strategy: str = "ring",
+    mesh=None, check_consistency: bool = True,
 ) -> nn.Module:
     """Route every attention module's ``attention_fn`` through ``ctxpar.attention``.
 
     Works on any module tree whose attention modules expose ``attention_fn(q, k, v)``
     (the reference ``ctxpar.models.Transformer``); for Hugging Face models see
     ``ctxpar.integrations.transformers``. Returns the model, changed in place.
+
+    ``check_consistency`` (as ``ctxpar.attention``'s, on every rank at once): each
+    attention call compares the ranks' calls, and the reference model's forward refuses,
+    on every rank together, positions that are not this rank's layout positions (one tiny
+    all-gather per forward); False skips both.
     """
-    cp_attention = functools.partial(attention, layout=layout, group=group, strategy=strategy, mesh=mesh, causal=True)
+    cp_attention = functools.partial(attention, layout=layout, group=group, strategy=strategy, mesh=mesh, causal=True,
+                                     check_consistency=check_consistency)
     swapped = 0
     for module in model.modules():
         if hasattr(module, "attention_fn"):
@@ -90,11 +98,17 @@ def apply_context_parallel(
             swapped += 1
     if swapped == 0:
         raise ValueError(f"{type(model).__name__} has no module with an attention_fn to replace")
-    _guard_positions(model, layout, group, mesh, cp_attention)
+    previous = getattr(model, "_ctxpar_positions_guard", None)
+    if previous is not None:
+        previous.remove()
+        del model._ctxpar_positions_guard
+    if check_consistency:
+        _guard_positions(model, layout, group, mesh, cp_attention)
     return model
 
 
-def _guard_positions(model: nn.Module, layout: Layout, group, mesh, cp_attention) -> None:
+def _guard_positions(model: nn.Module, layout: str | Layout, group: dist.ProcessGroup | None, mesh,
+                     cp_attention: Callable[..., torch.Tensor]) -> None:
     """Refuse, on every rank together, a forward whose positions are not this rank's layout
     positions (counted from each document's start when ``documents=`` is given, as
     ``shard_batch`` makes them): forgotten positions (the model would number the shard
@@ -103,9 +117,6 @@ def _guard_positions(model: nn.Module, layout: Layout, group, mesh, cp_attention
     signature = inspect.signature(model.forward)
     if "positions" not in signature.parameters:
         return  # not the reference model: its forward is not ours to check
-    previous = getattr(model, "_ctxpar_positions_guard", None)
-    if previous is not None:
-        previous.remove()
 
     def check(module: nn.Module, args: tuple, kwargs: dict) -> None:
         if not any(getattr(m, "attention_fn", None) is cp_attention for m in module.modules()):
@@ -117,24 +128,26 @@ def _guard_positions(model: nn.Module, layout: Layout, group, mesh, cp_attention
         try:
             bound = signature.bind(*args, **kwargs).arguments
             tokens, positions, documents = (bound.get(name) for name in ("tokens", "positions", "documents"))
-            seq_len = tokens.shape[1] * layout.world_size
+            placed = get_layout(layout, topo.world_size)  # a name, as ctxpar.attention takes it, or a Layout
+            seq_len = tokens.shape[1] * topo.world_size
             lengths = None if documents is None else document_lengths(documents, seq_len)
-            want = positions_in_documents(layout.positions(seq_len, topo.rank), lengths)  # (S,)
+            want = positions_in_documents(placed.positions(seq_len, topo.rank), lengths)  # (S,)
             where = " within each document" if lengths else ""
+            rank = "ctxpar.hybrid_rank(mesh)" if topo.hybrid else "rank"
+            docs, batch_docs = (", documents=documents", ", documents=batch.documents") if lengths else ("", "")
+            fix = (f"batch = shard_batch(tokens, layout=layout, rank={rank}{docs}), then "
+                   f"model(batch.tokens, batch.positions{batch_docs})")
             if positions is None:
                 raise ValueError(f"{type(module).__name__} got no positions under context parallelism, so it would "
-                                 f"number this rank's tokens from 0; pass this rank's global positions{where}: "
-                                 f"model(batch.tokens, batch.positions) with batch = shard_batch(...)")
+                                 f"number this rank's tokens from 0; pass this rank's global positions{where}: {fix}")
             if positions.shape[-1] != want.numel() or not bool((positions.reshape(-1, want.numel()).cpu()
                                                                  == want).all()):
                 raise ValueError(f"positions must be rank {topo.rank}'s global positions{where} under the "
-                                 f"{layout.name} layout given to apply_context_parallel (they begin "
-                                 f"{want[:6].tolist()}); shard with that layout: shard_batch(tokens, layout=layout, "
-                                 f"rank=rank)")
+                                 f"{placed.name} layout given to apply_context_parallel (they begin "
+                                 f"{want[:6].tolist()}): {fix}")
         except Exception as e:  # noqa: BLE001  any failure: this rank must still join the exchange below
             error = e
-        groups = topo.process_groups if topo.hybrid else topo.group
-        agreement.check_values_agree({}, groups, error, "forward")
+        agreement.check_values_agree({}, topo.process_groups, error, "forward")
 
     model._ctxpar_positions_guard = model.register_forward_pre_hook(check, with_kwargs=True)
 

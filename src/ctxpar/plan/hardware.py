@@ -427,9 +427,10 @@ def get_hardware(
 
     ``bandwidth`` replaces both links (intra- and inter-node); ``peak_flops`` the peak and
     ``efficiency`` the achieved fraction: either one replaces the kernel rates with one rate,
-    peak x efficiency; ``latency`` the seconds per message, ``launch_overhead`` per kernel
-    call, ``step_overhead`` per pipeline stage, ``tile_overhead`` (forward, backward) per
-    tile beyond its kernel (both replace the measured figures, fixed and per byte);
+    peak x efficiency (a ``peak_flops`` given stands for float32 too: ``for_dtype``);
+    ``latency`` the seconds per message, ``launch_overhead`` per kernel call,
+    ``step_overhead`` per pipeline stage, ``tile_overhead`` (forward, backward) per tile
+    beyond its kernel (both replace the measured figures, fixed and per byte);
     ``gpus_per_node`` the GPUs the intra-node link joins; ``fp8`` runs matmuls at the fp8
     peak x the matmul efficiency (refused for hardware without fp8). ``local`` needs
     ``calibration``.
@@ -459,8 +460,11 @@ def get_hardware(
         changes.update(strategy_step_overheads=None, strategy_step_byte_overheads=None)
     if peak_flops is not None or efficiency is not None:  # one rate for every kernel, as before kernel rates
         changes.update(attention_forward_rate=None, attention_backward_rate=None, matmul_rate=None)
+    if peak_flops is not None:  # the peak given stands for every dtype: float32 is not scaled back to the preset's
+        changes.update(fp32_peak_flops=0.0)
     if changes:
-        given = sorted(k for k in changes if not k.endswith(("_rate", "_per_byte")) and not k.startswith("strategy_"))
+        given = sorted(k for k in changes if not k.endswith(("_rate", "_per_byte"))
+                       and not k.startswith(("strategy_", "fp32_")))
         hw = replace(hw, source=hw.source + "; overridden: " + ", ".join(given), **changes)
     if fp8:
         hw = replace(hw, fp8=True, source=hw.source + "; fp8 matmuls")
