@@ -226,7 +226,7 @@ def cached_forward(forward, kwargs: dict, *, name: str, settings: Settings, cach
     if error is None:
         try:
             call, step = _plan(name, settings, cache, dict(kwargs), accepts)
-        except (ValueError, NotImplementedError) as e:
+        except Exception as e:  # noqa: BLE001  any failure: this rank must still join the exchange below
             error = e
     if cache.world_size > 1:
         agreement.check_values_agree(_forward_signature(cache, kwargs), cache.group, error, "generate forward")
@@ -437,7 +437,7 @@ def wrap_generate(model, settings: Settings) -> None:
         error, prompt, config = None, None, None
         try:
             prompt, config = check_generate(model, settings, generate, args, kwargs)
-        except (ValueError, NotImplementedError, TypeError) as e:
+        except Exception as e:  # noqa: BLE001  any failure: this rank must still join the exchange below
             error = e
         world = topology.from_group(settings.group).world_size if settings.mesh is None else 1
         if world > 1:
