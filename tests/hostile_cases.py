@@ -159,9 +159,29 @@ def double_backward(mesh) -> dict[str, str]:
     return found
 
 
+def loss_on_lse(mesh) -> dict[str, str]:
+    """A loss term on the returned lse (a z-loss on attention): once it silently added nothing
+    to q.grad (lse was detached); now the backward refuses it. The output alone still trains."""
+    found = {}
+    for strategy in ("ring", "allgather", "alltoall", "hybrid"):
+        q, k, v = _tensors()
+        kwargs = dict(layout="zigzag", strategy=strategy, mesh=mesh if strategy == "hybrid" else None)
+        out, lse = ctxpar.attention_with_lse(q, k, v, **kwargs)
+        try:
+            (out.sum() + lse.square().sum()).backward()
+            found[strategy] = "no error"
+        except RuntimeError as e:
+            found[strategy] = str(e)
+        out, lse = ctxpar.attention_with_lse(q, k, v, **kwargs)
+        out.sum().backward()
+        found[f"{strategy} out only"] = "ok" if q.grad is not None and bool(torch.isfinite(q.grad).all()) else "no grad"
+    return found
+
+
 def run(rank: int, world: int) -> dict:
     from torch.distributed.device_mesh import init_device_mesh
 
     mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("ring", "ulysses"))
     return dict(disagree=disagreeing_ranks(rank, world, mesh), nonfinite=nonfinite_inputs(rank, world),
-                dense_once=dense_once(rank, world), double_backward=double_backward(mesh))
+                dense_once=dense_once(rank, world), double_backward=double_backward(mesh),
+                loss_on_lse=loss_on_lse(mesh))

@@ -104,6 +104,15 @@ def test_the_rank_with_invalid_arguments_raises_its_own_error() -> None:
 
 
 @pytest.mark.parametrize("strategy", ["ring", "allgather", "alltoall", "hybrid"])
+def test_a_loss_on_the_returned_lse_is_refused_not_dropped(strategy: str) -> None:
+    for rank, res in enumerate(results()):
+        got = res["loss_on_lse"]
+        assert "lse returned by ctxpar.attention_with_lse, which is not differentiable" in got[strategy], \
+            (rank, got[strategy])
+        assert got[f"{strategy} out only"] == "ok", rank
+
+
+@pytest.mark.parametrize("strategy", ["ring", "allgather", "alltoall", "hybrid"])
 def test_differentiating_a_gradient_again_is_refused_not_detached(strategy: str) -> None:
     """alltoall and hybrid once returned dq detached from the graph, so a gradient penalty
     silently contributed nothing to q.grad."""

@@ -85,7 +85,8 @@ def attention_with_lse(
         out (B, H, S, D) in q's dtype, differentiable w.r.t. q, k, v (and sinks); and
         lse (B, H, S) float32 (float64 for float64 inputs), the natural-log sum of
         exp(scaled scores) over all visible keys of the whole sequence, sinks included
-        (not differentiable).
+        (not differentiable: a backward that reaches it raises, rather than leave a loss term
+        on it without effect; ``lse.detach()`` where it only weighs or inspects).
 
     Raises:
         ValueError: for any invalid input, before any K/V move. With

@@ -43,7 +43,7 @@ from ctxpar.comm import PendingAllGather, PendingReduceScatter
 from ctxpar.layout import Layout
 from ctxpar.masks import Mask
 from ctxpar.strategies.blockwise import (backward_tiles, finish_forward, forward_tiles, gradient_accumulators,
-                                         output_accumulators, sink_gradient)
+                                         output_accumulators, refuse_lse_gradient, sink_gradient)
 from ctxpar.strategy_rules import gather_group_heads
 from ctxpar.topology import Topology
 
@@ -121,7 +121,8 @@ class AllGatherAttention(torch.autograd.Function):
 
     @staticmethod
     @once_differentiable
-    def backward(ctx, dout, _dlse):
+    def backward(ctx, dout, dlse):
+        refuse_lse_gradient(dlse)
         q, k, v, sinks, out, lse = ctx.saved_tensors
         group, order, scale, world = ctx.args
         g = q.shape[1] // k.shape[1]

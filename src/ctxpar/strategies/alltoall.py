@@ -31,7 +31,7 @@ from ctxpar import comm
 from ctxpar.blocks import layout_tiles
 from ctxpar.layout import Layout, UnionLayout
 from ctxpar.masks import Mask
-from ctxpar.strategies.blockwise import LocalAttention
+from ctxpar.strategies.blockwise import LocalAttention, refuse_lse_gradient
 from ctxpar.strategy_rules import kv_copies
 from ctxpar.topology import Topology
 
@@ -92,12 +92,13 @@ class HeadsToSeq(torch.autograd.Function):
         send_lse.permute(1, 2, 0, 3)[:, :, src, loc] = lse
         recv_out, recv_lse = comm.all_to_all(send_out, send_lse, group=group)
         ctx.group, ctx.u, ctx.src, ctx.loc = group, u, src, loc
-        ctx.mark_non_differentiable(recv_lse)
+        ctx.set_materialize_grads(False)  # an lse nobody differentiated arrives as None
         return recv_out.transpose(0, 1).flatten(1, 2), recv_lse.transpose(0, 1).flatten(1, 2)  # (B, H, S, D), (B, H, S)
 
     @staticmethod
     @once_differentiable
-    def backward(ctx, dout, _dlse):
+    def backward(ctx, dout, dlse):
+        refuse_lse_gradient(dlse)
         b, h, s, d = dout.shape
         send = dout.unflatten(1, (ctx.u, h // ctx.u)).transpose(0, 1).contiguous()  # chunk j: member j's heads
         (recv,) = comm.all_to_all(send, group=ctx.group)  # (U, B, H/U, S, D): chunk j holds member j's tokens

@@ -33,8 +33,9 @@ def gradient_accumulators(q: torch.Tensor, k: torch.Tensor) -> tuple[torch.Tenso
 def finish_forward(ctx, q, k, v, sinks, acc_out: torch.Tensor, acc_lse: torch.Tensor
                    ) -> tuple[torch.Tensor, torch.Tensor]:
     """The end of every strategy's forward: the sinks (if any) merged in; ``out`` in q's
-    dtype; out, lse and the inputs saved for the backward; lse (accumulation dtype) marked
-    non-differentiable.
+    dtype; out, lse and the inputs saved for the backward. lse (accumulation dtype) stays
+    in the graph, so that a loss built on it reaches the backward and is refused there
+    (``refuse_lse_gradient``) instead of silently contributing nothing.
 
     A sink is one more term exp(sink_h) in each row's softmax denominator with no value:
     merging it is merging a partial with out 0 and lse sink_h. The backward then hands
@@ -46,8 +47,18 @@ def finish_forward(ctx, q, k, v, sinks, acc_out: torch.Tensor, acc_lse: torch.Te
         acc_lse.copy_(lse)
     out = acc_out.to(q.dtype)
     ctx.save_for_backward(q, k, v, sinks, out, acc_lse)
-    ctx.mark_non_differentiable(acc_lse)
+    ctx.set_materialize_grads(False)  # an lse nobody differentiated arrives as None
     return out, acc_lse
+
+
+def refuse_lse_gradient(dlse: torch.Tensor | None) -> None:
+    """No strategy differentiates the lse it returns (its gradient would change every
+    kernel's backward); a loss that uses it is refused rather than left without that term."""
+    if dlse is not None:
+        raise RuntimeError("a gradient reached the lse returned by ctxpar.attention_with_lse, which is not "
+                           "differentiable: a loss term on it would add nothing to the gradients of q, k and v. "
+                           "Use lse.detach() where it only weighs or inspects, or compute the term from the "
+                           "attention scores of an unsplit reference")
 
 
 def sink_gradient(sinks, dout: torch.Tensor, out: torch.Tensor, lse: torch.Tensor) -> torch.Tensor | None:
@@ -140,7 +151,8 @@ class LocalAttention(torch.autograd.Function):
 
     @staticmethod
     @once_differentiable
-    def backward(ctx, dout, _dlse):
+    def backward(ctx, dout, dlse):
+        refuse_lse_gradient(dlse)
         q, k, v, sinks, out, lse = ctx.saved_tensors
         dout = dout.contiguous()
         dq, dkv = gradient_accumulators(q, k)

@@ -43,7 +43,7 @@ from ctxpar.comm import RingComm
 from ctxpar.layout import Layout
 from ctxpar.masks import Mask
 from ctxpar.strategies.blockwise import (backward_tiles, finish_forward, forward_tiles, gradient_accumulators,
-                                         output_accumulators, sink_gradient)
+                                         output_accumulators, refuse_lse_gradient, sink_gradient)
 from ctxpar.topology import Topology
 
 _KV_TAG, _DKV_TAG, _HOME_TAG = 0, 1, 2
@@ -140,7 +140,8 @@ class RingAttention(torch.autograd.Function):
 
     @staticmethod
     @once_differentiable
-    def backward(ctx, dout, _dlse):
+    def backward(ctx, dout, dlse):
+        refuse_lse_gradient(dlse)
         q, k, v, sinks, out, lse = ctx.saved_tensors
         plan, rank, scale = ctx.plan, ctx.rank, ctx.scale
         world, held, steps = len(plan.held[0]), plan.held, plan.steps
