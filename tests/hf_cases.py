@@ -331,6 +331,11 @@ def _guards(rank: int, world: int) -> dict:
 
     layout = ctxpar.get_layout("zigzag", SWEEP_P)
     inputs, _ = shard_inputs(input_ids, layout=layout, rank=me)
+    # dynamic RoPE past max_position_embeddings (8 < 16): each rank would recompute from its own positions
+    dynamic = enable_context_parallel(hf_families.build("llama+dynamic-rope", max_position_embeddings=8),
+                                      layout=layout, group=group)
+    with torch.no_grad():
+        out["dynamic rope past its limit"] = _attempt(lambda: tuple(dynamic(**inputs).logits.shape))
     with torch.no_grad():
         hidden = layout.shard(hf_families.build("llama").model(input_ids=input_ids).last_hidden_state, me, dim=1)
         model = enable_context_parallel(hf_families.build("llama"), layout=layout, group=group)

@@ -103,10 +103,10 @@ VARIANTS = {
     "bert+decoder": ("bert", dict(is_decoder=True, add_cross_attention=True)),  # cross-attention unused here
     "gpt2+dropout": ("gpt2", dict(attn_pdrop=0.1)),
     # RoPE whose frequencies follow the largest position a forward sees: dynamic NTK scaling
-    # (beyond max_position_embeddings, 8 here) is refused; LongRoPE's long factors (from
-    # position 8 on) run exactly where every rank's positions reach past 8, as zigzag's do on 16
-    "llama+dynamic-rope": ("llama", dict(rope_parameters=dict(rope_type="dynamic", factor=4.0, rope_theta=1e4),
-                                         max_position_embeddings=8)),
+    # runs exactly below max_position_embeddings (64 here; past it, refused: hf_cases' guards);
+    # LongRoPE's long factors (from position 8 on) run exactly where every rank's positions
+    # reach past 8, as zigzag's do on 16
+    "llama+dynamic-rope": ("llama", dict(rope_parameters=dict(rope_type="dynamic", factor=4.0, rope_theta=1e4))),
     "phi3+longrope": ("phi3", dict(rope_parameters=dict(rope_type="longrope", rope_theta=1e4, short_factor=[1.0] * 4,
                                                         long_factor=[4.0] * 4), original_max_position_embeddings=8)),
 }
@@ -118,9 +118,8 @@ DROPOUT, OWN_CODE, NOT_SOFTMAX = "attention dropout", "not through transformers'
 STATE, CONV, LOCAL_POSITIONS = "outside attention", "convolutions along", "positions counted within the local shard"
 PADDING_POSITIONS, NON_TEXT = "after padding_idx", "inputs beyond the token sequence"
 DYNAMIC_MASK, TEMPERATURE, ALIBI = "dynamic mask", "temperature tuning", "ALiBi"
-DYNAMIC_ROPE = "dynamic RoPE scaling"
 FEATURES = (SOFTCAP, OTHER_KV, DROPOUT, OWN_CODE, NOT_SOFTMAX, STATE, CONV, LOCAL_POSITIONS,
-            PADDING_POSITIONS, NON_TEXT, DYNAMIC_MASK, TEMPERATURE, ALIBI, DYNAMIC_ROPE)
+            PADDING_POSITIONS, NON_TEXT, DYNAMIC_MASK, TEMPERATURE, ALIBI)
 
 _SSM = (NOT_SOFTMAX, STATE, CONV)
 REFUSED = {
@@ -157,7 +156,7 @@ REFUSED = {
     **dict.fromkeys(("falcon_mamba", "mamba", "mamba2"), (*_SSM, LOCAL_POSITIONS)),
     # the hostile-testing list, each feature alone
     "gemma2+softcap-only": (SOFTCAP,), "vaultgemma+softcap-only": (SOFTCAP,),
-    "llama4_text+nope-temperature": (TEMPERATURE,), "gpt2+dropout": (DROPOUT,), "llama+dynamic-rope": (DYNAMIC_ROPE,),
+    "llama4_text+nope-temperature": (TEMPERATURE,), "gpt2+dropout": (DROPOUT,),
 }
 
 CASES = [f for f in sorted(MODEL_FOR_CAUSAL_LM_MAPPING_NAMES) if f not in UNBUILDABLE] + list(VARIANTS)
@@ -193,9 +192,10 @@ def _tiny_kwargs(cls, overrides: dict | None = None) -> dict:
     return kwargs
 
 
-def config_for(case: str) -> PretrainedConfig:
-    """The tiny config of ``case`` (a family or a variant)."""
+def config_for(case: str, **changes) -> PretrainedConfig:
+    """The tiny config of ``case`` (a family or a variant), with ``changes`` on top."""
     family, extra = VARIANTS.get(case, (case, {}))
+    extra = {**extra, **changes}
     if family in ("musicgen", "musicgen_melody"):  # their causal LM is the decoder alone, on 1 codebook here
         cls = CONFIG_MAPPING[f"{family}_decoder"]
         return cls(**_tiny_kwargs(cls, dict(num_codebooks=1)))
@@ -203,7 +203,7 @@ def config_for(case: str) -> PretrainedConfig:
     return cls(**_tiny_kwargs(cls, {**OVERRIDES.get(family, {}), **extra}))
 
 
-def build(case: str, *, meta: bool = False) -> torch.nn.Module:
+def build(case: str, *, meta: bool = False, **changes) -> torch.nn.Module:
     """``case`` built tiny in float32 with seed 0, eager attention; ``meta``: on the meta device
     (no weights; enough for ``enable_context_parallel``'s checks). ``DEFAULT_ON_META``
     families always come from their default config on the meta device."""
@@ -212,7 +212,7 @@ def build(case: str, *, meta: bool = False) -> torch.nn.Module:
         with torch.device("meta"):
             return AutoModelForCausalLM.from_config(CONFIG_MAPPING[family](**_META_BASE.get(family, {})))
     torch.manual_seed(0)
-    config = config_for(case)
+    config = config_for(case, **changes)
     with torch.device("meta" if meta else "cpu"):
         if family in ("musicgen", "musicgen_melody"):
             decoder_lm = MODEL_FOR_CAUSAL_LM_MAPPING[CONFIG_MAPPING[family]]

@@ -158,12 +158,15 @@ def test_the_report_names_every_feature_and_llama_has_none() -> None:
     assert "sliding" not in message  # honoured
 
 
-def test_dynamic_rope_scaling_is_refused_naming_the_setting_and_the_fix() -> None:
+def test_dynamic_rope_scaling_runs_below_its_limit_and_is_refused_past_it_on_every_rank() -> None:
     """Dynamic NTK scaling recomputes the frequencies from the largest position a forward
-    sees (and keeps them): each rank would rotate with its own."""
-    with pytest.raises(ValueError, match=r"dynamic RoPE scaling .*LlamaConfig.rope_parameters\['rope_type'\]="
-                                         r"'dynamic'.*max_position_embeddings=8"):
-        enable_context_parallel(hf_families.build("llama+dynamic-rope", meta=True), layout=ONE)
+    sees once it passes max_position_embeddings: each rank would rotate with its own. Below
+    the limit it is the default RoPE (the family sweep's llama+dynamic-rope runs exactly);
+    past it (16 tokens, limit 8) every rank refuses, naming the limit."""
+    for res in hf_cases.results():
+        kind, detail = res["guards"]["dynamic rope past its limit"]
+        assert kind == "refused" and "dynamic RoPE scaling" in detail and "max_position_embeddings=8" in detail, \
+            detail
 
 
 def test_longrope_runs_exactly_where_every_rank_uses_the_sequences_factors_and_is_refused_elsewhere() -> None:

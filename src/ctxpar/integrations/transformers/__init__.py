@@ -64,7 +64,8 @@ from ctxpar.integrations.transformers.attention import (
     check_rope_lengths,
     mask_forward,
 )
-from ctxpar.integrations.transformers.fidelity import Unsupported, check_model, find_unsupported, longrope_limits
+from ctxpar.integrations.transformers.fidelity import (Unsupported, check_model, dynamic_rope_limits, find_unsupported,
+                                                       longrope_limits)
 from ctxpar.integrations.transformers.generation import CACHE_KEYS, ShardedCache, cached_forward, wrap_generate
 from ctxpar.integrations.transformers.loss import CPCausalLMLoss
 from ctxpar.layout import Layout
@@ -289,7 +290,8 @@ def enable_context_parallel(
     """
     check_model(model)
     _register()
-    settings = Settings(layout, group, strategy, mesh, longrope=longrope_limits(model))
+    settings = Settings(layout, group, strategy, mesh, longrope=longrope_limits(model),
+                        dynamic=dynamic_rope_limits(model))
     for module in model.modules():  # attention_forward finds its settings on the module that calls it
         module.ctxpar_settings = settings
     model.set_attn_implementation(NAME)

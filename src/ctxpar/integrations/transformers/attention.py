@@ -81,13 +81,16 @@ KWARG_FIXES = dict.fromkeys(_PACKED, "declare the packed row's documents instead
 class Settings:
     """What ``enable_context_parallel`` attached to a model: how its attention is split.
     ``longrope``: the original_max_position_embeddings of the model's LongRoPE set-ups
-    (``fidelity.longrope_limits``), checked per forward by ``check_rope_lengths``."""
+    (``fidelity.longrope_limits``); ``dynamic``: the max_position_embeddings of its dynamic
+    RoPE scaling (``fidelity.dynamic_rope_limits``); both checked per forward by
+    ``check_rope_lengths``."""
 
     layout: Layout
     group: dist.ProcessGroup | None
     strategy: str
     mesh: object
     longrope: tuple[int, ...] = ()
+    dynamic: tuple[int, ...] = ()
 
     def positions(self, local_len: int) -> torch.Tensor:
         """(S,) the global positions this rank's ``local_len`` tokens sit at."""
@@ -134,12 +137,24 @@ def check_rope_lengths(owner: str, settings: Settings, seq_len: int, documents: 
     """LongRoPE takes its long frequency factors when the largest position a forward sees is
     at least original_max_position_embeddings (transformers' ``longrope_frequency_update``,
     Phi-MoE's rotary embedding), and a rank sees only its own positions. Exact when every
-    rank's choice is the whole sequence's; refused otherwise. The verdict depends on the
-    layout, ``seq_len`` and the declared documents only, so every rank reaches the same one."""
-    if not settings.longrope:
+    rank's choice is the whole sequence's; refused otherwise. Dynamic RoPE scaling recomputes
+    its frequencies once a forward's largest position + 1 passes max_position_embeddings (and
+    resets them below it): exact while the sequence stays below, where no rank can differ
+    from the unsplit model; refused from max_position_embeddings tokens on (at exactly that
+    many, the unsplit model keeps frequencies a longer call left, which ranks holding only
+    smaller positions reset). The verdict depends on the layout, ``seq_len`` and the declared
+    documents only, so every rank reaches the same one."""
+    if not (settings.longrope or settings.dynamic):
         return
     layout = settings.layout
     largest = int(positions_in_documents(torch.arange(seq_len), documents).max())  # what RoPE reads, unsplit
+    for limit in settings.dynamic:
+        if largest + 1 >= limit:
+            raise ValueError(f"{owner} uses dynamic RoPE scaling, which recomputes its frequencies from a forward's "
+                             f"largest position once it passes max_position_embeddings={limit}: the sequence reaches "
+                             f"position {largest}, and each rank would recompute them from its own positions. It "
+                             f"runs exactly below {limit} tokens (or documents); beyond, run without context "
+                             f"parallelism")
     for limit in settings.longrope:
         if largest < limit:
             continue  # short factors everywhere

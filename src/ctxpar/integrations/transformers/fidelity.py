@@ -10,8 +10,9 @@ is read from the mask transformers builds for it, and anything else in that mask
 refused at call time), attention sinks passed as ``s_aux``, any constant ``scaling`` the
 model passes (Granite, Gemma's query_pre_attn_scalar, Whisper), GQA / MQA, K and V head
 dims that differ (DeepSeek's MLA), final-logit soft-capping, MoE layers, RoPE whose
-frequencies are fixed, and LongRoPE where every rank takes the sequence's factors (checked
-per forward, ``longrope_limits``). The call-time half of the guard (keyword arguments,
+frequencies are fixed, LongRoPE where every rank takes the sequence's factors, and dynamic
+RoPE scaling below max_position_embeddings (both checked per forward, ``longrope_limits``,
+``dynamic_rope_limits``). The call-time half of the guard (keyword arguments,
 masks, LongRoPE's lengths) lives in ``attention.py``.
 """
 
@@ -124,6 +125,18 @@ def longrope_limits(model: nn.Module) -> tuple[int, ...]:
     return tuple(sorted(limits))
 
 
+def dynamic_rope_limits(model: nn.Module) -> tuple[int, ...]:
+    """The max_position_embeddings of every config with dynamic RoPE scaling: from there on
+    transformers recomputes the frequencies from a forward's largest position
+    (``attention.check_rope_lengths``)."""
+    limits = set()
+    for config in _configs(model):
+        limit = _get(config, "max_position_embeddings")
+        if limit is not None and any("dynamic" in _rope_type(p) for _, p in _rope_setups(config)):
+            limits.add(int(limit))
+    return tuple(sorted(limits))
+
+
 def _config_features(config) -> list[Unsupported]:
     name = type(config).__name__
     found = []
@@ -134,16 +147,6 @@ def _config_features(config) -> list[Unsupported]:
         p = _get(config, field)
         if isinstance(p, (int, float)) and p > 0:
             found.append(Unsupported("attention dropout", f"{name}.{field}={p}", f"set {field}=0"))
-    for field, parameters in _rope_setups(config):
-        # transformers recomputes (and keeps) dynamic frequencies from the largest position a
-        # forward sees: under CP each rank's own
-        if "dynamic" in _rope_type(parameters):
-            limit = _get(config, "max_position_embeddings")
-            found.append(Unsupported(
-                "dynamic RoPE scaling (frequencies recomputed from the largest position each rank sees)",
-                f"{name}.{field}['rope_type']={_rope_type(parameters)!r}",
-                f"up to max_position_embeddings={limit} tokens it equals rope_type='default', which ctxpar runs; "
-                f"beyond, run without context parallelism"))
     if _get(config, "alibi") is True:
         found.append(Unsupported("ALiBi position biases", f"{name}.alibi=True"))
     for kind, field in _layer_kinds(config).items():
