@@ -15,6 +15,7 @@ from dataclasses import dataclass, replace
 
 import torch
 import torch.distributed as dist
+from torch.distributed.device_mesh import DeviceMesh
 
 import ctxpar
 from ctxpar.kernels.reference import reference_attention
@@ -262,6 +263,9 @@ def _bad_inputs(world: int, mesh) -> dict[str, tuple]:
     if mesh is not None:
         bad["hybrid_layout_world"] = ((q, kv, kv), dict(layout=ctxpar.ZigzagLayout(2), strategy="hybrid", mesh=mesh))
         bad["hybrid_heads"] = ((good(5), good(5), good(5)), dict(layout="zigzag", strategy="hybrid", mesh=mesh))
+        # ranks not ascending along a dim: once silently wrong (group ranks taken for coordinates)
+        permuted = DeviceMesh("cpu", torch.tensor([[3, 1], [0, 2]]), mesh_dim_names=("ring", "ulysses"))
+        bad["hybrid_mesh_permuted"] = ((q, kv, kv), dict(layout="zigzag", strategy="hybrid", mesh=permuted))
     return bad
 
 

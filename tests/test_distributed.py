@@ -59,6 +59,7 @@ EXPECTED_MESSAGES = {
     "gloo_device": ["uses gloo", "move them to the CPU"],
     "hybrid_layout_world": ["ulysses degree 2", "ring degree 2"],
     "hybrid_heads": ["H=5", "ulysses degree=2"],
+    "hybrid_mesh_permuted": ["ranks ascend along each dim", "[[3, 1], [0, 2]]"],
     "non_member": ["not a member"],
     "documents_sum": ["sum to 7", "tokens"],
     "documents_empty": ["lengths must be >= 1"],
@@ -86,7 +87,7 @@ def test_bad_inputs_raise_clear_errors_without_hanging(world: int) -> None:
         if world == 1:
             expected -= {"non_member", "alltoall_heads", "gloo_device"}
         if world != 4:
-            expected -= {"hybrid_layout_world", "hybrid_heads"}
+            expected -= {"hybrid_layout_world", "hybrid_heads", "hybrid_mesh_permuted"}
         if rank != 0:
             expected -= {"non_member"}
         assert set(messages) == expected

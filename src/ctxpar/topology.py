@@ -75,6 +75,12 @@ def from_mesh(mesh) -> Topology:
             f"hybrid needs a 2D DeviceMesh with mesh_dim_names ('ring', 'ulysses'), got "
             f"{mesh.ndim}D with names {names or None}"
         )
+    ranks = mesh.mesh  # (d0, d1) global ranks, the same tensor on every rank: so is this verdict
+    if not all(bool((ranks.diff(dim=dim) > 0).all()) for dim in (0, 1)):
+        raise ValueError(f"hybrid needs a mesh whose global ranks ascend along each dim, as init_device_mesh builds "
+                         f"them (torch numbers each dim's process group in ascending rank order, and the strategy "
+                         f"takes that number for the coordinate); got {ranks.tolist()}: build it with "
+                         f"init_device_mesh(device, (ring, ulysses), mesh_dim_names=('ring', 'ulysses'))")
     if mesh.get_coordinate() is None:
         raise ValueError(f"global rank {dist.get_rank()} is not in the hybrid mesh")
     u, r = mesh.size(names.index("ulysses")), mesh.size(names.index("ring"))
