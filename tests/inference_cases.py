@@ -274,6 +274,13 @@ def _check_bad_inputs(rank: int, world: int) -> dict[str, str]:
         # only the last rank's prompt is wrong: it raises its own error, the others name it
         rows = prompt[:1] if rank == world - 1 else prompt
         messages["one_rank_bad"] = _attempt(lambda: prefill(model, cache(), rows, layout="zigzag"))
+        # rank 0 decodes the token the others feed as a one-token chunk: different calls, once a gloo abort
+        # (their signatures had different sizes)
+        kind = lambda c: decode_step(model, c, prompt[:, 1]) if rank == 0 else partial_prefill(model, c, prompt[:, 1:2])  # noqa: E731
+        messages["calls_differ"] = _attempt(lambda: kind(prefilled(cache())))
+        # empty caches of other capacities filled by a chunk: once a gloo abort in the chunk's position exchange
+        messages["chunk_capacities_differ"] = _attempt(lambda: partial_prefill(
+            model, cache(capacity=PROMPT_LEN + 4 + rank), prompt[:, :4]))
         # only the last rank's temperature is out of float range: once an OverflowError that left the others waiting
         hot = 10**400 if rank == world - 1 else 1.0
         messages["one_rank_overflow"] = _attempt(lambda: generate(model, prompt, layout="zigzag", new_tokens=2,

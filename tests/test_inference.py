@@ -178,6 +178,8 @@ EXPECTED_MESSAGES = {
     "chunk_empty": ["holds no tokens"],
     "chunks_differ": ["disagree on the partial prefill", "chunk tokens (crc32)"],
     "methods_differ": ["disagree on the partial prefill", "method"],
+    "calls_differ": ["disagree on the", "call ['decode step', 'partial prefill'"],
+    "chunk_capacities_differ": ["disagree on the partial prefill", "capacity [28, 29"],
     "cache_not_a_cache": ["cache must be a ctxpar KVCache", "got NoneType"],
     "temperature_overflow": ["temperature must be a finite number", "got 1000"],
 }
@@ -185,7 +187,8 @@ ONE_RANK_BAD = {  # the last rank's call is bad: it raises its own error, the ot
     "one_rank_bad": "batch B=1",
     "one_rank_overflow": "temperature must be a finite number",
 }
-MULTI_RANK_ONLY = ("step", "tokens_differ", "chunks_differ", "methods_differ")
+MULTI_RANK_ONLY = ("step", "tokens_differ", "chunks_differ", "methods_differ", "calls_differ",
+                   "chunk_capacities_differ")
 
 
 @pytest.mark.parametrize("world", WORLD_SIZES, ids=lambda w: f"P{w}")

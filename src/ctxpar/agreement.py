@@ -27,6 +27,11 @@ from ctxpar.topology import Topology
 
 # bits of the first field: what this rank knows went wrong so far
 OWN_INPUTS_REJECTED, SAW_REJECTED, SAW_DIFFERENT = 1, 2, 4
+# Every exchange sends this many integers, the call's kind first, whatever the call: ranks
+# that are in different calls (one in a decode step, another in a prefill) then compare and
+# raise, where messages of different sizes would abort the process inside gloo.
+SIGNATURE_WIDTH = 24
+CALLS = ("attention", "prefill", "decode step", "partial prefill", "generate call", "generate forward", "forward")
 FIELDS = ("trouble", "batch", "heads", "kv_heads", "local_len", "head_dim", "dtype", "causal", "scale",
           "strategy", "layout", "needs_grad", "documents/window", "sinks")
 
@@ -86,7 +91,11 @@ def check_ranks_agree(sig: list[int], topo: Topology, error: Exception | None) -
     rejected_ranks: list[int] = []
     differs: list[str] = []
     for group in topo.process_groups:
-        table = _all_gather(sig, group)  # (W, fields)
+        table, kinds = _all_gather(sig, group, "attention")  # (W, fields)
+        if len(set(kinds)) > 1:  # another call on some rank: its fields are not these
+            differs.append(f"call {_call_names(kinds)}")
+            sig[0] |= SAW_DIFFERENT
+            continue
         bits = table[:, 0].tolist()
         rejected_ranks += [_global_rank(group, i) for i, b in enumerate(bits) if b & OWN_INPUTS_REJECTED]
         here = [FIELDS[i] for i in range(1, len(FIELDS)) if not bool((table[:, i] == table[0, i]).all())]
@@ -119,14 +128,24 @@ def _global_rank(group: dist.ProcessGroup | None, group_rank: int) -> int:
     return group_rank if group is None else dist.get_global_rank(group, group_rank)
 
 
-def _all_gather(sig: list[int], group: dist.ProcessGroup | None) -> torch.Tensor:
+def _all_gather(sig: list[int], group: dist.ProcessGroup | None, kind: str) -> tuple[torch.Tensor, list[int]]:
+    """Every rank's ``sig`` (W, len(sig)) and the kind of call each rank is in (``CALLS``)."""
+    row = [text_code(kind), *sig]
+    assert len(row) <= SIGNATURE_WIDTH, f"a {kind} signature of {len(sig)} fields exceeds {SIGNATURE_WIDTH - 1}"
     device = torch.device("cuda", torch.cuda.current_device()) if dist.get_backend(group) == "nccl" else "cpu"
-    mine = torch.tensor(sig, dtype=torch.int64, device=device)
-    table = mine.new_empty(dist.get_world_size(group) * len(sig))
+    mine = torch.tensor(row + [0] * (SIGNATURE_WIDTH - len(row)), dtype=torch.int64, device=device)
+    table = mine.new_empty(dist.get_world_size(group) * SIGNATURE_WIDTH)
     profile.add_traffic(0, 0)  # a synchronisation point; its few bytes are not the strategy's traffic
     with profile.timed("wait", mine.device):
         all_gather_into(table, mine, group=group)
-        return table.view(-1, len(sig)).cpu()
+        table = table.view(-1, SIGNATURE_WIDTH).cpu()
+    return table[:, 1:len(row)], table[:, 0].tolist()
+
+
+def _call_names(kinds: list[int]) -> list[str]:
+    """The kind of call each rank is in, by name (``CALLS``)."""
+    names = {text_code(name): name for name in CALLS}
+    return [names.get(code, "?") for code in kinds]
 
 
 def check_values_agree(values: dict[str, int], group: dist.ProcessGroup | None | list[dist.ProcessGroup | None],
@@ -142,7 +161,11 @@ def check_values_agree(values: dict[str, int], group: dist.ProcessGroup | None |
     rejected: list[int] = []
     differ: dict[str, list[int]] = {}
     for members in group if isinstance(group, list) else [group]:
-        table = _all_gather(mine, members)
+        table, kinds = _all_gather(mine, members, what)
+        if len(set(kinds)) > 1:  # another call on some rank: its fields are not these
+            differ.setdefault("call", _call_names(kinds))
+            mine[0] |= SAW_DIFFERENT
+            continue
         bits = table[:, 0].tolist()
         rejected += [_global_rank(members, i) for i, b in enumerate(bits) if b & OWN_INPUTS_REJECTED]
         if any(b & (OWN_INPUTS_REJECTED | SAW_REJECTED) for b in bits):

@@ -135,6 +135,7 @@ def _signature(cache: KVCache, tokens) -> dict[str, int]:
     ok = isinstance(tokens, torch.Tensor)
     return {
         "position (prompt + steps)": cache.seq_len,
+        "capacity": cache.capacity,
         "batch": tokens.shape[0] if ok and tokens.dim() else -1,
         "dtype": agreement.text_code(str(cache.dtype)),
         "tokens (crc32)": agreement.readable(lambda: agreement.tensor_code(tokens, torch.int64)) if ok else -1,

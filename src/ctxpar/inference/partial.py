@@ -237,5 +237,6 @@ def _signature(cache: KVCache, chunk, method: str) -> dict[str, int]:
         "chunk length": chunk.shape[1] if ok else -1,
         "chunk tokens (crc32)": agreement.readable(lambda: agreement.tensor_code(chunk, torch.int64)) if ok else -1,
         "method": agreement.text_code(str(method)),
+        "capacity": cache.capacity,
         "dtype": agreement.text_code(str(cache.dtype)),
     }
