@@ -272,3 +272,13 @@ def test_sampling_at_extreme_temperatures_draws_real_tokens(temperature: float) 
     if temperature < 1:
         assert tokens.tolist() == [1, 3]
     assert tokens.dtype == torch.int64 and tokens[0] in (0, 1, 2) and tokens[1] in (0, 1, 2, 3)
+
+
+@pytest.mark.parametrize("heads, kv_heads", [(6, 4), (2, 4)])
+def test_sharded_attention_refuses_heads_that_do_not_group(heads: int, kv_heads: int) -> None:
+    """Once garbage rows (6 over 4) or a SIGFPE (2 over 4), before any collective."""
+    from ctxpar.inference import sharded_attention
+
+    q, kv = torch.randn(1, heads, 1, 8), torch.randn(1, kv_heads, 3, 8)
+    with pytest.raises(ValueError, match="H a multiple of H_kv"):
+        sharded_attention(q, kv, kv, group=None, scale=8**-0.5)

@@ -100,7 +100,12 @@ def sharded_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, grou
     Returns:
         (B, H, S, D) in q's dtype, identical on every rank: softmax over the keys of
         all ranks, from one all-gather of the partial (out, lse).
+
+    Raises:
+        ValueError: shapes that do not fit (before the all-gather; q's heads and head dim,
+            the same on every rank, decide it alike everywhere).
     """
+    _check_shapes(q, k, v)
     acc = kernels.accumulation_dtype(q.dtype)
     if k.shape[2]:
         out, lse = kernels.attention_forward(q, k, v, causal=False, scale=scale)  # (B, H, S, D), (B, H, S)
@@ -109,6 +114,15 @@ def sharded_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, grou
     packed = torch.cat([out.to(acc), lse.to(acc).unsqueeze(-1)], dim=-1)  # (B, H, S, D+1)
     out, _ = merge_packed(PendingAllGather(packed, group).wait())  # of (P, B, H, S, D+1), in rank order
     return out.to(q.dtype)
+
+
+def _check_shapes(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
+    if not all(isinstance(t, torch.Tensor) and t.dim() == 4 for t in (q, k, v)):
+        raise ValueError("sharded_attention takes 4-D tensors: q (B, H, S, D), k and v (B, H_kv, n, D)")
+    if (k.shape != v.shape or q.shape[0] != k.shape[0] or q.shape[3] != k.shape[3] or not k.shape[1]
+            or q.shape[1] % k.shape[1]):
+        raise ValueError(f"sharded_attention: q {tuple(q.shape)} and k, v {tuple(k.shape)}, {tuple(v.shape)} must "
+                         f"share batch and head dim, k and v one shape, and H a multiple of H_kv (GQA)")
 
 
 def _check(model: nn.Module, cache: KVCache, tokens) -> torch.Tensor:
