@@ -217,6 +217,26 @@ def test_without_a_process_group_generate_is_the_single_process_generation() -> 
         assert got.cache.positions().tolist() == list(range(cases.PROMPT_LEN + 4))
 
 
+def test_a_custom_attention_fn_is_refused_not_replaced() -> None:
+    """Prefill and decode put causal attention over the sharded cache in each layer's place:
+    a sliding window set by hand was once silently dropped; apply_context_parallel's runs."""
+    from ctxpar.inference.hooks import attention_modules
+    from ctxpar.layout import get_layout
+    from ctxpar.parallelize import apply_context_parallel
+
+    model, prompt = cases.build(), cases.prompt_tokens()
+    want = reference_generate(model, prompt, new_tokens=3).tolist()
+    apply_context_parallel(model, layout=get_layout("zigzag", 1))
+    assert generate(model, prompt, layout="zigzag", new_tokens=3).tokens.tolist() == want
+
+    def windowed(q, k, v):
+        return torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)
+
+    attention_modules(model)[1].attention_fn = windowed
+    with pytest.raises(ValueError, match="layer 1's attention_fn is 'windowed'"):
+        generate(model, prompt, layout="zigzag", new_tokens=3)
+
+
 def test_cache_allocates_a_pth_of_the_capacity_and_refuses_bad_shapes() -> None:
     cache = KVCache(layers=3, batch=2, kv_heads=2, head_dim=4, capacity=10, dtype=torch.bfloat16)
     assert cache.local_capacity == 10 and cache.nbytes == 10 * 2 * 3 * 2 * 2 * 4 * 2

@@ -11,12 +11,14 @@ afterwards, so the same model still runs single-process.
 from __future__ import annotations
 
 import contextlib
+import functools
 from collections.abc import Callable, Iterator
 
 import torch.nn as nn
 
+from ctxpar.attention import attention
 from ctxpar.inference.cache import KVCache
-from ctxpar.models.llama import AttentionFn
+from ctxpar.models.llama import AttentionFn, causal_sdpa
 
 
 def attention_modules(model: nn.Module) -> list[nn.Module]:
@@ -46,13 +48,29 @@ def check_cache(cache) -> None:
                          f"{type(cache).__name__}")
 
 
+def _plain_causal(fn) -> bool:
+    """The model's own causal attention, or apply_context_parallel's (ctxpar.attention, causal)."""
+    return fn is causal_sdpa or (isinstance(fn, functools.partial) and fn.func is attention
+                                 and fn.keywords.get("causal", True))
+
+
 def check_model_fits(model: nn.Module, cache: KVCache) -> None:
     """Refuse a model whose shape is not the cache's, or that inference cannot drive
-    (it needs the reference model's ``cfg``, ``hidden_states`` and ``output``)."""
+    (it needs the reference model's ``cfg``, ``hidden_states`` and ``output``, and plain
+    causal attention in every layer: prefill and decode put exact causal attention over
+    the sharded cache in its place, which would drop what a custom ``attention_fn`` does)."""
     cfg = getattr(model, "cfg", None)
     if cfg is None or not hasattr(model, "hidden_states") or not hasattr(model, "output"):
         raise ValueError(f"{type(model).__name__} is not a ctxpar.models.Transformer: CP inference needs its cfg, "
                          f"hidden_states() and output head")
+    for i, module in enumerate(attention_modules(model)):
+        fn = module.attention_fn
+        if not _plain_causal(fn):
+            raise ValueError(f"layer {i}'s attention_fn is {getattr(fn, '__name__', fn)!r}, not the model's causal "
+                             f"attention (or apply_context_parallel's): prefill and decode "
+                             f"replace it with causal attention over the sharded cache and would drop what it does; "
+                             f"restore the default (ctxpar.models.llama.causal_sdpa) or generate without CP "
+                             f"(reference_generate)")
     layers = len(attention_modules(model))
     have = (layers, cfg.kv_heads, cfg.head_dim)
     want = (cache.layers, cache.kv_heads, cache.head_dim)
