@@ -178,10 +178,45 @@ def loss_on_lse(mesh) -> dict[str, str]:
     return found
 
 
+def interrupted_once(module, name: str):
+    """``module.name`` raising KeyboardInterrupt on its first call (Ctrl-C in a compute step),
+    itself again afterwards."""
+    real = getattr(module, name)
+
+    def once(*args, **kwargs):
+        setattr(module, name, real)
+        raise KeyboardInterrupt
+
+    setattr(module, name, once)
+
+
+def interrupted_ring() -> dict[str, float | str]:
+    """Ctrl-C on every rank in the ring's first compute step, forward and then backward, with
+    a K/V transfer posted: the same call again must work and agree (it once hung: the posted
+    transfer was dropped and paired with the retry's)."""
+    from ctxpar.strategies import ring
+
+    q, k, v = _tensors()
+    out = ctxpar.attention(q, k, v, layout="zigzag")
+    (want,) = torch.autograd.grad(out.sum(), q)
+    found = {}
+    for phase, name in (("forward", "forward_tiles"), ("backward", "backward_tiles")):
+        interrupted_once(ring, name)
+        try:
+            torch.autograd.grad(ctxpar.attention(q, k, v, layout="zigzag").sum(), q)
+            found[phase] = "not interrupted"
+            continue
+        except KeyboardInterrupt:
+            pass  # retried below, once the interrupted call's frames (and its transfers) are gone
+        (again,) = torch.autograd.grad(ctxpar.attention(q, k, v, layout="zigzag").sum(), q)
+        found[phase] = float((again - want).abs().max())
+    return found
+
+
 def run(rank: int, world: int) -> dict:
     from torch.distributed.device_mesh import init_device_mesh
 
     mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("ring", "ulysses"))
     return dict(disagree=disagreeing_ranks(rank, world, mesh), nonfinite=nonfinite_inputs(rank, world),
                 dense_once=dense_once(rank, world), double_backward=double_backward(mesh),
-                loss_on_lse=loss_on_lse(mesh))
+                loss_on_lse=loss_on_lse(mesh), interrupted_ring=interrupted_ring())

@@ -213,6 +213,31 @@ def _attempt(fn) -> str:
         return str(e)
 
 
+def _interrupted_chunk(model, cache: KVCache, fresh: KVCache, prompt: torch.Tensor) -> str:
+    """Ctrl-C on every rank in a pass-KV chunk's first compute step, with the K/V hop posted;
+    the same chunk again must give the logits of an uninterrupted one (it once hung: the
+    dropped transfer was paired with the retry's)."""
+    import ctxpar.inference.partial as partial_module
+
+    real = partial_module.forward_tiles
+
+    def once(*args, **kwargs):
+        partial_module.forward_tiles = real
+        raise KeyboardInterrupt
+
+    partial_module.forward_tiles = once
+    try:
+        partial_prefill(model, cache, prompt[:, 3:5], method="pass-kv")
+        return "not interrupted"
+    except KeyboardInterrupt:
+        pass  # retried below, once the interrupted call's frames (and its transfers) are gone
+    finally:
+        partial_module.forward_tiles = real
+    got = partial_prefill(model, cache, prompt[:, 3:5], method="pass-kv")
+    want = partial_prefill(model, fresh, prompt[:, 3:5], method="pass-kv")
+    return "ok: the retry gives the uninterrupted logits" if torch.equal(got, want) else "the retry differs"
+
+
 def _check_bad_inputs(rank: int, world: int) -> dict[str, str]:
     """Each bad call's message on this rank; then a good generation must still work."""
     model, cfg = build(), CONFIGS["gqa"]
@@ -281,6 +306,7 @@ def _check_bad_inputs(rank: int, world: int) -> dict[str, str]:
         # empty caches of other capacities filled by a chunk: once a gloo abort in the chunk's position exchange
         messages["chunk_capacities_differ"] = _attempt(lambda: partial_prefill(
             model, cache(capacity=PROMPT_LEN + 4 + rank), prompt[:, :4]))
+        messages["interrupted_chunk"] = _interrupted_chunk(model, prefilled(cache()), prefilled(cache()), prompt)
         # only the last rank's temperature is out of float range: once an OverflowError that left the others waiting
         hot = 10**400 if rank == world - 1 else 1.0
         messages["one_rank_overflow"] = _attempt(lambda: generate(model, prompt, layout="zigzag", new_tokens=2,

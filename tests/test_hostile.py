@@ -103,6 +103,12 @@ def test_the_rank_with_invalid_arguments_raises_its_own_error() -> None:
     assert "sinks are on meta" in last["sinks_on_meta"]
 
 
+def test_the_ring_is_usable_again_after_ctrl_c_in_a_step() -> None:
+    for rank, res in enumerate(results()):
+        for phase, err in res["interrupted_ring"].items():
+            assert err == 0.0, f"rank {rank} {phase}: {err}"
+
+
 @pytest.mark.parametrize("strategy", ["ring", "allgather", "alltoall", "hybrid"])
 def test_a_loss_on_the_returned_lse_is_refused_not_dropped(strategy: str) -> None:
     for rank, res in enumerate(results()):

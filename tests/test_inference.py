@@ -180,6 +180,7 @@ EXPECTED_MESSAGES = {
     "methods_differ": ["disagree on the partial prefill", "method"],
     "calls_differ": ["disagree on the", "call ['decode step', 'partial prefill'"],
     "chunk_capacities_differ": ["disagree on the partial prefill", "capacity [28, 29"],
+    "interrupted_chunk": ["ok: the retry gives the uninterrupted logits"],
     "cache_not_a_cache": ["cache must be a ctxpar KVCache", "got NoneType"],
     "temperature_overflow": ["temperature must be a finite number", "got 1000"],
 }
@@ -188,7 +189,7 @@ ONE_RANK_BAD = {  # the last rank's call is bad: it raises its own error, the ot
     "one_rank_overflow": "temperature must be a finite number",
 }
 MULTI_RANK_ONLY = ("step", "tokens_differ", "chunks_differ", "methods_differ", "calls_differ",
-                   "chunk_capacities_differ")
+                   "chunk_capacities_differ", "interrupted_chunk")
 
 
 @pytest.mark.parametrize("world", WORLD_SIZES, ids=lambda w: f"P{w}")

@@ -29,6 +29,9 @@ the fast path whenever every rank has its own GPU.
 
 from __future__ import annotations
 
+import contextlib
+from collections.abc import Iterator
+
 import torch
 import torch.distributed as dist
 
@@ -101,6 +104,27 @@ class RingComm:
                     self._recv.copy_(self._landing)
         # drop the transfer's buffers: a RingComm reused for later transfers keeps none alive
         self._pending, self._sent, self._recv, self._landing = [], None, None, None
+
+    @property
+    def posted(self) -> bool:
+        """A transfer was started and not yet waited for."""
+        return self._sent is not None
+
+
+@contextlib.contextmanager
+def settled(*comms: RingComm | None) -> Iterator[None]:
+    """On the way out of an exception (Ctrl-C in a compute step), wait for the transfers
+    ``comms`` still have posted: dropped half-way, they leave the group's later
+    point-to-point transfers paired with the wrong ones, and the next call hangs. Every
+    rank interrupted at the same step gets a usable group back; a rank whose peers went on
+    waits for them at most the collective timeout, as any collective does."""
+    try:
+        yield
+    except BaseException:
+        for comm in comms:
+            if comm is not None and comm.posted:
+                comm.wait()
+        raise
 
 
 def _nbytes(t: torch.Tensor) -> int:

@@ -35,7 +35,7 @@ import torch.nn as nn
 
 from ctxpar import agreement, kernels
 from ctxpar.blocks import Tile, tiles_between
-from ctxpar.comm import PendingAllGather, RingComm
+from ctxpar.comm import PendingAllGather, RingComm, settled
 from ctxpar.inference.cache import KVCache
 from ctxpar.inference.hooks import attention_replaced, check_cache, check_model_fits
 from ctxpar.inference.prefill import check_tokens, last_logits
@@ -109,7 +109,7 @@ def partial_prefill(model: nn.Module, cache: KVCache, chunk: torch.Tensor, *, me
             return attend(q, cache.keys(layer, held), cache.values(layer, held), tiles, counts, cache, scale, rings)
         return run
 
-    with torch.no_grad(), attention_replaced(model, make):
+    with torch.no_grad(), attention_replaced(model, make), settled(rings.forward, *rings.home.values()):
         positions = mine.to(chunk.device)
         hidden = model.hidden_states(tokens, positions)  # (B, m, d)
         owner = (seq_len - 1) % world

@@ -39,7 +39,7 @@ from torch.autograd.function import once_differentiable
 
 from ctxpar import profile
 from ctxpar.blocks import Tile, tiles_between
-from ctxpar.comm import RingComm
+from ctxpar.comm import RingComm, settled
 from ctxpar.layout import Layout
 from ctxpar.masks import Mask
 from ctxpar.strategies.blockwise import (backward_tiles, finish_forward, forward_tiles, gradient_accumulators,
@@ -124,17 +124,18 @@ class RingAttention(torch.autograd.Function):
         acc_out, acc_lse = output_accumulators(q)  # (B, H, S, D), (B, H, S)
         kv = torch.stack([k, v])  # (2, B, H_kv, S, D): one message per step
         comm = RingComm(group, tag=_KV_TAG) if plan.steps else None
-        for step in range(plan.steps + 1):
-            last = step == plan.steps
-            if not last:  # send on what the next rank holds next step; receive ours
-                onward = _keys(kv, plan.held[step][rank], plan.held[step + 1][(rank + 1) % world])
-                arriving = _buffer(kv, plan.held[step + 1][rank])
-                comm.start(send=onward, recv=arriving)
-            with profile.timed("compute", q.device):
-                forward_tiles(q, kv[0], kv[1], plan.tiles[step], acc_out, acc_lse, scale)
-            if not last:
-                comm.wait()
-                kv = arriving
+        with settled(comm):
+            for step in range(plan.steps + 1):
+                last = step == plan.steps
+                if not last:  # send on what the next rank holds next step; receive ours
+                    onward = _keys(kv, plan.held[step][rank], plan.held[step + 1][(rank + 1) % world])
+                    arriving = _buffer(kv, plan.held[step + 1][rank])
+                    comm.start(send=onward, recv=arriving)
+                with profile.timed("compute", q.device):
+                    forward_tiles(q, kv[0], kv[1], plan.tiles[step], acc_out, acc_lse, scale)
+                if not last:
+                    comm.wait()
+                    kv = arriving
         ctx.plan, ctx.group, ctx.rank, ctx.scale = plan, group, rank, scale
         return finish_forward(ctx, q, k, v, sinks, acc_out, acc_lse)
 
@@ -148,9 +149,9 @@ class RingAttention(torch.autograd.Function):
         dout = dout.contiguous()
         dq, own = gradient_accumulators(q, k)  # own: dK/dV of our own shard
         kv = torch.stack([k, v])
-        if steps:
-            kv_comm, dkv_comm = RingComm(ctx.group, tag=_KV_TAG), RingComm(ctx.group, tag=_DKV_TAG)
-            home_comm = RingComm(ctx.group, tag=_HOME_TAG, shift=-steps)
+        comms = (RingComm(ctx.group, tag=_KV_TAG), RingComm(ctx.group, tag=_DKV_TAG),
+                 RingComm(ctx.group, tag=_HOME_TAG, shift=-steps)) if steps else ()
+        kv_comm, dkv_comm, home_comm = comms or (None, None, None)
         # The accumulator for shard s starts on rank s+1 at step 1, covering the keys that
         # rank holds, held[1][s+1]; every later holder adds its share into its part of
         # it; after the last step it goes straight home. Traced for P = 3 on rank 0:
@@ -160,37 +161,38 @@ class RingAttention(torch.autograd.Function):
         #                                                                 -> rank 1 (home)
         #   end     the accumulator for shard 0 (started by rank 1, via rank 2) is added to own
         acc = incoming = None
-        for step in range(steps + 1):
-            last = step == steps
-            if not last:
-                onward = _keys(kv, held[step][rank], held[step + 1][(rank + 1) % world])
-                arriving = _buffer(kv, held[step + 1][rank])
-                kv_comm.start(send=onward, recv=arriving)
-            share = own if step == 0 else torch.zeros_like(kv, dtype=own.dtype)
-            with profile.timed("compute", q.device):
-                backward_tiles(dout, q, kv[0], kv[1], out, lse, plan.tiles[step], scale, dq, share[0], share[1])
-            if step == 1:
-                acc = share
-            elif step >= 2:  # add our share to the accumulator arriving from rank-1
-                dkv_comm.wait()
-                acc = incoming
-                first = held[1][(rank - step + 1) % world][0]  # the keys acc covers start here
-                a, b = held[step][rank]
-                acc[:, :, :, a - first:b - first] += share
-            if step >= 1:
-                if not last:  # the accumulator of shard rank-step-1 arrives next step
-                    incoming = _buffer(kv, held[1][(rank - step) % world], own.dtype)
-                    dkv_comm.start(send=acc, recv=incoming)
-                else:  # ours comes home from the rank that held it last
-                    incoming = _buffer(kv, held[1][(rank + 1) % world], own.dtype)
-                    home_comm.start(send=acc, recv=incoming)
-            if not last:
-                kv_comm.wait()
-                kv = arriving
-        if steps:  # our own shard's accumulator, after visiting every rank that sees it
-            home_comm.wait()
-            a, b = held[1][(rank + 1) % world]
-            own[:, :, :, a:b] += incoming
+        with settled(*comms):
+            for step in range(steps + 1):
+                last = step == steps
+                if not last:
+                    onward = _keys(kv, held[step][rank], held[step + 1][(rank + 1) % world])
+                    arriving = _buffer(kv, held[step + 1][rank])
+                    kv_comm.start(send=onward, recv=arriving)
+                share = own if step == 0 else torch.zeros_like(kv, dtype=own.dtype)
+                with profile.timed("compute", q.device):
+                    backward_tiles(dout, q, kv[0], kv[1], out, lse, plan.tiles[step], scale, dq, share[0], share[1])
+                if step == 1:
+                    acc = share
+                elif step >= 2:  # add our share to the accumulator arriving from rank-1
+                    dkv_comm.wait()
+                    acc = incoming
+                    first = held[1][(rank - step + 1) % world][0]  # the keys acc covers start here
+                    a, b = held[step][rank]
+                    acc[:, :, :, a - first:b - first] += share
+                if step >= 1:
+                    if not last:  # the accumulator of shard rank-step-1 arrives next step
+                        incoming = _buffer(kv, held[1][(rank - step) % world], own.dtype)
+                        dkv_comm.start(send=acc, recv=incoming)
+                    else:  # ours comes home from the rank that held it last
+                        incoming = _buffer(kv, held[1][(rank + 1) % world], own.dtype)
+                        home_comm.start(send=acc, recv=incoming)
+                if not last:
+                    kv_comm.wait()
+                    kv = arriving
+            if steps:  # our own shard's accumulator, after visiting every rank that sees it
+                home_comm.wait()
+                a, b = held[1][(rank + 1) % world]
+                own[:, :, :, a:b] += incoming
         return (dq.to(q.dtype), own[0].to(k.dtype), own[1].to(v.dtype), sink_gradient(sinks, dout, out, lse),
                 None, None, None, None, None)
 
