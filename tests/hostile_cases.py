@@ -190,26 +190,29 @@ def interrupted_once(module, name: str):
     setattr(module, name, once)
 
 
-def interrupted_ring() -> dict[str, float | str]:
-    """Ctrl-C on every rank in the ring's first compute step, forward and then backward, with
-    a K/V transfer posted: the same call again must work and agree (it once hung: the posted
-    transfer was dropped and paired with the retry's)."""
-    from ctxpar.strategies import ring
+def interrupted_steps() -> dict[str, float | str]:
+    """Ctrl-C on every rank in a strategy's first compute step, forward and then backward,
+    with its communication in flight: the same call again must work and agree. The ring once
+    hung (its posted transfer was dropped and paired with the retry's); the all-gather's and
+    all-to-all's collectives are checked alike."""
+    from ctxpar.strategies import allgather, blockwise, ring
 
     q, k, v = _tensors()
-    out = ctxpar.attention(q, k, v, layout="zigzag")
-    (want,) = torch.autograd.grad(out.sum(), q)
     found = {}
-    for phase, name in (("forward", "forward_tiles"), ("backward", "backward_tiles")):
-        interrupted_once(ring, name)
-        try:
-            torch.autograd.grad(ctxpar.attention(q, k, v, layout="zigzag").sum(), q)
-            found[phase] = "not interrupted"
-            continue
-        except KeyboardInterrupt:
-            pass  # retried below, once the interrupted call's frames (and its transfers) are gone
-        (again,) = torch.autograd.grad(ctxpar.attention(q, k, v, layout="zigzag").sum(), q)
-        found[phase] = float((again - want).abs().max())
+    for strategy, module, names in (("ring", ring, ("forward_tiles", "backward_tiles")),
+                                    ("allgather", allgather, ("_attend_forward", "_attend_backward")),
+                                    ("alltoall", blockwise, ("forward_tiles", "backward_tiles"))):
+        (want,) = torch.autograd.grad(ctxpar.attention(q, k, v, layout="zigzag", strategy=strategy).sum(), q)
+        for phase, name in zip(("forward", "backward"), names):
+            interrupted_once(module, name)
+            try:
+                torch.autograd.grad(ctxpar.attention(q, k, v, layout="zigzag", strategy=strategy).sum(), q)
+                found[f"{strategy} {phase}"] = "not interrupted"
+                continue
+            except KeyboardInterrupt:
+                pass  # retried below, once the interrupted call's frames (and its transfers) are gone
+            (again,) = torch.autograd.grad(ctxpar.attention(q, k, v, layout="zigzag", strategy=strategy).sum(), q)
+            found[f"{strategy} {phase}"] = float((again - want).abs().max())
     return found
 
 
@@ -219,4 +222,4 @@ def run(rank: int, world: int) -> dict:
     mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("ring", "ulysses"))
     return dict(disagree=disagreeing_ranks(rank, world, mesh), nonfinite=nonfinite_inputs(rank, world),
                 dense_once=dense_once(rank, world), double_backward=double_backward(mesh),
-                loss_on_lse=loss_on_lse(mesh), interrupted_ring=interrupted_ring())
+                loss_on_lse=loss_on_lse(mesh), interrupted_steps=interrupted_steps())
