@@ -306,6 +306,11 @@ def _check_bad_inputs(rank: int, world: int) -> dict[str, str]:
         # empty caches of other capacities filled by a chunk: once a gloo abort in the chunk's position exchange
         messages["chunk_capacities_differ"] = _attempt(lambda: partial_prefill(
             model, cache(capacity=PROMPT_LEN + 4 + rank), prompt[:, :4]))
+        # rewound into the prompt, refilled to capacity: one rank's shard fills first (the prompt's last
+        # positions leave rank 0, the refill deals them round-robin); once blamed on misuse of the cache
+        rewound = prefilled(cache(capacity=PROMPT_LEN))
+        rewound.rewind(PROMPT_LEN - 2)
+        messages["rewound_refill"] = _attempt(lambda: [decode_step(model, rewound, prompt[:, i]) for i in (0, 1)])
         messages["interrupted_chunk"] = _interrupted_chunk(model, prefilled(cache()), prefilled(cache()), prompt)
         # only the last rank's temperature is out of float range: once an OverflowError that left the others waiting
         hot = 10**400 if rank == world - 1 else 1.0

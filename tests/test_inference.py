@@ -197,6 +197,9 @@ def test_bad_inputs_raise_clear_errors_on_every_rank_without_hanging(world: int)
     for rank, messages in enumerate(_reported(world, "bad_inputs")):
         messages = dict(messages)
         assert messages.pop("after") == "ok", "generation after the rejected calls"
+        refill = messages.pop("rewound_refill", None)
+        if world > 1:
+            assert "rewound into its prompt" in refill or "of the CP group rejected their decode step" in refill, refill
         for case, own in ONE_RANK_BAD.items():
             message = messages.pop(case, None)
             if world > 1:

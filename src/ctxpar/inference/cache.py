@@ -33,6 +33,13 @@ import torch.distributed as dist
 from ctxpar import limits, topology
 
 
+# Why a shard fills before the cache does: a prompt's positions stay where its layout put
+# them, later ones are dealt round-robin, so a cache rewound into its prompt refills unevenly.
+SHARD_FULL_WHY = ("positions after the prompt are dealt round-robin while the prompt's stay where its layout put "
+                  "them, so a cache rewound into its prompt (rewind) refills one rank's shard first; build the cache "
+                  "with room for the positions rewound once more (capacity + their number, rounded up to a multiple "
+                  "of the ranks), or rewind no earlier than the prompt's end")
+
 class KVCache:
     """This rank's share of a KV cache over a CP group.
 

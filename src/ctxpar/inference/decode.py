@@ -27,7 +27,7 @@ import torch.nn as nn
 
 from ctxpar import agreement, kernels
 from ctxpar.comm import PendingAllGather
-from ctxpar.inference.cache import KVCache
+from ctxpar.inference.cache import SHARD_FULL_WHY, KVCache
 from ctxpar.inference.hooks import attention_replaced, check_cache, check_model_fits
 from ctxpar.inference.prefill import check_tokens
 from ctxpar.merge import merge_packed
@@ -139,8 +139,8 @@ def _check(model: nn.Module, cache: KVCache, tokens) -> torch.Tensor:
         raise ValueError(f"the KV cache is full: {cache.seq_len} positions = its capacity; build it with capacity "
                          f">= prompt + new tokens")
     if cache.owner(cache.seq_len) == cache.rank and cache.length >= cache.local_capacity:
-        raise ValueError(f"rank {cache.rank}'s KV cache shard is full ({cache.length} positions) though the "
-                         f"sequence is not: was the cache filled other than by prefill and decode_step?")
+        raise ValueError(f"rank {cache.rank}'s KV cache shard is full ({cache.length} of its {cache.local_capacity} "
+                         f"slots) though the sequence is not: {SHARD_FULL_WHY}")
     return tokens
 
 

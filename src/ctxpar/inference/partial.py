@@ -36,7 +36,7 @@ import torch.nn as nn
 from ctxpar import agreement, kernels
 from ctxpar.blocks import Tile, tiles_between
 from ctxpar.comm import PendingAllGather, RingComm, settled
-from ctxpar.inference.cache import KVCache
+from ctxpar.inference.cache import SHARD_FULL_WHY, KVCache
 from ctxpar.inference.hooks import attention_replaced, check_cache, check_model_fits
 from ctxpar.inference.prefill import check_tokens, last_logits
 from ctxpar.masks import Mask
@@ -224,8 +224,8 @@ def _check(model: nn.Module, cache: KVCache, chunk, method: str, hardware) -> to
         raise ValueError(f"{cache.seq_len} cached + {chunk.shape[1]} new positions exceed the KV cache's capacity of "
                          f"{cache.capacity}; build the cache with capacity >= everything it will hold")
     if cache.length + len(cache.next_positions(chunk.shape[1], cache.rank)) > cache.local_capacity:
-        raise ValueError(f"rank {cache.rank}'s KV cache shard cannot take its share of the chunk: was the cache "
-                         f"filled other than by prefill, partial_prefill and decode_step?")
+        raise ValueError(f"rank {cache.rank}'s KV cache shard cannot take its share of the chunk "
+                         f"({cache.length} of its {cache.local_capacity} slots held): {SHARD_FULL_WHY}")
     return chunk
 
 
