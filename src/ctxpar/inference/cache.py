@@ -40,6 +40,7 @@ SHARD_FULL_WHY = ("positions after the prompt are dealt round-robin while the pr
                   "with room for the positions rewound once more (capacity + their number, rounded up to a multiple "
                   "of the ranks), or rewind no earlier than the prompt's end")
 
+
 class KVCache:
     """This rank's share of a KV cache over a CP group.
 

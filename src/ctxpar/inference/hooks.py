@@ -63,7 +63,8 @@ def check_model_fits(model: nn.Module, cache: KVCache) -> None:
     if cfg is None or not hasattr(model, "hidden_states") or not hasattr(model, "output"):
         raise ValueError(f"{type(model).__name__} is not a ctxpar.models.Transformer: CP inference needs its cfg, "
                          f"hidden_states() and output head")
-    for i, module in enumerate(attention_modules(model)):
+    modules = attention_modules(model)
+    for i, module in enumerate(modules):
         fn = module.attention_fn
         if not _plain_causal(fn):
             raise ValueError(f"layer {i}'s attention_fn is {getattr(fn, '__name__', fn)!r}, not the model's causal "
@@ -71,8 +72,7 @@ def check_model_fits(model: nn.Module, cache: KVCache) -> None:
                              f"replace it with causal attention over the sharded cache and would drop what it does; "
                              f"restore the default (ctxpar.models.llama.causal_sdpa) or generate without CP "
                              f"(reference_generate)")
-    layers = len(attention_modules(model))
-    have = (layers, cfg.kv_heads, cfg.head_dim)
+    have = (len(modules), cfg.kv_heads, cfg.head_dim)
     want = (cache.layers, cache.kv_heads, cache.head_dim)
     if have != want:
         raise ValueError(f"the model has (layers, kv_heads, head_dim) = {have} but the KV cache was built for "

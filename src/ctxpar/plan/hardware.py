@@ -146,15 +146,14 @@ class Hardware:
         (the fraction of peak each achieves kept); other dtypes, or no fp32 figure, unchanged."""
         if dtype != "float32" or not self.fp32_peak_flops:
             return self
-        share = self.fp32_peak_flops / self.peak_flops
-
-        def scaled(rate: float | None) -> float | None:
-            return None if rate is None else rate * share
         # fp8 matmuls (rate x fp8 peak / peak) keep their speed: rate and peak scale alike
-        return replace(self, peak_flops=self.fp32_peak_flops,
-                       attention_forward_rate=scaled(self.attention_forward_rate),
-                       attention_backward_rate=scaled(self.attention_backward_rate),
-                       matmul_rate=scaled(self.matmul_rate), fp32_peak_flops=0.0)
+        return replace(self, peak_flops=self.fp32_peak_flops, fp32_peak_flops=0.0,
+                       **self._kernel_rates_times(self.fp32_peak_flops / self.peak_flops))
+
+    def _kernel_rates_times(self, share: float) -> dict[str, float | None]:
+        """The three kernel rates times ``share`` (None stays None: peak x efficiency)."""
+        return {key: None if getattr(self, key) is None else getattr(self, key) * share
+                for key in ("attention_forward_rate", "attention_backward_rate", "matmul_rate")}
 
     def step_overhead_for(self, strategy: str) -> float:
         """Seconds per pipeline stage of ``strategy`` (``strategy_step_overheads``, else ``step_overhead``)."""
@@ -199,12 +198,8 @@ class Hardware:
     def with_compute_share(self, share: float) -> Hardware:
         """Ranks time-sharing cores, each with ``share`` of one: every rate times ``share``, and
         the per-call, per-tile and per-step CPU costs (launch, tile and step overheads) over it."""
-        def scaled(rate: float | None) -> float | None:
-            return None if rate is None else rate * share
         return replace(self, peak_flops=self.peak_flops * share, fp8_peak_flops=self.fp8_peak_flops * share,
-                       attention_forward_rate=scaled(self.attention_forward_rate),
-                       attention_backward_rate=scaled(self.attention_backward_rate),
-                       matmul_rate=scaled(self.matmul_rate), launch_overhead=self.launch_overhead / share,
+                       **self._kernel_rates_times(share), launch_overhead=self.launch_overhead / share,
                        step_overhead=self.step_overhead / share,
                        strategy_step_overheads=_over(self.strategy_step_overheads, share),
                        strategy_step_byte_overheads=_over(self.strategy_step_byte_overheads, share),
