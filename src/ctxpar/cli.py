@@ -6,6 +6,7 @@ import argparse
 import json
 import os
 import sys
+import traceback
 
 from ctxpar import calibrate as calibration_
 from ctxpar import launch
@@ -444,6 +445,17 @@ def main(argv: list[str] | None = None) -> int:
     for add_parser, _ in COMMANDS.values():
         add_parser(sub)
     args = parser.parse_args(argv)
+    if not launch.launched_by_torchrun():
+        return _run_command(args)
+    try:
+        status = _run_command(args)
+    except Exception:  # what Python would print, and its exit status
+        traceback.print_exc()
+        status = 1
+    launch.exit_torchrun_rank(status)
+
+
+def _run_command(args: argparse.Namespace) -> int:
     try:
         return COMMANDS[args.command][1](args)
     except ValueError as e:  # a value the user can change: argparse's convention, exit status 2
