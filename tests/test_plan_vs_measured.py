@@ -2,14 +2,21 @@
 
 from __future__ import annotations
 
+import json
 import math
+import os
 import sys
 from pathlib import Path
 
 import pytest
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
-from plan_vs_measured import auto_verdicts, median_interval  # noqa: E402
+from plan_vs_measured import auto_verdicts, median_interval, predict  # noqa: E402
+
+from ctxpar.demo import DemoConfig  # noqa: E402
+
+# The current model's last documented run (docs/benchmarks.md, run 26), on a 2-core machine.
+DOCUMENTED_RUN = Path(__file__).resolve().parents[1] / "docs" / "plan_vs_measured_tiles_26.json"
 
 
 @pytest.mark.parametrize("n, ranks", [(10, (2, 9)), (20, (6, 15)), (30, (10, 21)), (6, (1, 6))])
@@ -70,3 +77,20 @@ def test_an_interval_needs_values_and_a_confidence() -> None:
     for values, confidence in (([], 0.95), ([1.0, 2.0], 1.0), ([1.0, 2.0], 0.0)):
         with pytest.raises(ValueError, match="an interval needs values and a confidence between 0 and 1"):
             median_interval(values, confidence)
+
+
+def test_the_documented_run_is_what_the_planner_predicts_today(monkeypatch) -> None:
+    """docs/benchmarks.md reports run 26's errors as the current model's: from that run's
+    stored calibration, today's planner must give the same bytes, attention and wall
+    seconds and ``strategy="auto"`` choices. A change to the model fails here until it
+    is measured again and the documents follow."""
+    run = json.loads(DOCUMENTED_RUN.read_text())
+    assert "2 cores" in run["calibration"]["machine"]
+    monkeypatch.setattr(os, "cpu_count", lambda: 2)  # the share of a core each rank had there
+    for row in run["rows"]:
+        want = predict(DemoConfig(nproc=row["nproc"], seq=row["seq"], strategy=row["strategy"]), run["calibration"])
+        assert want["bytes_sent"] == row["bytes_predicted"]
+        attn = sum(want["attn_seconds"]) / len(want["attn_seconds"])
+        assert attn == pytest.approx(row["attn_seconds_predicted"], rel=1e-9)
+        assert want["wall_seconds"] == pytest.approx(row["wall_seconds_predicted"], rel=1e-9)
+    assert [v["auto"] for v in auto_verdicts(run["rows"], run["calibration"])] == [v["auto"] for v in run["auto"]]
