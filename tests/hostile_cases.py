@@ -46,6 +46,7 @@ def disagreeing_ranks(rank: int, world: int, mesh) -> dict[str, str]:
         "strategy_invalid": lambda: _call(*_tensors(), layout="zigzag", strategy="rign" if odd else "ring"),
         "strategy_other": lambda: _call(*_tensors(), layout="zigzag", strategy="allgather" if odd else "ring"),
         "requires_grad": lambda: _call(*_tensors(grad=not odd), layout="zigzag"),
+        "sinks_requires_grad": lambda: _call(*_tensors(), layout="zigzag", sinks=torch.zeros(4, requires_grad=odd)),
         "hybrid_one_rank_invalid": lambda: _call(*_tensors(kv_heads=3 if rank == 0 else 2), layout="zigzag",
                                                  strategy="hybrid", mesh=mesh),
         "hybrid_one_rank_causal": lambda: _call(*_tensors(), layout="zigzag", strategy="hybrid", mesh=mesh,

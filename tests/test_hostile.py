@@ -71,7 +71,8 @@ DISAGREEMENTS = {  # case -> what the ranks that called correctly are told
     "scale": "different scale",
     "strategy_invalid": "rejected their attention inputs",
     "strategy_other": "different strategy",
-    "requires_grad": "different needs_grad",
+    "requires_grad": "different requires_grad",
+    "sinks_requires_grad": "different requires_grad",  # once accepted: sinks.grad None on the other ranks
     "hybrid_one_rank_invalid": "rejected their attention inputs",
     "hybrid_one_rank_causal": "called attention with different",
     "hybrid_vs_ring": "rejected their attention inputs",

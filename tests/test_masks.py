@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import numpy as np
 import pytest
 import torch
 
@@ -40,6 +41,23 @@ def test_documents_as_lengths_cu_seqlens_or_tensors() -> None:
     assert positions_in_documents(torch.tensor([2, 3, 7]), (3, 5)).tolist() == [2, 0, 4]
 
 
+def test_numpy_integers_and_arrays_are_taken_as_python_integers_are() -> None:
+    """cu_seqlens are often built with numpy: its integers and integer arrays mean what
+    Python's do; its floats and bools are refused as Python's are."""
+    assert document_lengths(np.array([0, 3, 8]), 8) == (3, 5)
+    assert document_lengths(np.array([3, 5], dtype=np.int16), 8) == (3, 5)
+    assert document_lengths([np.int64(3), np.int32(5)], 8) == (3, 5)
+    assert all(type(n) is int for n in document_lengths([np.int64(3), np.int32(5)], 8))
+    assert make_mask(8, causal=True, window=np.int64(3)) == make_mask(8, causal=True, window=3)
+    assert chunked(np.int64(20), np.int64(8), np.array([5, 15])) == chunked(20, 8, (5, 15))
+    for documents in (np.array([3.0, 5.0]), np.array([True, False]), [np.bool_(True)] * 8, np.array(["3", "5"])):
+        with pytest.raises(ValueError, match="documents="):
+            document_lengths(documents, 8)
+    for window in (np.bool_(True), np.float64(3.0)):
+        with pytest.raises(ValueError, match="window must be an integer"):
+            make_mask(8, causal=True, window=window)
+
+
 @pytest.mark.parametrize("kwargs, message", [
     (dict(causal=False, window=4), "needs causal=True"),
     (dict(window=0), "window must be an integer >= 1"),
@@ -68,3 +86,6 @@ def test_chunks_count_from_each_document_start_as_transformers_does() -> None:
     assert chunked(16, 8, (5, 11)) == (5, 8, 3)  # not (5, 3, 8): chunks restart with the document
     with pytest.raises(ValueError, match="chunk size"):
         chunked(16, 0)
+    for seq_len in (0, -5, 24.5, True):  # once () for 0 and -5, and a TypeError for 24.5
+        with pytest.raises(ValueError, match="seq_len must be an integer >= 1"):
+            chunked(seq_len, 4)

@@ -33,7 +33,7 @@ OWN_INPUTS_REJECTED, SAW_REJECTED, SAW_DIFFERENT = 1, 2, 4
 SIGNATURE_WIDTH = 24
 CALLS = ("attention", "prefill", "decode step", "partial prefill", "generate call", "generate forward", "forward")
 FIELDS = ("trouble", "batch", "heads", "kv_heads", "local_len", "head_dim", "dtype", "causal", "scale",
-          "strategy", "layout", "needs_grad", "documents/window", "sinks")
+          "strategy", "layout", "requires_grad", "documents/window", "sinks")
 
 
 def text_code(text: str) -> int:
@@ -49,7 +49,15 @@ def tensor_code(t: torch.Tensor, dtype: torch.dtype) -> int:
 def needs_grad(*tensors) -> bool:
     """Whether a backward will run through a call on ``tensors`` (non-tensors ignored):
     grad mode is on and one of them requires grad."""
-    return torch.is_grad_enabled() and any(isinstance(t, torch.Tensor) and t.requires_grad for t in tensors)
+    return grad_flags(*tensors) != 0
+
+
+def grad_flags(*tensors) -> int:
+    """Which of ``tensors`` a backward will reach: bit i set where the i-th requires grad
+    (non-tensors never do), none with grad mode off."""
+    if not torch.is_grad_enabled():
+        return 0
+    return sum(1 << i for i, t in enumerate(tensors) if isinstance(t, torch.Tensor) and t.requires_grad)
 
 
 def signature(q, k, v, *, layout_name: str, causal, scale, strategy, rejected: bool, mask=None, sinks=None
@@ -59,8 +67,10 @@ def signature(q, k, v, *, layout_name: str, causal, scale, strategy, rejected: b
     ``mask``: the call's documents and window (a ``Mask``, or None where it was invalid);
     ``sinks``: their values, which every rank must share (a replicated parameter).
 
-    ``needs_grad``: whether this call will run a backward (which communicates too), so a
-    rank whose inputs lack ``requires_grad`` is caught here rather than left out there.
+    ``requires_grad``: which of q, k, v and sinks a backward will reach (it communicates
+    too), so a rank whose inputs lack ``requires_grad`` is caught here rather than left out
+    there, and so is one whose sinks alone lack it (their gradient would be None on that
+    rank only, for the user's own reduction to trip over).
     """
     shape = list(q.shape) if isinstance(q, torch.Tensor) and q.dim() == 4 else [-1] * 4
     kv_heads = k.shape[1] if isinstance(k, torch.Tensor) and k.dim() == 4 else -1
@@ -70,7 +80,7 @@ def signature(q, k, v, *, layout_name: str, causal, scale, strategy, rejected: b
     sinks_code = 0 if sinks is None else readable(lambda: tensor_code(sinks, torch.float64))
     return [OWN_INPUTS_REJECTED if rejected else 0, shape[0], shape[1], kv_heads, shape[2], shape[3], dtype,
             readable(lambda: int(bool(causal))), scale_bits, text_code(str(strategy)), text_code(layout_name),
-            int(needs_grad(q, k, v, sinks)), mask_code, sinks_code]
+            grad_flags(q, k, v, sinks), mask_code, sinks_code]
 
 
 def readable(code) -> int:

@@ -18,6 +18,7 @@ needs to know which mask it is. ``Mask`` is hashable, so plans are cached per ma
 from __future__ import annotations
 
 import itertools
+import numbers
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -103,18 +104,22 @@ def positions_in_documents(positions: torch.Tensor, documents: tuple[int, ...] |
 def document_lengths(documents, seq_len: int) -> tuple[int, ...]:
     """Document lengths from what a user passes: lengths (a sequence or 1-D tensor summing
     to ``seq_len``) or ``cu_seqlens`` (a 1-D tensor or sequence starting at 0 and ending
-    at ``seq_len``, as flash-attn's varlen functions take). ValueError for anything else."""
+    at ``seq_len``, as flash-attn's varlen functions take), numpy's integers and arrays
+    included. ValueError for anything else."""
+    if hasattr(documents, "__array__") and not isinstance(documents, torch.Tensor):  # a numpy array
+        documents = _as_tensor(documents)
     if isinstance(documents, torch.Tensor):
         if documents.dim() != 1 or documents.dtype.is_floating_point or documents.dtype == torch.bool:
-            raise ValueError(f"documents= must be a 1-D integer tensor, got {documents.dtype} of shape "
+            raise ValueError(f"documents= must be a 1-D integer tensor or array, got {documents.dtype} of shape "
                              f"{tuple(documents.shape)}")
         documents = documents.tolist()
     if not isinstance(documents, Sequence) or isinstance(documents, (str, bytes)) or not documents:
         raise ValueError(f"documents= must be a non-empty sequence of document lengths or cu_seqlens, "
                          f"got {documents!r}")
     values = list(documents)
-    if not all(isinstance(x, int) and not isinstance(x, bool) for x in values):
+    if not all(_is_integer(x) for x in values):
         raise ValueError(f"documents= must hold integers, got {values[:8]}")
+    values = [int(x) for x in values]
     if values[0] == 0:  # cu_seqlens: a document can't have length 0, so a leading 0 says which
         if values[-1] != seq_len:
             raise ValueError(f"cu_seqlens must end at the sequence length {seq_len}, got {values[-8:]}")
@@ -134,8 +139,11 @@ def chunked(seq_len: int, chunk: int, documents: tuple[int, ...] | None = None) 
     """Document lengths for chunked attention (Llama 4): each document (the whole row if
     ``documents`` is None) cut into chunks of ``chunk`` tokens counted from its own start,
     the last one shorter, as transformers does for a packed row."""
-    if isinstance(chunk, bool) or not isinstance(chunk, int) or chunk < 1:
+    if not _is_integer(seq_len) or seq_len < 1:
+        raise ValueError(f"seq_len must be an integer >= 1 (tokens in the row), got {seq_len!r}")
+    if not _is_integer(chunk) or chunk < 1:
         raise ValueError(f"chunk size must be an integer >= 1, got {chunk!r}")
+    seq_len, chunk = int(seq_len), int(chunk)
     lengths = (seq_len,) if documents is None else document_lengths(documents, seq_len)
     return tuple(min(chunk, n - start) for n in lengths for start in range(0, n, chunk))
 
@@ -144,8 +152,22 @@ def make_mask(seq_len: int, *, causal, documents=None, window=None) -> Mask:
     """The ``Mask`` for a public call: every argument checked (ValueError naming it), and
     put in one canonical form, so that equal masks compare (and cache) equal: a window of
     T or more is no window, one document is none."""
+    if _is_integer(window):
+        window = int(window)  # numpy's too
     Mask(causal=causal, window=window)  # checks causal and window before they are compared
     lengths = None if documents is None else document_lengths(documents, seq_len)
     if window is not None and window >= seq_len:
         window = None  # sees everything causal attention does
     return Mask(causal=causal, documents=lengths if lengths and len(lengths) > 1 else None, window=window)
+
+
+def _is_integer(x) -> bool:
+    """A Python or numpy integer; not a bool (numpy's bool is no Integral)."""
+    return isinstance(x, numbers.Integral) and not isinstance(x, bool)
+
+
+def _as_tensor(array) -> torch.Tensor:
+    try:
+        return torch.as_tensor(array)
+    except (TypeError, ValueError, RuntimeError) as e:
+        raise ValueError(f"documents= must be lengths or cu_seqlens, got an array torch cannot read: {e}") from None
