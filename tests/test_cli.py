@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -160,6 +161,10 @@ def bad_values(tmp: Path) -> list[tuple[tuple[str, ...], str]]:
         (("train", "--timeout", "0.001"), "--timeout 0.001 must be a number of seconds from 1 to"),
         (("demo", "--timeout", "0.5"), "--timeout 0.5 must be a number of seconds from 1 to"),
         (("train", "--lr", "-0.1"), "--lr -0.1 must be a positive finite learning rate"),
+        (("train", "--lr", "1e38"), "where AdamW's first step size overflows float32"),  # once a late crash
+        (("train", "--checkpoint-dir", " "), "--checkpoint-dir needs a directory path"),  # once "" saved nothing
+        (("train", "--checkpoint-dir", "", "--resume"), "--checkpoint-dir needs a directory path"),
+        (("train", "--checkpoint-dir", str(tmp / "ck"), "--json", str(tmp / "ck")), "is the --checkpoint-dir"),
         (("train", "--lr", "nan"), "--lr nan must be a positive finite learning rate"),
         (("train", "--cp", "-2", "--dp", "-2"), "--cp -2 x --dp -2 must equal the 4 ranks"),
         (("train", "--seed", str(2**70)), "--seed must be between 0 and"),
@@ -236,6 +241,35 @@ def test_bad_values_give_no_traceback_from_the_command() -> None:
     for args in (("plan", "--head-dim", "0"), ("demo", "--json", "/")):
         proc = run_cli(*args)
         assert proc.returncode == 2 and "Traceback" not in proc.stderr, proc.stderr
+
+
+def test_a_reader_gone_from_stdout_costs_neither_the_json_nor_a_traceback(tmp_path) -> None:
+    """``ctxpar plan --json x.json | head``: the report's print fails with EPIPE. The JSON
+    used to be written after it, so the file was lost, behind a BrokenPipeError traceback."""
+    out = tmp_path / "plan.json"
+    reader, writer = os.pipe()
+    os.close(reader)
+    proc = subprocess.run([sys.executable, "-m", "ctxpar.cli", "plan", "--json", str(out)], stdout=writer,
+                          stderr=subprocess.PIPE, text=True, timeout=300)
+    os.close(writer)
+    assert proc.returncode == 1 and proc.stderr == "", proc.stderr
+    assert json.loads(out.read_text())["recommendation"]
+
+
+def test_probing_an_output_path_never_touches_the_path_itself(tmp_path, monkeypatch) -> None:
+    """Every torchrun rank probes --json before starting: once by creating and removing the
+    file itself, so one rank could remove the file another was probing (a crash) or leave
+    it behind. A new path is probed with a file of the probe's own."""
+    import ctxpar.cli as cli
+
+    target = tmp_path / "out.json"
+    touched = []
+    real_open, real_remove = open, os.remove
+    monkeypatch.setattr("builtins.open", lambda path, *a, **k: touched.append(str(path)) or real_open(path, *a, **k))
+    monkeypatch.setattr(os, "remove", lambda path: touched.append(str(path)) or real_remove(path))
+    cli._check_output("--json", str(target))
+    assert str(target) not in touched and not target.exists()
+    assert list(tmp_path.iterdir()) == []  # the probe's own file is gone too
 
 
 @pytest.mark.parametrize("command", sorted(COMMANDS))

@@ -390,9 +390,11 @@ def test_training_under_torchrun_ends_with_its_own_exit_status(tmp_path) -> None
 FAKE_TORCHRUN_RANK = """
 import atexit, sys
 from ctxpar import cli
-atexit.register(print, "finalized")
+atexit.register(lambda: print("finalized", file=sys.__stderr__))
 if sys.argv[1] == "crash":
     cli.COMMANDS["plan"] = (cli.COMMANDS["plan"][0], lambda args: 1 / 0)
+if sys.argv[1] == "no":  # started with stdout closed (1>&-)
+    sys.stdout = None
 sys.exit(cli.main(sys.argv[2:]))
 """
 
@@ -401,6 +403,7 @@ sys.exit(cli.main(sys.argv[2:]))
     ("ok", ["plan", "--seq", "8192", "--cp", "2"], 0, "CP-2"),
     ("bad value", ["plan", "--head-dim", "0"], 2, "ctxpar plan: error: --head-dim must be between 1 and"),
     ("crash", ["plan"], 1, "ZeroDivisionError"),
+    ("no stdout", ["plan"], 0, ""),  # once an AttributeError flushing None, then the finalization
 ])
 def test_the_command_ends_a_torchrun_rank_without_finalizing(case, argv, status, says) -> None:
     """The deterministic half of the test above: under torchrun the command ends its rank's
@@ -412,4 +415,4 @@ def test_the_command_ends_a_torchrun_rank_without_finalizing(case, argv, status,
                           text=True, timeout=120, env=dict(os.environ, **rank_env))
     assert proc.returncode == status, proc.stderr
     assert says in proc.stdout + proc.stderr
-    assert "finalized" not in proc.stdout
+    assert "finalized" not in proc.stderr

@@ -6,6 +6,7 @@ import argparse
 import json
 import os
 import sys
+import tempfile
 import traceback
 
 from ctxpar import calibrate as calibration_
@@ -57,7 +58,9 @@ def _demo_parser(sub) -> None:
 
 
 def _launch_flags(p: argparse.ArgumentParser, nproc: int) -> None:
-    p.add_argument("--nproc", type=int, default=nproc, help="local ranks to spawn (ignored under torchrun)")
+    p.add_argument("--nproc", type=int, default=nproc,
+                   help="local ranks to spawn (under torchrun leave it out: torchrun's own parser takes it for "
+                        "its --nproc-per-node)")
     p.add_argument("--device", choices=launch.DEVICE_TYPES,
                    help="where ranks compute (default: the GPU under torchrun when there is one, else the CPU); "
                         "--device cuda with more local ranks than GPUs shares them, staging transfers through host "
@@ -89,24 +92,34 @@ def _check_output(flag: str, path: str | None, example: str = "out.json") -> Non
     if not os.path.isdir(parent):
         raise ValueError(f"{flag} {path!r}: the directory {parent} does not exist; create it first "
                          f"(mkdir -p {parent}) or choose another path")
-    existed = os.path.exists(path)
-    if existed and not os.path.isfile(path):
+    if os.path.exists(path) and not os.path.isfile(path):
         return  # /dev/stdout, a FIFO: opening one to try it could block
     try:  # permission bits are not the whole answer (root, read-only mounts, /proc): try it
-        with open(path, "a"):
-            pass
+        if os.path.exists(path):
+            with open(path, "a"):
+                pass
+        else:  # a file of its own: torchrun's ranks probe at once, and one must not remove another's
+            fd, probe = tempfile.mkstemp(dir=parent, prefix=".ctxpar-probe-")
+            os.close(fd)
+            os.remove(probe)
     except OSError as e:
         raise ValueError(f"{flag} {path!r} is not writable ({e.strerror}); choose a path you can write") from None
-    if not existed:
-        os.remove(path)
 
 
-def _write_json(path: str, data: dict) -> None:
-    try:
-        with open(path, "w") as f:
-            json.dump(data, f, indent=2)
-    except OSError as e:  # e.g. the disk filled up during the run
-        raise ValueError(f"--json {path!r} could not be written ({e.strerror}); the report above is complete") from None
+def _report(text: str, json_path: str | None, data: dict) -> None:
+    """Print a command's report and write its JSON, the JSON first: a reader of stdout that
+    is gone (``| head``) must not cost the file."""
+    unwritten = None
+    if json_path:
+        try:
+            with open(json_path, "w") as f:
+                json.dump(data, f, indent=2)
+        except OSError as e:  # e.g. the disk filled up during the run
+            unwritten = ValueError(f"--json {json_path!r} could not be written ({e.strerror}); the report above "
+                                   f"is complete")
+    print(text)
+    if unwritten is not None:
+        raise unwritten
 
 
 def _run_demo(args: argparse.Namespace) -> int:
@@ -120,9 +133,7 @@ def _run_demo(args: argparse.Namespace) -> int:
     report = run_demo(cfg, timeout_s=args.timeout)
     if report is None:  # a non-zero rank under torchrun
         return 0
-    print(format_report(report))
-    if args.json:
-        _write_json(args.json, report)
+    _report(format_report(report), args.json, report)
     return 0 if report["ok"] else 1
 
 
@@ -162,6 +173,9 @@ def _train_parser(sub) -> None:
 def _run_train(args: argparse.Namespace) -> int:
     world = _check_launch_flags(args)
     _check_output("--json", args.json)
+    if args.json and args.checkpoint_dir and os.path.abspath(args.json) == os.path.abspath(args.checkpoint_dir):
+        raise ValueError(f"--json {args.json!r} is the --checkpoint-dir; give the report a file of its own, e.g. "
+                         f"{os.path.join(args.checkpoint_dir, 'report.json')}")
     if args.cp is not None and (args.cp < 1 or args.cp * args.dp != world):
         raise ValueError(f"--cp {args.cp} x --dp {args.dp} must equal the {world} ranks; leave --cp out to use "
                          f"ranks / dp")
@@ -179,9 +193,7 @@ def _run_train(args: argparse.Namespace) -> int:
         return 1
     if report is None:  # a non-zero rank under torchrun
         return 0
-    print(format_train_report(report))
-    if args.json:
-        _write_json(args.json, {k: v for k, v in report.items() if not k.endswith("parameters")})
+    _report(format_train_report(report), args.json, {k: v for k, v in report.items() if not k.endswith("parameters")})
     return 0
 
 
@@ -372,14 +384,10 @@ def _run_plan(args: argparse.Namespace) -> int:
     if args.inference:
         served = planning.make_inference_plan(workload, hardware, new_tokens=new_tokens, chunk=chunk,
                                               max_cp=args.max_cp, calibration=calibration)
-        print(planning.format_inference_plan(served))
-        if args.json:
-            _write_json(args.json, planning.inference_to_json(served))
+        _report(planning.format_inference_plan(served), args.json, planning.inference_to_json(served))
         return 0
     plan = planning.make_plan(workload, hardware, max_cp=args.max_cp, calibration=calibration)
-    print(planning.format_plan(plan))
-    if args.json:
-        _write_json(args.json, planning.to_json(plan))
+    _report(planning.format_plan(plan), args.json, planning.to_json(plan))
     if args.plot:
         planning.write_plot(plan, args.plot)
     return 0
@@ -425,9 +433,7 @@ def _run_generate(args: argparse.Namespace) -> int:
     report = generation.run_generate(cfg, timeout_s=args.timeout)
     if report is None:  # a non-zero rank under torchrun
         return 0
-    print(generation.format_report(report))
-    if args.json:
-        _write_json(args.json, report)
+    _report(generation.format_report(report), args.json, report)
     return 0 if report.get("tokens_match", True) else 1
 
 
@@ -467,6 +473,9 @@ def _run_command(args: argparse.Namespace) -> int:
     except KeyboardInterrupt:
         print(f"ctxpar {args.command}: interrupted; the ranks were stopped", file=sys.stderr)
         return 130
+    except BrokenPipeError:  # stdout's reader is gone (``| head``): what it did not read, nobody wants
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())  # nor Python's flush at exit
+        return 1
 
 
 if __name__ == "__main__":

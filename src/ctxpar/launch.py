@@ -626,9 +626,15 @@ def exit_torchrun_rank(status: int) -> NoReturn:
     finalization Python 3.11 ends such a thread from inside C++, which aborts the process
     ("terminate called without an active exception", SIGABRT) after the run succeeded.
     Under torchrun, 6 of 40 runs of ``ctxpar train`` on 2 ranks ended so. Call it once the
-    rank's files are closed: atexit handlers do not run.
+    rank's files are closed: atexit handlers do not run. Output that cannot be flushed (a
+    closed stream, a reader gone) is dropped: the status stands.
     """
-    logging.shutdown()
-    sys.stdout.flush()
-    sys.stderr.flush()
-    os._exit(status)
+    try:
+        logging.shutdown()
+        for stream in (sys.stdout, sys.stderr):
+            if stream is not None:
+                stream.flush()
+    except Exception:  # noqa: BLE001  nobody is left to read it
+        pass
+    finally:
+        os._exit(status)

@@ -27,6 +27,7 @@ from ctxpar.models import Transformer, get_config
 from ctxpar.parallelize import apply_context_parallel, cp_loss, shard_batch, shift_labels
 
 TRAIN_STRATEGIES = ("ring", "allgather", "alltoall", "auto")  # auto: ctxpar.auto picks per call
+ADAM_BETAS = (0.9, 0.95)
 
 
 @dataclass(frozen=True)
@@ -63,6 +64,10 @@ class TrainConfig:
             limits.check_count(field, getattr(self, field))
         if not (math.isfinite(self.lr) and self.lr > 0):
             raise ValueError(f"--lr {self.lr} must be a positive finite learning rate, e.g. {TrainConfig.lr}")
+        largest = torch.finfo(torch.float32).max * (1 - ADAM_BETAS[0])
+        if self.lr > largest:  # AdamW's first step is lr / (1 - beta1), taken as a float32
+            raise ValueError(f"--lr {self.lr:g} is beyond {largest:.3g}, where AdamW's first step size overflows "
+                             f"float32; e.g. {TrainConfig.lr}")
         limits.check_seed(self.seed)
         cfg = get_config(self.model)
         ctxpar.get_layout(self.layout, self.cp(world)).validate(self.seq)
@@ -71,6 +76,8 @@ class TrainConfig:
         if self.save_every < 0:
             raise ValueError(f"--save-every {self.save_every} must be >= 0 (steps between checkpoints; 0: the last "
                              "step only)")
+        if self.checkpoint_dir is not None and not self.checkpoint_dir.strip():
+            raise ValueError("--checkpoint-dir needs a directory path, e.g. checkpoints; got an empty one")
         if (self.save_every or self.resume) and not self.checkpoint_dir:
             raise ValueError("--save-every and --resume need --checkpoint-dir")
         self.task()
@@ -110,7 +117,7 @@ def build_model(cfg: TrainConfig, device: torch.device) -> Transformer:
 
 
 def _optimizer(model: torch.nn.Module, cfg: TrainConfig) -> torch.optim.Optimizer:
-    return torch.optim.AdamW(model.parameters(), lr=cfg.lr, betas=(0.9, 0.95), weight_decay=0.0)
+    return torch.optim.AdamW(model.parameters(), lr=cfg.lr, betas=ADAM_BETAS, weight_decay=0.0)
 
 
 def _run_steps(
