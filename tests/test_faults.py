@@ -416,3 +416,70 @@ def test_the_command_ends_a_torchrun_rank_without_finalizing(case, argv, status,
     assert proc.returncode == status, proc.stderr
     assert says in proc.stdout + proc.stderr
     assert "finalized" not in proc.stderr
+
+
+def _as_torchrun_rank(restart: int) -> dict[str, str]:
+    """The environment torchrun gives the one rank of a one-rank launch, at its ``restart``."""
+    return dict(os.environ, TORCHELASTIC_RUN_ID="none", RANK="0", WORLD_SIZE="1", LOCAL_RANK="0",
+                LOCAL_WORLD_SIZE="1", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()),
+                TORCHELASTIC_RESTART_COUNT=str(restart))
+
+
+def test_a_run_torchrun_restarts_continues_from_its_newest_checkpoint(tmp_path) -> None:
+    """torchrun --max-restarts reruns the same command after a failure. Restarted, train
+    continues from the newest verified checkpoint as --resume would (it used to refuse the
+    directory it had saved to), and starts over where nothing was saved yet."""
+    def train(restart: int, steps: int, directory: Path) -> tuple[subprocess.CompletedProcess, dict | None]:
+        out = tmp_path / f"restart{restart}-{steps}.json"
+        proc = subprocess.run([sys.executable, "-m", "ctxpar.cli", "train", "--seq", "256", "--steps", str(steps),
+                               "--no-progress", "--checkpoint-dir", str(directory), "--json", str(out)],
+                              capture_output=True, text=True, timeout=180, env=_as_torchrun_rank(restart))
+        return proc, json.loads(out.read_text()) if out.exists() else None
+
+    saved = tmp_path / "saved"
+    proc, first = train(0, 2, saved)
+    assert proc.returncode == 0, proc.stderr
+    proc, _ = train(0, 4, saved)  # a new launch, not a restart: the directory is another run's
+    assert proc.returncode == 2 and "already holds checkpoints" in proc.stderr, proc.stderr
+    proc, restarted = train(1, 4, saved)
+    assert proc.returncode == 0, proc.stderr
+    assert "torchrun restart 1: continuing from the newest verified checkpoint" in proc.stderr
+    assert restarted["start_step"] == 2 and len(restarted["loss"]) == 2
+    proc, fresh = train(1, 2, tmp_path / "empty")
+    assert proc.returncode == 0, proc.stderr
+    assert "torchrun restart 1: no checkpoint saved yet: starting over from step 0" in proc.stderr
+    assert fresh["start_step"] == 0 and fresh["loss"] == first["loss"]
+
+
+RANK_FAILING_AFTER_A_SAVE = """
+import os, sys
+from ctxpar import checkpoint, cli
+
+save = checkpoint.save
+def save_then_fail(*args):
+    path = save(*args)
+    if os.environ["TORCHELASTIC_RESTART_COUNT"] == "0" and os.environ["RANK"] == "1":
+        os._exit(1)  # as a rank lost after its first checkpoint
+    return path
+checkpoint.save = save_then_fail
+sys.exit(cli.main(sys.argv[1:]))
+"""
+
+
+def test_torchrun_restarts_a_failed_rank_and_training_continues_from_its_checkpoint(tmp_path) -> None:
+    """torchrun --max-restarts 1, rank 1 lost right after the step-2 checkpoint: the restarted
+    ranks join a fresh group (the failed attempt's addresses stay in torchrun's store, and
+    gloo used to connect to them and fail) and continue from step 2 to the end."""
+    script = tmp_path / "rank.py"
+    script.write_text(RANK_FAILING_AFTER_A_SAVE)
+    out = tmp_path / "train.json"
+    torchrun = Path(sys.executable).with_name("torchrun")
+    proc = subprocess.run([str(torchrun), "--nnodes", "1", "--nproc-per-node", "2", "--max-restarts", "1",
+                           "--master-addr", "127.0.0.1", "--master-port", str(free_port()), str(script), "train",
+                           "--seq", "256", "--steps", "4", "--save-every", "2", "--no-progress",
+                           "--checkpoint-dir", str(tmp_path / "ck"), "--json", str(out)],
+                          capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr
+    assert "torchrun restart 1: continuing from the newest verified checkpoint" in proc.stderr
+    report = json.loads(out.read_text())
+    assert report["start_step"] == 2 and len(report["loss"]) == 2

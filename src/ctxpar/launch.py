@@ -122,6 +122,12 @@ def launched_by_torchrun() -> bool:
     return all(name in os.environ for name in TORCHRUN_VARS)
 
 
+def torchrun_restart() -> int:
+    """How many times torchrun has restarted this run's ranks (``--max-restarts``): 0 for the
+    first attempt and outside torchrun."""
+    return int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")) if launched_by_torchrun() else 0
+
+
 def world_size(nproc: int) -> int:
     """Ranks a run will have: torchrun's WORLD_SIZE under torchrun, else ``nproc``."""
     return int(os.environ["WORLD_SIZE"]) if launched_by_torchrun() else nproc
@@ -231,7 +237,11 @@ def init_from_env(timeout_s: float = DEFAULT_TIMEOUT_S, device_type: str = "cuda
         backend = "nccl"
     else:
         device, backend = torch.device("cpu"), "gloo"
-    _join(backend, timeout_s)
+    # torchrun's store outlives a restart (--max-restarts) and torch keys nothing by attempt:
+    # restarted ranks would read the failed attempt's addresses and never connect
+    store, rank, world = next(dist.rendezvous("env://", timeout=datetime.timedelta(seconds=timeout_s)))
+    _join(backend, timeout_s, store=dist.PrefixStore(f"ctxpar/attempt-{torchrun_restart()}", store), rank=rank,
+          world_size=world)
     return device
 
 

@@ -10,10 +10,11 @@ the run computes what single-process training on that batch computes, which
 from __future__ import annotations
 
 import math
+import os
 import sys
 import time
 from collections.abc import Callable
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 
 import torch
 import torch.distributed as dist
@@ -272,6 +273,22 @@ def train_reference(cfg: TrainConfig) -> dict:
     return dict(parameters=params, **history)
 
 
+def _continued_after_a_restart(cfg: TrainConfig) -> TrainConfig:
+    """torchrun restarts failed ranks with the same arguments (``--max-restarts``): a
+    restarted run continues from its newest verified checkpoint, as ``--resume`` would, and
+    starts over where it saved none (every rank reads the same directory before any saves)."""
+    restart = launch.torchrun_restart()
+    if not restart or cfg.resume:
+        return cfg
+    saved = cfg.checkpoint_dir and os.path.isdir(cfg.checkpoint_dir) and checkpoint.list_checkpoints(
+        cfg.checkpoint_dir)[0]
+    if os.environ["RANK"] == "0":
+        what = (f"continuing from the newest verified checkpoint in {cfg.checkpoint_dir!r} (as --resume)" if saved
+                else "no checkpoint saved yet: starting over from step 0")
+        print(f"ctxpar train: torchrun restart {restart}: {what}", file=sys.stderr, flush=True)
+    return replace(cfg, resume=True) if saved else cfg
+
+
 def run_train(cfg: TrainConfig, *, timeout_s: float = launch.DEFAULT_TIMEOUT_S) -> dict | None:
     """Train on local gloo ranks (or torchrun's), then the reference if ``cfg.compare``.
 
@@ -281,6 +298,7 @@ def run_train(cfg: TrainConfig, *, timeout_s: float = launch.DEFAULT_TIMEOUT_S) 
     """
     cfg.validate(launch.world_size(cfg.nproc))
     cfg.check_memory(launch.local_ranks(cfg.nproc))
+    cfg = _continued_after_a_restart(cfg)
     resume_from = None
     if cfg.checkpoint_dir:  # here, not in validate (which every rank runs): it may create the directory
         checkpoint.check_directory(cfg.checkpoint_dir, resuming=cfg.resume)
