@@ -405,17 +405,25 @@ sys.exit(cli.main(sys.argv[2:]))
     ("crash", ["plan"], 1, "ZeroDivisionError"),
     ("no stdout", ["plan"], 0, ""),  # once an AttributeError flushing None, then the finalization
 ])
-def test_the_command_ends_a_torchrun_rank_without_finalizing(case, argv, status, says) -> None:
+def test_the_command_ends_a_torchrun_rank_without_finalizing(case, argv, status, says, tmp_path) -> None:
     """The deterministic half of the test above: under torchrun the command ends its rank's
     process itself, with the command's exit status and its output flushed, so no gloo thread
-    can meet the interpreter's finalization (an atexit handler shows whether it ran)."""
+    can meet the interpreter's finalization (an atexit handler shows whether it ran). Why it
+    failed goes to the error file torchrun names in its summary (it said "<N/A>")."""
+    error_file = tmp_path / "error.json"
     rank_env = dict(TORCHELASTIC_RUN_ID="none", RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", LOCAL_WORLD_SIZE="1",
-                    MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()))
+                    MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()), TORCHELASTIC_ERROR_FILE=str(error_file))
     proc = subprocess.run([sys.executable, "-c", FAKE_TORCHRUN_RANK, case.split()[0], *argv], capture_output=True,
                           text=True, timeout=120, env=dict(os.environ, **rank_env))
     assert proc.returncode == status, proc.stderr
     assert says in proc.stdout + proc.stderr
     assert "finalized" not in proc.stderr
+    if status == 0:
+        assert not error_file.exists()
+    else:
+        told = json.loads(error_file.read_text())["message"]
+        assert says in told["message"] and says in told["extraInfo"]["py_callstack"]
+        assert ("Traceback" in told["extraInfo"]["py_callstack"]) == (case == "crash")
 
 
 def _as_torchrun_rank(restart: int) -> dict[str, str]:

@@ -189,8 +189,7 @@ def _run_train(args: argparse.Namespace) -> int:
     try:
         report = run_train(cfg, timeout_s=args.timeout)
     except launch.StopRun as e:  # a torchrun rank (local ranks' stops come as a RankFailure) or --compare's run
-        print(f"ctxpar train: error: {e}", file=sys.stderr)
-        return 1
+        return _stop("train", e, 1)
     if report is None:  # a non-zero rank under torchrun
         return 0
     _report(format_train_report(report), args.json, {k: v for k, v in report.items() if not k.endswith("parameters")})
@@ -455,21 +454,29 @@ def main(argv: list[str] | None = None) -> int:
         return _run_command(args)
     try:
         status = _run_command(args)
-    except Exception:  # what Python would print, and its exit status
+    except Exception as e:  # what Python would print, and its exit status
         traceback.print_exc()
+        launch.tell_torchrun(f"{type(e).__name__}: {e}", traceback.format_exc())
         status = 1
     launch.exit_torchrun_rank(status)
+
+
+def _stop(command: str, e: Exception, status: int) -> int:
+    """Say why ``command`` stops; under torchrun its failure summary says it too."""
+    message = f"ctxpar {command}: error: {e}"
+    print(message, file=sys.stderr)
+    if launch.launched_by_torchrun():
+        launch.tell_torchrun(message, message)
+    return status
 
 
 def _run_command(args: argparse.Namespace) -> int:
     try:
         return COMMANDS[args.command][1](args)
     except ValueError as e:  # a value the user can change: argparse's convention, exit status 2
-        print(f"ctxpar {args.command}: error: {e}", file=sys.stderr)
-        return 2
+        return _stop(args.command, e, 2)
     except launch.RankFailure as e:
-        print(f"ctxpar {args.command}: error: {e}", file=sys.stderr)
-        return 1
+        return _stop(args.command, e, 1)
     except KeyboardInterrupt:
         print(f"ctxpar {args.command}: interrupted; the ranks were stopped", file=sys.stderr)
         return 130

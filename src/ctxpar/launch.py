@@ -28,6 +28,7 @@ from __future__ import annotations
 import ctypes
 import datetime
 import faulthandler
+import json
 import logging
 import math
 import os
@@ -624,6 +625,22 @@ def run(
             dist.destroy_process_group()
     print(describe_mode(nproc, timeout_s, device_type), file=sys.stderr, flush=True)
     return run_local(fn, nproc, args, timeout_s=timeout_s, deadline_s=deadline_s, device_type=device_type)[0]
+
+
+def tell_torchrun(message: str, details: str) -> None:
+    """Write why this rank fails to the error file torchrun gives it (``TORCHELASTIC_ERROR_FILE``,
+    in the format of torch's ``errors.record``), so that torchrun's failure summary names
+    the cause instead of "error_file: <N/A>": ``message`` in one line, ``details`` (a
+    traceback, or the message again) under "traceback"."""
+    path = os.environ.get("TORCHELASTIC_ERROR_FILE")
+    if not path:
+        return
+    extra = {"py_callstack": details, "timestamp": str(int(time.time()))}
+    try:
+        with open(path, "w") as f:
+            json.dump({"message": {"message": message, "extraInfo": extra}}, f)
+    except OSError:  # the summary then says <N/A>; the rank's own message is on its stderr
+        pass
 
 
 def exit_torchrun_rank(status: int) -> NoReturn:
