@@ -209,7 +209,8 @@ def bad_values(tmp: Path) -> list[tuple[tuple[str, ...], str]]:
         (("generate", "--batch", "0"), "--batch must be between 1 and"),
         (("generate", "--nproc", "3", "--prompt-len", "1020", "--strategy", "alltoall"),
          "splits the query heads H=4 (H_kv=2) over P=3 ranks"),
-        (("generate", "--strategy", "hybrid"), "strategy 'hybrid' needs a --ulysses-degree dividing the 4 ranks"),
+        (("generate", "--strategy", "hybrid"), "dividing the 4 ranks (the ring degree is ranks / --ulysses-degree); "
+                                              "none was given"),
         (("generate", "--ulysses-degree", "2"), "a --ulysses-degree is only for strategy 'hybrid'"),
         (("generate", "--strategy", "auto", "--ulysses-degree", "2"),
          "a --ulysses-degree is only for strategy 'hybrid', not 'auto'"),

@@ -59,7 +59,8 @@ class DemoConfig:
         launch.check_local_memory(
             needed, f"--seq {self.seq} with --batch {self.batch}, --heads {self.heads}, --kv-heads {self.kv_heads} "
                     f"and --head-dim {self.head_dim} on {ranks} ranks (each builds the whole sequence)",
-            "lower --seq (or --batch, --heads, --head-dim, --nproc)")
+            "lower --seq (or --batch, --heads, --head-dim, or the ranks on this machine: --nproc, or torchrun's "
+            "--nproc-per-node)")
 
 
 def _inputs(cfg: DemoConfig) -> tuple[torch.Tensor, ...]:

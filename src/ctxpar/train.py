@@ -91,7 +91,8 @@ class TrainConfig:
         needed = 4 * (ranks * model.parameters + self.dp * self.batch * self.seq * model.vocab)
         launch.check_local_memory(
             needed, f"--model {self.model} on {ranks} ranks with --seq {self.seq} and --batch {self.batch}",
-            "choose a smaller --model, or lower --seq, --batch or --nproc")
+            "choose a smaller --model, or lower --seq, --batch or the ranks on this machine (--nproc, or "
+            "torchrun's --nproc-per-node)")
 
     def checkpoint_settings(self) -> dict:
         """What a resumed run must share with the run that saved: what it trains on and with.

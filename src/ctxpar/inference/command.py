@@ -65,7 +65,8 @@ class GenerateConfig:
         launch.check_local_memory(4 * ranks * cfg.parameters + cache,
                                   f"--model {self.model} on {ranks} ranks with --prompt-len {self.prompt_len}, "
                                   f"--new-tokens {self.new_tokens} and --batch {self.batch}",
-                                  "choose a smaller --model, or lower --prompt-len, --new-tokens, --batch or --nproc")
+                                  "choose a smaller --model, or lower --prompt-len, --new-tokens, --batch or the "
+                                  "ranks on this machine (--nproc, or torchrun's --nproc-per-node)")
 
 
 def build(cfg: GenerateConfig, device: torch.device) -> tuple[Transformer, torch.Tensor]:
