@@ -419,10 +419,11 @@ def _as_torchrun_rank(restart: int) -> dict[str, str]:
                 TORCHELASTIC_RESTART_COUNT=str(restart))
 
 
-def test_a_run_torchrun_restarts_continues_from_its_newest_checkpoint(tmp_path) -> None:
-    """torchrun --max-restarts reruns the same command after a failure. Restarted, train
-    continues from the newest verified checkpoint as --resume would (it used to refuse the
-    directory it had saved to), and starts over where nothing was saved yet."""
+def test_a_restart_of_a_launch_refused_at_first_refuses_again(tmp_path) -> None:
+    """torchrun restarts a launch whose first attempt refused the --checkpoint-dir (another
+    run's checkpoints, no --resume): the restart refuses it too rather than continue the
+    other run, and in an empty directory it starts from step 0. (A fresh store per process
+    here: no attempt of this launch recorded that it trained.)"""
     def train(restart: int, steps: int, directory: Path) -> tuple[subprocess.CompletedProcess, dict | None]:
         out = tmp_path / f"restart{restart}-{steps}.json"
         proc = subprocess.run([sys.executable, "-m", "ctxpar.cli", "train", "--seq", "256", "--steps", str(steps),
@@ -430,51 +431,53 @@ def test_a_run_torchrun_restarts_continues_from_its_newest_checkpoint(tmp_path) 
                               capture_output=True, text=True, timeout=180, env=_as_torchrun_rank(restart))
         return proc, json.loads(out.read_text()) if out.exists() else None
 
-    saved = tmp_path / "saved"
-    proc, first = train(0, 2, saved)
+    other_run = tmp_path / "other"
+    proc, first = train(0, 2, other_run)
     assert proc.returncode == 0, proc.stderr
-    proc, _ = train(0, 4, saved)  # a new launch, not a restart: the directory is another run's
-    assert proc.returncode == 2 and "already holds checkpoints" in proc.stderr, proc.stderr
-    proc, restarted = train(1, 4, saved)
-    assert proc.returncode == 0, proc.stderr
-    assert "torchrun restart 1: continuing from the newest verified checkpoint" in proc.stderr
-    assert restarted["start_step"] == 2 and len(restarted["loss"]) == 2
+    for restart in (0, 1):
+        proc, _ = train(restart, 4, other_run)
+        assert proc.returncode == 2 and "already holds checkpoints" in proc.stderr, proc.stderr
     proc, fresh = train(1, 2, tmp_path / "empty")
     assert proc.returncode == 0, proc.stderr
-    assert "torchrun restart 1: no checkpoint saved yet: starting over from step 0" in proc.stderr
     assert fresh["start_step"] == 0 and fresh["loss"] == first["loss"]
 
 
-RANK_FAILING_AFTER_A_SAVE = """
+RANK_FAILING_IN_ITS_FIRST_SAVE = """
 import os, sys
 from ctxpar import checkpoint, cli
 
-save = checkpoint.save
-def save_then_fail(*args):
-    path = save(*args)
+WHEN = os.environ.pop("CTXPAR_TEST_FAIL")  # "after": once the checkpoint is sealed; "during": before
+seal = checkpoint.write_manifest
+def seal_or_fail(*args):
+    if WHEN == "after":
+        seal(*args)
     if os.environ["TORCHELASTIC_RESTART_COUNT"] == "0" and os.environ["RANK"] == "1":
-        os._exit(1)  # as a rank lost after its first checkpoint
-    return path
-checkpoint.save = save_then_fail
+        os._exit(1)  # as a rank lost in or after its first checkpoint
+    if WHEN == "during":
+        seal(*args)
+checkpoint.write_manifest = seal_or_fail
 sys.exit(cli.main(sys.argv[1:]))
 """
 
 
-def test_torchrun_restarts_a_failed_rank_and_training_continues_from_its_checkpoint(tmp_path) -> None:
-    """torchrun --max-restarts 1, rank 1 lost right after the step-2 checkpoint: the restarted
-    ranks join a fresh group (the failed attempt's addresses stay in torchrun's store, and
-    gloo used to connect to them and fail) and continue from step 2 to the end."""
+@pytest.mark.parametrize("when, start", [("after", 2), ("during", 0)])
+def test_torchrun_restarts_a_failed_rank_and_training_continues_from_its_checkpoint(when, start, tmp_path) -> None:
+    """torchrun --max-restarts 1, rank 1 lost after or during its step-2 checkpoint: the
+    restarted ranks join a fresh group (the failed attempt's addresses stay in torchrun's
+    store, and gloo used to connect to them and fail) and continue from step 2, or start
+    over past the save that was cut short (the restart used to refuse its own directory)."""
     script = tmp_path / "rank.py"
-    script.write_text(RANK_FAILING_AFTER_A_SAVE)
+    script.write_text(RANK_FAILING_IN_ITS_FIRST_SAVE)
     out = tmp_path / "train.json"
     torchrun = Path(sys.executable).with_name("torchrun")
     proc = subprocess.run([str(torchrun), "--nnodes", "1", "--nproc-per-node", "2", "--max-restarts", "1",
                            "--master-addr", "127.0.0.1", "--master-port", str(free_port()), str(script), "train",
                            "--seq", "256", "--steps", "4", "--save-every", "2", "--no-progress",
                            "--checkpoint-dir", str(tmp_path / "ck"), "--json", str(out)],
-                          capture_output=True, text=True, timeout=300)
+                          capture_output=True, text=True, timeout=300, env=dict(os.environ, CTXPAR_TEST_FAIL=when))
     assert proc.returncode == 0, proc.stderr
-    assert "torchrun restart 1: continuing from the newest verified checkpoint" in proc.stderr
+    said = "continuing from its checkpoint at step 2" if start else "no checkpoint of it verifies: starting over"
+    assert f"torchrun restart 1: {said}" in proc.stderr
     assert "terminate called" not in proc.stderr
     report = json.loads(out.read_text())
-    assert report["start_step"] == 2 and len(report["loss"]) == 2
+    assert report["start_step"] == start and len(report["loss"]) == 4 - start

@@ -158,15 +158,16 @@ def write_manifest(path: str, step: int, run: dict[str, Any]) -> None:
     _on_rank0(partial(_write_atomically, path, {**body, "checksum": _checksum(body)}))
 
 
-def find_resumable(directory: str, run: dict[str, Any]) -> Resumable:
-    """The newest complete, verified checkpoint in ``directory`` (collective).
+def find_resumable(directory: str, run: dict[str, Any], *, required: bool = True) -> Resumable | None:
+    """The newest complete, verified checkpoint in ``directory`` (collective); None if none
+    verifies and not ``required``.
 
     Checkpoints without an intact manifest (partial saves), with a file missing or not
     matching its recorded size and sha256, and stray entries are skipped and named.
 
     Raises:
         ValueError: a verified checkpoint was written by a run whose ``run`` settings
-            differ (naming each difference), or no verified checkpoint remains.
+            differ (naming each difference), or no verified checkpoint remains (``required``).
     """
     run = _as_json(run)
     candidates, skipped = _on_rank0(partial(list_checkpoints, directory))
@@ -179,6 +180,8 @@ def find_resumable(directory: str, run: dict[str, Any]) -> Resumable:
                 return Resumable(step, path, tuple(skipped))
             why = "; ".join(problems)
         skipped.append(Skipped(path, why))
+    if not required:
+        return None
     listing = "".join(f"\n  {s.path}: {s.reason}" for s in skipped) or " (it is empty)"
     raise ValueError(f"--resume: no complete, verified checkpoint in {directory!r}:{listing}\nstart a new run "
                      "without --resume (in an empty --checkpoint-dir)")

@@ -86,6 +86,7 @@ LAUNCHER_VARS = (*TORCHRUN_VARS, "GROUP_RANK", "GROUP_WORLD_SIZE", "ROLE_RANK", 
 
 _PR_SET_PDEATHSIG = 1  # <linux/prctl.h>
 _collective_timeout: datetime.timedelta | None = None  # this process's, once it joined a group
+_launch_store: dist.Store | None = None  # torchrun's store, unprefixed: it lasts as long as the launch
 
 
 class StopRun(Exception):
@@ -240,10 +241,22 @@ def init_from_env(timeout_s: float = DEFAULT_TIMEOUT_S, device_type: str = "cuda
         device, backend = torch.device("cpu"), "gloo"
     # torchrun's store outlives a restart (--max-restarts) and torch keys nothing by attempt:
     # restarted ranks would read the failed attempt's addresses and never connect
-    store, rank, world = next(dist.rendezvous("env://", timeout=datetime.timedelta(seconds=timeout_s)))
-    _join(backend, timeout_s, store=dist.PrefixStore(f"ctxpar/attempt-{torchrun_restart()}", store), rank=rank,
-          world_size=world)
+    global _launch_store
+    _launch_store, rank, world = next(dist.rendezvous("env://", timeout=datetime.timedelta(seconds=timeout_s)))
+    _join(backend, timeout_s, store=dist.PrefixStore(f"ctxpar/attempt-{torchrun_restart()}", _launch_store),
+          rank=rank, world_size=world)
     return device
+
+
+def mark_launch(name: str) -> None:
+    """Record ``name`` for the rest of this torchrun launch: its restarts see it
+    (``launch_marked``), a new launch does not. Only after ``init_from_env``."""
+    _launch_store.set(f"ctxpar/marks/{name}", "1")
+
+
+def launch_marked(name: str) -> bool:
+    """Whether an attempt of this torchrun launch recorded ``name`` (``mark_launch``)."""
+    return _launch_store.check([f"ctxpar/marks/{name}"])
 
 
 def _stray_launcher_vars() -> list[str]:

@@ -10,11 +10,10 @@ the run computes what single-process training on that batch computes, which
 from __future__ import annotations
 
 import math
-import os
 import sys
 import time
 from collections.abc import Callable
-from dataclasses import asdict, dataclass, replace
+from dataclasses import asdict, dataclass
 
 import torch
 import torch.distributed as dist
@@ -29,6 +28,7 @@ from ctxpar.parallelize import apply_context_parallel, cp_loss, shard_batch, shi
 
 TRAIN_STRATEGIES = ("ring", "allgather", "alltoall", "auto")  # auto: ctxpar.auto picks per call
 ADAM_BETAS = (0.9, 0.95)
+OWN_CHECKPOINTS = "train: this launch saves to --checkpoint-dir"  # a torchrun launch mark (launch.mark_launch)
 
 
 @dataclass(frozen=True)
@@ -171,6 +171,30 @@ def _run_steps(
     return history
 
 
+def _after_a_restart(cfg: TrainConfig, rank: int) -> checkpoint.Resumable | None:
+    """torchrun restarted this launch's failed ranks with the same arguments (``--max-restarts``):
+    the checkpoint to continue from, as ``--resume`` would, or None to start over where the
+    launch saved none that verifies (a save cut short is replaced when its step comes
+    again). Checkpoints the launch did not save itself are refused, as its first attempt
+    refused them. Collective: every rank reads the same launch store and checkpoints."""
+    restart = launch.torchrun_restart()
+    if not launch.launch_marked(OWN_CHECKPOINTS):  # no attempt got as far as training
+        checkpoint.check_directory(cfg.checkpoint_dir, resuming=False)
+        return None
+    found = checkpoint.find_resumable(cfg.checkpoint_dir, cfg.checkpoint_settings(), required=False)
+    if found is not None and found.step >= cfg.steps:
+        raise ValueError(f"torchrun restart {restart}: this launch had saved its last step ({found.step} of --steps "
+                         f"{cfg.steps}) before it failed; nothing is left to train")
+    if rank == 0:
+        what = (f"continuing from its checkpoint at step {found.step}" if found
+                else "no checkpoint of it verifies: starting over from step 0")
+        print(f"ctxpar train: torchrun restart {restart}: {what} (--checkpoint-dir {cfg.checkpoint_dir!r})",
+              file=sys.stderr, flush=True)
+        if found:
+            _say_skipped(found)
+    return found
+
+
 def find_resume_point(cfg: TrainConfig) -> checkpoint.Resumable:
     """The verified checkpoint ``--resume`` continues from (collective under a process group).
 
@@ -215,13 +239,17 @@ def train_rank(rank: int, world: int, cfg: TrainConfig, resume_from: checkpoint.
     fully_shard(model, mesh=shard_mesh)
     optimizer = _optimizer(model, cfg)
 
-    start, resumed = 0, resume_from
-    if cfg.resume:
-        if resumed is None:
-            resumed = find_resume_point(cfg)
-            if rank == 0:
-                _say_skipped(resumed)
-        start = resumed.step
+    resumed = resume_from
+    if cfg.resume and resumed is None:
+        resumed = find_resume_point(cfg)
+        if rank == 0:
+            _say_skipped(resumed)
+    elif not cfg.resume and cfg.checkpoint_dir and launch.torchrun_restart():
+        resumed = _after_a_restart(cfg, rank)
+    if cfg.checkpoint_dir and launch.launched_by_torchrun() and rank == 0:
+        launch.mark_launch(OWN_CHECKPOINTS)  # before this launch saves any
+    start = resumed.step if resumed else 0
+    if resumed:
         checkpoint.load(model, optimizer, resumed.path)
 
     rows = slice(dp_rank * cfg.batch, (dp_rank + 1) * cfg.batch)
@@ -274,22 +302,6 @@ def train_reference(cfg: TrainConfig) -> dict:
     return dict(parameters=params, **history)
 
 
-def _continued_after_a_restart(cfg: TrainConfig) -> TrainConfig:
-    """torchrun restarts failed ranks with the same arguments (``--max-restarts``): a
-    restarted run continues from its newest verified checkpoint, as ``--resume`` would, and
-    starts over where it saved none (every rank reads the same directory before any saves)."""
-    restart = launch.torchrun_restart()
-    if not restart or cfg.resume:
-        return cfg
-    saved = cfg.checkpoint_dir and os.path.isdir(cfg.checkpoint_dir) and checkpoint.list_checkpoints(
-        cfg.checkpoint_dir)[0]
-    if os.environ["RANK"] == "0":
-        what = (f"continuing from the newest verified checkpoint in {cfg.checkpoint_dir!r} (as --resume)" if saved
-                else "no checkpoint saved yet: starting over from step 0")
-        print(f"ctxpar train: torchrun restart {restart}: {what}", file=sys.stderr, flush=True)
-    return replace(cfg, resume=True) if saved else cfg
-
-
 def run_train(cfg: TrainConfig, *, timeout_s: float = launch.DEFAULT_TIMEOUT_S) -> dict | None:
     """Train on local gloo ranks (or torchrun's), then the reference if ``cfg.compare``.
 
@@ -299,9 +311,10 @@ def run_train(cfg: TrainConfig, *, timeout_s: float = launch.DEFAULT_TIMEOUT_S) 
     """
     cfg.validate(launch.world_size(cfg.nproc))
     cfg.check_memory(launch.local_ranks(cfg.nproc))
-    cfg = _continued_after_a_restart(cfg)
     resume_from = None
-    if cfg.checkpoint_dir:  # here, not in validate (which every rank runs): it may create the directory
+    # here, not in validate (which every rank runs): it may create the directory; a torchrun
+    # restart's ranks check it together (``_after_a_restart``)
+    if cfg.checkpoint_dir and not launch.torchrun_restart():
         checkpoint.check_directory(cfg.checkpoint_dir, resuming=cfg.resume)
         if cfg.resume and not launch.launched_by_torchrun():
             resume_from = find_resume_point(cfg)
