@@ -246,31 +246,45 @@ def test_bad_values_give_no_traceback_from_the_command() -> None:
 
 def test_a_reader_gone_from_stdout_costs_neither_the_json_nor_a_traceback(tmp_path) -> None:
     """``ctxpar plan --json x.json | head``: the report's print fails with EPIPE. The JSON
-    used to be written after it, so the file was lost, behind a BrokenPipeError traceback."""
+    used to be written after it, so the file was lost, behind a BrokenPipeError traceback;
+    the command's own exit status stands."""
     out = tmp_path / "plan.json"
     reader, writer = os.pipe()
     os.close(reader)
+    env = {k: v for k, v in os.environ.items() if k != "PYTHONUNBUFFERED"}  # a pipe's usual block buffering
     proc = subprocess.run([sys.executable, "-m", "ctxpar.cli", "plan", "--json", str(out)], stdout=writer,
-                          stderr=subprocess.PIPE, text=True, timeout=300)
+                          stderr=subprocess.PIPE, text=True, timeout=300, env=env)
     os.close(writer)
-    assert proc.returncode == 1 and proc.stderr == "", proc.stderr
+    assert proc.returncode == 0 and proc.stderr == "", proc.stderr
     assert json.loads(out.read_text())["recommendation"]
 
 
-def test_probing_an_output_path_never_touches_the_path_itself(tmp_path, monkeypatch) -> None:
-    """Every torchrun rank probes --json before starting: once by creating and removing the
-    file itself, so one rank could remove the file another was probing (a crash) or leave
-    it behind. A new path is probed with a file of the probe's own."""
+def test_probing_an_output_path_removes_only_what_it_created(tmp_path, monkeypatch) -> None:
+    """Every torchrun rank probes --json before starting. Each used to create the file, or
+    open another rank's, and remove it, so a rank could remove the file another was probing
+    (a crash) or leave one behind. A probe now creates the file exclusively and removes
+    only its own; one that finds it being created leaves it alone. A name too long for the
+    file system and a link to a missing directory are still refused up front."""
     import ctxpar.cli as cli
 
     target = tmp_path / "out.json"
-    touched = []
-    real_open, real_remove = open, os.remove
-    monkeypatch.setattr("builtins.open", lambda path, *a, **k: touched.append(str(path)) or real_open(path, *a, **k))
-    monkeypatch.setattr(os, "remove", lambda path: touched.append(str(path)) or real_remove(path))
+    real_open = os.open
+
+    def another_rank_first(path, flags, *mode):
+        real_open(path, flags, *mode)  # the other rank's probe, between our check and our create
+        return real_open(path, flags, *mode)
+
+    monkeypatch.setattr(os, "open", another_rank_first)
     cli._check_output("--json", str(target))
-    assert str(target) not in touched and not target.exists()
-    assert list(tmp_path.iterdir()) == []  # the probe's own file is gone too
+    assert target.exists()  # the other rank's probe file: that rank removes it, not this one
+    monkeypatch.undo()
+    target.unlink()
+    cli._check_output("--json", str(target))
+    assert list(tmp_path.iterdir()) == []
+    (tmp_path / "link.json").symlink_to(tmp_path / "missing" / "out.json")
+    for bad in (tmp_path / ("x" * 300 + ".json"), tmp_path / "link.json"):
+        with pytest.raises(ValueError, match="is not writable"):
+            cli._check_output("--json", str(bad))
 
 
 @pytest.mark.parametrize("command", sorted(COMMANDS))

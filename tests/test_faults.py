@@ -379,7 +379,8 @@ if sys.argv[1] == "crash":
     cli.COMMANDS["plan"] = (cli.COMMANDS["plan"][0], lambda args: 1 / 0)
 if sys.argv[1] == "no":  # started with stdout closed (1>&-)
     sys.stdout = None
-sys.exit(cli.main(sys.argv[2:]))
+sys.argv[1:] = sys.argv[2:]
+cli.entry()
 """
 
 
@@ -390,7 +391,7 @@ sys.exit(cli.main(sys.argv[2:]))
     ("no stdout", ["plan"], 0, ""),  # once an AttributeError flushing None, then the finalization
 ])
 def test_the_command_ends_a_torchrun_rank_without_finalizing(case, argv, status, says, tmp_path) -> None:
-    """Under torchrun the command ends its rank's process itself, with the command's exit
+    """Under torchrun the ``ctxpar`` command ends its rank's process itself, with the command's exit
     status and its output flushed, so that no gloo thread of a group FSDP2's mesh keeps alive
     can meet the interpreter's finalization: ranks used to abort after training (SIGABRT,
     "terminate called without an active exception"; 6 of 40 launches of 2 ranks). An atexit
@@ -456,7 +457,7 @@ def seal_or_fail(*args):
     if WHEN == "during":
         seal(*args)
 checkpoint.write_manifest = seal_or_fail
-sys.exit(cli.main(sys.argv[1:]))
+cli.entry()
 """
 
 

@@ -6,8 +6,8 @@ import argparse
 import json
 import os
 import sys
-import tempfile
 import traceback
+from typing import NoReturn
 
 from ctxpar import calibrate as calibration_
 from ctxpar import launch
@@ -95,20 +95,22 @@ def _check_output(flag: str, path: str | None, example: str = "out.json") -> Non
     if os.path.exists(path) and not os.path.isfile(path):
         return  # /dev/stdout, a FIFO: opening one to try it could block
     try:  # permission bits are not the whole answer (root, read-only mounts, /proc): try it
-        if os.path.exists(path):
+        if os.path.lexists(path):  # a file, or a link to one to be (a missing directory fails here)
             with open(path, "a"):
                 pass
-        else:  # a file of its own: torchrun's ranks probe at once, and one must not remove another's
-            fd, probe = tempfile.mkstemp(dir=parent, prefix=".ctxpar-probe-")
-            os.close(fd)
-            os.remove(probe)
+        else:
+            try:
+                os.close(os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL))
+            except FileExistsError:  # another torchrun rank's probe, at this instant: it removes its own
+                return
+            os.remove(path)
     except OSError as e:
         raise ValueError(f"{flag} {path!r} is not writable ({e.strerror}); choose a path you can write") from None
 
 
 def _report(text: str, json_path: str | None, data: dict) -> None:
     """Print a command's report and write its JSON, the JSON first: a reader of stdout that
-    is gone (``| head``) must not cost the file."""
+    is gone (``| head``) must not cost the file, nor the command's exit status."""
     unwritten = None
     if json_path:
         try:
@@ -117,7 +119,10 @@ def _report(text: str, json_path: str | None, data: dict) -> None:
         except OSError as e:  # e.g. the disk filled up during the run
             unwritten = ValueError(f"--json {json_path!r} could not be written ({e.strerror}); the report above "
                                    f"is complete")
-    print(text)
+    try:
+        print(text, flush=True)
+    except BrokenPipeError:  # stdout's reader is gone (``| head``): what it did not read, nobody wants
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())  # nor Python's flush at exit
     if unwritten is not None:
         raise unwritten
 
@@ -445,6 +450,8 @@ COMMANDS = {
 
 
 def main(argv: list[str] | None = None) -> int:
+    """Run one ``ctxpar`` command; its exit status. Under torchrun, why it failed also goes to
+    the rank's error file, for torchrun's failure summary."""
     parser = argparse.ArgumentParser(prog="ctxpar", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
     for add_parser, _ in COMMANDS.values():
@@ -454,9 +461,24 @@ def main(argv: list[str] | None = None) -> int:
         return _run_command(args)
     try:
         status = _run_command(args)
-    except Exception as e:  # what Python would print, and its exit status
-        traceback.print_exc()
+    except Exception as e:
         launch.tell_torchrun(f"{type(e).__name__}: {e}", traceback.format_exc())
+        raise
+    if status and not launch.told_torchrun():  # a report that says why (demo's mismatch), on rank 0
+        said = f"ctxpar {args.command}: exit status {status}; rank 0's report says why"
+        launch.tell_torchrun(said, said)
+    return status
+
+
+def entry() -> NoReturn:
+    """The ``ctxpar`` console script and ``python -m ctxpar.cli``: ``main``'s status as the
+    process's. A torchrun rank's process ends through ``launch.exit_torchrun_rank``."""
+    if not launch.launched_by_torchrun():
+        sys.exit(main())
+    try:
+        status = main()
+    except Exception:  # what Python would print, and its exit status
+        traceback.print_exc()
         status = 1
     launch.exit_torchrun_rank(status)
 
@@ -480,10 +502,7 @@ def _run_command(args: argparse.Namespace) -> int:
     except KeyboardInterrupt:
         print(f"ctxpar {args.command}: interrupted; the ranks were stopped", file=sys.stderr)
         return 130
-    except BrokenPipeError:  # stdout's reader is gone (``| head``): what it did not read, nobody wants
-        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())  # nor Python's flush at exit
-        return 1
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    entry()

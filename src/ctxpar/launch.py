@@ -656,6 +656,12 @@ def tell_torchrun(message: str, details: str) -> None:
         pass
 
 
+def told_torchrun() -> bool:
+    """Whether this rank wrote torchrun's error file (``tell_torchrun``)."""
+    path = os.environ.get("TORCHELASTIC_ERROR_FILE")
+    return bool(path) and os.path.exists(path)
+
+
 def exit_torchrun_rank(status: int) -> NoReturn:
     """End this torchrun rank's process with ``status`` now, flushing output but skipping
     the interpreter's finalization.
@@ -672,9 +678,10 @@ def exit_torchrun_rank(status: int) -> NoReturn:
     try:
         logging.shutdown()
         for stream in (sys.stdout, sys.stderr):
-            if stream is not None:
-                stream.flush()
-    except Exception:  # noqa: BLE001  nobody is left to read it
-        pass
+            try:
+                if stream is not None:
+                    stream.flush()
+            except Exception:  # noqa: BLE001  nobody is left to read it
+                pass
     finally:
         os._exit(status)

@@ -66,7 +66,7 @@ class TrainConfig:
         if not (math.isfinite(self.lr) and self.lr > 0):
             raise ValueError(f"--lr {self.lr} must be a positive finite learning rate, e.g. {TrainConfig.lr}")
         largest = torch.finfo(torch.float32).max * (1 - ADAM_BETAS[0])
-        if self.lr > largest:  # AdamW's first step is lr / (1 - beta1), taken as a float32
+        if self.lr > largest:  # AdamW's step size lr / (1 - beta1) must be a float32, or torch raises mid-step
             raise ValueError(f"--lr {self.lr:g} is beyond {largest:.3g}, where AdamW's first step size overflows "
                              f"float32; e.g. {TrainConfig.lr}")
         limits.check_seed(self.seed)
