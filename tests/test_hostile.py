@@ -72,7 +72,7 @@ DISAGREEMENTS = {  # case -> what the ranks that called correctly are told
     "strategy_invalid": "rejected their attention inputs",
     "strategy_other": "different strategy",
     "requires_grad": "different requires_grad",
-    "sinks_requires_grad": "different requires_grad",  # once accepted: sinks.grad None on the other ranks
+    "sinks_requires_grad": "rank 2: q, k, v; rank 3: q, k, v, sinks)",  # once accepted: sinks.grad None elsewhere
     "hybrid_one_rank_invalid": "rejected their attention inputs",
     "hybrid_one_rank_causal": "called attention with different",
     "hybrid_vs_ring": "rejected their attention inputs",

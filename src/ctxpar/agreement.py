@@ -52,6 +52,9 @@ def needs_grad(*tensors) -> bool:
     return grad_flags(*tensors) != 0
 
 
+GRAD_TENSORS = ("q", "k", "v", "sinks")  # the order ``signature`` passes them to ``grad_flags``
+
+
 def grad_flags(*tensors) -> int:
     """Which of ``tensors`` a backward will reach: bit i set where the i-th requires grad
     (non-tensors never do), none with grad mode off."""
@@ -108,7 +111,8 @@ def check_ranks_agree(sig: list[int], topo: Topology, error: Exception | None) -
             continue
         bits = table[:, 0].tolist()
         rejected_ranks += [_global_rank(group, i) for i, b in enumerate(bits) if b & OWN_INPUTS_REJECTED]
-        here = [FIELDS[i] for i in range(1, len(FIELDS)) if not bool((table[:, i] == table[0, i]).all())]
+        here = [_described(FIELDS[i], table[:, i].tolist(), group) for i in range(1, len(FIELDS))
+                if not bool((table[:, i] == table[0, i]).all())]
         differs += [f for f in here if f not in differs]
         if any(b & (OWN_INPUTS_REJECTED | SAW_REJECTED) for b in bits):
             sig[0] |= SAW_REJECTED
@@ -125,6 +129,18 @@ def check_ranks_agree(sig: list[int], topo: Topology, error: Exception | None) -
             f"the ranks of the CP group called attention with {what}; every rank must pass the same shapes, "
             f"dtype, causal flag, scale, strategy, layout, documents, window, sinks and requires_grad"
         )
+
+
+def _described(field: str, column: list[int], group: dist.ProcessGroup | None) -> str:
+    """A field that differs between ranks, named; for ``requires_grad``, which tensors each rank's
+    backward would reach (``grad_flags``'s bits)."""
+    if field != "requires_grad":
+        return field
+    def named(flags: int) -> str:
+        return ", ".join(name for bit, name in enumerate(GRAD_TENSORS) if flags >> bit & 1) or "none"
+
+    by_rank = "; ".join(f"rank {_global_rank(group, i)}: {named(flags)}" for i, flags in enumerate(column))
+    return f"requires_grad (of q, k, v, sinks: {by_rank})"
 
 
 def _int64(value) -> int:

@@ -250,13 +250,19 @@ def init_from_env(timeout_s: float = DEFAULT_TIMEOUT_S, device_type: str = "cuda
 
 def mark_launch(name: str) -> None:
     """Record ``name`` for the rest of this torchrun launch: its restarts see it
-    (``launch_marked``), a new launch does not. Only after ``init_from_env``."""
-    _launch_store.set(f"ctxpar/marks/{name}", "1")
+    (``launch_marked``), a new launch does not."""
+    _joined_launch().set(f"ctxpar/marks/{name}", "1")
 
 
 def launch_marked(name: str) -> bool:
     """Whether an attempt of this torchrun launch recorded ``name`` (``mark_launch``)."""
-    return _launch_store.check([f"ctxpar/marks/{name}"])
+    return _joined_launch().check([f"ctxpar/marks/{name}"])
+
+
+def _joined_launch() -> dist.Store:
+    if _launch_store is None:
+        raise RuntimeError("launch marks need the torchrun group that init_from_env (or run) joins")
+    return _launch_store
 
 
 def _stray_launcher_vars() -> list[str]:
