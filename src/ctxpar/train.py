@@ -178,7 +178,9 @@ def _after_a_restart(cfg: TrainConfig, rank: int) -> checkpoint.Resumable | None
     again). Checkpoints the launch did not save itself are refused, as its first attempt
     refused them. Collective: every rank reads the same launch store and checkpoints."""
     restart = launch.torchrun_restart()
-    if not launch.launch_marked(OWN_CHECKPOINTS):  # no attempt got as far as training
+    trained = launch.launch_marked(OWN_CHECKPOINTS)
+    dist.barrier()  # every rank has read the mark before rank 0 may set it (train_rank)
+    if not trained:  # no attempt got as far as training
         checkpoint.check_directory(cfg.checkpoint_dir, resuming=False)
         return None
     found = checkpoint.find_resumable(cfg.checkpoint_dir, cfg.checkpoint_settings(), required=False)
