@@ -391,6 +391,7 @@ cli.entry()
     ("bad value", ["plan", "--head-dim", "0"], 2, "ctxpar plan: error: --head-dim must be between 1 and"),
     ("crash", ["plan"], 1, "ZeroDivisionError"),
     ("report failed", ["plan"], 3, "ctxpar plan: exit status 3; rank 0's report says why"),
+    ("usage", ["plan", "--seq", "x"], 2, "argument --seq: invalid int value: 'x'"),  # argparse's own refusal
     ("no stdout", ["plan"], 0, ""),  # once an AttributeError flushing None, then the finalization
 ])
 def test_the_command_ends_a_torchrun_rank_without_finalizing(case, argv, status, says, tmp_path) -> None:
@@ -481,7 +482,7 @@ def test_torchrun_restarts_a_failed_rank_and_training_continues_from_its_checkpo
                           capture_output=True, text=True, timeout=300, env=dict(os.environ, CTXPAR_TEST_FAIL=when))
     assert proc.returncode == 0, proc.stderr
     said = "continuing from its checkpoint at step 2" if start else "no checkpoint of it verifies: starting over"
-    assert f"torchrun restart 1: {said}" in proc.stderr
+    assert f"torchrun restarted the run: {said}" in proc.stderr
     assert "terminate called" not in proc.stderr
     report = json.loads(out.read_text())
     assert report["start_step"] == start and len(report["loss"]) == 4 - start

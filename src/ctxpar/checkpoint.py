@@ -128,6 +128,11 @@ def check_directory(directory: str, *, resuming: bool) -> None:
                          "directory this user can create files in, or drop --checkpoint-dir") from e
 
 
+def check_directory_together(directory: str, *, resuming: bool) -> None:
+    """:func:`check_directory` once, by rank 0, raising on every rank (collective)."""
+    _on_rank0(partial(check_directory, directory, resuming=resuming))
+
+
 def save(model: torch.nn.Module, optimizer: torch.optim.Optimizer, directory: str, step: int,
          run: dict[str, Any]) -> str:
     """Save model and optimizer state as ``directory/step-<step>`` and seal it (collective); return its path.

@@ -449,10 +449,20 @@ COMMANDS = {
 }
 
 
+class _Parser(argparse.ArgumentParser):
+    """argparse's, whose usage errors under torchrun also reach torchrun's failure summary."""
+
+    def error(self, message: str) -> NoReturn:
+        if launch.launched_by_torchrun():
+            said = f"{self.prog}: error: {message}"
+            launch.tell_torchrun(said, said)
+        super().error(message)
+
+
 def main(argv: list[str] | None = None) -> int:
     """Run one ``ctxpar`` command; its exit status. Under torchrun, why it failed also goes to
     the rank's error file, for torchrun's failure summary."""
-    parser = argparse.ArgumentParser(prog="ctxpar", description=__doc__)
+    parser = _Parser(prog="ctxpar", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
     for add_parser, _ in COMMANDS.values():
         add_parser(sub)
@@ -477,6 +487,8 @@ def entry() -> NoReturn:
         sys.exit(main())
     try:
         status = main()
+    except SystemExit as e:  # argparse's refusal (status 2) or --help (0)
+        status = e.code if isinstance(e.code, int) else int(e.code is not None)
     except Exception:  # what Python would print, and its exit status
         traceback.print_exc()
         status = 1
@@ -500,7 +512,10 @@ def _run_command(args: argparse.Namespace) -> int:
     except launch.RankFailure as e:
         return _stop(args.command, e, 1)
     except KeyboardInterrupt:
-        print(f"ctxpar {args.command}: interrupted; the ranks were stopped", file=sys.stderr)
+        said = f"ctxpar {args.command}: interrupted; the ranks were stopped"
+        print(said, file=sys.stderr)
+        if launch.launched_by_torchrun():
+            launch.tell_torchrun(said, said)
         return 130
 
 

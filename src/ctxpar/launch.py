@@ -87,6 +87,7 @@ LAUNCHER_VARS = (*TORCHRUN_VARS, "GROUP_RANK", "GROUP_WORLD_SIZE", "ROLE_RANK", 
 _PR_SET_PDEATHSIG = 1  # <linux/prctl.h>
 _collective_timeout: datetime.timedelta | None = None  # this process's, once it joined a group
 _launch_store: dist.Store | None = None  # torchrun's store, unprefixed: it lasts as long as the launch
+_joins = 0  # torchrun groups this process joined
 
 
 class StopRun(Exception):
@@ -241,11 +242,18 @@ def init_from_env(timeout_s: float = DEFAULT_TIMEOUT_S, device_type: str = "cuda
         device, backend = torch.device("cpu"), "gloo"
     # torchrun's store outlives a restart (--max-restarts) and torch keys nothing by attempt:
     # restarted ranks would read the failed attempt's addresses and never connect
-    global _launch_store
+    global _launch_store, _joins
     _launch_store, rank, world = next(dist.rendezvous("env://", timeout=datetime.timedelta(seconds=timeout_s)))
-    _join(backend, timeout_s, store=dist.PrefixStore(f"ctxpar/attempt-{torchrun_restart()}", _launch_store),
-          rank=rank, world_size=world)
+    _joins += 1  # a second group this process joins must not read the first one's keys either
+    prefix = f"ctxpar/attempt-{torchrun_restart()}/join-{_joins}"
+    _join(backend, timeout_s, store=dist.PrefixStore(prefix, _launch_store), rank=rank, world_size=world)
     return device
+
+
+def joined_torchrun() -> bool:
+    """Whether this process joined torchrun's group through ``init_from_env`` (or ``run``),
+    which launch marks need."""
+    return _launch_store is not None
 
 
 def mark_launch(name: str) -> None:

@@ -10,6 +10,7 @@ the run computes what single-process training on that batch computes, which
 from __future__ import annotations
 
 import math
+import os
 import sys
 import time
 from collections.abc import Callable
@@ -28,7 +29,7 @@ from ctxpar.parallelize import apply_context_parallel, cp_loss, shard_batch, shi
 
 TRAIN_STRATEGIES = ("ring", "allgather", "alltoall", "auto")  # auto: ctxpar.auto picks per call
 ADAM_BETAS = (0.9, 0.95)
-OWN_CHECKPOINTS = "train: this launch saves to --checkpoint-dir"  # a torchrun launch mark (launch.mark_launch)
+OWN_CHECKPOINTS = "train: this launch saves to"  # + the directory: a torchrun launch mark (launch.mark_launch)
 
 
 @dataclass(frozen=True)
@@ -171,27 +172,39 @@ def _run_steps(
     return history
 
 
-def _after_a_restart(cfg: TrainConfig, rank: int) -> checkpoint.Resumable | None:
-    """torchrun restarted this launch's failed ranks with the same arguments (``--max-restarts``):
-    the checkpoint to continue from, as ``--resume`` would, or None to start over where the
-    launch saved none that verifies (a save cut short is replaced when its step comes
-    again). Checkpoints the launch did not save itself are refused, as its first attempt
-    refused them. Collective: every rank reads the same launch store and checkpoints."""
-    restart = launch.torchrun_restart()
-    trained = launch.launch_marked(OWN_CHECKPOINTS)
-    dist.barrier()  # every rank has read the mark before rank 0 may set it (train_rank)
-    if not trained:  # no attempt got as far as training
-        checkpoint.check_directory(cfg.checkpoint_dir, resuming=False)
-        return None
-    found = checkpoint.find_resumable(cfg.checkpoint_dir, cfg.checkpoint_settings(), required=False)
-    if found is not None and found.step >= cfg.steps:
-        raise ValueError(f"torchrun restart {restart}: this launch had saved its last step ({found.step} of --steps "
-                         f"{cfg.steps}) before it failed; nothing is left to train")
+def _within_a_torchrun_launch(cfg: TrainConfig, rank: int) -> checkpoint.Resumable | None:
+    """Where a torchrun rank starts, decided by the ranks together (collective): the checkpoint
+    to continue from, or None.
+
+    torchrun restarts failed ranks with the same arguments (``--max-restarts``), so an
+    attempt tells a restart from a new launch by the mark an earlier attempt of the launch
+    left in torchrun's store before its first save, not by its own restart count (an agent
+    whose ranks did not fail does not count one). A restart continues from the newest
+    verified checkpoint the launch saved, as ``--resume`` would, or starts over where none
+    verifies (a save cut short is replaced when its step comes again); a new launch checks
+    the directory as local runs do before their ranks start.
+    """
+    mark = f"{OWN_CHECKPOINTS} {os.path.abspath(cfg.checkpoint_dir)}"
+    restarted = launch.launch_marked(mark)
+    dist.barrier()  # every rank has read the mark before rank 0 sets it below
+    if not restarted:
+        checkpoint.check_directory_together(cfg.checkpoint_dir, resuming=cfg.resume)
+        found = find_resume_point(cfg) if cfg.resume else None
+    elif cfg.resume:  # asked for: as the first attempt did
+        found = find_resume_point(cfg)
+    else:
+        found = checkpoint.find_resumable(cfg.checkpoint_dir, cfg.checkpoint_settings(), required=False)
+        if found is not None and found.step >= cfg.steps:
+            raise ValueError(f"torchrun restarted a run that had saved its last step ({found.step} of --steps "
+                             f"{cfg.steps}): its training is complete there; the failure came after it (see the "
+                             f"previous attempt's log)")
     if rank == 0:
-        what = (f"continuing from its checkpoint at step {found.step}" if found
-                else "no checkpoint of it verifies: starting over from step 0")
-        print(f"ctxpar train: torchrun restart {restart}: {what} (--checkpoint-dir {cfg.checkpoint_dir!r})",
-              file=sys.stderr, flush=True)
+        launch.mark_launch(mark)  # before this launch saves any checkpoint
+        if restarted:
+            what = (f"continuing from its checkpoint at step {found.step}" if found
+                    else "no checkpoint of it verifies: starting over from step 0")
+            print(f"ctxpar train: torchrun restarted the run: {what} (--checkpoint-dir {cfg.checkpoint_dir!r})",
+                  file=sys.stderr, flush=True)
         if found:
             _say_skipped(found)
     return found
@@ -242,14 +255,12 @@ def train_rank(rank: int, world: int, cfg: TrainConfig, resume_from: checkpoint.
     optimizer = _optimizer(model, cfg)
 
     resumed = resume_from
-    if cfg.resume and resumed is None:
+    if cfg.checkpoint_dir and launch.joined_torchrun():
+        resumed = _within_a_torchrun_launch(cfg, rank)
+    elif cfg.resume and resumed is None:
         resumed = find_resume_point(cfg)
         if rank == 0:
             _say_skipped(resumed)
-    elif not cfg.resume and cfg.checkpoint_dir and launch.torchrun_restart():
-        resumed = _after_a_restart(cfg, rank)
-    if cfg.checkpoint_dir and launch.launched_by_torchrun() and rank == 0:
-        launch.mark_launch(OWN_CHECKPOINTS)  # before this launch saves any
     start = resumed.step if resumed else 0
     if resumed:
         checkpoint.load(model, optimizer, resumed.path)
@@ -314,11 +325,11 @@ def run_train(cfg: TrainConfig, *, timeout_s: float = launch.DEFAULT_TIMEOUT_S) 
     cfg.validate(launch.world_size(cfg.nproc))
     cfg.check_memory(launch.local_ranks(cfg.nproc))
     resume_from = None
-    # here, not in validate (which every rank runs): it may create the directory; a torchrun
-    # restart's ranks check it together (``_after_a_restart``)
-    if cfg.checkpoint_dir and not launch.torchrun_restart():
+    # here, not in validate (which every rank runs): it may create the directory; torchrun's
+    # ranks check it together once joined (``_within_a_torchrun_launch``)
+    if cfg.checkpoint_dir and not launch.launched_by_torchrun():
         checkpoint.check_directory(cfg.checkpoint_dir, resuming=cfg.resume)
-        if cfg.resume and not launch.launched_by_torchrun():
+        if cfg.resume:
             resume_from = find_resume_point(cfg)
             _say_skipped(resume_from)
     report = launch.run(train_rank, cfg.nproc, (cfg, resume_from), device_type=cfg.device, timeout_s=timeout_s)
