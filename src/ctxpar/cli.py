@@ -453,9 +453,7 @@ class _Parser(argparse.ArgumentParser):
     """argparse's, whose usage errors under torchrun also reach torchrun's failure summary."""
 
     def error(self, message: str) -> NoReturn:
-        if launch.launched_by_torchrun():
-            said = f"{self.prog}: error: {message}"
-            launch.tell_torchrun(said, said)
+        launch.tell_torchrun(f"{self.prog}: error: {message}")
         super().error(message)
 
 
@@ -475,8 +473,7 @@ def main(argv: list[str] | None = None) -> int:
         launch.tell_torchrun(f"{type(e).__name__}: {e}", traceback.format_exc())
         raise
     if status and not launch.told_torchrun():  # a report that says why (demo's mismatch), on rank 0
-        said = f"ctxpar {args.command}: exit status {status}; rank 0's report says why"
-        launch.tell_torchrun(said, said)
+        launch.tell_torchrun(f"ctxpar {args.command}: exit status {status}; rank 0's report says why")
     return status
 
 
@@ -499,8 +496,7 @@ def _stop(command: str, e: Exception, status: int) -> int:
     """Say why ``command`` stops; under torchrun its failure summary says it too."""
     message = f"ctxpar {command}: error: {e}"
     print(message, file=sys.stderr)
-    if launch.launched_by_torchrun():
-        launch.tell_torchrun(message, message)
+    launch.tell_torchrun(message)
     return status
 
 
@@ -514,8 +510,7 @@ def _run_command(args: argparse.Namespace) -> int:
     except KeyboardInterrupt:
         said = f"ctxpar {args.command}: interrupted; the ranks were stopped"
         print(said, file=sys.stderr)
-        if launch.launched_by_torchrun():
-            launch.tell_torchrun(said, said)
+        launch.tell_torchrun(said)
         return 130
 
 

@@ -654,15 +654,15 @@ def run(
     return run_local(fn, nproc, args, timeout_s=timeout_s, deadline_s=deadline_s, device_type=device_type)[0]
 
 
-def tell_torchrun(message: str, details: str) -> None:
+def tell_torchrun(message: str, details: str | None = None) -> None:
     """Write why this rank fails to the error file torchrun gives it (``TORCHELASTIC_ERROR_FILE``,
     in the format of torch's ``errors.record``), so that torchrun's failure summary names
     the cause instead of "error_file: <N/A>": ``message`` in one line, ``details`` (a
-    traceback, or the message again) under "traceback"."""
+    traceback; default the message) under "traceback". Outside torchrun, nothing."""
     path = os.environ.get("TORCHELASTIC_ERROR_FILE")
-    if not path:
+    if not path or not launched_by_torchrun():  # a leftover variable must not redirect a local run's
         return
-    extra = {"py_callstack": details, "timestamp": str(int(time.time()))}
+    extra = {"py_callstack": message if details is None else details, "timestamp": str(int(time.time()))}
     try:
         with open(path, "w") as f:
             json.dump({"message": {"message": message, "extraInfo": extra}}, f)

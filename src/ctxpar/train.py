@@ -189,10 +189,10 @@ def _within_a_torchrun_launch(cfg: TrainConfig, rank: int) -> checkpoint.Resumab
     dist.barrier()  # every rank has read the mark before rank 0 sets it below
     if not restarted:
         checkpoint.check_directory_together(cfg.checkpoint_dir, resuming=cfg.resume)
-        found = find_resume_point(cfg) if cfg.resume else None
-    elif cfg.resume:  # asked for: as the first attempt did
+    found = None
+    if cfg.resume:  # asked for, on every attempt
         found = find_resume_point(cfg)
-    else:
+    elif restarted:
         found = checkpoint.find_resumable(cfg.checkpoint_dir, cfg.checkpoint_settings(), required=False)
         if found is not None and found.step >= cfg.steps:
             raise ValueError(f"torchrun restarted a run that had saved its last step ({found.step} of --steps "
