@@ -775,6 +775,25 @@ def test_gloo_link_and_memory_are_measured() -> None:
     assert measure_memory_bandwidth(nbytes=16 * MiB, repeats=1) > 1e8
 
 
+def test_a_link_measurement_swamped_by_load_is_taken_again_then_refused(monkeypatch) -> None:
+    """A 4-byte hop no faster than a 1 MiB one measured a stall: without the retry, the
+    calibration would record a bandwidth of a petabyte per second."""
+    attempts = []
+
+    def hops(fn, world, args, **kwargs):  # per rank: (large hop, 4-byte hop) seconds
+        attempts.append(args)
+        return [[1e-3, 2e-3 if len(attempts) < 3 else 2e-4], [1e-3, 1e-4]]
+
+    monkeypatch.setattr(calibrate, "run_local", hops)
+    link = measure_link(message_bytes=MiB)
+    assert len(attempts) == 3 and link["latency"] == 2e-4 and link["bandwidth"] == pytest.approx(MiB / 8e-4)
+    attempts.clear()
+    monkeypatch.setattr(calibrate, "LINK_ATTEMPTS", 2)
+    with pytest.raises(RuntimeError, match=r"a 4-byte hop took 2000 us, no faster than a 1048576-byte hop \(1000 us\)"
+                                           r", 2 times: the machine is too busy"):
+        measure_link(message_bytes=MiB)
+
+
 # -- the command -------------------------------------------------------------------------------
 
 
