@@ -1,8 +1,9 @@
 # Two commands do all the set-up on a fresh machine:
 #   make demo    CP attention on 4 local CPU ranks, checked against unsplit attention
 #   make test    the test suite
-# Both create .venv and install ctxpar into it first. torch is pinned to the CPU wheel
-# here; pyproject.toml itself accepts any torch>=2.6 for users elsewhere.
+# Both create .venv and install ctxpar into it first, with the versions constraints.txt
+# pins (torch's CPU wheel, the transformers the tests enumerate); pyproject.toml itself
+# accepts any torch>=2.6 for users elsewhere.
 
 VENV  := .venv
 PY    := $(VENV)/bin/python
@@ -11,9 +12,9 @@ ARGS  ?=
 
 .PHONY: demo test bench gpu-check
 
-$(STAMP): pyproject.toml
+$(STAMP): pyproject.toml constraints.txt
 	python3 -m venv $(VENV)
-	$(PY) -m pip install --quiet --disable-pip-version-check torch==2.13.0 -e ".[test]"
+	$(PY) -m pip install --quiet --disable-pip-version-check -c constraints.txt torch -e ".[test]"
 	touch $(STAMP)
 
 demo: $(STAMP)
