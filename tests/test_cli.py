@@ -205,6 +205,8 @@ def bad_values(tmp: Path) -> list[tuple[tuple[str, ...], str]]:
         (("plan", "--hardware", "local", "--calibration", str(bad_rate)), "calibration 'attention_flops' is 'fast'"),
         (("plan", "--hardware", "local", "--calibrate", "--head-dim", "0"), "--head-dim must be between 1 and"),
         (("generate", "--prompt-len", "1001"), "--prompt-len: sequence length 1001 is not a multiple of 2*P=8"),
+        *(((command, "--seq", "1001"), "--seq: sequence length 1001 is not a multiple of 2*P=")
+          for command in ("demo", "train", "plan")),
         (("generate", "--new-tokens", "0"), "--new-tokens must be between 1 and"),
         (("generate", "--batch", "0"), "--batch must be between 1 and"),
         (("generate", "--nproc", "3", "--prompt-len", "1020", "--strategy", "alltoall"),

@@ -45,7 +45,10 @@ class DemoConfig:
         for field in ("seq", "heads", "kv_heads", "head_dim", "batch"):
             limits.check_count(field, getattr(self, field))
         limits.check_seed(self.seed)
-        ctxpar.get_layout(self.layout, world).validate(self.seq)
+        try:
+            ctxpar.get_layout(self.layout, world).validate(self.seq)
+        except ValueError as e:
+            raise ValueError(f"--seq: {e}") from None
         if self.heads % self.kv_heads:
             raise ValueError(f"--heads {self.heads} must be a multiple of --kv-heads {self.kv_heads}")
         u = strategy_rules.ulysses_degree(self.strategy, world, self.ulysses_degree, name="--ulysses-degree")

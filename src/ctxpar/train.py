@@ -72,7 +72,10 @@ class TrainConfig:
                              f"float32; e.g. {TrainConfig.lr}")
         limits.check_seed(self.seed)
         cfg = get_config(self.model)
-        ctxpar.get_layout(self.layout, self.cp(world)).validate(self.seq)
+        try:
+            ctxpar.get_layout(self.layout, self.cp(world)).validate(self.seq)
+        except ValueError as e:
+            raise ValueError(f"--seq: {e}") from None
         u = strategy_rules.call_ulysses_degree(self.strategy, self.cp(world))
         strategy_rules.check_heads(self.strategy, cfg.heads, cfg.kv_heads, u)
         if self.save_every < 0:

@@ -136,7 +136,10 @@ class Workload:
                 raise ValueError(f"--window {self.window} is a causal sliding window; drop --no-causal or --window")
         if self.documents is not None:
             _check_documents(self.documents if isinstance(self.documents, tuple) else None)
-        self.layout_obj.validate(self.seq)
+        try:
+            self.layout_obj.validate(self.seq)
+        except ValueError as e:
+            raise ValueError(f"--seq: {e}") from None
         self._check_parallel()
         u = ulysses_degree(self.strategy, self.cp, self.ulysses, name="--ulysses-degree")
         if self.heads_per_gpu % u and self.tp > 1:
