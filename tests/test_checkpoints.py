@@ -41,12 +41,31 @@ def flip_bit(file, offset: int, mask: int = 0x10) -> None:
         f.write(bytes([byte ^ mask]))
 
 
+def stop_group(pgid: int) -> None:
+    """SIGSTOP the process group and return once each of its processes has stopped (a signal
+    is delivered asynchronously: a process may run on for a moment after killpg returns)."""
+    os.killpg(pgid, signal.SIGSTOP)
+    while True:
+        states = []
+        for pid in filter(str.isdigit, os.listdir("/proc")):
+            try:
+                with open(f"/proc/{pid}/stat") as f:
+                    fields = f.read().rsplit(")", 1)[1].split()  # after "pid (command)": state, ppid, pgrp
+            except OSError:  # gone meanwhile
+                continue
+            if int(fields[2]) == pgid:
+                states.append(fields[0])
+        if all(state in "TtZX" for state in states):
+            return
+        time.sleep(0.0005)
+
+
 @pytest.fixture(scope="module")
 def killed_run(tmp_path_factory) -> tuple[str, int]:
     """(directory, N) of a run SIGKILLed while saving step N >= 3, after steps 1..N-1 were saved whole.
 
-    The directory is polled every half millisecond; the run is killed the moment DCP has
-    begun a data file of ``step-N`` and no manifest is there yet. The rest of a save
+    The directory is polled every half millisecond; the moment DCP has begun a data file of
+    ``step-N``, the run is stopped, and killed if no manifest is there yet. The rest of a save
     (the data, DCP's metadata round, fsyncs, hashing) takes milliseconds, so the kill
     lands inside it, usually with a data file cut short; if a save ever completes between
     two polls, the next one is the target.
@@ -61,10 +80,12 @@ def killed_run(tmp_path_factory) -> tuple[str, int]:
                 path = checkpoint.step_path(directory, target)
                 names = os.listdir(path) if os.path.isdir(path) else []
                 if any(name.endswith(".distcp") for name in names):
-                    if checkpoint.MANIFEST not in names:
+                    stop_group(proc.pid)  # frozen, so that the manifest cannot appear between a look and the kill
+                    if not manifest_of(path):
                         os.killpg(proc.pid, signal.SIGKILL)  # the launcher and both ranks at once
                         caught = True
                         break
+                    os.killpg(proc.pid, signal.SIGCONT)
                     target += 1  # this save finished between two polls: wait for the next
                 time.sleep(0.0005)
         finally:
