@@ -1291,6 +1291,23 @@ def test_a_plain_masks_block_plan_is_walked_once_for_every_length() -> None:
     assert cost._rank_plan.cache_info().misses == 8  # zigzag: every rank is among the busiest
 
 
+def test_ranks_and_strategies_whose_walks_are_the_same_walk_once() -> None:
+    """The all-to-all's plan (the whole row against itself) serves every layout and degree,
+    and a hybrid union's U ranks walk one plan, under a window too (where the walk is the
+    real row's, and a sweep's hundreds of them set how long ``ctxpar plan`` takes)."""
+    hw = get_hardware("H200")
+    cost._rank_plan.cache_clear()
+    for layout in ("zigzag", "striped", "contiguous"):
+        for cp in (2, 4, 8):
+            cost.attention_time(worked(strategy="alltoall", layout=layout, cp=cp, window=1024), hw)
+    assert cost._rank_plan.cache_info().misses == 1
+    cost._rank_plan.cache_clear()
+    w = worked(strategy="hybrid", layout="zigzag", cp=8, ulysses=2, window=1024)
+    assert cost.busiest_ranks(w) == (2, 3, 4, 5, 6, 7)  # the first union's window starts at the row's start
+    cost.attention_time(w, hw)
+    assert cost._rank_plan.cache_info().misses == 3  # one per union of 2 ranks
+
+
 def test_fixed_costs_from_the_cli(tmp_path) -> None:
     out = tmp_path / "plan.json"
     assert main(["plan", *WORKED, "--latency", "20us", "--launch-overhead", "5us", "--step-overhead", "1us",

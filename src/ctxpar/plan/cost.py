@@ -274,8 +274,6 @@ class RankPlan:
 
 @functools.lru_cache(maxsize=2**16)  # one small entry per rank, keyed on the walked row (not T under a plain mask)
 def _rank_plan(layout: str, seq: int, cp: int, mask: Mask, strategy: str, rank: int, ulysses: int) -> RankPlan:
-    if strategy == "alltoall":  # the whole row against itself: the same for every layout, degree and rank
-        layout, cp, rank = "contiguous", 1, 0
     shards = get_layout(layout, cp)
     if strategy == "hybrid":  # the ring between unions of U consecutive ranks (strategies/hybrid.py)
         shards, rank, strategy = UnionLayout(cp // ulysses, shards, ulysses), rank // ulysses, "ring"
@@ -287,8 +285,16 @@ def _rank_plan(layout: str, seq: int, cp: int, mask: Mask, strategy: str, rank: 
 
 
 def rank_plan(w: Workload, rank: int) -> RankPlan:
-    """``rank``'s plan summary, walked on ``_plan_seq`` (its tile sides are the stand-in's)."""
-    return _rank_plan(w.layout, _plan_seq(w), w.cp, w.mask, w.strategy, rank, w.ulysses_degree)
+    """``rank``'s plan summary, walked on ``_plan_seq`` (its tile sides are the stand-in's).
+    Ranks whose walks are the same share one: the all-to-all's is the whole row against
+    itself, the same for every layout, degree and rank; a hybrid union's U ranks walk the
+    union's ring."""
+    layout, cp, ulysses = w.layout, w.cp, w.ulysses_degree
+    if w.strategy == "alltoall":
+        layout, cp, rank, ulysses = "contiguous", 1, 0, 1
+    elif w.strategy == "hybrid":
+        rank -= rank % ulysses
+    return _rank_plan(layout, _plan_seq(w), cp, w.mask, w.strategy, rank, ulysses)
 
 
 def kernels_per_stage(w: Workload) -> int:
