@@ -253,8 +253,8 @@ def _plan_seq(w: Workload) -> int:
     order compares tile counts that settle once a striped shard holds P rows (tested), so
     its row has P multiples where that is more, and is the row itself where that is shorter
     (the others' counts hold at any T: one stand-in serves every length of a sweep). Under
-    documents or a window the row itself (0.03-0.07 s per rank at 1M tokens on P=8 on a CPU
-    core)."""
+    documents or a window the row itself (0.05-0.3 s per rank at 1M tokens on P=8 on a CPU
+    core: ``benchmarks/plan_walk.py``)."""
     if not w.mask.is_plain:
         return w.seq
     multiple = get_layout(w.layout, w.cp).multiple
