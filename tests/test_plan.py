@@ -775,23 +775,31 @@ def test_gloo_link_and_memory_are_measured() -> None:
     assert measure_memory_bandwidth(nbytes=16 * MiB, repeats=1) > 1e8
 
 
-def test_a_link_measurement_swamped_by_load_is_taken_again_then_refused(monkeypatch) -> None:
-    """A 4-byte hop no faster than a 1 MiB one measured a stall: without the retry, the
-    calibration would record a bandwidth of a petabyte per second."""
+def test_a_link_measurement_swamped_by_load_is_taken_again_then_refused(monkeypatch, capsys) -> None:
+    """A 4-byte hop half as long as a 1 MiB one or more measured a stall, which would inflate
+    the bandwidth (bytes over the difference) 2x or more, to a petabyte per second once the
+    two are equal, as a stall in the suite once made them: it is measured again, then refused,
+    and the command says why, before it measures anything else."""
     attempts = []
 
     def hops(fn, world, args, **kwargs):  # per rank: (large hop, 4-byte hop) seconds
         attempts.append(args)
-        return [[1e-3, 2e-3 if len(attempts) < 3 else 2e-4], [1e-3, 1e-4]]
+        return [[1e-3, 5e-4 if len(attempts) < 3 else 2e-4], [1e-3, 1e-4]]  # half as long: a stall
 
     monkeypatch.setattr(calibrate, "run_local", hops)
     link = measure_link(message_bytes=MiB)
     assert len(attempts) == 3 and link["latency"] == 2e-4 and link["bandwidth"] == pytest.approx(MiB / 8e-4)
     attempts.clear()
     monkeypatch.setattr(calibrate, "LINK_ATTEMPTS", 2)
-    with pytest.raises(RuntimeError, match=r"a 4-byte hop took 2000 us, no faster than a 1048576-byte hop \(1000 us\)"
-                                           r", 2 times: the machine is too busy"):
+    with pytest.raises(calibrate.MeasurementError, match=r"2 tries in a row, a 4-byte hop took half as long as a "
+                       r"1048576-byte hop or more \(on the last, 500 against 1000 us\): the machine is too busy"):
         measure_link(message_bytes=MiB)
+    # what the command says: the reason, no traceback, and nothing measured before it in vain
+    attempts.clear()
+    monkeypatch.setattr(calibrate, "measure_attention", lambda: pytest.fail("measured before the link"))
+    assert main(["plan", "--hardware", "local", "--calibrate"]) == 1
+    err = capsys.readouterr().err
+    assert err.startswith("ctxpar plan: error: measuring the gloo link: 2 tries in a row") and "Traceback" not in err
 
 
 # -- the command -------------------------------------------------------------------------------
@@ -1297,15 +1305,22 @@ def test_ranks_and_strategies_whose_walks_are_the_same_walk_once() -> None:
     real row's, and a sweep's hundreds of them set how long ``ctxpar plan`` takes)."""
     hw = get_hardware("H200")
     cost._rank_plan.cache_clear()
-    for layout in ("zigzag", "striped", "contiguous"):
-        for cp in (2, 4, 8):
-            cost.attention_time(worked(strategy="alltoall", layout=layout, cp=cp, window=1024), hw)
+    def own_walk(w: Workload, rank: int):  # the rank's plan walked under its own key
+        return cost._rank_plan.__wrapped__(w.layout, cost._plan_seq(w), w.cp, w.mask, w.strategy, rank,
+                                           w.ulysses_degree)
+
+    workloads = [worked(strategy="alltoall", layout=layout, cp=cp, window=1024)
+                 for layout in ("zigzag", "striped", "contiguous") for cp in (2, 4, 8)]
+    for w in workloads:
+        cost.attention_time(w, hw)
     assert cost._rank_plan.cache_info().misses == 1
+    assert all(cost.rank_plan(w, r) == own_walk(w, r) for w in workloads for r in range(w.cp))
     cost._rank_plan.cache_clear()
     w = worked(strategy="hybrid", layout="zigzag", cp=8, ulysses=2, window=1024)
     assert cost.busiest_ranks(w) == (2, 3, 4, 5, 6, 7)  # the first union's window starts at the row's start
     cost.attention_time(w, hw)
     assert cost._rank_plan.cache_info().misses == 3  # one per union of 2 ranks
+    assert all(cost.rank_plan(w, r) == own_walk(w, r) for r in range(8))
 
 
 def test_fixed_costs_from_the_cli(tmp_path) -> None:

@@ -487,22 +487,29 @@ def _exchange_rank(rank: int, world: int, sizes: tuple[int, ...], repeats: int) 
     return best
 
 
+class MeasurementError(RuntimeError):
+    """A measurement the machine's load swamped: nothing to fix but measuring when it is quiet."""
+
+
 def measure_link(message_bytes: int = MESSAGE_BYTES, repeats: int = 5) -> dict:
     """Two local gloo ranks: bytes/s per direction from a ``message_bytes`` hop, and the
-    per-message latency from a 4-byte hop (best of ``repeats``; the slower rank's).
+    per-message latency from a 4-byte hop (each the best of ``4 * repeats`` samples; the
+    slower rank's).
 
-    A 4-byte hop that took as long as the large one measured the machine's load, not the
-    link: that is measured again, and refused if it persists, rather than turned into an
-    absurd bandwidth."""
+    A 4-byte hop that took half as long as the large one or more measured the machine's
+    load, not the link (bandwidth is the large hop's bytes over the difference, which such
+    a latency would inflate by 2x or more): that is measured again, and refused if it
+    persists."""
     for _ in range(LINK_ATTEMPTS):
         per_rank = run_local(_exchange_rank, 2, ((message_bytes, 4), 4 * repeats), threads=1)
         seconds, latency = (max(t[i] for t in per_rank) for i in range(2))
-        if latency < seconds:
+        if latency < seconds / 2:
             return dict(message_bytes=message_bytes, seconds=seconds, bandwidth=message_bytes / (seconds - latency),
                         latency=latency)
-    raise RuntimeError(f"measuring the gloo link: a 4-byte hop took {latency * 1e6:.0f} us, no faster than a "
-                       f"{message_bytes}-byte hop ({seconds * 1e6:.0f} us), {LINK_ATTEMPTS} times: the machine is too "
-                       f"busy to calibrate; calibrate again when it is quiet")
+    raise MeasurementError(f"measuring the gloo link: {LINK_ATTEMPTS} tries in a row, a 4-byte hop took half as long "
+                           f"as a {message_bytes}-byte hop or more (on the last, {latency * 1e6:.0f} against "
+                           f"{seconds * 1e6:.0f} us): the machine is too busy to calibrate; calibrate again when it "
+                           f"is quiet")
 
 
 def measure_memory_bandwidth(nbytes: int = 256 * 2**20, repeats: int = 3, threads: int = 1) -> float:
@@ -533,11 +540,12 @@ def machine() -> str:
 
 
 def calibrate() -> dict:
-    """Every measurement (about 75 s on a 2-core CPU); the dict ``hardware.local_hardware`` reads."""
+    """Every measurement (about 75 s on a 2-core CPU); the dict ``hardware.local_hardware`` reads.
+    The link first: the measurement a busy machine can refuse (``MeasurementError``)."""
+    link = measure_link()
     attention = measure_attention()
     curve, causal_curve = (measure_size_curve(causal=causal, reference=attention) for causal in (False, True))
     matmul = measure_matmul()
-    link = measure_link()
     tiles = measure_tile_overheads()
     measured = dict(machine=machine(), attention_flops=attention["attention_flops"], bandwidth=link["bandwidth"],
                     latency=link["latency"], memory_bandwidth=measure_memory_bandwidth(),

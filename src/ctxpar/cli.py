@@ -505,7 +505,7 @@ def _run_command(args: argparse.Namespace) -> int:
         return COMMANDS[args.command][1](args)
     except ValueError as e:  # a value the user can change: argparse's convention, exit status 2
         return _stop(args.command, e, 2)
-    except launch.RankFailure as e:
+    except (launch.RankFailure, calibration_.MeasurementError) as e:
         return _stop(args.command, e, 1)
     except KeyboardInterrupt:
         said = f"ctxpar {args.command}: interrupted; the ranks were stopped"
