@@ -2,8 +2,8 @@
 #   make demo    CP attention on 4 local CPU ranks, checked against unsplit attention
 #   make test    the test suite
 # Both create .venv and install ctxpar into it first, with the versions constraints.txt
-# pins (torch's CPU wheel, the transformers the tests enumerate); pyproject.toml itself
-# accepts any torch>=2.6 for users elsewhere.
+# pins (torch 2.13.0, whose CPU wheel CI's wheelhouse serves; the transformers the tests
+# enumerate); pyproject.toml itself accepts any torch>=2.6 for users elsewhere.
 
 VENV  := .venv
 PY    := $(VENV)/bin/python
@@ -13,6 +13,7 @@ ARGS  ?=
 .PHONY: demo test bench gpu-check
 
 $(STAMP): pyproject.toml constraints.txt
+	@python3 -c 'import sys; sys.exit(sys.version_info < (3, 11) and "make demo / make test need Python 3.11 or newer (transformers 5.24 does); python3 is " + sys.version.split()[0])'
 	python3 -m venv $(VENV)
 	$(PY) -m pip install --quiet --disable-pip-version-check -c constraints.txt torch -e ".[test]"
 	touch $(STAMP)

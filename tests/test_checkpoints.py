@@ -41,11 +41,12 @@ def flip_bit(file, offset: int, mask: int = 0x10) -> None:
         f.write(bytes([byte ^ mask]))
 
 
-def stop_group(pgid: int) -> None:
+def stop_group(pgid: int, timeout: float = 10.0) -> None:
     """SIGSTOP the process group and return once each of its processes has stopped (a signal
     is delivered asynchronously: a process may run on for a moment after killpg returns)."""
     os.killpg(pgid, signal.SIGSTOP)
-    while True:
+    end = time.monotonic() + timeout
+    while time.monotonic() < end:
         states = []
         for pid in filter(str.isdigit, os.listdir("/proc")):
             try:
@@ -58,6 +59,7 @@ def stop_group(pgid: int) -> None:
         if all(state in "TtZX" for state in states):
             return
         time.sleep(0.0005)
+    raise TimeoutError(f"process group {pgid} did not stop within {timeout} s of SIGSTOP")
 
 
 @pytest.fixture(scope="module")
@@ -80,7 +82,10 @@ def killed_run(tmp_path_factory) -> tuple[str, int]:
                 path = checkpoint.step_path(directory, target)
                 names = os.listdir(path) if os.path.isdir(path) else []
                 if any(name.endswith(".distcp") for name in names):
-                    stop_group(proc.pid)  # frozen, so that the manifest cannot appear between a look and the kill
+                    try:
+                        stop_group(proc.pid)  # frozen, so that the manifest cannot appear between a look and the kill
+                    except ProcessLookupError:  # the run has just ended: the loop's condition sees it
+                        continue
                     if not manifest_of(path):
                         os.killpg(proc.pid, signal.SIGKILL)  # the launcher and both ranks at once
                         caught = True

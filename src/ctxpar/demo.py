@@ -45,8 +45,9 @@ class DemoConfig:
         for field in ("seq", "heads", "kv_heads", "head_dim", "batch"):
             limits.check_count(field, getattr(self, field))
         limits.check_seed(self.seed)
+        layout = ctxpar.get_layout(self.layout, world)
         try:
-            ctxpar.get_layout(self.layout, world).validate(self.seq)
+            layout.validate(self.seq)
         except ValueError as e:
             raise ValueError(f"--seq: {e}") from None
         if self.heads % self.kv_heads:

@@ -72,8 +72,9 @@ class TrainConfig:
                              f"float32; e.g. {TrainConfig.lr}")
         limits.check_seed(self.seed)
         cfg = get_config(self.model)
+        layout = ctxpar.get_layout(self.layout, self.cp(world))
         try:
-            ctxpar.get_layout(self.layout, self.cp(world)).validate(self.seq)
+            layout.validate(self.seq)
         except ValueError as e:
             raise ValueError(f"--seq: {e}") from None
         u = strategy_rules.call_ulysses_degree(self.strategy, self.cp(world))

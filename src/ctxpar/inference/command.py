@@ -45,8 +45,9 @@ class GenerateConfig:
             raise ValueError(f"--strategy {self.strategy!r} is not supported by generate; use one of "
                              f"{', '.join(INFERENCE_STRATEGIES)}")
         cfg = get_config(self.model)
+        layout = get_layout(self.layout, world)
         try:
-            get_layout(self.layout, world).validate(self.prompt_len)
+            layout.validate(self.prompt_len)
         except ValueError as e:
             raise ValueError(f"--prompt-len: {e}") from None
         strategy_rules.check_heads(self.strategy, cfg.heads, cfg.kv_heads, strategy_rules.call_ulysses_degree(

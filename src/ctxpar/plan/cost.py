@@ -272,7 +272,7 @@ class RankPlan:
     shapes: tuple[tuple[MaskKind, int, int, int, int], ...]
 
 
-@functools.lru_cache(maxsize=2**16)  # one small entry per rank, keyed on the walked row (not T under a plain mask)
+@functools.lru_cache(maxsize=2**16)  # one small entry per distinct walk (``rank_plan``), not per T under a plain mask
 def _rank_plan(layout: str, seq: int, cp: int, mask: Mask, strategy: str, rank: int, ulysses: int) -> RankPlan:
     shards = get_layout(layout, cp)
     if strategy == "hybrid":  # the ring between unions of U consecutive ranks (strategies/hybrid.py)
@@ -287,8 +287,9 @@ def _rank_plan(layout: str, seq: int, cp: int, mask: Mask, strategy: str, rank: 
 def rank_plan(w: Workload, rank: int) -> RankPlan:
     """``rank``'s plan summary, walked on ``_plan_seq`` (its tile sides are the stand-in's).
     Ranks whose walks are the same share one: the all-to-all's is the whole row against
-    itself, the same for every layout, degree and rank; a hybrid union's U ranks walk the
-    union's ring."""
+    itself, the same for every rank, and for every layout and degree on the same row (the
+    real row under a window or documents; a plain mask's stand-in follows the layout's
+    multiple); a hybrid union's U ranks walk the union's ring."""
     layout, cp, ulysses = w.layout, w.cp, w.ulysses_degree
     if w.strategy == "alltoall":
         layout, cp, rank, ulysses = "contiguous", 1, 0, 1
