@@ -45,11 +45,7 @@ class DemoConfig:
         for field in ("seq", "heads", "kv_heads", "head_dim", "batch"):
             limits.check_count(field, getattr(self, field))
         limits.check_seed(self.seed)
-        layout = ctxpar.get_layout(self.layout, world)
-        try:
-            layout.validate(self.seq)
-        except ValueError as e:
-            raise ValueError(f"--seq: {e}") from None
+        limits.check_splits(ctxpar.get_layout(self.layout, world), self.seq)
         if self.heads % self.kv_heads:
             raise ValueError(f"--heads {self.heads} must be a multiple of --kv-heads {self.kv_heads}")
         u = strategy_rules.ulysses_degree(self.strategy, world, self.ulysses_degree, name="--ulysses-degree")

@@ -19,6 +19,14 @@ def check_count(field: str, value: int) -> None:
         raise ValueError(f"--{field.replace('_', '-')} must be between 1 and {MAX_COUNT}, got {value}")
 
 
+def check_splits(layout, length: int, flag: str = "--seq") -> None:
+    """``layout.validate(length)``, its refusal naming the flag the length came from."""
+    try:
+        layout.validate(length)
+    except ValueError as e:
+        raise ValueError(f"{flag}: {e}") from None
+
+
 def check_seed(seed: int, flag: str = "--seed") -> None:
     if not 0 <= seed <= MAX_SEED:
         raise ValueError(f"{flag} must be between 0 and {MAX_SEED}, got {seed}")

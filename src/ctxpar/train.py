@@ -72,11 +72,7 @@ class TrainConfig:
                              f"float32; e.g. {TrainConfig.lr}")
         limits.check_seed(self.seed)
         cfg = get_config(self.model)
-        layout = ctxpar.get_layout(self.layout, self.cp(world))
-        try:
-            layout.validate(self.seq)
-        except ValueError as e:
-            raise ValueError(f"--seq: {e}") from None
+        limits.check_splits(ctxpar.get_layout(self.layout, self.cp(world)), self.seq)
         u = strategy_rules.call_ulysses_degree(self.strategy, self.cp(world))
         strategy_rules.check_heads(self.strategy, cfg.heads, cfg.kv_heads, u)
         if self.save_every < 0:

@@ -45,11 +45,7 @@ class GenerateConfig:
             raise ValueError(f"--strategy {self.strategy!r} is not supported by generate; use one of "
                              f"{', '.join(INFERENCE_STRATEGIES)}")
         cfg = get_config(self.model)
-        layout = get_layout(self.layout, world)
-        try:
-            layout.validate(self.prompt_len)
-        except ValueError as e:
-            raise ValueError(f"--prompt-len: {e}") from None
+        limits.check_splits(get_layout(self.layout, world), self.prompt_len, "--prompt-len")
         strategy_rules.check_heads(self.strategy, cfg.heads, cfg.kv_heads, strategy_rules.call_ulysses_degree(
             self.strategy, world, self.ulysses_degree, name="--ulysses-degree"))
         try:

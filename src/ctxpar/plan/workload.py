@@ -21,7 +21,7 @@ from dataclasses import asdict, dataclass, replace
 from functools import cached_property, lru_cache
 
 from ctxpar.layout import LAYOUT_NAMES, Layout, get_layout
-from ctxpar.limits import MAX_COUNT, check_count
+from ctxpar.limits import MAX_COUNT, check_count, check_splits
 from ctxpar.masks import Mask, make_mask
 from ctxpar.models.config import ModelConfig, get_config
 from ctxpar.plan.documents import describe, pack
@@ -136,10 +136,7 @@ class Workload:
                 raise ValueError(f"--window {self.window} is a causal sliding window; drop --no-causal or --window")
         if self.documents is not None:
             _check_documents(self.documents if isinstance(self.documents, tuple) else None)
-        try:
-            self.layout_obj.validate(self.seq)
-        except ValueError as e:
-            raise ValueError(f"--seq: {e}") from None
+        check_splits(self.layout_obj, self.seq)
         self._check_parallel()
         u = ulysses_degree(self.strategy, self.cp, self.ulysses, name="--ulysses-degree")
         if self.heads_per_gpu % u and self.tp > 1:
