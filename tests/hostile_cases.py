@@ -34,6 +34,14 @@ def _tensors(heads: int = 4, kv_heads: int = 2, local_len: int = 4, head_dim: in
     return q, *kv
 
 
+def _converted(tensors: tuple, index: int, convert) -> list:
+    """``tensors`` with the one at ``index`` passed through ``convert`` (None: unchanged)."""
+    tensors = list(tensors)
+    if convert is not None:
+        tensors[index] = convert(tensors[index])
+    return tensors
+
+
 def disagreeing_ranks(rank: int, world: int, mesh) -> dict[str, str]:
     """One rank (the last) calls differently from the others; every rank must raise."""
     odd = rank == world - 1
@@ -57,6 +65,12 @@ def disagreeing_ranks(rank: int, world: int, mesh) -> dict[str, str]:
         "scale_overflows_a_float": lambda: _call(*_tensors(), layout="zigzag", scale=10**400 if odd else None),
         "sinks_on_meta": lambda: _call(*_tensors(), layout="zigzag",
                                        sinks=torch.zeros(4, device="meta" if odd else "cpu")),
+        # once past every check: the sparse k failed inside the ring, the nested q in the
+        # signature, and either left the other ranks waiting until the timeout
+        "k_sparse": lambda: _call(*_converted(_tensors(), 1, torch.Tensor.to_sparse if odd else None),
+                                  layout="zigzag"),
+        "q_nested": lambda: _call(*_converted(_tensors(), 0, (lambda q: torch.nested.nested_tensor(list(q)))
+                                              if odd else None), layout="zigzag"),
         "agreeing": lambda: _call(*_tensors(), layout="zigzag"),
     }
     return {name: case() for name, case in cases.items()}

@@ -79,6 +79,8 @@ DISAGREEMENTS = {  # case -> what the ranks that called correctly are told
     "layout_not_a_name": "rejected their attention inputs",  # once a TypeError that left the others waiting
     "scale_overflows_a_float": "rejected their attention inputs",  # once an OverflowError, likewise
     "sinks_on_meta": "rejected their attention inputs",  # once NotImplementedError from the signature
+    "k_sparse": "rejected their attention inputs",
+    "q_nested": "rejected their attention inputs",
 }
 
 
@@ -102,6 +104,8 @@ def test_the_rank_with_invalid_arguments_raises_its_own_error() -> None:
     assert "layout must be" in last["layout_not_a_name"] and "list" in last["layout_not_a_name"]
     assert "scale must be a positive finite number" in last["scale_overflows_a_float"]
     assert "sinks are on meta" in last["sinks_on_meta"]
+    assert "k must be a dense (strided) tensor, got a sparse_coo tensor" in last["k_sparse"]
+    assert "q must be a dense (strided) tensor, got a nested tensor" in last["q_nested"]
 
 
 def test_every_strategy_is_usable_again_after_ctrl_c_in_a_step() -> None:

@@ -65,7 +65,8 @@ def grad_flags(*tensors) -> int:
 
 def signature(q, k, v, *, layout_name: str, causal, scale, strategy, rejected: bool, mask=None, sinks=None
               ) -> list[int]:
-    """Integers describing one call; shape fields are -1 where the inputs are not tensors.
+    """Integers describing one call; shape fields are -1 where the inputs are not tensors or have no
+    readable shape (a nested tensor).
 
     ``mask``: the call's documents and window (a ``Mask``, or None where it was invalid);
     ``sinks``: their values, which every rank must share (a replicated parameter).
@@ -75,8 +76,9 @@ def signature(q, k, v, *, layout_name: str, causal, scale, strategy, rejected: b
     there, and so is one whose sinks alone lack it (their gradient would be None on that
     rank only, for the user's own reduction to trip over).
     """
-    shape = list(q.shape) if isinstance(q, torch.Tensor) and q.dim() == 4 else [-1] * 4
-    kv_heads = k.shape[1] if isinstance(k, torch.Tensor) and k.dim() == 4 else -1
+    shape = [readable(lambda: int(q.shape[i])) if isinstance(q, torch.Tensor) and q.dim() == 4 else -1
+             for i in range(4)]
+    kv_heads = readable(lambda: int(k.shape[1])) if isinstance(k, torch.Tensor) and k.dim() == 4 else -1
     dtype = text_code(str(q.dtype)) if isinstance(q, torch.Tensor) else -1
     scale_bits = readable(lambda: struct.unpack("<q", struct.pack("<d", float(scale)))[0])
     mask_code = -1 if mask is None else text_code(f"{mask.documents}/{mask.window}")

@@ -173,6 +173,10 @@ def _layout_for(layout: str | Layout, topo: topology.Topology) -> Layout:
 
 def _validate(q, k, v, layout: Layout, topo: topology.Topology, scale: float | None) -> float:
     for name, t in (("q", q), ("k", k), ("v", v)):
+        if isinstance(t, torch.Tensor) and (t.is_nested or t.layout != torch.strided):
+            kind = "nested" if t.is_nested else str(t.layout).removeprefix("torch.")
+            raise ValueError(f"{name} must be a dense (strided) tensor, got a {kind} tensor; convert it with "
+                             f".to_dense() or torch.nested.to_padded_tensor")
         if not isinstance(t, torch.Tensor) or t.dim() != 4:
             got = tuple(t.shape) if isinstance(t, torch.Tensor) else type(t).__name__
             raise ValueError(f"{name} must be a 4-D tensor (B, H, S, D), got {got}")
