@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import os
+import re
 
+import numpy as np
 import pytest
 import torch
 
@@ -105,6 +107,42 @@ def test_loss_is_weighted_by_the_global_token_count() -> None:
     want = torch.nn.functional.cross_entropy(logits[0], labels[0], ignore_index=IGNORE_INDEX)
     torch.testing.assert_close(share, want)
     torch.testing.assert_close(loss, want)
+
+
+def test_a_batch_or_loss_whose_shapes_do_not_match_is_refused() -> None:
+    """Each of these once returned a plausible loss or batch: transposed labels, labels cut
+    to the tokens' length, 3-D tokens shifted along the wrong dim, or an internal error."""
+    layout, tokens = get_layout("zigzag", 2), torch.zeros(2, 8, dtype=torch.long)
+    bad_batches = {"labels must be a tensor of the tokens' shape (B, T) = (2, 8), got (2, 12)": dict(
+                       labels=torch.zeros(2, 12, dtype=torch.long)),
+                   "got (1, 16)": dict(labels=torch.zeros(1, 16, dtype=torch.long)),
+                   "tokens must be a (B, T) tensor of the whole batch, got (8,)": dict(tokens=tokens[0]),
+                   "got (2, 8, 1)": dict(tokens=tokens[..., None]),
+                   "layout must be a Layout built for the CP group's size": dict(layout="zigzag")}
+    for message, change in bad_batches.items():
+        with pytest.raises(ValueError, match=re.escape(message)):
+            shard_batch(**{"tokens": tokens, "layout": layout, "rank": 0, **change})
+    with pytest.raises(ValueError, match=re.escape("got logits (2, 4, 5) and labels (4, 2)")):
+        cp_loss(torch.randn(2, 4, 5), torch.zeros(4, 2, dtype=torch.long))
+    with pytest.raises(ValueError, match=re.escape("logits must be (B, S, vocab) and labels (B, S)")):
+        cp_loss(torch.randn(8, 5), torch.zeros(8, dtype=torch.long))
+
+
+def test_a_model_shape_that_is_not_whole_or_that_rope_cannot_rotate_is_refused() -> None:
+    """heads=2.0 was accepted; an odd head_dim made RoPE widen q and k by one dim: silently
+    on one process, and with an error about k and v under CP."""
+    tiny = get_config("tiny")
+    refused = {"heads must be an integer >= 1, got 2.0": dict(heads=2.0),
+               "layers must be an integer >= 1, got True": dict(layers=True),
+               "vocab must be an integer >= 1, got 0": dict(vocab=0),
+               "rope_theta must be a positive finite number, got nan": dict(rope_theta=float("nan")),
+               "norm_eps must be a positive finite number, got 0": dict(norm_eps=0)}
+    for message, change in refused.items():
+        with pytest.raises(ValueError, match=re.escape(message)):
+            tiny.with_(**change)
+    assert type(tiny.with_(heads=np.int64(4)).heads) is int  # numpy's integers are integers, stored as int
+    with pytest.raises(ValueError, match="RoPE rotates pairs of dims, so head_dim must be even"):
+        Transformer(tiny.with_(head_dim=3))
 
 
 def test_model_with_explicit_positions_equals_default_positions() -> None:

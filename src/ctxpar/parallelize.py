@@ -17,6 +17,7 @@ from __future__ import annotations
 import functools
 import inspect
 import itertools
+import reprlib
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -59,6 +60,7 @@ def shard_batch(
     ``batch.documents`` on: ``model(batch.tokens, batch.positions, documents=batch.documents)``
     for the reference model, ``documents=`` to ``ctxpar.attention`` otherwise.
     """
+    _check_batch(tokens, layout, labels)
     seq_len = tokens.shape[1]
     lengths = None if documents is None else document_lengths(documents, seq_len)
     targets = shift_labels(tokens, labels)
@@ -72,6 +74,18 @@ def shard_batch(
         labels=layout.shard(targets, rank, dim=1),
         documents=lengths,
     )
+
+
+def _check_batch(tokens, layout, labels) -> None:
+    if not isinstance(layout, Layout):
+        raise ValueError(f"layout must be a Layout built for the CP group's size (ctxpar.get_layout(name, "
+                         f"world_size)), got {reprlib.repr(layout)}")
+    if not isinstance(tokens, torch.Tensor) or tokens.dim() != 2:
+        got = tuple(tokens.shape) if isinstance(tokens, torch.Tensor) else type(tokens).__name__
+        raise ValueError(f"tokens must be a (B, T) tensor of the whole batch, got {got}")
+    if labels is not None and (not isinstance(labels, torch.Tensor) or labels.shape != tokens.shape):
+        got = tuple(labels.shape) if isinstance(labels, torch.Tensor) else type(labels).__name__
+        raise ValueError(f"labels must be a tensor of the tokens' shape (B, T) = {tuple(tokens.shape)}, got {got}")
 
 
 def apply_context_parallel(
@@ -166,6 +180,9 @@ def cp_loss(
         count, differentiable; the shares of all ranks add up to the mean loss over the
         global batch, ``loss`` (detached, the same on every rank).
     """
+    if logits.dim() != 3 or labels.shape != logits.shape[:2]:
+        raise ValueError(f"logits must be (B, S, vocab) and labels (B, S) for the same tokens, got logits "
+                         f"{tuple(logits.shape)} and labels {tuple(labels.shape)}")
     total = F.cross_entropy(logits.flatten(0, 1).float(), labels.flatten(), ignore_index=IGNORE_INDEX,
                             reduction="sum")
     count = (labels != IGNORE_INDEX).sum()  # int64: exact whatever the token count

@@ -109,6 +109,9 @@ class Transformer(nn.Module):
 
     def __init__(self, cfg: ModelConfig) -> None:
         super().__init__()
+        if cfg.head_dim % 2:
+            raise ValueError(f"head_dim={cfg.head_dim}: the reference model's RoPE rotates pairs of dims, so "
+                             f"head_dim must be even")
         self.cfg = cfg
         self.embed = nn.Embedding(cfg.vocab, cfg.hidden)
         self.layers = nn.ModuleList(Block(cfg) for _ in range(cfg.layers))
