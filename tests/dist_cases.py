@@ -238,6 +238,7 @@ def _bad_inputs(world: int, mesh) -> dict[str, tuple]:
         "strategy": ((q, kv, kv), dict(layout="zigzag", strategy="telepathy")),
         "scale": ((q, kv, kv), dict(layout="zigzag", scale=-1.0)),
         "scale_overflow": ((q, kv, kv), dict(layout="zigzag", scale=10**400)),
+        "scale_under_float32": ((q, kv, kv), dict(layout="zigzag", scale=1e-50)),  # once NaN, for finite inputs
         "int_dtype": ((q.long(), kv.long(), kv.long()), dict(layout="zigzag")),
         "empty": ((good(n=0), good(2, n=0), good(2, n=0)), dict(layout="zigzag")),
         "causal_type": ((q, kv, kv), dict(layout="zigzag", causal="no")),

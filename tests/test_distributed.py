@@ -48,6 +48,7 @@ EXPECTED_MESSAGES = {
     "strategy": ["unknown strategy", "ring", "hybrid"],
     "scale": ["scale"],
     "scale_overflow": ["scale must be a positive finite number, got 1000"],
+    "scale_under_float32": ["scale 1e-50 is outside float32's range", "torch.float32 attention is computed"],
     "int_dtype": ["not supported"],
     "empty": ["empty input"],
     "causal_type": ["causal must be True or False"],

@@ -211,6 +211,10 @@ def _validate(q, k, v, layout: Layout, topo: topology.Topology, scale: float | N
     value = as_real(scale)
     if not (math.isfinite(value) and value > 0):
         raise ValueError(f"scale must be a positive finite number, got {reprlib.repr(scale)}")
+    computed_in = torch.finfo(torch.float64 if q.dtype == torch.float64 else torch.float32)
+    if not computed_in.tiny <= value <= computed_in.max:  # it would round to 0, lose digits, or be inf
+        raise ValueError(f"scale {value!r} is outside {computed_in.dtype}'s range ({computed_in.tiny:g} to "
+                         f"{computed_in.max:g}), in which {q.dtype} attention is computed")
     return value
 
 
