@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import numpy as np
 import pytest
 import torch
 
@@ -80,6 +81,25 @@ def test_bad_layout_arguments() -> None:
         ctxpar.StripedLayout(2).positions(8, 2)
     with pytest.raises(ValueError, match="needs 2 pieces"):
         ctxpar.StripedLayout(2).unshard([torch.zeros(1, 4)])
+
+
+def test_lengths_ranks_and_dims_are_whole_numbers_numpys_included() -> None:
+    """A float length once gave float positions (inexact from 2**24 on); numpy's integers,
+    which masks and attention take, were refused here."""
+    layout = ctxpar.ZigzagLayout(np.int64(2))
+    assert type(layout.world_size) is int and layout == ctxpar.ZigzagLayout(2)
+    assert layout.positions(np.int64(8), np.int32(1)).tolist() == [2, 3, 4, 5]
+    assert layout.local_len(np.int64(8)) == 4
+    assert torch.equal(layout.shard(torch.arange(8).view(1, 8), np.int64(1), dim=np.int64(1)),
+                       torch.tensor([[2, 3, 4, 5]]))
+    balanced = ctxpar.BalancedLayout(2, np.int64(16), chunks=np.int64(2))
+    assert balanced == ctxpar.BalancedLayout(2, 16, chunks=2)
+    for seq_len in (8.0, "8", torch.tensor(8.0)):
+        for each in (layout, balanced):
+            with pytest.raises(ValueError, match="the sequence length must be an int"):
+                each.positions(seq_len, 1)
+    with pytest.raises(ValueError, match="mask must be a ctxpar.masks.Mask"):
+        ctxpar.BalancedLayout(2, 16, mask=None)
 
 
 def test_the_sequence_dim_is_never_guessed() -> None:

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import array
 import functools
+import numbers
 import warnings
 import zlib
 from abc import ABC, abstractmethod
@@ -43,8 +44,10 @@ class Layout(ABC):
     multiple_formula = "P"  # how ``multiple`` is written in error messages
 
     def __post_init__(self) -> None:
-        if isinstance(self.world_size, bool) or not isinstance(self.world_size, int) or self.world_size < 1:
+        world_size = _whole(self.world_size)
+        if world_size is None or world_size < 1:
             raise ValueError(f"world_size must be a positive int, got {self.world_size!r}")
+        object.__setattr__(self, "world_size", world_size)
 
     # -- what subclasses define -------------------------------------------------------
     @property
@@ -59,6 +62,7 @@ class Layout(ABC):
     # -- shared behaviour ---------------------------------------------------------------
     def validate(self, seq_len: int) -> None:
         """Raise ValueError unless ``seq_len`` splits evenly under this layout."""
+        _check_length(seq_len)
         m = self.multiple
         if seq_len <= 0 or seq_len % m:
             up = max(m, -(-seq_len // m) * m)
@@ -72,7 +76,7 @@ class Layout(ABC):
 
     def local_len(self, seq_len: int) -> int:
         self.validate(seq_len)
-        return seq_len // self.world_size
+        return int(seq_len) // self.world_size
 
     def positions(self, seq_len: int, rank: int, device: torch.device | str | None = None) -> torch.Tensor:
         """Global positions held by ``rank``, ascending, int64 of shape (T/P,).
@@ -80,8 +84,7 @@ class Layout(ABC):
         Use them for RoPE and for any mask that depends on absolute position.
         """
         self.validate(seq_len)
-        self._check_rank(rank)
-        return self._positions(seq_len, rank).to(device)
+        return self._positions(int(seq_len), self._check_rank(rank)).to(device)
 
     def shard(self, x: torch.Tensor, rank: int, *, dim: int | None = None) -> torch.Tensor:
         """The part of ``x`` (global length T along ``dim``) that ``rank`` holds.
@@ -112,11 +115,26 @@ class Layout(ABC):
             out.index_copy_(dim, self.positions(seq_len, rank, device=piece.device), piece)
         return out
 
-    def _check_rank(self, rank: int) -> None:
-        if isinstance(rank, bool) or not isinstance(rank, int):
+    def _check_rank(self, rank: int) -> int:
+        """``rank`` as an int, if it is one of this layout's ranks."""
+        whole = _whole(rank)
+        if whole is None:
             raise ValueError(f"rank must be an int, got {rank!r}")
-        if not 0 <= rank < self.world_size:
+        if not 0 <= whole < self.world_size:
             raise ValueError(f"rank {rank} is outside the {self.name} layout's {self.world_size} ranks")
+        return whole
+
+
+def _whole(value) -> int | None:
+    """A Python or numpy integer as an int; None for anything else (a bool, a float, a string)."""
+    if isinstance(value, bool) or not isinstance(value, numbers.Integral):
+        return None
+    return int(value)
+
+
+def _check_length(seq_len) -> None:
+    if _whole(seq_len) is None:  # a float length would give float positions, inexact beyond 2**24
+        raise ValueError(f"the sequence length must be an int, got {seq_len!r}")
 
 
 def _sequence_dim(x: torch.Tensor, dim: int | None, what: str) -> int:
@@ -129,9 +147,10 @@ def _sequence_dim(x: torch.Tensor, dim: int | None, what: str) -> int:
             f"{what} needs dim=, the sequence dim of the {tuple(x.shape)} tensor: dim=2 for attention inputs "
             f"(B, H, T, D), dim=1 for tokens (B, T) or hidden states (B, T, C)"
         )
-    if isinstance(dim, bool) or not isinstance(dim, int) or not -x.dim() <= dim < x.dim():
+    whole = _whole(dim)
+    if whole is None or not -x.dim() <= whole < x.dim():
         raise ValueError(f"dim={dim!r} is not a dim of the {x.dim()}-D tensor {tuple(x.shape)}")
-    return dim % x.dim()
+    return whole % x.dim()
 
 
 @dataclass(frozen=True)
@@ -235,15 +254,21 @@ class BalancedLayout(Layout):
 
     def __post_init__(self) -> None:
         super().__post_init__()
-        if isinstance(self.seq_len, bool) or not isinstance(self.seq_len, int) or self.seq_len < self.world_size:
+        seq_len, chunks = _whole(self.seq_len), _whole(self.chunks)
+        if seq_len is None or seq_len < self.world_size:
             raise ValueError(f"a balanced layout needs the sequence length it balances (>= P={self.world_size}), "
                              f"got seq_len={self.seq_len!r}")
+        if chunks is None or chunks < 0:
+            raise ValueError(f"chunks must be an integer >= 1 (chunks per rank), or 0 to choose, got {self.chunks!r}")
+        object.__setattr__(self, "seq_len", seq_len)
+        object.__setattr__(self, "chunks", chunks)
+        if not isinstance(self.mask, Mask):
+            raise ValueError(f"mask must be a ctxpar.masks.Mask (balanced_layout makes one from documents= and "
+                             f"window=), got {type(self.mask).__name__}")
         self.mask.check(self.seq_len)
         if self.seq_len % self.world_size:
             raise ValueError(f"sequence length {self.seq_len} is not a multiple of P={self.world_size} ranks; "
                              f"pad to {-(-self.seq_len // self.world_size) * self.world_size}")
-        if isinstance(self.chunks, bool) or not isinstance(self.chunks, int) or self.chunks < 0:
-            raise ValueError(f"chunks must be an integer >= 1 (chunks per rank), or 0 to choose, got {self.chunks!r}")
         if self.chunks and (self.seq_len // self.world_size) % self.chunks:
             raise ValueError(f"chunks={self.chunks} does not divide the {self.seq_len // self.world_size} tokens "
                              f"of each rank")
@@ -256,6 +281,7 @@ class BalancedLayout(Layout):
         return self.seq_len
 
     def validate(self, seq_len: int) -> None:
+        _check_length(seq_len)
         if seq_len != self.seq_len:
             raise ValueError(f"the balanced layout was built for sequence length {self.seq_len}, not {seq_len}; "
                              f"build one for this length (balanced_layout)")
