@@ -749,6 +749,27 @@ def test_hardware_errors_and_overrides() -> None:
     assert get_hardware("H200").bandwidth(16) == 50e9  # beyond one node: the NIC
 
 
+def test_hardware_figures_no_machine_has_are_refused_naming_the_field() -> None:
+    """For ``auto.set_hardware`` or the planner's Python API: a zero bandwidth once surfaced as
+    a ZeroDivisionError in every later ``strategy="auto"`` call, and a NaN or negative rate
+    chose a strategy without a word."""
+    hw = get_hardware("h200")
+    refused = {"intra_node_bandwidth 0.0 must be a finite number > 0": dict(intra_node_bandwidth=0.0),
+               "peak_flops nan must be a finite number > 0": dict(peak_flops=float("nan")),
+               "inter_node_bandwidth -1.0 must be": dict(inter_node_bandwidth=-1.0),
+               "attention_forward_rate 0 must be a finite number > 0": dict(attention_forward_rate=0),
+               "latency -1e-06 must be a finite number >= 0": dict(latency=-1e-6),
+               "tile_backward_overhead inf must be": dict(tile_backward_overhead=float("inf")),
+               "strategy_step_overheads -0.1 must be": dict(strategy_step_overheads=(("ring", -0.1),)),
+               "attention_size_curve 0.0 must be": dict(attention_size_curve=((1024, 0.0, 1.0),)),
+               "efficiency 1.5 must be in (0, 1]": dict(efficiency=1.5),
+               "gpus_per_node 0 must be an integer between 1 and": dict(gpus_per_node=0)}
+    for message, change in refused.items():
+        with pytest.raises(ValueError, match=re.escape(f"Hardware {message}")):
+            replace(hw, **change)
+    assert replace(hw, memory_bandwidth=0.0, matmul_rate=None).matmul_flops == hw.flops  # 0 and None: not given
+
+
 def test_local_hardware_from_a_calibration_file(tmp_path) -> None:
     path = tmp_path / "plan.json"
     path.write_text(json.dumps({"calibration": {"attention_flops": 1e11, "bandwidth": 2e9, "machine": "test"}}))

@@ -33,6 +33,18 @@ import os
 from dataclasses import asdict, dataclass, replace
 
 
+def _is_number(value, *, positive: bool = False) -> bool:
+    """A finite int or float (not a bool), > 0 if ``positive`` else >= 0."""
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
+        return False
+    return value > 0 if positive else value >= 0
+
+
+def _check_figure(key: str, value, *, positive: bool = False) -> None:
+    if not _is_number(value, positive=positive):
+        raise ValueError(f"Hardware {key} {value!r} must be a finite number {'> 0' if positive else '>= 0'}")
+
+
 @dataclass(frozen=True)
 class Hardware:
     """One accelerator as the planner sees it.
@@ -118,6 +130,32 @@ class Hardware:
     tile_backward_overhead: float = 0.0
     tile_forward_seconds_per_byte: float = 0.0
     tile_backward_seconds_per_byte: float = 0.0
+
+    def __post_init__(self) -> None:
+        """Refuse figures no machine has, naming the field: the cost model would divide by a zero
+        rate, or choose by a NaN or a negative one without a word (``auto.set_hardware``)."""
+        for key in ("peak_flops", "hbm_bytes", "intra_node_bandwidth", "inter_node_bandwidth"):
+            _check_figure(key, getattr(self, key), positive=True)
+        for key in ("memory_bandwidth", "latency", "fp8_peak_flops", "fp32_peak_flops", "launch_overhead",
+                    "step_overhead", *TILE_OVERHEADS):
+            _check_figure(key, getattr(self, key))
+        for key in ("attention_forward_rate", "attention_backward_rate", "matmul_rate"):
+            if getattr(self, key) is not None:
+                _check_figure(key, getattr(self, key), positive=True)
+        if not (_is_number(self.efficiency, positive=True) and self.efficiency <= 1):
+            raise ValueError(f"Hardware efficiency {self.efficiency!r} must be in (0, 1]: the achieved fraction "
+                             f"of peak")
+        if isinstance(self.gpus_per_node, bool) or not isinstance(self.gpus_per_node, int) \
+                or not 1 <= self.gpus_per_node <= MAX_GPUS_PER_NODE:
+            raise ValueError(f"Hardware gpus_per_node {self.gpus_per_node!r} must be an integer between 1 and "
+                             f"{MAX_GPUS_PER_NODE}")
+        for key in ("strategy_step_overheads", "strategy_step_byte_overheads"):
+            for _, seconds in getattr(self, key) or ():
+                _check_figure(key, seconds)
+        for key in ("attention_size_curve", "attention_causal_size_curve"):
+            for point in getattr(self, key) or ():
+                for value in point:
+                    _check_figure(key, value, positive=True)
 
     @property
     def flops(self) -> float:
@@ -317,13 +355,6 @@ def local_hardware(calibration: dict) -> Hardware:
 def _over(table: tuple[tuple[str, float], ...] | None, share: float) -> tuple[tuple[str, float], ...] | None:
     """Every strategy's figure in ``table`` over ``share``."""
     return None if table is None else tuple((name, seconds / share) for name, seconds in table)
-
-
-def _is_number(value, *, positive: bool = False) -> bool:
-    """A finite int or float (not a bool), > 0 if ``positive`` else >= 0."""
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
-        return False
-    return value > 0 if positive else value >= 0
 
 
 def _strategy_overheads(calibration: dict, key: str) -> tuple[tuple[str, float], ...] | None:
