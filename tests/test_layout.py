@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import re
+
 import numpy as np
 import pytest
 import torch
@@ -100,6 +102,13 @@ def test_lengths_ranks_and_dims_are_whole_numbers_numpys_included() -> None:
                 each.positions(seq_len, 1)
     with pytest.raises(ValueError, match="mask must be a ctxpar.masks.Mask"):
         ctxpar.BalancedLayout(2, 16, mask=None)
+
+
+def test_unshard_takes_any_iterable_of_pieces_but_not_one_tensor() -> None:
+    layout, x = ctxpar.ZigzagLayout(2), torch.arange(8).view(1, 8)
+    assert torch.equal(layout.unshard((layout.shard(x, r, dim=1) for r in range(2)), dim=1), x)
+    with pytest.raises(ValueError, match=re.escape("takes the 2 pieces as a list (one per rank), got one (2, 4)")):
+        layout.unshard(torch.stack([layout.shard(x, r, dim=1)[0] for r in range(2)]), dim=1)
 
 
 def test_the_sequence_dim_is_never_guessed() -> None:

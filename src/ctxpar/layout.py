@@ -99,6 +99,10 @@ class Layout(ABC):
 
     def unshard(self, pieces: list[torch.Tensor] | tuple[torch.Tensor, ...], *, dim: int | None = None) -> torch.Tensor:
         """Inverse of ``shard``: the P local pieces (in rank order) back to the global tensor."""
+        if isinstance(pieces, torch.Tensor):  # iterating it would take its first dim for the ranks
+            raise ValueError(f"unshard takes the {self.world_size} pieces as a list (one per rank), got one "
+                             f"{tuple(pieces.shape)} tensor")
+        pieces = list(pieces)
         if len(pieces) != self.world_size:
             raise ValueError(f"unshard needs {self.world_size} pieces (one per rank), got {len(pieces)}")
         dim = _sequence_dim(pieces[0], dim, "unshard")
