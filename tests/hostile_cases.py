@@ -231,10 +231,48 @@ def interrupted_steps() -> dict[str, float | str]:
     return found
 
 
+def under_autocast(rank: int, world: int) -> dict[str, dict[str, float]]:
+    """q and k in float32 (as RoPE leaves them), v in bfloat16, under CPU autocast: once
+    refused ("q, k, v dtypes differ") where SDPA casts all three to bfloat16. Errors of the
+    output and of every gradient (summed over ranks) against float64 attention of the
+    bfloat16-cast inputs, for ctxpar and for SDPA under autocast."""
+    torch.manual_seed(11)
+    full = [torch.randn(1, 4, 8 * world, 16), torch.randn(1, 2, 8 * world, 16),
+            torch.randn(1, 2, 8 * world, 16).bfloat16()]
+    weights = torch.randn(1, 4, 8 * world, 16)
+    leaves = [t.clone().requires_grad_() for t in full]
+    exact = [t.bfloat16().double().requires_grad_() for t in full]
+    want = F.scaled_dot_product_attention(*exact, is_causal=True, enable_gqa=True)
+    (want * weights).sum().backward()
+    found = {}
+    for strategy in ("ring", "allgather", "alltoall"):
+        layout = ctxpar.get_layout("zigzag", world)
+        cp = [t.clone().requires_grad_() for t in full]
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            out = ctxpar.attention(*(layout.shard(t, rank, dim=2) for t in cp), layout=layout, strategy=strategy)
+            single = F.scaled_dot_product_attention(*leaves, is_causal=True, enable_gqa=True)
+        (out.float() * layout.shard(weights, rank, dim=2)).sum().backward()
+        grads = torch.cat([t.grad.flatten() for t in cp])
+        dist.all_reduce(grads)
+        if strategy == "ring":
+            (single.float() * weights).sum().backward()
+        errors = {"out dtype": out.dtype == torch.bfloat16, "grad dtypes": [t.grad.dtype for t in cp] == [
+            t.dtype for t in full]}
+        errors["out"] = (out.double() - layout.shard(want, rank, dim=2)).abs().max().item()
+        errors["out sdpa"] = (layout.shard(single, rank, dim=2).double() - layout.shard(want, rank, dim=2)
+                              ).abs().max().item()
+        errors["grads"] = (grads.double() - torch.cat([t.grad.flatten() for t in exact])).abs().max().item()
+        errors["grads sdpa"] = (torch.cat([t.grad.flatten() for t in leaves]).double()
+                                - torch.cat([t.grad.flatten() for t in exact])).abs().max().item()
+        found[strategy] = errors
+    return found
+
+
 def run(rank: int, world: int) -> dict:
     from torch.distributed.device_mesh import init_device_mesh
 
     mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("ring", "ulysses"))
     return dict(disagree=disagreeing_ranks(rank, world, mesh), nonfinite=nonfinite_inputs(rank, world),
                 dense_once=dense_once(rank, world), double_backward=double_backward(mesh),
-                loss_on_lse=loss_on_lse(mesh), interrupted_steps=interrupted_steps())
+                loss_on_lse=loss_on_lse(mesh), interrupted_steps=interrupted_steps(),
+                under_autocast=under_autocast(rank, world))

@@ -133,6 +133,18 @@ def test_differentiating_a_gradient_again_is_refused_not_detached(strategy: str)
         assert "differentiate twice" in message, f"rank {rank}: {message}"
 
 
+@pytest.mark.parametrize("strategy", ["ring", "allgather", "alltoall"])
+def test_under_autocast_q_k_v_are_cast_as_sdpa_casts_them(strategy: str) -> None:
+    """Under torch.autocast (a Trainer's bf16=True), float32 q and k with a bfloat16 v were
+    refused for differing dtypes; SDPA casts all three to the autocast dtype. Now so does
+    ctxpar, within twice SDPA's own bfloat16 error for the output and every gradient."""
+    for rank, res in enumerate(results()):
+        r = res["under_autocast"][strategy]
+        assert r["out dtype"] and r["grad dtypes"], f"rank {rank}: {r}"
+        assert r["out"] <= 2 * r["out sdpa"] + 1e-6, f"rank {rank}: out {r['out']:.3g} vs SDPA {r['out sdpa']:.3g}"
+        assert r["grads"] <= 2 * r["grads sdpa"] + 1e-6, f"rank {rank}: {r['grads']:.3g} vs {r['grads sdpa']:.3g}"
+
+
 # -- item 11: non-finite inputs -------------------------------------------------------
 
 

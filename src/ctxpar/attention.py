@@ -94,6 +94,15 @@ def attention_with_lse(
             or differ from the others'; without it the checks are local, and ranks
             called differently may compute wrong results or wait on each other.
     """
+    autocast = _autocast_dtype(q)
+    if autocast is not None:
+        # as scaled_dot_product_attention under autocast: q, k, v cast to its dtype (RoPE in
+        # float32 often leaves q and k there and v not), then computed without further casts
+        q, k, v = (t.to(autocast) if _autocast_casts(t) else t for t in (q, k, v))
+        with torch.autocast(q.device.type, enabled=False):
+            return attention_with_lse(q, k, v, layout=layout, group=group, causal=causal, scale=scale,
+                                      strategy=strategy, mesh=mesh, check_consistency=check_consistency,
+                                      documents=documents, window=window, sinks=sinks)
     error, topo, mask = None, None, None
     try:
         chosen = _strategy("ring" if strategy == auto.AUTO else strategy)
@@ -132,6 +141,18 @@ def attention_with_lse(
 def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, **kwargs) -> torch.Tensor:
     """Like ``attention_with_lse`` but returns only ``out`` (B, H, S, D)."""
     return attention_with_lse(q, k, v, **kwargs)[0]
+
+
+def _autocast_dtype(q) -> torch.dtype | None:
+    """The dtype autocast runs attention in on q's device, or None where it is off."""
+    if not isinstance(q, torch.Tensor) or q.device.type not in ("cpu", "cuda"):
+        return None
+    return torch.get_autocast_dtype(q.device.type) if torch.is_autocast_enabled(q.device.type) else None
+
+
+def _autocast_casts(t) -> bool:
+    """Whether autocast would cast ``t``: floating point, but not float64 (as torch's autocast)."""
+    return isinstance(t, torch.Tensor) and t.is_floating_point() and t.dtype != torch.float64
 
 
 def _strategy(name: str) -> Strategy:
