@@ -198,6 +198,9 @@ def bad_values(tmp: Path) -> list[tuple[tuple[str, ...], str]]:
         (("plan", "--json", missing), "does not exist; create it first"),
         (("plan", "--json", str(tmp)), f"--json {str(tmp)!r} is a directory"),
         (("plan", "--plot", str(tmp)), "plan.png"),
+        (("plan", "--plot", str(tmp / "p.txt")), "matplotlib writes no 'txt' images; end the path with one of"),
+        (("plan", "--json", str(tmp / "p.png"), "--plot", str(tmp / "p.png")),
+         "--json and --plot both name"),  # the plot once overwrote the JSON
         (("demo", "--json", "/proc/ctxpar.json"), "is not writable (No such file or directory)"),  # writable bits
         (("plan", "--json", "/dev/full"), "could not be written (No space left on device); the report above"),
         (("plan", "--hardware", "local", "--calibration", missing), f"--calibration {missing!r} cannot be read"),

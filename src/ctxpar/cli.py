@@ -357,7 +357,10 @@ def _run_plan(args: argparse.Namespace) -> int:
     _check_output("--json", args.json)
     _check_output("--plot", args.plot, "plan.png")
     if args.plot is not None:
-        planning.check_plot_support()
+        planning.check_plot_support(args.plot)
+        if args.json and os.path.abspath(args.json) == os.path.abspath(args.plot):
+            raise ValueError(f"--json and --plot both name {args.plot!r}: the plot would overwrite the JSON; give "
+                             f"them different paths")
     model = planning.resolve_model(args.model, layers=args.layers, hidden=args.hidden, heads=args.heads,
                                    kv_heads=args.kv_heads, head_dim=args.head_dim, ffn=args.ffn, vocab=args.vocab)
     gpus_per_node = planning.gpus_per_node(args.hardware)  # also refuses an unknown --hardware

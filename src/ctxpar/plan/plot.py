@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import importlib.util
 import math
+import os
 
 from ctxpar.plan.memory import memory_per_gpu
 from ctxpar.plan.planner import Plan
@@ -26,10 +27,19 @@ STYLES = {"ring": "-", "allgather": "--", "alltoall": ":", "hybrid": "-."}
 GIB = 2**30
 
 
-def check_plot_support() -> None:
-    """Refuse ``--plot`` up front when matplotlib is missing, not after the plan is computed."""
+def check_plot_support(path: str | None = None) -> None:
+    """Refuse ``--plot`` up front, not after the plan is computed: matplotlib missing, or a
+    ``path`` whose extension names no image format it writes (none: PNG)."""
     if importlib.util.find_spec("matplotlib") is None:
         raise ValueError("--plot needs matplotlib: pip install 'ctxpar[plot]' (or pip install matplotlib)")
+    extension = os.path.splitext(path or "")[1].lstrip(".").lower()
+    if extension:
+        from matplotlib.backend_bases import FigureCanvasBase
+
+        formats = FigureCanvasBase.get_supported_filetypes()
+        if extension not in formats:
+            raise ValueError(f"--plot {path!r}: matplotlib writes no {extension!r} images; end the path with one of "
+                             f"{', '.join('.' + name for name in sorted(formats))} (e.g. plan.png)")
 
 
 def write_plot(plan: Plan, path: str) -> None:
