@@ -30,6 +30,8 @@ test_hf_generate.py:
 
 from __future__ import annotations
 
+import copy
+
 import torch
 import torch.distributed as dist
 
@@ -352,6 +354,17 @@ def _guards(rank: int, world: int) -> dict:
         out["sdpa on one rank"] = _attempt(lambda: tuple(model(**inputs).logits.shape))
         model.set_attn_implementation("ctxpar")
         out["after"] = _attempt(lambda: tuple(model(**inputs).logits.shape))
+    inputs, labels = shard_inputs(input_ids, layout=layout, rank=me)
+    # labels= or a loss argument on one rank only: the others would wait in the loss's all-reduce
+    out["labels on one rank"] = _attempt(lambda: model(**inputs, **(dict(labels=labels) if me == 0 else {})).loss)
+    out["num_items_in_batch on one rank"] = _attempt(
+        lambda: model(**inputs, labels=labels, **(dict(num_items_in_batch=7) if me == 1 else {})).loss.item())
+    copied = copy.deepcopy(model)  # group= given: the copy shares it (a ProcessGroup cannot be copied)
+    with torch.no_grad():
+        for parameter in copied.parameters():
+            parameter.zero_()  # the copy's logits are now 0 everywhere; the original's are not
+        out["deep copy"] = _attempt(lambda: (copied(**inputs).logits.abs().max().item(),
+                                             model(**inputs).logits.abs().max().item() > 0))
     return out
 
 

@@ -182,6 +182,8 @@ def _refusals(rank: int, world: int) -> dict:
         "output_attentions": _attempt(lambda: model.generate(tokens, output_attentions=True,
                                                              return_dict_in_generate=True, **run)),
         "prompt length": _attempt(lambda: model.generate(tokens[:, :22], **run)),
+        "max_time": _attempt(lambda: model.generate(tokens, max_time=60.0, **run)),  # once: ranks stopped apart
+        "guidance_scale": _attempt(lambda: model.generate(tokens, guidance_scale=1.5, **run)),
         "beam search on rank 1 only": _attempt(lambda: model.generate(tokens, num_beams=1 + (rank == 1), **run)),
         "prompts differ": _attempt(lambda: model.generate(other, **run)),
         "seeds differ": _attempt(lambda: (torch.manual_seed(rank), model.generate(tokens, do_sample=True, **run))),

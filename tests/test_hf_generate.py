@@ -104,6 +104,10 @@ REFUSED = {  # what generate must refuse on every rank, and the words of the err
     "inputs_embeds": "NotImplementedError: generate from inputs_embeds",
     "output_attentions": "NotImplementedError: generate with output_attentions=True",
     "prompt length": "ValueError: sequence length 22 is not a multiple of 2*P=8 required by the zigzag layout",
+    "max_time": "NotImplementedError: generate with max_time=60.0 is not supported under context parallelism: "
+                "each rank would stop by its own clock",
+    "guidance_scale": "NotImplementedError: generate with guidance_scale=1.5 is not supported under context "
+                      "parallelism: classifier-free guidance",
     "prompts differ": "ValueError: the ranks of the CP group disagree on the generate call: arguments",
     "seeds differ": "ValueError: the ranks of the CP group disagree on the generate call: RNG state",
     "sinks": "NotImplementedError: GptOssForCausalLM has attention sinks",

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import copy
+
 import pytest
 
 pytest.importorskip("transformers")
@@ -57,6 +59,13 @@ def test_labels_loss_refuses_what_it_cannot_weigh_globally() -> None:
     assert model(**inputs, labels=torch.full_like(labels, IGNORE_INDEX)).loss.item() == 0.0  # nothing labelled
     with pytest.raises(ValueError, match="unshifted labels"):  # transformers' usual idiom, wrong under CP
         model(**inputs, labels=inputs["input_ids"])
+    prompt_masked = inputs["input_ids"].clone()
+    prompt_masked[:, :4] = IGNORE_INDEX  # supervised fine-tuning's idiom: it was accepted, each token its own target
+    with pytest.raises(ValueError, match="unshifted labels"):
+        model(**inputs, labels=prompt_masked)
+    repeated = torch.full((1, 8), 5)  # shifted labels that equal the tokens wherever they label: no refusal
+    inputs, labels = shard_inputs(repeated, layout=ONE, rank=0)
+    assert torch.equal(labels[:, :-1], repeated[:, :-1]) and model(**inputs, labels=labels).loss.item() > 0
 
 
 def test_router_aux_loss_with_labels_is_refused() -> None:
@@ -201,6 +210,67 @@ def test_the_decoder_called_alone_is_guarded_like_the_model() -> None:
 def test_logits_to_keep_is_refused_on_every_rank() -> None:
     for _, (kind, detail) in _guards("logits_to_keep"):
         assert kind == "refused" and "logits_to_keep=1" in detail, detail
+
+
+def test_labels_or_a_loss_argument_on_one_rank_is_refused_on_every_rank_together() -> None:
+    """labels= on rank 0 only left both ranks waiting until the timeout; num_items_in_batch=
+    on rank 1 only was refused there alone, inside the loss, after the forward."""
+    for _, (kind, detail) in _guards("labels on one rank"):
+        assert kind == "refused" and "got labels= on 1 of the 2 ranks of the CP group" in detail, detail
+    for rank, (kind, detail) in _guards("num_items_in_batch on one rank"):
+        assert kind == "refused", detail
+        assert ("num_items_in_batch= is not supported" if rank == 1 else "another rank of the CP group refused") \
+            in detail, detail
+
+
+def test_a_deep_copy_runs_its_own_weights_on_the_same_group() -> None:
+    """copy.deepcopy of an enabled model (a frozen reference model, an EMA copy) ran the
+    original's weights, its wrappers closing over the original; with group= it raised
+    (a ProcessGroup cannot be pickled)."""
+    for _, got in _guards("deep copy"):
+        assert got == ("ran", (0.0, True)), got
+
+
+def test_a_deep_copy_is_enabled_alike_and_trains_its_own_weights() -> None:
+    model, inputs, labels = _one_rank(hf_families.build("llama"))
+    copied = copy.deepcopy(model)
+    copied(**inputs, labels=labels).loss.backward()
+    assert all(p.grad is None for p in model.parameters()) and all(p.grad is not None for p in copied.parameters())
+    torch.testing.assert_close(copied(**inputs).logits, model(**inputs).logits)
+    with pytest.raises(ValueError, match="logits_to_keep=1"):  # the copy is guarded as the original is
+        copied(**inputs, logits_to_keep=1)
+    decoder = copy.deepcopy(model.model)
+    with torch.no_grad():
+        decoder.embed_tokens.weight.zero_()
+        assert decoder(**inputs).last_hidden_state.abs().max() == 0
+    assert model.model(**inputs).last_hidden_state.abs().max() > 0
+
+
+def test_enable_takes_a_layout_name_and_refuses_a_bad_layout_or_strategy_at_once() -> None:
+    """A layout name reached the first forward as a string (an AttributeError there); a
+    misspelt strategy was refused only inside the first attention layer."""
+    model, inputs, labels = _one_rank(hf_families.build("llama"))
+    by_name = enable_context_parallel(hf_families.build("llama"), layout="zigzag", strategy="auto")
+    torch.testing.assert_close(by_name(**inputs).logits, model(**inputs).logits)
+    for change, message in ((dict(strategy="rnig"), "unknown strategy 'rnig'"),
+                            (dict(layout=ctxpar.get_layout("zigzag", 2)), "built for P=2 ranks"),
+                            (dict(layout="spiral"), "unknown layout 'spiral'")):
+        fresh = hf_families.build("llama")
+        with pytest.raises(ValueError, match=message):
+            enable_context_parallel(fresh, **{"layout": "zigzag", **change})
+        assert fresh.config._attn_implementation != "ctxpar"  # refused before anything changed
+
+
+def test_a_model_under_autocast_runs_as_its_sdpa_model_does() -> None:
+    """A Trainer's bf16=True: RoPE leaves q and k in float32 and v in bfloat16, which was
+    refused ("q, k, v dtypes differ"); SDPA under autocast casts all three."""
+    model, inputs, labels = _one_rank(hf_families.build("llama"))
+    reference = hf_families.build("llama")
+    reference.set_attn_implementation("sdpa")
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        got = model(**inputs, labels=labels).loss
+        want = reference(**{k: v for k, v in inputs.items() if k != "use_cache"}, labels=inputs["input_ids"]).loss
+    assert got.item() == pytest.approx(want.item(), rel=1e-3)
 
 
 def test_a_padding_mask_on_one_rank_is_refused_on_every_rank_together() -> None:

@@ -47,6 +47,7 @@ refused on every rank before any collective.
 
 from __future__ import annotations
 
+import copy
 import functools
 import inspect
 
@@ -67,10 +68,12 @@ from ctxpar.integrations.transformers.attention import (
 from ctxpar.integrations.transformers.fidelity import (Unsupported, check_model, dynamic_rope_limits, find_unsupported,
                                                        longrope_limits)
 from ctxpar.integrations.transformers.generation import CACHE_KEYS, ShardedCache, cached_forward, wrap_generate
-from ctxpar.integrations.transformers.loss import CPCausalLMLoss
-from ctxpar.layout import Layout
+from ctxpar.integrations.transformers.loss import LOSS_KEYWORDS, CPCausalLMLoss, loss_refusal
+from ctxpar import auto, topology
+from ctxpar.layout import Layout, get_layout
 from ctxpar.masks import document_lengths, positions_in_documents
-from ctxpar.parallelize import shard_batch
+from ctxpar.parallelize import IGNORE_INDEX, shard_batch
+from ctxpar.strategy_rules import check_strategy
 
 __all__ = ["ShardedCache", "Unsupported", "check_model", "enable_context_parallel", "find_unsupported",
            "shard_inputs"]
@@ -147,30 +150,46 @@ def _check_call(name: str, bound: dict, extra: dict) -> None:
                              f"shard_inputs returns), or call model.generate(), which keeps the right row itself")
 
 
-def _unshifted(labels: torch.Tensor | None, input_ids: torch.Tensor | None) -> bool:
-    """Whether ``labels`` are this rank's input_ids (``labels=input_ids``, the usual
-    transformers idiom, unshifted). The labels ``shard_inputs`` returns are shifted on the
-    unsplit sequence, so the globally last position holds IGNORE_INDEX and they can never
-    equal the tokens on every rank; unshifted labels always do."""
-    return (labels is not None and input_ids is not None and labels.shape == input_ids.shape
-            and torch.equal(labels.cpu(), input_ids.cpu()))
+def _label_flags(labels: torch.Tensor | None, input_ids: torch.Tensor | None, settings: Settings) -> list[int]:
+    """[labels given, labels equal to input_ids wherever labelled, the sequence's last position
+    labelled here] for this rank. The labels ``shard_inputs`` returns are shifted on the
+    unsplit sequence, so that last position holds IGNORE_INDEX; unshifted labels
+    (``labels=input_ids``, or a copy with the prompt masked as supervised fine-tuning makes
+    it) label it, and equal the tokens wherever they label."""
+    if labels is None:
+        return [0, 0, 0]
+    if input_ids is None:
+        return [1, 0, 0]
+    labels, input_ids = labels.cpu(), input_ids.cpu()
+    labelled = labels != IGNORE_INDEX
+    matches = bool((labels == input_ids)[labelled].all())
+    last = settings.positions(labels.shape[1]) == labels.shape[1] * settings.layout.world_size - 1
+    return [1, int(matches), int(bool(labelled[:, last].any()))]
 
 
-def _refuse_together(name: str, error: Exception | None, unshifted: bool, device: torch.device, group) -> None:
+def _refuse_together(name: str, error: Exception | None, label_flags: list[int], device: torch.device,
+                     group) -> None:
     """One tiny all-reduce, so that every rank refuses a forward if any rank does (a refusal
     on some ranks only would leave the others waiting in attention): this rank's own error
-    (declared documents, positions, caches), and unshifted labels on every rank."""
-    flags = torch.tensor([int(error is not None), int(unshifted), 1], device=device)
+    (declared documents, positions, caches, labels), labels= given on some ranks only (the
+    others would not join the loss's all-reduce), and unshifted labels (``_label_flags``)."""
+    flags = torch.tensor([int(error is not None), *label_flags, 1], device=device)
     if dist.is_initialized():
         dist.all_reduce(flags, group=group)
+    refused, given, matching, last_labelled, ranks = flags.tolist()
     if error is not None:
         raise error
-    if flags[0].item():
+    if refused:
         raise ValueError(f"{name}: another rank of the CP group refused its inputs for this forward; see its error")
-    if flags[1].item() == flags[2].item():
-        raise ValueError(f"{name} got labels equal to its input_ids on every rank: unshifted labels, which would "
-                         f"score each token on predicting itself. Pass the labels shard_inputs returns (shifted "
-                         f"on the unsplit sequence), or compute the loss with ctxpar.parallelize.cp_loss")
+    if 0 < given < ranks:
+        raise ValueError(f"{name} got labels= on {given} of the {ranks} ranks of the CP group; pass them on every "
+                         f"rank or on none")
+    if given and matching == ranks and last_labelled:
+        raise ValueError(f"{name} got labels equal to its input_ids wherever they label a token, the sequence's "
+                         f"last token included: unshifted labels (labels=input_ids, or a copy with the prompt "
+                         f"masked), which would score each token on predicting itself. Pass the labels shard_inputs "
+                         f"returns (shard_inputs(input_ids, labels=your_labels, ...) shifts them on the unsplit "
+                         f"sequence), or compute the loss with ctxpar.parallelize.cp_loss")
 
 
 def _documents(name: str, settings: Settings, bound: dict, documents) -> tuple[int, ...] | None:
@@ -234,6 +253,13 @@ def _wrap_forward(model, settings: Settings, loss: CPCausalLMLoss | None = None)
                                  f"tokens only, to the labels= loss; pass output_router_logits=False, or compute "
                                  f"both losses yourself")
             _check_call(name, bound, extra)
+            rows = _tokens(bound)
+            if labels is not None and rows is not None:  # what the loss would refuse, refused together
+                passed = {**extra, **bound}
+                refusal = loss_refusal(labels, tuple(rows.shape[:2]),
+                                       **{key: passed[key] for key in LOSS_KEYWORDS if key in passed})
+                if refusal is not None:
+                    raise ValueError(f"{name}: {refusal}")
             if documents is not None:
                 documents = _documents(name, settings, bound, documents)
             _check_positions(name, settings, bound, documents)
@@ -241,7 +267,8 @@ def _wrap_forward(model, settings: Settings, loss: CPCausalLMLoss | None = None)
             error = e  # exchange below, or its peers wait there
         tokens = bound.get("input_ids")
         device = (tokens if tokens is not None else model.get_input_embeddings().weight).device
-        _refuse_together(name, error, _unshifted(labels, tokens), device, settings.group)
+        flags = [int(labels is not None), 0, 0] if error is not None else _label_flags(labels, tokens, settings)
+        _refuse_together(name, error, flags, device, settings.group)
         calls = loss.calls if loss is not None else 0
         declared = DOCUMENTS.set(documents)
         try:
@@ -268,7 +295,7 @@ def _wrap_forward(model, settings: Settings, loss: CPCausalLMLoss | None = None)
 
 
 def enable_context_parallel(
-    model, *, layout: Layout, group: dist.ProcessGroup | None = None, strategy: str = "ring", mesh=None
+    model, *, layout: str | Layout, group: dist.ProcessGroup | None = None, strategy: str = "ring", mesh=None
 ):
     """Make ``model`` (a transformers PreTrainedModel) attend with ctxpar; returns it, changed in place.
 
@@ -278,7 +305,8 @@ def enable_context_parallel(
 
     Args:
         model: a transformers model whose attention goes through ``AttentionInterface``.
-        layout: the ``Layout`` its inputs were sharded with (``shard_inputs``).
+        layout: the ``Layout`` its inputs were sharded with (``shard_inputs``), or its name
+            (``"zigzag"``: built for the group's size).
         group: the CP process group (default WORLD); the ``labels=`` loss is averaged over
             the tokens of its ranks. ``mesh``: for ``strategy="hybrid"``.
         strategy: ``"ring" | "allgather" | "alltoall" | "hybrid" | "auto"``, as in
@@ -288,6 +316,10 @@ def enable_context_parallel(
         ValueError: listing every feature of the model that ctxpar would not compute exactly
             (``find_unsupported``), before changing the model and before any collective.
     """
+    if strategy != auto.AUTO:
+        check_strategy(strategy)
+    cp = topology.from_mesh(mesh) if mesh is not None else topology.from_group(group)
+    layout = get_layout(layout, cp.world_size)  # a name, as ctxpar.attention takes; a Layout for this P
     check_model(model)
     _register()
     settings = Settings(layout, group, strategy, mesh, longrope=longrope_limits(model),
@@ -309,7 +341,35 @@ def enable_context_parallel(
             _wrap_forward(sub, settings)
     _wrap_forward(model, settings, loss)
     wrap_generate(model, settings)
+    for sub in model.modules():
+        if isinstance(sub, PreTrainedModel):
+            _copy_enabled_alike(sub, settings)
     return model
+
+
+# What enable_context_parallel sets on the modules of a model, as instance attributes
+_ENABLED = ("forward", "_ctxpar_inner_forward", "generate", "_prepare_cache_for_generation", "_loss_function",
+            "ctxpar_settings", "__deepcopy__")
+
+
+def _copy_enabled_alike(model, settings: Settings) -> None:
+    """Make ``copy.deepcopy(model)`` (a frozen reference model, an EMA copy) a copy with the
+    same layout, group and strategy that runs its own weights. The wrappers close over the
+    original model, so a plain deep copy ran the original's weights and sent the gradients
+    there; they are left out of the copy and made anew for it, and the copy shares the
+    process group (which cannot be copied)."""
+    def deepcopy(memo: dict):
+        held = [(module, {key: module.__dict__.pop(key) for key in _ENABLED if key in module.__dict__})
+                for module in model.modules()]
+        try:
+            copied = copy.deepcopy(model, memo)
+        finally:
+            for module, attributes in held:
+                module.__dict__.update(attributes)
+        return enable_context_parallel(copied, layout=settings.layout, group=settings.group,
+                                       strategy=settings.strategy, mesh=settings.mesh)
+
+    model.__deepcopy__ = deepcopy
 
 
 def shard_inputs(

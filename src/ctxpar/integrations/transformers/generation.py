@@ -384,6 +384,14 @@ def check_generate(model, settings: Settings, generate, args: tuple, kwargs: dic
         if value not in fine:
             raise NotImplementedError(f"generate with {setting}={value!r} is not supported under context "
                                       f"parallelism (ctxpar's sharded cache serves every step)")
+    for setting, value, fine, why in (
+            ("max_time", config.max_time, (None,), "each rank would stop by its own clock, at different steps "
+             "(the others then wait for it); bound the output with max_new_tokens"),
+            ("guidance_scale", config.guidance_scale, (None, 1), "classifier-free guidance runs the model on "
+             "the prompt's last token alone, which is no shard of the layout")):
+        if value not in fine:
+            raise NotImplementedError(f"generate with {setting}={value!r} is not supported under context "
+                                      f"parallelism: {why}")
     prompt = bound.get("inputs")
     if prompt is None:
         prompt = extra.get("input_ids")

@@ -23,6 +23,29 @@ import torch.distributed as dist
 from ctxpar.parallelize import IGNORE_INDEX, cp_loss
 
 
+LOSS_KEYWORDS = ("num_items_in_batch", "ignore_index", "shift_labels")  # what a forward passes on to the loss
+
+
+def loss_refusal(labels, rows: tuple[int, ...], *, num_items_in_batch=None, ignore_index=IGNORE_INDEX,
+                 shift_labels=None) -> str | None:
+    """Why a ``labels=`` loss over ``rows`` (B, S) local tokens cannot be computed under CP, or
+    None. The model's forward asks before it runs, so that every rank refuses together; the
+    loss asks again, for a call that did not come through the forward."""
+    if shift_labels is not None:
+        return ("shift_labels= is not used under context parallelism: the labels shard_inputs returns are already "
+                "shifted; pass them as labels=")
+    if num_items_in_batch is not None:
+        return ("num_items_in_batch= is not supported under context parallelism (is it this rank's count or the "
+                "global one?); compute the loss with ctxpar.parallelize.cp_loss and scale it yourself")
+    if ignore_index != IGNORE_INDEX:
+        return (f"ignore_index={ignore_index} is not supported under context parallelism; mark unlabelled tokens "
+                f"with {IGNORE_INDEX}")
+    if not isinstance(labels, torch.Tensor) or tuple(labels.shape) != tuple(rows):
+        shown = tuple(labels.shape) if isinstance(labels, torch.Tensor) else type(labels).__name__
+        return f"labels {shown} must be this rank's shifted labels from shard_inputs, one per local token {rows}"
+    return None
+
+
 class CPCausalLMLoss:
     """A ``loss_function`` for transformers causal-LM heads; counts its calls so that a
     model computing its loss some other way can be caught (see ``enable_context_parallel``)."""
@@ -37,18 +60,9 @@ class CPCausalLMLoss:
         """logits (B, S, vocab) and labels (B, S) of this rank, labels already shifted by
         ``shard_inputs`` -> the global mean loss, with this rank's share as gradient."""
         self.calls += 1
-        if shift_labels is not None:
-            raise ValueError("shift_labels= is not used under context parallelism: the labels shard_inputs returns "
-                             "are already shifted; pass them as labels=")
-        if num_items_in_batch is not None:
-            raise ValueError("num_items_in_batch= is not supported under context parallelism (is it this rank's "
-                             "count or the global one?); compute the loss with ctxpar.parallelize.cp_loss and scale "
-                             "it yourself")
-        if ignore_index != IGNORE_INDEX:
-            raise ValueError(f"ignore_index={ignore_index} is not supported under context parallelism; mark "
-                             f"unlabelled tokens with {IGNORE_INDEX}")
-        if labels.shape != logits.shape[:-1]:
-            raise ValueError(f"labels {tuple(labels.shape)} must be this rank's shifted labels from shard_inputs, "
-                             f"one per local token of logits {tuple(logits.shape[:-1])}")
+        refusal = loss_refusal(labels, tuple(logits.shape[:-1]), num_items_in_batch=num_items_in_batch,
+                               ignore_index=ignore_index, shift_labels=shift_labels)
+        if refusal is not None:
+            raise ValueError(refusal)
         share, loss = cp_loss(logits, labels.to(logits.device), group=self.group)
         return share + (loss - share).detach()
