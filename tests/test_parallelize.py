@@ -5,8 +5,11 @@ silently wrong: RoPE read positions that the causal mask did not share)."""
 
 from __future__ import annotations
 
+import copy
+
 import pytest
 import torch
+import torch.distributed as dist
 
 import ctxpar
 import spawned
@@ -36,6 +39,7 @@ def _cases(rank: int, world: int) -> dict:
     found = {}
     for name, kwargs, cp_rank in (("ring", {}, rank), ("hybrid", None, None)):
         model = Transformer(get_config("tiny")).eval()
+        full_model = copy.deepcopy(model)
         if kwargs is None:
             mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("ring", "ulysses"))
             kwargs, cp_rank = dict(strategy="hybrid", mesh=mesh), ctxpar.hybrid_rank(mesh)
@@ -60,6 +64,16 @@ def _cases(rank: int, world: int) -> dict:
                 after=_attempt(lambda: (model(batch.tokens, batch.positions)
                                         - layout.shard(full, cp_rank, dim=1)).abs().max().item()),
             )
+            copied = copy.deepcopy(model)  # an EMA copy: once unguarded, its attention a copy the guard missed
+            found[name]["copy_exact"] = _attempt(lambda: (copied(batch.tokens, batch.positions)
+                                                          - layout.shard(full, cp_rank, dim=1)).abs().max().item())
+            found[name]["copy_forgotten"] = _attempt(lambda: copied(batch.tokens))
+            if name == "ring":  # a group= of its own, which a deep copy once failed to pickle
+                grouped = apply_context_parallel(copy.deepcopy(full_model), layout=layout,
+                                                 group=dist.new_group(list(range(world))))
+                found[name]["copy_on_a_group"] = _attempt(lambda: (copy.deepcopy(grouped)(batch.tokens, batch.positions)
+                                                                   - layout.shard(full, cp_rank, dim=1)
+                                                                   ).abs().max().item())
             apply_context_parallel(model, layout="zigzag", **kwargs)  # by name, as ctxpar.attention takes it
             found[name]["by_name"] = _attempt(lambda: (model(batch.tokens, batch.positions)
                                                        - layout.shard(full, cp_rank, dim=1)).abs().max().item())
@@ -77,7 +91,8 @@ def results() -> list[dict]:
 def test_the_positions_shard_batch_gives_are_exact(strategy: str) -> None:
     for rank, res in enumerate(results()):
         r = res[strategy]
-        for case in ("exact", "documents", "after", "by_name"):
+        grouped = ["copy_on_a_group"] if strategy == "ring" else []
+        for case in ["exact", "documents", "after", "by_name", "copy_exact", *grouped]:
             assert isinstance(r[case], float) and r[case] < 1e-5, f"rank {rank} {case}: {r[case]}"
 
 
@@ -91,6 +106,7 @@ def test_wrong_positions_are_refused_on_every_rank(strategy: str) -> None:
         assert "shard_batch(tokens, layout=layout, rank=rank, documents=documents)" in r["global_with_documents"] \
             or strategy == "hybrid", r["global_with_documents"]
         assert "got no positions" in r["by_name_forgotten"], (rank, r["by_name_forgotten"])
+        assert "got no positions" in r["copy_forgotten"], (rank, r["copy_forgotten"])
         # under the hybrid mesh a rank outside the culprit's row and column hears of it second hand, unnamed
         want = "got no positions" if rank == WORLD - 1 else "of the CP group rejected their forward inputs"
         assert want in r["one_rank_forgets"], (rank, r["one_rank_forgets"])

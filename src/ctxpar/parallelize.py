@@ -103,8 +103,8 @@ def apply_context_parallel(
     on every rank together, positions that are not this rank's layout positions (one tiny
     all-gather per forward); False skips both.
     """
-    cp_attention = functools.partial(attention, layout=layout, group=group, strategy=strategy, mesh=mesh, causal=True,
-                                     check_consistency=check_consistency)
+    cp_attention = _SharedAttention(attention, layout=layout, group=group, strategy=strategy, mesh=mesh, causal=True,
+                                    check_consistency=check_consistency)
     swapped = 0
     for module in model.modules():
         if hasattr(module, "attention_fn"):
@@ -119,6 +119,16 @@ def apply_context_parallel(
     if check_consistency:
         _guard_positions(model, layout, group, mesh, cp_attention)
     return model
+
+
+class _SharedAttention(functools.partial):
+    """``ctxpar.attention`` with a model's CP settings, the ``attention_fn`` that
+    ``apply_context_parallel`` installs. A deep copy of the model (an EMA copy) shares it:
+    its process group cannot be copied (the copy raised), and the positions guard knows the
+    model's attention by identity (a copied one left the copy unguarded)."""
+
+    def __deepcopy__(self, memo: dict) -> _SharedAttention:
+        return self
 
 
 def _guard_positions(model: nn.Module, layout: str | Layout, group: dist.ProcessGroup | None, mesh,
