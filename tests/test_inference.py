@@ -271,6 +271,25 @@ def test_rewind_forgets_the_later_positions_and_the_next_chunk_continues_there()
             cache.rewind(bad)
 
 
+def test_a_cache_continues_only_with_the_model_that_filled_it() -> None:
+    """Another model's queries over this one's K/V gave logits of neither model, without a
+    word (the cache checked only its shape); after reset() the cache takes a new model."""
+    from ctxpar.inference import decode_step
+
+    model, other, prompt = cases.build(), cases.build(), cases.prompt_tokens()  # equal weights, another model
+    cache = KVCache.for_model(model.cfg, batch=cases.BATCH, capacity=cases.PROMPT_LEN + 2)
+    prefill(model, cache, prompt, layout="zigzag")
+    step = torch.zeros(cases.BATCH, dtype=torch.long)
+    for continue_with in (lambda: decode_step(other, cache, step),
+                          lambda: partial_prefill(other, cache, step[:, None])):
+        with pytest.raises(ValueError, match="holds 24 positions of K/V another model computed"):
+            continue_with()
+    decode_step(model, cache, step)
+    cache.reset()
+    prefill(other, cache, prompt, layout="zigzag")
+    decode_step(other, cache, step)
+
+
 def test_auto_chooses_by_bytes_without_hardware_and_by_predicted_time_with_it() -> None:
     cfg = cases.CONFIGS["gqa"]
     small, large = dict(cached=4096, new=8), dict(cached=64, new=4096)

@@ -27,6 +27,8 @@ heads: nothing is repeated for GQA.
 
 from __future__ import annotations
 
+import weakref
+
 import torch
 import torch.distributed as dist
 
@@ -77,6 +79,7 @@ class KVCache:
                                device=device)
         self._positions = torch.full((self.local_capacity,), -1, dtype=torch.int64)
         self.seq_len = self.prompt_len = self.length = 0
+        self.filled_by: weakref.ref | None = None  # the model whose K/V it holds (``hooks.check_model_fits``)
 
     @classmethod
     def for_model(cls, cfg, *, batch: int, capacity: int, group: dist.ProcessGroup | None = None,

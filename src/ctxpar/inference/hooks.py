@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import weakref
 from collections.abc import Callable, Iterator
 
 import torch.nn as nn
@@ -81,3 +82,9 @@ def check_model_fits(model: nn.Module, cache: KVCache) -> None:
     if (dtype, device) != (cache.dtype, cache.device):
         raise ValueError(f"the model is {dtype} on {device} but the KV cache {cache.dtype} on {cache.device}; "
                          f"build the cache with the model's dtype and device")
+    filled_by = cache.filled_by() if cache.filled_by is not None else None
+    if cache.seq_len and filled_by is not model:
+        # another model's K/V under this one's queries: plausible logits, of neither model
+        raise ValueError(f"the KV cache holds {cache.seq_len} positions of K/V another model computed; continue "
+                         f"with the model that prefilled it, or reset() the cache and prefill again")
+    cache.filled_by = weakref.ref(model)
