@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import os
 import re
 
@@ -143,6 +144,35 @@ def test_a_model_shape_that_is_not_whole_or_that_rope_cannot_rotate_is_refused()
     assert type(tiny.with_(heads=np.int64(4)).heads) is int  # numpy's integers are integers, stored as int
     with pytest.raises(ValueError, match="RoPE rotates pairs of dims, so head_dim must be even"):
         Transformer(tiny.with_(head_dim=3))
+
+
+def test_configs_hold_plain_python_values_and_refuse_the_wrong_type_by_flag(tmp_path) -> None:
+    """numpy values passed every check, then failed after the run: an int64 --seq in the
+    checkpoint manifest's JSON (the steps trained, the directory left unusable), an int64
+    seed in torch's seeding; a float seed or save_every went through, a Path failed .strip()."""
+    from ctxpar.demo import DemoConfig
+    from ctxpar.inference.command import GenerateConfig
+
+    cfg = TrainConfig(seq=np.int64(128), batch=np.int32(1), dp=np.int64(1), seed=np.int64(3), lr=np.float32(0.5),
+                      checkpoint_dir=tmp_path / "ckpt")
+    cfg.validate(2)
+    assert [type(v) for v in (cfg.seq, cfg.batch, cfg.dp, cfg.seed, cfg.lr, cfg.checkpoint_dir)] == [
+        int, int, int, int, float, str]
+    json.dumps(cfg.checkpoint_settings())
+    refused = {"--seed must be an integer, got 1.0": dict(seed=1.0),
+               "--save-every must be an integer, got True": dict(save_every=True),
+               "--lr must be a number, got '0.001'": dict(lr="0.001"),
+               "--resume must be True or False, got 1": dict(resume=1),
+               "--model must be a string, got 3": dict(model=3)}
+    for message, change in refused.items():
+        with pytest.raises(ValueError, match=re.escape(message)):
+            TrainConfig(**change).validate(2)
+    generating = GenerateConfig(new_tokens=np.int64(4), ulysses_degree=None)
+    generating.validate(4)
+    assert type(generating.new_tokens) is int
+    demo = DemoConfig(seq=np.int64(64))
+    demo.validate(2)
+    assert type(demo.seq) is int
 
 
 def test_model_with_explicit_positions_equals_default_positions() -> None:

@@ -42,6 +42,7 @@ class DemoConfig:
 
     def validate(self, world: int) -> None:
         """Reject a bad configuration before any communication (``world`` = ranks used)."""
+        limits.plain_values(self)
         for field in ("seq", "heads", "kv_heads", "head_dim", "batch"):
             limits.check_count(field, getattr(self, field))
         limits.check_seed(self.seed)

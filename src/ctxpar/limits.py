@@ -2,11 +2,41 @@
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import numbers
+import os
+import typing
 
 MAX_COUNT = 2**31 - 1  # shapes, lengths, batches, degrees: keeps every product well inside float range
 MAX_SEED = 2**32 - 1
+
+
+def plain_values(config) -> None:
+    """Make a command's frozen dataclass config hold plain Python values, refusing a value
+    not of its field's type by the field's flag: numpy's integers and floats become int
+    and float (they passed every check, then failed in JSON or torch's seeding after the
+    run), a path-like becomes a str; a float count, a number as a flag or text as a number
+    are refused."""
+    hints = typing.get_type_hints(type(config))
+    for field in dataclasses.fields(config):
+        value, hint = getattr(config, field.name), hints[field.name]
+        kinds = [kind for kind in typing.get_args(hint) if kind is not type(None)] or [hint]
+        if value is None and type(None) in typing.get_args(hint) or len(kinds) != 1:
+            continue
+        kind, flag = kinds[0], "--" + field.name.replace("_", "-")
+        if kind is int and not isinstance(value, bool) and isinstance(value, numbers.Integral):
+            value = int(value)
+        elif kind is float and not isinstance(value, bool) and isinstance(value, numbers.Real):
+            value = float(value)
+        elif kind is str and isinstance(value, (str, os.PathLike)):
+            value = os.fspath(value)
+        elif kind is not bool or not isinstance(value, bool):
+            raise ValueError(f"{flag} must be {_KIND_NAMES[kind]}, got {value!r}")
+        object.__setattr__(config, field.name, value)
+
+
+_KIND_NAMES = {int: "an integer", float: "a number", str: "a string", bool: "True or False"}
 
 
 def check_count(field: str, value: int) -> None:

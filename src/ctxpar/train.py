@@ -57,6 +57,7 @@ class TrainConfig:
         return world // self.dp
 
     def validate(self, world: int) -> None:
+        limits.plain_values(self)
         if self.dp < 1 or world % self.dp:
             raise ValueError(f"--dp {self.dp} must divide the {world} ranks (CP degree = ranks / dp)")
         if self.strategy not in TRAIN_STRATEGIES:

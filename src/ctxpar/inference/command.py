@@ -39,6 +39,7 @@ class GenerateConfig:
 
     def validate(self, world: int) -> None:
         """Every value, before any rank starts; errors name the flag."""
+        limits.plain_values(self)
         for field in ("prompt_len", "new_tokens", "batch"):
             limits.check_count(field, getattr(self, field))
         if self.strategy not in INFERENCE_STRATEGIES:
