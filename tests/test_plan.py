@@ -1431,6 +1431,19 @@ def test_calibration_gives_three_rates_and_the_launch_overhead(monkeypatch) -> N
                        ("memory_bandwidth", "fast"), ("tile_backward_seconds_per_byte", -1e-10)):
         with pytest.raises(ValueError, match=f"calibration '{key}' is .*, not a number >= 0"):
             local_hardware(dict(c, **{key: value}))
+    # a hand-edited figure beyond what the flags take: NaN and inf times, invalid JSON, or a traceback
+    for key, value in (("attention_flops", 1e-300), ("bandwidth", 1e-300), ("latency", 2.0), ("matmul_flops", 1e30),
+                       ("tile_forward_overhead", 1e307), ("memory_bandwidth", 1.0)):
+        with pytest.raises(ValueError, match=re.escape(f"calibration '{key}' is {value!r}, outside")):
+            local_hardware(dict(c, **{key: value}))
+    with pytest.raises(ValueError, match="calibration 'strategy_step_overheads' is"):
+        local_hardware(dict(c, strategy_step_overheads={"ring": 1e300}))
+    with pytest.raises(ValueError, match="calibration 'attention_causal_size_curve' is .*, not ascending"):
+        local_hardware(dict(c, attention_causal_size_curve=[[1024, 1e-300, 1e-300]]))
+    for attention in ([1, 2], {"forward_flops": "big", "forward_seconds": 1}, {"forward_flops": 1e9,
+                                                                              "forward_seconds": -1}):
+        with pytest.raises(ValueError, match="calibration 'attention' is"):
+            local_hardware(dict(c, attention=attention))
 
 
 def test_step_overheads_are_what_probe_calls_take_beyond_the_pipeline() -> None:

@@ -32,6 +32,8 @@ import math
 import os
 from dataclasses import asdict, dataclass, replace
 
+from ctxpar.plan.units import BANDWIDTH_RANGE, FLOPS_RANGE, LATENCY_RANGE
+
 
 def _is_number(value, *, positive: bool = False) -> bool:
     """A finite int or float (not a bool), > 0 if ``positive`` else >= 0."""
@@ -315,25 +317,36 @@ def local_hardware(calibration: dict) -> Hardware:
     calibrations: the combined rate, no overheads). Each core counts as a "GPU" and the
     loopback bandwidth joins them all, so intra- and inter-node links are the same.
     """
-    for key in ("attention_flops", "bandwidth"):
+    # within the ranges the flags take: a hand-edited figure beyond them gave NaN or inf times
+    for key, bounds in (("attention_flops", FLOPS_RANGE), ("bandwidth", BANDWIDTH_RANGE)):
         if key not in calibration:
             raise ValueError(f"calibration has no {key!r}; produce one with `ctxpar plan --hardware local --calibrate "
                              f"--json PATH` and pass --calibration PATH")
         value = calibration[key]
         if not _is_number(value, positive=True):
-            raise ValueError(f"calibration {key!r} is {value!r}, not a positive rate; measure again with "
-                             f"`ctxpar plan --hardware local --calibrate --json PATH`")
+            raise ValueError(f"calibration {key!r} is {value!r}, not a positive rate; {MEASURE_AGAIN}")
+        _check_calibrated(key, value, bounds)
     for key in ("memory_bandwidth", "latency", "launch_overhead", "step_overhead", *TILE_OVERHEADS):
         value = calibration.get(key, 0.0)
         if not _is_number(value):
-            raise ValueError(f"calibration {key!r} is {value!r}, not a number >= 0; measure again with "
-                             f"`ctxpar plan --hardware local --calibrate --json PATH`")
+            raise ValueError(f"calibration {key!r} is {value!r}, not a number >= 0; {MEASURE_AGAIN}")
+        if value:  # 0: not measured
+            _check_calibrated(key, value, BANDWIDTH_RANGE if key == "memory_bandwidth" else LATENCY_RANGE)
     ram = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
     bw = calibration["bandwidth"]
     attention = calibration.get("attention", {})
+    if not isinstance(attention, dict) or not all(_is_number(attention.get(key, 1), positive=True) for key in (
+            "forward_flops", "forward_seconds", "backward_seconds")):
+        raise ValueError(f"calibration 'attention' is {str(attention)[:80]}, not {{forward_flops, forward_seconds, "
+                         f"backward_seconds}} (positive numbers); {MEASURE_AGAIN}")
+    if calibration.get("matmul_flops") is not None:
+        _check_calibrated("matmul_flops", calibration["matmul_flops"], FLOPS_RANGE)
 
     def rate(flops: float, seconds: float | None) -> float | None:
-        return flops / seconds if seconds else None
+        if not seconds:
+            return None
+        _check_calibrated("attention", flops / seconds, FLOPS_RANGE)
+        return flops / seconds
 
     flops = attention.get("forward_flops", 0)
     return Hardware(LOCAL, calibration["attention_flops"], 1.0, ram, _node_size(LOCAL), bw, bw,
@@ -352,6 +365,16 @@ def local_hardware(calibration: dict) -> Hardware:
                     size_curve_by_keys=True, **{key: calibration.get(key, 0.0) for key in TILE_OVERHEADS})
 
 
+MEASURE_AGAIN = "measure again with `ctxpar plan --hardware local --calibrate --json PATH`"
+SIZE_FRACTIONS = (1e-3, 1e3)  # of the attention rate, by kernel size: measured 0.39-1.2
+
+
+def _check_calibrated(key: str, value: float, bounds: tuple[float, float, str]) -> None:
+    low, high, written = bounds
+    if not (_is_number(value) and low <= value <= high):
+        raise ValueError(f"calibration {key!r} is {value!r}, outside {written}; {MEASURE_AGAIN}")
+
+
 def _over(table: tuple[tuple[str, float], ...] | None, share: float) -> tuple[tuple[str, float], ...] | None:
     """Every strategy's figure in ``table`` over ``share``."""
     return None if table is None else tuple((name, seconds / share) for name, seconds in table)
@@ -363,7 +386,7 @@ def _strategy_overheads(calibration: dict, key: str) -> tuple[tuple[str, float],
     if table is None:
         return None
     ok = isinstance(table, dict) and all(name in ("ring", "allgather", "alltoall", "hybrid") and _is_number(v)
-                                         for name, v in table.items())
+                                         and v <= LATENCY_RANGE[1] for name, v in table.items())
     if not ok:
         unit = "seconds per byte" if key == "strategy_step_byte_overheads" else "seconds"
         raise ValueError(f"calibration {key!r} is {str(table)[:80]}, not {{strategy: {unit}}}; "
@@ -379,7 +402,8 @@ def _size_curve(rows, name: str = "attention_size_curve") -> tuple[tuple[int, fl
         curve = tuple((int(t), float(f), float(b)) for t, f, b in rows)
     except (TypeError, ValueError):
         curve = ()
-    if not curve or any(t < 1 or not (f > 0 and b > 0) for t, f, b in curve) or \
+    low, high = SIZE_FRACTIONS
+    if not curve or any(t < 1 or not (low <= f <= high and low <= b <= high) for t, f, b in curve) or \
             any(a[0] >= b[0] for a, b in zip(curve, curve[1:])):
         raise ValueError(f"calibration {name!r} is {str(rows)[:80]}, not ascending [tokens, forward, "
                          f"backward] rows; measure again with `ctxpar plan --hardware local --calibrate --json PATH`")
