@@ -12,6 +12,7 @@ import time
 import warnings
 from dataclasses import replace
 
+import numpy as np
 import pytest
 import torch
 
@@ -268,8 +269,7 @@ def test_mask_values_are_refused_naming_the_flag() -> None:
         masked(64, 2, window=8, causal=False)
     with pytest.raises(ValueError, match="--documents must be a non-empty tuple"):
         masked(64, 2, documents=(8, 0))
-    with pytest.raises(ValueError, match="--documents must be a non-empty tuple"):
-        masked(64, 2, documents=[8, 8])
+    assert masked(64, 2, documents=[8, 8]) == masked(64, 2, documents=(8, 8))  # a list, as the masks take
     with pytest.raises(ValueError, match=r"--documents '8,x' must be comma-separated document lengths"):
         parse_lengths("8,x")
     for text, message in (("zipf:1.1", "unknown distribution 'zipf'"), ("fixed:0", "fixed takes one length"),
@@ -757,7 +757,7 @@ def test_hardware_figures_no_machine_has_are_refused_naming_the_field() -> None:
     refused = {"intra_node_bandwidth 0.0 must be a finite number > 0": dict(intra_node_bandwidth=0.0),
                "peak_flops nan must be a finite number > 0": dict(peak_flops=float("nan")),
                "inter_node_bandwidth -1.0 must be": dict(inter_node_bandwidth=-1.0),
-               "attention_forward_rate 0 must be a finite number > 0": dict(attention_forward_rate=0),
+               "attention_forward_rate 0.0 must be a finite number > 0": dict(attention_forward_rate=0),
                "latency -1e-06 must be a finite number >= 0": dict(latency=-1e-6),
                "tile_backward_overhead inf must be": dict(tile_backward_overhead=float("inf")),
                "strategy_step_overheads -0.1 must be": dict(strategy_step_overheads=(("ring", -0.1),)),
@@ -768,6 +768,20 @@ def test_hardware_figures_no_machine_has_are_refused_naming_the_field() -> None:
         with pytest.raises(ValueError, match=re.escape(f"Hardware {message}")):
             replace(hw, **change)
     assert replace(hw, memory_bandwidth=0.0, matmul_rate=None).matmul_flops == hw.flops  # 0 and None: not given
+    assert type(replace(hw, efficiency=np.float32(0.5)).efficiency) is float  # was refused
+
+
+def test_numpy_numbers_plan_as_python_ones_and_the_report_is_json() -> None:
+    """An int64 length planned, then its JSON report could not be written; an int32 one
+    overflowed in the arithmetic; a flag that is not a bool was taken for True."""
+    from ctxpar.plan.report import to_json
+
+    llama = resolve_model("llama-3-8b")
+    w = Workload(llama, batch=np.int32(1), seq=np.int64(131072), dtype="bfloat16", cp=np.int32(8), fsdp=8)
+    assert w == Workload(llama, batch=1, seq=131072, dtype="bfloat16", cp=8, fsdp=8)
+    json.dumps(to_json(make_plan(w, get_hardware("h100-sxm"))))
+    with pytest.raises(ValueError, match="--sequence-parallel must be True or False, got 'no'"):
+        w.with_(sequence_parallel="no")
 
 
 def test_local_hardware_from_a_calibration_file(tmp_path) -> None:

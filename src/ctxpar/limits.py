@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
 import numbers
 import os
@@ -18,13 +19,10 @@ def plain_values(config) -> None:
     and float (they passed every check, then failed in JSON or torch's seeding after the
     run), a path-like becomes a str; a float count, a number as a flag or text as a number
     are refused."""
-    hints = typing.get_type_hints(type(config))
-    for field in dataclasses.fields(config):
-        value, hint = getattr(config, field.name), hints[field.name]
-        kinds = [kind for kind in typing.get_args(hint) if kind is not type(None)] or [hint]
-        if value is None and type(None) in typing.get_args(hint) or len(kinds) != 1:
+    for name, kind, optional in _plain_fields(type(config)):
+        value, flag = getattr(config, name), "--" + name.replace("_", "-")
+        if value is None and optional:
             continue
-        kind, flag = kinds[0], "--" + field.name.replace("_", "-")
         if kind is int and not isinstance(value, bool) and isinstance(value, numbers.Integral):
             value = int(value)
         elif kind is float and not isinstance(value, bool) and isinstance(value, numbers.Real):
@@ -33,7 +31,20 @@ def plain_values(config) -> None:
             value = os.fspath(value)
         elif kind is not bool or not isinstance(value, bool):
             raise ValueError(f"{flag} must be {_KIND_NAMES[kind]}, got {value!r}")
-        object.__setattr__(config, field.name, value)
+        object.__setattr__(config, name, value)
+
+
+@functools.cache
+def _plain_fields(cls) -> tuple[tuple[str, type, bool], ...]:
+    """(name, type, None allowed) of each field of dataclass ``cls`` typed int, float, str or
+    bool, optionally None (annotations are evaluated once per class: configs are made often)."""
+    hints = typing.get_type_hints(cls)
+    found = []
+    for field in dataclasses.fields(cls):
+        kinds = [kind for kind in typing.get_args(hints[field.name]) if kind is not type(None)] or [hints[field.name]]
+        if len(kinds) == 1 and kinds[0] in _KIND_NAMES:
+            found.append((field.name, kinds[0], type(None) in typing.get_args(hints[field.name])))
+    return tuple(found)
 
 
 _KIND_NAMES = {int: "an integer", float: "a number", str: "a string", bool: "True or False"}

@@ -32,6 +32,7 @@ import math
 import os
 from dataclasses import asdict, dataclass, replace
 
+from ctxpar.limits import plain_values
 from ctxpar.plan.units import BANDWIDTH_RANGE, FLOPS_RANGE, LATENCY_RANGE
 
 
@@ -136,6 +137,7 @@ class Hardware:
     def __post_init__(self) -> None:
         """Refuse figures no machine has, naming the field: the cost model would divide by a zero
         rate, or choose by a NaN or a negative one without a word (``auto.set_hardware``)."""
+        plain_values(self)  # numpy's numbers become floats and ints, or the JSON report cannot be written
         for key in ("peak_flops", "hbm_bytes", "intra_node_bandwidth", "inter_node_bandwidth"):
             _check_figure(key, getattr(self, key), positive=True)
         for key in ("memory_bandwidth", "latency", "fp8_peak_flops", "fp32_peak_flops", "launch_overhead",

@@ -21,7 +21,7 @@ from dataclasses import asdict, dataclass, replace
 from functools import cached_property, lru_cache
 
 from ctxpar.layout import LAYOUT_NAMES, Layout, get_layout
-from ctxpar.limits import MAX_COUNT, check_count, check_splits
+from ctxpar.limits import MAX_COUNT, check_count, check_splits, plain_values
 from ctxpar.masks import Mask, make_mask
 from ctxpar.models.config import ModelConfig, get_config
 from ctxpar.plan.documents import describe, pack
@@ -118,6 +118,7 @@ class Workload:
     documents_from: str | None = None
 
     def __post_init__(self) -> None:
+        plain_values(self)  # numpy's integers are ints here, or the JSON report cannot be written
         for flag in ("batch", "seq", "cp", "tp", "fsdp", "pp", "microbatches", "virtual_stages"):
             check_count(flag, getattr(self, flag))
         if self.dp is not None:
@@ -134,6 +135,8 @@ class Workload:
             check_count("window", self.window)
             if not self.causal:
                 raise ValueError(f"--window {self.window} is a causal sliding window; drop --no-causal or --window")
+        if isinstance(self.documents, list):
+            object.__setattr__(self, "documents", tuple(self.documents))
         if self.documents is not None:
             _check_documents(self.documents if isinstance(self.documents, tuple) else None)
         check_splits(self.layout_obj, self.seq)
