@@ -771,6 +771,17 @@ def test_hardware_figures_no_machine_has_are_refused_naming_the_field() -> None:
     assert type(replace(hw, efficiency=np.float32(0.5)).efficiency) is float  # was refused
 
 
+def test_a_cp1_recommendation_reads_the_tables_cp1_step() -> None:
+    """It planned CP-1 on the CP group's GPUs without their data-parallel gradient
+    reduction, which the table's CP-1 pays: 7.551 s against the table's 7.661 s."""
+    from ctxpar.plan.report import to_json
+
+    w = Workload(resolve_model("llama-3-8b"), batch=1, seq=4096, dtype="bfloat16", cp=8, tp=8)
+    report = to_json(make_plan(w, get_hardware("h100-sxm", bandwidth=1e9)))
+    assert report["recommendation"]["cp"] == 1
+    assert report["recommendation"]["step_seconds"] == report["cp1_step"]["seconds"]
+
+
 def test_numpy_numbers_plan_as_python_ones_and_the_report_is_json() -> None:
     """An int64 length planned, then its JSON report could not be written; an int32 one
     overflowed in the arithmetic; a flag that is not a bool was taken for True."""

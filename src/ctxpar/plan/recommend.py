@@ -187,7 +187,10 @@ def recommend(w: Workload, hw: Hardware, degrees: Iterable[int]) -> Recommendati
     gib = format_bytes
     reasons = []
     for cp in degrees:
-        options = [v for s in (STRATEGY_NAMES if cp > 1 else ("ring",)) if (v := variant(w, hw, strategy=s, cp=cp))]
+        if cp == 1:  # the CP-1 of the table and the efficiencies: the same GPUs, CP's as data parallelism
+            options = [w.unsplit()]
+        else:
+            options = [v for s in STRATEGY_NAMES if (v := variant(w, hw, strategy=s, cp=cp))]
         options = [v.with_(layout=best_layout(v)[0]) for v in options]
         fitting = [v for v in options if memory_per_gpu(v, hw.hbm_bytes).fits]
         if not fitting:
