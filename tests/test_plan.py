@@ -769,6 +769,9 @@ def test_hardware_figures_no_machine_has_are_refused_naming_the_field() -> None:
             replace(hw, **change)
     assert replace(hw, memory_bandwidth=0.0, matmul_rate=None).matmul_flops == hw.flops  # 0 and None: not given
     assert type(replace(hw, efficiency=np.float32(0.5)).efficiency) is float  # was refused
+    assert replace(hw, hbm_bytes=80e9).hbm_bytes == 80 * 10**9  # a count written as a whole float
+    with pytest.raises(ValueError, match="Hardware hbm_bytes must be an integer, got 80.5"):
+        replace(hw, hbm_bytes=80.5)
 
 
 def test_a_cp1_recommendation_reads_the_tables_cp1_step() -> None:
@@ -1463,7 +1466,7 @@ def test_calibration_gives_three_rates_and_the_launch_overhead(monkeypatch) -> N
             local_hardware(dict(c, **{key: value}))
     with pytest.raises(ValueError, match="calibration 'strategy_step_overheads' is"):
         local_hardware(dict(c, strategy_step_overheads={"ring": 1e300}))
-    with pytest.raises(ValueError, match="calibration 'attention_causal_size_curve' is .*, not ascending"):
+    with pytest.raises(ValueError, match="calibration 'attention_causal_size_curve' is .*: its rate fractions must"):
         local_hardware(dict(c, attention_causal_size_curve=[[1024, 1e-300, 1e-300]]))
     for attention in ([1, 2], {"forward_flops": "big", "forward_seconds": 1}, {"forward_flops": 1e9,
                                                                               "forward_seconds": -1}):

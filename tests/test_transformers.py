@@ -232,8 +232,14 @@ def test_a_deep_copy_runs_its_own_weights_on_the_same_group() -> None:
 
 
 def test_a_deep_copy_is_enabled_alike_and_trains_its_own_weights() -> None:
-    model, inputs, labels = _one_rank(hf_families.build("llama"))
+    """The copy leaves the original as it was, and keeps what others set on its modules."""
+    mlp = (built := hf_families.build("llama")).model.layers[0].mlp
+    mlp.forward = mlp.forward  # an instance attribute of someone else's, as accelerate's hooks set
+    model, inputs, labels = _one_rank(built)
     copied = copy.deepcopy(model)
+    assert "forward" in copied.model.layers[0].mlp.__dict__
+    with pytest.raises(ValueError, match="logits_to_keep=1"):  # the original is still enabled
+        model(**inputs, logits_to_keep=1)
     copied(**inputs, labels=labels).loss.backward()
     assert all(p.grad is None for p in model.parameters()) and all(p.grad is not None for p in copied.parameters())
     torch.testing.assert_close(copied(**inputs).logits, model(**inputs).logits)

@@ -358,7 +358,7 @@ def _run_plan(args: argparse.Namespace) -> int:
     _check_output("--plot", args.plot, "plan.png")
     if args.plot is not None:
         planning.check_plot_support(args.plot)
-        if args.json and os.path.abspath(args.json) == os.path.abspath(args.plot):
+        if args.json and os.path.realpath(args.json) == os.path.realpath(args.plot):
             raise ValueError(f"--json and --plot both name {args.plot!r}: the plot would overwrite the JSON; give "
                              f"them different paths")
     model = planning.resolve_model(args.model, layers=args.layers, hidden=args.hidden, heads=args.heads,

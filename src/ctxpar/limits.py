@@ -13,24 +13,31 @@ MAX_COUNT = 2**31 - 1  # shapes, lengths, batches, degrees: keeps every product 
 MAX_SEED = 2**32 - 1
 
 
-def plain_values(config) -> None:
-    """Make a command's frozen dataclass config hold plain Python values, refusing a value
-    not of its field's type by the field's flag: numpy's integers and floats become int
-    and float (they passed every check, then failed in JSON or torch's seeding after the
-    run), a path-like becomes a str; a float count, a number as a flag or text as a number
-    are refused."""
+def plain_values(config, owner: str | None = None) -> None:
+    """Make a frozen dataclass config hold plain Python values, refusing a value not of its
+    field's type: numpy's integers and floats become int and float (they passed every
+    check, then failed in JSON or torch's seeding after the run), a path-like becomes a
+    str; a float count, a number as a flag or text as a number are refused.
+
+    ``owner`` None: a command's config, whose refusals name the field's flag. Else an API
+    object's name (``"Hardware"``), which the refusals name with the field, and whose counts
+    may be written as whole floats (``hbm_bytes=80e9``).
+    """
     for name, kind, optional in _plain_fields(type(config)):
-        value, flag = getattr(config, name), "--" + name.replace("_", "-")
-        if value is None and optional:
+        value = getattr(config, name)
+        if type(value) is kind or value is None and optional:  # the common case, first: configs are made often
             continue
         if kind is int and not isinstance(value, bool) and isinstance(value, numbers.Integral):
             value = int(value)
+        elif kind is int and owner and isinstance(value, float) and value.is_integer():
+            value = int(value)
         elif kind is float and not isinstance(value, bool) and isinstance(value, numbers.Real):
-            value = float(value)
-        elif kind is str and isinstance(value, (str, os.PathLike)):
+            value = as_real(value)
+        elif kind is str and isinstance(value, os.PathLike):
             value = os.fspath(value)
-        elif kind is not bool or not isinstance(value, bool):
-            raise ValueError(f"{flag} must be {_KIND_NAMES[kind]}, got {value!r}")
+        else:
+            named = f"{owner} {name}" if owner else "--" + name.replace("_", "-")
+            raise ValueError(f"{named} must be {_KIND_NAMES[kind]}, got {value!r}")
         object.__setattr__(config, name, value)
 
 

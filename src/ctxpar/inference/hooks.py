@@ -59,7 +59,9 @@ def check_model_fits(model: nn.Module, cache: KVCache) -> None:
     """Refuse a model whose shape is not the cache's, or that inference cannot drive
     (it needs the reference model's ``cfg``, ``hidden_states`` and ``output``, and plain
     causal attention in every layer: prefill and decode put exact causal attention over
-    the sharded cache in its place, which would drop what a custom ``attention_fn`` does)."""
+    the sharded cache in its place, which would drop what a custom ``attention_fn`` does),
+    or that is not the model whose K/V the cache holds. Records ``model`` as that model:
+    every call that writes the cache checks first."""
     cfg = getattr(model, "cfg", None)
     if cfg is None or not hasattr(model, "hidden_states") or not hasattr(model, "output"):
         raise ValueError(f"{type(model).__name__} is not a ctxpar.models.Transformer: CP inference needs its cfg, "

@@ -137,7 +137,7 @@ class Hardware:
     def __post_init__(self) -> None:
         """Refuse figures no machine has, naming the field: the cost model would divide by a zero
         rate, or choose by a NaN or a negative one without a word (``auto.set_hardware``)."""
-        plain_values(self)  # numpy's numbers become floats and ints, or the JSON report cannot be written
+        plain_values(self, "Hardware")  # numpy's numbers become floats and ints, or the JSON report fails
         for key in ("peak_flops", "hbm_bytes", "intra_node_bandwidth", "inter_node_bandwidth"):
             _check_figure(key, getattr(self, key), positive=True)
         for key in ("memory_bandwidth", "latency", "fp8_peak_flops", "fp32_peak_flops", "launch_overhead",
@@ -391,24 +391,27 @@ def _strategy_overheads(calibration: dict, key: str) -> tuple[tuple[str, float],
                                          and v <= LATENCY_RANGE[1] for name, v in table.items())
     if not ok:
         unit = "seconds per byte" if key == "strategy_step_byte_overheads" else "seconds"
-        raise ValueError(f"calibration {key!r} is {str(table)[:80]}, not {{strategy: {unit}}}; "
-                         f"measure again with `ctxpar plan --hardware local --calibrate --json PATH`")
+        raise ValueError(f"calibration {key!r} is {str(table)[:80]}, not {{strategy: {unit}}} within "
+                         f"{LATENCY_RANGE[2]}; {MEASURE_AGAIN}")
     return tuple(sorted((name, float(v)) for name, v in table.items()))
 
 
 def _size_curve(rows, name: str = "attention_size_curve") -> tuple[tuple[int, float, float], ...] | None:
-    """A calibration's [[tokens, forward, backward], ...], checked: ascending sizes, positive fractions."""
+    """A calibration's [[tokens, forward, backward], ...], checked: ascending sizes, fractions
+    of the rate within ``SIZE_FRACTIONS``."""
     if rows is None:
         return None
     try:
         curve = tuple((int(t), float(f), float(b)) for t, f, b in rows)
     except (TypeError, ValueError):
         curve = ()
-    low, high = SIZE_FRACTIONS
-    if not curve or any(t < 1 or not (low <= f <= high and low <= b <= high) for t, f, b in curve) or \
-            any(a[0] >= b[0] for a, b in zip(curve, curve[1:])):
+    if not curve or any(t < 1 for t, _, _ in curve) or any(a[0] >= b[0] for a, b in zip(curve, curve[1:])):
         raise ValueError(f"calibration {name!r} is {str(rows)[:80]}, not ascending [tokens, forward, "
-                         f"backward] rows; measure again with `ctxpar plan --hardware local --calibrate --json PATH`")
+                         f"backward] rows; {MEASURE_AGAIN}")
+    low, high = SIZE_FRACTIONS
+    if not all(low <= f <= high and low <= b <= high for _, f, b in curve):
+        raise ValueError(f"calibration {name!r} is {str(rows)[:80]}: its rate fractions must be within {low:g} .. "
+                         f"{high:g}; {MEASURE_AGAIN}")
     return curve
 
 

@@ -63,6 +63,7 @@ from ctxpar.integrations.transformers.attention import (
     attention_forward,
     check_implementation,
     check_rope_lengths,
+    installed,
     mask_forward,
 )
 from ctxpar.integrations.transformers.fidelity import (Unsupported, check_model, dynamic_rope_limits, find_unsupported,
@@ -281,6 +282,7 @@ def _wrap_forward(model, settings: Settings, loss: CPCausalLMLoss | None = None)
                              f"use ctxpar.parallelize.cp_loss(out.logits, labels)")
         return out
 
+    @installed
     @functools.wraps(forward)
     def cp_forward(*args, documents=None, **kwargs):
         if CHECKED.get() and documents is None:  # a sub-model inside a forward checked as a whole
@@ -347,9 +349,14 @@ def enable_context_parallel(
     return model
 
 
-# What enable_context_parallel sets on the modules of a model, as instance attributes
-_ENABLED = ("forward", "_ctxpar_inner_forward", "generate", "_prepare_cache_for_generation", "_loss_function",
-            "ctxpar_settings", "__deepcopy__")
+# The instance attributes enable_context_parallel may set on a model's modules, besides the
+# inner forward: a deep copy's own copy of it is bound to the copy
+_INSTALLED_ATTRIBUTES = ("forward", "generate", "_prepare_cache_for_generation", "_loss_function", "ctxpar_settings",
+                         "__deepcopy__")
+
+
+def _installed_by_ctxpar(value) -> bool:
+    return getattr(value, "ctxpar_installed", False) or isinstance(value, (Settings, CPCausalLMLoss))
 
 
 def _copy_enabled_alike(model, settings: Settings) -> None:
@@ -358,8 +365,10 @@ def _copy_enabled_alike(model, settings: Settings) -> None:
     original model, so a plain deep copy ran the original's weights and sent the gradients
     there; they are left out of the copy and made anew for it, and the copy shares the
     process group (which cannot be copied)."""
+    @installed
     def deepcopy(memo: dict):
-        held = [(module, {key: module.__dict__.pop(key) for key in _ENABLED if key in module.__dict__})
+        held = [(module, {key: module.__dict__.pop(key) for key in _INSTALLED_ATTRIBUTES
+                          if _installed_by_ctxpar(module.__dict__.get(key))})
                 for module in model.modules()]
         try:
             copied = copy.deepcopy(model, memo)

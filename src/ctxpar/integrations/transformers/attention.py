@@ -101,6 +101,13 @@ class Settings:
         return self.layout.positions(local_len * self.layout.world_size, rank)
 
 
+def installed(fn):
+    """Mark ``fn`` as one of the attributes ``enable_context_parallel`` sets on a model, which a
+    deep copy leaves out (and makes anew for the copy) while keeping everyone else's."""
+    fn.ctxpar_installed = True
+    return fn
+
+
 # The document lengths of the packed row during one forward (None: one document), set by
 # enable_context_parallel's wrapper around model.forward and read by mask_forward.
 DOCUMENTS: contextvars.ContextVar[tuple[int, ...] | None] = contextvars.ContextVar("ctxpar_documents",

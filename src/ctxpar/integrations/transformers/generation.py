@@ -55,7 +55,8 @@ import torch.distributed as dist
 from ctxpar import agreement, auto, comm, topology
 from ctxpar.inference.cache import KVCache
 from ctxpar.inference.prefill import last_position_owner
-from ctxpar.integrations.transformers.attention import CACHED, Settings, check_implementation, check_rope_lengths
+from ctxpar.integrations.transformers.attention import (CACHED, Settings, check_implementation, check_rope_lengths,
+                                                        installed)
 
 try:
     from transformers.cache_utils import Cache
@@ -433,6 +434,7 @@ def wrap_generate(model, settings: Settings) -> None:
     name = type(model).__name__
     hooks = ("_prepare_generation_config", "_prepare_cache_for_generation")
     if generate is not GenerationMixin.generate or not all(hasattr(GenerationMixin, h) for h in hooks):
+        @installed
         def refuse(*args, **kwargs):
             raise NotImplementedError(f"{name}.generate() is not transformers' GenerationMixin.generate of version "
                                       f"5 (with {' and '.join(hooks)}), which ctxpar drives under context "
@@ -440,6 +442,7 @@ def wrap_generate(model, settings: Settings) -> None:
         model.generate = refuse
         return
 
+    @installed
     @functools.wraps(generate)
     def cp_generate(*args, **kwargs):
         error, prompt, config = None, None, None
@@ -455,6 +458,7 @@ def wrap_generate(model, settings: Settings) -> None:
             raise error
         return generate(model, *args, **kwargs)
 
+    @installed
     def prepare_cache(generation_config, model_kwargs: dict, generation_mode, batch_size: int,
                       max_cache_length: int) -> None:
         copies = max(generation_config.num_beams or 1, generation_config.num_return_sequences or 1)
