@@ -135,8 +135,8 @@ class Workload:
             check_count("window", self.window)
             if not self.causal:
                 raise ValueError(f"--window {self.window} is a causal sliding window; drop --no-causal or --window")
-        if isinstance(self.documents, list):
-            object.__setattr__(self, "documents", tuple(self.documents))
+        if isinstance(self.documents, (list, tuple)) and type(self.documents) is not Lengths:
+            object.__setattr__(self, "documents", Lengths(self.documents))
         if self.documents is not None:
             _check_documents(self.documents if isinstance(self.documents, tuple) else None)
         check_splits(self.layout_obj, self.seq)
@@ -321,6 +321,17 @@ def row_mask(seq: int, causal: bool, window: int | None, documents: tuple[int, .
     """The ``Mask`` of a row of ``seq`` tokens: ``documents`` packed to ``seq`` (``pack``); a
     window of w >= seq, or one document, is plain attention (``masks.make_mask``)."""
     return make_mask(seq, causal=causal, documents=None if documents is None else pack(documents, seq), window=window)
+
+
+class Lengths(tuple):
+    """A packed row's document lengths, hashed once: they can be a million long, and through
+    ``Workload`` they key the planner's caches hundreds of times in one plan (hashing them
+    anew took half of such a plan's time)."""
+
+    def __hash__(self) -> int:
+        if "hash" not in self.__dict__:
+            self.__dict__["hash"] = super().__hash__()
+        return self.__dict__["hash"]
 
 
 @lru_cache(maxsize=16)
