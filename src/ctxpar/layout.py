@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import array
 import functools
-import numbers
 import warnings
 import zlib
 from abc import ABC, abstractmethod
@@ -25,6 +24,7 @@ from dataclasses import dataclass
 
 import torch
 
+from ctxpar.limits import whole
 from ctxpar.masks import Mask, make_mask
 
 LAYOUT_NAMES = ("contiguous", "zigzag", "striped")
@@ -44,7 +44,7 @@ class Layout(ABC):
     multiple_formula = "P"  # how ``multiple`` is written in error messages
 
     def __post_init__(self) -> None:
-        world_size = _whole(self.world_size)
+        world_size = whole(self.world_size)
         if world_size is None or world_size < 1:
             raise ValueError(f"world_size must be a positive int, got {self.world_size!r}")
         object.__setattr__(self, "world_size", world_size)
@@ -121,23 +121,16 @@ class Layout(ABC):
 
     def _check_rank(self, rank: int) -> int:
         """``rank`` as an int, if it is one of this layout's ranks."""
-        whole = _whole(rank)
-        if whole is None:
+        index = whole(rank)
+        if index is None:
             raise ValueError(f"rank must be an int, got {rank!r}")
-        if not 0 <= whole < self.world_size:
+        if not 0 <= index < self.world_size:
             raise ValueError(f"rank {rank} is outside the {self.name} layout's {self.world_size} ranks")
-        return whole
-
-
-def _whole(value) -> int | None:
-    """A Python or numpy integer as an int; None for anything else (a bool, a float, a string)."""
-    if isinstance(value, bool) or not isinstance(value, numbers.Integral):
-        return None
-    return int(value)
+        return index
 
 
 def _check_length(seq_len) -> None:
-    if _whole(seq_len) is None:  # a float length would give float positions, inexact beyond 2**24
+    if whole(seq_len) is None:  # a float length would give float positions, inexact beyond 2**24
         raise ValueError(f"the sequence length must be an int, got {seq_len!r}")
 
 
@@ -151,10 +144,10 @@ def _sequence_dim(x: torch.Tensor, dim: int | None, what: str) -> int:
             f"{what} needs dim=, the sequence dim of the {tuple(x.shape)} tensor: dim=2 for attention inputs "
             f"(B, H, T, D), dim=1 for tokens (B, T) or hidden states (B, T, C)"
         )
-    whole = _whole(dim)
-    if whole is None or not -x.dim() <= whole < x.dim():
+    index = whole(dim)
+    if index is None or not -x.dim() <= index < x.dim():
         raise ValueError(f"dim={dim!r} is not a dim of the {x.dim()}-D tensor {tuple(x.shape)}")
-    return whole % x.dim()
+    return index % x.dim()
 
 
 @dataclass(frozen=True)
@@ -258,7 +251,7 @@ class BalancedLayout(Layout):
 
     def __post_init__(self) -> None:
         super().__post_init__()
-        seq_len, chunks = _whole(self.seq_len), _whole(self.chunks)
+        seq_len, chunks = whole(self.seq_len), whole(self.chunks)
         if seq_len is None or seq_len < self.world_size:
             raise ValueError(f"a balanced layout needs the sequence length it balances (>= P={self.world_size}), "
                              f"got seq_len={self.seq_len!r}")

@@ -13,6 +13,13 @@ MAX_COUNT = 2**31 - 1  # shapes, lengths, batches, degrees: keeps every product 
 MAX_SEED = 2**32 - 1
 
 
+def whole(value) -> int | None:
+    """A Python or numpy integer as an int; None for anything else (a bool, a float, a string)."""
+    if isinstance(value, bool) or not isinstance(value, numbers.Integral):
+        return None
+    return int(value)
+
+
 def plain_values(config, owner: str | None = None) -> None:
     """Make a frozen dataclass config hold plain Python values, refusing a value not of its
     field's type: numpy's integers and floats become int and float (they passed every
@@ -27,8 +34,8 @@ def plain_values(config, owner: str | None = None) -> None:
         value = getattr(config, name)
         if type(value) is kind or value is None and optional:  # the common case, first: configs are made often
             continue
-        if kind is int and not isinstance(value, bool) and isinstance(value, numbers.Integral):
-            value = int(value)
+        if kind is int and whole(value) is not None:
+            value = whole(value)
         elif kind is int and owner and isinstance(value, float) and value.is_integer():
             value = int(value)
         elif kind is float and not isinstance(value, bool) and isinstance(value, numbers.Real):
@@ -61,7 +68,7 @@ def check_count(field: str, value: int) -> None:
     """Refuse ``value`` unless an integer in 1..MAX_COUNT, naming the flag of ``field``
     (``head_dim``: --head-dim). A bool or a float is refused: ``True`` or ``2.0`` degrees
     would otherwise flow through the arithmetic as numbers."""
-    if isinstance(value, bool) or not isinstance(value, numbers.Integral):
+    if whole(value) is None:
         raise ValueError(f"--{field.replace('_', '-')} must be an integer, got {value!r}")
     if not 1 <= value <= MAX_COUNT:
         raise ValueError(f"--{field.replace('_', '-')} must be between 1 and {MAX_COUNT}, got {value}")

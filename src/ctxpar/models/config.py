@@ -6,6 +6,8 @@ import math
 import numbers
 from dataclasses import asdict, dataclass, replace
 
+from ctxpar.limits import whole
+
 
 @dataclass(frozen=True)
 class ModelConfig:
@@ -35,10 +37,10 @@ class ModelConfig:
 
     def __post_init__(self) -> None:
         for name in ("layers", "hidden", "heads", "kv_heads", "head_dim", "ffn", "vocab"):
-            value = getattr(self, name)
-            if isinstance(value, bool) or not isinstance(value, numbers.Integral) or value < 1:
-                raise ValueError(f"{name} must be an integer >= 1, got {value!r}")
-            object.__setattr__(self, name, int(value))  # a numpy integer becomes an int, for JSON
+            value = whole(getattr(self, name))
+            if value is None or value < 1:
+                raise ValueError(f"{name} must be an integer >= 1, got {getattr(self, name)!r}")
+            object.__setattr__(self, name, value)  # a numpy integer becomes an int, for JSON
         for name in ("rope_theta", "norm_eps"):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, numbers.Real) or not 0 < value < math.inf:

@@ -181,17 +181,21 @@ def best_layout(w: Workload) -> tuple[str, dict[str, float]]:
     return (w.layout if factors.get(w.layout) == best else min(factors, key=factors.get)), factors
 
 
+def _options(w: Workload, hw: Hardware, cp: int) -> list[Workload]:
+    """``w`` at degree ``cp`` with every strategy that runs there; at 1, the CP-1 of the table
+    and the efficiencies (``Workload.unsplit``: the same GPUs, the CP group's as data parallelism)."""
+    if cp == 1:
+        return [w.unsplit()]
+    return [v for s in STRATEGY_NAMES if (v := variant(w, hw, strategy=s, cp=cp))]
+
+
 def recommend(w: Workload, hw: Hardware, degrees: Iterable[int]) -> Recommendation:
     """Smallest fitting degree, fastest strategy there, best-balanced layout; with reasons."""
     degrees = sorted(set(degrees) | {1})
     gib = format_bytes
     reasons = []
     for cp in degrees:
-        if cp == 1:  # the CP-1 of the table and the efficiencies: the same GPUs, CP's as data parallelism
-            options = [w.unsplit()]
-        else:
-            options = [v for s in STRATEGY_NAMES if (v := variant(w, hw, strategy=s, cp=cp))]
-        options = [v.with_(layout=best_layout(v)[0]) for v in options]
+        options = [v.with_(layout=best_layout(v)[0]) for v in _options(w, hw, cp)]
         fitting = [v for v in options if memory_per_gpu(v, hw.hbm_bytes).fits]
         if not fitting:
             if options:
@@ -222,8 +226,7 @@ def recommend(w: Workload, hw: Hardware, degrees: Iterable[int]) -> Recommendati
 def _smallest_fitting(w: Workload, hw: Hardware, degrees: list[int]) -> tuple[int, int] | None:
     """(degree, bytes per GPU) of the smallest degree at which some strategy fits."""
     for cp in degrees:
-        totals = [memory_per_gpu(v, hw.hbm_bytes).total
-                  for s in (STRATEGY_NAMES if cp > 1 else ("ring",)) if (v := variant(w, hw, strategy=s, cp=cp))]
+        totals = [memory_per_gpu(v, hw.hbm_bytes).total for v in _options(w, hw, cp)]
         if totals and min(totals) <= hw.hbm_bytes:
             return cp, min(totals)
     return None
