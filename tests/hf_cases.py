@@ -359,6 +359,13 @@ def _guards(rank: int, world: int) -> dict:
     out["labels on one rank"] = _attempt(lambda: model(**inputs, **(dict(labels=labels) if me == 0 else {})).loss)
     out["num_items_in_batch on one rank"] = _attempt(
         lambda: model(**inputs, labels=labels, **(dict(num_items_in_batch=7) if me == 1 else {})).loss.item())
+    # each rank a batch of its own (a DistributedSampler over every rank): attention would mix them
+    own = torch.randint(3, hf_families.VOCAB, (1, SWEEP_TOKENS), generator=torch.Generator().manual_seed(50 + me))
+    mine, mine_labels = shard_inputs(own, layout=layout, rank=me)
+    moved = {key: value.clone() if isinstance(value, torch.Tensor) else value for key, value in mine.items()}
+    out["another batch"] = _attempt(lambda: model(**moved, labels=mine_labels).loss)
+    with torch.no_grad():
+        out["another batch, decoder"] = _attempt(lambda: tuple(model.model(**mine).last_hidden_state.shape))
     copied = copy.deepcopy(model)  # group= given: the copy shares it (a ProcessGroup cannot be copied)
     with torch.no_grad():
         for parameter in copied.parameters():

@@ -16,7 +16,7 @@ import spawned
 from ctxpar.layout import get_layout
 from ctxpar.models import Transformer
 from ctxpar.models.config import get_config
-from ctxpar.parallelize import apply_context_parallel, shard_batch
+from ctxpar.parallelize import apply_context_parallel, batch_code, shard_batch
 
 WORLD, SEQ = 4, 32
 DOCUMENTS = (5, 19, 8)
@@ -64,6 +64,7 @@ def _cases(rank: int, world: int) -> dict:
                 after=_attempt(lambda: (model(batch.tokens, batch.positions)
                                         - layout.shard(full, cp_rank, dim=1)).abs().max().item()),
             )
+            found[name].update(_batches_compared(model, tokens, layout, cp_rank, last, full))
             copied = copy.deepcopy(model)  # an EMA copy: once unguarded, its attention a copy the guard missed
             found[name]["copy_exact"] = _attempt(lambda: (copied(batch.tokens, batch.positions)
                                                           - layout.shard(full, cp_rank, dim=1)).abs().max().item())
@@ -81,6 +82,28 @@ def _cases(rank: int, world: int) -> dict:
             apply_context_parallel(model, layout=layout, check_consistency=False, **kwargs)
             found[name]["unchecked"] = _attempt(lambda: tuple(model(batch.tokens).shape))
     return found
+
+
+def _batches_compared(model, tokens, layout, cp_rank: int, last: bool, full) -> dict:
+    """Forwards of shards cut from different batches (refused), and of shards that cannot
+    say which batch they came from (run)."""
+    own = torch.Generator().manual_seed(100 + cp_rank)  # a DistributedSampler over every rank
+    mine = shard_batch(torch.randint(0, 256, tokens.shape, generator=own), layout=layout, rank=cp_rank)
+    fresh = 255 - tokens  # not sharded before: sharded with other labels, its shard would name neither
+    relabelled = shard_batch(fresh, layout=layout, rank=cp_rank, labels=torch.zeros_like(fresh) if last else None)
+    # two batches that differ only where CP rank 0 holds no tokens: its shard names neither (as
+    # a shard of padding would), the others' name their own
+    held = layout.positions(tokens.shape[1], 0).tolist()
+    first, second = tokens.clone(), tokens.clone()
+    second[:, [p for p in range(tokens.shape[1]) if p not in held]] += 1
+    first_shard, second_shard = (shard_batch(t, layout=layout, rank=cp_rank) for t in (first, second))
+    want = layout.shard(full, cp_rank, dim=1)
+    return dict(
+        another_batch=_attempt(lambda: model(mine.tokens.clone(), mine.positions)),
+        another_labelling=_attempt(lambda: model(relabelled.tokens, relabelled.positions)),
+        unnamed_first=_attempt(lambda: (model(first_shard.tokens, first_shard.positions) - want).abs().max().item()),
+        unnamed_second=_attempt(lambda: tuple(model(second_shard.tokens, second_shard.positions).shape)),
+    )
 
 
 def results() -> list[dict]:
@@ -112,6 +135,19 @@ def test_wrong_positions_are_refused_on_every_rank(strategy: str) -> None:
         assert want in r["one_rank_forgets"], (rank, r["one_rank_forgets"])
 
 
+@pytest.mark.parametrize("strategy", ["ring", "hybrid"])
+def test_shards_of_different_batches_are_refused_on_every_rank(strategy: str) -> None:
+    """Each rank sharding a batch of its own (a DistributedSampler over every rank) once ran
+    silently wrong; shards that name no batch alone (cut alike from two) still run."""
+    for rank, res in enumerate(results()):
+        r = res[strategy]
+        assert "every rank of a CP group shards the same batch" in r["another_batch"], (rank, r["another_batch"])
+        # one rank's labels differ: under the hybrid mesh a rank outside its row and column hears second hand
+        assert "disagree on the forward" in r["another_labelling"], (rank, r["another_labelling"])
+        assert isinstance(r["unnamed_first"], float) and r["unnamed_first"] < 1e-5, (rank, r["unnamed_first"])
+        assert r["unnamed_second"] == (2, SEQ // WORLD, 256), (rank, r["unnamed_second"])
+
+
 def test_check_consistency_false_skips_the_guard() -> None:
     """The opt-out ctxpar.attention has, for calls known to agree: the forward runs unchecked."""
     for res in results():
@@ -134,3 +170,21 @@ def test_the_guard_is_replaced_not_stacked_when_applied_again() -> None:
     apply_context_parallel(model, layout=get_layout("zigzag", 1))
     apply_context_parallel(model, layout=get_layout("striped", 1))
     assert len(model._forward_pre_hooks) == 1
+
+
+def test_a_shard_names_the_batch_it_was_cut_from_unless_two_batches_share_it() -> None:
+    layout = get_layout("zigzag", 2)
+    first = torch.arange(16).reshape(1, 16) + 1000  # numbers no other test of this process shards
+    second = first.clone()
+    second[:, layout.positions(16, 1)] += 100  # rank 0's shards of the two are equal
+    shards = {(name, rank): shard_batch(tokens, layout=layout, rank=rank).tokens
+              for name, tokens in (("first", first), ("second", second)) for rank in (0, 1)}
+    codes = {key: batch_code(shard) for key, shard in shards.items()}
+    assert codes[("first", 0)] == codes[("second", 0)] == -1  # names neither batch
+    assert codes[("first", 1)] != codes[("second", 1)] and min(codes[("first", 1)], codes[("second", 1)]) >= 0
+    shard = shard_batch(first, layout=layout, rank=1).tokens
+    assert batch_code(shard.clone().to(torch.int32)) == codes[("first", 1)]  # moved or cast: the same values
+    relabelled = shard_batch(first + 1, layout=layout, rank=1, labels=torch.zeros_like(first))
+    assert batch_code(relabelled.tokens) not in (-1, batch_code(shard_batch(first + 2, layout=layout, rank=1).tokens))
+    assert batch_code(torch.full((1, 8), 7)) == -1  # never sharded here
+    assert batch_code(shard.float()) == batch_code(None) == -1

@@ -223,6 +223,15 @@ def test_labels_or_a_loss_argument_on_one_rank_is_refused_on_every_rank_together
             in detail, detail
 
 
+def test_shards_of_different_batches_are_refused_on_every_rank() -> None:
+    """Each CP rank sharding a batch of its own (a DistributedSampler over every rank) ran
+    without a word, attention mixing the batches."""
+    for check in ("another batch", "another batch, decoder"):
+        for _, (kind, detail) in _guards(check):
+            assert kind == "refused" and "got shards of different batches on the ranks of the CP group" in detail, \
+                (check, detail)
+
+
 def test_a_deep_copy_runs_its_own_weights_on_the_same_group() -> None:
     """copy.deepcopy of an enabled model (a frozen reference model, an EMA copy) ran the
     original's weights, its wrappers closing over the original; with group= it raised

@@ -177,13 +177,15 @@ def _call_names(kinds: list[int]) -> list[str]:
 
 
 def check_values_agree(values: dict[str, int], group: dist.ProcessGroup | None | list[dist.ProcessGroup | None],
-                       error: Exception | None, what: str) -> None:
+                       error: Exception | None, what: str, where_known: tuple[str, ...] = ()) -> None:
     """The same guarantee for calls other than attention (inference's prefill and decode
     steps, a model's forward): one all-gather of ``values`` (integers naming the call:
     lengths, the step, a checksum of the tokens) over ``group``, or over each of a list of
     groups in turn (a hybrid mesh's rows, then its columns: trouble seen in the first
     reaches every rank in the second); every rank raises if any rank had an ``error`` (it
-    raises its own) or any value differs between ranks. ``what`` names the call."""
+    raises its own) or any value differs between ranks. ``what`` names the call. The
+    values named in ``where_known`` may be unknown (-1) on some rank; they are compared
+    only where every rank of the group knows them."""
     names = list(values)
     mine = [OWN_INPUTS_REJECTED if error is not None else 0, *(readable(lambda: _int64(values[n])) for n in names)]
     rejected: list[int] = []
@@ -199,6 +201,8 @@ def check_values_agree(values: dict[str, int], group: dist.ProcessGroup | None |
         if any(b & (OWN_INPUTS_REJECTED | SAW_REJECTED) for b in bits):
             mine[0] |= SAW_REJECTED
         for i, name in enumerate(names, start=1):
+            if name in where_known and bool((table[:, i] == -1).any()):
+                continue
             if not bool((table[:, i] == table[0, i]).all()):
                 differ.setdefault(name, table[:, i].tolist())
         if differ or any(b & SAW_DIFFERENT for b in bits):

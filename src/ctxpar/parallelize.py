@@ -18,6 +18,9 @@ import functools
 import inspect
 import itertools
 import reprlib
+import threading
+import zlib
+from collections import OrderedDict
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -59,6 +62,9 @@ def shard_batch(
     last token predicts nothing (not the next document's first token); pass
     ``batch.documents`` on: ``model(batch.tokens, batch.positions, documents=batch.documents)``
     for the reference model, ``documents=`` to ``ctxpar.attention`` otherwise.
+
+    The shard's tokens name the batch they were cut from (``batch_code``): a forward then
+    refuses, on every rank together, shards of different batches on the ranks of a CP group.
     """
     _check_batch(tokens, layout, labels)
     seq_len = tokens.shape[1]
@@ -68,8 +74,11 @@ def shard_batch(
         ends = torch.tensor(list(itertools.accumulate(lengths)), device=tokens.device) - 1
         targets[:, ends] = IGNORE_INDEX
     positions = layout.positions(seq_len, rank, device=tokens.device)
+    shard = layout.shard(tokens, rank, dim=1)
+    if layout.world_size > 1:
+        _SHARDED.remember(shard, tokens, targets)
     return CPBatch(
-        tokens=layout.shard(tokens, rank, dim=1),
+        tokens=shard,
         positions=positions_in_documents(positions, lengths),
         labels=layout.shard(targets, rank, dim=1),
         documents=lengths,
@@ -88,6 +97,59 @@ def _check_batch(tokens, layout, labels) -> None:
         raise ValueError(f"labels must be a tensor of the tokens' shape (B, T) = {tuple(tokens.shape)}, got {got}")
 
 
+def _checksum(t: torch.Tensor, start: int = 0) -> int:
+    """crc32 of ``t``'s values as int64 on the host, continuing from ``start``."""
+    host = t.detach().to("cpu", torch.int64).contiguous()
+    return zlib.crc32(memoryview(host.numpy()).cast("B"), start)
+
+
+class _ShardedLately:
+    """The batches ``shard_batch`` cut lately in this process, known by the shard each handed
+    out: a forward finds, from its own tokens, a checksum of the whole batch they came
+    from, and the ranks of a CP group compare theirs (``batch_code``). Shards of different
+    batches (a DistributedSampler over every rank rather than the data-parallel ones) are
+    then refused, where attention would silently mix the batches.
+
+    A shard cut alike from two batches (a row of padding) names neither, and tokens not
+    cut here (a batch sharded in a DataLoader worker) name none: their forward goes
+    unchecked, never wrongly refused."""
+
+    KEPT = 64  # shards remembered: a few steps of prefetching on every micro-batch
+
+    def __init__(self) -> None:
+        self._codes: OrderedDict[tuple, int] = OrderedDict()  # (shape, shard's crc32) -> batch code, -1 if two
+        self._lock = threading.Lock()  # shard_batch may run in a loader thread
+
+    def remember(self, shard: torch.Tensor, tokens: torch.Tensor, targets: torch.Tensor) -> None:
+        """``shard`` was cut from the batch of ``tokens`` and their shifted ``targets`` (B, T)."""
+        code = _checksum(targets, _checksum(tokens)) >> 8  # 24 bits: a forward's all-reduce sums their squares
+        key = (tuple(shard.shape), _checksum(shard))
+        with self._lock:
+            known = self._codes.pop(key, code)
+            self._codes[key] = code if known == code else -1
+            while len(self._codes) > self.KEPT:
+                self._codes.popitem(last=False)
+
+    def code(self, tokens: torch.Tensor) -> int:
+        key = (tuple(tokens.shape), _checksum(tokens))
+        with self._lock:
+            return self._codes.get(key, -1)
+
+
+_SHARDED = _ShardedLately()
+SAME_BATCH = ("batch (a checksum of the whole batch shard_batch cut each rank's tokens from: every rank of a CP "
+              "group shards the same batch; sample data by data-parallel rank, not by global rank)")
+
+
+def batch_code(tokens) -> int:
+    """A 24-bit checksum of the whole batch (tokens and shifted labels) that ``shard_batch``
+    cut ``tokens`` (B, T/P) from in this process, or -1 where that is not known. Equal on
+    the ranks of a CP group that were given the same batch; compared in the forward."""
+    if not isinstance(tokens, torch.Tensor) or tokens.dim() != 2 or tokens.is_floating_point():
+        return -1
+    return agreement.readable(lambda: _SHARDED.code(tokens))
+
+
 def apply_context_parallel(
     model: nn.Module, *, layout: str | Layout, group: dist.ProcessGroup | None = None, strategy: str = "ring",
     mesh=None, check_consistency: bool = True,
@@ -100,8 +162,9 @@ def apply_context_parallel(
 
     ``check_consistency`` (as ``ctxpar.attention``'s, on every rank at once): each
     attention call compares the ranks' calls, and the reference model's forward refuses,
-    on every rank together, positions that are not this rank's layout positions (one tiny
-    all-gather per forward); False skips both.
+    on every rank together, positions that are not this rank's layout positions and
+    shards of different batches (``batch_code``), with one tiny all-gather per forward;
+    False skips both.
     """
     cp_attention = _SharedAttention(attention, layout=layout, group=group, strategy=strategy, mesh=mesh, causal=True,
                                     check_consistency=check_consistency)
@@ -137,7 +200,8 @@ def _guard_positions(model: nn.Module, layout: str | Layout, group: dist.Process
     positions (counted from each document's start when ``documents=`` is given, as
     ``shard_batch`` makes them): forgotten positions (the model would number the shard
     from 0) or a shard taken with another layout give RoPE positions that the causal mask
-    does not share, silently wrong. One tiny all-gather per forward."""
+    does not share, silently wrong. So are shards of different batches (``batch_code``),
+    where attention would mix them. One tiny all-gather per forward."""
     signature = inspect.signature(model.forward)
     if "positions" not in signature.parameters:
         return  # not the reference model: its forward is not ours to check
@@ -171,7 +235,9 @@ def _guard_positions(model: nn.Module, layout: str | Layout, group: dist.Process
                                  f"{want[:6].tolist()}): {fix}")
         except Exception as e:  # noqa: BLE001  any failure: this rank must still join the exchange below
             error = e
-        agreement.check_values_agree({}, topo.process_groups, error, "forward")
+        batch = batch_code(bound.get("tokens")) if error is None else -1
+        agreement.check_values_agree({SAME_BATCH: batch}, topo.process_groups, error, "forward",
+                                     where_known=(SAME_BATCH,))
 
     model._ctxpar_positions_guard = model.register_forward_pre_hook(check, with_kwargs=True)
 

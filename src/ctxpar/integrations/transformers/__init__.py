@@ -31,7 +31,8 @@ positions from 0 in each document and puts ``documents`` into the inputs, and
 ``model(..., documents=...)`` makes every attention layer of that forward see only its
 own document (the model itself never receives the argument). Position ids that restart
 without declared documents are refused. What the forward refuses (positions, a padding
-mask, logits_to_keep, an attention implementation switched after enabling, ...) is agreed
+mask, logits_to_keep, an attention implementation switched after enabling, shards of
+different batches, ...) is agreed
 by one all-reduce, so every rank refuses together; the decoder called on its own
 (``model.model(...)``) is checked alike.
 
@@ -73,7 +74,7 @@ from ctxpar.integrations.transformers.loss import LOSS_KEYWORDS, CPCausalLMLoss,
 from ctxpar import auto, topology
 from ctxpar.layout import Layout, get_layout
 from ctxpar.masks import document_lengths, positions_in_documents
-from ctxpar.parallelize import IGNORE_INDEX, shard_batch
+from ctxpar.parallelize import IGNORE_INDEX, batch_code, shard_batch
 from ctxpar.strategy_rules import check_strategy
 
 __all__ = ["ShardedCache", "Unsupported", "check_model", "enable_context_parallel", "find_unsupported",
@@ -168,20 +169,29 @@ def _label_flags(labels: torch.Tensor | None, input_ids: torch.Tensor | None, se
     return [1, int(matches), int(bool(labelled[:, last].any()))]
 
 
-def _refuse_together(name: str, error: Exception | None, label_flags: list[int], device: torch.device,
+def _refuse_together(name: str, error: Exception | None, label_flags: list[int], batch: int, device: torch.device,
                      group) -> None:
     """One tiny all-reduce, so that every rank refuses a forward if any rank does (a refusal
     on some ranks only would leave the others waiting in attention): this rank's own error
     (declared documents, positions, caches, labels), labels= given on some ranks only (the
-    others would not join the loss's all-reduce), and unshifted labels (``_label_flags``)."""
-    flags = torch.tensor([int(error is not None), *label_flags, 1], device=device)
+    others would not join the loss's all-reduce), unshifted labels (``_label_flags``), and
+    shards of different batches (``batch``: ``batch_code``'s checksum, -1 if unknown)."""
+    known = int(batch >= 0 and error is None)
+    code = batch if known else 0
+    flags = torch.tensor([int(error is not None), *label_flags, known, code, code * code, 1], device=device)
     if dist.is_initialized():
         dist.all_reduce(flags, group=group)
-    refused, given, matching, last_labelled, ranks = flags.tolist()
+    refused, given, matching, last_labelled, knowing, codes, squares, ranks = flags.tolist()
     if error is not None:
         raise error
     if refused:
         raise ValueError(f"{name}: another rank of the CP group refused its inputs for this forward; see its error")
+    # the codes are equal on every rank exactly when their variance is 0: when each rank finds
+    # sum(c) = n c and sum(c^2) = n c^2 for its own c (24-bit codes: the sums fit int64)
+    if knowing == ranks and (codes != ranks * code or squares != ranks * code * code):
+        raise ValueError(f"{name} got shards of different batches on the ranks of the CP group: each CP rank "
+                         f"must pass the same whole batch to shard_inputs (sample data by data-parallel rank, not "
+                         f"by global rank: a DistributedSampler over every rank gives each CP rank another batch)")
     if 0 < given < ranks:
         raise ValueError(f"{name} got labels= on {given} of the {ranks} ranks of the CP group; pass them on every "
                          f"rank or on none")
@@ -269,7 +279,7 @@ def _wrap_forward(model, settings: Settings, loss: CPCausalLMLoss | None = None)
         tokens = bound.get("input_ids")
         device = (tokens if tokens is not None else model.get_input_embeddings().weight).device
         flags = [int(labels is not None), 0, 0] if error is not None else _label_flags(labels, tokens, settings)
-        _refuse_together(name, error, flags, device, settings.group)
+        _refuse_together(name, error, flags, batch_code(tokens), device, settings.group)
         calls = loss.calls if loss is not None else 0
         declared = DOCUMENTS.set(documents)
         try:
