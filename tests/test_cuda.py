@@ -92,6 +92,37 @@ def test_blocks_of_one_or_two_tokens_meet_the_contract(sq: int, sk: int) -> None
         assert (got.cpu().double() - want.detach()).abs().max() <= 2.0**-6 * (1 + want.abs().max())
 
 
+@pytest.mark.parametrize("dtype, d", [(torch.bfloat16, 64), (torch.bfloat16, 192), (torch.float32, 64),
+                                      (torch.float64, 64)])
+@pytest.mark.parametrize("causal", [True, False])
+def test_a_row_whose_keys_all_score_minus_inf_carries_no_mass(dtype, d, causal) -> None:
+    """Keys 0-2 score -inf for every query: under a causal block rows 0-2 see only them and
+    must carry lse -inf and out 0 (merged, anything else is a phantom key; torch's CPU op
+    gave lse 0); every other row is its softmax over the finite keys; the backward from
+    the global lse, +inf for a row without mass, gives no NaN."""
+    q, k, v, dout = _block(8, 2, 64, d, torch.float64)
+    q[..., 0] = q[..., 0].abs() + 1.0
+    k[:, :, :3, 0] = float("-inf")
+    scores = torch.einsum("bhqd,bhkd->bhqk", q, k.repeat_interleave(4, 1).nan_to_num(neginf=0.0)) * 0.2
+    scores[..., :3] = float("-inf")
+    if causal:
+        scores = scores.masked_fill(~torch.ones(64, 64, dtype=torch.bool).tril(), float("-inf"))
+    want_lse = torch.logsumexp(scores, -1)
+    massless = torch.isneginf(want_lse)
+    want_out = (torch.softmax(scores, -1) @ v.repeat_interleave(4, 1)).nan_to_num(nan=0.0)
+    qc, kc, vc, dc = (t.to("cuda", dtype) for t in (q, k, v, dout))
+    out, lse = kernels.attention_forward(qc, kc, vc, causal=causal, scale=0.2)
+    out, lse = out.cpu().double(), lse.cpu().double()
+    assert torch.equal(torch.isneginf(lse), massless), f"{cuda.op_for(qc)}: rows without mass {lse[massless]}"
+    assert (out[massless] == 0).all()
+    tolerance = {torch.float64: 1e-10, torch.float32: 1e-4}.get(dtype, 2.0**-6)
+    assert (out - want_out).abs().max() <= tolerance * (1 + want_out.abs().max())
+    assert (lse[~massless] - want_lse[~massless]).abs().max() <= tolerance * (1 + want_lse[~massless].abs().max())
+    grads = kernels.attention_backward(dc, qc, kc, vc, out.to("cuda", dtype), lse.to("cuda"), causal=causal,
+                                       scale=0.2)
+    assert not grads[2].isnan().any(), f"{cuda.op_for(qc)}: dv NaN"  # dq, dk meet k's -inf (0 x inf)
+
+
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32, torch.float64])
 def test_no_block_allocates_memory_that_grows_with_s_squared(dtype) -> None:
     """One block of S=32K (16K in float64; 8 heads, D=128) forward + backward: peak memory

@@ -146,6 +146,40 @@ def test_an_explicit_tile_mask_is_honoured_and_a_row_that_sees_nothing_gets_minu
         torch.testing.assert_close(got, leaf.grad, rtol=0, atol=1e-12)
 
 
+@pytest.mark.parametrize("backend", [cpu, reference], ids=["cpu", "reference"])
+@pytest.mark.parametrize("heads", [(4, 4), (4, 2)])
+@pytest.mark.parametrize("tile", ["causal", "masked"])
+def test_a_row_whose_visible_keys_all_score_minus_inf_carries_no_mass(backend, heads, tile) -> None:
+    """Keys 0-2 score -inf for every query (an -inf in k; a product past float32's range,
+    from finite inputs, for key 2): rows that see only them have no softmax mass here, lse
+    -inf. torch's CPU op gave them lse 0, which merged as a phantom key of weight 1 and
+    value 0 (outputs off by 0.4 in CP). A row whose one key scores exactly 0 keeps lse 0."""
+    q, k, v = (t.float() for t in make(*heads, s=12))
+    q[..., 0] = q[..., 0].abs() + 3e19
+    k[:, :, :2, 0] = float("-inf")
+    k[:, :, 2, 0] = -3e19  # finite; q.k overflows float32
+    visible = torch.ones(12, 12, dtype=torch.bool).tril()
+    if tile == "masked":
+        visible[5], visible[9] = torch.arange(12) < 2, torch.arange(12) == 9
+        k[:, :, 9], v[:, :, 9] = 0.0, 0.0  # row 9 sees only key 9, scored 0, of value 0
+    repeat = heads[0] // heads[1]
+    scores = torch.einsum("bhqd,bhkd->bhqk", q.double(), k.double().repeat_interleave(repeat, 1)) * 0.25
+    scores[..., :3] = float("-inf")  # as float32 sees them
+    scores = scores.masked_fill(~visible, float("-inf"))
+    want_lse = torch.logsumexp(scores, -1)
+    massless = torch.isneginf(want_lse)
+    want_out = (torch.softmax(scores, -1) @ v.double().repeat_interleave(repeat, 1)).masked_fill(
+        massless.unsqueeze(-1), 0.0)
+    assert massless[..., :3].all() and not massless[..., 3:].any() if tile == "causal" else massless[..., 5].all()
+    out, lse = backend.attention_forward(q, k, v, causal=tile == "causal", scale=0.25,
+                                         mask=visible if tile == "masked" else None)
+    assert torch.equal(torch.isneginf(lse), massless) and (out[massless] == 0).all()
+    torch.testing.assert_close(out.double(), want_out, rtol=0, atol=1e-5)
+    torch.testing.assert_close(lse.double()[~massless], want_lse[~massless], rtol=1e-6, atol=1e-6)
+    if tile == "masked":
+        assert (lse[:, :, 9] == 0).all() and (out[:, :, 9] == 0).all()
+
+
 def test_compute_cpu_time_leaves_out_other_threads_work() -> None:
     """With torch on one thread (every local rank of the demo), a compute block's CPU time is
     its own thread's: work another thread does meanwhile (gloo moving the next K/V) is not

@@ -7,7 +7,8 @@ The contract every backend meets (shapes as in ``scaled_dot_product_attention``)
         their own heads, nothing is repeated before a backend sees them), causal =
         square top-left mask (Sq == Sk, query i sees keys 0..i); mask = an explicit
         (Sq, Sk) bool mask, True where the key is visible (a PARTIAL tile; then causal
-        is False). A row that sees no key gets out 0 and lse -inf. lse (B, H, Sq) is the
+        is False). A row that sees no key, or whose visible keys all score -inf, gets
+        out 0 and lse -inf (it merges as nothing). lse (B, H, Sq) is the
         natural log of the sum of exp(scaled scores), in float32 or wider
         (``accumulation_dtype``); out (B, H, Sq, D) in the accumulation dtype, or in q's
         dtype where a GPU op writes it so (merging stays in float32 either way).
@@ -62,6 +63,9 @@ def attention_backward(
     scale: float,
     mask: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    # a row whose keys all scored -inf has no mass anywhere (global lse -inf, out 0): as +inf
+    # its probabilities exp(s - lse) are 0, not exp(-inf + inf) = NaN
+    lse = lse.masked_fill(torch.isneginf(lse), float("inf"))
     return _backend(q).attention_backward(dout, q, k, v, out, lse, causal=causal, scale=scale, mask=mask)
 
 

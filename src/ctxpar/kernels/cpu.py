@@ -12,7 +12,8 @@ single-process attention makes; K/V still travel between ranks in bf16.
 
 A PARTIAL tile's bool mask goes to the op as an additive float mask (0 / -inf, the op's
 dtype); the op gives a row that sees no key lse 0 where attention has -inf, so those
-rows' lse are set to -inf after the call.
+rows' lse are set to -inf after the call, as are those of rows whose visible keys all
+score -inf (``_massless``).
 
 Every tensor handed to the op goes through ``unit_stride``: the op reads the last dim as
 dense whatever its stride (a no-op for tensors strategies already made dense once per
@@ -50,11 +51,34 @@ def attention_forward(
     out, lse = _cpu_fwd(q, k, v, 0.0, causal, attn_mask=_additive(mask, q), scale=scale)
     if mask is not None:
         lse.masked_fill_(~mask.to(lse.device).any(-1), float("-inf"))  # rows that see no key here
+    lse.masked_fill_(_massless(q, k, out, lse, causal=causal, scale=scale, mask=mask), float("-inf"))
     # the op gives a NaN query row a finite (out, lse) where attention by definition gives
     # NaN: restore that, so CP poisons the same rows as single-process SDPA (O(Sq*D) per block)
     nan_rows = q.isnan().any(-1)  # (B, H, Sq)
     out.masked_fill_(nan_rows.unsqueeze(-1), float("nan"))
     return out, lse.to(out.dtype).masked_fill_(nan_rows, float("nan"))
+
+
+def _massless(q: torch.Tensor, k: torch.Tensor, out: torch.Tensor, lse: torch.Tensor, *, causal: bool,
+              scale: float, mask: torch.Tensor | None) -> torch.Tensor:
+    """(B, H, Sq) bool: rows whose visible keys all score -inf (an -inf in q or k, or a
+    product past the float range), which have no softmax mass here. The op gives them out 0
+    and lse 0, which would merge as a key of weight 1 and value 0. Only rows given exactly
+    that are rescored: the rare row that truly has lse 0 and out 0 (one key, scored 0, of
+    value 0) stays as it is."""
+    suspects = (lse == 0) & (out == 0).all(-1)  # (B, H, Sq)
+    if not suspects.any():
+        return suspects
+    b, h, i = suspects.nonzero(as_tuple=True)
+    group = q.shape[1] // k.shape[1]
+    scores = torch.einsum("nd,nkd->nk", q[b, h, i], k[b, h // group]) * scale  # (n, Sk), as the op multiplies
+    keys = torch.arange(k.shape[2], device=q.device)
+    if mask is not None:
+        visible = mask.to(q.device)[i]
+    else:
+        visible = keys <= i.unsqueeze(-1) if causal else torch.ones_like(scores, dtype=torch.bool)
+    suspects[b, h, i] = scores.masked_fill(~visible, float("-inf")).amax(-1) == float("-inf")
+    return suspects
 
 
 def attention_backward(
