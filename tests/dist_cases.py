@@ -254,6 +254,8 @@ def _bad_inputs(world: int, mesh) -> dict[str, tuple]:
         "window_not_causal": ((q, kv, kv), dict(layout="zigzag", window=3, causal=False)),
         "sinks_shape": ((q, kv, kv), dict(layout="zigzag", sinks=torch.zeros(3))),
         "sinks_nan": ((q, kv, kv), dict(layout="zigzag", sinks=torch.full((4,), float("nan")))),
+        # finite in float64, inf in the float32 q's attention is computed in: it gave NaN gradients
+        "sinks_past_float32": ((q, kv, kv), dict(layout="zigzag", sinks=torch.full((4,), 1e39, dtype=torch.float64))),
         "sinks_int": ((q, kv, kv), dict(layout="zigzag", sinks=torch.zeros(4, dtype=torch.long))),
         "sinks_meta": ((q, kv, kv), dict(layout="zigzag", sinks=torch.zeros(4, device="meta"))),
     }

@@ -76,6 +76,7 @@ def disagreeing_ranks(rank: int, world: int, mesh) -> dict[str, str]:
     return {name: case() for name, case in cases.items()}
 
 
+KEY_SCORED_MINUS_INF = "key scored -inf"
 POISONS = {  # (tensor, value) written into one element at global position 5
     "k+inf": ("k", float("inf")),
     "k-inf": ("k", float("-inf")),
@@ -86,6 +87,9 @@ POISONS = {  # (tensor, value) written into one element at global position 5
     "q+inf": ("q", float("inf")),
     "q-inf": ("q", float("-inf")),
     "q_nan": ("q", float("nan")),
+    # key 0 scored -inf by every query, its other dims finite: under the striped layout a
+    # row's tile of rank 0's keys can hold key 0 alone, which once merged as a phantom key
+    KEY_SCORED_MINUS_INF: ("k", float("-inf")),
 }
 
 
@@ -94,7 +98,11 @@ def _poisoned(poison: str) -> tuple[torch.Tensor, ...]:
     shapes = [(1, 4, 8 * WORLD, 8), (1, 2, 8 * WORLD, 8), (1, 2, 8 * WORLD, 8), (1, 4, 8 * WORLD, 8)]
     q, k, v, dout = (torch.randn(s, generator=gen) for s in shapes)
     name, value = POISONS[poison]
-    dict(q=q, k=k, v=v)[name][0, 0, 5, 3] = value
+    if poison == KEY_SCORED_MINUS_INF:
+        q[:, :2, :, 0] = q[:, :2, :, 0].abs() + 0.5  # the queries of K/V head 0 (GQA) score key 0 at -inf
+        k[:, 0, 0, 0] = value
+    else:
+        dict(q=q, k=k, v=v)[name][0, 0, 5, 3] = value
     return q, k, v, dout
 
 
@@ -110,9 +118,9 @@ def _max_abs(t: torch.Tensor, rows: torch.Tensor) -> float:
 
 def nonfinite_inputs(rank: int, world: int) -> dict:
     """Which rows of out, dq, dk, dv are non-finite under CP and in single-process SDPA."""
-    layout = ctxpar.get_layout("zigzag", world)
     results = {}
     for poison, causal, strategy in itertools.product(POISONS, (True, False), ("ring", "allgather", "alltoall")):
+        layout = ctxpar.get_layout("striped" if poison == KEY_SCORED_MINUS_INF else "zigzag", world)
         q, k, v, dout = _poisoned(poison)
         leaves = [t.clone().requires_grad_() for t in (q, k, v)]
         single = F.scaled_dot_product_attention(*leaves, is_causal=causal, enable_gqa=True)
@@ -162,15 +170,17 @@ def double_backward(mesh) -> dict[str, str]:
     SDPA on the CPU refuses it; so must every strategy (its backward is not differentiable),
     instead of returning a gradient detached from the graph."""
     found = {}
-    for strategy in ("ring", "allgather", "alltoall", "hybrid"):
+    for strategy, loss in itertools.product(("ring", "allgather", "alltoall", "hybrid"), ("square", "linear")):
         q, k, v = _tensors()
         out = ctxpar.attention(q, k, v, layout="zigzag", strategy=strategy, mesh=mesh if strategy == "hybrid" else None)
-        (dq,) = torch.autograd.grad((out**2).sum(), q, create_graph=True)
+        # a loss linear in the output: the incoming gradient does not require grad, but dq
+        # still depends on q, k, v (once detached: the penalty added nothing, without a word)
+        (dq,) = torch.autograd.grad((out**2).sum() if loss == "square" else out.sum(), q, create_graph=True)
         try:
             (out.sum() + (dq**2).sum()).backward()
-            found[strategy] = f"no error; dq.requires_grad={dq.requires_grad}"
+            found[strategy, loss] = f"no error; dq.requires_grad={dq.requires_grad}"
         except RuntimeError as e:
-            found[strategy] = str(e)
+            found[strategy, loss] = str(e)
     return found
 
 

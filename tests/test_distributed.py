@@ -70,6 +70,7 @@ EXPECTED_MESSAGES = {
     "window_not_causal": ["needs causal=True"],
     "sinks_shape": ["shape (H,) = (4,)"],
     "sinks_nan": ["finite"],
+    "sinks_past_float32": ["sinks must be finite in torch.float32, in which torch.float32 attention is computed"],
     "sinks_int": ["floating point"],
     "sinks_meta": ["sinks are on meta"],
 }

@@ -232,7 +232,7 @@ def _validate(q, k, v, layout: Layout, topo: topology.Topology, scale: float | N
     value = as_real(scale)
     if not (math.isfinite(value) and value > 0):
         raise ValueError(f"scale must be a positive finite number, got {reprlib.repr(scale)}")
-    computed_in = torch.finfo(torch.float64 if q.dtype == torch.float64 else torch.float32)
+    computed_in = torch.finfo(kernels.accumulation_dtype(q.dtype))
     if not computed_in.tiny <= value <= computed_in.max:  # it would round to 0, lose digits, or be inf
         raise ValueError(f"scale {value!r} is outside {computed_in.dtype}'s range ({computed_in.tiny:g} to "
                          f"{computed_in.max:g}), in which {q.dtype} attention is computed")
@@ -249,8 +249,10 @@ def _check_sinks(sinks, q: torch.Tensor) -> None:
         raise ValueError(f"sinks must be floating point, got {sinks.dtype}")
     if sinks.device != q.device:
         raise ValueError(f"sinks are on {sinks.device} but q is on {q.device}")
-    if not bool(torch.isfinite(sinks).all()):
-        raise ValueError("sinks must be finite (use sinks=None for no sink)")
+    computed_in = kernels.accumulation_dtype(q.dtype)
+    if not bool(torch.isfinite(sinks.to(computed_in)).all()):  # 1e39 in float64 is inf in float32
+        raise ValueError(f"sinks must be finite in {computed_in}, in which {q.dtype} attention is computed "
+                         f"(use sinks=None for no sink)")
 
 
 def _check_backend(backend: str, device: torch.device) -> None:

@@ -35,15 +35,15 @@ one gather and one reduce-scatter backward.
 from __future__ import annotations
 
 import torch
-from torch.autograd.function import once_differentiable
 
 from ctxpar import profile
 from ctxpar.blocks import gathered_key_order
 from ctxpar.comm import PendingAllGather, PendingReduceScatter
 from ctxpar.layout import Layout
 from ctxpar.masks import Mask
-from ctxpar.strategies.blockwise import (backward_tiles, finish_forward, forward_tiles, gradient_accumulators,
-                                         output_accumulators, refuse_lse_gradient, sink_gradient)
+from ctxpar.strategies.blockwise import (backward_tiles, finish_forward, first_order_only, forward_tiles,
+                                         gradient_accumulators, output_accumulators, refuse_lse_gradient,
+                                         sink_gradient)
 from ctxpar.strategy_rules import gather_group_heads
 from ctxpar.topology import Topology
 
@@ -120,7 +120,7 @@ class AllGatherAttention(torch.autograd.Function):
         return finish_forward(ctx, q, k, v, sinks, acc_out, acc_lse)
 
     @staticmethod
-    @once_differentiable
+    @first_order_only
     def backward(ctx, dout, dlse):
         refuse_lse_gradient(dlse)
         q, k, v, sinks, out, lse = ctx.saved_tensors

@@ -7,12 +7,32 @@ without communication.
 
 from __future__ import annotations
 
+import functools
+
 import torch
 from torch.autograd.function import once_differentiable
 
 from ctxpar import kernels, profile
 from ctxpar.blocks import MaskKind, Tile
 from ctxpar.merge import merge_into
+
+
+def first_order_only(backward):
+    """``once_differentiable`` for an attention backward. Its gradients depend on q, k and v,
+    so under ``create_graph=True`` they always get a node that refuses to be differentiated
+    ("differentiate twice"), as single-process SDPA refuses. once_differentiable adds that
+    node only where an incoming gradient requires grad: with a loss linear in the output
+    (``out.sum()``) the gradients came back detached and a gradient penalty on them
+    silently added nothing."""
+    once = once_differentiable(backward)
+
+    @functools.wraps(backward)
+    def wrapper(ctx, *grads):
+        if torch.is_grad_enabled():  # a backward with create_graph=True
+            grads = tuple(g.detach().requires_grad_() if isinstance(g, torch.Tensor) else g for g in grads)
+        return once(ctx, *grads)
+
+    return wrapper
 
 
 def output_accumulators(q: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -150,7 +170,7 @@ class LocalAttention(torch.autograd.Function):
         return finish_forward(ctx, q, k, v, sinks, acc_out, acc_lse)
 
     @staticmethod
-    @once_differentiable
+    @first_order_only
     def backward(ctx, dout, dlse):
         refuse_lse_gradient(dlse)
         q, k, v, sinks, out, lse = ctx.saved_tensors

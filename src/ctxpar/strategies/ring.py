@@ -35,15 +35,15 @@ import functools
 from dataclasses import dataclass
 
 import torch
-from torch.autograd.function import once_differentiable
 
 from ctxpar import profile
 from ctxpar.blocks import Tile, tiles_between
 from ctxpar.comm import RingComm, settled
 from ctxpar.layout import Layout
 from ctxpar.masks import Mask
-from ctxpar.strategies.blockwise import (backward_tiles, finish_forward, forward_tiles, gradient_accumulators,
-                                         output_accumulators, refuse_lse_gradient, sink_gradient)
+from ctxpar.strategies.blockwise import (backward_tiles, finish_forward, first_order_only, forward_tiles,
+                                         gradient_accumulators, output_accumulators, refuse_lse_gradient,
+                                         sink_gradient)
 from ctxpar.topology import Topology
 
 _KV_TAG, _DKV_TAG, _HOME_TAG = 0, 1, 2
@@ -140,7 +140,7 @@ class RingAttention(torch.autograd.Function):
         return finish_forward(ctx, q, k, v, sinks, acc_out, acc_lse)
 
     @staticmethod
-    @once_differentiable
+    @first_order_only
     def backward(ctx, dout, dlse):
         refuse_lse_gradient(dlse)
         q, k, v, sinks, out, lse = ctx.saved_tensors
