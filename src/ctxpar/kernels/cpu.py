@@ -66,9 +66,10 @@ def _massless(q: torch.Tensor, k: torch.Tensor, out: torch.Tensor, lse: torch.Te
     and lse 0, which would merge as a key of weight 1 and value 0. Only rows given exactly
     that are rescored: the rare row that truly has lse 0 and out 0 (one key, scored 0, of
     value 0) stays as it is."""
-    suspects = (lse == 0) & (out == 0).all(-1)  # (B, H, Sq)
+    suspects = lse == 0  # (B, H, Sq); almost never: then out is not read
     if not suspects.any():
         return suspects
+    suspects &= (out == 0).all(-1)
     b, h, i = suspects.nonzero(as_tuple=True)
     group = q.shape[1] // k.shape[1]
     scores = torch.einsum("nd,nkd->nk", q[b, h, i], k[b, h // group]) * scale  # (n, Sk), as the op multiplies
