@@ -216,3 +216,9 @@ def test_auto_strategy_is_exact_chosen_alike_and_recorded(world: int) -> None:
     assert per_rank[0]["differ"], "the test needs hardware on which the choice differs"
     for rank, r in enumerate(per_rank):  # the last rank chose on H100 figures: every rank raises
         assert "different strategy" in r["disagreeing"], (rank, r["disagreeing"])
+
+
+def test_torch_compile_with_dynamic_shapes_runs_exactly() -> None:
+    for rank, res in enumerate(results(2)):
+        errors = res["compiled"]
+        assert isinstance(errors, list) and max(errors) < 1e-5, f"rank {rank}: {errors}"

@@ -125,11 +125,8 @@ def attention_with_lse(
     if check_consistency:
         # a rank whose own arguments name no valid strategy or topology still joins the
         # exchange its peers run, on the groups its group= or mesh= describe
-        peers = topo or _fallback_topology(group, mesh)
-        if peers is not None and peers.world_size > 1:
-            sig = agreement.signature(q, k, v, layout_name=_layout_name(layout), causal=causal, scale=scale,
-                                      strategy=strategy, rejected=error is not None, mask=mask, sinks=sinks)
-            agreement.check_ranks_agree(sig, peers, error)
+        _check_ranks_agree(q, k, v, topo or _fallback_topology(group, mesh), error, layout_name=_layout_name(layout),
+                           causal=causal, scale=scale, strategy=strategy, mask=mask, sinks=sinks)
     if error is not None:
         raise error
     # once per shard, not per block; k and v need no copy here: every strategy copies them
@@ -141,6 +138,16 @@ def attention_with_lse(
 def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, **kwargs) -> torch.Tensor:
     """Like ``attention_with_lse`` but returns only ``out`` (B, H, S, D)."""
     return attention_with_lse(q, k, v, **kwargs)[0]
+
+
+@torch.compiler.disable
+def _check_ranks_agree(q, k, v, peers: topology.Topology | None, error: Exception | None, **call) -> None:
+    """``agreement.check_ranks_agree`` on this call's signature, run eagerly under
+    ``torch.compile``: a host-side exchange of concrete values (dynamo recursed packing a
+    symbolic scale under ``dynamic=True``, and torch.export could not hash symbolic shapes)."""
+    if peers is not None and peers.world_size > 1:
+        sig = agreement.signature(q, k, v, rejected=error is not None, **call)
+        agreement.check_ranks_agree(sig, peers, error)
 
 
 def _autocast_dtype(q) -> torch.dtype | None:
