@@ -165,6 +165,22 @@ def test_one_rank_needs_no_positions() -> None:
         torch.testing.assert_close(model(tokens), want)
 
 
+@pytest.mark.parametrize("settings, message", [
+    (dict(strategy="rnig"), "unknown strategy 'rnig'"),
+    (dict(layout="zigzga"), "unknown layout 'zigzga'"),
+    (dict(layout=get_layout("zigzag", 3)), "built for P=3 ranks"),
+    (dict(mesh=object()), "mesh= is for strategy='hybrid'"),
+    (dict(strategy="hybrid"), "strategy='hybrid' takes mesh="),
+], ids=["strategy", "layout", "layout_for_another_p", "mesh_without_hybrid", "hybrid_without_mesh"])
+def test_settings_are_refused_before_the_model_changes(settings: dict, message: str) -> None:
+    """Each was accepted, the model changed, and refused only at the first forward."""
+    model = Transformer(get_config("tiny"))
+    before = [m.attention_fn for m in model.modules() if hasattr(m, "attention_fn")]
+    with pytest.raises(ValueError, match=message):
+        apply_context_parallel(model, **{"layout": "zigzag", **settings})
+    assert [m.attention_fn for m in model.modules() if hasattr(m, "attention_fn")] == before
+
+
 def test_the_guard_is_replaced_not_stacked_when_applied_again() -> None:
     model = Transformer(get_config("tiny"))
     apply_context_parallel(model, layout=get_layout("zigzag", 1))

@@ -269,11 +269,29 @@ def test_enable_takes_a_layout_name_and_refuses_a_bad_layout_or_strategy_at_once
     torch.testing.assert_close(by_name(**inputs).logits, model(**inputs).logits)
     for change, message in ((dict(strategy="rnig"), "unknown strategy 'rnig'"),
                             (dict(layout=ctxpar.get_layout("zigzag", 2)), "built for P=2 ranks"),
-                            (dict(layout="spiral"), "unknown layout 'spiral'")):
+                            (dict(layout="spiral"), "unknown layout 'spiral'"),
+                            # a mesh with the default strategy was refused only at the first forward
+                            (dict(mesh=object()), "mesh= is for strategy='hybrid'"),
+                            (dict(strategy="auto", mesh=object()), "strategy='auto' chooses among"),
+                            (dict(strategy="hybrid"), "strategy='hybrid' takes mesh=")):
         fresh = hf_families.build("llama")
         with pytest.raises(ValueError, match=message):
             enable_context_parallel(fresh, **{"layout": "zigzag", **change})
         assert fresh.config._attn_implementation != "ctxpar"  # refused before anything changed
+
+
+def test_a_model_sharing_the_config_of_an_enabled_one_is_told_why_it_cannot_run() -> None:
+    """Two models built from one config object: enabling one switches the config the other
+    reads too, which it then refused as "not prepared" without saying why."""
+    enabled = hf_families.build("llama")
+    bystander = type(enabled)(enabled.config)
+    enable_context_parallel(enabled, layout=ONE)
+    with pytest.raises(ValueError, match=r"shares its config with one given to enable_context_parallel"):
+        bystander(input_ids=torch.randint(3, hf_families.VOCAB, (1, 8)))
+    own = type(enabled)(copy.deepcopy(enabled.config))
+    own.set_attn_implementation("sdpa")  # the fix the message gives, for a model built from the enabled one's config
+    assert own(input_ids=torch.randint(3, hf_families.VOCAB, (1, 8))).logits.shape == (1, 8, hf_families.VOCAB)
+    assert enabled.config._attn_implementation == "ctxpar"
 
 
 def test_a_model_under_autocast_runs_as_its_sdpa_model_does() -> None:

@@ -105,12 +105,7 @@ def attention_with_lse(
                                       documents=documents, window=window, sinks=sinks)
     error, topo, mask = None, None, None
     try:
-        chosen = _strategy("ring" if strategy == auto.AUTO else strategy)
-        if strategy == auto.AUTO and mesh is not None:
-            raise ValueError("strategy='auto' chooses among ring, allgather and alltoall on group=; a hybrid mesh= "
-                             "is used with strategy='hybrid'")
-        topo = _topology(chosen.axis, strategy, group, mesh)
-        layout = _layout_for(layout, topo)
+        chosen, topo, layout = _settings(layout, group, strategy, mesh)
         scale = _validate(q, k, v, layout, topo, scale)
         mask = make_mask(q.shape[2] * layout.world_size, causal=causal, documents=documents, window=window)
         _check_sinks(sinks, q)
@@ -176,6 +171,25 @@ def _fallback_topology(group, mesh) -> topology.Topology | None:
         return topology.from_mesh(mesh) if mesh is not None else topology.from_group(group)
     except Exception:  # noqa: BLE001  a mesh= of the wrong type, a group we are not in
         return None
+
+
+def check_settings(*, layout: str | Layout, group: dist.ProcessGroup | None = None, strategy: str = "ring",
+                   mesh=None) -> Layout:
+    """The CP settings a model's attention calls will take, checked once, before
+    ``apply_context_parallel`` or ``enable_context_parallel`` change the model (each call
+    checks them again): the strategy's name, ``mesh=`` given exactly for "hybrid", the
+    groups they name (this rank among them), the layout for their size. Returns the layout
+    built for that size."""
+    return _settings(layout, group, strategy, mesh)[2]
+
+
+def _settings(layout, group, strategy, mesh) -> tuple[Strategy, topology.Topology, Layout]:
+    chosen = _strategy("ring" if strategy == auto.AUTO else strategy)
+    if strategy == auto.AUTO and mesh is not None:
+        raise ValueError("strategy='auto' chooses among ring, allgather and alltoall on group=; a hybrid mesh= "
+                         "is used with strategy='hybrid'")
+    topo = _topology(chosen.axis, strategy, group, mesh)
+    return chosen, topo, _layout_for(layout, topo)
 
 
 def _topology(axis: str, strategy: str, group, mesh) -> topology.Topology:

@@ -30,7 +30,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from ctxpar import agreement, topology
-from ctxpar.attention import attention
+from ctxpar.attention import attention, check_settings
 from ctxpar.layout import Layout, get_layout
 from ctxpar.masks import document_lengths, positions_in_documents
 
@@ -166,6 +166,7 @@ def apply_context_parallel(
     shards of different batches (``batch_code``), with one tiny all-gather per forward;
     False skips both.
     """
+    check_settings(layout=layout, group=group, strategy=strategy, mesh=mesh)
     cp_attention = _SharedAttention(attention, layout=layout, group=group, strategy=strategy, mesh=mesh, causal=True,
                                     check_consistency=check_consistency)
     swapped = 0

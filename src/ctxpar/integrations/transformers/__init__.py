@@ -71,11 +71,10 @@ from ctxpar.integrations.transformers.fidelity import (Unsupported, check_model,
                                                        longrope_limits)
 from ctxpar.integrations.transformers.generation import CACHE_KEYS, ShardedCache, cached_forward, wrap_generate
 from ctxpar.integrations.transformers.loss import LOSS_KEYWORDS, CPCausalLMLoss, loss_refusal
-from ctxpar import auto, topology
-from ctxpar.layout import Layout, get_layout
+from ctxpar.attention import check_settings
+from ctxpar.layout import Layout
 from ctxpar.masks import document_lengths, positions_in_documents
 from ctxpar.parallelize import IGNORE_INDEX, batch_code, shard_batch
-from ctxpar.strategy_rules import check_strategy
 
 __all__ = ["ShardedCache", "Unsupported", "check_model", "enable_context_parallel", "find_unsupported",
            "shard_inputs"]
@@ -328,10 +327,7 @@ def enable_context_parallel(
         ValueError: listing every feature of the model that ctxpar would not compute exactly
             (``find_unsupported``), before changing the model and before any collective.
     """
-    if strategy != auto.AUTO:
-        check_strategy(strategy)
-    cp = topology.from_mesh(mesh) if mesh is not None else topology.from_group(group)
-    layout = get_layout(layout, cp.world_size)  # a name, as ctxpar.attention takes; a Layout for this P
+    layout = check_settings(layout=layout, group=group, strategy=strategy, mesh=mesh)  # a name, or one for this P
     check_model(model)
     _register()
     settings = Settings(layout, group, strategy, mesh, longrope=longrope_limits(model),
