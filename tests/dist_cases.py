@@ -269,6 +269,10 @@ def _bad_inputs(world: int, mesh) -> dict[str, tuple]:
         # ranks not ascending along a dim: once silently wrong (group ranks taken for coordinates)
         permuted = DeviceMesh("cpu", torch.tensor([[3, 1], [0, 2]]), mesh_dim_names=("ring", "ulysses"))
         bad["hybrid_mesh_permuted"] = ((q, kv, kv), dict(layout="zigzag", strategy="hybrid", mesh=permuted))
+        # a tensor-parallel plan that keeps DTensor outputs: torch's error came from inside the ring
+        from torch.distributed.tensor import Replicate, distribute_tensor
+
+        bad["q_dtensor"] = ((distribute_tensor(q, mesh["ulysses"], [Replicate()]), kv, kv), dict(layout="zigzag"))
     return bad
 
 

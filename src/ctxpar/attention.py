@@ -7,6 +7,7 @@ import reprlib
 
 import torch
 import torch.distributed as dist
+from torch.distributed.tensor import DTensor
 
 from ctxpar import agreement, auto, kernels, topology
 from ctxpar.layout import Layout, fingerprint, get_layout
@@ -219,6 +220,10 @@ def _validate(q, k, v, layout: Layout, topo: topology.Topology, scale: float | N
             kind = "nested" if t.is_nested else str(t.layout).removeprefix("torch.")
             raise ValueError(f"{name} must be a dense (strided) tensor, got a {kind} tensor; convert it with "
                              f".to_dense() or torch.nested.to_padded_tensor")
+        if isinstance(t, DTensor):  # torch's own error came from inside the strategy's collectives
+            raise ValueError(f"{name} is a DTensor ({t.placements} over a mesh of {t.device_mesh.size()}); pass "
+                             f"this rank's local heads ({name}.to_local(): under tensor parallelism each TP rank "
+                             f"runs CP over its own heads, on the CP group)")
         if not isinstance(t, torch.Tensor) or t.dim() != 4:
             got = tuple(t.shape) if isinstance(t, torch.Tensor) else type(t).__name__
             raise ValueError(f"{name} must be a 4-D tensor (B, H, S, D), got {got}")
