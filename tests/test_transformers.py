@@ -294,6 +294,18 @@ def test_a_model_sharing_the_config_of_an_enabled_one_is_told_why_it_cannot_run(
     assert enabled.config._attn_implementation == "ctxpar"
 
 
+def test_pickling_an_enabled_model_is_refused_saying_what_to_save(tmp_path) -> None:
+    """torch.save(model) failed with "Can't pickle <function LlamaModel.forward>: it's not the
+    same object as transformers...", blaming transformers for ctxpar's wrapper."""
+    model, _, _ = _one_rank(hf_families.build("llama"))
+    for whole in (model, model.model):
+        with pytest.raises(TypeError, match="cannot be pickled or shallow-copied while context parallelism is enabled"):
+            torch.save(whole, tmp_path / "model.pt")
+    torch.save(model.state_dict(), tmp_path / "weights.pt")
+    model.save_pretrained(tmp_path / "pretrained")
+    assert (tmp_path / "pretrained" / "config.json").exists()
+
+
 def test_a_model_under_autocast_runs_as_its_sdpa_model_does() -> None:
     """A Trainer's bf16=True: RoPE leaves q and k in float32 and v in bfloat16, which was
     refused ("q, k, v dtypes differ"); SDPA under autocast casts all three."""

@@ -358,7 +358,7 @@ def enable_context_parallel(
 # The instance attributes enable_context_parallel may set on a model's modules, besides the
 # inner forward: a deep copy's own copy of it is bound to the copy
 _INSTALLED_ATTRIBUTES = ("forward", "generate", "_prepare_cache_for_generation", "_loss_function", "ctxpar_settings",
-                         "__deepcopy__")
+                         "__deepcopy__", "__reduce_ex__")
 
 
 def _installed_by_ctxpar(value) -> bool:
@@ -384,7 +384,14 @@ def _copy_enabled_alike(model, settings: Settings) -> None:
         return enable_context_parallel(copied, layout=settings.layout, group=settings.group,
                                        strategy=settings.strategy, mesh=settings.mesh)
 
+    @installed
+    def reduce_ex(protocol: int):  # pickle (torch.save(model)) and copy.copy find it on the instance
+        raise TypeError(f"{type(model).__name__} cannot be pickled or shallow-copied while context parallelism is "
+                        f"enabled (ctxpar's wrappers hold its process group): save model.state_dict() or "
+                        f"model.save_pretrained(...) and enable the model you load again, or use copy.deepcopy")
+
     model.__deepcopy__ = deepcopy
+    model.__reduce_ex__ = reduce_ex
 
 
 def shard_inputs(
