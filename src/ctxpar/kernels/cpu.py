@@ -59,6 +59,9 @@ def attention_forward(
     return out, lse.to(out.dtype).masked_fill_(nan_rows, float("nan"))
 
 
+_RESCORED_SCORES = 1 << 22  # scores of suspect rows held at once (16 MiB in float32)
+
+
 def _massless(q: torch.Tensor, k: torch.Tensor, out: torch.Tensor, lse: torch.Tensor, *, causal: bool,
               scale: float, mask: torch.Tensor | None) -> torch.Tensor:
     """(B, H, Sq) bool: rows whose visible keys all score -inf (an -inf in q or k, or a
@@ -70,15 +73,18 @@ def _massless(q: torch.Tensor, k: torch.Tensor, out: torch.Tensor, lse: torch.Te
     if not suspects.any():
         return suspects
     suspects &= (out == 0).all(-1)
-    b, h, i = suspects.nonzero(as_tuple=True)
-    group = q.shape[1] // k.shape[1]
-    scores = torch.einsum("nd,nkd->nk", q[b, h, i], k[b, h // group]) * scale  # (n, Sk), as the op multiplies
-    keys = torch.arange(k.shape[2], device=q.device)
-    if mask is not None:
-        visible = mask.to(q.device)[i]
-    else:
-        visible = keys <= i.unsqueeze(-1) if causal else torch.ones_like(scores, dtype=torch.bool)
-    suspects[b, h, i] = scores.masked_fill(~visible, float("-inf")).amax(-1) == float("-inf")
+    group, keys = q.shape[1] // k.shape[1], torch.arange(k.shape[2], device=q.device)
+    rows_at_once = max(1, _RESCORED_SCORES // k.shape[2])  # bounded memory if a whole tile is suspect
+    for b, kv_head in {(b, h // group) for b, h in suspects.nonzero()[:, :2].tolist()}:
+        heads = slice(kv_head * group, (kv_head + 1) * group)
+        rows = suspects[b, heads]  # (G, Sq), a view: written through below
+        for h, i in zip(*(part.split(rows_at_once) for part in rows.nonzero(as_tuple=True))):
+            scores = q[b, heads][h, i] @ k[b, kv_head].T * scale  # (n, Sk), multiplied as the op does
+            if mask is not None:
+                visible = mask.to(q.device)[i]
+            else:
+                visible = keys <= i.unsqueeze(-1) if causal else torch.ones_like(scores, dtype=torch.bool)
+            rows[h, i] = scores.masked_fill(~visible, float("-inf")).amax(-1) == float("-inf")
     return suspects
 
 

@@ -182,14 +182,18 @@ def attention_forward(
     q, k, v = unit_stride(q), unit_stride(k), unit_stride(v)
     heads = q.shape[1]
     if op == "cudnn":
-        return _cudnn_forward(q, k, v, causal, scale)[:2]
-    if op == "flash":
+        out, lse = _cudnn_forward(q, k, v, causal, scale)[:2]
+    elif op == "flash":
         if not _flash_takes_gqa(q.device, q.dtype):
             k, v = _repeat_kv(k, heads), _repeat_kv(v, heads)
         out, lse = _flash_fwd(q, k, v, 0.0, causal, False, scale=scale)[:2]
-        return out, lse
-    out, lse = _eff_fwd(q, _repeat_kv(k, heads), _repeat_kv(v, heads), None, True, 0.0, causal, scale=scale)[:2]
-    return out, lse[:, :, : q.shape[2]]
+    else:
+        out, lse = _eff_fwd(q, _repeat_kv(k, heads), _repeat_kv(v, heads), None, True, 0.0, causal, scale=scale)[:2]
+        lse = lse[:, :, : q.shape[2]]
+    # FlashAttention-2 gives a row whose keys all scored -inf (no mass) out 0 and lse +inf, which
+    # merges as "no defined softmax" (NaN); the contract's no-mass row has lse -inf. A NaN or +inf
+    # score leaves out NaN, so those rows keep +inf.
+    return out, lse.masked_fill_(torch.isposinf(lse) & (out == 0).all(-1), float("-inf"))
 
 
 def attention_backward(
