@@ -222,4 +222,4 @@ def test_auto_strategy_is_exact_chosen_alike_and_recorded(world: int) -> None:
 def test_torch_compile_with_dynamic_shapes_runs_exactly() -> None:
     for rank, res in enumerate(results(2)):
         errors = res["compiled"]
-        assert isinstance(errors, list) and max(errors) < 1e-5, f"rank {rank}: {errors}"
+        assert isinstance(errors, list) and errors and max(errors) < 1e-5, f"rank {rank}: {errors}"

@@ -2,12 +2,13 @@
 
 from __future__ import annotations
 
+import functools
 import math
 import reprlib
+import sys
 
 import torch
 import torch.distributed as dist
-from torch.distributed.tensor import DTensor
 
 from ctxpar import agreement, auto, kernels, topology
 from ctxpar.layout import Layout, fingerprint, get_layout
@@ -136,14 +137,30 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, **kwargs) -> to
     return attention_with_lse(q, k, v, **kwargs)[0]
 
 
-@torch.compiler.disable
 def _check_ranks_agree(q, k, v, peers: topology.Topology | None, error: Exception | None, **call) -> None:
-    """``agreement.check_ranks_agree`` on this call's signature, run eagerly under
-    ``torch.compile``: a host-side exchange of concrete values (dynamo recursed packing a
-    symbolic scale under ``dynamic=True``, and torch.export could not hash symbolic shapes)."""
-    if peers is not None and peers.world_size > 1:
-        sig = agreement.signature(q, k, v, rejected=error is not None, **call)
-        agreement.check_ranks_agree(sig, peers, error)
+    """``agreement.check_ranks_agree`` on this call's signature. Under ``torch.compile`` it
+    runs eagerly: a host-side exchange of concrete values (dynamo recursed packing a
+    symbolic scale under ``dynamic=True``)."""
+    if peers is None or peers.world_size == 1:
+        return
+    # dynamo is loaded once torch.compile is used; importing it for everyone cost 0.6 s per process
+    exchange = _eager_exchange() if "torch._dynamo" in sys.modules else _exchange
+    exchange(q, k, v, peers, error, **call)
+
+
+def _exchange(q, k, v, peers: topology.Topology, error: Exception | None, **call) -> None:
+    agreement.check_ranks_agree(agreement.signature(q, k, v, rejected=error is not None, **call), peers, error)
+
+
+@functools.cache
+def _eager_exchange():
+    return torch.compiler.disable(_exchange)
+
+
+def _is_dtensor(t) -> bool:
+    """Without importing torch.distributed.tensor (0.7 s): a DTensor exists only once it is loaded."""
+    module = sys.modules.get("torch.distributed.tensor")
+    return module is not None and isinstance(t, module.DTensor)
 
 
 def _autocast_dtype(q) -> torch.dtype | None:
@@ -181,6 +198,9 @@ def check_settings(*, layout: str | Layout, group: dist.ProcessGroup | None = No
     checks them again): the strategy's name, ``mesh=`` given exactly for "hybrid", the
     groups they name (this rank among them), the layout for their size. Returns the layout
     built for that size."""
+    if isinstance(layout, Layout) and layout.world_size > 1 and not (dist.is_available() and dist.is_initialized()):
+        raise ValueError(f"the {layout.name} layout is for P={layout.world_size} ranks but torch.distributed is not "
+                         f"initialised; call torch.distributed.init_process_group first")
     return _settings(layout, group, strategy, mesh)[2]
 
 
@@ -220,7 +240,7 @@ def _validate(q, k, v, layout: Layout, topo: topology.Topology, scale: float | N
             kind = "nested" if t.is_nested else str(t.layout).removeprefix("torch.")
             raise ValueError(f"{name} must be a dense (strided) tensor, got a {kind} tensor; convert it with "
                              f".to_dense() or torch.nested.to_padded_tensor")
-        if isinstance(t, DTensor):  # torch's own error came from inside the strategy's collectives
+        if _is_dtensor(t):  # torch's own error came from inside the strategy's collectives
             raise ValueError(f"{name} is a DTensor ({t.placements} over a mesh of {t.device_mesh.size()}); pass "
                              f"this rank's local heads ({name}.to_local(): under tensor parallelism each TP rank "
                              f"runs CP over its own heads, on the CP group)")
