@@ -158,6 +158,12 @@ def _switched(layout):
     return model
 
 
+def _mesh():
+    from torch.distributed.device_mesh import init_device_mesh
+
+    return init_device_mesh("cpu", (2, 2), mesh_dim_names=("ring", "ulysses"))
+
+
 def _refusals(rank: int, world: int) -> dict:
     import hf_families
     from transformers import DynamicCache
@@ -192,6 +198,8 @@ def _refusals(rank: int, world: int) -> dict:
         "longrope prefill": _attempt(lambda: enable_context_parallel(  # rank 0 holds positions 0-5 of 24, limit 8
             hf_families.build("phi3+longrope"), layout=ctxpar.get_layout("contiguous", world)).generate(tokens, **run)),
         "sdpa after enable": _attempt(lambda: _switched(layout).generate(tokens, **run)),
+        "hybrid": _attempt(lambda: enable_context_parallel(hf_families.build("llama"), layout=layout, strategy="hybrid",
+                                                           mesh=_mesh()).generate(tokens, **run)),
         "dynamic cache in forward": _attempt(lambda: model(input_ids=layout.shard(tokens, rank, dim=1),
                                                            position_ids=layout.positions(PROMPT_LEN, rank)[None],
                                                            past_key_values=DynamicCache())),

@@ -168,7 +168,7 @@ def test_one_rank_needs_no_positions() -> None:
 @pytest.mark.parametrize("settings, message", [
     (dict(strategy="rnig"), "unknown strategy 'rnig'"),
     (dict(layout="zigzga"), "unknown layout 'zigzga'"),
-    (dict(layout=get_layout("zigzag", 3)), "built for P=3 ranks"),
+    (dict(layout=get_layout("zigzag", 3)), "is for P=3 ranks but torch.distributed is not initialised"),
     (dict(mesh=object()), "mesh= is for strategy='hybrid'"),
     (dict(strategy="hybrid"), "strategy='hybrid' takes mesh="),
 ], ids=["strategy", "layout", "layout_for_another_p", "mesh_without_hybrid", "hybrid_without_mesh"])

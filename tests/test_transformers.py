@@ -268,7 +268,7 @@ def test_enable_takes_a_layout_name_and_refuses_a_bad_layout_or_strategy_at_once
     by_name = enable_context_parallel(hf_families.build("llama"), layout="zigzag", strategy="auto")
     torch.testing.assert_close(by_name(**inputs).logits, model(**inputs).logits)
     for change, message in ((dict(strategy="rnig"), "unknown strategy 'rnig'"),
-                            (dict(layout=ctxpar.get_layout("zigzag", 2)), "built for P=2 ranks"),
+                            (dict(layout=ctxpar.get_layout("zigzag", 2)), "is for P=2 ranks but torch.distributed"),
                             (dict(layout="spiral"), "unknown layout 'spiral'"),
                             # a mesh with the default strategy was refused only at the first forward
                             (dict(mesh=object()), "mesh= is for strategy='hybrid'"),

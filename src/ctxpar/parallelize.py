@@ -112,7 +112,7 @@ class _ShardedLately:
 
     A shard cut alike from two batches (a row of padding) names neither, and tokens not
     cut here (a batch sharded in a DataLoader worker) name none: their forward goes
-    unchecked, never wrongly refused."""
+    unchecked rather than refused."""
 
     KEPT = 64  # shards remembered: a few steps of prefetching on every micro-batch
 
@@ -131,9 +131,12 @@ class _ShardedLately:
                 self._codes.popitem(last=False)
 
     def code(self, tokens: torch.Tensor) -> int:
-        key = (tuple(tokens.shape), _checksum(tokens))
+        shape = tuple(tokens.shape)
         with self._lock:
-            return self._codes.get(key, -1)
+            if not any(known == shape for known, _ in self._codes):  # nothing to find: no host copy, no checksum
+                return -1
+        with self._lock:
+            return self._codes.get((shape, _checksum(tokens)), -1)
 
 
 _SHARDED = _ShardedLately()
@@ -164,7 +167,7 @@ def apply_context_parallel(
     attention call compares the ranks' calls, and the reference model's forward refuses,
     on every rank together, positions that are not this rank's layout positions and
     shards of different batches (``batch_code``), with one tiny all-gather per forward;
-    False skips both.
+    False skips these checks.
     """
     check_settings(layout=layout, group=group, strategy=strategy, mesh=mesh)
     cp_attention = _SharedAttention(attention, layout=layout, group=group, strategy=strategy, mesh=mesh, causal=True,

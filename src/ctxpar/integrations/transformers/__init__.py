@@ -175,7 +175,8 @@ def _refuse_together(name: str, error: Exception | None, label_flags: list[int],
     (declared documents, positions, caches, labels), labels= given on some ranks only (the
     others would not join the loss's all-reduce), unshifted labels (``_label_flags``), and
     shards of different batches (``batch``: ``batch_code``'s checksum, -1 if unknown)."""
-    known = int(batch >= 0 and error is None)
+    ranks_here = dist.get_world_size(group) if dist.is_initialized() else 1
+    known = int(batch >= 0 and error is None and ranks_here < 2**15)  # n * c^2 < 2^63 for 24-bit codes
     code = batch if known else 0
     flags = torch.tensor([int(error is not None), *label_flags, known, code, code * code, 1], device=device)
     if dist.is_initialized():
@@ -186,11 +187,12 @@ def _refuse_together(name: str, error: Exception | None, label_flags: list[int],
     if refused:
         raise ValueError(f"{name}: another rank of the CP group refused its inputs for this forward; see its error")
     # the codes are equal on every rank exactly when their variance is 0: when each rank finds
-    # sum(c) = n c and sum(c^2) = n c^2 for its own c (24-bit codes: the sums fit int64)
+    # sum(c) = n c and sum(c^2) = n c^2 for its own c
     if knowing == ranks and (codes != ranks * code or squares != ranks * code * code):
-        raise ValueError(f"{name} got shards of different batches on the ranks of the CP group: each CP rank "
-                         f"must pass the same whole batch to shard_inputs (sample data by data-parallel rank, not "
-                         f"by global rank: a DistributedSampler over every rank gives each CP rank another batch)")
+        raise ValueError(f"{name} got shards of different batches on the ranks of the CP group (or of one batch "
+                         f"with other labels or documents): each CP rank must pass the same whole batch to "
+                         f"shard_inputs (sample data by data-parallel rank, not by global rank: a "
+                         f"DistributedSampler over every rank gives each CP rank another batch)")
     if 0 < given < ranks:
         raise ValueError(f"{name} got labels= on {given} of the {ranks} ranks of the CP group; pass them on every "
                          f"rank or on none")
@@ -200,6 +202,13 @@ def _refuse_together(name: str, error: Exception | None, label_flags: list[int],
                          f"masked), which would score each token on predicting itself. Pass the labels shard_inputs "
                          f"returns (shard_inputs(input_ids, labels=your_labels, ...) shifts them on the unsplit "
                          f"sequence), or compute the loss with ctxpar.parallelize.cp_loss")
+
+
+def _reduces_over_the_cp_group(settings: Settings) -> bool:
+    """Whether the forward's all-reduce (on ``settings.group``) spans the CP group alone, so
+    that it may compare batches: with a hybrid ``mesh=`` it runs on WORLD, which also holds
+    the other data-parallel replicas, and their other batches, unless the mesh is WORLD."""
+    return settings.mesh is None or not dist.is_initialized() or settings.mesh.size() == dist.get_world_size()
 
 
 def _documents(name: str, settings: Settings, bound: dict, documents) -> tuple[int, ...] | None:
@@ -278,7 +287,8 @@ def _wrap_forward(model, settings: Settings, loss: CPCausalLMLoss | None = None)
         tokens = bound.get("input_ids")
         device = (tokens if tokens is not None else model.get_input_embeddings().weight).device
         flags = [int(labels is not None), 0, 0] if error is not None else _label_flags(labels, tokens, settings)
-        _refuse_together(name, error, flags, batch_code(tokens), device, settings.group)
+        batch = batch_code(tokens) if _reduces_over_the_cp_group(settings) else -1
+        _refuse_together(name, error, flags, batch, device, settings.group)
         calls = loss.calls if loss is not None else 0
         declared = DOCUMENTS.set(documents)
         try:

@@ -300,10 +300,10 @@ def attention_forward(module, query, key, value, attention_mask, dropout: float 
     owner = type(module).__name__
     if settings is None:
         raise ValueError(f"{owner} uses attn_implementation='ctxpar' but was not prepared; call "
-                         f"enable_context_parallel(model, layout=..., group=...) first. A model you did not mean "
-                         f"to split shares its config with one given to enable_context_parallel (two models built "
-                         f"from one config object, or from_config(enabled_model.config)): give it a config of its "
-                         f"own (copy.deepcopy(config)) or set_attn_implementation('sdpa') on it")
+                         f"enable_context_parallel(model, layout=..., group=...) first. If this model is not meant "
+                         f"to be split, it shares its config with one given to enable_context_parallel (two models "
+                         f"built from one config object, or from_config(enabled_model.config)): give it a config "
+                         f"of its own (copy.deepcopy(config)) or set_attn_implementation('sdpa') on it")
     if dropout:
         raise ValueError(f"{owner} applies attention dropout p={dropout}, which ctxpar does not support; set the "
                          f"model's attention dropout to 0")
