@@ -221,5 +221,5 @@ def test_auto_strategy_is_exact_chosen_alike_and_recorded(world: int) -> None:
 
 def test_torch_compile_with_dynamic_shapes_runs_exactly() -> None:
     for rank, res in enumerate(results(2)):
-        errors = res["compiled"]
-        assert isinstance(errors, list) and errors and max(errors) < 1e-5, f"rank {rank}: {errors}"
+        error = res["compiled"]
+        assert isinstance(error, float) and error < 1e-5, f"rank {rank}: {error}"

@@ -32,9 +32,8 @@ positions from 0 in each document and puts ``documents`` into the inputs, and
 own document (the model itself never receives the argument). Position ids that restart
 without declared documents are refused. What the forward refuses (positions, a padding
 mask, logits_to_keep, an attention implementation switched after enabling, shards of
-different batches, ...) is agreed
-by one all-reduce, so every rank refuses together; the decoder called on its own
-(``model.model(...)``) is checked alike.
+different batches, ...) is agreed by one all-reduce, so every rank refuses together; the
+decoder called on its own (``model.model(...)``) is checked alike.
 
 ``model.generate(input_ids, ...)`` with the whole prompt on every rank gives every rank
 the tokens generate gives without CP, greedy or sampled (``generation.py``: a sharded
