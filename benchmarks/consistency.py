@@ -1,4 +1,5 @@
-"""What the default consistency check costs: one tiny all-gather per attention call.
+"""What the default consistency checks cost: one tiny all-gather per attention call, and
+the checksum by which a forward tells shards of different batches apart.
 
     python benchmarks/consistency.py                      # P=4 gloo ranks, T = 1024, 4096, 16384
     python benchmarks/consistency.py --seq 2048,8192 --json consistency.json
@@ -7,6 +8,11 @@ For each length, every rank runs the same causal zigzag ring attention forward w
 ``check_consistency`` on and off, alternating (so drift hits both alike), and reports
 the median wall time of each; the check alone (``agreement.check_ranks_agree`` on a
 signature) is timed over many calls. The ratio is the median on/off of the slowest rank.
+
+The batch checksum (one process, --batch-seq lengths, one row of tokens): what
+``shard_batch`` spends on it (crc32 of the whole batch's tokens and shifted labels) against
+the whole ``shard_batch`` call, and what a forward spends finding its shard's batch
+(``batch_code``); medians of --repeat.
 """
 
 from __future__ import annotations
@@ -19,7 +25,7 @@ import torch
 import torch.distributed as dist
 
 import ctxpar
-from ctxpar import agreement, topology
+from ctxpar import agreement, parallelize, topology
 from ctxpar.launch import run_local
 from report import write_json
 
@@ -56,6 +62,30 @@ def one_rank(rank: int, world: int, args: dict) -> dict:
     return dict(check_seconds=check_seconds, rows=rows)
 
 
+def batch_checksum(seqs: list[int], world: int, repeat: int) -> list[dict]:
+    """Seconds of the batch checksum inside shard_batch, of shard_batch, and of batch_code."""
+    layout = ctxpar.get_layout("zigzag", world)
+    rows = []
+    for seq in seqs:
+        tokens = torch.randint(0, 128_000, (1, seq))
+        targets = parallelize.shift_labels(tokens)
+
+        def median(fn) -> float:
+            times = []
+            for _ in range(repeat + 1):
+                start = time.perf_counter()
+                fn()
+                times.append(time.perf_counter() - start)
+            return statistics.median(times[1:])
+
+        shard = parallelize.shard_batch(tokens, layout=layout, rank=1).tokens
+        checksum = median(lambda: parallelize._checksum(targets, parallelize._checksum(tokens)))
+        whole = median(lambda: parallelize.shard_batch(tokens, layout=layout, rank=1))
+        lookup = median(lambda: parallelize.batch_code(shard))
+        rows.append(dict(seq=seq, checksum_seconds=checksum, shard_batch_seconds=whole, lookup_seconds=lookup))
+    return rows
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--seq", default="1024,4096,16384", help="comma-separated global lengths T")
@@ -65,6 +95,8 @@ def main() -> None:
     p.add_argument("--nproc", type=int, default=4)
     p.add_argument("--repeat", type=int, default=7, help="timed calls per setting (median)")
     p.add_argument("--calls", type=int, default=500, help="calls of the check alone")
+    p.add_argument("--batch-seq", default="131072,1048576",
+                   help="comma-separated batch lengths for the batch checksum (one process)")
     p.add_argument("--json", metavar="PATH")
     args = p.parse_args()
 
@@ -85,8 +117,14 @@ def main() -> None:
     for r in rows:
         print(f"{r['seq']:>7} {r['forward_on_seconds']:>10.4f} {r['forward_off_seconds']:>10.4f} "
               f"{r['ratio']:>7.3f} {r['check_share']:>10.2%}")
+    batches = batch_checksum([int(t) for t in args.batch_seq.split(",")], args.nproc, args.repeat)
+    print(f"batch checksum (shard_batch, zigzag P={args.nproc}, one row of int64 tokens): median of {args.repeat}")
+    print(f"{'T':>8} {'checksum ms':>12} {'shard_batch ms':>15} {'share':>7} {'forward lookup ms':>18}")
+    for r in batches:
+        print(f"{r['seq']:>8} {r['checksum_seconds'] * 1e3:>12.2f} {r['shard_batch_seconds'] * 1e3:>15.2f} "
+              f"{r['checksum_seconds'] / r['shard_batch_seconds']:>7.0%} {r['lookup_seconds'] * 1e3:>18.3f}")
     if args.json:
-        write_json(args.json, args, check_seconds=check, rows=rows)
+        write_json(args.json, args, check_seconds=check, rows=rows, batch_checksum=batches)
 
 
 if __name__ == "__main__":
