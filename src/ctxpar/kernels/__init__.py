@@ -15,7 +15,9 @@ The contract every backend meets (shapes as in ``scaled_dot_product_attention``)
 
     attention_backward(dout, q, k, v, out, lse, *, causal, scale, mask=None) -> (dq, dk, dv)
         out and lse are the *global* merged values for these query rows, so the block
-        gradients of all blocks add up to the exact gradient. dk, dv have H_kv heads.
+        gradients of all blocks add up to the exact gradient; a row with no mass anywhere
+        comes with lse +inf (``strategies.blockwise.saved_for_backward``), so that its
+        probabilities exp(s - lse) are 0. dk, dv have H_kv heads.
         Gradients come in the accumulation dtype on CPU (partial results are summed over
         blocks before anything is rounded to a low-precision dtype), in q's dtype from
         the GPU ops; strategies sum them in float32 accumulators.
@@ -63,9 +65,6 @@ def attention_backward(
     scale: float,
     mask: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    # a row whose keys all scored -inf has no mass anywhere (global lse -inf, out 0): as +inf
-    # its probabilities exp(s - lse) are 0, not exp(-inf + inf) = NaN
-    lse = lse.masked_fill(torch.isneginf(lse), float("inf"))
     return _backend(q).attention_backward(dout, q, k, v, out, lse, causal=causal, scale=scale, mask=mask)
 
 

@@ -51,7 +51,8 @@ def attention_forward(
     out, lse = _cpu_fwd(q, k, v, 0.0, causal, attn_mask=_additive(mask, q), scale=scale)
     if mask is not None:
         lse.masked_fill_(~mask.to(lse.device).any(-1), float("-inf"))  # rows that see no key here
-    lse.masked_fill_(_massless(q, k, out, lse, causal=causal, scale=scale, mask=mask), float("-inf"))
+    if not lse.all():  # an lse of exactly 0: the op's for a row without mass, and almost never another's
+        lse.masked_fill_(_massless(q, k, out, lse == 0, causal=causal, scale=scale, mask=mask), float("-inf"))
     # the op gives a NaN query row a finite (out, lse) where attention by definition gives
     # NaN: restore that, so CP poisons the same rows as single-process SDPA (O(Sq*D) per block)
     nan_rows = q.isnan().any(-1)  # (B, H, Sq)
@@ -62,17 +63,14 @@ def attention_forward(
 _RESCORED_SCORES = 1 << 22  # scores of suspect rows held at once (16 MiB in float32)
 
 
-def _massless(q: torch.Tensor, k: torch.Tensor, out: torch.Tensor, lse: torch.Tensor, *, causal: bool,
+def _massless(q: torch.Tensor, k: torch.Tensor, out: torch.Tensor, suspects: torch.Tensor, *, causal: bool,
               scale: float, mask: torch.Tensor | None) -> torch.Tensor:
-    """(B, H, Sq) bool: rows whose visible keys all score -inf (an -inf in q or k, or a
-    product past the float range), which have no softmax mass here. The op gives them out 0
-    and lse 0, which would merge as a key of weight 1 and value 0. Only rows given exactly
-    that are rescored: the rare row that truly has lse 0 and out 0 (one key, scored 0, of
-    value 0) stays as it is."""
-    suspects = lse == 0  # (B, H, Sq); almost never: then out is not read
-    if not suspects.any():
-        return suspects
-    suspects &= (out == 0).all(-1)
+    """(B, H, Sq) bool: of the ``suspects`` (rows given lse 0), those whose visible keys all
+    score -inf (an -inf in q or k, or a product past the float range), which have no softmax
+    mass here. The op gives them out 0 and lse 0, which would merge as a key of weight 1 and
+    value 0. Only rows given exactly that are rescored: the rare row that truly has lse 0
+    and out 0 (one key, scored 0, of value 0) stays as it is."""
+    suspects = suspects & (out == 0).all(-1)
     group, keys = q.shape[1] // k.shape[1], torch.arange(k.shape[2], device=q.device)
     rows_at_once = max(1, _RESCORED_SCORES // k.shape[2])  # bounded memory if a whole tile is suspect
     for b, kv_head in {(b, h // group) for b, h in suspects.nonzero()[:, :2].tolist()}:

@@ -43,7 +43,7 @@ from ctxpar.layout import Layout
 from ctxpar.masks import Mask
 from ctxpar.strategies.blockwise import (backward_tiles, finish_forward, first_order_only, forward_tiles,
                                          gradient_accumulators, output_accumulators, refuse_lse_gradient,
-                                         sink_gradient)
+                                         saved_for_backward, sink_gradient)
 from ctxpar.strategy_rules import gather_group_heads
 from ctxpar.topology import Topology
 
@@ -123,7 +123,7 @@ class AllGatherAttention(torch.autograd.Function):
     @first_order_only
     def backward(ctx, dout, dlse):
         refuse_lse_gradient(dlse)
-        q, k, v, sinks, out, lse = ctx.saved_tensors
+        q, k, v, sinks, out, lse = saved_for_backward(ctx)
         group, order, scale, world = ctx.args
         g = q.shape[1] // k.shape[1]
         dout = dout.contiguous()

@@ -71,6 +71,14 @@ def finish_forward(ctx, q, k, v, sinks, acc_out: torch.Tensor, acc_lse: torch.Te
     return out, acc_lse
 
 
+def saved_for_backward(ctx) -> tuple[torch.Tensor, ...]:
+    """What ``finish_forward`` saved: q, k, v, sinks, out and the merged lse, in which a row
+    whose keys all scored -inf (no mass anywhere: lse -inf, out 0) reads +inf, so that the
+    kernels' probabilities exp(s - lse) are 0 rather than exp(-inf + inf) = NaN."""
+    q, k, v, sinks, out, lse = ctx.saved_tensors
+    return q, k, v, sinks, out, lse.masked_fill(torch.isneginf(lse), float("inf"))
+
+
 def refuse_lse_gradient(dlse: torch.Tensor | None) -> None:
     """No strategy differentiates the lse it returns (its gradient would change every
     kernel's backward); a loss that uses it is refused rather than left without that term."""
@@ -173,7 +181,7 @@ class LocalAttention(torch.autograd.Function):
     @first_order_only
     def backward(ctx, dout, dlse):
         refuse_lse_gradient(dlse)
-        q, k, v, sinks, out, lse = ctx.saved_tensors
+        q, k, v, sinks, out, lse = saved_for_backward(ctx)
         dout = dout.contiguous()
         dq, dkv = gradient_accumulators(q, k)
         with profile.timed("compute", q.device):

@@ -43,7 +43,7 @@ from ctxpar.layout import Layout
 from ctxpar.masks import Mask
 from ctxpar.strategies.blockwise import (backward_tiles, finish_forward, first_order_only, forward_tiles,
                                          gradient_accumulators, output_accumulators, refuse_lse_gradient,
-                                         sink_gradient)
+                                         saved_for_backward, sink_gradient)
 from ctxpar.topology import Topology
 
 _KV_TAG, _DKV_TAG, _HOME_TAG = 0, 1, 2
@@ -143,7 +143,7 @@ class RingAttention(torch.autograd.Function):
     @first_order_only
     def backward(ctx, dout, dlse):
         refuse_lse_gradient(dlse)
-        q, k, v, sinks, out, lse = ctx.saved_tensors
+        q, k, v, sinks, out, lse = saved_for_backward(ctx)
         plan, rank, scale = ctx.plan, ctx.rank, ctx.scale
         world, held, steps = len(plan.held[0]), plan.held, plan.steps
         dout = dout.contiguous()
