@@ -79,7 +79,7 @@ def batch_checksum(seqs: list[int], world: int, repeat: int) -> list[dict]:
             return statistics.median(times[1:])
 
         shard = parallelize.shard_batch(tokens, layout=layout, rank=1).tokens
-        checksum = median(lambda: parallelize._checksum(targets, parallelize._checksum(tokens)))
+        checksum = median(lambda: parallelize._batch_checksum(tokens, targets))
         whole = median(lambda: parallelize.shard_batch(tokens, layout=layout, rank=1))
         lookup = median(lambda: parallelize.batch_code(shard))
         rows.append(dict(seq=seq, checksum_seconds=checksum, shard_batch_seconds=whole, lookup_seconds=lookup))

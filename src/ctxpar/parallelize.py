@@ -19,7 +19,6 @@ import inspect
 import itertools
 import reprlib
 import threading
-import zlib
 from collections import OrderedDict
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -97,10 +96,9 @@ def _check_batch(tokens, layout, labels) -> None:
         raise ValueError(f"labels must be a tensor of the tokens' shape (B, T) = {tuple(tokens.shape)}, got {got}")
 
 
-def _checksum(t: torch.Tensor, start: int = 0) -> int:
-    """crc32 of ``t``'s values as int64 on the host, continuing from ``start``."""
-    host = t.detach().to("cpu", torch.int64).contiguous()
-    return zlib.crc32(memoryview(host.numpy()).cast("B"), start)
+def _batch_checksum(tokens: torch.Tensor, targets: torch.Tensor) -> int:
+    """crc32 of a whole batch: its tokens, then their shifted targets, as int64."""
+    return agreement.tensor_code(targets, torch.int64, agreement.tensor_code(tokens, torch.int64))
 
 
 class _ShardedLately:
@@ -122,8 +120,8 @@ class _ShardedLately:
 
     def remember(self, shard: torch.Tensor, tokens: torch.Tensor, targets: torch.Tensor) -> None:
         """``shard`` was cut from the batch of ``tokens`` and their shifted ``targets`` (B, T)."""
-        code = _checksum(targets, _checksum(tokens)) >> 8  # 24 bits: a forward's all-reduce sums their squares
-        key = (tuple(shard.shape), _checksum(shard))
+        code = _batch_checksum(tokens, targets) >> 8  # 24 bits: a forward's all-reduce sums their squares
+        key = (tuple(shard.shape), agreement.tensor_code(shard, torch.int64))
         with self._lock:
             known = self._codes.pop(key, code)
             self._codes[key] = code if known == code else -1
@@ -135,8 +133,9 @@ class _ShardedLately:
         with self._lock:
             if not any(known == shape for known, _ in self._codes):  # nothing to find: no host copy, no checksum
                 return -1
+        key = (shape, agreement.tensor_code(tokens, torch.int64))  # outside the lock: a copy to the host
         with self._lock:
-            return self._codes.get((shape, _checksum(tokens)), -1)
+            return self._codes.get(key, -1)
 
 
 _SHARDED = _ShardedLately()

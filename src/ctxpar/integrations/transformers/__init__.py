@@ -175,7 +175,7 @@ def _refuse_together(name: str, error: Exception | None, label_flags: list[int],
     others would not join the loss's all-reduce), unshifted labels (``_label_flags``), and
     shards of different batches (``batch``: ``batch_code``'s checksum, -1 if unknown)."""
     ranks_here = dist.get_world_size(group) if dist.is_initialized() else 1
-    known = int(batch >= 0 and error is None and ranks_here < 2**15)  # n * c^2 < 2^63 for 24-bit codes
+    known = int(batch >= 0 and ranks_here < 2**15)  # n * c^2 < 2^63 for 24-bit codes
     code = batch if known else 0
     flags = torch.tensor([int(error is not None), *label_flags, known, code, code * code, 1], device=device)
     if dist.is_initialized():
@@ -286,7 +286,7 @@ def _wrap_forward(model, settings: Settings, loss: CPCausalLMLoss | None = None)
         tokens = bound.get("input_ids")
         device = (tokens if tokens is not None else model.get_input_embeddings().weight).device
         flags = [int(labels is not None), 0, 0] if error is not None else _label_flags(labels, tokens, settings)
-        batch = batch_code(tokens) if _reduces_over_the_cp_group(settings) else -1
+        batch = batch_code(tokens) if error is None and _reduces_over_the_cp_group(settings) else -1
         _refuse_together(name, error, flags, batch, device, settings.group)
         calls = loss.calls if loss is not None else 0
         declared = DOCUMENTS.set(documents)
