@@ -24,6 +24,8 @@ test_hf_generate.py:
   rank together: LongRoPE (``hf_families``' ``phi3+longrope``) per layout, the decoder
   called alone, ``logits_to_keep``, a padding mask on one rank only, an attention
   implementation switched after ``enable_context_parallel`` on one rank only.
+- ``hybrid``: ``strategy="hybrid"`` on a mesh of every rank, and on two data-parallel
+  replicas each a mesh of its own (``_hybrid``).
 - ``generate``: ``model.generate()`` on CP groups of 2, 3 and 4 ranks (``hf_generate_cases``,
   asserted by test_hf_generate.py).
 """
@@ -299,6 +301,59 @@ def _one_rank_refuses(rank: int, world: int) -> dict:
     return dict(refused=refused, group_rank=dist.get_rank(group), after=after)
 
 
+def _hybrid(rank: int, world: int) -> dict:
+    """strategy="hybrid": on the 2x2 mesh of every rank, the labels= loss, logits and summed
+    gradients against the unsplit model; then on a (dp 2) x (ring 1, ulysses 2) mesh, each
+    data-parallel replica a CP group of its own with a batch of its own: its loss is its
+    batch's, a forward on replica 0 alone runs (replica 1 takes no part in it), and shards of
+    two batches on replica 0 are refused there while replica 1 runs."""
+    from torch.distributed.device_mesh import init_device_mesh
+
+    def against_unsplit(model, layout, mesh, group, input_ids, labels) -> dict:
+        reference = tiny_llama()
+        ref = reference(input_ids=input_ids, labels=labels, use_cache=False)
+        ref.loss.backward()
+        inputs, local_labels = shard_inputs(input_ids, layout=layout, rank=ctxpar.hybrid_rank(mesh), labels=labels)
+        got = model(**inputs, labels=local_labels)
+        got.loss.backward()
+        grads = _grads(model)
+        dist.all_reduce(grads, group=group)
+        want = _grads(reference)
+        return dict(loss=got.loss.item(), loss_err=abs(got.loss.item() - ref.loss.item()),
+                    logits_err=_relative(_gather(got.logits, layout, group), ref.logits.detach()),
+                    grad_err=_relative(grads, want))
+
+    def batch(seed: int) -> tuple[torch.Tensor, torch.Tensor]:
+        input_ids = torch.randint(0, 128, (2, 8 * world), generator=torch.Generator().manual_seed(seed))
+        labels = input_ids.clone()
+        labels[0, :5] = IGNORE_INDEX  # the shards hold different numbers of labelled tokens
+        return input_ids, labels
+
+    mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("ring", "ulysses"))
+    layout = ctxpar.get_layout("zigzag", world)
+    model = enable_context_parallel(tiny_llama(), layout=layout, strategy="hybrid", mesh=mesh)
+    out = dict(whole=against_unsplit(model, layout, mesh, None, *batch(3)))
+
+    pair, replica, _ = _pairs(rank, world)  # ranks 0-1 and 2-3: the replicas of the mesh below
+    replicas = init_device_mesh("cpu", (2, 1, SWEEP_P), mesh_dim_names=("dp", "ring", "ulysses"))
+    assert replicas.get_local_rank("dp") == replica
+    mesh = replicas["ring", "ulysses"]
+    layout = ctxpar.get_layout("zigzag", SWEEP_P)
+    model = enable_context_parallel(tiny_llama(), layout=layout, strategy="hybrid", mesh=mesh)
+    input_ids, labels = batch(10 + replica)
+    out["replica"] = against_unsplit(model, layout, mesh, pair, input_ids, labels)
+    inputs, local_labels = shard_inputs(input_ids, layout=layout, rank=ctxpar.hybrid_rank(mesh), labels=labels)
+    with torch.no_grad():
+        want = tiny_llama()(input_ids=input_ids, use_cache=False).logits
+        if replica == 0:  # an evaluation on one replica
+            out["one replica"] = _attempt(lambda: _relative(_gather(model(**inputs).logits, layout, pair), want))
+    dist.barrier()
+    other, _ = shard_inputs(batch(20)[0], layout=layout, rank=ctxpar.hybrid_rank(mesh))
+    mixed = other if replica == 0 and rank % SWEEP_P == 1 else inputs
+    out["another batch on replica 0"] = _attempt(lambda: model(**mixed, labels=local_labels).loss.item())
+    return out
+
+
 def _attempt(fn) -> tuple[str, object]:
     """("ran", what fn returns) or ("refused", the ValueError's message)."""
     try:
@@ -386,4 +441,4 @@ def run(rank: int, world: int) -> dict:
 
     return dict(llama=_llama(rank, world), labels=_labels(rank, world), sweep=_sweep(rank, world),
                 masks=_masks(rank, world), packed=_packed(rank, world), one_rank_refuses=_one_rank_refuses(rank, world),
-                guards=_guards(rank, world), generate=hf_generate_cases.run(rank, world))
+                guards=_guards(rank, world), hybrid=_hybrid(rank, world), generate=hf_generate_cases.run(rank, world))

@@ -127,6 +127,13 @@ def test_a_batch_or_loss_whose_shapes_do_not_match_is_refused() -> None:
         cp_loss(torch.randn(2, 4, 5), torch.zeros(4, 2, dtype=torch.long))
     with pytest.raises(ValueError, match=re.escape("logits must be (B, S, vocab) and labels (B, S)")):
         cp_loss(torch.randn(8, 5), torch.zeros(8, dtype=torch.long))
+    logits, labels = torch.randn(1, 4, 5), torch.zeros(1, 4, dtype=torch.long)
+    with pytest.raises(ValueError, match=re.escape("cp_loss takes group= or mesh= (a hybrid mesh's ranks), not both")):
+        cp_loss(logits, labels, group=object(), mesh=object())
+    with pytest.raises(ValueError, match=re.escape("mesh= must be a torch DeviceMesh (2D, dims 'ulysses' and 'ring')")):
+        cp_loss(logits, labels, mesh="cp")
+    with pytest.raises(ValueError, match=re.escape("a process group was given but torch.distributed is not")):
+        cp_loss(logits, labels, group=object())  # it computed this process's loss alone, as if no group were named
 
 
 def test_a_model_shape_that_is_not_whole_or_that_rope_cannot_rotate_is_refused() -> None:

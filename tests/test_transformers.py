@@ -232,6 +232,33 @@ def test_shards_of_different_batches_are_refused_on_every_rank() -> None:
                 (check, detail)
 
 
+def test_hybrid_on_a_mesh_gives_the_unsplit_loss_logits_and_gradients() -> None:
+    """strategy="hybrid" on a 2x2 mesh of 4 ranks (zigzag, unevenly ignored labels)."""
+    for rank, res in enumerate(hf_cases.results()):
+        r = res["hybrid"]["whole"]
+        assert r["loss_err"] <= 1e-5 and r["logits_err"] <= 1e-5 and r["grad_err"] <= 1e-4, (rank, r)
+
+
+def test_hybrid_replicas_each_run_their_own_batch_and_loss_alone() -> None:
+    """Two data-parallel replicas, each a hybrid mesh of 2 ranks: the forward's checks and its
+    labels= loss ran on WORLD, so each replica's loss averaged both batches, a forward on one
+    replica alone waited for the other, and shards of two batches were never compared."""
+    runs = [res["hybrid"] for res in hf_cases.results()]
+    for rank, r in enumerate(runs):
+        assert r["replica"]["loss_err"] <= 1e-5 and r["replica"]["logits_err"] <= 1e-5, (rank, r["replica"])
+        assert r["replica"]["grad_err"] <= 1e-4, (rank, r["replica"])
+    assert abs(runs[0]["replica"]["loss"] - runs[2]["replica"]["loss"]) > 1e-3  # two batches, two losses
+    for rank, r in enumerate(runs):
+        if rank < hf_cases.SWEEP_P:
+            kind, detail = r["one replica"]
+            assert kind == "ran" and detail <= 1e-5, (rank, detail)
+            kind, detail = r["another batch on replica 0"]
+            assert kind == "refused" and "got shards of different batches" in detail, (rank, detail)
+        else:
+            assert "one replica" not in r
+            assert r["another batch on replica 0"][0] == "ran", (rank, r["another batch on replica 0"])
+
+
 def test_a_deep_copy_runs_its_own_weights_on_the_same_group() -> None:
     """copy.deepcopy of an enabled model (a frozen reference model, an EMA copy) ran the
     original's weights, its wrappers closing over the original; with group= it raised

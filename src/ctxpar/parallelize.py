@@ -246,13 +246,14 @@ def _guard_positions(model: nn.Module, layout: str | Layout, group: dist.Process
 
 
 def cp_loss(
-    logits: torch.Tensor, labels: torch.Tensor, *, group: dist.ProcessGroup | None = None
+    logits: torch.Tensor, labels: torch.Tensor, *, group: dist.ProcessGroup | None = None, mesh=None
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Cross-entropy over tokens spread across the ranks of ``group``.
 
     Args:
         logits: (B, S, vocab) this rank's logits; labels: (B, S), IGNORE_INDEX = skip.
         group: every rank holding part of the batch (CP, or DP x CP); None = WORLD.
+        mesh: instead of ``group``, the 2D DeviceMesh of ``strategy="hybrid"``: its ranks.
 
     Returns:
         (share, loss): ``share`` = this rank's token-weighted loss sum / the global token
@@ -262,13 +263,14 @@ def cp_loss(
     if logits.dim() != 3 or labels.shape != logits.shape[:2]:
         raise ValueError(f"logits must be (B, S, vocab) and labels (B, S) for the same tokens, got logits "
                          f"{tuple(logits.shape)} and labels {tuple(labels.shape)}")
+    if mesh is not None and group is not None:
+        raise ValueError("cp_loss takes group= or mesh= (a hybrid mesh's ranks), not both")
+    ranks = topology.from_mesh(mesh) if mesh is not None else topology.from_group(group)
     total = F.cross_entropy(logits.flatten(0, 1).float(), labels.flatten(), ignore_index=IGNORE_INDEX,
                             reduction="sum")
     count = (labels != IGNORE_INDEX).sum()  # int64: exact whatever the token count
-    if dist.is_initialized():
-        dist.all_reduce(count, group=group)
+    topology.all_reduce(count, ranks)
     share = total / count.clamp(min=1).to(total.dtype)
     loss = share.detach().clone()
-    if dist.is_initialized():
-        dist.all_reduce(loss, group=group)
+    topology.all_reduce(loss, ranks)
     return share, loss

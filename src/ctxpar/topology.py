@@ -92,6 +92,14 @@ def from_mesh(mesh) -> Topology:
     )
 
 
+def all_reduce(tensor, topo: Topology) -> None:
+    """Sum ``tensor`` in place over every rank of the CP group: for a hybrid mesh, over its
+    ulysses groups, then over its ring groups, which sum those sums over the whole grid."""
+    if _initialised():
+        for group in topo.process_groups:
+            dist.all_reduce(tensor, group=group)
+
+
 def hybrid_rank(mesh) -> int:
     """This rank's index in the CP layout under a hybrid mesh (use it to shard inputs)."""
     return from_mesh(mesh).rank

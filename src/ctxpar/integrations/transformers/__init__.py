@@ -70,6 +70,7 @@ from ctxpar.integrations.transformers.fidelity import (Unsupported, check_model,
                                                        longrope_limits)
 from ctxpar.integrations.transformers.generation import CACHE_KEYS, ShardedCache, cached_forward, wrap_generate
 from ctxpar.integrations.transformers.loss import LOSS_KEYWORDS, CPCausalLMLoss, loss_refusal
+from ctxpar import topology
 from ctxpar.attention import check_settings
 from ctxpar.layout import Layout
 from ctxpar.masks import document_lengths, positions_in_documents
@@ -168,18 +169,16 @@ def _label_flags(labels: torch.Tensor | None, input_ids: torch.Tensor | None, se
 
 
 def _refuse_together(name: str, error: Exception | None, label_flags: list[int], batch: int, device: torch.device,
-                     group) -> None:
+                     peers: topology.Topology) -> None:
     """One tiny all-reduce, so that every rank refuses a forward if any rank does (a refusal
     on some ranks only would leave the others waiting in attention): this rank's own error
     (declared documents, positions, caches, labels), labels= given on some ranks only (the
     others would not join the loss's all-reduce), unshifted labels (``_label_flags``), and
     shards of different batches (``batch``: ``batch_code``'s checksum, -1 if unknown)."""
-    ranks_here = dist.get_world_size(group) if dist.is_initialized() else 1
-    known = int(batch >= 0 and ranks_here < 2**15)  # n * c^2 < 2^63 for 24-bit codes
+    known = int(batch >= 0 and peers.world_size < 2**15)  # n * c^2 < 2^63 for 24-bit codes
     code = batch if known else 0
     flags = torch.tensor([int(error is not None), *label_flags, known, code, code * code, 1], device=device)
-    if dist.is_initialized():
-        dist.all_reduce(flags, group=group)
+    topology.all_reduce(flags, peers)
     refused, given, matching, last_labelled, knowing, codes, squares, ranks = flags.tolist()
     if error is not None:
         raise error
@@ -201,13 +200,6 @@ def _refuse_together(name: str, error: Exception | None, label_flags: list[int],
                          f"masked), which would score each token on predicting itself. Pass the labels shard_inputs "
                          f"returns (shard_inputs(input_ids, labels=your_labels, ...) shifts them on the unsplit "
                          f"sequence), or compute the loss with ctxpar.parallelize.cp_loss")
-
-
-def _reduces_over_the_cp_group(settings: Settings) -> bool:
-    """Whether the forward's all-reduce (on ``settings.group``) spans the CP group alone, so
-    that it may compare batches: with a hybrid ``mesh=`` it runs on WORLD, which also holds
-    the other data-parallel replicas, and their other batches, unless the mesh is WORLD."""
-    return settings.mesh is None or not dist.is_initialized() or settings.mesh.size() == dist.get_world_size()
 
 
 def _documents(name: str, settings: Settings, bound: dict, documents) -> tuple[int, ...] | None:
@@ -254,6 +246,7 @@ def _wrap_forward(model, settings: Settings, loss: CPCausalLMLoss | None = None)
             return cached_forward(forward, {**call, **extra}, name=name, settings=settings, cache=sharded[0],
                                   accepts=signature.parameters, refusal=refusal)
         labels = bound.get("labels")
+        peers = settings.peers()  # enable_context_parallel saw this rank in them
         error = None
         try:
             check_implementation(name, models)
@@ -286,8 +279,8 @@ def _wrap_forward(model, settings: Settings, loss: CPCausalLMLoss | None = None)
         tokens = bound.get("input_ids")
         device = (tokens if tokens is not None else model.get_input_embeddings().weight).device
         flags = [int(labels is not None), 0, 0] if error is not None else _label_flags(labels, tokens, settings)
-        batch = batch_code(tokens) if error is None and _reduces_over_the_cp_group(settings) else -1
-        _refuse_together(name, error, flags, batch, device, settings.group)
+        batch = batch_code(tokens) if error is None else -1
+        _refuse_together(name, error, flags, batch, device, peers)
         calls = loss.calls if loss is not None else 0
         declared = DOCUMENTS.set(documents)
         try:
@@ -328,7 +321,8 @@ def enable_context_parallel(
         layout: the ``Layout`` its inputs were sharded with (``shard_inputs``), or its name
             (``"zigzag"``: built for the group's size).
         group: the CP process group (default WORLD); the ``labels=`` loss is averaged over
-            the tokens of its ranks. ``mesh``: for ``strategy="hybrid"``.
+            the tokens of its ranks. ``mesh``: for ``strategy="hybrid"``, the CP group then
+            (a forward's checks and loss run on its ranks alone, not on the rest of WORLD).
         strategy: ``"ring" | "allgather" | "alltoall" | "hybrid" | "auto"``, as in
             ``ctxpar.attention`` ("auto": the planner picks per attention call).
 
@@ -351,7 +345,7 @@ def enable_context_parallel(
     if stale:
         raise ValueError(f"transformers kept another attention implementation for {', '.join(stale)}; ctxpar "
                          f"cannot run this model")
-    loss = CPCausalLMLoss(group)
+    loss = CPCausalLMLoss(group, mesh)
     model.loss_function = loss
     for sub in model.modules():  # the decoder called on its own (model.model(...)) is checked too
         if isinstance(sub, PreTrainedModel) and sub is not model:

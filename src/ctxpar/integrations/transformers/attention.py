@@ -34,7 +34,7 @@ from ctxpar.attention import attention
 from ctxpar.inference.decode import sharded_attention
 from ctxpar.layout import Layout
 from ctxpar.masks import chunked, positions_in_documents
-from ctxpar.topology import hybrid_rank
+from ctxpar.topology import Topology, from_group, from_mesh
 
 NAME = "ctxpar"
 
@@ -92,13 +92,14 @@ class Settings:
     longrope: tuple[int, ...] = ()
     dynamic: tuple[int, ...] = ()
 
+    def peers(self) -> Topology:
+        """The CP group: ``group``'s ranks, or the hybrid ``mesh``'s (never the rest of WORLD,
+        which may hold other data-parallel replicas, forwarding other batches or none)."""
+        return from_mesh(self.mesh) if self.mesh is not None else from_group(self.group)
+
     def positions(self, local_len: int) -> torch.Tensor:
         """(S,) the global positions this rank's ``local_len`` tokens sit at."""
-        if self.mesh is not None:
-            rank = hybrid_rank(self.mesh)
-        else:
-            rank = dist.get_rank(self.group) if dist.is_initialized() else 0
-        return self.layout.positions(local_len * self.layout.world_size, rank)
+        return self.layout.positions(local_len * self.layout.world_size, self.peers().rank)
 
 
 def installed(fn):

@@ -50,8 +50,8 @@ class CPCausalLMLoss:
     """A ``loss_function`` for transformers causal-LM heads; counts its calls so that a
     model computing its loss some other way can be caught (see ``enable_context_parallel``)."""
 
-    def __init__(self, group: dist.ProcessGroup | None) -> None:
-        self.group = group
+    def __init__(self, group: dist.ProcessGroup | None, mesh=None) -> None:
+        self.group, self.mesh = group, mesh
         self.calls = 0
 
     def __call__(self, logits: torch.Tensor, labels: torch.Tensor, vocab_size: int, num_items_in_batch=None,
@@ -64,5 +64,5 @@ class CPCausalLMLoss:
                                ignore_index=ignore_index, shift_labels=shift_labels)
         if refusal is not None:
             raise ValueError(refusal)
-        share, loss = cp_loss(logits, labels.to(logits.device), group=self.group)
+        share, loss = cp_loss(logits, labels.to(logits.device), group=self.group, mesh=self.mesh)
         return share + (loss - share).detach()
