@@ -4,9 +4,9 @@ model's generate without CP, on CP groups of P = 2, 3 and 4 of those ranks.
 - ``tokens``: for each (P, case), on every rank of the group: whether the generated
   sequences equal the unsplit model's, and a digest of them (the same on every rank).
   Tiny Llama and Mistral (a sliding window of 4, so decode steps see only some of each
-  rank's keys), every layout, the three inference strategies and ``strategy="auto"``
-  (with the strategies the planner chose, one per layer of the prefill), greedy and
-  seeded sampling, num_return_sequences=2.
+  rank's keys), gpt-oss (sink logits; a window on every other layer), every layout, the
+  three inference strategies and ``strategy="auto"`` (with the strategies the planner
+  chose, one per layer of the prefill), greedy and seeded sampling, num_return_sequences=2.
 - ``families``: every family that runs under CP (not ``hf_families.REFUSED``) on two CP
   groups of 2 ranks (zigzag, 16-token prompt, 4 new tokens): the same tokens as without
   CP, or refused naming what the sharded cache cannot serve (``GENERATE_REFUSED``).
@@ -43,7 +43,8 @@ SAMPLE = dict(do_sample=True, temperature=0.9, top_k=20)
 
 
 def cases(world: int) -> dict[str, tuple]:
-    """Llama in every layout; Mistral (its window) in every layout on 4 ranks, one on 2 and 3."""
+    """Llama in every layout; Mistral (its window) in every layout on 4 ranks, one on 2 and 3;
+    gpt-oss (its sinks) sampled."""
     found = {f"llama/{layout}": ("llama", layout, "ring", {}) for layout in LAYOUTS}
     for layout in LAYOUTS if world == 4 else LAYOUTS[world - 1:world]:
         found[f"mistral/{layout}"] = ("mistral", layout, "ring", {})
@@ -52,22 +53,20 @@ def cases(world: int) -> dict[str, tuple]:
         found["llama/striped/alltoall"] = ("llama", "striped", "alltoall", {})
     found["llama/zigzag/auto"] = ("llama", "zigzag", "auto", {})
     found["mistral/striped/auto"] = ("mistral", "striped", "auto", {})
+    found["gpt_oss/striped/sampled"] = ("gpt_oss", "striped", "ring", SAMPLE)  # sinks, windows on every other layer
     found["llama/zigzag/sampled"] = ("llama", "zigzag", "ring", SAMPLE)
     found["mistral/striped/sampled x2"] = ("mistral", "striped", "ring", dict(SAMPLE, num_return_sequences=2))
     return found
 
 
 _MLA = "of different shapes (the latents of multi-head latent attention?)"
-_SINKS = "has attention sinks"
 # family -> the words of generate's refusal: what the sharded cache cannot serve
 GENERATE_REFUSED = {
     **dict.fromkeys(("axk1", "deepseek_v2", "deepseek_v3", "glm4_moe_lite", "longcat_flash", "minicpm3",
                      "sarvam_mla", "youtu"), _MLA),
     **dict.fromkeys(("diffllama", "jetmoe"), "attends with K/V other than the ones its cache returned"),
     "dory": "(looped or extra layers)",
-    **dict.fromkeys(("gemma4_text", "gemma4_unified_text"), "holds one shape in every layer"),
-    **dict.fromkeys(("flint", "gpt_oss", "gpt_oss+sinks-only", "granite_swa", "granitemoe_swa", "mimo_v2_flash"),
-                    _SINKS),
+    **dict.fromkeys(("gemma4_text", "gemma4_unified_text", "mimo_v2_flash"), "holds one shape in every layer"),
 }
 
 
@@ -193,8 +192,6 @@ def _refusals(rank: int, world: int) -> dict:
         "beam search on rank 1 only": _attempt(lambda: model.generate(tokens, num_beams=1 + (rank == 1), **run)),
         "prompts differ": _attempt(lambda: model.generate(other, **run)),
         "seeds differ": _attempt(lambda: (torch.manual_seed(rank), model.generate(tokens, do_sample=True, **run))),
-        "sinks": _attempt(lambda: enable_context_parallel(hf_families.build("gpt_oss+sinks-only"), layout=layout)
-                          .generate(tokens, **run)),
         "longrope prefill": _attempt(lambda: enable_context_parallel(  # rank 0 holds positions 0-5 of 24, limit 8
             hf_families.build("phi3+longrope"), layout=ctxpar.get_layout("contiguous", world)).generate(tokens, **run)),
         "sdpa after enable": _attempt(lambda: _switched(layout).generate(tokens, **run)),

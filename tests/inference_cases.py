@@ -133,18 +133,25 @@ def _check_sampled(rank: int, world: int) -> dict:
     return {"tokens": r.tokens.tolist(), "reference": ref.tolist()}
 
 
-def _check_empty_shard(rank: int, world: int) -> float:
+def _check_empty_shard(rank: int, world: int) -> dict:
     """``sharded_attention`` with keys dealt unevenly, rank 0 holding none: relative error
-    against attention over all keys at once."""
+    against attention over all keys at once, without and with sink logits (one more
+    softmax term per head, with no value, as gpt-oss's), and how much the sinks change it."""
     gen = torch.Generator().manual_seed(3)
     q = torch.randn(2, 6, 1, 8, generator=gen)
     k, v = torch.randn(2, 2, 10, 8, generator=gen), torch.randn(2, 2, 10, 8, generator=gen)
+    sinks = torch.randn(6, generator=gen) + 1.0
     counts = [0] + [10 // (world - 1) + (r < 10 % (world - 1)) for r in range(world - 1)] if world > 1 else [10]
     start = sum(counts[:rank])
     mine = slice(start, start + counts[rank])
     got = sharded_attention(q, k[:, :, mine], v[:, :, mine], group=None, scale=8**-0.5)
+    with_sinks = sharded_attention(q, k[:, :, mine], v[:, :, mine], group=None, scale=8**-0.5, sinks=sinks)
     want = torch.nn.functional.scaled_dot_product_attention(q, k, v, enable_gqa=True)
-    return rel_error(got, want)
+    scores = q.double() @ k.double().repeat_interleave(3, dim=1).transpose(-1, -2) * 8**-0.5  # (B, H, 1, 10)
+    columns = torch.cat([scores, sinks.double().view(1, -1, 1, 1).expand(2, -1, 1, 1)], dim=-1)
+    want_sinks = columns.softmax(-1)[..., :-1] @ v.double().repeat_interleave(3, dim=1)
+    return dict(err=rel_error(got, want), sinks_err=rel_error(with_sinks, want_sinks),
+                sinks_effect=rel_error(want, want_sinks))
 
 
 # a conversation after the prompt: (kind, tokens) turns; chunks of 1 token, of fewer tokens

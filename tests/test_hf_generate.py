@@ -110,7 +110,6 @@ REFUSED = {  # what generate must refuse on every rank, and the words of the err
                       "parallelism: classifier-free guidance",
     "prompts differ": "ValueError: the ranks of the CP group disagree on the generate call: arguments",
     "seeds differ": "ValueError: the ranks of the CP group disagree on the generate call: RNG state",
-    "sinks": "NotImplementedError: GptOssForCausalLM has attention sinks",
     "dynamic cache in forward": "ValueError: LlamaForCausalLM got past_key_values=DynamicCache",
     "longrope prefill": "ValueError: Phi3ForCausalLM uses LongRoPE",
     "sdpa after enable": "ValueError: LlamaForCausalLM's attention implementation is now 'sdpa'",

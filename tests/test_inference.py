@@ -3,6 +3,8 @@ model, greedy and sampled tokens, what each rank's cache holds, and bad input.""
 
 from __future__ import annotations
 
+import re
+
 import pytest
 import torch
 
@@ -106,9 +108,10 @@ def test_seeded_sampling_draws_the_single_process_tokens_on_every_rank(world: in
 
 
 @pytest.mark.parametrize("world", WORLD_SIZES, ids=lambda w: f"P{w}")
-def test_a_rank_with_an_empty_shard_contributes_nothing(world: int) -> None:
-    for err in _reported(world, "empty_shard"):
-        assert err <= FP32_RTOL
+def test_a_rank_with_an_empty_shard_contributes_nothing_and_sinks_are_merged_exactly(world: int) -> None:
+    for r in _reported(world, "empty_shard"):
+        assert r["err"] <= FP32_RTOL and r["sinks_err"] <= FP32_RTOL, r
+        assert r["sinks_effect"] > 0.05, r  # the sinks bite
 
 
 @pytest.mark.parametrize("world", WORLD_SIZES, ids=lambda w: f"P{w}")
@@ -315,6 +318,16 @@ def test_sampling_at_extreme_temperatures_draws_real_tokens(temperature: float) 
     if temperature < 1:
         assert tokens.tolist() == [1, 3]
     assert tokens.dtype == torch.int64 and tokens[0] in (0, 1, 2) and tokens[1] in (0, 1, 2, 3)
+
+
+def test_sharded_attention_refuses_sinks_of_another_shape_or_not_finite() -> None:
+    from ctxpar.inference import sharded_attention
+
+    q, kv = torch.randn(1, 4, 1, 8), torch.randn(1, 2, 3, 8)
+    with pytest.raises(ValueError, match=re.escape("sinks must be a tensor of shape (H,) = (4,)")):
+        sharded_attention(q, kv, kv, group=None, scale=8**-0.5, sinks=torch.zeros(2))
+    with pytest.raises(ValueError, match="sinks must be finite in torch.float32"):
+        sharded_attention(q, kv, kv, group=None, scale=8**-0.5, sinks=torch.tensor([0, 0, 0, float("inf")]))
 
 
 @pytest.mark.parametrize("heads, kv_heads", [(6, 4), (2, 4)])

@@ -110,7 +110,7 @@ def attention_with_lse(
         chosen, topo, layout = _settings(layout, group, strategy, mesh)
         scale = _validate(q, k, v, layout, topo, scale)
         mask = make_mask(q.shape[2] * layout.world_size, causal=causal, documents=documents, window=window)
-        _check_sinks(sinks, q)
+        check_sinks(sinks, q)
         if strategy == auto.AUTO:
             strategy, _ = auto.choose(q, k, world=topo.world_size, layout_name=layout.name, mask=mask,
                                       backward=agreement.needs_grad(q, k, v, sinks))
@@ -285,7 +285,8 @@ def _validate(q, k, v, layout: Layout, topo: topology.Topology, scale: float | N
     return value
 
 
-def _check_sinks(sinks, q: torch.Tensor) -> None:
+def check_sinks(sinks, q: torch.Tensor) -> None:
+    """``sinks`` None, or (H,) finite logits, one per query head of ``q`` (B, H, S, D)."""
     if sinks is None:
         return
     if not isinstance(sinks, torch.Tensor) or sinks.shape != (q.shape[1],):

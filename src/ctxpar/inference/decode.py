@@ -26,6 +26,7 @@ import torch.distributed as dist
 import torch.nn as nn
 
 from ctxpar import agreement, kernels
+from ctxpar.attention import check_sinks
 from ctxpar.comm import PendingAllGather
 from ctxpar.inference.cache import SHARD_FULL_WHY, KVCache
 from ctxpar.inference.hooks import attention_replaced, check_cache, check_model_fits
@@ -88,7 +89,7 @@ def decode_step(model: nn.Module, cache: KVCache, tokens: torch.Tensor, *,
 
 
 def sharded_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, group: dist.ProcessGroup | None,
-                      scale: float) -> torch.Tensor:
+                      scale: float, sinks: torch.Tensor | None = None) -> torch.Tensor:
     """Attention of queries every rank shares to keys spread over the ranks of ``group``.
 
     Args:
@@ -96,6 +97,8 @@ def sharded_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, grou
             are earlier positions, or the query's own).
         k, v: (B, H_kv, n, D) this rank's keys and values; n may differ between ranks,
             and be 0.
+        sinks: None, or (H,) sink logits (gpt-oss's): one more term per head in each
+            softmax's denominator, with no value, as in ``ctxpar.attention``.
 
     Returns:
         (B, H, S, D) in q's dtype, identical on every rank: softmax over the keys of
@@ -106,13 +109,16 @@ def sharded_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, grou
             the same on every rank, decide it alike everywhere).
     """
     _check_shapes(q, k, v)
+    check_sinks(sinks, q)
     acc = kernels.accumulation_dtype(q.dtype)
     if k.shape[2]:
         out, lse = kernels.attention_forward(q, k, v, causal=False, scale=scale)  # (B, H, S, D), (B, H, S)
     else:  # no keys here: contributes nothing to the merge
         out, lse = q.new_zeros(q.shape, dtype=acc), q.new_full(q.shape[:-1], float("-inf"), dtype=acc)
     packed = torch.cat([out.to(acc), lse.to(acc).unsqueeze(-1)], dim=-1)  # (B, H, S, D+1)
-    out, _ = merge_packed(PendingAllGather(packed, group).wait())  # of (P, B, H, S, D+1), in rank order
+    out, lse = merge_packed(PendingAllGather(packed, group).wait())  # of (P, B, H, S, D+1), in rank order
+    if sinks is not None:  # merging a partial with out 0: only the rescaling is left
+        out = out * torch.exp(lse - torch.logaddexp(lse, sinks.to(acc).view(1, -1, 1))).unsqueeze(-1)
     return out.to(q.dtype)
 
 

@@ -343,12 +343,10 @@ def _decode(owner: str, settings: Settings, cached, query, key, value, mask: Lay
     this rank holds, those inside the layer's window or chunk; partials merged over ranks.
     The cache holds only earlier positions and the new one, so a causal and a
     bidirectional layer attend alike here."""
-    if sinks is not None:
-        raise NotImplementedError(f"{owner} has attention sinks, which ctxpar's decode steps do not honour yet")
     scale = _scale(owner, scaling, query.shape[-1])
     first = cached.first_visible(mask.window, mask.chunk)
     key, value = key[:, :, first:], value[:, :, first:]  # (B, H_kv, m, D): views, no copy
-    out = sharded_attention(query, key, value, group=settings.group, scale=scale)  # (B, H, 1, D)
+    out = sharded_attention(query, key, value, group=settings.group, scale=scale, sinks=sinks)  # (B, H, 1, D)
     return out.transpose(1, 2).contiguous(), None  # (B, 1, H, D)
 
 

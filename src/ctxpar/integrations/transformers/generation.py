@@ -32,8 +32,8 @@ What generate would do that this cannot honour is refused on every rank before a
 collective, naming it (``check_generate``): every mode but greedy and sampling (beam
 search, contrastive search, assisted decoding, ...), a cache passed in, other cache
 implementations (static, offloaded, quantized), ``use_cache=False``, chunked prefill,
-``inputs_embeds``, padding, ``output_attentions`` / ``output_hidden_states``, attention
-sinks (gpt-oss), encoder-decoder models, the hybrid strategy, an attention implementation
+``inputs_embeds``, padding, ``output_attentions`` / ``output_hidden_states``,
+encoder-decoder models, the hybrid strategy, an attention implementation
 switched after ``enable_context_parallel``, a prompt on whose length LongRoPE would pick
 different factors on different ranks. A model that attends with
 K/V other than the ones it cached (multi-head latent attention caches latents and expands
@@ -353,9 +353,6 @@ def check_generate(model, settings: Settings, generate, args: tuple, kwargs: dic
                                   f"{' | '.join(map(repr, STRATEGIES))}, not {settings.strategy!r}")
     if model.config.is_encoder_decoder:
         raise NotImplementedError(f"{name} is an encoder-decoder model; ctxpar generates with decoder-only models")
-    if any(isinstance(getattr(m, "sinks", None), torch.Tensor) for m in model.modules()):
-        raise NotImplementedError(f"{name} has attention sinks, which ctxpar's decode steps do not honour yet; "
-                                  f"generate without context parallelism")
     bound = inspect.signature(generate).bind(model, *args, **kwargs).arguments
     extra = dict(bound.pop("kwargs", {}))
     for key, what in (("assistant_model", "assisted decoding (assistant_model=)"),
