@@ -66,7 +66,6 @@ GENERATE_REFUSED = {
                      "sarvam_mla", "youtu"), _MLA),
     **dict.fromkeys(("diffllama", "jetmoe"), "attends with K/V other than the ones its cache returned"),
     "dory": "(looped or extra layers)",
-    **dict.fromkeys(("gemma4_text", "gemma4_unified_text", "mimo_v2_flash"), "holds one shape in every layer"),
 }
 
 

@@ -152,3 +152,18 @@ def test_one_rank_without_a_process_group_generates_as_without_cp(family: str) -
         out.cache.reorder_cache(torch.tensor([1, 0]))
     with pytest.raises(ValueError, match=re.escape("strategy='hybrid' takes mesh=")):  # its refusal by generate:
         enable_context_parallel(hf_families.build(family), layout=ONE, strategy="hybrid")  # on a mesh, 4 ranks
+
+
+def test_a_layer_that_stores_in_the_prefill_and_skips_a_decode_step_is_refused() -> None:
+    """A layer skipped in a decode step (layer skipping, early exit) left that position's slot
+    of its cache counted as held, holding whatever was in memory."""
+    model = enable_context_parallel(hf_families.build("llama"), layout=ONE)
+    layer = model.model.layers[1]
+    forward = layer.forward
+
+    def skipped_when_decoding(hidden_states, *args, **kwargs):
+        return hidden_states if hidden_states.shape[1] == 1 else forward(hidden_states, *args, **kwargs)
+
+    layer.forward = skipped_when_decoding
+    with pytest.raises(NotImplementedError, match=re.escape("stored no K/V for layers [1] in this step")):
+        model.generate(cases.prompt(), max_new_tokens=3, min_new_tokens=3)

@@ -37,8 +37,9 @@ encoder-decoder models, the hybrid strategy, an attention implementation
 switched after ``enable_context_parallel``, a prompt on whose length LongRoPE would pick
 different factors on different ranks. A model that attends with
 K/V other than the ones it cached (multi-head latent attention caches latents and expands
-them after), or caches K/V of different shapes per layer, is refused at its first layer
-of the prefill, on every rank alike (``ShardedCache.update`` / ``take``).
+them after) is refused at its first layer of the prefill, and a layer that skips a decode
+step after storing in the prefill at that step, on every rank alike (``ShardedCache.update``
+/ ``take``, ``cached_forward``).
 """
 
 from __future__ import annotations
@@ -93,9 +94,10 @@ class ShardedCache(Cache):
         capacity: the longest the sequence gets (prompt + new tokens - 1), over all ranks.
         group: the CP group (None: WORLD, or one process without one).
 
-    ``kv``: the ``KVCache`` holding this rank's positions, made at the first store from the
-    first layer's K/V (B, H_kv, n, D); None before. K and V must share H_kv and D in
-    every layer (a model where they do not is refused at its first store).
+    Each layer's K/V go to a ``KVCache`` of its own, made at the layer's first store in the
+    prefill from its K/V (B, H_kv, n, D): layers may differ in H_kv and D (Gemma 4's global
+    and sliding layers), K and V of one layer may not (refused at its first store). Every
+    layer's holds the same positions; ``kv`` is the first one made (None before).
     """
 
     def __init__(self, *, layers: int, batch: int, capacity: int, group: dist.ProcessGroup | None = None) -> None:
@@ -103,8 +105,15 @@ class ShardedCache(Cache):
         topo = topology.from_group(group)
         self.group, self.rank, self.world_size = group, topo.rank, topo.world_size
         self.num_layers, self.batch, self.capacity = layers, batch, capacity
-        self.kv: KVCache | None = None
+        self._per_layer: list[KVCache | None] = [None] * layers
+        self._made: list[KVCache] = []  # in the order the layers first stored
         self._step: _Step | None = None
+
+    @property
+    def kv(self) -> KVCache | None:
+        """The positions this rank holds (every layer's cache holds the same), and the K/V of
+        the layer that stored first."""
+        return self._made[0] if self._made else None
 
     # -- transformers' Cache interface -------------------------------------------------
     def get_seq_length(self, layer_idx: int = 0) -> int:
@@ -129,8 +138,8 @@ class ShardedCache(Cache):
         return False
 
     def reset(self) -> None:
-        if self.kv is not None:
-            self.kv.reset()
+        for kv in self._made:
+            kv.reset()
 
     def _refuse(self, what: str) -> None:
         raise NotImplementedError(f"ctxpar's ShardedCache cannot {what}: generation under context parallelism "
@@ -170,27 +179,36 @@ class ShardedCache(Cache):
             raise NotImplementedError(f"layer {layer_idx} stores K {k_shape} and V {v_shape} of different shapes "
                                       f"(the latents of multi-head latent attention?); ctxpar's sharded cache holds "
                                       f"K and V of one shape")
-        if self.kv is None:
-            self.kv = KVCache(layers=self.num_layers, batch=self.batch, kv_heads=k_shape[1], head_dim=k_shape[3],
-                              capacity=self.capacity, group=self.group, dtype=key_states.dtype,
-                              device=key_states.device)
-        kv = self.kv
-        if (k_shape[1], k_shape[3]) != (kv.kv_heads, kv.head_dim):
-            raise NotImplementedError(f"layer {layer_idx} stores K/V with (H_kv, D) = ({k_shape[1]}, {k_shape[3]}) "
-                                      f"where the first layer had ({kv.kv_heads}, {kv.head_dim}); ctxpar's sharded "
-                                      f"cache holds one shape in every layer")
+        kv = self._per_layer[layer_idx]
+        if kv is None:
+            if step.position is not None:
+                raise NotImplementedError(f"layer {layer_idx} stores K/V in a decode step but stored none in the "
+                                          f"prefill, so ctxpar's sharded cache holds no earlier positions for it")
+            kv = KVCache(layers=1, batch=self.batch, kv_heads=k_shape[1], head_dim=k_shape[3],
+                         capacity=self.capacity, group=self.group, dtype=key_states.dtype, device=key_states.device)
+            self._per_layer[layer_idx] = kv
+            self._made.append(kv)
         if step.position is None:
-            kv.write(layer_idx, 0, key_states, value_states)  # the prompt shard, T/P positions
+            kv.write(0, 0, key_states, value_states)  # the prompt shard, T/P positions
             keys, values = key_states, value_states
         else:
             mine = step.held > kv.length  # this rank keeps the new position
             # the others write nothing but check the shapes alike: an error on the owner alone would hang them
-            kv.write(layer_idx, kv.length, key_states if mine else key_states[:, :, :0],
+            kv.write(0, kv.length, key_states if mine else key_states[:, :, :0],
                      value_states if mine else value_states[:, :, :0])
-            keys, values = kv.keys(layer_idx, step.held), kv.values(layer_idx, step.held)  # (B, H_kv, held, D)
+            keys, values = kv.keys(0, step.held), kv.values(0, step.held)  # (B, H_kv, held, D)
         step.stored.add(layer_idx)
         step.pending.append((keys, values))
         return keys, values
+
+    def stored_layers(self) -> list[int]:
+        """The layers that stored K/V in the prefill."""
+        return [layer for layer, kv in enumerate(self._per_layer) if kv is not None]
+
+    def commit(self, positions: torch.Tensor, seq_len: int) -> None:
+        """Count ``positions`` (n,) as held in every layer, and the sequence as ``seq_len`` long."""
+        for kv in self._made:
+            kv.commit(positions, seq_len=seq_len)
 
     # -- what the attention function asks (attention.py) -------------------------------
     @property
@@ -240,6 +258,10 @@ def cached_forward(forward, kwargs: dict, *, name: str, settings: Settings, cach
         if step.pending or not step.stored:
             raise NotImplementedError(f"{name} stored K/V in the cache for layers whose attention never read them; "
                                       f"ctxpar's sharded cache cannot serve this model")
+        skipped = sorted(set(cache.stored_layers()) - step.stored)
+        if skipped:  # their slots for this position would count as held, holding nothing
+            raise NotImplementedError(f"{name} stored no K/V for layers {skipped} in this step but did in the "
+                                      f"prefill; ctxpar's sharded cache takes every layer's K/V at every position")
     finally:
         CACHED.reset(active)
         cache._step = None
@@ -247,9 +269,9 @@ def cached_forward(forward, kwargs: dict, *, name: str, settings: Settings, cach
         seq_len = int(step.positions.numel()) * cache.world_size
         owner = last_position_owner(settings.layout, seq_len)
         out["logits"] = comm.broadcast(out.logits[:, -1:].contiguous(), owner, cache.group)  # (B, 1, vocab)
-        cache.kv.commit(step.positions, seq_len=seq_len)
     else:
-        cache.kv.commit(step.positions, seq_len=step.position + 1)
+        seq_len = step.position + 1
+    cache.commit(step.positions, seq_len)
     return out
 
 
