@@ -4,7 +4,8 @@ model's generate without CP, on CP groups of P = 2, 3 and 4 of those ranks.
 - ``tokens``: for each (P, case), on every rank of the group: whether the generated
   sequences equal the unsplit model's, and a digest of them (the same on every rank).
   Tiny Llama and Mistral (a sliding window of 4, so decode steps see only some of each
-  rank's keys), gpt-oss (sink logits; a window on every other layer), every layout, the
+  rank's keys), gpt-oss (sink logits; a window on every other layer), DeepSeek-V3 (its
+  cache holds latents, expanded into K/V at every step), every layout, the
   three inference strategies and ``strategy="auto"`` (with the strategies the planner
   chose, one per layer of the prefill), greedy and seeded sampling, num_return_sequences=2.
 - ``families``: every family that runs under CP (not ``hf_families.REFUSED``) on two CP
@@ -44,7 +45,7 @@ SAMPLE = dict(do_sample=True, temperature=0.9, top_k=20)
 
 def cases(world: int) -> dict[str, tuple]:
     """Llama in every layout; Mistral (its window) in every layout on 4 ranks, one on 2 and 3;
-    gpt-oss (its sinks) sampled."""
+    gpt-oss (its sinks) sampled; DeepSeek-V3 (multi-head latent attention)."""
     found = {f"llama/{layout}": ("llama", layout, "ring", {}) for layout in LAYOUTS}
     for layout in LAYOUTS if world == 4 else LAYOUTS[world - 1:world]:
         found[f"mistral/{layout}"] = ("mistral", layout, "ring", {})
@@ -54,16 +55,14 @@ def cases(world: int) -> dict[str, tuple]:
     found["llama/zigzag/auto"] = ("llama", "zigzag", "auto", {})
     found["mistral/striped/auto"] = ("mistral", "striped", "auto", {})
     found["gpt_oss/striped/sampled"] = ("gpt_oss", "striped", "ring", SAMPLE)  # sinks, windows on every other layer
+    found["deepseek_v3/contiguous"] = ("deepseek_v3", "contiguous", "ring", {})  # latents cached, expanded per step
     found["llama/zigzag/sampled"] = ("llama", "zigzag", "ring", SAMPLE)
     found["mistral/striped/sampled x2"] = ("mistral", "striped", "ring", dict(SAMPLE, num_return_sequences=2))
     return found
 
 
-_MLA = "of different shapes (the latents of multi-head latent attention?)"
 # family -> the words of generate's refusal: what the sharded cache cannot serve
 GENERATE_REFUSED = {
-    **dict.fromkeys(("axk1", "deepseek_v2", "deepseek_v3", "glm4_moe_lite", "longcat_flash", "minicpm3",
-                     "sarvam_mla", "youtu"), _MLA),
     **dict.fromkeys(("diffllama", "jetmoe"), "attends with K/V other than the ones its cache returned"),
     "dory": "(looped or extra layers)",
 }

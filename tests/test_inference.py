@@ -256,6 +256,16 @@ def test_cache_allocates_a_pth_of_the_capacity_and_refuses_bad_shapes() -> None:
         KVCache(layers=3, batch=2, kv_heads=2, head_dim=4, capacity=0)
     with pytest.raises(ValueError, match="do not fit the cache"):
         cache.write(0, 0, torch.zeros(2, 4, 1, 4), torch.zeros(2, 4, 1, 4))
+    latents = KVCache(layers=1, batch=2, kv_heads=1, head_dim=6, value_dim=2, capacity=10)  # MLA's: K and V widths
+    assert latents.nbytes == 10 * 2 * (6 + 2) * 4
+    k, v = torch.randn(2, 1, 3, 6), torch.randn(2, 1, 3, 2)
+    latents.write(0, 0, k, v)
+    latents.commit(torch.arange(3), seq_len=3)
+    assert torch.equal(latents.keys(0), k) and torch.equal(latents.values(0), v)
+    with pytest.raises(ValueError, match=re.escape("the cache's (B, H_kv, n, D) = (2, 1, n, D), D = 6, Dv = 2")):
+        latents.write(0, 3, k, k)
+    with pytest.raises(ValueError, match="value_dim must be an int between 1"):
+        KVCache(layers=1, batch=2, kv_heads=1, head_dim=6, value_dim=0, capacity=10)
 
 
 def test_rewind_forgets_the_later_positions_and_the_next_chunk_continues_there() -> None:

@@ -51,6 +51,8 @@ class KVCache:
         batch: sequences decoded together B (one prompt length for all).
         kv_heads: H_kv; K/V are stored with these heads only (GQA / MQA).
         head_dim: D.
+        value_dim: V's head dim where it is not K's (multi-head latent attention caches K of
+            its qk head dim, V of its v head dim); default D.
         capacity: the longest the sequence may grow, prompt plus generated tokens,
             counted over all ranks; each rank allocates ceil(capacity / P) slots.
         group: the CP process group (None: WORLD, or one process without one).
@@ -64,19 +66,22 @@ class KVCache:
 
     def __init__(self, *, layers: int, batch: int, kv_heads: int, head_dim: int, capacity: int,
                  group: dist.ProcessGroup | None = None, dtype: torch.dtype = torch.float32,
-                 device: torch.device | str = "cpu") -> None:
+                 device: torch.device | str = "cpu", value_dim: int | None = None) -> None:
+        value_dim = head_dim if value_dim is None else value_dim
         for name, value in (("layers", layers), ("batch", batch), ("kv_heads", kv_heads), ("head_dim", head_dim),
-                            ("capacity", capacity)):
+                            ("value_dim", value_dim), ("capacity", capacity)):
             if isinstance(value, bool) or not isinstance(value, int) or not 1 <= value <= limits.MAX_COUNT:
                 raise ValueError(f"KVCache {name} must be an int between 1 and {limits.MAX_COUNT}, got {value!r}")
         topo = topology.from_group(group)
         self.group, self.rank, self.world_size = group, topo.rank, topo.world_size
         self.layers, self.batch, self.kv_heads, self.head_dim = layers, batch, kv_heads, head_dim
+        self.value_dim = value_dim
         self.capacity = capacity
         self.local_capacity = -(-capacity // self.world_size)
-        # (L, K|V, B, H_kv, slots, D); slots past ``length`` are never read
-        self._kv = torch.empty((layers, 2, batch, kv_heads, self.local_capacity, head_dim), dtype=dtype,
-                               device=device)
+        # (L, B, H_kv, slots, D) and (L, B, H_kv, slots, Dv); slots past ``length`` are never read
+        self._keys = torch.empty((layers, batch, kv_heads, self.local_capacity, head_dim), dtype=dtype, device=device)
+        self._values = torch.empty((layers, batch, kv_heads, self.local_capacity, value_dim), dtype=dtype,
+                                   device=device)
         self._positions = torch.full((self.local_capacity,), -1, dtype=torch.int64)
         self.seq_len = self.prompt_len = self.length = 0
         self.filled_by: weakref.ref | None = None  # the model whose K/V it holds (``hooks.check_model_fits``)
@@ -90,16 +95,16 @@ class KVCache:
 
     @property
     def dtype(self) -> torch.dtype:
-        return self._kv.dtype
+        return self._keys.dtype
 
     @property
     def device(self) -> torch.device:
-        return self._kv.device
+        return self._keys.device
 
     @property
     def element_size(self) -> int:
         """Bytes per K/V element."""
-        return self._kv.element_size()
+        return self._keys.element_size()
 
     def owner(self, position: int) -> int:
         """The rank that keeps a decoded position's K/V: round-robin, ``position mod P``."""
@@ -117,28 +122,29 @@ class KVCache:
 
     def keys(self, layer: int, length: int | None = None) -> torch.Tensor:
         """(B, H_kv, n, D) view of this rank's keys of ``layer`` (n = ``length``, default all held)."""
-        return self._kv[layer, 0, :, :, : self.length if length is None else length]
+        return self._keys[layer, :, :, : self.length if length is None else length]
 
     def values(self, layer: int, length: int | None = None) -> torch.Tensor:
-        """(B, H_kv, n, D) view of this rank's values of ``layer``, like ``keys``."""
-        return self._kv[layer, 1, :, :, : self.length if length is None else length]
+        """(B, H_kv, n, Dv) view of this rank's values of ``layer``, like ``keys``."""
+        return self._values[layer, :, :, : self.length if length is None else length]
 
     def positions(self) -> torch.Tensor:
         """(n,) int64: the global positions this rank holds, in slot order."""
         return self._positions[: self.length].clone()
 
     def write(self, layer: int, start: int, k: torch.Tensor, v: torch.Tensor) -> None:
-        """Store k, v (B, H_kv, n, D) of ``layer`` in slots start..start+n-1; they count
-        as held only once ``commit`` says so (a forward that fails half-way leaves no
-        trace)."""
+        """Store k (B, H_kv, n, D) and v (B, H_kv, n, Dv) of ``layer`` in slots
+        start..start+n-1; they count as held only once ``commit`` says so (a forward that
+        fails half-way leaves no trace)."""
         n = k.shape[2]
-        if k.shape != (self.batch, self.kv_heads, n, self.head_dim) or v.shape != k.shape:
+        if k.shape != (self.batch, self.kv_heads, n, self.head_dim) or v.shape != (*k.shape[:3], self.value_dim):
+            dims = f"D = {self.head_dim}" + (f", Dv = {self.value_dim}" if self.value_dim != self.head_dim else "")
             raise ValueError(f"layer {layer}: k {tuple(k.shape)} / v {tuple(v.shape)} do not fit the cache's "
-                             f"(B, H_kv, n, D) = ({self.batch}, {self.kv_heads}, n, {self.head_dim})")
+                             f"(B, H_kv, n, D) = ({self.batch}, {self.kv_heads}, n, D), {dims}")
         if start + n > self.local_capacity:
             raise ValueError(f"{start + n} positions on rank {self.rank} exceed its {self.local_capacity} slots")
-        self._kv[layer, 0, :, :, start: start + n] = k
-        self._kv[layer, 1, :, :, start: start + n] = v
+        self._keys[layer, :, :, start: start + n] = k
+        self._values[layer, :, :, start: start + n] = v
 
     def commit(self, positions: torch.Tensor, *, seq_len: int) -> None:
         """Count the slots ``length``.. as holding ``positions`` (written to every layer),
@@ -168,7 +174,7 @@ class KVCache:
     @property
     def bytes_per_position(self) -> int:
         """K and V of one position over all layers."""
-        return 2 * self.layers * self.batch * self.kv_heads * self.head_dim * self._kv.element_size()
+        return self.layers * self.batch * self.kv_heads * (self.head_dim + self.value_dim) * self.element_size
 
     @property
     def nbytes(self) -> int:

@@ -317,7 +317,7 @@ def attention_forward(module, query, key, value, attention_mask, dropout: float 
                          f"support under context parallelism")
     cached = CACHED.get()
     if cached is not None:
-        cached.take(owner, key, value)
+        cached.take(module, key, value)
         if cached.decoding:
             return _decode(owner, settings, cached, query, key, value, mask, sinks, scaling)
     if key.shape[2] != query.shape[2]:
@@ -325,12 +325,7 @@ def attention_forward(module, query, key, value, attention_mask, dropout: float 
                          f"a KV cache), which ctxpar does not support")
     scale = _scale(owner, scaling, query.shape[-1])
     seq_len = query.shape[2] * settings.layout.world_size
-    d_qk, d_v = query.shape[-1], value.shape[-1]
-    width = max(d_qk, d_v)
-    if d_qk < width:  # zero columns add nothing to q.k
-        query, key = F.pad(query, (0, width - d_qk)), F.pad(key, (0, width - d_qk))
-    if d_v < width:  # zero columns of v give zero output columns, sliced off below
-        value = F.pad(value, (0, width - d_v))
+    query, key, value, d_v = _one_width(query, key, value)
     out = attention(query, key, value, layout=settings.layout, group=settings.group, strategy=settings.strategy,
                     mesh=settings.mesh, causal=causal, scale=scale, documents=mask.documents_for(seq_len),
                     window=mask.window, sinks=sinks)  # (B, H, S, width)
@@ -346,8 +341,21 @@ def _decode(owner: str, settings: Settings, cached, query, key, value, mask: Lay
     scale = _scale(owner, scaling, query.shape[-1])
     first = cached.first_visible(mask.window, mask.chunk)
     key, value = key[:, :, first:], value[:, :, first:]  # (B, H_kv, m, D): views, no copy
+    query, key, value, d_v = _one_width(query, key, value)
     out = sharded_attention(query, key, value, group=settings.group, scale=scale, sinks=sinks)  # (B, H, 1, D)
-    return out.transpose(1, 2).contiguous(), None  # (B, 1, H, D)
+    return out[..., :d_v].transpose(1, 2).contiguous(), None  # (B, 1, H, Dv)
+
+
+def _one_width(query, key, value) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, int]:
+    """q, k (..., Dqk) and v (..., Dv) zero-padded to one head dim, as the kernels take them,
+    and Dv: zero columns add nothing to q.k, and give output columns to slice off."""
+    d_qk, d_v = query.shape[-1], value.shape[-1]
+    width = max(d_qk, d_v)
+    if d_qk < width:
+        query, key = F.pad(query, (0, width - d_qk)), F.pad(key, (0, width - d_qk))
+    if d_v < width:
+        value = F.pad(value, (0, width - d_v))
+    return query, key, value, d_v
 
 
 class _Refused(Exception):

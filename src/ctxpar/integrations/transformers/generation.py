@@ -36,8 +36,9 @@ implementations (static, offloaded, quantized), ``use_cache=False``, chunked pre
 encoder-decoder models, the hybrid strategy, an attention implementation
 switched after ``enable_context_parallel``, a prompt on whose length LongRoPE would pick
 different factors on different ranks. A model that attends with
-K/V other than the ones it cached (multi-head latent attention caches latents and expands
-them after) is refused at its first layer of the prefill, and a layer that skips a decode
+K/V other than the ones it cached is refused at its first layer of the prefill, unless it
+made them with its ``expand_kv`` (multi-head latent attention caches latents and expands
+them position by position), and a layer that skips a decode
 step after storing in the prefill at that step, on every rank alike (``ShardedCache.update``
 / ``take``, ``cached_forward``).
 """
@@ -95,9 +96,10 @@ class ShardedCache(Cache):
         group: the CP group (None: WORLD, or one process without one).
 
     Each layer's K/V go to a ``KVCache`` of its own, made at the layer's first store in the
-    prefill from its K/V (B, H_kv, n, D): layers may differ in H_kv and D (Gemma 4's global
-    and sliding layers), K and V of one layer may not (refused at its first store). Every
-    layer's holds the same positions; ``kv`` is the first one made (None before).
+    prefill from its K (B, H_kv, n, D) and V (B, H_kv, n, Dv): layers may differ in H_kv
+    and D (Gemma 4's global and sliding layers), K and V in their head dim (multi-head latent
+    attention's). Every layer's holds the same positions; ``kv`` is the first one made
+    (None before).
     """
 
     def __init__(self, *, layers: int, batch: int, capacity: int, group: dist.ProcessGroup | None = None) -> None:
@@ -175,16 +177,16 @@ class ShardedCache(Cache):
             raise NotImplementedError(f"layer {layer_idx} stored K/V twice in one forward (a looped layer); "
                                       f"ctxpar's sharded cache takes one store per layer and forward")
         k_shape, v_shape = tuple(key_states.shape), tuple(value_states.shape)  # (B, H_kv, n, D)
-        if k_shape != v_shape:
-            raise NotImplementedError(f"layer {layer_idx} stores K {k_shape} and V {v_shape} of different shapes "
-                                      f"(the latents of multi-head latent attention?); ctxpar's sharded cache holds "
-                                      f"K and V of one shape")
+        if k_shape[:3] != v_shape[:3]:
+            raise NotImplementedError(f"layer {layer_idx} stores K {k_shape} and V {v_shape}, which differ in more "
+                                      f"than their head dim; ctxpar's sharded cache holds K and V of one batch, "
+                                      f"H_kv and length")
         kv = self._per_layer[layer_idx]
         if kv is None:
             if step.position is not None:
                 raise NotImplementedError(f"layer {layer_idx} stores K/V in a decode step but stored none in the "
                                           f"prefill, so ctxpar's sharded cache holds no earlier positions for it")
-            kv = KVCache(layers=1, batch=self.batch, kv_heads=k_shape[1], head_dim=k_shape[3],
+            kv = KVCache(layers=1, batch=self.batch, kv_heads=k_shape[1], head_dim=k_shape[3], value_dim=v_shape[3],
                          capacity=self.capacity, group=self.group, dtype=key_states.dtype, device=key_states.device)
             self._per_layer[layer_idx] = kv
             self._made.append(kv)
@@ -215,16 +217,22 @@ class ShardedCache(Cache):
     def decoding(self) -> bool:
         return self._step is not None and self._step.position is not None
 
-    def take(self, owner: str, key: torch.Tensor, value: torch.Tensor) -> None:
-        """Check that a layer attends with the K/V this cache just handed it: a model that
-        skips the cache, or changes K/V after it, would attend over something else."""
+    def take(self, module, key: torch.Tensor, value: torch.Tensor) -> None:
+        """Check that a layer attends with the K/V this cache just handed it, or with K/V its
+        ``expand_kv`` made of them (transformers' multi-head latent attention caches latents
+        and expands them position by position): a model that skips the cache, or changes K/V
+        after it some other way, might attend over something else (keys re-rotated by their
+        index in the cache, which is not their position here)."""
+        owner = type(module).__name__
         if not self._step.pending:
             raise NotImplementedError(f"{owner} attends without storing its K/V in the cache (K/V shared across "
                                       f"layers), which ctxpar's sharded cache cannot serve")
         keys, values = self._step.pending.popleft()
-        if key is not keys or value is not values:
-            raise NotImplementedError(f"{owner} attends with K/V other than the ones its cache returned (latent K/V "
-                                      f"expanded after caching, as in multi-head latent attention, or K/V changed "
+        if key is keys and value is values:
+            return
+        expanded = callable(getattr(module, "expand_kv", None)) and key.shape[2] == value.shape[2] == keys.shape[2]
+        if not expanded:
+            raise NotImplementedError(f"{owner} attends with K/V other than the ones its cache returned (K/V changed "
                                       f"after caching), which ctxpar's sharded cache cannot serve")
 
     def first_visible(self, window: int | None, chunk: int | None) -> int:
