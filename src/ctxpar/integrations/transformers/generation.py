@@ -35,12 +35,11 @@ implementations (static, offloaded, quantized), ``use_cache=False``, chunked pre
 ``inputs_embeds``, padding, ``output_attentions`` / ``output_hidden_states``,
 encoder-decoder models, the hybrid strategy, an attention implementation
 switched after ``enable_context_parallel``, a prompt on whose length LongRoPE would pick
-different factors on different ranks. A model that attends with
-K/V other than the ones it cached is refused at its first layer of the prefill, unless it
-made them with its ``expand_kv`` (multi-head latent attention caches latents and expands
-them position by position), and a layer that skips a decode
-step after storing in the prefill at that step, on every rank alike (``ShardedCache.update``
-/ ``take``, ``cached_forward``).
+different factors on different ranks. Refused during the call, on every rank alike: a
+model that attends with K/V other than the ones it cached (but for those its ``expand_kv``
+makes of them: multi-head latent attention caches latents and expands them position by
+position), at its first layer of the prefill (``ShardedCache.take``); a layer that stored
+K/V in the prefill and skips a decode step, at that step (``cached_forward``).
 """
 
 from __future__ import annotations
