@@ -172,6 +172,8 @@ def _refusals(rank: int, world: int) -> dict:
     padded[0, :3] = 0  # a left-padded row
     other = tokens.clone()
     other[0, 0] += rank == 1  # rank 1's prompt differs in one token
+    outside = tokens.clone()
+    outside[1, 0] = hf_families.VOCAB + 5  # position 0: in rank 0's shard only
     run = dict(max_new_tokens=4)
     out = {
         "beam search": _attempt(lambda: model.generate(tokens, num_beams=2, **run)),
@@ -195,6 +197,9 @@ def _refusals(rank: int, world: int) -> dict:
         "sdpa after enable": _attempt(lambda: _switched(layout).generate(tokens, **run)),
         "hybrid": _attempt(lambda: enable_context_parallel(hf_families.build("llama"), layout=layout, strategy="hybrid",
                                                            mesh=_mesh()).generate(tokens, **run)),
+        "token outside the vocabulary": _attempt(lambda: model.generate(outside, **run)),
+        "token outside the vocabulary, forward": _attempt(lambda: model(
+            input_ids=layout.shard(outside, rank, dim=1), position_ids=layout.positions(PROMPT_LEN, rank)[None])),
         "dynamic cache in forward": _attempt(lambda: model(input_ids=layout.shard(tokens, rank, dim=1),
                                                            position_ids=layout.positions(PROMPT_LEN, rank)[None],
                                                            past_key_values=DynamicCache())),

@@ -111,6 +111,8 @@ REFUSED = {  # what generate must refuse on every rank, and the words of the err
     "prompts differ": "ValueError: the ranks of the CP group disagree on the generate call: arguments",
     "seeds differ": "ValueError: the ranks of the CP group disagree on the generate call: RNG state",
     "dynamic cache in forward": "ValueError: LlamaForCausalLM got past_key_values=DynamicCache",
+    # an IndexError on the one rank whose shard held it, its peers waiting, the group out of step for the next call
+    "token outside the vocabulary": "ValueError: LlamaForCausalLM got token ids from",
     "longrope prefill": "ValueError: Phi3ForCausalLM uses LongRoPE",
     "sdpa after enable": "ValueError: LlamaForCausalLM's attention implementation is now 'sdpa'",
     "hybrid": "NotImplementedError: model.generate() under context parallelism supports strategy 'ring' | "
@@ -137,6 +139,15 @@ def test_a_refusal_on_one_rank_is_a_refusal_on_every_rank_and_generate_works_aft
         assert got["after"] is True
 
 
+def test_a_forward_with_a_token_outside_the_vocabulary_on_one_rank_is_refused_on_every_rank() -> None:
+    for rank in range(4):
+        got = _part(rank, "refusals")["token outside the vocabulary, forward"]
+        want = ("ValueError: LlamaForCausalLM got token ids from" if rank == 0 else
+                "ValueError: LlamaForCausalLM: another rank of the CP group refused its inputs")
+        assert got.startswith(want), f"rank {rank}: {got}"
+    assert "to 101, outside its vocabulary of 96 (0..95)" in _part(0, "refusals")["token outside the vocabulary"]
+
+
 @pytest.mark.parametrize("family", ["llama", "mistral"])
 def test_one_rank_without_a_process_group_generates_as_without_cp(family: str) -> None:
     tokens = cases.prompt()
@@ -150,6 +161,8 @@ def test_one_rank_without_a_process_group_generates_as_without_cp(family: str) -
         model.generate(tokens, num_beams=2, max_new_tokens=2)
     with pytest.raises(NotImplementedError, match="cannot reorder its sequences"):
         out.cache.reorder_cache(torch.tensor([1, 0]))
+    with pytest.raises(ValueError, match="call generate again with the whole sequence"):  # read "the cache is full"
+        model(input_ids=out.sequences[:, -1:], past_key_values=out.cache)
     with pytest.raises(ValueError, match=re.escape("strategy='hybrid' takes mesh=")):  # its refusal by generate:
         enable_context_parallel(hf_families.build(family), layout=ONE, strategy="hybrid")  # on a mesh, 4 ranks
 

@@ -68,7 +68,8 @@ from ctxpar.integrations.transformers.attention import (
 )
 from ctxpar.integrations.transformers.fidelity import (Unsupported, check_model, dynamic_rope_limits, find_unsupported,
                                                        longrope_limits)
-from ctxpar.integrations.transformers.generation import CACHE_KEYS, ShardedCache, cached_forward, wrap_generate
+from ctxpar.integrations.transformers.generation import (CACHE_KEYS, ShardedCache, cached_forward, check_token_ids,
+                                                         wrap_generate)
 from ctxpar.integrations.transformers.loss import LOSS_KEYWORDS, CPCausalLMLoss, loss_refusal
 from ctxpar import topology
 from ctxpar.attention import check_settings
@@ -264,6 +265,7 @@ def _wrap_forward(model, settings: Settings, loss: CPCausalLMLoss | None = None)
                                  f"tokens only, to the labels= loss; pass output_router_logits=False, or compute "
                                  f"both losses yourself")
             _check_call(name, bound, extra)
+            check_token_ids(name, model, bound.get("input_ids"))
             rows = _tokens(bound)
             if labels is not None and rows is not None:  # what the loss would refuse, refused together
                 passed = {**extra, **bound}

@@ -326,7 +326,9 @@ def _plan(name: str, settings: Settings, cache: ShardedCache, kwargs: dict, acce
                                       f"under context parallelism feeds one token per step (chunked prefill, "
                                       f"assisted decoding and continuing from a cache are not supported)")
         if past >= cache.capacity:
-            raise ValueError(f"the sharded cache is full: {past} positions = its capacity")
+            raise ValueError(f"the sharded cache is full: {past} positions = its capacity. generate sizes it for "
+                             f"its own call; to continue a sequence, call generate again with the whole sequence "
+                             f"as the prompt")
         want = torch.tensor([past])
         kwargs["position_ids"] = torch.full((batch, 1), past, dtype=torch.long, device=tokens.device)
         kv = cache.kv
@@ -430,9 +432,26 @@ def check_generate(model, settings: Settings, generate, args: tuple, kwargs: dic
     if mask is not None and not bool(mask.all()):
         raise ValueError("padding (an attention_mask with zeros, a left-padded batch) is not supported by "
                          "generation under context parallelism: generate each prompt length separately")
+    check_token_ids(name, model, prompt)
     settings.layout.validate(prompt.shape[1])
     check_rope_lengths(name, settings, prompt.shape[1], None)
     return prompt, config
+
+
+def check_token_ids(name: str, model, tokens) -> None:
+    """Refuse token ids outside the model's vocabulary here, where every rank of the group
+    learns of it, rather than as an IndexError on the rank whose shard holds one (its
+    peers then waited in attention, and the group stayed out of step for the next call)."""
+    try:
+        rows = getattr(model.get_input_embeddings(), "num_embeddings", None)
+    except NotImplementedError:  # a model without input embeddings: nothing to check against
+        return
+    if not isinstance(tokens, torch.Tensor) or not tokens.numel() or not isinstance(rows, int):
+        return
+    low, high = int(tokens.min()), int(tokens.max())
+    if low < 0 or high >= rows:
+        raise ValueError(f"{name} got token ids from {low} to {high}, outside its vocabulary of {rows} "
+                         f"(0..{rows - 1})")
 
 
 def generate_signature(model, args: tuple, kwargs: dict, prompt, config) -> dict[str, int]:
