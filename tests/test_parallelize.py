@@ -52,7 +52,10 @@ def _cases(rank: int, world: int) -> dict:
             docs = shard_batch(tokens, layout=layout, rank=cp_rank, documents=DOCUMENTS)
             other = shard_batch(tokens, layout=get_layout("contiguous", world), rank=cp_rank)
             last = rank == world - 1
+            outside = batch.tokens.clone()
+            outside[0, 0] = 256 if last else 0  # the vocabulary is 0..255
             found[name] = dict(
+                outside_the_vocabulary=_attempt(lambda: model(outside, batch.positions)),
                 exact=_attempt(lambda: (model(batch.tokens, batch.positions)
                                         - layout.shard(full, cp_rank, dim=1)).abs().max().item()),
                 documents=_attempt(lambda: (model(docs.tokens, docs.positions, documents=docs.documents)
@@ -133,6 +136,15 @@ def test_wrong_positions_are_refused_on_every_rank(strategy: str) -> None:
         # under the hybrid mesh a rank outside the culprit's row and column hears of it second hand, unnamed
         want = "got no positions" if rank == WORLD - 1 else "of the CP group rejected their forward inputs"
         assert want in r["one_rank_forgets"], (rank, r["one_rank_forgets"])
+
+
+@pytest.mark.parametrize("strategy", ["ring", "hybrid"])
+def test_a_token_outside_the_vocabulary_is_refused_on_every_rank(strategy: str) -> None:
+    """It raised IndexError on the one rank holding it, the others waiting in attention."""
+    for rank, res in enumerate(results()):
+        got = res[strategy]["outside_the_vocabulary"]
+        want = "outside its vocabulary of 256 (0..255)" if rank == WORLD - 1 else "rejected their forward inputs"
+        assert want in got, (rank, got)
 
 
 @pytest.mark.parametrize("strategy", ["ring", "hybrid"])

@@ -204,7 +204,9 @@ def _guard_positions(model: nn.Module, layout: str | Layout, group: dist.Process
     ``shard_batch`` makes them): forgotten positions (the model would number the shard
     from 0) or a shard taken with another layout give RoPE positions that the causal mask
     does not share, silently wrong. So are shards of different batches (``batch_code``),
-    where attention would mix them. One tiny all-gather per forward."""
+    where attention would mix them, and token ids outside the vocabulary (an IndexError on
+    the one rank holding one left its peers waiting in attention). One tiny all-gather per
+    forward."""
     signature = inspect.signature(model.forward)
     if "positions" not in signature.parameters:
         return  # not the reference model: its forward is not ours to check
@@ -228,6 +230,10 @@ def _guard_positions(model: nn.Module, layout: str | Layout, group: dist.Process
             docs, batch_docs = (", documents=documents", ", documents=batch.documents") if lengths else ("", "")
             fix = (f"batch = shard_batch(tokens, layout=layout, rank={rank}{docs}), then "
                    f"model(batch.tokens, batch.positions{batch_docs})")
+            vocab = getattr(getattr(module, "embed", None), "num_embeddings", None)  # the reference model's
+            if isinstance(vocab, int) and tokens.numel() and not 0 <= int(tokens.min()) <= int(tokens.max()) < vocab:
+                raise ValueError(f"{type(module).__name__} got token ids from {int(tokens.min())} to "
+                                 f"{int(tokens.max())}, outside its vocabulary of {vocab} (0..{vocab - 1})")
             if positions is None:
                 raise ValueError(f"{type(module).__name__} got no positions under context parallelism, so it would "
                                  f"number this rank's tokens from 0; pass this rank's global positions{where}: {fix}")
