@@ -187,7 +187,6 @@ def _refusals(rank: int, world: int) -> dict:
         "output_attentions": _attempt(lambda: model.generate(tokens, output_attentions=True,
                                                              return_dict_in_generate=True, **run)),
         "prompt length": _attempt(lambda: model.generate(tokens[:, :22], **run)),
-        "max_time": _attempt(lambda: model.generate(tokens, max_time=60.0, **run)),  # once: ranks stopped apart
         "guidance_scale": _attempt(lambda: model.generate(tokens, guidance_scale=1.5, **run)),
         "beam search on rank 1 only": _attempt(lambda: model.generate(tokens, num_beams=1 + (rank == 1), **run)),
         "prompts differ": _attempt(lambda: model.generate(other, **run)),
@@ -204,12 +203,49 @@ def _refusals(rank: int, world: int) -> dict:
                                                            position_ids=layout.positions(PROMPT_LEN, rank)[None],
                                                            past_key_values=DynamicCache())),
     }
+    out.update(_stops_and_last_tokens(model, tokens, rank))
     want = hf_families.build("llama").generate(tokens, **run)
     try:
         out["after"] = torch.equal(model.generate(tokens, **run), want)
     except Exception as e:  # noqa: BLE001
         out["after"] = f"{type(e).__name__}: {e}"
     return out
+
+
+def _stops_and_last_tokens(model, tokens: torch.Tensor, rank: int) -> dict:
+    """Stops that differ between ranks (a clock's, a criterion of rank 1 alone), a last token
+    that does (a logits processor biased per rank, one new token), max_new_tokens that do,
+    a streamer on rank 0 alone: ("ran", the generated sequences) or ("refused", the message)."""
+    from transformers import LogitsProcessor, LogitsProcessorList, StoppingCriteria, StoppingCriteriaList
+    from transformers.generation.streamers import BaseStreamer
+
+    class StopOnRank1(StoppingCriteria):
+        def __call__(self, input_ids, scores, **kwargs):
+            return torch.full((input_ids.shape[0],), rank == 1, dtype=torch.bool)
+
+    class FavourOwnToken(LogitsProcessor):
+        def __call__(self, input_ids, scores):
+            scores[:, 5 + rank] += 1e4
+            return scores
+
+    def sequences(**kwargs):
+        try:
+            return "ran", model.generate(tokens, **{"max_new_tokens": 4, **kwargs}).tolist()
+        except Exception as e:  # noqa: BLE001  the message is what the test checks
+            return "refused", f"{type(e).__name__}: {e}"
+
+    class Watching(BaseStreamer):
+        def put(self, value):
+            pass
+
+        def end(self):
+            pass
+
+    return {"max_time": sequences(max_time=1e-9),  # once refused: each rank stopped by its own clock
+            "max_new_tokens differ": sequences(max_new_tokens=4 + rank),
+            "a streamer on rank 0": sequences(streamer=Watching() if rank == 0 else None),
+            "a stop of rank 1": sequences(stopping_criteria=StoppingCriteriaList([StopOnRank1()])),
+            "last token differs": sequences(max_new_tokens=1, logits_processor=LogitsProcessorList([FavourOwnToken()]))}
 
 
 def run(rank: int, world: int) -> dict:

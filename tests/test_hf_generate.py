@@ -104,8 +104,6 @@ REFUSED = {  # what generate must refuse on every rank, and the words of the err
     "inputs_embeds": "NotImplementedError: generate from inputs_embeds",
     "output_attentions": "NotImplementedError: generate with output_attentions=True",
     "prompt length": "ValueError: sequence length 22 is not a multiple of 2*P=8 required by the zigzag layout",
-    "max_time": "NotImplementedError: generate with max_time=60.0 is not supported under context parallelism: "
-                "each rank would stop by its own clock",
     "guidance_scale": "NotImplementedError: generate with guidance_scale=1.5 is not supported under context "
                       "parallelism: classifier-free guidance",
     "prompts differ": "ValueError: the ranks of the CP group disagree on the generate call: arguments",
@@ -137,6 +135,31 @@ def test_a_refusal_on_one_rank_is_a_refusal_on_every_rank_and_generate_works_aft
         else:
             assert "ranks [1] of the CP group rejected their generate call inputs" in got["beam search on rank 1 only"]
         assert got["after"] is True
+
+
+def test_every_rank_stops_where_any_rank_stops_and_compares_the_last_token() -> None:
+    """max_time was refused (each rank stopped by its own clock, the others waited); a stopping
+    criterion of one rank stopped that rank alone; a last token that differed between ranks
+    (it reaches no forward, whose check compares tokens) was returned without a word."""
+    runs = [_part(rank, "refusals") for rank in range(4)]
+    for case in ("max_time", "a stop of rank 1"):
+        kinds = {run[case][0] for run in runs}
+        assert kinds == {"ran"}, (case, [run[case] for run in runs])
+        assert all(run[case] == runs[0][case] for run in runs), case  # the same sequences on every rank
+        assert len(runs[0][case][1][0]) == cases.PROMPT_LEN + 1, case  # stopped after the first new token
+    for rank, run in enumerate(runs):
+        kind, message = run["last token differs"]
+        assert kind == "refused" and "appended different tokens at position 24" in message, (rank, message)
+
+
+def test_a_difference_in_a_common_setting_is_named_and_a_streamer_on_one_rank_runs() -> None:
+    """Both were refused with checksums alone ("arguments (crc32) [...]")."""
+    runs = [_part(rank, "refusals") for rank in range(4)]
+    for rank, run in enumerate(runs):
+        kind, message = run["max_new_tokens differ"]
+        assert kind == "refused" and "max_new_tokens [4, 5, 6, 7]" in message, (rank, message)
+        streamed = run["a streamer on rank 0"]
+        assert streamed[0] == "ran" and streamed == runs[0]["a streamer on rank 0"], (rank, streamed)
 
 
 def test_a_forward_with_a_token_outside_the_vocabulary_on_one_rank_is_refused_on_every_rank() -> None:

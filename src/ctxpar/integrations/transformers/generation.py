@@ -27,13 +27,15 @@ So every rank gets bit-identical logits: greedy decoding, and sampling from torc
 RNG seeded alike on every rank, pick the same tokens everywhere. One tiny all-gather per
 generate call and one per forward compare the ranks' arguments, RNG state and tokens
 (``agreement.check_values_agree``): a rank that refuses or differs makes every rank raise.
+One tiny all-reduce per step after the stopping criteria (``AgreedStop``) stops a sequence
+on every rank where any rank's criteria stop it, and compares the token just appended.
 
 What generate would do that this cannot honour is refused on every rank before any
 collective, naming it (``check_generate``): every mode but greedy and sampling (beam
 search, contrastive search, assisted decoding, ...), a cache passed in, other cache
 implementations (static, offloaded, quantized), ``use_cache=False``, chunked prefill,
-``inputs_embeds``, padding, ``output_attentions`` / ``output_hidden_states``,
-encoder-decoder models, the hybrid strategy, an attention implementation
+``inputs_embeds``, padding, ``output_attentions`` / ``output_hidden_states``, token ids
+outside the vocabulary, encoder-decoder models, the hybrid strategy, an attention implementation
 switched after ``enable_context_parallel``, a prompt on whose length LongRoPE would pick
 different factors on different ranks. Refused during the call, on every rank alike: a
 model that attends with K/V other than the ones it cached (but for those its ``expand_kv``
@@ -61,8 +63,9 @@ from ctxpar.integrations.transformers.attention import (CACHED, Settings, check_
 
 try:
     from transformers.cache_utils import Cache
+    from transformers.generation.stopping_criteria import StoppingCriteriaList
 except ImportError:  # the integration imports transformers lazily; without it nothing here is reachable
-    Cache = object
+    Cache, StoppingCriteriaList = object, list
 
 CACHE_KEYS = ("cache", "past_key_values", "cache_params")  # transformers 5 renamed past_key_values to cache
 _MODES = ("greedy_search", "sample")
@@ -413,14 +416,10 @@ def check_generate(model, settings: Settings, generate, args: tuple, kwargs: dic
         if value not in fine:
             raise NotImplementedError(f"generate with {setting}={value!r} is not supported under context "
                                       f"parallelism (ctxpar's sharded cache serves every step)")
-    for setting, value, fine, why in (
-            ("max_time", config.max_time, (None,), "each rank would stop by its own clock, at different steps "
-             "(the others then wait for it); bound the output with max_new_tokens"),
-            ("guidance_scale", config.guidance_scale, (None, 1), "classifier-free guidance runs the model on "
-             "the prompt's last token alone, which is no shard of the layout")):
-        if value not in fine:
-            raise NotImplementedError(f"generate with {setting}={value!r} is not supported under context "
-                                      f"parallelism: {why}")
+    if config.guidance_scale not in (None, 1):
+        raise NotImplementedError(f"generate with guidance_scale={config.guidance_scale!r} is not supported under "
+                                  f"context parallelism: classifier-free guidance runs the model on the prompt's "
+                                  f"last token alone, which is no shard of the layout")
     prompt = bound.get("inputs")
     if prompt is None:
         prompt = extra.get("input_ids")
@@ -454,18 +453,58 @@ def check_token_ids(name: str, model, tokens) -> None:
                          f"(0..{rows - 1})")
 
 
+# generation settings compared by value, so that a difference names them (the rest by checksum)
+_NAMED_SETTINGS = ("max_new_tokens", "max_length", "min_new_tokens", "do_sample", "num_return_sequences", "top_k")
+
+
 def generate_signature(model, args: tuple, kwargs: dict, prompt, config) -> dict[str, int]:
     """What every rank's generate call must share: arguments, prompt and, when sampling,
-    the state of the RNG transformers draws from."""
+    the state of the RNG transformers draws from. A ``streamer`` is left out: it only
+    watches (rank 0 alone often prints)."""
     sampling = config is not None and bool(config.do_sample)
     rng = [torch.get_rng_state()] if sampling else []
     device = model.device
     if sampling and device.type == "cuda":
         rng.append(torch.cuda.get_rng_state(device))
-    return {"arguments (crc32)": _crc([list(args), kwargs]),
+    named = {key: agreement.readable(lambda key=key: _setting(getattr(config, key, None))) for key in _NAMED_SETTINGS}
+    return {"arguments (crc32)": _crc([list(args), {k: v for k, v in kwargs.items() if k != "streamer"}]),
             "prompt": tuple(prompt.shape)[1] if isinstance(prompt, torch.Tensor) else -1,
+            **named,
             "generation config (crc32)": _crc(config.to_dict()) if config is not None else -1,
             "RNG state (crc32), seed every rank alike": _crc(rng)}
+
+
+def _setting(value) -> int:
+    """A generation setting as an integer to compare (None: -2, as -1 reads "unknown")."""
+    if value is None:
+        return -2
+    if isinstance(value, (bool, int)):
+        return int(value)
+    raise TypeError(value)  # readable() sends -1 for it: the config's checksum still compares it
+
+
+class AgreedStop(StoppingCriteriaList):
+    """transformers' stopping criteria for one generate call, then one tiny all-reduce over
+    the CP group: a sequence stops on every rank where any rank's criteria stop it (a
+    ``max_time`` clock, a criterion with state of its own), and the tokens each rank just
+    appended are compared (a call's last token reaches no forward, whose check would catch
+    a rank that sampled another)."""
+
+    def __init__(self, criteria, group: dist.ProcessGroup | None) -> None:
+        super().__init__(criteria)
+        self.group = group
+
+    def __call__(self, input_ids: torch.Tensor, scores, **kwargs) -> torch.Tensor:
+        done = super().__call__(input_ids, scores, **kwargs)  # (B,) bool
+        code = _crc(input_ids[:, -1]) & 0xFFFFFF  # 24 bits: n * c^2 < 2^63 for n < 2^15 ranks
+        flags = torch.tensor([*done.tolist(), code, code * code, 1], dtype=torch.int64, device=input_ids.device)
+        dist.all_reduce(flags, group=self.group)
+        *stopped, codes, squares, ranks = flags.tolist()
+        if codes != ranks * code or squares != ranks * code * code:  # their variance is not 0
+            raise ValueError(f"the ranks of the CP group appended different tokens at position "
+                             f"{input_ids.shape[1] - 1}: a logits processor, stopping criterion or use of the RNG "
+                             f"differs between ranks; every rank must generate alike")
+        return torch.tensor(stopped, device=done.device) > 0
 
 
 def wrap_generate(model, settings: Settings) -> None:
@@ -477,7 +516,7 @@ def wrap_generate(model, settings: Settings) -> None:
     if generate is None:
         return  # no LM head: nothing to generate with
     name = type(model).__name__
-    hooks = ("_prepare_generation_config", "_prepare_cache_for_generation")
+    hooks = ("_prepare_generation_config", "_prepare_cache_for_generation", "_get_stopping_criteria")
     if generate is not GenerationMixin.generate or not all(hasattr(GenerationMixin, h) for h in hooks):
         @installed
         def refuse(*args, **kwargs):
@@ -504,6 +543,11 @@ def wrap_generate(model, settings: Settings) -> None:
         return generate(model, *args, **kwargs)
 
     @installed
+    def stopping_criteria(*args, **kwargs) -> StoppingCriteriaList:
+        criteria = type(model)._get_stopping_criteria(model, *args, **kwargs)
+        return AgreedStop(criteria, settings.group) if topology.from_group(settings.group).world_size > 1 else criteria
+
+    @installed
     def prepare_cache(generation_config, model_kwargs: dict, generation_mode, batch_size: int,
                       max_cache_length: int) -> None:
         copies = max(generation_config.num_beams or 1, generation_config.num_return_sequences or 1)
@@ -512,3 +556,4 @@ def wrap_generate(model, settings: Settings) -> None:
 
     model.generate = cp_generate
     model._prepare_cache_for_generation = prepare_cache
+    model._get_stopping_criteria = stopping_criteria
