@@ -347,6 +347,22 @@ def test_recommendation_picks_the_smallest_fitting_degree() -> None:
     assert none.workload is None and none.reasons[-1].endswith("with --fsdp 4, CP-4 fits (78.993 GiB)")
 
 
+def test_the_recommendation_puts_each_strategy_on_its_fastest_layout() -> None:
+    """By load balance alone a sliding window's ring went on the striped layout (balanced, but
+    sending every key) at 1.7x its step on contiguous (the window's keys only), and the
+    recommendation ranked the strategies on layouts other than the table's."""
+    hw = get_hardware("H200")
+    w = worked(window=64, fsdp=8)
+    rec = recommend(w, hw, [1, 2, 4, 8])
+    cp = rec.workload.cp
+    steps = {(s, layout): cost.step_time(v.with_(layout=layout), hw).seconds
+             for s in ("ring", "allgather", "alltoall") if (v := variant(w, hw, strategy=s, cp=cp))
+             for layout in ("contiguous", "zigzag", "striped")}
+    assert (rec.workload.strategy, rec.workload.layout) == min(steps, key=steps.get) == ("ring", "contiguous")
+    assert rec.step_seconds == min(steps.values()) < steps["ring", "striped"] / 1.5
+    assert "ring 3.093 s (contiguous)" in rec.reasons[2] and "alltoall 3.119 s (zigzag)" in rec.reasons[2]
+
+
 def test_make_plan_sweeps_every_valid_combination() -> None:
     plan = make_plan(worked(), get_hardware("H100-SXM"), max_cp=8)
     combos = {(p.cp, p.strategy) for p in plan.sweep}
