@@ -517,6 +517,9 @@ def get_hardware(
         changes.update(attention_forward_rate=None, attention_backward_rate=None, matmul_rate=None)
     if peak_flops is not None:  # the peak given stands for every dtype: float32 is not scaled back to the preset's
         changes.update(fp32_peak_flops=0.0)
+        # fp8 keeps the preset's fp8 / 16-bit ratio: with the preset's own fp8 peak, a --flops
+        # cancelled out of the fp8 matmul rate (2 PFLOP/s made fp8 slower than 16-bit)
+        changes.update(fp8_peak_flops=hw.fp8_peak_flops * peak_flops / hw.peak_flops)
     if changes:
         given = sorted(k for k in changes if not k.endswith(("_rate", "_per_byte"))
                        and not k.startswith(("strategy_", "fp32_")))
