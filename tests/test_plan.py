@@ -922,6 +922,15 @@ def test_cli_json_carries_exact_bytes_and_seconds_and_plots(tmp_path) -> None:
     assert all(t["forward"] is None for (s, _), t in thresholds.items() if s == "alltoall")  # nothing overlaps
 
 
+def test_a_plot_path_without_an_extension_is_written_as_named(tmp_path) -> None:
+    """matplotlib added ".png" to it: the plot went elsewhere, over a JSON named so."""
+    plot, report = tmp_path / "q", tmp_path / "q.png"
+    assert main(["plan", "--model", "tiny", "--seq", "4096", "--cp", "2", "--max-cp", "4", "--plot", str(plot),
+                 "--json", str(report)]) == 0
+    assert plot.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    assert json.loads(report.read_text())["inputs"]["seq"] == 4096
+
+
 def test_cli_plans_windows_and_document_distributions(tmp_path, capsys) -> None:
     out = tmp_path / "plan.json"
     args = ["plan", *WORKED, "--layout", "contiguous", "--window", "4096", "--max-cp", "4"]

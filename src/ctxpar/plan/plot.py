@@ -43,7 +43,7 @@ def check_plot_support(path: str | None = None) -> None:
 
 
 def write_plot(plan: Plan, path: str) -> None:
-    """Draw the two panels into ``path`` (PNG)."""
+    """Draw the panels into ``path`` (in the format its extension names; none: PNG)."""
     check_plot_support()
     import matplotlib
 
@@ -62,7 +62,9 @@ def write_plot(plan: Plan, path: str) -> None:
                  f"B={w.batch} {w.dtype}, {w.layout}, TP={w.tp}, FSDP={w.fsdp}{_pipeline_words(w)}, "
                  f"checkpointing {w.checkpointing}, on {hw.name}")
     fig.tight_layout()
-    fig.savefig(path, dpi=110)
+    # the format named, so that matplotlib writes ``path`` itself: given none, it added ".png"
+    # to a path without an extension, writing a file other than the one checked (the JSON's)
+    fig.savefig(path, dpi=110, format=os.path.splitext(path)[1].lstrip(".").lower() or "png")
     plt.close(fig)
 
 
