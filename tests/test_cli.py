@@ -139,6 +139,9 @@ def bad_values(tmp: Path) -> list[tuple[tuple[str, ...], str]]:
     not_json, bad_rate = tmp / "notes.txt", tmp / "calibration.json"
     not_json.write_text("measured on Tuesday")
     bad_rate.write_text(json.dumps({"attention_flops": "fast", "bandwidth": 1e9}))
+    not_rates = tmp / "rates.json"  # once a TypeError's traceback
+    not_rates.write_text(json.dumps({"attention_flops": 1e9, "bandwidth": 1e9, "attention_size_curve": [[1024, 1, 1]],
+                                     "attention": 5}))
     missing = str(tmp / "no" / "such" / "dir" / "out.json")
     return [
         (("demo", "--nproc", "0"), "--nproc 0 must be >= 1"),
@@ -206,6 +209,7 @@ def bad_values(tmp: Path) -> list[tuple[tuple[str, ...], str]]:
         (("plan", "--hardware", "local", "--calibration", missing), f"--calibration {missing!r} cannot be read"),
         (("plan", "--hardware", "local", "--calibration", str(not_json)), "is not JSON"),
         (("plan", "--hardware", "local", "--calibration", str(bad_rate)), "calibration 'attention_flops' is 'fast'"),
+        (("plan", "--hardware", "local", "--calibration", str(not_rates)), 'its "attention" entry must be an object'),
         (("plan", "--hardware", "local", "--calibrate", "--head-dim", "0"), "--head-dim must be between 1 and"),
         (("generate", "--prompt-len", "1001"), "--prompt-len: sequence length 1001 is not a multiple of 2*P=8"),
         *(((command, "--seq", "1001"), "--seq: sequence length 1001 is not a multiple of 2*P=")

@@ -587,7 +587,11 @@ def load_calibration(path: str) -> dict:
     if not isinstance(found, dict) or "attention_flops" not in found:
         raise ValueError(f"{path} holds no calibration; write one with `ctxpar plan --hardware local --calibrate "
                          f"--json {path}`")
-    if "attention_size_curve" in found and "causal" not in found.get("attention", {}):
+    attention = found.get("attention", {})
+    if not isinstance(attention, dict):
+        raise ValueError(f"{path}: its \"attention\" entry must be an object of measured rates, got "
+                         f"{type(attention).__name__}; give the file --calibrate --json wrote")
+    if "attention_size_curve" in found and "causal" not in attention:
         warnings.warn(f"{path} was calibrated before 2026-12-01: its full-kernel size curve is a fraction of a full "
                       f"kernel's rate, not of the causal kernel's the rates are, and charges full tiles 12-14% too "
                       f"slowly; measure again with `ctxpar plan --hardware local --calibrate --json {path}`",
