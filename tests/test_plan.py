@@ -363,6 +363,17 @@ def test_the_recommendation_puts_each_strategy_on_its_fastest_layout() -> None:
     assert "ring 3.093 s (contiguous)" in rec.reasons[2] and "alltoall 3.119 s (zigzag)" in rec.reasons[2]
 
 
+def test_auto_names_what_it_costed_in_place_of_the_call() -> None:
+    """Its reason read "float32" for float64 tensors and "zigzag" for a layout of another name."""
+    from ctxpar import auto
+
+    q = torch.zeros(1, 8, 64, 16, dtype=torch.float64)
+    _, why = auto.choose(q, q, world=2, layout_name="balanced", mask=Mask(causal=True), backward=False)
+    assert why.endswith("float32 zigzag); float64 costed as float32, balanced costed as zigzag"), why
+    _, why = auto.choose(q.float(), q.float(), world=2, layout_name="striped", mask=Mask(causal=True), backward=False)
+    assert why.endswith("float32 striped)"), why
+
+
 def test_make_plan_sweeps_every_valid_combination() -> None:
     plan = make_plan(worked(), get_hardware("H100-SXM"), max_cp=8)
     combos = {(p.cp, p.strategy) for p in plan.sweep}

@@ -138,6 +138,9 @@ def check_ranks_agree(sig: list[int], topo: Topology, error: Exception | None) -
 def _described(field: str, column: list[int], group: dist.ProcessGroup | None) -> str:
     """A field that differs between ranks, named; for ``requires_grad``, which tensors each rank's
     backward would reach (``grad_flags``'s bits)."""
+    if field == "strategy":  # every rank may have passed "auto" and the planner chosen differently
+        return ("strategy (or the one strategy='auto' chose: the planner's hardware, ctxpar.auto.set_hardware, "
+                "must be alike on every rank)")
     if field != "requires_grad":
         return field
     def named(flags: int) -> str:

@@ -79,6 +79,10 @@ def choose(q: torch.Tensor, k: torch.Tensor, *, world: int, layout_name: str, ma
     # the planner counts work on the named layouts; a balanced or union layout evens work out like zigzag
     layout = layout_name if layout_name in LAYOUT_NAMES else "zigzag"
     strategy, why = choose_for_shapes(b, h, k.shape[1], d, s * world, world, dtype, layout, mask, backward, hw)
+    stand_ins = [f"{given} costed as {used}" for given, used in ((str(q.dtype).removeprefix("torch."), dtype),
+                                                                   (layout_name, layout)) if given != used]
+    if stand_ins and world > 1:
+        why += f"; {', '.join(stand_ins)}"
     profile.note_strategy(strategy, why)
     _log.debug("strategy='auto' chose %s: %s", strategy, why)
     return strategy, why
@@ -108,6 +112,6 @@ def choose_for_shapes(batch: int, heads: int, kv_heads: int, head_dim: int, seq:
     if not times:
         return "ring", f"the planner cannot evaluate T={seq} on P={world}: ring, which every shape allows"
     best = min(times, key=times.get)  # dicts keep CANDIDATES' order: ties go to the earlier
-    table = ", ".join(f"{s} {t * 1e3:.3g} ms" for s, t in times.items())
+    table = ", ".join(f"{s} {t * 1e3:.4g} ms" for s, t in times.items())  # 4 digits: near-ties read apart
     return best, (f"predicted per layer {'forward + backward' if backward else 'forward'} on {hw.name}: {table} "
                   f"(B={batch} H={heads} H_kv={kv_heads} D={head_dim} T={seq} P={world} {dtype} {layout})")
