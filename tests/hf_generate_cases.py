@@ -186,7 +186,9 @@ def _refusals(rank: int, world: int) -> dict:
         "inputs_embeds": _attempt(lambda: model.generate(inputs_embeds=model.get_input_embeddings()(tokens), **run)),
         "output_attentions": _attempt(lambda: model.generate(tokens, output_attentions=True,
                                                              return_dict_in_generate=True, **run)),
-        "prompt length": _attempt(lambda: model.generate(tokens[:, :22], **run)),
+        "short prompt": _attempt(lambda: model.generate(tokens[:, :7], **run)),
+        "longrope head": _attempt(lambda: enable_context_parallel(  # long factors from position 8: the head's 0-7
+            hf_families.build("phi3+longrope"), layout=layout).generate(tokens[:, :12], **run)),
         "guidance_scale": _attempt(lambda: model.generate(tokens, guidance_scale=1.5, **run)),
         "beam search on rank 1 only": _attempt(lambda: model.generate(tokens, num_beams=1 + (rank == 1), **run)),
         "prompts differ": _attempt(lambda: model.generate(other, **run)),
@@ -204,6 +206,12 @@ def _refusals(rank: int, world: int) -> dict:
                                                            past_key_values=DynamicCache())),
     }
     out.update(_stops_and_last_tokens(model, tokens, rank))
+    for length in (9, 22):  # zigzag on 4 ranks splits multiples of 8: a head of 8 or 16, then one token at a time
+        try:
+            want = hf_families.build("llama").generate(tokens[:, :length], **run)
+            out[f"{length}-token prompt"] = torch.equal(model.generate(tokens[:, :length], **run), want)
+        except Exception as e:  # noqa: BLE001
+            out[f"{length}-token prompt"] = f"{type(e).__name__}: {e}"
     want = hf_families.build("llama").generate(tokens, **run)
     try:
         out["after"] = torch.equal(model.generate(tokens, **run), want)

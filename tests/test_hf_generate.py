@@ -103,7 +103,10 @@ REFUSED = {  # what generate must refuse on every rank, and the words of the err
     "padding": "ValueError: padding",
     "inputs_embeds": "NotImplementedError: generate from inputs_embeds",
     "output_attentions": "NotImplementedError: generate with output_attentions=True",
-    "prompt length": "ValueError: sequence length 22 is not a multiple of 2*P=8 required by the zigzag layout",
+    "short prompt": "ValueError: generate under context parallelism needs a prompt of at least 8 tokens (2*P for "
+                    "the zigzag layout with P=4), so that every rank holds one of its positions; got 7",
+    "longrope head": "ValueError: Phi3ForCausalLM uses LongRoPE (long factors from position 8): a prompt of 12 tokens "
+                     "is prefilled as its first 8",
     "guidance_scale": "NotImplementedError: generate with guidance_scale=1.5 is not supported under context "
                       "parallelism: classifier-free guidance",
     "prompts differ": "ValueError: the ranks of the CP group disagree on the generate call: arguments",
@@ -135,6 +138,13 @@ def test_a_refusal_on_one_rank_is_a_refusal_on_every_rank_and_generate_works_aft
         else:
             assert "ranks [1] of the CP group rejected their generate call inputs" in got["beam search on rank 1 only"]
         assert got["after"] is True
+
+
+def test_a_prompt_the_layout_does_not_split_is_prefilled_in_part_then_token_by_token() -> None:
+    """A length the layout does not split was refused, advising padding, which generate refuses."""
+    for rank in range(4):
+        for length in (9, 22):
+            assert _part(rank, "refusals")[f"{length}-token prompt"] is True, (rank, length)
 
 
 def test_every_rank_stops_where_any_rank_stops_and_compares_the_last_token() -> None:

@@ -156,13 +156,7 @@ def check_rope_lengths(owner: str, settings: Settings, seq_len: int, documents: 
         return
     layout = settings.layout
     largest = int(positions_in_documents(torch.arange(seq_len), documents).max())  # what RoPE reads, unsplit
-    for limit in settings.dynamic:
-        if largest + 1 >= limit:
-            raise ValueError(f"{owner} uses dynamic RoPE scaling, which recomputes its frequencies from a forward's "
-                             f"largest position once it passes max_position_embeddings={limit}: the sequence reaches "
-                             f"position {largest}, and each rank would recompute them from its own positions. It "
-                             f"runs exactly below {limit} tokens (or documents); beyond, run without context "
-                             f"parallelism")
+    check_dynamic_rope(owner, settings, largest)
     for limit in settings.longrope:
         if largest < limit:
             continue  # short factors everywhere
@@ -175,6 +169,18 @@ def check_rope_lengths(owner: str, settings: Settings, seq_len: int, documents: 
                                  f"so the ranks would rotate with different frequencies. Use a layout or length "
                                  f"that gives every rank a position of at least {limit} (striped gives rank r "
                                  f"position T-P+r), or run without context parallelism")
+
+
+def check_dynamic_rope(owner: str, settings: Settings, largest: int) -> None:
+    """``check_rope_lengths``' verdict on dynamic RoPE scaling for a sequence whose largest
+    position (what RoPE reads) is ``largest``."""
+    for limit in settings.dynamic:
+        if largest + 1 >= limit:
+            raise ValueError(f"{owner} uses dynamic RoPE scaling, which recomputes its frequencies from a forward's "
+                             f"largest position once it passes max_position_embeddings={limit}: the sequence reaches "
+                             f"position {largest}, and each rank would recompute them from its own positions. It "
+                             f"runs exactly below {limit} tokens (or documents); beyond, run without context "
+                             f"parallelism")
 
 
 @dataclass(frozen=True)

@@ -12,8 +12,10 @@ p mod P. Its ``get_seq_length()`` is the global length, so transformers numbers 
 and sizes masks as without CP. generate's forwards reach ``cached_forward`` through
 ``enable_context_parallel``'s forward wrapper:
 
-    prefill  the first forward gets the whole prompt. It is sharded with the layout
-             (tokens and their global positions); each attention layer stores this rank's
+    prefill  the first forward gets the whole prompt (of a length the layout does not
+             split, the longest head it does; the rest is fed as decode steps). It is
+             sharded with the layout (tokens and their global positions); each attention
+             layer stores this rank's
              K/V (after RoPE) and attends with ctxpar.attention as in training (ring,
              allgather, alltoall, or "auto": the planner picks per layer, ``ctxpar.auto``);
              the rank holding position T-1 computes its logits and broadcasts them.
@@ -57,9 +59,10 @@ import torch.distributed as dist
 
 from ctxpar import agreement, auto, comm, topology
 from ctxpar.inference.cache import KVCache
+from ctxpar.layout import ContiguousLayout, StripedLayout, ZigzagLayout
 from ctxpar.inference.prefill import last_position_owner
-from ctxpar.integrations.transformers.attention import (CACHED, Settings, check_implementation, check_rope_lengths,
-                                                        installed)
+from ctxpar.integrations.transformers.attention import (CACHED, Settings, check_dynamic_rope, check_implementation,
+                                                        check_rope_lengths, installed)
 
 try:
     from transformers.cache_utils import Cache
@@ -185,9 +188,9 @@ class ShardedCache(Cache):
                                       f"H_kv and length")
         kv = self._per_layer[layer_idx]
         if kv is None:
-            if step.position is not None:
-                raise NotImplementedError(f"layer {layer_idx} stores K/V in a decode step but stored none in the "
-                                          f"prefill, so ctxpar's sharded cache holds no earlier positions for it")
+            if self.get_seq_length():
+                raise NotImplementedError(f"layer {layer_idx} stores K/V in a decode step but stored none before, "
+                                          f"so ctxpar's sharded cache holds no earlier positions for it")
             kv = KVCache(layers=1, batch=self.batch, kv_heads=k_shape[1], head_dim=k_shape[3], value_dim=v_shape[3],
                          capacity=self.capacity, group=self.group, dtype=key_states.dtype, device=key_states.device)
             self._per_layer[layer_idx] = kv
@@ -250,15 +253,88 @@ def cached_forward(forward, kwargs: dict, *, name: str, settings: Settings, cach
                    refusal: Exception | None = None):
     """One forward of generate over ``cache`` (the prefill or a decode step), ``kwargs`` as
     the caller passed them; ``accepts``: the names the model's forward takes; ``refusal``:
-    what the caller already refused (raised on every rank together, like this call's own)."""
+    what the caller already refused (raised on every rank together, like this call's own).
+
+    A prompt whose length the layout does not split is prefilled as its longest head that
+    it does, then one token at a time as decode steps (exact: each attends to every earlier
+    key), so that generate takes a prompt of any length."""
+    whole = _forward_signature(cache, kwargs)  # every step compares the whole call's tokens
+    head = _splittable_head(settings, cache, kwargs) if refusal is None else None
+    if head is None:
+        return _cached_step(forward, kwargs, name=name, settings=settings, cache=cache, accepts=accepts,
+                            refusal=refusal, whole=whole)
+    out, length = None, kwargs["input_ids"].shape[1]
+    refusal = _head_rope_refusal(name, settings, head, length)
+    for start, end in ([(0, head)] if head else []) + [(p, p + 1) for p in range(head, length)]:
+        out = _cached_step(forward, _sliced(kwargs, start, end), name=name, settings=settings, cache=cache,
+                           accepts=accepts, refusal=refusal, whole=whole, decode=(start, end) != (0, head))
+    return out
+
+
+def _splittable_head(settings: Settings, cache: ShardedCache, kwargs: dict) -> int | None:
+    """For a prefill whose length the layout does not split: the longest head it does; None
+    otherwise, for a prompt shorter than one multiple (``check_generate`` refuses it), and
+    where other tensors than the tokens, their positions and an attention mask come with the
+    prompt (the layout's own refusal then speaks)."""
+    tokens = kwargs.get("input_ids")
+    if cache.get_seq_length() or not isinstance(tokens, torch.Tensor) or tokens.dim() != 2 or not tokens.shape[1]:
+        return None
+    if any(isinstance(v, torch.Tensor) and k not in ("input_ids", "position_ids", "attention_mask")
+           for k, v in kwargs.items()):
+        return None
+    head = _prefilled_head(settings, tokens.shape[1])
+    return None if head in (0, tokens.shape[1]) else head
+
+
+def _prefilled_head(settings: Settings, length: int) -> int:
+    """How many of a prompt's ``length`` tokens the prefill takes: the longest head the layout
+    splits (a balanced layout, built for one length, takes the whole prompt or refuses it)."""
+    if type(settings.layout) not in (ContiguousLayout, ZigzagLayout, StripedLayout):
+        return length
+    return length // settings.layout.multiple * settings.layout.multiple
+
+
+def _head_rope_refusal(name: str, settings: Settings, head: int, length: int) -> Exception | None:
+    """RoPE whose frequencies depend on a forward's largest position: dynamic scaling past its
+    limit (the prompt's frequencies would not be the head's), and LongRoPE, whose head alone
+    would take the short factors where the whole prompt takes the long ones."""
+    try:
+        check_dynamic_rope(name, settings, length - 1)
+    except ValueError as e:
+        return e
+    limits = [limit for limit in settings.longrope if head - 1 < limit <= length - 1]
+    if not limits:
+        return None
+    return ValueError(f"{name} uses LongRoPE (long factors from position {limits[0]}): a prompt of {length} tokens "
+                      f"is prefilled as its first {head}, which the {settings.layout.name} layout splits, then one "
+                      f"token at a time, and the first {head} would rotate with the short factors where the whole "
+                      f"prompt takes the long ones; give a prompt length that is a multiple of "
+                      f"{settings.layout.multiple}")
+
+
+def _sliced(kwargs: dict, start: int, end: int) -> dict:
+    """The forward's arguments for prompt tokens start..end-1."""
+    part = dict(kwargs, input_ids=kwargs["input_ids"][:, start:end])
+    if isinstance(kwargs.get("position_ids"), torch.Tensor):
+        part["position_ids"] = kwargs["position_ids"][..., start:end]
+    if isinstance(kwargs.get("attention_mask"), torch.Tensor):
+        part["attention_mask"] = kwargs["attention_mask"][:, :end]
+    return part
+
+
+def _cached_step(forward, kwargs: dict, *, name: str, settings: Settings, cache: ShardedCache, accepts,
+                 refusal: Exception | None, whole: dict[str, int], decode: bool = False):
+    """One forward over ``cache``: ``cached_forward``'s, or one part of a prompt it splits
+    (``decode``: a single token on top of what the cache holds, even when it holds nothing)."""
     error, call, step = refusal, None, None
     if error is None:
         try:
-            call, step = _plan(name, settings, cache, dict(kwargs), accepts)
+            call, step = _plan(name, settings, cache, dict(kwargs), accepts, decode)
         except Exception as e:  # noqa: BLE001  any failure: this rank must still join the exchange below
             error = e
     if cache.world_size > 1:
-        agreement.check_values_agree(_forward_signature(cache, kwargs), cache.group, error, "generate forward")
+        signature = {**_forward_signature(cache, kwargs), **{f"call's {k}": v for k, v in whole.items()}}
+        agreement.check_values_agree(signature, cache.group, error, "generate forward")
     elif error is not None:
         raise error
     cache._step = step
@@ -285,9 +361,11 @@ def cached_forward(forward, kwargs: dict, *, name: str, settings: Settings, cach
     return out
 
 
-def _plan(name: str, settings: Settings, cache: ShardedCache, kwargs: dict, accepts) -> tuple[dict, _Step]:
+def _plan(name: str, settings: Settings, cache: ShardedCache, kwargs: dict, accepts,
+          decode: bool = False) -> tuple[dict, _Step]:
     """Check one forward over the cache and rewrite its arguments: the prefill's prompt
-    sharded with global positions, or a decode step's position."""
+    sharded with global positions, or a decode step's position (``decode``: even over an
+    empty cache, the first token of a prompt no layout split starts)."""
     for key, what in (("labels", "labels= (a loss)"), ("inputs_embeds", "inputs_embeds="),
                       ("output_attentions", "output_attentions=True"),
                       ("output_hidden_states", "output_hidden_states=True (hidden states of one shard)")):
@@ -311,7 +389,7 @@ def _plan(name: str, settings: Settings, cache: ShardedCache, kwargs: dict, acce
     batch, new = tokens.shape
     past = cache.get_seq_length()
     given = kwargs.get("position_ids")
-    if past == 0:
+    if past == 0 and not decode:
         want = torch.arange(new)
         settings.layout.validate(new)
         check_rope_lengths(name, settings, new, None)
@@ -334,11 +412,11 @@ def _plan(name: str, settings: Settings, cache: ShardedCache, kwargs: dict, acce
                              f"as the prompt")
         want = torch.tensor([past])
         kwargs["position_ids"] = torch.full((batch, 1), past, dtype=torch.long, device=tokens.device)
-        kv = cache.kv
-        mine = kv.owner(past) == cache.rank
+        held = cache.kv.positions() if cache.kv is not None else torch.empty(0, dtype=torch.long)
+        mine = past % cache.world_size == cache.rank  # KVCache.owner: round-robin by position
         new_positions = torch.tensor([past] if mine else [], dtype=torch.long)
-        step = _Step(position=past, positions=new_positions, held=kv.length + int(mine),
-                     keys=torch.cat([kv.positions(), new_positions]))
+        step = _Step(position=past, positions=new_positions, held=held.numel() + int(mine),
+                     keys=torch.cat([held, new_positions]))
     if given is not None and (given.shape[-1] != new or not bool((given.reshape(-1, new).cpu() == want).all())):
         raise ValueError(f"{name} got position_ids {given.reshape(-1)[:8].tolist()} for positions "
                          f"{past}..{past + new - 1} of the sequence; leave them to generate")
@@ -432,8 +510,14 @@ def check_generate(model, settings: Settings, generate, args: tuple, kwargs: dic
         raise ValueError("padding (an attention_mask with zeros, a left-padded batch) is not supported by "
                          "generation under context parallelism: generate each prompt length separately")
     check_token_ids(name, model, prompt)
-    settings.layout.validate(prompt.shape[1])
-    check_rope_lengths(name, settings, prompt.shape[1], None)
+    head = _prefilled_head(settings, prompt.shape[1])  # the rest: one token at a time (``cached_forward``)
+    if not head:  # a rank holding no position would run the model on empty K/V, which some models refuse
+        layout = settings.layout
+        raise ValueError(f"generate under context parallelism needs a prompt of at least {layout.multiple} tokens "
+                         f"({layout.multiple_formula} for the {layout.name} layout with P={layout.world_size}), so "
+                         f"that every rank holds one of its positions; got {prompt.shape[1]}: generate a shorter "
+                         f"prompt on fewer ranks, or with the contiguous or striped layout (P tokens)")
+    check_rope_lengths(name, settings, head, None)
     return prompt, config
 
 
