@@ -190,6 +190,7 @@ def _refusals(rank: int, world: int) -> dict:
         "longrope head": _attempt(lambda: enable_context_parallel(  # long factors from position 8: the head's 0-7
             hf_families.build("phi3+longrope"), layout=layout).generate(tokens[:, :12], **run)),
         "guidance_scale": _attempt(lambda: model.generate(tokens, guidance_scale=1.5, **run)),
+        "synced_gpus": _attempt(lambda: model.generate(tokens, synced_gpus=True, **run)),
         "beam search on rank 1 only": _attempt(lambda: model.generate(tokens, num_beams=1 + (rank == 1), **run)),
         "prompts differ": _attempt(lambda: model.generate(other, **run)),
         "seeds differ": _attempt(lambda: (torch.manual_seed(rank), model.generate(tokens, do_sample=True, **run))),
@@ -231,6 +232,12 @@ def _stops_and_last_tokens(model, tokens: torch.Tensor, rank: int) -> dict:
         def __call__(self, input_ids, scores, **kwargs):
             return torch.full((input_ids.shape[0],), rank == 1, dtype=torch.bool)
 
+    class FailOnRank1(StoppingCriteria):
+        def __call__(self, input_ids, scores, **kwargs):
+            if rank == 1:
+                raise RuntimeError("a criterion of rank 1 failed")
+            return torch.zeros(input_ids.shape[0], dtype=torch.bool)
+
     class FavourOwnToken(LogitsProcessor):
         def __call__(self, input_ids, scores):
             scores[:, 5 + rank] += 1e4
@@ -251,6 +258,7 @@ def _stops_and_last_tokens(model, tokens: torch.Tensor, rank: int) -> dict:
 
     return {"max_time": sequences(max_time=1e-9),  # once refused: each rank stopped by its own clock
             "max_new_tokens differ": sequences(max_new_tokens=4 + rank),
+            "a stop failing on rank 1": sequences(stopping_criteria=StoppingCriteriaList([FailOnRank1()])),
             "a streamer on rank 0": sequences(streamer=Watching() if rank == 0 else None),
             "a stop of rank 1": sequences(stopping_criteria=StoppingCriteriaList([StopOnRank1()])),
             "last token differs": sequences(max_new_tokens=1, logits_processor=LogitsProcessorList([FavourOwnToken()]))}

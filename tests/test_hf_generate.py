@@ -109,6 +109,8 @@ REFUSED = {  # what generate must refuse on every rank, and the words of the err
                      "is prefilled as its first 8",
     "guidance_scale": "NotImplementedError: generate with guidance_scale=1.5 is not supported under context "
                       "parallelism: classifier-free guidance",
+    # a replica done early ran forwards past its cache's capacity; the others waited in transformers' all-reduce
+    "synced_gpus": "NotImplementedError: generate with synced_gpus (which transformers turns on under FSDP",
     "prompts differ": "ValueError: the ranks of the CP group disagree on the generate call: arguments",
     "seeds differ": "ValueError: the ranks of the CP group disagree on the generate call: RNG state",
     "dynamic cache in forward": "ValueError: LlamaForCausalLM got past_key_values=DynamicCache",
@@ -160,6 +162,9 @@ def test_every_rank_stops_where_any_rank_stops_and_compares_the_last_token() -> 
     for rank, run in enumerate(runs):
         kind, message = run["last token differs"]
         assert kind == "refused" and "appended different tokens at position 24" in message, (rank, message)
+        kind, message = run["a stop failing on rank 1"]  # the others waited in the all-reduce until the timeout
+        want = "a criterion of rank 1 failed" if rank == 1 else "a stopping criterion failed on another rank"
+        assert kind == "refused" and want in message, (rank, message)
 
 
 def test_a_difference_in_a_common_setting_is_named_and_a_streamer_on_one_rank_runs() -> None:

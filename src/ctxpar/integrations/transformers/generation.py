@@ -223,11 +223,12 @@ class ShardedCache(Cache):
         return self._step is not None and self._step.position is not None
 
     def take(self, module, key: torch.Tensor, value: torch.Tensor) -> None:
-        """Check that a layer attends with the K/V this cache just handed it, or with K/V its
-        ``expand_kv`` made of them (transformers' multi-head latent attention caches latents
-        and expands them position by position): a model that skips the cache, or changes K/V
-        after it some other way, might attend over something else (keys re-rotated by their
-        index in the cache, which is not their position here)."""
+        """Check that a layer attends with the K/V this cache just handed it, or, where the
+        module has an ``expand_kv`` (transformers' name for multi-head latent attention's
+        position-by-position expansion of its cached latents), with K/V of as many positions,
+        taken to be what it made of them (not verified). A model that skips the cache, or
+        changes K/V after it some other way, might attend over something else (keys
+        re-rotated by their index in the cache, which is not their position here)."""
         owner = type(module).__name__
         if not self._step.pending:
             raise NotImplementedError(f"{owner} attends without storing its K/V in the cache (K/V shared across "
@@ -494,6 +495,12 @@ def check_generate(model, settings: Settings, generate, args: tuple, kwargs: dic
         if value not in fine:
             raise NotImplementedError(f"generate with {setting}={value!r} is not supported under context "
                                       f"parallelism (ctxpar's sharded cache serves every step)")
+    if _synced_gpus(model, bound.get("synced_gpus")):
+        raise NotImplementedError("generate with synced_gpus (which transformers turns on under FSDP and DeepSpeed "
+                                  "ZeRO-3) is not supported under context parallelism: a replica done early keeps "
+                                  "running forwards for the others, past what its sharded cache holds; pass "
+                                  "synced_gpus=False where no sharding across CP groups needs every rank's forwards "
+                                  "in step")
     if config.guidance_scale not in (None, 1):
         raise NotImplementedError(f"generate with guidance_scale={config.guidance_scale!r} is not supported under "
                                   f"context parallelism: classifier-free guidance runs the model on the prompt's "
@@ -519,6 +526,18 @@ def check_generate(model, settings: Settings, generate, args: tuple, kwargs: dic
                          f"prompt on fewer ranks, or with the contiguous or striped layout (P tokens)")
     check_rope_lengths(name, settings, head, None)
     return prompt, config
+
+
+def _synced_gpus(model, given) -> bool:
+    """Whether generate keeps finished ranks running forwards: ``synced_gpus``, or what
+    transformers decides where it is None (FSDP or ZeRO-3 on more than one process)."""
+    if given is not None:
+        return bool(given)
+    from transformers.distributed.fsdp import is_fsdp_managed_module
+    from transformers.integrations.deepspeed import is_deepspeed_zero3_enabled
+
+    return (is_deepspeed_zero3_enabled() or is_fsdp_managed_module(model)) and dist.is_initialized() \
+        and dist.get_world_size() > 1
 
 
 def check_token_ids(name: str, model, tokens) -> None:
@@ -579,16 +598,25 @@ class AgreedStop(StoppingCriteriaList):
         self.group = group
 
     def __call__(self, input_ids: torch.Tensor, scores, **kwargs) -> torch.Tensor:
-        done = super().__call__(input_ids, scores, **kwargs)  # (B,) bool
+        rows, error = input_ids.shape[0], None
+        try:
+            done = super().__call__(input_ids, scores, **kwargs).tolist()  # (B,) bool
+        except Exception as e:  # noqa: BLE001  a criterion failing here: this rank must still join the all-reduce
+            done, error = [False] * rows, e
         code = _crc(input_ids[:, -1]) & 0xFFFFFF  # 24 bits: n * c^2 < 2^63 for n < 2^15 ranks
-        flags = torch.tensor([*done.tolist(), code, code * code, 1], dtype=torch.int64, device=input_ids.device)
+        flags = torch.tensor([*done, int(error is not None), code, code * code, 1], dtype=torch.int64,
+                             device=input_ids.device)
         dist.all_reduce(flags, group=self.group)
-        *stopped, codes, squares, ranks = flags.tolist()
+        *stopped, failed, codes, squares, ranks = flags.tolist()
+        if error is not None:
+            raise error
+        if failed:
+            raise ValueError("a stopping criterion failed on another rank of the CP group; see its error")
         if codes != ranks * code or squares != ranks * code * code:  # their variance is not 0
             raise ValueError(f"the ranks of the CP group appended different tokens at position "
                              f"{input_ids.shape[1] - 1}: a logits processor, stopping criterion or use of the RNG "
                              f"differs between ranks; every rank must generate alike")
-        return torch.tensor(stopped, device=done.device) > 0
+        return torch.tensor(stopped, device=input_ids.device) > 0
 
 
 def wrap_generate(model, settings: Settings) -> None:
