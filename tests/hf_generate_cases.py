@@ -207,12 +207,15 @@ def _refusals(rank: int, world: int) -> dict:
                                                            past_key_values=DynamicCache())),
     }
     out.update(_stops_and_last_tokens(model, tokens, rank))
-    for length in (9, 22):  # zigzag on 4 ranks splits multiples of 8: a head of 8 or 16, then one token at a time
+    # zigzag on 4 ranks splits multiples of 8: a head of 8 or 16, then one token at a time; and a
+    # batch of one row (whose last column, input_ids[:, -1], once failed the per-step checksum)
+    for name, part in (("9-token prompt", tokens[:, :9]), ("22-token prompt", tokens[:, :22]),
+                       ("batch of 1", tokens[:1])):
         try:
-            want = hf_families.build("llama").generate(tokens[:, :length], **run)
-            out[f"{length}-token prompt"] = torch.equal(model.generate(tokens[:, :length], **run), want)
+            want = hf_families.build("llama").generate(part, **run)
+            out[name] = torch.equal(model.generate(part, **run), want)
         except Exception as e:  # noqa: BLE001
-            out[f"{length}-token prompt"] = f"{type(e).__name__}: {e}"
+            out[name] = f"{type(e).__name__}: {e}"
     want = hf_families.build("llama").generate(tokens, **run)
     try:
         out["after"] = torch.equal(model.generate(tokens, **run), want)

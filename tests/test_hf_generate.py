@@ -145,8 +145,8 @@ def test_a_refusal_on_one_rank_is_a_refusal_on_every_rank_and_generate_works_aft
 def test_a_prompt_the_layout_does_not_split_is_prefilled_in_part_then_token_by_token() -> None:
     """A length the layout does not split was refused, advising padding, which generate refuses."""
     for rank in range(4):
-        for length in (9, 22):
-            assert _part(rank, "refusals")[f"{length}-token prompt"] is True, (rank, length)
+        for case in ("9-token prompt", "22-token prompt", "batch of 1"):
+            assert _part(rank, "refusals")[case] is True, (rank, case, _part(rank, "refusals")[case])
 
 
 def test_every_rank_stops_where_any_rank_stops_and_compares_the_last_token() -> None:

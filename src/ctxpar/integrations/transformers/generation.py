@@ -428,7 +428,10 @@ def _crc(value) -> int:
     """A checksum every rank computes alike for alike values (tensors by content; objects
     other than plain values by type, as their repr holds addresses)."""
     if isinstance(value, torch.Tensor):
-        return zlib.crc32(value.detach().to("cpu").contiguous().reshape(-1).view(torch.uint8).numpy().tobytes()
+        # a contiguous clone: .contiguous() keeps a one-element column's stride (input_ids[:, -1] at
+        # batch 1), which view(uint8) refuses
+        host = value.detach().to("cpu").clone(memory_format=torch.contiguous_format)
+        return zlib.crc32(host.reshape(-1).view(torch.uint8).numpy().tobytes()
                           + str((tuple(value.shape), value.dtype)).encode())
     if isinstance(value, (list, tuple)):
         return agreement.text_code(str([_crc(v) for v in value]))
