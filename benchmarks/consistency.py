@@ -9,6 +9,11 @@ For each length, every rank runs the same causal zigzag ring attention forward w
 the median wall time of each; the check alone (``agreement.check_ranks_agree`` on a
 signature) is timed over many calls. The ratio is the median on/off of the slowest rank.
 
+``model.generate()`` under CP (--generate-prompt tokens, --generate-tokens new ones, a
+tiny Llama, P ranks): seconds per generated token with its per-step agreement on when to
+stop and on the token appended (``AgreedStop``, one tiny all-reduce) and without it,
+alternating; medians of --repeat, slowest rank.
+
 The batch checksum (one process, --batch-seq lengths, one row of tokens): what
 ``shard_batch`` spends on it (crc32 of the whole batch's tokens and shifted labels) against
 the whole ``shard_batch`` call, and what a forward spends finding its shard's batch
@@ -18,6 +23,7 @@ the whole ``shard_batch`` call, and what a forward spends finding its shard's ba
 from __future__ import annotations
 
 import argparse
+import functools
 import statistics
 import time
 
@@ -62,6 +68,34 @@ def one_rank(rank: int, world: int, args: dict) -> dict:
     return dict(check_seconds=check_seconds, rows=rows)
 
 
+def generate_steps(rank: int, world: int, args: dict) -> dict:
+    """Seconds per new token of generate under CP, with and without ``AgreedStop``."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+    from transformers.utils import logging
+
+    from ctxpar.integrations.transformers import enable_context_parallel
+
+    logging.set_verbosity_error()
+    torch.manual_seed(0)
+    config = LlamaConfig(vocab_size=2048, hidden_size=256, intermediate_size=512, num_hidden_layers=4,
+                         num_attention_heads=8, num_key_value_heads=2, max_position_embeddings=8192)
+    model = enable_context_parallel(LlamaForCausalLM(config).eval(), layout=ctxpar.get_layout("zigzag", world))
+    agreed = model._get_stopping_criteria
+    plain = functools.partial(type(model)._get_stopping_criteria, model)  # the check left out: measurement only
+    prompt = torch.randint(0, 2048, (1, args["prompt"]), generator=torch.Generator().manual_seed(1))
+    new = args["new_tokens"]
+    times = {True: [], False: []}
+    for i in range(2 * args["repeat"] + 2):
+        checked = i % 2 == 0
+        model._get_stopping_criteria = agreed if checked else plain
+        dist.barrier()
+        start = time.perf_counter()
+        model.generate(prompt, max_new_tokens=new, min_new_tokens=new)
+        if i >= 2:  # the first pair warms up
+            times[checked].append((time.perf_counter() - start) / new)
+    return dict(on=statistics.median(times[True]), off=statistics.median(times[False]))
+
+
 def batch_checksum(seqs: list[int], world: int, repeat: int) -> list[dict]:
     """Seconds of the batch checksum inside shard_batch, of shard_batch, and of batch_code."""
     layout = ctxpar.get_layout("zigzag", world)
@@ -97,6 +131,8 @@ def main() -> None:
     p.add_argument("--calls", type=int, default=500, help="calls of the check alone")
     p.add_argument("--batch-seq", default="131072,1048576",
                    help="comma-separated batch lengths for the batch checksum (one process)")
+    p.add_argument("--generate-prompt", type=int, default=512, help="generate's prompt length")
+    p.add_argument("--generate-tokens", type=int, default=32, help="tokens each generate call adds")
     p.add_argument("--json", metavar="PATH")
     args = p.parse_args()
 
@@ -117,6 +153,14 @@ def main() -> None:
     for r in rows:
         print(f"{r['seq']:>7} {r['forward_on_seconds']:>10.4f} {r['forward_off_seconds']:>10.4f} "
               f"{r['ratio']:>7.3f} {r['check_share']:>10.2%}")
+    steps = run_local(generate_steps, args.nproc, (dict(prompt=args.generate_prompt,
+                                                        new_tokens=args.generate_tokens, repeat=args.repeat),))
+    on, off = max(r["on"] for r in steps), max(r["off"] for r in steps)
+    generated = dict(prompt=args.generate_prompt, new_tokens=args.generate_tokens, on_seconds_per_token=on,
+                     off_seconds_per_token=off, ratio=on / off)
+    print(f"generate, tiny Llama (4 layers, d=256), prompt {args.generate_prompt}, {args.generate_tokens} new tokens: "
+          f"{on * 1e3:.2f} ms per token with the per-step agreement, {off * 1e3:.2f} ms without; on/off "
+          f"{on / off:.3f}")
     batches = batch_checksum([int(t) for t in args.batch_seq.split(",")], args.nproc, args.repeat)
     print(f"batch checksum (shard_batch, zigzag P={args.nproc}, one row of int64 tokens): median of {args.repeat}")
     print(f"{'T':>8} {'checksum ms':>12} {'shard_batch ms':>15} {'share':>7} {'forward lookup ms':>18}")
@@ -124,7 +168,7 @@ def main() -> None:
         print(f"{r['seq']:>8} {r['checksum_seconds'] * 1e3:>12.2f} {r['shard_batch_seconds'] * 1e3:>15.2f} "
               f"{r['checksum_seconds'] / r['shard_batch_seconds']:>7.0%} {r['lookup_seconds'] * 1e3:>18.3f}")
     if args.json:
-        write_json(args.json, args, check_seconds=check, rows=rows, batch_checksum=batches)
+        write_json(args.json, args, check_seconds=check, rows=rows, generate=generated, batch_checksum=batches)
 
 
 if __name__ == "__main__":
