@@ -266,17 +266,18 @@ def cached_forward(forward, kwargs: dict, *, name: str, settings: Settings, cach
                             refusal=refusal, whole=whole)
     out, length = None, kwargs["input_ids"].shape[1]
     refusal = _head_rope_refusal(name, settings, head, length)
-    for start, end in ([(0, head)] if head else []) + [(p, p + 1) for p in range(head, length)]:
+    for start, end in [(0, head)] + [(p, p + 1) for p in range(head, length)]:
         out = _cached_step(forward, _sliced(kwargs, start, end), name=name, settings=settings, cache=cache,
-                           accepts=accepts, refusal=refusal, whole=whole, decode=(start, end) != (0, head))
+                           accepts=accepts, refusal=refusal, whole=whole)
     return out
 
 
 def _splittable_head(settings: Settings, cache: ShardedCache, kwargs: dict) -> int | None:
     """For a prefill whose length the layout does not split: the longest head it does; None
-    otherwise, for a prompt shorter than one multiple (``check_generate`` refuses it), and
-    where other tensors than the tokens, their positions and an attention mask come with the
-    prompt (the layout's own refusal then speaks)."""
+    otherwise, for a prompt shorter than one multiple (``check_generate`` refuses it: every
+    rank must hold a prompt position), and where other tensors than the tokens, their
+    positions and an attention mask come with the prompt (the layout's own refusal then
+    speaks)."""
     tokens = kwargs.get("input_ids")
     if cache.get_seq_length() or not isinstance(tokens, torch.Tensor) or tokens.dim() != 2 or not tokens.shape[1]:
         return None
@@ -324,13 +325,13 @@ def _sliced(kwargs: dict, start: int, end: int) -> dict:
 
 
 def _cached_step(forward, kwargs: dict, *, name: str, settings: Settings, cache: ShardedCache, accepts,
-                 refusal: Exception | None, whole: dict[str, int], decode: bool = False):
+                 refusal: Exception | None, whole: dict[str, int]):
     """One forward over ``cache``: ``cached_forward``'s, or one part of a prompt it splits
-    (``decode``: a single token on top of what the cache holds, even when it holds nothing)."""
+    (``whole``: the signature of the whole call, compared at every part)."""
     error, call, step = refusal, None, None
     if error is None:
         try:
-            call, step = _plan(name, settings, cache, dict(kwargs), accepts, decode)
+            call, step = _plan(name, settings, cache, dict(kwargs), accepts)
         except Exception as e:  # noqa: BLE001  any failure: this rank must still join the exchange below
             error = e
     if cache.world_size > 1:
@@ -362,11 +363,9 @@ def _cached_step(forward, kwargs: dict, *, name: str, settings: Settings, cache:
     return out
 
 
-def _plan(name: str, settings: Settings, cache: ShardedCache, kwargs: dict, accepts,
-          decode: bool = False) -> tuple[dict, _Step]:
+def _plan(name: str, settings: Settings, cache: ShardedCache, kwargs: dict, accepts) -> tuple[dict, _Step]:
     """Check one forward over the cache and rewrite its arguments: the prefill's prompt
-    sharded with global positions, or a decode step's position (``decode``: even over an
-    empty cache, the first token of a prompt no layout split starts)."""
+    sharded with global positions, or a decode step's position."""
     for key, what in (("labels", "labels= (a loss)"), ("inputs_embeds", "inputs_embeds="),
                       ("output_attentions", "output_attentions=True"),
                       ("output_hidden_states", "output_hidden_states=True (hidden states of one shard)")):
@@ -390,7 +389,7 @@ def _plan(name: str, settings: Settings, cache: ShardedCache, kwargs: dict, acce
     batch, new = tokens.shape
     past = cache.get_seq_length()
     given = kwargs.get("position_ids")
-    if past == 0 and not decode:
+    if past == 0:
         want = torch.arange(new)
         settings.layout.validate(new)
         check_rope_lengths(name, settings, new, None)
@@ -413,11 +412,11 @@ def _plan(name: str, settings: Settings, cache: ShardedCache, kwargs: dict, acce
                              f"as the prompt")
         want = torch.tensor([past])
         kwargs["position_ids"] = torch.full((batch, 1), past, dtype=torch.long, device=tokens.device)
-        held = cache.kv.positions() if cache.kv is not None else torch.empty(0, dtype=torch.long)
-        mine = past % cache.world_size == cache.rank  # KVCache.owner: round-robin by position
+        kv = cache.kv
+        mine = kv.owner(past) == cache.rank
         new_positions = torch.tensor([past] if mine else [], dtype=torch.long)
-        step = _Step(position=past, positions=new_positions, held=held.numel() + int(mine),
-                     keys=torch.cat([held, new_positions]))
+        step = _Step(position=past, positions=new_positions, held=kv.length + int(mine),
+                     keys=torch.cat([kv.positions(), new_positions]))
     if given is not None and (given.shape[-1] != new or not bool((given.reshape(-1, new).cpu() == want).all())):
         raise ValueError(f"{name} got position_ids {given.reshape(-1)[:8].tolist()} for positions "
                          f"{past}..{past + new - 1} of the sequence; leave them to generate")
