@@ -68,6 +68,7 @@ def run_all(rank: int, world: int) -> dict:
     """Every inference check for one world size; failures are reported, not raised."""
     results: dict = {}
     for name, check in (("logits", _check_logits), ("greedy", _check_greedy), ("sampled", _check_sampled),
+                        ("any_length", _check_any_length),
                         ("empty_shard", _check_empty_shard), ("partial", _check_partial),
                         ("bad_inputs", _check_bad_inputs)):
         try:
@@ -131,6 +132,20 @@ def _check_sampled(rank: int, world: int) -> dict:
     r = generate(model, prompt, layout="zigzag", new_tokens=SAMPLED_TOKENS, temperature=TEMPERATURE, seed=SEED)
     ref = reference_generate(model, prompt, new_tokens=SAMPLED_TOKENS, temperature=TEMPERATURE, seed=SEED)
     return {"tokens": r.tokens.tolist(), "reference": ref.tolist()}
+
+
+def _check_any_length(rank: int, world: int) -> dict:
+    """generate from prompts the zigzag layout does not split (its head prefilled, the rest a
+    partial prefill) and shorter than one multiple (all of it a partial prefill), sampled:
+    {length: the tokens equal the single-process ones}."""
+    model = build()
+    out = {}
+    for length in (2 * world * 3 + 1, 2 * world - 1 or 1):
+        prompt = prompt_tokens(length, seed=length)
+        r = generate(model, prompt, layout="zigzag", new_tokens=SAMPLED_TOKENS, temperature=TEMPERATURE, seed=SEED)
+        ref = reference_generate(model, prompt, new_tokens=SAMPLED_TOKENS, temperature=TEMPERATURE, seed=SEED)
+        out[length] = r.tokens.tolist() == ref.tolist()
+    return out
 
 
 def _check_empty_shard(rank: int, world: int) -> dict:

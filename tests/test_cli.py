@@ -113,7 +113,9 @@ def test_generate_with_strategy_auto_equals_the_single_process_tokens_and_report
 
 
 def test_generate_with_the_hybrid_strategy_equals_the_single_process_tokens() -> None:
-    proc = run_cli("generate", "--nproc", "4", "--prompt-len", "64", "--new-tokens", "6", "--strategy", "hybrid",
+    """67 tokens: zigzag on 4 ranks splits 64 of them, the last 3 go to partial_prefill (a
+    length the layout did not split was refused, advising padding, which generate has none of)."""
+    proc = run_cli("generate", "--nproc", "4", "--prompt-len", "67", "--new-tokens", "6", "--strategy", "hybrid",
                    "--ulysses-degree", "2", "--compare")
     assert proc.returncode == 0, proc.stdout + proc.stderr
     assert "4 ranks (hybrid: ulysses 2 x ring 2, zigzag)" in proc.stdout
@@ -211,7 +213,6 @@ def bad_values(tmp: Path) -> list[tuple[tuple[str, ...], str]]:
         (("plan", "--hardware", "local", "--calibration", str(bad_rate)), "calibration 'attention_flops' is 'fast'"),
         (("plan", "--hardware", "local", "--calibration", str(not_rates)), 'its "attention" entry must be an object'),
         (("plan", "--hardware", "local", "--calibrate", "--head-dim", "0"), "--head-dim must be between 1 and"),
-        (("generate", "--prompt-len", "1001"), "--prompt-len: sequence length 1001 is not a multiple of 2*P=8"),
         *(((command, "--seq", "1001"), "--seq: sequence length 1001 is not a multiple of 2*P=")
           for command in ("demo", "train", "plan")),
         (("generate", "--new-tokens", "0"), "--new-tokens must be between 1 and"),

@@ -108,6 +108,13 @@ def test_seeded_sampling_draws_the_single_process_tokens_on_every_rank(world: in
 
 
 @pytest.mark.parametrize("world", WORLD_SIZES, ids=lambda w: f"P{w}")
+def test_generate_takes_a_prompt_of_any_length(world: int) -> None:
+    """A length the layout did not split was refused, advising padding, which generate has none of."""
+    for rank, r in enumerate(_reported(world, "any_length")):
+        assert r and all(r.values()), (rank, r)
+
+
+@pytest.mark.parametrize("world", WORLD_SIZES, ids=lambda w: f"P{w}")
 def test_a_rank_with_an_empty_shard_contributes_nothing_and_sinks_are_merged_exactly(world: int) -> None:
     for r in _reported(world, "empty_shard"):
         assert r["err"] <= FP32_RTOL and r["sinks_err"] <= FP32_RTOL, r

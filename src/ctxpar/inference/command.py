@@ -46,7 +46,7 @@ class GenerateConfig:
             raise ValueError(f"--strategy {self.strategy!r} is not supported by generate; use one of "
                              f"{', '.join(INFERENCE_STRATEGIES)}")
         cfg = get_config(self.model)
-        limits.check_splits(get_layout(self.layout, world), self.prompt_len, "--prompt-len")
+        get_layout(self.layout, world)  # any --prompt-len: what the layout does not split goes to partial_prefill
         strategy_rules.check_heads(self.strategy, cfg.heads, cfg.kv_heads, strategy_rules.call_ulysses_degree(
             self.strategy, world, self.ulysses_degree, name="--ulysses-degree"))
         try:

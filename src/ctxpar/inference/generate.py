@@ -26,8 +26,9 @@ import torch.nn as nn
 from ctxpar import agreement, limits, topology
 from ctxpar.inference.cache import KVCache
 from ctxpar.inference.decode import decode_step
+from ctxpar.inference.partial import partial_prefill
 from ctxpar.inference.prefill import prefill
-from ctxpar.layout import Layout
+from ctxpar.layout import ContiguousLayout, Layout, StripedLayout, ZigzagLayout, get_layout
 
 
 class Sampler:
@@ -79,7 +80,9 @@ def generate(model: nn.Module, prompt: torch.Tensor, *, layout: str | Layout, gr
 
     Args:
         model: the reference ``ctxpar.models.Transformer``, the same weights on every rank.
-        prompt: (B, T) token ids, the same on every rank (B prompts of one length).
+        prompt: (B, T) token ids, the same on every rank (B prompts of one length T >= 1): its
+            longest head the layout splits goes through ``prefill``, the rest through
+            ``partial_prefill`` (exact at any length).
         layout, strategy, mesh: how prefill splits the prompt and moves K/V (``prefill``;
             ``mesh`` for hybrid only).
         group: the CP group (None: WORLD, or one process without a process group).
@@ -93,12 +96,13 @@ def generate(model: nn.Module, prompt: torch.Tensor, *, layout: str | Layout, gr
     Returns:
         ``GenerationResult``: tokens (B, new_tokens), ttft_s, tpot_s, kv_cache_bytes, cache.
     """
-    error = None
+    error, head = None, None
+    world = topology.from_group(group).world_size
     try:
         _check(model, prompt, new_tokens, temperature, seed)
+        head = prefilled_length(get_layout(layout, world), prompt.shape[1])
     except Exception as e:  # noqa: BLE001  any failure: this rank must still join the
         error = e  # exchange below, or its peers wait there
-    world = topology.from_group(group).world_size
     if check_consistency and world > 1:
         agreement.check_values_agree(_signature(new_tokens, temperature, seed), group, error, "generate call")
     elif error is not None:
@@ -109,8 +113,12 @@ def generate(model: nn.Module, prompt: torch.Tensor, *, layout: str | Layout, gr
                               group=group, dtype=weight.dtype, device=weight.device)
     sample = Sampler(temperature, seed, weight.device)
     begin = _now(weight.device)
-    token = sample(prefill(model, cache, prompt, layout=layout, strategy=strategy, mesh=mesh,
-                           check_consistency=check_consistency))  # (B,)
+    if head:
+        logits = prefill(model, cache, prompt[:, :head], layout=layout, strategy=strategy, mesh=mesh,
+                         check_consistency=check_consistency)  # (B, vocab)
+    if head < prompt.shape[1]:  # the tokens the layout does not split: one chunk after the head (or all)
+        logits = partial_prefill(model, cache, prompt[:, head:], check_consistency=check_consistency)
+    token = sample(logits)  # (B,)
     out = [token]
     ttft = _now(weight.device) - begin
     on_token = on_token or (lambda: None)
@@ -138,6 +146,15 @@ def reference_generate(model: nn.Module, prompt: torch.Tensor, *, new_tokens: in
         for _ in range(new_tokens):
             seq = torch.cat([seq, sample(model(seq)[:, -1]).unsqueeze(1)], dim=1)
     return seq[:, prompt.shape[1]:].cpu()
+
+
+def prefilled_length(layout: Layout, length: int) -> int:
+    """How many of a prompt's ``length`` tokens ``prefill`` takes: the longest head ``layout``
+    splits (a balanced layout, built for one length, the whole prompt or none of it); the rest
+    goes through ``partial_prefill``, exact at any length."""
+    if type(layout) not in (ContiguousLayout, ZigzagLayout, StripedLayout):
+        return length
+    return length // layout.multiple * layout.multiple
 
 
 def _check(model: nn.Module, prompt: torch.Tensor, new_tokens: int, temperature: float, seed: int) -> None:
