@@ -139,12 +139,13 @@ def _check_any_length(rank: int, world: int) -> dict:
     partial prefill) and shorter than one multiple (all of it a partial prefill), sampled:
     {length: the tokens equal the single-process ones}."""
     model = build()
-    out = {}
-    for length in (2 * world * 3 + 1, 2 * world - 1 or 1):
+    out: dict = {"prompt_len": []}
+    for length in (2 * world * 3 + 1, 2 * world - 1):
         prompt = prompt_tokens(length, seed=length)
         r = generate(model, prompt, layout="zigzag", new_tokens=SAMPLED_TOKENS, temperature=TEMPERATURE, seed=SEED)
         ref = reference_generate(model, prompt, new_tokens=SAMPLED_TOKENS, temperature=TEMPERATURE, seed=SEED)
         out[length] = r.tokens.tolist() == ref.tolist()
+        out["prompt_len"].append(r.cache.prompt_len)
     return out
 
 
@@ -290,6 +291,11 @@ def _check_bad_inputs(rank: int, world: int) -> dict[str, str]:
         "prefill_twice": _attempt(lambda: prefill(model, prefilled(cache()), prompt, layout="zigzag")),
         "decode_batch": _attempt(lambda: decode_step(model, prefilled(cache()), prompt[:1, 0])),
         "new_tokens": _attempt(lambda: generate(model, prompt, layout="zigzag", new_tokens=0)),
+        # a prompt shorter than zigzag's 2P has no head to prefill, whose checks once were the only ones
+        "short_prompt_strategy": _attempt(lambda: generate(model, prompt[:, :1], layout="zigzag", new_tokens=2,
+                                                           strategy="ulysses")),
+        "short_prompt_hybrid": _attempt(lambda: generate(model, prompt[:, :1], layout="zigzag", new_tokens=2,
+                                                         strategy="hybrid")),
         "temperature": _attempt(lambda: generate(model, prompt, layout="zigzag", new_tokens=2, temperature=-1.0)),
         "chunk_capacity": _attempt(lambda: partial_prefill(model, prefilled(cache()), prompt[:, :5])),
         "chunk_batch": _attempt(lambda: partial_prefill(model, prefilled(cache()), prompt[:1, :2])),

@@ -111,6 +111,7 @@ def test_seeded_sampling_draws_the_single_process_tokens_on_every_rank(world: in
 def test_generate_takes_a_prompt_of_any_length(world: int) -> None:
     """A length the layout did not split was refused, advising padding, which generate has none of."""
     for rank, r in enumerate(_reported(world, "any_length")):
+        assert r.pop("prompt_len") == [2 * world * 3 + 1, 2 * world - 1], (rank, r)  # the cache's, the whole prompt
         assert r and all(r.values()), (rank, r)
 
 
@@ -178,6 +179,8 @@ EXPECTED_MESSAGES = {
     "prefill_twice": ["already holds a sequence of 24 positions"],
     "decode_batch": ["batch B=1", "built for batch 2"],
     "new_tokens": ["new_tokens must be", "got 0"],
+    "short_prompt_strategy": ["inference strategy 'ulysses'"],
+    "short_prompt_hybrid": ["strategy='hybrid' takes mesh="],
     "temperature": ["temperature must be", "-1.0"],
     "cache_full": ["KV cache is full", "25 positions"],
     "step": ["disagree on the decode step", "position (prompt + steps) [25,"],

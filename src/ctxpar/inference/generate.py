@@ -27,7 +27,7 @@ from ctxpar import agreement, limits, topology
 from ctxpar.inference.cache import KVCache
 from ctxpar.inference.decode import decode_step
 from ctxpar.inference.partial import partial_prefill
-from ctxpar.inference.prefill import prefill
+from ctxpar.inference.prefill import check_strategy, prefill
 from ctxpar.layout import ContiguousLayout, Layout, StripedLayout, ZigzagLayout, get_layout
 
 
@@ -97,14 +97,18 @@ def generate(model: nn.Module, prompt: torch.Tensor, *, layout: str | Layout, gr
         ``GenerationResult``: tokens (B, new_tokens), ttft_s, tpot_s, kv_cache_bytes, cache.
     """
     error, head = None, None
-    world = topology.from_group(group).world_size
+    ranks = topology.from_group(group)
+    world = ranks.world_size
     try:
         _check(model, prompt, new_tokens, temperature, seed)
+        # prefill checks these too, but a prompt shorter than the layout's multiple has no head to prefill
+        check_strategy(model, ranks.rank, world, strategy, mesh)
         head = prefilled_length(get_layout(layout, world), prompt.shape[1])
     except Exception as e:  # noqa: BLE001  any failure: this rank must still join the
         error = e  # exchange below, or its peers wait there
     if check_consistency and world > 1:
-        agreement.check_values_agree(_signature(new_tokens, temperature, seed), group, error, "generate call")
+        agreement.check_values_agree(_signature(new_tokens, temperature, seed, strategy), group, error,
+                                     "generate call")
     elif error is not None:
         raise error
 
@@ -118,6 +122,7 @@ def generate(model: nn.Module, prompt: torch.Tensor, *, layout: str | Layout, gr
                          check_consistency=check_consistency)  # (B, vocab)
     if head < prompt.shape[1]:  # the tokens the layout does not split: one chunk after the head (or all)
         logits = partial_prefill(model, cache, prompt[:, head:], check_consistency=check_consistency)
+        cache.prompt_len = prompt.shape[1]  # the whole prompt, as after one prefill (its first commit: the head)
     token = sample(logits)  # (B,)
     out = [token]
     ttft = _now(weight.device) - begin
@@ -150,9 +155,9 @@ def reference_generate(model: nn.Module, prompt: torch.Tensor, *, new_tokens: in
 
 def prefilled_length(layout: Layout, length: int) -> int:
     """How many of a prompt's ``length`` tokens ``prefill`` takes: the longest head ``layout``
-    splits (a balanced layout, built for one length, the whole prompt or none of it); the rest
-    goes through ``partial_prefill``, exact at any length."""
-    if type(layout) not in (ContiguousLayout, ZigzagLayout, StripedLayout):
+    splits (a balanced layout, built for one length, takes the whole prompt: prefill refuses
+    any other); the rest goes through ``partial_prefill``, exact at any length."""
+    if not isinstance(layout, (ContiguousLayout, ZigzagLayout, StripedLayout)):
         return length
     return length // layout.multiple * layout.multiple
 
@@ -170,11 +175,11 @@ def _check(model: nn.Module, prompt: torch.Tensor, new_tokens: int, temperature:
         raise ValueError(f"the prompt must be a 2-D tensor of token ids (B, T) with B, T >= 1, got {got}")
 
 
-def _signature(new_tokens, temperature, seed) -> dict[str, int]:
+def _signature(new_tokens, temperature, seed, strategy) -> dict[str, int]:
     def bits(x) -> int:
         return agreement.readable(lambda: struct.unpack("<q", struct.pack("<d", float(x)))[0])
     return {"new_tokens": new_tokens if isinstance(new_tokens, int) else -1, "temperature": bits(temperature),
-            "seed": seed if isinstance(seed, int) else -1}
+            "seed": seed if isinstance(seed, int) else -1, "strategy": agreement.text_code(str(strategy))}
 
 
 def _now(device: torch.device) -> float:

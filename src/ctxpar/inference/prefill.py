@@ -123,22 +123,7 @@ def _check(model: nn.Module, cache: KVCache, prompt: torch.Tensor, layout: str |
            mesh) -> tuple[Layout, int]:
     """The layout, and this rank's index in it."""
     check_model_fits(model, cache)
-    if strategy not in INFERENCE_STRATEGIES:
-        raise ValueError(f"inference strategy {strategy!r}: choose one of {', '.join(INFERENCE_STRATEGIES)}")
-    layout_rank = cache.rank
-    if strategy == "hybrid":
-        if mesh is None:
-            raise ValueError("strategy='hybrid' takes mesh= (a 2D DeviceMesh with dims 'ulysses' and 'ring' over the "
-                             "cache's ranks)")
-        topo = topology.from_mesh(mesh)
-        if topo.world_size != cache.world_size:
-            raise ValueError(f"the hybrid mesh holds {topo.world_size} ranks but the KV cache's group "
-                             f"{cache.world_size}; build the cache on the group the mesh spans")
-        layout_rank, ulysses = topo.rank, topo.ulysses_degree
-    elif mesh is not None:
-        raise ValueError(f"mesh= is for strategy='hybrid'; {strategy!r} runs on the cache's group")
-    else:
-        ulysses = strategy_rules.call_ulysses_degree(strategy, cache.world_size)
+    layout_rank = check_strategy(model, cache.rank, cache.world_size, strategy, mesh)
     check_tokens(prompt, cache, model.cfg.vocab, "prompt")
     seq_len = prompt.shape[1]
     layout = get_layout(layout, cache.world_size)
@@ -149,8 +134,30 @@ def _check(model: nn.Module, cache: KVCache, prompt: torch.Tensor, layout: str |
     if cache.seq_len:
         raise ValueError(f"the KV cache already holds a sequence of {cache.seq_len} positions; reset() it (or "
                          f"build another) before prefilling a new prompt")
-    strategy_rules.check_heads(strategy, model.cfg.heads, model.cfg.kv_heads, ulysses)
     return layout, layout_rank
+
+
+def check_strategy(model: nn.Module, rank: int, world_size: int, strategy: str, mesh) -> int:
+    """The strategy and ``mesh=`` of a prefill over a cache on ``world_size`` ranks (``rank``
+    this one's), heads included; returns this rank's index in the layout."""
+    if strategy not in INFERENCE_STRATEGIES:
+        raise ValueError(f"inference strategy {strategy!r}: choose one of {', '.join(INFERENCE_STRATEGIES)}")
+    layout_rank = rank
+    if strategy == "hybrid":
+        if mesh is None:
+            raise ValueError("strategy='hybrid' takes mesh= (a 2D DeviceMesh with dims 'ulysses' and 'ring' over the "
+                             "cache's ranks)")
+        topo = topology.from_mesh(mesh)
+        if topo.world_size != world_size:
+            raise ValueError(f"the hybrid mesh holds {topo.world_size} ranks but the KV cache's group "
+                             f"{world_size}; build the cache on the group the mesh spans")
+        layout_rank, ulysses = topo.rank, topo.ulysses_degree
+    elif mesh is not None:
+        raise ValueError(f"mesh= is for strategy='hybrid'; {strategy!r} runs on the cache's group")
+    else:
+        ulysses = strategy_rules.call_ulysses_degree(strategy, world_size)
+    strategy_rules.check_heads(strategy, model.cfg.heads, model.cfg.kv_heads, ulysses)
+    return layout_rank
 
 
 def _signature(cache: KVCache, prompt, layout, strategy) -> dict[str, int]:

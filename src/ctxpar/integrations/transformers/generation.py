@@ -59,7 +59,7 @@ import torch.distributed as dist
 
 from ctxpar import agreement, auto, comm, topology
 from ctxpar.inference.cache import KVCache
-from ctxpar.layout import ContiguousLayout, StripedLayout, ZigzagLayout
+from ctxpar.inference.generate import prefilled_length
 from ctxpar.inference.prefill import last_position_owner
 from ctxpar.integrations.transformers.attention import (CACHED, Settings, check_dynamic_rope, check_implementation,
                                                         check_rope_lengths, installed)
@@ -284,16 +284,8 @@ def _splittable_head(settings: Settings, cache: ShardedCache, kwargs: dict) -> i
     if any(isinstance(v, torch.Tensor) and k not in ("input_ids", "position_ids", "attention_mask")
            for k, v in kwargs.items()):
         return None
-    head = _prefilled_head(settings, tokens.shape[1])
+    head = prefilled_length(settings.layout, tokens.shape[1])
     return None if head in (0, tokens.shape[1]) else head
-
-
-def _prefilled_head(settings: Settings, length: int) -> int:
-    """How many of a prompt's ``length`` tokens the prefill takes: the longest head the layout
-    splits (a balanced layout, built for one length, takes the whole prompt or refuses it)."""
-    if type(settings.layout) not in (ContiguousLayout, ZigzagLayout, StripedLayout):
-        return length
-    return length // settings.layout.multiple * settings.layout.multiple
 
 
 def _head_rope_refusal(name: str, settings: Settings, head: int, length: int) -> Exception | None:
@@ -519,7 +511,7 @@ def check_generate(model, settings: Settings, generate, args: tuple, kwargs: dic
         raise ValueError("padding (an attention_mask with zeros, a left-padded batch) is not supported by "
                          "generation under context parallelism: generate each prompt length separately")
     check_token_ids(name, model, prompt)
-    head = _prefilled_head(settings, prompt.shape[1])  # the rest: one token at a time (``cached_forward``)
+    head = prefilled_length(settings.layout, prompt.shape[1])  # the rest: one token at a time (``cached_forward``)
     if not head:  # a rank holding no position would run the model on empty K/V, which some models refuse
         layout = settings.layout
         raise ValueError(f"generate under context parallelism needs a prompt of at least {layout.multiple} tokens "
