@@ -112,6 +112,22 @@ def test_generate_with_strategy_auto_equals_the_single_process_tokens_and_report
         assert f"auto chose {strategy}: {why}" in proc.stdout and "P=3" in why
 
 
+def test_the_generate_report_says_when_no_prefill_ran() -> None:
+    """A prompt under the layout's multiple goes to partial_prefill alone: the header named
+    a strategy (hybrid's degrees, auto's choice) that moved nothing."""
+    from ctxpar.inference.command import format_report
+
+    def header(prompt_len: int, strategy: str) -> str:
+        config = dict(model="tiny", prompt_len=prompt_len, batch=1, new_tokens=2, nproc=4, layout="zigzag",
+                      strategy=strategy, ulysses_degree=2 if strategy == "hybrid" else None)
+        report = dict(config=config, kv_cache_bytes_per_rank=[0] * 4, ttft_s=0.01, tpot_s=0.01, tokens=[[1, 2]])
+        return format_report(report).splitlines()[0]
+
+    assert header(7, "hybrid").endswith("4 ranks (no prefill: a prompt under 8 tokens goes to partial_prefill, "
+                                        "zigzag)")
+    assert header(9, "hybrid").endswith("4 ranks (hybrid: ulysses 2 x ring 2, zigzag)")
+
+
 def test_generate_with_the_hybrid_strategy_equals_the_single_process_tokens() -> None:
     """67 tokens: zigzag on 4 ranks splits 64 of them, the last 3 go to partial_prefill (a
     length the layout did not split was refused, advising padding, which generate has none of)."""

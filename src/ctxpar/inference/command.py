@@ -15,7 +15,7 @@ import torch
 import torch.distributed as dist
 
 from ctxpar import launch, limits, profile, strategy_rules
-from ctxpar.inference.generate import check_sampling, generate, reference_generate
+from ctxpar.inference.generate import check_sampling, generate, prefilled_length, reference_generate
 from ctxpar.inference.prefill import INFERENCE_STRATEGIES
 from ctxpar.layout import get_layout
 from ctxpar.models import Transformer, get_config
@@ -118,6 +118,9 @@ def run_generate(cfg: GenerateConfig, *, timeout_s: float = launch.DEFAULT_TIMEO
 
 def _strategy_words(report: dict) -> str:
     c = report["config"]
+    layout = get_layout(c["layout"], c["nproc"])
+    if not prefilled_length(layout, c["prompt_len"]):  # the strategy moves K/V in prefill only
+        return f"no prefill: a prompt under {layout.multiple} tokens goes to partial_prefill"
     if c["strategy"] == "hybrid":
         return f"hybrid: ulysses {c['ulysses_degree']} x ring {c['nproc'] // c['ulysses_degree']}"
     if report.get("strategy_chosen"):
