@@ -150,6 +150,21 @@ def _described(field: str, column: list[int], group: dist.ProcessGroup | None) -
     return f"requires_grad (of q, k, v, sinks: {by_rank})"
 
 
+def sums_of(code: int) -> list[int]:
+    """What a rank adds to an all-reduce (sum) so that ``differ`` can tell whether every rank
+    had the same 24-bit ``code``: code, code^2 and 1."""
+    return [code, code * code, 1]
+
+
+def differ(code: int, summed: list[int]) -> bool:
+    """Whether the ranks' codes differ, from this rank's own ``code`` and the summed
+    ``sums_of``: they are all equal exactly when their variance is 0, i.e. when
+    sum(c) = n * code and sum(c^2) = n * code^2. Unknown (False) from 2^15 ranks on, where
+    n * code^2 may pass 2^63."""
+    codes, squares, ranks = summed
+    return ranks < 2**15 and (codes != ranks * code or squares != ranks * code * code)
+
+
 def _int64(value) -> int:
     value = int(value)
     if not -2**63 <= value < 2**63:

@@ -13,6 +13,15 @@ MAX_COUNT = 2**31 - 1  # shapes, lengths, batches, degrees: keeps every product 
 MAX_SEED = 2**32 - 1
 
 
+def check_token_range(tokens, vocab: int, who: str, where: str = "") -> None:
+    """Refuse token ids (a tensor) outside ``vocab`` rows of an embedding, naming ``who`` got
+    them (and ``where``): checked before a forward, where every rank of the group can learn
+    of it, not as an IndexError on the one rank whose shard holds one."""
+    if tokens.numel() and not 0 <= int(tokens.min()) <= int(tokens.max()) < vocab:
+        raise ValueError(f"{who} got token ids from {int(tokens.min())} to {int(tokens.max())}{where}, outside its "
+                         f"vocabulary of {vocab} (0..{vocab - 1})")
+
+
 def whole(value) -> int | None:
     """A Python or numpy integer as an int; None for anything else (a bool, a float, a string)."""
     if isinstance(value, bool) or not isinstance(value, numbers.Integral):

@@ -28,7 +28,7 @@ import torch.distributed as dist
 import torch.nn as nn
 import torch.nn.functional as F
 
-from ctxpar import agreement, topology
+from ctxpar import agreement, limits, topology
 from ctxpar.attention import attention, check_settings
 from ctxpar.layout import Layout, get_layout
 from ctxpar.masks import document_lengths, positions_in_documents
@@ -231,9 +231,8 @@ def _guard_positions(model: nn.Module, layout: str | Layout, group: dist.Process
             fix = (f"batch = shard_batch(tokens, layout=layout, rank={rank}{docs}), then "
                    f"model(batch.tokens, batch.positions{batch_docs})")
             vocab = getattr(getattr(module, "embed", None), "num_embeddings", None)  # the reference model's
-            if isinstance(vocab, int) and tokens.numel() and not 0 <= int(tokens.min()) <= int(tokens.max()) < vocab:
-                raise ValueError(f"{type(module).__name__} got token ids from {int(tokens.min())} to "
-                                 f"{int(tokens.max())}, outside its vocabulary of {vocab} (0..{vocab - 1})")
+            if isinstance(vocab, int):
+                limits.check_token_range(tokens, vocab, type(module).__name__)
             if positions is None:
                 raise ValueError(f"{type(module).__name__} got no positions under context parallelism, so it would "
                                  f"number this rank's tokens from 0; pass this rank's global positions{where}: {fix}")

@@ -15,7 +15,7 @@ from __future__ import annotations
 import torch
 import torch.nn as nn
 
-from ctxpar import agreement, comm, strategy_rules, topology
+from ctxpar import agreement, comm, limits, strategy_rules, topology
 from ctxpar.attention import attention
 from ctxpar.inference.cache import KVCache
 from ctxpar.inference.hooks import attention_replaced, check_cache, check_model_fits
@@ -103,9 +103,7 @@ def check_tokens(tokens: object, cache: KVCache, vocab: int, what: str) -> None:
                          f"build the cache with batch={tokens.shape[0]}")
     if tokens.device != cache.device:
         raise ValueError(f"{what}: on {tokens.device} but the model and cache are on {cache.device}")
-    if tokens.numel() and not (0 <= int(tokens.min()) and int(tokens.max()) < vocab):
-        raise ValueError(f"{what}: token ids {int(tokens.min())}..{int(tokens.max())} outside the vocabulary "
-                         f"0..{vocab - 1}")
+    limits.check_token_range(tokens, vocab, "the model", f" in its {what}")
 
 
 def last_logits(model: nn.Module, hidden: torch.Tensor, owner: int, cache: KVCache) -> torch.Tensor:

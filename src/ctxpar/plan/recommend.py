@@ -194,19 +194,23 @@ def _options(w: Workload, hw: Hardware, cp: int) -> list[Workload]:
 
 
 def recommend(w: Workload, hw: Hardware, degrees: Iterable[int]) -> Recommendation:
-    """Smallest fitting degree, fastest strategy there, best-balanced layout; with reasons."""
+    """Smallest fitting degree, fastest strategy there, each on its fastest layout; with reasons."""
     degrees = sorted(set(degrees) | {1})
     gib = format_bytes
     reasons = []
     for cp in degrees:
-        options = [v.with_(layout=best_layout(v, hw)[0]) for v in _options(w, hw, cp)]
+        placed = {}  # strategy -> (on its fastest layout, every layout's step seconds, balance factors)
+        for v in _options(w, hw, cp):
+            layout, steps, factors = best_layout(v, hw)
+            placed[v.strategy] = (v.with_(layout=layout), steps, factors)
+        options = [v for v, _, _ in placed.values()]
         fitting = [v for v in options if memory_per_gpu(v, hw.hbm_bytes).fits]
         if not fitting:
             if options:
                 need = min(memory_per_gpu(v, hw.hbm_bytes).total for v in options)
                 reasons.append(f"CP-{cp} needs {gib(need)} per GPU > {gib(hw.hbm_bytes)} HBM ({hw.name})")
             continue
-        times = {v.strategy: cost.step_time(v, hw).seconds for v in fitting}
+        times = {v.strategy: placed[v.strategy][1][v.layout] for v in fitting}
         best = min(fitting, key=lambda v: times[v.strategy])
         mem = memory_per_gpu(best, hw.hbm_bytes)
         reasons.append(f"CP-{cp} fits: {gib(mem.total)} of {gib(hw.hbm_bytes)} per GPU")
@@ -214,15 +218,14 @@ def recommend(w: Workload, hw: Hardware, degrees: Iterable[int]) -> Recommendati
             reasons.append("one GPU holds the whole sequence, so CP would only add communication; "
                            "use the other GPUs for data parallelism")
             return Recommendation(best, times["ring"], 1.0, reasons)
-        layouts = {v.strategy: v.layout for v in fitting}
-        ranked = ", ".join(f"{s} {format_seconds(t)} ({layouts[s]})"
+        ranked = ", ".join(f"{s} {format_seconds(t)} ({placed[s][0].layout})"
                            for s, t in sorted(times.items(), key=lambda kv: kv[1]))
         reasons.append(f"fastest step at CP-{cp}, each strategy on its fastest layout: {ranked}")
         reasons += _why_strategy(best, hw)
-        layout, steps, factors = best_layout(best, hw)
+        _, steps, factors = placed[best.strategy]
         by_step = ", ".join(f"{k} {format_seconds(v)}" for k, v in steps.items())
         listed = ", ".join(f"{k} {v:.4f}" for k, v in factors.items())
-        reasons.append(f"{layout} layout: {best.strategy}'s step {by_step}; load-balance factor (max/mean pairs "
+        reasons.append(f"{best.layout} layout: {best.strategy}'s step {by_step}; load-balance factor (max/mean pairs "
                        f"per rank) {listed}")
         eff = cost.efficiency(best, hw)
         reasons.append(f"parallel efficiency {eff:.3f} (CP-1 step time / ({cp} x CP-{cp} step time))")

@@ -71,7 +71,7 @@ from ctxpar.integrations.transformers.fidelity import (Unsupported, check_model,
 from ctxpar.integrations.transformers.generation import (CACHE_KEYS, ShardedCache, cached_forward, check_token_ids,
                                                          wrap_generate)
 from ctxpar.integrations.transformers.loss import LOSS_KEYWORDS, CPCausalLMLoss, loss_refusal
-from ctxpar import topology
+from ctxpar import agreement, topology
 from ctxpar.attention import check_settings
 from ctxpar.layout import Layout
 from ctxpar.masks import document_lengths, positions_in_documents
@@ -176,18 +176,17 @@ def _refuse_together(name: str, error: Exception | None, label_flags: list[int],
     (declared documents, positions, caches, labels), labels= given on some ranks only (the
     others would not join the loss's all-reduce), unshifted labels (``_label_flags``), and
     shards of different batches (``batch``: ``batch_code``'s checksum, -1 if unknown)."""
-    known = int(batch >= 0 and peers.world_size < 2**15)  # n * c^2 < 2^63 for 24-bit codes
+    known = int(batch >= 0)
     code = batch if known else 0
-    flags = torch.tensor([int(error is not None), *label_flags, known, code, code * code, 1], device=device)
+    flags = torch.tensor([int(error is not None), *label_flags, known, *agreement.sums_of(code)], device=device)
     topology.all_reduce(flags, peers)
-    refused, given, matching, last_labelled, knowing, codes, squares, ranks = flags.tolist()
+    refused, given, matching, last_labelled, knowing, *summed = flags.tolist()
+    ranks = summed[-1]
     if error is not None:
         raise error
     if refused:
         raise ValueError(f"{name}: another rank of the CP group refused its inputs for this forward; see its error")
-    # the codes are equal on every rank exactly when their variance is 0: when each rank finds
-    # sum(c) = n c and sum(c^2) = n c^2 for its own c
-    if knowing == ranks and (codes != ranks * code or squares != ranks * code * code):
+    if knowing == ranks and agreement.differ(code, summed):
         raise ValueError(f"{name} got shards of different batches on the ranks of the CP group (or of one batch "
                          f"with other labels or documents): each CP rank must pass the same whole batch to "
                          f"shard_inputs (sample data by data-parallel rank, not by global rank: a "

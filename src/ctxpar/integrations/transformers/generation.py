@@ -57,7 +57,7 @@ from dataclasses import dataclass, field
 import torch
 import torch.distributed as dist
 
-from ctxpar import agreement, auto, comm, topology
+from ctxpar import agreement, auto, comm, limits, topology
 from ctxpar.inference.cache import KVCache
 from ctxpar.inference.generate import prefilled_length
 from ctxpar.inference.prefill import last_position_owner
@@ -259,11 +259,11 @@ def cached_forward(forward, kwargs: dict, *, name: str, settings: Settings, cach
     A prompt whose length the layout does not split is prefilled as its longest head that
     it does, then one token at a time as decode steps (exact: each attends to every earlier
     key), so that generate takes a prompt of any length."""
-    whole = _forward_signature(cache, kwargs)  # every step compares the whole call's tokens
     head = _splittable_head(settings, cache, kwargs) if refusal is None else None
     if head is None:
         return _cached_step(forward, kwargs, name=name, settings=settings, cache=cache, accepts=accepts,
-                            refusal=refusal, whole=whole)
+                            refusal=refusal)
+    whole = {f"call's {k}": v for k, v in _forward_signature(cache, kwargs).items()}  # compared at every part
     out, length = None, kwargs["input_ids"].shape[1]
     refusal = _head_rope_refusal(name, settings, head, length)
     for start, end in [(0, head)] + [(p, p + 1) for p in range(head, length)]:
@@ -317,7 +317,7 @@ def _sliced(kwargs: dict, start: int, end: int) -> dict:
 
 
 def _cached_step(forward, kwargs: dict, *, name: str, settings: Settings, cache: ShardedCache, accepts,
-                 refusal: Exception | None, whole: dict[str, int]):
+                 refusal: Exception | None, whole: dict[str, int] | None = None):
     """One forward over ``cache``: ``cached_forward``'s, or one part of a prompt it splits
     (``whole``: the signature of the whole call, compared at every part)."""
     error, call, step = refusal, None, None
@@ -327,8 +327,8 @@ def _cached_step(forward, kwargs: dict, *, name: str, settings: Settings, cache:
         except Exception as e:  # noqa: BLE001  any failure: this rank must still join the exchange below
             error = e
     if cache.world_size > 1:
-        signature = {**_forward_signature(cache, kwargs), **{f"call's {k}": v for k, v in whole.items()}}
-        agreement.check_values_agree(signature, cache.group, error, "generate forward")
+        agreement.check_values_agree({**_forward_signature(cache, kwargs), **(whole or {})}, cache.group, error,
+                                     "generate forward")
     elif error is not None:
         raise error
     cache._step = step
@@ -535,19 +535,15 @@ def _synced_gpus(model, given) -> bool:
 
 
 def check_token_ids(name: str, model, tokens) -> None:
-    """Refuse token ids outside the model's vocabulary here, where every rank of the group
-    learns of it, rather than as an IndexError on the rank whose shard holds one (its
-    peers then waited in attention, and the group stayed out of step for the next call)."""
+    """``limits.check_token_range`` against the rows of the model's input embeddings, if it
+    has them (an IndexError on the rank whose shard held one left its peers waiting in
+    attention, and the group out of step for the next call)."""
     try:
         rows = getattr(model.get_input_embeddings(), "num_embeddings", None)
     except NotImplementedError:  # a model without input embeddings: nothing to check against
         return
-    if not isinstance(tokens, torch.Tensor) or not tokens.numel() or not isinstance(rows, int):
-        return
-    low, high = int(tokens.min()), int(tokens.max())
-    if low < 0 or high >= rows:
-        raise ValueError(f"{name} got token ids from {low} to {high}, outside its vocabulary of {rows} "
-                         f"(0..{rows - 1})")
+    if isinstance(tokens, torch.Tensor) and isinstance(rows, int):
+        limits.check_token_range(tokens, rows, name)
 
 
 # generation settings compared by value, so that a difference names them (the rest by checksum)
@@ -597,16 +593,17 @@ class AgreedStop(StoppingCriteriaList):
             done = super().__call__(input_ids, scores, **kwargs).tolist()  # (B,) bool
         except Exception as e:  # noqa: BLE001  a criterion failing here: this rank must still join the all-reduce
             done, error = [False] * rows, e
-        code = _crc(input_ids[:, -1]) & 0xFFFFFF  # 24 bits: n * c^2 < 2^63 for n < 2^15 ranks
-        flags = torch.tensor([*done, int(error is not None), code, code * code, 1], dtype=torch.int64,
+        code = _crc(input_ids[:, -1]) & 0xFFFFFF  # 24 bits (agreement.sums_of)
+        flags = torch.tensor([*done, int(error is not None), *agreement.sums_of(code)], dtype=torch.int64,
                              device=input_ids.device)
         dist.all_reduce(flags, group=self.group)
-        *stopped, failed, codes, squares, ranks = flags.tolist()
+        values = flags.tolist()  # one copy to the host
+        stopped, failed, summed = values[:rows], values[rows], values[rows + 1:]
         if error is not None:
             raise error
         if failed:
             raise ValueError("a stopping criterion failed on another rank of the CP group; see its error")
-        if codes != ranks * code or squares != ranks * code * code:  # their variance is not 0
+        if agreement.differ(code, summed):
             raise ValueError(f"the ranks of the CP group appended different tokens at position "
                              f"{input_ids.shape[1] - 1}: a logits processor, stopping criterion or use of the RNG "
                              f"differs between ranks; every rank must generate alike")
