@@ -15,6 +15,8 @@ model's generate without CP, on CP groups of P = 2, 3 and 4 of those ranks.
   after generate (``return_dict_in_generate=True`` returns it) and the sequence length.
 - ``refusals``: on all 4 ranks, what generate must refuse (the message each rank got),
   including arguments that differ between ranks, and a generate that runs afterwards.
+- ``hybrid``: ``strategy="hybrid"`` on a 2x2 mesh of the 4 ranks, and on two data-parallel
+  replicas each a mesh of its own: the tokens of generate without CP.
 """
 
 from __future__ import annotations
@@ -155,10 +157,40 @@ def _switched(layout):
     return model
 
 
-def _mesh():
+# strategy="hybrid" on the 2x2 mesh: (family, layout, prompt length, generate kwargs); 27 tokens:
+# zigzag on 4 ranks prefills 24, then 3 one at a time
+HYBRID = {"llama/zigzag/27 tokens": ("llama", "zigzag", 27, {}),
+          "gpt_oss/striped/sampled": ("gpt_oss", "striped", PROMPT_LEN, SAMPLE),
+          "deepseek_v3/contiguous": ("deepseek_v3", "contiguous", PROMPT_LEN, {})}
+
+
+def _hybrid(rank: int, world: int) -> dict:
+    """strategy="hybrid": on the (ring 2) x (ulysses 2) mesh of all 4 ranks, each ``HYBRID``
+    case; then on (dp 2) x (ring 1, ulysses 2), each replica generating from a prompt and for a
+    number of tokens of its own. {case: equal to generate without CP, or the error}."""
+    import hf_families
     from torch.distributed.device_mesh import init_device_mesh
 
-    return init_device_mesh("cpu", (2, 2), mesh_dim_names=("ring", "ulysses"))
+    mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("ring", "ulysses"))
+    replicas = init_device_mesh("cpu", (2, 1, 2), mesh_dim_names=("dp", "ring", "ulysses"))
+    replica = rank // 2
+    runs = {name: (family, ctxpar.get_layout(layout, world), mesh, prompt(length=length), NEW_TOKENS, kwargs)
+            for name, (family, layout, length, kwargs) in HYBRID.items()}
+    runs["replicas"] = ("llama", ctxpar.get_layout("zigzag", 2), replicas["ring", "ulysses"],
+                        prompt(seed=10 + replica, length=16), 4 + 2 * replica, {})
+    out = {}
+    for name, (family, layout, on, tokens, new, kwargs) in runs.items():
+        model = hf_families.build(family)
+        run = dict(max_new_tokens=new, min_new_tokens=new, **kwargs)
+        torch.manual_seed(SEED)
+        want = model.generate(tokens, **run)  # without CP; then the same model under CP
+        try:
+            enable_context_parallel(model, layout=layout, strategy="hybrid", mesh=on)
+            torch.manual_seed(SEED)
+            out[name] = torch.equal(model.generate(tokens, **run), want)
+        except Exception as e:  # noqa: BLE001  reported by the test
+            out[name] = f"{type(e).__name__}: {e}"
+    return out
 
 
 def _refusals(rank: int, world: int) -> dict:
@@ -197,8 +229,6 @@ def _refusals(rank: int, world: int) -> dict:
         "longrope prefill": _attempt(lambda: enable_context_parallel(  # rank 0 holds positions 0-5 of 24, limit 8
             hf_families.build("phi3+longrope"), layout=ctxpar.get_layout("contiguous", world)).generate(tokens, **run)),
         "sdpa after enable": _attempt(lambda: _switched(layout).generate(tokens, **run)),
-        "hybrid": _attempt(lambda: enable_context_parallel(hf_families.build("llama"), layout=layout, strategy="hybrid",
-                                                           mesh=_mesh()).generate(tokens, **run)),
         "token outside the vocabulary": _attempt(lambda: model.generate(outside, **run)),
         "token outside the vocabulary, forward": _attempt(lambda: model(
             input_ids=layout.shard(outside, rank, dim=1), position_ids=layout.positions(PROMPT_LEN, rank)[None])),
@@ -271,7 +301,8 @@ def run(rank: int, world: int) -> dict:
     """Every part on every rank; a part that raises is reported (as a string), so that it
     fails its own tests and not the other HF tests sharing this spawn."""
     out = {}
-    for name, part in (("tokens", _tokens), ("families", _families), ("cache", _cache), ("refusals", _refusals)):
+    for name, part in (("tokens", _tokens), ("families", _families), ("cache", _cache), ("refusals", _refusals),
+                       ("hybrid", _hybrid)):
         try:
             out[name] = part(rank, world)
         except Exception:  # noqa: BLE001

@@ -152,7 +152,8 @@ def _check_any_length(rank: int, world: int) -> dict:
 def _check_empty_shard(rank: int, world: int) -> dict:
     """``sharded_attention`` with keys dealt unevenly, rank 0 holding none: relative error
     against attention over all keys at once, without and with sink logits (one more
-    softmax term per head, with no value, as gpt-oss's), and how much the sinks change it."""
+    softmax term per head, with no value, as gpt-oss's), and how much the sinks change it;
+    for even P, also over a hybrid mesh of the P ranks (``mesh_err``, with sinks)."""
     gen = torch.Generator().manual_seed(3)
     q = torch.randn(2, 6, 1, 8, generator=gen)
     k, v = torch.randn(2, 2, 10, 8, generator=gen), torch.randn(2, 2, 10, 8, generator=gen)
@@ -166,8 +167,16 @@ def _check_empty_shard(rank: int, world: int) -> dict:
     scores = q.double() @ k.double().repeat_interleave(3, dim=1).transpose(-1, -2) * 8**-0.5  # (B, H, 1, 10)
     columns = torch.cat([scores, sinks.double().view(1, -1, 1, 1).expand(2, -1, 1, 1)], dim=-1)
     want_sinks = columns.softmax(-1)[..., :-1] @ v.double().repeat_interleave(3, dim=1)
-    return dict(err=rel_error(got, want), sinks_err=rel_error(with_sinks, want_sinks),
-                sinks_effect=rel_error(want, want_sinks))
+    out = dict(err=rel_error(got, want), sinks_err=rel_error(with_sinks, want_sinks),
+               sinks_effect=rel_error(want, want_sinks))
+    if world % 2 == 0:  # over a (ring P/2) x (ulysses 2) mesh, whose layout ranks are the global ones
+        from torch.distributed.device_mesh import init_device_mesh
+
+        mesh = init_device_mesh("cpu", (world // 2, 2), mesh_dim_names=("ring", "ulysses"))
+        on_mesh = sharded_attention(q, k[:, :, mine], v[:, :, mine], group=None, mesh=mesh, scale=8**-0.5,
+                                    sinks=sinks)
+        out["mesh_err"] = rel_error(on_mesh, want_sinks)
+    return out
 
 
 # a conversation after the prompt: (kind, tokens) turns; chunks of 1 token, of fewer tokens
@@ -344,6 +353,14 @@ def _check_bad_inputs(rank: int, world: int) -> dict[str, str]:
         hot = 10**400 if rank == world - 1 else 1.0
         messages["one_rank_overflow"] = _attempt(lambda: generate(model, prompt, layout="zigzag", new_tokens=2,
                                                                   temperature=hot))
+        # a cache held over a mesh is model.generate()'s (HF): the library's entries take one on a group
+        from torch.distributed.device_mesh import init_device_mesh
+
+        mesh = init_device_mesh("cpu", (world, 1), mesh_dim_names=("ring", "ulysses"))
+        messages["cache_on_a_mesh"] = _attempt(lambda: prefill(model, cache(mesh=mesh), prompt, layout="zigzag",
+                                                               strategy="hybrid", mesh=mesh))
+        messages["cache_on_group_and_mesh"] = _attempt(lambda: cache(group=topology.from_mesh(mesh).ring_group,
+                                                                     mesh=mesh))
     # no rank was left inside a collective: a whole generation still works afterwards
     r = generate(model, prompt, layout="zigzag", new_tokens=4)
     ok = r.tokens.tolist() == reference_generate(model, prompt, new_tokens=4).tolist()

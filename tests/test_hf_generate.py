@@ -118,8 +118,6 @@ REFUSED = {  # what generate must refuse on every rank, and the words of the err
     "token outside the vocabulary": "ValueError: LlamaForCausalLM got token ids from",
     "longrope prefill": "ValueError: Phi3ForCausalLM uses LongRoPE",
     "sdpa after enable": "ValueError: LlamaForCausalLM's attention implementation is now 'sdpa'",
-    "hybrid": "NotImplementedError: model.generate() under context parallelism supports strategy 'ring' | "
-              "'allgather' | 'alltoall' | 'auto', not 'hybrid'",
 }
 
 
@@ -186,6 +184,19 @@ def test_a_forward_with_a_token_outside_the_vocabulary_on_one_rank_is_refused_on
     assert "to 101, outside its vocabulary of 96 (0..95)" in _part(0, "refusals")["token outside the vocabulary"]
 
 
+@pytest.mark.parametrize("case", [*cases.HYBRID, "replicas"])
+def test_the_hybrid_strategy_generates_the_tokens_of_generate_without_cp(case: str) -> None:
+    """On a (ring 2) x (ulysses 2) mesh: prefill with the hybrid strategy, decode steps merged
+    over the whole mesh (an all-gather along each of its dims), the logits broadcast from the
+    rank holding the prompt's last position along both; a prompt the layout does not split
+    (27 tokens), sink logits, multi-head latent attention. "replicas": two data-parallel
+    replicas each of a (ring 1) x (ulysses 2) mesh, generating for different numbers of steps,
+    each over its own ranks alone."""
+    for rank in range(4):
+        got = _part(rank, "hybrid")[case]
+        assert got is True, f"rank {rank}: {got}"
+
+
 @pytest.mark.parametrize("family", ["llama", "mistral"])
 def test_one_rank_without_a_process_group_generates_as_without_cp(family: str) -> None:
     tokens = cases.prompt()
@@ -201,8 +212,8 @@ def test_one_rank_without_a_process_group_generates_as_without_cp(family: str) -
         out.cache.reorder_cache(torch.tensor([1, 0]))
     with pytest.raises(ValueError, match="call generate again with the whole sequence"):  # read "the cache is full"
         model(input_ids=out.sequences[:, -1:], past_key_values=out.cache)
-    with pytest.raises(ValueError, match=re.escape("strategy='hybrid' takes mesh=")):  # its refusal by generate:
-        enable_context_parallel(hf_families.build(family), layout=ONE, strategy="hybrid")  # on a mesh, 4 ranks
+    with pytest.raises(ValueError, match=re.escape("strategy='hybrid' takes mesh=")):  # on a mesh: 4 ranks below
+        enable_context_parallel(hf_families.build(family), layout=ONE, strategy="hybrid")
 
 
 def test_a_layer_that_stores_in_the_prefill_and_skips_a_decode_step_is_refused() -> None:

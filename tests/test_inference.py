@@ -120,6 +120,7 @@ def test_a_rank_with_an_empty_shard_contributes_nothing_and_sinks_are_merged_exa
     for r in _reported(world, "empty_shard"):
         assert r["err"] <= FP32_RTOL and r["sinks_err"] <= FP32_RTOL, r
         assert r["sinks_effect"] > 0.05, r  # the sinks bite
+        assert r.get("mesh_err", 0.0) <= FP32_RTOL and ("mesh_err" in r) == (world % 2 == 0), r
 
 
 @pytest.mark.parametrize("world", WORLD_SIZES, ids=lambda w: f"P{w}")
@@ -196,13 +197,15 @@ EXPECTED_MESSAGES = {
     "interrupted_chunk": ["ok: the retry gives the uninterrupted logits"],
     "cache_not_a_cache": ["cache must be a ctxpar KVCache", "got NoneType"],
     "temperature_overflow": ["temperature must be a finite number", "got 1000"],
+    "cache_on_a_mesh": ["this KVCache is held over a hybrid mesh", "take a cache on the CP group"],
+    "cache_on_group_and_mesh": ["KVCache takes group= or mesh=, not both"],
 }
 ONE_RANK_BAD = {  # the last rank's call is bad: it raises its own error, the others name it
     "one_rank_bad": "batch B=1",
     "one_rank_overflow": "temperature must be a finite number",
 }
 MULTI_RANK_ONLY = ("step", "tokens_differ", "chunks_differ", "methods_differ", "calls_differ",
-                   "chunk_capacities_differ", "interrupted_chunk")
+                   "chunk_capacities_differ", "interrupted_chunk", "cache_on_a_mesh", "cache_on_group_and_mesh")
 
 
 @pytest.mark.parametrize("world", WORLD_SIZES, ids=lambda w: f"P{w}")
@@ -340,7 +343,7 @@ def test_sampling_at_extreme_temperatures_draws_real_tokens(temperature: float) 
     assert tokens.dtype == torch.int64 and tokens[0] in (0, 1, 2) and tokens[1] in (0, 1, 2, 3)
 
 
-def test_sharded_attention_refuses_sinks_of_another_shape_or_not_finite() -> None:
+def test_sharded_attention_refuses_sinks_of_another_shape_or_not_finite_and_two_groupings() -> None:
     from ctxpar.inference import sharded_attention
 
     q, kv = torch.randn(1, 4, 1, 8), torch.randn(1, 2, 3, 8)
@@ -348,6 +351,10 @@ def test_sharded_attention_refuses_sinks_of_another_shape_or_not_finite() -> Non
         sharded_attention(q, kv, kv, group=None, scale=8**-0.5, sinks=torch.zeros(2))
     with pytest.raises(ValueError, match="sinks must be finite in torch.float32"):
         sharded_attention(q, kv, kv, group=None, scale=8**-0.5, sinks=torch.tensor([0, 0, 0, float("inf")]))
+    with pytest.raises(ValueError, match=re.escape("takes group= or mesh=, not both")):
+        sharded_attention(q, kv, kv, group=object(), mesh=object(), scale=8**-0.5)
+    with pytest.raises(ValueError, match="mesh= must be a torch DeviceMesh"):
+        sharded_attention(q, kv, kv, group=None, mesh="2x2", scale=8**-0.5)
 
 
 @pytest.mark.parametrize("heads, kv_heads", [(6, 4), (2, 4)])

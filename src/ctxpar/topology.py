@@ -13,8 +13,11 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh
+
+from ctxpar import comm
 
 
 @dataclass(frozen=True)
@@ -98,6 +101,27 @@ def all_reduce(tensor, topo: Topology) -> None:
     if _initialised():
         for group in topo.process_groups:
             dist.all_reduce(tensor, group=group)
+
+
+def all_gather(tensor: torch.Tensor, topo: Topology) -> torch.Tensor:
+    """(P, *tensor.shape): every rank's ``tensor`` of the CP group, in layout order. For a
+    hybrid mesh, gathered along its ulysses groups, then those (U, ...) along its ring groups:
+    (R, U, ...) is layout order (cp_rank = ring * U + ulysses)."""
+    if not topo.hybrid:
+        return comm.PendingAllGather(tensor, topo.group).wait()
+    row = comm.PendingAllGather(tensor, topo.ulysses_group).wait()
+    return comm.PendingAllGather(row, topo.ring_group).wait().flatten(0, 1)
+
+
+def broadcast(tensor: torch.Tensor, src: int, topo: Topology) -> torch.Tensor:
+    """``tensor`` as the rank at place ``src`` of the CP layout holds it, on every rank (each
+    passes one of the same shape and dtype). For a hybrid mesh, along the ring groups from
+    ``src``'s ring coordinate (which carries it into the ulysses coordinate of ``src``
+    everywhere), then along the ulysses groups from that coordinate."""
+    if not topo.hybrid:
+        return comm.broadcast(tensor, src, topo.group)
+    tensor = comm.broadcast(tensor, src // topo.ulysses_degree, topo.ring_group)
+    return comm.broadcast(tensor, src % topo.ulysses_degree, topo.ulysses_group)
 
 
 def hybrid_rank(mesh) -> int:

@@ -57,6 +57,10 @@ class KVCache:
             counted over all ranks; each rank allocates ceil(capacity / P) slots.
         group: the CP process group (None: WORLD, or one process without one).
         dtype, device: of K and V (the model's).
+        mesh: instead of ``group``, a hybrid 2D DeviceMesh whose ranks hold the cache, each
+            at its place in the CP layout (``ctxpar.hybrid_rank``): ``model.generate()``'s
+            under a hybrid strategy. ctxpar's prefill, decode_step and partial_prefill take
+            a cache on a group (hybrid prefill takes its mesh= besides).
 
     Attributes:
         seq_len: positions in the sequence so far (every rank alike).
@@ -66,14 +70,16 @@ class KVCache:
 
     def __init__(self, *, layers: int, batch: int, kv_heads: int, head_dim: int, capacity: int,
                  group: dist.ProcessGroup | None = None, dtype: torch.dtype = torch.float32,
-                 device: torch.device | str = "cpu", value_dim: int | None = None) -> None:
+                 device: torch.device | str = "cpu", value_dim: int | None = None, mesh=None) -> None:
         value_dim = head_dim if value_dim is None else value_dim
         for name, value in (("layers", layers), ("batch", batch), ("kv_heads", kv_heads), ("head_dim", head_dim),
                             ("value_dim", value_dim), ("capacity", capacity)):
             if isinstance(value, bool) or not isinstance(value, int) or not 1 <= value <= limits.MAX_COUNT:
                 raise ValueError(f"KVCache {name} must be an int between 1 and {limits.MAX_COUNT}, got {value!r}")
-        topo = topology.from_group(group)
-        self.group, self.rank, self.world_size = group, topo.rank, topo.world_size
+        if mesh is not None and group is not None:
+            raise ValueError("KVCache takes group= or mesh=, not both")
+        topo = topology.from_mesh(mesh) if mesh is not None else topology.from_group(group)
+        self.group, self.mesh, self.rank, self.world_size = group, mesh, topo.rank, topo.world_size
         self.layers, self.batch, self.kv_heads, self.head_dim = layers, batch, kv_heads, head_dim
         self.value_dim = value_dim
         self.capacity = capacity

@@ -25,9 +25,8 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 
-from ctxpar import agreement, kernels
+from ctxpar import agreement, kernels, topology
 from ctxpar.attention import check_sinks
-from ctxpar.comm import PendingAllGather
 from ctxpar.inference.cache import SHARD_FULL_WHY, KVCache
 from ctxpar.inference.hooks import attention_replaced, check_cache, check_model_fits
 from ctxpar.inference.prefill import check_tokens
@@ -71,14 +70,14 @@ def decode_step(model: nn.Module, cache: KVCache, tokens: torch.Tensor, *,
     slot = cache.length
     held = slot + int(mine)
     scale = cache.head_dim**-0.5  # the model's SDPA default
+    peers = topology.from_group(cache.group)
 
     def make(layer: int):
         def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
             # q (B, H, 1, D); k, v (B, H_kv, 1, D), the new position's, after RoPE
             if mine:
                 cache.write(layer, slot, k, v)
-            return sharded_attention(q, cache.keys(layer, held), cache.values(layer, held), group=cache.group,
-                                     scale=scale)
+            return sharded_attention_over(q, cache.keys(layer, held), cache.values(layer, held), peers, scale=scale)
         return attend
 
     pos = torch.tensor([position], device=cache.device)
@@ -89,7 +88,7 @@ def decode_step(model: nn.Module, cache: KVCache, tokens: torch.Tensor, *,
 
 
 def sharded_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, group: dist.ProcessGroup | None,
-                      scale: float, sinks: torch.Tensor | None = None) -> torch.Tensor:
+                      scale: float, sinks: torch.Tensor | None = None, mesh=None) -> torch.Tensor:
     """Attention of queries every rank shares to keys spread over the ranks of ``group``.
 
     Args:
@@ -97,8 +96,11 @@ def sharded_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, grou
             are earlier positions, or the query's own).
         k, v: (B, H_kv, n, D) this rank's keys and values; n may differ between ranks,
             and be 0.
+        group: the ranks holding the keys (None: WORLD, or one process without one).
         sinks: None, or (H,) sink logits (gpt-oss's): one more term per head in each
             softmax's denominator, with no value, as in ``ctxpar.attention``.
+        mesh: instead of ``group``, a hybrid 2D DeviceMesh (``ctxpar.attention``'s): its
+            ranks hold the keys.
 
     Returns:
         (B, H, S, D) in q's dtype, identical on every rank: softmax over the keys of
@@ -106,8 +108,18 @@ def sharded_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, grou
 
     Raises:
         ValueError: shapes that do not fit (before the all-gather; q's heads and head dim,
-            the same on every rank, decide it alike everywhere).
+            the same on every rank, decide it alike everywhere); both group and mesh.
     """
+    if mesh is not None and group is not None:
+        raise ValueError("sharded_attention takes group= or mesh=, not both")
+    peers = topology.from_mesh(mesh) if mesh is not None else topology.from_group(group)
+    return sharded_attention_over(q, k, v, peers, scale=scale, sinks=sinks)
+
+
+def sharded_attention_over(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, peers: topology.Topology, *,
+                           scale: float, sinks: torch.Tensor | None = None) -> torch.Tensor:
+    """``sharded_attention`` over the ranks of ``peers`` (a group's or a mesh's, resolved
+    once by a caller that attends at every layer)."""
     _check_shapes(q, k, v)
     check_sinks(sinks, q)
     acc = kernels.accumulation_dtype(q.dtype)
@@ -116,7 +128,7 @@ def sharded_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, grou
     else:  # no keys here: contributes nothing to the merge
         out, lse = q.new_zeros(q.shape, dtype=acc), q.new_full(q.shape[:-1], float("-inf"), dtype=acc)
     packed = torch.cat([out.to(acc), lse.to(acc).unsqueeze(-1)], dim=-1)  # (B, H, S, D+1)
-    out, lse = merge_packed(PendingAllGather(packed, group).wait())  # of (P, B, H, S, D+1), in rank order
+    out, lse = merge_packed(topology.all_gather(packed, peers))  # of (P, B, H, S, D+1), in layout order
     if sinks is not None:  # merging a partial with out 0: only the rescaling is left
         out = out * torch.exp(lse - torch.logaddexp(lse, sinks.to(acc).view(1, -1, 1))).unsqueeze(-1)
     return out.to(q.dtype)

@@ -47,6 +47,10 @@ def check_cache(cache) -> None:
     if not isinstance(cache, KVCache):
         raise ValueError(f"cache must be a ctxpar KVCache (KVCache.for_model(model.cfg, ...)), got "
                          f"{type(cache).__name__}")
+    if cache.mesh is not None:
+        raise ValueError("this KVCache is held over a hybrid mesh (KVCache(mesh=...)), as model.generate() makes "
+                         "one; ctxpar's prefill, decode_step and partial_prefill take a cache on the CP group "
+                         "(KVCache(group=...)), and hybrid prefill takes the mesh as its own mesh= argument")
 
 
 def _plain_causal(fn) -> bool:

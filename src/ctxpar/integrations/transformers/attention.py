@@ -31,7 +31,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 from ctxpar.attention import attention
-from ctxpar.inference.decode import sharded_attention
+from ctxpar.inference.decode import sharded_attention_over
 from ctxpar.layout import Layout
 from ctxpar.masks import chunked, positions_in_documents
 from ctxpar.topology import Topology, from_group, from_mesh
@@ -348,7 +348,7 @@ def _decode(owner: str, settings: Settings, cached, query, key, value, mask: Lay
     first = cached.first_visible(mask.window, mask.chunk)
     key, value = key[:, :, first:], value[:, :, first:]  # (B, H_kv, m, D): views, no copy
     query, key, value, d_v = _one_width(query, key, value)
-    out = sharded_attention(query, key, value, group=settings.group, scale=scale, sinks=sinks)  # (B, H, 1, D)
+    out = sharded_attention_over(query, key, value, cached.peers, scale=scale, sinks=sinks)  # (B, H, 1, D)
     return out[..., :d_v].transpose(1, 2).contiguous(), None  # (B, 1, H, Dv)
 
 

@@ -17,13 +17,16 @@ and sizes masks as without CP. generate's forwards reach ``cached_forward`` thro
              sharded with the layout (tokens and their global positions); each attention
              layer stores this rank's
              K/V (after RoPE) and attends with ctxpar.attention as in training (ring,
-             allgather, alltoall, or "auto": the planner picks per layer, ``ctxpar.auto``);
-             the rank holding position T-1 computes its logits and broadcasts them.
+             allgather, alltoall, hybrid on its mesh, or "auto": the planner picks per
+             layer, ``ctxpar.auto``); the rank holding position T-1 computes its logits and
+             broadcasts them.
     decode   each later forward gets one token per sequence at position p, the same on
              every rank, and the model runs replicated. At each layer rank p mod P stores
              the new K/V, every rank attends the query to the keys it holds (those inside
              the layer's sliding window or chunk), and the partials are merged from one
-             all-gather (``ctxpar.inference.sharded_attention``).
+             all-gather (``ctxpar.inference.sharded_attention``; over a hybrid mesh, one
+             along its ulysses groups, then one along its ring groups). p counts the
+             rank's place in the layout, which under a mesh is ``ctxpar.hybrid_rank``.
 
 So every rank gets bit-identical logits: greedy decoding, and sampling from torch's global
 RNG seeded alike on every rank, pick the same tokens everywhere. One tiny all-gather per
@@ -37,7 +40,7 @@ collective, naming it (``check_generate``): every mode but greedy and sampling (
 search, contrastive search, assisted decoding, ...), a cache passed in, other cache
 implementations (static, offloaded, quantized), ``use_cache=False``, chunked prefill,
 ``inputs_embeds``, padding, ``output_attentions`` / ``output_hidden_states``, token ids
-outside the vocabulary, encoder-decoder models, the hybrid strategy, an attention implementation
+outside the vocabulary, encoder-decoder models, an attention implementation
 switched after ``enable_context_parallel``, a prompt on whose length LongRoPE would pick
 different factors on different ranks. Refused during the call, on every rank alike: a
 model that attends with K/V other than the ones it cached (but for those its ``expand_kv``
@@ -57,7 +60,7 @@ from dataclasses import dataclass, field
 import torch
 import torch.distributed as dist
 
-from ctxpar import agreement, auto, comm, limits, topology
+from ctxpar import agreement, limits, topology
 from ctxpar.inference.cache import KVCache
 from ctxpar.inference.generate import prefilled_length
 from ctxpar.inference.prefill import last_position_owner
@@ -72,9 +75,6 @@ except ImportError:  # the integration imports transformers lazily; without it n
 
 CACHE_KEYS = ("cache", "past_key_values", "cache_params")  # transformers 5 renamed past_key_values to cache
 _MODES = ("greedy_search", "sample")
-# the single-group strategies, and "auto" choosing among them: a decode step merges over the
-# one CP group (the hybrid's 2D mesh: not yet)
-STRATEGIES = (*auto.CANDIDATES, auto.AUTO)
 
 
 @dataclass
@@ -99,6 +99,8 @@ class ShardedCache(Cache):
         batch: sequences generated together.
         capacity: the longest the sequence gets (prompt + new tokens - 1), over all ranks.
         group: the CP group (None: WORLD, or one process without one).
+        mesh: instead of ``group``, the hybrid strategy's 2D DeviceMesh (its ranks: the CP
+            group, each at its place in the layout).
 
     Each layer's K/V go to a ``KVCache`` of its own, made at the layer's first store in the
     prefill from its K (B, H_kv, n, D) and V (B, H_kv, n, Dv): layers may differ in H_kv
@@ -107,10 +109,13 @@ class ShardedCache(Cache):
     (None before).
     """
 
-    def __init__(self, *, layers: int, batch: int, capacity: int, group: dist.ProcessGroup | None = None) -> None:
+    def __init__(self, *, layers: int, batch: int, capacity: int, group: dist.ProcessGroup | None = None,
+                 mesh=None) -> None:
         super().__init__(layers=[])
-        topo = topology.from_group(group)
-        self.group, self.rank, self.world_size = group, topo.rank, topo.world_size
+        if mesh is not None and group is not None:
+            raise ValueError("ShardedCache takes group= or mesh=, not both")
+        self.peers = topology.from_mesh(mesh) if mesh is not None else topology.from_group(group)
+        self.group, self.mesh, self.rank, self.world_size = group, mesh, self.peers.rank, self.peers.world_size
         self.num_layers, self.batch, self.capacity = layers, batch, capacity
         self._per_layer: list[KVCache | None] = [None] * layers
         self._made: list[KVCache] = []  # in the order the layers first stored
@@ -192,7 +197,8 @@ class ShardedCache(Cache):
                 raise NotImplementedError(f"layer {layer_idx} stores K/V in a decode step but stored none before, "
                                           f"so ctxpar's sharded cache holds no earlier positions for it")
             kv = KVCache(layers=1, batch=self.batch, kv_heads=k_shape[1], head_dim=k_shape[3], value_dim=v_shape[3],
-                         capacity=self.capacity, group=self.group, dtype=key_states.dtype, device=key_states.device)
+                         capacity=self.capacity, group=self.group, mesh=self.mesh, dtype=key_states.dtype,
+                         device=key_states.device)
             self._per_layer[layer_idx] = kv
             self._made.append(kv)
         if step.position is None:
@@ -327,8 +333,8 @@ def _cached_step(forward, kwargs: dict, *, name: str, settings: Settings, cache:
         except Exception as e:  # noqa: BLE001  any failure: this rank must still join the exchange below
             error = e
     if cache.world_size > 1:
-        agreement.check_values_agree({**_forward_signature(cache, kwargs), **(whole or {})}, cache.group, error,
-                                     "generate forward")
+        agreement.check_values_agree({**_forward_signature(cache, kwargs), **(whole or {})},
+                                     cache.peers.process_groups, error, "generate forward")
     elif error is not None:
         raise error
     cache._step = step
@@ -348,7 +354,7 @@ def _cached_step(forward, kwargs: dict, *, name: str, settings: Settings, cache:
     if step.position is None:
         seq_len = int(step.positions.numel()) * cache.world_size
         owner = last_position_owner(settings.layout, seq_len)
-        out["logits"] = comm.broadcast(out.logits[:, -1:].contiguous(), owner, cache.group)  # (B, 1, vocab)
+        out["logits"] = topology.broadcast(out.logits[:, -1:].contiguous(), owner, cache.peers)  # (B, 1, vocab)
     else:
         seq_len = step.position + 1
     cache.commit(step.positions, seq_len)
@@ -455,9 +461,6 @@ def check_generate(model, settings: Settings, generate, args: tuple, kwargs: dic
 
     name = type(model).__name__
     check_implementation(name, [m for m in model.modules() if isinstance(m, PreTrainedModel)])
-    if settings.mesh is not None or settings.strategy not in STRATEGIES:
-        raise NotImplementedError(f"model.generate() under context parallelism supports strategy "
-                                  f"{' | '.join(map(repr, STRATEGIES))}, not {settings.strategy!r}")
     if model.config.is_encoder_decoder:
         raise NotImplementedError(f"{name} is an encoder-decoder model; ctxpar generates with decoder-only models")
     bound = inspect.signature(generate).bind(model, *args, **kwargs).arguments
@@ -583,9 +586,9 @@ class AgreedStop(StoppingCriteriaList):
     appended are compared (a call's last token reaches no forward, whose check would catch
     a rank that sampled another)."""
 
-    def __init__(self, criteria, group: dist.ProcessGroup | None) -> None:
+    def __init__(self, criteria, peers: topology.Topology) -> None:
         super().__init__(criteria)
-        self.group = group
+        self.peers = peers
 
     def __call__(self, input_ids: torch.Tensor, scores, **kwargs) -> torch.Tensor:
         rows, error = input_ids.shape[0], None
@@ -596,7 +599,7 @@ class AgreedStop(StoppingCriteriaList):
         code = _crc(input_ids[:, -1]) & 0xFFFFFF  # 24 bits (agreement.sums_of)
         flags = torch.tensor([*done, int(error is not None), *agreement.sums_of(code)], dtype=torch.int64,
                              device=input_ids.device)
-        dist.all_reduce(flags, group=self.group)
+        topology.all_reduce(flags, self.peers)
         values = flags.tolist()  # one copy to the host
         stopped, failed, summed = values[:rows], values[rows], values[rows + 1:]
         if error is not None:
@@ -637,10 +640,10 @@ def wrap_generate(model, settings: Settings) -> None:
             prompt, config = check_generate(model, settings, generate, args, kwargs)
         except Exception as e:  # noqa: BLE001  any failure: this rank must still join the exchange below
             error = e
-        world = topology.from_group(settings.group).world_size if settings.mesh is None else 1
-        if world > 1:
-            agreement.check_values_agree(generate_signature(model, args, kwargs, prompt, config), settings.group,
-                                         error, "generate call")
+        peers = settings.peers()
+        if peers.world_size > 1:
+            agreement.check_values_agree(generate_signature(model, args, kwargs, prompt, config),
+                                         peers.process_groups, error, "generate call")
         elif error is not None:
             raise error
         return generate(model, *args, **kwargs)
@@ -648,14 +651,15 @@ def wrap_generate(model, settings: Settings) -> None:
     @installed
     def stopping_criteria(*args, **kwargs) -> StoppingCriteriaList:
         criteria = type(model)._get_stopping_criteria(model, *args, **kwargs)
-        return AgreedStop(criteria, settings.group) if topology.from_group(settings.group).world_size > 1 else criteria
+        peers = settings.peers()
+        return AgreedStop(criteria, peers) if peers.world_size > 1 else criteria
 
     @installed
     def prepare_cache(generation_config, model_kwargs: dict, generation_mode, batch_size: int,
                       max_cache_length: int) -> None:
         copies = max(generation_config.num_beams or 1, generation_config.num_return_sequences or 1)
         model_kwargs["cache"] = ShardedCache(layers=_num_layers(model.config), batch=batch_size * copies,
-                                             capacity=max_cache_length, group=settings.group)
+                                             capacity=max_cache_length, group=settings.group, mesh=settings.mesh)
 
     model.generate = cp_generate
     model._prepare_cache_for_generation = prepare_cache
