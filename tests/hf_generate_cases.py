@@ -218,7 +218,6 @@ def _refusals(rank: int, world: int) -> dict:
         "inputs_embeds": _attempt(lambda: model.generate(inputs_embeds=model.get_input_embeddings()(tokens), **run)),
         "output_attentions": _attempt(lambda: model.generate(tokens, output_attentions=True,
                                                              return_dict_in_generate=True, **run)),
-        "short prompt": _attempt(lambda: model.generate(tokens[:, :7], **run)),
         "longrope head": _attempt(lambda: enable_context_parallel(  # long factors from position 8: the head's 0-7
             hf_families.build("phi3+longrope"), layout=layout).generate(tokens[:, :12], **run)),
         "guidance_scale": _attempt(lambda: model.generate(tokens, guidance_scale=1.5, **run)),
@@ -237,13 +236,19 @@ def _refusals(rank: int, world: int) -> dict:
                                                            past_key_values=DynamicCache())),
     }
     out.update(_stops_and_last_tokens(model, tokens, rank))
-    # zigzag on 4 ranks splits multiples of 8: a head of 8 or 16, then one token at a time; and a
-    # batch of one row (whose last column, input_ids[:, -1], once failed the per-step checksum)
-    for name, part in (("9-token prompt", tokens[:, :9]), ("22-token prompt", tokens[:, :22]),
-                       ("batch of 1", tokens[:1])):
+    # zigzag on 4 ranks splits multiples of 8: a head of 8 or 16, then one token at a time; a
+    # shorter prompt, one token at a time from the start (ranks holding no position yet: multi-head
+    # latent attention once failed on their empty K/V); a batch of one row (whose last column,
+    # input_ids[:, -1], once failed the per-step checksum)
+    for name, family, part in (("9-token prompt", "llama", tokens[:, :9]), ("22-token prompt", "llama", tokens[:, :22]),
+                               ("7-token prompt", "llama", tokens[:, :7]), ("1-token prompt", "llama", tokens[:, :1]),
+                               ("5-token prompt, MLA", "deepseek_v3", tokens[:, :5]),
+                               ("3-token prompt, sinks", "gpt_oss", tokens[:, :3]),
+                               ("batch of 1", "llama", tokens[:1])):
         try:
-            want = hf_families.build("llama").generate(part, **run)
-            out[name] = torch.equal(model.generate(part, **run), want)
+            want = hf_families.build(family).generate(part, **run)
+            enabled = model if family == "llama" else enable_context_parallel(hf_families.build(family), layout=layout)
+            out[name] = torch.equal(enabled.generate(part, **run), want)
         except Exception as e:  # noqa: BLE001
             out[name] = f"{type(e).__name__}: {e}"
     want = hf_families.build("llama").generate(tokens, **run)

@@ -103,8 +103,6 @@ REFUSED = {  # what generate must refuse on every rank, and the words of the err
     "padding": "ValueError: padding",
     "inputs_embeds": "NotImplementedError: generate from inputs_embeds",
     "output_attentions": "NotImplementedError: generate with output_attentions=True",
-    "short prompt": "ValueError: generate under context parallelism needs a prompt of at least 8 tokens (2*P for "
-                    "the zigzag layout with P=4), so that every rank holds one of its positions; got 7",
     "longrope head": "ValueError: Phi3ForCausalLM uses LongRoPE (long factors from position 8): a prompt of 12 tokens "
                      "is prefilled as its first 8",
     "guidance_scale": "NotImplementedError: generate with guidance_scale=1.5 is not supported under context "
@@ -141,9 +139,12 @@ def test_a_refusal_on_one_rank_is_a_refusal_on_every_rank_and_generate_works_aft
 
 
 def test_a_prompt_the_layout_does_not_split_is_prefilled_in_part_then_token_by_token() -> None:
-    """A length the layout does not split was refused, advising padding, which generate refuses."""
+    """A length the layout does not split was refused, advising padding, which generate refuses;
+    one shorter than its multiple (8 for zigzag on 4 ranks) was refused too: each of its tokens
+    is now a decode step from the start, ranks holding no position yet adding nothing."""
     for rank in range(4):
-        for case in ("9-token prompt", "22-token prompt", "batch of 1"):
+        for case in ("9-token prompt", "22-token prompt", "7-token prompt", "1-token prompt", "5-token prompt, MLA",
+                     "3-token prompt, sinks", "batch of 1"):
             assert _part(rank, "refusals")[case] is True, (rank, case, _part(rank, "refusals")[case])
 
 

@@ -345,8 +345,8 @@ def _decode(owner: str, settings: Settings, cached, query, key, value, mask: Lay
     The cache holds only earlier positions and the new one, so a causal and a
     bidirectional layer attend alike here."""
     scale = _scale(owner, scaling, query.shape[-1])
-    first = cached.first_visible(mask.window, mask.chunk)
-    key, value = key[:, :, first:], value[:, :, first:]  # (B, H_kv, m, D): views, no copy
+    seen = cached.visible(mask.window, mask.chunk)
+    key, value = key[:, :, seen], value[:, :, seen]  # (B, H_kv, m, D): views, no copy
     query, key, value, d_v = _one_width(query, key, value)
     out = sharded_attention_over(query, key, value, cached.peers, scale=scale, sinks=sinks)  # (B, H, 1, D)
     return out[..., :d_v].transpose(1, 2).contiguous(), None  # (B, 1, H, Dv)

@@ -13,9 +13,9 @@ and sizes masks as without CP. generate's forwards reach ``cached_forward`` thro
 ``enable_context_parallel``'s forward wrapper:
 
     prefill  the first forward gets the whole prompt (of a length the layout does not
-             split, the longest head it does; the rest is fed as decode steps). It is
-             sharded with the layout (tokens and their global positions); each attention
-             layer stores this rank's
+             split, the longest head it does; the rest is fed as decode steps, all of a
+             prompt shorter than the layout's multiple). It is sharded with the layout
+             (tokens and their global positions); each attention layer stores this rank's
              K/V (after RoPE) and attends with ctxpar.attention as in training (ring,
              allgather, alltoall, hybrid on its mesh, or "auto": the planner picks per
              layer, ``ctxpar.auto``); the rank holding position T-1 computes its logits and
@@ -210,6 +210,8 @@ class ShardedCache(Cache):
             kv.write(0, kv.length, key_states if mine else key_states[:, :, :0],
                      value_states if mine else value_states[:, :, :0])
             keys, values = kv.keys(0, step.held), kv.values(0, step.held)  # (B, H_kv, held, D)
+            if not step.held:  # none yet (a short prompt's first steps): the model runs on the new position's
+                keys, values = key_states, value_states  # (some fail on none: MLA's expand_kv); never keys here
         step.stored.add(layer_idx)
         step.pending.append((keys, values))
         return keys, values
@@ -247,13 +249,14 @@ class ShardedCache(Cache):
             raise NotImplementedError(f"{owner} attends with K/V other than the ones its cache returned (K/V changed "
                                       f"after caching), which ctxpar's sharded cache cannot serve")
 
-    def first_visible(self, window: int | None, chunk: int | None) -> int:
-        """The first held slot a decode step's query sees under a sliding window (q - k <
-        window) or chunks (the query's chunk, counted from position 0): the slots hold
-        ascending positions, so what it sees is every slot from there on (0: all)."""
+    def visible(self, window: int | None, chunk: int | None) -> slice:
+        """The slots of the K/V handed to a layer that a decode step's query sees: those held
+        (a rank holding none yet was handed the new position's K/V, not its to attend to), from
+        the first inside a sliding window (q - k < window) or the query's chunk (counted from
+        position 0): the slots hold ascending positions."""
         p, keys = self._step.position, self._step.keys
         first = max(p - window + 1 if window else 0, p - p % chunk if chunk else 0)
-        return int(torch.searchsorted(keys, first)) if first > 0 else 0
+        return slice(int(torch.searchsorted(keys, first)) if first > 0 else 0, self._step.held)
 
 
 def cached_forward(forward, kwargs: dict, *, name: str, settings: Settings, cache: ShardedCache, accepts,
@@ -264,7 +267,8 @@ def cached_forward(forward, kwargs: dict, *, name: str, settings: Settings, cach
 
     A prompt whose length the layout does not split is prefilled as its longest head that
     it does, then one token at a time as decode steps (exact: each attends to every earlier
-    key), so that generate takes a prompt of any length."""
+    key), so that generate takes a prompt of any length; one shorter than the layout's
+    multiple goes one token at a time from the start."""
     head = _splittable_head(settings, cache, kwargs) if refusal is None else None
     if head is None:
         return _cached_step(forward, kwargs, name=name, settings=settings, cache=cache, accepts=accepts,
@@ -272,18 +276,17 @@ def cached_forward(forward, kwargs: dict, *, name: str, settings: Settings, cach
     whole = {f"call's {k}": v for k, v in _forward_signature(cache, kwargs).items()}  # compared at every part
     out, length = None, kwargs["input_ids"].shape[1]
     refusal = _head_rope_refusal(name, settings, head, length)
-    for start, end in [(0, head)] + [(p, p + 1) for p in range(head, length)]:
+    for start, end in ([(0, head)] if head else []) + [(p, p + 1) for p in range(head, length)]:
         out = _cached_step(forward, _sliced(kwargs, start, end), name=name, settings=settings, cache=cache,
                            accepts=accepts, refusal=refusal, whole=whole)
     return out
 
 
 def _splittable_head(settings: Settings, cache: ShardedCache, kwargs: dict) -> int | None:
-    """For a prefill whose length the layout does not split: the longest head it does; None
-    otherwise, for a prompt shorter than one multiple (``check_generate`` refuses it: every
-    rank must hold a prompt position), and where other tensors than the tokens, their
-    positions and an attention mask come with the prompt (the layout's own refusal then
-    speaks)."""
+    """For a prefill whose length the layout does not split: the longest head it does (0 for a
+    prompt shorter than one multiple); None otherwise, and where other tensors than the
+    tokens, their positions and an attention mask come with the prompt (the layout's own
+    refusal then speaks)."""
     tokens = kwargs.get("input_ids")
     if cache.get_seq_length() or not isinstance(tokens, torch.Tensor) or tokens.dim() != 2 or not tokens.shape[1]:
         return None
@@ -291,7 +294,7 @@ def _splittable_head(settings: Settings, cache: ShardedCache, kwargs: dict) -> i
            for k, v in kwargs.items()):
         return None
     head = prefilled_length(settings.layout, tokens.shape[1])
-    return None if head in (0, tokens.shape[1]) else head
+    return None if head == tokens.shape[1] else head
 
 
 def _head_rope_refusal(name: str, settings: Settings, head: int, length: int) -> Exception | None:
@@ -305,11 +308,13 @@ def _head_rope_refusal(name: str, settings: Settings, head: int, length: int) ->
     limits = [limit for limit in settings.longrope if head - 1 < limit <= length - 1]
     if not limits:
         return None
+    layout = settings.layout
+    fed = (f"is prefilled as its first {head}, which the {layout.name} layout splits, then one token at a time, and "
+           f"the first {head}" if head else f"is shorter than the {layout.name} layout's multiple, so fed one token "
+                                           f"at a time, and its first positions")
     return ValueError(f"{name} uses LongRoPE (long factors from position {limits[0]}): a prompt of {length} tokens "
-                      f"is prefilled as its first {head}, which the {settings.layout.name} layout splits, then one "
-                      f"token at a time, and the first {head} would rotate with the short factors where the whole "
-                      f"prompt takes the long ones; give a prompt length that is a multiple of "
-                      f"{settings.layout.multiple}")
+                      f"{fed} would rotate with the short factors where the whole prompt takes the long ones; give "
+                      f"a prompt length that is a multiple of {layout.multiple}")
 
 
 def _sliced(kwargs: dict, start: int, end: int) -> dict:
@@ -387,7 +392,9 @@ def _plan(name: str, settings: Settings, cache: ShardedCache, kwargs: dict, acce
     batch, new = tokens.shape
     past = cache.get_seq_length()
     given = kwargs.get("position_ids")
-    if past == 0:
+    # one token the layout does not split (the start of a prompt shorter than its multiple) is
+    # a decode step from an empty cache
+    if past == 0 and (new > 1 or prefilled_length(settings.layout, 1)):
         want = torch.arange(new)
         settings.layout.validate(new)
         check_rope_lengths(name, settings, new, None)
@@ -410,11 +417,11 @@ def _plan(name: str, settings: Settings, cache: ShardedCache, kwargs: dict, acce
                              f"as the prompt")
         want = torch.tensor([past])
         kwargs["position_ids"] = torch.full((batch, 1), past, dtype=torch.long, device=tokens.device)
-        kv = cache.kv
-        mine = kv.owner(past) == cache.rank
+        mine = past % cache.world_size == cache.rank  # KVCache.owner
         new_positions = torch.tensor([past] if mine else [], dtype=torch.long)
-        step = _Step(position=past, positions=new_positions, held=kv.length + int(mine),
-                     keys=torch.cat([kv.positions(), new_positions]))
+        held = cache.kv.positions() if cache.kv is not None else new_positions[:0]
+        step = _Step(position=past, positions=new_positions, held=len(held) + int(mine),
+                     keys=torch.cat([held, new_positions]))
     if given is not None and (given.shape[-1] != new or not bool((given.reshape(-1, new).cpu() == want).all())):
         raise ValueError(f"{name} got position_ids {given.reshape(-1)[:8].tolist()} for positions "
                          f"{past}..{past + new - 1} of the sequence; leave them to generate")
@@ -515,13 +522,8 @@ def check_generate(model, settings: Settings, generate, args: tuple, kwargs: dic
                          "generation under context parallelism: generate each prompt length separately")
     check_token_ids(name, model, prompt)
     head = prefilled_length(settings.layout, prompt.shape[1])  # the rest: one token at a time (``cached_forward``)
-    if not head:  # a rank holding no position would run the model on empty K/V, which some models refuse
-        layout = settings.layout
-        raise ValueError(f"generate under context parallelism needs a prompt of at least {layout.multiple} tokens "
-                         f"({layout.multiple_formula} for the {layout.name} layout with P={layout.world_size}), so "
-                         f"that every rank holds one of its positions; got {prompt.shape[1]}: generate a shorter "
-                         f"prompt on fewer ranks, or with the contiguous or striped layout (P tokens)")
-    check_rope_lengths(name, settings, head, None)
+    if head:
+        check_rope_lengths(name, settings, head, None)
     return prompt, config
 
 
