@@ -8,6 +8,7 @@ the whole group time out, which fails every test of the module.
 from __future__ import annotations
 
 import itertools
+from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
@@ -42,6 +43,21 @@ def _converted(tensors: tuple, index: int, convert) -> list:
     return tensors
 
 
+@dataclass(frozen=True)
+class BlockedLayout(ctxpar.Layout):
+    """A layout of the user's: blocks of ``block`` positions dealt round-robin."""
+
+    block: int = 1
+    name = "blocked"
+
+    @property
+    def multiple(self) -> int:
+        return self.world_size * self.block
+
+    def _positions(self, seq_len: int, rank: int) -> torch.Tensor:
+        return torch.arange(seq_len).view(-1, self.block)[rank::self.world_size].flatten()
+
+
 def disagreeing_ranks(rank: int, world: int, mesh) -> dict[str, str]:
     """One rank (the last) calls differently from the others; every rank must raise."""
     odd = rank == world - 1
@@ -62,6 +78,8 @@ def disagreeing_ranks(rank: int, world: int, mesh) -> dict[str, str]:
         "hybrid_vs_ring": lambda: _call(*_tensors(), layout="zigzag", strategy="ring" if odd else "hybrid",
                                         mesh=mesh),
         "layout_not_a_name": lambda: _call(*_tensors(), layout=["zigzag"] if odd else "zigzag"),
+        # same name and P, another deal: once silently wrong (errors up to 1.96)
+        "layout_of_the_users": lambda: _call(*_tensors(), layout=BlockedLayout(world, 4 if odd else 2)),
         "scale_overflows_a_float": lambda: _call(*_tensors(), layout="zigzag", scale=10**400 if odd else None),
         "sinks_on_meta": lambda: _call(*_tensors(), layout="zigzag",
                                        sinks=torch.zeros(4, device="meta" if odd else "cpu")),

@@ -77,6 +77,7 @@ DISAGREEMENTS = {  # case -> what the ranks that called correctly are told
     "hybrid_one_rank_causal": "called attention with different",
     "hybrid_vs_ring": "rejected their attention inputs",
     "layout_not_a_name": "rejected their attention inputs",  # once a TypeError that left the others waiting
+    "layout_of_the_users": "different layout",
     "scale_overflows_a_float": "rejected their attention inputs",  # once an OverflowError, likewise
     "sinks_on_meta": "rejected their attention inputs",  # once NotImplementedError from the signature
     "k_sparse": "rejected their attention inputs",

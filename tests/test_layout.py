@@ -174,3 +174,48 @@ def test_a_balanced_layout_checks_its_arguments_and_says_when_it_cannot_balance(
     layout.positions(16, 0).add_(100)  # a caller editing what it got
     assert layout.positions(16, 0).max() < 16
     assert ctxpar.balanced_layout(300, 600).fingerprint.startswith("balanced/300/")  # P > 256
+
+
+class _UsersLayout(ctxpar.Layout):
+    """A layout of the user's whose deal a test sets: ``deal(seq_len, rank)``."""
+
+    def __init__(self, world_size: int, deal) -> None:
+        super().__init__(world_size)
+        object.__setattr__(self, "deal", deal)
+
+    name = "users"
+
+    def _positions(self, seq_len: int, rank: int) -> torch.Tensor:
+        return self.deal(seq_len, rank)
+
+
+@pytest.mark.parametrize("deal, message", [
+    # every rank claims the first T/P positions: ring once counted each key twice (lse off by log 2),
+    # the all-gather indexed with uninitialised memory
+    (lambda t, r: torch.arange(t // 2), "gives position 0 of a sequence of 8 to 2 ranks"),
+    (lambda t, r: torch.arange(r, t, 2).flip(0), "gives rank 0 positions that are not strictly ascending"),
+    (lambda t, r: torch.arange(r, t, 2) + 1, "gives positions outside 0..7"),
+    (lambda t, r: torch.arange(r, t, 2).int(), "must be an int64 tensor of T/P = 4 positions, got torch.int32 (4,)"),
+    (lambda t, r: torch.arange(r, t, 4), "got torch.int64 (2,)"),
+])
+def test_a_layout_of_the_users_is_refused_unless_it_deals_every_position_once(deal, message) -> None:
+    layout = _UsersLayout(2, deal)
+    with pytest.raises(ValueError, match=re.escape(message)):
+        ctxpar.layout.checked_deal(layout, 8)
+
+
+def test_attention_checks_a_layout_of_the_users_before_it_runs() -> None:
+    q = torch.randn(1, 2, 8, 4)
+    with pytest.raises(ValueError, match="gives rank 0 positions that are not strictly ascending"):
+        ctxpar.attention(q, q, q, layout=_UsersLayout(1, lambda t, r: torch.arange(t).flip(0)))
+    want = torch.nn.functional.scaled_dot_product_attention(q, q, q, is_causal=True)
+    got = ctxpar.attention(q, q, q, layout=_UsersLayout(1, lambda t, r: torch.arange(t)))
+    torch.testing.assert_close(got, want)
+
+
+def test_a_layout_of_the_users_that_deals_every_position_once_runs_and_is_identified_by_its_deal() -> None:
+    striped = _UsersLayout(2, lambda t, r: torch.arange(r, t, 2))
+    assert ctxpar.layout.checked_deal(striped, 8).tolist() == [0, 2, 4, 6, 1, 3, 5, 7]
+    other = _UsersLayout(2, lambda t, r: torch.arange(r * t // 2, (r + 1) * t // 2))
+    assert ctxpar.layout.fingerprint(striped, 8) != ctxpar.layout.fingerprint(other, 8)
+    assert ctxpar.layout.fingerprint(get_layout("zigzag", 2), 8) == "zigzag/2"  # ctxpar's own: by name

@@ -105,10 +105,11 @@ def attention_with_lse(
             return attention_with_lse(q, k, v, layout=layout, group=group, causal=causal, scale=scale,
                                       strategy=strategy, mesh=mesh, check_consistency=check_consistency,
                                       documents=documents, window=window, sinks=sinks)
-    error, topo, mask = None, None, None
+    error, topo, mask, layout_name = None, None, None, None
     try:
         chosen, topo, layout = _settings(layout, group, strategy, mesh)
         scale = _validate(q, k, v, layout, topo, scale)
+        layout_name = fingerprint(layout, q.shape[2] * layout.world_size)  # a layout of the user's: its deal checked
         mask = make_mask(q.shape[2] * layout.world_size, causal=causal, documents=documents, window=window)
         check_sinks(sinks, q)
         if strategy == auto.AUTO:
@@ -122,7 +123,8 @@ def attention_with_lse(
     if check_consistency:
         # a rank whose own arguments name no valid strategy or topology still joins the
         # exchange its peers run, on the groups its group= or mesh= describe
-        _check_ranks_agree(q, k, v, topo or _fallback_topology(group, mesh), error, layout_name=_layout_name(layout),
+        _check_ranks_agree(q, k, v, topo or _fallback_topology(group, mesh), error,
+                           layout_name=layout_name or _layout_name(layout),
                            causal=causal, scale=scale, strategy=strategy, mask=mask, sinks=sinks)
     if error is not None:
         raise error

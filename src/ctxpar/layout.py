@@ -34,6 +34,10 @@ LAYOUT_NAMES = ("contiguous", "zigzag", "striped")
 class Layout(ABC):
     """Base class: subclasses say which positions a rank holds and what T must divide by.
 
+    ctxpar.attention checks a subclass's deal at every call before anything is sent
+    (``checked_deal``: each rank's positions ascending, together 0..T-1 once each, an O(T)
+    check), and compares it across ranks; ctxpar's own layouts are compared by name.
+
     Args:
         world_size: P, the number of ranks in the CP group.
     """
@@ -334,12 +338,49 @@ def balanced_layout(world_size: int, seq_len: int, *, causal: bool = True, docum
                           chunks)
 
 
-def fingerprint(layout: Layout) -> str:
-    """What identifies a layout across ranks: its name and P, and for a balanced layout its deal."""
+def fingerprint(layout: Layout, seq_len: int | None = None) -> str:
+    """What identifies a layout across ranks: its name and P, and for a balanced layout its
+    deal. A layout defined outside ctxpar is identified, for a sequence of ``seq_len``, by its
+    deal itself, once ``checked_deal`` has checked it (two ranks whose layouts shared a name
+    and P but dealt otherwise once computed another attention without a word)."""
+    if seq_len is not None and type(layout) not in _OWN_LAYOUTS:
+        deal = checked_deal(layout, seq_len)
+        return f"{layout.name}/{layout.world_size}/{zlib.crc32(deal.numpy().tobytes())}"
     return getattr(layout, "fingerprint", f"{layout.name}/{layout.world_size}")
 
 
+def checked_deal(layout: Layout, seq_len: int) -> torch.Tensor:
+    """(T,) int64: every rank's positions for a sequence of ``seq_len``, rank after rank;
+    refused unless each rank's are T/P strictly ascending int64 positions and together they
+    hold 0..T-1 once each, which every strategy and the block plan take a layout to do."""
+    local = layout.local_len(seq_len)
+    parts = []
+    for rank in range(layout.world_size):
+        got = layout.positions(seq_len, rank)
+        if not isinstance(got, torch.Tensor) or got.dtype != torch.int64 or tuple(got.shape) != (local,):
+            what = f"{got.dtype} {tuple(got.shape)}" if isinstance(got, torch.Tensor) else type(got).__name__
+            raise ValueError(f"the {layout.name} layout's positions for rank {rank} of a sequence of {seq_len} must "
+                             f"be an int64 tensor of T/P = {local} positions, got {what}")
+        got = got.cpu()
+        if not bool((got[1:] > got[:-1]).all()):
+            raise ValueError(f"the {layout.name} layout gives rank {rank} positions that are not strictly ascending "
+                             f"for a sequence of {seq_len}: {got[:8].tolist()}{' ...' if local > 8 else ''}")
+        parts.append(got)
+    deal = torch.cat(parts)
+    if int(deal.min()) < 0 or int(deal.max()) >= seq_len:
+        raise ValueError(f"the {layout.name} layout gives positions outside 0..{seq_len - 1} for a sequence of "
+                         f"{seq_len}: {int(deal.min())}..{int(deal.max())}")
+    held = torch.bincount(deal, minlength=seq_len)
+    if not bool((held == 1).all()):
+        position = int((held != 1).nonzero()[0])
+        raise ValueError(f"the {layout.name} layout gives position {position} of a sequence of {seq_len} to "
+                         f"{int(held[position])} ranks; its ranks' positions must hold 0..{seq_len - 1} once each")
+    return deal
+
+
 _LAYOUTS = {cls.name: cls for cls in (ContiguousLayout, ZigzagLayout, StripedLayout)}
+# ctxpar's own layouts, whose deals the tests check; any other subclass's is checked per call
+_OWN_LAYOUTS = (ContiguousLayout, ZigzagLayout, StripedLayout, UnionLayout, BalancedLayout)
 
 
 def get_layout(layout: str | Layout, world_size: int) -> Layout:
