@@ -90,6 +90,9 @@ def disagreeing_ranks(rank: int, world: int, mesh) -> dict[str, str]:
         "q_nested": lambda: _call(*_converted(_tensors(), 0, (lambda q: torch.nested.nested_tensor(list(q)))
                                               if odd else None), layout="zigzag"),
         "agreeing": lambda: _call(*_tensors(), layout="zigzag"),
+        # the same sinks, -0.0 on one rank: once refused as different sinks (their bytes differ)
+        "agreeing_signed_zero": lambda: _call(*_tensors(), layout="zigzag",
+                                              sinks=torch.full((4,), -0.0 if odd else 0.0)),
     }
     return {name: case() for name, case in cases.items()}
 

@@ -65,7 +65,7 @@ EXPECTED_MESSAGES = {
     "documents_sum": ["sum to 7", "tokens"],
     "documents_empty": ["lengths must be >= 1"],
     "documents_float": ["1-D integer tensor"],
-    "documents_cu_seqlens_short": ["cu_seqlens must end at the sequence length"],
+    "documents_cu_seqlens_short": ["read as cu_seqlens, which must end at the sequence length"],
     "window_zero": ["window must be an integer >= 1"],
     "window_not_causal": ["needs causal=True"],
     "sinks_shape": ["shape (H,) = (4,)"],

@@ -95,6 +95,13 @@ def test_ranks_that_disagree_all_raise_by_default(case: str) -> None:
             continue  # the culprit raises its own error, checked below
         assert DISAGREEMENTS[case] in message, f"rank {rank}: {message}"
     assert all(res["disagree"]["agreeing"] == "ok" for res in results())
+    assert all(res["disagree"]["agreeing_signed_zero"] == "ok" for res in results())
+
+
+def test_a_tensor_scale_is_refused_naming_how_to_scale_by_a_tensor() -> None:
+    q = torch.randn(1, 2, 4, 8)
+    with pytest.raises(ValueError, match="scale must be a number, got a tensor .* multiply q by it"):
+        ctxpar.attention(q, q, q, layout="zigzag", scale=torch.tensor(0.5))  # once "must be a positive finite number"
 
 
 def test_the_rank_with_invalid_arguments_raises_its_own_error() -> None:

@@ -43,7 +43,8 @@ def test_documents_as_lengths_cu_seqlens_or_tensors() -> None:
 
 def test_numpy_integers_and_arrays_are_taken_as_python_integers_are() -> None:
     """cu_seqlens are often built with numpy: its integers and integer arrays mean what
-    Python's do; its floats and bools are refused as Python's are."""
+    Python's do; its floats and bools are refused as Python's are. A 0-d integer tensor is a
+    window as documents= takes tensors."""
     assert document_lengths(np.array([0, 3, 8]), 8) == (3, 5)
     assert document_lengths(np.array([3, 5], dtype=np.int16), 8) == (3, 5)
     assert document_lengths([np.int64(3), np.int32(5)], 8) == (3, 5)
@@ -53,9 +54,10 @@ def test_numpy_integers_and_arrays_are_taken_as_python_integers_are() -> None:
     for documents in (np.array([3.0, 5.0]), np.array([True, False]), [np.bool_(True)] * 8, np.array(["3", "5"])):
         with pytest.raises(ValueError, match="documents="):
             document_lengths(documents, 8)
-    for window in (np.bool_(True), np.float64(3.0)):
+    for window in (np.bool_(True), np.float64(3.0), torch.tensor(3.0), torch.tensor(True), torch.tensor([3])):
         with pytest.raises(ValueError, match="window must be an integer"):
             make_mask(8, causal=True, window=window)
+    assert make_mask(8, causal=True, window=torch.tensor(3)) == make_mask(8, causal=True, window=3)  # as documents=
 
 
 @pytest.mark.parametrize("kwargs, message", [
@@ -75,6 +77,9 @@ def test_a_mask_refuses_what_cannot_be_one(kwargs, message) -> None:
 @pytest.mark.parametrize("documents, message", [
     ([3.0, 5.0], "integers"), ([3, -1, 6], ">= 1"), ([0, 3, 7], "end at the sequence length 8"),
     ([0, 5, 3, 8], "strictly increasing"), (torch.tensor([[3, 5]]), "1-D integer tensor"), ("35", "sequence"),
+    # an empty first document reads as cu_seqlens: the message says both readings (once only the first)
+    ([0, 3, 5], "sum to 8.*it holds an empty document"),
+    (torch.tensor([3, 5], device="meta"), "on the meta device"),  # once torch's NotImplementedError
 ])
 def test_document_lengths_refuse_what_a_hurried_user_passes(documents, message) -> None:
     with pytest.raises(ValueError, match=message):

@@ -149,7 +149,7 @@ def test_restarting_positions_need_declared_documents() -> None:
         model(**undeclared)
     with pytest.raises(ValueError, match=r"counted from the start of each declared document \[8, 8\]"):
         model(**dict(inputs, documents=[8, 8]))
-    with pytest.raises(ValueError, match="cu_seqlens must end at the sequence length 16"):
+    with pytest.raises(ValueError, match="read as cu_seqlens, which must end at the sequence length 16"):
         model(**dict(inputs, documents=[0, 5, 12]))
     model(**dict(inputs, documents=torch.tensor([0, 5, 12, 16])))  # cu_seqlens are fine
     with pytest.raises(ValueError, match=r"packed sequences .*cu_seq_lens_q=.*declare the packed row's documents"):

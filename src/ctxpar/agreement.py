@@ -84,7 +84,8 @@ def signature(q, k, v, *, layout_name: str, causal, scale, strategy, rejected: b
     dtype = text_code(str(q.dtype)) if isinstance(q, torch.Tensor) else -1
     scale_bits = readable(lambda: struct.unpack("<q", struct.pack("<d", float(scale)))[0])
     mask_code = -1 if mask is None else text_code(f"{mask.documents}/{mask.window}")
-    sinks_code = 0 if sinks is None else readable(lambda: tensor_code(sinks, torch.float64))
+    # + 0.0 makes -0.0 the +0.0 it computes alike with (their bytes differ)
+    sinks_code = 0 if sinks is None else readable(lambda: tensor_code(sinks.detach().double() + 0.0, torch.float64))
     return [OWN_INPUTS_REJECTED if rejected else 0, shape[0], shape[1], kv_heads, shape[2], shape[3], dtype,
             readable(lambda: int(bool(causal))), scale_bits, text_code(str(strategy)), text_code(layout_name),
             grad_flags(q, k, v, sinks), mask_code, sinks_code]

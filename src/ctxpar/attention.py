@@ -79,9 +79,11 @@ def attention_with_lse(
         window: causal sliding window: the query at position p sees keys p-window+1..p
             (itself included; ``window >= T`` is plain causal). Needs causal=True.
         sinks: (H,) per-head attention-sink logits (gpt-oss): exp(sink) joins every
-            row's softmax denominator, with no value; differentiable (each rank gets
-            its rows' share of the gradient, as for any parameter replicated over the
-            CP group). The same values on every rank.
+            row's softmax denominator, with no value; differentiable: summed over the
+            CP group, as for any parameter replicated over it, the gradients are the
+            unsplit one (ring and all-gather give each rank its rows' share, all-to-all
+            and hybrid each rank its heads' over every row). The same values on every
+            rank.
 
     Returns:
         out (B, H, S, D) in q's dtype, differentiable w.r.t. q, k, v (and sinks); and
@@ -277,6 +279,9 @@ def _validate(q, k, v, layout: Layout, topo: topology.Topology, scale: float | N
         raise ValueError(f"local length S={s} on each of P={layout.world_size} ranks: {e}") from None
     if scale is None:
         return d**-0.5
+    if isinstance(scale, torch.Tensor):
+        raise ValueError(f"scale must be a number, got a tensor ({reprlib.repr(scale)}); for a learnable or per-head "
+                         f"scale, multiply q by it and pass scale=1.0")
     value = as_real(scale)
     if not (math.isfinite(value) and value > 0):
         raise ValueError(f"scale must be a positive finite number, got {reprlib.repr(scale)}")

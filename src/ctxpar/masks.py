@@ -112,6 +112,8 @@ def document_lengths(documents, seq_len: int) -> tuple[int, ...]:
         if documents.dim() != 1 or documents.dtype.is_floating_point or documents.dtype == torch.bool:
             raise ValueError(f"documents= must be a 1-D integer tensor or array, got {documents.dtype} of shape "
                              f"{tuple(documents.shape)}")
+        if documents.is_meta:
+            raise ValueError("documents= is a tensor on the meta device, which holds no values: pass the lengths")
         documents = documents.tolist()
     if not isinstance(documents, Sequence) or isinstance(documents, (str, bytes)) or not documents:
         raise ValueError(f"documents= must be a non-empty sequence of document lengths or cu_seqlens, "
@@ -122,7 +124,10 @@ def document_lengths(documents, seq_len: int) -> tuple[int, ...]:
     values = [int(x) for x in values]
     if values[0] == 0:  # cu_seqlens: a document can't have length 0, so a leading 0 says which
         if values[-1] != seq_len:
-            raise ValueError(f"cu_seqlens must end at the sequence length {seq_len}, got {values[-8:]}")
+            read_as = (f"; read as lengths (they sum to {seq_len}), it holds an empty document, which has no tokens"
+                       if sum(values) == seq_len else "")
+            raise ValueError(f"documents= starting with 0 is read as cu_seqlens, which must end at the sequence length "
+                             f"{seq_len}, got {values[-8:]}{read_as}")
         lengths = [b - a for a, b in zip(values, values[1:])]
         if not lengths or any(n <= 0 for n in lengths):
             raise ValueError(f"cu_seqlens must be strictly increasing from 0 to {seq_len}, got {values[:8]}")
@@ -152,8 +157,8 @@ def make_mask(seq_len: int, *, causal, documents=None, window=None) -> Mask:
     """The ``Mask`` for a public call: every argument checked (ValueError naming it), and
     put in one canonical form, so that equal masks compare (and cache) equal: a window of
     T or more is no window, one document is none."""
-    if _is_integer(window):
-        window = int(window)  # numpy's too
+    if _is_integer(window) or _integer_scalar(window):
+        window = int(window)  # numpy's too, and a 0-d integer tensor as documents= takes tensors
     Mask(causal=causal, window=window)  # checks causal and window before they are compared
     lengths = None if documents is None else document_lengths(documents, seq_len)
     if window is not None and window >= seq_len:
@@ -164,6 +169,12 @@ def make_mask(seq_len: int, *, causal, documents=None, window=None) -> Mask:
 def _is_integer(x) -> bool:
     """A Python or numpy integer; not a bool (numpy's bool is no Integral)."""
     return isinstance(x, numbers.Integral) and not isinstance(x, bool)
+
+
+def _integer_scalar(x) -> bool:
+    """A 0-d integer tensor holding a value (not a bool, not on the meta device)."""
+    return (isinstance(x, torch.Tensor) and x.dim() == 0 and not x.is_meta and not x.dtype.is_floating_point
+            and not x.dtype.is_complex and x.dtype != torch.bool)
 
 
 def _as_tensor(array) -> torch.Tensor:

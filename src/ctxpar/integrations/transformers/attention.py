@@ -299,8 +299,8 @@ def attention_forward(module, query, key, value, attention_mask, dropout: float 
     -> ((B, S, H, Dv), None). ``scaling`` is honoured exactly (default Dqk ** -0.5); K and V
     with different head dims (DeepSeek's MLA) are zero-padded to one width, which leaves
     q.k and the output unchanged. The layer's mask (a ``LayerMask`` from ``mask_forward``:
-    sliding window, chunks, documents) and sink logits (``s_aux``, (H,), differentiable:
-    each rank gets its rows' share of their gradient) are honoured exactly. Everything else
+    sliding window, chunks, documents) and sink logits (``s_aux``, (H,), differentiable: the
+    ranks' gradients sum to the unsplit one) are honoured exactly. Everything else
     that would change the result is refused here, on every rank alike, before ctxpar
     communicates."""
     settings: Settings | None = getattr(module, "ctxpar_settings", None)
