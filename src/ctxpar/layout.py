@@ -343,10 +343,23 @@ def fingerprint(layout: Layout, seq_len: int | None = None) -> str:
     deal. A layout defined outside ctxpar is identified, for a sequence of ``seq_len``, by its
     deal itself, once ``checked_deal`` has checked it (two ranks whose layouts shared a name
     and P but dealt otherwise once computed another attention without a word)."""
-    if seq_len is not None and type(layout) not in _OWN_LAYOUTS:
+    if seq_len is None or type(layout) in _OWN_LAYOUTS:
+        return getattr(layout, "fingerprint", f"{layout.name}/{layout.world_size}")
+    key = (id(layout), int(seq_len))
+    known = _CHECKED.get(key)
+    if known is None or known[0] is not layout:
         deal = checked_deal(layout, seq_len)
-        return f"{layout.name}/{layout.world_size}/{zlib.crc32(deal.numpy().tobytes())}"
-    return getattr(layout, "fingerprint", f"{layout.name}/{layout.world_size}")
+        known = (layout, f"{layout.name}/{layout.world_size}/{zlib.crc32(deal.numpy().tobytes())}")
+        if len(_CHECKED) >= 64:
+            _CHECKED.pop(next(iter(_CHECKED)))
+        _CHECKED[key] = known
+    return known[1]
+
+
+# a user's layout's checked deal per (layout, T), by identity: every layer calls attention with
+# the same layout, and the check costs O(T). Layouts are frozen, so a deal checked stays right;
+# the entry holds the layout, so its id is not reused while it is here
+_CHECKED: dict[tuple[int, int], tuple[Layout, str]] = {}
 
 
 def checked_deal(layout: Layout, seq_len: int) -> torch.Tensor:
