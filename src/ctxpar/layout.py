@@ -34,9 +34,9 @@ LAYOUT_NAMES = ("contiguous", "zigzag", "striped")
 class Layout(ABC):
     """Base class: subclasses say which positions a rank holds and what T must divide by.
 
-    ctxpar.attention checks a subclass's deal at every call before anything is sent
-    (``checked_deal``: each rank's positions ascending, together 0..T-1 once each, an O(T)
-    check), and compares it across ranks; ctxpar's own layouts are compared by name.
+    ctxpar.attention checks a subclass's deal before anything is sent (``checked_deal``:
+    each rank's positions ascending, together 0..T-1 once each; O(T), once per layout and
+    T), and compares it across ranks; ctxpar's own layouts are compared by name.
 
     Args:
         world_size: P, the number of ranks in the CP group.
