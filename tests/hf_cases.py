@@ -23,7 +23,9 @@ test_hf_generate.py:
 - ``guards``: on the same two groups, what a forward must run exactly or refuse on every
   rank together: LongRoPE (``hf_families``' ``phi3+longrope``) per layout, the decoder
   called alone, ``logits_to_keep``, a padding mask on one rank only, an attention
-  implementation switched after ``enable_context_parallel`` on one rank only.
+  implementation switched after ``enable_context_parallel`` on one rank only, a label outside
+  the vocabulary on one rank's shard; per-token heads (token classification, question
+  answering) against the unsplit model, and question answering's start_positions (``_heads``).
 - ``hybrid``: ``strategy="hybrid"`` on a mesh of every rank, and on two data-parallel
   replicas each a mesh of its own (``_hybrid``).
 - ``generate``: ``model.generate()`` on CP groups of 2, 3 and 4 ranks (``hf_generate_cases``,
@@ -427,6 +429,39 @@ def _guards(rank: int, world: int) -> dict:
             parameter.zero_()  # the copy's logits are now 0 everywhere; the original's are not
         out["deep copy"] = _attempt(lambda: (copied(**inputs).logits.abs().max().item(),
                                              model(**inputs).logits.abs().max().item() > 0))
+    # one label id outside the vocabulary in the whole batch, on one rank's shard after the shift
+    # (zigzag, 16 tokens: rank 0 holds positions 0-3 and 12-15): an IndexError there left the other waiting
+    for check, position, value in (("label beyond the vocabulary on rank 1", 6, hf_families.VOCAB),
+                                   ("label -1 on rank 0", 1, -1)):
+        bad = input_ids.clone()
+        bad[0, position] = value
+        bad_inputs, bad_labels = shard_inputs(input_ids, layout=layout, rank=me, labels=bad)
+        out[check] = _attempt(lambda: model(**bad_inputs, labels=bad_labels).loss.item())
+    out["after bad labels"] = _attempt(lambda: model(**inputs, labels=labels).loss.item())
+    out.update(_heads(layout, group, input_ids))
+    return out
+
+
+def _heads(layout, group, input_ids) -> dict:
+    """Per-token heads on a pair: their outputs against the unsplit model's rows of this
+    shard; question answering's start_positions (global indices) refused on every rank."""
+    import hf_families
+    import transformers
+
+    me = dist.get_rank(group)
+    config = hf_families.config_for("llama", num_labels=3)
+    out = {}
+    for head, keys in (("LlamaForTokenClassification", ("logits",)),
+                       ("LlamaForQuestionAnswering", ("start_logits", "end_logits"))):
+        torch.manual_seed(0)
+        reference = getattr(transformers, head)._from_config(config, attn_implementation="eager").eval()
+        model = enable_context_parallel(copy.deepcopy(reference), layout=layout, group=group)
+        inputs, _ = shard_inputs(input_ids, layout=layout, rank=me)
+        with torch.no_grad():
+            want, got = reference(input_ids=input_ids, use_cache=False), model(**inputs)
+        out[head] = max(_relative(getattr(got, key), layout.shard(getattr(want, key), me, dim=1)) for key in keys)
+    positions = dict(start_positions=torch.tensor([3]), end_positions=torch.tensor([5]))
+    out["question answering positions"] = _attempt(lambda: model(**inputs, **positions).loss.item())
     return out
 
 

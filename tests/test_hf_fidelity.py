@@ -146,6 +146,27 @@ def test_custom_masks_and_cross_attention_are_refused() -> None:
         bert(**bert_inputs, encoder_hidden_states=torch.zeros(1, 5, 32))
 
 
+def test_heads_that_pool_over_the_sequence_are_refused_at_enable_time() -> None:
+    """LlamaForSequenceClassification was accepted and read each rank's shard's last token:
+    2 ranks, rank 1's logits off by 0.25. Heads that score every token stay accepted (their
+    outputs under CP: test_transformers.py)."""
+    import transformers
+
+    from ctxpar.integrations.transformers import find_unsupported
+
+    config = hf_families.config_for("llama", num_labels=3, pad_token_id=0)
+    for head, where in (("LlamaForSequenceClassification", "LlamaForSequenceClassification"),
+                        ("GPT2DoubleHeadsModel", "GPT2SequenceSummary")):
+        with torch.device("meta"):
+            model = getattr(transformers, head)(hf_families.config_for("gpt2") if "GPT2" in head else config)
+        with pytest.raises(ValueError, match=rf"a head that pools over the sequence.*\({where}\); run its base model"):
+            enable_context_parallel(model, layout=ONE)
+        assert model.config._attn_implementation != "ctxpar"  # refused before anything changed
+    for head in ("LlamaForTokenClassification", "LlamaForQuestionAnswering"):
+        with torch.device("meta"):
+            assert find_unsupported(getattr(transformers, head)(config)) == [], head
+
+
 def test_the_report_names_every_feature_and_llama_has_none() -> None:
     from ctxpar.integrations.transformers import find_unsupported
 

@@ -362,3 +362,34 @@ def test_an_attention_implementation_switched_on_one_rank_is_refused_on_every_ra
             in detail, detail
     for _, got in _guards("after"):
         assert got == ("ran", (1, hf_cases.SWEEP_TOKENS // 2, hf_families.VOCAB)), got
+
+
+def test_a_label_outside_the_vocabulary_on_one_rank_is_refused_on_every_rank_together() -> None:
+    """One label id beyond the vocabulary (or -1 for "ignore") in the batch lands on one rank's
+    shard: cross_entropy's IndexError there left the other rank waiting in the loss's
+    all-reduce until the timeout. Now that rank names it, the other says a rank refused, and
+    the next forward runs."""
+    for check, bad_rank, value in (("label beyond the vocabulary on rank 1", 1, hf_families.VOCAB),
+                                   ("label -1 on rank 0", 0, -1)):
+        for rank, (kind, detail) in _guards(check):
+            assert kind == "refused", (check, detail)
+            if rank != bad_rank:
+                assert "another rank of the CP group refused" in detail, (check, detail)
+                continue
+            shown = f"from {value} to" if value < 0 else f"to {value} (besides -100, which marks a token without"
+            assert "LlamaForCausalLM labels= got token ids" in detail and shown in detail, (check, detail)
+            assert f"outside its vocabulary of {hf_families.VOCAB}" in detail, (check, detail)
+    for _, (kind, detail) in _guards("after bad labels"):
+        assert kind == "ran" and detail > 0, detail
+
+
+def test_per_token_heads_run_exactly_and_question_answering_positions_are_refused() -> None:
+    """Token classification and question answering score every token, so their outputs split
+    with the tokens (2 ranks, zigzag). start_positions / end_positions index the whole sequence
+    while a rank's logits cover its shard: refused on every rank, where the loss was handed to
+    the causal-LM loss and refused after the forward as "num_items_in_batch"."""
+    for head in ("LlamaForTokenClassification", "LlamaForQuestionAnswering"):
+        for rank, got in _guards(head):
+            assert got <= 1e-5, (head, rank, got)
+    for _, (kind, detail) in _guards("question answering positions"):
+        assert kind == "refused" and "LlamaForQuestionAnswering got start_positions=" in detail, detail

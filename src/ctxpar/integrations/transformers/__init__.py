@@ -71,7 +71,7 @@ from ctxpar.integrations.transformers.fidelity import (Unsupported, check_model,
 from ctxpar.integrations.transformers.generation import (CACHE_KEYS, ShardedCache, cached_forward, check_token_ids,
                                                          wrap_generate)
 from ctxpar.integrations.transformers.loss import LOSS_KEYWORDS, CPCausalLMLoss, loss_refusal
-from ctxpar import agreement, topology
+from ctxpar import agreement, limits, topology
 from ctxpar.attention import check_settings
 from ctxpar.layout import Layout
 from ctxpar.masks import document_lengths, positions_in_documents
@@ -131,8 +131,9 @@ def _check_positions(name: str, settings: Settings, bound: dict, documents: tupl
 def _check_call(name: str, bound: dict, extra: dict) -> None:
     """Refuse in the forward, where every rank's verdict is agreed (``_refuse_together``),
     what a layer or the LM head would get wrong on one shard: a padding or custom mask
-    (after sharding, a left-padded row's zeros sit on one rank only) and logits_to_keep
-    (a shard's last rows are not the sequence's last positions)."""
+    (after sharding, a left-padded row's zeros sit on one rank only), question answering's
+    start_positions / end_positions (global indices, where a rank's logits cover its shard)
+    and logits_to_keep (a shard's last rows are not the sequence's last positions)."""
     mask = bound.get("attention_mask", extra.get("attention_mask"))
     if mask is not None:
         if not isinstance(mask, torch.Tensor) or mask.dim() != 2:
@@ -142,6 +143,13 @@ def _check_call(name: str, bound: dict, extra: dict) -> None:
                              f"refused")
         if not bool(mask.all()):
             raise ValueError(f"{name}: {PADDING_REFUSED}")
+    for key in ("start_positions", "end_positions"):
+        if bound.get(key, extra.get(key)) is not None:
+            raise ValueError(f"{name} got {key}=: they index the whole sequence, while under context parallelism a "
+                             f"rank's start_logits and end_logits cover its shard's positions only, so its loss "
+                             f"would score other positions; leave them out and compute the loss on the whole "
+                             f"sequence's logits (all-gather start_logits and end_logits over the CP group, then "
+                             f"layout.unshard(pieces, dim=1))")
     for key in ("logits_to_keep", "num_logits_to_keep"):
         keep = bound.get(key, extra.get(key))
         if isinstance(keep, torch.Tensor) or keep not in (None, 0):
@@ -167,6 +175,19 @@ def _label_flags(labels: torch.Tensor | None, input_ids: torch.Tensor | None, se
     matches = bool((labels == input_ids)[labelled].all())
     last = settings.positions(labels.shape[1]) == labels.shape[1] * settings.layout.world_size - 1
     return [1, int(matches), int(bool(labelled[:, last].any()))]
+
+
+def _check_label_range(name: str, model, labels: torch.Tensor) -> None:
+    """Refuse labels outside the classes the head scores (the LM head's vocabulary, or a
+    token-classification head's labels) besides IGNORE_INDEX: cross_entropy's IndexError on
+    the rank whose shard held one left the others waiting in the loss's all-reduce."""
+    head = model.get_output_embeddings()
+    classes = getattr(head, "out_features", getattr(head, "num_embeddings", None))
+    if head is None and type(model).__name__.endswith("ForTokenClassification"):
+        classes = model.config.num_labels
+    if isinstance(classes, int):
+        limits.check_token_range(labels[labels != IGNORE_INDEX], classes, f"{name} labels=",
+                                 f" (besides {IGNORE_INDEX}, which marks a token without a label)")
 
 
 def _refuse_together(name: str, error: Exception | None, label_flags: list[int], batch: int, device: torch.device,
@@ -272,6 +293,7 @@ def _wrap_forward(model, settings: Settings, loss: CPCausalLMLoss | None = None)
                                        **{key: passed[key] for key in LOSS_KEYWORDS if key in passed})
                 if refusal is not None:
                     raise ValueError(f"{name}: {refusal}")
+                _check_label_range(name, model, labels)
             if documents is not None:
                 documents = _documents(name, settings, bound, documents)
             _check_positions(name, settings, bound, documents)

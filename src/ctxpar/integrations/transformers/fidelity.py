@@ -12,7 +12,9 @@ model passes (Granite, Gemma's query_pre_attn_scalar, Whisper), GQA / MQA, K and
 dims that differ (DeepSeek's MLA), final-logit soft-capping, MoE layers, RoPE whose
 frequencies are fixed, LongRoPE where every rank takes the sequence's factors, and dynamic
 RoPE scaling below max_position_embeddings (both checked per forward, ``longrope_limits``,
-``dynamic_rope_limits``). The call-time half of the guard (keyword arguments,
+``dynamic_rope_limits``), and heads that score every token (causal LM, token classification,
+question answering's start and end logits); heads that pool a row at one position
+(sequence classification, multiple choice, a pooler) are refused. The call-time half of the guard (keyword arguments,
 masks, LongRoPE's lengths) lives in ``attention.py``.
 """
 
@@ -56,6 +58,17 @@ _MULTIMODAL_FIX = "apply context parallelism to the text decoder alone"
 # Modules that carry state along the sequence outside softmax attention: a shard would
 # start from a zero state instead of its predecessor's.
 _RECURRENT = re.compile(r"Mamba|Mixer|Rwkv|LSTM|Recurrent|DeltaNet|LinearAttention|LightningAttention|ShortConv")
+
+# Heads and modules whose output for a row is read at one position (the last non-padding
+# token, or the first): under CP each rank reads it from its own shard, whose last (first)
+# token is not the sequence's. Per-token heads (causal LM, token classification, question
+# answering's start/end logits) are split with the tokens and stay exact.
+_POOLING_HEAD = re.compile(r"For(SequenceClassification|MultipleChoice|NextSentencePrediction)$")
+_POOLING_MODULE = re.compile(r"Pooler$|SequenceSummary$")
+_POOLING = ("a head that pools over the sequence: it reads each row at one position, and a rank's shard's last "
+            "(or first) token is not the sequence's")
+_POOLING_FIX = ("run its base model (model.base_model) under context parallelism and apply the head to the position "
+                "it pools, on the rank whose shard holds it (shard_inputs' position_ids say which)")
 
 
 def _configs(model: nn.Module) -> list:
@@ -170,8 +183,13 @@ def _module_features(model: nn.Module) -> list[Unsupported]:
     from transformers import PreTrainedModel
 
     found = []
+    heads = [cls.__name__ for cls in type(model).__mro__ if _POOLING_HEAD.search(cls.__name__)]
+    if heads:
+        found.append(Unsupported(_POOLING, heads[0], _POOLING_FIX))
     for path, module in model.named_modules():
         owner = type(module).__name__
+        if _POOLING_MODULE.search(owner):
+            found.append(Unsupported(_POOLING, owner, _POOLING_FIX))
         if isinstance(module, PreTrainedModel):
             if not type(module)._can_set_attn_implementation():
                 found.append(Unsupported("attention computed in the model's own code, not through transformers' "
