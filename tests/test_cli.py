@@ -161,6 +161,8 @@ def bad_values(tmp: Path) -> list[tuple[tuple[str, ...], str]]:
     not_rates.write_text(json.dumps({"attention_flops": 1e9, "bandwidth": 1e9, "attention_size_curve": [[1024, 1, 1]],
                                      "attention": 5}))
     missing = str(tmp / "no" / "such" / "dir" / "out.json")
+    (tmp / "afile").write_text("")
+    (tmp / "dangling").symlink_to(tmp / "gone")
     return [
         (("demo", "--nproc", "0"), "--nproc 0 must be >= 1"),
         (("demo", "--nproc", "100000"), "--nproc 100000 is more local ranks than this machine runs"),
@@ -185,7 +187,17 @@ def bad_values(tmp: Path) -> list[tuple[tuple[str, ...], str]]:
         (("train", "--lr", "1e38"), "where AdamW's first step size overflows float32"),  # once a late crash
         (("train", "--checkpoint-dir", " "), "--checkpoint-dir needs a directory path"),  # once "" saved nothing
         (("train", "--checkpoint-dir", "", "--resume"), "--checkpoint-dir needs a directory path"),
-        (("train", "--checkpoint-dir", str(tmp / "ck"), "--json", str(tmp / "ck")), "is the --checkpoint-dir"),
+        # the fix suggested was a file inside the directory, refused as the directory did not exist yet
+        (("train", "--checkpoint-dir", str(tmp / "ck"), "--json", str(tmp / "ck")),
+         f"is the --checkpoint-dir; give the report a file of its own outside it (--resume names every file in it "
+         f"that is not a checkpoint), e.g. {tmp / 'report.json'}"),
+        # "is not writable (File exists)" for both
+        (("train", "--checkpoint-dir", f"{tmp / 'afile'}/"), "/afile/' is a file, not a directory"),
+        (("train", "--checkpoint-dir", str(tmp / "dangling")),
+         f"is a symbolic link to {str(tmp / 'gone')!r}, which does not exist"),
+        # named neither the flag nor the shortest length
+        (("train", "--nproc", "2", "--seq", "48"), "--seq 48 is too short for the recall task (16 pairs, 8 queries): "
+                                                   "at least 50, e.g. --seq 52 (a multiple of 4 for --layout zigzag"),
         (("train", "--lr", "nan"), "--lr nan must be a positive finite learning rate"),
         (("train", "--cp", "-2", "--dp", "-2"), "--cp -2 x --dp -2 must equal the 4 ranks"),
         (("train", "--seed", str(2**70)), "--seed must be between 0 and"),

@@ -100,7 +100,11 @@ def check_directory(directory: str, *, resuming: bool) -> None:
     needs at least one ``step-<N>`` directory; whether one is intact is decided by
     :func:`find_resumable`.
     """
-    if os.path.exists(directory) and not os.path.isdir(directory):
+    path = directory.rstrip(os.sep) or directory  # "afile/" names the file: makedirs would say only "File exists"
+    if os.path.islink(path) and not os.path.exists(path):
+        raise ValueError(f"--checkpoint-dir {directory!r} is a symbolic link to {os.readlink(path)!r}, which does "
+                         "not exist; create the directory it points to, or pass another path")
+    if os.path.lexists(path) and not os.path.isdir(path):
         raise ValueError(f"--checkpoint-dir {directory!r} is a file, not a directory; pass a directory path")
     if resuming and not os.path.isdir(directory):
         raise ValueError(f"--resume: --checkpoint-dir {directory!r} does not exist; pass the directory the "

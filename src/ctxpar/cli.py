@@ -179,8 +179,9 @@ def _run_train(args: argparse.Namespace) -> int:
     world = _check_launch_flags(args)
     _check_output("--json", args.json)
     if args.json and args.checkpoint_dir and os.path.abspath(args.json) == os.path.abspath(args.checkpoint_dir):
-        raise ValueError(f"--json {args.json!r} is the --checkpoint-dir; give the report a file of its own, e.g. "
-                         f"{os.path.join(args.checkpoint_dir, 'report.json')}")
+        beside = os.path.join(os.path.dirname(os.path.abspath(args.checkpoint_dir)), "report.json")
+        raise ValueError(f"--json {args.json!r} is the --checkpoint-dir; give the report a file of its own outside "
+                         f"it (--resume names every file in it that is not a checkpoint), e.g. {beside}")
     if args.cp is not None and (args.cp < 1 or args.cp * args.dp != world):
         raise ValueError(f"--cp {args.cp} x --dp {args.dp} must equal the {world} ranks; leave --cp out to use "
                          f"ranks / dp")

@@ -31,9 +31,14 @@ class RecallTask:
             raise ValueError(f"the recall task needs a vocabulary of at least 16 tokens, got {self.vocab}")
         if self.queries > self.pairs or self.pairs > self.keys:
             raise ValueError(f"need queries <= pairs <= {self.keys} keys, got {self.queries}, {self.pairs}")
-        if 2 * self.pairs + 2 * self.queries + 2 > self.seq_len:
+        if self.seq_len < self.shortest(self.pairs, self.queries):
             raise ValueError(f"sequence length {self.seq_len} is too short for {self.pairs} pairs and "
-                             f"{self.queries} queries")
+                             f"{self.queries} queries: at least {self.shortest(self.pairs, self.queries)}")
+
+    @staticmethod
+    def shortest(pairs: int, queries: int) -> int:
+        """The shortest sequence holding BOS, the pairs, SEP and the queries."""
+        return 2 * pairs + 2 * queries + 2
 
     @property
     def keys(self) -> int:  # a quarter of the vocabulary each for keys and values, the rest filler

@@ -73,7 +73,14 @@ class TrainConfig:
                              f"float32; e.g. {TrainConfig.lr}")
         limits.check_seed(self.seed)
         cfg = get_config(self.model)
-        limits.check_splits(ctxpar.get_layout(self.layout, self.cp(world)), self.seq)
+        layout = ctxpar.get_layout(self.layout, self.cp(world))
+        shortest = RecallTask.shortest(RecallTask.pairs, RecallTask.queries)
+        if self.seq < shortest:  # before the layout's check, whose nearest lengths may be this short
+            fits = -(-shortest // layout.multiple) * layout.multiple
+            raise ValueError(f"--seq {self.seq} is too short for the recall task ({RecallTask.pairs} pairs, "
+                             f"{RecallTask.queries} queries): at least {shortest}, e.g. --seq {fits} (a multiple "
+                             f"of {layout.multiple} for --layout {self.layout} on {self.cp(world)} CP ranks)")
+        limits.check_splits(layout, self.seq)
         u = strategy_rules.call_ulysses_degree(self.strategy, self.cp(world))
         strategy_rules.check_heads(self.strategy, cfg.heads, cfg.kv_heads, u)
         if self.save_every < 0:
