@@ -444,7 +444,8 @@ def _guards(rank: int, world: int) -> dict:
 
 def _heads(layout, group, input_ids) -> dict:
     """Per-token heads on a pair: their outputs against the unsplit model's rows of this
-    shard; question answering's start_positions (global indices) refused on every rank."""
+    shard; question answering's start_positions (global indices) and token classification's
+    labels= (shard_inputs shifts them for next-token prediction) refused on every rank."""
     import hf_families
     import transformers
 
@@ -456,10 +457,12 @@ def _heads(layout, group, input_ids) -> dict:
         torch.manual_seed(0)
         reference = getattr(transformers, head)._from_config(config, attn_implementation="eager").eval()
         model = enable_context_parallel(copy.deepcopy(reference), layout=layout, group=group)
-        inputs, _ = shard_inputs(input_ids, layout=layout, rank=me)
+        inputs, labels = shard_inputs(input_ids, layout=layout, rank=me, labels=input_ids % 3)
         with torch.no_grad():
             want, got = reference(input_ids=input_ids, use_cache=False), model(**inputs)
         out[head] = max(_relative(getattr(got, key), layout.shard(getattr(want, key), me, dim=1)) for key in keys)
+        if head == "LlamaForTokenClassification":  # shard_inputs' labels are shifted: once a wrong loss, silently
+            out["token classification labels"] = _attempt(lambda: model(**inputs, labels=labels).loss.item())
     positions = dict(start_positions=torch.tensor([3]), end_positions=torch.tensor([5]))
     out["question answering positions"] = _attempt(lambda: model(**inputs, **positions).loss.item())
     return out

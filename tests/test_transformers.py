@@ -383,7 +383,7 @@ def test_a_label_outside_the_vocabulary_on_one_rank_is_refused_on_every_rank_tog
         assert kind == "ran" and detail > 0, detail
 
 
-def test_per_token_heads_run_exactly_and_question_answering_positions_are_refused() -> None:
+def test_per_token_heads_run_exactly_and_their_positions_or_labels_are_refused() -> None:
     """Token classification and question answering score every token, so their outputs split
     with the tokens (2 ranks, zigzag). start_positions / end_positions index the whole sequence
     while a rank's logits cover its shard: refused on every rank, where the loss was handed to
@@ -393,3 +393,5 @@ def test_per_token_heads_run_exactly_and_question_answering_positions_are_refuse
             assert got <= 1e-5, (head, rank, got)
     for _, (kind, detail) in _guards("question answering positions"):
         assert kind == "refused" and "LlamaForQuestionAnswering got start_positions=" in detail, detail
+    for _, (kind, detail) in _guards("token classification labels"):  # shifted by shard_inputs: once a wrong loss
+        assert kind == "refused" and "its head (ForTokenClassification) scores each token" in detail, detail

@@ -70,7 +70,7 @@ from ctxpar.integrations.transformers.fidelity import (Unsupported, check_model,
                                                        longrope_limits)
 from ctxpar.integrations.transformers.generation import (CACHE_KEYS, ShardedCache, cached_forward, check_token_ids,
                                                          wrap_generate)
-from ctxpar.integrations.transformers.loss import LOSS_KEYWORDS, CPCausalLMLoss, loss_refusal
+from ctxpar.integrations.transformers.loss import CAUSAL_LM_LOSSES, LOSS_KEYWORDS, CPCausalLMLoss, loss_refusal
 from ctxpar import agreement, limits, topology
 from ctxpar.attention import check_settings
 from ctxpar.layout import Layout
@@ -178,13 +178,11 @@ def _label_flags(labels: torch.Tensor | None, input_ids: torch.Tensor | None, se
 
 
 def _check_label_range(name: str, model, labels: torch.Tensor) -> None:
-    """Refuse labels outside the classes the head scores (the LM head's vocabulary, or a
-    token-classification head's labels) besides IGNORE_INDEX: cross_entropy's IndexError on
-    the rank whose shard held one left the others waiting in the loss's all-reduce."""
+    """Refuse labels outside the LM head's vocabulary besides IGNORE_INDEX: cross_entropy's
+    IndexError on the rank whose shard held one left the others waiting in the loss's
+    all-reduce."""
     head = model.get_output_embeddings()
     classes = getattr(head, "out_features", getattr(head, "num_embeddings", None))
-    if head is None and type(model).__name__.endswith("ForTokenClassification"):
-        classes = model.config.num_labels
     if isinstance(classes, int):
         limits.check_token_range(labels[labels != IGNORE_INDEX], classes, f"{name} labels=",
                                  f" (besides {IGNORE_INDEX}, which marks a token without a label)")
@@ -286,6 +284,12 @@ def _wrap_forward(model, settings: Settings, loss: CPCausalLMLoss | None = None)
                                  f"both losses yourself")
             _check_call(name, bound, extra)
             check_token_ids(name, model, bound.get("input_ids"))
+            if labels is not None and getattr(model, "loss_type", None) not in CAUSAL_LM_LOSSES:
+                raise ValueError(f"{name} got labels=, which under context parallelism are shard_inputs' labels, "
+                                 f"shifted for next-token prediction, while its head ({model.loss_type}) scores each "
+                                 f"token against its own label; compute the loss from the logits: "
+                                 f"ctxpar.parallelize.cp_loss(model(**inputs).logits, layout.shard(labels, rank, "
+                                 f"dim=1), group=...)")
             rows = _tokens(bound)
             if labels is not None and rows is not None:  # what the loss would refuse, refused together
                 passed = {**extra, **bound}

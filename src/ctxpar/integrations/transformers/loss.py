@@ -24,6 +24,9 @@ from ctxpar.parallelize import IGNORE_INDEX, cp_loss
 
 
 LOSS_KEYWORDS = ("num_items_in_batch", "ignore_index", "shift_labels")  # what a forward passes on to the loss
+# a model's ``loss_type`` whose labels= loss is next-token prediction, which this loss computes
+# (None: transformers' default, the causal LM's; ForConditionalGeneration: a decoder's LM head)
+CAUSAL_LM_LOSSES = (None, "ForCausalLM", "ForConditionalGeneration")
 
 
 def loss_refusal(labels, rows: tuple[int, ...], *, num_items_in_batch=None, ignore_index=IGNORE_INDEX,
