@@ -6,15 +6,18 @@ silently wrong: RoPE read positions that the causal mask did not share)."""
 from __future__ import annotations
 
 import copy
+import functools
 
 import pytest
 import torch
 import torch.distributed as dist
+import torch.nn.functional as F
 
 import ctxpar
 import spawned
 from ctxpar.layout import get_layout
 from ctxpar.models import Transformer
+from ctxpar.models.llama import causal_sdpa
 from ctxpar.models.config import get_config
 from ctxpar.parallelize import apply_context_parallel, batch_code, shard_batch
 
@@ -191,6 +194,41 @@ def test_settings_are_refused_before_the_model_changes(settings: dict, message: 
     with pytest.raises(ValueError, match=message):
         apply_context_parallel(model, **{"layout": "zigzag", **settings})
     assert [m.attention_fn for m in model.modules() if hasattr(m, "attention_fn")] == before
+
+
+class _Encoder(torch.nn.Module):
+    """A model of one's own: one attention module, its ``attention_fn(q, k, v)`` given."""
+
+    def __init__(self, attention_fn) -> None:
+        super().__init__()
+        self.qkv, self.attention_fn = torch.nn.Linear(8, 24), attention_fn
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        q, k, v = self.qkv(x).view(*x.shape[:2], 3, 2, 4).permute(2, 0, 3, 1, 4)  # each (B, H, T, D)
+        return self.attention_fn(q, k, v).transpose(1, 2).flatten(2)  # (B, T, 8)
+
+
+@pytest.mark.parametrize("attention_fn, name", [
+    (F.scaled_dot_product_attention, "'scaled_dot_product_attention'"),
+    (functools.partial(F.scaled_dot_product_attention, is_causal=True, scale=1.0), "functools.partial"),
+], ids=["bidirectional", "own_scale"])
+def test_an_attention_fn_other_than_causal_attention_is_refused_before_the_model_changes(attention_fn,
+                                                                                         name: str) -> None:
+    """It was replaced by causal attention at the default scale without a word (errors up to 1.19)."""
+    model = Transformer(get_config("tiny"))
+    model.layers[1].attention.attention_fn = attention_fn
+    before = [m.attention_fn for m in model.modules() if hasattr(m, "attention_fn")]
+    with pytest.raises(ValueError, match=f"layers.1.attention's attention_fn is {name}.*, not the model's causal "
+                                         f"attention.*set attention_fn = causal_sdpa"):
+        apply_context_parallel(model, layout=get_layout("zigzag", 1))
+    assert [m.attention_fn for m in model.modules() if hasattr(m, "attention_fn")] == before
+    assert not model._forward_pre_hooks
+    with pytest.raises(ValueError, match="_Encoder's attention_fn is 'scaled_dot_product_attention'"):
+        apply_context_parallel(_Encoder(F.scaled_dot_product_attention), layout=get_layout("zigzag", 1))
+    x = torch.randn(1, 6, 8)
+    own = _Encoder(causal_sdpa)
+    want = own(x)
+    torch.testing.assert_close(apply_context_parallel(own, layout=get_layout("zigzag", 1))(x), want)
 
 
 def test_the_guard_is_replaced_not_stacked_when_applied_again() -> None:

@@ -32,6 +32,7 @@ from ctxpar import agreement, limits, topology
 from ctxpar.attention import attention, check_settings
 from ctxpar.layout import Layout, get_layout
 from ctxpar.masks import document_lengths, positions_in_documents
+from ctxpar.models.llama import causal_sdpa
 
 IGNORE_INDEX = -100
 
@@ -162,6 +163,12 @@ def apply_context_parallel(
     (the reference ``ctxpar.models.Transformer``); for Hugging Face models see
     ``ctxpar.integrations.transformers``. Returns the model, changed in place.
 
+    Each ``attention_fn`` must be the reference model's causal attention
+    (``ctxpar.models.llama.causal_sdpa``) or this function's from an earlier call: it is
+    replaced by exact causal attention at scale head_dim**-0.5 over the ranks, so any other
+    function (bidirectional, its own scale, a window) is refused, naming its layer, before
+    the model changes, rather than silently made causal.
+
     ``check_consistency`` (as ``ctxpar.attention``'s, on every rank at once): each
     attention call compares the ranks' calls, and the reference model's forward refuses,
     on every rank together, positions that are not this rank's layout positions and
@@ -169,15 +176,23 @@ def apply_context_parallel(
     False skips these checks.
     """
     check_settings(layout=layout, group=group, strategy=strategy, mesh=mesh)
+    modules = [(name, m) for name, m in model.named_modules() if hasattr(m, "attention_fn")]
+    if not modules:
+        raise ValueError(f"{type(model).__name__} has no module with an attention_fn to replace")
+    for name, module in modules:
+        fn = module.attention_fn
+        if not plain_causal_attention(fn):
+            shown = repr(getattr(fn, "__name__", fn))  # a partial's arguments, a scale among them: in full
+            raise ValueError(
+                f"{name or type(model).__name__}'s attention_fn is {shown}, not "
+                f"the model's causal attention (ctxpar.models.llama.causal_sdpa) or apply_context_parallel's: it "
+                f"would be replaced by causal attention at scale head_dim**-0.5, dropping what it does (a "
+                f"bidirectional mask, its own scale, a window); set attention_fn = causal_sdpa if it is plain causal "
+                f"attention, or call ctxpar.attention(q, k, v, layout=..., causal=..., scale=...) in it yourself")
     cp_attention = _SharedAttention(attention, layout=layout, group=group, strategy=strategy, mesh=mesh, causal=True,
                                     check_consistency=check_consistency)
-    swapped = 0
-    for module in model.modules():
-        if hasattr(module, "attention_fn"):
-            module.attention_fn = cp_attention
-            swapped += 1
-    if swapped == 0:
-        raise ValueError(f"{type(model).__name__} has no module with an attention_fn to replace")
+    for _, module in modules:
+        module.attention_fn = cp_attention
     previous = getattr(model, "_ctxpar_positions_guard", None)
     if previous is not None:
         previous.remove()
@@ -185,6 +200,12 @@ def apply_context_parallel(
     if check_consistency:
         _guard_positions(model, layout, group, mesh, cp_attention)
     return model
+
+
+def plain_causal_attention(fn) -> bool:
+    """Whether ``fn`` is the reference model's causal attention or ``apply_context_parallel``'s:
+    what ctxpar may replace by its own exact causal attention without dropping anything."""
+    return fn is causal_sdpa or isinstance(fn, _SharedAttention)
 
 
 class _SharedAttention(functools.partial):

@@ -11,15 +11,14 @@ afterwards, so the same model still runs single-process.
 from __future__ import annotations
 
 import contextlib
-import functools
 import weakref
 from collections.abc import Callable, Iterator
 
 import torch.nn as nn
 
-from ctxpar.attention import attention
 from ctxpar.inference.cache import KVCache
-from ctxpar.models.llama import AttentionFn, causal_sdpa
+from ctxpar.models.llama import AttentionFn
+from ctxpar.parallelize import plain_causal_attention
 
 
 def attention_modules(model: nn.Module) -> list[nn.Module]:
@@ -53,12 +52,6 @@ def check_cache(cache) -> None:
                          "(KVCache(group=...)), and hybrid prefill takes the mesh as its own mesh= argument")
 
 
-def _plain_causal(fn) -> bool:
-    """The model's own causal attention, or apply_context_parallel's (ctxpar.attention, causal)."""
-    return fn is causal_sdpa or (isinstance(fn, functools.partial) and fn.func is attention
-                                 and fn.keywords.get("causal", True))
-
-
 def check_model_fits(model: nn.Module, cache: KVCache) -> None:
     """Refuse a model whose shape is not the cache's, or that inference cannot drive
     (it needs the reference model's ``cfg``, ``hidden_states`` and ``output``, and plain
@@ -73,7 +66,7 @@ def check_model_fits(model: nn.Module, cache: KVCache) -> None:
     modules = attention_modules(model)
     for i, module in enumerate(modules):
         fn = module.attention_fn
-        if not _plain_causal(fn):
+        if not plain_causal_attention(fn):
             raise ValueError(f"layer {i}'s attention_fn is {getattr(fn, '__name__', fn)!r}, not the model's causal "
                              f"attention (or apply_context_parallel's): prefill and decode "
                              f"replace it with causal attention over the sharded cache and would drop what it does; "
