@@ -170,10 +170,10 @@ def apply_context_parallel(
     the model changes, rather than silently made causal.
 
     ``check_consistency`` (as ``ctxpar.attention``'s, on every rank at once): each
-    attention call compares the ranks' calls, and the reference model's forward refuses,
-    on every rank together, positions that are not this rank's layout positions and
-    shards of different batches (``batch_code``), with one tiny all-gather per forward;
-    False skips these checks.
+    attention call compares the ranks' calls, and the reference model's forward (and
+    ``hidden_states``, which runs through it) refuses, on every rank together, positions that
+    are not this rank's layout positions and shards of different batches (``batch_code``),
+    with one tiny all-gather per forward; False skips these checks.
     """
     check_settings(layout=layout, group=group, strategy=strategy, mesh=mesh)
     modules = [(name, m) for name, m in model.named_modules() if hasattr(m, "attention_fn")]

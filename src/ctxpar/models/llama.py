@@ -125,16 +125,12 @@ class Transformer(nn.Module):
             if isinstance(module, (nn.Linear, nn.Embedding)):
                 nn.init.normal_(module.weight, std=0.02)
 
-    def forward(self, tokens: torch.Tensor, positions: torch.Tensor | None = None, documents=None) -> torch.Tensor:
+    def forward(self, tokens: torch.Tensor, positions: torch.Tensor | None = None, documents=None, *,
+                head: bool = True) -> torch.Tensor:
         """tokens (B, T) int64; positions (B, T) or (T,) global positions, default 0..T-1 (for
         a packed row, positions within each document); documents: the packed row's document
-        lengths (or cu_seqlens), None for one document."""
-        return self.output(self.hidden_states(tokens, positions, documents))  # (B, T, vocab)
-
-    def hidden_states(self, tokens: torch.Tensor, positions: torch.Tensor | None = None,
-                      documents=None) -> torch.Tensor:
-        """``forward`` without the LM head: the final-norm states (B, T, d). Prefill needs
-        the logits of one position only, and (T/P, vocab) of them would dwarf the KV cache."""
+        lengths (or cu_seqlens), None for one document. -> logits (B, T, vocab); with
+        ``head=False`` the final-norm states (B, T, d) instead (``hidden_states``)."""
         if positions is None:
             positions = torch.arange(tokens.shape[1], device=tokens.device)
         cos, sin = rope_cos_sin(positions, self.cfg.head_dim, self.cfg.rope_theta)
@@ -144,4 +140,13 @@ class Transformer(nn.Module):
                 x = checkpoint(layer, x, cos, sin, documents, use_reentrant=False)
             else:
                 x = layer(x, cos, sin, documents)
-        return self.norm(x)  # (B, T, d)
+        x = self.norm(x)  # (B, T, d)
+        return self.output(x) if head else x  # (B, T, vocab) or (B, T, d)
+
+    def hidden_states(self, tokens: torch.Tensor, positions: torch.Tensor | None = None,
+                      documents=None) -> torch.Tensor:
+        """``forward`` without the LM head: the final-norm states (B, T, d). Prefill needs
+        the logits of one position only, and (T/P, vocab) of them would dwarf the KV cache.
+        A module call, so that the hooks of the forward (context parallelism's positions
+        guard, FSDP's parameter gathering) run for it too."""
+        return self(tokens, positions, documents, head=False)
