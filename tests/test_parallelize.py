@@ -1,7 +1,9 @@
 """``apply_context_parallel`` on the reference model, 4 gloo ranks in one spawned group: the
 forward is exact with the positions ``shard_batch`` gives, and refused on every rank
 together when the positions are forgotten or come from another layout (both were once
-silently wrong: RoPE read positions that the causal mask did not share)."""
+silently wrong: RoPE read positions that the causal mask did not share), through
+``hidden_states`` too; ``cp_loss`` is exact in float64 and refuses labels that do not fit
+on one rank on every rank together (the others once waited in its all-reduce)."""
 
 from __future__ import annotations
 
@@ -19,7 +21,7 @@ from ctxpar.layout import get_layout
 from ctxpar.models import Transformer
 from ctxpar.models.llama import causal_sdpa
 from ctxpar.models.config import get_config
-from ctxpar.parallelize import apply_context_parallel, batch_code, shard_batch
+from ctxpar.parallelize import IGNORE_INDEX, apply_context_parallel, batch_code, cp_loss, shard_batch
 
 WORLD, SEQ = 4, 32
 DOCUMENTS = (5, 19, 8)
@@ -89,6 +91,34 @@ def _cases(rank: int, world: int) -> dict:
             found[name]["by_name_forgotten"] = _attempt(lambda: model(batch.tokens))
             apply_context_parallel(model, layout=layout, check_consistency=False, **kwargs)
             found[name]["unchecked"] = _attempt(lambda: tuple(model(batch.tokens).shape))
+        found[name].update(_losses(layout, cp_rank, last, {"mesh": kwargs["mesh"]} if "mesh" in kwargs else {}))
+    return found
+
+
+def _losses(layout, cp_rank: int, last: bool, ranks: dict) -> dict:
+    """``cp_loss`` over the CP ranks (``ranks``: cp_loss's mesh= for the hybrid mesh) on float64
+    logits: its loss and this rank's logit gradients against the unsplit float64 loss's, then
+    labels that do not fit on one rank only."""
+    gen = torch.Generator().manual_seed(5)
+    logits = torch.randn(2, SEQ, 256, generator=gen, dtype=torch.float64, requires_grad=True)
+    labels = torch.randint(0, 256, (2, SEQ), generator=gen)
+    labels[0, :5] = IGNORE_INDEX
+    want = F.cross_entropy(logits.flatten(0, 1), labels.flatten(), ignore_index=IGNORE_INDEX)
+    want_grad, = torch.autograd.grad(want, logits)
+    local = layout.shard(logits.detach(), cp_rank, dim=1).requires_grad_()
+    mine = layout.shard(labels, cp_rank, dim=1)
+    share, loss = cp_loss(local, mine, **ranks)
+    share.backward()
+    found = dict(loss_error=abs(loss.item() - want.item()) / want.item(),
+                 gradient_error=((local.grad - layout.shard(want_grad, cp_rank, dim=1)).abs().max()
+                                 / want_grad.abs().max()).item())
+    for case, value in (("vocab", 256), ("minus_one", -1)):
+        bad = mine.clone()
+        bad[1, 3] = value if last else bad[1, 3]
+        found[f"label_{case}_on_one_rank"] = _attempt(lambda: cp_loss(local, bad, **ranks))
+    found["labels_of_another_shape_on_one_rank"] = _attempt(lambda: cp_loss(local, mine[:, 1:] if last else mine,
+                                                                            **ranks))
+    found["loss_after"] = abs(cp_loss(local, mine, **ranks)[1].item() - want.item()) / want.item()
     return found
 
 
@@ -151,6 +181,29 @@ def test_hidden_states_is_guarded_as_the_forward_is(strategy: str) -> None:
         got = res[strategy]["hidden_states_one_rank_forgets"]
         want = "got no positions" if rank == WORLD - 1 else "of the CP group rejected their forward inputs"
         assert isinstance(got, str) and want in got, (rank, got)
+
+
+@pytest.mark.parametrize("strategy", ["ring", "hybrid"])
+def test_cp_loss_is_exact_in_float64(strategy: str) -> None:
+    """It computed in float32 whatever the logits' dtype (relative error 1e-7)."""
+    for rank, res in enumerate(results()):
+        r = res[strategy]
+        assert r["loss_error"] < 1e-13 and r["gradient_error"] < 1e-13, (rank, r["loss_error"], r["gradient_error"])
+
+
+@pytest.mark.parametrize("strategy", ["ring", "hybrid"])
+def test_labels_that_do_not_fit_on_one_rank_are_refused_on_every_rank(strategy: str) -> None:
+    """A label outside the vocabulary (the vocabulary's size, or -1 meant as "ignore") or of
+    another shape on one rank raised there alone; the others waited in cp_loss's all-reduce
+    until the timeout. Every rank now names the value and the rank, and cp_loss works after."""
+    for rank, res in enumerate(results()):
+        r = res[strategy]
+        for case, value in (("vocab", 256), ("minus_one", -1)):
+            want = f"labels hold 1 value(s) outside the vocabulary 0..255 of the logits ({value}, on rank {WORLD - 1})"
+            assert want in r[f"label_{case}_on_one_rank"], (rank, case, r[f"label_{case}_on_one_rank"])
+        want = f"and labels (2, 7) (rank {rank})" if rank == WORLD - 1 else f"rank {WORLD - 1}'s labels do not fit"
+        assert want in r["labels_of_another_shape_on_one_rank"], (rank, r["labels_of_another_shape_on_one_rank"])
+        assert r["loss_after"] < 1e-13, (rank, r["loss_after"])
 
 
 @pytest.mark.parametrize("strategy", ["ring", "hybrid"])

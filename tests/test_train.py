@@ -110,6 +110,36 @@ def test_loss_is_weighted_by_the_global_token_count() -> None:
     torch.testing.assert_close(loss, want)
 
 
+def test_cp_loss_keeps_float64_logits_in_float64() -> None:
+    """It computed in float32 whatever the logits' dtype: float64 training lost 1e-6 in the loss."""
+    logits = (torch.randn(2, 64, 100, dtype=torch.float64) * 3).requires_grad_()
+    labels = torch.randint(0, 100, (2, 64))
+    share, loss = cp_loss(logits, labels)
+    want = torch.nn.functional.cross_entropy(logits.flatten(0, 1), labels.flatten())
+    assert share.dtype == loss.dtype == torch.float64
+    torch.testing.assert_close(share, want, rtol=1e-14, atol=0)
+    torch.testing.assert_close(torch.autograd.grad(share, logits)[0], torch.autograd.grad(want, logits)[0],
+                               rtol=1e-13, atol=1e-16)
+    half = torch.randn(1, 4, 5, dtype=torch.bfloat16)
+    assert cp_loss(half, torch.zeros(1, 4, dtype=torch.long))[0].dtype == torch.float32  # lower precisions upcast
+
+
+def test_labels_outside_the_vocabulary_are_refused_naming_the_values() -> None:
+    """An IndexError from cross_entropy, on the one rank holding such a label (``test_parallelize``:
+    every rank now refuses together); integer labels of any width are taken as int64."""
+    logits = torch.randn(1, 4, 5)
+    for bad, shown in (([0, 5, 1, 2], "1 value(s) outside the vocabulary 0..4 of the logits (5, on rank 0)"),
+                       ([-1, 1, 7, IGNORE_INDEX], "2 value(s) outside the vocabulary 0..4 of the logits (-1 to 7, ")):
+        with pytest.raises(ValueError, match=re.escape(shown)):
+            cp_loss(logits, torch.tensor([bad]))
+    with pytest.raises(ValueError, match=re.escape("labels (B, S) integers on the logits' device, for the same "
+                                                   "tokens, got logits (1, 4, 5) and labels (1, 4) "
+                                                   "torch.float32 (rank 0)")):
+        cp_loss(logits, torch.zeros(1, 4))
+    labels = torch.tensor([[0, 1, 2, 3]])
+    torch.testing.assert_close(cp_loss(logits, labels.int())[1], cp_loss(logits, labels)[1])
+
+
 def test_a_batch_or_loss_whose_shapes_do_not_match_is_refused() -> None:
     """Each of these once returned a plausible loss or batch: transposed labels, labels cut
     to the tokens' length, 3-D tokens shifted along the wrong dim, or an internal error."""

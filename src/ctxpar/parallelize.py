@@ -277,26 +277,75 @@ def cp_loss(
     """Cross-entropy over tokens spread across the ranks of ``group``.
 
     Args:
-        logits: (B, S, vocab) this rank's logits; labels: (B, S), IGNORE_INDEX = skip.
+        logits: (B, S, vocab) this rank's logits; labels: (B, S) integers, IGNORE_INDEX = skip.
         group: every rank holding part of the batch (CP, or DP x CP); None = WORLD.
         mesh: instead of ``group``, the 2D DeviceMesh of ``strategy="hybrid"``: its ranks.
 
     Returns:
         (share, loss): ``share`` = this rank's token-weighted loss sum / the global token
         count, differentiable; the shares of all ranks add up to the mean loss over the
-        global batch, ``loss`` (detached, the same on every rank).
+        global batch, ``loss`` (detached, the same on every rank). Computed in float32, or
+        in the logits' dtype where it is wider (float64).
+
+    Labels that do not fit the logits on some rank (another shape, not integers, a value
+    outside 0..vocab-1 other than IGNORE_INDEX: ``vocab``, or -1 meant as "ignore") are
+    refused on every rank together, naming the rank and the values, by the all-reduce of the
+    token count: raised on one rank alone (``cross_entropy``'s IndexError), they left the
+    others waiting in it until the collective timeout. The verdict is read on the host: one
+    device synchronisation per call.
     """
-    if logits.dim() != 3 or labels.shape != logits.shape[:2]:
-        raise ValueError(f"logits must be (B, S, vocab) and labels (B, S) for the same tokens, got logits "
-                         f"{tuple(logits.shape)} and labels {tuple(labels.shape)}")
     if mesh is not None and group is not None:
         raise ValueError("cp_loss takes group= or mesh= (a hybrid mesh's ranks), not both")
+    if not isinstance(logits, torch.Tensor):
+        raise ValueError(f"logits must be a (B, S, vocab) tensor, got {type(logits).__name__}")
     ranks = topology.from_mesh(mesh) if mesh is not None else topology.from_group(group)
-    total = F.cross_entropy(logits.flatten(0, 1).float(), labels.flatten(), ignore_index=IGNORE_INDEX,
-                            reduction="sum")
-    count = (labels != IGNORE_INDEX).sum()  # int64: exact whatever the token count
-    topology.all_reduce(count, ranks)
-    share = total / count.clamp(min=1).to(total.dtype)
+    rank = dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
+    vocab = logits.shape[-1] if logits.dim() == 3 else 0
+    fits = (isinstance(labels, torch.Tensor) and logits.dim() == 3 and labels.shape == logits.shape[:2]
+            and labels.device == logits.device and not labels.is_floating_point() and not labels.is_complex()
+            and labels.dtype != torch.bool)
+    # count, then (ranks refusing, the sum of their ranks, of those whose labels do not fit, labels outside the
+    # vocabulary, their lowest, their highest): summed over the ranks, each exact where one rank refuses
+    verdict = torch.zeros(7, dtype=torch.int64, device=logits.device)
+    if fits:
+        labels = labels.long()  # cross_entropy takes int64 class indices alone
+    if not fits:
+        verdict[1:4] = torch.tensor([1, rank, 1])
+    elif labels.numel():
+        outside = (labels != IGNORE_INDEX) & ((labels < 0) | (labels >= vocab))  # (B, S)
+        refusing = outside.any().long()
+        verdict[0] = (labels != IGNORE_INDEX).sum()  # int64: exact whatever the token count
+        verdict[1:3] = refusing * torch.tensor([1, rank], device=logits.device)
+        verdict[4] = outside.sum()
+        verdict[5] = torch.where(outside, labels, torch.iinfo(torch.int64).max).min() * refusing
+        verdict[6] = torch.where(outside, labels, torch.iinfo(torch.int64).min).max() * refusing
+    own = verdict.clone()
+    topology.all_reduce(verdict, ranks)
+    own, summed = torch.stack([own, verdict]).tolist()  # one synchronisation
+    count, refusing, culprit, unfit = summed[:4]
+    if not fits:
+        got = type(labels).__name__
+        if isinstance(labels, torch.Tensor):
+            got = " ".join([str(tuple(labels.shape)), *([] if labels.dtype == torch.long else [str(labels.dtype)]),
+                            *([] if labels.device == logits.device else [f"on {labels.device}"])])
+        raise ValueError(f"logits must be (B, S, vocab) and labels (B, S) integers on the logits' device, for the "
+                         f"same tokens, got logits {tuple(logits.shape)} and labels {got} (rank {rank})")
+    if own[1] or refusing == 1 and not unfit:  # this rank's values, or the one refusing rank's: named alike
+        mine = own if own[1] else summed
+        values = str(mine[5]) if mine[5] == mine[6] else f"{mine[5]} to {mine[6]}"
+        others = f"; {refusing - 1} other rank(s) refused theirs too" if refusing > 1 else ""
+        raise ValueError(f"labels hold {mine[4]} value(s) outside the vocabulary 0..{vocab - 1} of the logits "
+                         f"({values}, on rank {mine[2]}); mark tokens without a label with {IGNORE_INDEX}, and take "
+                         f"labels from the model's vocabulary{others}")
+    if refusing == 1:
+        raise ValueError(f"cp_loss: rank {culprit}'s labels do not fit its logits (another shape, or not integers on "
+                         f"their device); see its error")
+    if refusing:
+        raise ValueError(f"cp_loss: {refusing} ranks refused their labels ({unfit} not fitting their logits, "
+                         f"{refusing - unfit} with values outside the vocabulary 0..{vocab - 1}); see their errors")
+    total = F.cross_entropy(logits.flatten(0, 1).to(torch.promote_types(logits.dtype, torch.float32)),
+                            labels.flatten(), ignore_index=IGNORE_INDEX, reduction="sum")
+    share = total / max(count, 1)
     loss = share.detach().clone()
     topology.all_reduce(loss, ranks)
     return share, loss
