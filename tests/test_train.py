@@ -148,6 +148,8 @@ def test_a_batch_or_loss_whose_shapes_do_not_match_is_refused() -> None:
                        labels=torch.zeros(2, 12, dtype=torch.long)),
                    "got (1, 16)": dict(labels=torch.zeros(1, 16, dtype=torch.long)),
                    "tokens must be a (B, T) tensor of the whole batch, got (8,)": dict(tokens=tokens[0]),
+                   # the last, empty slice of a data-parallel split: a TypeError from the batch's checksum
+                   "tokens (0, 8) hold no rows, so there is nothing to shard": dict(tokens=tokens[:0]),
                    "got (2, 8, 1)": dict(tokens=tokens[..., None]),
                    "layout must be a Layout built for the CP group's size": dict(layout="zigzag")}
     for message, change in bad_batches.items():

@@ -92,6 +92,10 @@ def _check_batch(tokens, layout, labels) -> None:
     if not isinstance(tokens, torch.Tensor) or tokens.dim() != 2:
         got = tuple(tokens.shape) if isinstance(tokens, torch.Tensor) else type(tokens).__name__
         raise ValueError(f"tokens must be a (B, T) tensor of the whole batch, got {got}")
+    if tokens.shape[0] == 0:  # an empty shard fails in attention (P > 1): refused alike whatever P is
+        raise ValueError(f"tokens {tuple(tokens.shape)} hold no rows, so there is nothing to shard (the empty last "
+                         f"slice of a data-parallel split?); give every rank at least one row, e.g. "
+                         f"DataLoader(drop_last=True)")
     if labels is not None and (not isinstance(labels, torch.Tensor) or labels.shape != tokens.shape):
         got = tuple(labels.shape) if isinstance(labels, torch.Tensor) else type(labels).__name__
         raise ValueError(f"labels must be a tensor of the tokens' shape (B, T) = {tuple(tokens.shape)}, got {got}")
