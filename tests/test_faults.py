@@ -100,6 +100,40 @@ def barrier(rank: int, world: int, _unused: None) -> None:
     dist.barrier()
 
 
+def freeze_one_rank_in_a_new_group(rank: int, world: int, frozen: int) -> None:
+    """A group the function makes itself, which torch would give its 30-minute default timeout."""
+    group = dist.new_group(list(range(world)))
+    dist.barrier()
+    if rank == frozen:
+        time.sleep(300)
+    dist.all_reduce(torch.ones(4), group=group)
+
+
+def listening_addresses(rank: int, world: int) -> list[str] | None:
+    """On rank 0, once every rank has joined: the addresses this rank and the parent (which
+    serves the rendezvous store) listen on, from /proc."""
+    dist.barrier()
+    if rank != 0:
+        return None
+    inodes = set()
+    for pid in (os.getpid(), os.getppid()):
+        for fd in Path(f"/proc/{pid}/fd").iterdir():
+            try:
+                link = os.readlink(fd)
+            except FileNotFoundError:
+                continue
+            if link.startswith("socket:["):
+                inodes.add(link[len("socket:["):-1])
+    found = []
+    for table, width in (("tcp", 8), ("tcp6", 32)):
+        for line in Path(f"/proc/net/{table}").read_text().splitlines()[1:]:
+            fields = line.split()
+            address, state, inode = fields[1].split(":")[0], fields[3], fields[9]
+            if state == "0A" and inode in inodes:  # LISTEN
+                found.append("127.0.0.1" if address == "0100007F" else f"{table} {address}")
+    return found
+
+
 # -- helpers ---------------------------------------------------------------------------------
 
 
@@ -229,6 +263,36 @@ def test_a_frozen_rank_is_named_when_the_others_time_out() -> None:
         run_local(freeze_one_rank, 2, (1,), timeout_s=5)
     assert e.value.stuck == [1]
     assert time.monotonic() - start < 60  # the frozen rank sleeps 300 s: it was stopped
+
+
+def test_a_frozen_rank_is_named_at_the_timeout_in_a_group_the_function_made() -> None:
+    """dist.new_group in the ranks' function: it waited torch's 30 minutes, naming no one."""
+    start = time.monotonic()
+    with pytest.raises(RuntimeError, match=r"rank 1 never arrived at a collective: ranks \[0\] timed out after 5 s"):
+        run_local(freeze_one_rank_in_a_new_group, 2, (1,), timeout_s=5, deadline_s=120)
+    assert time.monotonic() - start < 60
+
+
+def test_a_local_run_listens_on_127_0_0_1_alone() -> None:
+    """The rendezvous store once listened on every address of the machine (rank 0's store,
+    made from tcp://127.0.0.1:PORT, bound the wildcard address); the parent serves it now."""
+    found = run_local(listening_addresses, 2)[0]
+    assert found and set(found) == {"127.0.0.1"}, found
+
+
+def test_run_local_refuses_what_its_ranks_could_not_start_with(monkeypatch) -> None:
+    """Both once reached every rank, which died before it could report why ("it reported no
+    result"; the cause on stderr only, which a notebook does not show)."""
+    with pytest.raises(ValueError, match="threads 0 must be a positive int"):
+        run_local(sleep_then_return, 2, (0,), threads=0)
+
+    def defined_in_a_notebook(rank: int, world: int) -> None:
+        pass
+
+    defined_in_a_notebook.__module__ = "__main__"
+    monkeypatch.setitem(sys.modules, "__main__", type(sys)("__main__"))  # a __main__ without a file
+    with pytest.raises(ValueError, match="defined in an interactive session .* cannot import"):
+        run_local(defined_in_a_notebook, 2)
 
 
 def test_a_frozen_rank_is_named_even_when_a_healthy_peer_times_out_later() -> None:

@@ -115,6 +115,19 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+def _local_store(timeout_s: float) -> tuple[dist.TCPStore, int]:
+    """The rendezvous store of a local run, served by the parent on 127.0.0.1 alone (a store
+    its rank 0 made from a tcp:// address listened on every address of the machine), on a
+    port bound before any rank starts (none can take it in between). Returns it and its port."""
+    listener = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+    listener.bind(("127.0.0.1", 0))
+    listener.listen(128)
+    port = listener.getsockname()[1]
+    store = dist.TCPStore("127.0.0.1", port, None, True, datetime.timedelta(seconds=timeout_s),
+                          wait_for_workers=False, master_listen_fd=listener.detach())  # the store closes it
+    return store, port
+
+
 def launched_by_torchrun() -> bool:
     """True only in a worker that torchrun (torch's elastic agent) started.
 
@@ -419,11 +432,17 @@ def _worker(rank, world_size, port, threads, timeout_s, parent_pid, backend, dev
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     _isolate_from_launcher_env()
     heap.keep_freed_memory()
-    torch.set_num_threads(threads)
     try:
+        torch.set_num_threads(threads)
         if device is not None and device.type == "cuda":
             torch.cuda.set_device(device)
-        _join(backend, timeout_s, init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world_size)
+        from torch.distributed import distributed_c10d
+
+        timeout = datetime.timedelta(seconds=timeout_s)
+        # the groups fn makes (dist.new_group) wait as long as the run's: torch's default is 30 minutes
+        distributed_c10d.default_pg_timeout = timeout
+        store = dist.TCPStore("127.0.0.1", port, world_size, False, timeout)  # the parent serves it
+        _join(backend, timeout_s, store=store, rank=rank, world_size=world_size)
         conn.send_bytes(pickle.dumps(("joined", None)))
         result = fn(rank, world_size, *args, *(() if device is None else (device,)))
         # plain pickle copies tensors into the message; multiprocessing's would share their
@@ -489,9 +508,13 @@ def run_local(
     check_timeout(timeout_s)
     if deadline_s is not None and not (math.isfinite(deadline_s) and deadline_s > 0):
         raise ValueError(f"deadline_s {deadline_s!r} must be a positive number of seconds, or None for no deadline")
+    if threads is not None and (isinstance(threads, bool) or not isinstance(threads, int) or threads < 1):
+        raise ValueError(f"threads {threads!r} must be a positive int (torch threads per rank), or None to share "
+                         f"the machine's cores out between the ranks")
+    _check_importable(fn)
     threads = threads or max(1, (os.cpu_count() or 1) // nproc)
     ctx = mp.get_context("spawn")
-    port = free_port()
+    store, port = _local_store(timeout_s)
     pipes = [ctx.Pipe(duplex=False) for _ in range(nproc)]
     stacks = tempfile.mkdtemp(prefix="ctxpar-stacks-")
     stack_files = [os.path.join(stacks, f"rank{r}") for r in range(nproc)]
@@ -514,7 +537,19 @@ def run_local(
         return _collect(procs, [reader for reader, _ in pipes], stack_files, timeout_s, deadline_s)
     finally:
         _stop(procs)
+        del store  # its server stops, and its port is free again
         shutil.rmtree(stacks, ignore_errors=True)
+
+
+def _check_importable(fn) -> None:
+    """Refuse, before spawning, an ``fn`` that spawned ranks cannot import: one defined in a
+    notebook cell, the REPL, ``python -c`` or a script read from stdin (a ``__main__``
+    without a file). Each rank failed to unpickle it before it could report why."""
+    module = getattr(fn, "__module__", None)
+    if module == "__main__" and getattr(sys.modules.get("__main__"), "__file__", None) is None:
+        raise ValueError(f"run_local's fn {getattr(fn, '__qualname__', fn)!r} is defined in an interactive session "
+                         f"(a notebook cell, the REPL, python -c or stdin), which the spawned ranks cannot import; "
+                         f"define it in a module file and import it from there")
 
 
 def _collect(procs: list, readers: list, stack_files: list[str], timeout_s: float,
@@ -590,8 +625,12 @@ def _failure_message(
     order it came: the first crash's traceback, the last line of later ones, and a ``StopRun``'s message
     once for all the ranks that raised it."""
     oom = " (kill -9, or the kernel's out-of-memory killer)"
+    # before it reports, a rank can only die in spawn's start-up: its error is on stderr
+    early = ("; its error is on stderr: a rank that dies this early most often re-ran a script that calls "
+             "run_local without an if __name__ == '__main__': guard, or could not import fn or its arguments")
     lines = [f"rank {r} died {'during the run' if r in joined else 'before joining the process group'}: "
-             f"{why}{oom if why == 'killed by SIGKILL' else ''}; it reported no result" for r, why in died.items()]
+             f"{why}{oom if why == 'killed by SIGKILL' else ''}; it reported no result"
+             f"{'' if r in joined else early}" for r, why in died.items()]
     timed_out = sorted(r for r, (kind, _) in failed.items() if kind == "timeout")
     for r in stuck if not died else []:
         seen = whereabouts.get(r)
