@@ -316,6 +316,20 @@ def test_a_reader_gone_from_stdout_costs_neither_the_json_nor_a_traceback(tmp_pa
     assert json.loads(out.read_text())["recommendation"]
 
 
+@pytest.mark.skipif(not os.path.exists("/dev/full"), reason="needs /dev/full")
+def test_a_stdout_that_cannot_take_the_report_is_said_in_one_line(tmp_path) -> None:
+    """``ctxpar plan > file`` on a full disk: once an OSError traceback (status 1). The JSON,
+    written first, is named as holding the report."""
+    out = tmp_path / "plan.json"
+    with open("/dev/full", "w") as full:
+        proc = subprocess.run([sys.executable, "-m", "ctxpar.cli", "plan", "--json", str(out)], stdout=full,
+                              stderr=subprocess.PIPE, text=True, timeout=300)
+    assert proc.returncode == 1 and "Traceback" not in proc.stderr, proc.stderr
+    assert proc.stderr.strip().splitlines() == [f"ctxpar plan: error: the report could not be written to stdout (No "
+                                                f"space left on device); --json {str(out)!r} holds it"], proc.stderr
+    assert json.loads(out.read_text())["recommendation"]
+
+
 def test_probing_an_output_path_removes_only_what_it_created(tmp_path, monkeypatch) -> None:
     """Every torchrun rank probes --json before starting. Each used to create the file, or
     open another rank's, and remove it, so a rank could remove the file another was probing

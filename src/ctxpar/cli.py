@@ -123,8 +123,16 @@ def _report(text: str, json_path: str | None, data: dict) -> None:
         print(text, flush=True)
     except BrokenPipeError:  # stdout's reader is gone (``| head``): what it did not read, nobody wants
         os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())  # nor Python's flush at exit
+    except OSError as e:  # stdout is a file on a full disk, or gone otherwise
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())  # Python's flush at exit would fail again
+        raise ReportUnwritten(f"the report could not be written to stdout ({e.strerror})"
+                              f"{'; --json ' + repr(json_path) + ' holds it' if json_path and not unwritten else ''}")
     if unwritten is not None:
         raise unwritten
+
+
+class ReportUnwritten(Exception):
+    """stdout could not take a command's report: exit status 1, said in one line."""
 
 
 def _run_demo(args: argparse.Namespace) -> int:
@@ -510,7 +518,7 @@ def _run_command(args: argparse.Namespace) -> int:
         return COMMANDS[args.command][1](args)
     except ValueError as e:  # a value the user can change: argparse's convention, exit status 2
         return _stop(args.command, e, 2)
-    except (launch.RankFailure, calibration_.MeasurementError) as e:
+    except (launch.RankFailure, calibration_.MeasurementError, ReportUnwritten) as e:
         return _stop(args.command, e, 1)
     except KeyboardInterrupt:
         said = f"ctxpar {args.command}: interrupted; the ranks were stopped"
