@@ -100,6 +100,21 @@ def barrier(rank: int, world: int, _unused: None) -> None:
     dist.barrier()
 
 
+class RebuiltOnlyInTheRank:
+    """A result that pickles in the rank and fails to unpickle in the parent."""
+
+    def __reduce__(self):
+        return (_refuse_to_rebuild, ())
+
+
+def _refuse_to_rebuild():
+    raise RuntimeError("cannot be rebuilt in the parent")
+
+
+def unloadable_result_on(rank: int, world: int, victim: int):
+    return RebuiltOnlyInTheRank() if rank == victim else rank
+
+
 def freeze_one_rank_in_a_new_group(rank: int, world: int, frozen: int) -> None:
     """A group the function makes itself, which torch would give its 30-minute default timeout."""
     group = dist.new_group(list(range(world)))
@@ -278,6 +293,12 @@ def test_a_local_run_listens_on_127_0_0_1_alone() -> None:
     made from tcp://127.0.0.1:PORT, bound the wildcard address); the parent serves it now."""
     found = run_local(listening_addresses, 2)[0]
     assert found and set(found) == {"127.0.0.1"}, found
+
+
+def test_a_result_the_parent_cannot_unpickle_is_that_ranks_failure() -> None:
+    """It escaped run_local as the unpickler's own exception, naming no rank."""
+    with pytest.raises(launch.RankFailure, match="rank 1 failed:\nits result could not be unpickled in the parent"):
+        run_local(unloadable_result_on, 2, (1,), timeout_s=60)
 
 
 def test_run_local_refuses_what_its_ranks_could_not_start_with(monkeypatch) -> None:

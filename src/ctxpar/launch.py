@@ -569,10 +569,15 @@ def _collect(procs: list, readers: list, stack_files: list[str], timeout_s: floa
         """Take every message rank ``r`` has sent so far."""
         while r in pending and r not in silent and readers[r].poll():
             try:
-                kind, value = pickle.loads(readers[r].recv_bytes())
+                message = readers[r].recv_bytes()
             except EOFError:
                 silent.add(r)
                 return
+            try:
+                kind, value = pickle.loads(message)
+            except Exception:  # noqa: BLE001  a result the parent cannot rebuild: that rank's failure, named
+                kind, value = "error", (f"its result could not be unpickled in the parent:\n"
+                                        f"{traceback.format_exc()}")
             if kind == "joined":
                 joined.add(r)
                 continue
