@@ -295,6 +295,17 @@ def test_a_local_run_listens_on_127_0_0_1_alone() -> None:
     assert found and set(found) == {"127.0.0.1"}, found
 
 
+def test_a_rank_stuck_in_a_library_is_placed_in_the_code_that_called_it() -> None:
+    """A rank stuck in a runaway regular expression read "at __init__.py:166 in match"."""
+    import sysconfig
+
+    stdlib = sysconfig.get_paths()["stdlib"]
+    frames = [(os.path.join(stdlib, "re", "__init__.py"), "166", "match"), ("/home/me/train.py", "42", "step"),
+              ("/home/me/train.py", "90", "main")]  # innermost first, as faulthandler dumps them
+    assert launch._whereabouts(frames).where == "at re/__init__.py:166 in match, called from train.py:42 in step"
+    assert launch._whereabouts(frames[1:]).where == "at train.py:42 in step"
+
+
 def test_a_result_the_parent_cannot_unpickle_is_that_ranks_failure() -> None:
     """It escaped run_local as the unpickler's own exception, naming no rank."""
     with pytest.raises(launch.RankFailure, match="rank 1 failed:\nits result could not be unpickled in the parent"):

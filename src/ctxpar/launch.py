@@ -38,6 +38,7 @@ import shutil
 import signal
 import socket
 import sys
+import sysconfig
 import tempfile
 import threading
 import time
@@ -416,7 +417,29 @@ def _whereabouts(frames: list[tuple[str, str, str]]) -> _Whereabouts:
     if calls:
         return _Whereabouts(True, f"in {calls[0]} (torch.distributed)")  # the outermost: the call made
     file, line, function = frames[0]
-    return _Whereabouts(False, f"at {os.path.basename(file)}:{line} in {function}")
+    where = f"at {_shown(file)}:{line} in {function}"
+    if _in_library(file):  # stuck inside a library call: also the user's code that made it
+        caller = next((f for f in frames if not _in_library(f[0])), None)
+        if caller is not None:
+            where += f", called from {_shown(caller[0])}:{caller[1]} in {caller[2]}"
+    return _Whereabouts(False, where)
+
+
+def _library_roots() -> tuple[str, ...]:
+    paths = sysconfig.get_paths()
+    return tuple({os.path.join(paths[key], "") for key in ("stdlib", "platstdlib", "purelib", "platlib")})
+
+
+def _in_library(file: str) -> bool:
+    """Python's own modules and installed packages (not ctxpar's source tree, nor the user's)."""
+    return file.startswith("<") or file.startswith(_library_roots())
+
+
+def _shown(file: str) -> str:
+    """A frame's file as a stack report names it: a library's module by its path in the
+    library (``re/__init__.py``), any other by its name."""
+    root = next((r for r in _library_roots() if file.startswith(r)), None)
+    return file[len(root):] if root else os.path.basename(file)
 
 
 def _is_timeout(e: BaseException) -> bool:
