@@ -289,7 +289,8 @@ def cp_loss(
         (share, loss): ``share`` = this rank's token-weighted loss sum / the global token
         count, differentiable; the shares of all ranks add up to the mean loss over the
         global batch, ``loss`` (detached, the same on every rank). Computed in float32, or
-        in the logits' dtype where it is wider (float64).
+        in the logits' dtype where it is wider (float64). A batch whose every label is
+        IGNORE_INDEX gives 0 and zero gradients, where a mean over no tokens is NaN (0/0).
 
     Labels that do not fit the logits on some rank (another shape, not integers, a value
     outside 0..vocab-1 other than IGNORE_INDEX: ``vocab``, or -1 meant as "ignore") are
