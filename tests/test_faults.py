@@ -20,6 +20,7 @@ import inspect
 import json
 import os
 import signal
+import socket
 import subprocess
 import sys
 import time
@@ -30,7 +31,7 @@ import torch
 import torch.distributed as dist
 
 from ctxpar import launch
-from ctxpar.launch import free_port, run_local
+from ctxpar.launch import run_local
 
 pytestmark = pytest.mark.skipif(not sys.platform.startswith("linux"), reason="checks processes through /proc")
 
@@ -150,6 +151,13 @@ def listening_addresses(rank: int, world: int) -> list[str] | None:
 
 
 # -- helpers ---------------------------------------------------------------------------------
+
+
+def free_port() -> int:
+    """A port for a torchrun launch's MASTER_PORT (run_local binds its own)."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
 
 
 def alive(pid: int) -> bool:

@@ -110,12 +110,6 @@ class RankFailure(RuntimeError):
         self.failed, self.died, self.stuck = failed, died, stuck
 
 
-def free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def _local_store(timeout_s: float) -> tuple[dist.TCPStore, int]:
     """The rendezvous store of a local run, served by the parent on 127.0.0.1 alone (a store
     its rank 0 made from a tcp:// address listened on every address of the machine), on a
@@ -317,7 +311,7 @@ def _loopback_interface() -> str | None:
 
 
 def _isolate_from_launcher_env() -> None:
-    """Make this worker see no launcher: its group is the explicit tcp://127.0.0.1 one."""
+    """Make this worker see no launcher: its group is the one of the parent's store on 127.0.0.1."""
     for name in LAUNCHER_VARS:
         os.environ.pop(name, None)
     loopback = _loopback_interface()
