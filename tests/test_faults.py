@@ -437,6 +437,21 @@ def test_ctrl_c_on_demo_stops_the_workers_with_one_message() -> None:
         proc.kill()
 
 
+def test_ctrl_c_to_the_whole_group_while_the_ranks_start_gives_one_message() -> None:
+    """A terminal's Ctrl-C reaches every process of its group: ranks still importing torch
+    printed their KeyboardInterrupt tracebacks before the parent's message."""
+    proc = start_cli("demo", "--nproc", "2", "--seq", "16384")
+    try:
+        wait_for(lambda: len(workers_of(proc.pid)) == 2, 60, "2 workers", proc)
+        for pid in [proc.pid, *workers_of(proc.pid)]:  # the terminal's SIGINT to its group, as it reaches the run
+            os.kill(pid, signal.SIGINT)
+        _, err = proc.communicate(timeout=60)
+        assert proc.returncode == 130, err
+        assert "Traceback" not in err and "KeyboardInterrupt" not in err, err
+    finally:
+        proc.kill()
+
+
 # -- item 9: the environment -----------------------------------------------------------------
 
 

@@ -543,13 +543,20 @@ def run_local(
     ]
     try:
         # Ctrl-C waits until every worker is started: one interrupted halfway through a start
-        # would run on untracked, holding the terminal's pipes, until it notices the parent gone
+        # would run on untracked, holding the terminal's pipes, until it notices the parent gone.
+        # The workers inherit SIGINT ignored: a Ctrl-C while they still import torch (seconds)
+        # reaches the terminal's whole group, and printed their KeyboardInterrupt tracebacks
         blocked = signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGINT})
+        handler = None
+        if threading.current_thread() is threading.main_thread():  # where signal handlers are set
+            handler = signal.signal(signal.SIGINT, signal.SIG_IGN)  # a Ctrl-C pending while blocked stays so
         try:
             for p, (_, writer) in zip(procs, pipes):
                 p.start()
                 writer.close()  # the worker holds the only writer: its end of file means it is gone
         finally:
+            if handler is not None:
+                signal.signal(signal.SIGINT, handler)
             signal.pthread_sigmask(signal.SIG_SETMASK, blocked)
         return _collect(procs, [reader for reader, _ in pipes], stack_files, timeout_s, deadline_s)
     finally:
