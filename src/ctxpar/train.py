@@ -29,9 +29,11 @@ from ctxpar.parallelize import apply_context_parallel, cp_loss, shard_batch, shi
 
 TRAIN_STRATEGIES = ("ring", "allgather", "alltoall", "auto")  # auto: ctxpar.auto picks per call
 ADAM_BETAS = (0.9, 0.95)
-# --compare's tolerance on each step's loss, relative to the reference's: float32 summation
-# order (CP vs unsplit) moves the losses by about 1e-6 of them over tens of steps
-LOSS_RTOL = 1e-4
+# --compare's verdict: the first JUDGED_STEPS losses of a run from step 0 (the forward on the same
+# weights, then one update) within LOSS_RTOL of the reference's. Later steps are shown, not judged:
+# training amplifies float32 summation order (CP vs unsplit) step by step, to 1e-2 after 60 steps
+# at --lr 0.01, while step 1 differs by about 5e-7
+LOSS_RTOL, JUDGED_STEPS = 1e-4, 2
 OWN_CHECKPOINTS = "train: this launch saves to"  # + the directory: a torchrun launch mark (launch.mark_launch)
 
 
@@ -350,7 +352,8 @@ def run_train(cfg: TrainConfig, *, timeout_s: float = launch.DEFAULT_TIMEOUT_S) 
         report["reference_parameters"] = reference["parameters"]
         pairs = list(zip(report["loss"], reference["loss"][report["start_step"]:]))
         report["max_abs_loss_diff"] = max(abs(a - b) for a, b in pairs)
-        report["losses_match"] = all(abs(a - b) <= LOSS_RTOL * abs(b) for a, b in pairs)  # NaN: no match
+        judged = pairs[:JUDGED_STEPS] if report["start_step"] == 0 else []  # resumed: weights of earlier steps
+        report["losses_match"] = all(abs(a - b) <= LOSS_RTOL * abs(b) for a, b in judged) if judged else None
     return report
 
 
@@ -376,8 +379,15 @@ def format_report(report: dict) -> str:
     lines.append(f"tokens/s (median over steps): {sorted(tps)[len(tps) // 2]:,.0f}")
     if ref:
         lines.append(f"max |loss - reference_loss| = {report['max_abs_loss_diff']:.2e}")
-        lines.append(f"OK: every loss within {LOSS_RTOL:g} of the reference's" if report["losses_match"] else
-                     f"MISMATCH: a loss differs from the reference's by more than {LOSS_RTOL:g} of it")
+        steps = f"the first {min(JUDGED_STEPS, len(report['loss']))} step(s)"
+        if report["losses_match"] is None:
+            lines.append(f"not judged: resumed at step {report['start_step']}, from weights whose earlier steps' "
+                         f"rounding the reference does not share")
+        elif report["losses_match"]:
+            lines.append(f"OK: the losses of {steps} within {LOSS_RTOL:g} of the reference's (later steps shown, "
+                         f"not judged: training amplifies rounding)")
+        else:
+            lines.append(f"MISMATCH: a loss of {steps} differs from the reference's by more than {LOSS_RTOL:g} of it")
     falls = report["loss"][-1] < report["loss"][0]
     lines.append(f"loss {'fell' if falls else 'did not fall'}: {report['loss'][0]:.4f} -> {report['loss'][-1]:.4f}"
                  f" (ln vocab = {math.log(get_config(c['model']).vocab):.4f})")
