@@ -118,6 +118,9 @@ def _losses(layout, cp_rank: int, last: bool, ranks: dict) -> dict:
         found[f"label_{case}_on_one_rank"] = _attempt(lambda: cp_loss(local, bad, **ranks))
     found["labels_of_another_shape_on_one_rank"] = _attempt(lambda: cp_loss(local, mine[:, 1:] if last else mine,
                                                                             **ranks))
+    # logits that are no tensor on one rank (a model output object passed whole): it raised alone
+    found["logits_not_a_tensor_on_one_rank"] = _attempt(lambda: cp_loss(dict(logits=local) if last else local, mine,
+                                                                        **ranks))
     found["loss_after"] = abs(cp_loss(local, mine, **ranks)[1].item() - want.item()) / want.item()
     return found
 
@@ -193,9 +196,10 @@ def test_cp_loss_is_exact_in_float64(strategy: str) -> None:
 
 @pytest.mark.parametrize("strategy", ["ring", "hybrid"])
 def test_labels_that_do_not_fit_on_one_rank_are_refused_on_every_rank(strategy: str) -> None:
-    """A label outside the vocabulary (the vocabulary's size, or -1 meant as "ignore") or of
-    another shape on one rank raised there alone; the others waited in cp_loss's all-reduce
-    until the timeout. Every rank now names the value and the rank, and cp_loss works after."""
+    """A label outside the vocabulary (the vocabulary's size, or -1 meant as "ignore"), labels of
+    another shape or logits that are no tensor on one rank raised there alone; the others
+    waited in cp_loss's all-reduce until the timeout. Every rank now names the value and the
+    rank, and cp_loss works after."""
     for rank, res in enumerate(results()):
         r = res[strategy]
         for case, value in (("vocab", 256), ("minus_one", -1)):
@@ -203,6 +207,8 @@ def test_labels_that_do_not_fit_on_one_rank_are_refused_on_every_rank(strategy: 
             assert want in r[f"label_{case}_on_one_rank"], (rank, case, r[f"label_{case}_on_one_rank"])
         want = f"and labels (2, 7) (rank {rank})" if rank == WORLD - 1 else f"rank {WORLD - 1}'s labels do not fit"
         assert want in r["labels_of_another_shape_on_one_rank"], (rank, r["labels_of_another_shape_on_one_rank"])
+        want = "got logits dict and labels (2, 8)" if rank == WORLD - 1 else f"rank {WORLD - 1}'s labels do not fit"
+        assert want in r["logits_not_a_tensor_on_one_rank"], (rank, r["logits_not_a_tensor_on_one_rank"])
         assert r["loss_after"] < 1e-13, (rank, r["loss_after"])
 
 

@@ -141,7 +141,7 @@ def test_labels_outside_the_vocabulary_are_refused_naming_the_values() -> None:
                        ([-1, 1, 7, IGNORE_INDEX], "2 value(s) outside the vocabulary 0..4 of the logits (-1 to 7, ")):
         with pytest.raises(ValueError, match=re.escape(shown)):
             cp_loss(logits, torch.tensor([bad]))
-    with pytest.raises(ValueError, match=re.escape("labels (B, S) integers on the logits' device, for the same "
+    with pytest.raises(ValueError, match=re.escape("labels (B, S) integers on its device, for the same "
                                                    "tokens, got logits (1, 4, 5) and labels (1, 4) "
                                                    "torch.float32 (rank 0)")):
         cp_loss(logits, torch.zeros(1, 4))
@@ -166,7 +166,7 @@ def test_a_batch_or_loss_whose_shapes_do_not_match_is_refused() -> None:
             shard_batch(**{"tokens": tokens, "layout": layout, "rank": 0, **change})
     with pytest.raises(ValueError, match=re.escape("got logits (2, 4, 5) and labels (4, 2)")):
         cp_loss(torch.randn(2, 4, 5), torch.zeros(4, 2, dtype=torch.long))
-    with pytest.raises(ValueError, match=re.escape("logits must be (B, S, vocab) and labels (B, S)")):
+    with pytest.raises(ValueError, match=re.escape("logits must be a (B, S, vocab) tensor and labels (B, S)")):
         cp_loss(torch.randn(8, 5), torch.zeros(8, dtype=torch.long))
     logits, labels = torch.randn(1, 4, 5), torch.zeros(1, 4, dtype=torch.long)
     with pytest.raises(ValueError, match=re.escape("cp_loss takes group= or mesh= (a hybrid mesh's ranks), not both")):

@@ -206,6 +206,13 @@ def apply_context_parallel(
     return model
 
 
+def _collective_device(ranks: topology.Topology) -> torch.device:
+    """Where a tensor for a collective over ``ranks`` lives: this rank's GPU under NCCL."""
+    if dist.is_available() and dist.is_initialized() and dist.get_backend(ranks.process_groups[0]) == "nccl":
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")
+
+
 def plain_causal_attention(fn) -> bool:
     """Whether ``fn`` is the reference model's causal attention or ``apply_context_parallel``'s:
     what ctxpar may replace by its own exact causal attention without dropping anything."""
@@ -301,21 +308,20 @@ def cp_loss(
     """
     if mesh is not None and group is not None:
         raise ValueError("cp_loss takes group= or mesh= (a hybrid mesh's ranks), not both")
-    if not isinstance(logits, torch.Tensor):
-        raise ValueError(f"logits must be a (B, S, vocab) tensor, got {type(logits).__name__}")
     ranks = topology.from_mesh(mesh) if mesh is not None else topology.from_group(group)
     rank = dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
-    vocab = logits.shape[-1] if logits.dim() == 3 else 0
-    fits = (isinstance(labels, torch.Tensor) and logits.dim() == 3 and labels.shape == logits.shape[:2]
+    tensor = isinstance(logits, torch.Tensor)  # logits that are none still join the verdict's all-reduce
+    vocab = logits.shape[-1] if tensor and logits.dim() == 3 else 0
+    fits = (tensor and isinstance(labels, torch.Tensor) and logits.dim() == 3 and labels.shape == logits.shape[:2]
             and labels.device == logits.device and not labels.is_floating_point() and not labels.is_complex()
             and labels.dtype != torch.bool)
     # count, then (ranks refusing, the sum of their ranks, of those whose labels do not fit, labels outside the
     # vocabulary, their lowest, their highest): summed over the ranks, each exact where one rank refuses
-    verdict = torch.zeros(7, dtype=torch.int64, device=logits.device)
+    verdict = torch.zeros(7, dtype=torch.int64, device=logits.device if tensor else _collective_device(ranks))
     if fits:
         labels = labels.long()  # cross_entropy takes int64 class indices alone
     if not fits:
-        verdict[1:4] = torch.tensor([1, rank, 1])
+        verdict[1:4] = torch.tensor([1, rank, 1], device=verdict.device)
     elif labels.numel():
         outside = (labels != IGNORE_INDEX) & ((labels < 0) | (labels >= vocab))  # (B, S)
         refusing = outside.any().long()
@@ -332,9 +338,10 @@ def cp_loss(
         got = type(labels).__name__
         if isinstance(labels, torch.Tensor):
             got = " ".join([str(tuple(labels.shape)), *([] if labels.dtype == torch.long else [str(labels.dtype)]),
-                            *([] if labels.device == logits.device else [f"on {labels.device}"])])
-        raise ValueError(f"logits must be (B, S, vocab) and labels (B, S) integers on the logits' device, for the "
-                         f"same tokens, got logits {tuple(logits.shape)} and labels {got} (rank {rank})")
+                            *([] if tensor and labels.device == logits.device else [f"on {labels.device}"])])
+        shape = tuple(logits.shape) if tensor else type(logits).__name__
+        raise ValueError(f"logits must be a (B, S, vocab) tensor and labels (B, S) integers on its device, for the "
+                         f"same tokens, got logits {shape} and labels {got} (rank {rank})")
     if own[1] or refusing == 1 and not unfit:  # this rank's values, or the one refusing rank's: named alike
         mine = own if own[1] else summed
         values = str(mine[5]) if mine[5] == mine[6] else f"{mine[5]} to {mine[6]}"
@@ -343,8 +350,8 @@ def cp_loss(
                          f"({values}, on rank {mine[2]}); mark tokens without a label with {IGNORE_INDEX}, and take "
                          f"labels from the model's vocabulary{others}")
     if refusing == 1:
-        raise ValueError(f"cp_loss: rank {culprit}'s labels do not fit its logits (another shape, or not integers on "
-                         f"their device); see its error")
+        raise ValueError(f"cp_loss: rank {culprit}'s labels do not fit its logits (another shape, not integers on "
+                         f"their device, or logits that are no (B, S, vocab) tensor); see its error")
     if refusing:
         raise ValueError(f"cp_loss: {refusing} ranks refused their labels ({unfit} not fitting their logits, "
                          f"{refusing - unfit} with values outside the vocabulary 0..{vocab - 1}); see their errors")
