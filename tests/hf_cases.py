@@ -463,6 +463,10 @@ def _heads(layout, group, input_ids) -> dict:
         out[head] = max(_relative(getattr(got, key), layout.shard(getattr(want, key), me, dim=1)) for key in keys)
         if head == "LlamaForTokenClassification":  # shard_inputs' labels are shifted: once a wrong loss, silently
             out["token classification labels"] = _attempt(lambda: model(**inputs, labels=labels).loss.item())
+            # a subclass named otherwise has loss_type None, which once read as the causal LM's
+            tagger = enable_context_parallel(type("Tagger", (type(reference),), {})._from_config(config), layout=layout,
+                                             group=group)
+            out["subclass labels"] = _attempt(lambda: tagger(**inputs, labels=labels).loss.item())
     positions = dict(start_positions=torch.tensor([3]), end_positions=torch.tensor([5]))
     out["question answering positions"] = _attempt(lambda: model(**inputs, **positions).loss.item())
     return out

@@ -66,6 +66,10 @@ def test_labels_loss_refuses_what_it_cannot_weigh_globally() -> None:
     repeated = torch.full((1, 8), 5)  # shifted labels that equal the tokens wherever they label: no refusal
     inputs, labels = shard_inputs(repeated, layout=ONE, rank=0)
     assert torch.equal(labels[:, :-1], repeated[:, :-1]) and model(**inputs, labels=labels).loss.item() > 0
+    # a head other than a causal LM's calling the loss (transformers' token classification passes its config
+    # where a causal LM passes its vocabulary size): once a causal-LM loss over its logits, without a word
+    with pytest.raises(ValueError, match="called with LlamaConfig where a causal LM head passes its vocabulary"):
+        model.loss_function(torch.randn(1, 8, 3), labels, model.config)
 
 
 def test_router_aux_loss_with_labels_is_refused() -> None:
@@ -393,5 +397,6 @@ def test_per_token_heads_run_exactly_and_their_positions_or_labels_are_refused()
             assert got <= 1e-5, (head, rank, got)
     for _, (kind, detail) in _guards("question answering positions"):
         assert kind == "refused" and "LlamaForQuestionAnswering got start_positions=" in detail, detail
-    for _, (kind, detail) in _guards("token classification labels"):  # shifted by shard_inputs: once a wrong loss
-        assert kind == "refused" and "its head (ForTokenClassification) scores each token" in detail, detail
+    for case in ("token classification labels", "subclass labels"):  # shifted by shard_inputs: once a wrong loss
+        for _, (kind, detail) in _guards(case):
+            assert kind == "refused" and "its head (ForTokenClassification) scores each token" in detail, detail

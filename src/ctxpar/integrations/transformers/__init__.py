@@ -70,7 +70,8 @@ from ctxpar.integrations.transformers.fidelity import (Unsupported, check_model,
                                                        longrope_limits)
 from ctxpar.integrations.transformers.generation import (CACHE_KEYS, ShardedCache, cached_forward, check_token_ids,
                                                          wrap_generate)
-from ctxpar.integrations.transformers.loss import CAUSAL_LM_LOSSES, LOSS_KEYWORDS, CPCausalLMLoss, loss_refusal
+from ctxpar.integrations.transformers.loss import (CAUSAL_LM_LOSSES, LOSS_KEYWORDS, CPCausalLMLoss, head_loss,
+                                                   loss_refusal)
 from ctxpar import agreement, limits, topology
 from ctxpar.attention import check_settings
 from ctxpar.layout import Layout
@@ -284,9 +285,9 @@ def _wrap_forward(model, settings: Settings, loss: CPCausalLMLoss | None = None)
                                  f"both losses yourself")
             _check_call(name, bound, extra)
             check_token_ids(name, model, bound.get("input_ids"))
-            if labels is not None and getattr(model, "loss_type", None) not in CAUSAL_LM_LOSSES:
+            if labels is not None and head_loss(model) not in CAUSAL_LM_LOSSES:
                 raise ValueError(f"{name} got labels=, which under context parallelism are shard_inputs' labels, "
-                                 f"shifted for next-token prediction, while its head ({model.loss_type}) scores each "
+                                 f"shifted for next-token prediction, while its head ({head_loss(model)}) scores each "
                                  f"token against its own label; compute the loss from the logits: "
                                  f"ctxpar.parallelize.cp_loss(model(**inputs).logits, layout.shard(labels, rank, "
                                  f"dim=1), group=...)")

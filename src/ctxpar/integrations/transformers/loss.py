@@ -17,6 +17,8 @@ gradients of the unsplit loss.
 
 from __future__ import annotations
 
+import re
+
 import torch
 import torch.distributed as dist
 
@@ -24,9 +26,25 @@ from ctxpar.parallelize import IGNORE_INDEX, cp_loss
 
 
 LOSS_KEYWORDS = ("num_items_in_batch", "ignore_index", "shift_labels")  # what a forward passes on to the loss
-# a model's ``loss_type`` whose labels= loss is next-token prediction, which this loss computes
-# (None: transformers' default, the causal LM's; ForConditionalGeneration: a decoder's LM head)
+# the head losses (``head_loss``) whose labels= loss is next-token prediction, which this loss
+# computes (None: transformers' default, the causal LM's; ForConditionalGeneration: a decoder's LM head)
 CAUSAL_LM_LOSSES = (None, "ForCausalLM", "ForConditionalGeneration")
+
+
+def head_loss(model) -> str | None:
+    """The loss of the model's head: its ``loss_type``, else what transformers' naming rule
+    gives the nearest class of its MRO (a subclass of LlamaForTokenClassification named
+    otherwise has loss_type None, which reads as the causal LM's)."""
+    if getattr(model, "loss_type", None) is not None:
+        return model.loss_type
+    from transformers.loss.loss_utils import LOSS_MAPPING
+
+    kinds = re.compile("|".join(map(re.escape, sorted(LOSS_MAPPING, key=len, reverse=True))))
+    for cls in type(model).__mro__:
+        found = kinds.search(cls.__name__)
+        if found:
+            return found[0]
+    return None
 
 
 def loss_refusal(labels, rows: tuple[int, ...], *, num_items_in_batch=None, ignore_index=IGNORE_INDEX,
@@ -63,6 +81,10 @@ class CPCausalLMLoss:
         """logits (B, S, vocab) and labels (B, S) of this rank, labels already shifted by
         ``shard_inputs`` -> the global mean loss, with this rank's share as gradient."""
         self.calls += 1
+        if isinstance(vocab_size, bool) or not isinstance(vocab_size, int):  # a head other than a causal LM's calls
+            raise ValueError(f"ctxpar's labels= loss under context parallelism is next-token prediction, called with "
+                             f"{type(vocab_size).__name__} where a causal LM head passes its vocabulary size; compute "
+                             f"this head's loss from its logits with ctxpar.parallelize.cp_loss")
         refusal = loss_refusal(labels, tuple(logits.shape[:-1]), num_items_in_batch=num_items_in_batch,
                                ignore_index=ignore_index, shift_labels=shift_labels)
         if refusal is not None:
