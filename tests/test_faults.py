@@ -16,6 +16,7 @@ Processes are inspected through /proc, hence Linux only.
 from __future__ import annotations
 
 import ctypes
+import functools
 import inspect
 import json
 import os
@@ -331,8 +332,9 @@ def test_run_local_refuses_what_its_ranks_could_not_start_with(monkeypatch) -> N
 
     defined_in_a_notebook.__module__ = "__main__"
     monkeypatch.setitem(sys.modules, "__main__", type(sys)("__main__"))  # a __main__ without a file
-    with pytest.raises(ValueError, match="defined in an interactive session .* cannot import"):
-        run_local(defined_in_a_notebook, 2)
+    for fn in (defined_in_a_notebook, functools.partial(defined_in_a_notebook)):
+        with pytest.raises(ValueError, match="defined in an interactive session .* cannot import"):
+            run_local(fn, 2)
 
 
 def test_a_frozen_rank_is_named_even_when_a_healthy_peer_times_out_later() -> None:

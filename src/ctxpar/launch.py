@@ -28,6 +28,7 @@ from __future__ import annotations
 import ctypes
 import datetime
 import faulthandler
+import functools
 import json
 import logging
 import math
@@ -117,9 +118,13 @@ def _local_store(timeout_s: float) -> tuple[dist.TCPStore, int]:
     listener = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
     listener.bind(("127.0.0.1", 0))
     listener.listen(128)
-    port = listener.getsockname()[1]
-    store = dist.TCPStore("127.0.0.1", port, None, True, datetime.timedelta(seconds=timeout_s),
-                          wait_for_workers=False, master_listen_fd=listener.detach())  # the store closes it
+    port, fd = listener.getsockname()[1], listener.detach()  # the store closes it
+    try:
+        store = dist.TCPStore("127.0.0.1", port, None, True, datetime.timedelta(seconds=timeout_s),
+                              wait_for_workers=False, master_listen_fd=fd)
+    except BaseException:
+        os.close(fd)
+        raise
     return store, port
 
 
@@ -456,8 +461,9 @@ def _worker(rank, world_size, port, threads, timeout_s, parent_pid, backend, dev
         from torch.distributed import distributed_c10d
 
         timeout = datetime.timedelta(seconds=timeout_s)
-        # the groups fn makes (dist.new_group) wait as long as the run's: torch's default is 30 minutes
-        distributed_c10d.default_pg_timeout = timeout
+        # the groups fn makes (dist.new_group) wait as long as the run's: torch's defaults are 30
+        # minutes (gloo) and 10 (NCCL)
+        distributed_c10d.default_pg_timeout = distributed_c10d.default_pg_nccl_timeout = timeout
         store = dist.TCPStore("127.0.0.1", port, world_size, False, timeout)  # the parent serves it
         _join(backend, timeout_s, store=store, rank=rank, world_size=world_size)
         conn.send_bytes(pickle.dumps(("joined", None)))
@@ -531,17 +537,18 @@ def run_local(
     _check_importable(fn)
     threads = threads or max(1, (os.cpu_count() or 1) // nproc)
     ctx = mp.get_context("spawn")
-    store, port = _local_store(timeout_s)
     pipes = [ctx.Pipe(duplex=False) for _ in range(nproc)]
     stacks = tempfile.mkdtemp(prefix="ctxpar-stacks-")
     stack_files = [os.path.join(stacks, f"rank{r}") for r in range(nproc)]
-    procs = [
-        ctx.Process(target=_worker, name=f"ctxpar-rank-{r}", daemon=True,
-                    args=(r, nproc, port, threads, timeout_s, os.getpid(), backend, devices[r], stack_files[r],
-                          fn, args, pipes[r][1]))
-        for r in range(nproc)
-    ]
+    store, port = _local_store(timeout_s)
+    procs = []
     try:
+        procs = [
+            ctx.Process(target=_worker, name=f"ctxpar-rank-{r}", daemon=True,
+                        args=(r, nproc, port, threads, timeout_s, os.getpid(), backend, devices[r], stack_files[r],
+                              fn, args, pipes[r][1]))
+            for r in range(nproc)
+        ]
         # Ctrl-C waits until every worker is started: one interrupted halfway through a start
         # would run on untracked, holding the terminal's pipes, until it notices the parent gone.
         # The workers inherit SIGINT ignored: a Ctrl-C while they still import torch (seconds)
@@ -569,6 +576,8 @@ def _check_importable(fn) -> None:
     """Refuse, before spawning, an ``fn`` that spawned ranks cannot import: one defined in a
     notebook cell, the REPL, ``python -c`` or a script read from stdin (a ``__main__``
     without a file). Each rank failed to unpickle it before it could report why."""
+    while isinstance(fn, functools.partial):
+        fn = fn.func
     module = getattr(fn, "__module__", None)
     if module == "__main__" and getattr(sys.modules.get("__main__"), "__file__", None) is None:
         raise ValueError(f"run_local's fn {getattr(fn, '__qualname__', fn)!r} is defined in an interactive session "

@@ -43,6 +43,11 @@ SHARD_FULL_WHY = ("positions after the prompt are dealt round-robin while the pr
                   "of the ranks), or rewind no earlier than the prompt's end")
 
 
+def decoded_owner(position: int, world_size: int) -> int:
+    """The rank of P = ``world_size`` that keeps decoded position ``position``: round-robin."""
+    return position % world_size
+
+
 class KVCache:
     """This rank's share of a KV cache over a CP group.
 
@@ -114,7 +119,7 @@ class KVCache:
 
     def owner(self, position: int) -> int:
         """The rank that keeps a decoded position's K/V: round-robin, ``position mod P``."""
-        return position % self.world_size
+        return decoded_owner(position, self.world_size)
 
     def next_positions(self, new: int, rank: int) -> torch.Tensor:
         """(int64) the positions among the next ``new`` after the ``seq_len`` held that ``rank``

@@ -342,7 +342,7 @@ def enable_context_parallel(
 
     ``model(**shard_inputs(...)[0])`` then runs on this rank's shard, and
     ``model.generate(input_ids, ...)`` on the whole prompt (the same on every rank) gives
-    the tokens of generation without CP (``generation.py``; ring, allgather, alltoall or auto).
+    the tokens of generation without CP (``generation.py``; any strategy, hybrid on its mesh).
 
     Args:
         model: a transformers model whose attention goes through ``AttentionInterface``.

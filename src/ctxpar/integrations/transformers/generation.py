@@ -61,7 +61,7 @@ import torch
 import torch.distributed as dist
 
 from ctxpar import agreement, limits, topology
-from ctxpar.inference.cache import KVCache
+from ctxpar.inference.cache import KVCache, decoded_owner
 from ctxpar.inference.generate import prefilled_length
 from ctxpar.inference.prefill import last_position_owner
 from ctxpar.integrations.transformers.attention import (CACHED, Settings, check_dynamic_rope, check_implementation,
@@ -417,7 +417,7 @@ def _plan(name: str, settings: Settings, cache: ShardedCache, kwargs: dict, acce
                              f"as the prompt")
         want = torch.tensor([past])
         kwargs["position_ids"] = torch.full((batch, 1), past, dtype=torch.long, device=tokens.device)
-        mine = past % cache.world_size == cache.rank  # KVCache.owner
+        mine = decoded_owner(past, cache.world_size) == cache.rank
         new_positions = torch.tensor([past] if mine else [], dtype=torch.long)
         held = cache.kv.positions() if cache.kv is not None else new_positions[:0]
         step = _Step(position=past, positions=new_positions, held=len(held) + int(mine),
