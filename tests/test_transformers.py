@@ -89,7 +89,9 @@ def test_padding_masks_and_foreign_positions_are_refused() -> None:
     model(**inputs, attention_mask=torch.ones(1, 8, dtype=torch.long))  # all-ones is fine
 
     shifted = dict(inputs, position_ids=inputs["position_ids"] + 3)  # not this rank's global positions
-    with pytest.raises(ValueError, match="global layout positions"):
+    # ascending: another layout's (shard_inputs with another layout), once told of packed documents
+    with pytest.raises(ValueError, match=r"position_ids \[3, 4, .* are not this rank's positions under the zigzag "
+                                         r"layout enable_context_parallel was given \(\[0, 1, "):
         model(**shifted)
 
 

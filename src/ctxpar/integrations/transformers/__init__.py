@@ -121,6 +121,11 @@ def _check_positions(name: str, settings: Settings, bound: dict, documents: tupl
                              f"global positions{' within each document' if documents else ''} (shard_inputs does)")
         return
     if positions.shape[-1] != want.numel() or not bool((positions.reshape(-1, want.numel()).cpu() == want).all()):
+        given = positions.reshape(-1, positions.shape[-1])[0].cpu()
+        if documents is None and bool((given.diff() > 0).all()):  # ascending: another layout's, or none's
+            raise ValueError(f"position_ids {given[:8].tolist()} are not this rank's positions under the "
+                             f"{settings.layout.name} layout enable_context_parallel was given "
+                             f"({want[:8].tolist()}); shard the batch with shard_inputs(..., layout=) that layout")
         if documents is None:
             raise ValueError(f"position_ids must be this rank's global layout positions (use shard_inputs); "
                              f"positions that restart mean packed documents, which ctxpar cannot infer from one "

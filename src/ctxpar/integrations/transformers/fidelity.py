@@ -46,6 +46,10 @@ _SOFTMAX_KINDS = {"full_attention", "attention", "global", "mlp", "moe", "dense"
 _KIND_FIELDS = ("layer_types", "layers_block_type", "block_types", "attention_layers")
 
 _DROPOUT_FIELDS = ("attention_dropout", "attention_probs_dropout_prob", "attn_pdrop", "attn_dropout")
+_LAYERDROP_FIELDS = ("layerdrop", "decoder_layerdrop", "encoder_layerdrop")
+# in training each rank draws the layers it skips from its own RNG: ranks that skip different layers
+# attend with each other's K/V of another layer (silently wrong), or wait on each other
+_LAYERDROP = "LayerDrop (each rank would draw the layers it skips in training on its own)"
 
 # Sub-models beyond the text decoder, and forward inputs beyond tokens: pixels, audio or
 # byte patches are not the token sequence that shard_inputs splits.
@@ -160,6 +164,10 @@ def _config_features(config) -> list[Unsupported]:
         p = _get(config, field)
         if isinstance(p, (int, float)) and p > 0:
             found.append(Unsupported("attention dropout", f"{name}.{field}={p}", f"set {field}=0"))
+    for field in _LAYERDROP_FIELDS:
+        p = _get(config, field)
+        if isinstance(p, (int, float)) and p > 0:
+            found.append(Unsupported(_LAYERDROP, f"{name}.{field}={p}", f"set {field}=0"))
     if _get(config, "alibi") is True:
         found.append(Unsupported("ALiBi position biases", f"{name}.alibi=True"))
     for kind, field in _layer_kinds(config).items():
@@ -190,6 +198,9 @@ def _module_features(model: nn.Module) -> list[Unsupported]:
         owner = type(module).__name__
         if _POOLING_MODULE.search(owner):
             found.append(Unsupported(_POOLING, owner, _POOLING_FIX))
+        layerdrop = getattr(module, "layerdrop", 0)
+        if isinstance(layerdrop, (int, float)) and layerdrop > 0:  # set on the module after its config
+            found.append(Unsupported(_LAYERDROP, f"{path}.layerdrop={layerdrop}", "set it to 0"))
         if isinstance(module, PreTrainedModel):
             if not type(module)._can_set_attn_implementation():
                 found.append(Unsupported("attention computed in the model's own code, not through transformers' "
