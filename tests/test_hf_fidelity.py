@@ -112,7 +112,8 @@ def test_layerdrop_is_refused_at_enable_time() -> None:
     """OPT's LayerDrop: in training each rank drew the layers it skips from its own RNG; ranks
     skipping different layers attended with each other's K/V of another layer (a wrong loss,
     silently) or waited on each other until the timeout."""
-    with pytest.raises(ValueError, match=r"LayerDrop .* \(OPTConfig.layerdrop=0.5, model.decoder.layerdrop=0.5\); set layerdrop=0"):
+    with pytest.raises(ValueError, match=r"LayerDrop .* \(OPTConfig.layerdrop=0.5, model.decoder.layerdrop=0.5\); "
+                                         r"set layerdrop=0"):
         enable_context_parallel(hf_families.build("opt", meta=True, layerdrop=0.5), layout=ONE)
     model = hf_families.build("opt", meta=True)
     model.model.decoder.layerdrop = 0.3  # on the module, after its config
