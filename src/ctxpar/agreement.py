@@ -22,7 +22,7 @@ import torch
 import torch.distributed as dist
 
 from ctxpar import profile
-from ctxpar.comm import all_gather_into
+from ctxpar.comm import all_gather_into, collective_device
 from ctxpar.topology import Topology
 
 # bits of the first field: what this rank knows went wrong so far
@@ -181,7 +181,7 @@ def _all_gather(sig: list[int], group: dist.ProcessGroup | None, kind: str) -> t
     """Every rank's ``sig`` (W, len(sig)) and the kind of call each rank is in (``CALLS``)."""
     row = [text_code(kind), *sig]
     assert len(row) <= SIGNATURE_WIDTH, f"a {kind} signature of {len(sig)} fields exceeds {SIGNATURE_WIDTH - 1}"
-    device = torch.device("cuda", torch.cuda.current_device()) if dist.get_backend(group) == "nccl" else "cpu"
+    device = collective_device(group)
     mine = torch.tensor(row + [0] * (SIGNATURE_WIDTH - len(row)), dtype=torch.int64, device=device)
     table = mine.new_empty(dist.get_world_size(group) * SIGNATURE_WIDTH)
     profile.add_traffic(0, 0)  # a synchronisation point; its few bytes are not the strategy's traffic

@@ -207,6 +207,14 @@ class PendingReduceScatter(_Pending):
             profile.add_traffic(moved, moved)
 
 
+def collective_device(group: dist.ProcessGroup | None) -> torch.device:
+    """Where a tensor for a collective of ``group`` lives: this rank's GPU under NCCL, else
+    the host (one process without a group included)."""
+    if dist.is_available() and dist.is_initialized() and dist.get_backend(group) == "nccl":
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")
+
+
 def broadcast(t: torch.Tensor, src: int, group: dist.ProcessGroup | None) -> torch.Tensor:
     """``t`` as rank ``src`` of ``group`` (its rank in the group) holds it, on every rank.
     Every rank passes a tensor of the same shape and dtype (the others' values are not

@@ -28,7 +28,7 @@ import torch.distributed as dist
 import torch.nn as nn
 import torch.nn.functional as F
 
-from ctxpar import agreement, limits, topology
+from ctxpar import agreement, comm, limits, topology
 from ctxpar.attention import attention, check_settings
 from ctxpar.layout import Layout, get_layout
 from ctxpar.masks import document_lengths, positions_in_documents
@@ -206,13 +206,6 @@ def apply_context_parallel(
     return model
 
 
-def _collective_device(ranks: topology.Topology) -> torch.device:
-    """Where a tensor for a collective over ``ranks`` lives: this rank's GPU under NCCL."""
-    if dist.is_available() and dist.is_initialized() and dist.get_backend(ranks.process_groups[0]) == "nccl":
-        return torch.device("cuda", torch.cuda.current_device())
-    return torch.device("cpu")
-
-
 def plain_causal_attention(fn) -> bool:
     """Whether ``fn`` is the reference model's causal attention or ``apply_context_parallel``'s:
     what ctxpar may replace by its own exact causal attention without dropping anything."""
@@ -306,9 +299,7 @@ def cp_loss(
     others waiting in it until the collective timeout. The verdict is read on the host: one
     device synchronisation per call.
     """
-    if mesh is not None and group is not None:
-        raise ValueError("cp_loss takes group= or mesh= (a hybrid mesh's ranks), not both")
-    ranks = topology.from_mesh(mesh) if mesh is not None else topology.from_group(group)
+    ranks = topology.of(group, mesh, "cp_loss", " (a hybrid mesh's ranks)")
     rank = dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
     tensor = isinstance(logits, torch.Tensor)  # logits that are none still join the verdict's all-reduce
     vocab = logits.shape[-1] if tensor and logits.dim() == 3 else 0
@@ -317,7 +308,8 @@ def cp_loss(
             and labels.dtype != torch.bool)
     # count, then (ranks refusing, the sum of their ranks, of those whose labels do not fit, labels outside the
     # vocabulary, their lowest, their highest): summed over the ranks, each exact where one rank refuses
-    verdict = torch.zeros(7, dtype=torch.int64, device=logits.device if tensor else _collective_device(ranks))
+    device = logits.device if tensor else comm.collective_device(ranks.process_groups[0])
+    verdict = torch.zeros(7, dtype=torch.int64, device=device)
     if fits:
         labels = labels.long()  # cross_entropy takes int64 class indices alone
     if not fits:

@@ -95,6 +95,14 @@ def from_mesh(mesh) -> Topology:
     )
 
 
+def of(group: dist.ProcessGroup | None, mesh, who: str, mesh_is: str = "") -> Topology:
+    """The CP ranks ``who`` was given: ``group``'s (None: WORLD, or one process without one),
+    or instead a hybrid ``mesh``'s (``mesh_is``: what to call it in the refusal of both)."""
+    if mesh is not None and group is not None:
+        raise ValueError(f"{who} takes group= or mesh={mesh_is}, not both")
+    return from_mesh(mesh) if mesh is not None else from_group(group)
+
+
 def all_reduce(tensor, topo: Topology) -> None:
     """Sum ``tensor`` in place over every rank of the CP group: for a hybrid mesh, over its
     ulysses groups, then over its ring groups, which sum those sums over the whole grid."""

@@ -81,9 +81,7 @@ class KVCache:
                             ("value_dim", value_dim), ("capacity", capacity)):
             if isinstance(value, bool) or not isinstance(value, int) or not 1 <= value <= limits.MAX_COUNT:
                 raise ValueError(f"KVCache {name} must be an int between 1 and {limits.MAX_COUNT}, got {value!r}")
-        if mesh is not None and group is not None:
-            raise ValueError("KVCache takes group= or mesh=, not both")
-        topo = topology.from_mesh(mesh) if mesh is not None else topology.from_group(group)
+        topo = topology.of(group, mesh, "KVCache")
         self.group, self.mesh, self.rank, self.world_size = group, mesh, topo.rank, topo.world_size
         self.layers, self.batch, self.kv_heads, self.head_dim = layers, batch, kv_heads, head_dim
         self.value_dim = value_dim

@@ -110,10 +110,7 @@ def sharded_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, grou
         ValueError: shapes that do not fit (before the all-gather; q's heads and head dim,
             the same on every rank, decide it alike everywhere); both group and mesh.
     """
-    if mesh is not None and group is not None:
-        raise ValueError("sharded_attention takes group= or mesh=, not both")
-    peers = topology.from_mesh(mesh) if mesh is not None else topology.from_group(group)
-    return sharded_attention_over(q, k, v, peers, scale=scale, sinks=sinks)
+    return sharded_attention_over(q, k, v, topology.of(group, mesh, "sharded_attention"), scale=scale, sinks=sinks)
 
 
 def sharded_attention_over(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, peers: topology.Topology, *,

@@ -112,9 +112,7 @@ class ShardedCache(Cache):
     def __init__(self, *, layers: int, batch: int, capacity: int, group: dist.ProcessGroup | None = None,
                  mesh=None) -> None:
         super().__init__(layers=[])
-        if mesh is not None and group is not None:
-            raise ValueError("ShardedCache takes group= or mesh=, not both")
-        self.peers = topology.from_mesh(mesh) if mesh is not None else topology.from_group(group)
+        self.peers = topology.of(group, mesh, "ShardedCache")
         self.group, self.mesh, self.rank, self.world_size = group, mesh, self.peers.rank, self.peers.world_size
         self.num_layers, self.batch, self.capacity = layers, batch, capacity
         self._per_layer: list[KVCache | None] = [None] * layers
