@@ -361,6 +361,22 @@ def _check_bad_inputs(rank: int, world: int) -> dict[str, str]:
                                                                strategy="hybrid", mesh=mesh))
         messages["cache_on_group_and_mesh"] = _attempt(lambda: cache(group=topology.from_mesh(mesh).ring_group,
                                                                      mesh=mesh))
+        # sharded_attention of queries that differ on rank 0: once a merge of partials of different queries,
+        # returned on every rank without a word (of other shapes: a gloo abort)
+        q, kv = torch.randn(1, 4, 1, 8, generator=torch.Generator().manual_seed(3)), torch.randn(1, 2, rank + 1, 8)
+        messages["attention_queries_differ"] = _attempt(lambda: sharded_attention(q + (rank == 0), kv, kv, group=None,
+                                                                                  scale=None))
+        # the last rank's keys have 3 heads for 4 query heads: it raised alone, the others waited in the all-gather
+        bad_kv = torch.randn(1, 3, 2, 8) if rank == world - 1 else kv
+        messages["one_rank_bad_keys"] = _attempt(lambda: sharded_attention(q, bad_kv, bad_kv, group=None, scale=None))
+        # rank 0's model has another vocabulary: once uninitialised logits on the others (another layer count: a hang)
+        wider = Transformer(ModelConfig(**{**vars(cfg), "vocab": cfg.vocab + 2})).eval()
+        messages["models_differ"] = _attempt(lambda: generate(wider if rank == 0 else model, prompt, layout="zigzag",
+                                                              new_tokens=2))
+        # the last rank's on_token is not a function: it once raised after the prefill, leaving the others waiting
+        on_token = "progress" if rank == world - 1 else None
+        messages["one_rank_on_token"] = _attempt(lambda: generate(model, prompt, layout="zigzag", new_tokens=2,
+                                                                  on_token=on_token))
     # no rank was left inside a collective: a whole generation still works afterwards
     r = generate(model, prompt, layout="zigzag", new_tokens=4)
     ok = r.tokens.tolist() == reference_generate(model, prompt, new_tokens=4).tolist()

@@ -199,13 +199,18 @@ EXPECTED_MESSAGES = {
     "temperature_overflow": ["temperature must be a finite number", "got 1000"],
     "cache_on_a_mesh": ["this KVCache is held over a hybrid mesh", "take a cache on the CP group"],
     "cache_on_group_and_mesh": ["KVCache takes group= or mesh=, not both"],
+    "attention_queries_differ": ["disagree on the sharded attention", "q values (crc32)"],
+    "models_differ": ["disagree on the generate call", "model (config, layers)"],
 }
 ONE_RANK_BAD = {  # the last rank's call is bad: it raises its own error, the others name it
     "one_rank_bad": "batch B=1",
     "one_rank_overflow": "temperature must be a finite number",
+    "one_rank_bad_keys": "H a multiple of H_kv",
+    "one_rank_on_token": "on_token must be None or a function",
 }
 MULTI_RANK_ONLY = ("step", "tokens_differ", "chunks_differ", "methods_differ", "calls_differ",
-                   "chunk_capacities_differ", "interrupted_chunk", "cache_on_a_mesh", "cache_on_group_and_mesh")
+                   "chunk_capacities_differ", "interrupted_chunk", "cache_on_a_mesh", "cache_on_group_and_mesh",
+                   "attention_queries_differ", "models_differ")
 
 
 @pytest.mark.parametrize("world", WORLD_SIZES, ids=lambda w: f"P{w}")
@@ -365,3 +370,66 @@ def test_sharded_attention_refuses_heads_that_do_not_group(heads: int, kv_heads:
     q, kv = torch.randn(1, heads, 1, 8), torch.randn(1, kv_heads, 3, 8)
     with pytest.raises(ValueError, match="H a multiple of H_kv"):
         sharded_attention(q, kv, kv, group=None, scale=8**-0.5)
+
+
+_Q, _KV = torch.randn(1, 4, 1, 8), torch.randn(1, 2, 3, 8)
+
+
+@pytest.mark.parametrize("q, kv, scale, message", [
+    (_Q.long(), _KV.long(), None, "q, k, v are torch.int64, torch.int64, torch.int64; they must share one of"),
+    (_Q, _KV.double(), None, "q, k, v are torch.float32, torch.float64, torch.float64"),
+    (_Q[:, :, :0], _KV, None, "q (1, 4, 0, 8) is empty"),
+    (_Q[..., :0], _KV[..., :0], None, "q (1, 4, 1, 0) is empty"),
+    (_Q, _KV, float("nan"), "scale must be a positive finite number"),
+], ids=["integer", "mixed", "no_queries", "no_head_dim", "nan_scale"])
+def test_sharded_attention_refuses_what_it_cannot_attend(q, kv, scale, message: str) -> None:
+    """Integer tensors once gave integer 'attention', zero queries a SIGFPE in the CPU kernel."""
+    from ctxpar.inference import sharded_attention
+
+    with pytest.raises(ValueError, match=re.escape(message)):
+        sharded_attention(q, kv, kv, group=None, scale=scale)
+
+
+def test_generation_inputs_are_refused_by_name_not_by_torch() -> None:
+    """Each of these once surfaced as torch's own error (an IndexError in the embedding, the
+    allocator's, a TypeError) or named something the caller never passed."""
+    from ctxpar.inference import decode_step
+
+    model, prompt = cases.build(), cases.prompt_tokens()
+    refused = {
+        "ids outside the vocabulary": (lambda: reference_generate(model, prompt + 200, new_tokens=2),
+                                       "token ids from 201 to 327 in its prompt, outside its vocabulary of 128"),
+        "float ids": (lambda: reference_generate(model, prompt.float(), new_tokens=2),
+                      "integer token ids (int64), got torch.float32"),
+        "a float one-token prompt": (lambda: generate(model, prompt[:, :1].float(), layout="zigzag", new_tokens=2),
+                                     "the prompt must hold integer token ids"),
+        "new_tokens past the cache's range": (
+            lambda: generate(model, prompt, layout="zigzag", new_tokens=2**31 - 1),
+            "a prompt of 24 tokens and new_tokens=2147483647 need a KV cache of 2147483670 positions"),
+        "on_token": (lambda: generate(model, prompt, layout="zigzag", new_tokens=2, on_token="progress"),
+                     "on_token must be None or a function of no arguments, called after each new token, got str"),
+        "dtype by name": (lambda: KVCache.for_model(model.cfg, batch=1, capacity=8, dtype="float32"),
+                          "KVCache dtype must be a floating-point torch.dtype"),
+        "integer dtype": (lambda: KVCache.for_model(model.cfg, batch=1, capacity=8, dtype=torch.int32),
+                          "got torch.int32"),
+        "device": (lambda: KVCache.for_model(model.cfg, batch=1, capacity=8, device="gpu0"),
+                   "KVCache device must be a torch.device or its name"),
+        "no config": (lambda: KVCache.for_model(None, batch=1, capacity=8),
+                      "KVCache.for_model takes a ctxpar.models.ModelConfig (model.cfg), got NoneType"),
+        "memory": (lambda: KVCache.for_model(model.cfg, batch=2**20, capacity=2**24),
+                   "rank 0's KVCache shard, 16777216 of its 16777216 positions"),
+        "empty batch": (lambda: prefill(model, KVCache.for_model(model.cfg, batch=2, capacity=24), prompt[:0],
+                                        layout="zigzag"), "batch B=0 but the KV cache was built for batch 2; pass at "
+                                                          "least one sequence"),
+    }
+    cache = KVCache.for_model(model.cfg, batch=cases.BATCH, capacity=cases.PROMPT_LEN + 2)
+    prefill(model, cache, prompt, layout="zigzag")
+    refused["decode tokens (1, B)"] = (lambda: decode_step(model, cache, prompt[:, :1].T),
+                                       "pass them as (B, n) = (2, 1) or (B,), one token per sequence, not (1, B)")
+    for name, (call, message) in refused.items():
+        try:
+            call()
+        except ValueError as e:
+            assert message in str(e), (name, str(e))
+        else:
+            pytest.fail(f"{name}: no error")

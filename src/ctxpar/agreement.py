@@ -31,7 +31,8 @@ OWN_INPUTS_REJECTED, SAW_REJECTED, SAW_DIFFERENT = 1, 2, 4
 # that are in different calls (one in a decode step, another in a prefill) then compare and
 # raise, where messages of different sizes would abort the process inside gloo.
 SIGNATURE_WIDTH = 24
-CALLS = ("attention", "prefill", "decode step", "partial prefill", "generate call", "generate forward", "forward")
+CALLS = ("attention", "prefill", "decode step", "partial prefill", "generate call", "generate forward", "forward",
+         "sharded attention")
 FIELDS = ("trouble", "batch", "heads", "kv_heads", "local_len", "head_dim", "dtype", "causal", "scale",
           "strategy", "layout", "requires_grad", "documents/window", "sinks")
 
@@ -39,6 +40,11 @@ FIELDS = ("trouble", "batch", "heads", "kv_heads", "local_len", "head_dim", "dty
 def text_code(text: str) -> int:
     """A checksum of ``text`` every rank computes alike (for names in a signature)."""
     return zlib.crc32(text.encode())
+
+
+def float_code(x) -> int:
+    """``float(x)``'s 64 bits as an integer: equal on ranks passing equal numbers."""
+    return struct.unpack("<q", struct.pack("<d", float(x)))[0]
 
 
 def tensor_code(t: torch.Tensor, dtype: torch.dtype, start: int = 0) -> int:
@@ -82,7 +88,7 @@ def signature(q, k, v, *, layout_name: str, causal, scale, strategy, rejected: b
              for i in range(4)]
     kv_heads = readable(lambda: int(k.shape[1])) if isinstance(k, torch.Tensor) and k.dim() == 4 else -1
     dtype = text_code(str(q.dtype)) if isinstance(q, torch.Tensor) else -1
-    scale_bits = readable(lambda: struct.unpack("<q", struct.pack("<d", float(scale)))[0])
+    scale_bits = readable(lambda: float_code(scale))
     mask_code = -1 if mask is None else text_code(f"{mask.documents}/{mask.window}")
     # + 0.0 makes -0.0 the +0.0 it computes alike with (their bytes differ)
     sinks_code = 0 if sinks is None else readable(lambda: tensor_code(sinks.detach().double() + 0.0, torch.float64))

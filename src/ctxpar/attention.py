@@ -17,7 +17,7 @@ from ctxpar.masks import make_mask
 from ctxpar.strategies import STRATEGIES, Strategy
 from ctxpar.strategy_rules import check_strategy
 
-_DTYPES = (torch.float32, torch.bfloat16, torch.float16, torch.float64)
+SUPPORTED_DTYPES = (torch.float32, torch.bfloat16, torch.float16, torch.float64)
 
 
 def attention_with_lse(
@@ -266,8 +266,8 @@ def _validate(q, k, v, layout: Layout, topo: topology.Topology, scale: float | N
         raise ValueError(f"query heads H={h} must be a multiple of key/value heads H_kv={hk}")
     if not (q.dtype == k.dtype == v.dtype):
         raise ValueError(f"q, k, v dtypes differ: {q.dtype}, {k.dtype}, {v.dtype}; cast them to one dtype")
-    if q.dtype not in _DTYPES:
-        raise ValueError(f"dtype {q.dtype} is not supported; use one of {', '.join(map(str, _DTYPES))}")
+    if q.dtype not in SUPPORTED_DTYPES:
+        raise ValueError(f"dtype {q.dtype} is not supported; use one of {', '.join(map(str, SUPPORTED_DTYPES))}")
     if not (q.device == k.device == v.device):
         raise ValueError(f"q, k, v are on different devices: {q.device}, {k.device}, {v.device}")
     if layout.world_size > 1:
@@ -277,8 +277,14 @@ def _validate(q, k, v, layout: Layout, topo: topology.Topology, scale: float | N
         layout.validate(s * layout.world_size)
     except ValueError as e:
         raise ValueError(f"local length S={s} on each of P={layout.world_size} ranks: {e}") from None
+    return check_scale(scale, q)
+
+
+def check_scale(scale, q: torch.Tensor) -> float:
+    """The softmax scale of attention over ``q`` (B, H, S, D): None for D ** -0.5, else a
+    positive number that ``q``'s accumulation dtype holds."""
     if scale is None:
-        return d**-0.5
+        return q.shape[-1]**-0.5
     if isinstance(scale, torch.Tensor):
         raise ValueError(f"scale must be a number, got a tensor ({reprlib.repr(scale)}); for a learnable or per-head "
                          f"scale, multiply q by it and pass scale=1.0")

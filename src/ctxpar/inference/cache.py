@@ -27,6 +27,7 @@ heads: nothing is repeated for GQA.
 
 from __future__ import annotations
 
+import math
 import weakref
 
 import torch
@@ -81,6 +82,14 @@ class KVCache:
                             ("value_dim", value_dim), ("capacity", capacity)):
             if isinstance(value, bool) or not isinstance(value, int) or not 1 <= value <= limits.MAX_COUNT:
                 raise ValueError(f"KVCache {name} must be an int between 1 and {limits.MAX_COUNT}, got {value!r}")
+        if not isinstance(dtype, torch.dtype) or not dtype.is_floating_point:
+            raise ValueError(f"KVCache dtype must be a floating-point torch.dtype (the model's, e.g. torch.bfloat16), "
+                             f"got {dtype!r}")
+        try:
+            device = torch.device(device)
+        except (RuntimeError, TypeError) as e:
+            raise ValueError(f"KVCache device must be a torch.device or its name ('cpu', 'cuda:0'), got {device!r}: "
+                             f"{e}") from None
         topo = topology.of(group, mesh, "KVCache")
         self.group, self.mesh, self.rank, self.world_size = group, mesh, topo.rank, topo.world_size
         self.layers, self.batch, self.kv_heads, self.head_dim = layers, batch, kv_heads, head_dim
@@ -88,9 +97,16 @@ class KVCache:
         self.capacity = capacity
         self.local_capacity = -(-capacity // self.world_size)
         # (L, B, H_kv, slots, D) and (L, B, H_kv, slots, Dv); slots past ``length`` are never read
-        self._keys = torch.empty((layers, batch, kv_heads, self.local_capacity, head_dim), dtype=dtype, device=device)
-        self._values = torch.empty((layers, batch, kv_heads, self.local_capacity, value_dim), dtype=dtype,
-                                   device=device)
+        shape = (layers, batch, kv_heads, self.local_capacity)
+        try:
+            self._keys = torch.empty((*shape, head_dim), dtype=dtype, device=device)
+            self._values = torch.empty((*shape, value_dim), dtype=dtype, device=device)
+        except RuntimeError as e:  # torch.OutOfMemoryError (CUDA) is one too
+            need = math.prod(shape) * (head_dim + value_dim) * dtype.itemsize
+            raise ValueError(f"rank {self.rank}'s KVCache shard, {self.local_capacity} of its {capacity} positions "
+                             f"(x {layers} layers, batch {batch}, {kv_heads} K/V heads), needs {need / 2**30:.3g} "
+                             f"GiB on {device}, which could not be allocated ({str(e).splitlines()[0]}); build it "
+                             f"with a smaller capacity or batch, or over more ranks") from None
         self._positions = torch.full((self.local_capacity,), -1, dtype=torch.int64)
         self.seq_len = self.prompt_len = self.length = 0
         self.filled_by: weakref.ref | None = None  # the model whose K/V it holds (``hooks.check_model_fits``)
@@ -99,6 +115,9 @@ class KVCache:
     def for_model(cls, cfg, *, batch: int, capacity: int, group: dist.ProcessGroup | None = None,
                   dtype: torch.dtype = torch.float32, device: torch.device | str = "cpu") -> KVCache:
         """A cache shaped for a ``ctxpar.models.ModelConfig``."""
+        if not all(hasattr(cfg, name) for name in ("layers", "kv_heads", "head_dim")):
+            raise ValueError(f"KVCache.for_model takes a ctxpar.models.ModelConfig (model.cfg), got "
+                             f"{type(cfg).__name__}")
         return cls(layers=cfg.layers, batch=batch, kv_heads=cfg.kv_heads, head_dim=cfg.head_dim, capacity=capacity,
                    group=group, dtype=dtype, device=device)
 

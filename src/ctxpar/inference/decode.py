@@ -26,9 +26,9 @@ import torch.distributed as dist
 import torch.nn as nn
 
 from ctxpar import agreement, kernels, topology
-from ctxpar.attention import check_sinks
+from ctxpar.attention import SUPPORTED_DTYPES, check_scale, check_sinks
 from ctxpar.inference.cache import SHARD_FULL_WHY, KVCache
-from ctxpar.inference.hooks import attention_replaced, check_cache, check_model_fits
+from ctxpar.inference.hooks import attention_replaced, check_cache, check_model_fits, model_code
 from ctxpar.inference.prefill import check_tokens
 from ctxpar.merge import merge_packed
 
@@ -61,7 +61,7 @@ def decode_step(model: nn.Module, cache: KVCache, tokens: torch.Tensor, *,
     except Exception as e:  # noqa: BLE001  any failure: this rank must still join the
         error = e  # exchange below, or its peers wait there
     if check_consistency and cache.world_size > 1:
-        agreement.check_values_agree(_signature(cache, tokens), cache.group, error, "decode step")
+        agreement.check_values_agree(_signature(model, cache, tokens), cache.group, error, "decode step")
     elif error is not None:
         raise error
 
@@ -88,37 +88,60 @@ def decode_step(model: nn.Module, cache: KVCache, tokens: torch.Tensor, *,
 
 
 def sharded_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, group: dist.ProcessGroup | None,
-                      scale: float, sinks: torch.Tensor | None = None, mesh=None) -> torch.Tensor:
+                      scale: float | None, sinks: torch.Tensor | None = None, mesh=None,
+                      check_consistency: bool = True) -> torch.Tensor:
     """Attention of queries every rank shares to keys spread over the ranks of ``group``.
 
     Args:
         q: (B, H, S, D), the same on every rank; each query sees every key (the keys
             are earlier positions, or the query's own).
-        k, v: (B, H_kv, n, D) this rank's keys and values; n may differ between ranks,
-            and be 0.
+        k, v: (B, H_kv, n, D) this rank's keys and values, q's dtype and device; n may
+            differ between ranks, and be 0.
         group: the ranks holding the keys (None: WORLD, or one process without one).
+        scale: the softmax scale (None: D ** -0.5).
         sinks: None, or (H,) sink logits (gpt-oss's): one more term per head in each
             softmax's denominator, with no value, as in ``ctxpar.attention``.
         mesh: instead of ``group``, a hybrid 2D DeviceMesh (``ctxpar.attention``'s): its
             ranks hold the keys.
+        check_consistency: the ranks first compare their calls (one tiny all-gather: q's
+            shape, dtype and values, the key shapes but n, scale, sinks), so a rank whose
+            inputs are invalid or differ makes every rank raise instead of leaving the
+            others waiting or merging partials of different queries; turn off only on
+            every rank at once.
 
     Returns:
         (B, H, S, D) in q's dtype, identical on every rank: softmax over the keys of
         all ranks, from one all-gather of the partial (out, lse).
 
     Raises:
-        ValueError: shapes that do not fit (before the all-gather; q's heads and head dim,
-            the same on every rank, decide it alike everywhere); both group and mesh.
+        ValueError: bad input (shapes that do not fit, dtypes, devices, scale, sinks), or
+            ranks that disagree: before the all-gather, on every rank together; both group
+            and mesh.
     """
-    return sharded_attention_over(q, k, v, topology.of(group, mesh, "sharded_attention"), scale=scale, sinks=sinks)
+    peers = topology.of(group, mesh, "sharded_attention")
+    error = None
+    try:
+        scale = _check_inputs(q, k, v, scale, sinks)
+    except Exception as e:  # noqa: BLE001  any failure: this rank must still join the
+        error = e  # exchange below, or its peers wait there
+    if check_consistency and peers.world_size > 1:
+        agreement.check_values_agree(_attention_signature(q, k, v, scale, sinks), peers.process_groups, error,
+                                     "sharded attention")
+    elif error is not None:
+        raise error
+    return _merged_attention(q, k, v, peers, scale, sinks)
 
 
 def sharded_attention_over(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, peers: topology.Topology, *,
-                           scale: float, sinks: torch.Tensor | None = None) -> torch.Tensor:
+                           scale: float | None, sinks: torch.Tensor | None = None) -> torch.Tensor:
     """``sharded_attention`` over the ranks of ``peers`` (a group's or a mesh's, resolved
-    once by a caller that attends at every layer)."""
-    _check_shapes(q, k, v)
-    check_sinks(sinks, q)
+    once by a caller that attends at every layer, and that has made the ranks agree on
+    the call it runs, as a decode step does), without an exchange of its own."""
+    return _merged_attention(q, k, v, peers, _check_inputs(q, k, v, scale, sinks), sinks)
+
+
+def _merged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, peers: topology.Topology, scale: float,
+                      sinks: torch.Tensor | None) -> torch.Tensor:
     acc = kernels.accumulation_dtype(q.dtype)
     if k.shape[2]:
         out, lse = kernels.attention_forward(q, k, v, causal=False, scale=scale)  # (B, H, S, D), (B, H, S)
@@ -131,13 +154,43 @@ def sharded_attention_over(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, pe
     return out.to(q.dtype)
 
 
-def _check_shapes(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
-    if not all(isinstance(t, torch.Tensor) and t.dim() == 4 for t in (q, k, v)):
-        raise ValueError("sharded_attention takes 4-D tensors: q (B, H, S, D), k and v (B, H_kv, n, D)")
+def _check_inputs(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float | None,
+                  sinks: torch.Tensor | None) -> float:
+    """Shapes, dtypes, devices and sinks of a sharded attention call; returns its scale."""
+    if not all(isinstance(t, torch.Tensor) and t.layout == torch.strided and not t.is_nested and t.dim() == 4
+               for t in (q, k, v)):
+        raise ValueError("sharded_attention takes dense 4-D tensors: q (B, H, S, D), k and v (B, H_kv, n, D)")
     if (k.shape != v.shape or q.shape[0] != k.shape[0] or q.shape[3] != k.shape[3] or not k.shape[1]
             or q.shape[1] % k.shape[1]):
         raise ValueError(f"sharded_attention: q {tuple(q.shape)} and k, v {tuple(k.shape)}, {tuple(v.shape)} must "
                          f"share batch and head dim, k and v one shape, and H a multiple of H_kv (GQA)")
+    if 0 in q.shape:
+        raise ValueError(f"sharded_attention: q {tuple(q.shape)} is empty; every dim of (B, H, S, D) must be >= 1 "
+                         f"(only a rank's number of keys n may be 0)")
+    if not (q.dtype == k.dtype == v.dtype) or q.dtype not in SUPPORTED_DTYPES:
+        raise ValueError(f"sharded_attention: q, k, v are {q.dtype}, {k.dtype}, {v.dtype}; they must share one "
+                         f"of {', '.join(map(str, SUPPORTED_DTYPES))}")
+    if not (q.device == k.device == v.device):
+        raise ValueError(f"sharded_attention: q, k, v are on different devices: {q.device}, {k.device}, {v.device}")
+    check_sinks(sinks, q)
+    return check_scale(scale, q)
+
+
+def _attention_signature(q, k, v, scale, sinks) -> dict[str, int]:
+    """What every rank's sharded attention call must share (-1 where unreadable); the
+    number of keys is each rank's own."""
+    def dim(t, i: int) -> int:
+        return agreement.readable(lambda: int(t.shape[i]) if t.dim() == 4 else -1)
+
+    return {
+        **{f"q {name}": dim(q, i) for i, name in enumerate(("batch", "heads", "queries", "head dim"))},
+        "k/v heads": dim(k, 1),
+        "dtype": agreement.readable(lambda: agreement.text_code(str(q.dtype))),
+        "q values (crc32)": agreement.readable(lambda: agreement.tensor_code(q, torch.float64)),
+        "scale": agreement.readable(lambda: agreement.float_code(scale)),
+        "sinks (crc32)": 0 if sinks is None else agreement.readable(
+            lambda: agreement.tensor_code(sinks.detach().double() + 0.0, torch.float64)),
+    }
 
 
 def _check(model: nn.Module, cache: KVCache, tokens) -> torch.Tensor:
@@ -159,11 +212,12 @@ def _check(model: nn.Module, cache: KVCache, tokens) -> torch.Tensor:
     return tokens
 
 
-def _signature(cache: KVCache, tokens) -> dict[str, int]:
+def _signature(model: nn.Module, cache: KVCache, tokens) -> dict[str, int]:
     """Every rank must be at the same step with the same tokens."""
     ok = isinstance(tokens, torch.Tensor)
     return {
         "position (prompt + steps)": cache.seq_len,
+        "model (config, layers)": model_code(model),
         "capacity": cache.capacity,
         "batch": tokens.shape[0] if ok and tokens.dim() else -1,
         "dtype": agreement.text_code(str(cache.dtype)),

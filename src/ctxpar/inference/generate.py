@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import math
 import reprlib
-import struct
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -26,6 +25,7 @@ import torch.nn as nn
 from ctxpar import agreement, limits, topology
 from ctxpar.inference.cache import KVCache
 from ctxpar.inference.decode import decode_step
+from ctxpar.inference.hooks import model_code
 from ctxpar.inference.partial import partial_prefill
 from ctxpar.inference.prefill import check_strategy, prefill
 from ctxpar.layout import ContiguousLayout, Layout, StripedLayout, ZigzagLayout, get_layout
@@ -101,20 +101,24 @@ def generate(model: nn.Module, prompt: torch.Tensor, *, layout: str | Layout, gr
     world = ranks.world_size
     try:
         _check(model, prompt, new_tokens, temperature, seed)
+        if not (on_token is None or callable(on_token)):
+            raise ValueError(f"on_token must be None or a function of no arguments, called after each new token, "
+                             f"got {type(on_token).__name__}")
         # prefill checks these too, but a prompt shorter than the layout's multiple has no head to prefill
         check_strategy(model, ranks.rank, world, strategy, mesh)
         head = prefilled_length(get_layout(layout, world), prompt.shape[1])
+        weight = model.output.weight
+        # allocated before the ranks compare calls: a rank without the memory for its shard raises with the others
+        cache = KVCache.for_model(model.cfg, batch=prompt.shape[0], capacity=prompt.shape[1] + new_tokens - 1,
+                                  group=group, dtype=weight.dtype, device=weight.device)
     except Exception as e:  # noqa: BLE001  any failure: this rank must still join the
         error = e  # exchange below, or its peers wait there
     if check_consistency and world > 1:
-        agreement.check_values_agree(_signature(new_tokens, temperature, seed, strategy), group, error,
+        agreement.check_values_agree(_signature(model, new_tokens, temperature, seed, strategy), group, error,
                                      "generate call")
     elif error is not None:
         raise error
 
-    weight = model.output.weight
-    cache = KVCache.for_model(model.cfg, batch=prompt.shape[0], capacity=prompt.shape[1] + new_tokens - 1,
-                              group=group, dtype=weight.dtype, device=weight.device)
     sample = Sampler(temperature, seed, weight.device)
     begin = _now(weight.device)
     if head:
@@ -173,13 +177,22 @@ def _check(model: nn.Module, prompt: torch.Tensor, new_tokens: int, temperature:
     if not isinstance(prompt, torch.Tensor) or prompt.dim() != 2 or 0 in prompt.shape:
         got = tuple(prompt.shape) if isinstance(prompt, torch.Tensor) else type(prompt).__name__
         raise ValueError(f"the prompt must be a 2-D tensor of token ids (B, T) with B, T >= 1, got {got}")
+    if prompt.dtype not in (torch.int64, torch.int32):
+        raise ValueError(f"the prompt must hold integer token ids (int64), got {prompt.dtype}")
+    limits.check_token_range(prompt, model.cfg.vocab, "the model", " in its prompt")
+    if prompt.shape[1] + new_tokens - 1 > limits.MAX_COUNT:
+        raise ValueError(f"a prompt of {prompt.shape[1]} tokens and new_tokens={new_tokens} need a KV cache of "
+                         f"{prompt.shape[1] + new_tokens - 1} positions, more than {limits.MAX_COUNT}")
 
 
-def _signature(new_tokens, temperature, seed, strategy) -> dict[str, int]:
+def _signature(model, new_tokens, temperature, seed, strategy) -> dict[str, int]:
     def bits(x) -> int:
-        return agreement.readable(lambda: struct.unpack("<q", struct.pack("<d", float(x)))[0])
-    return {"new_tokens": new_tokens if isinstance(new_tokens, int) else -1, "temperature": bits(temperature),
-            "seed": seed if isinstance(seed, int) else -1, "strategy": agreement.text_code(str(strategy))}
+        return agreement.readable(lambda: agreement.float_code(x))
+    return {"model (config, layers)": model_code(model),
+            "new_tokens": new_tokens if isinstance(new_tokens, int) else -1,
+            "temperature": bits(temperature),
+            "seed": seed if isinstance(seed, int) else -1,
+            "strategy": agreement.text_code(str(strategy))}
 
 
 def _now(device: torch.device) -> float:

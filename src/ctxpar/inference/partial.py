@@ -37,7 +37,7 @@ from ctxpar import agreement, kernels
 from ctxpar.blocks import Tile, tiles_between
 from ctxpar.comm import PendingAllGather, RingComm, settled
 from ctxpar.inference.cache import SHARD_FULL_WHY, KVCache
-from ctxpar.inference.hooks import attention_replaced, check_cache, check_model_fits
+from ctxpar.inference.hooks import attention_replaced, check_cache, check_model_fits, model_code
 from ctxpar.inference.prefill import check_tokens, last_logits
 from ctxpar.masks import Mask
 from ctxpar.merge import merge_packed
@@ -82,7 +82,7 @@ def partial_prefill(model: nn.Module, cache: KVCache, chunk: torch.Tensor, *, me
     except Exception as e:  # noqa: BLE001  any failure: this rank must still join the
         error = e  # exchange below, or its peers wait there
     if check_consistency and cache.world_size > 1:
-        agreement.check_values_agree(_signature(cache, chunk, method), cache.group, error, "partial prefill")
+        agreement.check_values_agree(_signature(model, cache, chunk, method), cache.group, error, "partial prefill")
     elif error is not None:
         raise error
 
@@ -229,10 +229,11 @@ def _check(model: nn.Module, cache: KVCache, chunk, method: str, hardware) -> to
     return chunk
 
 
-def _signature(cache: KVCache, chunk, method: str) -> dict[str, int]:
+def _signature(model: nn.Module, cache: KVCache, chunk, method: str) -> dict[str, int]:
     ok = isinstance(chunk, torch.Tensor) and chunk.dim() == 2
     return {
         "cached positions": cache.seq_len,
+        "model (config, layers)": model_code(model),
         "batch": chunk.shape[0] if ok else -1,
         "chunk length": chunk.shape[1] if ok else -1,
         "chunk tokens (crc32)": agreement.readable(lambda: agreement.tensor_code(chunk, torch.int64)) if ok else -1,

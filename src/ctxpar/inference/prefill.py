@@ -18,7 +18,7 @@ import torch.nn as nn
 from ctxpar import agreement, comm, limits, strategy_rules, topology
 from ctxpar.attention import attention
 from ctxpar.inference.cache import KVCache
-from ctxpar.inference.hooks import attention_replaced, check_cache, check_model_fits
+from ctxpar.inference.hooks import attention_replaced, check_cache, check_model_fits, model_code
 from ctxpar.layout import Layout, fingerprint, get_layout
 
 INFERENCE_STRATEGIES = (*strategy_rules.STRATEGY_NAMES, strategy_rules.AUTO)
@@ -60,7 +60,7 @@ def prefill(model: nn.Module, cache: KVCache, prompt: torch.Tensor, *, layout: s
     except Exception as e:  # noqa: BLE001  any failure: this rank must still join the
         error = e  # exchange below, or its peers wait there
     if check_consistency and cache.world_size > 1:
-        agreement.check_values_agree(_signature(cache, prompt, layout, strategy), cache.group, error, "prefill")
+        agreement.check_values_agree(_signature(model, cache, prompt, layout, strategy), cache.group, error, "prefill")
     elif error is not None:
         raise error
 
@@ -99,8 +99,14 @@ def check_tokens(tokens: object, cache: KVCache, vocab: int, what: str) -> None:
     if tokens.dtype not in (torch.int64, torch.int32):
         raise ValueError(f"{what}: expected integer token ids (int64), got {tokens.dtype}")
     if tokens.shape[0] != cache.batch:
+        if what == "decode tokens" and tokens.shape == (1, cache.batch) and cache.batch > 1:
+            fix = f"pass them as (B, n) = ({cache.batch}, 1) or (B,), one token per sequence, not (1, B)"
+        elif tokens.shape[0] == 0:
+            fix = "pass at least one sequence"
+        else:
+            fix = f"build the cache with batch={tokens.shape[0]}"
         raise ValueError(f"{what}: batch B={tokens.shape[0]} but the KV cache was built for batch {cache.batch}; "
-                         f"build the cache with batch={tokens.shape[0]}")
+                         f"{fix}")
     if tokens.device != cache.device:
         raise ValueError(f"{what}: on {tokens.device} but the model and cache are on {cache.device}")
     limits.check_token_range(tokens, vocab, "the model", f" in its {what}")
@@ -158,11 +164,12 @@ def check_strategy(model: nn.Module, rank: int, world_size: int, strategy: str, 
     return layout_rank
 
 
-def _signature(cache: KVCache, prompt, layout, strategy) -> dict[str, int]:
+def _signature(model: nn.Module, cache: KVCache, prompt, layout, strategy) -> dict[str, int]:
     """What every rank's prefill call must share; -1 where the input was not even a tensor."""
     ok = isinstance(prompt, torch.Tensor) and prompt.dim() == 2
     return {
         "batch": prompt.shape[0] if ok else -1,
+        "model (config, layers)": model_code(model),
         "prompt length": prompt.shape[1] if ok else -1,
         "prompt tokens (crc32)": agreement.readable(lambda: agreement.tensor_code(prompt, torch.int64)) if ok else -1,
         "capacity": cache.capacity,
