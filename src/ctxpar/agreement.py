@@ -54,6 +54,12 @@ def tensor_code(t: torch.Tensor, dtype: torch.dtype, start: int = 0) -> int:
     return zlib.crc32(memoryview(host.numpy()).cast("B"), start)  # read in place, not copied to bytes
 
 
+def values_code(t: torch.Tensor) -> int:
+    """A checksum of floating-point ``t``'s values, equal on ranks whose values compute alike:
+    + 0.0 makes -0.0 the +0.0 it computes alike with (their bytes differ)."""
+    return tensor_code(t.detach().double() + 0.0, torch.float64)
+
+
 def needs_grad(*tensors) -> bool:
     """Whether a backward will run through a call on ``tensors`` (non-tensors ignored):
     grad mode is on and one of them requires grad."""
@@ -90,8 +96,7 @@ def signature(q, k, v, *, layout_name: str, causal, scale, strategy, rejected: b
     dtype = text_code(str(q.dtype)) if isinstance(q, torch.Tensor) else -1
     scale_bits = readable(lambda: float_code(scale))
     mask_code = -1 if mask is None else text_code(f"{mask.documents}/{mask.window}")
-    # + 0.0 makes -0.0 the +0.0 it computes alike with (their bytes differ)
-    sinks_code = 0 if sinks is None else readable(lambda: tensor_code(sinks.detach().double() + 0.0, torch.float64))
+    sinks_code = 0 if sinks is None else readable(lambda: values_code(sinks))
     return [OWN_INPUTS_REJECTED if rejected else 0, shape[0], shape[1], kv_heads, shape[2], shape[3], dtype,
             readable(lambda: int(bool(causal))), scale_bits, text_code(str(strategy)), text_code(layout_name),
             grad_flags(q, k, v, sinks), mask_code, sinks_code]

@@ -186,10 +186,9 @@ def _attention_signature(q, k, v, scale, sinks) -> dict[str, int]:
         **{f"q {name}": dim(q, i) for i, name in enumerate(("batch", "heads", "queries", "head dim"))},
         "k/v heads": dim(k, 1),
         "dtype": agreement.readable(lambda: agreement.text_code(str(q.dtype))),
-        "q values (crc32)": agreement.readable(lambda: agreement.tensor_code(q, torch.float64)),
+        "q values (crc32)": agreement.readable(lambda: agreement.values_code(q)),
         "scale": agreement.readable(lambda: agreement.float_code(scale)),
-        "sinks (crc32)": 0 if sinks is None else agreement.readable(
-            lambda: agreement.tensor_code(sinks.detach().double() + 0.0, torch.float64)),
+        "sinks (crc32)": 0 if sinks is None else agreement.readable(lambda: agreement.values_code(sinks)),
     }
 
 
