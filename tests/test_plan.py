@@ -20,7 +20,7 @@ from ctxpar.blocks import MaskKind
 from ctxpar.layout import UnionLayout, get_layout
 from ctxpar.masks import Mask
 from ctxpar.models.config import ModelConfig
-from ctxpar.plan import cost, get_hardware, make_plan, parse_bandwidth, parse_flops, resolve_model
+from ctxpar.plan import cost, format_plan, get_hardware, make_plan, parse_bandwidth, parse_flops, resolve_model
 from ctxpar.cli import main
 from ctxpar import calibrate
 from ctxpar.calibrate import measure_link, measure_memory_bandwidth
@@ -498,6 +498,30 @@ def test_links_follow_megatrons_rank_order() -> None:
     assert cost.step_time(w, half).tp_forward == cost.tp_traffic(w).forward / 50e9
     hybrid = w.with_(tp=2, cp=8, strategy="hybrid", ulysses=4)
     assert (cost.links(hybrid, hw)["ulysses"].span, cost.links(hybrid, hw)["ulysses"].crosses_nodes) == (8, False)
+
+
+def test_a_group_straddling_two_nodes_is_priced_at_the_inter_node_link() -> None:
+    """6 GPUs a node: TP 4 x CP 4 puts TP groups on GPUs 4-7 and 8-11, across two nodes, and the
+    slowest group sets the step; TP=1 x CP=4 x DP=2 does the same to the CP group on GPUs 4-7, and so
+    does a second pipeline stage (GPUs 4-7) though the first stage's group stays in a node."""
+    hw = get_hardware("H100-SXM", gpus_per_node=6)
+    w = worked(seq=16384, cp=4, tp=4)
+    tp = cost.links(w, hw)["tp"]
+    assert (tp.span, tp.crosses_nodes, tp.bandwidth) == (4, True, 50e9) and tp.straddling_group == 4
+    assert cost.step_time(w, hw).tp_forward == pytest.approx(cost.tp_traffic(w).forward / 50e9
+                                                             + cost.tp_traffic(w).collectives * hw.latency)
+    assert "TP group of 4 spans 4 consecutive GPUs, within a node of 6, but the group on GPUs 4-7 straddles two " \
+        "nodes (the slowest group sets the step): inter-node link, 50 GB/s" in format_plan(make_plan(w, hw))
+    for spread in (worked(seq=16384, cp=4, dp=2), worked(seq=16384, cp=4, pp=2)):
+        cp = cost.links(spread, hw)["cp"]
+        assert cost.step_time(spread, hw).attention.link_bandwidth == 50e9
+        assert (cp.crosses_nodes, cp.bandwidth, cp.straddling_group) == (True, 50e9, 4)
+    assert not cost.links(worked(seq=16384, cp=4), hw)["cp"].crosses_nodes  # one group, GPUs 0-3
+    assert not cost.links(worked(seq=16384, cp=4, dp=4), get_hardware("H100-SXM"))["cp"].crosses_nodes  # 8 a node
+    # decoding's TP all-reduces too: the second of two TP groups of 4 straddles GPUs 4-7
+    kw = dict(batch=1, positions=16384, elem=2, tp=4)
+    assert inference.decode_seconds(LLAMA_8B, cp=2, hw=hw, **kw) > inference.decode_seconds(
+        LLAMA_8B, cp=2, hw=replace(hw, gpus_per_node=8), **kw)
 
 
 @pytest.mark.parametrize("changes, message", [

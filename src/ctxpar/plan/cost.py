@@ -57,7 +57,8 @@ overlap hides some); the backward's re-gathers of sequence-parallel inputs are c
 as overlapped with the input-gradient matmul, as Megatron runs them. Links (``links``),
 Megatron's rank order, TP innermost, then CP, DP, PP: a TP group is t consecutive GPUs,
 a CP group spans t·P, a hybrid's all-to-all t·U; each is paced by the inter-node link
-once its span exceeds the GPUs per node.
+once its span exceeds the GPUs per node, or once one of its groups straddles two nodes
+(6 GPUs a node, TP 4: GPUs 4-7), as the slowest group sets the step.
 
 Data parallelism (``data_parallel_time``): the DP·P GPUs holding one TP shard reduce its
 gradients (DDP), or gather its parameters and reduce-scatter its gradients (FSDP over Z,
@@ -385,8 +386,10 @@ def compute_seconds(w: Workload, hw: Hardware, rank: int | None = None) -> tuple
             BACKWARD_FLOPS_RATIO * flops / (backward * hw.backward_flops) + extra[1])
 
 
-def attention_time(w: Workload, hw: Hardware) -> AttentionTime:
-    """Forward and backward pipelines of one layer (see the module docstring)."""
+def attention_time(w: Workload, hw: Hardware, world: int | None = None) -> AttentionTime:
+    """Forward and backward pipelines of one layer (see the module docstring); the CP groups
+    laid over ``world`` GPUs (default ``w``'s; a pipeline stage's workload takes the job's)."""
+    world = world or w.world_size
     fwd_compute, bwd_compute = compute_seconds(w, hw)
     kernels = kernels_per_stage(w) if hw.launch_overhead else 1  # counting walks the block plan: only if it costs
     lat = hw.latency
@@ -397,8 +400,8 @@ def attention_time(w: Workload, hw: Hardware) -> AttentionTime:
         own, shuffled = (rest.backward, a2a.backward) if backward else (rest.forward, a2a.forward)
         return stage_overhead(hw, w.strategy, kernels, own / stages, shuffled / stages)
 
-    bw = hw.bandwidth(w.tp * w.cp)
-    a2a_bw = hw.bandwidth(w.tp * w.ulysses_degree)
+    bw = hw.bandwidth(w.tp * w.cp, world)
+    a2a_bw = hw.bandwidth(w.tp * w.ulysses_degree, world)
     if w.strategy == "allgather":
         n = gather_groups(w.kv_heads_per_gpu)  # one head group gathered per stage
         gather, reduce = rest.forward / n / bw + lat, (rest.backward - rest.forward) / n / bw + lat
@@ -430,6 +433,7 @@ class Link:
     span: int  # consecutive GPUs from its first member to its last
     crosses_nodes: bool
     bandwidth: float  # bytes/s per GPU per direction
+    straddling_group: int | None = None  # first GPU of its first copy that leaves a node; None: none does
 
     @property
     def name(self) -> str:
@@ -446,9 +450,11 @@ def links(w: Workload, hw: Hardware) -> dict[str, Link]:
     The G = DP·P GPUs of a pipeline stage holding one TP shard keep it in step: "fsdp", Z
     of them t apart (spanning t·Z GPUs), and "replicas" (HSDP, the G/Z copies of a shard)
     or "dp" (DDP, all G) spanning the stage's t·P·DP GPUs. "pp": neighbouring stages are
-    t·P·DP GPUs apart, so the pipeline spans every GPU."""
+    t·P·DP GPUs apart, so the pipeline spans every GPU. A group is priced at the inter-node
+    link when any of its copies over the job's GPUs leaves a node: the slowest sets the step."""
     def link(size: int, span: int) -> Link:
-        return Link(size, span, hw.crosses_nodes(span), hw.bandwidth(span))
+        start = hw.straddling_group(span, w.world_size)
+        return Link(size, span, start is not None, hw.bandwidth(span, w.world_size), start)
 
     out = {"tp": link(w.tp, w.tp), "cp": link(w.cp, w.tp * w.cp)}
     if w.strategy == "hybrid":
@@ -642,10 +648,10 @@ def step_time(w: Workload, hw: Hardware) -> StepTime:
     stage = w.stage()
     recompute = stage.checkpointing == "full"
     matmul = matmul_seconds(stage, hw, matmul_passes(recompute))
-    tp, bw = tp_traffic(stage), hw.bandwidth(stage.tp)
+    tp, bw = tp_traffic(stage), hw.bandwidth(stage.tp, w.world_size)
     lat = tp.collectives * hw.latency
-    step = StepTime(matmul, attention_time(stage, hw), stage.model.layers, recompute, tp.forward / bw + lat,
-                    tp.backward / bw + lat, schedule=pipeline_schedule(w, hw))
+    step = StepTime(matmul, attention_time(stage, hw, w.world_size), stage.model.layers, recompute,
+                    tp.forward / bw + lat, tp.backward / bw + lat, schedule=pipeline_schedule(w, hw))
     return replace(step, data_parallel=data_parallel_time(w, hw, step))
 
 

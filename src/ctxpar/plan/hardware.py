@@ -57,7 +57,8 @@ class Hardware:
         peak_flops: dense peak FLOP/s in the compute dtype (bf16/fp16 tensor cores).
         efficiency: fraction of ``peak_flops`` every kernel achieves where no kernel rate is given.
         hbm_bytes: device memory, bytes.
-        gpus_per_node: GPUs joined by the intra-node link; larger CP groups cross nodes.
+        gpus_per_node: GPUs joined by the intra-node link; larger groups, and those straddling
+            two nodes, cross nodes.
         intra_node_bandwidth: bytes/s per GPU per direction inside a node.
         inter_node_bandwidth: bytes/s per GPU per direction between nodes.
         source: where the figures come from.
@@ -247,16 +248,29 @@ class Hardware:
                        strategy_step_byte_overheads=_over(self.strategy_step_byte_overheads, share),
                        **{key: getattr(self, key) / share for key in TILE_OVERHEADS})
 
-    def bandwidth(self, group_size: int) -> float:
-        """Bytes/s per GPU per direction for a collective over ``group_size`` consecutive GPUs.
+    def bandwidth(self, span: int, world: int | None = None) -> float:
+        """Bytes/s per GPU per direction for a collective over groups spanning ``span``
+        consecutive GPUs, laid side by side over ``world`` GPUs (None: one group).
 
-        A group that spans nodes is paced by its slowest hop, the inter-node link.
+        A group that spans nodes is paced by its slowest hop, the inter-node link, and the
+        slowest group sets the step: one group leaving a node prices them all so.
         """
-        return self.inter_node_bandwidth if self.crosses_nodes(group_size) else self.intra_node_bandwidth
+        return self.inter_node_bandwidth if self.crosses_nodes(span, world) else self.intra_node_bandwidth
 
-    def crosses_nodes(self, span: int) -> bool:
-        """Whether ``span`` consecutive GPUs (a group and the GPUs between its members) leave one node."""
-        return span > self.gpus_per_node
+    def crosses_nodes(self, span: int, world: int | None = None) -> bool:
+        """Whether a group spanning ``span`` consecutive GPUs (its members and the GPUs between
+        them), or one of its copies side by side over ``world`` GPUs, leaves one node."""
+        return self.straddling_group(span, world) is not None
+
+    def straddling_group(self, span: int, world: int | None = None) -> int | None:
+        """The first GPU of the first group that leaves a node, of the ``world / span`` groups
+        of ``span`` consecutive GPUs starting at multiples of ``span`` (Megatron's rank order);
+        None if all stay in one. A group fitting a node may still straddle two: 6 GPUs a
+        node, groups of 4 on GPUs 4-7."""
+        n = self.gpus_per_node
+        groups = (world or span) // span
+        cycle = n // math.gcd(span, n)  # where a group starts within its node repeats after this many groups
+        return next((k * span for k in range(min(groups, cycle)) if k * span % n + span > n), None)
 
     def as_dict(self) -> dict:
         return dict(asdict(self), achievable_flops=self.flops, attention_forward_flops=self.forward_flops,

@@ -21,9 +21,9 @@ What ``ctxpar.inference`` does, and what is modelled here for it (P ranks, L lay
   against every earlier key. Under TP each GPU does this for its H/t and H_kv/t heads.
 
 The CP group's GPUs are t apart (TP innermost, as Megatron orders ranks), so the CP link
-is the one a group of t·P GPUs spans (``Hardware.bandwidth(t·P)``). With fp8 matmuls
-(``Hardware.fp8``) the weights are held and read at 1 byte each; the KV cache stays in
-the compute dtype.
+is the one a group of t·P GPUs spans (``Hardware.bandwidth(t·P)``); the TP link is the
+inter-node one if any of the P TP groups leaves a node. With fp8 matmuls (``Hardware.fp8``)
+the weights are held and read at 1 byte each; the KV cache stays in the compute dtype.
 
 ``make_inference_plan`` gathers these against CP degree for ``ctxpar plan --inference``
 (printed and written as JSON by ``plan.inference_report``).
@@ -206,7 +206,7 @@ def decode_seconds(model: ModelConfig, *, batch: int, positions: int, cp: int, e
     if tp > 1:  # two all-reduces of the token's (B, d) activation per layer
         reduce = traffic.tensor_parallel(batch=batch, local_len=1, hidden=model.hidden, tp=tp, elem=elem,
                                          sequence_parallel=False)
-        seconds += model.layers * (reduce.forward / hw.bandwidth(tp) + reduce.collectives * hw.latency)
+        seconds += model.layers * (reduce.forward / hw.bandwidth(tp, tp * cp) + reduce.collectives * hw.latency)
     if cp == 1:
         return seconds
     partials = (cp - 1) * batch * heads * (model.head_dim + 1) * 4

@@ -334,7 +334,11 @@ def _traffic(plan: Plan) -> list[str]:
 
 def _link_words(link, what: str, per_node: int) -> str:
     """'CP group of 4 spans 4 consecutive GPUs, within a node of 8: intra-node link, 450 GB/s'."""
-    where = f"more than a node of {per_node}" if link.crosses_nodes else f"within a node of {per_node}"
+    where = f"more than a node of {per_node}" if link.span > per_node else f"within a node of {per_node}"
+    if link.crosses_nodes and link.span <= per_node:
+        first = link.straddling_group
+        where += (f", but the group on GPUs {first}-{first + link.span - 1} straddles two nodes "
+                  f"(the slowest group sets the step)")
     return (f"{what} group of {link.group_size} spans {link.span} consecutive GPUs, {where}: {link.name} link, "
             f"{format_bandwidth(link.bandwidth)}")
 
