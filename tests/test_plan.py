@@ -860,6 +860,21 @@ def test_numpy_numbers_plan_as_python_ones_and_the_report_is_json() -> None:
         w.with_(sequence_parallel="no")
 
 
+def test_local_ranks_are_judged_against_their_share_of_the_machines_ram() -> None:
+    """--hardware local: the P ranks of a run all live in this machine's RAM, so each fits only in
+    its 1/P share (a rank needing 2/3 of the RAM does not fit twice); a GPU's memory is its own."""
+    w = worked(seq=16384, cp=2)
+    need = memory_per_gpu(w, 1).total
+    hw = replace(local_hardware({"attention_flops": 1e11, "bandwidth": 2e9}), hbm_bytes=need * 3 // 2)
+    plan = make_plan(w, hw, max_cp=2)
+    assert (plan.memory.fits, plan.memory.hbm_bytes) == (False, hw.hbm_bytes // 2)
+    assert not [p for p in plan.sweep if p.cp == 2 and p.seq == w.seq][0].fits
+    assert f"of {format_bytes(hw.hbm_bytes // 2)} (1/2 of this machine's {format_bytes(hw.hbm_bytes)} RAM: its 2 " \
+        "ranks share it): does NOT fit" in format_plan(plan)
+    assert any("RAM, shared by the 2 ranks)" in reason for reason in plan.recommendation.reasons)
+    assert make_plan(w, replace(hw, shared_memory=False), max_cp=2).memory.fits
+
+
 def test_local_hardware_from_a_calibration_file(tmp_path) -> None:
     path = tmp_path / "plan.json"
     path.write_text(json.dumps({"calibration": {"attention_flops": 1e11, "bandwidth": 2e9, "machine": "test"}}))

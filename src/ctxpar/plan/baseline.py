@@ -28,7 +28,7 @@ from dataclasses import asdict, dataclass, field
 
 from ctxpar.plan import cost
 from ctxpar.plan.hardware import Hardware
-from ctxpar.plan.memory import memory_per_gpu
+from ctxpar.plan.memory import memory_on
 from ctxpar.plan.units import format_bytes, format_seconds
 from ctxpar.plan.workload import CHECKPOINTING, Workload
 
@@ -96,13 +96,13 @@ def baseline(w: Workload, hw: Hardware) -> Baseline:
             except ValueError as e:  # TP that does not split the heads or the sequence
                 skipped[t] = str(e)
                 break
-            mem = memory_per_gpu(v, hw.hbm_bytes)
+            mem = memory_on(v, hw)
             step = cost.step_time(v, hw).seconds
             points.append(BaselinePoint(t, checkpointing, step, step * t / gpus, mem.total, mem.fits))
     fitting = [p for p in points if p.fits]
     best = min(fitting, key=lambda p: p.seconds_per_batch) if fitting else None
     requested = cost.step_time(w, hw).seconds
-    requested_fits = memory_per_gpu(w, hw.hbm_bytes).fits
+    requested_fits = memory_on(w, hw).fits
     verdict = _verdict(w, best, requested, requested_fits)
     return Baseline(gpus, points, best, requested, requested_fits, verdict,
                     _summary(w, hw, verdict, best, requested, requested_fits, points), skipped)
@@ -129,10 +129,11 @@ def _summary(w: Workload, hw: Hardware, verdict: str, best: BaselinePoint | None
                       f"parallelism" if replicas > 1 else ""))
     else:
         least = min((p.memory_bytes for p in points), default=None)
+        budget = hw.memory_per_rank(w.world_size)  # the points keep w's GPUs
         tried = f"TP up to {max(p.tp for p in points)}, checkpointing none or full" if points else \
             "no TP degree can split this model"
         without = (f"no configuration without CP on {g} GPUs per {per} fits ({tried}"
-                   + (f"; the smallest needs {format_bytes(least)} per GPU > {format_bytes(hw.hbm_bytes)}"
+                   + (f"; the smallest needs {format_bytes(least)} per GPU > {format_bytes(budget)}"
                       if least else "") + ")")
     if verdict == "no_cp":
         return f"no CP requested; {without}"

@@ -105,6 +105,9 @@ class Hardware:
             accumulator elements); tile_backward_seconds_per_byte: per byte of gradients
             the backward adds (B·(q·H + 2·k·H_kv)·D). All four measured for ``local``, 0 in
             the presets (``make gpu-check`` measures the tile loop's on a GPU).
+        shared_memory: ``hbm_bytes`` is one machine's memory that all ranks of a run share
+            (``local``: CPU ranks in its RAM), each holding its 1/world share
+            (``memory_per_rank``); False: every GPU's own.
     """
 
     name: str
@@ -134,6 +137,7 @@ class Hardware:
     tile_backward_overhead: float = 0.0
     tile_forward_seconds_per_byte: float = 0.0
     tile_backward_seconds_per_byte: float = 0.0
+    shared_memory: bool = False
 
     def __post_init__(self) -> None:
         """Refuse figures no machine has, naming the field: the cost model would divide by a zero
@@ -272,6 +276,11 @@ class Hardware:
         cycle = n // math.gcd(span, n)  # where a group starts within its node repeats after this many groups
         return next((k * span for k in range(min(groups, cycle)) if k * span % n + span > n), None)
 
+    def memory_per_rank(self, world: int) -> int:
+        """Bytes each of ``world`` ranks may fill: ``hbm_bytes``, or its 1/world share where all
+        ranks share it (``shared_memory``)."""
+        return self.hbm_bytes // world if self.shared_memory else self.hbm_bytes
+
     def as_dict(self) -> dict:
         return dict(asdict(self), achievable_flops=self.flops, attention_forward_flops=self.forward_flops,
                     attention_backward_flops=self.backward_flops, matmul_flops=self.matmul_flops)
@@ -331,7 +340,8 @@ def local_hardware(calibration: dict) -> Hardware:
     the per-call launch, per-tile and per-stage step overheads (fixed and per byte sent, per
     strategy) are their own measurements where the calibration has them (older
     calibrations: the combined rate, no overheads). Each core counts as a "GPU" and the
-    loopback bandwidth joins them all, so intra- and inter-node links are the same.
+    loopback bandwidth joins them all, so intra- and inter-node links are the same; the
+    RAM is shared by all ranks of a run (``shared_memory``).
     """
     # within the ranges the flags take: a hand-edited figure beyond them gave NaN or inf times
     for key, bounds in (("attention_flops", FLOPS_RANGE), ("bandwidth", BANDWIDTH_RANGE)):
@@ -378,7 +388,8 @@ def local_hardware(calibration: dict) -> Hardware:
                     attention_size_curve=_size_curve(calibration.get("attention_size_curve")),
                     attention_causal_size_curve=_size_curve(calibration.get("attention_causal_size_curve"),
                                                             "attention_causal_size_curve"),
-                    size_curve_by_keys=True, **{key: calibration.get(key, 0.0) for key in TILE_OVERHEADS})
+                    size_curve_by_keys=True, **{key: calibration.get(key, 0.0) for key in TILE_OVERHEADS},
+                    shared_memory=True)
 
 
 MEASURE_AGAIN = "measure again with `ctxpar plan --hardware local --calibrate --json PATH`"

@@ -242,7 +242,7 @@ def inference_sweep(w: Workload, hw: Hardware, *, new_tokens: int, degrees: list
             cp=cp, prefill_seconds=prefill_seconds(v, hw),
             decode_seconds_per_token=decode_seconds(w.model, batch=w.batch, positions=w.seq + new_tokens, cp=cp,
                                                     elem=w.elem, hw=hw, tp=w.tp),
-            kv_cache_bytes=kv, weight_bytes=weights, fits=kv + weights <= hw.hbm_bytes))
+            kv_cache_bytes=kv, weight_bytes=weights, fits=kv + weights <= hw.memory_per_rank(w.tp * cp)))
     return points
 
 

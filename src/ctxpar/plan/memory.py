@@ -32,6 +32,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from ctxpar.plan.hardware import Hardware
 from ctxpar.plan.workload import Workload
 from ctxpar.strategy_rules import gather_group_heads
 
@@ -230,3 +231,8 @@ def memory_per_gpu(w: Workload, hbm_bytes: int) -> MemoryEstimate:
         hbm_bytes=hbm_bytes,
     )
 
+
+def memory_on(w: Workload, hw: Hardware) -> MemoryEstimate:
+    """``memory_per_gpu`` against what one of ``w``'s ranks has of ``hw``'s memory: its 1/world
+    share of a machine's RAM all its ranks share (``local``), else the GPU's own."""
+    return memory_per_gpu(w, hw.memory_per_rank(w.world_size))

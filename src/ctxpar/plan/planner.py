@@ -13,7 +13,7 @@ from dataclasses import dataclass
 from ctxpar.plan import cost
 from ctxpar.plan.baseline import Baseline, baseline
 from ctxpar.plan.hardware import Hardware
-from ctxpar.plan.memory import MemoryEstimate, SequenceTensors, memory_per_gpu, sequence_tensors
+from ctxpar.plan.memory import MemoryEstimate, SequenceTensors, memory_on, sequence_tensors
 from ctxpar.plan.recommend import (Crossover, Recommendation, SweepPoint, crossovers, fits_up_to, recommend,
                                     sweep)
 from ctxpar.plan.workload import Workload
@@ -99,7 +99,7 @@ def make_plan(w: Workload, hw: Hardware, *, max_cp: int | None = None, calibrati
         workload=w,
         hardware=hw,
         tensors=sequence_tensors(w),
-        memory=memory_per_gpu(w, hw.hbm_bytes),
+        memory=memory_on(w, hw),
         traffic=cost.layer_traffic(w),
         tp_traffic=cost.tp_traffic(w),
         links=cost.links(w, hw),

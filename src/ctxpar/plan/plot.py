@@ -17,7 +17,7 @@ import importlib.util
 import math
 import os
 
-from ctxpar.plan.memory import memory_per_gpu
+from ctxpar.plan.memory import memory_on
 from ctxpar.plan.planner import Plan
 from ctxpar.plan.recommend import variant
 from ctxpar.plan.report import memory_labels
@@ -55,7 +55,9 @@ def write_plot(plan: Plan, path: str) -> None:
     _memory_panel(plan, right)
     _sweep_panel(plan, times, "step_seconds", 1.0, "seconds per step", "Step time against sequence length")
     _sweep_panel(plan, memory, "memory_bytes", GIB, "GiB per GPU", "Memory per GPU against sequence length")
-    memory.axhline(plan.hardware.hbm_bytes / GIB, color="red", linewidth=1.5, label=f"{plan.hardware.name} memory")
+    shared = " (all ranks' together)" if plan.hardware.shared_memory else ""
+    memory.axhline(plan.hardware.hbm_bytes / GIB, color="red", linewidth=1.5,
+                   label=f"{plan.hardware.name} memory{shared}")
     memory.legend(fontsize=7, ncol=2, loc="upper left")
     w, m, hw = plan.workload, plan.workload.model, plan.hardware
     fig.suptitle(f"ctxpar plan: L={m.layers} d={m.hidden} H={m.heads} H_kv={m.kv_heads} D={m.head_dim}, "
@@ -143,16 +145,21 @@ def _memory_panel(plan: Plan, ax) -> None:
     for cp in sorted({p.cp for p in plan.sweep}):
         v = variant(w, hw, strategy=w.strategy if cp > 1 else "ring", cp=cp)
         if v is not None:
-            bars.append((cp, memory_per_gpu(v, hw.hbm_bytes).categories()))
+            bars.append((cp, memory_on(v, hw)))
     bottom = [0.0] * len(bars)
     x = [str(cp) for cp, _ in bars]
     for key, label in memory_labels(w).items():
         if key == skipped:
             continue
-        heights = [cats[key] / GIB for _, cats in bars]
+        heights = [mem.categories()[key] / GIB for _, mem in bars]
         ax.bar(x, heights, bottom=bottom, label=label)
         bottom = [b + h for b, h in zip(bottom, heights)]
-    ax.axhline(hw.hbm_bytes / GIB, color="red", linewidth=1.5, label=f"{hw.name} memory")
+    if hw.shared_memory:  # each degree's ranks share the RAM: one rank's share over its bar
+        ax.hlines([mem.hbm_bytes / GIB for _, mem in bars], [i - 0.4 for i in range(len(bars))],
+                  [i + 0.4 for i in range(len(bars))], color="red", linewidth=1.5,
+                  label=f"one rank's share of {hw.name} memory")
+    else:
+        ax.axhline(hw.hbm_bytes / GIB, color="red", linewidth=1.5, label=f"{hw.name} memory")
     ax.set_xlabel(f"CP degree ({w.strategy}; CP-1 without CP)")
     ax.set_ylabel("GiB per GPU")
     ax.set_title(f"Memory per GPU at T={format_tokens(w.seq)}")

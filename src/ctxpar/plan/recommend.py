@@ -22,7 +22,7 @@ from dataclasses import dataclass, field
 from ctxpar.layout import LAYOUT_NAMES
 from ctxpar.plan import cost
 from ctxpar.plan.hardware import Hardware
-from ctxpar.plan.memory import memory_per_gpu
+from ctxpar.plan.memory import memory_on
 from ctxpar.plan.units import format_bytes, format_seconds, format_tokens
 from ctxpar.plan.workload import Workload, default_ulysses
 from ctxpar.strategy_rules import STRATEGY_NAMES
@@ -84,7 +84,7 @@ def variant(w: Workload, hw: Hardware, *, strategy: str, cp: int, seq: int | Non
 
 
 def evaluate(w: Workload, hw: Hardware) -> SweepPoint:
-    mem = memory_per_gpu(w, hw.hbm_bytes)
+    mem = memory_on(w, hw)
     step = cost.step_time(w, hw)
     return SweepPoint(w.strategy, w.cp, w.seq, w.layout, w.ulysses, step.seconds, cost.efficiency(w, hw),
                       mem.total, mem.fits, step.attention.forward.hidden, cost.load_balance(w))
@@ -132,7 +132,7 @@ def fits_up_to(w: Workload, hw: Hardware) -> int:
     step = w.seq_multiple
 
     def fits(k: int) -> bool:
-        return memory_per_gpu(w.with_(seq=k * step), hw.hbm_bytes).fits
+        return memory_on(w.with_(seq=k * step), hw).fits
 
     if not fits(1):
         return 0
@@ -204,16 +204,17 @@ def recommend(w: Workload, hw: Hardware, degrees: Iterable[int]) -> Recommendati
             layout, steps, factors = best_layout(v, hw)
             placed[v.strategy] = (v.with_(layout=layout), steps, factors)
         options = [v for v, _, _ in placed.values()]
-        fitting = [v for v in options if memory_per_gpu(v, hw.hbm_bytes).fits]
+        memory = {v.strategy: memory_on(v, hw) for v in options}
+        fitting = [v for v in options if memory[v.strategy].fits]
         if not fitting:
             if options:
-                need = min(memory_per_gpu(v, hw.hbm_bytes).total for v in options)
-                reasons.append(f"CP-{cp} needs {gib(need)} per GPU > {gib(hw.hbm_bytes)} HBM ({hw.name})")
+                need = min(options, key=lambda v: memory[v.strategy].total)
+                reasons.append(f"CP-{cp} needs {gib(memory[need.strategy].total)} per GPU > "
+                               f"{_budget_words(need, hw, ' HBM')} ({hw.name})")
             continue
         times = {v.strategy: placed[v.strategy][1][v.layout] for v in fitting}
         best = min(fitting, key=lambda v: times[v.strategy])
-        mem = memory_per_gpu(best, hw.hbm_bytes)
-        reasons.append(f"CP-{cp} fits: {gib(mem.total)} of {gib(hw.hbm_bytes)} per GPU")
+        reasons.append(f"CP-{cp} fits: {gib(memory[best.strategy].total)} of {_budget_words(best, hw)} per GPU")
         if cp == 1:
             reasons.append("one GPU holds the whole sequence, so CP would only add communication; "
                            "use the other GPUs for data parallelism")
@@ -237,10 +238,19 @@ def recommend(w: Workload, hw: Hardware, degrees: Iterable[int]) -> Recommendati
 def _smallest_fitting(w: Workload, hw: Hardware, degrees: list[int]) -> tuple[int, int] | None:
     """(degree, bytes per GPU) of the smallest degree at which some strategy fits."""
     for cp in degrees:
-        totals = [memory_per_gpu(v, hw.hbm_bytes).total for v in _options(w, hw, cp)]
-        if totals and min(totals) <= hw.hbm_bytes:
-            return cp, min(totals)
+        fitting = [mem.total for mem in (memory_on(v, hw) for v in _options(w, hw, cp)) if mem.fits]
+        if fitting:
+            return cp, min(fitting)
     return None
+
+
+def _budget_words(w: Workload, hw: Hardware, memory: str = "") -> str:
+    """What one of ``w``'s ranks may fill: '79.647 GiB' + ``memory`` ('HBM'), or where its ranks
+    share one machine's RAM '11.77 GiB (1/2 of 23.54 GiB RAM, shared by the 2 ranks)'."""
+    if hw.shared_memory:
+        return (f"{format_bytes(hw.memory_per_rank(w.world_size))} (1/{w.world_size} of {format_bytes(hw.hbm_bytes)} "
+                f"RAM, shared by the {w.world_size} ranks)")
+    return f"{format_bytes(hw.hbm_bytes)}{memory}"
 
 
 def _remedies(w: Workload, hw: Hardware, degrees: list[int]) -> str:

@@ -25,7 +25,8 @@ JSON (bytes exact, times in seconds; formulas in docs/planner.md):
                         link_bandwidth, forward_seconds, backward_seconds, link, crosses_nodes
     mask, work          the mask and its traffic bound; per-rank pairs x heads, load balance
     memory_per_gpu      every category's bytes (per GPU, under TP and FSDP), checkpointing, total_bytes,
-                        hbm_bytes, fits
+                        hbm_bytes (what one rank may fill: with ``local``, its share of the RAM all
+                        ranks share), fits
     dp_traffic_per_step  DP / FSDP over the DP·P GPUs holding each TP shard (null when there are
                         none): gather_bytes (one parameter all-gather over FSDP; forward and again
                         backward), reduce_bytes (gradient reduce-scatter over FSDP, or all-reduce
@@ -438,7 +439,9 @@ def _memory(plan: Plan) -> list[str]:
         skipped = key in ("activations", "activations_checkpointed") and key != chosen
         lines.append(f"  {labels[key]:<46} {format_bytes(n):>12}{'  (not counted)' if skipped else ''}")
     verdict = "fits" if mem.fits else "does NOT fit"
-    lines.append(f"  {'total':<46} {format_bytes(mem.total):>12}  of {format_bytes(mem.hbm_bytes)}: {verdict}")
+    shared = (f" (1/{w.world_size} of this machine's {format_bytes(plan.hardware.hbm_bytes)} RAM: its "
+              f"{w.world_size} ranks share it)" if plan.hardware.shared_memory else "")
+    lines.append(f"  {'total':<46} {format_bytes(mem.total):>12}  of {format_bytes(mem.hbm_bytes)}{shared}: {verdict}")
     return lines
 
 
