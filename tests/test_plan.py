@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import itertools
+import math
 import json
 import os
 import re
@@ -822,8 +823,20 @@ def test_hardware_figures_no_machine_has_are_refused_naming_the_field() -> None:
                "attention_forward_rate 0.0 must be a finite number > 0": dict(attention_forward_rate=0),
                "latency -1e-06 must be a finite number >= 0": dict(latency=-1e-6),
                "tile_backward_overhead inf must be": dict(tile_backward_overhead=float("inf")),
-               "strategy_step_overheads -0.1 must be": dict(strategy_step_overheads=(("ring", -0.1),)),
-               "attention_size_curve 0.0 must be": dict(attention_size_curve=((1024, 0.0, 1.0),)),
+               "strategy_step_overheads is (('ring', -0.1),), not ((strategy, seconds), ...)":
+                   dict(strategy_step_overheads=(("ring", -0.1),)),
+               # the calibration loader's checks: once silently ignored, or an IndexError later
+               "strategy_step_overheads is (('rnig', 0.001),), not ((strategy, seconds), ...) with strategies "
+               "among ring, allgather, alltoall, hybrid": dict(strategy_step_overheads=(("rnig", 1e-3),)),
+               "strategy_step_byte_overheads is {'ring': 1e-09}, not":
+                   dict(strategy_step_byte_overheads={"ring": 1e-9}),
+               "attention_size_curve is ((1024, 0.0, 1.0),): its rate fractions must be within 0.001 .. 1000":
+                   dict(attention_size_curve=((1024, 0.0, 1.0),)),
+               "attention_size_curve is ((4096, 1.0),), not ascending [tokens, forward, backward] rows":
+                   dict(attention_size_curve=((4096, 1.0),)),
+               "attention_size_curve is ((inf, 1, 1),), not ascending": dict(attention_size_curve=((math.inf, 1, 1),)),
+               "attention_causal_size_curve is ((4096, 1, 1), (1024, 0.5, 0.5)), not ascending":
+                   dict(attention_causal_size_curve=((4096, 1, 1), (1024, 0.5, 0.5))),
                "efficiency 1.5 must be in (0, 1]": dict(efficiency=1.5),
                "gpus_per_node 0 must be an integer between 1 and": dict(gpus_per_node=0)}
     for message, change in refused.items():

@@ -34,6 +34,7 @@ from dataclasses import asdict, dataclass, replace
 
 from ctxpar.limits import plain_values
 from ctxpar.plan.units import BANDWIDTH_RANGE, FLOPS_RANGE, LATENCY_RANGE
+from ctxpar.strategy_rules import STRATEGY_NAMES
 
 
 def _is_number(value, *, positive: bool = False) -> bool:
@@ -46,6 +47,32 @@ def _is_number(value, *, positive: bool = False) -> bool:
 def _check_figure(key: str, value, *, positive: bool = False) -> None:
     if not _is_number(value, positive=positive):
         raise ValueError(f"Hardware {key} {value!r} must be a finite number {'> 0' if positive else '>= 0'}")
+
+
+def _strategy_rows_ok(rows) -> bool:
+    """(strategy, seconds) ``rows`` name known strategies with finite seconds within ``LATENCY_RANGE``."""
+    return isinstance(rows, (tuple, list)) and all(
+        isinstance(row, (tuple, list)) and len(row) == 2 and row[0] in STRATEGY_NAMES and _is_number(row[1])
+        and row[1] <= LATENCY_RANGE[1] for row in rows)
+
+
+SIZE_FRACTIONS = (1e-3, 1e3)  # of the attention rate, by kernel size: measured 0.39-1.2
+
+
+def _size_curve_problem(rows) -> str | None:
+    """What is wrong with (tokens, forward, backward) ``rows``, to follow the rows in a message:
+    not rows of three numbers at ascending tokens >= 1, or fractions of the rate beyond
+    ``SIZE_FRACTIONS``; None where nothing is."""
+    try:
+        curve = tuple((int(t), float(f), float(b)) for t, f, b in rows)
+    except (TypeError, ValueError, OverflowError):
+        curve = ()
+    if not curve or any(t < 1 for t, _, _ in curve) or any(a[0] >= b[0] for a, b in zip(curve, curve[1:])):
+        return ", not ascending [tokens, forward, backward] rows"
+    low, high = SIZE_FRACTIONS
+    if not all(low <= f <= high and low <= b <= high for _, f, b in curve):
+        return f": its rate fractions must be within {low:g} .. {high:g}"
+    return None
 
 
 @dataclass(frozen=True)
@@ -158,13 +185,17 @@ class Hardware:
                 or not 1 <= self.gpus_per_node <= MAX_GPUS_PER_NODE:
             raise ValueError(f"Hardware gpus_per_node {self.gpus_per_node!r} must be an integer between 1 and "
                              f"{MAX_GPUS_PER_NODE}")
+        # the calibration loader's checks: a misspelt strategy was ignored, a short row raised an
+        # IndexError later, a descending curve gave wrong figures without a word
         for key in ("strategy_step_overheads", "strategy_step_byte_overheads"):
-            for _, seconds in getattr(self, key) or ():
-                _check_figure(key, seconds)
+            table = getattr(self, key)
+            if table is not None and not _strategy_rows_ok(table):
+                raise ValueError(f"Hardware {key} is {str(table)[:80]}, not ((strategy, seconds), ...) with strategies "
+                                 f"among {', '.join(STRATEGY_NAMES)} and seconds within {LATENCY_RANGE[2]}; or None")
         for key in ("attention_size_curve", "attention_causal_size_curve"):
-            for point in getattr(self, key) or ():
-                for value in point:
-                    _check_figure(key, value, positive=True)
+            curve = getattr(self, key)
+            if curve is not None and (problem := _size_curve_problem(curve)):
+                raise ValueError(f"Hardware {key} is {str(curve)[:80]}{problem}; or None: every size at the full rate")
 
     @property
     def flops(self) -> float:
@@ -393,7 +424,6 @@ def local_hardware(calibration: dict) -> Hardware:
 
 
 MEASURE_AGAIN = "measure again with `ctxpar plan --hardware local --calibrate --json PATH`"
-SIZE_FRACTIONS = (1e-3, 1e3)  # of the attention rate, by kernel size: measured 0.39-1.2
 
 
 def _check_calibrated(key: str, value: float, bounds: tuple[float, float, str]) -> None:
@@ -412,9 +442,7 @@ def _strategy_overheads(calibration: dict, key: str) -> tuple[tuple[str, float],
     table = calibration.get(key)
     if table is None:
         return None
-    ok = isinstance(table, dict) and all(name in ("ring", "allgather", "alltoall", "hybrid") and _is_number(v)
-                                         and v <= LATENCY_RANGE[1] for name, v in table.items())
-    if not ok:
+    if not (isinstance(table, dict) and _strategy_rows_ok(tuple(table.items()))):
         unit = "seconds per byte" if key == "strategy_step_byte_overheads" else "seconds"
         raise ValueError(f"calibration {key!r} is {str(table)[:80]}, not {{strategy: {unit}}} within "
                          f"{LATENCY_RANGE[2]}; {MEASURE_AGAIN}")
@@ -422,22 +450,12 @@ def _strategy_overheads(calibration: dict, key: str) -> tuple[tuple[str, float],
 
 
 def _size_curve(rows, name: str = "attention_size_curve") -> tuple[tuple[int, float, float], ...] | None:
-    """A calibration's [[tokens, forward, backward], ...], checked: ascending sizes, fractions
-    of the rate within ``SIZE_FRACTIONS``."""
+    """A calibration's [[tokens, forward, backward], ...], checked (``_size_curve_problem``)."""
     if rows is None:
         return None
-    try:
-        curve = tuple((int(t), float(f), float(b)) for t, f, b in rows)
-    except (TypeError, ValueError):
-        curve = ()
-    if not curve or any(t < 1 for t, _, _ in curve) or any(a[0] >= b[0] for a, b in zip(curve, curve[1:])):
-        raise ValueError(f"calibration {name!r} is {str(rows)[:80]}, not ascending [tokens, forward, "
-                         f"backward] rows; {MEASURE_AGAIN}")
-    low, high = SIZE_FRACTIONS
-    if not all(low <= f <= high and low <= b <= high for _, f, b in curve):
-        raise ValueError(f"calibration {name!r} is {str(rows)[:80]}: its rate fractions must be within {low:g} .. "
-                         f"{high:g}; {MEASURE_AGAIN}")
-    return curve
+    if problem := _size_curve_problem(rows):
+        raise ValueError(f"calibration {name!r} is {str(rows)[:80]}{problem}; {MEASURE_AGAIN}")
+    return tuple((int(t), float(f), float(b)) for t, f, b in rows)
 
 
 def gpus_per_node(name: str) -> int:
