@@ -838,10 +838,13 @@ def test_hardware_figures_no_machine_has_are_refused_naming_the_field() -> None:
                "attention_causal_size_curve is ((4096, 1, 1), (1024, 0.5, 0.5)), not ascending":
                    dict(attention_causal_size_curve=((4096, 1, 1), (1024, 0.5, 0.5))),
                "efficiency 1.5 must be in (0, 1]": dict(efficiency=1.5),
+               "fp8=True needs fp8_peak_flops > 0 (H200 has none given)": dict(fp8=True, fp8_peak_flops=0.0),
                "gpus_per_node 0 must be an integer between 1 and": dict(gpus_per_node=0)}
     for message, change in refused.items():
         with pytest.raises(ValueError, match=re.escape(f"Hardware {message}")):
             replace(hw, **change)
+    with pytest.raises(ValueError, match=r"Hardware fp8=True needs fp8_peak_flops > 0 \(A100-80GB has none"):
+        replace(get_hardware("a100-80gb"), fp8=True)  # was a ZeroDivisionError in the step time
     assert replace(hw, memory_bandwidth=0.0, matmul_rate=None).matmul_flops == hw.flops  # 0 and None: not given
     assert type(replace(hw, efficiency=np.float32(0.5)).efficiency) is float  # was refused
     assert replace(hw, hbm_bytes=80e9).hbm_bytes == 80 * 10**9  # a count written as a whole float

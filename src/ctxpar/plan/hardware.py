@@ -181,6 +181,9 @@ class Hardware:
         if not (_is_number(self.efficiency, positive=True) and self.efficiency <= 1):
             raise ValueError(f"Hardware efficiency {self.efficiency!r} must be in (0, 1]: the achieved fraction "
                              f"of peak")
+        if self.fp8 and not self.fp8_peak_flops:  # matmul_flops scales by it: a ZeroDivisionError later
+            raise ValueError(f"Hardware fp8=True needs fp8_peak_flops > 0 ({self.name} has none given): give the "
+                             f"fp8 dense peak, or leave fp8 False")
         if isinstance(self.gpus_per_node, bool) or not isinstance(self.gpus_per_node, int) \
                 or not 1 <= self.gpus_per_node <= MAX_GPUS_PER_NODE:
             raise ValueError(f"Hardware gpus_per_node {self.gpus_per_node!r} must be an integer between 1 and "
