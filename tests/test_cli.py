@@ -236,6 +236,8 @@ def bad_values(tmp: Path) -> list[tuple[tuple[str, ...], str]]:
          "--json and --plot both name"),  # the plot once overwrote the JSON
         (("demo", "--json", "/proc/ctxpar.json"), "is not writable (No such file or directory)"),  # writable bits
         (("plan", "--json", "/dev/full"), "could not be written (No space left on device); the report above"),
+        (("plan", "--plot", "/dev/full", "--seq", "4096", "--max-cp", "8"),  # once matplotlib's OSError traceback
+         "--plot '/dev/full' could not be written (No space left on device); the report above is complete"),
         (("plan", "--hardware", "local", "--calibration", missing), f"--calibration {missing!r} cannot be read"),
         (("plan", "--hardware", "local", "--calibration", str(not_json)), "is not JSON"),
         (("plan", "--hardware", "local", "--calibration", str(bad_rate)), "calibration 'attention_flops' is 'fast'"),

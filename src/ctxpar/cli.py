@@ -407,7 +407,11 @@ def _run_plan(args: argparse.Namespace) -> int:
     plan = planning.make_plan(workload, hardware, max_cp=args.max_cp, calibration=calibration)
     _report(planning.format_plan(plan), args.json, planning.to_json(plan))
     if args.plot:
-        planning.write_plot(plan, args.plot)
+        try:
+            planning.write_plot(plan, args.plot)
+        except OSError as e:  # e.g. the disk filled up: one line, as --json says it
+            raise ValueError(f"--plot {args.plot!r} could not be written ({e.strerror or e}); the report above is "
+                             f"complete") from None
     return 0
 
 

@@ -64,10 +64,12 @@ def write_plot(plan: Plan, path: str) -> None:
                  f"B={w.batch} {w.dtype}, {w.layout}, TP={w.tp}, FSDP={w.fsdp}{_pipeline_words(w)}, "
                  f"checkpointing {w.checkpointing}, on {hw.name}")
     fig.tight_layout()
-    # the format named, so that matplotlib writes ``path`` itself: given none, it added ".png"
-    # to a path without an extension, writing a file other than the one checked (the JSON's)
-    fig.savefig(path, dpi=110, format=os.path.splitext(path)[1].lstrip(".").lower() or "png")
-    plt.close(fig)
+    try:
+        # the format named, so that matplotlib writes ``path`` itself: given none, it added ".png"
+        # to a path without an extension, writing a file other than the one checked (the JSON's)
+        fig.savefig(path, dpi=110, format=os.path.splitext(path)[1].lstrip(".").lower() or "png")
+    finally:  # a failed write (a full disk) must not leave the figure open in a long-lived caller
+        plt.close(fig)
 
 
 def _efficiency_panel(plan: Plan, ax) -> None:
