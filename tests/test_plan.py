@@ -29,7 +29,7 @@ from ctxpar.plan import inference, inference_report, planner, traffic, work
 from ctxpar.plan.baseline import VERDICTS, baseline
 from ctxpar.plan.cost import Pipeline
 from ctxpar.plan.documents import pack, parse_doc_dist, parse_lengths, sample_lengths
-from ctxpar.plan.hardware import TILE_OVERHEADS, local_hardware
+from ctxpar.plan.hardware import TILE_OVERHEADS, gpus_per_node, local_hardware
 from ctxpar.plan.memory import (layers_in_flight, memory_per_gpu, parameters_per_gpu, saved_bytes_per_layer,
                                 saved_tensors_per_token, sequence_tensors)
 from ctxpar.plan.recommend import crossover, fits_up_to, recommend, variant
@@ -850,6 +850,22 @@ def test_hardware_figures_no_machine_has_are_refused_naming_the_field() -> None:
     assert replace(hw, hbm_bytes=80e9).hbm_bytes == 80 * 10**9  # a count written as a whole float
     with pytest.raises(ValueError, match="Hardware hbm_bytes must be an integer, got 80.5"):
         replace(hw, hbm_bytes=80.5)
+
+
+@pytest.mark.parametrize("call, message", [
+    (lambda: get_hardware("H100-SXM", efficiency="0.5"), "--efficiency '0.5' must be in [0.01, 1]"),  # a TypeError
+    (lambda: get_hardware(None), "hardware None must be a name, one of H100-SXM"),  # AttributeError 'lower'
+    (lambda: gpus_per_node(None), "hardware None must be a name"),
+    (lambda: make_plan(worked(), get_hardware("H100-SXM"), max_cp="4"), "--max-cp (max_cp) '4' must be an integer"),
+    (lambda: make_plan(worked(), get_hardware("H100-SXM"), max_cp=2.5), "--max-cp (max_cp) 2.5 must be an integer"),
+    (lambda: make_plan(worked(), "H100-SXM"), "make_plan hw 'H100-SXM' must be a Hardware, e.g. get_hardware("),
+    (lambda: make_plan(None, get_hardware("H100-SXM")), "make_plan w must be a Workload, got a NoneType"),
+    (lambda: Workload(None, batch=1, seq=4096, dtype="bfloat16", cp=2), "Workload model None must be a ModelConfig"),
+])
+def test_python_api_arguments_of_the_wrong_type_are_named(call, message) -> None:
+    """Each was a TypeError or AttributeError that named no argument, or (max_cp=2.5) taken as 2."""
+    with pytest.raises(ValueError, match=re.escape(message)):
+        call()
 
 
 def test_a_cp1_recommendation_reads_the_tables_cp1_step() -> None:

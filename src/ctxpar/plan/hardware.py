@@ -467,6 +467,8 @@ def gpus_per_node(name: str) -> int:
 
 
 def _node_size(name: str) -> int:
+    if not isinstance(name, str):
+        raise ValueError(f"hardware {name!r} must be a name, one of {', '.join(HARDWARE_NAMES)}")
     key = name.lower()
     if key == LOCAL:
         return os.cpu_count() or 1
@@ -498,8 +500,8 @@ def check_overrides(
     for flag, value in (("--bandwidth", bandwidth), ("--flops", peak_flops)):
         if value is not None and not _is_number(value, positive=True):
             raise ValueError(f"{flag} {value} must be a positive finite rate")
-    if efficiency is not None and not MIN_EFFICIENCY <= efficiency <= 1:
-        raise ValueError(f"--efficiency {efficiency} must be in [{MIN_EFFICIENCY}, 1]: the achieved fraction of "
+    if efficiency is not None and not (_is_number(efficiency) and MIN_EFFICIENCY <= efficiency <= 1):
+        raise ValueError(f"--efficiency {efficiency!r} must be in [{MIN_EFFICIENCY}, 1]: the achieved fraction of "
                          f"peak FLOP/s")
     for flag, value in (("--latency", latency), ("--launch-overhead", launch_overhead),
                         ("--step-overhead", step_overhead)):

@@ -8,6 +8,7 @@
 
 from __future__ import annotations
 
+import numbers
 from dataclasses import dataclass
 
 from ctxpar.plan import cost
@@ -56,6 +57,8 @@ class Plan:
 
 def check_plan_size(seq: int, cp: int, max_cp: int | None = None) -> None:
     """Refuse a length or degrees beyond what ``make_plan`` evaluates in reasonable time."""
+    if max_cp is not None and (isinstance(max_cp, bool) or not isinstance(max_cp, numbers.Integral)):
+        raise ValueError(f"--max-cp (max_cp) {max_cp!r} must be an integer: the largest CP degree to compare")
     if seq > MAX_PLAN_SEQ:
         raise ValueError(f"--seq {seq} is longer than the planner evaluates ({MAX_PLAN_SEQ} = 16M tokens: it counts "
                          f"each rank's work token by token); plan for {MAX_PLAN_SEQ} or less")
@@ -90,6 +93,10 @@ def sweep_seqs(seq: int) -> list[int]:
 
 def make_plan(w: Workload, hw: Hardware, *, max_cp: int | None = None, calibration: dict | None = None) -> Plan:
     """Memory, traffic, time, the sweep, crossovers and a recommendation for ``w`` on ``hw``."""
+    if not isinstance(w, Workload):
+        raise ValueError(f"make_plan w must be a Workload, got a {type(w).__name__}")
+    if not isinstance(hw, Hardware):
+        raise ValueError(f"make_plan hw {hw!r} must be a Hardware, e.g. get_hardware('H100-SXM')")
     check_plan_size(w.seq, w.cp, max_cp)
     hw = hw.for_dtype(w.dtype)
     degrees, seqs = sweep_degrees(w.cp, max_cp), sweep_seqs(w.seq)

@@ -118,6 +118,8 @@ class Workload:
     documents_from: str | None = None
 
     def __post_init__(self) -> None:
+        if not isinstance(self.model, ModelConfig):
+            raise ValueError(f"Workload model {self.model!r} must be a ModelConfig, e.g. resolve_model('llama-3-8b')")
         plain_values(self)  # numpy's integers are ints here, or the JSON report cannot be written
         for flag in ("batch", "seq", "cp", "tp", "fsdp", "pp", "microbatches", "virtual_stages"):
             check_count(flag, getattr(self, flag))
