@@ -327,6 +327,17 @@ def test_a_reader_gone_from_stdout_costs_neither_the_json_nor_a_traceback(tmp_pa
     assert json.loads(out.read_text())["recommendation"]
 
 
+def test_a_calibration_loaders_warning_is_one_note_line(tmp_path, capsys) -> None:
+    """An old calibration's warning was a raw UserWarning with the source line that raised it."""
+    path = tmp_path / "old.json"
+    path.write_text(json.dumps(dict(attention_flops=1e11, bandwidth=2e9, attention_size_curve=[[64, 0.5, 0.9],
+                                                                                              [4096, 1, 1]])))
+    assert main(["plan", "--hardware", "local", "--calibration", str(path), "--model", "tiny", "--seq", "4096",
+                 "--cp", "2", "--max-cp", "2"]) == 0
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith(f"ctxpar plan: note: {path} was calibrated before 2026-12-01"), err
+
+
 @pytest.mark.skipif(not os.path.exists("/dev/full"), reason="needs /dev/full")
 def test_a_stdout_that_cannot_take_the_report_is_said_in_one_line(tmp_path) -> None:
     """``ctxpar plan > file`` on a full disk: once an OSError traceback (status 1). The JSON,

@@ -7,6 +7,7 @@ import json
 import os
 import sys
 import traceback
+import warnings
 from typing import NoReturn
 
 from ctxpar import calibrate as calibration_
@@ -364,7 +365,11 @@ def _run_plan(args: argparse.Namespace) -> int:
         planning.gpus_per_node(args.hardware)  # an unknown --hardware is refused as such
         planning.check_fp8(args.hardware)
     calibration_.check_calibration_flags(args.hardware, measure=args.calibrate, path=args.calibration)
-    calibration = calibration_.load_calibration(args.calibration) if args.calibration is not None else None
+    with warnings.catch_warnings(record=True) as notes:  # a line each, not a UserWarning with its source line
+        warnings.simplefilter("always")
+        calibration = calibration_.load_calibration(args.calibration) if args.calibration is not None else None
+    for note in notes:
+        print(f"ctxpar plan: note: {note.message}", file=sys.stderr)
     _check_output("--json", args.json)
     _check_output("--plot", args.plot, "plan.png")
     if args.plot is not None:
