@@ -1013,6 +1013,22 @@ def test_a_plot_path_without_an_extension_is_written_as_named(tmp_path) -> None:
     assert json.loads(report.read_text())["inputs"]["seq"] == 4096
 
 
+def test_a_plot_names_the_mask_and_draws_no_empty_legend(tmp_path, monkeypatch) -> None:
+    """The title left out --window and documents; a sweep of CP-1 alone drew an efficiency panel
+    with nothing to label, and matplotlib warned 'No artists with labels'."""
+    import matplotlib.figure
+
+    titles = []
+    save = matplotlib.figure.Figure.savefig
+    monkeypatch.setattr(matplotlib.figure.Figure, "savefig",
+                        lambda fig, *a, **k: (titles.append(fig._suptitle.get_text()), save(fig, *a, **k)))
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        assert main(["plan", "--model", "tiny", "--seq", "4096", "--cp", "1", "--max-cp", "1", "--window", "512",
+                     "--plot", str(tmp_path / "p.png")]) == 0
+    assert titles[0].endswith("\nmask: causal, window 512")
+
+
 def test_cli_plans_windows_and_document_distributions(tmp_path, capsys) -> None:
     out = tmp_path / "plan.json"
     args = ["plan", *WORKED, "--layout", "contiguous", "--window", "4096", "--max-cp", "4"]

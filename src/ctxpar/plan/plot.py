@@ -20,7 +20,7 @@ import os
 from ctxpar.plan.memory import memory_on
 from ctxpar.plan.planner import Plan
 from ctxpar.plan.recommend import variant
-from ctxpar.plan.report import memory_labels
+from ctxpar.plan.report import mask_words, memory_labels
 from ctxpar.plan.units import format_tokens
 
 STYLES = {"ring": "-", "allgather": "--", "alltoall": ":", "hybrid": "-."}
@@ -58,11 +58,11 @@ def write_plot(plan: Plan, path: str) -> None:
     shared = " (all ranks' together)" if plan.hardware.shared_memory else ""
     memory.axhline(plan.hardware.hbm_bytes / GIB, color="red", linewidth=1.5,
                    label=f"{plan.hardware.name} memory{shared}")
-    memory.legend(fontsize=7, ncol=2, loc="upper left")
+    _legend(memory, ncol=2, loc="upper left")
     w, m, hw = plan.workload, plan.workload.model, plan.hardware
     fig.suptitle(f"ctxpar plan: L={m.layers} d={m.hidden} H={m.heads} H_kv={m.kv_heads} D={m.head_dim}, "
                  f"B={w.batch} {w.dtype}, {w.layout}, TP={w.tp}, FSDP={w.fsdp}{_pipeline_words(w)}, "
-                 f"checkpointing {w.checkpointing}, on {hw.name}")
+                 f"checkpointing {w.checkpointing}, on {hw.name}\nmask: {mask_words(plan)}")
     fig.tight_layout()
     try:
         # the format named, so that matplotlib writes ``path`` itself: given none, it added ".png"
@@ -98,7 +98,7 @@ def _efficiency_panel(plan: Plan, ax) -> None:
     ax.set_ylabel("parallel efficiency")
     ax.set_title("Efficiency against sequence length")
     ax.grid(True, which="both", alpha=0.3)
-    ax.legend(fontsize=7, ncol=2, loc="lower right")
+    _legend(ax, ncol=2, loc="lower right")
 
 
 def _sweep_panel(plan: Plan, ax, field: str, unit: float, ylabel: str, title: str) -> None:
@@ -123,7 +123,13 @@ def _sweep_panel(plan: Plan, ax, field: str, unit: float, ylabel: str, title: st
     ax.set_ylabel(ylabel)
     ax.set_title(title)
     ax.grid(True, which="both", alpha=0.3)
-    ax.legend(fontsize=7, ncol=2, loc="upper left")
+    _legend(ax, ncol=2, loc="upper left")
+
+
+def _legend(ax, **where) -> None:
+    """A legend where something has a label: for none (a sweep of CP-1 alone), matplotlib warns."""
+    if ax.get_legend_handles_labels()[0]:
+        ax.legend(fontsize=7, **where)
 
 
 def _interpolate(xs: list[int], ys: list[float], x: int) -> float:
@@ -165,4 +171,4 @@ def _memory_panel(plan: Plan, ax) -> None:
     ax.set_xlabel(f"CP degree ({w.strategy}; CP-1 without CP)")
     ax.set_ylabel("GiB per GPU")
     ax.set_title(f"Memory per GPU at T={format_tokens(w.seq)}")
-    ax.legend(fontsize=7, loc="upper right")
+    _legend(ax, loc="upper right")

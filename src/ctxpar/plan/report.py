@@ -232,7 +232,7 @@ def _header(plan: Plan) -> list[str]:
              f"{format_bandwidth(hw.inter_node_bandwidth)} across nodes")
     return [
         f"ctxpar plan: B={w.batch} T={w.seq} ({format_tokens(w.seq)}) {w.dtype}, CP={w.cp} {strategy}, "
-        f"{w.layout} layout, {_mask_words(plan)}, FSDP={w.fsdp}, checkpointing {w.checkpointing}",
+        f"{w.layout} layout, {mask_words(plan)}, FSDP={w.fsdp}, checkpointing {w.checkpointing}",
         f"model: layers={m.layers} hidden={m.hidden} heads={m.heads} kv_heads={m.kv_heads} head_dim={m.head_dim} "
         f"ffn={m.ffn} vocab={m.vocab} ({m.parameters:,} parameters)",
         f"hardware: {hw.name}: {rates_words(hw)}; {format_bytes(hw.hbm_bytes)} memory; links {links}; "
@@ -285,7 +285,7 @@ def _parallel_words(plan: Plan) -> str:
 
 
 
-def _mask_words(plan: Plan) -> str:
+def mask_words(plan: Plan) -> str:
     """'causal, window 4096, documents lognormal:2048,1.5 seed 0 (14 in the row: mean ..., max ...)'."""
     w, mask = plan.workload, plan.workload.mask
     words = ["causal" if w.causal else "non-causal"]
