@@ -905,6 +905,13 @@ def test_local_ranks_are_judged_against_their_share_of_the_machines_ram() -> Non
         "ranks share it): does NOT fit" in format_plan(plan)
     assert any("RAM, shared by the 2 ranks)" in reason for reason in plan.recommendation.reasons)
     assert make_plan(w, replace(hw, shared_memory=False), max_cp=2).memory.fits
+    # inference: the cache and weights of each of the CP ranks, against its share likewise
+    kw = dict(model=w.model, batch=w.batch, positions=w.seq + 8, elem=w.elem)
+    need = inference.kv_cache_bytes(cp=2, **kw) + inference.weight_bytes(w.model, tp=1, elem=w.elem, hw=hw)
+    shared = replace(hw, hbm_bytes=need * 3 // 2)
+    for hardware, fits in ((shared, False), (replace(shared, shared_memory=False), True)):
+        point = [p for p in inference.inference_sweep(w, hardware, new_tokens=8, degrees=[2]) if p.cp == 2][-1]
+        assert (point.kv_cache_bytes + point.weight_bytes, point.fits) == (need, fits)
 
 
 def test_local_hardware_from_a_calibration_file(tmp_path) -> None:
