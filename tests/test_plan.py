@@ -33,6 +33,7 @@ from ctxpar.plan.hardware import TILE_OVERHEADS, gpus_per_node, local_hardware
 from ctxpar.plan.memory import (layers_in_flight, memory_per_gpu, parameters_per_gpu, saved_bytes_per_layer,
                                 saved_tensors_per_token, sequence_tensors)
 from ctxpar.plan.recommend import crossover, fits_up_to, recommend, variant
+from ctxpar.plan.workload import default_ulysses
 from ctxpar.plan.units import format_bytes, format_seconds, parse_latency, parse_tile_overhead
 from ctxpar.plan.work import pairs_per_rank, union_pairs
 from ctxpar.plan.workload import Workload
@@ -523,6 +524,9 @@ def test_a_group_straddling_two_nodes_is_priced_at_the_inter_node_link() -> None
     kw = dict(batch=1, positions=16384, elem=2, tp=4)
     assert inference.decode_seconds(LLAMA_8B, cp=2, hw=hw, **kw) > inference.decode_seconds(
         LLAMA_8B, cp=2, hw=replace(hw, gpus_per_node=8), **kw)
+    # hybrid's default all-to-all degree keeps its groups inside nodes: U = 4 would straddle GPUs 4-7
+    assert [default_ulysses(32, 8, n) for n in (6, 8, 4)] == [2, 4, 4]
+    assert default_ulysses(32, 8, 6, tp=2) is None  # t·U = 4 straddles, t·U = 8 is too wide
 
 
 @pytest.mark.parametrize("changes, message", [

@@ -346,15 +346,18 @@ def _check_documents(documents: tuple[int, ...]) -> None:
 
 
 def default_ulysses(heads: int, cp: int, gpus_per_node: int, tp: int = 1) -> int | None:
-    """Hybrid's all-to-all degree: the largest U < P dividing P and H/t with t·U <= GPUs per node.
+    """Hybrid's all-to-all degree: the largest U < P dividing P and H/t with t·U dividing the
+    GPUs per node.
 
     All-to-all inside a node where bandwidth is high, the ring across (docs/strategies.md);
-    CP ranks are t GPUs apart, so U of them span t·U GPUs. None when no U > 1 qualifies
-    (hybrid would just be a ring).
+    CP ranks are t GPUs apart, so U of them span t·U GPUs, and where t·U does not divide the
+    node some of those groups straddle two nodes (6 GPUs a node, U = 4: GPUs 4-7), pacing
+    every all-to-all at the inter-node link. None when no U > 1 qualifies (hybrid would
+    just be a ring).
     """
     best = None
     heads //= tp
     for u in range(2, min(cp - 1, gpus_per_node // tp) + 1):
-        if cp % u == 0 and heads % u == 0:
+        if cp % u == 0 and heads % u == 0 and gpus_per_node % (tp * u) == 0:
             best = u
     return best
