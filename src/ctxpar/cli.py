@@ -60,8 +60,8 @@ def _demo_parser(sub) -> None:
 
 def _launch_flags(p: argparse.ArgumentParser, nproc: int) -> None:
     p.add_argument("--nproc", type=int, default=nproc,
-                   help="local ranks to spawn (under torchrun leave it out: torchrun's own parser takes it for "
-                        "its --nproc-per-node)")
+                   help="local ranks to spawn (under torchrun leave it out: torchrun's own parser reads it "
+                        "as an abbreviation of its --nproc-per-node and refuses the launch)")
     p.add_argument("--device", choices=launch.DEVICE_TYPES,
                    help="where ranks compute (default: the GPU under torchrun when there is one, else the CPU); "
                         "--device cuda with more local ranks than GPUs shares them, staging transfers through host "
