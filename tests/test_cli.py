@@ -350,6 +350,12 @@ def test_a_stdout_that_cannot_take_the_report_is_said_in_one_line(tmp_path) -> N
     assert proc.stderr.strip().splitlines() == [f"ctxpar plan: error: the report could not be written to stdout (No "
                                                 f"space left on device); --json {str(out)!r} holds it"], proc.stderr
     assert json.loads(out.read_text())["recommendation"]
+    with open("/dev/full", "w") as full:  # both full: once only stdout was named
+        proc = subprocess.run([sys.executable, "-m", "ctxpar.cli", "plan", "--json", "/dev/full"], stdout=full,
+                              stderr=subprocess.PIPE, text=True, timeout=300)
+    assert proc.stderr.strip().splitlines() == ["ctxpar plan: error: the report could not be written to stdout (No "
+                                                "space left on device); nor could --json '/dev/full' (No space left on "
+                                                "device)"], proc.stderr
 
 
 def test_probing_an_output_path_removes_only_what_it_created(tmp_path, monkeypatch) -> None:

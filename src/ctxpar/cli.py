@@ -112,24 +112,24 @@ def _check_output(flag: str, path: str | None, example: str = "out.json") -> Non
 def _report(text: str, json_path: str | None, data: dict) -> None:
     """Print a command's report and write its JSON, the JSON first: a reader of stdout that
     is gone (``| head``) must not cost the file, nor the command's exit status."""
-    unwritten = None
+    json_error = None  # why the JSON could not be written
     if json_path:
         try:
             with open(json_path, "w") as f:
                 json.dump(data, f, indent=2)
         except OSError as e:  # e.g. the disk filled up during the run
-            unwritten = ValueError(f"--json {json_path!r} could not be written ({e.strerror}); the report above "
-                                   f"is complete")
+            json_error = e.strerror
     try:
         print(text, flush=True)
     except BrokenPipeError:  # stdout's reader is gone (``| head``): what it did not read, nobody wants
         os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())  # nor Python's flush at exit
     except OSError as e:  # stdout is a file on a full disk, or gone otherwise
         os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())  # Python's flush at exit would fail again
-        raise ReportUnwritten(f"the report could not be written to stdout ({e.strerror})"
-                              f"{'; --json ' + repr(json_path) + ' holds it' if json_path and not unwritten else ''}")
-    if unwritten is not None:
-        raise unwritten
+        json_said = "" if not json_path else f"; nor could --json {json_path!r} ({json_error})" if json_error \
+            else f"; --json {json_path!r} holds it"
+        raise ReportUnwritten(f"the report could not be written to stdout ({e.strerror}){json_said}")
+    if json_error is not None:
+        raise ValueError(f"--json {json_path!r} could not be written ({json_error}); the report above is complete")
 
 
 class ReportUnwritten(Exception):
