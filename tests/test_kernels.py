@@ -146,6 +146,32 @@ def test_an_explicit_tile_mask_is_honoured_and_a_row_that_sees_nothing_gets_minu
         torch.testing.assert_close(got, leaf.grad, rtol=0, atol=1e-12)
 
 
+@pytest.mark.parametrize("bad", [float("inf"), float("nan")], ids=["inf", "nan"])
+def test_a_masked_non_finite_key_leaves_the_rows_that_cannot_see_it_alone(bad: float) -> None:
+    """Two packed documents in one PARTIAL tile, an inf (or NaN) in a key of the first: rows
+    of the second are finite and exact, forward and backward. torch's CPU op adds the mask
+    as -inf to the scores, and a hidden inf - inf poisoned them (document isolation lost)."""
+    q, k, v = (t.float() for t in make(4, 2, s=12))
+    k[:, :, 1, 3] = bad
+    documents = torch.arange(12) < 5
+    visible = (documents[:, None] == documents[None, :]) & torch.ones(12, 12, dtype=torch.bool).tril()
+    out, lse = cpu.attention_forward(q, k, v, causal=False, scale=0.25, mask=visible)
+    want_out, want_lse = reference.attention_forward(q.double(), k.double(), v.double(), causal=False, scale=0.25,
+                                                     mask=visible)
+    second = ~documents
+    assert torch.isfinite(out[:, :, second]).all() and torch.isfinite(lse[:, :, second]).all()
+    torch.testing.assert_close(out[:, :, second].double(), want_out[:, :, second], rtol=0, atol=1e-5)
+    torch.testing.assert_close(lse[:, :, second].double(), want_lse[:, :, second], rtol=0, atol=1e-5)
+    dout = torch.randn_like(q).masked_fill(documents.view(1, 1, 12, 1), 0)  # the first document's rows: no loss
+    grads = cpu.attention_backward(dout, q, k, v, out, lse, causal=False, scale=0.25, mask=visible)
+    want = reference.attention_backward(dout.double(), q.double(), k.double(), v.double(), want_out, want_lse,
+                                        causal=False, scale=0.25, mask=visible)
+    # the gradients are the reference kernel's, non-finite where its are (dQ's rows sum 0 x the bad key)
+    for got, expected in zip(grads, want):
+        torch.testing.assert_close(got[:, :, second].double(), expected[:, :, second], rtol=0, atol=1e-5,
+                                   equal_nan=True)
+
+
 @pytest.mark.parametrize("backend", [cpu, reference], ids=["cpu", "reference"])
 @pytest.mark.parametrize("heads", [(4, 4), (4, 2)])
 @pytest.mark.parametrize("tile", ["causal", "masked"])

@@ -13,7 +13,8 @@ single-process attention makes; K/V still travel between ranks in bf16.
 A PARTIAL tile's bool mask goes to the op as an additive float mask (0 / -inf, the op's
 dtype); the op gives a row that sees no key lse 0 where attention has -inf, so those
 rows' lse are set to -inf after the call, as are those of rows whose visible keys all
-score -inf (``_massless``).
+score -inf (``_massless``). A PARTIAL tile whose q or k holds an inf or NaN goes to the
+reference kernel instead, which hides masked scores rather than adding -inf to them.
 
 Every tensor handed to the op goes through ``unit_stride``: the op reads the last dim as
 dense whatever its stride (a no-op for tensors strategies already made dense once per
@@ -24,6 +25,7 @@ from __future__ import annotations
 
 import torch
 
+from ctxpar.kernels import reference
 from ctxpar.kernels.contract import accumulation_dtype, unit_stride
 
 _cpu_fwd = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu.default
@@ -44,9 +46,19 @@ def _additive(mask: torch.Tensor | None, like: torch.Tensor) -> torch.Tensor | N
     return zeros.masked_fill_(~mask.to(like.device), float("-inf"))
 
 
+def _scores_hidden_exactly(q: torch.Tensor, k: torch.Tensor, mask: torch.Tensor | None) -> bool:
+    """Whether a tile must go to the reference kernel: one with an explicit mask (PARTIAL)
+    whose q or k holds an inf or NaN. The op adds the mask to the scores (-inf where hidden),
+    and a hidden +inf or NaN score then poisons a row that cannot see it (inf - inf: rows of
+    other documents); the reference hides masked scores instead (O(Sq*D + Sk*D) to check)."""
+    return mask is not None and not (bool(torch.isfinite(q).all()) and bool(torch.isfinite(k).all()))
+
+
 def attention_forward(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, causal: bool, scale: float, mask: torch.Tensor | None = None
 ) -> tuple[torch.Tensor, torch.Tensor]:
+    if _scores_hidden_exactly(q, k, mask):
+        return reference.attention_forward(q, k, v, causal=causal, scale=scale, mask=mask)
     q, k, v = _prepare(q, k, v)
     out, lse = _cpu_fwd(q, k, v, 0.0, causal, attn_mask=_additive(mask, q), scale=scale)
     if mask is not None:
@@ -98,5 +110,7 @@ def attention_backward(
     scale: float,
     mask: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    if _scores_hidden_exactly(q, k, mask):
+        return reference.attention_backward(dout, q, k, v, out, lse, causal=causal, scale=scale, mask=mask)
     dout, q, k, v, out, lse = _prepare(dout, q, k, v, out, lse)
     return _cpu_bwd(dout, q, k, v, out, lse, 0.0, causal, attn_mask=_additive(mask, q), scale=scale)
