@@ -205,6 +205,26 @@ def double_backward(mesh) -> dict[str, str]:
     return found
 
 
+def torch_func(mesh) -> dict[str, str]:
+    """torch.func.grad, vmap and jvp around attention: refused by name on every rank (once
+    torch's message asking for a setup_context in ctxpar's autograd Functions); a plain
+    call works afterwards."""
+    q, k, v = _tensors()
+    found = {}
+    transforms = {"grad": lambda f: torch.func.grad(f)(q), "vmap": lambda f: torch.func.vmap(f)(q[None]),
+                  "jvp": lambda f: torch.func.jvp(f, (q,), (torch.ones_like(q),))}
+    for (name, transform), strategy in itertools.product(transforms.items(), ("ring", "hybrid")):
+        kwargs = dict(layout="zigzag", strategy=strategy, mesh=mesh if strategy == "hybrid" else None)
+        try:
+            transform(lambda x: ctxpar.attention(x, k, v, **kwargs).sum())
+            found[name, strategy] = "no error"
+        except ValueError as e:
+            found[name, strategy] = str(e)
+    ctxpar.attention(q, k, v, layout="zigzag").sum().backward()
+    found["after"] = "ok" if q.grad is not None and bool(torch.isfinite(q.grad).all()) else "no gradient"
+    return found
+
+
 def loss_on_lse(mesh) -> dict[str, str]:
     """A loss term on the returned lse (a z-loss on attention): once it silently added nothing
     to q.grad (lse was detached); now the backward refuses it. The output alone still trains."""
@@ -304,6 +324,6 @@ def run(rank: int, world: int) -> dict:
 
     mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("ring", "ulysses"))
     return dict(disagree=disagreeing_ranks(rank, world, mesh), nonfinite=nonfinite_inputs(rank, world),
-                dense_once=dense_once(rank, world), double_backward=double_backward(mesh),
+                dense_once=dense_once(rank, world), double_backward=double_backward(mesh), torch_func=torch_func(mesh),
                 loss_on_lse=loss_on_lse(mesh), interrupted_steps=interrupted_steps(),
                 under_autocast=under_autocast(rank, world))

@@ -143,6 +143,14 @@ def test_differentiating_a_gradient_again_is_refused_not_detached(strategy: str)
             assert "differentiate twice" in message, f"rank {rank}, {loss} loss: {message}"
 
 
+def test_torch_func_transforms_are_refused_by_name() -> None:
+    for rank, res in enumerate(results()):
+        found = dict(res["torch_func"])
+        assert found.pop("after") == "ok", rank
+        for case, message in found.items():
+            assert "is inside a torch.func transform (grad, vmap, jvp, ...)" in message, (rank, case, message)
+
+
 @pytest.mark.parametrize("strategy", ["ring", "allgather", "alltoall"])
 def test_under_autocast_q_k_v_are_cast_as_sdpa_casts_them(strategy: str) -> None:
     """Under torch.autocast (a Trainer's bf16=True), float32 q and k with a bfloat16 v were

@@ -244,6 +244,11 @@ def _validate(q, k, v, layout: Layout, topo: topology.Topology, scale: float | N
             kind = "nested" if t.is_nested else str(t.layout).removeprefix("torch.")
             raise ValueError(f"{name} must be a dense (strided) tensor, got a {kind} tensor; convert it with "
                              f".to_dense() or torch.nested.to_padded_tensor")
+        if isinstance(t, torch.Tensor) and torch._C._functorch.is_functorch_wrapped_tensor(t):
+            raise ValueError(f"{name} is inside a torch.func transform (grad, vmap, jvp, ...), which cannot run "
+                             f"ctxpar's attention (autograd Functions around collectives: torch's own error named "
+                             f"their setup_context); differentiate with torch.autograd (loss.backward() or "
+                             f"torch.autograd.grad), and batch by stacking along B")
         if _is_dtensor(t):  # torch's own error came from inside the strategy's collectives
             raise ValueError(f"{name} is a DTensor ({t.placements} over a mesh of {t.device_mesh.size()}); pass "
                              f"this rank's local heads ({name}.to_local(): under tensor parallelism each TP rank "
