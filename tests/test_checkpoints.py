@@ -266,3 +266,53 @@ def test_resume_values_that_do_not_fit_the_checkpoint_are_refused_before_any_ran
         if status != 2 or expected not in err or "ctxpar train: error: --resume: " not in err:
             wrong.append(f"{' '.join(args)} -> status {status}: {err.strip()!r}")
     assert not wrong, "\n".join(wrong)
+
+
+def test_the_checkpoint_api_refuses_what_would_lose_or_mix_work(tmp_path) -> None:
+    """In one process, as a user's own training loop calls it: each of these once passed (a
+    smaller model loaded part of a checkpoint; a second run's save replaced the first's, or
+    mixed files with it), saved what resume can never find (step -1), or raised torch's own
+    error (a CheckpointException, which `except Exception` does not catch)."""
+    import dataclasses
+    import fcntl
+
+    from ctxpar.models import Transformer, get_config
+
+    def model_and_optimizer(**changes):
+        torch.manual_seed(0)
+        model = Transformer(dataclasses.replace(get_config("tiny"), **changes))
+        return model, torch.optim.AdamW(model.parameters())
+
+    model, optimizer = model_and_optimizer()
+    directory = str(tmp_path / "ckpt")
+    path = checkpoint.save(model, optimizer, directory, 1, SETTINGS)
+
+    def refused(call, message: str) -> None:
+        with pytest.raises(ValueError, match=re.escape(message)):
+            call()
+
+    refused(lambda: checkpoint.load(*model_and_optimizer(layers=1), path),
+            "is of another model: 9 parameters only the checkpoint holds (layers.1.attention.wk.weight, ")
+    refused(lambda: checkpoint.load(*model_and_optimizer(layers=3), path), "9 parameters only the model has")
+    refused(lambda: checkpoint.load(*model_and_optimizer(hidden=96), path), "of other shapes (embed.weight (")
+    sgd = torch.optim.SGD(model.parameters(), momentum=0.9)
+    sgd.step()  # momentum buffers the checkpoint does not hold
+    refused(lambda: checkpoint.load(model, sgd, path), "does not fit this model and optimizer")
+    for step in (-1, 1.5, "3", True):
+        refused(lambda: checkpoint.save(model, optimizer, directory, step, SETTINGS), "step must be an int >= 0")
+    refused(lambda: checkpoint.save(model, optimizer, directory, 2, None), "run must be a dict")
+    refused(lambda: checkpoint.save(model, optimizer, directory, 2, {"dtype": torch.float32}),
+            "run must hold what JSON can")
+    with open(os.path.join(directory, checkpoint.SAVE_LOCK), "w") as held:  # another run, saving right now
+        fcntl.flock(held, fcntl.LOCK_EX)
+        refused(lambda: checkpoint.save(model, optimizer, directory, 2, SETTINGS),
+                "another process is saving a checkpoint into")
+    refused(lambda: checkpoint.save(model, optimizer, directory, 1, {**SETTINGS, "--seed": 1}),
+            "holds a checkpoint sealed by another run (--seed 0 there, 1 here), which is not replaced")
+    assert sorted(os.listdir(directory)) == [checkpoint.SAVE_LOCK, "step-000001"]  # nothing written by the refusals
+    found = checkpoint.find_resumable(directory, SETTINGS)
+    assert (found.step, found.skipped) == (1, ())  # the lock is not a stray entry
+    checkpoint.load(model, optimizer, path)
+    refused(lambda: checkpoint.find_resumable(path + "/manifest.json", SETTINGS), "is not a directory")
+    refused(lambda: checkpoint.find_resumable(str(tmp_path / "missing"), SETTINGS), "does not exist")
+    assert checkpoint.save(model, optimizer, directory, 1, SETTINGS) == path  # this run may replace its own

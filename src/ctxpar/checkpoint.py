@@ -15,7 +15,9 @@ The manifest goes to a temporary name, is fsynced and renamed into place once ev
 file is on disk, so a directory without a valid manifest is by definition partial: the
 run stopped while saving it. Resume walks the checkpoints newest first and takes the
 first whose manifest is intact and whose files all have the recorded size and sha256;
-what it passes over comes back with the reason.
+what it passes over comes back with the reason. While saving, rank 0 holds an exclusive
+``flock`` on ``.ctxpar-save.lock`` in the directory (released when the save ends or the
+process dies), so two runs saving into one directory are refused, not mixed.
 
 Every function here that a rank calls with a process group up is collective: rank 0
 reads directories and manifests and broadcasts what it found (or the error it hit), the
@@ -27,6 +29,7 @@ bit-flipped, deleted files), not someone who rewrites a manifest on purpose.
 
 from __future__ import annotations
 
+import fcntl
 import hashlib
 import json
 import os
@@ -41,10 +44,13 @@ from typing import Any, TypeVar
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 
 MANIFEST = "manifest.json"
 FORMAT = "ctxpar-checkpoint/1"
+OWN_FILES = ".ctxpar-"  # the prefix of this module's own entries in a checkpoint directory (a lock, a probe)
+SAVE_LOCK = OWN_FILES + "save.lock"  # held by the rank 0 that is saving into the directory
 _STEP_DIR = re.compile(r"step-([0-9]+)")
 _READ_BYTES = 1 << 22
 
@@ -80,6 +86,8 @@ def list_checkpoints(directory: str) -> tuple[list[tuple[int, str]], list[Skippe
     """
     found, ignored = [], []
     for name in sorted(os.listdir(directory)):
+        if name.startswith(OWN_FILES):
+            continue
         path = os.path.join(directory, name)
         match = _STEP_DIR.fullmatch(name)
         if match and os.path.isdir(path):
@@ -124,7 +132,7 @@ def check_directory(directory: str, *, resuming: bool) -> None:
                          "continue that run, or pass an empty directory")
     try:
         os.makedirs(directory, exist_ok=True)
-        fd, probe = tempfile.mkstemp(dir=directory, prefix=".ctxpar-write-test-")
+        fd, probe = tempfile.mkstemp(dir=directory, prefix=OWN_FILES + "write-test-")
         os.close(fd)
         os.remove(probe)
     except OSError as e:
@@ -141,14 +149,33 @@ def save(model: torch.nn.Module, optimizer: torch.optim.Optimizer, directory: st
          run: dict[str, Any]) -> str:
     """Save model and optimizer state as ``directory/step-<step>`` and seal it (collective); return its path.
 
-    A leftover at that path (a partial save, or a checkpoint that resume passed over) is
-    removed first, so no file of it can end up under the new manifest.
+    A leftover at that path (a partial save, or a checkpoint of this run that resume passed
+    over) is removed first, so no file of it can end up under the new manifest. Rank 0 holds
+    a lock on the directory while saving, so another run saving into it at the same time is
+    refused rather than left to remove or mix files with this one; a sealed checkpoint of
+    another run (other ``run`` settings) is never replaced.
+
+    Raises:
+        ValueError: a step that is not an int >= 0, ``run`` not a dict JSON can hold, the
+            directory locked by another save, or ``step`` sealed there by another run; on
+            every rank, before anything is written.
     """
+    if isinstance(step, bool) or not isinstance(step, int) or step < 0:
+        raise ValueError(f"checkpoint step must be an int >= 0 (resume finds step-<number> directories), got "
+                         f"{step!r}")
+    settings = _checked_run(run)
     path = step_path(directory, step)
-    _on_rank0(partial(_remove, path))
-    model_state, optim_state = get_state_dict(model, optimizer)
-    dcp.save({"model": model_state, "optim": optim_state}, checkpoint_id=path)
-    write_manifest(path, step, run)
+    lock = _on_rank0(partial(_claim, directory, path, step, settings))  # rank 0's descriptor
+    try:
+        model_state, optim_state = get_state_dict(model, optimizer)
+        try:
+            dcp.save({"model": model_state, "optim": optim_state}, checkpoint_id=path)
+        except CheckpointException as e:  # a BaseException: an `except Exception` would miss it
+            raise OSError(f"the checkpoint could not be written to {path}: {e}") from None
+        write_manifest(path, step, settings)
+    finally:
+        if _rank_world()[0] == 0:
+            os.close(lock)  # releases the lock
     return path
 
 
@@ -178,7 +205,10 @@ def find_resumable(directory: str, run: dict[str, Any], *, required: bool = True
         ValueError: a verified checkpoint was written by a run whose ``run`` settings
             differ (naming each difference), or no verified checkpoint remains (``required``).
     """
-    run = _as_json(run)
+    run = _checked_run(run)
+    if not os.path.isdir(directory):  # every rank reads one file system: one verdict
+        what = "is not a directory" if os.path.exists(directory) else "does not exist"
+        raise ValueError(f"checkpoint directory {directory!r} {what}; pass the directory a run saved to")
     candidates, skipped = _on_rank0(partial(list_checkpoints, directory))
     for step, path in candidates:
         manifest, why = _on_rank0(partial(_read_manifest, path, step))
@@ -197,11 +227,51 @@ def find_resumable(directory: str, run: dict[str, Any], *, required: bool = True
 
 
 def load(model: torch.nn.Module, optimizer: torch.optim.Optimizer, path: str) -> None:
-    """Load a checkpoint that :func:`find_resumable` verified into model and optimizer (collective)."""
+    """Load a checkpoint that :func:`find_resumable` verified into model and optimizer (collective).
+
+    Raises:
+        ValueError: the checkpoint holds parameters the model does not (a model with fewer
+            layers once loaded the rest silently), lacks some it has, or holds them in other
+            shapes, naming them; or its optimizer state does not fit the optimizer.
+    """
     model_state, optim_state = get_state_dict(model, optimizer)
+    _check_parameters(path, _on_rank0(partial(_saved_parameters, path)), model_state)
     state = {"model": model_state, "optim": optim_state}
-    dcp.load(state, checkpoint_id=path)
+    try:
+        dcp.load(state, checkpoint_id=path)
+    except CheckpointException as e:  # a BaseException: an `except Exception` would miss it
+        raise ValueError(f"the checkpoint {path} does not fit this model and optimizer (an optimizer of another "
+                         f"kind, or other state): {e}") from None
     set_state_dict(model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"])
+
+
+def _saved_parameters(path: str) -> dict[str, tuple[int, ...] | None]:
+    """{parameter name: its saved shape (None: not a tensor)} of the model in checkpoint ``path``."""
+    saved = dcp.FileSystemReader(path).read_metadata().state_dict_metadata
+    return {key.removeprefix("model."): tuple(entry.size) if hasattr(entry, "size") else None
+            for key, entry in saved.items() if key.startswith("model.")}
+
+
+def _check_parameters(path: str, saved: dict[str, tuple[int, ...] | None], model_state: dict) -> None:
+    """Refuse a model whose parameters are not the checkpoint's, by name and shape."""
+    here = {name: tuple(value.shape) if isinstance(value, torch.Tensor) else None
+            for name, value in model_state.items()}
+    problems = []
+    for what, names in (("only the checkpoint holds", sorted(set(saved) - set(here))),
+                        ("only the model has", sorted(set(here) - set(saved)))):
+        if names:
+            problems.append(f"{len(names)} parameters {what} ({_first(names)})")
+    reshaped = [f"{name} {saved[name]} there, {here[name]} here" for name in sorted(set(saved) & set(here))
+                if saved[name] != here[name]]
+    if reshaped:
+        problems.append(f"{len(reshaped)} of other shapes ({_first(reshaped)})")
+    if problems:
+        raise ValueError(f"the checkpoint {path} is of another model: {'; '.join(problems)}; load it into a "
+                         f"model shaped as the one that saved it")
+
+
+def _first(items: list[str], n: int = 4) -> str:
+    return ", ".join(items[:n]) + (", ..." if len(items) > n else "")
 
 
 def _rank_world() -> tuple[int, int]:
@@ -289,12 +359,49 @@ def _read_manifest(path: str, step: int) -> tuple[dict | None, str | None]:
 
 
 def _refuse_other_run(path: str, saved: dict[str, Any], wanted: dict[str, Any]) -> None:
-    differences = [f"{key} {saved.get(key)!r} there, {wanted.get(key)!r} here"
-                   for key in sorted(set(saved) | set(wanted)) if saved.get(key) != wanted.get(key)]
-    if differences:
-        raise ValueError(f"--resume: {path} was saved by a run with other settings ({'; '.join(differences)}), "
+    if saved != wanted:
+        raise ValueError(f"--resume: {path} was saved by a run with other settings ({_differences(saved, wanted)}), "
                          "so resuming it would not continue that run; pass the same values, or a new "
                          "--checkpoint-dir to start a new run")
+
+
+def _differences(saved: dict[str, Any], wanted: dict[str, Any]) -> str:
+    return "; ".join(f"{key} {saved.get(key)!r} there, {wanted.get(key)!r} here"
+                     for key in sorted(set(saved) | set(wanted)) if saved.get(key) != wanted.get(key))
+
+
+def _checked_run(run: Any) -> dict[str, Any]:
+    """``run`` as JSON reads it back, refused where it is not a dict JSON can hold (checked
+    before anything is written: once a TypeError after the data files, leaving them unsealed)."""
+    if not isinstance(run, dict):
+        raise ValueError(f"checkpoint run must be a dict of the settings a continuation must share, got "
+                         f"{type(run).__name__}")
+    try:
+        return _as_json(run)
+    except (TypeError, ValueError) as e:
+        raise ValueError(f"checkpoint run must hold what JSON can (numbers, strings, lists, dicts): {e}") from None
+
+
+def _claim(directory: str, path: str, step: int, run: dict[str, Any]) -> int:
+    """Lock ``directory`` for this run's save of ``step`` at ``path`` and clear what is there;
+    return the lock's descriptor (closing it releases the lock, as the process's end does)."""
+    os.makedirs(directory, exist_ok=True)
+    lock = os.open(os.path.join(directory, SAVE_LOCK), os.O_WRONLY | os.O_CREAT, 0o644)
+    try:
+        try:
+            fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            raise ValueError(f"another process is saving a checkpoint into {directory} right now; give each run a "
+                             f"--checkpoint-dir of its own") from None
+        manifest, _ = _read_manifest(path, step)
+        if manifest is not None and manifest["run"] != run:
+            raise ValueError(f"{path} holds a checkpoint sealed by another run ({_differences(manifest['run'], run)})"
+                             f", which is not replaced; give each run a --checkpoint-dir of its own")
+        _remove(path)
+    except BaseException:
+        os.close(lock)
+        raise
+    return lock
 
 
 def _write_atomically(path: str, manifest: dict) -> None:
