@@ -19,6 +19,7 @@ import ctypes
 import functools
 import inspect
 import json
+import multiprocessing
 import os
 import signal
 import socket
@@ -322,10 +323,17 @@ def test_a_result_the_parent_cannot_unpickle_is_that_ranks_failure() -> None:
 
 
 def test_run_local_refuses_what_its_ranks_could_not_start_with(monkeypatch) -> None:
-    """Both once reached every rank, which died before it could report why ("it reported no
-    result"; the cause on stderr only, which a notebook does not show)."""
+    """In the parent, before any rank starts. Some once reached every rank, which died before
+    it could report why ("it reported no result"; the cause on stderr only, which a notebook
+    does not show); a run_local inside a rank failed on multiprocessing's bare assertion that
+    daemonic processes have no children."""
     with pytest.raises(ValueError, match="threads 0 must be a positive int"):
         run_local(sleep_then_return, 2, (0,), threads=0)
+
+    with monkeypatch.context() as inside_a_rank:
+        inside_a_rank.setitem(multiprocessing.current_process()._config, "daemon", True)  # as a rank's process is
+        with pytest.raises(ValueError, match="a daemonic process .* ranks cannot spawn ranks; start one run_local"):
+            run_local(sleep_then_return, 1, (0,))
 
     def defined_in_a_notebook(rank: int, world: int) -> None:
         pass

@@ -524,6 +524,7 @@ def run_local(
     device)``. Raises ``RankFailure`` naming every rank that failed, died or never
     finished; the other ranks are stopped first.
     """
+    _check_can_spawn()
     check_nproc(nproc)
     backend, devices = "gloo", [None] * nproc
     if device_type is not None:
@@ -570,6 +571,17 @@ def run_local(
         _stop(procs)
         del store  # its server stops, and its port is free again
         shutil.rmtree(stacks, ignore_errors=True)
+
+
+def _check_can_spawn() -> None:
+    """Refuse to start ranks from a daemonic process (a rank of run_local is one): multiprocessing
+    forbids it, with a bare assertion at the first start."""
+    this = mp.current_process()
+    if this.daemon:
+        raise ValueError(f"run_local called in {this.name!r}, a daemonic process (a rank of another run_local, or a "
+                         f"multiprocessing pool's worker), which cannot start processes: ranks cannot spawn ranks; "
+                         f"start one run_local with all the ranks the job needs, and split them with dist.new_group "
+                         f"inside fn")
 
 
 def _check_importable(fn) -> None:
