@@ -327,8 +327,22 @@ def test_run_local_refuses_what_its_ranks_could_not_start_with(monkeypatch) -> N
     it could report why ("it reported no result"; the cause on stderr only, which a notebook
     does not show); a run_local inside a rank failed on multiprocessing's bare assertion that
     daemonic processes have no children."""
-    with pytest.raises(ValueError, match="threads 0 must be a positive int"):
-        run_local(sleep_then_return, 2, (0,), threads=0)
+    for bad, says in [
+        (dict(threads=0), "threads 0 must be a positive int"),
+        (dict(threads=True), "threads True must be a positive int"),  # not 1 thread
+        (dict(threads=10**6), r"threads 1000000 must be a positive int \(torch threads per rank\) of at most \d+"),
+        (dict(nproc=2.5), "nproc 2.5 must be an int: the number of local ranks"),
+        (dict(nproc="2"), "nproc '2' must be an int"),
+        (dict(nproc=None), "nproc None must be an int"),
+        (dict(nproc=True), "nproc True must be an int"),
+        (dict(timeout_s=True), "timeout_s True must be a number of seconds"),
+        (dict(deadline_s="5"), "deadline_s '5' must be a positive number of seconds"),
+        (dict(deadline_s=True), "deadline_s True must be a positive number of seconds"),
+    ]:
+        with pytest.raises(ValueError, match=says):
+            run_local(**dict(dict(fn=sleep_then_return, nproc=2, args=(0,)), **bad))
+    with pytest.raises(ValueError, match="nproc 2.5 must be an int"):  # before run says what it spawns
+        launch.run(sleep_then_return, 2.5, (0,))
 
     with monkeypatch.context() as inside_a_rank:
         inside_a_rank.setitem(multiprocessing.current_process()._config, "daemon", True)  # as a rank's process is

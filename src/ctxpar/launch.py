@@ -74,6 +74,9 @@ MIN_TIMEOUT_S = 1.0
 # that, spawning alone (a torch import each) takes minutes and the memory of several GiB.
 MIN_RANKS_CAP = 8
 RANKS_PER_CORE = 4
+# Torch threads per local rank: past the cores they only time-share them, and by the thousands
+# a rank cannot create them (gloo's init failed with "Resource temporarily unavailable").
+THREADS_PER_CORE = 4
 
 # Every variable torch's elastic agent sets for its workers (torch/distributed/elastic/
 # agent/server/local_elastic_agent.py); a launch is torchrun's only if all are present.
@@ -160,7 +163,9 @@ def max_local_ranks() -> int:
 
 
 def check_nproc(nproc: int, name: str = "nproc") -> None:
-    """Refuse a number of local ranks below 1 or beyond what this machine can run."""
+    """Refuse a number of local ranks that is not an int, below 1, or beyond what this machine can run."""
+    if isinstance(nproc, bool) or not isinstance(nproc, int):
+        raise ValueError(f"{name} {nproc!r} must be an int: the number of local ranks to spawn")
     if nproc < 1:
         raise ValueError(f"{name} {nproc} must be >= 1: the number of local ranks to spawn")
     if nproc > max_local_ranks():
@@ -176,10 +181,14 @@ def check_local_memory(needed: int, what: str, fix: str) -> None:
                          f"{ram / 2**30:.1f} GiB; {fix}")
 
 
+def _is_number(value: object) -> bool:
+    """A finite int or float; not a bool, which Python counts as an int (True seconds would be 1)."""
+    return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
+
+
 def check_timeout(seconds: float, name: str = "timeout_s") -> None:
     """Refuse a collective timeout that is not a number of seconds from a second to a week."""
-    if not (isinstance(seconds, (int, float)) and math.isfinite(seconds)
-            and MIN_TIMEOUT_S <= seconds <= MAX_TIMEOUT_S):
+    if not (_is_number(seconds) and MIN_TIMEOUT_S <= seconds <= MAX_TIMEOUT_S):
         raise ValueError(f"{name} {seconds!r} must be a number of seconds from {MIN_TIMEOUT_S:g} to "
                          f"{MAX_TIMEOUT_S:.0f} (shorter waits fail healthy runs: ranks join and reach each collective "
                          f"up to seconds apart); the default is {DEFAULT_TIMEOUT_S:.0f}")
@@ -517,7 +526,8 @@ def run_local(
     """Run ``fn(rank, nproc, *args)`` on ``nproc`` local ranks; return their results.
 
     ``fn`` must be importable (module level) and its arguments and result picklable.
-    ``threads`` per rank defaults to the machine's cores shared out between the ranks.
+    ``threads`` per rank (at most ``THREADS_PER_CORE`` per core) defaults to the machine's
+    cores shared out between the ranks.
     ``timeout_s`` bounds each collective and the rendezvous; ``deadline_s`` (default: none)
     bounds the whole run. ``device_type`` None: a gloo group and ``fn(rank, nproc, *args)``;
     "cpu" or "cuda": the placement of ``local_placement`` and ``fn(rank, nproc, *args,
@@ -530,13 +540,16 @@ def run_local(
     if device_type is not None:
         backend, devices = local_placement(nproc, resolve_device_type(device_type))
     check_timeout(timeout_s)
-    if deadline_s is not None and not (math.isfinite(deadline_s) and deadline_s > 0):
+    if deadline_s is not None and not (_is_number(deadline_s) and deadline_s > 0):
         raise ValueError(f"deadline_s {deadline_s!r} must be a positive number of seconds, or None for no deadline")
-    if threads is not None and (isinstance(threads, bool) or not isinstance(threads, int) or threads < 1):
-        raise ValueError(f"threads {threads!r} must be a positive int (torch threads per rank), or None to share "
-                         f"the machine's cores out between the ranks")
+    cores = os.cpu_count() or 1
+    if threads is not None and (isinstance(threads, bool) or not isinstance(threads, int)
+                                or not 1 <= threads <= THREADS_PER_CORE * cores):
+        raise ValueError(f"threads {threads!r} must be a positive int (torch threads per rank) of at most "
+                         f"{THREADS_PER_CORE * cores} ({THREADS_PER_CORE} per core of this machine's {cores}: more "
+                         f"only time-share them), or None to share the machine's cores out between the ranks")
     _check_importable(fn)
-    threads = threads or max(1, (os.cpu_count() or 1) // nproc)
+    threads = threads or max(1, cores // nproc)
     ctx = mp.get_context("spawn")
     pipes = [ctx.Pipe(duplex=False) for _ in range(nproc)]
     stacks = tempfile.mkdtemp(prefix="ctxpar-stacks-")
@@ -739,6 +752,7 @@ def run(
             return fn(dist.get_rank(), dist.get_world_size(), *args, device)
         finally:
             dist.destroy_process_group()
+    check_nproc(nproc)  # before the line that describes the ranks
     print(describe_mode(nproc, timeout_s, device_type), file=sys.stderr, flush=True)
     return run_local(fn, nproc, args, timeout_s=timeout_s, deadline_s=deadline_s, device_type=device_type)[0]
 
