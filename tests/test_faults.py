@@ -25,6 +25,7 @@ import signal
 import socket
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 
@@ -326,7 +327,13 @@ def test_run_local_refuses_what_its_ranks_could_not_start_with(monkeypatch) -> N
     """In the parent, before any rank starts. Some once reached every rank, which died before
     it could report why ("it reported no result"; the cause on stderr only, which a notebook
     does not show); a run_local inside a rank failed on multiprocessing's bare assertion that
-    daemonic processes have no children."""
+    daemonic processes have no children; a lambda, or an argument that does not pickle, on
+    pickle's error naming neither."""
+
+    def nested(rank: int, world: int) -> None:
+        pass
+
+    queue = multiprocessing.get_context("spawn").Queue()  # ranks can take one: pickled as they start
     for bad, says in [
         (dict(threads=0), "threads 0 must be a positive int"),
         (dict(threads=True), "threads True must be a positive int"),  # not 1 thread
@@ -338,6 +345,15 @@ def test_run_local_refuses_what_its_ranks_could_not_start_with(monkeypatch) -> N
         (dict(timeout_s=True), "timeout_s True must be a number of seconds"),
         (dict(deadline_s="5"), "deadline_s '5' must be a positive number of seconds"),
         (dict(deadline_s=True), "deadline_s True must be a positive number of seconds"),
+        (dict(fn=42), "fn 42 is not callable"),
+        (dict(fn=lambda rank, world: rank), r"fn '.*<lambda>' cannot be pickled for the ranks \(Can't pickle local "
+                                            r"object .*\): pass a function defined at the top level of a module"),
+        (dict(fn=nested), r"fn '.*<locals>.nested' cannot be pickled for the ranks"),
+        (dict(args=5), r"args must be a tuple \(or list\) of fn's arguments .* not 'int'; for one argument x, "
+                       r"args=\(x,\)"),
+        # a queue pickles as a rank starts, and is not the one named
+        (dict(args=[queue, threading.Lock()]), r"args\[1\], a lock, cannot be pickled for the ranks \(cannot pickle "
+                                               r"'_thread.lock' object\)"),
     ]:
         with pytest.raises(ValueError, match=says):
             run_local(**dict(dict(fn=sleep_then_return, nproc=2, args=(0,)), **bad))

@@ -47,6 +47,7 @@ import traceback
 from collections.abc import Callable
 from dataclasses import dataclass
 from multiprocessing import connection
+from multiprocessing.reduction import ForkingPickler
 from typing import Any, NoReturn
 
 import torch
@@ -549,6 +550,9 @@ def run_local(
                          f"{THREADS_PER_CORE * cores} ({THREADS_PER_CORE} per core of this machine's {cores}: more "
                          f"only time-share them), or None to share the machine's cores out between the ranks")
     _check_importable(fn)
+    if not isinstance(args, (tuple, list)):
+        raise ValueError(f"run_local's args must be a tuple (or list) of fn's arguments after (rank, nproc), not "
+                         f"{type(args).__name__!r}; for one argument x, args=(x,)")
     threads = threads or max(1, cores // nproc)
     ctx = mp.get_context("spawn")
     pipes = [ctx.Pipe(duplex=False) for _ in range(nproc)]
@@ -560,7 +564,7 @@ def run_local(
         procs = [
             ctx.Process(target=_worker, name=f"ctxpar-rank-{r}", daemon=True,
                         args=(r, nproc, port, threads, timeout_s, os.getpid(), backend, devices[r], stack_files[r],
-                              fn, args, pipes[r][1]))
+                              _ForRanks(fn, "fn"), _ForRanks(args, "args"), pipes[r][1]))
             for r in range(nproc)
         ]
         # Ctrl-C waits until every worker is started: one interrupted halfway through a start
@@ -598,9 +602,13 @@ def _check_can_spawn() -> None:
 
 
 def _check_importable(fn) -> None:
-    """Refuse, before spawning, an ``fn`` that spawned ranks cannot import: one defined in a
-    notebook cell, the REPL, ``python -c`` or a script read from stdin (a ``__main__``
-    without a file). Each rank failed to unpickle it before it could report why."""
+    """Refuse, before spawning, an ``fn`` that is not callable (each rank failed calling it), or
+    one that spawned ranks cannot import: one defined in a notebook cell, the REPL, ``python -c``
+    or a script read from stdin (a ``__main__`` without a file). Each rank failed to unpickle
+    it before it could report why. A lambda or nested function fails to pickle: ``_ForRanks``."""
+    if not callable(fn):
+        raise ValueError(f"run_local's fn {fn!r} is not callable: pass the function each rank calls as "
+                         f"fn(rank, nproc, *args)")
     while isinstance(fn, functools.partial):
         fn = fn.func
     module = getattr(fn, "__module__", None)
@@ -608,6 +616,36 @@ def _check_importable(fn) -> None:
         raise ValueError(f"run_local's fn {getattr(fn, '__qualname__', fn)!r} is defined in an interactive session "
                          f"(a notebook cell, the REPL, python -c or stdin), which the spawned ranks cannot import; "
                          f"define it in a module file and import it from there")
+
+
+class _ForRanks:
+    """``fn`` or ``args`` on its way to a rank, pickled on its own so that a failure names it
+    (pickle's error names neither: "Can't pickle local object", "cannot pickle '_thread.lock'
+    object"). Pickled as the rank starts, before its process exists: the first rank fails
+    before any runs, and in spawn's context, where multiprocessing's queues and locks pickle
+    (a check beforehand would refuse them)."""
+
+    def __init__(self, value: Any, name: str) -> None:
+        self.value, self.name = value, name
+
+    def __reduce__(self):
+        try:
+            return pickle.loads, (bytes(ForkingPickler.dumps(self.value)),)
+        except Exception as e:  # noqa: BLE001  whatever the pickler raised: named, with the fix
+            if self.name == "fn":
+                raise ValueError(f"run_local's fn {getattr(self.value, '__qualname__', self.value)!r} cannot be "
+                                 f"pickled for the ranks ({e}): pass a function defined at the top level of a module "
+                                 f"(not a lambda, nor a function defined inside another), or a functools.partial of "
+                                 f"one whose arguments pickle") from e
+            what, error = "args", e  # unless one argument fails alone: that one
+            for i, arg in enumerate(self.value):
+                try:
+                    ForkingPickler.dumps(arg)
+                except Exception as arg_error:  # noqa: BLE001
+                    what, error = f"args[{i}], a {type(arg).__name__},", arg_error
+                    break
+            raise ValueError(f"run_local's {what} cannot be pickled for the ranks ({error}): pass what pickles "
+                             f"(tensors, numbers, strings, dataclasses...) and make the rest in fn") from e
 
 
 def _collect(procs: list, readers: list, stack_files: list[str], timeout_s: float,
