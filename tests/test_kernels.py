@@ -256,9 +256,12 @@ def test_a_record_without_timing_counts_everything_but_seconds() -> None:
         assert (rec.waits, rec.strategy_choices, rec.bytes_sent, rec.bytes_received) == (1, [("ring", "why")], 8, 4)
 
 
-def test_nested_records_each_count_their_own_block() -> None:
+def test_a_record_counts_its_own_blocks_nested_reopened_or_decorating() -> None:
     """An inner record closing while its counts equal the outer's must close itself: records
-    are told apart by identity, not by their (equal) counts."""
+    are told apart by identity, not by their (equal) counts. A record opened again adds up
+    (it raised AttributeError: '_GeneratorContextManager' object has no attribute 'args'),
+    counting once where it is open inside itself; one decorates a function
+    (``@ctxpar.record`` without parentheses failed when called, naming no fix)."""
     from ctxpar import profile
 
     with profile.record() as outer:
@@ -268,3 +271,24 @@ def test_nested_records_each_count_their_own_block() -> None:
     profile.add_traffic(16, 16)
     assert (outer.bytes_sent, outer.bytes_received) == (8, 4)
     assert (inner.bytes_sent, inner.bytes_received) == (0, 0)
+
+    phase = profile.record(timing=False)
+    for _ in range(2):
+        with phase as rec:
+            with phase:
+                profile.add_traffic(8, 4)
+    assert rec is phase and (phase.bytes_sent, phase.collectives) == (16, 2)
+
+    @phase
+    def step() -> None:
+        profile.add_traffic(1, 1)
+
+    step()
+    step()
+    assert (phase.bytes_sent, phase.collectives) == (18, 4)
+    profile.add_traffic(1, 1)  # every block closed
+    assert phase.collectives == 4
+    with pytest.raises(ValueError, match="record's timing <function .* must be True or False; .* then @rec"):
+        @profile.record
+        def forgot_the_record() -> None:
+            pass

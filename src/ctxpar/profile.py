@@ -5,6 +5,9 @@
         out.sum().backward()
     rec.bytes_sent, rec.bytes_received, rec.compute_seconds, rec.wait_seconds
 
+A record counts while it is open and can be opened again, its counts adding up: ``with
+rec:`` once per step of a phase, or ``@rec`` on a function, counting every call.
+
 Counters are process-wide (not thread-local) because autograd may run backward on
 another thread. Timing on CUDA synchronises the device while a record is open, so only
 open one when measuring; ``record(timing=False)`` counts bytes and strategy choices
@@ -26,7 +29,7 @@ from ctxpar import heap
 
 
 @dataclass(eq=False)  # open records are told apart by identity: two may hold equal counts
-class Record:
+class Record(contextlib.ContextDecorator):
     bytes_sent: int = 0
     bytes_received: int = 0
     compute_seconds: float = 0.0  # local kernels and merges, wall clock
@@ -37,20 +40,27 @@ class Record:
     strategy_choices: list[tuple[str, str]] = field(default_factory=list)  # strategy="auto": (chosen, why) per call
     timing: bool = True  # compute and wait seconds counted (on CUDA: the device synchronised around each block)
 
+    def __enter__(self) -> Record:
+        _open[self] = _open.get(self, 0) + 1  # opened inside itself (a decorated function recursing): counted once
+        return self
 
-_open: list[Record] = []
+    def __exit__(self, *exc_info) -> None:
+        _open[self] -= 1
+        if not _open[self]:
+            del _open[self]
 
 
-@contextlib.contextmanager
-def record(timing: bool = True) -> Iterator[Record]:
-    """Count everything ctxpar does on this rank inside the block; without ``timing``,
-    everything but the seconds, and the device is never synchronised for it."""
-    rec = Record(timing=timing)
-    _open.append(rec)
-    try:
-        yield rec
-    finally:
-        _open.remove(rec)
+_open: dict[Record, int] = {}  # open records, in the order they were opened -> how many times each is open
+
+
+def record(timing: bool = True) -> Record:
+    """Count everything ctxpar does on this rank while the record is open (``with``, or as a
+    decorator); without ``timing``, everything but the seconds, and the device is never
+    synchronised for it."""
+    if not isinstance(timing, bool):  # @ctxpar.record without parentheses passes the function
+        raise ValueError(f"record's timing {timing!r} must be True or False; to count a function's calls, make the "
+                         f"record first and decorate with it: rec = ctxpar.record(), then @rec (rec holds the counts)")
+    return Record(timing=timing)
 
 
 def note_strategy(strategy: str, why: str) -> None:
