@@ -55,6 +55,7 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 from ctxpar import heap
+from ctxpar.limits import whole
 
 # The longest one wait at one collective may last: torch's own default for NCCL. A healthy
 # run on CPU or GPU waits far less at any collective (for a peer to finish its step or a
@@ -165,7 +166,7 @@ def max_local_ranks() -> int:
 
 def check_nproc(nproc: int, name: str = "nproc") -> None:
     """Refuse a number of local ranks that is not an int, below 1, or beyond what this machine can run."""
-    if isinstance(nproc, bool) or not isinstance(nproc, int):
+    if whole(nproc) is None:
         raise ValueError(f"{name} {nproc!r} must be an int: the number of local ranks to spawn")
     if nproc < 1:
         raise ValueError(f"{name} {nproc} must be >= 1: the number of local ranks to spawn")
