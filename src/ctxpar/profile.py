@@ -65,13 +65,13 @@ def record(timing: bool = True) -> Record:
 
 def note_strategy(strategy: str, why: str) -> None:
     """What ``strategy="auto"`` chose for one call, and why."""
-    for rec in _open:
+    for rec in tuple(_open):  # a snapshot: another thread may open or close a record meanwhile
         rec.strategy_choices.append((strategy, why))
 
 
 def add_traffic(sent: int, received: int) -> None:
     """One communication posted, moving these bytes out of and into this rank."""
-    for rec in _open:
+    for rec in tuple(_open):
         rec.bytes_sent += sent
         rec.bytes_received += received
         rec.collectives += 1
@@ -90,9 +90,10 @@ def timed(counter: str, device: torch.device) -> Iterator[None]:
     if not _open:  # nothing is recording: the common case, on every compute block and wait
         yield
         return
-    timing = [rec for rec in _open if rec.timing]
+    recording = tuple(_open)
+    timing = [rec for rec in recording if rec.timing]
     if counter == "wait":
-        for rec in _open:
+        for rec in recording:
             rec.waits += 1
     if not timing:
         yield
