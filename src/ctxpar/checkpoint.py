@@ -29,6 +29,7 @@ bit-flipped, deleted files), not someone who rewrites a manifest on purpose.
 
 from __future__ import annotations
 
+import errno
 import fcntl
 import hashlib
 import json
@@ -44,6 +45,7 @@ from typing import Any, TypeVar
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint._nested_dict import flatten_state_dict
 from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 
@@ -51,6 +53,7 @@ MANIFEST = "manifest.json"
 FORMAT = "ctxpar-checkpoint/1"
 OWN_FILES = ".ctxpar-"  # the prefix of this module's own entries in a checkpoint directory (a lock, a probe)
 SAVE_LOCK = OWN_FILES + "save.lock"  # held by the rank 0 that is saving into the directory
+_CANNOT_LOCK = (errno.ENOLCK, errno.ENOSYS, errno.EOPNOTSUPP)  # flock's errors where the file system has none
 _STEP_DIR = re.compile(r"step-([0-9]+)")
 _READ_BYTES = 1 << 22
 
@@ -151,14 +154,14 @@ def save(model: torch.nn.Module, optimizer: torch.optim.Optimizer, directory: st
 
     A leftover at that path (a partial save, or a checkpoint of this run that resume passed
     over) is removed first, so no file of it can end up under the new manifest. Rank 0 holds
-    a lock on the directory while saving, so another run saving into it at the same time is
-    refused rather than left to remove or mix files with this one; a sealed checkpoint of
-    another run (other ``run`` settings) is never replaced.
+    a lock on the directory while saving (where its file system has locks), so another run
+    saving into it at the same time is refused rather than left to remove or mix files with
+    this one; a sealed checkpoint of another run (other ``run`` settings) is never replaced.
 
     Raises:
         ValueError: a step that is not an int >= 0, ``run`` not a dict JSON can hold, the
             directory locked by another save, or ``step`` sealed there by another run; on
-            every rank, before anything is written.
+            every rank, before any file of the checkpoint is written.
     """
     if isinstance(step, bool) or not isinstance(step, int) or step < 0:
         raise ValueError(f"checkpoint step must be an int >= 0 (resume finds step-<number> directories), got "
@@ -206,9 +209,7 @@ def find_resumable(directory: str, run: dict[str, Any], *, required: bool = True
             differ (naming each difference), or no verified checkpoint remains (``required``).
     """
     run = _checked_run(run)
-    if not os.path.isdir(directory):  # every rank reads one file system: one verdict
-        what = "is not a directory" if os.path.exists(directory) else "does not exist"
-        raise ValueError(f"checkpoint directory {directory!r} {what}; pass the directory a run saved to")
+    _on_rank0(partial(_check_is_directory, directory))
     candidates, skipped = _on_rank0(partial(list_checkpoints, directory))
     for step, path in candidates:
         manifest, why = _on_rank0(partial(_read_manifest, path, step))
@@ -245,22 +246,31 @@ def load(model: torch.nn.Module, optimizer: torch.optim.Optimizer, path: str) ->
     set_state_dict(model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"])
 
 
+def _check_is_directory(directory: str) -> None:
+    if not os.path.isdir(directory):
+        what = "is not a directory" if os.path.exists(directory) else "does not exist"
+        raise ValueError(f"checkpoint directory {directory!r} {what}; pass the directory a run saved to")
+
+
 def _saved_parameters(path: str) -> dict[str, tuple[int, ...] | None]:
-    """{parameter name: its saved shape (None: not a tensor)} of the model in checkpoint ``path``."""
+    """{entry name: its saved shape (None: not a tensor)} of the model in checkpoint ``path``."""
     saved = dcp.FileSystemReader(path).read_metadata().state_dict_metadata
     return {key.removeprefix("model."): tuple(entry.size) if hasattr(entry, "size") else None
             for key, entry in saved.items() if key.startswith("model.")}
 
 
 def _check_parameters(path: str, saved: dict[str, tuple[int, ...] | None], model_state: dict) -> None:
-    """Refuse a model whose parameters are not the checkpoint's, by name and shape."""
-    here = {name: tuple(value.shape) if isinstance(value, torch.Tensor) else None
-            for name, value in model_state.items()}
+    """Refuse a model whose parameters are not the checkpoint's, by name and shape: the
+    model's entries named as DCP flattens them (a module's dict ``_extra_state`` is saved
+    as one entry per key)."""
+    flat, _ = flatten_state_dict({"model": model_state})
+    here = {name.removeprefix("model."): tuple(value.shape) if isinstance(value, torch.Tensor) else None
+            for name, value in flat.items()}
     problems = []
     for what, names in (("only the checkpoint holds", sorted(set(saved) - set(here))),
                         ("only the model has", sorted(set(here) - set(saved)))):
         if names:
-            problems.append(f"{len(names)} parameters {what} ({_first(names)})")
+            problems.append(f"{len(names)} {'entry' if len(names) == 1 else 'entries'} {what} ({_first(names)})")
     reshaped = [f"{name} {saved[name]} there, {here[name]} here" for name in sorted(set(saved) & set(here))
                 if saved[name] != here[name]]
     if reshaped:
@@ -393,6 +403,11 @@ def _claim(directory: str, path: str, step: int, run: dict[str, Any]) -> int:
         except BlockingIOError:
             raise ValueError(f"another process is saving a checkpoint into {directory} right now; give each run a "
                              f"--checkpoint-dir of its own") from None
+        except OSError as e:
+            if e.errno not in _CANNOT_LOCK:
+                raise
+            # a file system without locks (NFS mounted nolock, Lustre noflock): saves go unlocked there,
+            # as they did before the lock; a sealed checkpoint of another run is still refused below
         manifest, _ = _read_manifest(path, step)
         if manifest is not None and manifest["run"] != run:
             raise ValueError(f"{path} holds a checkpoint sealed by another run ({_differences(manifest['run'], run)})"
