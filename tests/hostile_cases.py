@@ -211,12 +211,14 @@ def torch_func(mesh) -> dict[str, str]:
     call works afterwards."""
     q, k, v = _tensors()
     found = {}
+    sinks = torch.zeros(q.shape[1])
     transforms = {"grad": lambda f: torch.func.grad(f)(q), "vmap": lambda f: torch.func.vmap(f)(q[None]),
-                  "jvp": lambda f: torch.func.jvp(f, (q,), (torch.ones_like(q),))}
+                  "jvp": lambda f: torch.func.jvp(f, (q,), (torch.ones_like(q),)),
+                  "grad of sinks": lambda f: torch.func.grad(lambda s: f(q, s))(sinks)}
     for (name, transform), strategy in itertools.product(transforms.items(), ("ring", "hybrid")):
         kwargs = dict(layout="zigzag", strategy=strategy, mesh=mesh if strategy == "hybrid" else None)
         try:
-            transform(lambda x: ctxpar.attention(x, k, v, **kwargs).sum())
+            transform(lambda x, s=sinks: ctxpar.attention(x, k, v, sinks=s, **kwargs).sum())
             found[name, strategy] = "no error"
         except ValueError as e:
             found[name, strategy] = str(e)

@@ -244,11 +244,7 @@ def _validate(q, k, v, layout: Layout, topo: topology.Topology, scale: float | N
             kind = "nested" if t.is_nested else str(t.layout).removeprefix("torch.")
             raise ValueError(f"{name} must be a dense (strided) tensor, got a {kind} tensor; convert it with "
                              f".to_dense() or torch.nested.to_padded_tensor")
-        if isinstance(t, torch.Tensor) and torch._C._functorch.is_functorch_wrapped_tensor(t):
-            raise ValueError(f"{name} is inside a torch.func transform (grad, vmap, jvp, ...), which cannot run "
-                             f"ctxpar's attention (autograd Functions around collectives: torch's own error named "
-                             f"their setup_context); differentiate with torch.autograd (loss.backward() or "
-                             f"torch.autograd.grad), and batch by stacking along B")
+        check_not_transformed(name, t)
         if _is_dtensor(t):  # torch's own error came from inside the strategy's collectives
             raise ValueError(f"{name} is a DTensor ({t.placements} over a mesh of {t.device_mesh.size()}); pass "
                              f"this rank's local heads ({name}.to_local(): under tensor parallelism each TP rank "
@@ -303,10 +299,22 @@ def check_scale(scale, q: torch.Tensor) -> float:
     return value
 
 
+def check_not_transformed(name: str, t) -> None:
+    """Refuse ``t`` inside a torch.func transform, which cannot run ctxpar's autograd Functions
+    around collectives (torch's own error asked them for a setup_context). Not asked while
+    torch.compile traces (dynamo cannot trace the query, and breaks the graph on it)."""
+    if (isinstance(t, torch.Tensor) and not torch.compiler.is_compiling()
+            and torch._C._functorch.is_functorch_wrapped_tensor(t)):
+        raise ValueError(f"{name} is inside a torch.func transform (grad, vmap, jvp, ...), which cannot run ctxpar's "
+                         f"attention; differentiate with torch.autograd (loss.backward(), torch.autograd.grad, or "
+                         f"torch.autograd.functional with vectorize=False), and batch by stacking along B")
+
+
 def check_sinks(sinks, q: torch.Tensor) -> None:
     """``sinks`` None, or (H,) finite logits, one per query head of ``q`` (B, H, S, D)."""
     if sinks is None:
         return
+    check_not_transformed("sinks", sinks)
     if not isinstance(sinks, torch.Tensor) or sinks.shape != (q.shape[1],):
         got = tuple(sinks.shape) if isinstance(sinks, torch.Tensor) else type(sinks).__name__
         raise ValueError(f"sinks must be a tensor of shape (H,) = ({q.shape[1]},), one logit per query head, got {got}")
