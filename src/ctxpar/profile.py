@@ -19,6 +19,7 @@ from __future__ import annotations
 import contextlib
 import os
 import resource
+import threading
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass, field
@@ -41,16 +42,19 @@ class Record(contextlib.ContextDecorator):
     timing: bool = True  # compute and wait seconds counted (on CUDA: the device synchronised around each block)
 
     def __enter__(self) -> Record:
-        _open[self] = _open.get(self, 0) + 1  # opened inside itself (a decorated function recursing): counted once
+        with _opening:  # one record decorating a function that threads call at once
+            _open[self] = _open.get(self, 0) + 1  # opened inside itself (a recursing function): counted once
         return self
 
     def __exit__(self, *exc_info) -> None:
-        _open[self] -= 1
-        if not _open[self]:
-            del _open[self]
+        with _opening:
+            _open[self] -= 1
+            if not _open[self]:
+                del _open[self]
 
 
 _open: dict[Record, int] = {}  # open records, in the order they were opened -> how many times each is open
+_opening = threading.Lock()
 
 
 def record(timing: bool = True) -> Record:
