@@ -148,9 +148,10 @@ def test_an_explicit_tile_mask_is_honoured_and_a_row_that_sees_nothing_gets_minu
 
 @pytest.mark.parametrize("bad", [float("inf"), float("nan")], ids=["inf", "nan"])
 def test_a_masked_non_finite_key_leaves_the_rows_that_cannot_see_it_alone(bad: float) -> None:
-    """Two packed documents in one PARTIAL tile, an inf (or NaN) in a key of the first: rows
-    of the second are finite and exact, forward and backward. torch's CPU op adds the mask
-    as -inf to the scores, and a hidden inf - inf poisoned them (document isolation lost)."""
+    """Two packed documents in one PARTIAL tile, an inf (or NaN) in a key of the first: the
+    outputs of the second are finite and exact (torch's CPU op adds the mask as -inf to the
+    scores, and a hidden inf - inf made them NaN: document isolation lost), and the gradients
+    are the reference kernel's (dQ sums 0 x the bad key, NaN as in single-process SDPA)."""
     q, k, v = (t.float() for t in make(4, 2, s=12))
     k[:, :, 1, 3] = bad
     documents = torch.arange(12) < 5

@@ -503,7 +503,7 @@ def test_links_follow_megatrons_rank_order() -> None:
 
 
 def test_a_group_straddling_two_nodes_is_priced_at_the_inter_node_link() -> None:
-    """6 GPUs a node: TP 4 x CP 4 puts TP groups on GPUs 4-7 and 8-11, across two nodes, and the
+    """6 GPUs a node: TP 4 x CP 4 puts a TP group on GPUs 4-7, across two nodes, and the
     slowest group sets the step; TP=1 x CP=4 x DP=2 does the same to the CP group on GPUs 4-7, and so
     does a second pipeline stage (GPUs 4-7) though the first stage's group stays in a node."""
     hw = get_hardware("H100-SXM", gpus_per_node=6)

@@ -572,6 +572,10 @@ def check_calibration_flags(hardware: str, *, measure: bool, path: str | None) -
         raise ValueError("give --calibrate (measure now) or --calibration PATH (measured before), not both")
 
 
+class OldCalibration(UserWarning):
+    """A calibration file that loads, but from an older measurement than this version makes."""
+
+
 def load_calibration(path: str) -> dict:
     """The calibration in ``path``: a JSON written by ``ctxpar plan --calibrate --json`` (its
     "calibration" entry) or the calibration object itself."""
@@ -592,10 +596,10 @@ def load_calibration(path: str) -> dict:
         raise ValueError(f"{path}: its \"attention\" entry must be an object of measured rates, got "
                          f"{type(attention).__name__}; give the file --calibrate --json wrote")
     if "attention_size_curve" in found and "causal" not in attention:
-        warnings.warn(f"{path} was calibrated before 2026-12-01: its full-kernel size curve is a fraction of a full "
-                      f"kernel's rate, not of the causal kernel's the rates are, and charges full tiles 12-14% too "
-                      f"slowly; measure again with `ctxpar plan --hardware local --calibrate --json {path}`",
-                      stacklevel=2)
+        warnings.warn(OldCalibration(
+            f"{path} was calibrated before 2026-12-01: its full-kernel size curve is a fraction of a full kernel's "
+            f"rate, not of the causal kernel's the rates are, and charges full tiles 12-14% too slowly; measure "
+            f"again with `ctxpar plan --hardware local --calibrate --json {path}`"), stacklevel=2)
     return found
 
 

@@ -366,10 +366,13 @@ def _run_plan(args: argparse.Namespace) -> int:
         planning.check_fp8(args.hardware)
     calibration_.check_calibration_flags(args.hardware, measure=args.calibrate, path=args.calibration)
     with warnings.catch_warnings(record=True) as notes:  # a line each, not a UserWarning with its source line
-        warnings.simplefilter("always")
+        warnings.simplefilter("always", calibration_.OldCalibration)
         calibration = calibration_.load_calibration(args.calibration) if args.calibration is not None else None
     for note in notes:
-        print(f"ctxpar plan: note: {note.message}", file=sys.stderr)
+        if issubclass(note.category, calibration_.OldCalibration):
+            print(f"ctxpar plan: note: {note.message}", file=sys.stderr)
+        else:  # another library's warning: as it would have been shown
+            warnings.warn_explicit(note.message, note.category, note.filename, note.lineno)
     _check_output("--json", args.json)
     _check_output("--plot", args.plot, "plan.png")
     if args.plot is not None:

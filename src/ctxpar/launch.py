@@ -55,7 +55,7 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 from ctxpar import heap
-from ctxpar.limits import whole
+from ctxpar.limits import as_real, whole
 
 # The longest one wait at one collective may last: torch's own default for NCCL. A healthy
 # run on CPU or GPU waits far less at any collective (for a peer to finish its step or a
@@ -183,14 +183,9 @@ def check_local_memory(needed: int, what: str, fix: str) -> None:
                          f"{ram / 2**30:.1f} GiB; {fix}")
 
 
-def _is_number(value: object) -> bool:
-    """A finite int or float; not a bool, which Python counts as an int (True seconds would be 1)."""
-    return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
-
-
 def check_timeout(seconds: float, name: str = "timeout_s") -> None:
     """Refuse a collective timeout that is not a number of seconds from a second to a week."""
-    if not (_is_number(seconds) and MIN_TIMEOUT_S <= seconds <= MAX_TIMEOUT_S):
+    if not MIN_TIMEOUT_S <= as_real(seconds) <= MAX_TIMEOUT_S:  # NaN for a bool, a string, None
         raise ValueError(f"{name} {seconds!r} must be a number of seconds from {MIN_TIMEOUT_S:g} to "
                          f"{MAX_TIMEOUT_S:.0f} (shorter waits fail healthy runs: ranks join and reach each collective "
                          f"up to seconds apart); the default is {DEFAULT_TIMEOUT_S:.0f}")
@@ -542,7 +537,7 @@ def run_local(
     if device_type is not None:
         backend, devices = local_placement(nproc, resolve_device_type(device_type))
     check_timeout(timeout_s)
-    if deadline_s is not None and not (_is_number(deadline_s) and deadline_s > 0):
+    if deadline_s is not None and not 0 < as_real(deadline_s) < math.inf:
         raise ValueError(f"deadline_s {deadline_s!r} must be a positive number of seconds, or None for no deadline")
     cores = os.cpu_count() or 1
     if threads is not None and (isinstance(threads, bool) or not isinstance(threads, int)

@@ -193,8 +193,9 @@ class Hardware:
         for key in ("strategy_step_overheads", "strategy_step_byte_overheads"):
             table = getattr(self, key)
             if table is not None and not _strategy_rows_ok(table):
-                raise ValueError(f"Hardware {key} is {str(table)[:80]}, not ((strategy, seconds), ...) with strategies "
-                                 f"among {', '.join(STRATEGY_NAMES)} and seconds within {LATENCY_RANGE[2]}; or None")
+                unit = "seconds per byte" if key == "strategy_step_byte_overheads" else "seconds"
+                raise ValueError(f"Hardware {key} is {str(table)[:80]}, not ((strategy, {unit}), ...) with strategies "
+                                 f"among {', '.join(STRATEGY_NAMES)} and {unit} within {LATENCY_RANGE[2]}; or None")
         for key in ("attention_size_curve", "attention_causal_size_curve"):
             curve = getattr(self, key)
             if curve is not None and (problem := _size_curve_problem(curve)):

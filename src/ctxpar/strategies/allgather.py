@@ -9,8 +9,9 @@ whole sequence are alive::
     KV heads, group 1:          gather ─────────────wait──▶ compute
     ...
 
-Eight groups bound what is alive (two eighths of the whole sequence's K/V from H_kv = 8
-up; below, one KV head at a time, 2/H_kv of it: the peak of gathering head by head) and the
+Eight groups bound what is alive (two groups of ceil(H_kv/8) heads, 2*ceil(H_kv/8)/H_kv of
+the whole sequence's K/V: two eighths for multiples of 8; below 8, one KV head at a time,
+the peak of gathering head by head) and the
 synchronisation points (a rank descheduled at each costs its peers a wait); with four, the
 measured peak at H_kv = 8 grew by 40-80% (docs/benchmarks.md).
 
