@@ -389,9 +389,10 @@ def _run_plan(args: argparse.Namespace) -> int:
     if args.strategy == "hybrid" and ulysses is None:
         ulysses = planning.default_ulysses(model.heads, args.cp, gpus_per_node, args.tp)
         if ulysses is None:
-            raise ValueError(f"--strategy hybrid: no all-to-all degree U fits: U must divide --cp {args.cp} (below it) "
-                             f"and the {model.heads // args.tp} query heads per TP rank, with --tp {args.tp} x U dividing "
-                             f"the {gpus_per_node} GPUs per node; give --ulysses-degree, or use --strategy ring")
+            raise ValueError(f"--strategy hybrid: no all-to-all degree U fits: U must divide --cp {args.cp} "
+                             f"(below it) and the {model.heads // args.tp} query heads per TP rank, "
+                             f"with --tp {args.tp} x U dividing the {gpus_per_node} GPUs per node; "
+                             "give --ulysses-degree, or use --strategy ring")
     planning.check_plan_size(args.seq, args.cp, args.max_cp)
     documents, documents_from = _plan_documents(args)
     workload = planning.Workload(
