@@ -53,7 +53,6 @@ from __future__ import annotations
 
 import functools
 import inspect
-import zlib
 from collections import deque
 from dataclasses import dataclass, field
 
@@ -430,11 +429,7 @@ def _crc(value) -> int:
     """A checksum every rank computes alike for alike values (tensors by content; objects
     other than plain values by type, as their repr holds addresses)."""
     if isinstance(value, torch.Tensor):
-        # a contiguous clone: .contiguous() keeps a one-element column's stride (input_ids[:, -1] at
-        # batch 1), which view(uint8) refuses
-        host = value.detach().to("cpu").clone(memory_format=torch.contiguous_format)
-        return zlib.crc32(host.reshape(-1).view(torch.uint8).numpy().tobytes()
-                          + str((tuple(value.shape), value.dtype)).encode())
+        return agreement.tensor_code(value, value.dtype, agreement.text_code(str((tuple(value.shape), value.dtype))))
     if isinstance(value, (list, tuple)):
         return agreement.text_code(str([_crc(v) for v in value]))
     if isinstance(value, dict):
