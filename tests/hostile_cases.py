@@ -186,6 +186,41 @@ def dense_once(rank: int, world: int) -> dict:
     return dict(blocks=len(dense), dense=all(dense), query_storages=len(storages))
 
 
+class DealingLayout(ctxpar.Layout):
+    """A layout of the user's whose deal is set per instance, outside the dataclass fields, so
+    instances dealing otherwise compare equal (``world_size`` is their only field)."""
+
+    name = "dealing"
+
+    def __init__(self, world_size: int, deal) -> None:
+        super().__init__(world_size)
+        object.__setattr__(self, "deal", deal)
+
+    def _positions(self, seq_len: int, rank: int) -> torch.Tensor:
+        return self.deal(seq_len, rank)
+
+
+def layouts_equal_but_for_their_deal(rank: int, world: int, mesh) -> dict[str, float]:
+    """Two instances of one user layout class that compare equal but deal otherwise, called one
+    after the other: each call's max error against unsplit attention (the second once ran the
+    first one's cached block plan: errors up to 1.46)."""
+    deals = {"striped": lambda t, r: torch.arange(r, t, world),
+             "contiguous": lambda t, r: torch.arange(r * t // world, (r + 1) * t // world)}
+    gen = torch.Generator().manual_seed(7)
+    q, k, v = (torch.randn(1, 4, 8 * world, 8, generator=gen, dtype=torch.float64) for _ in range(3))
+    want = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+    found = {}
+    for strategy in ("ring", "allgather", "alltoall", "hybrid"):
+        for name, deal in deals.items():
+            layout = DealingLayout(world, deal)
+            place = ctxpar.hybrid_rank(mesh) if strategy == "hybrid" else rank
+            shards = (layout.shard(t, place, dim=2) for t in (q, k, v))
+            out = ctxpar.attention(*shards, layout=layout, strategy=strategy,
+                                   **(dict(mesh=mesh) if strategy == "hybrid" else {}))
+            found[f"{strategy} {name}"] = (out - layout.shard(want, place, dim=2)).abs().max().item()
+    return found
+
+
 def double_backward(mesh) -> dict[str, str]:
     """A gradient penalty: differentiate a gradient of the output again. Single-process
     SDPA on the CPU refuses it; so must every strategy (its backward is not differentiable),
@@ -326,6 +361,7 @@ def run(rank: int, world: int) -> dict:
 
     mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("ring", "ulysses"))
     return dict(disagree=disagreeing_ranks(rank, world, mesh), nonfinite=nonfinite_inputs(rank, world),
-                dense_once=dense_once(rank, world), double_backward=double_backward(mesh), torch_func=torch_func(mesh),
+                dense_once=dense_once(rank, world), equal_layouts=layouts_equal_but_for_their_deal(rank, world, mesh),
+                double_backward=double_backward(mesh), torch_func=torch_func(mesh),
                 loss_on_lse=loss_on_lse(mesh), interrupted_steps=interrupted_steps(),
                 under_autocast=under_autocast(rank, world))

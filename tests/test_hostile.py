@@ -51,6 +51,12 @@ def test_kernels_get_a_dense_last_dim_made_once_per_shard() -> None:
         assert r["query_storages"] == 1, f"rank {rank}: a copy per block ({r['query_storages']} storages)"
 
 
+def test_layouts_of_the_user_that_compare_equal_but_deal_otherwise_each_run_their_own_deal() -> None:
+    for rank, res in enumerate(results()):
+        errors = res["equal_layouts"]
+        assert len(errors) == 8 and max(errors.values()) < 1e-12, f"rank {rank}: {errors}"
+
+
 # -- item 4: the sequence dim of Layout.shard is never guessed --------------------------
 
 

@@ -129,6 +129,17 @@ def test_the_sequence_dim_is_never_guessed() -> None:
         layout.shard(x, True, dim=2)
     with pytest.raises(ValueError, match="differ in dtype or device"):
         layout.unshard([x, x.double()], dim=2)
+    with pytest.raises(ValueError, match=r"pieces must be tensors, got \['Tensor', 'list'\]"):
+        layout.unshard([x, [x]], dim=2)  # once an AttributeError
+
+
+def test_lengths_and_world_sizes_beyond_what_ctxpar_counts_are_refused() -> None:
+    """A length past 2**31-1 once raised OverflowError from torch; a world of 10**30 ranks was taken."""
+    for length in (2**31, 2**70):
+        with pytest.raises(ValueError, match="beyond the 2147483647"):
+            get_layout("contiguous", 2).positions(length, 0)
+    with pytest.raises(ValueError, match="world_size must be a positive int up to 2147483647"):
+        get_layout("zigzag", 10**30)
 
 
 @pytest.mark.parametrize("window", [None, 700])
@@ -168,8 +179,10 @@ def test_a_balanced_layout_checks_its_arguments_and_says_when_it_cannot_balance(
             ctxpar.balanced_layout(2, 16, chunks=chunks)
     with pytest.raises(ValueError, match="tolerance must be a number >= 1"):
         ctxpar.BalancedLayout(2, 16, tolerance=0.5)
-    with pytest.warns(UserWarning, match=r"busiest rank 1\.7\d\dx the mean"):  # T/P = 67, prime: no chunks at all
-        ctxpar.balanced_layout(4, 4 * 67).positions(4 * 67, 0)
+    # T/P = 67, prime: no chunks at all. Said where the layout is built (it once waited for the first positions())
+    with pytest.warns(UserWarning, match=r"busiest rank 1\.7\d\dx the mean") as said:
+        ctxpar.balanced_layout(4, 4 * 67)
+    assert said[0].filename == __file__
     layout = ctxpar.balanced_layout(2, 16)
     layout.positions(16, 0).add_(100)  # a caller editing what it got
     assert layout.positions(16, 0).max() < 16
@@ -217,5 +230,10 @@ def test_a_layout_of_the_users_that_deals_every_position_once_runs_and_is_identi
     striped = _UsersLayout(2, lambda t, r: torch.arange(r, t, 2))
     assert ctxpar.layout.checked_deal(striped, 8).tolist() == [0, 2, 4, 6, 1, 3, 5, 7]
     other = _UsersLayout(2, lambda t, r: torch.arange(r * t // 2, (r + 1) * t // 2))
-    assert ctxpar.layout.fingerprint(striped, 8) != ctxpar.layout.fingerprint(other, 8)
-    assert ctxpar.layout.fingerprint(get_layout("zigzag", 2), 8) == "zigzag/2"  # ctxpar's own: by name
+    checked = ctxpar.layout.as_checked(striped, 8)
+    assert ctxpar.layout.fingerprint(checked) != ctxpar.layout.fingerprint(ctxpar.layout.as_checked(other, 8))
+    # what the block plans are cached by: the instances compare equal, their deals do not
+    assert striped == other and checked != ctxpar.layout.as_checked(other, 8)
+    assert [checked.positions(8, r).tolist() for r in range(2)] == [[0, 2, 4, 6], [1, 3, 5, 7]]
+    zigzag = get_layout("zigzag", 2)
+    assert ctxpar.layout.as_checked(zigzag, 8) is zigzag and ctxpar.layout.fingerprint(zigzag) == "zigzag/2"

@@ -58,6 +58,10 @@ def test_numpy_integers_and_arrays_are_taken_as_python_integers_are() -> None:
         with pytest.raises(ValueError, match="window must be an integer"):
             make_mask(8, causal=True, window=window)
     assert make_mask(8, causal=True, window=torch.tensor(3)) == make_mask(8, causal=True, window=3)  # as documents=
+    assert make_mask(8, causal=True, window=np.array(3)) == make_mask(8, causal=True, window=3)  # and numpy's 0-d
+    for window in (np.array([3]), np.array(3.0)):
+        with pytest.raises(ValueError, match="window must be an integer"):
+            make_mask(8, causal=True, window=window)
 
 
 @pytest.mark.parametrize("kwargs, message", [

@@ -11,7 +11,7 @@ import torch
 import torch.distributed as dist
 
 from ctxpar import agreement, auto, kernels, topology
-from ctxpar.layout import Layout, fingerprint, get_layout
+from ctxpar.layout import Layout, as_checked, fingerprint, get_layout
 from ctxpar.limits import as_real
 from ctxpar.masks import make_mask
 from ctxpar.strategies import STRATEGIES, Strategy
@@ -111,7 +111,8 @@ def attention_with_lse(
     try:
         chosen, topo, layout = _settings(layout, group, strategy, mesh)
         scale = _validate(q, k, v, layout, topo, scale)
-        layout_name = fingerprint(layout, q.shape[2] * layout.world_size)  # a layout of the user's: its deal checked
+        layout = as_checked(layout, q.shape[2] * layout.world_size)  # a layout of the user's: its deal checked
+        layout_name = fingerprint(layout)
         mask = make_mask(q.shape[2] * layout.world_size, causal=causal, documents=documents, window=window)
         check_sinks(sinks, q)
         if strategy == auto.AUTO:

@@ -17,14 +17,15 @@ from __future__ import annotations
 
 import array
 import functools
+import hashlib
 import warnings
 import zlib
 from abc import ABC, abstractmethod
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
-from ctxpar.limits import whole
+from ctxpar.limits import MAX_COUNT, whole
 from ctxpar.masks import Mask, make_mask
 
 LAYOUT_NAMES = ("contiguous", "zigzag", "striped")
@@ -49,8 +50,8 @@ class Layout(ABC):
 
     def __post_init__(self) -> None:
         world_size = whole(self.world_size)
-        if world_size is None or world_size < 1:
-            raise ValueError(f"world_size must be a positive int, got {self.world_size!r}")
+        if world_size is None or not 1 <= world_size <= MAX_COUNT:
+            raise ValueError(f"world_size must be a positive int up to {MAX_COUNT}, got {self.world_size!r}")
         object.__setattr__(self, "world_size", world_size)
 
     # -- what subclasses define -------------------------------------------------------
@@ -109,6 +110,8 @@ class Layout(ABC):
         pieces = list(pieces)
         if len(pieces) != self.world_size:
             raise ValueError(f"unshard needs {self.world_size} pieces (one per rank), got {len(pieces)}")
+        if not all(isinstance(p, torch.Tensor) for p in pieces):
+            raise ValueError(f"unshard pieces must be tensors, got {[type(p).__name__ for p in pieces]}")
         dim = _sequence_dim(pieces[0], dim, "unshard")
         if any(p.shape != pieces[0].shape for p in pieces):
             raise ValueError(f"unshard pieces differ in shape: {[tuple(p.shape) for p in pieces]}")
@@ -136,6 +139,8 @@ class Layout(ABC):
 def _check_length(seq_len) -> None:
     if whole(seq_len) is None:  # a float length would give float positions, inexact beyond 2**24
         raise ValueError(f"the sequence length must be an int, got {seq_len!r}")
+    if seq_len > MAX_COUNT:
+        raise ValueError(f"sequence length {seq_len} is beyond the {MAX_COUNT} tokens ctxpar counts")
 
 
 def _sequence_dim(x: torch.Tensor, dim: int | None, what: str) -> int:
@@ -276,6 +281,7 @@ class BalancedLayout(Layout):
         if isinstance(self.tolerance, bool) or not isinstance(self.tolerance, (int, float)) or not self.tolerance >= 1:
             raise ValueError(f"tolerance must be a number >= 1 (the busiest rank's work over the mean), "
                              f"got {self.tolerance!r}")
+        _deal(self)  # now, so that a deal out of tolerance is said where the layout is built
 
     @property
     def multiple(self) -> int:
@@ -323,7 +329,8 @@ def _deal(layout: BalancedLayout) -> tuple[int, tuple[torch.Tensor, ...], tuple[
     if imbalance > layout.tolerance:
         warnings.warn(f"the balanced layout leaves the busiest rank {imbalance:.3f}x the mean work (tolerance "
                       f"{layout.tolerance}): {local} tokens per rank split into at most {n} chunks; a length "
-                      f"whose T/P has more divisors up to 64 balances better", stacklevel=4)
+                      f"whose T/P has more divisors up to 64 balances better",
+                      stacklevel=5)  # balanced_layout's caller, through __init__ and __post_init__
     size = local // n
     positions = tuple(torch.cat([torch.arange(c * size, (c + 1) * size) for c in range(world * n) if owners[c] == r])
                       for r in range(world))
@@ -338,18 +345,57 @@ def balanced_layout(world_size: int, seq_len: int, *, causal: bool = True, docum
                           chunks)
 
 
-def fingerprint(layout: Layout, seq_len: int | None = None) -> str:
-    """What identifies a layout across ranks: its name and P, and for a balanced layout its
-    deal. A layout defined outside ctxpar is identified, for a sequence of ``seq_len``, by its
-    deal itself, once ``checked_deal`` has checked it (two ranks whose layouts shared a name
-    and P but dealt otherwise once computed another attention without a word)."""
-    if seq_len is None or type(layout) in _OWN_LAYOUTS:
-        return getattr(layout, "fingerprint", f"{layout.name}/{layout.world_size}")
+@dataclass(frozen=True)
+class DealtLayout(Layout):
+    """A layout of the user's as ctxpar runs it for one sequence length: its deal, checked
+    (``checked_deal``), which its equality and hash compare. The block plans are cached by
+    layout, and a subclass's own equality need not cover its deal: two instances dealing
+    otherwise, their deal set outside their dataclass fields, compared equal, and the second
+    ran the first one's plan (errors up to 2).
+
+    Made by ``as_checked``; ``deal`` is every rank's positions, rank after rank.
+    """
+
+    seq_len: int = 0
+    digest: str = ""  # of the deal
+    label: str = field(default="layout", compare=False)  # the user's layout's name, for messages
+    deal: torch.Tensor | None = field(default=None, compare=False, repr=False)
+
+    @property
+    def name(self) -> str:  # type: ignore[override]
+        return self.label
+
+    @property
+    def multiple(self) -> int:
+        return self.seq_len
+
+    def validate(self, seq_len: int) -> None:
+        _check_length(seq_len)
+        if seq_len != self.seq_len:
+            raise ValueError(f"the {self.name} layout's deal was checked for sequence length {self.seq_len}, "
+                             f"not {seq_len}")
+
+    def _positions(self, seq_len: int, rank: int) -> torch.Tensor:
+        local = seq_len // self.world_size
+        return self.deal[rank * local:(rank + 1) * local].clone()  # the deal must not change under an edit
+
+    @property
+    def fingerprint(self) -> str:
+        return f"{self.name}/{self.world_size}/{self.digest}"
+
+
+def as_checked(layout: Layout, seq_len: int) -> Layout:
+    """The layout that ``attention`` runs for a sequence of ``seq_len``: one of ctxpar's own as
+    it is, a layout defined outside ctxpar as the ``DealtLayout`` of its deal once
+    ``checked_deal`` has checked it (O(T), once per layout and length)."""
+    if type(layout) in _OWN_LAYOUTS:
+        return layout
     key = (id(layout), int(seq_len))
     known = _CHECKED.get(key)
     if known is None or known[0] is not layout:
         deal = checked_deal(layout, seq_len)
-        known = (layout, f"{layout.name}/{layout.world_size}/{zlib.crc32(deal.numpy().tobytes())}")
+        digest = hashlib.blake2b(deal.numpy().tobytes(), digest_size=16).hexdigest()
+        known = (layout, DealtLayout(layout.world_size, int(seq_len), digest, layout.name, deal))
         if len(_CHECKED) >= 64:
             _CHECKED.pop(next(iter(_CHECKED)))
         _CHECKED[key] = known
@@ -357,9 +403,15 @@ def fingerprint(layout: Layout, seq_len: int | None = None) -> str:
 
 
 # a user's layout's checked deal per (layout, T), by identity: every layer calls attention with
-# the same layout, and the check costs O(T). Layouts are frozen, so a deal checked stays right;
-# the entry holds the layout, so its id is not reused while it is here
-_CHECKED: dict[tuple[int, int], tuple[Layout, str]] = {}
+# the same layout. The entry holds the layout, so its id is not reused while it is here
+_CHECKED: dict[tuple[int, int], tuple[Layout, DealtLayout]] = {}
+
+
+def fingerprint(layout: Layout) -> str:
+    """What identifies a layout across ranks: its name and P, and for a balanced layout, or a
+    user's layout ``as_checked``, its deal (two ranks whose layouts shared a name and P but
+    dealt otherwise once computed another attention without a word)."""
+    return getattr(layout, "fingerprint", f"{layout.name}/{layout.world_size}")
 
 
 def checked_deal(layout: Layout, seq_len: int) -> torch.Tensor:
@@ -393,7 +445,7 @@ def checked_deal(layout: Layout, seq_len: int) -> torch.Tensor:
 
 _LAYOUTS = {cls.name: cls for cls in (ContiguousLayout, ZigzagLayout, StripedLayout)}
 # ctxpar's own layouts, whose deals the tests check; any other subclass's is checked per call
-_OWN_LAYOUTS = (ContiguousLayout, ZigzagLayout, StripedLayout, UnionLayout, BalancedLayout)
+_OWN_LAYOUTS = (ContiguousLayout, ZigzagLayout, StripedLayout, UnionLayout, BalancedLayout, DealtLayout)
 
 
 def get_layout(layout: str | Layout, world_size: int) -> Layout:

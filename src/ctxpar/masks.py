@@ -107,7 +107,7 @@ def document_lengths(documents, seq_len: int) -> tuple[int, ...]:
     at ``seq_len``, as flash-attn's varlen functions take), numpy's integers and arrays
     included. ValueError for anything else."""
     if hasattr(documents, "__array__") and not isinstance(documents, torch.Tensor):  # a numpy array
-        documents = _as_tensor(documents)
+        documents = _as_tensor(documents, "documents= must be lengths or cu_seqlens")
     if isinstance(documents, torch.Tensor):
         if documents.dim() != 1 or documents.dtype.is_floating_point or documents.dtype == torch.bool:
             raise ValueError(f"documents= must be a 1-D integer tensor or array, got {documents.dtype} of shape "
@@ -157,8 +157,10 @@ def make_mask(seq_len: int, *, causal, documents=None, window=None) -> Mask:
     """The ``Mask`` for a public call: every argument checked (ValueError naming it), and
     put in one canonical form, so that equal masks compare (and cache) equal: a window of
     T or more is no window, one document is none."""
+    if hasattr(window, "__array__") and not isinstance(window, torch.Tensor):  # a numpy array
+        window = _as_tensor(window, "window must be an integer")
     if _is_integer(window) or _integer_scalar(window):
-        window = int(window)  # numpy's too, and a 0-d integer tensor as documents= takes tensors
+        window = int(window)  # numpy's too, and a 0-d integer tensor or array as documents= takes them
     Mask(causal=causal, window=window)  # checks causal and window before they are compared
     lengths = None if documents is None else document_lengths(documents, seq_len)
     if window is not None and window >= seq_len:
@@ -177,8 +179,8 @@ def _integer_scalar(x) -> bool:
             and not x.dtype.is_complex and x.dtype != torch.bool)
 
 
-def _as_tensor(array) -> torch.Tensor:
+def _as_tensor(array, expected: str) -> torch.Tensor:
     try:
         return torch.as_tensor(array)
     except (TypeError, ValueError, RuntimeError) as e:
-        raise ValueError(f"documents= must be lengths or cu_seqlens, got an array torch cannot read: {e}") from None
+        raise ValueError(f"{expected}, got an array torch cannot read: {e}") from None
