@@ -123,6 +123,19 @@ def _flash_takes_gqa(device: torch.device, dtype: torch.dtype) -> bool:
     return bool(torch.equal(grouped, repeated))
 
 
+def _forward_layout(out: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """``out`` (B, H, Sq, D) in ``dtype``, laid out in memory as (B, Sq, H, D) as the efficient
+    forward returns it (one copy at most). For bf16/fp16 the efficient backward's kernel
+    computes rowsum(dout * out) itself, taking out's batch and head strides from the tensor
+    but its row stride as H * D whatever the tensor says (``o_strideM`` in torch's
+    mem_eff_attention/kernel_backward.h): the rows of a dense (B, H, S, D) out that the
+    strategies hand over would be read as other rows, giving wrong dQ and dK without an
+    error. For float32 torch computes that sum from the real strides."""
+    if dtype == torch.float32:
+        return unit_stride(out.to(dtype))
+    return out.transpose(1, 2).to(dtype, memory_format=torch.contiguous_format).contiguous().transpose(1, 2)
+
+
 def _cudnn_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool, scale: float):
     """cuDNN's forward on dense tensors with K/V repeated to H heads: (out, lse (B, H, Sq), rest)."""
     k, v = _repeat_kv(k, q.shape[1]), _repeat_kv(v, q.shape[1])
@@ -217,9 +230,9 @@ def attention_backward(
         return _cudnn_backward(dout, q, k, v, out.to(q.dtype), lse, causal, scale)
     heads, kv_heads = q.shape[1], k.shape[1]
     dout, q, k, v = (unit_stride(t) for t in (dout, q, k, v))
-    out = unit_stride(out.to(q.dtype))
     lse = lse.float().contiguous()  # a slice of the global lse: the ops index it as dense (B, H, Sq)
     if op == "flash":
+        out = unit_stride(out.to(q.dtype))
         seed, offset = _flash_aux(q.device, q.dtype)
         if not _flash_takes_gqa(q.device, q.dtype):
             k, v = _repeat_kv(k, heads), _repeat_kv(v, heads)
@@ -227,6 +240,7 @@ def attention_backward(
                                 seed, offset, scale=scale)
         return dq, _sum_kv(dk, kv_heads), _sum_kv(dv, kv_heads)
     seed, offset = _efficient_aux(q.device, q.dtype)
+    out = _forward_layout(out, q.dtype)
     rows = -(-q.shape[2] // _LSE_ROWS) * _LSE_ROWS
     lse = F.pad(lse, (0, rows - q.shape[2]))
     dq, dk, dv, _ = _eff_bwd(dout, q, _repeat_kv(k, heads), _repeat_kv(v, heads), None, out, lse, seed, offset,
