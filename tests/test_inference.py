@@ -302,6 +302,30 @@ def test_rewind_forgets_the_later_positions_and_the_next_chunk_continues_there()
             cache.rewind(bad)
 
 
+def test_partial_prefill_gathers_the_held_positions_on_the_device_its_group_carries(monkeypatch) -> None:
+    """NCCL carries GPU tensors only: the all-gather of every rank's held positions is made on
+    ``collective_device`` (here a stand-in that is not the host), and its result read on the
+    host. A CPU tensor there made partial prefill (and generate() with a prompt the layout
+    cannot split) fail on every rank under torchrun."""
+    from ctxpar.inference import partial
+
+    handed = []
+
+    class Gather:  # what PendingAllGather is handed; two ranks' tables come back
+        def __init__(self, shard: torch.Tensor, group) -> None:
+            handed.append((shard.device, shard.shape))
+
+        def wait(self) -> torch.Tensor:
+            return torch.tensor([[0, 2, 4], [1, 3, -1]])
+
+    monkeypatch.setattr(partial, "collective_device", lambda group: torch.device("meta"), raising=False)
+    monkeypatch.setattr(partial, "PendingAllGather", Gather)
+    cache = KVCache(layers=1, batch=1, kv_heads=1, head_dim=8, capacity=3)
+    held = partial._gather_positions(torch.tensor([0, 2, 4]), cache)
+    assert handed == [(torch.device("meta"), (3,))]
+    assert [row.tolist() for row in held] == [[0, 2, 4], [1, 3]] and held[0].device.type == "cpu"
+
+
 def test_a_cache_continues_only_with_the_model_that_filled_it() -> None:
     """Another model's queries over this one's K/V gave logits of neither model, without a
     word (the cache checked only its shape); after reset() the cache takes a new model."""

@@ -35,7 +35,7 @@ import torch.nn as nn
 
 from ctxpar import agreement, kernels
 from ctxpar.blocks import Tile, tiles_between
-from ctxpar.comm import PendingAllGather, RingComm, settled
+from ctxpar.comm import PendingAllGather, RingComm, collective_device, settled
 from ctxpar.inference.cache import SHARD_FULL_WHY, KVCache
 from ctxpar.inference.hooks import attention_replaced, check_cache, check_model_fits, model_code
 from ctxpar.inference.prefill import check_tokens, last_logits
@@ -202,11 +202,11 @@ def _pass_q(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, tiles: list[tuple
 
 
 def _gather_positions(positions: torch.Tensor, cache: KVCache) -> list[torch.Tensor]:
-    """Every rank's held positions (after this chunk), from one all-gather padded to the
-    largest shard (capacity / P slots)."""
-    padded = torch.full((cache.local_capacity,), -1, dtype=torch.int64)
+    """Every rank's held positions (after this chunk), on the host, from one all-gather padded
+    to the largest shard (capacity / P slots), on the device the cache's group carries."""
+    padded = torch.full((cache.local_capacity,), -1, dtype=torch.int64, device=collective_device(cache.group))
     padded[: positions.numel()] = positions
-    table = PendingAllGather(padded, cache.group).wait()  # (P, slots)
+    table = PendingAllGather(padded, cache.group).wait().cpu()  # (P, slots)
     return [row[row >= 0] for row in table]
 
 
