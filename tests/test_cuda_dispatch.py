@@ -10,6 +10,23 @@ import torch
 from ctxpar.kernels import cuda
 
 
+@pytest.fixture
+def gpu(monkeypatch):
+    """``gpu(capability, cudnn)``: blocks run as on a GPU of that compute capability, where
+    cuDNN's probe passes or not; torch's SDPA switches are restored afterwards."""
+    backends = torch.backends.cuda
+    switches = [(getattr(backends, f"enable_{name}_sdp"), getattr(backends, f"{name}_sdp_enabled")())
+                for name in ("flash", "mem_efficient", "cudnn")]
+
+    def use(capability: tuple[int, int] = (9, 0), cudnn: bool = True) -> None:
+        monkeypatch.setattr(cuda, "_capability", lambda device: capability)
+        monkeypatch.setattr(cuda, "_cudnn_honours_lse", lambda device, dtype: cudnn)
+
+    yield use
+    for enable, was in switches:
+        enable(was)
+
+
 def _block(h: int, hkv: int, s: int, d: int, dtype: torch.dtype):
     gen = torch.Generator().manual_seed(0)
     q, dout = (torch.randn(1, h, s, d, generator=gen).to(dtype) for _ in range(2))
@@ -18,11 +35,12 @@ def _block(h: int, hkv: int, s: int, d: int, dtype: torch.dtype):
 
 
 @pytest.mark.parametrize("handed", ["dense", "rows of a dense out", "float32", "as the forward returns it"])
-def test_the_efficient_backward_reads_the_out_it_is_handed(handed: str, monkeypatch) -> None:
+def test_the_efficient_backward_reads_the_out_it_is_handed(handed: str, gpu, monkeypatch) -> None:
     """bf16 at D = 264 (the efficient op): its kernel reads out's rows H * D apart whatever the
     tensor's strides (kernel_backward.h: o_strideM() = head_dim_value * num_heads); what it
     reads so must be the out the strategies handed over, e.g. rows of their dense (B, H, S, D)
     merged out."""
+    gpu()
     q, k, v, dout = _block(4, 2, 40, 264, torch.bfloat16)
     out = torch.randn(1, 4, 40, 264).bfloat16()
     given = {"dense": out, "rows of a dense out": torch.cat([out, out.flip(2)], dim=2)[:, :, :40],
@@ -40,3 +58,52 @@ def test_the_efficient_backward_reads_the_out_it_is_handed(handed: str, monkeypa
     dq, dk, dv = cuda.attention_backward(dout, q, k, v, given[handed], torch.zeros(1, 4, 40), causal=True, scale=0.1)
     assert torch.equal(read[0], out)
     assert dq.shape == q.shape and dk.shape == dv.shape == k.shape
+
+
+H200, A10, RTX_5090, T4, V100 = (9, 0), (8, 6), (12, 0), (7, 5), (7, 0)
+
+
+@pytest.mark.parametrize("capability, dtype, d, cudnn, op", [
+    (H200, torch.bfloat16, 64, True, "cudnn"), (H200, torch.float16, 128, False, "flash"),
+    (H200, torch.bfloat16, 208, True, "flash"), (H200, torch.bfloat16, 264, True, "efficient"),
+    (H200, torch.float32, 64, True, "efficient"), (H200, torch.float64, 64, True, "reference"),
+    (H200, torch.float32, 20, True, "reference"),
+    (A10, torch.bfloat16, 192, False, "flash"), (A10, torch.bfloat16, 208, False, "efficient"),
+    (A10, torch.bfloat16, 256, False, "flash"), (RTX_5090, torch.float16, 224, False, "efficient"),
+    (T4, torch.float16, 64, True, "efficient"), (T4, torch.float16, 264, False, "efficient"),
+    (T4, torch.bfloat16, 128, True, "reference"), (T4, torch.float32, 64, False, "efficient"),
+    (V100, torch.float16, 128, False, "efficient"),
+])
+def test_each_block_goes_to_an_op_its_gpu_runs(capability, dtype, d, cudnn, op, gpu) -> None:
+    """As torch's SDPA selects (sdp_utils.cpp): flash and cuDNN from sm80 on, the efficient op
+    from sm50 (bf16 from sm80); sm86-89 and sm120-121 refuse the flash backward at D 193-224.
+    A T4 or V100 was sent to the flash op, which raises there."""
+    gpu(capability, cudnn)
+    assert cuda.op_for(torch.empty(1, 8, 128, d, dtype=dtype), 128) == op
+
+
+def test_the_device_of_the_block_is_asked_its_capability(monkeypatch) -> None:
+    asked = []
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device: asked.append(device) or T4)
+    monkeypatch.setattr(cuda, "_cudnn_honours_lse", lambda device, dtype: True)
+    cuda._capability.cache_clear()
+    try:
+        assert cuda.op_for(torch.empty(1, 8, 128, 64, dtype=torch.float16), 128) == "efficient"
+        assert cuda.op_for(torch.empty(1, 8, 128, 64, dtype=torch.float16), 128) == "efficient"
+    finally:
+        cuda._capability.cache_clear()
+    assert asked == [torch.device("cpu")]  # once per device
+
+
+@pytest.mark.parametrize("off, dtype, d, op", [
+    (("flash",), torch.bfloat16, 192, "efficient"), (("flash",), torch.bfloat16, 64, "cudnn"),
+    (("flash", "cudnn"), torch.float16, 64, "efficient"), (("mem_efficient",), torch.float32, 64, "reference"),
+    (("mem_efficient",), torch.bfloat16, 264, "reference"), (("flash", "mem_efficient"), torch.bfloat16, 128, "cudnn"),
+    (("flash", "mem_efficient", "cudnn"), torch.bfloat16, 128, "reference"),
+])
+def test_an_op_torch_was_told_not_to_use_is_not_used(off, dtype, d, op, gpu) -> None:
+    """``torch.backends.cuda.enable_{flash,mem_efficient,cudnn}_sdp(False)`` as SDPA honours them."""
+    gpu(H200, cudnn=True)
+    for name in off:
+        getattr(torch.backends.cuda, f"enable_{name}_sdp")(False)
+    assert cuda.op_for(torch.empty(1, 8, 128, d, dtype=dtype), 128) == op

@@ -1,16 +1,24 @@
 """torch's fused CUDA attention ops for one block: forward, and backward from the global lse.
 
-Which op computes a block (q's dtype, head dim D)::
+Which op computes a block (q's dtype, head dim D, the GPU's compute capability)::
 
     bf16 / fp16, 64 <= D <= 128, D % 8 == 0,  cudnn     aten._scaled_dot_product_cudnn_attention
-        where the probe below passes
-    bf16 / fp16, D % 8 == 0, D <= 256         flash     aten._scaled_dot_product_flash_attention
-    fp32 (or the above, other D), D % 8 == 0  efficient aten._scaled_dot_product_efficient_attention
-    anything else (fp64, odd D)               reference ctxpar.kernels.reference, tiled (bounded memory)
+        sm80+, where the probe below passes
+    bf16 / fp16, D % 8 == 0, D <= 256, sm80+  flash     aten._scaled_dot_product_flash_attention
+    fp32, fp16 (bf16 from sm80), D % 8 == 0   efficient aten._scaled_dot_product_efficient_attention
+        (D > 256; every fp16 block before sm80)
+    anything else (fp64, odd D, bf16 before   reference ctxpar.kernels.reference, tiled (bounded memory)
+        sm80)
     a PARTIAL tile (explicit mask)            reference, tiled: the fused ops here take no mask. Their
                                               share of the work grows as windows and documents
                                               shrink (about half of it at window 128); the efficient
                                               op's attn_bias is the candidate, once measured on a GPU
+
+As torch's own SDPA selects them (aten/src/ATen/native/transformers/cuda/sdp_utils.cpp):
+flash and cuDNN run from sm80 (A100) on, the efficient op from sm50 and in bf16 from sm80;
+on sm86-89 and sm120-121 the flash backward refuses 192 < D <= 224, which go to the
+efficient op. An op turned off (``torch.backends.cuda.enable_flash_sdp(False)``,
+``enable_mem_efficient_sdp``, ``enable_cudnn_sdp``) is skipped for the next one down.
 
 cuDNN's op: on an H200 (torch 2.11, cuDNN 9) its forward + backward over one causal
 block of 32768 tokens (H=32, D=128, bf16) took 49-54 ms against the flash op's 93-94 ms
@@ -60,18 +68,25 @@ def op_for(q: torch.Tensor, keys: int | None = None) -> str:
     """"cudnn" | "flash" | "efficient" | "reference": which op computes blocks like ``q`` (see
     above) against ``keys`` keys. Not cuDNN for a single key (its backward refused one query
     against one key on the H200; torch's own SDPA never gives it one key), nor where the user
-    turned it off (``torch.backends.cuda.enable_cudnn_sdp(False)``) or asked for
-    deterministic algorithms, which torch does not count it among."""
-    d = q.shape[-1]
-    if q.dtype in (torch.bfloat16, torch.float16) and d % 8 == 0:
+    turned it off or asked for deterministic algorithms, which torch does not count it among."""
+    d, capability = q.shape[-1], _capability(q.device)
+    if q.dtype in (torch.bfloat16, torch.float16) and d % 8 == 0 and capability >= (8, 0):
         if (64 <= d <= 128 and keys != 1 and torch.backends.cuda.cudnn_sdp_enabled()
                 and not torch.are_deterministic_algorithms_enabled() and _cudnn_honours_lse(q.device, q.dtype)):
             return "cudnn"
-        if d <= 256:
+        flash_backward_refuses = 192 < d <= 224 and ((8, 6) <= capability <= (8, 9) or (12, 0) <= capability <= (12, 1))
+        if d <= 256 and torch.backends.cuda.flash_sdp_enabled() and not flash_backward_refuses:
             return "flash"
-    if q.dtype in (torch.float32, torch.bfloat16, torch.float16) and d % 8 == 0:
+    dtype_runs = q.dtype in (torch.float32, torch.float16) or q.dtype == torch.bfloat16 and capability >= (8, 0)
+    if dtype_runs and d % 8 == 0 and capability >= (5, 0) and torch.backends.cuda.mem_efficient_sdp_enabled():
         return "efficient"
     return "reference"
+
+
+@functools.lru_cache(maxsize=None)
+def _capability(device: torch.device) -> tuple[int, int]:
+    """The GPU's compute capability, asked once per device (op_for runs for every block)."""
+    return torch.cuda.get_device_capability(device)
 
 
 def partial_dtype(q: torch.Tensor) -> torch.dtype:
