@@ -54,8 +54,8 @@ def test_each_cuda_op_meets_the_kernel_contract(dtype, d, ops, heads, causal) ->
     """Forward, and backward from the global (out, lse), against fp64 on the CPU, within twice
     torch's own SDPA error in the same dtype; the backward handed out as the forward returns it
     and as the strategies hand it over (a dense (B, H, S, D) tensor, or rows of one)."""
-    q, k, v, dout = _block(*heads, 200, d, dtype)
-    op = cuda.op_for(q.to("cuda", dtype))
+    q, k, v, dout = _block(*heads, 520, d, dtype)  # 512+ queries: cuDNN takes GQA blocks too (cuda.op_for)
+    op = cuda.op_for(q.to("cuda", dtype), k.to("cuda", dtype))
     assert op in ops
     leaves = [t.clone().requires_grad_() for t in (q, k, v)]
     want_out, want_lse = reference_attention(*leaves, causal=causal, scale=0.2)
@@ -103,20 +103,20 @@ def test_a_row_whose_keys_all_score_minus_inf_carries_no_mass(dtype, d, causal) 
     must carry lse -inf and out 0 (merged, anything else is a phantom key; torch's CPU op
     gave lse 0); every other row is its softmax over the finite keys; the backward from
     the global lse, +inf for a row without mass, gives no NaN."""
-    q, k, v, dout = _block(8, 2, 64, d, torch.float64)
+    q, k, v, dout = _block(8, 2, 520, d, torch.float64)  # 512+ queries: cuDNN takes GQA blocks too
     q[..., 0] = q[..., 0].abs() + 1.0
     k[:, :, :3, 0] = float("-inf")
     scores = torch.einsum("bhqd,bhkd->bhqk", q, k.repeat_interleave(4, 1).nan_to_num(neginf=0.0)) * 0.2
     scores[..., :3] = float("-inf")
     if causal:
-        scores = scores.masked_fill(~torch.ones(64, 64, dtype=torch.bool).tril(), float("-inf"))
+        scores = scores.masked_fill(~torch.ones(520, 520, dtype=torch.bool).tril(), float("-inf"))
     want_lse = torch.logsumexp(scores, -1)
     massless = torch.isneginf(want_lse)
     want_out = (torch.softmax(scores, -1) @ v.repeat_interleave(4, 1)).nan_to_num(nan=0.0)
     qc, kc, vc, dc = (t.to("cuda", dtype) for t in (q, k, v, dout))
     out, lse = kernels.attention_forward(qc, kc, vc, causal=causal, scale=0.2)
     out, lse = out.cpu().double(), lse.cpu().double()
-    assert torch.equal(torch.isneginf(lse), massless), f"{cuda.op_for(qc)}: rows without mass {lse[massless]}"
+    assert torch.equal(torch.isneginf(lse), massless), f"{cuda.op_for(qc, kc)}: rows without mass {lse[massless]}"
     assert (out[massless] == 0).all()
     tolerance = {torch.float64: 1e-10, torch.float32: 1e-4}.get(dtype, 2.0**-6)
     assert (out - want_out).abs().max() <= tolerance * (1 + want_out.abs().max())
@@ -124,7 +124,7 @@ def test_a_row_whose_keys_all_score_minus_inf_carries_no_mass(dtype, d, causal) 
     global_lse = lse.masked_fill(torch.isneginf(lse), float("inf"))  # as the strategies hand it over
     grads = kernels.attention_backward(dc, qc, kc, vc, out.to("cuda", dtype), global_lse.to("cuda"), causal=causal,
                                        scale=0.2)
-    assert not grads[2].isnan().any(), f"{cuda.op_for(qc)}: dv NaN"  # dq, dk meet k's -inf (0 x inf)
+    assert not grads[2].isnan().any(), f"{cuda.op_for(qc, kc)}: dv NaN"  # dq, dk meet k's -inf (0 x inf)
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32, torch.float64])

@@ -54,7 +54,7 @@ def test_the_efficient_backward_reads_the_out_it_is_handed(handed: str, gpu, mon
 
     monkeypatch.setattr(cuda, "_eff_bwd", efficient_backward)
     monkeypatch.setattr(cuda, "_efficient_aux", lambda device, dtype: (None, None))
-    assert cuda.op_for(q, k.shape[2]) == "efficient"
+    assert cuda.op_for(q, k) == "efficient"
     dq, dk, dv = cuda.attention_backward(dout, q, k, v, given[handed], torch.zeros(1, 4, 40), causal=True, scale=0.1)
     assert torch.equal(read[0], out)
     assert dq.shape == q.shape and dk.shape == dv.shape == k.shape
@@ -79,7 +79,8 @@ def test_each_block_goes_to_an_op_its_gpu_runs(capability, dtype, d, cudnn, op, 
     from sm50 (bf16 from sm80); sm86-89 and sm120-121 refuse the flash backward at D 193-224.
     A T4 or V100 was sent to the flash op, which raises there."""
     gpu(capability, cudnn)
-    assert cuda.op_for(torch.empty(1, 8, 128, d, dtype=dtype), 128) == op
+    q = torch.empty(1, 8, 128, d, dtype=dtype)
+    assert cuda.op_for(q, torch.empty_like(q)) == op
 
 
 def test_the_device_of_the_block_is_asked_its_capability(monkeypatch) -> None:
@@ -88,8 +89,8 @@ def test_the_device_of_the_block_is_asked_its_capability(monkeypatch) -> None:
     monkeypatch.setattr(cuda, "_cudnn_honours_lse", lambda device, dtype: True)
     cuda._capability.cache_clear()
     try:
-        assert cuda.op_for(torch.empty(1, 8, 128, 64, dtype=torch.float16), 128) == "efficient"
-        assert cuda.op_for(torch.empty(1, 8, 128, 64, dtype=torch.float16), 128) == "efficient"
+        for _ in range(2):
+            assert cuda.op_for(torch.empty(1, 8, 128, 64, dtype=torch.float16)) == "efficient"
     finally:
         cuda._capability.cache_clear()
     assert asked == [torch.device("cpu")]  # once per device
@@ -106,4 +107,38 @@ def test_an_op_torch_was_told_not_to_use_is_not_used(off, dtype, d, op, gpu) -> 
     gpu(H200, cudnn=True)
     for name in off:
         getattr(torch.backends.cuda, f"enable_{name}_sdp")(False)
-    assert cuda.op_for(torch.empty(1, 8, 128, d, dtype=dtype), 128) == op
+    q = torch.empty(1, 8, 128, d, dtype=dtype)
+    assert cuda.op_for(q, torch.empty_like(q)) == op
+
+
+@pytest.mark.parametrize("queries, kv_heads, a_cache_view, op", [
+    (1, 2, True, "flash"), (1, 8, True, "flash"), (1, 8, False, "cudnn"), (1, 2, False, "flash"),
+    (511, 2, False, "flash"), (512, 2, False, "cudnn"), (512, 8, True, "cudnn"), (64, 8, False, "cudnn"),
+])
+def test_a_block_whose_kv_cudnn_would_copy_goes_to_flash_unless_the_queries_pay_for_it(
+        queries, kv_heads, a_cache_view, op, gpu) -> None:
+    """cuDNN's op is handed K/V dense with q's heads: a decode step's K/V (a strided view of the
+    cache, H_kv heads) would be copied whole for one query token; the flash op reads them in place."""
+    gpu(H200, cudnn=True)
+    q = torch.empty(1, 8, queries, 128, dtype=torch.bfloat16)
+    k = torch.empty(1, kv_heads, 4096 if a_cache_view else 3000, 128, dtype=torch.bfloat16)[:, :, :3000]
+    assert cuda.op_for(q, k) == op
+
+
+def test_a_decode_step_hands_the_cached_kv_to_the_kernel_in_place(gpu, monkeypatch) -> None:
+    gpu(H200, cudnn=True)
+    handed = []
+
+    def flash_forward(q, k, v, dropout, causal, debug, *, scale):
+        handed.append((k, v))
+        return torch.zeros_like(q), torch.zeros(q.shape[:3]), *([None] * 7)
+
+    monkeypatch.setattr(cuda, "_flash_fwd", flash_forward)
+    monkeypatch.setattr(cuda, "_flash_takes_gqa", lambda device, dtype: True)
+    monkeypatch.setattr(cuda, "_cudnn_fwd", lambda *args, **kwargs: pytest.fail("cuDNN's op copies the cache"))
+    cache = torch.zeros(2, 1, 2, 64, 128, dtype=torch.bfloat16)  # K and V: (B, H_kv, capacity, D) each
+    keys, values = cache[0, :, :, :40], cache[1, :, :, :40]  # KVCache.keys(layer, held): views
+    out, lse = cuda.attention_forward(torch.randn(1, 8, 1, 128).bfloat16(), keys, values, causal=False, scale=0.1)
+    (k, v), = handed
+    assert (k.data_ptr(), v.data_ptr(), k.shape, v.shape) == (keys.data_ptr(), values.data_ptr(), keys.shape,
+                                                              values.shape)

@@ -3,7 +3,8 @@
 Which op computes a block (q's dtype, head dim D, the GPU's compute capability)::
 
     bf16 / fp16, 64 <= D <= 128, D % 8 == 0,  cudnn     aten._scaled_dot_product_cudnn_attention
-        sm80+, where the probe below passes
+        sm80+, where the probe below passes, and
+        K/V dense with q's heads or Sq >= 512
     bf16 / fp16, D % 8 == 0, D <= 256, sm80+  flash     aten._scaled_dot_product_flash_attention
     fp32, fp16 (bf16 from sm80), D % 8 == 0   efficient aten._scaled_dot_product_efficient_attention
         (D > 256; every fp16 block before sm80)
@@ -62,17 +63,28 @@ _eff_bwd = torch.ops.aten._scaled_dot_product_efficient_attention_backward.defau
 _cudnn_fwd = torch.ops.aten._scaled_dot_product_cudnn_attention.default
 _cudnn_bwd = torch.ops.aten._scaled_dot_product_cudnn_attention_backward.default
 _LSE_ROWS = 32  # the efficient op pads lse rows to a multiple of this
+# cuDNN's op is called here with K/V dense and with q's heads: a decode step's K/V (a view of
+# the cache, H_kv heads) would be copied whole, repeated to H heads, for every query token of
+# every layer, where the flash op reads them in place. The copy writes and reads back about
+# 8 x Sk x H x D bytes per call; cuDNN's forward saves about half the flash op's
+# 4 x Sq x Sk x H x D FLOPs: at the H200's 4.1 TB/s copy rate and the flash forward's
+# ~350 TFLOP/s the copy costs more below ~380 queries (an estimate; not measured).
+_CUDNN_COPY_MIN_QUERIES = 512
 
 
-def op_for(q: torch.Tensor, keys: int | None = None) -> str:
+def op_for(q: torch.Tensor, k: torch.Tensor | None = None) -> str:
     """"cudnn" | "flash" | "efficient" | "reference": which op computes blocks like ``q`` (see
-    above) against ``keys`` keys. Not cuDNN for a single key (its backward refused one query
-    against one key on the H200; torch's own SDPA never gives it one key), nor where the user
-    turned it off or asked for deterministic algorithms, which torch does not count it among."""
+    above) against keys like ``k`` (None: dense, with q's heads). Not cuDNN for a single key
+    (its backward refused one query against one key on the H200; torch's own SDPA never gives
+    it one key), nor where the user turned it off or asked for deterministic algorithms, which
+    torch does not count it among, nor where it would copy K/V for too few queries
+    (``_CUDNN_COPY_MIN_QUERIES``)."""
     d, capability = q.shape[-1], _capability(q.device)
     if q.dtype in (torch.bfloat16, torch.float16) and d % 8 == 0 and capability >= (8, 0):
-        if (64 <= d <= 128 and keys != 1 and torch.backends.cuda.cudnn_sdp_enabled()
-                and not torch.are_deterministic_algorithms_enabled() and _cudnn_honours_lse(q.device, q.dtype)):
+        copies_kv = k is not None and (k.shape[1] != q.shape[1] or not k.is_contiguous())
+        if (64 <= d <= 128 and (k is None or k.shape[2] != 1) and torch.backends.cuda.cudnn_sdp_enabled()
+                and not torch.are_deterministic_algorithms_enabled()
+                and not (copies_kv and q.shape[2] < _CUDNN_COPY_MIN_QUERIES) and _cudnn_honours_lse(q.device, q.dtype)):
             return "cudnn"
         flash_backward_refuses = 192 < d <= 224 and ((8, 6) <= capability <= (8, 9) or (12, 0) <= capability <= (12, 1))
         if d <= 256 and torch.backends.cuda.flash_sdp_enabled() and not flash_backward_refuses:
@@ -204,7 +216,7 @@ def attention_forward(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, causal: bool, scale: float, mask: torch.Tensor | None = None
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Kernel contract (see ``ctxpar.kernels``); out in q's dtype, lse float32 (B, H, Sq)."""
-    op = op_for(q, k.shape[2])
+    op = op_for(q, k)
     if op == "reference" or mask is not None:
         return reference.attention_forward(q, k, v, causal=causal, scale=scale, mask=mask)
     q, k, v = unit_stride(q), unit_stride(k), unit_stride(v)
@@ -238,7 +250,7 @@ def attention_backward(
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Kernel contract; ``out`` and ``lse`` are the global (merged) values for these rows.
     Gradients in q's dtype; dk, dv with H_kv heads."""
-    op = op_for(q, k.shape[2])
+    op = op_for(q, k)
     if op == "reference" or mask is not None:
         return reference.attention_backward(dout, q, k, v, out, lse, causal=causal, scale=scale, mask=mask)
     if op == "cudnn":
