@@ -238,6 +238,29 @@ def test_compute_cpu_time_leaves_out_other_threads_work() -> None:
         torch.set_num_threads(previous)
 
 
+def test_timing_on_cuda_waits_for_the_current_stream_not_the_whole_device(monkeypatch) -> None:
+    """A device-wide synchronize would also wait for NCCL's streams: a transfer in flight
+    beside a compute block would count as compute, and the ring's overlap vanish from
+    every record."""
+    from ctxpar import profile
+
+    synced = []
+
+    class Stream:
+        def __init__(self, device) -> None:
+            self.device = device
+
+        def synchronize(self) -> None:
+            synced.append(self.device)
+
+    monkeypatch.setattr(torch.cuda, "synchronize", lambda *args: pytest.fail("the whole device was synchronised"))
+    monkeypatch.setattr(torch.cuda, "current_stream", Stream)
+    gpu = torch.device("cuda", 1)
+    with profile.record() as rec, profile.timed("compute", gpu):
+        pass
+    assert synced == [gpu, gpu] and rec.compute_seconds >= 0
+
+
 def test_a_record_without_timing_counts_everything_but_seconds() -> None:
     """``record(timing=False)`` (the training loop's) takes no time and so never synchronises
     a device; a timing record open beside it still gets the seconds."""

@@ -9,8 +9,8 @@ A record counts while it is open and can be opened again, its counts adding up: 
 rec:`` once per step of a phase, or ``@rec`` on a function, counting every call.
 
 Counters are process-wide (not thread-local) because autograd may run backward on
-another thread. Timing on CUDA synchronises the device while a record is open, so only
-open one when measuring; ``record(timing=False)`` counts bytes and strategy choices
+another thread. Timing on CUDA synchronises the current stream around each block while a
+record is open, so only open one when measuring; ``record(timing=False)`` counts bytes and strategy choices
 without timing anything (what a training loop can afford).
 """
 
@@ -39,7 +39,7 @@ class Record(contextlib.ContextDecorator):
     collectives: int = 0  # communications posted (one ring step's send + receive counts once)
     waits: int = 0  # times this rank blocked until a communication completed: synchronisation points
     strategy_choices: list[tuple[str, str]] = field(default_factory=list)  # strategy="auto": (chosen, why) per call
-    timing: bool = True  # compute and wait seconds counted (on CUDA: the device synchronised around each block)
+    timing: bool = True  # compute and wait seconds counted (on CUDA: the stream synchronised around each block)
 
     def __enter__(self) -> Record:
         with _opening:  # one record decorating a function that threads call at once
@@ -102,7 +102,9 @@ def timed(counter: str, device: torch.device) -> Iterator[None]:
     if not timing:
         yield
         return
-    sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
+    # this rank's stream only: a device-wide synchronize waits for NCCL's streams too, and would
+    # count a transfer still in flight as compute, hiding the ring's overlap while a record is open
+    sync = torch.cuda.current_stream(device).synchronize if device.type == "cuda" else (lambda: None)
     cpu_clock = time.thread_time if torch.get_num_threads() == 1 else time.process_time
     sync()
     wall, cpu = time.perf_counter(), cpu_clock()
