@@ -156,6 +156,27 @@ def test_gathered_keys_in_position_order_skip_the_per_shard_plans() -> None:
     assert layout_tiles.cache_info().misses == 0
 
 
+def test_the_strategies_index_tensors_reach_the_device_once_not_per_call(monkeypatch) -> None:
+    """All-gather's arrival index and all-to-all's position order are copied to the kernels'
+    device once per plan: a copy from the host in every call (per head group and direction)
+    waits for all the GPU's queued work. Here the device is the host: the second call must
+    hand back the same tensors, and the per-call steps copy nothing."""
+    from ctxpar import topology
+    from ctxpar.strategies import allgather, alltoall
+
+    lay, seq, host = get_layout("zigzag", 8), 16 * 64, torch.device("cpu")
+    order = allgather._key_order(lay, seq, 1, Mask(), host)
+    assert order[0] == "global" and allgather._key_order(lay, seq, 1, Mask(), host)[2] is order[2]
+    arrived = torch.randn(8, 2, 1, 2, seq // 8, 4)  # (P, 2, B, h, S, D)
+    q = torch.randn(1, 2, 64, 4)
+    alltoall.to_heads(q, q, q, get_layout("zigzag", 1), topology.from_group(None))  # the first call copies
+    monkeypatch.setattr(torch.Tensor, "to", lambda *args, **kwargs: pytest.fail("copied in a call"))
+    keys = allgather._arrange(arrived, order)  # (2, B, h, T, D)
+    assert torch.equal(allgather._by_arrival(keys, order, 8), arrived)
+    (ql, _, _), _ = alltoall.to_heads(q, q, q, get_layout("zigzag", 1), topology.from_group(None))
+    assert torch.equal(ql, q)
+
+
 def test_union_pairs_are_the_pairs_of_the_union_layout() -> None:
 
     layout, seq_len = get_layout("zigzag", 4), 64

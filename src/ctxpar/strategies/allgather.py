@@ -35,6 +35,8 @@ one gather and one reduce-scatter backward.
 
 from __future__ import annotations
 
+import functools
+
 import torch
 
 from ctxpar import profile
@@ -55,13 +57,22 @@ def head_groups(kv_heads: int) -> list[slice]:
     return [slice(start, min(start + size, kv_heads)) for start in range(0, kv_heads, size)]
 
 
+@functools.lru_cache(maxsize=4)  # one (T,) int64 index on the device each
+def _key_order(layout: Layout, seq_len: int, rank: int, mask: Mask, device: torch.device):
+    """``gathered_key_order`` with its arrival index on ``device``, copied there once: a copy
+    from the host per call waits for all the GPU's queued work (a host synchronisation per
+    head group, forward and backward)."""
+    kind, tiles, index = gathered_key_order(layout, seq_len, rank, mask)
+    return kind, tiles, None if index is None else index.to(device)
+
+
 def _arrange(gathered: torch.Tensor, order) -> torch.Tensor:
     """What the kernels read: the shards as they arrived (P, 2, B, h, S, D) for "by_rank",
     else one copy in position order (2, B, h, T, D); the arrival buffer can then go."""
-    kind, _, maps = order
+    kind, _, index = order
     if kind == "by_rank":
         return gathered
-    local, index = gathered.shape[4], maps.to(gathered.device)
+    local = gathered.shape[4]
     return gathered.permute(1, 2, 3, 0, 4, 5)[:, :, :, index // local, index % local]
 
 
@@ -95,7 +106,7 @@ def _by_arrival(shares: torch.Tensor, order, world: int) -> torch.Tensor:
     if kind == "by_rank":
         return shares
     two, b, h, t, d = shares.shape
-    local, index = t // world, index.to(shares.device)
+    local = t // world
     arrived = shares.new_empty((world, two, b, h, local, d))
     arrived.permute(1, 2, 3, 0, 4, 5)[:, :, :, index // local, index % local] = shares
     return arrived
@@ -104,7 +115,7 @@ def _by_arrival(shares: torch.Tensor, order, world: int) -> torch.Tensor:
 class AllGatherAttention(torch.autograd.Function):
     @staticmethod
     def forward(ctx, q, k, v, sinks, layout: Layout, group, rank: int, mask: Mask, scale: float):
-        order = gathered_key_order(layout, q.shape[2] * layout.world_size, rank, mask)
+        order = _key_order(layout, q.shape[2] * layout.world_size, rank, mask, q.device)
         g = q.shape[1] // k.shape[1]  # query heads per KV head
         acc_out, acc_lse = output_accumulators(q)  # (B, H, S, D), (B, H, S)
         kv = torch.stack([k, v])  # (2, B, H_kv, S, D)

@@ -36,16 +36,18 @@ from ctxpar.strategy_rules import kv_copies
 from ctxpar.topology import Topology
 
 
-@functools.lru_cache(maxsize=256)
-def _position_order(layout: Layout, seq_len: int, union: int, u: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """(src, loc), each (U*S,): the tokens of union ``union`` (ranks union*U .. union*U+U-1)
-    arrive rank by rank; the token at ascending position t is local index loc[t] of member
-    src[t]. Cached: the same for every layer."""
+@functools.lru_cache(maxsize=16)  # two (U*S,) int64 on the device each
+def _position_order(layout: Layout, seq_len: int, union: int, u: int,
+                    device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+    """(src, loc), each (U*S,) on ``device``: the tokens of union ``union`` (ranks union*U ..
+    union*U+U-1) arrive rank by rank; the token at ascending position t is local index loc[t]
+    of member src[t]. Cached: the same for every layer, and copied to the device once (a copy
+    from the host per call waits for all the GPU's queued work)."""
     members = range(union * u, (union + 1) * u)
     arrival = torch.cat([layout.positions(seq_len, m) for m in members])
     order = torch.argsort(arrival)  # arrival slot of each token, in position order
     local = seq_len // layout.world_size
-    return order // local, order % local
+    return (order // local).to(device), (order % local).to(device)
 
 
 class SeqToHeads(torch.autograd.Function):
@@ -120,7 +122,7 @@ def to_heads(q, k, v, layout: Layout, topo: Topology):
     copies = kv_copies(k.shape[1], u)
     if copies > 1:
         k, v = k.repeat_interleave(copies, dim=1), v.repeat_interleave(copies, dim=1)
-    src, loc = (t.to(q.device) for t in _position_order(layout, seq_len, topo.ring_rank, u))
+    src, loc = _position_order(layout, seq_len, topo.ring_rank, u, q.device)
     return SeqToHeads.apply(q, k, v, topo.ulysses_group, u, src, loc), (topo.ulysses_group, u, src, loc)
 
 
