@@ -20,7 +20,8 @@ section so a run stopped part-way keeps what it measured) with:
 - ``exactness``: ``ctxpar demo`` on 4 ranks sharing the GPU per strategy, bf16: max abs
   error of out, lse, dq, dk, dv against float64, and the tolerance.
 - ``generation``: ``ctxpar generate --compare`` on 4 ranks sharing the GPU, ring and auto:
-  tokens equal to the single-process generation, TTFT, TPOT, KV-cache bytes per rank.
+  tokens equal to the single-process generation, TTFT, TPOT, KV-cache bytes per rank
+  (timed before the tests start, on a quiet GPU).
 - ``efficiency``: each rank's forward + backward block loops of the ring (communication
   taken out, every K/V shard local, as ``benchmarks/overhead.py``) at Llama-3-8B's
   attention shape (H=32, H_kv=8, D=128, bf16), T=131072 on P=8 and T=32768 on P=4, zigzag
@@ -232,6 +233,11 @@ def efficiency(device: torch.device, dtype: torch.dtype, cases: list[tuple[int, 
     return rows
 
 
+def first_line(e: BaseException) -> str:
+    """The first line of ``e``'s message ("" for an empty one, which CUDA errors can carry)."""
+    return next(iter(str(e).splitlines()), "")
+
+
 def _flash_pass(q, k, v, dout, causal: bool, scale: float):
     """torch's flash op, forward and backward from its own lse: (out, (dq, dk, dv))."""
     from ctxpar.kernels import cuda
@@ -281,7 +287,7 @@ def kernels(device: torch.device, seq: int, repeat: int) -> dict:
         result["cudnn_max_rel_diff"] = max((a.float() - b.float()).abs().max().item() / a.float().abs().max().item()
                                            for a, b in pairs)
     except (RuntimeError, TypeError) as e:
-        result["cudnn_error"] = str(e).splitlines()[0][:300]
+        result["cudnn_error"] = first_line(e)[:300]
     result.update(cudnn_candidates(device))
     return result
 
@@ -311,7 +317,7 @@ def cudnn_candidates(device: torch.device) -> dict:
         out["cudnn_takes_gqa"] = bool(torch.equal(grouped[0], repeated[0]) and grads[1].shape == k.shape and all(
             torch.allclose(a.float(), b.float(), rtol=2**-6, atol=2**-6) for a, b in zip(grads, want)))
     except Exception as e:  # noqa: BLE001  a refusal is the answer
-        out["cudnn_takes_gqa"] = f"no: {type(e).__name__}: {str(e).splitlines()[0][:200]}"
+        out["cudnn_takes_gqa"] = f"no: {type(e).__name__}: {first_line(e)[:200]}"
     for op in ("cudnn", "flash"):
         first, second = [], []
         for i in range(8):
@@ -326,7 +332,7 @@ def cudnn_candidates(device: torch.device) -> dict:
                 first.append(_timed(call, device, 1))
                 second.append(_timed(call, device, 1))
             except Exception as e:  # noqa: BLE001
-                out[f"{op}_first_call_error"] = f"{type(e).__name__}: {str(e).splitlines()[0][:200]}"
+                out[f"{op}_first_call_error"] = f"{type(e).__name__}: {first_line(e)[:200]}"
                 break
         out[f"{op}_first_call_seconds"], out[f"{op}_second_call_seconds"] = first, second
     return out
@@ -424,7 +430,7 @@ def targets(rows: list[dict]) -> dict:
                 no_s_squared_allocation=peaks_ok)
 
 
-SECTIONS = ("calibration", "kernels", "efficiency", "targets", "exactness", "generation", "tests")
+SECTIONS = ("calibration", "kernels", "efficiency", "targets", "generation", "exactness", "tests")
 
 
 def save(report: dict, path: str) -> None:
@@ -466,16 +472,17 @@ def main() -> None:
     os.makedirs(os.path.dirname(os.path.abspath(args.json)), exist_ok=True)
     start = time.perf_counter()
     report = dict(dry_run=args.dry_run, environment=environment(device))
-    # timings first, on a quiet device; then the correctness checks, side by side
+    # timings first (generation's TTFT and TPOT among them), on a quiet device; then the
+    # correctness checks, side by side
     run_section(report, "calibration", lambda: calibration(device, dtype, shape, sizes, args.repeat, matmul_n,
                                                            copy_bytes), args.json)
     run_section(report, "kernels", lambda: kernels(device, kernel_seq, args.repeat), args.json)
     run_section(report, "efficiency", lambda: efficiency(device, dtype, cases, args.repeat, shape), args.json)
     run_section(report, "targets", lambda: targets(report["efficiency"]), args.json)
+    run_section(report, "generation", lambda: generation(device, args.dry_run), args.json)
     tests = None if args.skip_tests else start_tests(os.path.dirname(os.path.abspath(args.json)))
     run_section(report, "exactness", lambda: exactness(device, demo_seq, "float32" if args.dry_run else "bfloat16",
                                                        args.dry_run), args.json)
-    run_section(report, "generation", lambda: generation(device, args.dry_run), args.json)
     run_section(report, "tests", lambda: dict(skipped="--skip-tests") if tests is None
                 else finish_tests(tests, args.tests_timeout), args.json)
     report["seconds"] = time.perf_counter() - start

@@ -12,10 +12,13 @@ import subprocess
 import sys
 
 import pytest
+import torch
 
 from ctxpar.plan import parse_tile_overhead
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, os.path.join(ROOT, "benchmarks"))
+import gpu_check  # noqa: E402
 
 
 def test_gpu_check_dry_run_writes_every_section(tmp_path) -> None:
@@ -51,3 +54,31 @@ def test_gpu_check_dry_run_writes_every_section(tmp_path) -> None:
     assert set(report["targets"]) == {"sum_over_unsplit_le_1_10", "zigzag_max_over_min_le_1_05",
                                       "no_s_squared_allocation"}
     assert "gpu-check (dry run, CPU)" in proc.stdout
+
+
+def test_generation_is_timed_before_the_cuda_tests_start(monkeypatch, tmp_path) -> None:
+    """TTFT and TPOT are timings: measured on a quiet GPU, not beside the pytest processes."""
+    calls = []
+    for name in ("calibration", "kernels", "efficiency", "targets", "generation", "exactness", "start_tests",
+                 "finish_tests"):
+        monkeypatch.setattr(gpu_check, name, lambda *args, name=name: calls.append(name) or {})
+    monkeypatch.setattr(gpu_check, "format_report", lambda report: "")
+    monkeypatch.setattr(sys, "argv", ["gpu_check.py", "--dry-run", "--json", str(tmp_path / "gpu_check.json")])
+    gpu_check.main()
+    assert calls == ["calibration", "kernels", "efficiency", "targets", "generation", "start_tests", "exactness",
+                     "finish_tests"]
+
+
+def test_an_op_failing_with_an_empty_message_is_reported(monkeypatch) -> None:
+    """A refusal's first line is what the report keeps; an empty message has none (it raised
+    IndexError, and the section's other figures were lost)."""
+    from ctxpar.kernels import cuda
+
+    def refuse(*args, **kwargs):
+        raise RuntimeError()
+
+    monkeypatch.setattr(cuda, "_cudnn_fwd", refuse)
+    monkeypatch.setattr(cuda, "_flash_fwd", refuse)
+    found = gpu_check.cudnn_candidates(torch.device("cpu"))
+    assert found["cudnn_takes_gqa"] == "no: RuntimeError: "
+    assert found["cudnn_first_call_error"] == found["flash_first_call_error"] == "RuntimeError: "
