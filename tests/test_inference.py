@@ -286,6 +286,19 @@ def test_cache_allocates_a_pth_of_the_capacity_and_refuses_bad_shapes() -> None:
         KVCache(layers=1, batch=2, kv_heads=1, head_dim=6, value_dim=0, capacity=10)
 
 
+@pytest.mark.parametrize("message", ["CUDA out of memory. Tried to allocate 8 GiB\nmore", ""])
+def test_a_cache_that_cannot_be_allocated_is_refused_naming_its_size(message: str, monkeypatch) -> None:
+    """The allocator's first line, or its error's name where the message is empty (an
+    IndexError then took the refusal's place)."""
+    def refuse(*args, **kwargs):
+        raise RuntimeError(message)
+
+    monkeypatch.setattr(torch, "empty", refuse)
+    with pytest.raises(ValueError, match=r"needs 0\.0156 GiB on cpu, which could not be allocated \((CUDA out of "
+                                         r"memory\. Tried to allocate 8 GiB|RuntimeError)\); build it with a smaller"):
+        KVCache(layers=2, batch=1, kv_heads=4, head_dim=64, capacity=4096)
+
+
 def test_rewind_forgets_the_later_positions_and_the_next_chunk_continues_there() -> None:
     model, prompt = cases.build(), cases.prompt_tokens()
     chunk = cases.prompt_tokens(5, seed=9)

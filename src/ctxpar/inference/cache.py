@@ -103,9 +103,10 @@ class KVCache:
             self._values = torch.empty((*shape, value_dim), dtype=dtype, device=device)
         except RuntimeError as e:  # torch.OutOfMemoryError (CUDA) is one too
             need = math.prod(shape) * (head_dim + value_dim) * dtype.itemsize
+            why = next(iter(str(e).splitlines()), type(e).__name__)  # the first line of a message, if any
             raise ValueError(f"rank {self.rank}'s KVCache shard, {self.local_capacity} of its {capacity} positions "
                              f"(x {layers} layers, batch {batch}, {kv_heads} K/V heads), needs {need / 2**30:.3g} "
-                             f"GiB on {device}, which could not be allocated ({str(e).splitlines()[0]}); build it "
+                             f"GiB on {device}, which could not be allocated ({why}); build it "
                              f"with a smaller capacity or batch, or over more ranks") from None
         self._positions = torch.full((self.local_capacity,), -1, dtype=torch.int64)
         self.seq_len = self.prompt_len = self.length = 0
