@@ -21,6 +21,7 @@ import inspect
 import json
 import multiprocessing
 import os
+import re
 import signal
 import socket
 import subprocess
@@ -520,6 +521,33 @@ def test_only_the_full_torchrun_environment_counts_as_torchrun(monkeypatch) -> N
     for name, value in dict(TORCHELASTIC_RUN_ID="none", LOCAL_RANK="0", LOCAL_WORLD_SIZE="2").items():
         monkeypatch.setenv(name, value)
     assert launch.launched_by_torchrun() and launch.world_size(4) == 2
+
+
+@pytest.mark.parametrize("local_rank, local_world, gpus, takes", [
+    (5, 8, 8, 5), (1, 2, 4, 1), (5, 8, 1, 0), (0, 1, 1, 0),
+    (5, 8, 4, "torchrun started 8 ranks on this node, and each sees 4 GPUs: NCCL needs a GPU per rank; start at "
+              "most 4 (--nproc-per-node 4)"),
+    (1, 4, 2, "start at most 2"), (0, 2, 0, "sees no GPU"),
+])
+def test_a_torchrun_rank_takes_its_own_gpu_or_is_refused_before_joining(local_rank, local_world, gpus, takes,
+                                                                         monkeypatch) -> None:
+    """A GPU for each of the node's ranks: LOCAL_RANK's; one GPU (each rank given its own, e.g.
+    by CUDA_VISIBLE_DEVICES): that one, where set_device(LOCAL_RANK) raised; more ranks than
+    GPUs: refused, on every rank of the node, before the rendezvous."""
+    monkeypatch.setenv("LOCAL_RANK", str(local_rank))
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", str(local_world))
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: gpus)
+    chosen = []
+    monkeypatch.setattr(torch.cuda, "set_device", chosen.append)
+    monkeypatch.setattr(dist, "rendezvous", lambda *args, **kwargs: pytest.fail("joined"))
+    if isinstance(takes, int):
+        with pytest.raises(pytest.fail.Exception, match="joined"):
+            launch.init_from_env(30, "cuda")
+        assert chosen == [torch.device("cuda", takes)]
+    else:
+        with pytest.raises(ValueError, match=re.escape(takes)):
+            launch.init_from_env(30, "cuda")
+        assert chosen == []
 
 
 def test_a_real_torchrun_launch_joins_torchruns_group(tmp_path) -> None:

@@ -249,12 +249,35 @@ def _join(backend: str, timeout_s: float, **init) -> None:
     dist.init_process_group(backend, timeout=_collective_timeout, **init)
 
 
+def local_gpu() -> torch.device:
+    """This torchrun rank's GPU: ``cuda:LOCAL_RANK`` where the process sees a GPU for each of
+    its node's LOCAL_WORLD_SIZE ranks, ``cuda:0`` where it sees exactly one (a scheduler or
+    CUDA_VISIBLE_DEVICES gave each rank its own), i.e. LOCAL_RANK mod the GPUs it sees where
+    that names one GPU per rank. Anything else is refused before joining, on every rank of
+    the node alike: NCCL takes one GPU per rank, and which of several a rank should take
+    would be a guess."""
+    local_rank = int(os.environ.get("LOCAL_RANK", 0))
+    local_world = int(os.environ.get("LOCAL_WORLD_SIZE", local_rank + 1))
+    gpus = torch.cuda.device_count()
+    if gpus == 1:
+        return torch.device("cuda", 0)
+    if gpus and local_world <= gpus:
+        return torch.device("cuda", local_rank)
+    if not gpus:
+        raise ValueError(f"torchrun rank {local_rank} of this node sees no GPU (torch.cuda.device_count() == 0): run "
+                         f"on GPU nodes with a CUDA build of torch, or use --device cpu (gloo)")
+    raise ValueError(f"torchrun started {local_world} ranks on this node, and each sees {gpus} GPUs: NCCL needs a GPU "
+                     f"per rank; start at most {gpus} (--nproc-per-node {gpus}), or give each rank its own GPU "
+                     f"(CUDA_VISIBLE_DEVICES, one per rank), or use --device cpu (gloo)")
+
+
 def init_from_env(timeout_s: float = DEFAULT_TIMEOUT_S, device_type: str = "cuda") -> torch.device:
     """Join the group torchrun describes: NCCL on this rank's local GPU (``device_type``
-    "cuda"), or gloo on the CPU. ``timeout_s`` bounds each collective (and the rendezvous)."""
+    "cuda", ``local_gpu``), or gloo on the CPU. ``timeout_s`` bounds each collective (and the
+    rendezvous)."""
     check_timeout(timeout_s)
     if device_type == "cuda":
-        device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0)))
+        device = local_gpu()
         torch.cuda.set_device(device)
         backend = "nccl"
     else:
