@@ -32,7 +32,10 @@ import torch.distributed as dist
 
 import ctxpar
 from ctxpar import agreement, parallelize, topology
+from ctxpar.demo import DemoConfig
 from ctxpar.launch import run_local
+from ctxpar.limits import check_splits
+import flags
 from report import write_json
 
 
@@ -120,23 +123,34 @@ def batch_checksum(seqs: list[int], world: int, repeat: int) -> list[dict]:
     return rows
 
 
-def main() -> None:
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    """The flags, every length checked against zigzag on --nproc ranks, before any rank starts."""
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--seq", default="1024,4096,16384", help="comma-separated global lengths T")
-    p.add_argument("--heads", type=int, default=8)
-    p.add_argument("--kv-heads", type=int, default=2)
-    p.add_argument("--head-dim", type=int, default=64)
-    p.add_argument("--nproc", type=int, default=4)
-    p.add_argument("--repeat", type=int, default=7, help="timed calls per setting (median)")
-    p.add_argument("--calls", type=int, default=500, help="calls of the check alone")
-    p.add_argument("--batch-seq", default="131072,1048576",
+    p.add_argument("--seq", type=flags.counts, default="1024,4096,16384", help="comma-separated global lengths T")
+    p.add_argument("--heads", type=flags.count, default=8)
+    p.add_argument("--kv-heads", type=flags.count, default=2)
+    p.add_argument("--head-dim", type=flags.count, default=64)
+    p.add_argument("--nproc", type=flags.ranks, default=4)
+    p.add_argument("--repeat", type=flags.count, default=7, help="timed calls per setting (median)")
+    p.add_argument("--calls", type=flags.count, default=500, help="calls of the check alone")
+    p.add_argument("--batch-seq", type=flags.counts, default="131072,1048576",
                    help="comma-separated batch lengths for the batch checksum (one process)")
-    p.add_argument("--generate-prompt", type=int, default=512, help="generate's prompt length")
-    p.add_argument("--generate-tokens", type=int, default=32, help="tokens each generate call adds")
+    p.add_argument("--generate-prompt", type=flags.count, default=512, help="generate's prompt length")
+    p.add_argument("--generate-tokens", type=flags.count, default=32, help="tokens each generate call adds")
     p.add_argument("--json", metavar="PATH")
-    args = p.parse_args()
+    args = p.parse_args(argv)
+    with flags.refusals(p):
+        for seq in args.seq:
+            DemoConfig(nproc=args.nproc, seq=seq, heads=args.heads, kv_heads=args.kv_heads,
+                       head_dim=args.head_dim).validate(args.nproc)
+        for seq in args.batch_seq:
+            check_splits(ctxpar.get_layout("zigzag", args.nproc), seq, "--batch-seq")
+    return args
 
-    cfg = dict(seqs=[int(t) for t in args.seq.split(",")], heads=args.heads, kv_heads=args.kv_heads,
+
+def main() -> None:
+    args = parse_args()
+    cfg = dict(seqs=args.seq, heads=args.heads, kv_heads=args.kv_heads,
                head_dim=args.head_dim, repeat=args.repeat, calls=args.calls)
     ranks = run_local(one_rank, args.nproc, (cfg,))
     check = max(r["check_seconds"] for r in ranks)
@@ -161,7 +175,7 @@ def main() -> None:
     print(f"generate, tiny Llama (4 layers, d=256), prompt {args.generate_prompt}, {args.generate_tokens} new tokens: "
           f"{on * 1e3:.2f} ms per token with the per-step agreement, {off * 1e3:.2f} ms without; on/off "
           f"{on / off:.3f}")
-    batches = batch_checksum([int(t) for t in args.batch_seq.split(",")], args.nproc, args.repeat)
+    batches = batch_checksum(args.batch_seq, args.nproc, args.repeat)
     print(f"batch checksum (shard_batch, zigzag P={args.nproc}, one row of int64 tokens): median of {args.repeat}")
     print(f"{'T':>8} {'checksum ms':>12} {'shard_batch ms':>15} {'share':>7} {'forward lookup ms':>18}")
     for r in batches:

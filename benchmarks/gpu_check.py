@@ -60,6 +60,7 @@ from ctxpar.plan.work import rank_pairs
 from ctxpar.demo import DemoConfig, run_demo
 from ctxpar.inference.command import GenerateConfig, run_generate
 from ctxpar.verify import unsplit_attention
+import flags
 from overhead import rank_step
 
 HERE = os.path.dirname(os.path.abspath(__file__))
@@ -450,14 +451,18 @@ def run_section(report: dict, name: str, fn, path: str) -> None:
     save(report, path)
 
 
-def main() -> None:
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--dry-run", action="store_true", help="on the CPU with tiny shapes: the same steps and JSON keys")
     p.add_argument("--skip-tests", action="store_true", help="leave out pytest tests/test_cuda.py")
-    p.add_argument("--tests-timeout", type=float, default=360, help="seconds the CUDA tests may take in all")
-    p.add_argument("--repeat", type=int, default=2, help="best of N for every timing")
+    p.add_argument("--tests-timeout", type=flags.positive, default=360, help="seconds the CUDA tests may take in all")
+    p.add_argument("--repeat", type=flags.count, default=2, help="best of N for every timing")
     p.add_argument("--json", metavar="PATH", default="gpu_check.json", help="the report; pytest logs beside it")
-    args = p.parse_args()
+    return p.parse_args(argv)
+
+
+def main() -> None:
+    args = parse_args()
     if not args.dry_run and not torch.cuda.is_available():
         sys.exit("gpu_check: no CUDA device visible; run with --dry-run to check the plumbing on the CPU")
     device = torch.device("cpu") if args.dry_run else torch.device("cuda", 0)

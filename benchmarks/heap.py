@@ -24,6 +24,7 @@ import statistics
 from ctxpar import heap
 from ctxpar.calibrate import PROBE_STRATEGIES, PROBE_TOKENS, _probe_rank, measure_link
 from ctxpar.launch import run_local
+import flags
 from report import write_json
 
 def measure(kept: bool, probe_rounds: int) -> dict:
@@ -43,12 +44,16 @@ def measure(kept: bool, probe_rounds: int) -> dict:
                 best_seconds={s: min(c["seconds"] for c in cs) for s, cs in calls.items()})
 
 
-def main() -> None:
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--rounds", type=int, default=3, help="rounds, each: glibc's defaults, then the kept heap")
-    p.add_argument("--probe-rounds", type=int, default=6, help="rounds of probe calls in each group of ranks")
+    p.add_argument("--rounds", type=flags.count, default=3, help="rounds, each: glibc's defaults, then the kept heap")
+    p.add_argument("--probe-rounds", type=flags.count, default=6, help="rounds of probe calls in each group of ranks")
     p.add_argument("--json", metavar="PATH")
-    args = p.parse_args()
+    return p.parse_args(argv)
+
+
+def main() -> None:
+    args = parse_args()
     if not heap.on_glibc():
         raise SystemExit("glibc's heap thresholds: this machine does not run on glibc")
 

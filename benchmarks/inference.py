@@ -8,8 +8,8 @@
 1. **Prefill and decode vs P**: ``generate`` with the reference model (L=4, H=8, H_kv=2,
    D=64, float32; one thread per rank) on a ``--prompt``-token prompt, ``--new-tokens``
    greedy tokens, for each P of ``--nproc``, each P in its own process group, in one run:
-   time to first token (the median of ``--repeat`` prefills), its speed-up over P=1, time
-   per output token, and KV-cache bytes per rank against P=1's.
+   time to first token (the median of ``--repeat`` prefills), its speed-up over the first P
+   (P=1 by default), time per output token, and KV-cache bytes per rank against that P's.
 2. **pass-KV vs pass-Q**: on P=``--cross-nproc`` ranks, a cache prefilled with ``--cached``
    tokens, then ``partial_prefill`` of each ``--chunks`` length by both methods,
    alternating, ``--repeat`` times each (the cache rewound after each), median wall time
@@ -25,7 +25,8 @@
    the noise beyond a few dozen tokens (docs/benchmarks.md). Under torchrun on CPUs the
    planner takes ``ctxpar.auto.CPU_DEFAULT`` (no calibration inside a launched rank).
 
-``--parts`` picks ``generation`` (local CPU ranks only), ``crossover``, or both.
+``--parts`` picks ``generation`` (local CPU ranks only), ``crossover``, or both; only the
+crossover's planner needs this machine's calibration (about a minute), so only it runs one.
 """
 
 from __future__ import annotations
@@ -43,14 +44,18 @@ from ctxpar import auto
 from ctxpar.calibrate import calibrate, format_calibration
 from ctxpar.inference import KVCache, generate, partial_prefill, prefill
 from ctxpar.launch import launched_by_torchrun, run, run_local, world_size
+from ctxpar.layout import get_layout
+from ctxpar.limits import check_splits
 from ctxpar.models import ModelConfig, Transformer
 from ctxpar.plan import ELEMENT_BYTES
 from ctxpar.plan.hardware import local_hardware
 from ctxpar.plan.inference import partial_prefill_crossover, pass_q_fraction
+import flags
 from report import write_json
 
 MODEL = ModelConfig(layers=4, hidden=256, heads=8, kv_heads=2, head_dim=64, ffn=512, vocab=256)
 METHODS = ("pass-kv", "pass-q")
+PARTS = ("generation", "crossover")
 
 
 def _model(cfg: ModelConfig) -> Transformer:
@@ -119,33 +124,47 @@ def measured_crossover(chunks: list[int], ratios: list[float]) -> float | None:
     return None
 
 
-def main() -> None:
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    """The flags, every length they give checked against the layout of each P, before any rank starts."""
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--parts", default="generation,crossover", help="generation, crossover, or both")
-    p.add_argument("--prompt", type=int, default=8192, help="prompt length for prefill and decode vs P")
-    p.add_argument("--new-tokens", type=int, default=16)
-    p.add_argument("--nproc", default="1,2,4", help="CP degrees for prefill and decode")
-    p.add_argument("--cached", type=int, default=8192, help="tokens in the cache before the chunk")
-    p.add_argument("--chunks", default="8,16,32,48,64,96,128,192,256,512,1024", help="chunk lengths T_new")
-    p.add_argument("--cross-nproc", type=int, default=2, help="P for pass-KV vs pass-Q (under torchrun: its ranks)")
+    p.add_argument("--parts", type=flags.names(PARTS), default="generation,crossover",
+                   help="generation, crossover, or both")
+    p.add_argument("--prompt", type=flags.count, default=8192, help="prompt length for prefill and decode vs P")
+    p.add_argument("--new-tokens", type=flags.count, default=16)
+    p.add_argument("--nproc", type=flags.ranks_list, default="1,2,4", help="CP degrees for prefill and decode")
+    p.add_argument("--cached", type=flags.count, default=8192, help="tokens in the cache before the chunk")
+    p.add_argument("--chunks", type=flags.counts, default="8,16,32,48,64,96,128,192,256,512,1024",
+                   help="chunk lengths T_new")
+    p.add_argument("--cross-nproc", type=flags.ranks, default=2,
+                   help="P for pass-KV vs pass-Q (under torchrun: its ranks)")
     p.add_argument("--device", choices=("cpu", "cuda"), default="cpu", help="of the crossover's ranks")
     p.add_argument("--dtype", choices=("float32", "bfloat16"), default="float32", help="of the crossover's model")
-    p.add_argument("--repeat", type=int, default=7, help="timed runs per setting (median)")
+    p.add_argument("--repeat", type=flags.count, default=7, help="timed runs per setting (median)")
     p.add_argument("--json", metavar="PATH")
-    args = p.parse_args()
-    parts = set(args.parts.split(","))
-    if not parts or parts - {"generation", "crossover"}:
-        p.error(f"--parts {args.parts!r}: give generation, crossover, or both")
-    if "generation" in parts and (args.device != "cpu" or launched_by_torchrun()):
+    args = p.parse_args(argv)
+    if "generation" in args.parts and (args.device != "cpu" or launched_by_torchrun()):
         p.error("--parts generation runs on local CPU ranks; with --device cuda or under torchrun give "
                 "--parts crossover")
-    # local CPU ranks: this machine, calibrated; GPUs or torchrun's ranks: the preset for the device
-    report = dict(calibration=calibrate() if args.device == "cpu" and not launched_by_torchrun() else None)
+    with flags.refusals(p):
+        if "generation" in args.parts:
+            for world in args.nproc:
+                check_splits(get_layout("zigzag", world), args.prompt, "--prompt")
+        if "crossover" in args.parts:
+            check_splits(get_layout("zigzag", world_size(args.cross_nproc)), args.cached, "--cached")
+    return args
+
+
+def main() -> None:
+    args = parse_args()
+    # the crossover's planner on local CPU ranks: this machine, calibrated; on GPUs or torchrun's ranks: the
+    # preset for the device. Prefill and decode vs P need no calibration.
+    calibrated = "crossover" in args.parts and args.device == "cpu" and not launched_by_torchrun()
+    report = dict(calibration=calibrate() if calibrated else None)
     if report["calibration"] is not None:
         print(format_calibration(report["calibration"]) + "\n")
-    if "generation" in parts:
+    if "generation" in args.parts:
         report["generation"] = generation_part(args)
-    if "crossover" in parts:
+    if "crossover" in args.parts:
         report.update(crossover_part(args, report["calibration"]))
     if args.json and (not launched_by_torchrun() or os.environ["RANK"] == "0"):
         write_json(args.json, args, **report)
@@ -154,7 +173,7 @@ def main() -> None:
 def generation_part(args: argparse.Namespace) -> list[dict]:
     """Prefill and decode against P on local CPU ranks: printed, and the rows for JSON."""
     generation = []
-    for world in (int(x) for x in args.nproc.split(",")):
+    for world in args.nproc:
         ranks = run_local(generation_rank, world, (args.prompt, args.new_tokens, args.repeat), threads=1)
         generation.append(dict(nproc=world, ttft_s=max(r["ttft_s"] for r in ranks),
                                tpot_s=max(r["tpot_s"] for r in ranks),
@@ -163,8 +182,9 @@ def generation_part(args: argparse.Namespace) -> list[dict]:
     print(f"prefill of {args.prompt} tokens and {args.new_tokens} greedy tokens, L={MODEL.layers} H={MODEL.heads} "
           f"H_kv={MODEL.kv_heads} D={MODEL.head_dim} float32, zigzag ring, one thread per rank, "
           f"{os.cpu_count()} cores")
-    print(f"{'P':>3} {'TTFT s':>8} {'speed-up':>9} {'TPOT ms':>8} {'vs P1':>6} {'KV MiB/rank':>12} {'vs P1':>6} "
-          f"{'tokens = P1':>11}")
+    first = f"P{base['nproc']}"  # the ratios are against the first --nproc, P=1 by default
+    print(f"{'P':>3} {'TTFT s':>8} {'speed-up':>9} {'TPOT ms':>8} {'vs ' + first:>6} {'KV MiB/rank':>12} "
+          f"{'vs ' + first:>6} {'tokens = ' + first:>11}")
     for g in generation:
         g.update(speedup=base["ttft_s"] / g["ttft_s"], tpot_ratio=g["tpot_s"] / base["tpot_s"],
                  kv_ratio=g["kv_cache_bytes"] / base["kv_cache_bytes"], same_tokens=g["tokens"] == base["tokens"])
@@ -177,7 +197,7 @@ def generation_part(args: argparse.Namespace) -> list[dict]:
 def crossover_part(args: argparse.Namespace, calibration: dict | None) -> dict:
     """pass-KV against pass-Q on P ranks (torchrun's, or local ones on ``--device``), the
     measured crossover and the planner's: printed on rank 0, and the JSON entries."""
-    chunks = sorted(int(x) for x in args.chunks.split(","))
+    chunks = sorted(args.chunks)
     shape = (args.cached, chunks, args.repeat, args.dtype)
     world = world_size(args.cross_nproc)
     if launched_by_torchrun():

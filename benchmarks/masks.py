@@ -28,11 +28,13 @@ import torch
 import torch.distributed as dist
 
 import ctxpar
+from ctxpar.demo import DemoConfig
 from ctxpar.launch import run_local
 from ctxpar.masks import Mask
 from ctxpar.plan import traffic
 from ctxpar.plan.documents import DocDist, sample_lengths
 from ctxpar.plan.work import rank_pairs
+import flags
 from report import write_json
 
 
@@ -120,16 +122,28 @@ def unsplit_kernel_seconds(cfg: dict) -> dict[str, float]:
     return {name: _step(layout, kwargs, full)[1] for name, (_, kwargs) in _cases(cfg, 1).items()}
 
 
-def main() -> None:
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    """The flags, the shape checked on each layout the ring runs, before any rank starts."""
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--seq", type=int, default=65536)
-    p.add_argument("--nproc", type=int, default=4)
-    p.add_argument("--heads", type=int, default=2)
-    p.add_argument("--kv-heads", type=int, default=1)
-    p.add_argument("--head-dim", type=int, default=64)
-    p.add_argument("--repeat", type=int, default=3)
+    p.add_argument("--seq", type=flags.count, default=65536)
+    p.add_argument("--nproc", type=flags.ranks, default=4)
+    p.add_argument("--heads", type=flags.count, default=2)
+    p.add_argument("--kv-heads", type=flags.count, default=1)
+    p.add_argument("--head-dim", type=flags.count, default=64)
+    p.add_argument("--repeat", type=flags.count, default=3)
     p.add_argument("--json", metavar="PATH")
-    args = p.parse_args()
+    args = p.parse_args(argv)
+    if args.seq < 16:
+        p.error(f"--seq {args.seq} must be at least 16: the window is T/16 keys")
+    with flags.refusals(p):
+        for layout in ("contiguous", "zigzag"):
+            DemoConfig(nproc=args.nproc, seq=args.seq, heads=args.heads, kv_heads=args.kv_heads,
+                       head_dim=args.head_dim, layout=layout).validate(args.nproc)
+    return args
+
+
+def main() -> None:
+    args = parse_args()
     cfg = dict(seq=args.seq, heads=args.heads, kv_heads=args.kv_heads, head_dim=args.head_dim, repeat=args.repeat)
     world = args.nproc
 

@@ -21,6 +21,7 @@ import argparse
 
 import ctxpar
 from ctxpar.train import TrainConfig, run_train
+import flags
 from report import write_json
 
 
@@ -32,21 +33,40 @@ def step_growth(nproc: int, seq: int, args: argparse.Namespace) -> int:
     return max(report["rank_peak_growth_bytes"])
 
 
-def main() -> None:
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    """The flags, every run they make checked as ``ctxpar train`` checks it, before the first starts."""
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--model", default="small")
-    p.add_argument("--seq", type=int, default=16384)
-    p.add_argument("--short-seq", type=int, default=1024, help="T0, the short run subtracted")
-    p.add_argument("--nprocs", default="1,2,4")
+    p.add_argument("--seq", type=flags.count, default=16384)
+    p.add_argument("--short-seq", type=flags.count, default=1024, help="T0, the short run subtracted (< --seq)")
+    p.add_argument("--nprocs", type=flags.ranks_list, default="1,2,4",
+                   help="P, 1 among them: each sequence part is compared with P=1's")
     p.add_argument("--strategy", default="ring")
     p.add_argument("--layout", default="zigzag")
     p.add_argument("--activation-checkpointing", action="store_true")
-    p.add_argument("--budget-gib", type=float, default=4.0, help="per-rank memory budget for the largest-T estimate")
+    p.add_argument("--budget-gib", type=flags.positive, default=4.0,
+                   help="per-rank memory budget for the largest-T estimate")
     p.add_argument("--json", metavar="PATH")
-    args = p.parse_args()
+    args = p.parse_args(argv)
+    if args.short_seq >= args.seq:
+        p.error(f"--short-seq {args.short_seq} must be below --seq {args.seq}: the sequence part is their "
+                f"difference")
+    if 1 not in args.nprocs:
+        p.error(f"--nprocs {','.join(map(str, args.nprocs))} must include 1: each sequence part is compared with "
+                f"P=1's")
+    with flags.refusals(p):
+        for nproc in args.nprocs:
+            for seq in (args.short_seq, args.seq):
+                TrainConfig(nproc=nproc, seq=seq, steps=1, model=args.model, strategy=args.strategy,
+                            layout=args.layout, activation_checkpointing=args.activation_checkpointing
+                            ).validate(nproc)
+    return args
 
+
+def main() -> None:
+    args = parse_args()
     rows = []
-    for nproc in (int(n) for n in args.nprocs.split(",")):
+    for nproc in args.nprocs:
         short, full = step_growth(nproc, args.short_seq, args), step_growth(nproc, args.seq, args)
         per_token = (full - short) / (args.seq - args.short_seq)
         multiple = ctxpar.get_layout(args.layout, nproc).multiple
@@ -54,7 +74,7 @@ def main() -> None:
         largest = int((budget - short) / per_token + args.short_seq) // multiple * multiple if per_token > 0 else None
         rows.append(dict(nproc=nproc, growth_short=short, growth_full=full, sequence_part=full - short,
                          bytes_per_token=per_token, largest_seq_in_budget=largest))
-    base = rows[0]["sequence_part"]
+    base = next(row["sequence_part"] for row in rows if row["nproc"] == 1)
     for row in rows:
         row["sequence_part_vs_p1"] = row["sequence_part"] / base
 

@@ -22,9 +22,12 @@ import torch
 
 import ctxpar
 from ctxpar.blocks import layout_tiles
+from ctxpar.demo import DemoConfig
+from ctxpar.layout import LAYOUT_NAMES
 from ctxpar.strategies.blockwise import backward_tiles, forward_tiles, gradient_accumulators, output_accumulators
 from ctxpar.masks import Mask
 from ctxpar.verify import unsplit_attention
+import flags
 from report import write_json
 
 
@@ -51,19 +54,28 @@ def seconds(fn) -> float:
     return time.process_time() - start
 
 
-def main() -> None:
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--seq", type=int, default=16384)
-    p.add_argument("--heads", type=int, default=8)
-    p.add_argument("--kv-heads", type=int, default=2)
-    p.add_argument("--head-dim", type=int, default=64)
-    p.add_argument("--nproc", type=int, default=4, help="P, the simulated ranks")
-    p.add_argument("--layouts", default="zigzag,striped,contiguous")
+    p.add_argument("--seq", type=flags.count, default=16384)
+    p.add_argument("--heads", type=flags.count, default=8)
+    p.add_argument("--kv-heads", type=flags.count, default=2)
+    p.add_argument("--head-dim", type=flags.count, default=64)
+    p.add_argument("--nproc", type=flags.count, default=4, help="P, the simulated ranks")
+    p.add_argument("--layouts", type=flags.names(LAYOUT_NAMES), default="zigzag,striped,contiguous")
     p.add_argument("--no-causal", dest="causal", action="store_false")
-    p.add_argument("--threads", type=int, default=1)
-    p.add_argument("--repeat", type=int, default=3, help="best of N for every measurement")
+    p.add_argument("--threads", type=flags.count, default=1)
+    p.add_argument("--repeat", type=flags.count, default=3, help="best of N for every measurement")
     p.add_argument("--json", metavar="PATH")
-    args = p.parse_args()
+    args = p.parse_args(argv)
+    with flags.refusals(p):
+        for layout in args.layouts:
+            DemoConfig(nproc=args.nproc, seq=args.seq, heads=args.heads, kv_heads=args.kv_heads,
+                       head_dim=args.head_dim, layout=layout, causal=args.causal).validate(args.nproc)
+    return args
+
+
+def main() -> None:
+    args = parse_args()
     torch.set_num_threads(args.threads)
 
     gen = torch.Generator().manual_seed(0)
@@ -71,7 +83,7 @@ def main() -> None:
     shape_kv = (1, args.kv_heads, args.seq, args.head_dim)
     q, k, v, dout = (torch.randn(s, generator=gen) for s in (shape_q, shape_kv, shape_kv, shape_q))
     scale = args.head_dim**-0.5
-    layouts = [ctxpar.get_layout(name, args.nproc) for name in args.layouts.split(",")]
+    layouts = [ctxpar.get_layout(name, args.nproc) for name in args.layouts]
     shards = {
         layout.name: {
             name: [layout.shard(t, r, dim=2) for r in range(args.nproc)]

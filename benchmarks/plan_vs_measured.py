@@ -46,6 +46,8 @@ from ctxpar.plan import cost
 from ctxpar.calibrate import calibrate, format_calibration
 from ctxpar.plan.hardware import local_hardware
 from ctxpar.plan.workload import Workload
+from ctxpar.strategy_rules import STRATEGY_NAMES
+import flags
 from report import write_json
 
 
@@ -189,25 +191,34 @@ def auto_verdicts(rows: list[dict], calibration: dict) -> list[dict]:
     return out
 
 
-def main() -> None:
+def parse_args(argv: list[str] | None = None) -> tuple[argparse.Namespace, list[list[DemoConfig]]]:
+    """The flags and the demo runs they make (per (P, T), one per strategy), every one checked before the
+    minute of calibration."""
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--nprocs", default="2,4")
-    p.add_argument("--seqs", default="4096,8192,16384")
-    p.add_argument("--strategies", default="ring,allgather,alltoall")
-    p.add_argument("--ulysses-degree", type=int, default=2, help="the hybrid's all-to-all degree U")
-    p.add_argument("--repeat", type=int, default=10, help="demo runs per case; best seconds per rank")
+    p.add_argument("--nprocs", type=flags.ranks_list, default="2,4")
+    p.add_argument("--seqs", type=flags.counts, default="4096,8192,16384")
+    p.add_argument("--strategies", type=flags.names(STRATEGY_NAMES), default="ring,allgather,alltoall")
+    p.add_argument("--ulysses-degree", type=flags.count, default=2, help="the hybrid's all-to-all degree U")
+    p.add_argument("--repeat", type=flags.count, default=10, help="demo runs per case; best seconds per rank")
     p.add_argument("--json", metavar="PATH")
-    args = p.parse_args()
+    args = p.parse_args(argv)
+    cases = [[DemoConfig(nproc=nproc, seq=seq, strategy=strategy,
+                         ulysses_degree=args.ulysses_degree if strategy == "hybrid" else None)
+              for strategy in args.strategies] for nproc in args.nprocs for seq in args.seqs]
+    with flags.refusals(p):
+        for cfgs in cases:
+            for cfg in cfgs:
+                cfg.validate(cfg.nproc)
+    return args, cases
 
+
+def main() -> None:
+    args, cases = parse_args()
     calibration = calibrate()
     print(format_calibration(calibration))
     rows = []
-    for nproc in (int(x) for x in args.nprocs.split(",")):
-        for seq in (int(x) for x in args.seqs.split(",")):
-            cfgs = [DemoConfig(nproc=nproc, seq=seq, strategy=strategy,
-                               ulysses_degree=args.ulysses_degree if strategy == "hybrid" else None)
-                    for strategy in args.strategies.split(",")]
-            rows += [compare(cfg, calibration, ranks) for cfg, ranks in zip(cfgs, measure(cfgs, args.repeat))]
+    for cfgs in cases:
+        rows += [compare(cfg, calibration, ranks) for cfg, ranks in zip(cfgs, measure(cfgs, args.repeat))]
     mib = 2**20
     print(f"{'P':>2} {'T':>6} {'strategy':<10} {'sent MiB':>9} {'= plan':>6} {'attn s plan':>11} {'measured':>9} "
           f"{'error':>7} {'wall s plan':>11} {'measured':>9} {'error':>7}")

@@ -26,6 +26,7 @@ from ctxpar.blocks import tiles_between
 from ctxpar.layout import get_layout
 from ctxpar.masks import Mask
 from ctxpar.plan.documents import pack, parse_doc_dist, sample_lengths
+import flags
 from report import write_json
 
 PLAN_COMMANDS = (
@@ -66,15 +67,17 @@ def time_rank_walk(layout_name: str, mask: Mask, repeat: int) -> tuple[float, in
     return best, tiles
 
 
-def main() -> None:
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--repeat", type=int, default=3, help="runs of each rank's walk (best taken)")
-    p.add_argument("--plan-repeat", type=int, default=1, help="runs of each ctxpar plan command (best taken)")
+    p.add_argument("--repeat", type=flags.count, default=3, help="runs of each rank's walk (best taken)")
+    p.add_argument("--plan-repeat", type=flags.count, default=1, help="runs of each ctxpar plan command (best taken)")
     p.add_argument("--walks-only", action="store_true", help="skip the ctxpar plan commands (about 70 s)")
     p.add_argument("--json", metavar="PATH")
-    args = p.parse_args()
-    if args.repeat < 1 or args.plan_repeat < 1:
-        p.error("--repeat and --plan-repeat must be at least 1")
+    return p.parse_args(argv)
+
+
+def main() -> None:
+    args = parse_args()
 
     documents = pack(sample_lengths(parse_doc_dist(DOC_DIST), WALK_SEQ), WALK_SEQ)
     masks = {"plain causal": Mask(), f"{len(documents)} documents ({DOC_DIST})": Mask(documents=documents),

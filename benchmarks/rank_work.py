@@ -35,6 +35,7 @@ from ctxpar.plan.workload import Workload
 from ctxpar.strategies.allgather import _arrange, _attend_backward, _attend_forward, _by_arrival, head_groups
 from ctxpar.strategies.blockwise import backward_tiles, forward_tiles, gradient_accumulators, output_accumulators
 from ctxpar.strategies.ring import ring_schedule
+import flags
 from report import write_json
 
 TIMED = ("ring", "allgather")  # the strategies whose per-rank compute this times
@@ -104,29 +105,32 @@ def rank_compute(cfg: DemoConfig, rank: int, repeat: int, mask: Mask) -> tuple[f
 
 def documents_of(seq: int, length: int) -> tuple[int, ...]:
     """Documents of ``length`` tokens filling ``seq``, the last one shorter if it must be."""
-    if length < 1:
-        raise ValueError(f"--doc-len must be >= 1, got {length}")
     return (length,) * (seq // length) + ((seq % length,) if seq % length else ())
 
 
-def main() -> None:
+def parse_args(argv: list[str] | None = None) -> tuple[argparse.Namespace, list[DemoConfig]]:
+    """The flags and the cases they make, every one checked before the minute of calibration."""
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--nprocs", default="2,4")
-    p.add_argument("--seqs", default="512,1024,2048,4096")
-    p.add_argument("--strategies", default="ring,allgather")
-    p.add_argument("--repeat", type=int, default=10, help="runs per rank; best CPU seconds")
+    p.add_argument("--nprocs", type=flags.counts, default="2,4")
+    p.add_argument("--seqs", type=flags.counts, default="512,1024,2048,4096")
+    p.add_argument("--strategies", type=flags.names(TIMED), default="ring,allgather")
+    p.add_argument("--repeat", type=flags.count, default=10, help="runs per rank; best CPU seconds")
     p.add_argument("--calibration", metavar="PATH", help="a saved calibration instead of measuring one")
-    p.add_argument("--window", type=int, help="a causal sliding window of this many keys")
-    p.add_argument("--doc-len", type=int, help="documents of this many tokens packed in the row (the last shorter)")
+    p.add_argument("--window", type=flags.count, help="a causal sliding window of this many keys")
+    p.add_argument("--doc-len", type=flags.count,
+                   help="documents of this many tokens packed in the row (the last shorter)")
     p.add_argument("--json", metavar="PATH")
-    args = p.parse_args()
+    args = p.parse_args(argv)
+    cfgs = [DemoConfig(nproc=nproc, seq=seq, strategy=strategy) for nproc in args.nprocs for seq in args.seqs
+            for strategy in args.strategies]
+    with flags.refusals(p):
+        for cfg in cfgs:
+            cfg.validate(cfg.nproc)
+    return args, cfgs
 
-    cfgs = [DemoConfig(nproc=int(nproc), seq=int(seq), strategy=strategy) for nproc in args.nprocs.split(",")
-            for seq in args.seqs.split(",") for strategy in args.strategies.split(",")]
-    for cfg in cfgs:  # every case refused before the minute of calibration, not after it
-        cfg.validate(cfg.nproc)
-        if cfg.strategy not in TIMED:
-            p.error(f"rank_work times {' and '.join(TIMED)}, not {cfg.strategy!r}")
+
+def main() -> None:
+    args, cfgs = parse_args()
     torch.set_num_threads(1)
     calibration = load_calibration(args.calibration) if args.calibration else calibrate()
     hw = local_hardware(calibration)

@@ -9,9 +9,9 @@ rotating order, forward + backward of every (strategy, H_kv), PyTorch's own ring
 is importable (its private ``_templated_ring_attention``, same kernels and layout), and
 the **limit**: rank 0 alone running one fused forward + backward over the unsplit sequence
 on all the machine's cores while the others wait (the best this machine does for this
-work). A row's time is the median over repeats of its slowest rank's wall time; ratios
-are taken against the limit and against ctxpar's ring of the same H_kv, measured in the
-same repeats.
+work); every row is called once untimed first, alike. A row's time is the median over
+repeats of its slowest rank's wall time; ratios are taken against the limit and against
+ctxpar's ring of the same H_kv, measured in the same repeats.
 
 Synchronisation points per attention call (one layer), from ``ctxpar.record``:
 communications posted and waits, forward and backward.
@@ -34,9 +34,12 @@ import torch
 import torch.distributed as dist
 
 import ctxpar
+from ctxpar.demo import DemoConfig
 from ctxpar.launch import hybrid_mesh, run_local
+from ctxpar.layout import LAYOUT_NAMES
 from ctxpar.plan import traffic
 from ctxpar.verify import unsplit_attention
+import flags
 from report import write_json
 
 STRATEGIES = ("ring", "allgather", "alltoall", "hybrid")
@@ -99,7 +102,7 @@ def timing_rank(rank: int, world: int, cfg: dict) -> dict:
         rows[(LIMIT, kv_heads)] = None
 
     syncs = {}
-    for (name, kv_heads), step in rows.items():  # warm-up, and the synchronisation counts
+    for (name, kv_heads), step in rows.items():  # the synchronisation counts
         if name not in STRATEGIES:
             continue
         q, k, v, dout = (t.detach().requires_grad_(i < 3) for i, t in enumerate(shards[kv_heads]))
@@ -112,22 +115,27 @@ def timing_rank(rank: int, world: int, cfg: dict) -> dict:
                                        backward_collectives=bwd.collectives, backward_waits=bwd.waits,
                                        bytes_sent=fwd.bytes_sent + bwd.bytes_sent)
 
+    def timed(key: tuple) -> float:
+        """Wall seconds of one call of row ``key`` (the limit's: rank 0's, the others wait at the next barrier)."""
+        name, kv_heads = key
+        dist.barrier()
+        start = time.perf_counter()
+        if name == LIMIT:
+            if rank == 0:
+                torch.set_num_threads(os.cpu_count() or 1)
+                unsplit_attention(*full[kv_heads][:3], full[kv_heads][3], causal=True, scale=scale)
+                torch.set_num_threads(1)
+        else:
+            rows[key](*shards[kv_heads])
+        return time.perf_counter() - start if (name != LIMIT or rank == 0) else 0.0
+
     order = list(rows)
+    for key in order:  # warm-up, every row alike: first calls pay for plans, kernels' setup, allocator growth
+        timed(key)
     times = {key: [] for key in order}
     for i in range(cfg["repeat"]):
         for key in order[i % len(order):] + order[: i % len(order)]:  # rotate: drift hits every row alike
-            name, kv_heads = key
-            dist.barrier()
-            start = time.perf_counter()
-            if name == LIMIT:
-                if rank == 0:
-                    torch.set_num_threads(os.cpu_count() or 1)
-                    unsplit_attention(*full[kv_heads][:3], full[kv_heads][3], causal=True, scale=scale)
-                    torch.set_num_threads(1)
-            else:
-                rows[key](*shards[kv_heads])
-            elapsed = time.perf_counter() - start
-            times[key].append(elapsed if (name != LIMIT or rank == 0) else 0.0)
+            times[key].append(timed(key))
     return dict(times=times, syncs=syncs)
 
 
@@ -156,24 +164,34 @@ def busy_loop() -> subprocess.Popen:
     return subprocess.Popen([sys.executable, "-c", code])
 
 
-def main() -> None:
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    """The flags, every row they make checked as ``ctxpar.attention`` would check it, before any rank starts."""
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--seq", type=int, default=16384)
-    p.add_argument("--heads", type=int, default=8)
-    p.add_argument("--kv-heads", default="2,8", help="comma-separated H_kv values")
-    p.add_argument("--head-dim", type=int, default=64)
-    p.add_argument("--nproc", type=int, default=4)
-    p.add_argument("--ulysses-degree", type=int, default=2, help="for hybrid; ring degree = nproc / this")
-    p.add_argument("--layout", default="zigzag")
-    p.add_argument("--repeat", type=int, default=5, help="timed repeats of every row (median)")
+    p.add_argument("--seq", type=flags.count, default=16384)
+    p.add_argument("--heads", type=flags.count, default=8)
+    p.add_argument("--kv-heads", type=flags.counts, default="2,8", help="comma-separated H_kv values")
+    p.add_argument("--head-dim", type=flags.count, default=64)
+    p.add_argument("--nproc", type=flags.ranks, default=4)
+    p.add_argument("--ulysses-degree", type=flags.count, default=2, help="for hybrid; ring degree = nproc / this")
+    p.add_argument("--layout", choices=LAYOUT_NAMES, default="zigzag")
+    p.add_argument("--repeat", type=flags.count, default=5, help="timed repeats of every row (median)")
     p.add_argument("--contention", action="store_true", help="a busy-loop process pinned to core 0 while timing")
     p.add_argument("--no-memory", dest="memory", action="store_false", help="skip the per-strategy memory runs")
     p.add_argument("--json", metavar="PATH")
-    args = p.parse_args()
+    args = p.parse_args(argv)
+    with flags.refusals(p):
+        for kv_heads in args.kv_heads:
+            for strategy in STRATEGIES:
+                DemoConfig(nproc=args.nproc, seq=args.seq, heads=args.heads, kv_heads=kv_heads,
+                           head_dim=args.head_dim, layout=args.layout, strategy=strategy,
+                           ulysses_degree=args.ulysses_degree if strategy == "hybrid" else None).validate(args.nproc)
+    return args
 
-    kv_list = [int(h) for h in args.kv_heads.split(",")]
-    cfg = dict(seq=args.seq, heads=args.heads, kv_heads=kv_list, head_dim=args.head_dim, ulysses=args.ulysses_degree,
-               layout=args.layout, repeat=args.repeat)
+
+def main() -> None:
+    args = parse_args()
+    cfg = dict(seq=args.seq, heads=args.heads, kv_heads=args.kv_heads, head_dim=args.head_dim,
+               ulysses=args.ulysses_degree, layout=args.layout, repeat=args.repeat)
     load = busy_loop() if args.contention else None
     try:
         ranks = run_local(timing_rank, args.nproc, (cfg,), threads=1)

@@ -1,0 +1,79 @@
+"""The benchmarks refuse bad flags up front, as argparse errors (exit status 2) naming the flag,
+before any calibration, rank or timing: ``parse_args`` of each script does every check."""
+
+from __future__ import annotations
+
+import importlib
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+BENCHMARKS = Path(__file__).resolve().parents[1] / "benchmarks"
+sys.path.insert(0, str(BENCHMARKS))
+
+# (script, flags, what the refusal names)
+REFUSED = [
+    ("rank_work", ["--repeat", "0"], "--repeat"),  # was inf timings, -100% errors, exit 0
+    ("rank_work", ["--repeat", "-3"], "--repeat"),
+    ("rank_work", ["--nprocs", "3", "--seqs", "100"], "--seq"),  # was a traceback
+    ("rank_work", ["--strategies", "alltoall"], "--strategies"),
+    ("rank_work", ["--window", "0"], "--window"),
+    ("rank_work", ["--doc-len", "0"], "--doc-len"),
+    ("overhead", ["--repeat", "0"], "--repeat"),  # was min() of an empty sequence
+    ("overhead", ["--nproc", "0"], "--nproc"),
+    ("overhead", ["--threads", "0"], "--threads"),
+    ("overhead", ["--seq", "-8"], "--seq"),
+    ("overhead", ["--seq", "100"], "--seq"),  # does not split over zigzag's 2P
+    ("overhead", ["--layouts", "zigzag,foo"], "--layouts"),
+    ("overhead", ["--heads", "3", "--kv-heads", "2"], "--kv-heads"),  # ran a shape attention refuses
+    ("strategies", ["--repeat", "0"], "--repeat"),  # was a StatisticsError after the runs
+    ("strategies", ["--ulysses-degree", "3"], "--ulysses-degree"),  # was an IndexError inside the ranks
+    ("strategies", ["--kv-heads", "2,3"], "--kv-heads"),  # was a rank failure
+    ("strategies", ["--nproc", "0"], "--nproc"),
+    ("strategies", ["--nproc", "100000"], "--nproc"),
+    ("strategies", ["--layout", "foo"], "--layout"),
+    ("memory", ["--seq", "1024", "--short-seq", "1024"], "--short-seq"),  # divided by zero
+    ("memory", ["--nprocs", "2,4"], "--nprocs"),  # its ratio was labelled vs P=1 without a P=1 run
+    ("memory", ["--nprocs", "0"], "--nprocs"),
+    ("memory", ["--budget-gib", "0"], "--budget-gib"),
+    ("memory", ["--strategy", "foo"], "--strategy"),
+    ("memory", ["--seq", "1000"], "--seq"),
+    ("inference", ["--repeat", "0"], "--repeat"),
+    ("inference", ["--parts", "foo"], "--parts"),
+    ("inference", ["--prompt", "100"], "--prompt"),
+    ("inference", ["--parts", "crossover", "--cached", "101"], "--cached"),
+    ("inference", ["--chunks", "8,0"], "--chunks"),
+    ("inference", ["--cross-nproc", "0"], "--cross-nproc"),
+    ("masks", ["--seq", "8", "--nproc", "2"], "--seq"),
+    ("masks", ["--repeat", "0"], "--repeat"),
+    ("masks", ["--heads", "3", "--kv-heads", "2"], "--kv-heads"),
+    ("consistency", ["--calls", "0"], "--calls"),
+    ("consistency", ["--seq", "1024,100"], "--seq"),
+    ("consistency", ["--batch-seq", "7"], "--batch-seq"),
+    ("heap", ["--rounds", "0"], "--rounds"),
+    ("plan_walk", ["--plan-repeat", "0"], "--plan-repeat"),
+    ("gpu_check", ["--tests-timeout", "nan"], "--tests-timeout"),
+    ("gpu_check", ["--repeat", "0"], "--repeat"),
+    ("plan_vs_measured", ["--strategies", "ring,foo"], "--strategies"),
+    ("plan_vs_measured", ["--strategies", "hybrid", "--nprocs", "4", "--ulysses-degree", "3"], "--ulysses-degree"),
+    ("plan_vs_measured", ["--repeat", "0"], "--repeat"),
+]
+
+
+@pytest.mark.parametrize("script, argv, named", REFUSED, ids=[f"{s} {' '.join(a)}" for s, a, _ in REFUSED])
+def test_a_bad_flag_is_an_argparse_error_naming_it(script: str, argv: list[str], named: str, capsys) -> None:
+    with pytest.raises(SystemExit) as stop:
+        importlib.import_module(script).parse_args(argv)
+    assert stop.value.code == 2
+    assert named in capsys.readouterr().err
+
+
+def test_a_script_stops_with_status_2_before_it_spawns_a_rank() -> None:
+    """The scripts' own entry: strategies.py's ulysses degree that does not divide the ranks
+    once failed in init_device_mesh inside every rank."""
+    proc = subprocess.run([sys.executable, "strategies.py", "--ulysses-degree", "3", "--seq", "64"], cwd=BENCHMARKS,
+                          capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 2, proc.stderr
+    assert "--ulysses-degree" in proc.stderr and "Traceback" not in proc.stderr
