@@ -24,7 +24,8 @@ current compute, the last stage's compute, then a tail transfer nobody can hide)
 
     ring       forward  P stages, K/V hop per stage;      backward adds the dK/dV hop, the last one exposed
                (window on contiguous: m + 1 stages, m = min(P-1, ceil((w-1)/S)) hops of the halo)
-    allgather  forward  G stages (a head group each: min(H_kv, 8) groups), the first gather exposed;
+    allgather  forward  G stages (a head group each: ceil(H_kv / ceil(H_kv/8)) groups, ``gather_groups``), the first
+               gather exposed;
                backward the re-gather and the reduce-scatter per group, the first gather and last reduce-scatter exposed
     alltoall   one stage: all-to-all traffic, then compute (nothing overlaps)
     hybrid     the all-to-all over U as a lead, then the ring over R groups
