@@ -1137,6 +1137,21 @@ def test_partial_prefill_crossover_is_where_the_predicted_times_cross(world: int
     assert inference.choose_partial_prefill(new=x, **kw)[0] == "pass-kv"
 
 
+def test_the_planned_kv_cache_is_the_one_generate_allocates() -> None:
+    """generate's cache holds the prompt and every new token but the last (never stored):
+    ceil((T + n - 1) / P) positions per rank; the planner counted T + n."""
+    from ctxpar.inference import generate
+    from ctxpar.models import Transformer
+    from ctxpar.plan.workload import Workload
+
+    model_cfg = ModelConfig(layers=2, hidden=32, heads=4, kv_heads=2, head_dim=8, ffn=64, vocab=64)
+    prompt, new_tokens = torch.randint(0, 64, (1, 12), generator=torch.Generator().manual_seed(0)), 5
+    result = generate(Transformer(model_cfg).eval(), prompt, layout="zigzag", new_tokens=new_tokens)
+    w = Workload(model_cfg, batch=1, seq=12, dtype="float32", cp=1)
+    point, = inference.inference_sweep(w, get_hardware("H100-SXM"), new_tokens=new_tokens, degrees=[1])
+    assert point.kv_cache_bytes == result.kv_cache_bytes == 2 * 2 * 2 * 8 * (12 + new_tokens - 1) * 4
+
+
 def test_decode_falls_with_cp_by_less_than_the_kv_share_and_kv_cache_splits() -> None:
     hw, positions = get_hardware("H100-SXM"), 131072 + 256
     kw = dict(batch=1, positions=positions, elem=2)

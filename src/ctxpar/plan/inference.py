@@ -164,7 +164,7 @@ class InferencePoint:
     cp: int
     prefill_seconds: float
     decode_seconds_per_token: float | None  # None: the hardware's memory bandwidth is unknown
-    kv_cache_bytes: int  # ceil((T + n) / P) positions, every layer, H_kv/t heads
+    kv_cache_bytes: int  # ceil((T + n - 1) / P) positions (what generate allocates), every layer, H_kv/t heads
     weight_bytes: int  # every CP rank holds the whole model (its 1/t under TP)
     fits: bool
 
@@ -236,7 +236,8 @@ def inference_sweep(w: Workload, hw: Hardware, *, new_tokens: int, degrees: list
             v = _at_degree(w, cp, hw)
         except ValueError:  # the layout cannot split T over cp ranks, or the heads do not divide
             continue
-        kv = kv_cache_bytes(w.model, batch=w.batch, positions=w.seq + new_tokens, cp=cp, elem=w.elem, tp=w.tp)
+        # the cache generate allocates: the prompt and every new token but the last, which is never stored
+        kv = kv_cache_bytes(w.model, batch=w.batch, positions=w.seq + new_tokens - 1, cp=cp, elem=w.elem, tp=w.tp)
         weights = weight_bytes(w.model, tp=w.tp, elem=w.elem, hw=hw)
         points.append(InferencePoint(
             cp=cp, prefill_seconds=prefill_seconds(v, hw),

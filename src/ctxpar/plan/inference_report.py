@@ -132,14 +132,14 @@ def _degrees(plan: InferencePlan) -> list[str]:
     if w.tp == 1:
         lines += ["  prefill = L·(attention forward pipeline at the forward rate) + 2·(N - V·d)·B·T/P FLOPs / rate",
                   "  decode  = max((N·e + KV)/HBM, FLOPs/rate) + L·launch + (L+1)·latency + L·(P-1)·B·H·(D+1)·4 B/link",
-                  "  KV      = 2·L·B·H_kv·D·ceil((T+n)/P)·e; weights N·e (1 byte each with --fp8); fits: weights + KV "
-                  "within the GPU's memory"]
+                  "  KV      = 2·L·B·H_kv·D·ceil((T+n-1)/P)·e; weights N·e (1 byte each with --fp8); fits: weights + "
+                  "KV within the GPU's memory"]
     else:
         lines += ["  prefill = L·(attention forward pipeline on H/t heads + forward TP collectives) "
                   "+ 2·(N - V·d)·B·T/(P·t) FLOPs / rate",
                   "  decode  = max((N_t·e + KV)/HBM, FLOPs/rate) + L·launch + L·(2 all-reduces of B·d·e + 2·latency) "
                   "+ (L+1)·latency + L·(P-1)·B·(H/t)·(D+1)·4 B/link",
-                  "  KV      = 2·L·B·(H_kv/t)·D·ceil((T+n)/P)·e; N_t: one TP rank's parameters, e bytes each (1 with "
+                  "  KV      = 2·L·B·(H_kv/t)·D·ceil((T+n-1)/P)·e; N_t: one TP rank's parameters, e bytes each (1 with "
                   "--fp8); fits: weights + KV within the GPU's memory"]
     return lines
 
