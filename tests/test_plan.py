@@ -121,8 +121,42 @@ def test_allgather_plan_follows_the_strategys_head_groups(kv_heads: int, tp: int
     sent = cost.layer_traffic(w)
     assert t.forward.transfer == pytest.approx(sent.forward / groups / get_hardware("H100-SXM").bandwidth(4 * tp))
     s, a, e, bhs = 2048, 4, 2, 2 * per_gpu * 2048  # S, fp32 accumulators, bf16, B·(H/t)·S
-    gathered = 4 * 2 * group_heads * s * 64  # P shards of K and V, one group's heads
-    assert attention_workspace(w) == max(bhs * 65 * a + 2 * gathered * e, bhs * 64 * a + 2 * gathered * (e + a))
+    gathered, own = 4 * 2 * group_heads * s * 64, 2 * per_gpu * s * 64  # P shards of one group's K, V; this rank's
+    # docs/strategies.md's peak-memory table (every case here has G >= 2 groups; G >= 3 but at H_kv = 2)
+    shares = 3 * gathered * a + (gathered * e if groups > 2 else 0)
+    assert attention_workspace(w) == max(bhs * 65 * a + own * e + 3 * gathered * e,
+                                         bhs * 64 * a + own * (a + e) + shares)
+
+
+@pytest.mark.parametrize("strategy, kv_heads, dtype", [
+    ("allgather", 1, "bfloat16"), ("allgather", 2, "float32"), ("allgather", 8, "bfloat16"),
+    ("allgather", 12, "float32"), ("alltoall", 8, "bfloat16"), ("alltoall", 8, "float32"),
+    ("alltoall", 2, "bfloat16"), ("alltoall", 2, "float32")])
+def test_attention_workspace_is_the_larger_column_of_the_peak_memory_table(strategy: str, kv_heads: int,
+                                                                            dtype: str) -> None:
+    """docs/strategies.md's peak-memory table, written out term by term: what the strategy's
+    code holds at once (all-gather: the stacked K/V and own dK/dV were left out, and two
+    gathered buffers counted where three are alive; all-to-all gave its backward alone).
+    All-to-all's kept q, k, v, out are the saved activations' (``saved_tensors_per_token``)."""
+    from ctxpar.plan.memory import attention_workspace
+
+    b, h, d, p, t = 2, 24, 16, 4, 1024
+    s, e, a = t // p, {"bfloat16": 2, "float32": 4}[dtype], 4
+    w = Workload(attention_only(h, kv_heads, d), batch=b, seq=t, dtype=dtype, cp=p, strategy=strategy)
+    if strategy == "allgather":
+        g = -(-kv_heads // 8)
+        groups, x = -(-kv_heads // g), p * 2 * b * g * s * d
+        fwd = b * h * s * (d + 1) * a + 2 * b * kv_heads * s * d * e + (3 if groups > 1 else 2) * x * e
+        bwd = (b * h * s * d * a + 2 * b * kv_heads * s * d * (a + e) + (3 if groups > 1 else 2) * x * a
+               + (x * e if groups >= 3 else 0))
+    else:
+        f = p // math.gcd(kv_heads, p)
+        hk = f * kv_heads
+        copies = 2 * b * hk * s * d * e if f > 1 else 0
+        fwd = max(2 * b * s * d * e * (h + 2 * hk) + copies, b * h * s * (d + 1) * a)
+        bwd = max(3 * b * h * s * d * e,
+                  b * h * s * d * e + b * s * d * a * (h + 2 * hk) + (b * s * d * e * (h + 2 * hk) if e < a else 0))
+    assert attention_workspace(w) == max(fwd, bwd)
 
 
 # -- work and time -----------------------------------------------------------------------------
@@ -345,8 +379,8 @@ def test_recommendation_picks_the_smallest_fitting_degree() -> None:
     assert any("load-balance factor" in r and "contiguous 1.7500" in r for r in rec.reasons)
     short = recommend(worked(fsdp=64, seq=4096), hw, [1, 2, 4])
     assert short.workload.cp == 1 and "data parallelism" in short.reasons[-1]
-    none = recommend(worked(), hw, [1, 2, 4])
-    assert none.workload is None and none.reasons[-1].endswith("with --fsdp 4, CP-4 fits (78.993 GiB)")
+    none = recommend(worked(), hw, [1, 2, 4])  # all-gather's CP-4, the smallest: 336 MiB of attention workspace
+    assert none.workload is None and none.reasons[-1].endswith("with --fsdp 4, CP-4 fits (79.103 GiB)")
 
 
 def test_the_recommendation_puts_each_strategy_on_its_fastest_layout() -> None:

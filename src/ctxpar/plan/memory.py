@@ -34,7 +34,7 @@ from dataclasses import dataclass
 
 from ctxpar.plan.hardware import Hardware
 from ctxpar.plan.workload import Workload
-from ctxpar.strategy_rules import gather_group_heads
+from ctxpar.strategy_rules import gather_group_heads, gather_groups
 
 
 @dataclass(frozen=True)
@@ -140,27 +140,43 @@ def layers_in_flight(w: Workload) -> int:
 def attention_workspace(w: Workload) -> int:
     """Transient extra bytes of one attention call (forward or backward, the larger).
 
-    The leading terms of docs/strategies.md's peak-memory table; all-gather gathers a
-    head group per step (``strategy_rules.gather_group_heads``: one KV head up to H_kv = 8).
+    The leading terms of docs/strategies.md's peak-memory table, each the buffers the
+    strategy's code holds at once at its peak; all-gather gathers a head group per step
+    (``strategy_rules.gather_group_heads``: one KV head up to H_kv = 8) and counts as it
+    runs under position-order layouts (zigzag, contiguous: striped holds one buffer of each
+    kind fewer). All-to-all's head-sharded q, k, v and out are not here: they are saved
+    activations (``saved_tensors_per_token``).
     """
-    m, e, a, s = w.model, w.elem, w.acc, w.local_len
+    e, a, s, d = w.elem, w.acc, w.local_len, w.model.head_dim
     heads = w.heads_per_gpu
     bhs = w.batch * heads * s  # B·H·S (H/t heads under TP)
     if w.cp == 1:  # nothing moves: the float32 output and lse (forward), dQ accumulator (backward)
-        return bhs * (m.head_dim + 1) * a
+        return bhs * (d + 1) * a
     if w.strategy == "allgather":
-        gathered = w.cp * 2 * w.batch * gather_group_heads(w.kv_heads_per_gpu) * s * m.head_dim
-        fwd = bhs * (m.head_dim + 1) * a + 2 * gathered * e
-        bwd = bhs * m.head_dim * a + 2 * gathered * e + 2 * gathered * a
+        groups, own = gather_groups(w.kv_heads_per_gpu), 2 * w.batch * w.kv_heads_per_gpu * s * d
+        gathered = w.cp * 2 * w.batch * gather_group_heads(w.kv_heads_per_gpu) * s * d  # one group's K/V of all T
+        # a group's K/V as it arrived and in position order, and the next group's arriving; K/V stacked
+        fwd = bhs * (d + 1) * a + own * e + (3 if groups > 1 else 2) * gathered * e
+        # at the rank-order copy of a group's dK/dV shares: both copies, the previous group's in its
+        # reduce-scatter, the next group's K/V arriving; dQ, own dK/dV, K/V stacked
+        shares = (3 if groups > 1 else 2) * gathered * a + (gathered * e if groups > 2 else 0)
+        bwd = bhs * d * a + own * (a + e) + shares
         return max(fwd, bwd)
-    kv = 2 * w.batch * w.kv_heads_sent * s * m.head_dim  # the K/V buffer a ring step moves (H_kv' = H_kv for ring)
-    ring_fwd = bhs * (m.head_dim + 1) * a + 2 * kv * e
-    ring_bwd = bhs * m.head_dim * a + 4 * kv * a + 2 * kv * e
-    staging = w.batch * s * m.head_dim * e * (2 * heads + 2 * w.kv_heads_sent)  # one all-to-all's copy
+    kv = 2 * w.batch * w.kv_heads_sent * s * d  # the K/V buffer a ring step moves (H_kv' = H_kv for ring)
+    ring_fwd = bhs * (d + 1) * a + 2 * kv * e
+    ring_bwd = bhs * d * a + 4 * kv * a + 2 * kv * e
+    staging = w.batch * s * d * e * (2 * heads + 2 * w.kv_heads_sent)  # one all-to-all's copy
     if w.strategy == "ring":
         return max(ring_fwd, ring_bwd)
-    if w.strategy == "alltoall":  # backward: dQ and dK/dV accumulators on top of the staging copy
-        return bhs * m.head_dim * a + kv * a + staging
+    if w.strategy == "alltoall":
+        packed = w.batch * s * d * (heads + 2 * w.kv_heads_sent)  # q, k, v of this rank's tokens
+        copies = kv * e if w.kv_heads_sent > w.kv_heads_per_gpu else 0  # K/V heads repeated to split over U
+        # forward: the packed send and receive buffers, then (once they are gone) the accumulators
+        fwd = max(2 * packed * e + copies, bhs * (d + 1) * a)
+        # backward: dout's exchange (sent, received, in head layout), then dout in head layout with the
+        # dQ, dK, dV accumulators and, below float32, their copies in the input dtype
+        bwd = max(3 * bhs * d * e, bhs * d * e + packed * (a + (e if e < a else 0)))
+        return max(fwd, bwd)
     return staging + max(ring_fwd, ring_bwd)  # hybrid: the all-to-all, then the ring over R groups
 
 

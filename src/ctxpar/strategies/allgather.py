@@ -3,7 +3,8 @@
 K/V are gathered in groups of KV heads (at most eight, ``strategy_rules.MAX_GATHERS``),
 each group's gather posted before the previous group is computed, so transfers hide behind
 compute; only the first group's gather is exposed, and no more than two groups' K/V of the
-whole sequence are alive::
+whole sequence are alive (three buffers for a moment: a group's arrival buffer until its
+position-order copy replaces it, as the next gather is posted; docs/strategies.md)::
 
     KV heads, group 0:   gather ──wait──▶ compute (their query heads x all T keys)
     KV heads, group 1:          gather ─────────────wait──▶ compute
