@@ -157,6 +157,10 @@ def bad_values(tmp: Path) -> list[tuple[tuple[str, ...], str]]:
     not_json, bad_rate = tmp / "notes.txt", tmp / "calibration.json"
     not_json.write_text("measured on Tuesday")
     bad_rate.write_text(json.dumps({"attention_flops": "fast", "bandwidth": 1e9}))
+    measured = tmp / "measured.json"
+    measured.write_text(json.dumps({"attention_flops": 1e11, "bandwidth": 2e9}))
+    other_json = tmp / "results.json"  # the fix once named this file: following it overwrote the user's results
+    other_json.write_text(json.dumps({"loss": 2.5}))
     not_rates = tmp / "rates.json"  # once a TypeError's traceback
     not_rates.write_text(json.dumps({"attention_flops": 1e9, "bandwidth": 1e9, "attention_size_curve": [[1024, 1, 1]],
                                      "attention": 5}))
@@ -174,6 +178,8 @@ def bad_values(tmp: Path) -> list[tuple[tuple[str, ...], str]]:
         (("demo", "--head-dim", "100000000"), "--head-dim 100000000 on 4 ranks (each builds the whole sequence) "
                                                 "needs at least"),
         (("demo", "--json", str(tmp)), f"--json {str(tmp)!r} is a directory"),
+        # a directory to be: once "not writable (Is a directory)", as if it existed
+        (("demo", "--json", "not_there/"), "--json 'not_there/' ends in '/', so names a directory, not a file"),
         (("demo", "--json", missing), "does not exist; create it first"),
         (("demo", "--json", ""), "--json needs a file path"),
         *([(("demo", "--device", "cuda"), "--device cuda: this process sees no CUDA device"),
@@ -240,6 +246,12 @@ def bad_values(tmp: Path) -> list[tuple[tuple[str, ...], str]]:
          "--plot '/dev/full' could not be written (No space left on device); the report above is complete"),
         (("plan", "--hardware", "local", "--calibration", missing), f"--calibration {missing!r} cannot be read"),
         (("plan", "--hardware", "local", "--calibration", str(not_json)), "is not JSON"),
+        # it scaled the measured attention rate, matmuls 2.8x slower at 0.5 and slower than measured at 1
+        (("plan", "--hardware", "local", "--calibration", str(measured), "--efficiency", "0.5"),
+         "--efficiency scales a preset's peak FLOP/s; --hardware local's rates are measured"),
+        (("plan", "--hardware", "local", "--calibration", str(other_json)),
+         "holds no calibration; write one into a new file (this one holds something else) with `ctxpar plan "
+         "--hardware local --calibrate --json calibration.json`"),
         (("plan", "--hardware", "local", "--calibration", str(bad_rate)), "calibration 'attention_flops' is 'fast'"),
         (("plan", "--hardware", "local", "--calibration", str(not_rates)), 'its "attention" entry must be an object'),
         (("plan", "--hardware", "local", "--calibrate", "--head-dim", "0"), "--head-dim must be between 1 and"),
@@ -356,6 +368,20 @@ def test_a_stdout_that_cannot_take_the_report_is_said_in_one_line(tmp_path) -> N
     assert proc.stderr.strip().splitlines() == ["ctxpar plan: error: the report could not be written to stdout (No "
                                                 "space left on device); nor could --json '/dev/full' (No space left on "
                                                 "device)"], proc.stderr
+
+
+def test_a_report_reaches_a_stdout_whose_encoding_lacks_its_characters(tmp_path) -> None:
+    """An ASCII stdout (a C locale, PYTHONIOENCODING=ascii): plan's report uses '·' and '≤',
+    and the encoding error was taken for a bad value: nothing printed, exit status 2 naming
+    no flag, --plot never written. Characters the encoding lacks now print as '?'."""
+    out = tmp_path / "plan.json"
+    proc = subprocess.run([sys.executable, "-m", "ctxpar.cli", "plan", "--model", "tiny", "--seq", "1024", "--cp", "2",
+                           "--json", str(out)], capture_output=True, timeout=300,
+                          env={**os.environ, "PYTHONIOENCODING": "ascii"})
+    assert proc.returncode == 0, proc.stderr.decode()
+    report = proc.stdout.decode("ascii")
+    assert "recommendation" in report.lower() and "?" in report
+    assert json.loads(out.read_text())["recommendation"]
 
 
 def test_probing_an_output_path_removes_only_what_it_created(tmp_path, monkeypatch) -> None:

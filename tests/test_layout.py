@@ -60,6 +60,8 @@ def test_zigzag_shard_holds_chunk_r_and_its_mirror() -> None:
         ("zigzag", 4, 1001, ["1001", "2*P=8", "pad to 1008", "trim to 1000"]),
         ("contiguous", 3, 10, ["10", "P=3", "pad to 12", "trim to 9"]),
         ("striped", 8, 5, ["5", "P=8", "pad to 8"]),
+        # no fix past the longest length ctxpar counts (pad to 2147483648 was suggested)
+        ("zigzag", 2, 2**31 - 1, ["2147483647", "; trim to 2147483644"]),
     ],
 )
 def test_invalid_length_names_length_multiple_and_fix(name, world, seq_len, fragments) -> None:
@@ -67,7 +69,7 @@ def test_invalid_length_names_length_multiple_and_fix(name, world, seq_len, frag
     if seq_len % layout.multiple == 0:
         pytest.fail("case must be invalid")
     with pytest.raises(ValueError) as err:
-        layout.shard(torch.zeros(1, seq_len), 0, dim=1)
+        layout.positions(seq_len, 0)
     for fragment in fragments:
         assert fragment in str(err.value)
 

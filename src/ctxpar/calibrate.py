@@ -589,8 +589,8 @@ def load_calibration(path: str) -> dict:
         raise ValueError(f"--calibration {path!r} is not JSON ({e}); give the file --calibrate --json wrote") from e
     found = (data.get("calibration") or data) if isinstance(data, dict) else None
     if not isinstance(found, dict) or "attention_flops" not in found:
-        raise ValueError(f"{path} holds no calibration; write one with `ctxpar plan --hardware local --calibrate "
-                         f"--json {path}`")
+        raise ValueError(f"{path} holds no calibration; write one into a new file (this one holds something else) "
+                         f"with `ctxpar plan --hardware local --calibrate --json calibration.json`")
     attention = found.get("attention", {})
     if not isinstance(attention, dict):
         raise ValueError(f"{path}: its \"attention\" entry must be an object of measured rates, got "

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import io
 import json
 import os
 import sys
@@ -89,6 +90,9 @@ def _check_output(flag: str, path: str | None, example: str = "out.json") -> Non
         raise ValueError(f"{flag} needs a file path, e.g. {example}; got an empty one")
     if os.path.isdir(path):
         raise ValueError(f"{flag} {path!r} is a directory; give a file path, e.g. {os.path.join(path, example)}")
+    if path.endswith(os.sep):  # a directory that does not exist (yet): writing said "Is a directory"
+        raise ValueError(f"{flag} {path!r} ends in {os.sep!r}, so names a directory, not a file; give a file path, "
+                         f"e.g. {os.path.join(path, example)}")
     parent = os.path.dirname(os.path.abspath(path))
     if not os.path.isdir(parent):
         raise ValueError(f"{flag} {path!r}: the directory {parent} does not exist; create it first "
@@ -264,7 +268,7 @@ def _plan_parser(sub) -> None:
     hw.add_argument("--hardware", default="H100-SXM", help=f"one of {', '.join(planning.HARDWARE_NAMES)}")
     hw.add_argument("--bandwidth", help="link bytes/s per GPU per direction: 100GB/s, 400Gb/s")
     hw.add_argument("--flops", help="peak FLOP/s: 989T, 2.25P")
-    hw.add_argument("--efficiency", type=float, help="achieved fraction of peak FLOP/s")
+    hw.add_argument("--efficiency", type=float, help="achieved fraction of a preset's peak FLOP/s")
     hw.add_argument("--gpus-per-node", type=int,
                     help="GPUs joined by the intra-node link (default: the hardware's); wider groups use the NIC")
     hw.add_argument("--calibrate", action="store_true", help="with --hardware local: measure this machine first")
@@ -487,6 +491,10 @@ class _Parser(argparse.ArgumentParser):
 def main(argv: list[str] | None = None) -> int:
     """Run one ``ctxpar`` command; its exit status. Under torchrun, why it failed also goes to
     the rank's error file, for torchrun's failure summary."""
+    if isinstance(sys.stdout, io.TextIOWrapper):
+        # the reports' '·' and '≤' on a stdout whose encoding lacks them (an ASCII locale) print as '?': the
+        # encoding error, a ValueError, read as a bad value (status 2, nothing printed)
+        sys.stdout.reconfigure(errors="replace")
     parser = _Parser(prog="ctxpar", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
     for add_parser, _ in COMMANDS.values():

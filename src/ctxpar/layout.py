@@ -70,13 +70,13 @@ class Layout(ABC):
         _check_length(seq_len)
         m = self.multiple
         if seq_len <= 0 or seq_len % m:
-            up = max(m, -(-seq_len // m) * m)
-            down = seq_len // m * m
-            alt = f" or trim to {down}" if down > 0 else ""
+            up, down = max(m, -(-seq_len // m) * m), seq_len // m * m
+            fixes = [f"pad to {up}"] if up <= MAX_COUNT else []  # no fix that is refused in turn
+            fixes += [f"trim to {down}"] if down > 0 else []
             raise ValueError(
                 f"sequence length {seq_len} is not a multiple of {self.multiple_formula}={m} "
                 f"required by the {self.name} layout with P={self.world_size} ranks; "
-                f"pad to {up}{alt}"
+                f"{' or '.join(fixes)}"
             )
 
     def local_len(self, seq_len: int) -> int:

@@ -548,6 +548,9 @@ def get_hardware(
         if calibration is None:
             raise ValueError("--hardware local needs measured figures: add --calibrate (about 75 s on 2 cores) or "
                              "--calibration PATH (a JSON written by --calibrate --json PATH)")
+        if efficiency is not None:  # its "peak" is the measured attention rate: a fraction of it is no achieved rate
+            raise ValueError("--efficiency scales a preset's peak FLOP/s; --hardware local's rates are measured (the "
+                             "matmuls' above the attention rate it calls peak): give --flops for one rate instead")
         hw = local_hardware(calibration)
     else:
         hw = PRESETS[key]

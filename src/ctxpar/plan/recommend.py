@@ -48,11 +48,13 @@ class SweepPoint:
 
 @dataclass(frozen=True)
 class Crossover:
-    """``faster_from``: first length where CP-P beats CP-1 (None: never up to ``searched_to``)."""
+    """``faster_from``: first length where CP-P beats CP-1 (None: never up to ``searched_to``);
+    equal to ``searched_from``, it is a bound: CP-P may be faster below it too."""
 
     strategy: str
     cp: int
     faster_from: int | None
+    searched_from: int
     searched_to: int
     fits_up_to: int  # longest sequence that fits, 0 if none
 
@@ -149,14 +151,15 @@ def crossover(w: Workload, hw: Hardware, seqs: list[int]) -> Crossover:
     step = w.seq_multiple  # CP-1's multiple divides it
     faster = None
     previous = 0
-    for seq in sorted(s for s in seqs if s % step == 0):
+    grid = sorted(s for s in seqs if s % step == 0)
+    for seq in grid:
         if _faster(w.with_(seq=seq), hw):
             k = _first_true(previous // step, seq // step, lambda k: _faster(w.with_(seq=k * step), hw)) \
                 if previous else seq // step
             faster = k * step
             break
         previous = seq
-    return Crossover(w.strategy, w.cp, faster, max(seqs), fits_up_to(w, hw))
+    return Crossover(w.strategy, w.cp, faster, grid[0] if grid else min(seqs), max(seqs), fits_up_to(w, hw))
 
 
 def crossovers(w: Workload, hw: Hardware, degrees: Iterable[int], seqs: list[int]) -> list[Crossover]:

@@ -40,7 +40,8 @@ JSON (bytes exact, times in seconds; formulas in docs/planner.md):
                         data_parallel_communication_seconds (exposed), data_parallel (as in
                         dp_traffic_per_step, or null), attention_per_layer (the pipelines),
                         tp_per_layer
-    efficiency, cp1_fits_up_to, sweep, crossovers   against CP degree at the same TP
+    efficiency, cp1_fits_up_to, sweep, crossovers   against CP degree at the same TP; a crossover's
+                        faster_from equal to its searched_from is a bound (the table's "<=")
     baseline            the best configuration without CP on the same TP·P GPUs (``plan/baseline.py``):
                         gpus_per_stage (TP·P: one pipeline stage of a replica), verdict ("pays_off" |
                         "does_not_pay_off" | "necessary" | "nothing_fits" | "no_cp"), speedup
@@ -498,7 +499,7 @@ def _crossovers(plan: Plan) -> list[str]:
                            f"is needed",
              f"  {'CP':>4} {'strategy':<10} {'faster from T':>14} {'fits up to T':>13}"]
     for c in plan.crossovers:
-        faster = "never" if c.faster_from is None else (f"<= {smallest}" if c.faster_from <= smallest
+        faster = "never" if c.faster_from is None else (f"<= {c.faster_from}" if c.faster_from <= c.searched_from
                                                           else str(c.faster_from))
         lines.append(f"  {c.cp:>4} {c.strategy:<10} {faster:>14} {c.fits_up_to:>13}")
     return lines
