@@ -10,11 +10,13 @@ import shutil
 import numpy as np
 import pytest
 import torch
+import torch.nn.functional as F
 
 from ctxpar.checkpoint import SAVE_LOCK
 from ctxpar.data import RecallTask
 from ctxpar.layout import get_layout
 from ctxpar.models import Transformer, get_config
+from ctxpar.models.llama import compute_dtype
 from ctxpar.parallelize import IGNORE_INDEX, cp_loss, shard_batch, shift_labels
 from ctxpar.train import TrainConfig, run_train
 
@@ -243,3 +245,45 @@ def test_recall_task_places_queries_after_the_filler() -> None:
         assert value == tokens[0, 2 + 2 * keys_at_start.index(key)], "a query's value is the pair's value"
     with pytest.raises(ValueError, match="too short"):
         RecallTask(vocab=256, seq_len=20)
+
+
+def _forward_in_float64(model: Transformer, tokens: torch.Tensor) -> torch.Tensor:
+    """The reference model's logits computed here in float64 throughout, from its weights."""
+    cfg, (b, t) = model.cfg, tokens.shape
+    inv_freq = cfg.rope_theta ** (-torch.arange(0, cfg.head_dim, 2, dtype=torch.float64) / cfg.head_dim)
+    angles = torch.arange(t, dtype=torch.float64)[:, None] * inv_freq  # (T, D/2)
+
+    def norm(x, weight):
+        return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + cfg.norm_eps) * weight
+
+    def heads(x, linear, n):
+        return (x @ linear.weight.T).view(b, t, n, cfg.head_dim).transpose(1, 2)  # (B, n, T, D)
+
+    def rope(x):
+        x1, x2 = x.chunk(2, dim=-1)
+        return torch.cat([x1 * angles.cos() - x2 * angles.sin(), x2 * angles.cos() + x1 * angles.sin()], dim=-1)
+
+    x = model.embed.weight[tokens]  # (B, T, d)
+    for layer in model.layers:
+        a, h = layer.attention, norm(x, layer.attention_norm.weight)
+        y = F.scaled_dot_product_attention(rope(heads(h, a.wq, cfg.heads)), rope(heads(h, a.wk, cfg.kv_heads)),
+                                           heads(h, a.wv, cfg.kv_heads), is_causal=True, enable_gqa=True)
+        x = x + y.transpose(1, 2).reshape(b, t, -1) @ a.wo.weight.T
+        f, h = layer.feed_forward, norm(x, layer.ffn_norm.weight)
+        x = x + (F.silu(h @ f.w1.weight.T) * (h @ f.w3.weight.T)) @ f.w2.weight.T
+    return norm(x, model.norm.weight) @ model.output.weight.T
+
+
+def test_a_float64_model_computes_in_float64_end_to_end() -> None:
+    """RMSNorm and RoPE computed in float32 whatever the model's dtype, so ``.double()`` was
+    only float32-accurate (9.7e-8 relative); bfloat16 and float32 models still compute them
+    in float32."""
+    torch.manual_seed(0)
+    model = Transformer(get_config("tiny")).double()
+    tokens = torch.randint(0, 256, (2, 64))
+    with torch.no_grad():
+        got, want = model(tokens), _forward_in_float64(model, tokens)
+    assert got.dtype == torch.float64
+    assert ((got - want).abs().max() / want.abs().max()).item() < 1e-13
+    assert [compute_dtype(d) for d in (torch.bfloat16, torch.float16, torch.float32, torch.float64)] == [
+        torch.float32, torch.float32, torch.float32, torch.float64]

@@ -41,14 +41,22 @@ class RMSNorm(nn.Module):
         self.weight = nn.Parameter(torch.ones(dim))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        xf = x.float()
+        xf = x.to(compute_dtype(x.dtype))
         return (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)).type_as(x) * self.weight
 
 
-def rope_cos_sin(positions: torch.Tensor, head_dim: int, theta: float) -> tuple[torch.Tensor, torch.Tensor]:
-    """cos, sin of shape (B, 1, T, D/2) for integer positions (B, T) or (T,)."""
-    inv_freq = theta ** (-torch.arange(0, head_dim, 2, device=positions.device, dtype=torch.float32) / head_dim)
-    angles = positions.float().unsqueeze(-1) * inv_freq  # (..., T, D/2)
+def compute_dtype(dtype: torch.dtype) -> torch.dtype:
+    """What RMSNorm and RoPE compute in for a model of ``dtype``: float32, or float64 for a
+    float64 model (float32 throughout made ``.double()`` only float32-accurate, 1e-7)."""
+    return torch.promote_types(dtype, torch.float32)
+
+
+def rope_cos_sin(positions: torch.Tensor, head_dim: int, theta: float,
+                 dtype: torch.dtype = torch.float32) -> tuple[torch.Tensor, torch.Tensor]:
+    """cos, sin of shape (B, 1, T, D/2) in ``dtype`` (``compute_dtype`` of the model's) for
+    integer positions (B, T) or (T,)."""
+    inv_freq = theta ** (-torch.arange(0, head_dim, 2, device=positions.device, dtype=dtype) / head_dim)
+    angles = positions.to(dtype).unsqueeze(-1) * inv_freq  # (..., T, D/2)
     if angles.dim() == 2:
         angles = angles.unsqueeze(0)
     return angles.cos().unsqueeze(1), angles.sin().unsqueeze(1)
@@ -56,7 +64,7 @@ def rope_cos_sin(positions: torch.Tensor, head_dim: int, theta: float) -> tuple[
 
 def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
     """Rotate pairs (x[..., :D/2], x[..., D/2:]) by the position angles; x (B, H, T, D)."""
-    x1, x2 = x.float().chunk(2, dim=-1)
+    x1, x2 = x.to(compute_dtype(x.dtype)).chunk(2, dim=-1)
     return torch.cat([x1 * cos - x2 * sin, x2 * cos + x1 * sin], dim=-1).type_as(x)
 
 
@@ -133,7 +141,8 @@ class Transformer(nn.Module):
         ``head=False`` the final-norm states (B, T, d) instead (``hidden_states``)."""
         if positions is None:
             positions = torch.arange(tokens.shape[1], device=tokens.device)
-        cos, sin = rope_cos_sin(positions, self.cfg.head_dim, self.cfg.rope_theta)
+        cos, sin = rope_cos_sin(positions, self.cfg.head_dim, self.cfg.rope_theta,
+                                compute_dtype(self.embed.weight.dtype))
         x = self.embed(tokens)  # (B, T, d)
         for layer in self.layers:
             if self.activation_checkpointing and self.training:
