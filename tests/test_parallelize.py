@@ -234,6 +234,114 @@ def test_shards_of_different_batches_are_refused_on_every_rank(strategy: str) ->
         assert r["unnamed_second"] == (2, SEQ // WORLD, 256), (rank, r["unnamed_second"])
 
 
+def _reported(fn) -> str | float:
+    """fn()'s value, or the type and message of what it raised (a rank raising alone, not only
+    a ValueError, is then a case that fails rather than the whole group)."""
+    try:
+        return fn()
+    except Exception as e:  # noqa: BLE001
+        return f"{type(e).__name__}: {e}"
+
+
+class _Wrapper(torch.nn.Module):
+    """A module of one's own around the reference model, its forward's arguments named otherwise."""
+
+    def __init__(self, model: torch.nn.Module) -> None:
+        super().__init__()
+        self.model = model
+
+    def forward(self, input_ids: torch.Tensor, pos: torch.Tensor | None = None) -> torch.Tensor:
+        return self.model(input_ids, pos)
+
+
+def _wrapped_cases(rank: int, world: int) -> dict:
+    """2 ranks: the reference model wrapped before apply_context_parallel (a module of one's
+    own, DDP, torch.compile), tokens only one rank cannot embed."""
+    from torch.nn.parallel import DistributedDataParallel
+
+    torch.manual_seed(0)
+    layout = get_layout("zigzag", world)
+    base = Transformer(get_config("tiny")).eval()
+    tokens = torch.randint(0, 256, (2, 16))
+    with torch.no_grad():
+        want = layout.shard(base(tokens), rank, dim=1)
+    batch = shard_batch(tokens, layout=layout, rank=rank)
+    other = shard_batch(tokens, layout=get_layout("striped", world), rank=rank)
+    last = rank == world - 1
+    found = {}
+    wrappers = dict(own=_Wrapper, ddp=DistributedDataParallel, compiled=lambda m: torch.compile(m, backend="eager"))
+    for name, wrap in wrappers.items():
+        model = apply_context_parallel(wrap(copy.deepcopy(base)), layout=layout)
+        with torch.no_grad():
+            found[name] = dict(
+                exact=_reported(lambda: (model(batch.tokens, batch.positions) - want).abs().max().item()),
+                forgotten=_reported(lambda: model(batch.tokens)),
+                other_layout=_reported(lambda: model(other.tokens, other.positions)),
+                outside_the_vocabulary_on_one_rank=_reported(lambda: model(
+                    batch.tokens.clone().fill_(256) if last else batch.tokens, batch.positions)),
+            )
+    model = apply_context_parallel(copy.deepcopy(base), layout=layout)
+    bad_tokens = dict(float=batch.tokens.float(), uint8=batch.tokens.to(torch.uint8), bool=batch.tokens > 3,
+                      one_dimensional=batch.tokens[0], on_meta=batch.tokens.to("meta"))
+    found["one_rank"] = {case: _reported(lambda: model(bad if last else batch.tokens, batch.positions))
+                         for case, bad in bad_tokens.items()}
+    found["one_rank"]["after"] = _reported(lambda: (model(batch.tokens, batch.positions) - want).abs().max().item())
+    with torch.device("meta"):
+        on_meta = apply_context_parallel(Transformer(get_config("tiny")), layout=layout)
+    found["meta_forward"] = _reported(lambda: on_meta(batch.tokens.to("meta"), batch.positions.to("meta")))
+    return found
+
+
+def wrapped_results() -> list[dict]:
+    return spawned.results("parallelize_wrapped", _wrapped_cases, 2, timeout_s=60)
+
+
+@pytest.mark.parametrize("wrapper", ["own", "ddp", "compiled"])
+def test_a_wrapped_model_is_guarded_as_the_model_is(wrapper: str) -> None:
+    """apply_context_parallel guarded the root module alone, and only where its forward took
+    positions: wrapped (a module of one's own, DDP, torch.compile), the inner model ran CP
+    attention unguarded. Forgotten positions gave a relative error of 0.0078, another
+    layout's shards 1.1, silently; a token outside the vocabulary on one rank left the other
+    waiting until the timeout."""
+    for rank, res in enumerate(wrapped_results()):
+        r = res[wrapper]
+        assert isinstance(r["exact"], float) and r["exact"] < 1e-5, (rank, r["exact"])
+        assert "Transformer got no positions under context parallelism" in r["forgotten"], (rank, r["forgotten"])
+        assert "global positions under the zigzag layout" in r["other_layout"], (rank, r["other_layout"])
+        want = "outside its vocabulary of 256" if rank == 1 else "rejected their forward inputs"
+        assert want in r["outside_the_vocabulary_on_one_rank"], (rank, r["outside_the_vocabulary_on_one_rank"])
+
+
+def test_tokens_one_rank_cannot_embed_are_refused_on_every_rank() -> None:
+    """Float, uint8 or bool tokens, or tokens on another device, passed the range check and
+    raised in the embedding on that rank alone, the other waiting until the timeout; 1-D
+    tokens raised IndexError. A model on the meta device raised Tensor.item() from the guard."""
+    wants = dict(float="takes token ids as int64 or int32, got torch.float32",
+                 uint8="takes token ids as int64 or int32, got torch.uint8",
+                 bool="takes token ids as int64 or int32, got torch.bool",
+                 one_dimensional="takes this rank's tokens as a (B, T/P) tensor", on_meta="got tokens on meta")
+    for rank, res in enumerate(wrapped_results()):
+        for case, want in wants.items():
+            got = res["one_rank"][case]
+            assert (want if rank == 1 else "ranks [1] of the CP group rejected their forward inputs") in got, (
+                rank, case, got)
+        assert res["one_rank"]["after"] < 1e-5
+        assert "the tensors are on meta; move them to the CPU" in res["meta_forward"], (rank, res["meta_forward"])
+
+
+def test_pickling_an_applied_model_is_refused_saying_what_to_save(tmp_path) -> None:
+    """torch.save(model) failed with "Can't pickle local object '_guard_positions.<locals>.check'"."""
+    model = Transformer(get_config("tiny"))
+    for unchecked in (False, True):  # without the guard, its attention holds the process group alike
+        apply_context_parallel(model, layout=get_layout("zigzag", 1), check_consistency=not unchecked)
+        for whole in (model, _Wrapper(model)):
+            with pytest.raises(TypeError, match=r"cannot be pickled .* save model.state_dict\(\)"):
+                torch.save(whole, tmp_path / "model.pt")
+    torch.save(model.state_dict(), tmp_path / "weights.pt")
+    copied = copy.deepcopy(model)
+    assert copied.layers[0].attention.attention_fn is model.layers[0].attention.attention_fn
+
+
 def test_check_consistency_false_skips_the_guard() -> None:
     """The opt-out ctxpar.attention has, for calls known to agree: the forward runs unchecked."""
     for res in results():

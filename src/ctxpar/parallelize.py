@@ -176,8 +176,13 @@ def apply_context_parallel(
     ``check_consistency`` (as ``ctxpar.attention``'s, on every rank at once): each
     attention call compares the ranks' calls, and the reference model's forward (and
     ``hidden_states``, which runs through it) refuses, on every rank together, positions that
-    are not this rank's layout positions and shards of different batches (``batch_code``),
-    with one tiny all-gather per forward; False skips these checks.
+    are not this rank's layout positions, shards of different batches (``batch_code``) and
+    tokens its embedding cannot take, with one tiny all-gather per forward; False skips these
+    checks. ``model`` may wrap the reference model (a module of one's own, DDP,
+    ``torch.compile``): the guard goes on the module whose forward takes ``(tokens,
+    positions)``.
+
+    The model cannot be pickled (``torch.save(model)``) afterwards: save its ``state_dict()``.
     """
     check_settings(layout=layout, group=group, strategy=strategy, mesh=mesh)
     modules = [(name, m) for name, m in model.named_modules() if hasattr(m, "attention_fn")]
@@ -197,12 +202,14 @@ def apply_context_parallel(
                                     check_consistency=check_consistency)
     for _, module in modules:
         module.attention_fn = cp_attention
-    previous = getattr(model, "_ctxpar_positions_guard", None)
-    if previous is not None:
-        previous.remove()
-        del model._ctxpar_positions_guard
+    for module in model.modules():  # applied again (to the model, or to a wrapper of it): replaced, not stacked
+        previous = module.__dict__.pop("_ctxpar_positions_guard", None)
+        if previous is not None:
+            previous.remove()
     if check_consistency:
-        _guard_positions(model, layout, group, mesh, cp_attention)
+        for module in _guarded_modules(model, cp_attention):
+            guard = _PositionsGuard(module, layout, group, mesh, cp_attention)
+            module._ctxpar_positions_guard = module.register_forward_pre_hook(guard, with_kwargs=True)
     return model
 
 
@@ -212,67 +219,119 @@ def plain_causal_attention(fn) -> bool:
     return fn is causal_sdpa or isinstance(fn, _SharedAttention)
 
 
-class _SharedAttention(functools.partial):
-    """``ctxpar.attention`` with a model's CP settings, the ``attention_fn`` that
-    ``apply_context_parallel`` installs. A deep copy of the model (an EMA copy) shares it:
-    its process group cannot be copied (the copy raised), and the positions guard knows the
-    model's attention by identity (a copied one left the copy unguarded)."""
+class _KeptWithTheModel:
+    """What ``apply_context_parallel`` installs on a model (its attention, the positions guard):
+    a deep copy of the model (an EMA copy) shares it, as the process group it holds cannot be
+    copied, and pickling it (``torch.save(model)``) is refused saying what to save instead."""
 
-    def __deepcopy__(self, memo: dict) -> _SharedAttention:
+    def __deepcopy__(self, memo: dict) -> _KeptWithTheModel:
         return self
 
+    def __reduce_ex__(self, protocol: int):
+        raise pickling_refused("a model under apply_context_parallel",
+                               "model.state_dict() and apply_context_parallel to the model you load")
 
-def _guard_positions(model: nn.Module, layout: str | Layout, group: dist.ProcessGroup | None, mesh,
-                     cp_attention: Callable[..., torch.Tensor]) -> None:
-    """Refuse, on every rank together, a forward whose positions are not this rank's layout
-    positions (counted from each document's start when ``documents=`` is given, as
-    ``shard_batch`` makes them): forgotten positions (the model would number the shard
-    from 0) or a shard taken with another layout give RoPE positions that the causal mask
-    does not share, silently wrong. So are shards of different batches (``batch_code``),
-    where attention would mix them, and token ids outside the vocabulary (an IndexError on
-    the one rank holding one left its peers waiting in attention). One tiny all-gather per
-    forward."""
-    signature = inspect.signature(model.forward)
-    if "positions" not in signature.parameters:
-        return  # not the reference model: its forward is not ours to check
 
-    def check(module: nn.Module, args: tuple, kwargs: dict) -> None:
-        if not any(getattr(m, "attention_fn", None) is cp_attention for m in module.modules()):
+def pickling_refused(model: str, save: str) -> TypeError:
+    """The error for pickling (``torch.save(model)``) or shallow-copying a model ctxpar has
+    changed: what it installed holds the process group; ``save`` says what to save instead."""
+    return TypeError(f"{model} cannot be pickled or shallow-copied while context parallelism is enabled (ctxpar's "
+                     f"wrappers hold its process group): save {save}, or use copy.deepcopy")
+
+
+class _SharedAttention(_KeptWithTheModel, functools.partial):
+    """``ctxpar.attention`` with a model's CP settings, the ``attention_fn`` that
+    ``apply_context_parallel`` installs. A deep copy of the model shares it: the positions
+    guard knows the model's attention by identity (a copied one left the copy unguarded)."""
+
+
+def _guarded_modules(model: nn.Module, cp_attention: Callable[..., torch.Tensor]) -> list[nn.Module]:
+    """The modules whose forward takes the reference model's ``(tokens, positions)`` and runs
+    ``cp_attention``, the innermost where they nest: ``model`` itself, or the model inside a
+    wrapper (a module of one's own, DDP, torch.compile's OptimizedModule), whose own forward
+    takes other arguments and hands them on. Guarding only the root left a wrapped model
+    unguarded, its attention under CP all the same."""
+    takers = [module for module in model.modules() if _takes_positions(module)
+              and any(getattr(m, "attention_fn", None) is cp_attention for m in module.modules())]
+    return [module for module in takers
+            if not any(other is not module and any(other is m for m in module.modules()) for other in takers)]
+
+
+def _takes_positions(module: nn.Module) -> bool:
+    try:
+        parameters = inspect.signature(module.forward).parameters
+    except (TypeError, ValueError):  # a forward inspect cannot read (a builtin): not the reference model's
+        return False
+    return "tokens" in parameters and "positions" in parameters
+
+
+class _PositionsGuard(_KeptWithTheModel):
+    """A forward pre-hook refusing, on every rank together, a forward whose positions are not
+    this rank's layout positions (counted from each document's start when ``documents=`` is
+    given, as ``shard_batch`` makes them): forgotten positions (the model would number the
+    shard from 0) or a shard taken with another layout give RoPE positions that the causal
+    mask does not share, silently wrong. So are shards of different batches
+    (``batch_code``), where attention would mix them. Tokens the embedding cannot take (ids
+    outside the vocabulary, another dtype than int64 or int32, another device) raised on the
+    one rank holding them, its peers waiting in attention. One tiny all-gather per forward."""
+
+    def __init__(self, module: nn.Module, layout: str | Layout, group: dist.ProcessGroup | None, mesh,
+                 cp_attention: Callable[..., torch.Tensor]) -> None:
+        self.signature = inspect.signature(module.forward)
+        self.layout, self.group, self.mesh, self.cp_attention = layout, group, mesh, cp_attention
+
+    def __call__(self, module: nn.Module, args: tuple, kwargs: dict) -> None:
+        if not any(getattr(m, "attention_fn", None) is self.cp_attention for m in module.modules()):
             return  # inference has swapped in its own attention, which passes its own positions
-        topo = topology.from_mesh(mesh) if mesh is not None else topology.from_group(group)
+        topo = topology.from_mesh(self.mesh) if self.mesh is not None else topology.from_group(self.group)
         if topo.world_size == 1:
             return
-        error = None
+        error = tokens = None
         try:
-            bound = signature.bind(*args, **kwargs).arguments
+            bound = self.signature.bind(*args, **kwargs).arguments
             tokens, positions, documents = (bound.get(name) for name in ("tokens", "positions", "documents"))
-            placed = get_layout(layout, topo.world_size)  # a name, as ctxpar.attention takes it, or a Layout
-            seq_len = tokens.shape[1] * topo.world_size
-            lengths = None if documents is None else document_lengths(documents, seq_len)
-            want = positions_in_documents(placed.positions(seq_len, topo.rank), lengths)  # (S,)
-            where = " within each document" if lengths else ""
-            rank = "ctxpar.hybrid_rank(mesh)" if topo.hybrid else "rank"
-            docs, batch_docs = (", documents=documents", ", documents=batch.documents") if lengths else ("", "")
-            fix = (f"batch = shard_batch(tokens, layout=layout, rank={rank}{docs}), then "
-                   f"model(batch.tokens, batch.positions{batch_docs})")
-            vocab = getattr(getattr(module, "embed", None), "num_embeddings", None)  # the reference model's
-            if isinstance(vocab, int):
-                limits.check_token_range(tokens, vocab, type(module).__name__)
-            if positions is None:
-                raise ValueError(f"{type(module).__name__} got no positions under context parallelism, so it would "
-                                 f"number this rank's tokens from 0; pass this rank's global positions{where}: {fix}")
-            if positions.shape[-1] != want.numel() or not bool((positions.reshape(-1, want.numel()).cpu()
-                                                                 == want).all()):
-                raise ValueError(f"positions must be rank {topo.rank}'s global positions{where} under the "
-                                 f"{placed.name} layout given to apply_context_parallel (they begin "
-                                 f"{want[:6].tolist()}): {fix}")
+            self._check(module, topo, tokens, positions, documents)
         except Exception as e:  # noqa: BLE001  any failure: this rank must still join the exchange below
             error = e
-        batch = batch_code(bound.get("tokens")) if error is None else -1
+        batch = batch_code(tokens) if error is None else -1
         agreement.check_values_agree({SAME_BATCH: batch}, topo.process_groups, error, "forward",
                                      where_known=(SAME_BATCH,))
 
-    model._ctxpar_positions_guard = model.register_forward_pre_hook(check, with_kwargs=True)
+    def _check(self, module: nn.Module, topo: topology.Topology, tokens, positions, documents) -> None:
+        name = type(module).__name__
+        if not isinstance(tokens, torch.Tensor) or tokens.dim() != 2:
+            got = tuple(tokens.shape) if isinstance(tokens, torch.Tensor) else type(tokens).__name__
+            raise ValueError(f"{name} takes this rank's tokens as a (B, T/P) tensor (shard_batch's batch.tokens; "
+                             f"one row is (1, T/P)), got {got}")
+        if tokens.dtype not in (torch.int64, torch.int32):  # all nn.Embedding indexes with
+            raise ValueError(f"{name} takes token ids as int64 or int32, got {tokens.dtype}; pass the integer ids "
+                             f"(shard_batch gives them as int64)")
+        embed = getattr(module, "embed", None)  # the reference model's
+        if isinstance(embed, nn.Embedding) and tokens.device != embed.weight.device:
+            raise ValueError(f"{name} got tokens on {tokens.device}, its embedding is on {embed.weight.device}; "
+                             f"move the tokens there")
+        if isinstance(positions, torch.Tensor) and positions.device != tokens.device:
+            raise ValueError(f"{name} got positions on {positions.device} and tokens on {tokens.device}; pass them "
+                             f"on one device, as shard_batch gives them")
+        placed = get_layout(self.layout, topo.world_size)  # a name, as ctxpar.attention takes it, or a Layout
+        seq_len = tokens.shape[1] * topo.world_size
+        lengths = None if documents is None else document_lengths(documents, seq_len)
+        want = positions_in_documents(placed.positions(seq_len, topo.rank), lengths)  # (S,)
+        where = " within each document" if lengths else ""
+        rank = "ctxpar.hybrid_rank(mesh)" if topo.hybrid else "rank"
+        docs, batch_docs = (", documents=documents", ", documents=batch.documents") if lengths else ("", "")
+        fix = (f"batch = shard_batch(tokens, layout=layout, rank={rank}{docs}), then "
+               f"model(batch.tokens, batch.positions{batch_docs})")
+        if isinstance(embed, nn.Embedding) and not tokens.is_meta:  # meta: no values (attention refuses the device)
+            limits.check_token_range(tokens, embed.num_embeddings, name)
+        if positions is None:
+            raise ValueError(f"{name} got no positions under context parallelism, so it would "
+                             f"number this rank's tokens from 0; pass this rank's global positions{where}: {fix}")
+        if positions.shape[-1] != want.numel() or not positions.is_meta and not bool(
+                (positions.reshape(-1, want.numel()).cpu() == want).all()):
+            raise ValueError(f"positions must be rank {topo.rank}'s global positions{where} under the "
+                             f"{placed.name} layout given to apply_context_parallel (they begin "
+                             f"{want[:6].tolist()}): {fix}")
 
 
 def cp_loss(

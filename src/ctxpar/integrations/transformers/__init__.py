@@ -76,7 +76,7 @@ from ctxpar import agreement, limits, topology
 from ctxpar.attention import check_settings
 from ctxpar.layout import Layout
 from ctxpar.masks import document_lengths, positions_in_documents
-from ctxpar.parallelize import IGNORE_INDEX, batch_code, shard_batch
+from ctxpar.parallelize import IGNORE_INDEX, batch_code, pickling_refused, shard_batch
 
 __all__ = ["ShardedCache", "Unsupported", "check_model", "enable_context_parallel", "find_unsupported",
            "shard_inputs"]
@@ -422,9 +422,8 @@ def _copy_enabled_alike(model, settings: Settings) -> None:
 
     @installed
     def reduce_ex(protocol: int):  # pickle (torch.save(model)) and copy.copy find it on the instance
-        raise TypeError(f"{type(model).__name__} cannot be pickled or shallow-copied while context parallelism is "
-                        f"enabled (ctxpar's wrappers hold its process group): save model.state_dict() or "
-                        f"model.save_pretrained(...) and enable the model you load again, or use copy.deepcopy")
+        raise pickling_refused(type(model).__name__, "model.state_dict() or model.save_pretrained(...) and enable "
+                                                     "the model you load again")
 
     model.__deepcopy__ = deepcopy
     model.__reduce_ex__ = reduce_ex
