@@ -8,6 +8,7 @@ on one rank on every rank together (the others once waited in its all-reduce).""
 from __future__ import annotations
 
 import copy
+import dataclasses
 import functools
 
 import pytest
@@ -256,7 +257,9 @@ class _Wrapper(torch.nn.Module):
 
 def _wrapped_cases(rank: int, world: int) -> dict:
     """2 ranks: the reference model wrapped before apply_context_parallel (a module of one's
-    own, DDP, torch.compile), tokens only one rank cannot embed."""
+    own, DDP, torch.compile), tokens only one rank cannot embed, heads the all-to-all cannot
+    split."""
+    from torch.distributed.device_mesh import init_device_mesh
     from torch.nn.parallel import DistributedDataParallel
 
     torch.manual_seed(0)
@@ -289,6 +292,12 @@ def _wrapped_cases(rank: int, world: int) -> dict:
     with torch.device("meta"):
         on_meta = apply_context_parallel(Transformer(get_config("tiny")), layout=layout)
     found["meta_forward"] = _reported(lambda: on_meta(batch.tokens.to("meta"), batch.positions.to("meta")))
+    odd = Transformer(dataclasses.replace(get_config("tiny"), heads=3, kv_heads=1))  # P = 2 does not divide 3
+    found["alltoall_heads"] = _reported(lambda: type(apply_context_parallel(odd, layout=layout, strategy="alltoall")))
+    mesh = init_device_mesh("cpu", (1, world), mesh_dim_names=("ring", "ulysses"))
+    found["hybrid_heads"] = _reported(lambda: type(apply_context_parallel(odd, layout=layout, strategy="hybrid",
+                                                                    mesh=mesh)))
+    found["unchanged"] = all(m.attention_fn is causal_sdpa for m in odd.modules() if hasattr(m, "attention_fn"))
     return found
 
 
@@ -327,6 +336,14 @@ def test_tokens_one_rank_cannot_embed_are_refused_on_every_rank() -> None:
                 rank, case, got)
         assert res["one_rank"]["after"] < 1e-5
         assert "the tensors are on meta; move them to the CPU" in res["meta_forward"], (rank, res["meta_forward"])
+
+
+def test_heads_the_all_to_all_cannot_split_are_refused_when_applied() -> None:
+    """They were accepted and refused at every forward."""
+    for rank, res in enumerate(wrapped_results()):
+        assert "strategy 'alltoall' splits the query heads H=3 (H_kv=1) over P=2" in res["alltoall_heads"], rank
+        assert "strategy 'hybrid' splits the query heads H=3 (H_kv=1) over ulysses degree=2" in res["hybrid_heads"]
+        assert res["unchanged"]
 
 
 def test_pickling_an_applied_model_is_refused_saying_what_to_save(tmp_path) -> None:

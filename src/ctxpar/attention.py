@@ -120,7 +120,7 @@ def attention_with_lse(
                                       backward=agreement.needs_grad(q, k, v, sinks))
             chosen = _strategy(strategy)
             topo = _topology(chosen.axis, strategy, group, mesh)
-        chosen.check(q, k, topo)
+        chosen.check(q.shape[1], k.shape[1], topo)
     except Exception as e:  # noqa: BLE001  any failure, not only a ValueError: a rank that left here
         error = e  # would strand its peers in the exchange below
     if check_consistency:
@@ -197,16 +197,20 @@ def _fallback_topology(group, mesh) -> topology.Topology | None:
 
 
 def check_settings(*, layout: str | Layout, group: dist.ProcessGroup | None = None, strategy: str = "ring",
-                   mesh=None) -> Layout:
+                   mesh=None, heads: tuple[int, int] | None = None) -> Layout:
     """The CP settings a model's attention calls will take, checked once, before
     ``apply_context_parallel`` or ``enable_context_parallel`` change the model (each call
     checks them again): the strategy's name, ``mesh=`` given exactly for "hybrid", the
-    groups they name (this rank among them), the layout for their size. Returns the layout
-    built for that size."""
+    groups they name (this rank among them), the layout for their size, and the model's
+    ``heads`` (H, H_kv) where known, which the all-to-all (and hybrid's) must split over its
+    ranks. Returns the layout built for that size."""
     if isinstance(layout, Layout) and layout.world_size > 1 and not (dist.is_available() and dist.is_initialized()):
         raise ValueError(f"the {layout.name} layout is for P={layout.world_size} ranks but torch.distributed is not "
                          f"initialised; call torch.distributed.init_process_group first")
-    return _settings(layout, group, strategy, mesh)[2]
+    chosen, topo, placed = _settings(layout, group, strategy, mesh)
+    if heads is not None:  # "auto" is checked as ring: it chooses among the strategies the heads allow
+        chosen.check(*heads, topo)
+    return placed
 
 
 def _settings(layout, group, strategy, mesh) -> tuple[Strategy, topology.Topology, Layout]:

@@ -32,6 +32,7 @@ from ctxpar import agreement, comm, limits, topology
 from ctxpar.attention import attention, check_settings
 from ctxpar.layout import Layout, get_layout
 from ctxpar.masks import document_lengths, positions_in_documents
+from ctxpar.models.config import ModelConfig
 from ctxpar.models.llama import causal_sdpa
 
 IGNORE_INDEX = -100
@@ -184,10 +185,14 @@ def apply_context_parallel(
 
     The model cannot be pickled (``torch.save(model)``) afterwards: save its ``state_dict()``.
     """
-    check_settings(layout=layout, group=group, strategy=strategy, mesh=mesh)
     modules = [(name, m) for name, m in model.named_modules() if hasattr(m, "attention_fn")]
     if not modules:
         raise ValueError(f"{type(model).__name__} has no module with an attention_fn to replace")
+    # the reference model's attention knows its heads: those the all-to-all cannot split are refused now, not at
+    # every forward
+    shapes = {(m.cfg.heads, m.cfg.kv_heads) for _, m in modules if isinstance(getattr(m, "cfg", None), ModelConfig)}
+    for heads in sorted(shapes) or [None]:
+        check_settings(layout=layout, group=group, strategy=strategy, mesh=mesh, heads=heads)
     for name, module in modules:
         fn = module.attention_fn
         if not plain_causal_attention(fn):

@@ -2,8 +2,8 @@
 
 Every strategy is ``fn(q, k, v, sinks, *, layout, topo, mask, scale) -> (out, lse)`` with
 inputs already validated (``mask`` a ``ctxpar.masks.Mask``, ``sinks`` None or (H,));
-``check(q, k, topo)`` raises ValueError for shapes the strategy
-cannot take, before anything is sent.
+``check(heads, kv_heads, topo)`` raises ValueError for head counts the strategy
+cannot take, before anything is sent (and before a model is changed).
 """
 
 from __future__ import annotations
@@ -11,7 +11,6 @@ from __future__ import annotations
 from collections.abc import Callable
 from dataclasses import dataclass
 
-import torch
 
 from ctxpar.strategies.allgather import allgather_attention
 from ctxpar.strategies.ring import ring_attention
@@ -21,18 +20,18 @@ from ctxpar.strategy_rules import STRATEGY_NAMES, check_heads
 from ctxpar.topology import Topology
 
 
-def _no_constraint(q: torch.Tensor, k: torch.Tensor, topo: Topology) -> None:
+def _no_constraint(heads: int, kv_heads: int, topo: Topology) -> None:
     return None
 
 
-def _heads_split_over_ulysses(q: torch.Tensor, k: torch.Tensor, topo: Topology) -> None:
-    check_heads("hybrid" if topo.hybrid else "alltoall", q.shape[1], k.shape[1], topo.ulysses_degree)
+def _heads_split_over_ulysses(heads: int, kv_heads: int, topo: Topology) -> None:
+    check_heads("hybrid" if topo.hybrid else "alltoall", heads, kv_heads, topo.ulysses_degree)
 
 
 @dataclass(frozen=True)
 class Strategy:
     run: Callable
-    check: Callable[[torch.Tensor, torch.Tensor, Topology], None]
+    check: Callable[[int, int, Topology], None]  # (H, H_kv, topo)
     axis: str  # "ring" or "ulysses": how it uses a plain process group; "mesh": needs a 2D DeviceMesh
 
 
