@@ -180,6 +180,23 @@ def test_a_batch_or_loss_whose_shapes_do_not_match_is_refused() -> None:
         cp_loss(logits, labels, group=object())  # it computed this process's loss alone, as if no group were named
 
 
+def test_token_ids_of_any_integer_dtype_are_sharded_exactly_and_others_refused() -> None:
+    """uint8 tokens failed with torch's overflow error (their labels padded with -100), and
+    float or bool tokens or labels were sharded as they were, silently."""
+    layout = get_layout("zigzag", 2)
+    tokens = torch.randint(0, 256, (2, 16))
+    want = shard_batch(tokens, layout=layout, rank=1)
+    for dtype in (torch.uint8, torch.int16, torch.int32):
+        got = shard_batch(tokens.to(dtype), layout=layout, rank=1, labels=tokens.to(dtype))
+        assert got.tokens.dtype == got.labels.dtype == torch.int64
+        assert torch.equal(got.tokens, want.tokens) and torch.equal(got.labels, want.labels)
+    assert shift_labels(tokens.to(torch.uint8)).tolist() == shift_labels(tokens).tolist()
+    for name, dtype in (("tokens", torch.float32), ("tokens", torch.bool), ("labels", torch.float32),
+                        ("labels", torch.bool)):
+        with pytest.raises(ValueError, match=f"{name} must hold integer token ids, got {dtype}"):
+            shard_batch(**{"tokens": tokens, "labels": None, name: tokens.to(dtype)}, layout=layout, rank=0)
+
+
 def test_a_model_shape_that_is_not_whole_or_that_rope_cannot_rotate_is_refused() -> None:
     """heads=2.0 was accepted; an odd head_dim made RoPE widen q and k by one dim: silently
     on one process, and with an error about k and v under CP."""

@@ -40,9 +40,10 @@ IGNORE_INDEX = -100
 
 def shift_labels(tokens: torch.Tensor, labels: torch.Tensor | None = None) -> torch.Tensor:
     """Next-token targets (B, T): position t is scored on labels[t + 1] (default: tokens);
-    the last position has none (IGNORE_INDEX). Apply to the unsplit sequence."""
+    the last position has none (IGNORE_INDEX). Apply to the unsplit sequence. int64, whatever
+    the integer dtype of the ids (uint8 ones could not hold IGNORE_INDEX)."""
     labels = tokens if labels is None else labels
-    return F.pad(labels[:, 1:], (0, 1), value=IGNORE_INDEX)
+    return F.pad(labels[:, 1:].long(), (0, 1), value=IGNORE_INDEX)
 
 
 @dataclass
@@ -75,7 +76,7 @@ def shard_batch(
         ends = torch.tensor(list(itertools.accumulate(lengths)), device=tokens.device) - 1
         targets[:, ends] = IGNORE_INDEX
     positions = layout.positions(seq_len, rank, device=tokens.device)
-    shard = layout.shard(tokens, rank, dim=1)
+    shard = layout.shard(tokens, rank, dim=1).long()  # the ids the model's embedding takes, from any integers
     if layout.world_size > 1:
         _SHARDED.remember(shard, tokens, targets)
     return CPBatch(
@@ -100,6 +101,10 @@ def _check_batch(tokens, layout, labels) -> None:
     if labels is not None and (not isinstance(labels, torch.Tensor) or labels.shape != tokens.shape):
         got = tuple(labels.shape) if isinstance(labels, torch.Tensor) else type(labels).__name__
         raise ValueError(f"labels must be a tensor of the tokens' shape (B, T) = {tuple(tokens.shape)}, got {got}")
+    for name, ids in (("tokens", tokens), ("labels", labels)):  # float ids were sharded as they were, silently
+        if ids is not None and (ids.is_floating_point() or ids.is_complex() or ids.dtype == torch.bool):
+            raise ValueError(f"{name} must hold integer token ids, got {ids.dtype}; pass the ids themselves (e.g. "
+                             f"a tokenizer's int64 output), not scores or a mask")
 
 
 def _batch_checksum(tokens: torch.Tensor, targets: torch.Tensor) -> int:
