@@ -264,6 +264,31 @@ def test_recall_task_places_queries_after_the_filler() -> None:
         RecallTask(vocab=256, seq_len=20)
 
 
+def test_recall_task_refuses_what_it_cannot_draw_and_seeds_never_share_a_batch() -> None:
+    """Each of these failed inside torch (IndexError, TypeError, RuntimeError) or passed a bool
+    as 1; the batch of seed 0's step 1_000_003 was seed 1's step 0 (seeded seed * 1_000_003 + step)."""
+    bad_tasks = {"RecallTask vocab must be an integer, got 256.5": dict(vocab=256.5),
+                 "RecallTask seq_len must be an integer, got '64'": dict(seq_len="64"),
+                 "RecallTask pairs must be an integer, got True": dict(pairs=True),
+                 "got queries=-1, pairs=4": dict(pairs=4, queries=-1),
+                 "got queries=-3, pairs=-2": dict(pairs=-2, queries=-3),
+                 "got queries=0, pairs=4": dict(pairs=4, queries=0)}
+    for message, change in bad_tasks.items():
+        with pytest.raises(ValueError, match=re.escape(message)):
+            RecallTask(**{"vocab": 256, "seq_len": 64, **change})
+    task = RecallTask(vocab=256, seq_len=64)
+    for message, args in {"size must be an integer from 1": (-1, 0, 0), "size must be an integer": (2.0, 0, 0),
+                          "seed must be an integer from 0 to 4294967295, got -5": (1, -5, 0),
+                          "seed must be an integer from 0 to 4294967295, got 4294967296": (1, 2**32, 0),
+                          "step must be an integer >= 0, got 1.5": (1, 0, 1.5)}.items():
+        with pytest.raises(ValueError, match=re.escape(f"RecallTask.batch {message}")):
+            task.batch(*args)
+    assert not torch.equal(task.batch(2, seed=0, step=1_000_003)[0], task.batch(2, seed=1, step=0)[0])
+    drawn = {tuple(task.batch(1, seed, step)[0].flatten().tolist()) for seed in range(4) for step in range(8)}
+    assert len(drawn) == 32
+    assert torch.equal(task.batch(2, np.int64(3), np.int64(5))[0], task.batch(2, 3, 5)[0])
+
+
 def _forward_in_float64(model: Transformer, tokens: torch.Tensor) -> torch.Tensor:
     """The reference model's logits computed here in float64 throughout, from its weights."""
     cfg, (b, t) = model.cfg, tokens.shape
