@@ -355,6 +355,7 @@ def test_pickling_an_applied_model_is_refused_saying_what_to_save(tmp_path) -> N
             with pytest.raises(TypeError, match=r"cannot be pickled .* save model.state_dict\(\)"):
                 torch.save(whole, tmp_path / "model.pt")
     torch.save(model.state_dict(), tmp_path / "weights.pt")
+    Transformer(get_config("tiny")).load_state_dict(torch.load(tmp_path / "weights.pt"))  # single-rank evaluation
     copied = copy.deepcopy(model)
     assert copied.layers[0].attention.attention_fn is model.layers[0].attention.attention_fn
 
