@@ -1074,6 +1074,22 @@ def test_a_plot_names_the_mask_and_draws_no_empty_legend(tmp_path, monkeypatch) 
     assert titles[0].endswith("\nmask: causal, window 512")
 
 
+def test_the_efficiency_panel_spans_the_lengths_swept(tmp_path, monkeypatch) -> None:
+    """The tiny model fits up to 16M tokens on one GPU: its 'CP-1 fits' line stretched the
+    axis to 2**24 where the data stop at 2**20, its label under the legend."""
+    import matplotlib.figure
+
+    spans = []
+    save = matplotlib.figure.Figure.savefig
+    monkeypatch.setattr(matplotlib.figure.Figure, "savefig",
+                        lambda fig, *a, **k: (spans.append(fig.axes[0].get_xlim()), save(fig, *a, **k)))
+    assert main(["plan", "--model", "tiny", "--seq", "1024", "--cp", "2", "--json", str(tmp_path / "p.json"),
+                 "--plot", str(tmp_path / "p.png")]) == 0
+    report = json.loads((tmp_path / "p.json").read_text())
+    swept = max(point["seq"] for point in report["sweep"])
+    assert report["cp1_fits_up_to"] > swept and spans[0][1] < 2 * swept
+
+
 def test_cli_plans_windows_and_document_distributions(tmp_path, capsys) -> None:
     out = tmp_path / "plan.json"
     args = ["plan", *WORKED, "--layout", "contiguous", "--window", "4096", "--max-cp", "4"]

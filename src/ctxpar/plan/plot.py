@@ -89,7 +89,8 @@ def _efficiency_panel(plan: Plan, ax) -> None:
             ax.plot(fitting[-1].seq, fitting[-1].efficiency, "x", color=colours[cp], markersize=9)
         if cross.faster_from and cross.faster_from > seqs[0]:
             ax.plot(cross.faster_from, _interpolate(seqs, eff, cross.faster_from), "o", color=colours[cp])
-    if plan.cp1_fits_up_to:
+    # a limit beyond the lengths swept only widened the axis past the data, its label under the legend
+    if plan.cp1_fits_up_to and plan.cp1_fits_up_to <= max(p.seq for p in plan.sweep):
         ax.axvline(plan.cp1_fits_up_to, color="grey", linewidth=1)
         ax.annotate(f"CP-1 fits up to {format_tokens(plan.cp1_fits_up_to)}", (plan.cp1_fits_up_to, 0.02),
                     xycoords=("data", "axes fraction"), rotation=90, fontsize=8, color="grey")
