@@ -234,7 +234,26 @@ class UnionLayout(Layout):
 
 
 @dataclass(frozen=True)
-class BalancedLayout(Layout):
+class _OneLength(Layout):
+    """A layout made for one sequence length, which alone it splits."""
+
+    seq_len: int = 0
+
+    other_length_fix = ""  # what a refusal of another length suggests
+
+    @property
+    def multiple(self) -> int:
+        return self.seq_len
+
+    def validate(self, seq_len: int) -> None:
+        _check_length(seq_len)
+        if seq_len != self.seq_len:
+            raise ValueError(f"the {self.name} layout was built for sequence length {self.seq_len}, not "
+                             f"{seq_len}{self.other_length_fix}")
+
+
+@dataclass(frozen=True)
+class BalancedLayout(_OneLength):
     """Equal tokens and (nearly) equal attention work per rank under any mask: for packed
     documents of any lengths, sliding windows, or both.
 
@@ -251,12 +270,12 @@ class BalancedLayout(Layout):
     Build it with ``balanced_layout``; every rank must build the same one.
     """
 
-    seq_len: int = 0
     mask: Mask = Mask()
     chunks: int = 0
     tolerance: float = 1.01
 
     name = "balanced"
+    other_length_fix = "; build one for this length (balanced_layout)"
 
     def __post_init__(self) -> None:
         super().__post_init__()
@@ -282,16 +301,6 @@ class BalancedLayout(Layout):
             raise ValueError(f"tolerance must be a number >= 1 (the busiest rank's work over the mean), "
                              f"got {self.tolerance!r}")
         _deal(self)  # now, so that a deal out of tolerance is said where the layout is built
-
-    @property
-    def multiple(self) -> int:
-        return self.seq_len
-
-    def validate(self, seq_len: int) -> None:
-        _check_length(seq_len)
-        if seq_len != self.seq_len:
-            raise ValueError(f"the balanced layout was built for sequence length {self.seq_len}, not {seq_len}; "
-                             f"build one for this length (balanced_layout)")
 
     def _positions(self, seq_len: int, rank: int) -> torch.Tensor:
         return _deal(self)[1][rank].clone()  # the cached deal must not change under a caller's in-place edit
@@ -346,7 +355,7 @@ def balanced_layout(world_size: int, seq_len: int, *, causal: bool = True, docum
 
 
 @dataclass(frozen=True)
-class DealtLayout(Layout):
+class DealtLayout(_OneLength):
     """A layout of the user's as ctxpar runs it for one sequence length: its deal, checked
     (``checked_deal``), which its equality and hash compare. The block plans are cached by
     layout, and a subclass's own equality need not cover its deal: two instances dealing
@@ -356,7 +365,6 @@ class DealtLayout(Layout):
     Made by ``as_checked``; ``deal`` is every rank's positions, rank after rank.
     """
 
-    seq_len: int = 0
     digest: str = ""  # of the deal
     label: str = field(default="layout", compare=False)  # the user's layout's name, for messages
     deal: torch.Tensor | None = field(default=None, compare=False, repr=False)
@@ -364,16 +372,6 @@ class DealtLayout(Layout):
     @property
     def name(self) -> str:  # type: ignore[override]
         return self.label
-
-    @property
-    def multiple(self) -> int:
-        return self.seq_len
-
-    def validate(self, seq_len: int) -> None:
-        _check_length(seq_len)
-        if seq_len != self.seq_len:
-            raise ValueError(f"the {self.name} layout's deal was checked for sequence length {self.seq_len}, "
-                             f"not {seq_len}")
 
     def _positions(self, seq_len: int, rank: int) -> torch.Tensor:
         local = seq_len // self.world_size
