@@ -131,18 +131,22 @@ def test_allgather_plan_follows_the_strategys_head_groups(kv_heads: int, tp: int
 @pytest.mark.parametrize("strategy, kv_heads, dtype", [
     ("allgather", 1, "bfloat16"), ("allgather", 2, "float32"), ("allgather", 8, "bfloat16"),
     ("allgather", 12, "float32"), ("alltoall", 8, "bfloat16"), ("alltoall", 8, "float32"),
-    ("alltoall", 2, "bfloat16"), ("alltoall", 2, "float32")])
+    ("alltoall", 2, "bfloat16"), ("alltoall", 2, "float32"), ("hybrid", 8, "bfloat16"), ("hybrid", 1, "float32")])
 def test_attention_workspace_is_the_larger_column_of_the_peak_memory_table(strategy: str, kv_heads: int,
                                                                             dtype: str) -> None:
     """docs/strategies.md's peak-memory table, written out term by term: what the strategy's
     code holds at once (all-gather: the stacked K/V and own dK/dV were left out, and two
     gathered buffers counted where three are alive; all-to-all gave its backward alone).
-    All-to-all's kept q, k, v, out are the saved activations' (``saved_tensors_per_token``)."""
+    The kept q, k, v, out of all-to-all and hybrid are the saved activations' (``saved_tensors_per_token``;
+    hybrid counted them here as well)."""
     from ctxpar.plan.memory import attention_workspace
 
     b, h, d, p, t = 2, 24, 16, 4, 1024
     s, e, a = t // p, {"bfloat16": 2, "float32": 4}[dtype], 4
-    w = Workload(attention_only(h, kv_heads, d), batch=b, seq=t, dtype=dtype, cp=p, strategy=strategy)
+    u = 2 if strategy == "hybrid" else p  # the all-to-all's degree
+    w = Workload(attention_only(h, kv_heads, d), batch=b, seq=t, dtype=dtype, cp=p, strategy=strategy,
+                 ulysses=u if strategy == "hybrid" else None)
+    ring = 0
     if strategy == "allgather":
         g = -(-kv_heads // 8)
         groups, x = -(-kv_heads // g), p * 2 * b * g * s * d
@@ -150,13 +154,16 @@ def test_attention_workspace_is_the_larger_column_of_the_peak_memory_table(strat
         bwd = (b * h * s * d * a + 2 * b * kv_heads * s * d * (a + e) + (3 if groups > 1 else 2) * x * a
                + (x * e if groups >= 3 else 0))
     else:
-        f = p // math.gcd(kv_heads, p)
+        f = u // math.gcd(kv_heads, u)
         hk = f * kv_heads
         copies = 2 * b * hk * s * d * e if f > 1 else 0
         fwd = max(2 * b * s * d * e * (h + 2 * hk) + copies, b * h * s * (d + 1) * a)
         bwd = max(3 * b * h * s * d * e,
                   b * h * s * d * e + b * s * d * a * (h + 2 * hk) + (b * s * d * e * (h + 2 * hk) if e < a else 0))
-    assert attention_workspace(w) == max(fwd, bwd)
+        if strategy == "hybrid":  # then the ring over R = P/U groups, of H/U heads and U·S tokens
+            kv = 2 * b * hk * s * d
+            ring = max(b * h * s * (d + 1) * a + 2 * kv * e, b * h * s * d * a + 4 * kv * a + 2 * kv * e)
+    assert attention_workspace(w) == max(fwd, bwd) + ring
 
 
 # -- work and time -----------------------------------------------------------------------------

@@ -144,8 +144,8 @@ def attention_workspace(w: Workload) -> int:
     strategy's code holds at once at its peak; all-gather gathers a head group per step
     (``strategy_rules.gather_group_heads``: one KV head up to H_kv = 8) and counts as it
     runs under position-order layouts (zigzag, contiguous: striped holds one buffer of each
-    kind fewer). All-to-all's head-sharded q, k, v and out are not here: they are saved
-    activations (``saved_tensors_per_token``).
+    kind fewer). The head-sharded q, k, v and out of all-to-all and hybrid are not here: they
+    are saved activations (``saved_tensors_per_token``; hybrid once counted them here too).
     """
     e, a, s, d = w.elem, w.acc, w.local_len, w.model.head_dim
     heads = w.heads_per_gpu
@@ -165,19 +165,18 @@ def attention_workspace(w: Workload) -> int:
     kv = 2 * w.batch * w.kv_heads_sent * s * d  # the K/V buffer a ring step moves (H_kv' = H_kv for ring)
     ring_fwd = bhs * (d + 1) * a + 2 * kv * e
     ring_bwd = bhs * d * a + 4 * kv * a + 2 * kv * e
-    staging = w.batch * s * d * e * (2 * heads + 2 * w.kv_heads_sent)  # one all-to-all's copy
     if w.strategy == "ring":
         return max(ring_fwd, ring_bwd)
+    packed = w.batch * s * d * (heads + 2 * w.kv_heads_sent)  # q, k, v of this rank's tokens
+    copies = kv * e if w.kv_heads_sent > w.kv_heads_per_gpu else 0  # K/V heads repeated to split over U
+    # forward: the packed send and receive buffers, then (once they are gone) the accumulators
+    fwd = max(2 * packed * e + copies, bhs * (d + 1) * a)
+    # backward: dout's exchange (sent, received, in head layout), then dout in head layout with the
+    # dQ, dK, dV accumulators and, below float32, their copies in the input dtype
+    bwd = max(3 * bhs * d * e, bhs * d * e + packed * (a + (e if e < a else 0)))
     if w.strategy == "alltoall":
-        packed = w.batch * s * d * (heads + 2 * w.kv_heads_sent)  # q, k, v of this rank's tokens
-        copies = kv * e if w.kv_heads_sent > w.kv_heads_per_gpu else 0  # K/V heads repeated to split over U
-        # forward: the packed send and receive buffers, then (once they are gone) the accumulators
-        fwd = max(2 * packed * e + copies, bhs * (d + 1) * a)
-        # backward: dout's exchange (sent, received, in head layout), then dout in head layout with the
-        # dQ, dK, dV accumulators and, below float32, their copies in the input dtype
-        bwd = max(3 * bhs * d * e, bhs * d * e + packed * (a + (e if e < a else 0)))
         return max(fwd, bwd)
-    return staging + max(ring_fwd, ring_bwd)  # hybrid: the all-to-all, then the ring over R groups
+    return max(fwd, bwd) + max(ring_fwd, ring_bwd)  # hybrid: the all-to-all's, and the ring's over R groups
 
 
 @dataclass(frozen=True)
