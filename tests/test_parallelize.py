@@ -255,6 +255,21 @@ class _Wrapper(torch.nn.Module):
         return self.model(input_ids, pos)
 
 
+class _FeatureModel(torch.nn.Module):
+    """A model of one's own whose forward takes (tokens, positions), its tokens features
+    (B, T/P, C) rather than ids: the guard's checks of token ids are not for it."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.project = torch.nn.Linear(8, 3 * 2 * 4)
+        self.attention_fn = causal_sdpa
+
+    def forward(self, tokens: torch.Tensor, positions: torch.Tensor | None = None) -> torch.Tensor:
+        b, s, _ = tokens.shape
+        q, k, v = self.project(tokens).view(b, s, 3, 2, 4).permute(2, 0, 3, 1, 4)  # (B, H, S, D) each
+        return self.attention_fn(q, k, v)
+
+
 def _wrapped_cases(rank: int, world: int) -> dict:
     """2 ranks: the reference model wrapped before apply_context_parallel (a module of one's
     own, DDP, torch.compile), tokens only one rank cannot embed, heads the all-to-all cannot
@@ -298,6 +313,12 @@ def _wrapped_cases(rank: int, world: int) -> dict:
     found["hybrid_heads"] = _reported(lambda: type(apply_context_parallel(odd, layout=layout, strategy="hybrid",
                                                                     mesh=mesh)))
     found["unchanged"] = all(m.attention_fn is causal_sdpa for m in odd.modules() if hasattr(m, "attention_fn"))
+    features, own = torch.randn(1, 16, 8), _FeatureModel()
+    with torch.no_grad():
+        want = layout.shard(own(features), rank, dim=2)
+        apply_context_parallel(own, layout=layout)
+        found["features"] = _reported(lambda: (own(layout.shard(features, rank, dim=1), layout.positions(16, rank))
+                                               - want).abs().max().item())
     return found
 
 
@@ -336,6 +357,13 @@ def test_tokens_one_rank_cannot_embed_are_refused_on_every_rank() -> None:
                 rank, case, got)
         assert res["one_rank"]["after"] < 1e-5
         assert "the tensors are on meta; move them to the CPU" in res["meta_forward"], (rank, res["meta_forward"])
+
+
+def test_a_model_of_ones_own_whose_tokens_are_features_runs() -> None:
+    """The guard refused every forward of it: 'takes this rank's tokens as a (B, T/P) tensor,
+    got (1, 8, 8)', checks meant for the reference model's token ids."""
+    for rank, res in enumerate(wrapped_results()):
+        assert isinstance(res["features"], float) and res["features"] < 1e-6, (rank, res["features"])
 
 
 def test_heads_the_all_to_all_cannot_split_are_refused_when_applied() -> None:

@@ -308,16 +308,17 @@ class _PositionsGuard(_KeptWithTheModel):
                                      where_known=(SAME_BATCH,))
 
     def _check(self, module: nn.Module, topo: topology.Topology, tokens, positions, documents) -> None:
-        name = type(module).__name__
-        if not isinstance(tokens, torch.Tensor) or tokens.dim() != 2:
+        name, embed = type(module).__name__, getattr(module, "embed", None)
+        # the reference model embeds token ids; a model of one's own may take other (B, T/P, ...) tokens
+        ids = isinstance(embed, nn.Embedding)
+        if not isinstance(tokens, torch.Tensor) or tokens.dim() < 2 or ids and tokens.dim() != 2:
             got = tuple(tokens.shape) if isinstance(tokens, torch.Tensor) else type(tokens).__name__
-            raise ValueError(f"{name} takes this rank's tokens as a (B, T/P) tensor (shard_batch's batch.tokens; "
-                             f"one row is (1, T/P)), got {got}")
-        if tokens.dtype not in (torch.int64, torch.int32):  # all nn.Embedding indexes with
+            raise ValueError(f"{name} takes this rank's tokens as a (B, T/P{'' if ids else ', ...'}) tensor "
+                             f"(shard_batch's batch.tokens; one row is (1, T/P)), got {got}")
+        if ids and tokens.dtype not in (torch.int64, torch.int32):  # all nn.Embedding indexes with
             raise ValueError(f"{name} takes token ids as int64 or int32, got {tokens.dtype}; pass the integer ids "
                              f"(shard_batch gives them as int64)")
-        embed = getattr(module, "embed", None)  # the reference model's
-        if isinstance(embed, nn.Embedding) and tokens.device != embed.weight.device:
+        if ids and tokens.device != embed.weight.device:
             raise ValueError(f"{name} got tokens on {tokens.device}, its embedding is on {embed.weight.device}; "
                              f"move the tokens there")
         if isinstance(positions, torch.Tensor) and positions.device != tokens.device:
@@ -332,7 +333,7 @@ class _PositionsGuard(_KeptWithTheModel):
         docs, batch_docs = (", documents=documents", ", documents=batch.documents") if lengths else ("", "")
         fix = (f"batch = shard_batch(tokens, layout=layout, rank={rank}{docs}), then "
                f"model(batch.tokens, batch.positions{batch_docs})")
-        if isinstance(embed, nn.Embedding) and not tokens.is_meta:  # meta: no values (attention refuses the device)
+        if ids and not tokens.is_meta:  # meta: no values (attention refuses the device)
             limits.check_token_range(tokens, embed.num_embeddings, name)
         if positions is None:
             raise ValueError(f"{name} got no positions under context parallelism, so it would "
