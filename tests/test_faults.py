@@ -523,17 +523,22 @@ def test_only_the_full_torchrun_environment_counts_as_torchrun(monkeypatch) -> N
     assert launch.launched_by_torchrun() and launch.world_size(4) == 2
 
 
-@pytest.mark.parametrize("local_rank, local_world, gpus, takes", [
-    (5, 8, 8, 5), (1, 2, 4, 1), (5, 8, 1, 0), (0, 1, 1, 0),
-    (5, 8, 4, "torchrun started 8 ranks on this node, and each sees 4 GPUs: NCCL needs a GPU per rank; start at "
-              "most 4 (--nproc-per-node 4)"),
-    (1, 4, 2, "start at most 2"), (0, 2, 0, "sees no GPU"),
+@pytest.mark.parametrize("local_rank, local_world, gpus, visible, takes", [
+    (5, 8, 8, None, 5), (1, 2, 4, None, 1), (5, 8, 1, "5", 0), (0, 1, 1, None, 0),
+    (5, 8, 4, None, "torchrun started 8 ranks on this node, and each sees 4 GPUs: NCCL needs a GPU per rank; start "
+                    "at most 4 (--nproc-per-node 4)"),
+    (1, 4, 2, None, "start at most 2"), (0, 2, 0, None, "sees no GPU"),
+    (1, 2, 1, None, "torchrun started 2 ranks on this node, and each sees 1 GPUs"),  # once both took cuda:0
 ])
-def test_a_torchrun_rank_takes_its_own_gpu_or_is_refused_before_joining(local_rank, local_world, gpus, takes,
-                                                                         monkeypatch) -> None:
-    """A GPU for each of the node's ranks: LOCAL_RANK's; one GPU (each rank given its own, e.g.
-    by CUDA_VISIBLE_DEVICES): that one, where set_device(LOCAL_RANK) raised; more ranks than
-    GPUs: refused, on every rank of the node, before the rendezvous."""
+def test_a_torchrun_rank_takes_its_own_gpu_or_is_refused_before_joining(local_rank, local_world, gpus, visible,
+                                                                         takes, monkeypatch) -> None:
+    """A GPU for each of the node's ranks: LOCAL_RANK's; one GPU that CUDA_VISIBLE_DEVICES gave
+    each rank: that one, where set_device(LOCAL_RANK) raised; more ranks than GPUs (one GPU
+    that all of them see included): refused, on every rank of the node, before the rendezvous."""
+    if visible is None:
+        monkeypatch.delenv("CUDA_VISIBLE_DEVICES", raising=False)
+    else:
+        monkeypatch.setenv("CUDA_VISIBLE_DEVICES", visible)
     monkeypatch.setenv("LOCAL_RANK", str(local_rank))
     monkeypatch.setenv("LOCAL_WORLD_SIZE", str(local_world))
     monkeypatch.setattr(torch.cuda, "device_count", lambda: gpus)

@@ -251,15 +251,15 @@ def _join(backend: str, timeout_s: float, **init) -> None:
 
 def local_gpu() -> torch.device:
     """This torchrun rank's GPU: ``cuda:LOCAL_RANK`` where the process sees a GPU for each of
-    its node's LOCAL_WORLD_SIZE ranks, ``cuda:0`` where it sees exactly one (a scheduler or
-    CUDA_VISIBLE_DEVICES gave each rank its own), i.e. LOCAL_RANK mod the GPUs it sees where
-    that names one GPU per rank. Anything else is refused before joining, on every rank of
-    the node alike: NCCL takes one GPU per rank, and which of several a rank should take
-    would be a guess."""
+    its node's LOCAL_WORLD_SIZE ranks, ``cuda:0`` where it sees exactly one that
+    CUDA_VISIBLE_DEVICES chose (a scheduler giving each rank its own, as SLURM's GPU binding
+    does) or where it is the node's only rank. Anything else is refused before joining, on
+    every rank of the node alike: NCCL takes one GPU per rank (ranks sharing one fail later,
+    "duplicate GPU"), and which of several a rank should take would be a guess."""
     local_rank = int(os.environ.get("LOCAL_RANK", 0))
     local_world = int(os.environ.get("LOCAL_WORLD_SIZE", local_rank + 1))
     gpus = torch.cuda.device_count()
-    if gpus == 1:
+    if gpus == 1 and (local_world == 1 or os.environ.get("CUDA_VISIBLE_DEVICES")):
         return torch.device("cuda", 0)
     if gpus and local_world <= gpus:
         return torch.device("cuda", local_rank)
