@@ -184,6 +184,18 @@ def test_resume_refuses_a_checkpoint_of_other_settings_and_names_the_difference(
     assert checkpoint.find_resumable(directory, reshaped).step == n - 1
 
 
+def test_resume_refuses_a_checkpoint_of_the_recall_data_before_its_stream_was_named(tmp_path) -> None:
+    """Checkpoints saved before RecallTask.STREAM (recall/2) drew their batches otherwise: a resume
+    would not continue their run. Their settings lack the entry; the refusal says so."""
+    old = {key: value for key, value in SETTINGS.items() if key != "data stream"}
+    path = checkpoint.step_path(str(tmp_path), 1)
+    os.makedirs(path)
+    checkpoint.write_manifest(path, 1, old)
+    with pytest.raises(ValueError, match=r"data stream 'recall/2' here, none there \(saved before ctxpar recorded "
+                                         r"it\)\), so resuming it would not continue that run"):
+        checkpoint.find_resumable(str(tmp_path), SETTINGS)
+
+
 def test_a_non_finite_loss_stops_training_with_the_step_and_a_non_zero_exit(killed_run, tmp_path) -> None:
     from torch.distributed.checkpoint.format_utils import dcp_to_torch_save, torch_save_to_dcp
 

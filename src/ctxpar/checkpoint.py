@@ -376,7 +376,8 @@ def _refuse_other_run(path: str, saved: dict[str, Any], wanted: dict[str, Any]) 
 
 
 def _differences(saved: dict[str, Any], wanted: dict[str, Any]) -> str:
-    return "; ".join(f"{key} {saved.get(key)!r} there, {wanted.get(key)!r} here"
+    return "; ".join(f"{key} {wanted[key]!r} here, none there (saved before ctxpar recorded it)" if key not in saved
+                     else f"{key} {saved.get(key)!r} there, {wanted.get(key)!r} here"
                      for key in sorted(set(saved) | set(wanted)) if saved.get(key) != wanted.get(key))
 
 
