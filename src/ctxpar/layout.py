@@ -394,14 +394,15 @@ def as_checked(layout: Layout, seq_len: int) -> Layout:
         deal = checked_deal(layout, seq_len)
         digest = hashlib.blake2b(deal.numpy().tobytes(), digest_size=16).hexdigest()
         known = (layout, DealtLayout(layout.world_size, int(seq_len), digest, layout.name, deal))
-        if len(_CHECKED) >= 64:
+        if len(_CHECKED) >= 4:  # each holds a (T,) deal: 8 MB at 1M tokens
             _CHECKED.pop(next(iter(_CHECKED)))
         _CHECKED[key] = known
     return known[1]
 
 
 # a user's layout's checked deal per (layout, T), by identity: every layer calls attention with
-# the same layout. The entry holds the layout, so its id is not reused while it is here
+# the same layout. Layouts are frozen, so a deal checked stays right; the entry holds the layout,
+# so its id is not reused while it is here
 _CHECKED: dict[tuple[int, int], tuple[Layout, DealtLayout]] = {}
 
 
