@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import argparse
-import io
 import json
 import os
 import sys
@@ -123,6 +122,9 @@ def _report(text: str, json_path: str | None, data: dict) -> None:
                 json.dump(data, f, indent=2)
         except OSError as e:  # e.g. the disk filled up during the run
             json_error = e.strerror
+    encoding = getattr(sys.stdout, "encoding", None)
+    if encoding:  # '·' and '≤' as '?' where stdout's encoding lacks them (an ASCII locale): the encoding
+        text = text.encode(encoding, "replace").decode(encoding)  # error, a ValueError, read as a bad flag
     try:
         print(text, flush=True)
     except BrokenPipeError:  # stdout's reader is gone (``| head``): what it did not read, nobody wants
@@ -491,10 +493,6 @@ class _Parser(argparse.ArgumentParser):
 def main(argv: list[str] | None = None) -> int:
     """Run one ``ctxpar`` command; its exit status. Under torchrun, why it failed also goes to
     the rank's error file, for torchrun's failure summary."""
-    if isinstance(sys.stdout, io.TextIOWrapper):
-        # the reports' '·' and '≤' on a stdout whose encoding lacks them (an ASCII locale) print as '?': the
-        # encoding error, a ValueError, read as a bad value (status 2, nothing printed)
-        sys.stdout.reconfigure(errors="replace")
     parser = _Parser(prog="ctxpar", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
     for add_parser, _ in COMMANDS.values():
