@@ -54,9 +54,9 @@ class Crossover:
     strategy: str
     cp: int
     faster_from: int | None
-    searched_from: int
     searched_to: int
     fits_up_to: int  # longest sequence that fits, 0 if none
+    searched_from: int
 
 
 @dataclass(frozen=True)
@@ -159,7 +159,7 @@ def crossover(w: Workload, hw: Hardware, seqs: list[int]) -> Crossover:
             faster = k * step
             break
         previous = seq
-    return Crossover(w.strategy, w.cp, faster, grid[0] if grid else min(seqs), max(seqs), fits_up_to(w, hw))
+    return Crossover(w.strategy, w.cp, faster, max(seqs), fits_up_to(w, hw), grid[0] if grid else min(seqs))
 
 
 def crossovers(w: Workload, hw: Hardware, degrees: Iterable[int], seqs: list[int]) -> list[Crossover]:
