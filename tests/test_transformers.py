@@ -63,6 +63,10 @@ def test_labels_loss_refuses_what_it_cannot_weigh_globally() -> None:
     prompt_masked[:, :4] = IGNORE_INDEX  # supervised fine-tuning's idiom: it was accepted, each token its own target
     with pytest.raises(ValueError, match="unshifted labels"):
         model(**inputs, labels=prompt_masked)
+    embeds = model.get_input_embeddings()(inputs["input_ids"])  # no ids to compare: it ran, each token its own target
+    with pytest.raises(ValueError, match="unshifted labels"):
+        model(inputs_embeds=embeds, position_ids=inputs["position_ids"], labels=inputs["input_ids"])
+    assert model(inputs_embeds=embeds, position_ids=inputs["position_ids"], labels=labels).loss.item() > 0
     repeated = torch.full((1, 8), 5)  # shifted labels that equal the tokens wherever they label: no refusal
     inputs, labels = shard_inputs(repeated, layout=ONE, rank=0)
     assert torch.equal(labels[:, :-1], repeated[:, :-1]) and model(**inputs, labels=labels).loss.item() > 0
@@ -181,6 +185,10 @@ def test_logits_to_keep_and_an_attention_implementation_switched_after_enable_ar
     set_attn_implementation("sdpa") (or a config set to another implementation) each rank
     would attend within its own shard. Both refused, generate included; switching back works."""
     model, inputs, _ = _one_rank(hf_families.build("llama"))
+    # refused by the forward, where every rank agrees: each layer refused it alone, leaving the ranks
+    # without it waiting in attention
+    with pytest.raises(ValueError, match=r"^LlamaForCausalLM asks for output_attentions=True"):
+        model(**inputs, output_attentions=True)
     for keep in (1, torch.tensor([7])):
         with pytest.raises(ValueError, match="logits_to_keep=.*not the sequence's last positions"):
             model(**inputs, logits_to_keep=keep)
@@ -311,6 +319,14 @@ def test_enable_takes_a_layout_name_and_refuses_a_bad_layout_or_strategy_at_once
         with pytest.raises(ValueError, match=message):
             enable_context_parallel(fresh, **{"layout": "zigzag", **change})
         assert fresh.config._attn_implementation != "ctxpar"  # refused before anything changed
+    # a wrapper (PEFT-like) was refused for positions it hands on, or with an AttributeError after its
+    # modules had been changed
+    fresh = hf_families.build("llama")
+    wrapper = torch.nn.ModuleDict(dict(model=fresh))
+    with pytest.raises(ValueError, match="takes a transformers PreTrainedModel, got ModuleDict; enable the model "
+                                         "inside it first, then wrap it"):
+        enable_context_parallel(wrapper, layout="zigzag")
+    assert not hasattr(fresh, "ctxpar_settings")
 
 
 def test_a_model_sharing_the_config_of_an_enabled_one_is_told_why_it_cannot_run() -> None:

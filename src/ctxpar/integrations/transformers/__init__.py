@@ -57,6 +57,7 @@ import torch.distributed as dist
 from ctxpar.integrations.transformers.attention import (
     CHECKED,
     DOCUMENTS,
+    FEATURE_KWARGS,
     NAME,
     PADDING_REFUSED,
     Settings,
@@ -156,6 +157,10 @@ def _check_call(name: str, bound: dict, extra: dict) -> None:
                              f"would score other positions; leave them out and compute the loss on the whole "
                              f"sequence's logits (all-gather start_logits and end_logits over the CP group, then "
                              f"layout.unshard(pieces, dim=1))")
+    if bound.get("output_attentions", extra.get("output_attentions")):  # refused by each layer alone, it left the
+        # ranks without it waiting in attention
+        raise ValueError(f"{name} asks for {FEATURE_KWARGS['output_attentions']}, which ctxpar cannot compute under "
+                         f"context parallelism; it refuses rather than ignore it")
     for key in ("logits_to_keep", "num_logits_to_keep"):
         keep = bound.get(key, extra.get(key))
         if isinstance(keep, torch.Tensor) or keep not in (None, 0):
@@ -174,12 +179,12 @@ def _label_flags(labels: torch.Tensor | None, input_ids: torch.Tensor | None, se
     it) label it, and equal the tokens wherever they label."""
     if labels is None:
         return [0, 0, 0]
-    if input_ids is None:
-        return [1, 0, 0]
-    labels, input_ids = labels.cpu(), input_ids.cpu()
+    labels = labels.cpu()
     labelled = labels != IGNORE_INDEX
-    matches = bool((labels == input_ids)[labelled].all())
     last = settings.positions(labels.shape[1]) == labels.shape[1] * settings.layout.world_size - 1
+    # inputs_embeds: no ids to compare, labelling the last token alone says unshifted (they ran, the loss of
+    # each token predicting itself)
+    matches = input_ids is None or bool((labels == input_ids.cpu())[labelled].all())
     return [1, int(matches), int(bool(labelled[:, last].any()))]
 
 
@@ -220,9 +225,10 @@ def _refuse_together(name: str, error: Exception | None, label_flags: list[int],
         raise ValueError(f"{name} got labels= on {given} of the {ranks} ranks of the CP group; pass them on every "
                          f"rank or on none")
     if given and matching == ranks and last_labelled:
-        raise ValueError(f"{name} got labels equal to its input_ids wherever they label a token, the sequence's "
-                         f"last token included: unshifted labels (labels=input_ids, or a copy with the prompt "
-                         f"masked), which would score each token on predicting itself. Pass the labels shard_inputs "
+        raise ValueError(f"{name} got labels that label the sequence's last token, which next-token labels never "
+                         f"do, and equal its input_ids wherever they label a token (where input_ids are given): "
+                         f"unshifted labels (labels=input_ids, or a copy with the prompt masked), which would score "
+                         f"each token on predicting itself. Pass the labels shard_inputs "
                          f"returns (shard_inputs(input_ids, labels=your_labels, ...) shifts them on the unsplit "
                          f"sequence), or compute the loss with ctxpar.parallelize.cp_loss")
 
@@ -364,6 +370,11 @@ def enable_context_parallel(
             (``find_unsupported``), before changing the model and before any collective.
     """
     layout = check_settings(layout=layout, group=group, strategy=strategy, mesh=mesh)  # a name, or one for this P
+    from transformers import PreTrainedModel
+
+    if not isinstance(model, PreTrainedModel):  # a wrapper (PEFT-like) was refused for positions it does hand on
+        raise ValueError(f"enable_context_parallel takes a transformers PreTrainedModel, got {type(model).__name__}; "
+                         f"enable the model inside it first, then wrap it")
     check_model(model)
     _register()
     settings = Settings(layout, group, strategy, mesh, longrope=longrope_limits(model),
@@ -371,8 +382,6 @@ def enable_context_parallel(
     for module in model.modules():  # attention_forward finds its settings on the module that calls it
         module.ctxpar_settings = settings
     model.set_attn_implementation(NAME)
-    from transformers import PreTrainedModel
-
     stale = sorted({type(m).__name__ for m in model.modules()
                     if isinstance(m, PreTrainedModel) and m.config._attn_implementation != NAME})
     if stale:
