@@ -419,13 +419,15 @@ def _check_auto(rank: int, world: int) -> dict:
     if rank == world - 1:
         auto.set_hardware(h100)
     try:
-        ctxpar.attention(q, k, v, layout="zigzag", strategy="auto")
+        with ctxpar.record() as refused:
+            ctxpar.attention(q, k, v, layout="zigzag", strategy="auto")
         disagreeing = "ok"
     except ValueError as e:
         disagreeing = str(e)
     finally:
         auto.set_hardware(None)
-    return dict(error=error, choices=choices, differ=differ, disagreeing=disagreeing)
+    return dict(error=error, choices=choices, differ=differ, disagreeing=disagreeing,
+                refused_choices=refused.strategy_choices)
 
 
 def _check_loss_weighting(rank: int, world: int) -> dict:

@@ -218,6 +218,7 @@ def test_auto_strategy_is_exact_chosen_alike_and_recorded(world: int) -> None:
     for rank, r in enumerate(per_rank):  # the last rank chose on H100 figures: every rank raises
         assert "different strategy (or the one strategy='auto' chose: the planner's hardware, " \
                "ctxpar.auto.set_hardware, must be alike" in r["disagreeing"], (rank, r["disagreeing"])
+        assert r["refused_choices"] == [], (rank, r["refused_choices"])  # a call refused records no choice
 
 
 def test_torch_compile_with_dynamic_shapes_runs_exactly() -> None:

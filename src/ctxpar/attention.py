@@ -107,7 +107,7 @@ def attention_with_lse(
             return attention_with_lse(q, k, v, layout=layout, group=group, causal=causal, scale=scale,
                                       strategy=strategy, mesh=mesh, check_consistency=check_consistency,
                                       documents=documents, window=window, sinks=sinks)
-    error, topo, mask, layout_name = None, None, None, None
+    error, topo, mask, layout_name, chosen_why = None, None, None, None, None
     try:
         chosen, topo, layout = _settings(layout, group, strategy, mesh)
         scale = _validate(q, k, v, layout, topo, scale)
@@ -116,8 +116,8 @@ def attention_with_lse(
         mask = make_mask(q.shape[2] * layout.world_size, causal=causal, documents=documents, window=window)
         check_sinks(sinks, q)
         if strategy == auto.AUTO:
-            strategy, _ = auto.choose(q, k, world=topo.world_size, layout_name=layout.name, mask=mask,
-                                      backward=agreement.needs_grad(q, k, v, sinks))
+            strategy, chosen_why = auto.choose(q, k, world=topo.world_size, layout_name=layout.name, mask=mask,
+                                               backward=agreement.needs_grad(q, k, v, sinks))
             chosen = _strategy(strategy)
             topo = _topology(chosen.axis, strategy, group, mesh)
         chosen.check(q.shape[1], k.shape[1], topo)
@@ -131,6 +131,8 @@ def attention_with_lse(
                            causal=causal, scale=scale, strategy=strategy, mask=mask, sinks=sinks)
     if error is not None:
         raise error
+    if chosen_why is not None:
+        auto.note(strategy, chosen_why)
     # once per shard, not per block; k and v need no copy here: every strategy copies them
     # into its own send buffers (the stacked K/V of the ring and all-gather, the all-to-all's)
     q = kernels.unit_stride(q)

@@ -72,7 +72,7 @@ def hardware_for(device: torch.device) -> Hardware:
 
 def choose(q: torch.Tensor, k: torch.Tensor, *, world: int, layout_name: str, mask: Mask, backward: bool
            ) -> tuple[str, str]:
-    """(strategy, why) for one call; recorded in ``ctxpar.record()`` and logged at debug level."""
+    """(strategy, why) for one call; ``note`` records it once the call is known to run."""
     b, h, s, d = q.shape
     dtype = {torch.bfloat16: "bfloat16", torch.float16: "float16"}.get(q.dtype, "float32")
     hw = hardware_for(q.device)
@@ -83,9 +83,14 @@ def choose(q: torch.Tensor, k: torch.Tensor, *, world: int, layout_name: str, ma
                                                                    (layout_name, layout)) if given != used]
     if stand_ins and world > 1:
         why += f"; {', '.join(stand_ins)}"
+    return strategy, why
+
+
+def note(strategy: str, why: str) -> None:
+    """Record ``choose``'s choice in ``ctxpar.record()`` and log it at debug level: after the
+    ranks agreed on the call (a refused call once left a choice in some ranks' records)."""
     profile.note_strategy(strategy, why)
     _log.debug("strategy='auto' chose %s: %s", strategy, why)
-    return strategy, why
 
 
 @functools.lru_cache(maxsize=256)
