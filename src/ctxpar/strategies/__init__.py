@@ -11,7 +11,6 @@ from __future__ import annotations
 from collections.abc import Callable
 from dataclasses import dataclass
 
-
 from ctxpar.strategies.allgather import allgather_attention
 from ctxpar.strategies.ring import ring_attention
 from ctxpar.strategies.alltoall import alltoall_attention
