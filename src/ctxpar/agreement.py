@@ -154,8 +154,8 @@ def _described(field: str, column: list[int], group: dist.ProcessGroup | None) -
     """A field that differs between ranks, named; for ``requires_grad``, which tensors each rank's
     backward would reach (``grad_flags``'s bits)."""
     if field == "strategy":  # every rank may have passed "auto" and the planner chosen differently
-        return ("strategy (or the one strategy='auto' chose: the planner's hardware, ctxpar.auto.set_hardware, "
-                "must be alike on every rank)")
+        return ("strategy (or the one strategy='auto' chose, which follows whether a backward will run and the "
+                "planner's hardware: requires_grad and ctxpar.auto.set_hardware must be alike on every rank)")
     if field != "requires_grad":
         return field
     def named(flags: int) -> str:
