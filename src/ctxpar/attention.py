@@ -6,6 +6,7 @@ import functools
 import math
 import reprlib
 import sys
+from collections.abc import Iterable
 
 import torch
 import torch.distributed as dist
@@ -111,9 +112,10 @@ def attention_with_lse(
     try:
         chosen, topo, layout = _settings(layout, group, strategy, mesh)
         scale = _validate(q, k, v, layout, topo, scale)
-        layout = as_checked(layout, q.shape[2] * layout.world_size)  # a layout of the user's: its deal checked
+        seq_len = q.shape[2] * layout.world_size
+        layout = as_checked(layout, seq_len)  # a layout of the user's: its deal checked
         layout_name = fingerprint(layout)
-        mask = make_mask(q.shape[2] * layout.world_size, causal=causal, documents=documents, window=window)
+        mask = make_mask(seq_len, causal=causal, documents=documents, window=window)
         check_sinks(sinks, q)
         if strategy == auto.AUTO:
             strategy, chosen_why = auto.choose(q, k, world=topo.world_size, layout_name=layout.name, mask=mask,
@@ -199,19 +201,19 @@ def _fallback_topology(group, mesh) -> topology.Topology | None:
 
 
 def check_settings(*, layout: str | Layout, group: dist.ProcessGroup | None = None, strategy: str = "ring",
-                   mesh=None, heads: tuple[int, int] | None = None) -> Layout:
+                   mesh=None, heads: Iterable[tuple[int, int]] = ()) -> Layout:
     """The CP settings a model's attention calls will take, checked once, before
     ``apply_context_parallel`` or ``enable_context_parallel`` change the model (each call
     checks them again): the strategy's name, ``mesh=`` given exactly for "hybrid", the
     groups they name (this rank among them), the layout for their size, and the model's
-    ``heads`` (H, H_kv) where known, which the all-to-all (and hybrid's) must split over its
-    ranks. Returns the layout built for that size."""
+    ``heads``, each (H, H_kv) its attention modules have, which the all-to-all (and hybrid's)
+    must split over its ranks. Returns the layout built for that size."""
     if isinstance(layout, Layout) and layout.world_size > 1 and not (dist.is_available() and dist.is_initialized()):
         raise ValueError(f"the {layout.name} layout is for P={layout.world_size} ranks but torch.distributed is not "
                          f"initialised; call torch.distributed.init_process_group first")
     chosen, topo, placed = _settings(layout, group, strategy, mesh)
-    if heads is not None:  # "auto" is checked as ring: it chooses among the strategies the heads allow
-        chosen.check(*heads, topo)
+    for h, kv_heads in heads:  # "auto" is checked as ring: it chooses among the strategies the heads allow
+        chosen.check(h, kv_heads, topo)
     return placed
 
 

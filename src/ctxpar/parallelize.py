@@ -196,8 +196,7 @@ def apply_context_parallel(
     # the reference model's attention knows its heads: those the all-to-all cannot split are refused now, not at
     # every forward
     shapes = {(m.cfg.heads, m.cfg.kv_heads) for _, m in modules if isinstance(getattr(m, "cfg", None), ModelConfig)}
-    for heads in sorted(shapes) or [None]:
-        check_settings(layout=layout, group=group, strategy=strategy, mesh=mesh, heads=heads)
+    check_settings(layout=layout, group=group, strategy=strategy, mesh=mesh, heads=sorted(shapes))
     for name, module in modules:
         fn = module.attention_fn
         if not plain_causal_attention(fn):
