@@ -114,7 +114,8 @@ def exactness_cases() -> list[Case]:
         grid += [Case(strategy, "zigzag", True, "mha", "float32", scale=0.3),
                  Case(strategy, "striped", True, "gqa", "bfloat16", memory="bshd"),
                  Case(strategy, "zigzag", True, "gqa", "float32", memory="interleaved"),
-                 Case(strategy, "contiguous", False, "mha", "bfloat16", memory="d_major")]
+                 Case(strategy, "contiguous", False, "mha", "bfloat16", memory="d_major"),
+                 Case(strategy, "zigzag", True, "gqa", "float32", memory="heads_last")]
     return grid + mask_cases()
 
 
@@ -134,6 +135,7 @@ MEMORY = {
     "bshd": lambda t: t.transpose(1, 2).contiguous().transpose(1, 2),  # (B, S, H, D) memory
     "interleaved": lambda t: torch.stack([t, t], -1)[..., 0],  # unbound from (..., D, 2): last-dim stride 2
     "d_major": lambda t: t.transpose(2, 3).contiguous().transpose(2, 3),  # (B, H, D, S) memory
+    "heads_last": lambda t: t.contiguous(memory_format=torch.channels_last),  # (B, S, D, H) memory
 }
 
 

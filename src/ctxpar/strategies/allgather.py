@@ -47,7 +47,7 @@ from ctxpar.layout import Layout
 from ctxpar.masks import Mask
 from ctxpar.strategies.blockwise import (backward_tiles, finish_forward, first_order_only, forward_tiles,
                                          gradient_accumulators, output_accumulators, refuse_lse_gradient,
-                                         saved_for_backward, sink_gradient)
+                                         saved_for_backward, sink_gradient, stacked_kv)
 from ctxpar.strategy_rules import gather_group_heads
 from ctxpar.topology import Topology
 
@@ -119,7 +119,7 @@ class AllGatherAttention(torch.autograd.Function):
         order = _key_order(layout, q.shape[2] * layout.world_size, rank, mask, q.device)
         g = q.shape[1] // k.shape[1]  # query heads per KV head
         acc_out, acc_lse = output_accumulators(q)  # (B, H, S, D), (B, H, S)
-        kv = torch.stack([k, v])  # (2, B, H_kv, S, D)
+        kv = stacked_kv(k, v)  # (2, B, H_kv, S, D)
         groups = head_groups(k.shape[1])
         pending = PendingAllGather(kv[:, :, groups[0]], group)
         for i, kvh in enumerate(groups):
@@ -141,7 +141,7 @@ class AllGatherAttention(torch.autograd.Function):
         g = q.shape[1] // k.shape[1]
         dout = dout.contiguous()
         dq, dkv = gradient_accumulators(q, k)  # dkv: our shard's dK, dV, filled group by group
-        kv = torch.stack([k, v])
+        kv = stacked_kv(k, v)
         groups = head_groups(k.shape[1])
         pending = PendingAllGather(kv[:, :, groups[0]], group)
         reducing = None  # (heads, PendingReduceScatter) of the previous group, still in flight

@@ -43,6 +43,16 @@ def output_accumulators(q: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
             torch.full(q.shape[:3], float("-inf"), dtype=acc, device=q.device))
 
 
+def stacked_kv(k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+    """K and V as one dense (2, B, H_kv, S, D) tensor: one message per transfer. Not
+    ``torch.stack``, which keeps its inputs' memory format: K/V with heads innermost
+    (channels_last memory) stacked into a tensor no transfer can send."""
+    kv = torch.empty((2, *k.shape), dtype=k.dtype, device=k.device)
+    kv[0].copy_(k)
+    kv[1].copy_(v)
+    return kv
+
+
 def gradient_accumulators(q: torch.Tensor, k: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """Zeroed dQ (B, H, S, D) and dK/dV stacked (2, B, H_kv, S, D), accumulation dtype."""
     acc = kernels.accumulation_dtype(q.dtype)

@@ -43,7 +43,7 @@ from ctxpar.layout import Layout
 from ctxpar.masks import Mask
 from ctxpar.strategies.blockwise import (backward_tiles, finish_forward, first_order_only, forward_tiles,
                                          gradient_accumulators, output_accumulators, refuse_lse_gradient,
-                                         saved_for_backward, sink_gradient)
+                                         saved_for_backward, sink_gradient, stacked_kv)
 from ctxpar.topology import Topology
 
 _KV_TAG, _DKV_TAG, _HOME_TAG = 0, 1, 2
@@ -122,7 +122,7 @@ class RingAttention(torch.autograd.Function):
         world = layout.world_size
         plan = ring_schedule(layout, q.shape[2] * world, mask, rank)
         acc_out, acc_lse = output_accumulators(q)  # (B, H, S, D), (B, H, S)
-        kv = torch.stack([k, v])  # (2, B, H_kv, S, D): one message per step
+        kv = stacked_kv(k, v)  # (2, B, H_kv, S, D): one message per step
         comm = RingComm(group, tag=_KV_TAG) if plan.steps else None
         with settled(comm):
             for step in range(plan.steps + 1):
@@ -148,7 +148,7 @@ class RingAttention(torch.autograd.Function):
         world, held, steps = len(plan.held[0]), plan.held, plan.steps
         dout = dout.contiguous()
         dq, own = gradient_accumulators(q, k)  # own: dK/dV of our own shard
-        kv = torch.stack([k, v])
+        kv = stacked_kv(k, v)
         comms = (RingComm(ctx.group, tag=_KV_TAG), RingComm(ctx.group, tag=_DKV_TAG),
                  RingComm(ctx.group, tag=_HOME_TAG, shift=-steps)) if steps else ()
         kv_comm, dkv_comm, home_comm = comms or (None, None, None)
