@@ -296,6 +296,9 @@ def test_the_checkpoint_api_refuses_what_would_lose_or_mix_work(tmp_path) -> Non
         return model, torch.optim.AdamW(model.parameters())
 
     model, optimizer = model_and_optimizer()
+    model(torch.zeros(1, 4, dtype=torch.int64)).sum().backward()
+    optimizer.step()  # the checkpoint holds optimizer state for the SGD below to not fit
+    optimizer.zero_grad()
     directory = str(tmp_path / "ckpt")
     path = checkpoint.save(model, optimizer, directory, 1, SETTINGS)
 
@@ -340,6 +343,40 @@ def test_the_checkpoint_api_refuses_what_would_lose_or_mix_work(tmp_path) -> Non
     scaled = Scaled(2, 2)
     sgd = torch.optim.SGD(scaled.parameters())
     checkpoint.load(scaled, sgd, checkpoint.save(scaled, sgd, str(tmp_path / "scaled"), 1, SETTINGS))
+
+
+def test_a_save_before_the_first_step_leaves_the_optimizer_as_it_was_and_resumes_it_so(tmp_path) -> None:
+    """torch's get_state_dict makes an optimizer's state with a step at lr 0 where it has
+    none: a checkpoint saved before training left AdamW's step count at 1, so every update
+    after it corrected the moments one step late (and a run resumed from it too)."""
+    from ctxpar.models import Transformer, get_config
+
+    tokens = torch.randint(0, get_config("tiny").vocab, (2, 16), generator=torch.Generator().manual_seed(1))
+
+    def losses(save_first: bool = False, load: str | None = None) -> list[float]:
+        torch.manual_seed(0)
+        model = Transformer(get_config("tiny"))
+        optimizer = torch.optim.AdamW(model.parameters(), lr=0.01)
+        if save_first:
+            checkpoint.save(model, optimizer, str(tmp_path / "ckpt"), 0, SETTINGS)
+            assert not optimizer.state
+        if load is not None:
+            model(tokens).sum().backward()
+            optimizer.step()  # state that the checkpoint's absence of any must replace
+            optimizer.zero_grad()
+            checkpoint.load(model, optimizer, load)
+        out = []
+        for _ in range(3):
+            loss = model(tokens[:, :-1]).logsumexp(-1).mean()
+            loss.backward()
+            optimizer.step()
+            optimizer.zero_grad()
+            out.append(loss.item())
+        return out
+
+    unsaved = losses()
+    assert losses(save_first=True) == unsaved
+    assert losses(load=checkpoint.step_path(str(tmp_path / "ckpt"), 0)) == unsaved
 
 
 def test_a_file_system_without_locks_saves_unlocked(tmp_path, monkeypatch) -> None:

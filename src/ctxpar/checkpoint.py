@@ -170,7 +170,7 @@ def save(model: torch.nn.Module, optimizer: torch.optim.Optimizer, directory: st
     path = step_path(directory, step)
     lock = _on_rank0(partial(_claim, directory, path, step, settings))  # rank 0's descriptor
     try:
-        model_state, optim_state = get_state_dict(model, optimizer)
+        model_state, optim_state = _state_without_stepping(model, optimizer)
         try:
             dcp.save({"model": model_state, "optim": optim_state}, checkpoint_id=path)
         except CheckpointException as e:  # a BaseException: an `except Exception` would miss it
@@ -180,6 +180,20 @@ def save(model: torch.nn.Module, optimizer: torch.optim.Optimizer, directory: st
         if _rank_world()[0] == 0:
             os.close(lock)  # releases the lock
     return path
+
+
+def _state_without_stepping(model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> tuple[dict, dict]:
+    """The model's and optimizer's state dicts, the optimizer left as it was. For an optimizer
+    that has not stepped yet, torch's ``get_state_dict`` makes its state with a step at lr 0,
+    which counts as a step: saved before training, AdamW then corrected its moments one step
+    late for the rest of the run. That state is dropped again and none is saved, so a run
+    resumed from the checkpoint starts its optimizer afresh as the saving run does."""
+    stepped = bool(optimizer.state)
+    model_state, optim_state = get_state_dict(model, optimizer)
+    if not stepped and optimizer.state:
+        optimizer.state.clear()
+        optim_state = {**optim_state, "state": {}}
+    return model_state, optim_state
 
 
 def write_manifest(path: str, step: int, run: dict[str, Any]) -> None:
@@ -236,7 +250,10 @@ def load(model: torch.nn.Module, optimizer: torch.optim.Optimizer, path: str) ->
             shapes, naming them; or its optimizer state does not fit the optimizer.
     """
     model_state, optim_state = get_state_dict(model, optimizer)
-    _check_parameters(path, _on_rank0(partial(_saved_parameters, path)), model_state)
+    parameters, optimizer_stepped = _on_rank0(partial(_saved_entries, path))
+    _check_parameters(path, parameters, model_state)
+    if not optimizer_stepped:  # saved before the optimizer's first step (_state_without_stepping)
+        optim_state = {**optim_state, "state": {}}
     state = {"model": model_state, "optim": optim_state}
     try:
         dcp.load(state, checkpoint_id=path)
@@ -244,6 +261,8 @@ def load(model: torch.nn.Module, optimizer: torch.optim.Optimizer, path: str) ->
         raise ValueError(f"the checkpoint {path} does not fit this model and optimizer (an optimizer of another "
                          f"kind, or other state): {e}") from None
     set_state_dict(model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"])
+    if not optimizer_stepped:
+        optimizer.state.clear()
 
 
 def _check_is_directory(directory: str) -> None:
@@ -252,11 +271,13 @@ def _check_is_directory(directory: str) -> None:
         raise ValueError(f"checkpoint directory {directory!r} {what}; pass the directory a run saved to")
 
 
-def _saved_parameters(path: str) -> dict[str, tuple[int, ...] | None]:
-    """{entry name: its saved shape (None: not a tensor)} of the model in checkpoint ``path``."""
+def _saved_entries(path: str) -> tuple[dict[str, tuple[int, ...] | None], bool]:
+    """{entry name: its saved shape (None: not a tensor)} of the model in checkpoint ``path``,
+    and whether it holds optimizer state (none where saved before the first step)."""
     saved = dcp.FileSystemReader(path).read_metadata().state_dict_metadata
-    return {key.removeprefix("model."): tuple(entry.size) if hasattr(entry, "size") else None
-            for key, entry in saved.items() if key.startswith("model.")}
+    parameters = {key.removeprefix("model."): tuple(entry.size) if hasattr(entry, "size") else None
+                  for key, entry in saved.items() if key.startswith("model.")}
+    return parameters, any(key.startswith("optim.state.") for key in saved)
 
 
 def _check_parameters(path: str, saved: dict[str, tuple[int, ...] | None], model_state: dict) -> None:
