@@ -379,6 +379,42 @@ def test_a_save_before_the_first_step_leaves_the_optimizer_as_it_was_and_resumes
     assert losses(load=checkpoint.step_path(str(tmp_path / "ckpt"), 0)) == unsaved
 
 
+def test_an_optimizer_with_state_for_some_parameters_only_resumes_exactly(tmp_path) -> None:
+    """Parameters that never had a gradient have no AdamW state: load refused such a
+    checkpoint (torch's get_state_dict makes state for every parameter, which the
+    checkpoint then lacked), into a fresh optimizer and into the one that saved it."""
+    from ctxpar.models import Transformer, get_config
+
+    tokens = torch.randint(0, get_config("tiny").vocab, (2, 16), generator=torch.Generator().manual_seed(1))
+
+    def train(model, optimizer, steps: int) -> list[float]:
+        out = []
+        for _ in range(steps):
+            loss = model(tokens[:, :-1]).logsumexp(-1).mean()
+            loss.backward()
+            optimizer.step()
+            optimizer.zero_grad()
+            out.append(loss.item())
+        return out
+
+    def model_and_optimizer():
+        torch.manual_seed(0)
+        model = Transformer(get_config("tiny"))
+        return model, torch.optim.AdamW(model.parameters(), lr=0.01)
+
+    model, optimizer = model_and_optimizer()
+    model.embed.weight.square().sum().backward()  # a first step that reaches the embedding alone
+    optimizer.step()
+    optimizer.zero_grad()
+    assert len(optimizer.state) == 1
+    path = checkpoint.save(model, optimizer, str(tmp_path / "ckpt"), 1, SETTINGS)
+    uninterrupted = train(model, optimizer, 2)
+    resumed = model_and_optimizer()
+    checkpoint.load(*resumed, path)
+    assert len(resumed[1].state) == 1
+    assert train(*resumed, 2) == uninterrupted
+
+
 def test_a_file_system_without_locks_saves_unlocked(tmp_path, monkeypatch) -> None:
     """NFS mounted nolock, Lustre noflock: flock fails with ENOLCK or ENOSYS there. A save
     goes on without the lock, as it did before there was one (it once failed outright)."""

@@ -47,7 +47,8 @@ import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint._nested_dict import flatten_state_dict
 from torch.distributed.checkpoint.api import CheckpointException
-from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_state_dict, set_model_state_dict,
+                                                     set_optimizer_state_dict)
 
 MANIFEST = "manifest.json"
 FORMAT = "ctxpar-checkpoint/1"
@@ -250,19 +251,20 @@ def load(model: torch.nn.Module, optimizer: torch.optim.Optimizer, path: str) ->
             shapes, naming them; or its optimizer state does not fit the optimizer.
     """
     model_state, optim_state = get_state_dict(model, optimizer)
-    parameters, optimizer_stepped = _on_rank0(partial(_saved_entries, path))
+    parameters, with_state = _on_rank0(partial(_saved_entries, path))
     _check_parameters(path, parameters, model_state)
-    if not optimizer_stepped:  # saved before the optimizer's first step (_state_without_stepping)
-        optim_state = {**optim_state, "state": {}}
+    # Only the parameters the saving optimizer held state for: none where it was saved before the first step
+    # (_state_without_stepping), not those that never had a gradient. get_state_dict made state for every one.
+    optim_state = {**optim_state, "state": {name: v for name, v in optim_state["state"].items() if name in with_state}}
     state = {"model": model_state, "optim": optim_state}
     try:
         dcp.load(state, checkpoint_id=path)
     except CheckpointException as e:  # a BaseException: an `except Exception` would miss it
         raise ValueError(f"the checkpoint {path} does not fit this model and optimizer (an optimizer of another "
                          f"kind, or other state): {e}") from None
-    set_state_dict(model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"])
-    if not optimizer_stepped:
-        optimizer.state.clear()
+    set_model_state_dict(model, state["model"])
+    # not strict: the parameters without saved state start without, as the saving optimizer's would have stepped
+    set_optimizer_state_dict(model, optimizer, state["optim"], options=StateDictOptions(strict=False))
 
 
 def _check_is_directory(directory: str) -> None:
@@ -271,13 +273,16 @@ def _check_is_directory(directory: str) -> None:
         raise ValueError(f"checkpoint directory {directory!r} {what}; pass the directory a run saved to")
 
 
-def _saved_entries(path: str) -> tuple[dict[str, tuple[int, ...] | None], bool]:
+def _saved_entries(path: str) -> tuple[dict[str, tuple[int, ...] | None], set[str]]:
     """{entry name: its saved shape (None: not a tensor)} of the model in checkpoint ``path``,
-    and whether it holds optimizer state (none where saved before the first step)."""
+    and the parameters it holds optimizer state for."""
     saved = dcp.FileSystemReader(path).read_metadata().state_dict_metadata
     parameters = {key.removeprefix("model."): tuple(entry.size) if hasattr(entry, "size") else None
                   for key, entry in saved.items() if key.startswith("model.")}
-    return parameters, any(key.startswith("optim.state.") for key in saved)
+    # optimizer state entries are "optim.state.<parameter>.<state name>"
+    with_state = {key.removeprefix("optim.state.").rpartition(".")[0] for key in saved
+                  if key.startswith("optim.state.")}
+    return parameters, with_state
 
 
 def _check_parameters(path: str, saved: dict[str, tuple[int, ...] | None], model_state: dict) -> None:
