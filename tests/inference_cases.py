@@ -16,6 +16,7 @@ import torch
 from ctxpar.inference import (KVCache, decode_step, generate, partial_prefill, prefill, reference_generate,
                               sharded_attention)
 from ctxpar import profile, topology
+from hostile_cases import BlockedLayout
 from ctxpar.topology import hybrid_group_rank as group_rank
 from ctxpar.layout import get_layout
 from ctxpar.plan import get_hardware, traffic
@@ -136,15 +137,17 @@ def _check_sampled(rank: int, world: int) -> dict:
 
 def _check_any_length(rank: int, world: int) -> dict:
     """generate from prompts the zigzag layout does not split (its head prefilled, the rest a
-    partial prefill) and shorter than one multiple (all of it a partial prefill), sampled:
-    {length: the tokens equal the single-process ones}."""
+    partial prefill) and shorter than one multiple (all of it a partial prefill), and from one
+    a layout of the user's (blocks of 2 dealt round-robin: multiples of 2P) does not split,
+    sampled: {(layout, length): the tokens equal the single-process ones}."""
     model = build()
     out: dict = {"prompt_len": []}
-    for length in (2 * world * 3 + 1, 2 * world - 1):
+    for layout, length in (("zigzag", 2 * world * 3 + 1), ("zigzag", 2 * world - 1),
+                           (BlockedLayout(world, block=2), 2 * world * 3 + 1)):
         prompt = prompt_tokens(length, seed=length)
-        r = generate(model, prompt, layout="zigzag", new_tokens=SAMPLED_TOKENS, temperature=TEMPERATURE, seed=SEED)
+        r = generate(model, prompt, layout=layout, new_tokens=SAMPLED_TOKENS, temperature=TEMPERATURE, seed=SEED)
         ref = reference_generate(model, prompt, new_tokens=SAMPLED_TOKENS, temperature=TEMPERATURE, seed=SEED)
-        out[length] = r.tokens.tolist() == ref.tolist()
+        out[(getattr(layout, "name", layout), length)] = r.tokens.tolist() == ref.tolist()
         out["prompt_len"].append(r.cache.prompt_len)
     return out
 

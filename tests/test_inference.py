@@ -109,9 +109,11 @@ def test_seeded_sampling_draws_the_single_process_tokens_on_every_rank(world: in
 
 @pytest.mark.parametrize("world", WORLD_SIZES, ids=lambda w: f"P{w}")
 def test_generate_takes_a_prompt_of_any_length(world: int) -> None:
-    """A length the layout did not split was refused, advising padding, which generate has none of."""
+    """A length the layout did not split was refused, advising padding, which generate has none of;
+    a layout of the user's took the whole prompt, which prefill refused unless it split."""
     for rank, r in enumerate(_reported(world, "any_length")):
-        assert r.pop("prompt_len") == [2 * world * 3 + 1, 2 * world - 1], (rank, r)  # the cache's, the whole prompt
+        # the cache's, the whole prompt
+        assert r.pop("prompt_len") == [2 * world * 3 + 1, 2 * world - 1, 2 * world * 3 + 1], (rank, r)
         assert r and all(r.values()), (rank, r)
 
 

@@ -28,7 +28,7 @@ from ctxpar.inference.decode import decode_step
 from ctxpar.inference.hooks import model_code
 from ctxpar.inference.partial import partial_prefill
 from ctxpar.inference.prefill import check_strategy, prefill
-from ctxpar.layout import ContiguousLayout, Layout, StripedLayout, ZigzagLayout, get_layout
+from ctxpar.layout import Layout, _OneLength, get_layout
 
 
 class Sampler:
@@ -159,9 +159,10 @@ def reference_generate(model: nn.Module, prompt: torch.Tensor, *, new_tokens: in
 
 def prefilled_length(layout: Layout, length: int) -> int:
     """How many of a prompt's ``length`` tokens ``prefill`` takes: the longest head ``layout``
-    splits (a balanced layout, built for one length, takes the whole prompt: prefill refuses
-    any other); the rest goes through ``partial_prefill``, exact at any length."""
-    if not isinstance(layout, (ContiguousLayout, ZigzagLayout, StripedLayout)):
+    splits, a multiple of its ``multiple`` (a layout built for one length, balanced or a
+    checked deal, takes the whole prompt: prefill refuses any other); the rest goes through
+    ``partial_prefill``, exact at any length."""
+    if isinstance(layout, _OneLength):
         return length
     return length // layout.multiple * layout.multiple
 
