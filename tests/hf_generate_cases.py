@@ -13,8 +13,9 @@ model's generate without CP, on CP groups of P = 2, 3 and 4 of those ranks.
   CP, or refused naming what the sharded cache cannot serve (``GENERATE_REFUSED``).
 - ``cache``: on all 4 ranks (zigzag), the positions each rank's ``ShardedCache`` holds
   after generate (``return_dict_in_generate=True`` returns it) and the sequence length.
-- ``refusals``: on all 4 ranks, what generate must refuse (the message each rank got),
-  including arguments that differ between ranks, and a generate that runs afterwards.
+- ``refusals``: on all 4 ranks, what generate and a forward over a ``ShardedCache`` must
+  refuse (the message each rank got), including arguments that differ between ranks, and a
+  generate that runs afterwards.
 - ``hybrid``: ``strategy="hybrid"`` on a 2x2 mesh of the 4 ranks, and on two data-parallel
   replicas each a mesh of its own: the tokens of generate without CP.
 """
@@ -27,7 +28,7 @@ import torch
 import torch.distributed as dist
 
 import ctxpar
-from ctxpar.integrations.transformers import enable_context_parallel
+from ctxpar.integrations.transformers import ShardedCache, enable_context_parallel
 
 PROMPT_LEN, BATCH, NEW_TOKENS = 24, 2, 16  # 24: a multiple of 2P for P = 2, 3, 4
 WORLDS = (2, 3, 4)
@@ -234,6 +235,16 @@ def _refusals(rank: int, world: int) -> dict:
         "dynamic cache in forward": _attempt(lambda: model(input_ids=layout.shard(tokens, rank, dim=1),
                                                            position_ids=layout.positions(PROMPT_LEN, rank)[None],
                                                            past_key_values=DynamicCache())),
+        # a forward of one's own over the sharded cache, checked as any forward under CP: an all-True 4-D mask
+        # on rank 1 only (dropped: the causal logits, silently), a token outside the vocabulary (an IndexError
+        # on the rank holding it), logits_to_keep past the one row it returns
+        "4-D mask over the sharded cache on rank 1": _attempt(lambda: model(
+            input_ids=tokens, cache=_sharded(model),
+            attention_mask=torch.ones(BATCH, 1, PROMPT_LEN, PROMPT_LEN, dtype=torch.bool) if rank == 1 else None)),
+        "token outside the vocabulary over the sharded cache": _attempt(lambda: model(input_ids=outside,
+                                                                                      cache=_sharded(model))),
+        "logits_to_keep over the sharded cache": _attempt(lambda: model(input_ids=tokens, cache=_sharded(model),
+                                                                        logits_to_keep=3)),
     }
     out.update(_stops_and_last_tokens(model, tokens, rank))
     # zigzag on 4 ranks splits multiples of 8: a head of 8 or 16, then one token at a time; a
@@ -257,6 +268,10 @@ def _refusals(rank: int, world: int) -> dict:
     except Exception as e:  # noqa: BLE001
         out["after"] = f"{type(e).__name__}: {e}"
     return out
+
+
+def _sharded(model) -> ShardedCache:
+    return ShardedCache(layers=model.config.num_hidden_layers, batch=BATCH, capacity=PROMPT_LEN)
 
 
 def _stops_and_last_tokens(model, tokens: torch.Tensor, rank: int) -> dict:

@@ -116,6 +116,10 @@ REFUSED = {  # what generate must refuse on every rank, and the words of the err
     "token outside the vocabulary": "ValueError: LlamaForCausalLM got token ids from",
     "longrope prefill": "ValueError: Phi3ForCausalLM uses LongRoPE",
     "sdpa after enable": "ValueError: LlamaForCausalLM's attention implementation is now 'sdpa'",
+    # a forward over the sharded cache: an IndexError on the rank holding it, the others a "different call"
+    "token outside the vocabulary over the sharded cache": "ValueError: LlamaForCausalLM got token ids from 5 to 101",
+    "logits_to_keep over the sharded cache": "ValueError: LlamaForCausalLM got logits_to_keep=3 with ctxpar's "
+                                             "sharded cache",
 }
 
 
@@ -183,6 +187,16 @@ def test_a_forward_with_a_token_outside_the_vocabulary_on_one_rank_is_refused_on
                 "ValueError: LlamaForCausalLM: another rank of the CP group refused its inputs")
         assert got.startswith(want), f"rank {rank}: {got}"
     assert "to 101, outside its vocabulary of 96 (0..95)" in _part(0, "refusals")["token outside the vocabulary"]
+
+
+def test_a_forward_over_the_sharded_cache_refuses_a_mask_of_one_rank_on_every_rank() -> None:
+    """An all-True 4-D mask was dropped by a forward over the sharded cache (the causal logits,
+    0.02 off the masked model's, silently), where the same forward without it refuses it."""
+    for rank in range(4):
+        got = _part(rank, "refusals")["4-D mask over the sharded cache on rank 1"]
+        want = ("ValueError: LlamaForCausalLM got an explicit attention mask (2, 1, 24, 24)" if rank == 1 else
+                "ValueError: ranks [1] of the CP group rejected their generate forward inputs")
+        assert got.startswith(want), f"rank {rank}: {got}"
 
 
 @pytest.mark.parametrize("case", [*cases.HYBRID, "replicas"])

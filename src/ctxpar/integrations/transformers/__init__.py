@@ -69,8 +69,8 @@ from ctxpar.integrations.transformers.attention import (
 )
 from ctxpar.integrations.transformers.fidelity import (Unsupported, check_model, dynamic_rope_limits, find_unsupported,
                                                        longrope_limits)
-from ctxpar.integrations.transformers.generation import (CACHE_KEYS, ShardedCache, cached_forward, check_token_ids,
-                                                         wrap_generate)
+from ctxpar.integrations.transformers.generation import (CACHE_KEYS, GENERATE_PADDING_REFUSED, ShardedCache,
+                                                         cached_forward, check_token_ids, wrap_generate)
 from ctxpar.integrations.transformers.loss import (CAUSAL_LM_LOSSES, LOSS_KEYWORDS, CPCausalLMLoss, head_loss,
                                                    loss_refusal)
 from ctxpar import agreement, limits, topology
@@ -135,12 +135,15 @@ def _check_positions(name: str, settings: Settings, bound: dict, documents: tupl
                          f"each declared document {list(documents)[:8]} (use shard_inputs(..., documents=...))")
 
 
-def _check_call(name: str, bound: dict, extra: dict) -> None:
-    """Refuse in the forward, where every rank's verdict is agreed (``_refuse_together``),
-    what a layer or the LM head would get wrong on one shard: a padding or custom mask
-    (after sharding, a left-padded row's zeros sit on one rank only), question answering's
-    start_positions / end_positions (global indices, where a rank's logits cover its shard)
-    and logits_to_keep (a shard's last rows are not the sequence's last positions)."""
+def _check_call(name: str, bound: dict, extra: dict, *, cached: bool = False) -> None:
+    """Refuse in the forward, where every rank's verdict is agreed (``_refuse_together``, or
+    the cached forward's own exchange), what a layer or the LM head would get wrong on one
+    shard: a padding or custom mask (after sharding, a left-padded row's zeros sit on one
+    rank only), question answering's start_positions / end_positions (global indices, where
+    a rank's logits cover its shard) and logits_to_keep (a shard's last rows are not the
+    sequence's last positions). ``cached``: a forward over ctxpar's ``ShardedCache``, which
+    returns the logits of the sequence's last position, so logits_to_keep=1 (generate's) is
+    what it does."""
     mask = bound.get("attention_mask", extra.get("attention_mask"))
     if mask is not None:
         if not isinstance(mask, torch.Tensor) or mask.dim() != 2:
@@ -149,7 +152,7 @@ def _check_call(name: str, bound: dict, extra: dict) -> None:
                              f"follows the layout (and the declared documents), and custom or padding masks are "
                              f"refused")
         if not bool(mask.all()):
-            raise ValueError(f"{name}: {PADDING_REFUSED}")
+            raise ValueError(f"{name}: {GENERATE_PADDING_REFUSED if cached else PADDING_REFUSED}")
     for key in ("start_positions", "end_positions"):
         if bound.get(key, extra.get(key)) is not None:
             raise ValueError(f"{name} got {key}=: they index the whole sequence, while under context parallelism a "
@@ -163,8 +166,11 @@ def _check_call(name: str, bound: dict, extra: dict) -> None:
                          f"context parallelism; it refuses rather than ignore it")
     for key in ("logits_to_keep", "num_logits_to_keep"):
         keep = bound.get(key, extra.get(key))
-        if isinstance(keep, torch.Tensor) or keep not in (None, 0):
+        if isinstance(keep, torch.Tensor) or keep not in ((None, 0, 1) if cached else (None, 0)):
             shown = f"a tensor {tuple(keep.shape)}" if isinstance(keep, torch.Tensor) else repr(keep)
+            if cached:
+                raise ValueError(f"{name} got {key}={shown} with ctxpar's sharded cache, whose forwards return the "
+                                 f"logits of the sequence's last position only; leave it out or pass 1")
             raise ValueError(f"{name} got {key}={shown}: it keeps rows of this rank's shard, and under context "
                              f"parallelism a shard's last rows are not the sequence's last positions; leave it out "
                              f"(0 keeps every row) and pick rows by their global positions (the position_ids "
@@ -269,9 +275,11 @@ def _wrap_forward(model, settings: Settings, loss: CPCausalLMLoss | None = None)
         sharded = [c for c in caches.values() if isinstance(c, ShardedCache)]
         if sharded and documents is None and loss is not None:
             refusal = None
-            try:
+            try:  # what the forward below refuses, refused alike over the cache (agreed in cached_forward)
                 check_implementation(name, models)
-            except ValueError as e:
+                _check_call(name, bound, extra, cached=True)
+                check_token_ids(name, model, bound.get("input_ids"))
+            except Exception as e:  # noqa: BLE001  any failure: every rank raises together in cached_forward
                 refusal = e
             call = {k: v for k, v in bound.items() if k != var_kw}
             return cached_forward(forward, {**call, **extra}, name=name, settings=settings, cache=sharded[0],

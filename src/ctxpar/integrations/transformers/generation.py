@@ -42,7 +42,10 @@ implementations (static, offloaded, quantized), ``use_cache=False``, chunked pre
 ``inputs_embeds``, padding, ``output_attentions`` / ``output_hidden_states``, token ids
 outside the vocabulary, encoder-decoder models, an attention implementation
 switched after ``enable_context_parallel``, a prompt on whose length LongRoPE would pick
-different factors on different ranks. Refused during the call, on every rank alike: a
+different factors on different ranks. Every forward over the cache (generate's, or one's
+own ``model(input_ids=..., cache=ShardedCache(...))``) is checked as any forward under CP
+is (a mask but the all-ones 2-D one, token ids, ``logits_to_keep`` but 1), on every rank
+together. Refused during the call, on every rank alike: a
 model that attends with K/V other than the ones it cached (but for those its ``expand_kv``
 makes of them: multi-head latent attention caches latents and expands them position by
 position), at its first layer of the prefill (``ShardedCache.take``); a layer that stored
@@ -73,6 +76,9 @@ except ImportError:  # the integration imports transformers lazily; without it n
     Cache, StoppingCriteriaList = object, list
 
 CACHE_KEYS = ("cache", "past_key_values", "cache_params")  # transformers 5 renamed past_key_values to cache
+GENERATE_PADDING_REFUSED = ("padding (an attention_mask with zeros, a left-padded batch, or one transformers infers "
+                            "where the prompt holds pad_token_id) is not supported by generation under context "
+                            "parallelism: generate each prompt length separately")
 _MODES = ("greedy_search", "sample")
 
 
@@ -364,10 +370,10 @@ def _cached_step(forward, kwargs: dict, *, name: str, settings: Settings, cache:
 
 
 def _plan(name: str, settings: Settings, cache: ShardedCache, kwargs: dict, accepts) -> tuple[dict, _Step]:
-    """Check one forward over the cache and rewrite its arguments: the prefill's prompt
-    sharded with global positions, or a decode step's position."""
+    """Check what a forward over the cache adds to the checks of any forward under CP (its mask,
+    token ids, logits_to_keep: ``enable_context_parallel``'s wrapper made them) and rewrite its
+    arguments: the prefill's prompt sharded with global positions, or a decode step's position."""
     for key, what in (("labels", "labels= (a loss)"), ("inputs_embeds", "inputs_embeds="),
-                      ("output_attentions", "output_attentions=True"),
                       ("output_hidden_states", "output_hidden_states=True (hidden states of one shard)")):
         if kwargs.get(key) not in (None, False):
             raise NotImplementedError(f"{name} got {what} with ctxpar's sharded cache, which generation under "
@@ -381,11 +387,7 @@ def _plan(name: str, settings: Settings, cache: ShardedCache, kwargs: dict, acce
         raise ValueError(f"{name} over ctxpar's sharded cache needs input_ids (B, n), got {got}")
     if tokens.shape[0] != cache.batch:
         raise ValueError(f"{name} got a batch of {tokens.shape[0]} but the sharded cache holds {cache.batch}")
-    mask = kwargs.pop("attention_mask", None)
-    if mask is not None and not bool(mask.all()):
-        raise ValueError("padding is not supported by generation under context parallelism: generate from "
-                         "prompts of one length without padding (transformers infers padding where the prompt "
-                         "holds pad_token_id)")
+    kwargs.pop("attention_mask", None)  # all ones (the forward's checks refused any other): the layout's causal mask
     batch, new = tokens.shape
     past = cache.get_seq_length()
     given = kwargs.get("position_ids")
@@ -511,8 +513,7 @@ def check_generate(model, settings: Settings, generate, args: tuple, kwargs: dic
                          f"on every rank, got {got}")
     mask = extra.get("attention_mask")
     if mask is not None and not bool(mask.all()):
-        raise ValueError("padding (an attention_mask with zeros, a left-padded batch) is not supported by "
-                         "generation under context parallelism: generate each prompt length separately")
+        raise ValueError(GENERATE_PADDING_REFUSED)
     check_token_ids(name, model, prompt)
     head = prefilled_length(settings.layout, prompt.shape[1])  # the rest: one token at a time (``cached_forward``)
     if head:
