@@ -14,8 +14,8 @@ model's generate without CP, on CP groups of P = 2, 3 and 4 of those ranks.
 - ``cache``: on all 4 ranks (zigzag), the positions each rank's ``ShardedCache`` holds
   after generate (``return_dict_in_generate=True`` returns it) and the sequence length.
 - ``refusals``: on all 4 ranks, what generate and a forward over a ``ShardedCache`` must
-  refuse (the message each rank got), including arguments that differ between ranks, and a
-  generate that runs afterwards.
+  refuse (the message each rank got), including arguments that differ between ranks and a
+  rank that cannot allocate its share of the cache, and a generate that runs afterwards.
 - ``hybrid``: ``strategy="hybrid"`` on a 2x2 mesh of the 4 ranks, and on two data-parallel
   replicas each a mesh of its own: the tokens of generate without CP.
 """
@@ -28,7 +28,7 @@ import torch
 import torch.distributed as dist
 
 import ctxpar
-from ctxpar.integrations.transformers import ShardedCache, enable_context_parallel
+from ctxpar.integrations.transformers import ShardedCache, enable_context_parallel, generation
 
 PROMPT_LEN, BATCH, NEW_TOKENS = 24, 2, 16  # 24: a multiple of 2P for P = 2, 3, 4
 WORLDS = (2, 3, 4)
@@ -245,6 +245,8 @@ def _refusals(rank: int, world: int) -> dict:
                                                                                       cache=_sharded(model))),
         "logits_to_keep over the sharded cache": _attempt(lambda: model(input_ids=tokens, cache=_sharded(model),
                                                                         logits_to_keep=3)),
+        "max_new_tokens past the count": _attempt(lambda: model.generate(tokens, max_new_tokens=2**31)),
+        "cache unallocated on rank 1": _unallocated_on_rank_1(model, tokens, rank),
     }
     out.update(_stops_and_last_tokens(model, tokens, rank))
     # zigzag on 4 ranks splits multiples of 8: a head of 8 or 16, then one token at a time; a
@@ -272,6 +274,23 @@ def _refusals(rank: int, world: int) -> dict:
 
 def _sharded(model) -> ShardedCache:
     return ShardedCache(layers=model.config.num_hidden_layers, batch=BATCH, capacity=PROMPT_LEN)
+
+
+def _unallocated_on_rank_1(model, tokens: torch.Tensor, rank: int) -> str:
+    """generate where rank 1 cannot allocate its share of the sharded cache (its KVCache raising
+    as KVCache does when out of memory); it raised alone inside the prefill, its peers waiting in
+    attention."""
+    real = generation.KVCache
+
+    class OutOfMemory(real):
+        def __init__(self, **kwargs) -> None:
+            raise ValueError("rank 1's KVCache shard could not be allocated (out of memory, simulated)")
+
+    generation.KVCache = OutOfMemory if rank == 1 else real
+    try:
+        return _attempt(lambda: model.generate(tokens, max_new_tokens=4))
+    finally:
+        generation.KVCache = real
 
 
 def _stops_and_last_tokens(model, tokens: torch.Tensor, rank: int) -> dict:

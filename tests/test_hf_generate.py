@@ -116,6 +116,9 @@ REFUSED = {  # what generate must refuse on every rank, and the words of the err
     "token outside the vocabulary": "ValueError: LlamaForCausalLM got token ids from",
     "longrope prefill": "ValueError: Phi3ForCausalLM uses LongRoPE",
     "sdpa after enable": "ValueError: LlamaForCausalLM's attention implementation is now 'sdpa'",
+    # raised inside the prefill, naming the cache's capacity (an argument the caller never gave)
+    "max_new_tokens past the count": "ValueError: generate with max_new_tokens=2147483648 and a prompt of 24 tokens "
+                                     "sizes the sharded KV cache for 2147483671 positions, more than the 2147483647",
     # a forward over the sharded cache: an IndexError on the rank holding it, the others a "different call"
     "token outside the vocabulary over the sharded cache": "ValueError: LlamaForCausalLM got token ids from 5 to 101",
     "logits_to_keep over the sharded cache": "ValueError: LlamaForCausalLM got logits_to_keep=3 with ctxpar's "
@@ -197,6 +200,27 @@ def test_a_forward_over_the_sharded_cache_refuses_a_mask_of_one_rank_on_every_ra
         want = ("ValueError: LlamaForCausalLM got an explicit attention mask (2, 1, 24, 24)" if rank == 1 else
                 "ValueError: ranks [1] of the CP group rejected their generate forward inputs")
         assert got.startswith(want), f"rank {rank}: {got}"
+
+
+def test_a_rank_that_cannot_allocate_its_share_of_the_cache_raises_with_the_others() -> None:
+    """Each layer's cache is made at its first store in the prefill; a rank short of memory
+    raised there alone, its peers waiting in attention (gloo: "Connection closed by peer")."""
+    for rank in range(4):
+        got = _part(rank, "refusals")["cache unallocated on rank 1"]
+        want = ("ValueError: rank 1's KVCache shard could not be allocated" if rank == 1 else
+                "ValueError: ranks [1] of the CP group could not allocate their share of the sharded KV cache")
+        assert got.startswith(want), f"rank {rank}: {got}"
+        assert _part(rank, "refusals")["after"] is True
+
+
+def test_a_sharded_cache_refuses_sizes_it_cannot_hold() -> None:
+    """A capacity past what ctxpar counts was taken, and refused by each layer's cache inside
+    the first forward."""
+    with pytest.raises(ValueError, match=re.escape("ShardedCache capacity must be an int between 1 and 2147483647, "
+                                                   "got 100000000000")):
+        ShardedCache(layers=2, batch=2, capacity=10**11)
+    with pytest.raises(ValueError, match="ShardedCache batch must be an int"):
+        ShardedCache(layers=2, batch=True, capacity=8)
 
 
 @pytest.mark.parametrize("case", [*cases.HYBRID, "replicas"])

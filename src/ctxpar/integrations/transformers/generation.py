@@ -40,12 +40,14 @@ collective, naming it (``check_generate``): every mode but greedy and sampling (
 search, contrastive search, assisted decoding, ...), a cache passed in, other cache
 implementations (static, offloaded, quantized), ``use_cache=False``, chunked prefill,
 ``inputs_embeds``, padding, ``output_attentions`` / ``output_hidden_states``, token ids
-outside the vocabulary, encoder-decoder models, an attention implementation
+outside the vocabulary, a ``max_new_tokens`` whose cache would pass ``limits.MAX_COUNT``
+positions, encoder-decoder models, an attention implementation
 switched after ``enable_context_parallel``, a prompt on whose length LongRoPE would pick
 different factors on different ranks. Every forward over the cache (generate's, or one's
 own ``model(input_ids=..., cache=ShardedCache(...))``) is checked as any forward under CP
 is (a mask but the all-ones 2-D one, token ids, ``logits_to_keep`` but 1), on every rank
-together. Refused during the call, on every rank alike: a
+together. Each layer's cache is allocated at its first store, where its shape is known: a
+rank short of memory raises after that forward, with its peers. Refused during the call, on every rank alike: a
 model that attends with K/V other than the ones it cached (but for those its ``expand_kv``
 makes of them: multi-head latent attention caches latents and expands them position by
 position), at its first layer of the prefill (``ShardedCache.take``); a layer that stored
@@ -94,6 +96,7 @@ class _Step:
     keys: torch.Tensor | None = None
     stored: set = field(default_factory=set)
     pending: deque = field(default_factory=deque)  # (K, V) handed to layers, not yet attended with
+    unallocated: Exception | None = None  # why this rank could not allocate its share (``ShardedCache.update``)
 
 
 class ShardedCache(Cache):
@@ -111,11 +114,17 @@ class ShardedCache(Cache):
     prefill from its K (B, H_kv, n, D) and V (B, H_kv, n, Dv): layers may differ in H_kv
     and D (Gemma 4's global and sliding layers), K and V in their head dim (multi-head latent
     attention's). Every layer's holds the same positions; ``kv`` is the first one made
-    (None before).
+    (None before). A rank that cannot allocate its share stores nothing more in that
+    forward, which runs on, and raises after it with its peers (``_cached_step``): inside
+    the forward, its peers would wait in attention.
     """
 
     def __init__(self, *, layers: int, batch: int, capacity: int, group: dist.ProcessGroup | None = None,
                  mesh=None) -> None:
+        for name, value in (("layers", layers), ("batch", batch), ("capacity", capacity)):
+            if isinstance(value, bool) or not isinstance(value, int) or not 1 <= value <= limits.MAX_COUNT:
+                raise ValueError(f"ShardedCache {name} must be an int between 1 and {limits.MAX_COUNT}, got "
+                                 f"{value!r}")
         super().__init__(layers=[])
         self.peers = topology.of(group, mesh, "ShardedCache")
         self.group, self.mesh, self.rank, self.world_size = group, mesh, self.peers.rank, self.peers.world_size
@@ -195,16 +204,15 @@ class ShardedCache(Cache):
                                       f"than their head dim; ctxpar's sharded cache holds K and V of one batch, "
                                       f"H_kv and length")
         kv = self._per_layer[layer_idx]
-        if kv is None:
+        if kv is None and step.unallocated is None:
             if self.get_seq_length():
                 raise NotImplementedError(f"layer {layer_idx} stores K/V in a decode step but stored none before, "
                                           f"so ctxpar's sharded cache holds no earlier positions for it")
-            kv = KVCache(layers=1, batch=self.batch, kv_heads=k_shape[1], head_dim=k_shape[3], value_dim=v_shape[3],
-                         capacity=self.capacity, group=self.group, mesh=self.mesh, dtype=key_states.dtype,
-                         device=key_states.device)
+            kv = self._allocate(step, key_states, value_states)
             self._per_layer[layer_idx] = kv
-            self._made.append(kv)
-        if step.position is None:
+        if kv is None:  # this rank's share could not be allocated: nothing is stored, the forward runs on
+            keys, values = key_states, value_states  # what the first forward attends with: its own new K/V
+        elif step.position is None:
             kv.write(0, 0, key_states, value_states)  # the prompt shard, T/P positions
             keys, values = key_states, value_states
         else:
@@ -218,6 +226,22 @@ class ShardedCache(Cache):
         step.stored.add(layer_idx)
         step.pending.append((keys, values))
         return keys, values
+
+    def _allocate(self, step: _Step, key_states: torch.Tensor, value_states: torch.Tensor) -> KVCache | None:
+        """A layer's ``KVCache`` for K (B, H_kv, n, D) and V (B, H_kv, n, Dv); None where this
+        rank cannot allocate it, which drops the layers' caches it made (their memory freed
+        for the rest of the forward) and keeps why in ``step``."""
+        try:
+            kv = KVCache(layers=1, batch=self.batch, kv_heads=key_states.shape[1], head_dim=key_states.shape[3],
+                         value_dim=value_states.shape[3], capacity=self.capacity, group=self.group, mesh=self.mesh,
+                         dtype=key_states.dtype, device=key_states.device)
+        except Exception as e:  # noqa: BLE001  raised after the forward, on every rank together
+            step.unallocated = e
+            self._per_layer = [None] * self.num_layers
+            self._made.clear()
+            return None
+        self._made.append(kv)
+        return kv
 
     def stored_layers(self) -> list[int]:
         """The layers that stored K/V in the prefill."""
@@ -347,8 +371,11 @@ def _cached_step(forward, kwargs: dict, *, name: str, settings: Settings, cache:
         raise error
     cache._step = step
     active = CACHED.set(cache)
+    first = not cache.get_seq_length()  # the forward that allocates the cache's shards
     try:
         out = forward(**call)
+        if first:
+            _agree_allocated(cache, step.unallocated, call["input_ids"].device)
         if step.pending or not step.stored:
             raise NotImplementedError(f"{name} stored K/V in the cache for layers whose attention never read them; "
                                       f"ctxpar's sharded cache cannot serve this model")
@@ -367,6 +394,23 @@ def _cached_step(forward, kwargs: dict, *, name: str, settings: Settings, cache:
         seq_len = step.position + 1
     cache.commit(step.positions, seq_len)
     return out
+
+
+def _agree_allocated(cache: ShardedCache, error: Exception | None, device: torch.device) -> None:
+    """One tiny all-reduce after the forward that allocated the cache's shards (the shapes of
+    each layer's K/V are known only there): a rank that could not allocate its share raises
+    its error, and its peers name it, rather than one rank raising inside the forward while
+    the others wait in attention until the collective timeout."""
+    failed = torch.zeros(cache.world_size, dtype=torch.int64, device=device)
+    failed[cache.rank] = error is not None
+    if cache.world_size > 1:
+        topology.all_reduce(failed, cache.peers)
+    if error is not None:
+        raise error
+    ranks = failed.nonzero().flatten().tolist()
+    if ranks:
+        raise ValueError(f"ranks {ranks} of the CP group could not allocate their share of the sharded KV cache; "
+                         f"see their errors")
 
 
 def _plan(name: str, settings: Settings, cache: ShardedCache, kwargs: dict, accepts) -> tuple[dict, _Step]:
@@ -515,10 +559,25 @@ def check_generate(model, settings: Settings, generate, args: tuple, kwargs: dic
     if mask is not None and not bool(mask.all()):
         raise ValueError(GENERATE_PADDING_REFUSED)
     check_token_ids(name, model, prompt)
+    _check_cache_length(prompt.shape[1], config)
     head = prefilled_length(settings.layout, prompt.shape[1])  # the rest: one token at a time (``cached_forward``)
     if head:
         check_rope_lengths(name, settings, head, None)
     return prompt, config
+
+
+def _check_cache_length(prompt_len: int, config) -> None:
+    """Refuse a call whose sharded cache (sized for the longest the sequence may get, as
+    transformers sizes its caches) would hold more positions than ctxpar counts; raised inside
+    the prefill, it named the cache's capacity, an argument the caller never gave."""
+    if config.max_new_tokens is not None:
+        setting, longest, most = "max_new_tokens", prompt_len + config.max_new_tokens, limits.MAX_COUNT + 1 - prompt_len
+    else:
+        setting, longest, most = "max_length", config.max_length, limits.MAX_COUNT + 1
+    if longest - 1 > limits.MAX_COUNT:
+        raise ValueError(f"generate with {setting}={getattr(config, setting)} and a prompt of {prompt_len} tokens "
+                         f"sizes the sharded KV cache for {longest - 1} positions, more than the {limits.MAX_COUNT} "
+                         f"ctxpar counts; ask for {setting} at most {most}")
 
 
 def _synced_gpus(model, given) -> bool:
