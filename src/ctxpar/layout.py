@@ -234,7 +234,7 @@ class UnionLayout(Layout):
 
 
 @dataclass(frozen=True)
-class _OneLength(Layout):
+class OneLengthLayout(Layout):
     """A layout made for one sequence length, which alone it splits."""
 
     seq_len: int = 0
@@ -253,7 +253,7 @@ class _OneLength(Layout):
 
 
 @dataclass(frozen=True)
-class BalancedLayout(_OneLength):
+class BalancedLayout(OneLengthLayout):
     """Equal tokens and (nearly) equal attention work per rank under any mask: for packed
     documents of any lengths, sliding windows, or both.
 
@@ -355,7 +355,7 @@ def balanced_layout(world_size: int, seq_len: int, *, causal: bool = True, docum
 
 
 @dataclass(frozen=True)
-class DealtLayout(_OneLength):
+class DealtLayout(OneLengthLayout):
     """A layout of the user's as ctxpar runs it for one sequence length: its deal, checked
     (``checked_deal``), which its equality and hash compare. The block plans are cached by
     layout, and a subclass's own equality need not cover its deal: two instances dealing

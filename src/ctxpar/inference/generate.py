@@ -28,7 +28,7 @@ from ctxpar.inference.decode import decode_step
 from ctxpar.inference.hooks import model_code
 from ctxpar.inference.partial import partial_prefill
 from ctxpar.inference.prefill import check_strategy, prefill
-from ctxpar.layout import Layout, _OneLength, get_layout
+from ctxpar.layout import Layout, OneLengthLayout, get_layout
 
 
 class Sampler:
@@ -162,7 +162,7 @@ def prefilled_length(layout: Layout, length: int) -> int:
     splits, a multiple of its ``multiple`` (a layout built for one length, balanced or a
     checked deal, takes the whole prompt: prefill refuses any other); the rest goes through
     ``partial_prefill``, exact at any length."""
-    if isinstance(layout, _OneLength):
+    if isinstance(layout, OneLengthLayout):
         return length
     return length // layout.multiple * layout.multiple
 
