@@ -345,74 +345,97 @@ def test_the_checkpoint_api_refuses_what_would_lose_or_mix_work(tmp_path) -> Non
     checkpoint.load(scaled, sgd, checkpoint.save(scaled, sgd, str(tmp_path / "scaled"), 1, SETTINGS))
 
 
+def _tiny_model_and_adamw(parameters=None):
+    """The tiny reference model, seeded alike every call, and AdamW over ``parameters(model)``
+    (default: all of them)."""
+    from ctxpar.models import Transformer, get_config
+
+    torch.manual_seed(0)
+    model = Transformer(get_config("tiny"))
+    return model, torch.optim.AdamW(parameters(model) if parameters else model.parameters(), lr=0.01)
+
+
+def _train(model, optimizer, steps: int) -> list[float]:
+    """``steps`` updates on one fixed batch; the losses."""
+    tokens = torch.randint(0, model.cfg.vocab, (2, 16), generator=torch.Generator().manual_seed(1))
+    losses = []
+    for _ in range(steps):
+        loss = model(tokens).logsumexp(-1).mean()
+        loss.backward()
+        optimizer.step()
+        optimizer.zero_grad()
+        losses.append(loss.item())
+    return losses
+
+
 def test_a_save_before_the_first_step_leaves_the_optimizer_as_it_was_and_resumes_it_so(tmp_path) -> None:
     """torch's get_state_dict makes an optimizer's state with a step at lr 0 where it has
     none: a checkpoint saved before training left AdamW's step count at 1, so every update
     after it corrected the moments one step late (and a run resumed from it too)."""
-    from ctxpar.models import Transformer, get_config
-
-    tokens = torch.randint(0, get_config("tiny").vocab, (2, 16), generator=torch.Generator().manual_seed(1))
-
-    def losses(save_first: bool = False, load: str | None = None) -> list[float]:
-        torch.manual_seed(0)
-        model = Transformer(get_config("tiny"))
-        optimizer = torch.optim.AdamW(model.parameters(), lr=0.01)
-        if save_first:
-            checkpoint.save(model, optimizer, str(tmp_path / "ckpt"), 0, SETTINGS)
-            assert not optimizer.state
-        if load is not None:
-            model(tokens).sum().backward()
-            optimizer.step()  # state that the checkpoint's absence of any must replace
-            optimizer.zero_grad()
-            checkpoint.load(model, optimizer, load)
-        out = []
-        for _ in range(3):
-            loss = model(tokens[:, :-1]).logsumexp(-1).mean()
-            loss.backward()
-            optimizer.step()
-            optimizer.zero_grad()
-            out.append(loss.item())
-        return out
-
-    unsaved = losses()
-    assert losses(save_first=True) == unsaved
-    assert losses(load=checkpoint.step_path(str(tmp_path / "ckpt"), 0)) == unsaved
+    uninterrupted = _train(*_tiny_model_and_adamw(), 3)
+    model, optimizer = _tiny_model_and_adamw()
+    path = checkpoint.save(model, optimizer, str(tmp_path / "ckpt"), 0, SETTINGS)
+    assert not optimizer.state
+    assert _train(model, optimizer, 3) == uninterrupted
+    model, optimizer = _tiny_model_and_adamw()
+    _train(model, optimizer, 1)  # state that the checkpoint's absence of any must replace
+    checkpoint.load(model, optimizer, path)
+    assert _train(model, optimizer, 3) == uninterrupted
+    model = _tiny_model_and_adamw()[0]
+    with pytest.raises(ValueError, match="does not fit this model and optimizer"):  # an optimizer of another kind
+        checkpoint.load(model, torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9), path)
 
 
 def test_an_optimizer_with_state_for_some_parameters_only_resumes_exactly(tmp_path) -> None:
     """Parameters that never had a gradient have no AdamW state: load refused such a
     checkpoint (torch's get_state_dict makes state for every parameter, which the
-    checkpoint then lacked), into a fresh optimizer and into the one that saved it."""
-    from ctxpar.models import Transformer, get_config
-
-    tokens = torch.randint(0, get_config("tiny").vocab, (2, 16), generator=torch.Generator().manual_seed(1))
-
-    def train(model, optimizer, steps: int) -> list[float]:
-        out = []
-        for _ in range(steps):
-            loss = model(tokens[:, :-1]).logsumexp(-1).mean()
-            loss.backward()
-            optimizer.step()
-            optimizer.zero_grad()
-            out.append(loss.item())
-        return out
-
-    def model_and_optimizer():
-        torch.manual_seed(0)
-        model = Transformer(get_config("tiny"))
-        return model, torch.optim.AdamW(model.parameters(), lr=0.01)
-
-    model, optimizer = model_and_optimizer()
+    checkpoint then lacked), into a fresh optimizer and into the one that saved it. An
+    optimizer over other parameters than the saving one's is refused, naming them."""
+    model, optimizer = _tiny_model_and_adamw()
     model.embed.weight.square().sum().backward()  # a first step that reaches the embedding alone
     optimizer.step()
     optimizer.zero_grad()
     assert len(optimizer.state) == 1
     path = checkpoint.save(model, optimizer, str(tmp_path / "ckpt"), 1, SETTINGS)
-    uninterrupted = train(model, optimizer, 2)
-    resumed = model_and_optimizer()
+    uninterrupted = _train(model, optimizer, 2)
+    resumed = _tiny_model_and_adamw()
     checkpoint.load(*resumed, path)
     assert len(resumed[1].state) == 1
-    assert train(*resumed, 2) == uninterrupted
+    assert _train(*resumed, 2) == uninterrupted
+    without_embedding = _tiny_model_and_adamw(lambda m: [p for n, p in m.named_parameters() if n != "embed.weight"])
+    with pytest.raises(ValueError, match=re.escape("1 only the checkpoint's optimizer holds (embed.weight)")):
+        checkpoint.load(*without_embedding, path)
+    path = checkpoint.save(*without_embedding, str(tmp_path / "other"), 1, SETTINGS)
+    with pytest.raises(ValueError, match=re.escape("1 only this optimizer holds (embed.weight)")):
+        checkpoint.load(*_tiny_model_and_adamw(), path)  # its embedding once started afresh, silently
+
+
+def test_an_optimizers_nested_state_is_saved_and_loaded(tmp_path) -> None:
+    """State an optimizer keeps in nested dicts (per parameter, {"moments": {"m": ...}}),
+    as some optimizers of one's own do: its entries are deeper than "<parameter>.<name>"."""
+
+    class Nested(torch.optim.Optimizer):
+        def __init__(self, params) -> None:
+            super().__init__(params, {"lr": 0.1})
+
+        def step(self, closure=None) -> None:
+            for group in self.param_groups:
+                for p in group["params"]:
+                    if p.grad is not None:
+                        m = self.state[p].setdefault("moments", {"m": torch.zeros_like(p)})["m"]
+                        m.add_(p.grad)
+                        p.data.add_(m, alpha=-group["lr"])
+
+    model = torch.nn.Linear(3, 2)
+    optimizer = Nested(model.parameters())
+    model(torch.ones(1, 3)).sum().backward()
+    optimizer.step()
+    path = checkpoint.save(model, optimizer, str(tmp_path / "ckpt"), 1, SETTINGS)
+    fresh = torch.nn.Linear(3, 2)
+    loaded = Nested(fresh.parameters())
+    checkpoint.load(fresh, loaded, path)
+    assert [loaded.state[p]["moments"]["m"].tolist() for p in fresh.parameters()] == \
+        [optimizer.state[p]["moments"]["m"].tolist() for p in model.parameters()]
 
 
 def test_a_file_system_without_locks_saves_unlocked(tmp_path, monkeypatch) -> None:

@@ -248,20 +248,24 @@ def load(model: torch.nn.Module, optimizer: torch.optim.Optimizer, path: str) ->
     Raises:
         ValueError: the checkpoint holds parameters the model does not (a model with fewer
             layers once loaded the rest silently), lacks some it has, or holds them in other
-            shapes, naming them; or its optimizer state does not fit the optimizer.
+            shapes, naming them; its optimizer state does not fit the optimizer (another kind);
+            or it was saved by an optimizer over other parameters, naming them.
     """
     model_state, optim_state = get_state_dict(model, optimizer)
-    parameters, with_state = _on_rank0(partial(_saved_entries, path))
+    parameters, saved_state = _on_rank0(partial(_saved_entries, path))
     _check_parameters(path, parameters, model_state)
     # Only the parameters the saving optimizer held state for: none where it was saved before the first step
     # (_state_without_stepping), not those that never had a gradient. get_state_dict made state for every one.
-    optim_state = {**optim_state, "state": {name: v for name, v in optim_state["state"].items() if name in with_state}}
+    optim_state = {**optim_state, "state": {name: v for name, v in optim_state["state"].items()
+                                            if f"optim.state.{name}" in saved_state}}
+    groups = [list(group["params"]) for group in optim_state["param_groups"]]  # dcp.load puts the saved ones there
     state = {"model": model_state, "optim": optim_state}
     try:
         dcp.load(state, checkpoint_id=path)
     except CheckpointException as e:  # a BaseException: an `except Exception` would miss it
         raise ValueError(f"the checkpoint {path} does not fit this model and optimizer (an optimizer of another "
                          f"kind, or other state): {e}") from None
+    _check_optimizer_parameters(path, groups, [list(group["params"]) for group in state["optim"]["param_groups"]])
     set_model_state_dict(model, state["model"])
     # not strict: the parameters without saved state start without, as the saving optimizer's would have stepped
     set_optimizer_state_dict(model, optimizer, state["optim"], options=StateDictOptions(strict=False))
@@ -275,14 +279,28 @@ def _check_is_directory(directory: str) -> None:
 
 def _saved_entries(path: str) -> tuple[dict[str, tuple[int, ...] | None], set[str]]:
     """{entry name: its saved shape (None: not a tensor)} of the model in checkpoint ``path``,
-    and the parameters it holds optimizer state for."""
+    and every dotted prefix of its optimizer state's entries: "optim.state.<parameter>" is
+    among them where it holds state for that parameter (its entries are
+    "optim.state.<parameter>.<state name>", or deeper where an optimizer nests its state)."""
     saved = dcp.FileSystemReader(path).read_metadata().state_dict_metadata
     parameters = {key.removeprefix("model."): tuple(entry.size) if hasattr(entry, "size") else None
                   for key, entry in saved.items() if key.startswith("model.")}
-    # optimizer state entries are "optim.state.<parameter>.<state name>"
-    with_state = {key.removeprefix("optim.state.").rpartition(".")[0] for key in saved
-                  if key.startswith("optim.state.")}
-    return parameters, with_state
+    parts = [key.split(".") for key in saved if key.startswith("optim.state.")]
+    return parameters, {".".join(names[:i]) for names in parts for i in range(3, len(names))}
+
+
+def _check_optimizer_parameters(path: str, here: list[list[str]], saved: list[list[str]]) -> None:
+    """Refuse an optimizer over other parameters than the saving one's, naming them: loaded
+    without a complaint, a parameter the saving optimizer did not hold started afresh."""
+    if here == saved:
+        return
+    only_here = sorted({n for g in here for n in g} - {n for g in saved for n in g})
+    only_saved = sorted({n for g in saved for n in g} - {n for g in here for n in g})
+    what = "; ".join(f"{len(names)} only {where} ({_first(names)})" for names, where in
+                     ((only_saved, "the checkpoint's optimizer holds"), (only_here, "this optimizer holds"))
+                     if names) or "the same parameters, grouped or ordered otherwise"
+    raise ValueError(f"the checkpoint {path} was saved by an optimizer over other parameters than this one's: {what}; "
+                     f"make the optimizer over the parameters (and in the groups) the saving run's was")
 
 
 def _check_parameters(path: str, saved: dict[str, tuple[int, ...] | None], model_state: dict) -> None:
