@@ -116,7 +116,7 @@ REFUSED = {  # what generate must refuse on every rank, and the words of the err
     "token outside the vocabulary": "ValueError: LlamaForCausalLM got token ids from",
     "longrope prefill": "ValueError: Phi3ForCausalLM uses LongRoPE",
     "sdpa after enable": "ValueError: LlamaForCausalLM's attention implementation is now 'sdpa'",
-    # raised inside the prefill, naming the cache's capacity (an argument the caller never gave)
+    # once raised inside the prefill, naming the cache's capacity (an argument the caller never gave)
     "max_new_tokens past the count": "ValueError: generate with max_new_tokens=2147483648 and a prompt of 24 tokens "
                                      "sizes the sharded KV cache for 2147483671 positions, more than the 2147483647",
     # a forward over the sharded cache: an IndexError on the rank holding it, the others a "different call"
