@@ -247,22 +247,37 @@ def busiest_ranks(w: Workload) -> tuple[int, ...]:
 STAND_IN_MULTIPLES = 64  # layout multiples in a plain mask's stand-in row (the all-gather's: at least P)
 
 
-def _plan_seq(w: Workload) -> int:
-    """The row a block plan is walked on. Under a plain mask a short stand-in: tile counts do
-    not depend on T once the row holds a few layout multiples, and tile sides grow in
-    proportion to T up to a constant (striped's shifted diagonals are S - 1 wide), which
-    64 multiples or more make under 2% (tested); the all-gather's choice of key
-    order compares tile counts that settle once a striped shard holds P rows (tested), so
-    its row has P multiples where that is more, and is the row itself where that is shorter
-    (the others' counts hold at any T: one stand-in serves every length of a sweep). Under
-    documents or a window the row itself (0.05-0.3 s per rank at 1M tokens on P=8 on a CPU
-    core: ``benchmarks/plan_walk.py``)."""
+def _plan_seq(w: Workload, rank: int) -> int:
+    """The row ``rank``'s block plan is walked on. Under a plain mask a short stand-in, where
+    the rank's kernel calls do not depend on T: tile sides then grow in proportion to T up
+    to a constant (striped's shifted diagonals are S - 1 wide), which 64 multiples or more
+    make under 2% (tested). Whether the calls depend on T is read off the plan itself
+    (``_stand_in_holds``: the same calls on a stand-in twice as long), not assumed: the
+    ring between a hybrid's unions on the striped layout (positions 0, 1, 4, 5, ... against
+    2, 3, 6, 7, ...) is a staircase of about S = T/P tiles of U rows, so it walks the row
+    itself. The all-gather's choice of key order compares tile counts that settle once a
+    striped shard holds P rows (tested), so its row has P multiples where that is more,
+    and is the row itself where that is shorter. One stand-in serves every length of a
+    sweep. Under documents or a window the row itself (0.05-0.3 s per rank at 1M tokens on
+    P=8 on a CPU core: ``benchmarks/plan_walk.py``)."""
     if not w.mask.is_plain:
         return w.seq
     multiple = get_layout(w.layout, w.cp).multiple
     if w.strategy == "allgather":
-        return min(w.seq, multiple * max(STAND_IN_MULTIPLES, w.cp))
-    return multiple * STAND_IN_MULTIPLES
+        stand_in = multiple * max(STAND_IN_MULTIPLES, w.cp)
+        if w.seq <= stand_in:
+            return w.seq
+    else:
+        stand_in = multiple * STAND_IN_MULTIPLES
+    return stand_in if _stand_in_holds(stand_in, w.strategy, *_walk(w, rank), w.mask) else w.seq
+
+
+@functools.lru_cache(maxsize=4096)
+def _stand_in_holds(stand_in: int, strategy: str, layout: str, cp: int, rank: int, ulysses: int, mask: Mask) -> bool:
+    """Whether the rank's plan makes as many kernel calls (per stage at most, and in all) on
+    a row twice ``stand_in`` as on ``stand_in``: its calls do not grow with T."""
+    short, long = (_rank_plan(layout, seq, cp, mask, strategy, rank, ulysses) for seq in (stand_in, 2 * stand_in))
+    return (short.most_calls, short.tiles) == (long.most_calls, long.tiles)
 
 
 @dataclass(frozen=True)
@@ -272,6 +287,11 @@ class RankPlan:
     most_calls: int  # kernel calls of its busiest pipeline stage
     # (kind, queries, keys, visible pairs, how many) over all its stages
     shapes: tuple[tuple[MaskKind, int, int, int, int], ...]
+
+    @property
+    def tiles(self) -> int:
+        """Kernel calls over all its stages."""
+        return sum(shape[-1] for shape in self.shapes)
 
 
 @functools.lru_cache(maxsize=2**16)  # one small entry per distinct walk (``rank_plan``), not per T under a plain mask
@@ -286,18 +306,22 @@ def _rank_plan(layout: str, seq: int, cp: int, mask: Mask, strategy: str, rank: 
                     tuple((kind, nq, nk, pairs, n) for (kind, nq, nk, pairs), n in shapes.items()))
 
 
-def rank_plan(w: Workload, rank: int) -> RankPlan:
-    """``rank``'s plan summary, walked on ``_plan_seq`` (its tile sides are the stand-in's).
-    Ranks whose walks are the same share one: the all-to-all's is the whole row against
-    itself, the same for every rank, and for every layout and degree on the same row (the
-    real row under a window or documents; a plain mask's stand-in follows the layout's
-    multiple); a hybrid union's U ranks walk the union's ring."""
-    layout, cp, ulysses = w.layout, w.cp, w.ulysses_degree
+def _walk(w: Workload, rank: int) -> tuple[str, int, int, int]:
+    """(layout, P, rank, U) of the walk that gives ``rank``'s plan: ranks whose walks are the
+    same share one. The all-to-all's is the whole row against itself, the same for every
+    rank, and for every layout and degree on the same row (the real row under a window or
+    documents; a plain mask's stand-in follows the layout's multiple); a hybrid union's U
+    ranks walk the union's ring."""
     if w.strategy == "alltoall":
-        layout, cp, rank, ulysses = "contiguous", 1, 0, 1
-    elif w.strategy == "hybrid":
-        rank -= rank % ulysses
-    return _rank_plan(layout, _plan_seq(w), cp, w.mask, w.strategy, rank, ulysses)
+        return "contiguous", 1, 0, 1
+    u = w.ulysses_degree
+    return w.layout, w.cp, rank - rank % u if w.strategy == "hybrid" else rank, u
+
+
+def rank_plan(w: Workload, rank: int) -> RankPlan:
+    """``rank``'s plan summary, walked on ``_plan_seq`` (its tile sides are that row's)."""
+    layout, cp, walked, ulysses = _walk(w, rank)
+    return _rank_plan(layout, _plan_seq(w, rank), cp, w.mask, w.strategy, walked, ulysses)
 
 
 def kernels_per_stage(w: Workload) -> int:
@@ -308,14 +332,12 @@ def kernels_per_stage(w: Workload) -> int:
     return max(rank_plan(w, rank).most_calls for rank in busiest_ranks(w))
 
 
-def _tiles_at_length(w: Workload, rank: int):
-    """(kind, queries, keys, visible pairs, how many) of each tile shape of ``rank``'s plan at
-    ``w``'s length: a stand-in's sides scaled to T (its visible pairs are kept: only masks
-    that are not plain cut tiles with explicit masks, and those are walked on the row
-    itself)."""
-    scale = w.seq / _plan_seq(w)
-    for kind, nq, nk, visible, n in rank_plan(w, rank).shapes:
-        yield kind, nq * scale, nk * scale, visible, n
+def _plan_and_scale(w: Workload, rank: int) -> tuple[RankPlan, float]:
+    """``rank``'s plan and the factor from its row's tile sides to those at ``w``'s length: a
+    stand-in's sides scale to T (its visible pairs are kept: only masks that are not plain
+    cut tiles with explicit masks, and those are walked on the row itself), its counts are
+    kept (``_plan_seq`` takes a stand-in only where they hold at any T)."""
+    return rank_plan(w, rank), w.seq / _plan_seq(w, rank)
 
 
 def kernel_rate_fractions(w: Workload, hw: Hardware, rank: int) -> tuple[float, float]:
@@ -330,12 +352,20 @@ def kernel_rate_fractions(w: Workload, hw: Hardware, rank: int) -> tuple[float, 
     over its rate's fraction."""
     if not (hw.attention_size_curve or hw.attention_causal_size_curve):
         return 1.0, 1.0
+    return _rate_fractions(*_plan_and_scale(w, rank), hw, None if hw.size_curve_by_keys else kernel_tokens(w))
+
+
+@functools.lru_cache(maxsize=256)  # a sweep asks again for the same plan; a plan growing with T has a shape per tile
+def _rate_fractions(plan: RankPlan, scale: float, hw: Hardware, tokens: int | None) -> tuple[float, float]:
+    """``kernel_rate_fractions`` of ``plan``'s tiles, their sides times ``scale``, looked up at
+    their keys (``tokens`` None) or at ``tokens``."""
     pairs = forward = backward = 0.0
-    for kind, queries, keys, visible, n in _tiles_at_length(w, rank):
+    for kind, nq, nk, visible, n in plan.shapes:
+        queries, keys = nq * scale, nk * scale
         causal = kind in (MaskKind.CAUSAL, MaskKind.ANTI_CAUSAL)
         computed = queries * (queries + 1) / 2 if causal else queries * keys
         seen = visible if kind is MaskKind.PARTIAL else computed
-        f, b = hw.attention_size_scale(keys if hw.size_curve_by_keys else kernel_tokens(w), causal)
+        f, b = hw.attention_size_scale(keys if tokens is None else tokens, causal)
         pairs, forward, backward = pairs + n * seen, forward + n * computed / f, backward + n * computed / b
     return (pairs / forward, pairs / backward) if pairs else (1.0, 1.0)
 
@@ -363,7 +393,9 @@ def tile_overhead_seconds(w: Workload, hw: Hardware, rank: int) -> tuple[float, 
     heads, kv_heads = w.heads_per_gpu // u, w.kv_heads_sent // u
     calls = gather_groups(w.kv_heads_per_gpu) if w.strategy == "allgather" else 1  # kernel calls per tile
     forward = backward = 0.0
-    for _, queries, keys, _, n in _tiles_at_length(w, rank):
+    plan, scale = _plan_and_scale(w, rank)
+    for _, nq, nk, _, n in plan.shapes:
+        queries, keys = nq * scale, nk * scale
         merged, added = accumulated_bytes(batch=w.batch, queries=queries, keys=keys, heads=heads, kv_heads=kv_heads,
                                           head_dim=w.model.head_dim, acc=w.acc)
         forward += n * (calls * hw.tile_forward_overhead + hw.tile_forward_seconds_per_byte * merged)
