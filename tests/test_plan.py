@@ -26,7 +26,7 @@ from ctxpar.cli import main
 from ctxpar import calibrate
 from ctxpar.calibrate import measure_link, measure_memory_bandwidth
 from ctxpar.plan import inference, inference_report, planner, traffic, work
-from ctxpar.plan.baseline import VERDICTS, baseline
+from ctxpar.plan.baseline import VERDICTS, baseline, tp_degrees
 from ctxpar.plan.cost import Pipeline
 from ctxpar.plan.documents import pack, parse_doc_dist, parse_lengths, sample_lengths
 from ctxpar.plan.hardware import TILE_OVERHEADS, gpus_per_node, local_hardware
@@ -627,8 +627,22 @@ def test_baseline_says_cp_is_necessary_when_nothing_without_cp_fits() -> None:
     assert set(b.skipped) == {16, 32, 64} and "KV heads" in b.skipped[64]  # H_kv = 8
     assert b.verdict == "necessary"
     assert b.summary.startswith("CP is necessary: no configuration without CP on 64 GPUs per replica fits")
+    assert "the smallest needs 301.043 GiB per GPU" in b.summary  # docs/planner.md section 11
     assert baseline(w.with_(checkpointing="none"), hw).verdict == "nothing_fits"
     assert baseline(worked(cp=1), hw).verdict == "no_cp"
+
+
+def test_the_baseline_tries_every_tp_degree_dividing_the_gpus_the_requested_one_too() -> None:
+    """TP 6 x CP 2 on 12 GPUs: TP 6 without CP fits (2 replicas), so CP does not pay off
+    (docs/planner.md section 11); the candidates were powers of two and 12, none of which
+    fits, and CP was called necessary."""
+    assert tp_degrees(12) == [1, 2, 3, 4, 6, 12] and tp_degrees(8) == [1, 2, 4, 8] and tp_degrees(7) == [1, 7]
+    model = resolve_model(layers=48, hidden=6144, heads=48, kv_heads=6, head_dim=128, ffn=24576)
+    w = Workload(model, batch=1, seq=184320, dtype="bfloat16", cp=2, tp=6, fsdp=12, checkpointing="full")
+    b = baseline(w, get_hardware("H100-SXM"))
+    assert {p.tp for p in b.points} == {1, 2, 3, 6} and set(b.skipped) == {4, 12}  # H_kv = 6
+    assert (b.best.tp, b.best.checkpointing, b.verdict) == (6, "full", "does_not_pay_off")
+    assert b.best.seconds_per_batch == pytest.approx(37.927, abs=1e-3) and b.speedup == pytest.approx(0.9975, abs=1e-4)
 
 
 def test_dp_and_fsdp_traffic_are_ring_collectives_over_the_gpus_holding_each_shard() -> None:

@@ -3,8 +3,8 @@
 A team with G = TP·P GPUs per model replica (per pipeline stage under PP) can also run the
 sequence without CP: more tensor parallelism, full recomputation, the GPUs left over
 running data parallelism. For the requested length the planner tries every TP degree t
-dividing G (powers of two, and G itself; beyond a node if G is larger, at the inter-node
-bandwidth) with checkpointing none and full, same batch, micro-batches, dtype, FSDP and PP
+dividing G that splits the model (the request's own TP among them; beyond a node if t is
+larger, at the inter-node bandwidth) with checkpointing none and full, same batch, micro-batches, dtype, FSDP and PP
 degrees and sequence parallelism, and takes the fastest that fits in memory. Its time per
 batch (m micro-batches of B sequences) on those G GPUs is
 
@@ -76,13 +76,10 @@ class Baseline:
 
 
 def tp_degrees(gpus: int) -> list[int]:
-    """Powers of two dividing ``gpus``, and ``gpus`` itself."""
-    degrees = {gpus}
-    t = 1
-    while t < gpus and gpus % t == 0:
-        degrees.add(t)
-        t *= 2
-    return sorted(degrees)
+    """Every divisor of ``gpus``, ascending (a few dozen at most: the request's own TP, 6 of
+    12 GPUs say, among them; those the model's heads or FFN do not split are refused by
+    ``Workload``)."""
+    return [t for t in range(1, gpus + 1) if gpus % t == 0]
 
 
 def baseline(w: Workload, hw: Hardware) -> Baseline:
