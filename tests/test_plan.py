@@ -1349,8 +1349,9 @@ def test_cli_inference_table_and_json(tmp_path, capsys) -> None:
     assert report["inputs"]["prompt_tokens"] == 131072 and report["inputs"]["new_tokens"] == 256
     assert (report["hardware"]["memory_bandwidth"], report["hardware"]["latency"]) == (3.35e12, 0.0)
     at8 = next(d for d in report["degrees"] if d["cp"] == 8)
-    assert set(at8) == {"cp", "prefill_seconds", "prefill_speedup", "decode_seconds_per_token", "decode_change",
-                        "decode_positions", "kv_cache_bytes", "weight_bytes", "fits"}
+    assert set(at8) == {"cp", "ulysses", "prefill_seconds", "prefill_speedup", "decode_seconds_per_token",
+                        "decode_change", "decode_positions", "kv_cache_bytes", "weight_bytes", "fits"}
+    assert report["inputs"]["ulysses"] is None and at8["ulysses"] is None  # a ring prefill
     assert (at8["kv_cache_bytes"], at8["weight_bytes"], at8["fits"]) == (2151677952, 16060522496, True)
     pp = report["partial_prefill"]
     assert (pp["cached_tokens"], pp["new_tokens"]) == (131328, 8192)
@@ -1370,9 +1371,29 @@ def test_cli_inference_hybrid_prefill_at_every_degree_it_splits(capsys) -> None:
     lines = capsys.readouterr().out.splitlines()
     degrees = [int(line.split()[0]) for line in lines if line.split() and line.split()[0].isdigit() and "GiB" in line]
     assert degrees == [1, 4, 8, 16]  # CP 2: no all-to-all x ring split with a ring of two or more
+    assert "; prefill hybrid (ulysses 4 x ring 2), zigzag layout" in lines[0]
+    assert "  hybrid prefill, ulysses U x ring R: CP 4: 2 x 2, CP 8: 4 x 2, CP 16: 4 x 4" in lines  # default at 4
     w = inference.Workload(LLAMA_8B, batch=1, seq=131072, dtype="bfloat16", cp=8, strategy="hybrid", ulysses=4)
     hw = get_hardware("H100-SXM")
     assert inference.prefill_seconds(w, hw) > inference.prefill_seconds(w.with_(strategy="ring", ulysses=None), hw)
+
+
+def test_cli_inference_hybrid_keeps_an_all_to_all_over_every_rank_as_training_does(tmp_path, capsys) -> None:
+    """--ulysses-degree 4 at --cp 4 (U = P, which training plans) was replaced by the default
+    U = 2 at the requested degree, and no output named U."""
+    hw, out = get_hardware("H100-SXM"), tmp_path / "serve.json"
+    served = ["plan", "--inference", "--strategy", "hybrid", "--cp", "4", "--seq", "32768", "--json", str(out)]
+    w = inference.Workload(LLAMA_8B, batch=1, seq=32768, dtype="bfloat16", cp=4, strategy="hybrid", ulysses=4)
+    for u in (2, 4):
+        assert main([*served, "--ulysses-degree", str(u)]) == 0
+        lines = capsys.readouterr().out.splitlines()
+        assert f"; prefill hybrid (ulysses {u} x ring {4 // u}), zigzag layout" in lines[0]
+        assert f"  hybrid prefill, ulysses U x ring R: CP 4: {u} x {4 // u}, CP 8: {u} x {8 // u}, " \
+               f"CP 16: {u} x {16 // u}" in lines
+        report = json.loads(out.read_text())
+        at4 = next(d for d in report["degrees"] if d["cp"] == 4)
+        assert (report["inputs"]["ulysses"], at4["ulysses"]) == (u, u)
+        assert at4["prefill_seconds"] == inference.prefill_seconds(w.with_(ulysses=u), hw)
 
 
 def test_cli_inference_latency_and_unknown_memory_bandwidth(tmp_path, capsys) -> None:

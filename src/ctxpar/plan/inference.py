@@ -162,6 +162,7 @@ class InferencePoint:
     """Serving one prompt of T tokens, generating n, at CP degree P, per GPU."""
 
     cp: int
+    ulysses: int | None  # the hybrid prefill's all-to-all degree U at P (None: another strategy)
     prefill_seconds: float
     decode_seconds_per_token: float | None  # None: the hardware's memory bandwidth is unknown
     kv_cache_bytes: int  # ceil((T + n - 1) / P) positions (what generate allocates), every layer, H_kv/t heads
@@ -215,14 +216,15 @@ def decode_seconds(model: ModelConfig, *, batch: int, positions: int, cp: int, e
 
 def _at_degree(w: Workload, cp: int, hw: Hardware) -> Workload:
     """``w`` at CP degree ``cp``: one GPU runs plain attention; hybrid keeps its all-to-all
-    degree where it splits ``cp`` into a ring of two or more, else takes the default
-    (``default_ulysses``), and raises where none does."""
+    degree at the requested degree (U = P too, as training plans it) and where it splits
+    ``cp`` into a ring of two or more, else takes the default (``default_ulysses``), and
+    raises where none does."""
     if cp == 1:
         return w.with_(cp=1, strategy="ring", ulysses=None)
     if w.strategy != "hybrid":
         return w.with_(cp=cp, ulysses=None)
-    u = w.ulysses if w.ulysses and cp % w.ulysses == 0 and w.ulysses < cp else \
-        default_ulysses(w.model.heads, cp, hw.gpus_per_node, w.tp)
+    kept = cp == w.cp or (cp % w.ulysses == 0 and w.ulysses < cp) if w.ulysses else False
+    u = w.ulysses if kept else default_ulysses(w.model.heads, cp, hw.gpus_per_node, w.tp)
     if u is None:
         raise ValueError(f"no hybrid split of {cp} ranks")
     return w.with_(cp=cp, ulysses=u)
@@ -240,7 +242,7 @@ def inference_sweep(w: Workload, hw: Hardware, *, new_tokens: int, degrees: list
         kv = kv_cache_bytes(w.model, batch=w.batch, positions=w.seq + new_tokens - 1, cp=cp, elem=w.elem, tp=w.tp)
         weights = weight_bytes(w.model, tp=w.tp, elem=w.elem, hw=hw)
         points.append(InferencePoint(
-            cp=cp, prefill_seconds=prefill_seconds(v, hw),
+            cp=cp, ulysses=v.ulysses if v.strategy == "hybrid" else None, prefill_seconds=prefill_seconds(v, hw),
             decode_seconds_per_token=decode_seconds(w.model, batch=w.batch, positions=w.seq + new_tokens, cp=cp,
                                                     elem=w.elem, hw=hw, tp=w.tp),
             kv_cache_bytes=kv, weight_bytes=weights, fits=kv + weights <= hw.memory_per_rank(w.tp * cp)))

@@ -3,11 +3,13 @@
 JSON (bytes exact, times in seconds):
 
     inputs            model shape, batch, prompt_tokens (T), new_tokens (n), dtype, cp (P),
-                      tp (t GPUs per CP rank) and sequence_parallel (the prefill's), strategy
+                      tp (t GPUs per CP rank) and sequence_parallel (the prefill's), strategy,
+                      ulysses (the hybrid's all-to-all degree U at P; null for the others)
                       and layout of the prefill
     hardware          ``Hardware.as_dict()`` plus attention_forward_flops (the prefill rate);
                       memory_bandwidth 0 = unknown, latency 0 = not modelled
-    degrees           per CP degree: cp, prefill_seconds (time to first token),
+    degrees           per CP degree: cp, ulysses (the hybrid prefill's U there; null for the
+                      other strategies), prefill_seconds (time to first token),
                       prefill_speedup (CP-1 / CP-P; null without CP 1), decode_seconds_per_token
                       (at T + n positions; null: no memory bandwidth), decode_change (relative
                       to CP 1; null as before), kv_cache_bytes and weight_bytes per GPU (1/t of
@@ -70,7 +72,7 @@ def inference_to_json(plan: InferencePlan) -> dict:
         "inputs": {"model": w.model.as_dict(), "batch": w.batch, "prompt_tokens": w.seq,
                    "new_tokens": plan.new_tokens, "dtype": w.dtype, "cp": w.cp, "tp": w.tp,
                    "sequence_parallel": w.sequence_parallel and w.tp > 1, "strategy": w.strategy,
-                   "layout": w.layout},
+                   "ulysses": w.ulysses_degree if w.strategy == "hybrid" else None, "layout": w.layout},
         "hardware": dict(hw.as_dict(), attention_forward_flops=hw.forward_flops),
         "conventions": {"MiB": 2**20, "GiB": 2**30, "GB": 10**9,
                         "bandwidth": "bytes per second per GPU per direction; GB/s = 1e9 bytes/s"},
@@ -106,7 +108,9 @@ def _header(plan: InferencePlan) -> list[str]:
         f"ctxpar plan --inference: B={w.batch} prompt T={w.seq} ({format_tokens(w.seq)}) + n={plan.new_tokens} new "
         f"tokens, {w.dtype}, CP={w.cp}" + (f" x TP={w.tp} ({w.tp * w.cp} GPUs per replica; the prefill's TP "
                                             f"{'with' if w.sequence_parallel else 'without'} sequence parallelism)"
-                                            if w.tp > 1 else "") + f"; prefill {w.strategy}, {w.layout} layout",
+                                            if w.tp > 1 else "") + f"; prefill {w.strategy}"
+        + (f" (ulysses {w.ulysses_degree} x ring {w.ring_degree})" if w.strategy == "hybrid" else "")
+        + f", {w.layout} layout",
         f"model: layers={m.layers} hidden={m.hidden} heads={m.heads} kv_heads={m.kv_heads} head_dim={m.head_dim} "
         f"ffn={m.ffn} vocab={m.vocab} ({m.parameters:,} parameters)",
         f"hardware: {hw.name}: {rates_words(hw)}; {format_bytes(hw.hbm_bytes)} memory at {memory}; "
@@ -129,6 +133,9 @@ def _degrees(plan: InferencePlan) -> list[str]:
                      f"{'-' if speedup is None else f'{speedup:.2f}x':>9} {decode:>13} "
                      f"{format_bytes(p.kv_cache_bytes):>12} {format_bytes(p.weight_bytes):>12} "
                      f"{'yes' if p.fits else 'no':>5}")
+    if w.strategy == "hybrid":
+        lines.append("  hybrid prefill, ulysses U x ring R: " + ", ".join(
+            f"CP {p.cp}: {p.ulysses} x {p.cp // p.ulysses}" for p in plan.points if p.ulysses))
     if w.tp == 1:
         lines += ["  prefill = L·(attention forward pipeline at the forward rate) + 2·(N - V·d)·B·T/P FLOPs / rate",
                   "  decode  = max((N·e + KV)/HBM, FLOPs/rate) + L·launch + (L+1)·latency + L·(P-1)·B·H·(D+1)·4 B/link",
