@@ -871,6 +871,25 @@ def test_hardware_errors_and_overrides() -> None:
     assert get_hardware("H200").bandwidth(16) == 50e9  # beyond one node: the NIC
 
 
+def test_get_hardware_refuses_what_the_flags_refuse(capsys) -> None:
+    """The Python API took a latency of 5 s and a launch overhead of 1e9 s (the flags: 0 .. 1 s),
+    and fp8="yes" as true: the flags' range checks are the API's too."""
+    cases = [(dict(latency=5.0), "--latency", "5"), (dict(launch_overhead=1e9), "--launch-overhead", "1e9"),
+             (dict(step_overhead=2.0), "--step-overhead", "2"), (dict(tile_overhead=(2e-5, 3.0)), "--tile-overhead",
+                                                                 "3")]
+    for kwargs, flag, text in cases:
+        with pytest.raises(ValueError, match=f"^{flag} ") as api:
+            get_hardware("H100-SXM", **kwargs)
+        assert main(["plan", flag, text]) == 2
+        value_and_range = str(api.value).split(" = ", 1)[1]  # "5 s is outside 0 .. 1 s; write e.g. 20us"
+        assert f"{flag} {text!r} = {value_and_range}" in capsys.readouterr().err
+    for fp8 in ("yes", 1, None):
+        with pytest.raises(ValueError, match=re.escape(f"fp8 {fp8!r} must be True or False (--fp8)")):
+            get_hardware("H100-SXM", fp8=fp8)
+    hw = get_hardware("H100-SXM", latency=1.0, launch_overhead=0.0, tile_overhead=(1.0, 0.0), bandwidth=1e30, fp8=True)
+    assert (hw.latency, hw.launch_overhead, hw.tile_forward_overhead, hw.fp8) == (1.0, 0.0, 1.0, True)
+
+
 def test_hardware_figures_no_machine_has_are_refused_naming_the_field() -> None:
     """For ``auto.set_hardware`` or the planner's Python API: a zero bandwidth once surfaced as
     a ZeroDivisionError in every later ``strategy="auto"`` call, and a NaN or negative rate

@@ -33,7 +33,7 @@ import os
 from dataclasses import asdict, dataclass, replace
 
 from ctxpar.limits import plain_values
-from ctxpar.plan.units import BANDWIDTH_RANGE, FLOPS_RANGE, LATENCY_RANGE
+from ctxpar.plan.units import BANDWIDTH_RANGE, FLOPS_RANGE, LATENCY_RANGE, check_seconds
 from ctxpar.strategy_rules import STRATEGY_NAMES
 
 
@@ -493,8 +493,9 @@ def check_overrides(
     step_overhead: float | None = None, tile_overhead: tuple[float, float] | None = None,
 ) -> None:
     """Refuse override figures that are not positive finite numbers (efficiency: in [0.01, 1];
-    latency and overheads: finite, >= 0, the tile overhead a (forward, backward) pair; GPUs
-    per node: an integer >= 1)."""
+    GPUs per node: an integer >= 1), and latency and overheads outside the flags' 0 .. 1 s
+    (``units.check_seconds``, the flags' own check; the tile overhead a (forward, backward)
+    pair). Rates beyond the flags' ranges stay allowed: 1e30 B/s stands for free links."""
     if gpus_per_node is not None and (isinstance(gpus_per_node, bool) or not isinstance(gpus_per_node, int)
                                       or not 1 <= gpus_per_node <= MAX_GPUS_PER_NODE):
         raise ValueError(f"--gpus-per-node {gpus_per_node} must be an integer between 1 and {MAX_GPUS_PER_NODE}")
@@ -506,11 +507,16 @@ def check_overrides(
                          f"peak FLOP/s")
     for flag, value in (("--latency", latency), ("--launch-overhead", launch_overhead),
                         ("--step-overhead", step_overhead)):
-        if value is not None and not _is_number(value):
-            raise ValueError(f"{flag} {value} must be a finite number of seconds >= 0")
-    if tile_overhead is not None and not (isinstance(tile_overhead, (tuple, list)) and len(tile_overhead) == 2
-                                          and all(_is_number(value) for value in tile_overhead)):
-        raise ValueError(f"--tile-overhead {tile_overhead!r} must be (forward, backward) seconds, finite and >= 0")
+        if value is not None:
+            if not _is_number(value):
+                raise ValueError(f"{flag} {value} must be a finite number of seconds >= 0")
+            check_seconds(value, flag)
+    if tile_overhead is not None:
+        if not (isinstance(tile_overhead, (tuple, list)) and len(tile_overhead) == 2
+                and all(_is_number(value) for value in tile_overhead)):
+            raise ValueError(f"--tile-overhead {tile_overhead!r} must be (forward, backward) seconds, finite and >= 0")
+        for value in tile_overhead:
+            check_seconds(value, "--tile-overhead")
 
 
 def get_hardware(
@@ -540,6 +546,8 @@ def get_hardware(
     ``calibration``.
     """
     _node_size(name)  # refuses an unknown name
+    if not isinstance(fp8, bool):  # "no" would be true
+        raise ValueError(f"fp8 {fp8!r} must be True or False (--fp8)")
     check_overrides(bandwidth=bandwidth, peak_flops=peak_flops, efficiency=efficiency, latency=latency,
                     gpus_per_node=gpus_per_node, launch_overhead=launch_overhead, step_overhead=step_overhead,
                     tile_overhead=tile_overhead)

@@ -37,21 +37,19 @@ def parse_bandwidth(text: str) -> float:
                          f"or {m.group(1)}{m.group(2)}b/s (bits)")
     scale = _BINARY[prefix] if prefix.endswith("i") else _DECIMAL[prefix]
     bytes_per_s = value * scale / (8 if unit == "b" else 1)
-    low, high, written = BANDWIDTH_RANGE
-    if not low <= bytes_per_s <= high:
-        raise ValueError(f"--bandwidth {text!r} = {bytes_per_s:g} bytes/s is outside {written}; write e.g. 100GB/s")
-    return bytes_per_s
+    return _within(bytes_per_s, BANDWIDTH_RANGE, "--bandwidth", "bytes/s", "100GB/s", given=text)
 
 
 def parse_flops(text: str) -> float:
     """FLOP/s from ``989T``, ``989TFLOPS``, ``2.25P``, ``9.89e14``."""
-    return _scaled(text, _FLOPS, _DECIMAL, FLOPS_RANGE, "--flops", "FLOP/s", "989T, 989TFLOPS or 9.89e14")
+    return _within(_scaled(text, _FLOPS, _DECIMAL, "--flops", "989T, 989TFLOPS or 9.89e14"), FLOPS_RANGE, "--flops",
+                   "FLOP/s", "989T", given=text)
 
 
 def parse_latency(text: str, flag: str = "--latency") -> float:
     """Seconds from ``20us``, ``0.5ms``, ``2e-5`` (no unit: seconds); 0 is allowed (no fixed cost).
     ``flag`` names the option in errors (--latency, --launch-overhead, --step-overhead, --tile-overhead)."""
-    return _scaled(text, _LATENCY, _SECONDS, LATENCY_RANGE, flag, "s", "20us, 0.5ms or 0.00002 (seconds)")
+    return check_seconds(_scaled(text, _LATENCY, _SECONDS, flag, "20us, 0.5ms or 0.00002 (seconds)"), flag, given=text)
 
 
 def parse_tile_overhead(text: str, flag: str = "--tile-overhead") -> tuple[float, float]:
@@ -64,18 +62,27 @@ def parse_tile_overhead(text: str, flag: str = "--tile-overhead") -> tuple[float
     return values[0], values[-1]
 
 
-def _scaled(text: str, pattern: re.Pattern, scales: dict[str, float], bounds: tuple[float, float, str], flag: str,
-            unit: str, examples: str) -> float:
-    """A number times the scale of its (case-insensitive) unit prefix, within ``bounds``."""
+def check_seconds(seconds: float, flag: str = "--latency", given: object = None) -> float:
+    """``seconds`` if within ``LATENCY_RANGE``: the flags' check of latencies and overheads,
+    and ``get_hardware``'s for the same figures given in Python (``given``: what the user
+    wrote, default the value)."""
+    return _within(seconds, LATENCY_RANGE, flag, "s", "20us", given)
+
+
+def _within(value: float, bounds: tuple[float, float, str], flag: str, unit: str, example: str, given: object) -> float:
+    low, high, written = bounds
+    if not low <= value <= high:
+        raise ValueError(f"{flag} {value if given is None else given!r} = {value:g} {unit} is outside {written}; "
+                         f"write e.g. {example}")
+    return value
+
+
+def _scaled(text: str, pattern: re.Pattern, scales: dict[str, float], flag: str, examples: str) -> float:
+    """A number times the scale of its (case-insensitive) unit prefix."""
     m = pattern.match(str(text))
     if not m:
         raise ValueError(f"{flag} {text!r} is not understood; write e.g. {examples}")
-    value = float(m.group(1)) * scales[(m.group(2) or "").lower()]
-    low, high, written = bounds
-    if not low <= value <= high:
-        first = examples.split(",")[0]
-        raise ValueError(f"{flag} {text!r} = {value:g} {unit} is outside {written}; write e.g. {first}")
-    return value
+    return float(m.group(1)) * scales[(m.group(2) or "").lower()]
 
 
 def format_bytes(n: float) -> str:
