@@ -833,6 +833,12 @@ def test_cli_parallel_flags_and_json_keys(tmp_path, capsys, monkeypatch) -> None
     assert dp["gather_bytes"] == dp["gradient_bytes"] == 7 * -(-4_015_263_744 // 8) * 2 and dp["replicate_bytes"] == 0
     assert dp["gathers"] == 2
     assert report["step"]["data_parallel_communication_seconds"] == dp["exposed_seconds"] > 0
+    from ctxpar.plan import report as plan_report  # its docstring names every key (it named two that are not)
+
+    schedule = set(cost.PipelineSchedule(2, 1, 4, 0, 0.0).as_dict())
+    for key in {*report, *dp, *schedule}:
+        assert re.search(rf"\b{key}\b", plan_report.__doc__), key
+    assert not re.search(r"\b(reduce_bytes|bubble_fraction)\b", plan_report.__doc__)
     assert "Data-parallel traffic per GPU per step (the 8 GPUs holding each TP shard: DP=2 x CP=4; FSDP=8" in table
     assert set(par["links"]["tp"]) == {"group_size", "spans_gpus", "crosses_nodes", "link", "bandwidth"}
     assert report["traffic_per_layer"]["link"] == "inter-node" and report["traffic_per_layer"]["crosses_nodes"]

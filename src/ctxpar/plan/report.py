@@ -6,6 +6,7 @@ JSON (bytes exact, times in seconds; formulas in docs/planner.md):
                         tp, dp (null: implied by fsdp), fsdp, pp, microbatches, virtual_stages,
                         sequence_parallel, checkpointing, mask
     hardware            ``Hardware.as_dict()`` (gpus_per_node after --gpus-per-node)
+    conventions         MiB, GiB, GB in bytes, and what a bandwidth is
     parallel            tp, cp, dp (the effective data-parallel degree), fsdp, pp, virtual_stages,
                         microbatches, stage_layers (the busiest stage's), layers_in_flight (whose
                         activations one GPU holds at once), world_size (TP·P·PP·DP),
@@ -28,13 +29,14 @@ JSON (bytes exact, times in seconds; formulas in docs/planner.md):
                         hbm_bytes (what one rank may fill: with ``local``, its share of the RAM all
                         ranks share), fits
     dp_traffic_per_step  DP / FSDP over the DP·P GPUs holding each TP shard (null when there are
-                        none): gather_bytes (one parameter all-gather over FSDP; forward and again
-                        backward), reduce_bytes (gradient reduce-scatter over FSDP, or all-reduce
-                        without it), replicate_bytes (HSDP: the shard's all-reduce over the
-                        replicas), total_bytes, exposed_seconds, forward and backward (the
-                        pipelines over the layers), links {"fsdp", "replicas" | "dp"}
+                        none): gather_bytes (one parameter all-gather over FSDP), gathers (how
+                        many: forward, and again backward with one micro-batch), gradient_bytes
+                        (gradient reduce-scatter over FSDP, or all-reduce without it),
+                        replicate_bytes (HSDP: the shard's all-reduce over the replicas),
+                        total_bytes, exposed_seconds, forward and backward (the pipelines over
+                        the layers), links {"fsdp", "replicas" | "dp"}
     step, cp1_step      seconds, microbatch_seconds, schedule (null for one micro-batch without PP,
-                        else stages, virtual_stages, microbatches, slots, bubble_fraction,
+                        else stages, virtual_stages, microbatches, slots, bubble_over_work,
                         p2p_message_bytes, p2p_message_seconds, p2p_seconds_per_microbatch); per
                         micro-batch on the busiest stage: matmul_seconds, attention_seconds, tp_communication_seconds,
                         data_parallel_communication_seconds (exposed), data_parallel (as in
@@ -42,6 +44,8 @@ JSON (bytes exact, times in seconds; formulas in docs/planner.md):
                         tp_per_layer
     efficiency, cp1_fits_up_to, sweep, crossovers   against CP degree at the same TP; a crossover's
                         faster_from equal to its searched_from is a bound (the table's "<=")
+    overlap_thresholds  per strategy and CP degree of the sweep: tokens_per_gpu, and forward and
+                        backward (the tokens per GPU from which transfers hide; null: never)
     baseline            the best configuration without CP on the same TP·P GPUs (``plan/baseline.py``):
                         gpus_per_stage (TP·P: one pipeline stage of a replica), verdict ("pays_off" |
                         "does_not_pay_off" | "necessary" | "nothing_fits" | "no_cp"), speedup
