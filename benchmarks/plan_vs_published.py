@@ -22,7 +22,10 @@ compared. Rows with PP > 1 are left out: their sources do not give the schedule
 (docs/planner.md section 12). The planner's own fixed costs are 0 in the H100 preset (no
 published figure checked), and FP8 casts and the elementwise kernels (norms, SwiGLU,
 RoPE) are not modelled: where matmuls dominate (short sequences) the prediction is an upper bound on
-throughput.
+throughput. Each prediction carries the planner's memory per GPU and whether it fits:
+the rows are planned as DDP with AdamW's states unsharded, where Megatron's distributed
+optimizer shards them over DP x CP, so NeMo's short rows without recomputation are steps
+the planner's memory model says do not fit (docs/planner.md section 13).
 """
 
 from __future__ import annotations
@@ -33,6 +36,7 @@ from dataclasses import dataclass
 from ctxpar.models.config import ModelConfig, get_config
 from ctxpar.plan import cost
 from ctxpar.plan.hardware import get_hardware
+from ctxpar.plan.memory import MemoryEstimate, memory_on
 from ctxpar.plan.workload import Workload
 from report import write_json
 
@@ -98,15 +102,17 @@ def nemo_model_flops(m: ModelConfig, seq: int) -> float:
                                      + 6 * m.vocab / (m.layers * d))
 
 
-def predicted_metric(row: Published, checkpointing: str) -> tuple[float, float]:
-    """(step seconds of one sequence on the TP x CP group, the row's metric from it)."""
+def predicted_metric(row: Published, checkpointing: str) -> tuple[float, float, MemoryEstimate]:
+    """(step seconds of one sequence on the TP x CP group, the row's metric from it, the
+    planner's memory per GPU for that step)."""
     m = get_config(row.model)
     w = Workload(m, batch=1, seq=row.seq, dtype="bfloat16", cp=row.cp, tp=row.tp, dp=row.dp, fsdp=row.fsdp,
                  strategy=row.strategy, checkpointing=checkpointing)
-    seconds = cost.step_time(w, get_hardware(row.hardware, fp8=row.fp8)).seconds
+    hw = get_hardware(row.hardware, fp8=row.fp8)
+    seconds, memory = cost.step_time(w, hw).seconds, memory_on(w, hw)
     if row.metric == "nemo_tflops_per_gpu":
-        return seconds, nemo_model_flops(m, row.seq) / seconds / (row.tp * row.cp) / 1e12
-    return seconds, row.seq / row.cp / seconds
+        return seconds, nemo_model_flops(m, row.seq) / seconds / (row.tp * row.cp) / 1e12, memory
+    return seconds, row.seq / row.cp / seconds, memory
 
 
 def compare(row: Published) -> dict:
@@ -114,10 +120,16 @@ def compare(row: Published) -> dict:
                strategy=row.strategy, gpus=row.gpus, hardware=row.hardware, fp8=row.fp8, metric=row.metric,
                published=row.value)
     for checkpointing in ("none", "full"):
-        seconds, value = predicted_metric(row, checkpointing)
+        seconds, value, memory = predicted_metric(row, checkpointing)
         out[checkpointing] = dict(step_seconds=seconds, predicted=value, error=value / row.value - 1,
-                                  within_target=abs(value / row.value - 1) <= TARGET)
+                                  within_target=abs(value / row.value - 1) <= TARGET, memory_bytes=memory.total,
+                                  fits=memory.fits)
     return out
+
+
+def memory_words(prediction: dict) -> str:
+    """GiB per GPU, starred where the planner's memory model says the step does not fit."""
+    return f"{prediction['memory_bytes'] / 2**30:.1f}{'' if prediction['fits'] else '*'}"
 
 
 def main() -> None:
@@ -132,11 +144,13 @@ def main() -> None:
             unit = "TFLOPS/GPU (NeMo model FLOPs)" if r["metric"] == "nemo_tflops_per_gpu" else "tokens/s/GPU"
             print(f"\n{source}\n{unit}")
             print(f"{'model':<11} {'T':>6} {'TP':>3} {'CP':>3} {'DP':>3} {'GPUs':>5} {'published':>9} "
-                  f"{'no recompute':>12} {'error':>7} {'full':>7} {'error':>7}")
+                  f"{'no recompute':>12} {'error':>7} {'memory':>9} {'full':>7} {'error':>7} {'memory':>9}")
         none, full = r["none"], r["full"]
         print(f"{r['model']:<11} {r['seq'] // K:>5}K {r['tp']:>3} {r['cp']:>3} {r['dp']:>3} {r['gpus']:>5} "
-              f"{r['published']:>9,.0f} {none['predicted']:>12,.0f} {none['error']:>+7.1%} "
-              f"{full['predicted']:>7,.0f} {full['error']:>+7.1%}")
+              f"{r['published']:>9,.0f} {none['predicted']:>12,.0f} {none['error']:>+7.1%} {memory_words(none):>9} "
+              f"{full['predicted']:>7,.0f} {full['error']:>+7.1%} {memory_words(full):>9}")
+    print("\nmemory: GiB per GPU by the planner's model for the step as planned (NeMo's as DDP, AdamW's states "
+          "unsharded); * more than the H100-SXM preset's 79.6 GiB")
     if args.json:
         write_json(args.json, args, target=TARGET, rows=rows)
 
