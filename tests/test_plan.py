@@ -1614,8 +1614,9 @@ def library_kernel_calls(w: Workload) -> int:
 @pytest.mark.parametrize("layout", ["contiguous", "zigzag", "striped"])
 def test_the_planners_kernel_calls_are_the_block_plans_at_every_length(layout: str) -> None:
     """Every strategy's launches per stage are those of the block plan the library runs, at
-    more than one length: the hybrid's ring between unions on the striped layout makes about
-    S/U tiles of U rows (its calls grow with T; a stand-in row once counted 64 at any T)."""
+    more than one length: the hybrid's ring between unions on the striped layout is a
+    staircase cut in bands whose count grows with T (a stand-in row once counted 64 at any T,
+    where the library then made S/U tiles of U rows)."""
     cases = [("ring", 4, None), ("allgather", 4, None), ("alltoall", 4, None), ("hybrid", 4, 2),
              ("hybrid", 8, 2), ("hybrid", 8, 4)]
     for (strategy, cp, ulysses), causal in itertools.product(cases, (True, False)):
@@ -1623,9 +1624,10 @@ def test_the_planners_kernel_calls_are_the_block_plans_at_every_length(layout: s
         for seq in (multiple * 200, multiple * 640):
             w = worked(strategy=strategy, cp=cp, ulysses=ulysses, layout=layout, seq=seq, causal=causal)
             assert cost.kernels_per_stage(w) == library_kernel_calls(w), (strategy, cp, ulysses, causal, seq)
-    if layout == "striped":  # measured: 1024-1025 kernel calls per pass on 4 CPU ranks
+    if layout == "striped":  # 1024-1025 kernel calls per pass on 4 CPU ranks before the staircase was cut in bands
         w = worked(strategy="hybrid", cp=4, ulysses=2, layout=layout, seq=4096)
-        assert cost.kernels_per_stage(w) == 4096 // 4 == 2 * cost.kernels_per_stage(w.with_(seq=2048))
+        assert cost.kernels_per_stage(w) == library_kernel_calls(w) <= 48
+        assert cost.kernels_per_stage(w.with_(seq=2048)) < cost.kernels_per_stage(w)
 
 
 @pytest.mark.parametrize("cp", [65, 96])

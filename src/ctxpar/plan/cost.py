@@ -254,8 +254,8 @@ def _plan_seq(w: Workload, rank: int) -> int:
     make under 2% (tested). Whether the calls depend on T is read off the plan itself
     (``_stand_in_holds``: the same calls on a stand-in twice as long), not assumed: the
     ring between a hybrid's unions on the striped layout (positions 0, 1, 4, 5, ... against
-    2, 3, 6, 7, ...) is a staircase of about S = T/P tiles of U rows, so it walks the row
-    itself. The all-gather's choice of key order compares tile counts that settle once a
+    2, 3, 6, 7, ...) is a staircase cut in bands whose count grows with T, so it walks the
+    row itself. The all-gather's choice of key order compares tile counts that settle once a
     striped shard holds P rows (tested), so its row has P multiples where that is more,
     and is the row itself where that is shorter. One stand-in serves every length of a
     sweep. Under documents or a window the row itself (0.05-0.3 s per rank at 1M tokens on
