@@ -47,11 +47,12 @@ def merge_into(acc_out: torch.Tensor, acc_lse: torch.Tensor, out_b: torch.Tensor
     ``acc_out`` (..., S, D) and ``acc_lse`` (..., S) may be views (slices along S of a
     larger accumulator); they are updated through the view. Start them at 0 and -inf.
     """
-    lse = torch.logaddexp(acc_lse, lse_b)
-    lse.masked_fill_(lse.isnan(), float("inf"))  # see "Non-finite inputs" above
-    ref = torch.where(torch.isneginf(lse), torch.zeros_like(lse), lse)
-    acc_out.mul_(torch.exp(acc_lse - ref).unsqueeze(-1))
-    acc_out.add_(torch.exp(lse_b - ref).unsqueeze(-1) * out_b)
+    inf = float("inf")
+    lse = torch.logaddexp(acc_lse, lse_b).nan_to_num_(nan=inf, posinf=inf, neginf=-inf)  # "Non-finite inputs"
+    # lse is -inf only where both are: any finite stand-in gives both weights exp(-inf) = 0
+    ref = lse.clamp_min(torch.finfo(lse.dtype).min)
+    acc_out.mul_(torch.sub(acc_lse, ref).exp_().unsqueeze(-1))
+    acc_out.add_(torch.sub(lse_b, ref).exp_().unsqueeze(-1) * out_b)
     acc_lse.copy_(lse)
 
 
