@@ -113,18 +113,23 @@ def _by_arrival(shares: torch.Tensor, order, world: int) -> torch.Tensor:
     return arrived
 
 
+def _post_gather(k: torch.Tensor, v: torch.Tensor, heads: slice, group) -> PendingAllGather:
+    """The gather of KV heads ``heads``, K and V stacked (2, B, h, S, D) in one copy (slicing
+    a stack of all heads took a second copy to make each group's slice dense)."""
+    return PendingAllGather(stacked_kv(k[:, heads], v[:, heads]), group)
+
+
 class AllGatherAttention(torch.autograd.Function):
     @staticmethod
     def forward(ctx, q, k, v, sinks, layout: Layout, group, rank: int, mask: Mask, scale: float):
         order = _key_order(layout, q.shape[2] * layout.world_size, rank, mask, q.device)
         g = q.shape[1] // k.shape[1]  # query heads per KV head
         acc_out, acc_lse = output_accumulators(q)  # (B, H, S, D), (B, H, S)
-        kv = stacked_kv(k, v)  # (2, B, H_kv, S, D)
         groups = head_groups(k.shape[1])
-        pending = PendingAllGather(kv[:, :, groups[0]], group)
+        pending = _post_gather(k, v, groups[0], group)
         for i, kvh in enumerate(groups):
             keys = _arrange(pending.wait(), order)
-            pending = PendingAllGather(kv[:, :, groups[i + 1]], group) if i + 1 < len(groups) else None
+            pending = _post_gather(k, v, groups[i + 1], group) if i + 1 < len(groups) else None
             qh = slice(kvh.start * g, kvh.stop * g)
             with profile.timed("compute", q.device):
                 _attend_forward(q[:, qh], keys, order, acc_out[:, qh], acc_lse[:, qh], scale)
@@ -141,13 +146,12 @@ class AllGatherAttention(torch.autograd.Function):
         g = q.shape[1] // k.shape[1]
         dout = dout.contiguous()
         dq, dkv = gradient_accumulators(q, k)  # dkv: our shard's dK, dV, filled group by group
-        kv = stacked_kv(k, v)
         groups = head_groups(k.shape[1])
-        pending = PendingAllGather(kv[:, :, groups[0]], group)
+        pending = _post_gather(k, v, groups[0], group)
         reducing = None  # (heads, PendingReduceScatter) of the previous group, still in flight
         for i, kvh in enumerate(groups):
             keys = _arrange(pending.wait(), order)
-            pending = PendingAllGather(kv[:, :, groups[i + 1]], group) if i + 1 < len(groups) else None
+            pending = _post_gather(k, v, groups[i + 1], group) if i + 1 < len(groups) else None
             qh = slice(kvh.start * g, kvh.stop * g)
             with profile.timed("compute", q.device):
                 shares = _attend_backward(dout[:, qh], q[:, qh], keys, out[:, qh], lse[:, qh], order, scale,
