@@ -257,12 +257,12 @@ def test_a_staircase_is_cut_in_bands_not_a_tile_per_step() -> None:
     """A hybrid's union on the striped layout (P=4, U=2: positions 0, 1, 4, 5, ...) against
     the other union's keys sees 2 keys more every 2 rows: it was cut into a FULL tile per
     step, T/P kernel calls of 2 rows each (1023 at T=4096); now a band of rows at a time."""
-    seq_len = 4096
-    positions = torch.arange(seq_len)
-    first, second = positions[positions % 4 < 2], positions[positions % 4 >= 2]
-    for q, kv in ((first, second), (second, first)):
-        tiles = tiles_between(q, kv, Mask(), seq_len)
-        assert torch.equal(covered(tiles, len(q), len(kv)), brute_force(q, kv, True))
-        assert len(tiles) <= 48
-        wasted = sum((t.q_stop - t.q_start) * (t.kv_stop - t.kv_start) - t.pairs for t in tiles)
-        assert wasted < 0.12 * count_pairs(tiles)  # the explicit masks' computed but unseen pairs
+    for world, u, seq_len in ((4, 2, 4096), (32, 16, 32768)):  # runs of 16 rows once stayed a tile each too
+        positions = torch.arange(seq_len)
+        first, second = positions[positions % world < u], positions[positions % world >= u]
+        for q, kv in ((first, second), (second, first)):
+            tiles = tiles_between(q, kv, Mask(), seq_len)
+            assert torch.equal(covered(tiles, len(q), len(kv)), brute_force(q, kv, True))
+            assert len(tiles) <= 64
+            wasted = sum((t.q_stop - t.q_start) * (t.kv_stop - t.kv_start) - t.pairs for t in tiles)
+            assert wasted < 0.12 * count_pairs(tiles)  # the explicit masks' computed but unseen pairs

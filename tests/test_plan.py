@@ -887,8 +887,10 @@ def test_get_hardware_refuses_what_the_flags_refuse(capsys) -> None:
         with pytest.raises(ValueError, match=f"^{flag} ") as api:
             get_hardware("H100-SXM", **kwargs)
         assert main(["plan", flag, text]) == 2
-        value_and_range = str(api.value).split(" = ", 1)[1]  # "5 s is outside 0 .. 1 s; write e.g. 20us"
-        assert f"{flag} {text!r} = {value_and_range}" in capsys.readouterr().err
+        value_and_range, example = str(api.value).split(" = ", 1)[1].split("; ")  # "5 s is outside 0 .. 1 s"
+        assert f"{flag} {text!r} = {value_and_range}; write e.g. 20us" in capsys.readouterr().err
+        assert example.startswith("write e.g. (2e-05, 4e-05) (seconds)" if flag == "--tile-overhead" else
+                                  "write e.g. 2e-05 (seconds)")  # what the API takes: seconds, not "20us"
     for fp8 in ("yes", 1, None):
         with pytest.raises(ValueError, match=re.escape(f"fp8 {fp8!r} must be True or False (--fp8)")):
             get_hardware("H100-SXM", fp8=fp8)

@@ -200,23 +200,38 @@ def _cut_prefix(hi: list[int], start: int, stop: int, base: int, tiles: list[Til
             e = bisect.bisect_right(hi, hi[r], r, stop) - 1  # a run of rows that all see the same keys
             # runs of one row (striped queries against every key) stay a tile per row: the all-gather
             # takes such keys shard by shard instead, as diagonals
-            if 1 < e - r + 1 < MIN_BAND_ROWS and e + 2 < stop and hi[e + 2] != hi[e + 1] + 1:
-                e = _cut_staircase(hi, r, e + 1, stop, base, tiles)
+            band = _staircase_band(hi, r, e + 1, stop, base) if e > r else None
+            if band is not None:
+                e = _cut_staircase(hi, r, e + 1, band, base, tiles)
             else:
                 tiles.append(Tile(r, e + 1, base, base + n, MaskKind.FULL))
         r = e + 1
 
 
-def _cut_staircase(hi: list[int], start: int, step: int, stop: int, base: int, tiles: list[Tile]) -> int:
-    """Rows from ``start`` in short runs that see the same keys, ``step`` the first row past the
-    first run, and no diagonal next: a staircase (a hybrid's union on the striped layout sees
-    another's keys U more every U rows; a balanced layout's small chunks likewise). Cut a band
-    of rows at a time as one FULL tile of the keys every row of the band sees and one PARTIAL
-    tile of the steps, rather than a tile per run (T/P tiles of U rows). A band of a quarter of
-    the keys its first row sees computes about 10% more pairs than are visible, in 40 tiles
-    where there were 1023 (P=4, U=2, T=4096: forward and backward 3.6x faster on a CPU core,
-    5x at T=16384). Returns the band's last row."""
-    end = min(stop, start + min(MAX_BAND_ROWS, max(MIN_BAND_ROWS, (hi[start] - base) // 4)))
+def _staircase_band(hi: list[int], start: int, step: int, stop: int, base: int) -> int | None:
+    """Where a band cut as a staircase from row ``start`` ends (``step``: the first row past
+    its first run of rows seeing the same keys), or None where no staircase pays: a band
+    whose steps span a quarter of the keys its first row sees (at least 16, at most 1024
+    rows), ended at a run's end, must hold three runs or more."""
+    if step + 1 >= stop:  # no room for three runs
+        return None
+    first = hi[start]
+    end = bisect.bisect_right(hi, first + max(MIN_BAND_ROWS, (first - base) // 4), step,
+                              min(stop, start + MAX_BAND_ROWS))
+    if end < stop and hi[end] == hi[end - 1]:  # capped within a run: end where it begins
+        end = bisect.bisect_left(hi, hi[end - 1], step, end)
+    second_end = bisect.bisect_right(hi, hi[step], step, end)
+    return end if second_end < end else None
+
+
+def _cut_staircase(hi: list[int], start: int, step: int, end: int, base: int, tiles: list[Tile]) -> int:
+    """Rows ``start``..``end``-1 in runs that see the same keys, ``step`` the first row past the
+    first run: a staircase (a hybrid's union on the striped layout sees another's keys U more
+    every U rows). Cut as one FULL tile of the keys every row of the band sees and one
+    PARTIAL tile of the steps, rather than a tile per run (T/P tiles of U rows): 38 tiles
+    where there were 1023 (P=4, U=2, T=4096), about 10% more pairs computed than visible;
+    the hybrid's forward and backward 2.8x faster on 4 CPU ranks (docs/benchmarks.md).
+    Returns the band's last row."""
     tiles.append(Tile(start, end, base, hi[start], MaskKind.FULL))
     first = hi[start]  # rows step.. see keys past it, each at least one
     rows = tuple((0, b - first) for b in hi[step:end])

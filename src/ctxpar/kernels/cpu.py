@@ -51,9 +51,11 @@ def _scores_hidden_exactly(q: torch.Tensor, k: torch.Tensor, mask: torch.Tensor 
     whose q or k holds an inf or NaN. The op adds the mask to the scores (-inf where hidden),
     and a hidden +inf or NaN score then poisons a row that cannot see it (inf - inf: rows of
     other documents); the reference hides masked scores instead (O(Sq*D + Sk*D) to check)."""
-    # by the sums (30x cheaper on CPU than testing each element): a sum that overflows sends
-    # a finite tile to the reference kernel too, exact if slower
-    return mask is not None and not (bool(q.sum().isfinite()) and bool(k.sum().isfinite()))
+    # by the sums (30x cheaper on CPU than testing each element), taken in float32 or wider (a
+    # float16 sum passes 65504 at once): one that overflows sends a finite tile to the reference
+    # kernel too, exact if slower
+    acc = accumulation_dtype(q.dtype)
+    return mask is not None and not (bool(q.sum(dtype=acc).isfinite()) and bool(k.sum(dtype=acc).isfinite()))
 
 
 def attention_forward(

@@ -510,13 +510,13 @@ def check_overrides(
         if value is not None:
             if not _is_number(value):
                 raise ValueError(f"{flag} {value} must be a finite number of seconds >= 0")
-            check_seconds(value, flag)
+            check_seconds(value, flag, example="2e-05 (seconds)")
     if tile_overhead is not None:
         if not (isinstance(tile_overhead, (tuple, list)) and len(tile_overhead) == 2
                 and all(_is_number(value) for value in tile_overhead)):
             raise ValueError(f"--tile-overhead {tile_overhead!r} must be (forward, backward) seconds, finite and >= 0")
         for value in tile_overhead:
-            check_seconds(value, "--tile-overhead")
+            check_seconds(value, "--tile-overhead", example="(2e-05, 4e-05) (seconds)")
 
 
 def get_hardware(

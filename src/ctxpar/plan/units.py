@@ -62,11 +62,11 @@ def parse_tile_overhead(text: str, flag: str = "--tile-overhead") -> tuple[float
     return values[0], values[-1]
 
 
-def check_seconds(seconds: float, flag: str = "--latency", given: object = None) -> float:
+def check_seconds(seconds: float, flag: str = "--latency", given: object = None, example: str = "20us") -> float:
     """``seconds`` if within ``LATENCY_RANGE``: the flags' check of latencies and overheads,
     and ``get_hardware``'s for the same figures given in Python (``given``: what the user
-    wrote, default the value)."""
-    return _within(seconds, LATENCY_RANGE, flag, "s", "20us", given)
+    wrote, default the value; ``example``: a value to suggest, written as they would)."""
+    return _within(seconds, LATENCY_RANGE, flag, "s", example, given)
 
 
 def _within(value: float, bounds: tuple[float, float, str], flag: str, unit: str, example: str, given: object) -> float:
