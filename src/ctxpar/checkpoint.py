@@ -291,14 +291,15 @@ def _saved_entries(path: str) -> tuple[dict[str, tuple[int, ...] | None], set[st
 
 def _check_optimizer_parameters(path: str, here: list[list[str]], saved: list[list[str]]) -> None:
     """Refuse an optimizer over other parameters than the saving one's, naming them: loaded
-    without a complaint, a parameter the saving optimizer did not hold started afresh."""
-    if here == saved:
+    without a complaint, a parameter the saving optimizer did not hold started afresh. The
+    order within a group does not matter: torch loads the state by parameter name."""
+    if [sorted(group) for group in here] == [sorted(group) for group in saved]:
         return
     only_here = sorted({n for g in here for n in g} - {n for g in saved for n in g})
     only_saved = sorted({n for g in saved for n in g} - {n for g in here for n in g})
     what = "; ".join(f"{len(names)} only {where} ({_first(names)})" for names, where in
                      ((only_saved, "the checkpoint's optimizer holds"), (only_here, "this optimizer holds"))
-                     if names) or "the same parameters, grouped or ordered otherwise"
+                     if names) or "the same parameters, grouped otherwise"
     raise ValueError(f"the checkpoint {path} was saved by an optimizer over other parameters than this one's: {what}; "
                      f"make the optimizer over the parameters (and in the groups) the saving run's was")
 
