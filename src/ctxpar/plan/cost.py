@@ -287,6 +287,14 @@ class RankPlan:
     most_calls: int  # kernel calls of its busiest pipeline stage
     # (kind, queries, keys, visible pairs, how many) over all its stages
     shapes: tuple[tuple[MaskKind, int, int, int, int], ...]
+    seq: int  # the row it was walked on (``_plan_seq``): its tile sides times T / seq are those at T
+
+    def scale(self, seq_len: int) -> float:
+        """The factor from its tile sides to those at ``seq_len``: a stand-in's sides scale to T
+        (its visible pairs are kept: only masks that are not plain cut tiles with explicit
+        masks, and those are walked on the row itself), its counts are kept (``_plan_seq``
+        takes a stand-in only where they hold at any T)."""
+        return seq_len / self.seq
 
     @property
     def tiles(self) -> int:
@@ -303,7 +311,7 @@ def _rank_plan(layout: str, seq: int, cp: int, mask: Mask, strategy: str, rank: 
     shapes = collections.Counter((t.kind, t.q_stop - t.q_start, t.kv_stop - t.kv_start, t.pairs)
                                  for tiles in stages for t in tiles)
     return RankPlan(max(len(tiles) for tiles in stages),
-                    tuple((kind, nq, nk, pairs, n) for (kind, nq, nk, pairs), n in shapes.items()))
+                    tuple((kind, nq, nk, pairs, n) for (kind, nq, nk, pairs), n in shapes.items()), seq)
 
 
 def _walk(w: Workload, rank: int) -> tuple[str, int, int, int]:
@@ -332,14 +340,6 @@ def kernels_per_stage(w: Workload) -> int:
     return max(rank_plan(w, rank).most_calls for rank in busiest_ranks(w))
 
 
-def _plan_and_scale(w: Workload, rank: int) -> tuple[RankPlan, float]:
-    """``rank``'s plan and the factor from its row's tile sides to those at ``w``'s length: a
-    stand-in's sides scale to T (its visible pairs are kept: only masks that are not plain
-    cut tiles with explicit masks, and those are walked on the row itself), its counts are
-    kept (``_plan_seq`` takes a stand-in only where they hold at any T)."""
-    return rank_plan(w, rank), w.seq / _plan_seq(w, rank)
-
-
 def kernel_rate_fractions(w: Workload, hw: Hardware, rank: int) -> tuple[float, float]:
     """(forward, backward): the fractions of the hardware's attention rates ``rank``'s kernels
     run at. Each tile of its block plan runs at a size curve's value, the causal curve's
@@ -352,7 +352,8 @@ def kernel_rate_fractions(w: Workload, hw: Hardware, rank: int) -> tuple[float, 
     over its rate's fraction."""
     if not (hw.attention_size_curve or hw.attention_causal_size_curve):
         return 1.0, 1.0
-    return _rate_fractions(*_plan_and_scale(w, rank), hw, None if hw.size_curve_by_keys else kernel_tokens(w))
+    plan = rank_plan(w, rank)
+    return _rate_fractions(plan, plan.scale(w.seq), hw, None if hw.size_curve_by_keys else kernel_tokens(w))
 
 
 @functools.lru_cache(maxsize=256)  # a sweep asks again for the same plan; a plan growing with T has a shape per tile
@@ -393,7 +394,8 @@ def tile_overhead_seconds(w: Workload, hw: Hardware, rank: int) -> tuple[float, 
     heads, kv_heads = w.heads_per_gpu // u, w.kv_heads_sent // u
     calls = gather_groups(w.kv_heads_per_gpu) if w.strategy == "allgather" else 1  # kernel calls per tile
     forward = backward = 0.0
-    plan, scale = _plan_and_scale(w, rank)
+    plan = rank_plan(w, rank)
+    scale = plan.scale(w.seq)
     for _, nq, nk, _, n in plan.shapes:
         queries, keys = nq * scale, nk * scale
         merged, added = accumulated_bytes(batch=w.batch, queries=queries, keys=keys, heads=heads, kv_heads=kv_heads,

@@ -223,7 +223,7 @@ def _at_degree(w: Workload, cp: int, hw: Hardware) -> Workload:
         return w.with_(cp=1, strategy="ring", ulysses=None)
     if w.strategy != "hybrid":
         return w.with_(cp=cp, ulysses=None)
-    kept = cp == w.cp or (cp % w.ulysses == 0 and w.ulysses < cp) if w.ulysses else False
+    kept = bool(w.ulysses) and (cp == w.cp or cp % w.ulysses == 0 and w.ulysses < cp)
     u = w.ulysses if kept else default_ulysses(w.model.heads, cp, hw.gpus_per_node, w.tp)
     if u is None:
         raise ValueError(f"no hybrid split of {cp} ranks")
