@@ -76,7 +76,7 @@ def test_demo_rejects_strategy_shapes_before_starting_ranks() -> None:
     proc = run_cli("demo", "--nproc", "3", "--seq", "384", "--strategy", "alltoall")
     assert proc.returncode == 2 and "query heads H=8 (H_kv=2) over P=3 ranks" in proc.stderr
     proc = run_cli("demo", "--nproc", "4", "--seq", "256", "--strategy", "hybrid", "--ulysses-degree", "3")
-    assert proc.returncode == 2 and "needs a --ulysses-degree dividing the 4 ranks" in proc.stderr
+    assert proc.returncode == 2 and "needs a --ulysses-degree dividing the 4 CP ranks" in proc.stderr
 
 
 def test_generate_equals_the_single_process_tokens_and_writes_the_documented_json(tmp_path) -> None:
@@ -173,7 +173,7 @@ def bad_values(tmp: Path) -> list[tuple[tuple[str, ...], str]]:
         (("demo", "--timeout", "0"), "--timeout 0.0 must be a number of seconds"),
         (("demo", "--timeout", "nan"), "--timeout nan must be a number of seconds"),
         (("demo", "--timeout", "1e300"), "--timeout 1e+300 must be a number of seconds"),
-        (("demo", "--strategy", "hybrid", "--ulysses-degree", "-2"), "--ulysses-degree dividing the 4 ranks"),
+        (("demo", "--strategy", "hybrid", "--ulysses-degree", "-2"), "--ulysses-degree dividing the 4 CP ranks"),
         (("demo", "--seq", str(2**40)), "--seq must be between 1 and"),
         (("demo", "--head-dim", "100000000"), "--head-dim 100000000 on 4 ranks (each builds the whole sequence) "
                                                 "needs at least"),
@@ -209,7 +209,7 @@ def bad_values(tmp: Path) -> list[tuple[tuple[str, ...], str]]:
         (("train", "--seed", str(2**70)), "--seed must be between 0 and"),
         (("train", "--model", "llama-3-405b"), "--model llama-3-405b on 4 ranks"),
         (("train", "--json", missing), "does not exist; create it first"),
-        (("plan", "--ulysses-degree", "-2", "--strategy", "hybrid"), "--ulysses-degree dividing the 8 ranks"),
+        (("plan", "--ulysses-degree", "-2", "--strategy", "hybrid"), "--ulysses-degree dividing the 8 CP ranks"),
         (("plan", "--max-cp", "0"), "--max-cp 0 is below --cp 8"),
         (("plan", "--max-cp", "100000"), "--max-cp 100000 is beyond the largest CP degree"),
         (("plan", "--head-dim", "0"), "--head-dim must be between 1 and"),
@@ -261,8 +261,13 @@ def bad_values(tmp: Path) -> list[tuple[tuple[str, ...], str]]:
         (("generate", "--batch", "0"), "--batch must be between 1 and"),
         (("generate", "--nproc", "3", "--prompt-len", "1020", "--strategy", "alltoall"),
          "splits the query heads H=4 (H_kv=2) over P=3 ranks"),
-        (("generate", "--strategy", "hybrid"), "dividing the 4 ranks (the ring degree is ranks / --ulysses-degree); "
-                                              "none was given"),
+        (("generate", "--strategy", "hybrid"), "dividing the 4 CP ranks (the ring degree is CP ranks / "
+                                              "--ulysses-degree); none was given"),
+        (("train", "--strategy", "hybrid", "--ulysses-degree", "4", "--dp", "2"),
+         "--ulysses-degree dividing the 2 CP ranks"),
+        (("train", "--ulysses-degree", "2"), "a --ulysses-degree is only for strategy 'hybrid', not 'ring'"),
+        (("train", "--strategy", "hybrid", "--ulysses-degree", "8", "--model", "tiny", "--nproc", "8"),
+         "splits the query heads H=4 (H_kv=2) over ulysses degree=8"),
         (("generate", "--ulysses-degree", "2"), "a --ulysses-degree is only for strategy 'hybrid'"),
         (("generate", "--strategy", "auto", "--ulysses-degree", "2"),
          "a --ulysses-degree is only for strategy 'hybrid', not 'auto'"),

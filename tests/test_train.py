@@ -40,9 +40,11 @@ def assert_matches_reference(report: dict, rtol: float = 1e-4, param_atol: float
                                    msg=lambda m, n=name: f"{n}: {m}")
 
 
-@pytest.mark.parametrize("strategy", ["ring", "allgather", "alltoall"])
+@pytest.mark.parametrize("strategy", ["ring", "allgather", "alltoall", "hybrid"])
 def test_cp_training_matches_single_process(strategy: str) -> None:
-    report = run_train(TrainConfig(strategy=strategy, layout="zigzag", **BASE))
+    """hybrid: ulysses 2 x ring 2 on a ("dp", "ring", "ulysses") mesh, FSDP2 over all of it."""
+    ulysses = 2 if strategy == "hybrid" else None
+    report = run_train(TrainConfig(strategy=strategy, ulysses_degree=ulysses, layout="zigzag", **BASE))
     assert_matches_reference(report)
     assert report["loss"][-1] < report["loss"][0]
 

@@ -173,6 +173,8 @@ def _train_parser(sub) -> None:
     p.add_argument("--lr", type=float, default=d.lr, help="learning rate")
     p.add_argument("--model", choices=sorted(MODEL_PRESETS), default=d.model, help="model preset")
     p.add_argument("--strategy", choices=TRAIN_STRATEGIES, default=d.strategy, help="how ranks exchange K/V")
+    p.add_argument("--ulysses-degree", type=int, default=d.ulysses_degree,
+                   help="hybrid only: all-to-all degree; the ring degree is the CP degree / this")
     p.add_argument("--layout", choices=LAYOUT_NAMES, default=d.layout, help="which positions each rank holds")
     p.add_argument("--seed", type=int, default=d.seed, help="seeds the weights and the data")
     p.add_argument("--activation-checkpointing", action="store_true",
@@ -204,8 +206,8 @@ def _run_train(args: argparse.Namespace) -> int:
                          f"ranks / dp")
     cfg = TrainConfig(
         nproc=args.nproc, dp=args.dp, seq=args.seq, batch=args.batch, steps=args.steps, lr=args.lr,
-        model=args.model, strategy=args.strategy, layout=args.layout, seed=args.seed,
-        activation_checkpointing=args.activation_checkpointing, compare=args.compare,
+        model=args.model, strategy=args.strategy, ulysses_degree=args.ulysses_degree, layout=args.layout,
+        seed=args.seed, activation_checkpointing=args.activation_checkpointing, compare=args.compare,
         checkpoint_dir=args.checkpoint_dir, save_every=args.save_every, resume=args.resume, progress=args.progress,
         device=args.device,
     )

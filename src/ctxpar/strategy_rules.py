@@ -36,8 +36,8 @@ def ulysses_degree(strategy: str, world: int, ulysses: int | None = None, name: 
     if strategy == "hybrid":
         if isinstance(ulysses, bool) or not isinstance(ulysses, int) or ulysses < 1 or world % ulysses:
             got = "none was given" if ulysses is None else f"got {ulysses!r}"
-            raise ValueError(f"strategy 'hybrid' needs a {name} dividing the {world} ranks (the ring degree is "
-                             f"ranks / {name}); {got}")
+            raise ValueError(f"strategy 'hybrid' needs a {name} dividing the {world} CP ranks (the ring degree "
+                             f"is CP ranks / {name}); {got}")
         return ulysses
     if ulysses is not None:
         raise ValueError(f"a {name} is only for strategy 'hybrid', not {strategy!r}")

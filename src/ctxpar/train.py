@@ -1,10 +1,11 @@
 """``ctxpar train``: train the reference model with CP (and FSDP2 data parallelism).
 
-Ranks form a 2D mesh ("dp", "cp"): each data-parallel group of ``cp`` ranks splits its
-sequences with the layout; FSDP2 shards parameters, gradients and optimizer state over
-all dp x cp ranks. The loss is the token-weighted mean over the whole global batch, so
-the run computes what single-process training on that batch computes, which
-``--compare`` checks by training the same model that way with the same seed and data.
+Ranks form a 2D mesh ("dp", "cp"), or ("dp", "ring", "ulysses") for the hybrid strategy:
+each data-parallel group of ``cp`` ranks splits its sequences with the layout; FSDP2
+shards parameters, gradients and optimizer state over all dp x cp ranks. The loss is the
+token-weighted mean over the whole global batch, so the run computes what single-process
+training on that batch computes, which ``--compare`` checks by training the same model
+that way with the same seed and data.
 """
 
 from __future__ import annotations
@@ -27,7 +28,7 @@ from ctxpar import launch
 from ctxpar.models import Transformer, get_config
 from ctxpar.parallelize import apply_context_parallel, cp_loss, shard_batch, shift_labels
 
-TRAIN_STRATEGIES = ("ring", "allgather", "alltoall", "auto")  # auto: ctxpar.auto picks per call
+TRAIN_STRATEGIES = (*strategy_rules.STRATEGY_NAMES, strategy_rules.AUTO)  # auto: ctxpar.auto picks per call
 ADAM_BETAS = (0.9, 0.95)
 # --compare's verdict: the first JUDGED_STEPS losses of a run from step 0 (the forward on the same
 # weights, then one update) within LOSS_RTOL of the reference's. Later steps are shown, not judged:
@@ -47,6 +48,7 @@ class TrainConfig:
     lr: float = 3e-3
     model: str = "tiny"
     strategy: str = "ring"
+    ulysses_degree: int | None = None  # hybrid only; its ring degree is the CP degree / ulysses_degree
     layout: str = "zigzag"
     seed: int = 0
     activation_checkpointing: bool = False
@@ -86,7 +88,8 @@ class TrainConfig:
                              f"{RecallTask.queries} queries): at least {shortest}, e.g. --seq {fits} (a multiple "
                              f"of {layout.multiple} for --layout {self.layout} on {self.cp(world)} CP ranks)")
         limits.check_splits(layout, self.seq)
-        u = strategy_rules.call_ulysses_degree(self.strategy, self.cp(world))
+        u = strategy_rules.call_ulysses_degree(self.strategy, self.cp(world), self.ulysses_degree,
+                                               name="--ulysses-degree")
         strategy_rules.check_heads(self.strategy, cfg.heads, cfg.kv_heads, u)
         if self.save_every < 0:
             raise ValueError(f"--save-every {self.save_every} must be >= 0 (steps between checkpoints; 0: the last "
@@ -255,14 +258,24 @@ def train_rank(rank: int, world: int, cfg: TrainConfig, resume_from: checkpoint.
     device = device or torch.device("cpu")
     cfg.validate(world)
     cp = cfg.cp(world)
-    mesh = launch.init_mesh(device.type, (cfg.dp, cp), ("dp", "cp"))
-    dp_rank, cp_rank = mesh.get_local_rank("dp"), mesh.get_local_rank("cp")
+    if cfg.strategy == "hybrid":
+        u = cfg.ulysses_degree
+        mesh = launch.init_mesh(device.type, (cfg.dp, cp // u, u), ("dp", "ring", "ulysses"))
+        cp_dims: tuple[str, ...] = ("ring", "ulysses")
+        ranks = dict(mesh=mesh[cp_dims])
+        cp_rank = ctxpar.hybrid_rank(ranks["mesh"])
+    else:
+        mesh = launch.init_mesh(device.type, (cfg.dp, cp), ("dp", "cp"))
+        cp_dims = ("cp",)
+        ranks = dict(group=mesh.get_group("cp"))
+        cp_rank = mesh.get_local_rank("cp")
+    dp_rank = mesh.get_local_rank("dp")
     layout = ctxpar.get_layout(cfg.layout, cp)
     task = cfg.task()
 
     model = build_model(cfg, device)
-    apply_context_parallel(model, layout=layout, group=mesh.get_group("cp"), strategy=cfg.strategy)
-    shard_mesh = mesh["dp", "cp"]._flatten()
+    apply_context_parallel(model, layout=layout, strategy=cfg.strategy, **ranks)
+    shard_mesh = mesh[("dp", *cp_dims)]._flatten()
     for layer in model.layers:
         fully_shard(layer, mesh=shard_mesh)
     fully_shard(model, mesh=shard_mesh)
@@ -361,6 +374,8 @@ def run_train(cfg: TrainConfig, *, timeout_s: float = launch.DEFAULT_TIMEOUT_S) 
 def format_report(report: dict) -> str:
     c = report["config"]
     strategy = c["strategy"]
+    if strategy == "hybrid":
+        strategy += f" ulysses {c['ulysses_degree']} x ring {c['cp'] // c['ulysses_degree']}"
     if report.get("strategy_chosen"):
         strategy += " -> " + ", ".join(report["strategy_chosen"])
     lines = [f"ctxpar train: {c['model']} model, T={c['seq']}, {c['nproc']} ranks = dp {c['dp']} x cp {c['cp']} "
