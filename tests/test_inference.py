@@ -210,7 +210,7 @@ ONE_RANK_BAD = {  # the last rank's call is bad: it raises its own error, the ot
     "one_rank_bad_keys": "H a multiple of H_kv",
     "one_rank_on_token": "on_token must be None or a function",
 }
-MULTI_RANK_ONLY = ("step", "tokens_differ", "chunks_differ", "methods_differ", "calls_differ",
+MULTI_RANK_ONLY = ("layout_length", "step", "tokens_differ", "chunks_differ", "methods_differ", "calls_differ",
                    "chunk_capacities_differ", "interrupted_chunk", "cache_on_a_mesh", "cache_on_group_and_mesh",
                    "attention_queries_differ", "models_differ")
 

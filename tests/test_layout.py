@@ -53,6 +53,19 @@ def test_zigzag_shard_holds_chunk_r_and_its_mirror() -> None:
     assert layout.shard(x, 1, dim=1).tolist() == [[4, 5, 6, 7, 16, 17, 18, 19]]
 
 
+@pytest.mark.parametrize("name", LAYOUT_NAMES)
+def test_one_rank_holds_a_sequence_of_any_length_in_order(name: str) -> None:
+    """One rank splits nothing: zigzag asked it for an even length (2*P), which a user testing on
+    one process then had to pad."""
+    layout = get_layout(name, 1)
+    x = torch.randn(2, 4, 7, 3, dtype=torch.float64)
+    assert layout.multiple == 1 and layout.positions(7, 0).tolist() == list(range(7))
+    assert torch.equal(layout.shard(x, 0, dim=2), x) and torch.equal(layout.unshard([x], dim=2), x)
+    q, k, v = (x.clone().requires_grad_() for _ in range(3))
+    out, lse = ctxpar.attention_with_lse(q, k, v, layout=layout, causal=True)
+    torch.testing.assert_close(out, torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True))
+
+
 @pytest.mark.parametrize(
     "name, world, seq_len, fragments",
     [

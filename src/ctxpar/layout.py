@@ -172,16 +172,19 @@ class ContiguousLayout(Layout):
 
 @dataclass(frozen=True)
 class ZigzagLayout(Layout):
-    """2P chunks of T/(2P); rank r holds chunk r and chunk 2P-1-r."""
+    """2P chunks of T/(2P); rank r holds chunk r and chunk 2P-1-r. One rank holds all of any T:
+    it splits nothing, so it asks for no even length."""
 
     name = "zigzag"
     multiple_formula = "2*P"
 
     @property
     def multiple(self) -> int:
-        return 2 * self.world_size
+        return 2 * self.world_size if self.world_size > 1 else 1
 
     def _positions(self, seq_len: int, rank: int) -> torch.Tensor:
+        if self.world_size == 1:
+            return torch.arange(seq_len)
         c = seq_len // (2 * self.world_size)
         mirror = 2 * self.world_size - 1 - rank
         return torch.cat([torch.arange(rank * c, (rank + 1) * c), torch.arange(mirror * c, (mirror + 1) * c)])
