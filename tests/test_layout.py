@@ -192,6 +192,9 @@ def test_a_balanced_layout_checks_its_arguments_and_says_when_it_cannot_balance(
     for chunks in (-2, 2.0, True):
         with pytest.raises(ValueError, match="chunks must be an integer"):
             ctxpar.balanced_layout(2, 16, chunks=chunks)
+    for seq_len in (32.0, "32"):  # a float was told it was short of P
+        with pytest.raises(ValueError, match=r"seq_len \(the sequence length it balances\) must be an integer"):
+            ctxpar.balanced_layout(4, seq_len)
     with pytest.raises(ValueError, match="tolerance must be a number >= 1"):
         ctxpar.BalancedLayout(2, 16, tolerance=0.5)
     # T/P = 67, prime: no chunks at all. Said where the layout is built (it once waited for the first positions())

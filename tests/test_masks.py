@@ -36,6 +36,7 @@ def test_documents_as_lengths_cu_seqlens_or_tensors() -> None:
     assert document_lengths([3, 5], 8) == (3, 5)
     assert document_lengths([0, 3, 8], 8) == (3, 5)  # cu_seqlens: a length is never 0
     assert document_lengths(torch.tensor([0, 3, 8]), 8) == (3, 5)
+    assert document_lengths(list(torch.tensor([0, 3, 8], dtype=torch.int32)), 8) == (3, 5)  # 0-d tensors: refused
     assert make_mask(8, causal=True, documents=[8]).documents is None  # one document is none
     assert make_mask(8, causal=True, window=8).window is None  # a window of T sees what causal sees
     assert positions_in_documents(torch.tensor([2, 3, 7]), (3, 5)).tolist() == [2, 0, 4]
@@ -81,6 +82,7 @@ def test_a_mask_refuses_what_cannot_be_one(kwargs, message) -> None:
 @pytest.mark.parametrize("documents, message", [
     ([3.0, 5.0], "integers"), ([3, -1, 6], ">= 1"), ([0, 3, 7], "end at the sequence length 8"),
     ([0, 5, 3, 8], "strictly increasing"), (torch.tensor([[3, 5]]), "1-D integer tensor"), ("35", "sequence"),
+    (list(torch.tensor([3.0, 5.0])), "integers"), ([torch.tensor(3), torch.tensor([5])], "integers"),
     # an empty first document reads as cu_seqlens: the message says both readings (once only the first)
     ([0, 3, 5], "sum to 8.*it holds an empty document"),
     (torch.tensor([3, 5], device="meta"), "on the meta device"),  # once torch's NotImplementedError

@@ -83,8 +83,8 @@ def attention_with_lse(
             row's softmax denominator, with no value; differentiable: summed over the
             CP group, as for any parameter replicated over it, the gradients are the
             unsplit one (ring and all-gather give each rank its rows' share, all-to-all
-            and hybrid each rank its heads' over every row). The same values on every
-            rank.
+            each rank its heads' over every row, hybrid each rank its heads' over its
+            ulysses group's rows). The same values on every rank.
 
     Returns:
         out (B, H, S, D) in q's dtype, differentiable w.r.t. q, k, v (and sinks); and

@@ -283,7 +283,10 @@ class BalancedLayout(OneLengthLayout):
     def __post_init__(self) -> None:
         super().__post_init__()
         seq_len, chunks = whole(self.seq_len), whole(self.chunks)
-        if seq_len is None or seq_len < self.world_size:
+        if seq_len is None:
+            raise ValueError(f"a balanced layout's seq_len (the sequence length it balances) must be an integer, got "
+                             f"{self.seq_len!r} (a {type(self.seq_len).__name__})")
+        if seq_len < self.world_size:
             raise ValueError(f"a balanced layout needs the sequence length it balances (>= P={self.world_size}), "
                              f"got seq_len={self.seq_len!r}")
         if chunks is None or chunks < 0:

@@ -105,7 +105,7 @@ def document_lengths(documents, seq_len: int) -> tuple[int, ...]:
     """Document lengths from what a user passes: lengths (a sequence or 1-D tensor summing
     to ``seq_len``) or ``cu_seqlens`` (a 1-D tensor or sequence starting at 0 and ending
     at ``seq_len``, as flash-attn's varlen functions take), numpy's integers and arrays
-    included. ValueError for anything else."""
+    and 0-d integer tensors included. ValueError for anything else."""
     if hasattr(documents, "__array__") and not isinstance(documents, torch.Tensor):  # a numpy array
         documents = _as_tensor(documents, "documents= must be lengths or cu_seqlens")
     if isinstance(documents, torch.Tensor):
@@ -118,8 +118,8 @@ def document_lengths(documents, seq_len: int) -> tuple[int, ...]:
     if not isinstance(documents, Sequence) or isinstance(documents, (str, bytes)) or not documents:
         raise ValueError(f"documents= must be a non-empty sequence of document lengths or cu_seqlens, "
                          f"got {documents!r}")
-    values = list(documents)
-    if not all(_is_integer(x) for x in values):
+    values = list(documents)  # list(cu_seqlens) holds 0-d tensors: taken as window= takes one
+    if not all(_is_integer(x) or _integer_scalar(x) for x in values):
         raise ValueError(f"documents= must hold integers, got {values[:8]}")
     values = [int(x) for x in values]
     if values[0] == 0:  # cu_seqlens: a document can't have length 0, so a leading 0 says which
