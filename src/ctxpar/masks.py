@@ -45,8 +45,10 @@ class Mask:
             if not self.causal:
                 raise ValueError("window= is a causal sliding window; it needs causal=True")
         if self.documents is not None:
-            ok = isinstance(self.documents, tuple) and self.documents and all(
-                isinstance(n, int) and not isinstance(n, bool) and n >= 1 for n in self.documents)
+            ok = isinstance(self.documents, tuple) and self.documents and (
+                all(type(n) is int for n in self.documents)  # the common case, fast: masks are made per call
+                or all(isinstance(n, int) and not isinstance(n, bool) for n in self.documents)
+            ) and min(self.documents) >= 1
             if not ok:
                 raise ValueError(f"Mask.documents must be a non-empty tuple of lengths >= 1 (make_mask and "
                                  f"document_lengths also take cu_seqlens), got {self.documents!r}")
@@ -118,10 +120,12 @@ def document_lengths(documents, seq_len: int) -> tuple[int, ...]:
     if not isinstance(documents, Sequence) or isinstance(documents, (str, bytes)) or not documents:
         raise ValueError(f"documents= must be a non-empty sequence of document lengths or cu_seqlens, "
                          f"got {documents!r}")
-    values = list(documents)  # list(cu_seqlens) holds 0-d tensors: taken as window= takes one
-    if not all(_is_integer(x) or _integer_scalar(x) for x in values):
-        raise ValueError(f"documents= must hold integers, got {values[:8]}")
-    values = [int(x) for x in values]
+    values = list(documents)
+    if not all(type(x) is int for x in values):  # plain ints (a tensor's tolist()) pass here, fast
+        # numpy's integers, and the 0-d tensors list(cu_seqlens) holds, as window= takes one
+        if not all(_is_integer(x) or _integer_scalar(x) for x in values):
+            raise ValueError(f"documents= must hold integers, got {values[:8]}")
+        values = [int(x) for x in values]
     if values[0] == 0:  # cu_seqlens: a document can't have length 0, so a leading 0 says which
         if values[-1] != seq_len:
             read_as = (f"; read as lengths (they sum to {seq_len}), it holds an empty document, which has no tokens"
