@@ -222,12 +222,10 @@ def _case_problems(case: Case, rank: int, world: int, group, group_rank: int | N
 
 def _bad_inputs(world: int, mesh) -> dict[str, tuple]:
     """name -> (args, kwargs) of calls that must raise ValueError on every rank."""
-    s = 5 if world > 1 else 3  # zigzag needs an even local length: 5 is odd for every P
     good = lambda h=4, dt=torch.float32, n=6: torch.randn(1, h, n, 8, dtype=dt)  # noqa: E731
     q, kv = good(), good(2)
     wrong_world = ctxpar.ZigzagLayout(world + 1)
     bad = {
-        "length": ((good(n=s), good(2, n=s), good(2, n=s)), dict(layout="zigzag")),
         "heads": ((q, good(3), good(3)), dict(layout="zigzag")),
         "dtype": ((q, kv.double(), kv.double()), dict(layout="zigzag")),
         "device": ((q, kv.to("meta"), kv.to("meta")), dict(layout="zigzag")),
@@ -244,6 +242,7 @@ def _bad_inputs(world: int, mesh) -> dict[str, tuple]:
         "int_dtype": ((q.long(), kv.long(), kv.long()), dict(layout="zigzag")),
         "empty": ((good(n=0), good(2, n=0), good(2, n=0)), dict(layout="zigzag")),
         "causal_type": ((q, kv, kv), dict(layout="zigzag", causal="no")),
+        "consistency_type": ((q, kv, kv), dict(layout="zigzag", check_consistency="no")),  # once read as True
         "hybrid_without_mesh": ((q, kv, kv), dict(layout="zigzag", strategy="hybrid")),
         "mesh_for_ring": ((q, kv, kv), dict(layout="zigzag", strategy="ring", mesh=object())),
         "mesh_type": ((q, kv, kv), dict(layout="zigzag", strategy="hybrid", mesh="2x2")),
@@ -263,6 +262,8 @@ def _bad_inputs(world: int, mesh) -> dict[str, tuple]:
     }
     if world > 1:  # gloo carries CPU and CUDA tensors only
         bad["gloo_device"] = ((q.to("meta"), kv.to("meta"), kv.to("meta")), dict(layout="zigzag"))
+    if world > 1:  # zigzag needs an even local length, and 5 is odd (one rank takes any length)
+        bad["length"] = ((good(n=5), good(2, n=5), good(2, n=5)), dict(layout="zigzag"))
     if world > 1:  # 5 query heads cannot be split over 2, 3 or 4 ranks
         bad["alltoall_heads"] = ((good(5), good(5), good(5)), dict(layout="zigzag", strategy="alltoall"))
     if mesh is not None:

@@ -292,6 +292,7 @@ def _check_bad_inputs(rank: int, world: int) -> dict[str, str]:
         "batch": _attempt(lambda: prefill(model, cache(batch=3), prompt, layout="zigzag")),
         "heads": _attempt(lambda: prefill(model, cache(kv_heads=2), prompt, layout="zigzag")),
         "strategy": _attempt(lambda: prefill(model, cache(), prompt, layout="zigzag", strategy="ulysses")),
+        "consistency_type": _attempt(lambda: prefill(model, cache(), prompt, layout="zigzag", check_consistency="")),
         "hybrid_no_mesh": _attempt(lambda: prefill(model, cache(), prompt, layout="zigzag", strategy="hybrid")),
         "mesh_not_hybrid": _attempt(lambda: prefill(model, cache(), prompt, layout="zigzag", mesh=object())),
         "mesh_with_auto": _attempt(lambda: prefill(model, cache(), prompt, layout="zigzag", strategy="auto",
@@ -319,6 +320,8 @@ def _check_bad_inputs(rank: int, world: int) -> dict[str, str]:
     full = prefilled(cache(capacity=PROMPT_LEN + 1))
     decode_step(model, full, prompt[:, 0])
     messages["cache_full"] = _attempt(lambda: decode_step(model, full, prompt[:, 1]))
+    messages["decode_consistency_type"] = _attempt(lambda: decode_step(model, full, prompt[:, 1],
+                                                                       check_consistency="no"))
     if world > 1:  # one rank takes a prompt of any length
         messages["layout_length"] = _attempt(lambda: prefill(model, cache(), prompt_tokens(2 * world * 3 + 1),
                                                              layout="zigzag"))

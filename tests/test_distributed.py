@@ -45,13 +45,14 @@ EXPECTED_MESSAGES = {
     "layout_world": ["built for P=", "process group has"],
     "layout_name": ["unknown layout", "zigzag"],
     "layout_type": ["layout must be a name", "got list"],
-    "strategy": ["unknown strategy", "ring", "hybrid"],
+    "strategy": ["unknown strategy", "ring", "hybrid, auto"],
     "scale": ["scale"],
     "scale_overflow": ["scale must be a positive finite number, got 1000"],
     "scale_under_float32": ["scale 1e-50 is outside float32's range", "torch.float32 attention is computed"],
     "int_dtype": ["not supported"],
     "empty": ["empty input"],
     "causal_type": ["causal must be True or False"],
+    "consistency_type": ["check_consistency must be True or False, got 'no'"],
     "hybrid_without_mesh": ["mesh="],
     "mesh_for_ring": ["mesh= is for strategy='hybrid'"],
     "mesh_type": ["mesh= must be a torch DeviceMesh", "got str"],
@@ -88,7 +89,7 @@ def test_bad_inputs_raise_clear_errors_without_hanging(world: int) -> None:
                 assert fragment in message, f"rank {rank} {name}: {fragment!r} not in {message!r}"
         expected = set(EXPECTED_MESSAGES)
         if world == 1:
-            expected -= {"non_member", "alltoall_heads", "gloo_device"}
+            expected -= {"length", "non_member", "alltoall_heads", "gloo_device"}
         if world != 4:
             expected -= {"hybrid_layout_world", "hybrid_heads", "hybrid_mesh_permuted", "q_dtensor"}
         if rank != 0:

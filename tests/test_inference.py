@@ -198,6 +198,8 @@ EXPECTED_MESSAGES = {
     "chunk_capacities_differ": ["disagree on the partial prefill", "capacity [28, 29"],
     "interrupted_chunk": ["ok: the retry gives the uninterrupted logits"],
     "cache_not_a_cache": ["cache must be a ctxpar KVCache", "got NoneType"],
+    "consistency_type": ["check_consistency must be True or False, got ''"],  # once skipped the check
+    "decode_consistency_type": ["check_consistency must be True or False, got 'no'"],
     "temperature_overflow": ["temperature must be a finite number", "got 1000"],
     "cache_on_a_mesh": ["this KVCache is held over a hybrid mesh", "take a cache on the CP group"],
     "cache_on_group_and_mesh": ["KVCache takes group= or mesh=, not both"],

@@ -411,7 +411,8 @@ def test_one_rank_needs_no_positions() -> None:
     (dict(layout=get_layout("zigzag", 3)), "is for P=3 ranks but torch.distributed is not initialised"),
     (dict(mesh=object()), "mesh= is for strategy='hybrid'"),
     (dict(strategy="hybrid"), "strategy='hybrid' takes mesh="),
-], ids=["strategy", "layout", "layout_for_another_p", "mesh_without_hybrid", "hybrid_without_mesh"])
+    (dict(check_consistency="no"), "check_consistency must be True or False, got 'no'"),  # once read as True
+], ids=["strategy", "layout", "layout_for_another_p", "mesh_without_hybrid", "hybrid_without_mesh", "check_flag"])
 def test_settings_are_refused_before_the_model_changes(settings: dict, message: str) -> None:
     """Each was accepted, the model changed, and refused only at the first forward."""
     model = Transformer(get_config("tiny"))

@@ -11,7 +11,7 @@ from collections.abc import Iterable
 import torch
 import torch.distributed as dist
 
-from ctxpar import agreement, auto, kernels, topology
+from ctxpar import agreement, auto, kernels, limits, topology
 from ctxpar.layout import Layout, as_checked, fingerprint, get_layout
 from ctxpar.limits import as_real
 from ctxpar.masks import make_mask
@@ -110,6 +110,7 @@ def attention_with_lse(
                                       documents=documents, window=window, sinks=sinks)
     error, topo, mask, layout_name, chosen_why = None, None, None, None, None
     try:
+        limits.check_flag("check_consistency", check_consistency)  # "no" once ran the check, "" skipped it
         chosen, topo, layout = _settings(layout, group, strategy, mesh)
         scale = _validate(q, k, v, layout, topo, scale)
         seq_len = q.shape[2] * layout.world_size
@@ -218,6 +219,7 @@ def check_settings(*, layout: str | Layout, group: dist.ProcessGroup | None = No
 
 
 def _settings(layout, group, strategy, mesh) -> tuple[Strategy, topology.Topology, Layout]:
+    check_strategy(strategy, auto_allowed=True)
     chosen = _strategy("ring" if strategy == auto.AUTO else strategy)
     if strategy == auto.AUTO and mesh is not None:
         raise ValueError("strategy='auto' chooses among ring, allgather and alltoall on group=; a hybrid mesh= "

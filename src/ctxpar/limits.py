@@ -91,6 +91,12 @@ def check_splits(layout, length: int, flag: str = "--seq") -> None:
         raise ValueError(f"{flag}: {e}") from None
 
 
+def check_flag(name: str, value) -> None:
+    """Refuse an API switch that is not a bool: ``"no"`` would read as True, ``""`` as False."""
+    if not isinstance(value, bool):
+        raise ValueError(f"{name} must be True or False, got {value!r}")
+
+
 def check_seed(seed: int, flag: str = "--seed") -> None:
     if not 0 <= seed <= MAX_SEED:
         raise ValueError(f"{flag} must be between 0 and {MAX_SEED}, got {seed}")

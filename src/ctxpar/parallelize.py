@@ -190,6 +190,7 @@ def apply_context_parallel(
 
     The model cannot be pickled (``torch.save(model)``) afterwards: save its ``state_dict()``.
     """
+    limits.check_flag("check_consistency", check_consistency)
     modules = [(name, m) for name, m in model.named_modules() if hasattr(m, "attention_fn")]
     if not modules:
         raise ValueError(f"{type(model).__name__} has no module with an attention_fn to replace")

@@ -20,9 +20,11 @@ MAX_GATHERS = 8  # all-gather head groups per pass (why eight: strategies/allgat
 AUTO = "auto"  # a call's strategy picked per call by ``ctxpar.auto`` among ring, allgather and alltoall
 
 
-def check_strategy(strategy: object) -> str:
-    if not isinstance(strategy, str) or strategy not in STRATEGY_NAMES:
-        raise ValueError(f"unknown strategy {strategy!r}; choose one of {', '.join(STRATEGY_NAMES)}")
+def check_strategy(strategy: object, *, auto_allowed: bool = False) -> str:
+    """``strategy`` if it names one (``auto_allowed``: "auto" too, where a call may ask for it)."""
+    names = (*STRATEGY_NAMES, AUTO) if auto_allowed else STRATEGY_NAMES
+    if not isinstance(strategy, str) or strategy not in names:
+        raise ValueError(f"unknown strategy {strategy!r}; choose one of {', '.join(names)}")
     return strategy
 
 

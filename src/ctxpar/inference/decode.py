@@ -25,7 +25,7 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 
-from ctxpar import agreement, kernels, topology
+from ctxpar import agreement, kernels, limits, topology
 from ctxpar.attention import SUPPORTED_DTYPES, check_scale, check_sinks
 from ctxpar.inference.cache import SHARD_FULL_WHY, KVCache
 from ctxpar.inference.hooks import attention_replaced, check_cache, check_model_fits, model_code
@@ -57,6 +57,7 @@ def decode_step(model: nn.Module, cache: KVCache, tokens: torch.Tensor, *,
     check_cache(cache)
     error = None
     try:
+        limits.check_flag("check_consistency", check_consistency)
         tokens = _check(model, cache, tokens)
     except Exception as e:  # noqa: BLE001  any failure: this rank must still join the
         error = e  # exchange below, or its peers wait there
@@ -121,6 +122,7 @@ def sharded_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, grou
     peers = topology.of(group, mesh, "sharded_attention")
     error = None
     try:
+        limits.check_flag("check_consistency", check_consistency)
         scale = _check_inputs(q, k, v, scale, sinks)
     except Exception as e:  # noqa: BLE001  any failure: this rank must still join the
         error = e  # exchange below, or its peers wait there

@@ -100,6 +100,7 @@ def generate(model: nn.Module, prompt: torch.Tensor, *, layout: str | Layout, gr
     ranks = topology.from_group(group)
     world = ranks.world_size
     try:
+        limits.check_flag("check_consistency", check_consistency)
         _check(model, prompt, new_tokens, temperature, seed)
         if not (on_token is None or callable(on_token)):
             raise ValueError(f"on_token must be None or a function of no arguments, called after each new token, "

@@ -33,7 +33,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn as nn
 
-from ctxpar import agreement, kernels
+from ctxpar import agreement, kernels, limits
 from ctxpar.blocks import Tile, tiles_between
 from ctxpar.comm import PendingAllGather, RingComm, collective_device, settled
 from ctxpar.inference.cache import SHARD_FULL_WHY, KVCache
@@ -74,6 +74,7 @@ def partial_prefill(model: nn.Module, cache: KVCache, chunk: torch.Tensor, *, me
     check_cache(cache)
     error = None
     try:
+        limits.check_flag("check_consistency", check_consistency)
         chunk = _check(model, cache, chunk, method, hardware)
         if method == "auto":  # resolved before the ranks compare calls: each rank's hardware= could differ
             method, _ = choose_partial_prefill(model=model.cfg, batch=cache.batch, cached=cache.seq_len,

@@ -56,6 +56,7 @@ def prefill(model: nn.Module, cache: KVCache, prompt: torch.Tensor, *, layout: s
     check_cache(cache)
     error, layout_rank = None, cache.rank
     try:
+        limits.check_flag("check_consistency", check_consistency)
         layout, layout_rank = _check(model, cache, prompt, layout, strategy, mesh)
     except Exception as e:  # noqa: BLE001  any failure: this rank must still join the
         error = e  # exchange below, or its peers wait there
