@@ -225,8 +225,8 @@ def test_masked_plans_cover_exactly_the_visible_pairs(name, world, chunks, causa
 
 
 def test_a_window_band_is_cut_into_few_large_tiles_without_explicit_masks() -> None:
-    """One rank, T=4096, window 512: the band in blocks of 512 rows, each a FULL tile between
-    a CAUSAL and an ANTI_CAUSAL triangle: no explicit mask, nothing computed twice."""
+    """One rank, T=4096, window 512: the band in blocks of 512 rows, each a CAUSAL triangle
+    and an ANTI_CAUSAL one: no explicit mask, no pair computed that the window hides."""
     seq_len, window = 4096, 512
     positions = torch.arange(seq_len)
     tiles = tiles_between(positions, positions, Mask(window=window), seq_len)

@@ -142,8 +142,9 @@ def test_the_sequence_dim_is_never_guessed() -> None:
         layout.shard(torch.tensor(1.0), 0, dim=0)
     with pytest.raises(ValueError, match="rank must be an int"):
         layout.shard(x, True, dim=2)
-    with pytest.raises(ValueError, match="differ in dtype or device"):
-        layout.unshard([x, x.double()], dim=2)
+    for other in (x.double(), x.to("meta")):
+        with pytest.raises(ValueError, match="differ in dtype or device"):
+            layout.unshard([x, other], dim=2)
     with pytest.raises(ValueError, match=r"pieces must be tensors, got \['Tensor', 'list'\]"):
         layout.unshard([x, [x]], dim=2)  # once an AttributeError
 

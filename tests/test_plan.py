@@ -34,7 +34,8 @@ from ctxpar.plan.memory import (layers_in_flight, memory_per_gpu, parameters_per
                                 saved_tensors_per_token, sequence_tensors)
 from ctxpar.plan.recommend import crossover, fits_up_to, recommend, variant
 from ctxpar.plan.workload import default_ulysses
-from ctxpar.plan.units import format_bytes, format_seconds, parse_latency, parse_tile_overhead
+from ctxpar.plan.report import rates_words
+from ctxpar.plan.units import format_bytes, format_flops, format_seconds, parse_latency, parse_tile_overhead
 from ctxpar.plan.work import pairs_per_rank, union_pairs
 from ctxpar.plan.workload import Workload
 
@@ -1730,6 +1731,8 @@ def test_calibration_gives_three_rates_and_the_launch_overhead(monkeypatch) -> N
                                         tile_overheads_in_calls=dict(forward=1e-4, backward=5e-5)))
     c = calibrate.calibrate()
     hw = local_hardware(c)
+    # no datasheet peak here: the header once printed a "peak" below the matmul rate measured
+    assert f"(attention forward + backward {format_flops(c['attention_flops'])})" in rates_words(hw)
     assert (hw.step_overhead, hw.step_overhead_for("allgather"), hw.step_overhead_for("alltoall"),
             hw.step_overhead_for("hybrid")) == (7.5e-4, 1.5e-3, 2.25e-3, 7.5e-4)
     assert [hw.step_overhead_per_byte(s) for s in ("ring", "allgather", "alltoall", "hybrid")] == \

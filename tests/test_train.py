@@ -169,6 +169,8 @@ def test_a_batch_or_loss_whose_shapes_do_not_match_is_refused() -> None:
     for message, change in bad_batches.items():
         with pytest.raises(ValueError, match=re.escape(message)):
             shard_batch(**{"tokens": tokens, "layout": layout, "rank": 0, **change})
+    with pytest.raises(ValueError, match=re.escape("tokens (0, 8) hold no rows")):  # whatever P
+        shard_batch(tokens[:0], layout=get_layout("zigzag", 1), rank=0)
     with pytest.raises(ValueError, match=re.escape("got logits (2, 4, 5) and labels (4, 2)")):
         cp_loss(torch.randn(2, 4, 5), torch.zeros(4, 2, dtype=torch.long))
     with pytest.raises(ValueError, match=re.escape("logits must be a (B, S, vocab) tensor and labels (B, S)")):

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import copy
+import re
 
 import pytest
 
@@ -82,6 +83,12 @@ def test_router_aux_loss_with_labels_is_refused() -> None:
     with pytest.raises(ValueError, match="router load-balancing loss"):
         model(**inputs, labels=labels, output_router_logits=True)
     model(**inputs, labels=labels)  # off by default: fine
+
+
+def test_shard_inputs_refuses_a_batch_of_no_rows_whatever_p() -> None:
+    for world in (1, 2):
+        with pytest.raises(ValueError, match=re.escape("tokens (0, 8) hold no rows, so there is nothing to shard")):
+            shard_inputs(torch.zeros(0, 8, dtype=torch.long), layout=ctxpar.get_layout("zigzag", world), rank=0)
 
 
 def test_padding_masks_and_foreign_positions_are_refused() -> None:

@@ -64,7 +64,7 @@ from __future__ import annotations
 
 from ctxpar.plan.cost import attention_time, overlap_local_len, ring_window_per_rank, traffic_bound
 from ctxpar.plan.recommend import variant
-from ctxpar.plan.hardware import TILE_OVERHEADS, Hardware
+from ctxpar.plan.hardware import LOCAL, TILE_OVERHEADS, Hardware
 from ctxpar.plan.memory import layers_in_flight, parameters_per_gpu
 from ctxpar.plan.documents import describe
 from ctxpar.plan.planner import Plan
@@ -253,8 +253,10 @@ def rates_words(hw: Hardware) -> str:
             and not hw.fp8:
         return f"{format_flops(hw.peak_flops)} x {hw.efficiency:g} = {format_flops(hw.flops)} for every kernel"
     fp8 = " in fp8" if hw.fp8 else ""
+    # a measured machine has no datasheet peak: its "peak" is the attention rate it measured
+    peak = "attention forward + backward" if hw.name == LOCAL else "peak"
     return (f"attention forward {format_flops(hw.forward_flops)}, backward {format_flops(hw.backward_flops)}, "
-            f"matmuls{fp8} {format_flops(hw.matmul_flops)} (peak {format_flops(hw.peak_flops)})")
+            f"matmuls{fp8} {format_flops(hw.matmul_flops)} ({peak} {format_flops(hw.peak_flops)})")
 
 
 def fixed_costs_words(hw: Hardware, strategy: str) -> str:
