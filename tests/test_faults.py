@@ -28,6 +28,7 @@ import subprocess
 import sys
 import threading
 import time
+import types
 from pathlib import Path
 
 import pytest
@@ -553,6 +554,96 @@ def test_a_torchrun_rank_takes_its_own_gpu_or_is_refused_before_joining(local_ra
         with pytest.raises(ValueError, match=re.escape(takes)):
             launch.init_from_env(30, "cuda")
         assert chosen == []
+
+
+def _own_gpus_check(nodes: list[list[str]], missing: tuple[int, int] | None = None,
+                    timeout_s: float = 30) -> dict[tuple[int, int], str]:
+    """``launch.check_own_gpus`` on one store, a thread per local rank of each node (a list of
+    the UUIDs its ranks' GPUs have), as torchrun numbers them; what each (node, local rank)
+    raised ("" for nothing). ``missing``: a rank that never publishes."""
+    store, said, threads, first = dist.HashStore(), {}, [], 0
+
+    def check(node: int, local_rank: int, local_world: int, gpu: str) -> None:
+        try:
+            launch.check_own_gpus(store, node=node, local_rank=local_rank, local_world=local_world,
+                                  rank=node + local_rank, device=torch.device("cuda", 0), gpu=gpu,
+                                  timeout_s=timeout_s)
+            said[node, local_rank] = ""
+        except (ValueError, RuntimeError) as e:
+            said[node, local_rank] = str(e)
+
+    for gpus in nodes:
+        threads += [threading.Thread(target=check, args=(first, i, len(gpus), gpu)) for i, gpu in enumerate(gpus)
+                    if (first, i) != missing]
+        first += len(gpus)
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    return said
+
+
+def test_ranks_of_one_node_that_would_share_a_gpu_are_refused_alike_before_joining() -> None:
+    """CUDA_VISIBLE_DEVICES=0 set for the whole job and --nproc-per-node 2: both ranks took cuda:0,
+    each seeing one GPU, and NCCL failed later ("Duplicate GPU detected"). Each rank publishes
+    its GPU's UUID for its node-mates: every rank of the node raises the same error, naming the
+    ranks, the GPU and the fix; GPUs of their own pass, on any node."""
+    said = _own_gpus_check([["GPU-a", "GPU-a"]])
+    assert said[0, 0] == said[0, 1] != ""
+    assert said[0, 0].startswith("torchrun ranks 0 (cuda:0), 1 (cuda:0) would share one GPU (UUID GPU-a): NCCL "
+                                 "needs a GPU per rank, and the 2 ranks of this node see 1 between them")
+    assert "start at most 1 (--nproc-per-node 1)" in said[0, 0] and "CUDA_VISIBLE_DEVICES, one per rank" in said[0, 0]
+    said = _own_gpus_check([["GPU-a", "GPU-b", "GPU-c", "GPU-b"], ["GPU-a", "GPU-b"]])  # node 0: ranks 1 and 3
+    assert {said[0, i] for i in range(4)} == {said[0, 0]} and said[4, 0] == said[4, 1] == ""
+    assert said[0, 0].startswith("torchrun ranks 1 (cuda:0), 3 (cuda:0) would share one GPU (UUID GPU-b)")
+    assert "start at most 3" in said[0, 0]
+    assert set(_own_gpus_check([["GPU-a", "GPU-b"], ["GPU-c", "GPU-d", "GPU-e"]]).values()) == {""}
+    said = _own_gpus_check([["GPU-a", "GPU-b", "GPU-c"]], missing=(0, 1), timeout_s=0.5)  # rank 1 failed before
+    for r in (0, 2):
+        assert said[0, r] == (f"torchrun rank {r} waited 0.5 s for local ranks [1] of its node to say which GPU "
+                              f"they took; see their errors")
+
+
+@pytest.mark.parametrize("mates_gpu, refused", [("GPU-0", True), ("GPU-1", False)])
+def test_init_from_env_checks_the_gpus_of_the_node_before_joining(mates_gpu, refused, monkeypatch) -> None:
+    """Local rank 1 of 2 under CUDA_VISIBLE_DEVICES=0 set for the whole job (the GPU simulated: one,
+    and its UUID), its node-mate in a thread on the same store: both refused before joining where
+    the mate's GPU is the same one, joined where each has its own."""
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "0")
+    for name, value in dict(RANK="1", LOCAL_RANK="1", LOCAL_WORLD_SIZE="2", TORCHELASTIC_RESTART_COUNT="0").items():
+        monkeypatch.setenv(name, value)
+    monkeypatch.setattr(launch, "_launch_store", None)  # restored after: this process joined no launch
+    monkeypatch.setattr(launch, "_joins", 0)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
+    monkeypatch.setattr(torch.cuda, "set_device", lambda device: None)
+    monkeypatch.setattr(torch.cuda, "get_device_properties", lambda device: types.SimpleNamespace(uuid="GPU-0"))
+    monkeypatch.setattr(dist, "rendezvous", lambda *args, **kwargs: iter([(dist.HashStore(), 1, 2)]))
+    joined = []
+    monkeypatch.setattr(launch, "_join", lambda backend, timeout_s, **init: joined.append(init["rank"]))
+    check, mate_said = launch.check_own_gpus, []
+
+    def with_mate(store, **this_rank) -> None:  # local rank 0 publishes beside it, on its own GPU
+        def mate() -> None:
+            try:
+                check(store, **dict(this_rank, local_rank=0, rank=0, gpu=mates_gpu))
+            except ValueError as e:
+                mate_said.append(str(e))
+        thread = threading.Thread(target=mate)
+        thread.start()
+        try:
+            check(store, **this_rank)
+        finally:
+            thread.join()
+
+    monkeypatch.setattr(launch, "check_own_gpus", with_mate)
+    if refused:
+        with pytest.raises(ValueError, match=re.escape("torchrun ranks 0 (cuda:0), 1 (cuda:0) would share one GPU "
+                                                       "(UUID GPU-0)")) as e:
+            launch.init_from_env(30, "cuda")
+        assert mate_said == [str(e.value)] and joined == []
+    else:
+        assert launch.init_from_env(30, "cuda") == torch.device("cuda", 0)
+        assert mate_said == [] and joined == [1]
 
 
 def test_a_real_torchrun_launch_joins_torchruns_group(tmp_path) -> None:

@@ -255,7 +255,10 @@ def local_gpu() -> torch.device:
     CUDA_VISIBLE_DEVICES chose (a scheduler giving each rank its own, as SLURM's GPU binding
     does) or where it is the node's only rank. Anything else is refused before joining, on
     every rank of the node alike: NCCL takes one GPU per rank (ranks sharing one fail later,
-    "duplicate GPU"), and which of several a rank should take would be a guess."""
+    "duplicate GPU"), and which of several a rank should take would be a guess. Whether
+    the one GPU each rank sees is really its own (not one that CUDA_VISIBLE_DEVICES set for
+    the whole job shows them all) only the node's ranks together can tell:
+    ``check_own_gpus``, which ``init_from_env`` runs after the rendezvous."""
     local_rank = int(os.environ.get("LOCAL_RANK", 0))
     local_world = int(os.environ.get("LOCAL_WORLD_SIZE", local_rank + 1))
     gpus = torch.cuda.device_count()
@@ -287,9 +290,47 @@ def init_from_env(timeout_s: float = DEFAULT_TIMEOUT_S, device_type: str = "cuda
     global _launch_store, _joins
     _launch_store, rank, world = next(dist.rendezvous("env://", timeout=datetime.timedelta(seconds=timeout_s)))
     _joins += 1  # a second group this process joins must not read the first one's keys either
-    prefix = f"ctxpar/attempt-{torchrun_restart()}/join-{_joins}"
-    _join(backend, timeout_s, store=dist.PrefixStore(prefix, _launch_store), rank=rank, world_size=world)
+    store = dist.PrefixStore(f"ctxpar/attempt-{torchrun_restart()}/join-{_joins}", _launch_store)
+    local_rank, local_world = int(os.environ.get("LOCAL_RANK", 0)), int(os.environ.get("LOCAL_WORLD_SIZE", 1))
+    if device_type == "cuda" and local_world > 1:
+        # torchrun numbers a node's ranks on from its first: rank - LOCAL_RANK names the node
+        check_own_gpus(store, node=rank - local_rank, local_rank=local_rank, local_world=local_world, rank=rank,
+                       device=device, gpu=str(torch.cuda.get_device_properties(device).uuid), timeout_s=timeout_s)
+    _join(backend, timeout_s, store=store, rank=rank, world_size=world)
     return device
+
+
+def check_own_gpus(store: dist.Store, *, node: int, local_rank: int, local_world: int, rank: int,
+                   device: torch.device, gpu: str, timeout_s: float) -> None:
+    """Refuse ranks of one node that would share a GPU, on every one of them alike, before
+    they join: each publishes the UUID of its GPU (``gpu``) in ``store`` and reads its
+    node-mates' (``local_world`` keys, whatever the world's size). ``device`` is how this
+    rank sees it. ``local_gpu`` cannot tell alone: CUDA_VISIBLE_DEVICES=0 set for a whole
+    job gives every rank one GPU, the same one, as does a per-rank list naming one GPU twice.
+    A node-mate that never publishes (it failed before) is named after ``timeout_s``."""
+    mates = dist.PrefixStore(f"gpus/node-{node}", store)
+    mates.set(str(local_rank), json.dumps([rank, str(device), gpu]))
+    keys = [str(r) for r in range(local_world)]
+    try:
+        mates.wait(keys, datetime.timedelta(seconds=timeout_s))
+    except dist.DistStoreError:
+        missing = [int(k) for k in keys if not mates.check([k])]
+        raise RuntimeError(f"torchrun rank {rank} waited {timeout_s:g} s for local ranks {missing} of its node to "
+                           f"say which GPU they took; see their errors") from None
+    published = [json.loads(value) for value in mates.multi_get(keys)]  # [rank, device, uuid] by local rank
+    sharing: dict[str, list[list]] = {}
+    for entry in published:
+        sharing.setdefault(entry[2], []).append(entry)
+    shared = [entries for entries in sharing.values() if len(entries) > 1]
+    if not shared:
+        return
+    said = "; ".join(f"torchrun ranks {', '.join(f'{r} ({d})' for r, d, _ in entries)} would share one GPU "
+                     f"(UUID {entries[0][2]})" for entries in shared)
+    raise ValueError(f"{said}: NCCL needs a GPU per rank, and the {local_world} ranks of this node see "
+                     f"{len(sharing)} between them (CUDA_VISIBLE_DEVICES set alike for the whole job shows every "
+                     f"rank the same one); give each rank its own GPU (CUDA_VISIBLE_DEVICES, one per rank, as "
+                     f"SLURM's --gpus-per-task=1 sets it), or start at most {len(sharing)} (--nproc-per-node "
+                     f"{len(sharing)}), or use --device cpu (gloo)")
 
 
 def joined_torchrun() -> bool:
