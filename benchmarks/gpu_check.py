@@ -14,7 +14,8 @@ section so a run stopped part-way keeps what it measured) with:
   the preset's figure for this GPU; and what a tile costs beyond its kernel (the planner's
   tile overheads, 0 in the presets until measured: ``calibrate.measure_tile_overheads``).
 - ``tests``: ``pytest tests/test_cuda.py`` (kernels vs fp64, every strategy on P = 1-4 ranks
-  sharing the GPU, train on four ranks), one process per world size side by side while the
+  sharing the GPU, train on four ranks, the block plans' masks and indices copied to the GPU
+  without a host synchronisation), one process per world size side by side while the
   exactness section runs, each logging to ``gpu_check_pytest_<group>.log`` beside the JSON;
   stopped after ``--tests-timeout`` seconds.
 - ``exactness``: ``ctxpar demo`` on 4 ranks sharing the GPU per strategy, bf16: max abs

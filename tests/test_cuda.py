@@ -147,6 +147,32 @@ def test_no_block_allocates_memory_that_grows_with_s_squared(dtype) -> None:
     assert grown <= inputs + budget, f"grew {grown / 2**30:.2f} GiB"
 
 
+def test_the_plans_data_reaches_the_gpu_without_a_host_synchronisation() -> None:
+    """A PARTIAL tile's mask, the all-gather's key order and the all-to-all's position order of a
+    new plan (documents= changing every batch) are copied from pinned memory, queued:
+    torch's sync debug mode raises at any copy that waits for the GPU (test_cuda_dispatch.py
+    simulates it on the CPU)."""
+    from ctxpar import blocks, get_layout
+    from ctxpar.masks import make_mask
+    from ctxpar.strategies import allgather, alltoall
+
+    gpu, seq, layout = torch.device("cuda", torch.cuda.current_device()), 64, get_layout("zigzag", 4)
+    documents = make_mask(seq, causal=True, documents=[7, 31, 26])  # a plan no other test made
+    tile = blocks.Tile(0, 3, 0, 5, blocks.MaskKind.PARTIAL, rows=((0, 1), (1, 3), (2, 5)))
+    torch.cuda._sleep(10**8)  # work queued ahead, which a synchronising copy would wait for
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        mask = tile.visible(gpu)
+        index = allgather._key_order(layout, seq, 1, documents, gpu)[2]
+        src, loc = alltoall._position_order(layout, seq, 1, 2, gpu)
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    assert torch.equal(mask.cpu(), tile.visible("cpu"))
+    assert torch.equal(index.cpu(), allgather._key_order(layout, seq, 1, documents, torch.device("cpu"))[2])
+    assert all(torch.equal(a.cpu(), b) for a, b in zip((src, loc), alltoall._position_order(
+        layout, seq, 1, 2, torch.device("cpu")), strict=True))
+
+
 def _cli(*args: str, tmp_path) -> dict:
     import json
     import subprocess

@@ -6,8 +6,13 @@ from __future__ import annotations
 
 import pytest
 import torch
+from torch.overrides import TorchFunctionMode
 
+import ctxpar
+from ctxpar import blocks
 from ctxpar.kernels import cuda
+from ctxpar.masks import make_mask
+from ctxpar.strategies import allgather, alltoall
 
 
 @pytest.fixture
@@ -142,3 +147,66 @@ def test_a_decode_step_hands_the_cached_kv_to_the_kernel_in_place(gpu, monkeypat
     (k, v), = handed
     assert (k.data_ptr(), v.data_ptr(), k.shape, v.shape) == (keys.data_ptr(), values.data_ptr(), keys.shape,
                                                               values.shape)
+
+
+class HostToGpuCopies(TorchFunctionMode):
+    """Runs code as on a GPU: tensors it makes for a CUDA device are made on the CPU, and each
+    copy from the host to a GPU is counted: ``waits`` names those that synchronise with the
+    GPU's queued work (from a Python list, or from pageable memory, or blocking: CUDA syncs
+    the stream before a copy from pageable memory), ``queued`` counts the rest (pinned
+    memory, ``non_blocking=True``)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.pinned: list[torch.Tensor] = []
+        self.waits: list[str] = []
+        self.queued = 0
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = dict(kwargs or {})
+        name = getattr(func, "__name__", str(func))
+        if name == "pin_memory":
+            self.pinned.append(args[0])
+            return args[0]
+        if name in ("to", "cuda") and _cuda(args[1] if len(args) > 1 else kwargs.get("device", name == "cuda")):
+            pinned = any(args[0] is t for t in self.pinned)
+            if pinned and kwargs.get("non_blocking"):
+                self.queued += 1
+            else:
+                self.waits.append(f"Tensor.{name} from {'pinned' if pinned else 'pageable'} memory, blocking")
+            return args[0]
+        if _cuda(kwargs.get("device")):
+            if name in ("tensor", "as_tensor"):  # from Python data: a pageable copy
+                self.waits.append(f"torch.{name}(..., device=cuda)")
+            kwargs["device"] = "cpu"
+        return func(*args, **kwargs)
+
+
+def _cuda(device) -> bool:
+    return device is True or isinstance(device, (str, torch.device)) and torch.device(device).type == "cuda"
+
+
+def test_a_partial_tiles_mask_and_the_strategies_orders_reach_a_gpu_without_waiting_for_it() -> None:
+    """The block plan's data made on the host (a PARTIAL tile's row bounds, the all-gather's key
+    order, the all-to-all's position order) goes to the GPU from pinned memory, queued: a
+    PARTIAL tile's mask was a pageable copy from a list, which waits for the GPU's queued
+    work, once per tile of every new plan (documents= changing every batch: inside the ring's
+    and all-gather's compute loops). Their values are the CPU's."""
+    gpu, seq = torch.device("cuda", 0), 64
+    tile = blocks.Tile(0, 3, 0, 4, blocks.MaskKind.PARTIAL, rows=((0, 1), (1, 3), (0, 4)))
+    documents = make_mask(seq, causal=True, documents=[5, 30, 29])
+    layout = ctxpar.get_layout("zigzag", 4)
+    for cached in (blocks._rows_mask, allgather._key_order, alltoall._position_order):
+        cached.cache_clear()
+    try:
+        with HostToGpuCopies() as copies:
+            on_gpu = (tile.visible(gpu), allgather._key_order(layout, seq, 1, documents, gpu)[2],
+                      *alltoall._position_order(layout, seq, 0, 2, gpu))
+    finally:
+        for cached in (blocks._rows_mask, allgather._key_order, alltoall._position_order):
+            cached.cache_clear()  # they hold CPU tensors for a GPU
+    assert copies.waits == [] and copies.queued == 4
+    on_cpu = (tile.visible("cpu"), allgather._key_order(layout, seq, 1, documents, torch.device("cpu"))[2],
+              *alltoall._position_order(layout, seq, 0, 2, torch.device("cpu")))
+    assert all(torch.equal(a, b) for a, b in zip(on_gpu, on_cpu, strict=True))
+    assert on_cpu[0].tolist() == [[True, False, False, False], [False, True, True, False], [True] * 4]

@@ -122,9 +122,19 @@ class Tile:
 
 @functools.lru_cache(maxsize=1024)
 def _rows_mask(rows: tuple[tuple[int, int], ...], keys: int, device: torch.device) -> torch.Tensor:
-    bounds = torch.tensor(rows, dtype=torch.int64, device=device)  # (queries, 2)
+    bounds = to_device(torch.tensor(rows, dtype=torch.int64), device)  # (queries, 2)
     cols = torch.arange(keys, device=device).unsqueeze(0)
     return (cols >= bounds[:, :1]) & (cols < bounds[:, 1:])
+
+
+def to_device(host: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """``host`` (plan data made on the host: a tile's row bounds, an index) on ``device``. To a
+    GPU from pinned memory, queued behind the GPU's work: a copy from pageable memory
+    (``torch.tensor(..., device=)``, ``.to(device)``) first waits for all of it, a host
+    synchronisation inside the strategies' loops at every plan a new mask makes."""
+    if device.type != "cuda":
+        return host.to(device)
+    return host.pin_memory().to(device, non_blocking=True)
 
 
 def tiles_between(q_positions: torch.Tensor, kv_positions: torch.Tensor, mask: Mask, seq_len: int) -> tuple[Tile, ...]:

@@ -41,7 +41,7 @@ import functools
 import torch
 
 from ctxpar import profile
-from ctxpar.blocks import gathered_key_order
+from ctxpar.blocks import gathered_key_order, to_device
 from ctxpar.comm import PendingAllGather, PendingReduceScatter
 from ctxpar.layout import Layout
 from ctxpar.masks import Mask
@@ -60,11 +60,10 @@ def head_groups(kv_heads: int) -> list[slice]:
 
 @functools.lru_cache(maxsize=4)  # one (T,) int64 index on the device each
 def _key_order(layout: Layout, seq_len: int, rank: int, mask: Mask, device: torch.device):
-    """``gathered_key_order`` with its arrival index on ``device``, copied there once: a copy
-    from the host per call waits for all the GPU's queued work (a host synchronisation per
-    head group, forward and backward)."""
+    """``gathered_key_order`` with its arrival index on ``device``, copied there once per plan
+    (``blocks.to_device``: without a host synchronisation)."""
     kind, tiles, index = gathered_key_order(layout, seq_len, rank, mask)
-    return kind, tiles, None if index is None else index.to(device)
+    return kind, tiles, None if index is None else to_device(index, device)
 
 
 def _arrange(gathered: torch.Tensor, order) -> torch.Tensor:

@@ -28,7 +28,7 @@ import torch
 from torch.autograd.function import once_differentiable
 
 from ctxpar import comm
-from ctxpar.blocks import layout_tiles
+from ctxpar.blocks import layout_tiles, to_device
 from ctxpar.layout import Layout, UnionLayout
 from ctxpar.masks import Mask
 from ctxpar.strategies.blockwise import LocalAttention, refuse_lse_gradient
@@ -41,13 +41,13 @@ def _position_order(layout: Layout, seq_len: int, union: int, u: int,
                     device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
     """(src, loc), each (U*S,) on ``device``: the tokens of union ``union`` (ranks union*U ..
     union*U+U-1) arrive rank by rank; the token at ascending position t is local index loc[t]
-    of member src[t]. Cached: the same for every layer, and copied to the device once (a copy
-    from the host per call waits for all the GPU's queued work)."""
+    of member src[t]. Cached: the same for every layer, and copied to the device once
+    (``blocks.to_device``: without a host synchronisation)."""
     members = range(union * u, (union + 1) * u)
     arrival = torch.cat([layout.positions(seq_len, m) for m in members])
     order = torch.argsort(arrival)  # arrival slot of each token, in position order
     local = seq_len // layout.world_size
-    return (order // local).to(device), (order % local).to(device)
+    return to_device(order // local, device), to_device(order % local, device)
 
 
 class SeqToHeads(torch.autograd.Function):
