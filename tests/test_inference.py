@@ -8,6 +8,7 @@ import re
 import pytest
 import torch
 
+import ctxpar
 import inference_cases as cases
 import spawned
 from ctxpar.auto import CANDIDATES
@@ -395,8 +396,12 @@ def test_sharded_attention_refuses_sinks_of_another_shape_or_not_finite_and_two_
     q, kv = torch.randn(1, 4, 1, 8), torch.randn(1, 2, 3, 8)
     with pytest.raises(ValueError, match=re.escape("sinks must be a tensor of shape (H,) = (4,)")):
         sharded_attention(q, kv, kv, group=None, scale=8**-0.5, sinks=torch.zeros(2))
-    with pytest.raises(ValueError, match="sinks must be finite in torch.float32"):
-        sharded_attention(q, kv, kv, group=None, scale=8**-0.5, sinks=torch.tensor([0, 0, 0, float("inf")]))
+    inf = torch.tensor([0, 0, 0, float("inf")])
+    for check in (True, False):  # the host refuses them, whatever check_consistency is (docs/reliability.md)
+        with pytest.raises(ValueError, match="sinks must be finite in torch.float32"):
+            sharded_attention(q, kv, kv, group=None, scale=8**-0.5, sinks=inf, check_consistency=check)
+        with pytest.raises(ValueError, match="sinks must be finite in torch.float32"):
+            ctxpar.attention(q, q, q, layout="contiguous", sinks=inf, check_consistency=check)
     with pytest.raises(ValueError, match=re.escape("takes group= or mesh=, not both")):
         sharded_attention(q, kv, kv, group=object(), mesh=object(), scale=8**-0.5)
     with pytest.raises(ValueError, match="mesh= must be a torch DeviceMesh"):

@@ -322,7 +322,10 @@ def check_not_transformed(name: str, t) -> None:
 
 
 def check_sinks(sinks, q: torch.Tensor) -> None:
-    """``sinks`` None, or (H,) finite logits, one per query head of ``q`` (B, H, S, D)."""
+    """``sinks`` None, or (H,) finite logits, one per query head of ``q`` (B, H, S, D). On a GPU
+    reading whether they are finite waits for its queued work, whatever ``check_consistency``
+    is: a non-finite sink gave NaN gradients silently, and only the host can refuse it before
+    the call computes."""
     if sinks is None:
         return
     check_not_transformed("sinks", sinks)

@@ -249,7 +249,7 @@ def _scale(owner: str, scaling, head_dim: int) -> float:
         if scaling.numel() != 1 or scaling.requires_grad:
             raise ValueError(f"{owner} passes a {'learned' if scaling.requires_grad else 'per-element'} attention "
                              f"scale tensor of shape {tuple(scaling.shape)}; ctxpar takes one constant scale")
-        scaling = scaling.item()
+        scaling = scaling.item()  # on a GPU a host synchronisation per layer: the kernels take a float
     if isinstance(scaling, bool) or not isinstance(scaling, (int, float)) or not math.isfinite(scaling):
         raise ValueError(f"{owner} passes scaling={scaling!r}; ctxpar needs a finite number")
     return float(scaling)
