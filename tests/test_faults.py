@@ -121,6 +121,17 @@ def unloadable_result_on(rank: int, world: int, victim: int):
     return RebuiltOnlyInTheRank() if rank == victim else rank
 
 
+def leave_early(rank: int, world: int, leaver: int, how: str) -> int:
+    """Rank ``leaver`` leaves fn (``how``: "return" or "exit", sys.exit(0)) where the others go on to a collective."""
+    dist.barrier()
+    if rank == leaver:
+        if how == "exit":
+            sys.exit(0)
+        return rank
+    dist.all_reduce(torch.ones(4))
+    return rank
+
+
 def freeze_one_rank_in_a_new_group(rank: int, world: int, frozen: int) -> None:
     """A group the function makes itself, which torch would give its 30-minute default timeout."""
     group = dist.new_group(list(range(world)))
@@ -280,6 +291,24 @@ def test_a_rank_that_exits_before_the_rendezvous_is_named_at_once(tmp_path) -> N
         run_local(barrier, 2, (ExitBeforeRendezvous(str(tmp_path / "marker")),), timeout_s=120)
     assert list(e.value.died.values()) == ["exited with code 3"]
     assert time.monotonic() - start < 60
+
+
+@pytest.mark.parametrize("leaver, how, left", [(1, "return", "returned from fn"),
+                                               (0, "exit", r"exited fn \(SystemExit: 0\)")])
+def test_a_rank_that_leaves_fn_while_the_others_are_in_a_collective_is_named(leaver, how, left) -> None:
+    """Only the waiting rank was named, by gloo's "Connection closed by peer ... remote worker
+    crashing", though the parent had the leaver's result."""
+    start = time.monotonic()
+    with pytest.raises(launch.RankFailure) as e:
+        run_local(leave_early, 2, (leaver, how), timeout_s=120)
+    waiter = 1 - leaver
+    lines = str(e.value).splitlines()
+    assert re.fullmatch(rf"rank {leaver} {left} while rank {waiter} was still in a collective: fn must make the same "
+                        rf"collective calls on every rank \(.*\)", lines[0]), lines
+    assert re.match(rf"rank {waiter} failed in all_reduce \(torch.distributed\), called from test_faults.py:\d+ in "
+                    rf"leave_early, waiting: RuntimeError: ", lines[1]), lines
+    assert len(lines) == 2 and "Traceback" not in str(e.value)
+    assert time.monotonic() - start < 60  # not the 120 s collective timeout
 
 
 def test_a_frozen_rank_is_named_when_the_others_time_out() -> None:

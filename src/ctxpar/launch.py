@@ -14,6 +14,9 @@ the list of results (rank order). What it guarantees:
   on its results), reported with its exit code or signal, and the others are stopped.
 - A rank that never arrives where the others wait is named: they time out after
   ``timeout_s`` and report; the rank that is still running is the one they waited for.
+  A rank that leaves ``fn`` (returns, or calls sys.exit) while the others are in a
+  collective is named as the cause of their failure (under gloo at once: "Connection
+  closed by peer"; elsewhere when they time out).
 - On glibc, a local rank keeps the memory it frees for its next allocations instead of
   handing it back to the OS (``heap.keep_freed_memory``), unless the environment sets
   glibc's thresholds itself. Ranks torchrun starts are the user's processes: left alone.
@@ -482,9 +485,15 @@ _DECORATORS = {"wrapper", "inner", "_fn", "decorated"}  # torch wraps its collec
 
 
 def _whereabouts(frames: list[tuple[str, str, str]]) -> _Whereabouts:
-    calls = [f[2] for f in reversed(frames) if f"torch{os.sep}distributed" in f[0] and f[2] not in _DECORATORS]
+    outermost_first = list(reversed(frames))
+    inside = [i for i, f in enumerate(outermost_first) if f"torch{os.sep}distributed" in f[0]]
+    calls = [outermost_first[i][2] for i in inside if outermost_first[i][2] not in _DECORATORS]
     if calls:
-        return _Whereabouts(True, f"in {calls[0]} (torch.distributed)")  # the outermost: the call made
+        where = f"in {calls[0]} (torch.distributed)"  # the outermost: the call made
+        if inside[0] > 0:  # and the code that made it
+            file, line, function = outermost_first[inside[0] - 1]
+            where += f", called from {_shown(file)}:{line} in {function}"
+        return _Whereabouts(True, where)
     file, line, function = frames[0]
     where = f"at {_shown(file)}:{line} in {function}"
     if _in_library(file):  # stuck inside a library call: also the user's code that made it
@@ -509,6 +518,12 @@ def _shown(file: str) -> str:
     library (``re/__init__.py``), any other by its name."""
     root = next((r for r in _library_roots() if file.startswith(r)), None)
     return file[len(root):] if root else os.path.basename(file)
+
+
+def _raised_at(text: str) -> _Whereabouts | None:
+    """Where the exception a rank reported (``traceback.format_exc()``'s text) was raised."""
+    frames = re.findall(r'^  File "(.+)", line (\d+), in (.+)$', text, re.MULTILINE)
+    return _whereabouts(frames[::-1]) if frames else None
 
 
 def _is_timeout(e: BaseException) -> bool:
@@ -543,6 +558,8 @@ def _worker(rank, world_size, port, threads, timeout_s, parent_pid, backend, dev
         conn.send_bytes(pickle.dumps(("ok", result)))
     except StopRun as e:  # on purpose: the message says it all
         conn.send_bytes(pickle.dumps(("stopped", str(e))))
+    except SystemExit:  # sys.exit in fn: a failure, and the rank leaves fn as a return does
+        conn.send_bytes(pickle.dumps(("exited", traceback.format_exc())))
     except BaseException as e:  # report everything, including failed asserts, to the parent
         conn.send_bytes(pickle.dumps(("timeout" if _is_timeout(e) else "error", traceback.format_exc())))
     finally:
@@ -774,17 +791,22 @@ def _collect(procs: list, readers: list, stack_files: list[str], timeout_s: floa
     stuck = sorted(pending)
     whereabouts = _probe(procs, stuck, stack_files) if stuck and not died else {}
     message = _failure_message(failed, died, stuck, joined, whereabouts, timeout_s, deadline_s,
-                               time.monotonic() - start)
+                               time.monotonic() - start, returned=frozenset(outputs))
     raise RankFailure(message, {r: tb for r, (_, tb) in failed.items()}, died, stuck)
 
 
 def _failure_message(
     failed: dict[int, tuple[str, str]], died: dict[int, str], stuck: list[int], joined: set[int],
     whereabouts: dict[int, _Whereabouts], timeout_s: float, deadline_s: float | None, elapsed: float,
+    returned: frozenset[int] = frozenset(),
 ) -> str:
     """Root cause first: the dead, then the ranks the others waited for, then what the ranks raised in the
     order it came: the first crash's traceback, the last line of later ones, and a ``StopRun``'s message
-    once for all the ranks that raised it."""
+    once for all the ranks that raised it. Where every rank that raised did so waiting in a collective
+    and some rank had left ``fn`` (``returned`` its result, or called sys.exit), that rank is the cause."""
+    left = _left_early(failed, died, stuck, whereabouts, returned)
+    if left:
+        return left
     oom = " (kill -9, or the kernel's out-of-memory killer)"
     # before it reports, a rank can only die in spawn's start-up: its error is on stderr
     early = ("; its error is on stderr: a rank that dies this early most often re-ran a script that calls "
@@ -823,6 +845,28 @@ def _failure_message(
             lines.append(f"rank {r} failed:\n{text.rstrip()}")
         else:
             lines.append(f"rank {r} failed too: {text.strip().splitlines()[-1] if text.strip() else 'no message'}")
+    return "\n".join(lines)
+
+
+def _left_early(failed: dict[int, tuple[str, str]], died: dict[int, str], stuck: list[int],
+                whereabouts: dict[int, _Whereabouts], returned: frozenset[int]) -> str | None:
+    """The failure of a run in which ranks left ``fn`` (returned or exited) while the others were still
+    in a collective, which then failed for want of them (gloo: "Connection closed by peer"; NCCL: the
+    timeout), naming those ranks; None for any other failure."""
+    exited = {r: text.strip().splitlines()[-1] for r, (kind, text) in failed.items() if kind == "exited"}
+    waiting = {r: _raised_at(text) for r, (kind, text) in failed.items() if kind in ("error", "timeout")}
+    if died or not (returned or exited) or not waiting or len(exited) + len(waiting) < len(failed):
+        return None  # a rank stopped on purpose, or none left early: the usual report
+    if not all(seen and seen.in_collective for seen in (*waiting.values(), *(whereabouts.get(r) for r in stuck))):
+        return None  # a rank failed (or is stuck) on its own, outside a collective: that is the cause
+    waited = sorted((*waiting, *stuck))
+    who = f"rank {waited[0]} was" if len(waited) == 1 else f"ranks {', '.join(map(str, waited))} were"
+    lines = [f"rank {r} {f'exited fn ({exited[r]})' if r in exited else 'returned from fn'} while {who} still in a "
+             f"collective: fn must make the same collective calls on every rank (a rank that leaves fn early "
+             f"leaves the others waiting for it)" for r in sorted({*returned, *exited})]
+    lines += [f"rank {r} failed {seen.where}, waiting: {failed[r][1].strip().splitlines()[-1]}"
+              for r, seen in sorted(waiting.items())]
+    lines += [f"rank {r} was still waiting ({whereabouts[r].where}) and was stopped" for r in stuck]
     return "\n".join(lines)
 
 
