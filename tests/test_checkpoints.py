@@ -218,6 +218,43 @@ def test_a_non_finite_loss_stops_training_with_the_step_and_a_non_zero_exit(kill
     assert not os.path.exists(checkpoint.step_path(str(directory), 2)), "nothing of the NaN step is saved"
 
 
+@pytest.mark.parametrize("case", ["file-size limit", "save lock held"])
+def test_a_save_that_fails_or_is_refused_stops_the_run_with_one_message(case: str, tmp_path) -> None:
+    """A save the OS refuses (here a file-size limit: no root needed, unlike a full disk) named only
+    torch's CheckpointException in its headline ("ranks:dict_keys([0, 1])", under `ulimit -f`
+    "[enforce fail at inline_container.cc:672] unexpected pos") over 40-60 lines of traceback; a
+    refusal inside the ranks (another process saving into the directory) read as "rank 1 failed:"
+    and a traceback, for each rank. Now the OS's error or the refusal, once, and what to do."""
+    import fcntl
+    import resource
+
+    directory = tmp_path / "ckpt"
+    directory.mkdir()
+    limit = 100_000  # bytes: below a rank's share of the tiny model's checkpoint (about 700 kB)
+
+    def limit_file_size() -> None:
+        resource.setrlimit(resource.RLIMIT_FSIZE, (limit, resource.getrlimit(resource.RLIMIT_FSIZE)[1]))
+
+    with open(directory / checkpoint.SAVE_LOCK, "w") as lock:
+        if case == "save lock held":  # as another run's save holds it
+            fcntl.flock(lock, fcntl.LOCK_EX)
+        proc = ctxpar_train("--steps", "1", "--checkpoint-dir", str(directory), stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True,
+                            preexec_fn=limit_file_size if case == "file-size limit" else None)
+        out, err = proc.communicate(timeout=120)
+    said = {
+        "file-size limit": f"checkpoint step 1 could not be written to {directory}/step-000001 (File too large); what "
+                           "was written of it is left unsealed (no manifest.json), which resume skips. Fix that (free "
+                           "space, a file-size limit, write permission), then run the same command again: it starts "
+                           "over, replacing what was written",
+        "save lock held": f"step 1: another process is saving a checkpoint into {directory} right now; give each run a "
+                          "--checkpoint-dir of its own",
+    }[case]
+    assert proc.returncode == 1, out
+    assert err.splitlines()[1:] == [f"ctxpar train: error: ranks 0, 1 stopped: {said}"], err
+    assert not manifest_of(checkpoint.step_path(str(directory), 1))
+
+
 @pytest.mark.parametrize("case", ["negative save-every", "dir is a file", "dir not writable", "stray dir only",
                                   "new run over old checkpoints", "dir not writable, no --save-every",
                                   "new run over old checkpoints, no --save-every"])

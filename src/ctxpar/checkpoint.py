@@ -163,24 +163,60 @@ def save(model: torch.nn.Module, optimizer: torch.optim.Optimizer, directory: st
         ValueError: a step that is not an int >= 0, ``run`` not a dict JSON can hold, the
             directory locked by another save, or ``step`` sealed there by another run; on
             every rank, before any file of the checkpoint is written.
+        OSError: the checkpoint could not be written (no space left, a file-size limit, no
+            permission), on every rank with one message naming the OS's error; what was
+            written is left unsealed, which resume skips.
     """
     if isinstance(step, bool) or not isinstance(step, int) or step < 0:
         raise ValueError(f"checkpoint step must be an int >= 0 (resume finds step-<number> directories), got "
                          f"{step!r}")
     settings = _checked_run(run)
     path = step_path(directory, step)
-    lock = _on_rank0(partial(_claim, directory, path, step, settings))  # rank 0's descriptor
+    try:
+        lock = _on_rank0(partial(_claim, directory, path, step, settings))  # rank 0's descriptor
+    except OSError as e:
+        raise _unwritten(path, step, e) from None
     try:
         model_state, optim_state = _state_without_stepping(model, optimizer)
         try:
-            dcp.save({"model": model_state, "optim": optim_state}, checkpoint_id=path)
+            dcp.save({"model": model_state, "optim": optim_state}, storage_writer=_Writer(path))
         except CheckpointException as e:  # a BaseException: an `except Exception` would miss it
-            raise OSError(f"the checkpoint could not be written to {path}: {e}") from None
+            # every rank holds every rank's failure: the first rank's, the OS's error where one had it
+            failures = [failure for _, (failure, _) in sorted(e.failures.items())]
+            first = failures[0]
+            raise next((f for f in failures if isinstance(f, OSError)),
+                       OSError(f"{type(first).__name__}: {first}")) from None
         write_manifest(path, step, settings)
+    except OSError as e:
+        raise _unwritten(path, step, e) from None
     finally:
         if _rank_world()[0] == 0:
             os.close(lock)  # releases the lock
     return path
+
+
+def _unwritten(path: str, step: int, cause: OSError) -> OSError:
+    why = cause.strerror or cause
+    return OSError(f"checkpoint step {step} could not be written to {path} ({why}); what was written of it is left "
+                   f"unsealed (no {MANIFEST}), which resume skips")
+
+
+class _Writer(dcp.FileSystemWriter):
+    """DCP's file writer, raising the OS's error where a write failed. torch's serializer turns
+    one into its own ("[enforce fail at inline_container.cc:672] unexpected pos", a file-size
+    limit's "File too large" only its context), and DCP pickles each rank's failure for the
+    others, which drops the context."""
+
+    def write_data(self, plan, planner):
+        try:
+            return super().write_data(plan, planner)
+        except Exception as e:
+            cause = e
+            while cause is not None and not isinstance(cause, OSError):
+                cause = cause.__cause__ or cause.__context__
+            if cause is None or cause is e:
+                raise
+            raise OSError(cause.errno, cause.strerror, cause.filename) from e
 
 
 def _state_without_stepping(model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> tuple[dict, dict]:

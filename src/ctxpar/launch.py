@@ -101,8 +101,9 @@ _joins = 0  # torchrun groups this process joined
 
 
 class StopRun(Exception):
-    """Raised in a rank to end the run on purpose (a non-finite loss), its message saying what
-    happened and what to do: local runs report that message alone, without a traceback."""
+    """Raised in a rank to end the run on purpose (a non-finite loss, a checkpoint that could not be
+    written), its message saying what happened and what to do: local runs report that message
+    alone, once for the ranks that raised it, without a traceback."""
 
 
 class RankFailure(RuntimeError):

@@ -300,9 +300,18 @@ def train_rank(rank: int, world: int, cfg: TrainConfig, resume_from: checkpoint.
         recall = layout.shard(recall[rows], cp_rank, dim=1)
         return local.tokens.to(device), local.positions.to(device), local.labels.to(device), recall.to(device)
 
+    sealed = start if resumed else None  # the newest checkpoint of this run
+
     def after_step(done: int) -> None:
+        nonlocal sealed
         if cfg.checkpoint_dir and (done == cfg.steps or (cfg.save_every and done % cfg.save_every == 0)):
-            checkpoint.save(model, optimizer, cfg.checkpoint_dir, done, cfg.checkpoint_settings())
+            try:
+                checkpoint.save(model, optimizer, cfg.checkpoint_dir, done, cfg.checkpoint_settings())
+            except ValueError as e:  # a refusal (another run's save or checkpoint), alike on every rank
+                raise launch.StopRun(f"step {done}: {e}") from None
+            except OSError as e:  # alike on every rank too: said once, without a worker's traceback
+                raise launch.StopRun(f"{e}. {_after_a_failed_save(cfg, sealed)}") from None
+            sealed = done
 
     if device.type == "cuda":
         torch.cuda.reset_peak_memory_stats(device)
@@ -323,6 +332,15 @@ def train_rank(rank: int, world: int, cfg: TrainConfig, resume_from: checkpoint.
                 skipped_checkpoints=[asdict(s) for s in resumed.skipped] if resumed else [],
                 rank_peak_growth_bytes=growth, peak_memory_source=profile.peak_memory(device)[1],
                 strategy_chosen=chosen, **history)
+
+
+def _after_a_failed_save(cfg: TrainConfig, sealed: int | None) -> str:
+    """What to do once a save failed, ``sealed`` the step of the run's newest checkpoint (None: none)."""
+    fix = "Fix that (free space, a file-size limit, write permission), then "
+    if sealed is None:
+        return fix + "run the same command again: it starts over, replacing what was written"
+    return fix + (f"run the same command{'' if cfg.resume else ' with --resume'}: it continues from step {sealed}, "
+                  f"whose checkpoint is sealed")
 
 
 def train_reference(cfg: TrainConfig) -> dict:
