@@ -283,6 +283,28 @@ def test_checkpoint_flags_are_refused_before_any_rank_starts(case: str, tmp_path
     assert time.monotonic() - started < 5, "refused before spawning any rank"
 
 
+def test_a_checkpoint_dir_without_room_for_one_checkpoint_is_refused_before_any_rank_starts(tmp_path,
+                                                                                          monkeypatch) -> None:
+    """A file system with (nearly) no space passed the check (an empty probe file needs none): the
+    run trained every step, then failed at its save, losing them. Free space as os.statvfs says."""
+    import types
+
+    from ctxpar import launch
+
+    def refuse(*args, **kwargs):
+        raise AssertionError("a rank was started before the directory was refused")
+
+    monkeypatch.setattr(launch, "run_local", refuse)
+    monkeypatch.setattr(os, "statvfs", lambda path: types.SimpleNamespace(f_bavail=10, f_frsize=4096))
+    cfg = TrainConfig(steps=2, checkpoint_dir=str(tmp_path / "ckpt"), **COMMON)
+    assert cfg.checkpoint_bytes() == 12 * 106_816  # the tiny model's parameters, AdamW's two moments, float32
+    with pytest.raises(ValueError, match=re.escape(
+            f"--checkpoint-dir {cfg.checkpoint_dir!r} has 40 KiB free, less than one checkpoint of this run takes (at "
+            "least 1.222 MiB: the model's parameters and the optimizer's state); free space there, or pass a directory "
+            "on a file system with room")):
+        run_train(cfg)
+
+
 def test_resume_values_that_do_not_fit_the_checkpoint_are_refused_before_any_rank_starts(
         killed_run, tmp_path, monkeypatch, capsys) -> None:
     """Another run's settings, or --steps not beyond the newest verified checkpoint: exit 2

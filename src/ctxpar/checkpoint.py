@@ -50,6 +50,8 @@ from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_state_dict, set_model_state_dict,
                                                      set_optimizer_state_dict)
 
+from ctxpar.plan.units import format_bytes
+
 MANIFEST = "manifest.json"
 FORMAT = "ctxpar-checkpoint/1"
 OWN_FILES = ".ctxpar-"  # the prefix of this module's own entries in a checkpoint directory (a lock, a probe)
@@ -103,14 +105,15 @@ def list_checkpoints(directory: str) -> tuple[list[tuple[int, str]], list[Skippe
     return found, ignored
 
 
-def check_directory(directory: str, *, resuming: bool) -> None:
+def check_directory(directory: str, *, resuming: bool, checkpoint_bytes: int = 0) -> None:
     """Refuse a ``--checkpoint-dir`` that would fail or destroy work later, before any rank starts.
 
     A run saves to it (at least its last step), so it must be writable (created here if
-    missing; a probe file is written and removed) and hold no checkpoints of an earlier
-    run unless resuming it, since a fresh run would overwrite them step by step. Resuming
-    needs at least one ``step-<N>`` directory; whether one is intact is decided by
-    :func:`find_resumable`.
+    missing; a probe file is written and removed), have ``checkpoint_bytes`` free (a lower
+    bound of one checkpoint's size: a run on a full file system trained to its end and failed
+    there) and hold no checkpoints of an earlier run unless resuming it, since a fresh run
+    would overwrite them step by step. Resuming needs at least one ``step-<N>`` directory;
+    whether one is intact is decided by :func:`find_resumable`.
     """
     path = directory.rstrip(os.sep) or directory  # "afile/" names the file: makedirs would say only "File exists"
     if os.path.islink(path) and not os.path.exists(path):
@@ -142,11 +145,17 @@ def check_directory(directory: str, *, resuming: bool) -> None:
     except OSError as e:
         raise ValueError(f"--checkpoint-dir {directory!r} is not writable ({e.strerror or e}); pass a "
                          "directory this user can create files in, or drop --checkpoint-dir") from e
+    room = os.statvfs(directory)
+    free = room.f_bavail * room.f_frsize
+    if free < checkpoint_bytes:
+        raise ValueError(f"--checkpoint-dir {directory!r} has {format_bytes(free)} free, less than one checkpoint of "
+                         f"this run takes (at least {format_bytes(checkpoint_bytes)}: the model's parameters and the "
+                         "optimizer's state); free space there, or pass a directory on a file system with room")
 
 
-def check_directory_together(directory: str, *, resuming: bool) -> None:
+def check_directory_together(directory: str, *, resuming: bool, checkpoint_bytes: int = 0) -> None:
     """:func:`check_directory` once, by rank 0, raising on every rank (collective)."""
-    _on_rank0(partial(check_directory, directory, resuming=resuming))
+    _on_rank0(partial(check_directory, directory, resuming=resuming, checkpoint_bytes=checkpoint_bytes))
 
 
 def save(model: torch.nn.Module, optimizer: torch.optim.Optimizer, directory: str, step: int,

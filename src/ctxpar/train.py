@@ -125,6 +125,10 @@ class TrainConfig:
                 "global batch (--batch x --dp)": self.batch * self.dp, "--seed": self.seed, "--lr": self.lr,
                 "data stream": RecallTask.STREAM}
 
+    def checkpoint_bytes(self) -> int:
+        """A lower bound of one checkpoint's size: the parameters and AdamW's two moments, float32."""
+        return 3 * 4 * get_config(self.model).parameters
+
     def task(self) -> RecallTask:
         return RecallTask(vocab=get_config(self.model).vocab, seq_len=self.seq)
 
@@ -205,7 +209,8 @@ def _within_a_torchrun_launch(cfg: TrainConfig, rank: int) -> checkpoint.Resumab
     restarted = launch.launch_marked(mark)
     dist.barrier()  # every rank has read the mark before rank 0 sets it below
     if not restarted:
-        checkpoint.check_directory_together(cfg.checkpoint_dir, resuming=cfg.resume)
+        checkpoint.check_directory_together(cfg.checkpoint_dir, resuming=cfg.resume,
+                                            checkpoint_bytes=cfg.checkpoint_bytes())
     found = None
     if cfg.resume:  # asked for, on every attempt
         found = find_resume_point(cfg)
@@ -373,7 +378,7 @@ def run_train(cfg: TrainConfig, *, timeout_s: float = launch.DEFAULT_TIMEOUT_S) 
     # here, not in validate (which every rank runs): it may create the directory; torchrun's
     # ranks check it together once joined (``_within_a_torchrun_launch``)
     if cfg.checkpoint_dir and not launch.launched_by_torchrun():
-        checkpoint.check_directory(cfg.checkpoint_dir, resuming=cfg.resume)
+        checkpoint.check_directory(cfg.checkpoint_dir, resuming=cfg.resume, checkpoint_bytes=cfg.checkpoint_bytes())
         if cfg.resume:
             resume_from = find_resume_point(cfg)
             _say_skipped(resume_from)
