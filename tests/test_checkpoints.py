@@ -173,6 +173,28 @@ def test_resume_refuses_when_no_checkpoint_verifies_and_names_each_fault(killed_
     }
 
 
+def test_a_directory_of_saves_cut_short_takes_a_new_run(tmp_path) -> None:
+    """A directory holding only a save cut short (its first save killed, or out of space): a new
+    run there was told it would overwrite checkpoints and to add --resume, and --resume to start a
+    new run without it: circular. Saves cut short are not checkpoints; a new run's save replaces them."""
+    directory = str(tmp_path / "ckpt")
+    cut_short = checkpoint.step_path(directory, 2)
+    os.makedirs(cut_short)
+    open(os.path.join(cut_short, "__0_0.distcp"), "wb").close()
+    checkpoint.check_directory(directory, resuming=False)  # no refusal
+    with pytest.raises(ValueError, match=re.escape(
+            f"no complete, verified checkpoint in {directory!r}:\n  {cut_short}: no manifest.json: incomplete, the "
+            "run stopped while saving it\nnone was sealed: start a new run here, without --resume (its saves replace "
+            "those cut short)")):
+        checkpoint.find_resumable(directory, SETTINGS)
+    sealed = checkpoint.step_path(directory, 1)
+    os.makedirs(sealed)
+    checkpoint.write_manifest(sealed, 1, SETTINGS)
+    with pytest.raises(ValueError, match=re.escape("already holds checkpoints (newest: step-000001) that this new run "
+                                                   "would overwrite")):
+        checkpoint.check_directory(directory, resuming=False)
+
+
 def test_resume_refuses_a_checkpoint_of_other_settings_and_names_the_difference(killed_run) -> None:
     directory, n = killed_run
     other = TrainConfig(lr=1e-3, dp=2, **dict(COMMON, nproc=4, layout="striped")).checkpoint_settings()
@@ -263,6 +285,7 @@ def test_checkpoint_flags_are_refused_before_any_rank_starts(case: str, tmp_path
     a_file.write_text("")
     (tmp_path / "stray" / "step-foo").mkdir(parents=True)
     (tmp_path / "used" / "step-000004").mkdir(parents=True)
+    checkpoint.write_manifest(str(tmp_path / "used" / "step-000004"), 4, SETTINGS)  # sealed: not a save cut short
     cfg, match = {
         "negative save-every": (dict(save_every=-1, checkpoint_dir=str(tmp_path)), "--save-every -1 must be >= 0"),
         "dir is a file": (dict(save_every=1, checkpoint_dir=str(a_file)), "is a file, not a directory"),

@@ -58,6 +58,7 @@ OWN_FILES = ".ctxpar-"  # the prefix of this module's own entries in a checkpoin
 SAVE_LOCK = OWN_FILES + "save.lock"  # held by the rank 0 that is saving into the directory
 _CANNOT_LOCK = (errno.ENOLCK, errno.ENOSYS, errno.EOPNOTSUPP)  # flock's errors where the file system has none
 _STEP_DIR = re.compile(r"step-([0-9]+)")
+_UNSEALED = f"no {MANIFEST}: incomplete, the run stopped while saving it"
 _READ_BYTES = 1 << 22
 
 T = TypeVar("T")
@@ -133,9 +134,10 @@ def check_directory(directory: str, *, resuming: bool, checkpoint_bytes: int = 0
         also = f" (ignored: {', '.join(os.path.basename(s.path) for s in ignored)})" if ignored else ""
         raise ValueError(f"--resume: no step-<number> checkpoint directory in {directory!r}{also}; pass the "
                          "directory the earlier run saved to, or drop --resume to start a new run")
-    if not resuming and found:
+    sealed = [path for _, path in found if _is_sealed(path)]  # a save cut short is replaced, not a checkpoint
+    if not resuming and sealed:
         raise ValueError(f"--checkpoint-dir {directory!r} already holds checkpoints (newest: "
-                         f"{os.path.basename(found[0][1])}) that this new run would overwrite; add --resume to "
+                         f"{os.path.basename(sealed[0])}) that this new run would overwrite; add --resume to "
                          "continue that run, or pass an empty directory")
     try:
         os.makedirs(directory, exist_ok=True)
@@ -270,7 +272,8 @@ def find_resumable(directory: str, run: dict[str, Any], *, required: bool = True
     """
     run = _checked_run(run)
     _on_rank0(partial(_check_is_directory, directory))
-    candidates, skipped = _on_rank0(partial(list_checkpoints, directory))
+    candidates, strays = _on_rank0(partial(list_checkpoints, directory))
+    skipped = list(strays)
     for step, path in candidates:
         manifest, why = _on_rank0(partial(_read_manifest, path, step))
         if manifest is not None:
@@ -283,8 +286,12 @@ def find_resumable(directory: str, run: dict[str, Any], *, required: bool = True
     if not required:
         return None
     listing = "".join(f"\n  {s.path}: {s.reason}" for s in skipped) or " (it is empty)"
-    raise ValueError(f"--resume: no complete, verified checkpoint in {directory!r}:{listing}\nstart a new run "
-                     "without --resume (in an empty --checkpoint-dir)")
+    # a new run is refused only where a checkpoint was sealed (check_directory); saves cut short it replaces
+    if all(s.reason == _UNSEALED for s in skipped[len(strays):]):
+        fix = "none was sealed: start a new run here, without --resume (its saves replace those cut short)"
+    else:
+        fix = "start a new run without --resume (in an empty --checkpoint-dir)"
+    raise ValueError(f"--resume: no complete, verified checkpoint in {directory!r}:{listing}\n{fix}")
 
 
 def load(model: torch.nn.Module, optimizer: torch.optim.Optimizer, path: str) -> None:
@@ -440,9 +447,9 @@ def _file_problems(path: str, files: dict[str, dict]) -> list[str]:
 
 def _read_manifest(path: str, step: int) -> tuple[dict | None, str | None]:
     """(manifest, None) if ``path`` has an intact manifest for ``step``, else (None, why not)."""
+    if not _is_sealed(path):
+        return None, _UNSEALED
     file = os.path.join(path, MANIFEST)
-    if not os.path.lexists(file):
-        return None, f"no {MANIFEST}: incomplete, the run stopped while saving it"
     try:
         with open(file, encoding="utf-8") as f:
             manifest = json.load(f)
@@ -456,6 +463,11 @@ def _read_manifest(path: str, step: int) -> tuple[dict | None, str | None]:
     if manifest["step"] != step:
         return None, f"{MANIFEST} is for step {manifest['step']}, not {step}"
     return manifest, None
+
+
+def _is_sealed(path: str) -> bool:
+    """Whether checkpoint directory ``path`` got its manifest (intact or not): else a save cut short."""
+    return os.path.lexists(os.path.join(path, MANIFEST))
 
 
 def _refuse_other_run(path: str, saved: dict[str, Any], wanted: dict[str, Any]) -> None:
