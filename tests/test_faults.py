@@ -480,16 +480,22 @@ def test_killing_the_parent_of_train_kills_its_workers(tmp_path) -> None:
         proc.communicate()
 
 
-def test_sigterm_to_the_parent_of_demo_kills_its_workers() -> None:
+def test_sigterm_to_the_parent_of_demo_kills_its_workers(tmp_path) -> None:
     """Once the ranks are joining the group, the parent gets SIGTERM. (A rank still importing
-    torch when its parent dies exits as soon as it has started, before it joins.)"""
-    proc = start_cli("demo", "--nproc", "2", "--seq", "16384")
+    torch when its parent dies exits as soon as it has started, before it joins.) Nothing is
+    left in the temporary directory: the ranks' stacks once went through files in a
+    ctxpar-stacks-* directory there, which only run_local's `finally` removed, and SIGTERM's
+    default action skips it."""
+    temporary = tmp_path / "tmp"
+    temporary.mkdir()
+    proc = start_cli("demo", "--nproc", "2", "--seq", "16384", env=dict(os.environ, TMPDIR=str(temporary)))
     try:
         workers = wait_for(lambda: len(workers_of(proc.pid)) == 2 and workers_of(proc.pid), 60, "2 workers", proc)
         wait_for(lambda: all(has_socket(w) for w in workers), 60, "the workers to join", proc)
         os.kill(proc.pid, signal.SIGTERM)
         proc.wait(timeout=10)
         assert_all_die(workers)
+        assert list(temporary.iterdir()) == []
     finally:
         proc.kill()
         proc.communicate()

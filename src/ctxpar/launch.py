@@ -38,12 +38,10 @@ import math
 import os
 import pickle
 import re
-import shutil
 import signal
 import socket
 import sys
 import sysconfig
-import tempfile
 import threading
 import time
 import traceback
@@ -424,13 +422,18 @@ def _die_with_parent(parent_pid: int) -> None:
 _STACK_SIGNAL = getattr(signal, "SIGUSR1", None)
 
 
-def _dump_stack_on_request(path: str) -> None:
+_stack_writer: connection.Connection | None = None  # open for the life of the process: faulthandler writes to it
+
+
+def _dump_stack_on_request(writer: connection.Connection) -> None:
+    """Write this process's stacks to ``writer``, a pipe to the parent, when it asks (a pipe, not
+    a file: a parent ended by SIGTERM or SIGKILL leaves nothing behind)."""
+    global _stack_writer
     if _STACK_SIGNAL is None:
         return
-    out = open(path, "w")  # noqa: SIM115  open for the life of the process: faulthandler writes to it
-    out.write(f"main thread {threading.get_ident():#x}\n")
-    out.flush()
-    faulthandler.register(_STACK_SIGNAL, file=out, all_threads=True)
+    _stack_writer = writer
+    os.write(writer.fileno(), f"main thread {threading.get_ident():#x}\n".encode())
+    faulthandler.register(_STACK_SIGNAL, file=writer.fileno(), all_threads=True)
 
 
 @dataclass(frozen=True)
@@ -439,7 +442,7 @@ class _Whereabouts:
     where: str  # "in all_reduce (torch.distributed)" or "at train.py:42 in step"
 
 
-def _probe(procs: list, ranks: list[int], stack_files: list[str]) -> dict[int, _Whereabouts]:
+def _probe(procs: list, ranks: list[int], stacks: list[connection.Connection]) -> dict[int, _Whereabouts]:
     """Where each of ``ranks`` (alive) is: its main thread's innermost frames, by signal."""
     if _STACK_SIGNAL is None:
         return {}
@@ -448,16 +451,22 @@ def _probe(procs: list, ranks: list[int], stack_files: list[str]) -> dict[int, _
         if procs[r].is_alive():
             os.kill(procs[r].pid, _STACK_SIGNAL)
             asked.append(r)
-    time.sleep(PROBE_S)
+    dumps = {r: b"" for r in asked}
+    open_ = {stacks[r]: r for r in asked}
+    end = time.monotonic() + PROBE_S
+    while open_ and (left := end - time.monotonic()) > 0:  # read as they write: a pipe holds only 64 KiB
+        for reader in connection.wait(list(open_), left):
+            chunk = os.read(reader.fileno(), 1 << 16)
+            if chunk:
+                dumps[open_[reader]] += chunk
+            else:  # the process is gone
+                del open_[reader]
     found = {}
-    for r in asked:
-        try:
-            with open(stack_files[r]) as f:
-                text = f.read()
-        except FileNotFoundError:  # the signal's default action ended it: it was still importing
+    for r, dump in dumps.items():
+        if not dump:  # the signal's default action ended it: it was still importing
             found[r] = _Whereabouts(False, "still starting (importing, before its worker code)")
             continue
-        frames = _main_thread_frames(text)
+        frames = _main_thread_frames(dump.decode(errors="replace"))
         if frames:
             found[r] = _whereabouts(frames)
     return found
@@ -531,10 +540,10 @@ def _is_timeout(e: BaseException) -> bool:
     return isinstance(e, dist.DistStoreError) or "timed out" in str(e).lower()
 
 
-def _worker(rank, world_size, port, threads, timeout_s, parent_pid, backend, device, stack_file, fn, args,
+def _worker(rank, world_size, port, threads, timeout_s, parent_pid, backend, device, stack_writer, fn, args,
             conn) -> None:
     _die_with_parent(parent_pid)
-    _dump_stack_on_request(stack_file)
+    _dump_stack_on_request(stack_writer)
     # Ctrl-C reaches every process of the terminal's group; the parent alone handles it
     # (and stops the workers), so that one interrupt gives one message.
     signal.signal(signal.SIGINT, signal.SIG_IGN)
@@ -634,14 +643,13 @@ def run_local(
     threads = threads or max(1, cores // nproc)
     ctx = mp.get_context("spawn")
     pipes = [ctx.Pipe(duplex=False) for _ in range(nproc)]
-    stacks = tempfile.mkdtemp(prefix="ctxpar-stacks-")
-    stack_files = [os.path.join(stacks, f"rank{r}") for r in range(nproc)]
+    stack_pipes = [ctx.Pipe(duplex=False) for _ in range(nproc)]
     store, port = _local_store(timeout_s)
     procs = []
     try:
         procs = [
             ctx.Process(target=_worker, name=f"ctxpar-rank-{r}", daemon=True,
-                        args=(r, nproc, port, threads, timeout_s, os.getpid(), backend, devices[r], stack_files[r],
+                        args=(r, nproc, port, threads, timeout_s, os.getpid(), backend, devices[r], stack_pipes[r][1],
                               _ForRanks(fn, "fn"), _ForRanks(args, "args"), pipes[r][1]))
             for r in range(nproc)
         ]
@@ -654,18 +662,22 @@ def run_local(
         if threading.current_thread() is threading.main_thread():  # where signal handlers are set
             handler = signal.signal(signal.SIGINT, signal.SIG_IGN)  # a Ctrl-C pending while blocked stays so
         try:
-            for p, (_, writer) in zip(procs, pipes):
+            for p, (_, writer), (_, stack_writer) in zip(procs, pipes, stack_pipes):
                 p.start()
                 writer.close()  # the worker holds the only writer: its end of file means it is gone
+                stack_writer.close()
         finally:
             if handler is not None:
                 signal.signal(signal.SIGINT, handler)
             signal.pthread_sigmask(signal.SIG_SETMASK, blocked)
-        return _collect(procs, [reader for reader, _ in pipes], stack_files, timeout_s, deadline_s)
+        return _collect(procs, [reader for reader, _ in pipes], [reader for reader, _ in stack_pipes], timeout_s,
+                        deadline_s)
     finally:
         _stop(procs)
         del store  # its server stops, and its port is free again
-        shutil.rmtree(stacks, ignore_errors=True)
+        for pipe in (*pipes, *stack_pipes):
+            for end in pipe:
+                end.close()
 
 
 def _check_can_spawn() -> None:
@@ -726,7 +738,7 @@ class _ForRanks:
                              f"(tensors, numbers, strings, dataclasses...) and make the rest in fn") from e
 
 
-def _collect(procs: list, readers: list, stack_files: list[str], timeout_s: float,
+def _collect(procs: list, readers: list, stacks: list[connection.Connection], timeout_s: float,
              deadline_s: float | None) -> list[Any]:
     """Wait on every rank's messages and exit at once; the results in rank order, or RankFailure."""
     start = time.monotonic()
@@ -790,7 +802,7 @@ def _collect(procs: list, readers: list, stack_files: list[str], timeout_s: floa
     if not (failed or died or pending):
         return [outputs[r] for r in range(len(procs))]
     stuck = sorted(pending)
-    whereabouts = _probe(procs, stuck, stack_files) if stuck and not died else {}
+    whereabouts = _probe(procs, stuck, stacks) if stuck and not died else {}
     message = _failure_message(failed, died, stuck, joined, whereabouts, timeout_s, deadline_s,
                                time.monotonic() - start, returned=frozenset(outputs))
     raise RankFailure(message, {r: tb for r, (_, tb) in failed.items()}, died, stuck)
