@@ -245,6 +245,9 @@ def bad_values(tmp: Path) -> list[tuple[tuple[str, ...], str]]:
         (("plan", "--plot", "/dev/full", "--seq", "4096", "--max-cp", "8"),  # once matplotlib's OSError traceback
          "--plot '/dev/full' could not be written (No space left on device); the report above is complete"),
         (("plan", "--hardware", "local", "--calibration", missing), f"--calibration {missing!r} cannot be read"),
+        # suggested `--calibrate --json` the directory, which --json refuses
+        (("plan", "--hardware", "local", "--calibration", str(tmp)), "cannot be read (Is a directory); write one with "
+         f"`ctxpar plan --hardware local --calibrate --json {tmp / 'calibration.json'}`"),
         (("plan", "--hardware", "local", "--calibration", str(not_json)), "is not JSON"),
         # it scaled the measured attention rate, matmuls 2.8x slower at 0.5 and slower than measured at 1
         (("plan", "--hardware", "local", "--calibration", str(measured), "--efficiency", "0.5"),

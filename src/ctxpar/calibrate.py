@@ -582,9 +582,10 @@ def load_calibration(path: str) -> dict:
     try:
         with open(path) as f:
             data = json.load(f)
-    except OSError as e:
+    except OSError as e:  # a directory too: --json refuses one, so a file in it is suggested
+        written = os.path.join(path, "calibration.json") if os.path.isdir(path) else path
         raise ValueError(f"--calibration {path!r} cannot be read ({e.strerror}); write one with `ctxpar plan "
-                         f"--hardware local --calibrate --json {path}`") from e
+                         f"--hardware local --calibrate --json {written}`") from e
     except (json.JSONDecodeError, UnicodeDecodeError) as e:
         raise ValueError(f"--calibration {path!r} is not JSON ({e}); give the file --calibrate --json wrote") from e
     found = (data.get("calibration") or data) if isinstance(data, dict) else None
