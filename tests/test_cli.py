@@ -241,9 +241,6 @@ def bad_values(tmp: Path) -> list[tuple[tuple[str, ...], str]]:
         (("plan", "--json", str(tmp / "p.png"), "--plot", str(tmp / "p.png")),
          "--json and --plot both name"),  # the plot once overwrote the JSON
         (("demo", "--json", "/proc/ctxpar.json"), "is not writable (No such file or directory)"),  # writable bits
-        (("plan", "--json", "/dev/full"), "could not be written (No space left on device); the report above"),
-        (("plan", "--plot", "/dev/full", "--seq", "4096", "--max-cp", "8"),  # once matplotlib's OSError traceback
-         "--plot '/dev/full' could not be written (No space left on device); the report above is complete"),
         (("plan", "--hardware", "local", "--calibration", missing), f"--calibration {missing!r} cannot be read"),
         # suggested `--calibrate --json` the directory, which --json refuses
         (("plan", "--hardware", "local", "--calibration", str(tmp)), "cannot be read (Is a directory); write one with "
@@ -318,6 +315,33 @@ def test_train_compare_exits_non_zero_when_an_early_loss_differs_from_the_refere
     argv = ["train", "--nproc", "1", "--seq", "64", "--steps", "3", "--compare", "--no-progress"]
     assert main(argv) == status
     assert says in capsys.readouterr().out
+
+
+@pytest.mark.skipif(not os.path.exists("/dev/full"), reason="needs /dev/full")
+def test_a_report_that_cannot_be_written_once_the_work_is_done_exits_1_in_every_command(monkeypatch, capsys) -> None:
+    """A full disk under --json (or --plot) after a complete run is no bad value: it exited with
+    status 2, the status of values refused up front, as a stdout that cannot take the report
+    exits 1. The runs of demo, train and generate are stood in for: this is the report alone."""
+    import ctxpar.cli as cli
+
+    for command, report in (("demo", {"ok": True}), ("train", {"loss": []}), ("generate", {"tokens": []})):
+        run = {"demo": "run_demo", "train": "run_train", "generate": "run_generate"}[command]
+        monkeypatch.setattr(cli.generation if command == "generate" else cli, run, lambda cfg, **kwargs: report)
+    monkeypatch.setattr(cli, "format_report", lambda report: "the report")
+    monkeypatch.setattr(cli, "format_train_report", lambda report: "the report")
+    monkeypatch.setattr(cli.generation, "format_report", lambda report: "the report")
+    wrong = []
+    for argv, says in [
+        *(((command, "--json", "/dev/full"), "--json '/dev/full' could not be written (No space left on device); the "
+           "report above is complete") for command in ("demo", "train", "generate", "plan")),
+        (("plan", "--plot", "/dev/full", "--seq", "4096", "--max-cp", "8"),  # once matplotlib's OSError traceback
+         "--plot '/dev/full' could not be written (No space left on device); the report above is complete"),
+    ]:
+        status = main(list(argv))
+        err = capsys.readouterr().err
+        if status != 1 or err != f"ctxpar {argv[0]}: error: {says}\n":
+            wrong.append(f"{' '.join(argv)} -> status {status}: {err.strip()!r}")
+    assert not wrong, "\n".join(wrong)
 
 
 def test_an_unknown_train_model_is_refused_by_the_flag(capsys) -> None:

@@ -135,11 +135,13 @@ def _report(text: str, json_path: str | None, data: dict) -> None:
             else f"; --json {json_path!r} holds it"
         raise ReportUnwritten(f"the report could not be written to stdout ({e.strerror}){json_said}")
     if json_error is not None:
-        raise ValueError(f"--json {json_path!r} could not be written ({json_error}); the report above is complete")
+        raise ReportUnwritten(f"--json {json_path!r} could not be written ({json_error}); the report above is "
+                              f"complete")
 
 
 class ReportUnwritten(Exception):
-    """stdout could not take a command's report: exit status 1, said in one line."""
+    """A command's report (stdout, --json, --plot) could not be written once its work was done (a
+    full disk): exit status 1, said in one line; status 2 is for values refused up front."""
 
 
 def _run_demo(args: argparse.Namespace) -> int:
@@ -427,8 +429,8 @@ def _run_plan(args: argparse.Namespace) -> int:
         try:
             planning.write_plot(plan, args.plot)
         except OSError as e:  # e.g. the disk filled up: one line, as --json says it
-            raise ValueError(f"--plot {args.plot!r} could not be written ({e.strerror or e}); the report above is "
-                             f"complete") from None
+            raise ReportUnwritten(f"--plot {args.plot!r} could not be written ({e.strerror or e}); the report above "
+                                  f"is complete") from None
     return 0
 
 
