@@ -561,6 +561,7 @@ def _worker(rank, world_size, port, threads, timeout_s, parent_pid, backend, dev
         distributed_c10d.default_pg_timeout = distributed_c10d.default_pg_nccl_timeout = timeout
         store = dist.TCPStore("127.0.0.1", port, world_size, False, timeout)  # the parent serves it
         _join(backend, timeout_s, store=store, rank=rank, world_size=world_size)
+        store.set(f"{_JOINED}{rank}", "")
         conn.send_bytes(pickle.dumps(("joined", None)))
         result = fn(rank, world_size, *args, *(() if device is None else (device,)))
         # plain pickle copies tensors into the message; multiprocessing's would share their
@@ -575,7 +576,22 @@ def _worker(rank, world_size, port, threads, timeout_s, parent_pid, backend, dev
     finally:
         conn.close()
         if dist.is_initialized():
+            _stay_until_all_joined(store, world_size, timeout)
             dist.destroy_process_group()
+
+
+_JOINED = "ctxpar/joined/"  # + a rank: set in the run's store once that rank has joined the group
+
+
+def _stay_until_all_joined(store: dist.Store, world_size: int, timeout: datetime.timedelta) -> None:
+    """Leave only once every rank has joined the group: gloo's join connects each pair, and a
+    rank whose fn made no collective and returned at once closed its side of a pair its peer
+    was still connecting ("Connection closed by peer" in init_process_group, on a loaded
+    machine). A rank that never joins ends the run at the parent, which stops this one."""
+    try:
+        store.wait([f"{_JOINED}{r}" for r in range(world_size)], timeout)
+    except dist.DistStoreError:
+        pass  # the parent has this rank's report, and the others' failure to say
 
 
 def _exit_reason(exitcode: int | None) -> str:
