@@ -7,8 +7,8 @@ import time
 import pytest
 import torch
 
-from ctxpar import kernels
-from ctxpar.kernels import cpu, reference
+from ctxpar import kernels, verify
+from ctxpar.kernels import cpu, cuda, reference
 from ctxpar.merge import merge
 
 
@@ -96,6 +96,31 @@ def test_block_kernel_accepts_any_strides(backend, view, causal) -> None:
     grads_v = backend.attention_backward(dout, q, k, v, as_view(out), lse, causal=causal, scale=0.3)
     for got, want in zip((out_v, lse_v, *grads_v), (out, lse, *grads)):
         torch.testing.assert_close(got, want, rtol=0, atol=1e-12)
+
+
+@pytest.mark.parametrize("heads", [(2, 3, 3), (2, 4, 4), (3, 2, 2), (6, 4, 4), (4, 2, 1), (4, 0, 0)])
+def test_heads_that_do_not_group_are_refused_by_every_backend_and_by_verify(heads) -> None:
+    """q's heads a multiple of K/V's, k and v alike: torch's fused CPU op stopped the
+    interpreter with SIGFPE where H_kv > H (2 against 3 or 4) and returned a result for 3
+    against 2; the reference kernel failed in a view, SDPA with a RuntimeError."""
+    h, h_k, h_v = heads
+    gen = torch.Generator().manual_seed(0)
+    q = torch.randn(1, h, 16, 8, generator=gen)
+    k, v = torch.randn(1, h_k, 16, 8, generator=gen), torch.randn(1, h_v, 16, 8, generator=gen)
+    lse = torch.zeros(1, h, 16)
+    calls = {
+        "unsplit_attention": lambda: verify.unsplit_attention(q, k, v, q, causal=True, scale=0.3),
+        "torch_sdpa": lambda: verify.torch_sdpa(q, k, v, q, causal=True, scale=0.3),
+        "reference_attention": lambda: reference.reference_attention(q, k, v),
+    }
+    for backend in (cpu, cuda, reference):  # cuda's check comes before it looks for a GPU
+        calls[f"{backend.__name__}.forward"] = lambda b=backend: b.attention_forward(q, k, v, causal=True, scale=0.3)
+        calls[f"{backend.__name__}.backward"] = lambda b=backend: b.attention_backward(q, q, k, v, q, lse, causal=True,
+                                                                                       scale=0.3)
+    for name, call in calls.items():
+        with pytest.raises(ValueError, match=f"q has {h} heads and k .*H % H_kv == 0"):
+            call()
+            pytest.fail(f"{name} took heads {heads}")
 
 
 @pytest.mark.parametrize("causal", [True, False])

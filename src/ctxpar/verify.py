@@ -49,6 +49,7 @@ def torch_sdpa(
     comes from torch's fused forward op in the same dtype. ``mask``: an explicit (T, T)
     bool mask (documents, windows) in place of ``causal``.
     """
+    kernels.check_heads(q, k, v)  # SDPA's own refusal is a RuntimeError
     q, k, v = (t.detach().requires_grad_() for t in (q, k, v))
     out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=causal and mask is None, scale=scale,
                                          enable_gqa=True)

@@ -4,7 +4,8 @@ The contract every backend meets (shapes as in ``scaled_dot_product_attention``)
 
     attention_forward(q, k, v, *, causal, scale, mask=None) -> (out, lse)
         q (B, H, Sq, D), k and v (B, H_kv, Sk, D) with H % H_kv == 0 (GQA: K/V keep
-        their own heads, nothing is repeated before a backend sees them), causal =
+        their own heads, nothing is repeated before a backend sees them; other heads are
+        refused with a ValueError by every backend, ``check_heads``), causal =
         square top-left mask (Sq == Sk, query i sees keys 0..i); mask = an explicit
         (Sq, Sk) bool mask, True where the key is visible (a PARTIAL tile; then causal
         is False). A row that sees no key, or whose visible keys all score -inf, gets
@@ -36,7 +37,7 @@ from __future__ import annotations
 import torch
 
 from ctxpar.kernels import cpu, cuda, reference
-from ctxpar.kernels.contract import accumulation_dtype, unit_stride
+from ctxpar.kernels.contract import accumulation_dtype, check_heads, unit_stride
 
 
 def _backend(q: torch.Tensor):
@@ -75,5 +76,5 @@ def partial_dtype(q: torch.Tensor) -> torch.dtype:
     return cuda.partial_dtype(q) if q.device.type == "cuda" else accumulation_dtype(q.dtype)
 
 
-__all__ = ["accumulation_dtype", "attention_forward", "attention_backward", "cpu", "cuda", "partial_dtype",
-           "reference", "unit_stride"]
+__all__ = ["accumulation_dtype", "attention_forward", "attention_backward", "check_heads", "cpu", "cuda",
+           "partial_dtype", "reference", "unit_stride"]

@@ -26,7 +26,7 @@ from __future__ import annotations
 import torch
 
 from ctxpar.kernels import reference
-from ctxpar.kernels.contract import accumulation_dtype, unit_stride
+from ctxpar.kernels.contract import accumulation_dtype, check_heads, unit_stride
 
 _cpu_fwd = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu.default
 _cpu_bwd = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward.default
@@ -61,6 +61,7 @@ def _scores_hidden_exactly(q: torch.Tensor, k: torch.Tensor, mask: torch.Tensor 
 def attention_forward(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, causal: bool, scale: float, mask: torch.Tensor | None = None
 ) -> tuple[torch.Tensor, torch.Tensor]:
+    check_heads(q, k, v)
     if _scores_hidden_exactly(q, k, mask):
         return reference.attention_forward(q, k, v, causal=causal, scale=scale, mask=mask)
     q, k, v = _prepare(q, k, v)
@@ -118,6 +119,7 @@ def attention_backward(
     scale: float,
     mask: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    check_heads(q, k, v)
     if _scores_hidden_exactly(q, k, mask):
         return reference.attention_backward(dout, q, k, v, out, lse, causal=causal, scale=scale, mask=mask)
     dout, q, k, v, out, lse = _prepare(dout, q, k, v, out, lse)

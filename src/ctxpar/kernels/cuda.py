@@ -54,7 +54,7 @@ import torch
 import torch.nn.functional as F
 
 from ctxpar.kernels import reference
-from ctxpar.kernels.contract import accumulation_dtype, unit_stride
+from ctxpar.kernels.contract import accumulation_dtype, check_heads, unit_stride
 
 _flash_fwd = torch.ops.aten._scaled_dot_product_flash_attention.default
 _flash_bwd = torch.ops.aten._scaled_dot_product_flash_attention_backward.default
@@ -216,6 +216,7 @@ def attention_forward(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, causal: bool, scale: float, mask: torch.Tensor | None = None
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Kernel contract (see ``ctxpar.kernels``); out in q's dtype, lse float32 (B, H, Sq)."""
+    check_heads(q, k, v)
     op = op_for(q, k)
     if op == "reference" or mask is not None:
         return reference.attention_forward(q, k, v, causal=causal, scale=scale, mask=mask)
@@ -250,6 +251,7 @@ def attention_backward(
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Kernel contract; ``out`` and ``lse`` are the global (merged) values for these rows.
     Gradients in q's dtype; dk, dv with H_kv heads."""
+    check_heads(q, k, v)
     op = op_for(q, k)
     if op == "reference" or mask is not None:
         return reference.attention_backward(dout, q, k, v, out, lse, causal=causal, scale=scale, mask=mask)

@@ -18,7 +18,7 @@ import math
 
 import torch
 
-from ctxpar.kernels.contract import accumulation_dtype
+from ctxpar.kernels.contract import accumulation_dtype, check_heads
 from ctxpar.masks import Mask
 from ctxpar.merge import merge_into
 
@@ -71,6 +71,7 @@ def reference_attention(
         visible key (and no sink) give out 0 and lse -inf. Memory: the whole (Sq, Sk)
         score matrix per head.
     """
+    check_heads(q, k, v)
     scale = q.shape[-1] ** -0.5 if scale is None else scale
     qp = torch.arange(q.shape[2], device=q.device) if q_positions is None else q_positions.to(q.device)
     kp = torch.arange(k.shape[2], device=q.device) if kv_positions is None else kv_positions.to(q.device)
@@ -113,6 +114,7 @@ def attention_forward(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, causal: bool, scale: float, mask: torch.Tensor | None = None
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Kernel contract (see ``ctxpar.kernels``): out and lse in the accumulation dtype."""
+    check_heads(q, k, v)
     c = accumulation_dtype(q.dtype)
     q, k, v = q.to(c), k.to(c), v.to(c)
     out = torch.zeros(q.shape, dtype=c, device=q.device)
@@ -148,6 +150,7 @@ def attention_backward(
     delta = rowsum(dout * out_global), dS = P * (dout v^T - delta); the per-block
     (dq, dk, dv) then simply add up over blocks, and so do the per-tile ones here.
     """
+    check_heads(q, k, v)
     kv_heads, c = k.shape[1], accumulation_dtype(q.dtype)
     q, k, v, dout = q.to(c), k.to(c), v.to(c), dout.to(c)
     delta = (dout * out.to(c)).sum(-1, keepdim=True)  # (B, H, Sq, 1)
