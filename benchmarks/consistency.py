@@ -137,7 +137,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                    help="comma-separated batch lengths for the batch checksum (one process)")
     p.add_argument("--generate-prompt", type=flags.count, default=512, help="generate's prompt length")
     p.add_argument("--generate-tokens", type=flags.count, default=32, help="tokens each generate call adds")
-    p.add_argument("--json", metavar="PATH")
+    p.add_argument("--json", metavar="PATH", type=flags.output_file)
     args = p.parse_args(argv)
     with flags.refusals(p):
         for seq in args.seq:

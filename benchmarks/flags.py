@@ -10,7 +10,7 @@ import argparse
 import contextlib
 from collections.abc import Callable, Iterator
 
-from ctxpar import launch
+from ctxpar import cli, launch
 from ctxpar.limits import MAX_COUNT
 
 
@@ -43,6 +43,16 @@ def ranks(text: str) -> int:
 def ranks_list(text: str) -> list[int]:
     """Comma-separated ``ranks``."""
     return [ranks(part) for part in text.split(",")]
+
+
+def output_file(text: str) -> str:
+    """A file --json can write, as ``ctxpar demo`` and ``plan`` check theirs (``cli.check_output``):
+    a directory or a missing parent once cost the whole run, refused only when it was written."""
+    try:
+        cli.check_output("", text)
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(str(e).strip()) from None
+    return text
 
 
 def positive(text: str) -> float:

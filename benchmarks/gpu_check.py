@@ -458,7 +458,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--skip-tests", action="store_true", help="leave out pytest tests/test_cuda.py")
     p.add_argument("--tests-timeout", type=flags.positive, default=360, help="seconds the CUDA tests may take in all")
     p.add_argument("--repeat", type=flags.count, default=2, help="best of N for every timing")
-    p.add_argument("--json", metavar="PATH", default="gpu_check.json", help="the report; pytest logs beside it")
+    p.add_argument("--json", metavar="PATH", type=flags.output_file, default="gpu_check.json",
+                   help="the report, rewritten after every section; pytest logs beside it")
     return p.parse_args(argv)
 
 
@@ -475,7 +476,6 @@ def main() -> None:
         cases, kernel_seq = [(131072, 8), (32768, 4)], 32768
         sizes, matmul_n, copy_bytes = (1024, 2048, 4096, 8192, 16384, 32768), 8192, 2**30
 
-    os.makedirs(os.path.dirname(os.path.abspath(args.json)), exist_ok=True)
     start = time.perf_counter()
     report = dict(dry_run=args.dry_run, environment=environment(device))
     # timings first (generation's TTFT and TPOT among them), on a quiet device; then the

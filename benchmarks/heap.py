@@ -48,7 +48,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--rounds", type=flags.count, default=3, help="rounds, each: glibc's defaults, then the kept heap")
     p.add_argument("--probe-rounds", type=flags.count, default=6, help="rounds of probe calls in each group of ranks")
-    p.add_argument("--json", metavar="PATH")
+    p.add_argument("--json", metavar="PATH", type=flags.output_file)
     return p.parse_args(argv)
 
 

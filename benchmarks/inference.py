@@ -140,7 +140,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--device", choices=("cpu", "cuda"), default="cpu", help="of the crossover's ranks")
     p.add_argument("--dtype", choices=("float32", "bfloat16"), default="float32", help="of the crossover's model")
     p.add_argument("--repeat", type=flags.count, default=7, help="timed runs per setting (median)")
-    p.add_argument("--json", metavar="PATH")
+    p.add_argument("--json", metavar="PATH", type=flags.output_file)
     args = p.parse_args(argv)
     if "generation" in args.parts and (args.device != "cpu" or launched_by_torchrun()):
         p.error("--parts generation runs on local CPU ranks; with --device cuda or under torchrun give "

@@ -131,7 +131,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--kv-heads", type=flags.count, default=1)
     p.add_argument("--head-dim", type=flags.count, default=64)
     p.add_argument("--repeat", type=flags.count, default=3)
-    p.add_argument("--json", metavar="PATH")
+    p.add_argument("--json", metavar="PATH", type=flags.output_file)
     args = p.parse_args(argv)
     if args.seq < 16:
         p.error(f"--seq {args.seq} must be at least 16: the window is T/16 keys")

@@ -46,7 +46,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--activation-checkpointing", action="store_true")
     p.add_argument("--budget-gib", type=flags.positive, default=4.0,
                    help="per-rank memory budget for the largest-T estimate")
-    p.add_argument("--json", metavar="PATH")
+    p.add_argument("--json", metavar="PATH", type=flags.output_file)
     args = p.parse_args(argv)
     if args.short_seq >= args.seq:
         p.error(f"--short-seq {args.short_seq} must be below --seq {args.seq}: the sequence part is their "

@@ -65,7 +65,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--no-causal", dest="causal", action="store_false")
     p.add_argument("--threads", type=flags.count, default=1)
     p.add_argument("--repeat", type=flags.count, default=3, help="best of N for every measurement")
-    p.add_argument("--json", metavar="PATH")
+    p.add_argument("--json", metavar="PATH", type=flags.output_file)
     args = p.parse_args(argv)
     with flags.refusals(p):
         for layout in args.layouts:

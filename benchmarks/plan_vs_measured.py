@@ -200,7 +200,7 @@ def parse_args(argv: list[str] | None = None) -> tuple[argparse.Namespace, list[
     p.add_argument("--strategies", type=flags.names(STRATEGY_NAMES), default="ring,allgather,alltoall")
     p.add_argument("--ulysses-degree", type=flags.count, default=2, help="the hybrid's all-to-all degree U")
     p.add_argument("--repeat", type=flags.count, default=10, help="demo runs per case; best seconds per rank")
-    p.add_argument("--json", metavar="PATH")
+    p.add_argument("--json", metavar="PATH", type=flags.output_file)
     args = p.parse_args(argv)
     cases = [[DemoConfig(nproc=nproc, seq=seq, strategy=strategy,
                          ulysses_degree=args.ulysses_degree if strategy == "hybrid" else None)

@@ -38,6 +38,7 @@ from ctxpar.plan import cost
 from ctxpar.plan.hardware import get_hardware
 from ctxpar.plan.memory import MemoryEstimate, memory_on
 from ctxpar.plan.workload import Workload
+import flags
 from report import write_json
 
 TARGET = 0.25  # issue 13: within 25% of the published figure
@@ -132,10 +133,14 @@ def memory_words(prediction: dict) -> str:
     return f"{prediction['memory_bytes'] / 2**30:.1f}{'' if prediction['fits'] else '*'}"
 
 
-def main() -> None:
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--json", metavar="PATH")
-    args = p.parse_args()
+    p.add_argument("--json", metavar="PATH", type=flags.output_file)
+    return p.parse_args(argv)
+
+
+def main() -> None:
+    args = parse_args()
     rows = [compare(r) for r in ROWS]
     source = None
     for r in rows:

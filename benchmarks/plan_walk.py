@@ -72,7 +72,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--repeat", type=flags.count, default=3, help="runs of each rank's walk (best taken)")
     p.add_argument("--plan-repeat", type=flags.count, default=1, help="runs of each ctxpar plan command (best taken)")
     p.add_argument("--walks-only", action="store_true", help="skip the ctxpar plan commands (about 70 s)")
-    p.add_argument("--json", metavar="PATH")
+    p.add_argument("--json", metavar="PATH", type=flags.output_file)
     return p.parse_args(argv)
 
 

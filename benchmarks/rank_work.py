@@ -119,7 +119,7 @@ def parse_args(argv: list[str] | None = None) -> tuple[argparse.Namespace, list[
     p.add_argument("--window", type=flags.count, help="a causal sliding window of this many keys")
     p.add_argument("--doc-len", type=flags.count,
                    help="documents of this many tokens packed in the row (the last shorter)")
-    p.add_argument("--json", metavar="PATH")
+    p.add_argument("--json", metavar="PATH", type=flags.output_file)
     args = p.parse_args(argv)
     cfgs = [DemoConfig(nproc=nproc, seq=seq, strategy=strategy) for nproc in args.nprocs for seq in args.seqs
             for strategy in args.strategies]

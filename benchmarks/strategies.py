@@ -177,7 +177,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--repeat", type=flags.count, default=5, help="timed repeats of every row (median)")
     p.add_argument("--contention", action="store_true", help="a busy-loop process pinned to core 0 while timing")
     p.add_argument("--no-memory", dest="memory", action="store_false", help="skip the per-strategy memory runs")
-    p.add_argument("--json", metavar="PATH")
+    p.add_argument("--json", metavar="PATH", type=flags.output_file)
     args = p.parse_args(argv)
     with flags.refusals(p):
         for kv_heads in args.kv_heads:

@@ -70,6 +70,21 @@ def test_a_bad_flag_is_an_argparse_error_naming_it(script: str, argv: list[str],
     assert named in capsys.readouterr().err
 
 
+WRITING_JSON = sorted(path.stem for path in BENCHMARKS.glob("*.py") if '"--json"' in path.read_text())
+
+
+@pytest.mark.parametrize("script", WRITING_JSON)
+def test_a_json_path_that_cannot_be_written_is_refused_before_the_run(script: str, tmp_path, capsys) -> None:
+    """A directory or a missing parent directory was found only when the report was written,
+    after the run: a traceback, exit status 1, the run's figures lost. Checked by ``ctxpar
+    demo``'s and ``plan``'s own check (``cli.check_output``)."""
+    for path, said in ((tmp_path, "is a directory"), (tmp_path / "missing" / "x.json", "does not exist")):
+        with pytest.raises(SystemExit) as stop:
+            importlib.import_module(script).parse_args(["--json", str(path)])
+        err = capsys.readouterr().err
+        assert stop.value.code == 2 and f"argument --json: {str(path)!r}" in err and said in err, err
+
+
 def test_a_script_stops_with_status_2_before_it_spawns_a_rank() -> None:
     """The scripts' own entry: strategies.py's ulysses degree that does not divide the ranks
     once failed in init_device_mesh inside every rank."""

@@ -432,16 +432,16 @@ def test_probing_an_output_path_removes_only_what_it_created(tmp_path, monkeypat
         return real_open(path, flags, *mode)
 
     monkeypatch.setattr(os, "open", another_rank_first)
-    cli._check_output("--json", str(target))
+    cli.check_output("--json", str(target))
     assert target.exists()  # the other rank's probe file: that rank removes it, not this one
     monkeypatch.undo()
     target.unlink()
-    cli._check_output("--json", str(target))
+    cli.check_output("--json", str(target))
     assert list(tmp_path.iterdir()) == []
     (tmp_path / "link.json").symlink_to(tmp_path / "missing" / "out.json")
     for bad in (tmp_path / ("x" * 300 + ".json"), tmp_path / "link.json"):
         with pytest.raises(ValueError, match="is not writable"):
-            cli._check_output("--json", str(bad))
+            cli.check_output("--json", str(bad))
 
 
 @pytest.mark.parametrize("command", sorted(COMMANDS))

@@ -81,7 +81,7 @@ def _check_launch_flags(args: argparse.Namespace) -> int:
     return launch.world_size(args.nproc)
 
 
-def _check_output(flag: str, path: str | None, example: str = "out.json") -> None:
+def check_output(flag: str, path: str | None, example: str = "out.json") -> None:
     """Refuse an output file that could not be written, before any work is done."""
     if path is None:
         return
@@ -146,7 +146,7 @@ class ReportUnwritten(Exception):
 
 def _run_demo(args: argparse.Namespace) -> int:
     _check_launch_flags(args)
-    _check_output("--json", args.json)
+    check_output("--json", args.json)
     cfg = DemoConfig(
         nproc=args.nproc, seq=args.seq, heads=args.heads, kv_heads=args.kv_heads, head_dim=args.head_dim,
         layout=args.layout, strategy=args.strategy, dtype=args.dtype, causal=args.causal,
@@ -198,7 +198,7 @@ def _train_parser(sub) -> None:
 
 def _run_train(args: argparse.Namespace) -> int:
     world = _check_launch_flags(args)
-    _check_output("--json", args.json)
+    check_output("--json", args.json)
     if args.json and args.checkpoint_dir and os.path.abspath(args.json) == os.path.abspath(args.checkpoint_dir):
         beside = os.path.join(os.path.dirname(os.path.abspath(args.checkpoint_dir)), "report.json")
         raise ValueError(f"--json {args.json!r} is the --checkpoint-dir; give the report a file of its own outside "
@@ -383,8 +383,8 @@ def _run_plan(args: argparse.Namespace) -> int:
             print(f"ctxpar plan: note: {note.message}", file=sys.stderr)
         else:  # another library's warning: as it would have been shown
             warnings.warn_explicit(note.message, note.category, note.filename, note.lineno)
-    _check_output("--json", args.json)
-    _check_output("--plot", args.plot, "plan.png")
+    check_output("--json", args.json)
+    check_output("--plot", args.plot, "plan.png")
     if args.plot is not None:
         planning.check_plot_support(args.plot)
         if args.json and os.path.realpath(args.json) == os.path.realpath(args.plot):
@@ -465,7 +465,7 @@ def _generate_parser(sub) -> None:
 
 def _run_generate(args: argparse.Namespace) -> int:
     _check_launch_flags(args)
-    _check_output("--json", args.json)
+    check_output("--json", args.json)
     cfg = generation.GenerateConfig(
         nproc=args.nproc, prompt_len=args.prompt_len, new_tokens=args.new_tokens, batch=args.batch,
         model=args.model, layout=args.layout, strategy=args.strategy, ulysses_degree=args.ulysses_degree,
