@@ -108,8 +108,9 @@ def documents_of(seq: int, length: int) -> tuple[int, ...]:
     return (length,) * (seq // length) + ((seq % length,) if seq % length else ())
 
 
-def parse_args(argv: list[str] | None = None) -> tuple[argparse.Namespace, list[DemoConfig]]:
-    """The flags and the cases they make, every one checked before the minute of calibration."""
+def parse_args(argv: list[str] | None = None) -> tuple[argparse.Namespace, list[DemoConfig], dict | None]:
+    """The flags, the cases they make and the ``--calibration`` read (None: measure one), every
+    one checked before the minute of calibration."""
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--nprocs", type=flags.counts, default="2,4")
     p.add_argument("--seqs", type=flags.counts, default="512,1024,2048,4096")
@@ -123,16 +124,24 @@ def parse_args(argv: list[str] | None = None) -> tuple[argparse.Namespace, list[
     args = p.parse_args(argv)
     cfgs = [DemoConfig(nproc=nproc, seq=seq, strategy=strategy) for nproc in args.nprocs for seq in args.seqs
             for strategy in args.strategies]
+    calibration = None
     with flags.refusals(p):
         for cfg in cfgs:
             cfg.validate(cfg.nproc)
-    return args, cfgs
+        if args.calibration is not None:
+            calibration = load_calibration(args.calibration)
+            try:
+                local_hardware(calibration)
+            except ValueError as e:
+                raise ValueError(f"--calibration {args.calibration!r}: {e}") from None
+    return args, cfgs, calibration
 
 
 def main() -> None:
-    args, cfgs = parse_args()
+    args, cfgs, calibration = parse_args()
     torch.set_num_threads(1)
-    calibration = load_calibration(args.calibration) if args.calibration else calibrate()
+    if calibration is None:
+        calibration = calibrate()
     hw = local_hardware(calibration)
     rows = []
     for cfg in cfgs:

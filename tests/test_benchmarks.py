@@ -85,6 +85,26 @@ def test_a_json_path_that_cannot_be_written_is_refused_before_the_run(script: st
         assert stop.value.code == 2 and f"argument --json: {str(path)!r}" in err and said in err, err
 
 
+def test_rank_work_reads_and_checks_its_calibration_before_it_measures(tmp_path, capsys) -> None:
+    """--calibration was read in main(): a missing file or one local_hardware refuses was a
+    traceback (exit status 1), though the other flags are checked before the minute of
+    calibration."""
+    other, out_of_range = tmp_path / "other.json", tmp_path / "latency.json"
+    other.write_text("[]")
+    out_of_range.write_text('{"attention_flops": 1e11, "bandwidth": 1e9, "latency": 1e9}')
+    refused = {tmp_path / "missing.json": "cannot be read", other: "holds no calibration",
+               out_of_range: "calibration 'latency' is 1000000000.0, outside 0 .. 1 s"}
+    rank_work = importlib.import_module("rank_work")
+    for path, said in refused.items():
+        with pytest.raises(SystemExit) as stop:
+            rank_work.parse_args(["--calibration", str(path)])
+        err = capsys.readouterr().err
+        assert stop.value.code == 2 and f"--calibration {str(path)!r}" in err and said in err, err
+    measured = tmp_path / "measured.json"
+    measured.write_text('{"attention_flops": 1e11, "bandwidth": 1e9}')
+    assert rank_work.parse_args(["--calibration", str(measured)])[2]["attention_flops"] == 1e11
+
+
 def test_a_script_stops_with_status_2_before_it_spawns_a_rank() -> None:
     """The scripts' own entry: strategies.py's ulysses degree that does not divide the ranks
     once failed in init_device_mesh inside every rank."""

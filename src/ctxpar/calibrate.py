@@ -590,11 +590,11 @@ def load_calibration(path: str) -> dict:
         raise ValueError(f"--calibration {path!r} is not JSON ({e}); give the file --calibrate --json wrote") from e
     found = (data.get("calibration") or data) if isinstance(data, dict) else None
     if not isinstance(found, dict) or "attention_flops" not in found:
-        raise ValueError(f"{path} holds no calibration; write one into a new file (this one holds something else) "
-                         f"with `ctxpar plan --hardware local --calibrate --json calibration.json`")
+        raise ValueError(f"--calibration {path!r} holds no calibration; write one into a new file (this one holds "
+                         f"something else) with `ctxpar plan --hardware local --calibrate --json calibration.json`")
     attention = found.get("attention", {})
     if not isinstance(attention, dict):
-        raise ValueError(f"{path}: its \"attention\" entry must be an object of measured rates, got "
+        raise ValueError(f"--calibration {path!r}: its \"attention\" entry must be an object of measured rates, got "
                          f"{type(attention).__name__}; give the file --calibrate --json wrote")
     if "attention_size_curve" in found and "causal" not in attention:
         warnings.warn(OldCalibration(
