@@ -56,10 +56,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                 f"P=1's")
     with flags.refusals(p):
         for nproc in args.nprocs:
-            for seq in (args.short_seq, args.seq):
+            for seq, flag in ((args.short_seq, "--short-seq"), (args.seq, "--seq")):
                 TrainConfig(nproc=nproc, seq=seq, steps=1, model=args.model, strategy=args.strategy,
                             layout=args.layout, activation_checkpointing=args.activation_checkpointing
-                            ).validate(nproc)
+                            ).validate(nproc, seq_flag=flag)
     return args
 
 

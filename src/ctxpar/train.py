@@ -63,7 +63,9 @@ class TrainConfig:
     def cp(self, world: int) -> int:
         return world // self.dp
 
-    def validate(self, world: int) -> None:
+    def validate(self, world: int, seq_flag: str = "--seq") -> None:
+        """Refuse what ``ctxpar train`` cannot run on ``world`` ranks, naming the flag of each
+        value (``seq_flag``: the flag the length came from, a benchmark's ``--short-seq``)."""
         limits.plain_values(self)
         if self.dp < 1 or world % self.dp:
             raise ValueError(f"--dp {self.dp} must divide the {world} ranks (CP degree = ranks / dp)")
@@ -84,10 +86,10 @@ class TrainConfig:
         shortest = RecallTask.shortest(RecallTask.pairs, RecallTask.queries)
         if self.seq < shortest:  # before the layout's check, whose nearest lengths may be this short
             fits = -(-shortest // layout.multiple) * layout.multiple
-            raise ValueError(f"--seq {self.seq} is too short for the recall task ({RecallTask.pairs} pairs, "
-                             f"{RecallTask.queries} queries): at least {shortest}, e.g. --seq {fits} (a multiple "
+            raise ValueError(f"{seq_flag} {self.seq} is too short for the recall task ({RecallTask.pairs} pairs, "
+                             f"{RecallTask.queries} queries): at least {shortest}, e.g. {seq_flag} {fits} (a multiple "
                              f"of {layout.multiple} for --layout {self.layout} on {self.cp(world)} CP ranks)")
-        limits.check_splits(layout, self.seq)
+        limits.check_splits(layout, self.seq, seq_flag)
         u = strategy_rules.call_ulysses_degree(self.strategy, self.cp(world), self.ulysses_degree,
                                                name="--ulysses-degree")
         strategy_rules.check_heads(self.strategy, cfg.heads, cfg.kv_heads, u)
