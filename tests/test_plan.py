@@ -2299,6 +2299,27 @@ def test_tile_overheads_are_what_the_tile_loop_adds_to_its_kernel(monkeypatch) -
         calibrate.measure_size_curve(rounds=0)
 
 
+def test_measurements_label_the_size_they_measured_and_refuse_counts_below_one() -> None:
+    """measure_attention(tokens=N) said block tokens 4096 whatever N, and tokens=0 measured
+    4096; repeats=0 failed in min() of nothing, calls=0 divided by zero, rounds=True ran one
+    round: refused by name before anything is measured."""
+    m = calibrate.measure_attention(repeats=1, tokens=16)
+    assert m["block"] == dict(calibrate.BLOCK, tokens=16)
+    assert m["forward_flops"] == 4 * 8 * 64 * 16 * 17 // 2
+    refused = [
+        (lambda: calibrate.measure_attention(tokens=0), "measuring attention needs .* got tokens=0"),
+        (lambda: calibrate.measure_attention(repeats=0, tokens=16), "got repeats=0"),
+        (lambda: calibrate.measure_attention(threads=0, tokens=16), "got threads=0"),
+        (lambda: calibrate.measure_launch_overhead(calls=0), "launch overhead needs .* got calls=0"),
+        (lambda: calibrate.measure_matmul(n=8, repeats=0), "matmuls needs .* got repeats=0"),
+        (lambda: calibrate.measure_size_curve(rounds=True), "a size curve needs rounds >= 1 .* got rounds=True"),
+        (lambda: calibrate.measure_memory_bandwidth(nbytes=2), "nbytes must be a positive multiple of 4, got 2"),
+    ]
+    for call, said in refused:
+        with pytest.raises(ValueError, match=said):
+            call()
+
+
 @pytest.mark.parametrize("strategy", ["ring", "allgather", "alltoall", "hybrid"])
 @pytest.mark.parametrize("mask", [dict(window=300), dict(documents=(700, 300, 1000, 2096))])
 def test_masked_tiles_run_at_their_own_curves_and_explicit_masks_cost_their_whole_area(strategy, mask) -> None:

@@ -65,6 +65,7 @@ import torch
 from ctxpar import kernels
 from ctxpar.auto import CANDIDATES
 from ctxpar.launch import run_local
+from ctxpar.limits import whole
 from ctxpar.models.config import attention_only
 from ctxpar.plan import cost
 from ctxpar.plan.hardware import BACKWARD_FLOPS_RATIO, LOCAL, TILE_OVERHEADS, Hardware, local_hardware
@@ -73,6 +74,20 @@ from ctxpar.plan.workload import Workload
 BLOCK = dict(batch=1, heads=8, kv_heads=2, head_dim=64, tokens=4096)  # the demo's head shape
 MESSAGE_BYTES = 16 * 2**20  # the size of a ring hop at T=16384 in the demo (8-16 MiB)
 LINK_ATTEMPTS = 3  # link measurements a busy machine gets before the calibration gives up
+
+
+def _is_count(n) -> bool:
+    """An integer >= 1: a bool (True counting as 1 run) or a float is none."""
+    return whole(n) is not None and n >= 1
+
+
+def _check_counts(what: str, **counts) -> None:
+    """Refuse, before anything is measured, counts that are not integers >= 1, naming them:
+    0 repeats left min() of nothing to fail, 0 calls divided by zero, tokens=0 measured the
+    default size."""
+    bad = ", ".join(f"{name}={n!r}" for name, n in counts.items() if not _is_count(n))
+    if bad:
+        raise ValueError(f"{what} needs {', '.join(counts)} >= 1 (integers), got {bad}")
 
 
 @contextlib.contextmanager
@@ -93,10 +108,12 @@ def _cpu_seconds(fn) -> float:
 
 
 def measure_attention(repeats: int = 3, threads: int = 1, tokens: int | None = None, causal: bool = True) -> dict:
-    """Forward and backward CPU seconds of attention over ``tokens`` (default the block's
-    4096), causal unless told; FLOP/s in the planner's convention (visible pairs)."""
-    b, h, h_kv, d, s = (BLOCK[k] for k in ("batch", "heads", "kv_heads", "head_dim", "tokens"))
-    s = tokens or s
+    """Forward and backward CPU seconds of attention over ``tokens`` (None: the block's
+    4096), causal unless told; FLOP/s in the planner's convention (visible pairs). The
+    result's ``block`` is the shape measured, ``tokens`` included."""
+    tokens = BLOCK["tokens"] if tokens is None else tokens
+    _check_counts("measuring attention", repeats=repeats, threads=threads, tokens=tokens)
+    (b, h, h_kv, d), s = (BLOCK[k] for k in ("batch", "heads", "kv_heads", "head_dim")), tokens
     gen = torch.Generator().manual_seed(0)
     q, dout = (torch.randn(b, h, s, d, generator=gen) for _ in range(2))
     k, v = (torch.randn(b, h_kv, s, d, generator=gen) for _ in range(2))
@@ -114,7 +131,7 @@ def measure_attention(repeats: int = 3, threads: int = 1, tokens: int | None = N
         fwd = min(_cpu_seconds(forward) for _ in range(repeats))
         bwd = min(_cpu_seconds(backward) for _ in range(repeats))
     flops = 4 * b * h * d * (s * (s + 1) // 2 if causal else s * s)  # visible (query, key) pairs
-    return dict(block=dict(BLOCK), causal=causal, threads=threads, forward_seconds=fwd, backward_seconds=bwd,
+    return dict(block=dict(BLOCK, tokens=s), causal=causal, threads=threads, forward_seconds=fwd, backward_seconds=bwd,
                 forward_flops=flops, backward_to_forward_seconds=bwd / fwd,
                 attention_flops=3.5 * flops / (fwd + bwd))
 
@@ -137,8 +154,7 @@ def measure_size_curve(rounds: int = CURVE_ROUNDS, causal: bool = False, referen
     the machine, which lasts seconds, then spoils one round of every size, not every run of
     one (run back to back, a size's three runs once came out 20% slow: docs/benchmarks.md,
     run 11)."""
-    if not (isinstance(rounds, int) and rounds >= 1):
-        raise ValueError(f"a size curve needs rounds >= 1, got {rounds!r}")
+    _check_counts("a size curve", rounds=rounds)
     reference = reference or measure_attention()
     if not reference.get("causal", True):  # measurements from before the key was kept were causal
         raise ValueError("the size curves are fractions of the block's causal kernel's rates: pass its measurement")
@@ -162,6 +178,7 @@ def measure_size_curve(rounds: int = CURVE_ROUNDS, causal: bool = False, referen
 
 def measure_matmul(n: int = 1024, repeats: int = 3, threads: int = 1) -> dict:
     """FLOP/s of one thread multiplying two (n, n) float32 matrices (2·n³ FLOPs), best of ``repeats``."""
+    _check_counts("measuring matmuls", n=n, repeats=repeats, threads=threads)
     gen = torch.Generator().manual_seed(0)
     a, b = (torch.randn(n, n, generator=gen) for _ in range(2))
     with _threads(threads):
@@ -174,6 +191,7 @@ def measure_launch_overhead(calls: int = 200, repeats: int = 5, threads: int = 1
     """Wall seconds per ``kernels.attention_forward`` call on a (1, 1, 16, 8) causal tile, whose
     arithmetic (~4K FLOPs) is negligible: the fixed cost of one kernel call. Best of
     ``repeats`` means over ``calls`` calls."""
+    _check_counts("measuring the launch overhead", calls=calls, repeats=repeats, threads=threads)
     gen = torch.Generator().manual_seed(0)
     q, k, v = (torch.randn(1, 1, 16, 8, generator=gen) for _ in range(3))
     with _threads(threads):
@@ -212,18 +230,15 @@ def measure_tile_overheads(calls: int = 30000, threads: int = 1, *, device: torc
     from ctxpar.strategies.blockwise import (backward_tiles, forward_tiles, gradient_accumulators,
                                              output_accumulators)
 
-    def positive(n) -> bool:
-        return isinstance(n, int) and not isinstance(n, bool) and n > 0
-
     shape = shape or BLOCK
-    if not all(positive(n) for n in (calls, calls_per_sample)) or len(probes) != 2 \
-            or not all(len(tile) == 2 and all(positive(n) for n in tile) for tile in probes) \
+    if not all(_is_count(n) for n in (calls, calls_per_sample)) or len(probes) != 2 \
+            or not all(len(tile) == 2 and all(_is_count(n) for n in tile) for tile in probes) \
             or not (probes[0][0] < probes[1][0] and probes[0][1] <= probes[1][1]):
         raise ValueError(f"tile overheads need two tiles (queries, keys), the second with more queries and no fewer "
                          f"keys (a line through both), and calls, calls_per_sample >= 1; got probes={probes!r}, "
                          f"calls={calls!r}, calls_per_sample={calls_per_sample!r}")
-    if not (all(positive(shape.get(key)) for key in ("heads", "kv_heads", "head_dim"))
-            and positive(shape.get("batch", 1)) and shape["heads"] % shape["kv_heads"] == 0):
+    if not (all(_is_count(shape.get(key)) for key in ("heads", "kv_heads", "head_dim"))
+            and _is_count(shape.get("batch", 1)) and shape["heads"] % shape["kv_heads"] == 0):
         raise ValueError(f"shape needs heads, kv_heads (dividing heads) and head_dim, and batch if given, all >= 1; "
                          f"got {shape!r}")
     b, h, h_kv, d = shape.get("batch", 1), shape["heads"], shape["kv_heads"], shape["head_dim"]
@@ -371,11 +386,8 @@ def measure_step_overheads(hw: Hardware, sizes: tuple[int, int] = PROBE_TOKENS, 
     compute is then what that ``hw`` predicts; the larger probe's its measured compute
     (the rates miss it by a few %, as much as the overheads there, and the rates' error
     is not a step overhead). Each group's probes are kept under "groups"."""
-    def count(n) -> bool:
-        return isinstance(n, int) and not isinstance(n, bool) and n >= 1
-
-    if len(sizes) != 2 or not all(count(t) for t in sizes) or sizes[0] >= sizes[1] \
-            or not all(count(n) for n in (repeats, groups)):
+    if len(sizes) != 2 or not all(_is_count(t) for t in sizes) or sizes[0] >= sizes[1] \
+            or not all(_is_count(n) for n in (repeats, groups)):
         raise ValueError(f"step probes need two shard sizes, tokens per rank, ascending, and repeats, groups >= 1; "
                          f"got sizes={sizes!r}, repeats={repeats!r}, groups={groups!r}")
     slower = [_slower_calls(run_local(_probe_rank, 2, (sizes, repeats), threads=1), sizes) for _ in range(groups)]
@@ -515,6 +527,10 @@ def measure_link(message_bytes: int = MESSAGE_BYTES, repeats: int = 5) -> dict:
 def measure_memory_bandwidth(nbytes: int = 256 * 2**20, repeats: int = 3, threads: int = 1) -> float:
     """Bytes/s one thread reads plus writes copying a large buffer (what decoding's reads
     of weights and KV cache are paced by)."""
+    _check_counts("measuring memory bandwidth", repeats=repeats, threads=threads)
+    if whole(nbytes) is None or nbytes < 4 or nbytes % 4:
+        raise ValueError(f"measuring memory bandwidth copies float32s: nbytes must be a positive multiple of 4, "
+                         f"got {nbytes!r}")
     src, dst = torch.ones(nbytes // 4), torch.empty(nbytes // 4)
     with _threads(threads):
         dst.copy_(src)
