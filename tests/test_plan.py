@@ -939,6 +939,28 @@ def test_hardware_figures_no_machine_has_are_refused_naming_the_field() -> None:
         replace(hw, hbm_bytes=80.5)
 
 
+def test_hardware_rows_given_as_lists_are_held_as_tuples_so_auto_can_use_them() -> None:
+    """A Hardware is a cache key of ``auto.choose_for_shapes``: one with a list for a curve
+    or a step-overhead table (as JSON gives them) was taken by ``auto.set_hardware``, and
+    every later ``strategy="auto"`` call raised TypeError: unhashable type: 'list'."""
+    from ctxpar import auto
+    from ctxpar.masks import make_mask
+
+    hw = replace(get_hardware("h100-sxm"), attention_size_curve=[[64, 0.5, 0.25], [4096, 1, 1]],
+                 attention_causal_size_curve=[[64, 0.25, 0.2], [4096, 1, 1]],
+                 strategy_step_overheads=[["ring", 1e-4]], strategy_step_byte_overheads=[["ring", 1e-9]])
+    assert hw.attention_size_curve == ((64, 0.5, 0.25), (4096, 1.0, 1.0))
+    assert hw.attention_causal_size_curve == ((64, 0.25, 0.2), (4096, 1.0, 1.0))
+    assert hw.strategy_step_overheads == (("ring", 1e-4),) and hw.strategy_step_byte_overheads == (("ring", 1e-9),)
+    auto.set_hardware(hw)
+    try:
+        strategy, _ = auto.choose(torch.zeros(1, 8, 64, 8), torch.zeros(1, 2, 64, 8), world=2, layout_name="zigzag",
+                                  mask=make_mask(128, causal=True), backward=False)
+    finally:
+        auto.set_hardware(None)
+    assert strategy in ("ring", "allgather", "alltoall")
+
+
 @pytest.mark.parametrize("call, message", [
     (lambda: get_hardware("H100-SXM", efficiency="0.5"), "--efficiency '0.5' must be in [0.01, 1]"),  # a TypeError
     (lambda: get_hardware(None), "hardware None must be a name, one of H100-SXM"),  # AttributeError 'lower'

@@ -190,16 +190,24 @@ class Hardware:
                              f"{MAX_GPUS_PER_NODE}")
         # the calibration loader's checks: a misspelt strategy was ignored, a short row raised an
         # IndexError later, a descending curve gave wrong figures without a word
+        # and rows given as lists become the tuples the fields hold: a Hardware is a cache key
+        # (``auto.choose_for_shapes``), and a list in it made every later auto call a TypeError
         for key in ("strategy_step_overheads", "strategy_step_byte_overheads"):
             table = getattr(self, key)
-            if table is not None and not _strategy_rows_ok(table):
+            if table is None:
+                continue
+            if not _strategy_rows_ok(table):
                 unit = "seconds per byte" if key == "strategy_step_byte_overheads" else "seconds"
                 raise ValueError(f"Hardware {key} is {str(table)[:80]}, not ((strategy, {unit}), ...) with strategies "
                                  f"among {', '.join(STRATEGY_NAMES)} and {unit} within {LATENCY_RANGE[2]}; or None")
+            object.__setattr__(self, key, tuple((name, float(seconds)) for name, seconds in table))
         for key in ("attention_size_curve", "attention_causal_size_curve"):
             curve = getattr(self, key)
-            if curve is not None and (problem := _size_curve_problem(curve)):
+            if curve is None:
+                continue
+            if problem := _size_curve_problem(curve):
                 raise ValueError(f"Hardware {key} is {str(curve)[:80]}{problem}; or None: every size at the full rate")
+            object.__setattr__(self, key, tuple((int(t), float(f), float(b)) for t, f, b in curve))
 
     @property
     def flops(self) -> float:
