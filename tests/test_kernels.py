@@ -123,6 +123,30 @@ def test_heads_that_do_not_group_are_refused_by_every_backend_and_by_verify(head
             pytest.fail(f"{name} took heads {heads}")
 
 
+def test_verify_refuses_results_it_cannot_compare_naming_what_differs() -> None:
+    """max_abs_errors broadcast a 1-row result against a 16-row reference (plausible errors,
+    no word); tolerances failed in torch's max() of an empty tensor, or with a bare KeyError."""
+    q, k, v = make(2, 1, 16)
+    ref = verify.unsplit_attention(q, k, v, torch.ones_like(q), causal=True, scale=0.25)
+    one_row = {name: t[:, :, :1] for name, t in ref.items()}
+    empty = {name: t[:, :, :0] for name, t in ref.items()}
+    refused = [
+        (lambda: verify.max_abs_errors(one_row, ref), r"got and ref differ in shape: out \(2, 2, 1, 16\) against "
+                                                      r"\(2, 2, 16, 16\); lse \(2, 2, 1\) against \(2, 2, 16\)"),
+        (lambda: verify.max_abs_errors(dict(ref, out=ref["out"][..., :1]), ref),
+         r"differ in shape: out \(2, 2, 16, 1\) against \(2, 2, 16, 16\); compare"),
+        (lambda: verify.max_abs_errors({"out": ref["out"]}, ref), "got has no lse, dq, dk, dv: it needs each of"),
+        (lambda: verify.tolerances(torch.float32, {"out": ref["out"]}), "ref has no lse, dq, dk, dv"),
+        (lambda: verify.tolerances(torch.float32, empty), r"ref has empty tensors \(out \(2, 2, 0, 16\)"),
+        (lambda: verify.max_abs_errors(empty, empty), "got has empty tensors"),
+        (lambda: verify.tolerances(torch.int64, ref), "tolerances are for the floating dtype attention ran in"),
+    ]
+    for call, said in refused:
+        with pytest.raises(ValueError, match=said):
+            call()
+    assert verify.max_abs_errors(ref, ref) == dict.fromkeys(verify.TENSORS, 0.0)
+
+
 @pytest.mark.parametrize("causal", [True, False])
 def test_reference_kernel_bounds_its_score_tiles(causal, monkeypatch) -> None:
     """With a budget of a few tiles the reference kernel still gives the untiled result."""

@@ -59,7 +59,28 @@ def torch_sdpa(
     return dict(out=out.detach(), lse=lse, dq=q.grad, dk=k.grad, dv=v.grad)
 
 
+def _check_results(what: str, results: dict[str, torch.Tensor]) -> None:
+    """Refuse ``results`` without one of ``TENSORS`` or with an empty one, naming it (a bare
+    KeyError, or torch's error from max() of nothing)."""
+    missing = [name for name in TENSORS if name not in results]
+    if missing:
+        raise ValueError(f"{what} has no {', '.join(missing)}: it needs each of {', '.join(TENSORS)}, as "
+                         f"unsplit_attention returns them")
+    empty = [f"{name} {tuple(results[name].shape)}" for name in TENSORS if results[name].numel() == 0]
+    if empty:
+        raise ValueError(f"{what} has empty tensors ({', '.join(empty)}): there is nothing to measure")
+
+
 def max_abs_errors(got: dict[str, torch.Tensor], ref: dict[str, torch.Tensor]) -> dict[str, float]:
+    """Max |got - ref| of each of ``TENSORS``, which must have the same shapes in both (torch
+    would broadcast one row of ``got`` against every row of ``ref``, a plausible error)."""
+    _check_results("got", got)
+    _check_results("ref", ref)
+    differ = [f"{name} {tuple(got[name].shape)} against {tuple(ref[name].shape)}" for name in TENSORS
+              if got[name].shape != ref[name].shape]
+    if differ:
+        raise ValueError(f"got and ref differ in shape: {'; '.join(differ)}; compare them alike (a rank's shard "
+                         f"against the reference sharded the same way, or the unsharded result)")
     return {name: (got[name].double() - ref[name].double()).abs().max().item() for name in TENSORS}
 
 
@@ -84,6 +105,9 @@ def tolerances(
     are ranks (the all-gather in position order, windows). lse is never rounded (float32
     throughout), and float32 blocks not at all, so float32 cases hold the strategies'
     arithmetic to ``FP32_RTOL``."""
+    if not (isinstance(dtype, torch.dtype) and dtype.is_floating_point):
+        raise ValueError(f"tolerances are for the floating dtype attention ran in, got {dtype!r}")
+    _check_results("ref", ref)
     rtol = FP64_RTOL if dtype == torch.float64 else FP32_RTOL
     scale = {name: ref[name].double().abs().max().item() for name in TENSORS}
     gradients = max(scale["dq"], scale["dk"], scale["dv"])
