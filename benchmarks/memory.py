@@ -75,10 +75,14 @@ def main() -> None:
         rows.append(dict(nproc=nproc, growth_short=short, growth_full=full, sequence_part=full - short,
                          bytes_per_token=per_token, largest_seq_in_budget=largest))
     base = next(row["sequence_part"] for row in rows if row["nproc"] == 1)
-    for row in rows:
-        row["sequence_part_vs_p1"] = row["sequence_part"] / base
+    for row in rows:  # None where P=1's part is not above 0: nothing to compare with
+        row["sequence_part_vs_p1"] = row["sequence_part"] / base if base > 0 else None
 
     mib = 2**20
+
+    def ratio(value: float | None) -> str:
+        return "-" if value is None else f"{value:.3f}"
+
     print(f"model {args.model}, one training step, {args.strategy} {args.layout}, T={args.seq} (T0={args.short_seq}),"
           f" activation checkpointing {'on' if args.activation_checkpointing else 'off'}; resident-set peak growth,"
           f" max over ranks")
@@ -86,8 +90,12 @@ def main() -> None:
           f"{'MiB/1K tok':>11} {f'largest T in {args.budget_gib:g} GiB (est.)':>30}")
     for r in rows:
         print(f"{r['nproc']:>2} {r['growth_short'] / mib:>12.1f} {r['growth_full'] / mib:>11.1f} "
-              f"{r['sequence_part'] / mib:>13.1f} {r['sequence_part_vs_p1']:>7.3f} "
+              f"{r['sequence_part'] / mib:>13.1f} {ratio(r['sequence_part_vs_p1']):>7} "
               f"{r['bytes_per_token'] * 1024 / mib:>11.2f} {r['largest_seq_in_budget'] or '-':>30}")
+    if any(r["sequence_part"] <= 0 for r in rows):
+        print(f"\nnote: a sequence part at or below 0 is the resident set's noise (pages, the allocator), not memory "
+              f"the step frees: T - T0 = {args.seq - args.short_seq} tokens add too little to measure; widen the gap "
+              f"between --seq and --short-seq")
     if args.json:
         write_json(args.json, args, rows=rows)
 

@@ -107,6 +107,20 @@ def test_rank_work_reads_and_checks_its_calibration_before_it_measures(tmp_path,
     assert rank_work.parse_args(["--calibration", str(measured)])[2]["attention_flops"] == 1e11
 
 
+def test_memory_says_a_sequence_part_within_noise_is_noise_and_divides_by_no_zero(monkeypatch, capsys) -> None:
+    """Tiny sequences: the resident set's noise made P=1's sequence part 0 (a ZeroDivisionError
+    after every run) or negative (printed as memory the step freed)."""
+    memory = importlib.import_module("memory")
+    growth = {(1, 64): 16 * 2**20, (1, 128): 16 * 2**20, (2, 64): 15 * 2**20, (2, 128): 14 * 2**20}
+    monkeypatch.setattr(memory, "step_growth", lambda nproc, seq, args: growth[nproc, seq])
+    monkeypatch.setattr(sys, "argv", ["memory.py", "--model", "tiny", "--seq", "128", "--short-seq", "64",
+                                      "--nprocs", "1,2"])
+    memory.main()
+    out = capsys.readouterr().out
+    assert " 2         15.0        14.0          -1.0       - " in out, out
+    assert "note: a sequence part at or below 0 is the resident set's noise" in out
+
+
 def test_a_script_stops_with_status_2_before_it_spawns_a_rank() -> None:
     """The scripts' own entry: strategies.py's ulysses degree that does not divide the ranks
     once failed in init_device_mesh inside every rank."""
