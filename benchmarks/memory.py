@@ -20,7 +20,7 @@ from __future__ import annotations
 import argparse
 
 import ctxpar
-from ctxpar.train import TrainConfig, run_train
+from ctxpar.train import TRAIN_STRATEGIES, TrainConfig, run_train
 import flags
 from report import write_json
 
@@ -41,7 +41,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--short-seq", type=flags.count, default=1024, help="T0, the short run subtracted (< --seq)")
     p.add_argument("--nprocs", type=flags.ranks_list, default="1,2,4",
                    help="P, 1 among them: each sequence part is compared with P=1's")
-    p.add_argument("--strategy", default="ring")
+    # not hybrid: its all-to-all degree would have to divide every P of --nprocs, 1 among them
+    p.add_argument("--strategy", choices=[s for s in TRAIN_STRATEGIES if s != "hybrid"], default="ring")
     p.add_argument("--layout", default="zigzag")
     p.add_argument("--activation-checkpointing", action="store_true")
     p.add_argument("--budget-gib", type=flags.positive, default=4.0,

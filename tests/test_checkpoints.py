@@ -173,11 +173,31 @@ def test_resume_refuses_when_no_checkpoint_verifies_and_names_each_fault(killed_
     }
 
 
+def test_the_checkpoint_writer_raises_the_os_error_it_finds_message_and_all(tmp_path, monkeypatch) -> None:
+    """torch hides the OSError of a failed write as the cause of its own; the writer raises it. One
+    without an errno (a message alone) once came out as '[Errno None] None'."""
+    import torch.distributed.checkpoint as dcp
+
+    for cause, said in ((OSError(28, "No space left on device", "x"), "No space left on device"),
+                        (OSError("the quota of this user is spent"), "the quota of this user is spent")):
+        def failing(self, plan, planner, cause=cause):
+            raise RuntimeError("[enforce fail at inline_container.cc:672] unexpected pos") from cause
+
+        monkeypatch.setattr(dcp.FileSystemWriter, "write_data", failing)
+        with pytest.raises(OSError, match=re.escape(said)) as e:
+            checkpoint._Writer(str(tmp_path)).write_data(None, None)
+        assert "None" not in str(e.value)
+
+
 def test_a_directory_of_saves_cut_short_takes_a_new_run(tmp_path) -> None:
     """A directory holding only a save cut short (its first save killed, or out of space): a new
     run there was told it would overwrite checkpoints and to add --resume, and --resume to start a
     new run without it: circular. Saves cut short are not checkpoints; a new run's save replaces them."""
     directory = str(tmp_path / "ckpt")
+    os.makedirs(os.path.join(directory, "step-foo"))  # a stray entry alone: nothing was cut short
+    with pytest.raises(ValueError, match=re.escape("directories)\nstart a new run without --resume (in an empty")):
+        checkpoint.find_resumable(directory, SETTINGS)
+    os.rmdir(os.path.join(directory, "step-foo"))
     cut_short = checkpoint.step_path(directory, 2)
     os.makedirs(cut_short)
     open(os.path.join(cut_short, "__0_0.distcp"), "wb").close()

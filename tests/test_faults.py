@@ -681,6 +681,22 @@ def test_init_from_env_checks_the_gpus_of_the_node_before_joining(mates_gpu, ref
         assert mate_said == [] and joined == [1]
 
 
+def test_a_gpu_without_a_uuid_joins_unchecked(monkeypatch) -> None:
+    """Some builds (ROCm) report no UUID: init_from_env raised AttributeError on every launch;
+    it joins, NCCL's own check left to tell GPUs apart."""
+    for name, value in dict(RANK="1", LOCAL_RANK="1", LOCAL_WORLD_SIZE="2", TORCHELASTIC_RESTART_COUNT="0").items():
+        monkeypatch.setenv(name, value)
+    monkeypatch.setattr(launch, "_launch_store", None)
+    monkeypatch.setattr(launch, "_joins", 0)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 2)
+    monkeypatch.setattr(torch.cuda, "set_device", lambda device: None)
+    monkeypatch.setattr(torch.cuda, "get_device_properties", lambda device: types.SimpleNamespace(name="gpu"))
+    monkeypatch.setattr(dist, "rendezvous", lambda *args, **kwargs: iter([(dist.HashStore(), 1, 2)]))
+    joined = []
+    monkeypatch.setattr(launch, "_join", lambda backend, timeout_s, **init: joined.append(init["rank"]))
+    assert launch.init_from_env(30, "cuda") == torch.device("cuda", 1) and joined == [1]
+
+
 def test_a_real_torchrun_launch_joins_torchruns_group(tmp_path) -> None:
     out = tmp_path / "demo.json"
     torchrun = Path(sys.executable).with_name("torchrun")

@@ -227,6 +227,8 @@ class _Writer(dcp.FileSystemWriter):
                 cause = cause.__cause__ or cause.__context__
             if cause is None or cause is e:
                 raise
+            if cause.errno is None:  # an OSError of a message alone: OSError(None, None) would say "None"
+                raise OSError(str(cause)) from e
             raise OSError(cause.errno, cause.strerror, cause.filename) from e
 
 
@@ -287,7 +289,8 @@ def find_resumable(directory: str, run: dict[str, Any], *, required: bool = True
         return None
     listing = "".join(f"\n  {s.path}: {s.reason}" for s in skipped) or " (it is empty)"
     # a new run is refused only where a checkpoint was sealed (check_directory); saves cut short it replaces
-    if all(s.reason == _UNSEALED for s in skipped[len(strays):]):
+    steps = skipped[len(strays):]
+    if steps and all(s.reason == _UNSEALED for s in steps):
         fix = "none was sealed: start a new run here, without --resume (its saves replace those cut short)"
     else:
         fix = "start a new run without --resume (in an empty --checkpoint-dir)"

@@ -294,10 +294,12 @@ def init_from_env(timeout_s: float = DEFAULT_TIMEOUT_S, device_type: str = "cuda
     _joins += 1  # a second group this process joins must not read the first one's keys either
     store = dist.PrefixStore(f"ctxpar/attempt-{torchrun_restart()}/join-{_joins}", _launch_store)
     local_rank, local_world = int(os.environ.get("LOCAL_RANK", 0)), int(os.environ.get("LOCAL_WORLD_SIZE", 1))
-    if device_type == "cuda" and local_world > 1:
+    # builds whose devices report no UUID (some ROCm builds) cannot tell their GPUs apart: NCCL will
+    gpu = getattr(torch.cuda.get_device_properties(device), "uuid", None) if device_type == "cuda" else None
+    if gpu is not None and local_world > 1:
         # torchrun numbers a node's ranks on from its first: rank - LOCAL_RANK names the node
         check_own_gpus(store, node=rank - local_rank, local_rank=local_rank, local_world=local_world, rank=rank,
-                       device=device, gpu=str(torch.cuda.get_device_properties(device).uuid), timeout_s=timeout_s)
+                       device=device, gpu=str(gpu), timeout_s=timeout_s)
     _join(backend, timeout_s, store=store, rank=rank, world_size=world)
     return device
 
@@ -317,8 +319,9 @@ def check_own_gpus(store: dist.Store, *, node: int, local_rank: int, local_world
         mates.wait(keys, datetime.timedelta(seconds=timeout_s))
     except dist.DistStoreError:
         missing = [int(k) for k in keys if not mates.check([k])]
-        raise RuntimeError(f"torchrun rank {rank} waited {timeout_s:g} s for local ranks {missing} of its node to "
-                           f"say which GPU they took; see their errors") from None
+        if missing:  # else the last arrived as the wait gave up
+            raise RuntimeError(f"torchrun rank {rank} waited {timeout_s:g} s for local ranks {missing} of its node "
+                               f"to say which GPU they took; see their errors") from None
     published = [json.loads(value) for value in mates.multi_get(keys)]  # [rank, device, uuid] by local rank
     sharing: dict[str, list[list]] = {}
     for entry in published:
