@@ -42,7 +42,7 @@ def assert_matches_reference(report: dict, rtol: float = 1e-4, param_atol: float
 
 @pytest.mark.parametrize("strategy", ["ring", "allgather", "alltoall", "hybrid"])
 def test_cp_training_matches_single_process(strategy: str) -> None:
-    """hybrid: ulysses 2 x ring 2 on a ("dp", "ring", "ulysses") mesh, FSDP2 over all of it."""
+    """hybrid: ulysses 2 x ring 2 on a ("dp", "ring", "ulysses") mesh of dp 1, FSDP2 over all of it."""
     ulysses = 2 if strategy == "hybrid" else None
     report = run_train(TrainConfig(strategy=strategy, ulysses_degree=ulysses, layout="zigzag", **BASE))
     assert_matches_reference(report)

@@ -24,6 +24,8 @@ from dataclasses import dataclass
 
 import torch
 
+from ctxpar.limits import check_flag
+
 
 @dataclass(frozen=True)
 class Mask:
@@ -36,8 +38,7 @@ class Mask:
     window: int | None = None
 
     def __post_init__(self) -> None:
-        if not isinstance(self.causal, bool):
-            raise ValueError(f"causal must be True or False, got {self.causal!r}")
+        check_flag("causal", self.causal)
         if self.window is not None:
             if isinstance(self.window, bool) or not isinstance(self.window, int) or self.window < 1:
                 raise ValueError(f"window must be an integer >= 1 (keys a query sees, itself included), "

@@ -269,19 +269,19 @@ def train_rank(rank: int, world: int, cfg: TrainConfig, resume_from: checkpoint.
         u = cfg.ulysses_degree
         mesh = launch.init_mesh(device.type, (cfg.dp, cp // u, u), ("dp", "ring", "ulysses"))
         cp_dims: tuple[str, ...] = ("ring", "ulysses")
-        ranks = dict(mesh=mesh[cp_dims])
-        cp_rank = ctxpar.hybrid_rank(ranks["mesh"])
+        cp_ranks = dict(mesh=mesh[cp_dims])
+        cp_rank = ctxpar.hybrid_rank(cp_ranks["mesh"])
     else:
         mesh = launch.init_mesh(device.type, (cfg.dp, cp), ("dp", "cp"))
         cp_dims = ("cp",)
-        ranks = dict(group=mesh.get_group("cp"))
+        cp_ranks = dict(group=mesh.get_group("cp"))
         cp_rank = mesh.get_local_rank("cp")
     dp_rank = mesh.get_local_rank("dp")
     layout = ctxpar.get_layout(cfg.layout, cp)
     task = cfg.task()
 
     model = build_model(cfg, device)
-    apply_context_parallel(model, layout=layout, strategy=cfg.strategy, **ranks)
+    apply_context_parallel(model, layout=layout, strategy=cfg.strategy, **cp_ranks)
     shard_mesh = mesh[("dp", *cp_dims)]._flatten()
     for layer in model.layers:
         fully_shard(layer, mesh=shard_mesh)
