@@ -639,22 +639,30 @@ def test_ranks_of_one_node_that_would_share_a_gpu_are_refused_alike_before_joini
                               f"they took; see their errors")
 
 
+def _as_torchrun_rank_1_of_2(monkeypatch, *, gpus: int, properties) -> list[int]:
+    """This process as local rank 1 of 2 under torchrun, seeing ``gpus`` simulated GPUs whose
+    properties are ``properties``, its rendezvous on a store of its own; the ranks it joins as
+    (empty until init_from_env joins)."""
+    for name, value in dict(RANK="1", LOCAL_RANK="1", LOCAL_WORLD_SIZE="2", TORCHELASTIC_RESTART_COUNT="0").items():
+        monkeypatch.setenv(name, value)
+    monkeypatch.setattr(launch, "_launch_store", None)  # restored after: this process joined no launch
+    monkeypatch.setattr(launch, "_joins", 0)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: gpus)
+    monkeypatch.setattr(torch.cuda, "set_device", lambda device: None)
+    monkeypatch.setattr(torch.cuda, "get_device_properties", lambda device: properties)
+    monkeypatch.setattr(dist, "rendezvous", lambda *args, **kwargs: iter([(dist.HashStore(), 1, 2)]))
+    joined: list[int] = []
+    monkeypatch.setattr(launch, "_join", lambda backend, timeout_s, **init: joined.append(init["rank"]))
+    return joined
+
+
 @pytest.mark.parametrize("mates_gpu, refused", [("GPU-0", True), ("GPU-1", False)])
 def test_init_from_env_checks_the_gpus_of_the_node_before_joining(mates_gpu, refused, monkeypatch) -> None:
     """Local rank 1 of 2 under CUDA_VISIBLE_DEVICES=0 set for the whole job (the GPU simulated: one,
     and its UUID), its node-mate in a thread on the same store: both refused before joining where
     the mate's GPU is the same one, joined where each has its own."""
     monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "0")
-    for name, value in dict(RANK="1", LOCAL_RANK="1", LOCAL_WORLD_SIZE="2", TORCHELASTIC_RESTART_COUNT="0").items():
-        monkeypatch.setenv(name, value)
-    monkeypatch.setattr(launch, "_launch_store", None)  # restored after: this process joined no launch
-    monkeypatch.setattr(launch, "_joins", 0)
-    monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
-    monkeypatch.setattr(torch.cuda, "set_device", lambda device: None)
-    monkeypatch.setattr(torch.cuda, "get_device_properties", lambda device: types.SimpleNamespace(uuid="GPU-0"))
-    monkeypatch.setattr(dist, "rendezvous", lambda *args, **kwargs: iter([(dist.HashStore(), 1, 2)]))
-    joined = []
-    monkeypatch.setattr(launch, "_join", lambda backend, timeout_s, **init: joined.append(init["rank"]))
+    joined = _as_torchrun_rank_1_of_2(monkeypatch, gpus=1, properties=types.SimpleNamespace(uuid="GPU-0"))
     check, mate_said = launch.check_own_gpus, []
 
     def with_mate(store, **this_rank) -> None:  # local rank 0 publishes beside it, on its own GPU
@@ -684,16 +692,7 @@ def test_init_from_env_checks_the_gpus_of_the_node_before_joining(mates_gpu, ref
 def test_a_gpu_without_a_uuid_joins_unchecked(monkeypatch) -> None:
     """Some builds (ROCm) report no UUID: init_from_env raised AttributeError on every launch;
     it joins, NCCL's own check left to tell GPUs apart."""
-    for name, value in dict(RANK="1", LOCAL_RANK="1", LOCAL_WORLD_SIZE="2", TORCHELASTIC_RESTART_COUNT="0").items():
-        monkeypatch.setenv(name, value)
-    monkeypatch.setattr(launch, "_launch_store", None)
-    monkeypatch.setattr(launch, "_joins", 0)
-    monkeypatch.setattr(torch.cuda, "device_count", lambda: 2)
-    monkeypatch.setattr(torch.cuda, "set_device", lambda device: None)
-    monkeypatch.setattr(torch.cuda, "get_device_properties", lambda device: types.SimpleNamespace(name="gpu"))
-    monkeypatch.setattr(dist, "rendezvous", lambda *args, **kwargs: iter([(dist.HashStore(), 1, 2)]))
-    joined = []
-    monkeypatch.setattr(launch, "_join", lambda backend, timeout_s, **init: joined.append(init["rank"]))
+    joined = _as_torchrun_rank_1_of_2(monkeypatch, gpus=2, properties=types.SimpleNamespace(name="gpu"))
     assert launch.init_from_env(30, "cuda") == torch.device("cuda", 1) and joined == [1]
 
 
