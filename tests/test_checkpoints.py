@@ -185,7 +185,7 @@ def test_the_checkpoint_writer_raises_the_os_error_it_finds_message_and_all(tmp_
 
         monkeypatch.setattr(dcp.FileSystemWriter, "write_data", failing)
         with pytest.raises(OSError, match=re.escape(said)) as e:
-            checkpoint._Writer(str(tmp_path)).write_data(None, None)
+            checkpoint._writer_class()(str(tmp_path)).write_data(None, None)
         assert "None" not in str(e.value)
 
 

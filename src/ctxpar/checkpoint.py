@@ -25,6 +25,9 @@ ranks hash a share of the files each and all-gather the digests, so every rank r
 the same verdict from the same data and all load or all raise together; none is left
 waiting in a collective. The checksums catch crashes and storage faults (truncated,
 bit-flipped, deleted files), not someone who rewrites a manifest on purpose.
+
+``torch.distributed.checkpoint`` is imported by the functions that use it: importing it
+takes 0.6 s (torch.distributed.tensor with it), which every ``ctxpar`` command paid at start.
 """
 
 from __future__ import annotations
@@ -39,16 +42,11 @@ import shutil
 import tempfile
 from collections.abc import Callable
 from dataclasses import dataclass
-from functools import partial
+from functools import cache, partial
 from typing import Any, TypeVar
 
 import torch
 import torch.distributed as dist
-import torch.distributed.checkpoint as dcp
-from torch.distributed.checkpoint._nested_dict import flatten_state_dict
-from torch.distributed.checkpoint.api import CheckpointException
-from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_state_dict, set_model_state_dict,
-                                                     set_optimizer_state_dict)
 
 from ctxpar.plan.units import format_bytes
 
@@ -181,6 +179,9 @@ def save(model: torch.nn.Module, optimizer: torch.optim.Optimizer, directory: st
     if isinstance(step, bool) or not isinstance(step, int) or step < 0:
         raise ValueError(f"checkpoint step must be an int >= 0 (resume finds step-<number> directories), got "
                          f"{step!r}")
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.api import CheckpointException
+
     settings = _checked_run(run)
     path = step_path(directory, step)
     try:
@@ -190,7 +191,7 @@ def save(model: torch.nn.Module, optimizer: torch.optim.Optimizer, directory: st
     try:
         model_state, optim_state = _state_without_stepping(model, optimizer)
         try:
-            dcp.save({"model": model_state, "optim": optim_state}, storage_writer=_Writer(path))
+            dcp.save({"model": model_state, "optim": optim_state}, storage_writer=_writer_class()(path))
         except CheckpointException as e:  # a BaseException: an `except Exception` would miss it
             # every rank holds every rank's failure: the first rank's, the OS's error where one had it
             failures = [failure for _, (failure, _) in sorted(e.failures.items())]
@@ -212,24 +213,29 @@ def _unwritten(path: str, step: int, cause: OSError) -> OSError:
                    f"unsealed (no {MANIFEST}), which resume skips")
 
 
-class _Writer(dcp.FileSystemWriter):
+@cache
+def _writer_class() -> type:
     """DCP's file writer, raising the OS's error where a write failed. torch's serializer turns
     one into its own ("[enforce fail at inline_container.cc:672] unexpected pos", a file-size
     limit's "File too large" only its context), and DCP pickles each rank's failure for the
-    others, which drops the context."""
+    others, which drops the context. Made at the first save, as DCP is imported there."""
+    import torch.distributed.checkpoint as dcp
 
-    def write_data(self, plan, planner):
-        try:
-            return super().write_data(plan, planner)
-        except Exception as e:
-            cause = e
-            while cause is not None and not isinstance(cause, OSError):
-                cause = cause.__cause__ or cause.__context__
-            if cause is None or cause is e:
-                raise
-            if cause.errno is None:  # an OSError of a message alone: OSError(None, None) would say "None"
-                raise OSError(str(cause)) from e
-            raise OSError(cause.errno, cause.strerror, cause.filename) from e
+    class Writer(dcp.FileSystemWriter):
+        def write_data(self, plan, planner):
+            try:
+                return super().write_data(plan, planner)
+            except Exception as e:
+                cause = e
+                while cause is not None and not isinstance(cause, OSError):
+                    cause = cause.__cause__ or cause.__context__
+                if cause is None or cause is e:
+                    raise
+                if cause.errno is None:  # an OSError of a message alone: OSError(None, None) would say "None"
+                    raise OSError(str(cause)) from e
+                raise OSError(cause.errno, cause.strerror, cause.filename) from e
+
+    return Writer
 
 
 def _state_without_stepping(model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> tuple[dict, dict]:
@@ -238,6 +244,8 @@ def _state_without_stepping(model: torch.nn.Module, optimizer: torch.optim.Optim
     which counts as a step: saved before training, AdamW then corrected its moments one step
     late for the rest of the run. That state is dropped again and none is saved, so a run
     resumed from the checkpoint starts its optimizer afresh as the saving run does."""
+    from torch.distributed.checkpoint.state_dict import get_state_dict
+
     stepped = bool(optimizer.state)
     model_state, optim_state = get_state_dict(model, optimizer)
     if not stepped and optimizer.state:
@@ -306,6 +314,11 @@ def load(model: torch.nn.Module, optimizer: torch.optim.Optimizer, path: str) ->
             shapes, naming them; its optimizer state does not fit the optimizer (another kind);
             or it was saved by an optimizer over other parameters, naming them.
     """
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.api import CheckpointException
+    from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_state_dict, set_model_state_dict,
+                                                         set_optimizer_state_dict)
+
     model_state, optim_state = get_state_dict(model, optimizer)
     parameters, saved_state = _on_rank0(partial(_saved_entries, path))
     _check_parameters(path, parameters, model_state)
@@ -337,6 +350,8 @@ def _saved_entries(path: str) -> tuple[dict[str, tuple[int, ...] | None], set[st
     and every dotted prefix of its optimizer state's entries: "optim.state.<parameter>" is
     among them where it holds state for that parameter (its entries are
     "optim.state.<parameter>.<state name>", or deeper where an optimizer nests its state)."""
+    import torch.distributed.checkpoint as dcp
+
     saved = dcp.FileSystemReader(path).read_metadata().state_dict_metadata
     parameters = {key.removeprefix("model."): tuple(entry.size) if hasattr(entry, "size") else None
                   for key, entry in saved.items() if key.startswith("model.")}
@@ -363,6 +378,8 @@ def _check_parameters(path: str, saved: dict[str, tuple[int, ...] | None], model
     """Refuse a model whose parameters are not the checkpoint's, by name and shape: the
     model's entries named as DCP flattens them (a module's dict ``_extra_state`` is saved
     as one entry per key)."""
+    from torch.distributed.checkpoint._nested_dict import flatten_state_dict
+
     flat, _ = flatten_state_dict({"model": model_state})
     here = {name.removeprefix("model."): tuple(value.shape) if isinstance(value, torch.Tensor) else None
             for name, value in flat.items()}

@@ -19,7 +19,6 @@ from dataclasses import asdict, dataclass
 
 import torch
 import torch.distributed as dist
-from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict
 
 import ctxpar
 from ctxpar import checkpoint, limits, profile, strategy_rules
@@ -330,6 +329,8 @@ def train_rank(rank: int, world: int, cfg: TrainConfig, resume_from: checkpoint.
     dist.all_gather_object(growth, profile.peak_memory(device)[0] - before)
     params = None
     if cfg.return_parameters:
+        from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict
+
         full = get_state_dict(model, optimizer, options=StateDictOptions(full_state_dict=True, cpu_offload=True))[0]
         params = {name: t.clone() for name, t in full.items()} if rank == 0 else None
     if rank != 0:
