@@ -49,8 +49,13 @@ def test_cp_training_matches_single_process(strategy: str) -> None:
     assert report["loss"][-1] < report["loss"][0]
 
 
-def test_dp2_x_cp2_with_fsdp_matches_single_process_on_the_global_batch() -> None:
-    report = run_train(TrainConfig(dp=2, batch=2, layout="striped", activation_checkpointing=True, **BASE))
+@pytest.mark.parametrize("strategy", ["ring", "hybrid"])
+def test_dp2_x_cp2_with_fsdp_matches_single_process_on_the_global_batch(strategy: str) -> None:
+    """hybrid: ("dp", "ring", "ulysses") = (2, 1, 2), each data-parallel group's CP ranks a mesh of
+    their own, FSDP2 over the three dims flattened."""
+    ulysses = 2 if strategy == "hybrid" else None
+    report = run_train(TrainConfig(dp=2, batch=2, layout="striped", activation_checkpointing=True, strategy=strategy,
+                                   ulysses_degree=ulysses, **BASE))
     assert report["config"]["cp"] == 2 and report["config"]["dp"] == 2
     assert_matches_reference(report)
 
