@@ -425,16 +425,12 @@ def _die_with_parent(parent_pid: int) -> None:
 _STACK_SIGNAL = getattr(signal, "SIGUSR1", None)
 
 
-_stack_writer: connection.Connection | None = None  # open for the life of the process: faulthandler writes to it
-
-
 def _dump_stack_on_request(writer: connection.Connection) -> None:
     """Write this process's stacks to ``writer``, a pipe to the parent, when it asks (a pipe, not
-    a file: a parent ended by SIGTERM or SIGKILL leaves nothing behind)."""
-    global _stack_writer
+    a file: a parent ended by SIGTERM or SIGKILL leaves nothing behind). faulthandler holds
+    only its descriptor: the worker keeps ``writer`` open for the life of the process."""
     if _STACK_SIGNAL is None:
         return
-    _stack_writer = writer
     os.write(writer.fileno(), f"main thread {threading.get_ident():#x}\n".encode())
     faulthandler.register(_STACK_SIGNAL, file=writer.fileno(), all_threads=True)
 

@@ -461,13 +461,12 @@ def _strategy_overheads(calibration: dict, key: str) -> tuple[tuple[str, float],
     return tuple(sorted((name, float(v)) for name, v in table.items()))
 
 
-def _size_curve(rows, name: str = "attention_size_curve") -> tuple[tuple[int, float, float], ...] | None:
-    """A calibration's [[tokens, forward, backward], ...], checked (``_size_curve_problem``)."""
-    if rows is None:
-        return None
-    if problem := _size_curve_problem(rows):
+def _size_curve(rows, name: str = "attention_size_curve"):
+    """A calibration's [[tokens, forward, backward], ...], checked (``_size_curve_problem``) and
+    refused as a calibration's; ``Hardware`` holds it as tuples."""
+    if rows is not None and (problem := _size_curve_problem(rows)):
         raise ValueError(f"calibration {name!r} is {str(rows)[:80]}{problem}; {MEASURE_AGAIN}")
-    return tuple((int(t), float(f), float(b)) for t, f, b in rows)
+    return rows
 
 
 def gpus_per_node(name: str) -> int:
