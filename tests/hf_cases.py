@@ -438,6 +438,13 @@ def _guards(rank: int, world: int) -> dict:
         bad_inputs, bad_labels = shard_inputs(input_ids, layout=layout, rank=me, labels=bad)
         out[check] = _attempt(lambda: model(**bad_inputs, labels=bad_labels).loss.item())
     out["after bad labels"] = _attempt(lambda: model(**inputs, labels=labels).loss.item())
+    # supervised fine-tuning's copy of the tokens, its prompt and last token masked, sharded as the tokens are:
+    # no one shard's labels give them away
+    unshifted = input_ids.clone()
+    unshifted[:, :4] = IGNORE_INDEX
+    unshifted[:, -1] = IGNORE_INDEX
+    out["unshifted labels, last masked"] = _attempt(
+        lambda: model(**inputs, labels=layout.shard(unshifted, me, dim=1)).loss.item())
     out.update(_heads(layout, group, input_ids))
     return out
 

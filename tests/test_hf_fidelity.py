@@ -142,6 +142,7 @@ def test_custom_masks_and_cross_attention_are_refused() -> None:
         model(**inputs, attention_mask=torch.ones(1, 1, 8, 8, dtype=torch.bool))
 
     from transformers.masking_utils import (
+        bidirectional_mask_function,
         causal_mask_function,
         chunked_causal_mask_function,
         or_masks,
@@ -157,17 +158,23 @@ def test_custom_masks_and_cross_attention_are_refused() -> None:
     assert chunks == LayerMask(chunk=4)
     windowed = mask_forward(mask_function=sliding_window_causal_mask_function(3))
     assert windowed == LayerMask(window=3)
-    assert mask_forward(mask_function=causal_mask_function) is None
+    assert mask_forward(mask_function=causal_mask_function) == LayerMask(causal=True)
+    assert mask_forward(mask_function=bidirectional_mask_function) == LayerMask(causal=False)
     refused = mask_forward(mask_function=sliding_window_bidirectional_mask_function(3))
-    assert isinstance(refused, RefusedMask) and "bidirectional sliding-window" in refused.reason
+    assert isinstance(refused, RefusedMask) and "has a bidirectional sliding window, which" in refused.reason
     padded = mask_forward(mask_function=chunked_causal_mask_function(4, torch.tensor([2])))
     assert isinstance(padded, RefusedMask) and "left padding" in padded.reason
     union = mask_forward(mask_function=or_masks(sliding_window_causal_mask_function(3), lambda *a: True))
     assert isinstance(union, RefusedMask)
     attention = next(m for m in model.modules() if type(m).__name__ == "LlamaAttention")
     q = torch.zeros(1, 4, 8, 8)
-    with pytest.raises(ValueError, match="LlamaAttention: its attention mask is bidirectional sliding-window"):
+    with pytest.raises(ValueError, match="LlamaAttention: its attention mask has a bidirectional sliding window"):
         attention_forward(attention, q, q[:, :2], q[:, :2], refused)
+    # the layer's flag against its mask: Gemma's use_bidirectional_attention layers over the causal mask its
+    # model builds (transformers' eager attention follows the mask, its sdpa the flag)
+    attention.is_causal = False
+    with pytest.raises(ValueError, match="attends bidirectionally over a causal mask; ctxpar refuses"):
+        attention_forward(attention, q, q, q, LayerMask(causal=True))
 
     bert, bert_inputs = _one_rank("bert+decoder")
     with pytest.raises(ValueError, match="cross-attention"):
@@ -193,6 +200,68 @@ def test_heads_that_pool_over_the_sequence_are_refused_at_enable_time() -> None:
     for head in ("LlamaForTokenClassification", "LlamaForQuestionAnswering"):
         with torch.device("meta"):
             assert find_unsupported(getattr(transformers, head)(config)) == [], head
+
+
+def _encoder(kind: str, **config):
+    """A tiny transformers encoder (``kind``'s Config and Model), float64, eval, eager."""
+    import transformers
+
+    torch.manual_seed(0)
+    sizes = dict(vocab_size=hf_families.VOCAB, hidden_size=32, num_hidden_layers=2, num_attention_heads=4,
+                 intermediate_size=64, max_position_embeddings=64, attention_probs_dropout_prob=0.0,
+                 hidden_dropout_prob=0.0, initializer_range=0.3)
+    built = getattr(transformers, f"{kind}Config")(**{**sizes, **config})
+    return getattr(transformers, f"{kind}Model")._from_config(built, attn_implementation="eager").double().eval()
+
+
+def test_an_encoder_whose_layers_carry_no_causal_flag_attends_as_its_mask_says() -> None:
+    """Splinter's attention has no is_causal: its bidirectional mask decides (it was taken for
+    causal, the hidden states off by 0.42)."""
+    ids = torch.randint(3, hf_families.VOCAB, (2, 8))
+    want = _encoder("Splinter")(input_ids=ids).last_hidden_state
+    model = enable_context_parallel(_encoder("Splinter"), layout=ONE)
+    inputs, _ = shard_inputs(ids, layout=ONE, rank=0)
+    got = model(input_ids=inputs["input_ids"], position_ids=inputs["position_ids"]).last_hidden_state
+    assert (got - want).abs().max().item() <= 1e-6  # Splinter's eager softmax runs in float32
+
+
+def test_outputs_one_shard_cannot_give_are_refused() -> None:
+    """ALBERT's pooler (an nn.Linear named pooler) at enable time; CLIP's text model pools inline
+    at the largest token id, and Mixtral's aux_loss (router load balancing, without labels=)
+    sums every token's routing: refused once the forward returns them (each rank had its own
+    shard's), and a tuple that would hide them up front."""
+    with pytest.raises(ValueError, match=r"a pooler: .*\(pooler: Linear\); build the model without it"):
+        enable_context_parallel(_encoder("Albert", embedding_size=16), layout=ONE)
+    from ctxpar.integrations.transformers import find_unsupported
+
+    albert = _encoder("Albert", embedding_size=16)
+    assert find_unsupported(type(albert)(albert.config, add_pooling_layer=False)) == []
+    ids = torch.randint(3, hf_families.VOCAB, (1, 8))
+    inputs, _ = shard_inputs(ids, layout=ONE, rank=0)
+    clip = enable_context_parallel(_encoder("CLIPText"), layout=ONE)
+    plain = dict(input_ids=inputs["input_ids"], position_ids=inputs["position_ids"])
+    with pytest.raises(ValueError, match="CLIPTextModel returned pooler_output, computed from this rank's shard"):
+        clip(**plain)
+    with pytest.raises(ValueError, match="got return_dict=False, and its outputs may hold pooler_output"):
+        clip(**plain, return_dict=False)
+    mixtral = enable_context_parallel(hf_families.build("mixtral"), layout=ONE)
+    with pytest.raises(ValueError, match="MixtralForCausalLM returned aux_loss.*output_router_logits=False"):
+        mixtral(**inputs, output_router_logits=True)
+    assert mixtral(**inputs).aux_loss is None
+
+
+def test_mobilebert_trigram_embeddings_are_refused() -> None:
+    """Each token's embedding concatenates its neighbours' (F.pad of the shifted sequence): a
+    shard's edge tokens read zeros, logits off by 0.075 on 2 ranks."""
+    import transformers
+
+    config = transformers.MobileBertConfig(vocab_size=hf_families.VOCAB, hidden_size=32, num_hidden_layers=1,
+                                           num_attention_heads=4, intermediate_size=64, embedding_size=16,
+                                           intra_bottleneck_size=32, true_hidden_size=32)
+    with torch.device("meta"):
+        model = transformers.MobileBertForTokenClassification(config)
+    with pytest.raises(ValueError, match=r"neighbours along the sequence \(MobileBertConfig.trigram_input=True\)"):
+        enable_context_parallel(model, layout=ONE)
 
 
 def test_the_report_names_every_feature_and_llama_has_none() -> None:

@@ -64,6 +64,9 @@ def test_labels_loss_refuses_what_it_cannot_weigh_globally() -> None:
     prompt_masked[:, :4] = IGNORE_INDEX  # supervised fine-tuning's idiom: it was accepted, each token its own target
     with pytest.raises(ValueError, match="unshifted labels"):
         model(**inputs, labels=prompt_masked)
+    prompt_masked[:, -1] = IGNORE_INDEX  # the last token masked too: no label gives them away but their values
+    with pytest.raises(ValueError, match=r"position 4: label \d+, next token \d+\).*unshifted labels"):
+        model(**inputs, labels=prompt_masked)
     embeds = model.get_input_embeddings()(inputs["input_ids"])  # no ids to compare: it ran, each token its own target
     with pytest.raises(ValueError, match="unshifted labels"):
         model(inputs_embeds=embeds, position_ids=inputs["position_ids"], labels=inputs["input_ids"])
@@ -410,6 +413,14 @@ def test_a_label_outside_the_vocabulary_on_one_rank_is_refused_on_every_rank_tog
             assert f"outside its vocabulary of {hf_families.VOCAB}" in detail, (check, detail)
     for _, (kind, detail) in _guards("after bad labels"):
         assert kind == "ran" and detail > 0, detail
+
+
+def test_unshifted_labels_with_the_last_token_masked_are_refused_on_every_rank() -> None:
+    """A fine-tuning copy of the tokens with its prompt and last token masked labels no last
+    token: the ranks gather the rows to see labels that equal their tokens but not the next."""
+    for _, (kind, detail) in _guards("unshifted labels, last masked"):
+        assert kind == "refused" and "next-token labels would hold the following token" in detail, detail
+        assert "unshifted labels" in detail, detail
 
 
 def test_per_token_heads_run_exactly_and_their_positions_or_labels_are_refused() -> None:

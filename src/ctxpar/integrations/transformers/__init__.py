@@ -50,6 +50,7 @@ from __future__ import annotations
 import copy
 import functools
 import inspect
+import typing
 
 import torch
 import torch.distributed as dist
@@ -179,19 +180,44 @@ def _check_call(name: str, bound: dict, extra: dict, *, cached: bool = False) ->
 
 def _label_flags(labels: torch.Tensor | None, input_ids: torch.Tensor | None, settings: Settings) -> list[int]:
     """[labels given, labels equal to input_ids wherever labelled, the sequence's last position
-    labelled here] for this rank. The labels ``shard_inputs`` returns are shifted on the
-    unsplit sequence, so that last position holds IGNORE_INDEX; unshifted labels
-    (``labels=input_ids``, or a copy with the prompt masked as supervised fine-tuning makes
-    it) label it, and equal the tokens wherever they label."""
+    labelled here, input_ids given] for this rank. The labels ``shard_inputs`` returns are
+    shifted on the unsplit sequence, so that last position holds IGNORE_INDEX; unshifted
+    labels (``labels=input_ids``, or a copy with the prompt masked as supervised fine-tuning
+    makes it) equal the tokens wherever they label, and label it unless it is masked too
+    (``_refuse_unshifted`` tells those apart)."""
     if labels is None:
-        return [0, 0, 0]
+        return [0, 0, 0, 0]
     labels = labels.cpu()
     labelled = labels != IGNORE_INDEX
     last = settings.positions(labels.shape[1]) == labels.shape[1] * settings.layout.world_size - 1
     # inputs_embeds: no ids to compare, labelling the last token alone says unshifted (they ran, the loss of
     # each token predicting itself)
     matches = input_ids is None or bool((labels == input_ids.cpu())[labelled].all())
-    return [1, int(matches), int(bool(labelled[:, last].any()))]
+    return [1, int(matches), int(bool(labelled[:, last].any())), int(input_ids is not None)]
+
+
+def _unshifted(name: str, why: str) -> ValueError:
+    return ValueError(f"{name} got labels that {why}: unshifted labels (labels=input_ids, or a copy with the prompt "
+                      f"masked), which would score each token on predicting itself. Pass the labels shard_inputs "
+                      f"returns (shard_inputs(input_ids, labels=your_labels, ...) shifts them on the unsplit "
+                      f"sequence), or compute the loss with ctxpar.parallelize.cp_loss")
+
+
+def _refuse_unshifted(name: str, labels: torch.Tensor, input_ids: torch.Tensor, settings: Settings) -> None:
+    """Labels equal to input_ids wherever they label, on every rank, that leave the sequence's
+    last token unlabelled (a supervised fine-tuning copy with its last token masked too):
+    shifted labels equal the tokens so only over a run of repeated tokens, where each also
+    equals the next token. The whole rows are gathered (this case alone, rare in training)
+    to tell: a label that differs from the next token cannot be a next-token label."""
+    ids = input_ids.long()
+    pieces = topology.all_gather(torch.stack([labels.to(ids.device, torch.long), ids]), settings.peers())
+    labels, ids = settings.layout.unshard(list(pieces), dim=2)  # (B, T) each
+    differs = (labels[:, :-1] != ids[:, 1:]) & (labels[:, :-1] != IGNORE_INDEX)
+    if bool(differs.any()):
+        row, position = differs.nonzero()[0].tolist()
+        raise _unshifted(name, f"equal its input_ids wherever they label a token, where next-token labels would "
+                               f"hold the following token (row {row}, position {position}: label "
+                               f"{int(labels[row, position])}, next token {int(ids[row, position + 1])})")
 
 
 def _check_label_range(name: str, model, labels: torch.Tensor) -> None:
@@ -206,17 +232,19 @@ def _check_label_range(name: str, model, labels: torch.Tensor) -> None:
 
 
 def _refuse_together(name: str, error: Exception | None, label_flags: list[int], batch: int, device: torch.device,
-                     peers: topology.Topology) -> None:
+                     peers: topology.Topology) -> bool:
     """One tiny all-reduce, so that every rank refuses a forward if any rank does (a refusal
     on some ranks only would leave the others waiting in attention): this rank's own error
     (declared documents, positions, caches, labels), labels= given on some ranks only (the
     others would not join the loss's all-reduce), unshifted labels (``_label_flags``), and
-    shards of different batches (``batch``: ``batch_code``'s checksum, -1 if unknown)."""
+    shards of different batches (``batch``: ``batch_code``'s checksum, -1 if unknown).
+    True when the labels equal input_ids wherever they label on every rank but label no
+    last token: ``_refuse_unshifted`` decides those."""
     known = int(batch >= 0)
     code = batch if known else 0
     flags = torch.tensor([int(error is not None), *label_flags, known, *agreement.sums_of(code)], device=device)
     topology.all_reduce(flags, peers)
-    refused, given, matching, last_labelled, knowing, *summed = flags.tolist()
+    refused, given, matching, last_labelled, with_ids, knowing, *summed = flags.tolist()
     ranks = summed[-1]
     if error is not None:
         raise error
@@ -231,12 +259,9 @@ def _refuse_together(name: str, error: Exception | None, label_flags: list[int],
         raise ValueError(f"{name} got labels= on {given} of the {ranks} ranks of the CP group; pass them on every "
                          f"rank or on none")
     if given and matching == ranks and last_labelled:
-        raise ValueError(f"{name} got labels that label the sequence's last token, which next-token labels never "
-                         f"do, and equal its input_ids wherever they label a token (where input_ids are given): "
-                         f"unshifted labels (labels=input_ids, or a copy with the prompt masked), which would score "
-                         f"each token on predicting itself. Pass the labels shard_inputs "
-                         f"returns (shard_inputs(input_ids, labels=your_labels, ...) shifts them on the unsplit "
-                         f"sequence), or compute the loss with ctxpar.parallelize.cp_loss")
+        raise _unshifted(name, "label the sequence's last token, which next-token labels never do, and equal its "
+                               "input_ids wherever they label a token (where input_ids are given)")
+    return bool(given and matching == ranks and with_ids == ranks)
 
 
 def _documents(name: str, settings: Settings, bound: dict, documents) -> tuple[int, ...] | None:
@@ -246,6 +271,18 @@ def _documents(name: str, settings: Settings, bound: dict, documents) -> tuple[i
         raise ValueError(f"{name} got documents= but neither input_ids nor inputs_embeds")
     lengths = document_lengths(documents, tokens.shape[1] * settings.layout.world_size)
     return None if len(lengths) == 1 else lengths
+
+
+# Outputs a model computes over the tokens it is given, that no per-token split of them adds up
+# to: each rank's is its shard's, silently (the model's config and modules do not give them all
+# away before the forward: CLIP pools inline, at the position of the largest token id).
+_SEQUENCE_OUTPUTS = {
+    "pooler_output": "run the model without its pooler and pool the position it reads, on the rank whose shard "
+                     "holds it (shard_inputs' position_ids say which)",
+    "aux_loss": "its router load-balancing loss depends on every token's routing; pass output_router_logits=False, "
+                "or compute it from out.router_logits with the experts' token fractions and mean probabilities "
+                "averaged over the CP group",
+}
 
 
 def _wrap_forward(model, settings: Settings, loss: CPCausalLMLoss | None = None) -> None:
@@ -267,6 +304,9 @@ def _wrap_forward(model, settings: Settings, loss: CPCausalLMLoss | None = None)
 
     if "documents" in signature.parameters:
         raise ValueError(f"{name}.forward takes its own documents= argument, which ctxpar's documents= would shadow")
+    returned = typing.get_args(signature.return_annotation) or (signature.return_annotation,)
+    hidden_in_tuple = [key for key in _SEQUENCE_OUTPUTS
+                       if any(key in getattr(kind, "__dataclass_fields__", {}) for kind in returned)]
 
     def checked(args, kwargs, documents):
         bound = signature.bind_partial(*args, **kwargs).arguments
@@ -304,6 +344,12 @@ def _wrap_forward(model, settings: Settings, loss: CPCausalLMLoss | None = None)
                                  f"both losses yourself")
             _check_call(name, bound, extra)
             check_token_ids(name, model, bound.get("input_ids"))
+            as_tuple = bound.get("return_dict", extra.get("return_dict"))
+            if (as_tuple is False or (as_tuple is None and getattr(model.config, "return_dict", True) is False)) \
+                    and hidden_in_tuple:
+                raise ValueError(f"{name} got return_dict=False, and its outputs may hold "
+                                 f"{' or '.join(hidden_in_tuple)}, which ctxpar refuses when a forward computes them "
+                                 f"(from one shard) but cannot find in a tuple; pass return_dict=True")
             if labels is not None and head_loss(model) not in CAUSAL_LM_LOSSES:
                 raise ValueError(f"{name} got labels=, which under context parallelism are shard_inputs' labels, "
                                  f"shifted for next-token prediction, while its head ({head_loss(model)}) scores each "
@@ -325,9 +371,10 @@ def _wrap_forward(model, settings: Settings, loss: CPCausalLMLoss | None = None)
             error = e  # exchange below, or its peers wait there
         tokens = bound.get("input_ids")
         device = (tokens if tokens is not None else model.get_input_embeddings().weight).device
-        flags = [int(labels is not None), 0, 0] if error is not None else _label_flags(labels, tokens, settings)
+        flags = [int(labels is not None), 0, 0, 0] if error is not None else _label_flags(labels, tokens, settings)
         batch = batch_code(tokens) if error is None else -1
-        _refuse_together(name, error, flags, batch, device, peers)
+        if _refuse_together(name, error, flags, batch, device, peers):
+            _refuse_unshifted(name, labels, tokens, settings)
         calls = loss.calls if loss is not None else 0
         declared = DOCUMENTS.set(documents)
         try:
@@ -338,6 +385,10 @@ def _wrap_forward(model, settings: Settings, loss: CPCausalLMLoss | None = None)
             raise ValueError(f"{name} computes its labels= loss without transformers' loss_function, so it would "
                              f"shift the already shifted labels and average per rank; call it without labels= and "
                              f"use ctxpar.parallelize.cp_loss(out.logits, labels)")
+        for key, fix in _SEQUENCE_OUTPUTS.items():  # every rank has one alike: the same model, the same arguments
+            if getattr(out, key, None) is not None:
+                raise ValueError(f"{name} returned {key}, computed from this rank's shard alone though it stands for "
+                                 f"the whole sequence; {fix}")
         return out
 
     @installed

@@ -314,7 +314,10 @@ def attention_forward(module, query, key, value, attention_mask, dropout: float 
     if dropout:
         raise ValueError(f"{owner} applies attention dropout p={dropout}, which ctxpar does not support; set the "
                          f"model's attention dropout to 0")
-    causal = bool(is_causal if is_causal is not None else getattr(module, "is_causal", True))
+    causal = is_causal if is_causal is not None else getattr(module, "is_causal", None)
+    if causal is None:  # a layer without the flag (Splinter's) attends as its mask says, causal by default
+        causal = attention_mask.causal if isinstance(attention_mask, LayerMask) else True
+    causal = bool(causal)
     mask = _layer_mask(owner, attention_mask, causal, kwargs)
     _check_kwargs(owner, kwargs)
     sinks = _sinks(owner, module, kwargs)
@@ -369,8 +372,8 @@ class _Refused(Exception):
 
 
 _MASK_KINDS = {
-    "sliding_window_bidirectional_overlay": "bidirectional sliding-window",
-    "blockwise_overlay": "block-wise (bidirectional blocks)",
+    "sliding_window_bidirectional_overlay": "a bidirectional sliding window",
+    "blockwise_overlay": "block-wise attention (bidirectional blocks)",
     "padding_mask_function": "padding",
 }
 
@@ -428,7 +431,7 @@ def _parse(fn) -> dict:
                     raise _Refused("chunks of two sizes")
                 out["chunk"] = part["chunk"]
         return out
-    raise _Refused(_MASK_KINDS.get(name, name))
+    raise _Refused(_MASK_KINDS.get(name, f"a part ctxpar does not know ({name})"))
 
 
 def describe_mask(mask_function) -> LayerMask | RefusedMask:
@@ -439,9 +442,9 @@ def describe_mask(mask_function) -> LayerMask | RefusedMask:
         if "causal" not in found:
             raise _Refused("an overlay with no causal or bidirectional base")
         if not found["causal"] and ("window" in found or "chunk" in found):
-            raise _Refused("a bidirectional sliding window or chunks")
+            raise _Refused("a sliding window or chunks over bidirectional attention")
     except _Refused as e:
-        return RefusedMask(f"its attention mask is {e} on top of causal, which ctxpar does not support under "
+        return RefusedMask(f"its attention mask has {e}, which ctxpar does not support under "
                            f"context parallelism")
     except (KeyError, TypeError, ValueError):  # a function of the same name built differently
         return RefusedMask(f"its attention mask ({_name(mask_function)}) is not built the way ctxpar can read, "
@@ -453,9 +456,9 @@ def describe_mask(mask_function) -> LayerMask | RefusedMask:
 def mask_forward(*args, attention_mask: torch.Tensor | None = None, mask_function=None,
                  **kwargs) -> LayerMask | RefusedMask | None:
     """AttentionMaskInterface function: ctxpar builds the mask itself from the layout, so
-    it returns no tensor but a description: None for plain causal attention over one
-    document, a ``LayerMask`` (sliding window, chunks, the declared documents) that the
-    attention function honours, or a ``RefusedMask`` (raised by the first layer that
+    it returns no tensor but a description: a ``LayerMask`` (causal or bidirectional, sliding
+    window, chunks, the declared documents) that the attention function honours, and holds
+    the layer's own causal flag to, or a ``RefusedMask`` (raised by the first layer that
     attends with it) for anything else. A padding mask is refused here too, although
     ``enable_context_parallel``'s forward wrapper refuses it first, on every rank together.
     4-D masks never get here (transformers passes them straight to attention, which refuses
@@ -464,8 +467,4 @@ def mask_forward(*args, attention_mask: torch.Tensor | None = None, mask_functio
         raise ValueError(PADDING_REFUSED)
     if mask_function is None:
         return None if DOCUMENTS.get() is None else LayerMask(documents=DOCUMENTS.get())
-    described = describe_mask(mask_function)
-    plain = isinstance(described, LayerMask) and described.window is None and described.chunk is None
-    if plain and described.documents is None:
-        return None  # the layer's own causal flag decides, as before masks were described
-    return described
+    return describe_mask(mask_function)

@@ -14,7 +14,8 @@ frequencies are fixed, LongRoPE where every rank takes the sequence's factors, a
 RoPE scaling below max_position_embeddings (both checked per forward, ``longrope_limits``,
 ``dynamic_rope_limits``), and heads that score every token (causal LM, token classification,
 question answering's start and end logits); heads that pool a row at one position
-(sequence classification, multiple choice, a pooler) are refused. The call-time half of the guard (keyword arguments,
+(sequence classification, multiple choice, a pooler) are refused, as are embeddings that
+read a token's neighbours (MobileBERT's trigram input). The call-time half of the guard (keyword arguments,
 masks, LongRoPE's lengths) lives in ``attention.py``.
 """
 
@@ -66,11 +67,16 @@ _RECURRENT = re.compile(r"Mamba|Mixer|Rwkv|LSTM|Recurrent|DeltaNet|LinearAttenti
 # Heads and modules whose output for a row is read at one position (the last non-padding
 # token, or the first): under CP each rank reads it from its own shard, whose last (first)
 # token is not the sequence's. Per-token heads (causal LM, token classification, question
-# answering's start/end logits) are split with the tokens and stay exact.
+# answering's start/end logits) are split with the tokens and stay exact. A pooler is told by
+# its class's name or its attribute's (ALBERT's is an nn.Linear); one computed inline (CLIP's
+# text model) only by the pooler_output it returns, refused after the forward.
 _POOLING_HEAD = re.compile(r"For(SequenceClassification|MultipleChoice|NextSentencePrediction)$")
-_POOLING_MODULE = re.compile(r"Pooler$|SequenceSummary$")
 _POOLING = ("a head that pools over the sequence: it reads each row at one position, and a rank's shard's last "
             "(or first) token is not the sequence's")
+_POOLER = ("a pooler: it reads each row at one position, and a rank's shard's first (or last) token is not the "
+           "sequence's")
+_POOLER_FIX = ("build the model without it (add_pooling_layer=False, where its class takes it) and pool the position "
+               "it reads on the rank whose shard holds it (shard_inputs' position_ids say which)")
 _POOLING_FIX = ("run its base model (model.base_model) under context parallelism and apply the head to the position "
                 "it pools, on the rank whose shard holds it (shard_inputs' position_ids say which)")
 
@@ -168,6 +174,9 @@ def _config_features(config) -> list[Unsupported]:
         p = _get(config, field)
         if isinstance(p, (int, float)) and p > 0:
             found.append(Unsupported(_LAYERDROP, f"{name}.{field}={p}", f"set {field}=0"))
+    if _get(config, "trigram_input") is True:  # MobileBERT: a shard's edge tokens would read zeros for neighbours
+        found.append(Unsupported("embeddings that concatenate each token's neighbours along the sequence",
+                                 f"{name}.trigram_input=True"))
     if _get(config, "alibi") is True:
         found.append(Unsupported("ALiBi position biases", f"{name}.alibi=True"))
     for kind, field in _layer_kinds(config).items():
@@ -196,8 +205,10 @@ def _module_features(model: nn.Module) -> list[Unsupported]:
         found.append(Unsupported(_POOLING, heads[0], _POOLING_FIX))
     for path, module in model.named_modules():
         owner = type(module).__name__
-        if _POOLING_MODULE.search(owner):
+        if owner.endswith("SequenceSummary"):  # GPT-2's double heads
             found.append(Unsupported(_POOLING, owner, _POOLING_FIX))
+        elif owner.endswith("Pooler") or path.rpartition(".")[2] == "pooler":
+            found.append(Unsupported(_POOLER, owner if owner.endswith("Pooler") else f"{path}: {owner}", _POOLER_FIX))
         layerdrop = getattr(module, "layerdrop", 0)
         if isinstance(layerdrop, (int, float)) and layerdrop > 0:  # set on the module after its config
             found.append(Unsupported(_LAYERDROP, f"{path}.layerdrop={layerdrop}", "set it to 0"))
