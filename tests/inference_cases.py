@@ -317,6 +317,12 @@ def _check_bad_inputs(rank: int, world: int) -> dict[str, str]:
         "temperature_overflow": _attempt(lambda: generate(model, prompt, layout="zigzag", new_tokens=2,
                                                           temperature=10**400)),
     }
+    # sharded_attention is inference only: its all-gather cuts the graph (once requires_grad=False, or a
+    # gradient for the sinks alone), and the kernel's lse has no gradient (once wrong dq, dk with sinks)
+    q, kv = torch.randn(1, 4, 1, 8, generator=torch.Generator().manual_seed(3)), torch.randn(1, 2, rank + 1, 8)
+    messages["attention_grad"] = _attempt(lambda: sharded_attention(q.requires_grad_(), kv, kv, group=None,
+                                                                    scale=None, sinks=torch.zeros(4)))
+    q.requires_grad_(False)
     full = prefilled(cache(capacity=PROMPT_LEN + 1))
     decode_step(model, full, prompt[:, 0])
     messages["cache_full"] = _attempt(lambda: decode_step(model, full, prompt[:, 1]))
@@ -370,12 +376,15 @@ def _check_bad_inputs(rank: int, world: int) -> dict[str, str]:
                                                                      mesh=mesh))
         # sharded_attention of queries that differ on rank 0: once a merge of partials of different queries,
         # returned on every rank without a word (of other shapes: a gloo abort)
-        q, kv = torch.randn(1, 4, 1, 8, generator=torch.Generator().manual_seed(3)), torch.randn(1, 2, rank + 1, 8)
         messages["attention_queries_differ"] = _attempt(lambda: sharded_attention(q + (rank == 0), kv, kv, group=None,
                                                                                   scale=None))
         # the last rank's keys have 3 heads for 4 query heads: it raised alone, the others waited in the all-gather
         bad_kv = torch.randn(1, 3, 2, 8) if rank == world - 1 else kv
         messages["one_rank_bad_keys"] = _attempt(lambda: sharded_attention(q, bad_kv, bad_kv, group=None, scale=None))
+        # only the last rank's keys require grad: it raises its own error, the others name it
+        grad_kv = kv.clone().requires_grad_(rank == world - 1)
+        messages["one_rank_attention_grad"] = _attempt(lambda: sharded_attention(q, grad_kv, kv, group=None,
+                                                                                 scale=None))
         # rank 0's model has another vocabulary: once uninitialised logits on the others (another layer count: a hang)
         wider = Transformer(ModelConfig(**{**vars(cfg), "vocab": cfg.vocab + 2})).eval()
         messages["models_differ"] = _attempt(lambda: generate(wider if rank == 0 else model, prompt, layout="zigzag",

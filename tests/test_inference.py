@@ -206,12 +206,15 @@ EXPECTED_MESSAGES = {
     "cache_on_group_and_mesh": ["KVCache takes group= or mesh=, not both"],
     "attention_queries_differ": ["disagree on the sharded attention", "q values (crc32)"],
     "models_differ": ["disagree on the generate call", "model (config, layers)"],
+    "attention_grad": ["sharded_attention is inference only, but grad mode is on and q set requires_grad",
+                       "under torch.no_grad() or torch.inference_mode(), or use ctxpar.attention for training"],
 }
 ONE_RANK_BAD = {  # the last rank's call is bad: it raises its own error, the others name it
     "one_rank_bad": "batch B=1",
     "one_rank_overflow": "temperature must be a finite number",
     "one_rank_bad_keys": "H a multiple of H_kv",
     "one_rank_on_token": "on_token must be None or a function",
+    "one_rank_attention_grad": "sharded_attention is inference only, but grad mode is on and k set requires_grad",
 }
 MULTI_RANK_ONLY = ("layout_length", "step", "tokens_differ", "chunks_differ", "methods_differ", "calls_differ",
                    "chunk_capacities_differ", "interrupted_chunk", "cache_on_a_mesh", "cache_on_group_and_mesh",
@@ -406,6 +409,29 @@ def test_sharded_attention_refuses_sinks_of_another_shape_or_not_finite_and_two_
         sharded_attention(q, kv, kv, group=object(), mesh=object(), scale=8**-0.5)
     with pytest.raises(ValueError, match="mesh= must be a torch DeviceMesh"):
         sharded_attention(q, kv, kv, group=None, mesh="2x2", scale=8**-0.5)
+
+
+@pytest.mark.parametrize("grad", ["q", "k", "v", "sinks"])
+def test_sharded_attention_is_inference_only(grad: str) -> None:
+    """Under grad mode, inputs that require grad are refused: the all-gather cut the graph on 2
+    or more ranks (no gradient, or the sinks' alone), and on one the kernel's lse had none (dq,
+    dk wrong with sinks). Without grad mode, or under inference mode, the same tensors attend."""
+    from ctxpar.inference import sharded_attention
+
+    gen = torch.Generator().manual_seed(4)
+    inputs = dict(q=torch.randn(1, 4, 2, 8, generator=gen), k=torch.randn(1, 2, 3, 8, generator=gen),
+                  v=torch.randn(1, 2, 3, 8, generator=gen), sinks=torch.randn(4, generator=gen))
+    inputs[grad].requires_grad_()
+    with pytest.raises(ValueError, match=f"inference only, but grad mode is on and {grad} set requires_grad"):
+        sharded_attention(**inputs, group=None, scale=None)
+    q, k, v, sinks = (inputs[name].detach() for name in ("q", "k", "v", "sinks"))
+    scores = torch.cat([q @ k.repeat_interleave(2, 1).transpose(-1, -2) * 8**-0.5,
+                        sinks.view(1, -1, 1, 1).expand(1, -1, 2, 1)], dim=-1)  # (B, H, S, n + 1)
+    want = scores.softmax(-1)[..., :-1] @ v.repeat_interleave(2, 1)
+    for mode in (torch.no_grad, torch.inference_mode):
+        with mode():
+            got = sharded_attention(**inputs, group=None, scale=None)
+        assert cases.rel_error(got, want) <= FP32_RTOL
 
 
 @pytest.mark.parametrize("heads, kv_heads", [(6, 4), (2, 4)])

@@ -80,6 +80,11 @@ def grad_flags(*tensors) -> int:
     return sum(1 << i for i, t in enumerate(tensors) if isinstance(t, torch.Tensor) and t.requires_grad)
 
 
+def grad_names(flags: int) -> str:
+    """The tensors ``grad_flags``' bits name (of q, k, v, sinks), or "none"."""
+    return ", ".join(name for bit, name in enumerate(GRAD_TENSORS) if flags >> bit & 1) or "none"
+
+
 def signature(q, k, v, *, layout_name: str, causal, scale, strategy, rejected: bool, mask=None, sinks=None
               ) -> list[int]:
     """Integers describing one call; shape fields are -1 where the inputs are not tensors or have no
@@ -160,10 +165,7 @@ def _described(field: str, column: list[int], group: dist.ProcessGroup | None) -
                 "planner's hardware: requires_grad and ctxpar.auto.set_hardware must be alike on every rank)")
     if field != "requires_grad":
         return field
-    def named(flags: int) -> str:
-        return ", ".join(name for bit, name in enumerate(GRAD_TENSORS) if flags >> bit & 1) or "none"
-
-    by_rank = "; ".join(f"rank {_global_rank(group, i)}: {named(flags)}" for i, flags in enumerate(column))
+    by_rank = "; ".join(f"rank {_global_rank(group, i)}: {grad_names(flags)}" for i, flags in enumerate(column))
     return f"requires_grad (of q, k, v, sinks: {by_rank})"
 
 

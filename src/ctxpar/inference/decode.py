@@ -115,9 +115,10 @@ def sharded_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, grou
         all ranks, from one all-gather of the partial (out, lse).
 
     Raises:
-        ValueError: bad input (shapes that do not fit, dtypes, devices, scale, sinks), or
-            ranks that disagree: before the all-gather, on every rank together; both group
-            and mesh.
+        ValueError: bad input (shapes that do not fit, dtypes, devices, scale, sinks), q,
+            k, v or sinks that require grad under grad mode (it is inference only: no
+            gradient flows through the all-gather), or ranks that disagree: before the
+            all-gather, on every rank together; both group and mesh.
     """
     peers = topology.of(group, mesh, "sharded_attention")
     error = None
@@ -175,10 +176,15 @@ def _check_inputs(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: floa
     if not (q.device == k.device == v.device):
         raise ValueError(f"sharded_attention: q, k, v are on different devices: {q.device}, {k.device}, {v.device}")
     check_sinks(sinks, q)
+    flags = agreement.grad_flags(q, k, v, sinks)
+    if flags:  # the all-gather cuts the graph and the kernel's lse has no gradient: a backward would be wrong
+        raise ValueError(f"sharded_attention is inference only, but grad mode is on and "
+                         f"{agreement.grad_names(flags)} set requires_grad, which would get no exact gradient; call "
+                         f"it under torch.no_grad() or torch.inference_mode(), or use ctxpar.attention for training")
     return check_scale(scale, q)
 
 
-def _attention_signature(q, k, v, scale, sinks) -> dict[str, int]:
+def _attention_signature(q, k, v, scale, sinks) -> dict[str, agreement.Value]:
     """What every rank's sharded attention call must share (-1 where unreadable); the
     number of keys is each rank's own."""
     def dim(t, i: int) -> int:
