@@ -323,6 +323,11 @@ def _check_bad_inputs(rank: int, world: int) -> dict[str, str]:
     messages["attention_grad"] = _attempt(lambda: sharded_attention(q.requires_grad_(), kv, kv, group=None,
                                                                     scale=None, sinks=torch.zeros(4)))
     q.requires_grad_(False)
+    # prefilled in inference mode, decoded outside it, where torch refuses to write the cache's inference
+    # tensors: once on the owner rank alone, inside the step's write, the others waiting in attention
+    with torch.inference_mode():
+        frozen = prefilled(cache())
+    messages["inference_mode_cache"] = _attempt(lambda: decode_step(model, frozen, prompt[:, 0]))
     full = prefilled(cache(capacity=PROMPT_LEN + 1))
     decode_step(model, full, prompt[:, 0])
     messages["cache_full"] = _attempt(lambda: decode_step(model, full, prompt[:, 1]))

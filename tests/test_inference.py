@@ -208,6 +208,7 @@ EXPECTED_MESSAGES = {
     "models_differ": ["disagree on the generate call", "model (config, layers)"],
     "attention_grad": ["sharded_attention is inference only, but grad mode is on and q set requires_grad",
                        "under torch.no_grad() or torch.inference_mode(), or use ctxpar.attention for training"],
+    "inference_mode_cache": ["KV cache was built under torch.inference_mode()", "inside torch.inference_mode() as"],
 }
 ONE_RANK_BAD = {  # the last rank's call is bad: it raises its own error, the others name it
     "one_rank_bad": "batch B=1",

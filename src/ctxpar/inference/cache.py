@@ -131,6 +131,12 @@ class KVCache:
         return self._keys.device
 
     @property
+    def made_in_inference_mode(self) -> bool:
+        """Whether its tensors are inference tensors (built under ``torch.inference_mode()``),
+        which only calls inside inference mode may write."""
+        return self._keys.is_inference()
+
+    @property
     def element_size(self) -> int:
         """Bytes per K/V element."""
         return self._keys.element_size()

@@ -14,6 +14,7 @@ import contextlib
 import weakref
 from collections.abc import Callable, Iterator
 
+import torch
 import torch.nn as nn
 
 from ctxpar import agreement
@@ -66,7 +67,8 @@ def check_model_fits(model: nn.Module, cache: KVCache) -> None:
     (it needs the reference model's ``cfg``, ``hidden_states`` and ``output``, and plain
     causal attention in every layer: prefill and decode put exact causal attention over
     the sharded cache in its place, which would drop what a custom ``attention_fn`` does),
-    or that is not the model whose K/V the cache holds. Records ``model`` as that model:
+    or that is not the model whose K/V the cache holds; and a cache built under
+    ``torch.inference_mode()`` outside it, where its tensors cannot be written. Records ``model`` as that model:
     every call that writes the cache checks first."""
     cfg = getattr(model, "cfg", None)
     if cfg is None or not hasattr(model, "hidden_states") or not hasattr(model, "output"):
@@ -90,6 +92,12 @@ def check_model_fits(model: nn.Module, cache: KVCache) -> None:
     if (dtype, device) != (cache.dtype, cache.device):
         raise ValueError(f"the model is {dtype} on {device} but the KV cache {cache.dtype} on {cache.device}; "
                          f"build the cache with the model's dtype and device")
+    if cache.made_in_inference_mode and not torch.is_inference_mode_enabled():
+        # torch refuses to write inference tensors outside inference mode: once on the owner rank
+        # alone, in a decode step's write, its peers waiting in attention
+        raise ValueError("the KV cache was built under torch.inference_mode(), whose tensors cannot be written "
+                         "outside it; make every call on this cache inside torch.inference_mode() as well, or "
+                         "build the cache outside it (ctxpar's calls disable autograd themselves)")
     filled_by = cache.filled_by() if cache.filled_by is not None else None
     if cache.seq_len and filled_by is not model:
         # another model's K/V under this one's queries: plausible logits, of neither model
