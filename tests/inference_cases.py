@@ -328,6 +328,9 @@ def _check_bad_inputs(rank: int, world: int) -> dict[str, str]:
     with torch.inference_mode():
         frozen = prefilled(cache())
     messages["inference_mode_cache"] = _attempt(lambda: decode_step(model, frozen, prompt[:, 0]))
+    # a value_dim that is not the model's head_dim: once found inside the layer
+    messages["value_dim"] = _attempt(lambda: prefill(model, cache(value_dim=2 * cfg.head_dim), prompt,
+                                                     layout="zigzag"))
     full = prefilled(cache(capacity=PROMPT_LEN + 1))
     decode_step(model, full, prompt[:, 0])
     messages["cache_full"] = _attempt(lambda: decode_step(model, full, prompt[:, 1]))
@@ -390,6 +393,10 @@ def _check_bad_inputs(rank: int, world: int) -> dict[str, str]:
         grad_kv = kv.clone().requires_grad_(rank == world - 1)
         messages["one_rank_attention_grad"] = _attempt(lambda: sharded_attention(q, grad_kv, kv, group=None,
                                                                                  scale=None))
+        # only the last rank's cache has another value_dim: once found inside the layer (the others saw
+        # "Connection closed by peer")
+        messages["one_rank_value_dim"] = _attempt(lambda: prefill(
+            model, cache(value_dim=2 * cfg.head_dim if rank == world - 1 else None), prompt, layout="zigzag"))
         # rank 0's model has another vocabulary: once uninitialised logits on the others (another layer count: a hang)
         wider = Transformer(ModelConfig(**{**vars(cfg), "vocab": cfg.vocab + 2})).eval()
         messages["models_differ"] = _attempt(lambda: generate(wider if rank == 0 else model, prompt, layout="zigzag",

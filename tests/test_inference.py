@@ -172,7 +172,7 @@ def test_chunks_go_round_robin_and_keep_the_caches_balanced(world: int) -> None:
 EXPECTED_MESSAGES = {
     "capacity": ["prompt of 24 tokens", "capacity of 22"],
     "batch": ["batch B=2", "built for batch 3"],
-    "heads": ["(layers, kv_heads, head_dim) = (2, 4, 8)", "(2, 2, 8)"],
+    "heads": ["(layers, kv_heads, head_dim, value_dim) = (2, 4, 8, 8)", "(2, 2, 8, 8)"],
     "layout_length": ["not a multiple of 2*P=", "zigzag layout", "pad to"],
     "strategy": ["inference strategy 'ulysses'", "ring, allgather, alltoall, hybrid, auto"],
     "hybrid_no_mesh": ["strategy='hybrid' takes mesh="],
@@ -209,6 +209,8 @@ EXPECTED_MESSAGES = {
     "attention_grad": ["sharded_attention is inference only, but grad mode is on and q set requires_grad",
                        "under torch.no_grad() or torch.inference_mode(), or use ctxpar.attention for training"],
     "inference_mode_cache": ["KV cache was built under torch.inference_mode()", "inside torch.inference_mode() as"],
+    "value_dim": ["(layers, kv_heads, head_dim, value_dim) = (2, 4, 8, 8)", "built for (2, 4, 8, 16)",
+                  "KVCache.for_model(model.cfg"],
 }
 ONE_RANK_BAD = {  # the last rank's call is bad: it raises its own error, the others name it
     "one_rank_bad": "batch B=1",
@@ -216,6 +218,7 @@ ONE_RANK_BAD = {  # the last rank's call is bad: it raises its own error, the ot
     "one_rank_bad_keys": "H a multiple of H_kv",
     "one_rank_on_token": "on_token must be None or a function",
     "one_rank_attention_grad": "sharded_attention is inference only, but grad mode is on and k set requires_grad",
+    "one_rank_value_dim": "(layers, kv_heads, head_dim, value_dim) = (2, 4, 8, 8)",
 }
 MULTI_RANK_ONLY = ("layout_length", "step", "tokens_differ", "chunks_differ", "methods_differ", "calls_differ",
                    "chunk_capacities_differ", "interrupted_chunk", "cache_on_a_mesh", "cache_on_group_and_mesh",

@@ -83,11 +83,11 @@ def check_model_fits(model: nn.Module, cache: KVCache) -> None:
                              f"replace it with causal attention over the sharded cache and would drop what it does; "
                              f"restore the default (ctxpar.models.llama.causal_sdpa) or generate without CP "
                              f"(reference_generate)")
-    have = (len(modules), cfg.kv_heads, cfg.head_dim)
-    want = (cache.layers, cache.kv_heads, cache.head_dim)
+    have = (len(modules), cfg.kv_heads, cfg.head_dim, cfg.head_dim)  # the reference model's V is as wide as K
+    want = (cache.layers, cache.kv_heads, cache.head_dim, cache.value_dim)
     if have != want:
-        raise ValueError(f"the model has (layers, kv_heads, head_dim) = {have} but the KV cache was built for "
-                         f"{want}; build the cache with KVCache.for_model(model.cfg, ...)")
+        raise ValueError(f"the model has (layers, kv_heads, head_dim, value_dim) = {have} but the KV cache was "
+                         f"built for {want}; build the cache with KVCache.for_model(model.cfg, ...)")
     dtype, device = model.output.weight.dtype, model.output.weight.device
     if (dtype, device) != (cache.dtype, cache.device):
         raise ValueError(f"the model is {dtype} on {device} but the KV cache {cache.dtype} on {cache.device}; "
