@@ -331,6 +331,10 @@ def _check_bad_inputs(rank: int, world: int) -> dict[str, str]:
     # a value_dim that is not the model's head_dim: once found inside the layer
     messages["value_dim"] = _attempt(lambda: prefill(model, cache(value_dim=2 * cfg.head_dim), prompt,
                                                      layout="zigzag"))
+    # prompts of several lengths, or sparse: once torch's internal errors
+    ragged = torch.nested.nested_tensor([prompt[0], prompt[1, :5]], layout=torch.jagged)
+    messages["nested_prompt"] = _attempt(lambda: generate(model, ragged, layout="zigzag", new_tokens=2))
+    messages["sparse_prompt"] = _attempt(lambda: prefill(model, cache(), prompt.to_sparse(), layout="zigzag"))
     full = prefilled(cache(capacity=PROMPT_LEN + 1))
     decode_step(model, full, prompt[:, 0])
     messages["cache_full"] = _attempt(lambda: decode_step(model, full, prompt[:, 1]))
@@ -393,10 +397,12 @@ def _check_bad_inputs(rank: int, world: int) -> dict[str, str]:
         grad_kv = kv.clone().requires_grad_(rank == world - 1)
         messages["one_rank_attention_grad"] = _attempt(lambda: sharded_attention(q, grad_kv, kv, group=None,
                                                                                  scale=None))
-        # only the last rank's cache has another value_dim: once found inside the layer (the others saw
-        # "Connection closed by peer")
+        # only the last rank's cache has another value_dim / its prompt is nested: once found inside the layer
+        # (the others saw "Connection closed by peer"), or read outside the checks (the others waited)
         messages["one_rank_value_dim"] = _attempt(lambda: prefill(
             model, cache(value_dim=2 * cfg.head_dim if rank == world - 1 else None), prompt, layout="zigzag"))
+        rows = ragged if rank == world - 1 else prompt
+        messages["one_rank_nested_prompt"] = _attempt(lambda: prefill(model, cache(), rows, layout="zigzag"))
         # rank 0's model has another vocabulary: once uninitialised logits on the others (another layer count: a hang)
         wider = Transformer(ModelConfig(**{**vars(cfg), "vocab": cfg.vocab + 2})).eval()
         messages["models_differ"] = _attempt(lambda: generate(wider if rank == 0 else model, prompt, layout="zigzag",

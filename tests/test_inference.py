@@ -211,6 +211,9 @@ EXPECTED_MESSAGES = {
     "inference_mode_cache": ["KV cache was built under torch.inference_mode()", "inside torch.inference_mode() as"],
     "value_dim": ["(layers, kv_heads, head_dim, value_dim) = (2, 4, 8, 8)", "built for (2, 4, 8, 16)",
                   "KVCache.for_model(model.cfg"],
+    "nested_prompt": ["the prompt: expected token ids as a dense (B, T) tensor, one length for every prompt, got a "
+                      "nested tensor"],
+    "sparse_prompt": ["prompt: expected token ids as a dense (B, n) tensor", "got a sparse_coo tensor"],
 }
 ONE_RANK_BAD = {  # the last rank's call is bad: it raises its own error, the others name it
     "one_rank_bad": "batch B=1",
@@ -219,6 +222,7 @@ ONE_RANK_BAD = {  # the last rank's call is bad: it raises its own error, the ot
     "one_rank_on_token": "on_token must be None or a function",
     "one_rank_attention_grad": "sharded_attention is inference only, but grad mode is on and k set requires_grad",
     "one_rank_value_dim": "(layers, kv_heads, head_dim, value_dim) = (2, 4, 8, 8)",
+    "one_rank_nested_prompt": "prompt: expected token ids as a dense (B, n) tensor",
 }
 MULTI_RANK_ONLY = ("layout_length", "step", "tokens_differ", "chunks_differ", "methods_differ", "calls_differ",
                    "chunk_capacities_differ", "interrupted_chunk", "cache_on_a_mesh", "cache_on_group_and_mesh",
@@ -477,6 +481,11 @@ def test_generation_inputs_are_refused_by_name_not_by_torch() -> None:
                                        "token ids from 201 to 327 in its prompt, outside its vocabulary of 128"),
         "float ids": (lambda: reference_generate(model, prompt.float(), new_tokens=2),
                       "integer token ids (int64), got torch.float32"),
+        "prompts of two lengths": (lambda: reference_generate(model, torch.nested.nested_tensor(
+            [prompt[0], prompt[1, :3]], layout=torch.jagged), new_tokens=2),
+            "the prompt: expected token ids as a dense (B, T) tensor, one length for every prompt, got a nested"),
+        "a sparse prompt": (lambda: reference_generate(model, prompt.to_sparse(), new_tokens=2),
+                            "got a sparse_coo tensor; convert it with .to_dense()"),
         "a float one-token prompt": (lambda: generate(model, prompt[:, :1].float(), layout="zigzag", new_tokens=2),
                                      "the prompt must hold integer token ids"),
         "new_tokens past the cache's range": (
@@ -502,6 +511,8 @@ def test_generation_inputs_are_refused_by_name_not_by_torch() -> None:
     prefill(model, cache, prompt, layout="zigzag")
     refused["decode tokens (1, B)"] = (lambda: decode_step(model, cache, prompt[:, :1].T),
                                        "pass them as (B, n) = (2, 1) or (B,), one token per sequence, not (1, B)")
+    refused["nested decode tokens"] = (lambda: decode_step(model, cache, torch.nested.nested_tensor(
+        [prompt[0, :1], prompt[1, :1]], layout=torch.jagged)), "decode tokens: expected token ids as a dense (B, n)")
     for name, (call, message) in refused.items():
         try:
             call()

@@ -29,7 +29,7 @@ from ctxpar import agreement, kernels, limits, topology
 from ctxpar.attention import SUPPORTED_DTYPES, check_scale, check_sinks
 from ctxpar.inference.cache import SHARD_FULL_WHY, KVCache
 from ctxpar.inference.hooks import attention_replaced, check_cache, check_model_fits, model_code
-from ctxpar.inference.prefill import check_tokens
+from ctxpar.inference.prefill import check_tokens, is_dense
 from ctxpar.merge import merge_packed
 
 
@@ -205,7 +205,7 @@ def _check(model: nn.Module, cache: KVCache, tokens) -> torch.Tensor:
     if cache.prompt_len == 0:
         raise ValueError("decode before prefill: the KV cache holds no prompt; call prefill(model, cache, prompt, "
                          "...) first")
-    if isinstance(tokens, torch.Tensor) and tokens.dim() == 1:
+    if is_dense(tokens) and tokens.dim() == 1:
         tokens = tokens.unsqueeze(1)  # (B, 1)
     check_tokens(tokens, cache, model.cfg.vocab, "decode tokens")
     if tokens.shape[1] != 1:
@@ -221,7 +221,7 @@ def _check(model: nn.Module, cache: KVCache, tokens) -> torch.Tensor:
 
 def _signature(model: nn.Module, cache: KVCache, tokens) -> dict[str, int]:
     """Every rank must be at the same step with the same tokens."""
-    ok = isinstance(tokens, torch.Tensor)
+    ok = is_dense(tokens)
     return {
         "position (prompt + steps)": cache.seq_len,
         "model (config, layers)": model_code(model),

@@ -27,7 +27,7 @@ from ctxpar.inference.cache import KVCache
 from ctxpar.inference.decode import decode_step
 from ctxpar.inference.hooks import model_code
 from ctxpar.inference.partial import partial_prefill
-from ctxpar.inference.prefill import check_strategy, prefill
+from ctxpar.inference.prefill import check_dense_tokens, check_strategy, prefill
 from ctxpar.layout import Layout, OneLengthLayout, get_layout
 
 
@@ -176,9 +176,9 @@ def _check(model: nn.Module, prompt: torch.Tensor, new_tokens: int, temperature:
     if getattr(model, "cfg", None) is None or not hasattr(model, "output"):
         raise ValueError(f"{type(model).__name__} is not a ctxpar.models.Transformer: generate needs its cfg and "
                          f"output head")
-    if not isinstance(prompt, torch.Tensor) or prompt.dim() != 2 or 0 in prompt.shape:
-        got = tuple(prompt.shape) if isinstance(prompt, torch.Tensor) else type(prompt).__name__
-        raise ValueError(f"the prompt must be a 2-D tensor of token ids (B, T) with B, T >= 1, got {got}")
+    check_dense_tokens(prompt, "the prompt", "(B, T)")
+    if 0 in prompt.shape:
+        raise ValueError(f"the prompt must hold token ids (B, T) with B, T >= 1, got {tuple(prompt.shape)}")
     if prompt.dtype not in (torch.int64, torch.int32):
         raise ValueError(f"the prompt must hold integer token ids (int64), got {prompt.dtype}")
     limits.check_token_range(prompt, model.cfg.vocab, "the model", " in its prompt")

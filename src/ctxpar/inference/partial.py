@@ -38,7 +38,7 @@ from ctxpar.blocks import Tile, tiles_between
 from ctxpar.comm import PendingAllGather, RingComm, collective_device, settled
 from ctxpar.inference.cache import SHARD_FULL_WHY, KVCache
 from ctxpar.inference.hooks import attention_replaced, check_cache, check_model_fits, model_code
-from ctxpar.inference.prefill import check_tokens, last_logits
+from ctxpar.inference.prefill import check_tokens, is_dense, last_logits
 from ctxpar.masks import Mask
 from ctxpar.merge import merge_packed
 from ctxpar.plan.hardware import Hardware
@@ -231,7 +231,7 @@ def _check(model: nn.Module, cache: KVCache, chunk, method: str, hardware) -> to
 
 
 def _signature(model: nn.Module, cache: KVCache, chunk, method: str) -> dict[str, int]:
-    ok = isinstance(chunk, torch.Tensor) and chunk.dim() == 2
+    ok = is_dense(chunk) and chunk.dim() == 2
     return {
         "cached positions": cache.seq_len,
         "model (config, layers)": model_code(model),

@@ -91,12 +91,32 @@ def last_position_owner(layout: Layout, seq_len: int) -> int:
     return next(r for r in range(layout.world_size) if int(layout.positions(seq_len, r)[-1]) == seq_len - 1)
 
 
+def is_dense(t: object) -> bool:
+    """Whether ``t`` is a dense (strided) tensor, whose shape and values can be read: not a
+    nested one (prompts of several lengths), nor a sparse one."""
+    return isinstance(t, torch.Tensor) and t.layout == torch.strided and not t.is_nested
+
+
+def check_dense_tokens(tokens: object, what: str, dims: str) -> None:
+    """Refuse token ids that are not a dense 2-D tensor (``dims`` names its two dims), naming
+    what they are: torch's own errors came from deep inside for nested and sparse ones."""
+    if is_dense(tokens) and tokens.dim() == 2:
+        return
+    if not isinstance(tokens, torch.Tensor):
+        got = type(tokens).__name__
+    elif tokens.is_nested:
+        got = "a nested tensor (of several lengths); make one call per length"
+    elif tokens.layout != torch.strided:
+        got = f"a {str(tokens.layout).removeprefix('torch.')} tensor; convert it with .to_dense()"
+    else:
+        got = tuple(tokens.shape)
+    raise ValueError(f"{what}: expected token ids as a dense {dims} tensor, one length for every prompt, got {got}")
+
+
 def check_tokens(tokens: object, cache: KVCache, vocab: int, what: str) -> None:
-    """Token ids: a 2-D integer tensor (B, n) on the cache's device, B = the cache's batch,
-    every id a row of the embedding."""
-    if not isinstance(tokens, torch.Tensor) or tokens.dim() != 2:
-        got = tuple(tokens.shape) if isinstance(tokens, torch.Tensor) else type(tokens).__name__
-        raise ValueError(f"{what}: expected a 2-D tensor of token ids (B, n), got {got}")
+    """Token ids: a dense 2-D integer tensor (B, n) on the cache's device, B = the cache's
+    batch, every id a row of the embedding."""
+    check_dense_tokens(tokens, what, "(B, n)")
     if tokens.dtype not in (torch.int64, torch.int32):
         raise ValueError(f"{what}: expected integer token ids (int64), got {tokens.dtype}")
     if tokens.shape[0] != cache.batch:
@@ -167,7 +187,7 @@ def check_strategy(model: nn.Module, rank: int, world_size: int, strategy: str, 
 
 def _signature(model: nn.Module, cache: KVCache, prompt, layout, strategy) -> dict[str, int]:
     """What every rank's prefill call must share; -1 where the input was not even a tensor."""
-    ok = isinstance(prompt, torch.Tensor) and prompt.dim() == 2
+    ok = is_dense(prompt) and prompt.dim() == 2
     return {
         "batch": prompt.shape[0] if ok else -1,
         "model (config, layers)": model_code(model),
