@@ -403,6 +403,12 @@ def _check_bad_inputs(rank: int, world: int) -> dict[str, str]:
             model, cache(value_dim=2 * cfg.head_dim if rank == world - 1 else None), prompt, layout="zigzag"))
         rows = ragged if rank == world - 1 else prompt
         messages["one_rank_nested_prompt"] = _attempt(lambda: prefill(model, cache(), rows, layout="zigzag"))
+        # values that differ are named as themselves: once float bits and checksums of the names
+        messages["temperature_differs"] = _attempt(lambda: generate(model, prompt, layout="zigzag", new_tokens=2,
+                                                                    temperature=0.5 + rank * 1e-16))
+        messages["names_differ"] = _attempt(lambda: prefill(
+            model, cache(), prompt, layout="zigzag" if rank == 0 else "striped",
+            strategy="ring" if rank == 0 else "allgather"))
         # rank 0's model has another vocabulary: once uninitialised logits on the others (another layer count: a hang)
         wider = Transformer(ModelConfig(**{**vars(cfg), "vocab": cfg.vocab + 2})).eval()
         messages["models_differ"] = _attempt(lambda: generate(wider if rank == 0 else model, prompt, layout="zigzag",

@@ -214,6 +214,8 @@ EXPECTED_MESSAGES = {
     "nested_prompt": ["the prompt: expected token ids as a dense (B, T) tensor, one length for every prompt, got a "
                       "nested tensor"],
     "sparse_prompt": ["prompt: expected token ids as a dense (B, n) tensor", "got a sparse_coo tensor"],
+    "temperature_differs": ["disagree on the generate call: temperature [0.5, 0.5000000000000001"],
+    "names_differ": ["disagree on the prefill", "layout ['zigzag/", "'striped/", "strategy ['ring', 'allgather'"],
 }
 ONE_RANK_BAD = {  # the last rank's call is bad: it raises its own error, the others name it
     "one_rank_bad": "batch B=1",
@@ -226,7 +228,7 @@ ONE_RANK_BAD = {  # the last rank's call is bad: it raises its own error, the ot
 }
 MULTI_RANK_ONLY = ("layout_length", "step", "tokens_differ", "chunks_differ", "methods_differ", "calls_differ",
                    "chunk_capacities_differ", "interrupted_chunk", "cache_on_a_mesh", "cache_on_group_and_mesh",
-                   "attention_queries_differ", "models_differ")
+                   "attention_queries_differ", "models_differ", "temperature_differs", "names_differ")
 
 
 @pytest.mark.parametrize("world", WORLD_SIZES, ids=lambda w: f"P{w}")

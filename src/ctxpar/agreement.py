@@ -195,6 +195,27 @@ def _global_rank(group: dist.ProcessGroup | None, group_rank: int) -> int:
     return group_rank if group is None else dist.get_global_rank(group, group_rank)
 
 
+def _code(value: Value) -> int:
+    return value.code() if isinstance(value, (Real, Text)) else _int64(value)
+
+
+def _gathered_texts(texts: dict[str, Text], group: dist.ProcessGroup | None) -> dict[str, list[str]]:
+    """Every rank's names of ``texts``, by field: one all-gather of ``Text.exchanged`` each, where
+    the ranks' checksums of them differed."""
+    mine = torch.zeros(len(texts), TEXT_BYTES, dtype=torch.uint8)  # (texts, bytes), zero-padded
+    for row, text in zip(mine, texts.values()):
+        encoded = text.exchanged()
+        row[: len(encoded)] = torch.frombuffer(bytearray(encoded), dtype=torch.uint8)
+    mine = mine.to(collective_device(group))
+    table = mine.new_empty(dist.get_world_size(group) * len(texts), TEXT_BYTES)
+    profile.add_traffic(0, 0)  # a synchronisation point, as ``_all_gather``'s
+    with profile.timed("wait", mine.device):
+        all_gather_into(table, mine, group=group)
+    rows = table.view(-1, len(texts), TEXT_BYTES).cpu()  # (W, texts, bytes)
+    return {name: [bytes(per_rank[j].tolist()).rstrip(b"\0").decode(errors="replace") for per_rank in rows]
+            for j, name in enumerate(texts)}
+
+
 def _all_gather(sig: list[int], group: dist.ProcessGroup | None, kind: str) -> tuple[torch.Tensor, list[int]]:
     """Every rank's ``sig`` (W, len(sig)) and the kind of call each rank is in (``CALLS``)."""
     row = [text_code(kind), *sig]
@@ -215,20 +236,63 @@ def _call_names(kinds: list[int]) -> list[str]:
     return [names.get(code, "?") for code in kinds]
 
 
-def check_values_agree(values: dict[str, int], group: dist.ProcessGroup | None | list[dist.ProcessGroup | None],
+class Real:
+    """A number among the values ``check_values_agree`` compares: exchanged as its float64
+    bits (equal on ranks passing equal numbers, 1 and 1.0 alike), shown as the number
+    where the ranks differ."""
+
+    def __init__(self, value) -> None:
+        self.value = value
+
+    def code(self) -> int:
+        return float_code(self.value)
+
+    @staticmethod
+    def shown(code: int) -> float:
+        return struct.unpack("<d", struct.pack("<q", code))[0]
+
+
+class Text:
+    """A name (a strategy, a dtype, a layout) among the values ``check_values_agree``
+    compares: exchanged as a checksum; where the ranks differ, the names themselves (their
+    first ``TEXT_BYTES`` bytes) follow in one more small all-gather, to be shown."""
+
+    def __init__(self, value) -> None:
+        self.value = value
+
+    def code(self) -> int:
+        return text_code(str(self.value))
+
+    def exchanged(self) -> bytes:
+        """Its name as exchanged: UTF-8, cut to ``TEXT_BYTES`` ("..." marking the cut)."""
+        try:
+            text = str(self.value).encode()
+        except Exception:  # noqa: BLE001  a name that cannot be read is still exchanged
+            text = b"?"
+        return text if len(text) <= TEXT_BYTES else text[:TEXT_BYTES - 3] + b"..."
+
+
+TEXT_BYTES = 64
+Value = int | Real | Text  # what ``check_values_agree`` compares
+
+
+def check_values_agree(values: dict[str, Value],
+                       group: dist.ProcessGroup | None | list[dist.ProcessGroup | None],
                        error: Exception | None, what: str, where_known: tuple[str, ...] = ()) -> None:
     """The same guarantee for calls other than attention (inference's prefill and decode
     steps, a model's forward): one all-gather of ``values`` (integers naming the call:
-    lengths, the step, a checksum of the tokens) over ``group``, or over each of a list of
+    lengths, the step, a checksum of the tokens; numbers as ``Real``, names as ``Text``,
+    which a disagreement shows as themselves) over ``group``, or over each of a list of
     groups in turn (a hybrid mesh's rows, then its columns: trouble seen in the first
     reaches every rank in the second); every rank raises if any rank had an ``error`` (it
-    raises its own) or any value differs between ranks. ``what`` names the call. The
-    values named in ``where_known`` may be unknown (-1) on some rank; they are compared
-    only where every rank of the group knows them."""
+    raises its own) or any value differs between ranks, naming each rank's. ``what`` names
+    the call. The values named in ``where_known`` may be unknown (-1) on some rank; they
+    are compared only where every rank of the group knows them. A value's kind (int, Real,
+    Text) must be the same on every rank: the callers' signatures fix it per field."""
     names = list(values)
-    mine = [OWN_INPUTS_REJECTED if error is not None else 0, *(readable(lambda: _int64(values[n])) for n in names)]
+    mine = [OWN_INPUTS_REJECTED if error is not None else 0, *(readable(lambda: _code(values[n])) for n in names)]
     rejected: list[int] = []
-    differ: dict[str, list[int]] = {}
+    differ: dict[str, list] = {}
     for members in group if isinstance(group, list) else [group]:
         table, kinds = _all_gather(mine, members, what)
         if len(set(kinds)) > 1:  # another call on some rank: its fields are not these
@@ -239,11 +303,16 @@ def check_values_agree(values: dict[str, int], group: dist.ProcessGroup | None |
         rejected += [_global_rank(members, i) for i, b in enumerate(bits) if b & OWN_INPUTS_REJECTED]
         if any(b & (OWN_INPUTS_REJECTED | SAW_REJECTED) for b in bits):
             mine[0] |= SAW_REJECTED
-        for i, name in enumerate(names, start=1):
-            if name in where_known and bool((table[:, i] == -1).any()):
-                continue
-            if not bool((table[:, i] == table[0, i]).all()):
-                differ.setdefault(name, table[:, i].tolist())
+        here = [(i, name) for i, name in enumerate(names, start=1)
+                if not (name in where_known and bool((table[:, i] == -1).any()))
+                and not bool((table[:, i] == table[0, i]).all())]
+        # every rank of the group holds this table, so all of them (or none) exchange the names
+        texts = {name: values[name] for _, name in here if isinstance(values[name], Text)}
+        shown = _gathered_texts(texts, members) if texts else {}
+        for i, name in here:
+            column = table[:, i].tolist()
+            differ.setdefault(name, shown[name] if name in shown else
+                              [Real.shown(c) for c in column] if isinstance(values[name], Real) else column)
         if differ or any(b & SAW_DIFFERENT for b in bits):
             mine[0] |= SAW_DIFFERENT
     if error is not None:

@@ -193,9 +193,9 @@ def _attention_signature(q, k, v, scale, sinks) -> dict[str, agreement.Value]:
     return {
         **{f"q {name}": dim(q, i) for i, name in enumerate(("batch", "heads", "queries", "head dim"))},
         "k/v heads": dim(k, 1),
-        "dtype": agreement.readable(lambda: agreement.text_code(str(q.dtype))),
+        "dtype": agreement.Text(getattr(q, "dtype", "?")),
         "q values (crc32)": agreement.readable(lambda: agreement.values_code(q)),
-        "scale": agreement.readable(lambda: agreement.float_code(scale)),
+        "scale": agreement.Real(scale),
         "sinks (crc32)": 0 if sinks is None else agreement.readable(lambda: agreement.values_code(sinks)),
     }
 
@@ -219,7 +219,7 @@ def _check(model: nn.Module, cache: KVCache, tokens) -> torch.Tensor:
     return tokens
 
 
-def _signature(model: nn.Module, cache: KVCache, tokens) -> dict[str, int]:
+def _signature(model: nn.Module, cache: KVCache, tokens) -> dict[str, agreement.Value]:
     """Every rank must be at the same step with the same tokens."""
     ok = is_dense(tokens)
     return {
@@ -227,6 +227,6 @@ def _signature(model: nn.Module, cache: KVCache, tokens) -> dict[str, int]:
         "model (config, layers)": model_code(model),
         "capacity": cache.capacity,
         "batch": tokens.shape[0] if ok and tokens.dim() else -1,
-        "dtype": agreement.text_code(str(cache.dtype)),
+        "dtype": agreement.Text(cache.dtype),
         "tokens (crc32)": agreement.readable(lambda: agreement.tensor_code(tokens, torch.int64)) if ok else -1,
     }

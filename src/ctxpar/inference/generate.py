@@ -187,14 +187,12 @@ def _check(model: nn.Module, prompt: torch.Tensor, new_tokens: int, temperature:
                          f"{prompt.shape[1] + new_tokens - 1} positions, more than {limits.MAX_COUNT}")
 
 
-def _signature(model, new_tokens, temperature, seed, strategy) -> dict[str, int]:
-    def bits(x) -> int:
-        return agreement.readable(lambda: agreement.float_code(x))
+def _signature(model, new_tokens, temperature, seed, strategy) -> dict[str, agreement.Value]:
     return {"model (config, layers)": model_code(model),
             "new_tokens": new_tokens if isinstance(new_tokens, int) else -1,
-            "temperature": bits(temperature),
+            "temperature": agreement.Real(temperature),
             "seed": seed if isinstance(seed, int) else -1,
-            "strategy": agreement.text_code(str(strategy))}
+            "strategy": agreement.Text(strategy)}
 
 
 def _now(device: torch.device) -> float:

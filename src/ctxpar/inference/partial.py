@@ -230,7 +230,7 @@ def _check(model: nn.Module, cache: KVCache, chunk, method: str, hardware) -> to
     return chunk
 
 
-def _signature(model: nn.Module, cache: KVCache, chunk, method: str) -> dict[str, int]:
+def _signature(model: nn.Module, cache: KVCache, chunk, method: str) -> dict[str, agreement.Value]:
     ok = is_dense(chunk) and chunk.dim() == 2
     return {
         "cached positions": cache.seq_len,
@@ -238,7 +238,7 @@ def _signature(model: nn.Module, cache: KVCache, chunk, method: str) -> dict[str
         "batch": chunk.shape[0] if ok else -1,
         "chunk length": chunk.shape[1] if ok else -1,
         "chunk tokens (crc32)": agreement.readable(lambda: agreement.tensor_code(chunk, torch.int64)) if ok else -1,
-        "method": agreement.text_code(str(method)),
+        "method": agreement.Text(method),
         "capacity": cache.capacity,
-        "dtype": agreement.text_code(str(cache.dtype)),
+        "dtype": agreement.Text(cache.dtype),
     }

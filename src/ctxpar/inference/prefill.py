@@ -185,7 +185,7 @@ def check_strategy(model: nn.Module, rank: int, world_size: int, strategy: str, 
     return layout_rank
 
 
-def _signature(model: nn.Module, cache: KVCache, prompt, layout, strategy) -> dict[str, int]:
+def _signature(model: nn.Module, cache: KVCache, prompt, layout, strategy) -> dict[str, agreement.Value]:
     """What every rank's prefill call must share; -1 where the input was not even a tensor."""
     ok = is_dense(prompt) and prompt.dim() == 2
     return {
@@ -194,8 +194,8 @@ def _signature(model: nn.Module, cache: KVCache, prompt, layout, strategy) -> di
         "prompt length": prompt.shape[1] if ok else -1,
         "prompt tokens (crc32)": agreement.readable(lambda: agreement.tensor_code(prompt, torch.int64)) if ok else -1,
         "capacity": cache.capacity,
-        "dtype": agreement.text_code(str(cache.dtype)),
+        "dtype": agreement.Text(cache.dtype),
         "cached positions": cache.seq_len,
-        "layout": agreement.text_code(fingerprint(layout) if isinstance(layout, Layout) else str(layout)),
-        "strategy": agreement.text_code(str(strategy)),
+        "layout": agreement.Text(fingerprint(layout) if isinstance(layout, Layout) else layout),
+        "strategy": agreement.Text(strategy),
     }
