@@ -238,13 +238,15 @@ def _refusals(rank: int, world: int) -> dict:
         # a forward of one's own over the sharded cache, checked as any forward under CP: an all-True 4-D mask
         # on rank 1 only (dropped: the causal logits, silently), a token outside the vocabulary (an IndexError
         # on the rank holding it), logits_to_keep past the one row it returns
-        "4-D mask over the sharded cache on rank 1": _attempt(lambda: model(
-            input_ids=tokens, cache=_sharded(model),
+        "4-D mask over the sharded cache on rank 1": _attempt(lambda: _over_cache(
+            model, input_ids=tokens,
             attention_mask=torch.ones(BATCH, 1, PROMPT_LEN, PROMPT_LEN, dtype=torch.bool) if rank == 1 else None)),
-        "token outside the vocabulary over the sharded cache": _attempt(lambda: model(input_ids=outside,
-                                                                                      cache=_sharded(model))),
-        "logits_to_keep over the sharded cache": _attempt(lambda: model(input_ids=tokens, cache=_sharded(model),
-                                                                        logits_to_keep=3)),
+        "token outside the vocabulary over the sharded cache": _attempt(lambda: _over_cache(model, input_ids=outside)),
+        "logits_to_keep over the sharded cache": _attempt(lambda: _over_cache(model, input_ids=tokens,
+                                                                              logits_to_keep=3)),
+        # a decode step's all-gather has no gradient: attention's share of the backward was silently missing
+        "grad mode over the sharded cache on rank 1": _attempt(lambda: _over_cache(model, grad=rank == 1,
+                                                                                   input_ids=tokens)),
         "max_new_tokens past the count": _attempt(lambda: model.generate(tokens, max_new_tokens=2**31)),
         "cache unallocated on rank 1": _unallocated_on_rank_1(model, tokens, rank),
     }
@@ -270,6 +272,12 @@ def _refusals(rank: int, world: int) -> dict:
     except Exception as e:  # noqa: BLE001
         out["after"] = f"{type(e).__name__}: {e}"
     return out
+
+
+def _over_cache(model, grad: bool = False, **kwargs):
+    """A forward of one's own over a new sharded cache, inference only (as generate's) unless ``grad``."""
+    with torch.set_grad_enabled(grad):
+        return model(cache=_sharded(model), **kwargs)
 
 
 def _sharded(model) -> ShardedCache:

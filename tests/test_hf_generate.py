@@ -194,11 +194,16 @@ def test_a_forward_with_a_token_outside_the_vocabulary_on_one_rank_is_refused_on
 
 def test_a_forward_over_the_sharded_cache_refuses_a_mask_of_one_rank_on_every_rank() -> None:
     """An all-True 4-D mask was dropped by a forward over the sharded cache (the causal logits,
-    0.02 off the masked model's, silently), where the same forward without it refuses it."""
+    0.02 off the masked model's, silently), where the same forward without it refuses it; so
+    is grad mode (a decode step's attention has no gradient: its share was silently missing)."""
     for rank in range(4):
         got = _part(rank, "refusals")["4-D mask over the sharded cache on rank 1"]
         want = ("ValueError: LlamaForCausalLM got an explicit attention mask (2, 1, 24, 24)" if rank == 1 else
                 "ValueError: ranks [1] of the CP group rejected their generate forward inputs")
+        assert got.startswith(want), f"rank {rank}: {got}"
+        got = _part(rank, "refusals")["grad mode over the sharded cache on rank 1"]
+        want = ("ValueError: LlamaForCausalLM over ctxpar's sharded cache is inference only, but grad mode is on"
+                if rank == 1 else "ValueError: ranks [1] of the CP group rejected their generate forward inputs")
         assert got.startswith(want), f"rank {rank}: {got}"
 
 
@@ -249,7 +254,9 @@ def test_one_rank_without_a_process_group_generates_as_without_cp(family: str) -
         model.generate(tokens, num_beams=2, max_new_tokens=2)
     with pytest.raises(NotImplementedError, match="cannot reorder its sequences"):
         out.cache.reorder_cache(torch.tensor([1, 0]))
-    with pytest.raises(ValueError, match="call generate again with the whole sequence"):  # read "the cache is full"
+    with torch.no_grad(), pytest.raises(ValueError, match="call generate again with the whole sequence"):  # "full"
+        model(input_ids=out.sequences[:, -1:], past_key_values=out.cache)
+    with pytest.raises(ValueError, match="over ctxpar's sharded cache is inference only, but grad mode is on"):
         model(input_ids=out.sequences[:, -1:], past_key_values=out.cache)
     with pytest.raises(ValueError, match=re.escape("strategy='hybrid' takes mesh=")):  # on a mesh: 4 ranks below
         enable_context_parallel(hf_families.build(family), layout=ONE, strategy="hybrid")

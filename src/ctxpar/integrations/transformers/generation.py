@@ -417,6 +417,10 @@ def _plan(name: str, settings: Settings, cache: ShardedCache, kwargs: dict, acce
     """Check what a forward over the cache adds to the checks of any forward under CP (its mask,
     token ids, logits_to_keep: ``enable_context_parallel``'s wrapper made them) and rewrite its
     arguments: the prefill's prompt sharded with global positions, or a decode step's position."""
+    if torch.is_grad_enabled():  # generate runs under no_grad; a decode step's attention cuts the graph
+        raise ValueError(f"{name} over ctxpar's sharded cache is inference only, but grad mode is on: a decode step "
+                         f"gathers the ranks' partial attention without a gradient, so a backward would be wrong; "
+                         f"call it under torch.no_grad() or torch.inference_mode(), as generate does")
     for key, what in (("labels", "labels= (a loss)"), ("inputs_embeds", "inputs_embeds="),
                       ("output_hidden_states", "output_hidden_states=True (hidden states of one shard)")):
         if kwargs.get(key) not in (None, False):
