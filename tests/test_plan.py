@@ -407,6 +407,22 @@ def test_the_recommendation_puts_each_strategy_on_its_fastest_layout() -> None:
     assert "ring 3.093 s (contiguous)" in rec.reasons[2] and "alltoall 3.119 s (zigzag)" in rec.reasons[2]
 
 
+def test_the_recommendation_evaluates_a_degree_on_any_layout_that_splits_t() -> None:
+    """Each degree was built on the requested layout and dropped where that did not split T:
+    at T=18006 zigzag needs a multiple of 4 at CP-2, so CP-3 was recommended as the smallest
+    degree that fits, though CP-2 on the striped layout fits; and at T=32766 "no CP degree up
+    to 4 fits" was said without CP-2 or CP-4 evaluated."""
+    hw = get_hardware("H100-SXM")
+    w = Workload(resolve_model("llama-3-8b"), batch=1, seq=18006, dtype="bfloat16", cp=3, fsdp=8)
+    rec = recommend(w, hw, [1, 2, 3])
+    assert (rec.workload.cp, rec.workload.layout, rec.workload.seq) == (2, "striped", 18006)
+    assert rec.reasons[1].startswith("CP-2 fits") and "allgather 971.337 ms (striped)" in rec.reasons[2]
+    none = recommend(w.with_(seq=32766), hw, [1, 2, 3, 4])
+    assert none.workload is None and none.reasons[1].startswith("CP-2 needs")
+    assert none.reasons[3].startswith("CP-4 not evaluated: --seq: sequence length 32766 is not a multiple of P=4")
+    assert none.reasons[4].startswith("none of the CP degrees evaluated (1, 2, 3) fits; ")
+
+
 def test_auto_names_what_it_costed_in_place_of_the_call() -> None:
     """Its reason read "float32" for float64 tensors and "zigzag" for a layout of another name."""
     from ctxpar import auto

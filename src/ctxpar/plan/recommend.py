@@ -10,8 +10,8 @@ lengths the layout accepts):
 
 The recommendation takes the smallest degree that fits (more GPUs per sequence only pays
 if the efficiency stays high: any GPU not used for CP can run data parallelism at
-efficiency ~1), then the fastest strategy at that degree, with the layout of lowest
-load-balance factor, and prints why.
+efficiency ~1), then the fastest strategy at that degree, each on the layout that splits T
+and gives it the shortest step, and prints why.
 """
 
 from __future__ import annotations
@@ -67,8 +67,9 @@ class Recommendation:
     reasons: list[str] = field(default_factory=list)
 
 
-def variant(w: Workload, hw: Hardware, *, strategy: str, cp: int, seq: int | None = None) -> Workload | None:
-    """``w`` with another strategy / degree / length, or None where that combination is invalid.
+def variant(w: Workload, hw: Hardware, *, strategy: str, cp: int, seq: int | None = None,
+            layout: str | None = None) -> Workload | None:
+    """``w`` with another strategy / degree / length / layout, or None where that combination is invalid.
 
     The same TP, FSDP and PP; the same DP replicas where FSDP still divides DP·P, else the
     fewest it needs (``Workload.dp`` None). DP sets the group that reduces gradients.
@@ -79,10 +80,16 @@ def variant(w: Workload, hw: Hardware, *, strategy: str, cp: int, seq: int | Non
     if strategy == "hybrid" and ulysses is None:
         return None
     try:
-        dp = w.dp if w.dp is not None and (w.dp * cp) % w.fsdp == 0 else None
-        return w.with_(strategy=strategy, cp=cp, seq=w.seq if seq is None else seq, ulysses=ulysses, dp=dp)
+        return w.with_(strategy=strategy, cp=cp, seq=w.seq if seq is None else seq, ulysses=ulysses,
+                       dp=_replicas(w, cp),
+                       layout=w.layout if layout is None else layout)
     except ValueError:  # e.g. alltoall with heads not divisible by P, or a length the layout rejects
         return None
+
+
+def _replicas(w: Workload, cp: int) -> int | None:
+    """``w``'s DP replicas at degree ``cp``, where FSDP still divides DP·P; None: the fewest it needs."""
+    return w.dp if w.dp is not None and (w.dp * cp) % w.fsdp == 0 else None
 
 
 def evaluate(w: Workload, hw: Hardware) -> SweepPoint:
@@ -189,11 +196,26 @@ def best_layout(w: Workload, hw: Hardware) -> tuple[str, dict[str, float], dict[
 
 
 def _options(w: Workload, hw: Hardware, cp: int) -> list[Workload]:
-    """``w`` at degree ``cp`` with every strategy that runs there; at 1, the CP-1 of the table
-    and the efficiencies (``Workload.unsplit``: the same GPUs, the CP group's as data parallelism)."""
+    """``w`` at degree ``cp`` with every strategy that runs there, each on the first layout
+    (the requested one first) that splits T, for ``best_layout`` to improve on; at 1, the
+    CP-1 of the table and the efficiencies (``Workload.unsplit``: the same GPUs, the CP
+    group's as data parallelism)."""
     if cp == 1:
         return [w.unsplit()]
-    return [v for s in STRATEGY_NAMES if (v := variant(w, hw, strategy=s, cp=cp))]
+    layouts = dict.fromkeys((w.layout, *LAYOUT_NAMES))
+    options = (next((v for name in layouts if (v := variant(w, hw, strategy=s, cp=cp, layout=name))), None)
+               for s in STRATEGY_NAMES)
+    return [v for v in options if v is not None]
+
+
+def _why_not_split(w: Workload, cp: int) -> str:
+    """Why no strategy runs ``w`` at degree ``cp``: the refusal of its ring on the layout
+    that asks least of T (contiguous), e.g. 'sequence length 18006 is not a multiple of P=4'."""
+    try:
+        w.with_(strategy="ring", cp=cp, layout="contiguous", ulysses=None, dp=_replicas(w, cp))
+    except ValueError as e:
+        return str(e)
+    return "no strategy runs there"
 
 
 def recommend(w: Workload, hw: Hardware, degrees: Iterable[int]) -> Recommendation:
@@ -201,19 +223,23 @@ def recommend(w: Workload, hw: Hardware, degrees: Iterable[int]) -> Recommendati
     degrees = sorted(set(degrees) | {1})
     gib = format_bytes
     reasons = []
+    evaluated = []
     for cp in degrees:
         placed = {}  # strategy -> (on its fastest layout, every layout's step seconds, balance factors)
         for v in _options(w, hw, cp):
             layout, steps, factors = best_layout(v, hw)
             placed[v.strategy] = (v.with_(layout=layout), steps, factors)
         options = [v for v, _, _ in placed.values()]
+        if not options:
+            reasons.append(f"CP-{cp} not evaluated: {_why_not_split(w, cp)}")
+            continue
+        evaluated.append(cp)
         memory = {v.strategy: memory_on(v, hw) for v in options}
         fitting = [v for v in options if memory[v.strategy].fits]
         if not fitting:
-            if options:
-                need = min(options, key=lambda v: memory[v.strategy].total)
-                reasons.append(f"CP-{cp} needs {gib(memory[need.strategy].total)} per GPU > "
-                               f"{_budget_words(need, hw, ' HBM')} ({hw.name})")
+            need = min(options, key=lambda v: memory[v.strategy].total)
+            reasons.append(f"CP-{cp} needs {gib(memory[need.strategy].total)} per GPU > "
+                           f"{_budget_words(need, hw, ' HBM')} ({hw.name})")
             continue
         times = {v.strategy: placed[v.strategy][1][v.layout] for v in fitting}
         best = min(fitting, key=lambda v: times[v.strategy])
@@ -234,7 +260,9 @@ def recommend(w: Workload, hw: Hardware, degrees: Iterable[int]) -> Recommendati
         eff = cost.efficiency(best, hw)
         reasons.append(f"parallel efficiency {eff:.3f} (CP-1 step time / ({cp} x CP-{cp} step time))")
         return Recommendation(best, times[best.strategy], eff, reasons)
-    reasons.append(f"no CP degree up to {max(degrees)} fits; " + _remedies(w, hw, degrees))
+    tried = (f"no CP degree up to {max(degrees)} fits" if evaluated == degrees else
+             f"none of the CP degrees evaluated ({', '.join(map(str, evaluated))}) fits")
+    reasons.append(f"{tried}; " + _remedies(w, hw, degrees))
     return Recommendation(None, None, None, reasons)
 
 
