@@ -453,6 +453,23 @@ def test_the_sweeps_cp1_row_is_the_baseline_the_efficiencies_divide_by() -> None
     assert point.efficiency == pytest.approx(cp1.step_seconds / (4 * point.step_seconds))
 
 
+def test_every_degree_of_the_sweep_has_crossovers_on_lengths_it_splits(monkeypatch) -> None:
+    """Crossovers were built at the longest swept length, and a degree that did not split it
+    was left out, the requested one too (CP-3 on zigzag takes multiples of 6, no power of two
+    is one); the sweep held CP-3 at T alone. Now each swept length is padded to one the
+    degree splits, and the table says where a degree's row is not at T."""
+    monkeypatch.setattr(planner, "MAX_SWEEP_SEQ", 2**15)
+    w = Workload(resolve_model("small"), batch=1, seq=32766, dtype="bfloat16", cp=3)
+    plan = make_plan(w, get_hardware("H100-SXM"), max_cp=3)
+    swept = {(p.strategy, p.cp) for p in plan.sweep if p.cp > 1}
+    assert {(c.strategy, c.cp) for c in plan.crossovers} == swept and ("ring", 3) in swept
+    assert sorted({p.seq for p in plan.sweep if p.cp == 3}) == [1026, 2052, 4098, 8196, 16386, 32766, 32772]
+    assert {(c.searched_from, c.searched_to) for c in plan.crossovers if c.cp == 3} == {(1026, 32772)}
+    table = format_plan(plan)
+    assert re.search(r"\n +2 ring .* at T=32768\n", table) and re.search(r"\n +3 ring .*1\.0000\n", table)
+    assert "at T=...: the next length the zigzag layout splits over that degree (it does not split T=32766)" in table
+
+
 def test_the_recommendations_verdict_is_about_the_recommended_degree() -> None:
     """CP-8 does not fit, CP-16 is recommended: the verdict once judged the CP-8 that does
     not fit ("does not pay off") beside a CP-16 that beats the best without CP."""

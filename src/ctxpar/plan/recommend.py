@@ -100,14 +100,20 @@ def evaluate(w: Workload, hw: Hardware) -> SweepPoint:
 
 
 def sweep(w: Workload, hw: Hardware, degrees: Iterable[int], seqs: Iterable[int]) -> list[SweepPoint]:
-    """Every valid (strategy, degree, length) on the grid; degree 1 once, as "ring": the
-    baseline the efficiencies and crossovers divide by (``Workload.unsplit``: the CP
-    group's GPUs as data-parallel replicas, whose gradients are reduced too)."""
-    points = []
+    """Every valid (strategy, degree, length) on the grid, each length padded up to one the
+    degree splits (``Workload.padded``: CP-3 on zigzag takes multiples of 6, which no power
+    of two is); degree 1 once, as "ring": the baseline the efficiencies and crossovers
+    divide by (``Workload.unsplit``: the CP group's GPUs as data-parallel replicas, whose
+    gradients are reduced too)."""
+    points, seen = [], set()
     for seq in seqs:
         for cp in degrees:
+            at = w.padded(seq, cp)
+            if (cp, at) in seen:  # two lengths padded to the same one
+                continue
+            seen.add((cp, at))
             for strategy in STRATEGY_NAMES if cp > 1 else ("ring",):
-                v = variant(w, hw, strategy=strategy, cp=cp, seq=seq) if cp > 1 else _unsplit_at(w, seq)
+                v = variant(w, hw, strategy=strategy, cp=cp, seq=at) if cp > 1 else _unsplit_at(w, at)
                 if v is not None:
                     points.append(evaluate(v, hw))
     return points
@@ -154,11 +160,12 @@ def fits_up_to(w: Workload, hw: Hardware) -> int:
 
 
 def crossover(w: Workload, hw: Hardware, seqs: list[int]) -> Crossover:
-    """Where CP-P starts to beat CP-1 (bisected between grid points), and how far it fits."""
+    """Where CP-P starts to beat CP-1 (bisected between grid points: ``seqs`` padded as the
+    sweep pads them), and how far it fits."""
     step = w.seq_multiple  # CP-1's multiple divides it
     faster = None
     previous = 0
-    grid = sorted(s for s in seqs if s % step == 0)
+    grid = sorted({w.padded(s, w.cp) for s in seqs})
     for seq in grid:
         if _faster(w.with_(seq=seq), hw):
             k = _first_true(previous // step, seq // step, lambda k: _faster(w.with_(seq=k * step), hw)) \
@@ -166,14 +173,15 @@ def crossover(w: Workload, hw: Hardware, seqs: list[int]) -> Crossover:
             faster = k * step
             break
         previous = seq
-    return Crossover(w.strategy, w.cp, faster, max(seqs), fits_up_to(w, hw), grid[0] if grid else min(seqs))
+    return Crossover(w.strategy, w.cp, faster, grid[-1], fits_up_to(w, hw), grid[0])
 
 
 def crossovers(w: Workload, hw: Hardware, degrees: Iterable[int], seqs: list[int]) -> list[Crossover]:
+    """A crossover for every (strategy, degree) of the sweep, over the lengths it sweeps."""
     out = []
     for cp in (d for d in degrees if d > 1):
         for strategy in STRATEGY_NAMES:
-            v = variant(w, hw, strategy=strategy, cp=cp, seq=max(s for s in seqs))
+            v = variant(w, hw, strategy=strategy, cp=cp, seq=w.padded(max(seqs), cp))
             if v is not None:
                 out.append(crossover(v, hw, seqs))
     return out

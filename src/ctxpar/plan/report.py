@@ -42,7 +42,8 @@ JSON (bytes exact, times in seconds; formulas in docs/planner.md):
                         data_parallel_communication_seconds (exposed), data_parallel (as in
                         dp_traffic_per_step, or null), attention_per_layer (the pipelines),
                         tp_per_layer
-    efficiency, cp1_fits_up_to, sweep, crossovers   against CP degree at the same TP; a crossover's
+    efficiency, cp1_fits_up_to, sweep, crossovers   against CP degree at the same TP; a sweep point's
+                        seq is the swept length padded to one its degree splits; a crossover's
                         faster_from equal to its searched_from is a bound (the table's "<=")
     overlap_thresholds  per strategy and CP degree of the sweep: tokens_per_gpu, and forward and
                         backward (the tokens per GPU from which transfers hide; null: never)
@@ -211,7 +212,7 @@ def _overlap_thresholds(plan: Plan) -> list[dict]:
     w, hw = plan.workload, plan.hardware
     out = []
     for strategy, cp in dict.fromkeys((p.strategy, p.cp) for p in plan.sweep if p.cp > 1):
-        v = variant(w, hw, strategy=strategy, cp=cp)
+        v = variant(w, hw, strategy=strategy, cp=cp, seq=w.padded(w.seq, cp))
         if v is None:
             continue
         t = attention_time(v, hw)
@@ -482,7 +483,7 @@ def _step(plan: Plan) -> list[str]:
 
 def _degrees(plan: Plan) -> list[str]:
     w = plan.workload
-    here = [p for p in plan.sweep if p.seq == w.seq]
+    here = [p for p in plan.sweep if p.seq == w.padded(w.seq, p.cp)]
     tp = f", TP={w.tp} throughout" if w.tp > 1 else ""
     lines = [f"Every degree and strategy at T={format_tokens(w.seq)} ({w.layout} layout{tp})",
              f"  {'CP':>4} {'strategy':<10} {'step':>11} {'efficiency':>10} {'memory/GPU':>12} {'fits':>5} "
@@ -490,7 +491,11 @@ def _degrees(plan: Plan) -> list[str]:
     for p in here:
         lines.append(f"  {p.cp:>4} {p.strategy if p.cp > 1 else '-':<10} {format_seconds(p.step_seconds):>11} "
                      f"{p.efficiency:>10.3f} {format_bytes(p.memory_bytes):>12} {'yes' if p.fits else 'no':>5} "
-                     f"{'yes' if p.transfer_hidden else 'no':>10} {p.load_balance:>8.4f}")
+                     f"{'yes' if p.transfer_hidden else 'no':>10} {p.load_balance:>8.4f}"
+                     + (f"  at T={p.seq}" if p.seq != w.seq else ""))
+    if any(p.seq != w.seq for p in here):
+        lines.append(f"  at T=...: the next length the {w.layout} layout splits over that degree (it does not split "
+                     f"T={w.seq})")
     return lines
 
 

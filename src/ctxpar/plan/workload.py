@@ -279,8 +279,17 @@ class Workload:
     @property
     def seq_multiple(self) -> int:
         """Lengths T must be multiples of this: the layout's, and P·t under sequence parallelism."""
-        sp = self.cp * self.tp if self.sequence_parallel else 1
-        return math.lcm(self.layout_obj.multiple, sp)
+        return self.seq_multiple_at(self.cp)
+
+    def seq_multiple_at(self, cp: int) -> int:
+        """``seq_multiple`` at CP degree ``cp``, the same layout and TP (known before a length is)."""
+        sp = cp * self.tp if self.sequence_parallel else 1
+        return math.lcm(get_layout(self.layout, cp).multiple, sp)
+
+    def padded(self, seq: int, cp: int) -> int:
+        """``seq`` padded up to a length that splits at CP degree ``cp`` (``seq_multiple_at``)."""
+        multiple = self.seq_multiple_at(cp)
+        return -(-seq // multiple) * multiple
 
     @property
     def elem(self) -> int:
