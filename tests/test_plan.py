@@ -470,6 +470,29 @@ def test_every_degree_of_the_sweep_has_crossovers_on_lengths_it_splits(monkeypat
     assert "at T=...: the next length the zigzag layout splits over that degree (it does not split T=32766)" in table
 
 
+def test_each_sweep_row_shows_the_cp1_its_efficiency_divides_by(monkeypatch) -> None:
+    """With --fsdp 8 CP-16 runs on 16 GPUs, the requested CP-4 on 8: CP-16's efficiency divides
+    by CP-1 on 16 GPUs (reducing gradients across nodes), while the one CP-1 row shown was
+    on 8, so the printed efficiency did not follow from the printed times (0.069 against
+    0.061 at T=2048). Each row now carries its GPUs and its CP-1 step."""
+    monkeypatch.setattr(planner, "MAX_SWEEP_SEQ", 2**15)
+    hw = get_hardware("H100-SXM")
+    plan = make_plan(worked(fsdp=8), hw, max_cp=16)
+    for p in plan.sweep:
+        v = variant(worked(fsdp=8), hw, strategy=p.strategy, cp=p.cp, seq=p.seq) if p.cp > 1 else None
+        if v is not None:
+            assert (p.gpus, p.cp1_step_seconds) == (v.world_size, cost.step_time(v.unsplit(), hw).seconds)
+        assert p.efficiency == pytest.approx(p.cp1_step_seconds / (p.cp * p.step_seconds), rel=1e-12)
+    at_2k = {(p.cp, p.strategy): p for p in plan.sweep if p.seq == 2048}
+    ring16, cp1 = at_2k[16, "ring"], at_2k[1, "ring"]
+    assert (ring16.gpus, cp1.gpus) == (16, 8) and ring16.cp1_step_seconds > 1.05 * cp1.step_seconds
+    at_t = next(p for p in plan.sweep if (p.cp, p.strategy, p.seq) == (16, "ring", 32768))
+    table = format_plan(plan)
+    assert f"    16 ring           16 {format_seconds(at_t.step_seconds):>11} " \
+           f"{format_seconds(at_t.cp1_step_seconds):>11} {at_t.efficiency:>10.3f} " in table
+    assert "efficiency = CP-1 step on the same GPUs / (P x step)" in table
+
+
 def test_the_recommendations_verdict_is_about_the_recommended_degree() -> None:
     """CP-8 does not fit, CP-16 is recommended: the verdict once judged the CP-8 that does
     not fit ("does not pay off") beside a CP-16 that beats the best without CP."""

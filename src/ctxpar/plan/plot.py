@@ -1,6 +1,7 @@
 """``--plot PATH``: a PNG of the sweep against sequence length, and memory per GPU by category.
 
-Top left: parallel efficiency (CP-1 step time / (P x CP-P step time)) over the sweep, one
+Top left: parallel efficiency (CP-1 step time on the same GPUs / (P x CP-P step time):
+each degree against its own CP-1, ``SweepPoint.cp1_step_seconds``) over the sweep, one
 colour per CP degree, one line style per strategy; a cross where a degree stops fitting
 in HBM, a dot where CP-P starts beating CP-1 (when that is inside the sweep), and a
 vertical line at the longest sequence CP-1 holds. Top right: the memory per GPU of the
@@ -96,7 +97,7 @@ def _efficiency_panel(plan: Plan, ax) -> None:
                     xycoords=("data", "axes fraction"), rotation=90, fontsize=8, color="grey")
     ax.set_xscale("log", base=2)
     ax.set_xlabel("sequence length T (x: last length that fits in HBM; o: CP-P beats CP-1 from here)")
-    ax.set_ylabel("parallel efficiency")
+    ax.set_ylabel("parallel efficiency (against CP-1 on the same GPUs)")
     ax.set_title("Efficiency against sequence length")
     ax.grid(True, which="both", alpha=0.3)
     _legend(ax, ncol=2, loc="lower right")
@@ -112,7 +113,8 @@ def _sweep_panel(plan: Plan, ax, field: str, unit: float, ylabel: str, title: st
     for strategy, cp in dict.fromkeys((p.strategy, p.cp) for p in plan.sweep):
         points = sorted((p for p in plan.sweep if (p.strategy, p.cp) == (strategy, cp)), key=lambda p: p.seq)
         xs, ys = [p.seq for p in points], [getattr(p, field) / unit for p in points]
-        label = "CP-1" if cp == 1 else f"CP-{cp} {strategy}"
+        # CP-1 on the requested degree's GPUs: a degree on other GPUs divides by its own (the table's)
+        label = f"CP-1 on {points[0].gpus} GPUs" if cp == 1 else f"CP-{cp} {strategy}"
         ax.plot(xs, ys, STYLES[strategy] if cp > 1 else "-", color=colours[cp], linewidth=2 if cp == 1 else 1,
                 label=label)
         unfit = [(x, y) for p, x, y in zip(points, xs, ys) if not p.fits]

@@ -38,7 +38,9 @@ class SweepPoint:
     seq: int
     layout: str
     ulysses: int | None
+    gpus: int  # TP·P·PP·DP: the world this degree runs on, and so its CP-1 (``Workload.unsplit``)
     step_seconds: float
+    cp1_step_seconds: float  # CP-1 on the same GPUs: what ``efficiency`` divides
     efficiency: float
     memory_bytes: int
     fits: bool
@@ -94,8 +96,9 @@ def _replicas(w: Workload, cp: int) -> int | None:
 
 def evaluate(w: Workload, hw: Hardware) -> SweepPoint:
     mem = memory_on(w, hw)
-    step = cost.step_time(w, hw)
-    return SweepPoint(w.strategy, w.cp, w.seq, w.layout, w.ulysses, step.seconds, cost.efficiency(w, hw),
+    step, cp1 = cost.step_time(w, hw), cost.step_time(w.unsplit(), hw).seconds
+    return SweepPoint(w.strategy, w.cp, w.seq, w.layout, w.ulysses, w.world_size, step.seconds, cp1,
+                      cp1 / (w.cp * step.seconds),  # cost.efficiency's ratio, both its steps kept
                       mem.total, mem.fits, step.attention.forward.hidden, cost.load_balance(w))
 
 

@@ -43,7 +43,9 @@ JSON (bytes exact, times in seconds; formulas in docs/planner.md):
                         dp_traffic_per_step, or null), attention_per_layer (the pipelines),
                         tp_per_layer
     efficiency, cp1_fits_up_to, sweep, crossovers   against CP degree at the same TP; a sweep point's
-                        seq is the swept length padded to one its degree splits; a crossover's
+                        seq is the swept length padded to one its degree splits, its gpus the
+                        world it runs on and cp1_step_seconds the CP-1 on those GPUs its
+                        efficiency divides by (each degree its own); a crossover's
                         faster_from equal to its searched_from is a bound (the table's "<=")
     overlap_thresholds  per strategy and CP degree of the sweep: tokens_per_gpu, and forward and
                         backward (the tokens per GPU from which transfers hide; null: never)
@@ -485,11 +487,13 @@ def _degrees(plan: Plan) -> list[str]:
     w = plan.workload
     here = [p for p in plan.sweep if p.seq == w.padded(w.seq, p.cp)]
     tp = f", TP={w.tp} throughout" if w.tp > 1 else ""
-    lines = [f"Every degree and strategy at T={format_tokens(w.seq)} ({w.layout} layout{tp})",
-             f"  {'CP':>4} {'strategy':<10} {'step':>11} {'efficiency':>10} {'memory/GPU':>12} {'fits':>5} "
-             f"{'fwd hidden':>10} {'balance':>8}"]
+    lines = [f"Every degree and strategy at T={format_tokens(w.seq)} ({w.layout} layout{tp}); efficiency = CP-1 step "
+             f"on the same GPUs / (P x step)",
+             f"  {'CP':>4} {'strategy':<10} {'GPUs':>6} {'step':>11} {'CP-1 step':>11} {'efficiency':>10} "
+             f"{'memory/GPU':>12} {'fits':>5} {'fwd hidden':>10} {'balance':>8}"]
     for p in here:
-        lines.append(f"  {p.cp:>4} {p.strategy if p.cp > 1 else '-':<10} {format_seconds(p.step_seconds):>11} "
+        lines.append(f"  {p.cp:>4} {p.strategy if p.cp > 1 else '-':<10} {p.gpus:>6} "
+                     f"{format_seconds(p.step_seconds):>11} {format_seconds(p.cp1_step_seconds):>11} "
                      f"{p.efficiency:>10.3f} {format_bytes(p.memory_bytes):>12} {'yes' if p.fits else 'no':>5} "
                      f"{'yes' if p.transfer_hidden else 'no':>10} {p.load_balance:>8.4f}"
                      + (f"  at T={p.seq}" if p.seq != w.seq else ""))
