@@ -25,7 +25,7 @@ from ctxpar.plan import cost, format_plan, get_hardware, make_plan, parse_bandwi
 from ctxpar.cli import main
 from ctxpar import calibrate
 from ctxpar.calibrate import measure_link, measure_memory_bandwidth
-from ctxpar.plan import inference, inference_report, planner, traffic, work
+from ctxpar.plan import inference, inference_report, planner, plot, traffic, work
 from ctxpar.plan.baseline import VERDICTS, baseline, tp_degrees
 from ctxpar.plan.cost import Pipeline
 from ctxpar.plan.documents import pack, parse_doc_dist, parse_lengths, sample_lengths
@@ -1069,6 +1069,9 @@ def test_local_ranks_are_judged_against_their_share_of_the_machines_ram() -> Non
     assert f"of {format_bytes(hw.hbm_bytes // 2)} (1/2 of this machine's {format_bytes(hw.hbm_bytes)} RAM: its 2 " \
         "ranks share it): does NOT fit" in format_plan(plan)
     assert any("RAM, shared by the 2 ranks)" in reason for reason in plan.recommendation.reasons)
+    # the plot's CP-1 bar is the table's CP-1, on the same 2 ranks (it was built on one, against all the RAM)
+    cp1, memory = plot.memory_bars(plan)[0]
+    assert (cp1, memory.hbm_bytes) == (w.unsplit(), hw.hbm_bytes // 2)
     assert make_plan(w, replace(hw, shared_memory=False), max_cp=2).memory.fits
     # inference: the cache and weights of each of the CP ranks, against its share likewise
     kw = dict(model=w.model, batch=w.batch, positions=w.seq + 8, elem=w.elem)

@@ -18,11 +18,12 @@ import importlib.util
 import math
 import os
 
-from ctxpar.plan.memory import memory_on
+from ctxpar.plan.memory import MemoryEstimate, memory_on
 from ctxpar.plan.planner import Plan
 from ctxpar.plan.recommend import variant
 from ctxpar.plan.report import mask_words, memory_labels
 from ctxpar.plan.units import format_tokens
+from ctxpar.plan.workload import Workload
 
 STYLES = {"ring": "-", "allgather": "--", "alltoall": ":", "hybrid": "-."}
 GIB = 2**30
@@ -149,16 +150,25 @@ def _pipeline_words(w) -> str:
     return pp + (f", {w.microbatches} micro-batches" if w.microbatches > 1 else "")
 
 
+def memory_bars(plan: Plan) -> list[tuple[Workload, MemoryEstimate]]:
+    """The memory panel's bars: the plan's strategy at every degree of the sweep, at T or the
+    next length the degree splits (as the table shows it), CP-1 as the table builds it
+    (``Workload.unsplit``: the same GPUs, so on ``local`` the same share of the RAM)."""
+    w, hw = plan.workload, plan.hardware
+    bars = []
+    for cp in sorted({p.cp for p in plan.sweep}):
+        v = w.unsplit() if cp == 1 else variant(w, hw, strategy=w.strategy, cp=cp, seq=w.padded(w.seq, cp))
+        if v is not None:
+            bars.append((v, memory_on(v, hw)))
+    return bars
+
+
 def _memory_panel(plan: Plan, ax) -> None:
     w, hw = plan.workload, plan.hardware
     skipped = "activations_checkpointed" if w.checkpointing != "full" else "activations"
-    bars = []
-    for cp in sorted({p.cp for p in plan.sweep}):
-        v = variant(w, hw, strategy=w.strategy if cp > 1 else "ring", cp=cp)
-        if v is not None:
-            bars.append((cp, memory_on(v, hw)))
+    bars = memory_bars(plan)
     bottom = [0.0] * len(bars)
-    x = [str(cp) for cp, _ in bars]
+    x = [str(v.cp) if v.seq == w.seq else f"{v.cp}\nT={v.seq}" for v, _ in bars]
     for key, label in memory_labels(w).items():
         if key == skipped:
             continue
