@@ -627,6 +627,14 @@ def test_a_group_straddling_two_nodes_is_priced_at_the_inter_node_link() -> None
     assert default_ulysses(32, 8, 6, tp=2) is None  # t·U = 4 straddles, t·U = 8 is too wide
 
 
+def test_cli_refuses_a_world_too_large_naming_the_flag_given(capsys) -> None:
+    """CP-1's derived DP was range-checked: '--dp must be between 1 and 2147483647, got 2147483648'."""
+    assert main(["plan", "--dp", "268435456"]) == 2
+    assert "--dp 268435456: the world size TP x CP x PP x DP = 1 x 8 x 1 x 268435456" in capsys.readouterr().err
+    assert main(["plan", "--fsdp", "2147483647"]) == 2
+    assert "--fsdp 2147483647 (which implies DP = 2147483647 at --cp 8)" in capsys.readouterr().err
+
+
 @pytest.mark.parametrize("changes, message", [
     (dict(tp=3), "--tp 3 does not divide the 32 query heads (--heads)"),
     (dict(tp=16), "--tp 16 does not divide the 8 KV heads (--kv-heads): Megatron-Core gives each GPU H_kv/TP"),
@@ -634,6 +642,10 @@ def test_a_group_straddling_two_nodes_is_priced_at_the_inter_node_link() -> None
     (dict(tp=4, seq=32776), "--seq 32776: with sequence parallelism each of the TP=4 GPUs holds 1/4 of the S = T/P"),
     (dict(dp=1, fsdp=8), "--fsdp 8 must divide --dp x --cp = 1 x 4 = 4"),
     (dict(tp=8, cp=8, strategy="alltoall"), "splits the H/TP = 32/8 = 4 query heads of each tensor-parallel rank"),
+    # refused where given: CP-1 on the same GPUs was refused instead, naming a --dp of t·P·DP no one gave
+    (dict(dp=2**29), "--dp 536870912: the world size TP x CP x PP x DP = 1 x 4 x 1 x 536870912 = 2147483648 GPUs "
+                     "is more than 2147483647; lower --dp"),
+    (dict(fsdp=2**31 - 1), "--fsdp 2147483647 (which implies DP = 2147483647 at --cp 4): the world size"),
 ])
 def test_parallel_degrees_are_refused_naming_the_flag(changes: dict, message: str) -> None:
     changes = dict(changes)

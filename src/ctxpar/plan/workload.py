@@ -173,7 +173,14 @@ class Workload:
 
     def _check_parallel(self) -> None:
         """TP must split heads, KV heads and the MLP width whole; sequence parallelism the
-        CP shard; FSDP must shard over GPUs that hold the same parameters."""
+        CP shard; FSDP must shard over GPUs that hold the same parameters; the world must be
+        a count (CP-1 on the same GPUs, ``unsplit``, has up to t·P·DP replicas)."""
+        if self.world_size > MAX_COUNT:
+            given = (f"--dp {self.dp}" if self.dp is not None else
+                     f"--fsdp {self.fsdp} (which implies DP = {self.data_parallel} at --cp {self.cp})")
+            raise ValueError(f"{given}: the world size TP x CP x PP x DP = {self.tp} x {self.cp} x {self.pp} x "
+                             f"{self.data_parallel} = {self.world_size} GPUs is more than {MAX_COUNT}; lower "
+                             f"{given.split()[0]}")
         self._check_pipeline()
         m, t = self.model, self.tp
         if m.heads % t:
