@@ -164,6 +164,8 @@ def bad_values(tmp: Path) -> list[tuple[tuple[str, ...], str]]:
     not_rates = tmp / "rates.json"  # once a TypeError's traceback
     not_rates.write_text(json.dumps({"attention_flops": 1e9, "bandwidth": 1e9, "attention_size_curve": [[1024, 1, 1]],
                                      "attention": 5}))
+    no_rate = tmp / "no_rate.json"  # said to hold no calibration, not which entry it lacks
+    no_rate.write_text(json.dumps({"bandwidth": 1e9, "attention": {"forward_flops": 1e9}}))
     missing = str(tmp / "no" / "such" / "dir" / "out.json")
     (tmp / "afile").write_text("")
     (tmp / "dangling").symlink_to(tmp / "gone")
@@ -253,6 +255,9 @@ def bad_values(tmp: Path) -> list[tuple[tuple[str, ...], str]]:
          "holds no calibration; write one into a new file (this one holds something else) with `ctxpar plan "
          "--hardware local --calibrate --json calibration.json`"),
         (("plan", "--hardware", "local", "--calibration", str(bad_rate)), "calibration 'attention_flops' is 'fast'"),
+        (("plan", "--hardware", "local", "--calibration", str(no_rate)),
+         f"has no \"attention_flops\" entry (the measured attention FLOP/s); measure again with `ctxpar plan "
+         f"--hardware local --calibrate --json {no_rate}`"),
         (("plan", "--hardware", "local", "--calibration", str(not_rates)), 'its "attention" entry must be an object'),
         (("plan", "--hardware", "local", "--calibrate", "--head-dim", "0"), "--head-dim must be between 1 and"),
         *(((command, "--seq", "1001"), "--seq: sequence length 1001 is not a multiple of 2*P=")

@@ -605,9 +605,13 @@ def load_calibration(path: str) -> dict:
     except (json.JSONDecodeError, UnicodeDecodeError) as e:
         raise ValueError(f"--calibration {path!r} is not JSON ({e}); give the file --calibrate --json wrote") from e
     found = (data.get("calibration") or data) if isinstance(data, dict) else None
-    if not isinstance(found, dict) or "attention_flops" not in found:
+    # a calibration has these; one with some but no rate was called "no calibration" as a results file is
+    if not isinstance(found, dict) or not {"attention_flops", "bandwidth", "attention", "machine"} & set(found):
         raise ValueError(f"--calibration {path!r} holds no calibration; write one into a new file (this one holds "
                          f"something else) with `ctxpar plan --hardware local --calibrate --json calibration.json`")
+    if "attention_flops" not in found:
+        raise ValueError(f"--calibration {path!r} has no \"attention_flops\" entry (the measured attention FLOP/s); "
+                         f"measure again with `ctxpar plan --hardware local --calibrate --json {path}`")
     attention = found.get("attention", {})
     if not isinstance(attention, dict):
         raise ValueError(f"--calibration {path!r}: its \"attention\" entry must be an object of measured rates, got "
