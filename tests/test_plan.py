@@ -888,6 +888,8 @@ def test_cli_parallel_flags_and_json_keys(tmp_path, capsys, monkeypatch) -> None
         in table
     assert "CP group of 4 spans 8 consecutive GPUs, more than a node of 4: inter-node link" in table
     assert "Tensor-parallel traffic per GPU per layer (TP=2, sequence parallel" in table
+    # the backward's exposed lead is its first re-gather: the line left it out of 3 x the per-layer gather
+    assert "per step (the first gather, the first re-gather, the last reduction)" in table
     report = json.loads(out.read_text())
     assert {"parallel", "tp_traffic_per_layer", "baseline"} <= set(report)
     par = report["parallel"]

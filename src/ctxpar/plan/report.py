@@ -403,7 +403,7 @@ def _dp_traffic(plan: Plan) -> list[str]:
                  + "; ".join(f"{name} {format_seconds(p.transfer)} against {format_seconds(p.compute)}"
                              for name, p in parts))
     outlasts = "" if all(p.hidden for _, p in parts) else ", and what outlasts the compute"
-    first = "" if dp.forward is None else "the first gather, "
+    first = "" if dp.forward is None else "the first gather, " + ("the first re-gather, " if tr.gathers == 2 else "")
     if w.microbatches > 1:
         first = f"behind one of the {w.microbatches} micro-batches: {first}"
     lines.append(f"  exposed: {format_seconds(dp.exposed)} per step ({first}the last reduction{outlasts})")
