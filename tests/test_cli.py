@@ -294,29 +294,38 @@ def test_every_bad_value_is_refused_up_front_naming_the_flag(tmp_path, no_ranks,
     assert not wrong, "\n".join(wrong)
 
 
-@pytest.mark.parametrize("off_by, start, status, says", [
-    (1e-6, 0, 0, "OK: the losses of the first 2 step(s) within 0.0001"),
-    (1e-2, 0, 1, "MISMATCH: a loss of the first 2 step(s) differs"),
-    (float("nan"), 0, 1, "MISMATCH"),
-    (1e-2, 1, 0, "not judged: resumed at step 1"),  # its weights carry earlier steps' rounding
+@pytest.mark.parametrize("off_by, gradient_off_by, start, status, says", [
+    (1e-6, 1e-5, 0, 0, "OK: step 1's gradients within 0.0001 of the reference's (at most 1.00e-05 of its norm, in "
+                       "output.weight) and the losses of the first 2 step(s) within 0.0001"),
+    (1e-2, 0, 0, 1, "MISMATCH: a loss of the first 2 step(s) differs"),
+    (float("nan"), 0, 0, 1, "MISMATCH"),
+    (0, 1e-3, 0, 1, "MISMATCH: a gradient of step 1 differs from the reference's by more than 0.0001 (1.00e-03 of "
+                    "its norm, in output.weight)"),
+    (0, float("nan"), 0, 1, "MISMATCH: a gradient of step 1 differs"),
+    (1e-2, 1, 1, 0, "not judged: resumed at step 1"),  # its weights carry earlier steps' rounding
 ])
-def test_train_compare_exits_non_zero_when_an_early_loss_differs_from_the_reference(off_by, start, status, says,
-                                                                                    monkeypatch, capsys) -> None:
+def test_train_compare_exits_non_zero_when_an_early_loss_or_gradient_differs_from_the_reference(
+        off_by, gradient_off_by, start, status, says, monkeypatch, capsys) -> None:
     """As demo and generate --compare do on a mismatch; train --compare exited 0 however large
-    the difference. The first two steps are judged; a third step 10% off is shown, not judged
-    (training amplifies float32 rounding: a run at --lr 0.01 differed by 1e-1 after 60 steps,
-    and an exact run would fail). Its ranks and reference run are stood in for: this is the
-    verdict alone."""
+    the difference. Step 1's gradients and the first two steps' losses are judged; a third
+    step 10% off is shown, not judged (training amplifies float32 rounding: a run at --lr 0.01
+    differed by 1e-1 after 60 steps, and an exact run would fail). Its ranks and reference run
+    are stood in for: this is the verdict alone (test_train: wrong attention read MISMATCH)."""
     import dataclasses
 
     import ctxpar.train as train
 
+    reference_gradients = {"embed.weight": torch.ones(4, 2), "output.weight": torch.ones(3)}
+    gradients = {**reference_gradients, "output.weight": torch.ones(3) * (1 + gradient_off_by)}
+
     def ranks(fn, nproc, args, **kwargs):
         return dict(config=dict(dataclasses.asdict(args[0]), cp=1), start_step=start, loss=[5.0, 4.9, 4.5][start:],
-                    recall_accuracy=[0.0] * (3 - start), tokens_per_second=[1.0] * (3 - start))
+                    recall_accuracy=[0.0] * (3 - start), tokens_per_second=[1.0] * (3 - start),
+                    first_step_gradients=None if start else gradients)
 
     monkeypatch.setattr(train.launch, "run", ranks)
-    monkeypatch.setattr(train, "train_reference", lambda cfg: dict(loss=[5.0, 4.9 + off_by, 4.0], parameters=None))
+    monkeypatch.setattr(train, "train_reference", lambda cfg: dict(loss=[5.0, 4.9 + off_by, 4.0], parameters=None,
+                                                                  first_step_gradients=reference_gradients))
     argv = ["train", "--nproc", "1", "--seq", "64", "--steps", "3", "--compare", "--no-progress"]
     assert main(argv) == status
     assert says in capsys.readouterr().out

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import json
 import os
 import re
@@ -24,13 +25,16 @@ BASE = dict(nproc=4, seq=256, steps=10, model="tiny", compare=True, progress=Fal
 
 
 def assert_matches_reference(report: dict, rtol: float = 1e-4, param_atol: float = 1e-3) -> None:
-    """Losses within ``rtol``; parameters within ``param_atol`` of each tensor's scale.
+    """--compare's verdict OK; losses within ``rtol``; parameters within ``param_atol`` of each
+    tensor's scale.
 
     Parameters get the looser bound because AdamW divides each element's update by its own
     gradient magnitude: an element whose gradient is near zero moves by up to lr per step
     whatever its rounding, so float32 summation order (CP vs unsplit) shows up per element
     at about 1e-4 of the tensor's scale after 10 steps (seen: 1.3e-5 at scale 0.098).
     """
+    assert report["losses_match"] and report["gradients_match"], (report["max_gradient_error"],
+                                                                  report["max_gradient_error_parameter"])
     loss, ref = torch.tensor(report["loss"]), torch.tensor(report["reference_loss"][report["start_step"]:])
     torch.testing.assert_close(loss, ref, rtol=rtol, atol=0)
     got, want = report["parameters"], report["reference_parameters"]
@@ -58,6 +62,41 @@ def test_dp2_x_cp2_with_fsdp_matches_single_process_on_the_global_batch(strategy
                                    ulysses_degree=ulysses, **BASE))
     assert report["config"]["cp"] == 2 and report["config"]["dp"] == 2
     assert_matches_reference(report)
+
+
+def _train_rank_with_attention_at_twice_the_scale(rank: int, world: int, cfg: TrainConfig, resume_from,
+                                                   device: torch.device) -> dict | None:
+    """train_rank with attention that is wrong as a mis-scaled kernel would be: scale
+    2 * head_dim**-0.5, where the loss at initialisation barely depends on attention."""
+    import ctxpar.train as train
+
+    apply = train.apply_context_parallel
+
+    def apply_at_twice_the_scale(model: Transformer, **kwargs) -> Transformer:
+        apply(model, **kwargs)
+        for module in model.modules():
+            if hasattr(module, "attention_fn"):
+                module.attention_fn = functools.partial(module.attention_fn, scale=2 * model.cfg.head_dim ** -0.5)
+        return model
+
+    train.apply_context_parallel = apply_at_twice_the_scale
+    return train.train_rank(rank, world, cfg, resume_from, device)
+
+
+def test_compare_says_mismatch_where_attention_is_wrong_though_the_early_losses_agree(monkeypatch) -> None:
+    """--compare judged the first two losses alone, at 1e-4 of them: attention at twice the
+    scale moved them by 5e-6 and 6e-5 at --seq 128 and read OK. Step 1's gradients show it
+    (the wk gradients differ by their whole norm; an exact run by 4e-7): MISMATCH."""
+    from ctxpar import launch
+    from ctxpar.train import format_report
+
+    run = launch.run
+    monkeypatch.setattr(launch, "run", lambda fn, *args, **kwargs: run(_train_rank_with_attention_at_twice_the_scale,
+                                                                        *args, **kwargs))
+    report = run_train(TrainConfig(nproc=2, seq=128, steps=1, compare=True, progress=False))
+    assert report["losses_match"] and not report["gradients_match"]
+    assert report["max_gradient_error"] > 0.5 and ".attention.w" in report["max_gradient_error_parameter"]
+    assert "MISMATCH: a gradient of step 1 differs from the reference's by more than 0.0001" in format_report(report)
 
 
 def test_resumed_run_continues_with_the_uninterrupted_losses(tmp_path) -> None:

@@ -19,7 +19,7 @@ from ctxpar.layout import LAYOUT_NAMES
 from ctxpar.limits import check_count, check_seed
 from ctxpar.models.config import PRESETS as MODEL_PRESETS
 from ctxpar.strategy_rules import STRATEGY_NAMES
-from ctxpar.train import JUDGED_STEPS, LOSS_RTOL, TRAIN_STRATEGIES, TrainConfig, run_train
+from ctxpar.train import GRADIENT_RTOL, JUDGED_STEPS, LOSS_RTOL, TRAIN_STRATEGIES, TrainConfig, run_train
 from ctxpar.train import format_report as format_train_report
 
 
@@ -182,8 +182,9 @@ def _train_parser(sub) -> None:
     p.add_argument("--activation-checkpointing", action="store_true",
                    help="recompute each decoder layer in the backward instead of storing its activations")
     p.add_argument("--compare", action="store_true",
-                   help="also train on unsplit sequences in one process and compare the losses (exit status 1 "
-                        f"where one of the first {JUDGED_STEPS} steps' differs by more than {LOSS_RTOL:g} of the "
+                   help="also train on unsplit sequences in one process and compare (exit status 1 where a "
+                        f"parameter's gradient of step 1 differs by more than {GRADIENT_RTOL:g} of its norm, or a "
+                        f"loss of the first {JUDGED_STEPS} steps by more than {LOSS_RTOL:g} of it, from the "
                         f"reference's)")
     p.add_argument("--checkpoint-dir",
                    help="where torch.distributed.checkpoint saves the last step (and every --save-every steps) "
@@ -220,7 +221,7 @@ def _run_train(args: argparse.Namespace) -> int:
     if report is None:  # a non-zero rank under torchrun
         return 0
     _report(format_train_report(report), args.json, {k: v for k, v in report.items() if not k.endswith("parameters")})
-    return 1 if report.get("losses_match") is False else 0
+    return 1 if False in (report.get("losses_match"), report.get("gradients_match")) else 0
 
 
 def _plan_parser(sub) -> None:

@@ -5,7 +5,7 @@ each data-parallel group of ``cp`` ranks splits its sequences with the layout; F
 shards parameters, gradients and optimizer state over all dp x cp ranks. The loss is the
 token-weighted mean over the whole global batch, so the run computes what single-process
 training on that batch computes, which ``--compare`` checks by training the same model
-that way with the same seed and data.
+that way with the same seed and data: step 1's gradients and the first losses must agree.
 """
 
 from __future__ import annotations
@@ -29,11 +29,17 @@ from ctxpar.parallelize import apply_context_parallel, cp_loss, shard_batch, shi
 
 TRAIN_STRATEGIES = (*strategy_rules.STRATEGY_NAMES, strategy_rules.AUTO)  # auto: ctxpar.auto picks per call
 ADAM_BETAS = (0.9, 0.95)
-# --compare's verdict: the first JUDGED_STEPS losses of a run from step 0 (the forward on the same
-# weights, then one update) within LOSS_RTOL of the reference's. Later steps are shown, not judged:
-# training amplifies float32 summation order (CP vs unsplit) step by step, to 5e-2 within 60 steps
-# at --lr 0.01 on 4 ranks, while step 1 differs by about 5e-7
-LOSS_RTOL, JUDGED_STEPS = 1e-4, 2
+# --compare's verdict on a run from step 0: step 1's gradients, each parameter's within GRADIENT_RTOL of
+# the reference's (|g - g_ref| / |g_ref|, Frobenius norms), and the first JUDGED_STEPS losses (the
+# forward on the same weights, then one update) within LOSS_RTOL of the reference's. The gradients
+# are what shows wrong attention: at initialisation the loss barely depends on it (attention at
+# twice the scale moved step 1's loss by 4e-6 of it, its wk gradient by 100%; a window of 120 at
+# --seq 128, 9e-6 and 2.4e-2), while exact fp32 runs (ring, allgather, alltoall, hybrid, auto,
+# dp 2 x cp 2, --seq 128 to 2048, tiny and small) differ by at most 5.3e-7. Later steps' losses are
+# shown, not judged: training amplifies float32 summation order (CP vs unsplit) step by step, to
+# 5e-2 within 60 steps at --lr 0.01 on 4 ranks, while step 1 differs by about 5e-7; nor are
+# post-AdamW parameters, whose update flips with the sign of a gradient near 0
+LOSS_RTOL, JUDGED_STEPS, GRADIENT_RTOL = 1e-4, 2, 1e-4
 OWN_CHECKPOINTS = "train: this launch saves to"  # + the directory: a torchrun launch mark (launch.mark_launch)
 
 
@@ -148,12 +154,14 @@ def _optimizer(model: torch.nn.Module, cfg: TrainConfig) -> torch.optim.Optimize
 def _run_steps(
     model: torch.nn.Module, optimizer: torch.optim.Optimizer, cfg: TrainConfig, start: int,
     inputs: Callable[[int], tuple], after_step: Callable[[int], None], show: bool, grad_scale: float = 1.0,
+    after_backward: Callable[[int], None] = lambda step: None,
 ) -> dict[str, list[float]]:
     """The training loop shared by CP and the single-process reference.
 
     ``inputs(step)`` gives (tokens, positions, labels, recall) for this rank. The loss
     shares of all ranks sum to the global mean loss; FSDP averages gradients over its
     ranks, so ``grad_scale`` (= their number) turns that average back into the sum.
+    ``after_backward(step)`` sees the step's gradients before the optimizer uses them.
     """
     history: dict[str, list[float]] = {"loss": [], "recall_accuracy": [], "tokens_per_second": []}
     global_tokens = cfg.batch * cfg.dp * cfg.seq
@@ -168,6 +176,7 @@ def _run_steps(
         logits = model(tokens, positions)  # (B, S, vocab)
         share, loss = cp_loss(logits, labels)
         (share * grad_scale).backward()
+        after_backward(step)
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
         hits = torch.stack([((logits.argmax(-1) == labels) & recall).sum(), recall.sum()]).float()
@@ -306,6 +315,12 @@ def train_rank(rank: int, world: int, cfg: TrainConfig, resume_from: checkpoint.
         recall = layout.shard(recall[rows], cp_rank, dim=1)
         return local.tokens.to(device), local.positions.to(device), local.labels.to(device), recall.to(device)
 
+    gradients: dict[str, torch.Tensor] = {}  # step 1's whole gradients on rank 0, for --compare's verdict
+
+    def after_backward(step: int) -> None:
+        if cfg.compare and step == 0:
+            gradients.update(full_gradients(model, keep=rank == 0))
+
     sealed = start if resumed else None  # the newest checkpoint of this run
 
     def after_step(done: int) -> None:
@@ -323,7 +338,8 @@ def train_rank(rank: int, world: int, cfg: TrainConfig, resume_from: checkpoint.
         torch.cuda.reset_peak_memory_stats(device)
     before = profile.current_memory(device)
     with profile.record(timing=False) as rec:  # what strategy="auto" chose, without synchronising the device
-        history = _run_steps(model, optimizer, cfg, start, inputs, after_step, show=rank == 0, grad_scale=world)
+        history = _run_steps(model, optimizer, cfg, start, inputs, after_step, show=rank == 0, grad_scale=world,
+                             after_backward=after_backward)
     chosen = dict(rec.strategy_choices)  # strategy="auto": {strategy: why}, one entry per distinct choice
     growth = [None] * world
     dist.all_gather_object(growth, profile.peak_memory(device)[0] - before)
@@ -336,6 +352,7 @@ def train_rank(rank: int, world: int, cfg: TrainConfig, resume_from: checkpoint.
     if rank != 0:
         return None
     return dict(config=dict(asdict(cfg), nproc=world, cp=cp), start_step=start, parameters=params,
+                first_step_gradients=gradients or None,
                 resumed_from=resumed.path if resumed else None,
                 skipped_checkpoints=[asdict(s) for s in resumed.skipped] if resumed else [],
                 rank_peak_growth_bytes=growth, peak_memory_source=profile.peak_memory(device)[1],
@@ -363,9 +380,40 @@ def train_reference(cfg: TrainConfig) -> dict:
         tokens, recall = task.batch(cfg.batch * cfg.dp, cfg.seed, step)
         return tokens, None, shift_labels(tokens), recall
 
-    history = _run_steps(model, optimizer, cfg, 0, inputs, lambda done: None, show=False)
+    gradients: dict[str, torch.Tensor] = {}
+
+    def after_backward(step: int) -> None:
+        if step == 0:
+            gradients.update(full_gradients(model))
+
+    history = _run_steps(model, optimizer, cfg, 0, inputs, lambda done: None, show=False,
+                         after_backward=after_backward)
     params = {n: p.detach().clone() for n, p in model.state_dict().items()} if cfg.return_parameters else None
-    return dict(parameters=params, **history)
+    return dict(parameters=params, first_step_gradients=gradients, **history)
+
+
+def full_gradients(model: torch.nn.Module, keep: bool = True) -> dict[str, torch.Tensor]:
+    """Every parameter's whole gradient by name, on the CPU. FSDP's shards are gathered, so
+    under FSDP every rank calls it (collective); ``keep``: this rank keeps them (rank 0, as
+    ``return_parameters`` keeps the gathered parameters)."""
+    from torch.distributed.tensor import DTensor
+
+    gradients = {}
+    for name, parameter in model.named_parameters():
+        grad = parameter.grad.full_tensor() if isinstance(parameter.grad, DTensor) else parameter.grad
+        if keep:
+            gradients[name] = grad.detach().to("cpu", copy=True)
+    return gradients
+
+
+def gradient_errors(got: dict[str, torch.Tensor], want: dict[str, torch.Tensor]) -> dict[str, float]:
+    """Each parameter's relative gradient error |got - want| / |want| (Frobenius norms); where
+    ``want``'s norm is 0: 0 if ``got``'s is too, else inf (a NaN in either: NaN or inf)."""
+    errors = {}
+    for name, reference in want.items():
+        diff, scale = (got[name] - reference).norm().item(), reference.norm().item()
+        errors[name] = diff / scale if scale else (0.0 if diff == 0 else math.inf)
+    return errors
 
 
 def run_train(cfg: TrainConfig, *, timeout_s: float = launch.DEFAULT_TIMEOUT_S) -> dict | None:
@@ -386,15 +434,28 @@ def run_train(cfg: TrainConfig, *, timeout_s: float = launch.DEFAULT_TIMEOUT_S) 
             resume_from = find_resume_point(cfg)
             _say_skipped(resume_from)
     report = launch.run(train_rank, cfg.nproc, (cfg, resume_from), device_type=cfg.device, timeout_s=timeout_s)
-    if report is not None and cfg.compare:
-        reference = train_reference(cfg)
-        report["reference_loss"] = reference["loss"]
-        report["reference_parameters"] = reference["parameters"]
-        pairs = list(zip(report["loss"], reference["loss"][report["start_step"]:]))
-        report["max_abs_loss_diff"] = max(abs(a - b) for a, b in pairs)
-        judged = pairs[:JUDGED_STEPS] if report["start_step"] == 0 else []  # resumed: weights of earlier steps
-        report["losses_match"] = all(abs(a - b) <= LOSS_RTOL * abs(b) for a, b in judged) if judged else None
+    if report is not None:
+        gradients = report.pop("first_step_gradients")  # step 1's whole gradients, with --compare from step 0
+        if cfg.compare:
+            report.update(compare_with_reference(report, gradients, train_reference(cfg)))
     return report
+
+
+def compare_with_reference(report: dict, gradients: dict[str, torch.Tensor] | None, reference: dict) -> dict:
+    """``--compare``'s fields: the CP run's ``report`` and its step 1's whole ``gradients``
+    (None where it resumed: not judged) against ``reference``, ``train_reference``'s."""
+    pairs = list(zip(report["loss"], reference["loss"][report["start_step"]:]))
+    fields = dict(reference_loss=reference["loss"], reference_parameters=reference["parameters"],
+                  max_abs_loss_diff=max(abs(a - b) for a, b in pairs), losses_match=None, gradients_match=None,
+                  max_gradient_error=None, max_gradient_error_parameter=None)
+    if report["start_step"]:  # resumed: from weights whose earlier steps' rounding the reference does not share
+        return fields
+    fields["losses_match"] = all(abs(a - b) <= LOSS_RTOL * abs(b) for a, b in pairs[:JUDGED_STEPS])
+    errors = gradient_errors(gradients, reference["first_step_gradients"])
+    worst = max(errors, key=lambda name: (math.isnan(errors[name]), errors[name]))  # NaN first: it matches nothing
+    fields.update(max_gradient_error=errors[worst], max_gradient_error_parameter=worst,
+                  gradients_match=errors[worst] <= GRADIENT_RTOL)
+    return fields
 
 
 def format_report(report: dict) -> str:
@@ -421,16 +482,25 @@ def format_report(report: dict) -> str:
     lines.append(f"tokens/s (median over steps): {sorted(tps)[len(tps) // 2]:,.0f}")
     if ref:
         lines.append(f"max |loss - reference_loss| = {report['max_abs_loss_diff']:.2e}")
-        steps = f"the first {min(JUDGED_STEPS, len(report['loss']))} step(s)"
-        if report["losses_match"] is None:
-            lines.append(f"not judged: resumed at step {report['start_step']}, from weights whose earlier steps' "
-                         f"rounding the reference does not share")
-        elif report["losses_match"]:
-            lines.append(f"OK: the losses of {steps} within {LOSS_RTOL:g} of the reference's (later steps shown, "
-                         f"not judged: training amplifies rounding)")
-        else:
-            lines.append(f"MISMATCH: a loss of {steps} differs from the reference's by more than {LOSS_RTOL:g} of it")
+        lines.append(_verdict(report))
     falls = report["loss"][-1] < report["loss"][0]
     lines.append(f"loss {'fell' if falls else 'did not fall'}: {report['loss'][0]:.4f} -> {report['loss'][-1]:.4f}"
                  f" (ln vocab = {math.log(get_config(c['model']).vocab):.4f})")
     return "\n".join(lines)
+
+
+def _verdict(report: dict) -> str:
+    """``--compare``'s line: OK, MISMATCH saying what differs, or why a resumed run is not judged."""
+    if report["losses_match"] is None:
+        return (f"not judged: resumed at step {report['start_step']}, from weights whose earlier steps' rounding the "
+                f"reference does not share")
+    steps = f"the first {min(JUDGED_STEPS, len(report['loss']))} step(s)"
+    worst = f"{report['max_gradient_error']:.2e} of its norm, in {report['max_gradient_error_parameter']}"
+    if report["losses_match"] and report["gradients_match"]:
+        return (f"OK: step 1's gradients within {GRADIENT_RTOL:g} of the reference's (at most {worst}) and the "
+                f"losses of {steps} within {LOSS_RTOL:g} (later steps shown, not judged: training amplifies rounding)")
+    wrong = [] if report["gradients_match"] else [
+        f"a gradient of step 1 differs from the reference's by more than {GRADIENT_RTOL:g} ({worst})"]
+    if not report["losses_match"]:
+        wrong.append(f"a loss of {steps} differs from the reference's by more than {LOSS_RTOL:g} of it")
+    return f"MISMATCH: {'; '.join(wrong)}"
