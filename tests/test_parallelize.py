@@ -10,6 +10,7 @@ from __future__ import annotations
 import copy
 import dataclasses
 import functools
+import re
 
 import pytest
 import torch
@@ -20,7 +21,7 @@ import ctxpar
 import spawned
 from ctxpar.layout import get_layout
 from ctxpar.models import Transformer
-from ctxpar.models.llama import causal_sdpa
+from ctxpar.models.llama import Block, causal_sdpa, rope_cos_sin
 from ctxpar.models.config import get_config
 from ctxpar.parallelize import IGNORE_INDEX, apply_context_parallel, batch_code, cp_loss, shard_batch
 
@@ -255,6 +256,39 @@ class _Wrapper(torch.nn.Module):
         return self.model(input_ids, pos)
 
 
+class _OwnModel(torch.nn.Module):
+    """A model of one's own, nanoGPT's names: its token embedding is ``wte``, not ``embed``."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.cfg = get_config("tiny")
+        self.wte = torch.nn.Embedding(self.cfg.vocab, self.cfg.hidden)
+        self.blocks = torch.nn.ModuleList(Block(self.cfg) for _ in range(2))
+        self.head = torch.nn.Linear(self.cfg.hidden, self.cfg.vocab, bias=False)
+
+    def run(self, tokens: torch.Tensor, positions: torch.Tensor | None) -> torch.Tensor:
+        if positions is None:
+            positions = torch.arange(tokens.shape[1])
+        cos, sin = rope_cos_sin(positions, self.cfg.head_dim, self.cfg.rope_theta)
+        x = self.wte(tokens)  # (B, T, d)
+        for block in self.blocks:
+            x = block(x, cos, sin)
+        return self.head(x)  # (B, T, vocab)
+
+    def forward(self, tokens: torch.Tensor, positions: torch.Tensor | None = None) -> torch.Tensor:
+        return self.run(tokens, positions)
+
+
+class _NamedOtherwise(_OwnModel):
+    def forward(self, input_ids: torch.Tensor, position_ids: torch.Tensor | None = None) -> torch.Tensor:
+        return self.run(input_ids, position_ids)
+
+
+class _NumbersItsOwnTokens(_OwnModel):
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        return self.run(tokens, None)
+
+
 class _FeatureModel(torch.nn.Module):
     """A model of one's own whose forward takes (tokens, positions), its tokens features
     (B, T/P, C) rather than ids: the guard's checks of token ids are not for it."""
@@ -313,6 +347,14 @@ def _wrapped_cases(rank: int, world: int) -> dict:
     found["hybrid_heads"] = _reported(lambda: type(apply_context_parallel(odd, layout=layout, strategy="hybrid",
                                                                     mesh=mesh)))
     found["unchanged"] = all(m.attention_fn is causal_sdpa for m in odd.modules() if hasattr(m, "attention_fn"))
+    own = _OwnModel().eval()
+    with torch.no_grad():
+        want = layout.shard(own(tokens), rank, dim=1)
+        apply_context_parallel(own, layout=layout)
+        found["wte"] = dict(
+            exact=_reported(lambda: (own(batch.tokens, batch.positions) - want).abs().max().item()),
+            outside_the_vocabulary_on_one_rank=_reported(lambda: own(
+                batch.tokens.clone().fill_(256) if last else batch.tokens, batch.positions)))
     features, own = torch.randn(1, 16, 8), _FeatureModel()
     with torch.no_grad():
         want = layout.shard(own(features), rank, dim=2)
@@ -357,6 +399,31 @@ def test_tokens_one_rank_cannot_embed_are_refused_on_every_rank() -> None:
                 rank, case, got)
         assert res["one_rank"]["after"] < 1e-5
         assert "the tensors are on meta; move them to the CPU" in res["meta_forward"], (rank, res["meta_forward"])
+
+
+def test_a_model_of_ones_own_checks_its_tokens_against_its_one_embedding_whatever_its_name() -> None:
+    """The range check looked for an nn.Embedding named embed: a model of one's own embedding
+    with wte raised IndexError on the rank holding an id outside the vocabulary, its peer
+    failing with 'Connection closed by peer'."""
+    for rank, res in enumerate(wrapped_results()):
+        r = res["wte"]
+        assert isinstance(r["exact"], float) and r["exact"] < 1e-5, (rank, r["exact"])
+        want = "_OwnModel got token ids from 256 to 256, outside its vocabulary of 256" if rank == 1 else (
+            "ranks [1] of the CP group rejected their forward inputs")
+        assert want in r["outside_the_vocabulary_on_one_rank"], (rank, r["outside_the_vocabulary_on_one_rank"])
+
+
+@pytest.mark.parametrize("model", [_NamedOtherwise, _NumbersItsOwnTokens], ids=["input_ids", "tokens_alone"])
+def test_a_model_whose_forward_takes_no_tokens_and_positions_is_refused_before_it_changes(model) -> None:
+    """Its forward went unguarded: position_ids forgotten, or positions numbered inside the
+    forward, each shard ran as if it began the sequence, logits off by 3.5%, silently."""
+    own = model()
+    with pytest.raises(ValueError, match=re.escape(
+            f"{model.__name__}: no module's forward around its attention takes parameters named tokens and "
+            f"positions")):
+        apply_context_parallel(own, layout=get_layout("zigzag", 1))
+    assert all(m.attention_fn is causal_sdpa for m in own.modules() if hasattr(m, "attention_fn"))
+    assert not any(m._forward_pre_hooks for m in own.modules())
 
 
 def test_a_model_of_ones_own_whose_tokens_are_features_runs() -> None:
@@ -429,8 +496,9 @@ class _Encoder(torch.nn.Module):
         super().__init__()
         self.qkv, self.attention_fn = torch.nn.Linear(8, 24), attention_fn
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        q, k, v = self.qkv(x).view(*x.shape[:2], 3, 2, 4).permute(2, 0, 3, 1, 4)  # each (B, H, T, D)
+    def forward(self, tokens: torch.Tensor, positions: torch.Tensor | None = None) -> torch.Tensor:
+        """tokens: features (B, T, 8); no RoPE, so no use for the positions."""
+        q, k, v = self.qkv(tokens).view(*tokens.shape[:2], 3, 2, 4).permute(2, 0, 3, 1, 4)  # each (B, H, T, D)
         return self.attention_fn(q, k, v).transpose(1, 2).flatten(2)  # (B, T, 8)
 
 

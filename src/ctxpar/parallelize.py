@@ -179,14 +179,23 @@ def apply_context_parallel(
     function (bidirectional, its own scale, a window) is refused, naming its layer, before
     the model changes, rather than silently made causal.
 
+    The model's forward must take this rank's tokens and their global positions as
+    parameters named ``tokens`` and ``positions`` (the reference model's ``forward(tokens,
+    positions=None, documents=None)``; ``model(batch.tokens, batch.positions)`` with
+    ``shard_batch``'s batch), and hand the positions to its RoPE (or position embedding): a
+    model with no module whose forward takes them is refused before it changes, as one that
+    numbers its tokens itself (``torch.arange``) or takes them by other names
+    (``input_ids``, ``position_ids``) would run with each shard numbered from 0 and go
+    unchecked. ``model`` may wrap such a module (a module of one's own, DDP,
+    ``torch.compile``): the checks go on it, the innermost where they nest.
+
     ``check_consistency`` (as ``ctxpar.attention``'s, on every rank at once): each
-    attention call compares the ranks' calls, and the reference model's forward (and
-    ``hidden_states``, which runs through it) refuses, on every rank together, positions that
-    are not this rank's layout positions, shards of different batches (``batch_code``) and
-    tokens its embedding cannot take, with one tiny all-gather per forward; False skips these
-    checks. ``model`` may wrap the reference model (a module of one's own, DDP,
-    ``torch.compile``): the guard goes on the module whose forward takes ``(tokens,
-    positions)``.
+    attention call compares the ranks' calls, and that module's forward (and the reference
+    model's ``hidden_states``, which runs through it) refuses, on every rank together,
+    positions that are not this rank's layout positions, shards of different batches
+    (``batch_code``) and, where the module holds one ``nn.Embedding`` (the token embedding,
+    whatever its name), token ids it cannot take, with one tiny all-gather per forward;
+    False skips these checks.
 
     The model cannot be pickled (``torch.save(model)``) afterwards: save its ``state_dict()``.
     """
@@ -208,6 +217,16 @@ def apply_context_parallel(
                 f"would be replaced by causal attention at scale head_dim**-0.5, dropping what it does (a "
                 f"bidirectional mask, its own scale, a window); set attention_fn = causal_sdpa if it is plain causal "
                 f"attention, or call ctxpar.attention(q, k, v, layout=..., causal=..., scale=...) in it yourself")
+    guarded = _guarded_modules(model, [module for _, module in modules])
+    if not guarded:
+        raise ValueError(
+            f"{type(model).__name__}: no module's forward around its attention takes parameters named tokens and "
+            f"positions, so this rank's global positions cannot reach its RoPE (or position embedding), nor be "
+            f"checked: a forward that numbers its tokens itself (torch.arange) or takes them by other names "
+            f"(input_ids, position_ids) runs each shard as if it began the sequence, silently wrong; give the "
+            f"forward (tokens, positions=None, ...) parameters, use the positions, and call model(batch.tokens, "
+            f"batch.positions) with batch = shard_batch(...) (Hugging Face models: "
+            f"ctxpar.integrations.transformers.enable_context_parallel)")
     cp_attention = _SharedAttention(attention, layout=layout, group=group, strategy=strategy, mesh=mesh, causal=True,
                                     check_consistency=check_consistency)
     for _, module in modules:
@@ -217,7 +236,7 @@ def apply_context_parallel(
         if previous is not None:
             previous.remove()
     if check_consistency:
-        for module in _guarded_modules(model, cp_attention):
+        for module in guarded:
             guard = _PositionsGuard(module, layout, group, mesh, cp_attention)
             module._ctxpar_positions_guard = module.register_forward_pre_hook(guard, with_kwargs=True)
     return model
@@ -255,14 +274,15 @@ class _SharedAttention(_KeptWithTheModel, functools.partial):
     guard knows the model's attention by identity (a copied one left the copy unguarded)."""
 
 
-def _guarded_modules(model: nn.Module, cp_attention: Callable[..., torch.Tensor]) -> list[nn.Module]:
-    """The modules whose forward takes the reference model's ``(tokens, positions)`` and runs
-    ``cp_attention``, the innermost where they nest: ``model`` itself, or the model inside a
-    wrapper (a module of one's own, DDP, torch.compile's OptimizedModule), whose own forward
-    takes other arguments and hands them on. Guarding only the root left a wrapped model
-    unguarded, its attention under CP all the same."""
+def _guarded_modules(model: nn.Module, attention_modules: list[nn.Module]) -> list[nn.Module]:
+    """The modules whose forward takes the reference model's ``(tokens, positions)`` and holds
+    one of ``attention_modules``, the innermost where they nest: ``model`` itself, or the
+    model inside a wrapper (a module of one's own, DDP, torch.compile's OptimizedModule),
+    whose own forward takes other arguments and hands them on. Guarding only the root left
+    a wrapped model unguarded, its attention under CP all the same."""
+    attending = {id(module) for module in attention_modules}
     takers = [module for module in model.modules() if _takes_positions(module)
-              and any(getattr(m, "attention_fn", None) is cp_attention for m in module.modules())]
+              and any(id(m) in attending for m in module.modules())]
     return [module for module in takers
             if not any(other is not module and any(other is m for m in module.modules()) for other in takers)]
 
@@ -308,9 +328,9 @@ class _PositionsGuard(_KeptWithTheModel):
                                      where_known=(SAME_BATCH,))
 
     def _check(self, module: nn.Module, topo: topology.Topology, tokens, positions, documents) -> None:
-        name, embed = type(module).__name__, getattr(module, "embed", None)
-        # the reference model embeds token ids; a model of one's own may take other (B, T/P, ...) tokens
-        ids = isinstance(embed, nn.Embedding)
+        name, embed = type(module).__name__, _token_embedding(module)
+        # a model embedding token ids holds an nn.Embedding; one of one's own may take other (B, T/P, ...) tokens
+        ids = embed is not None
         if not isinstance(tokens, torch.Tensor) or tokens.dim() < 2 or ids and tokens.dim() != 2:
             got = tuple(tokens.shape) if isinstance(tokens, torch.Tensor) else type(tokens).__name__
             raise ValueError(f"{name} takes this rank's tokens as a (B, T/P{'' if ids else ', ...'}) tensor "
@@ -343,6 +363,19 @@ class _PositionsGuard(_KeptWithTheModel):
             raise ValueError(f"positions must be rank {topo.rank}'s global positions{where} under the "
                              f"{placed.name} layout given to apply_context_parallel (they begin "
                              f"{want[:6].tolist()}): {fix}")
+
+
+def _token_embedding(module: nn.Module) -> nn.Embedding | None:
+    """The ``nn.Embedding`` that embeds ``module``'s tokens: its only one, whatever its name
+    (``embed``, ``wte``), or among several the one it holds as ``embed`` (the reference
+    model's name); looked up at each forward (a deep copy shares the guard). None where it
+    holds none (its tokens are features) or several others (a position embedding beside
+    the tokens': which one takes them is not known), so token ids go unchecked."""
+    embeddings = [m for m in module.modules() if isinstance(m, nn.Embedding)]
+    if len(embeddings) == 1:
+        return embeddings[0]
+    embed = getattr(module, "embed", None)
+    return embed if isinstance(embed, nn.Embedding) else None
 
 
 def cp_loss(
