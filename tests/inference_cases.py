@@ -403,6 +403,9 @@ def _check_bad_inputs(rank: int, world: int) -> dict[str, str]:
             model, cache(value_dim=2 * cfg.head_dim if rank == world - 1 else None), prompt, layout="zigzag"))
         rows = ragged if rank == world - 1 else prompt
         messages["one_rank_nested_prompt"] = _attempt(lambda: prefill(model, cache(), rows, layout="zigzag"))
+        # an empty name among those that differ: its row of the names' exchange once failed on that rank alone
+        messages["one_rank_empty_strategy"] = _attempt(lambda: generate(
+            model, prompt, layout="zigzag", new_tokens=2, strategy="" if rank == world - 1 else "ring"))
         # values that differ are named as themselves: once float bits and checksums of the names
         messages["temperature_differs"] = _attempt(lambda: generate(model, prompt, layout="zigzag", new_tokens=2,
                                                                     temperature=0.5 + rank * 1e-16))

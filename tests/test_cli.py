@@ -166,6 +166,8 @@ def bad_values(tmp: Path) -> list[tuple[tuple[str, ...], str]]:
                                      "attention": 5}))
     no_rate = tmp / "no_rate.json"  # said to hold no calibration, not which entry it lacks
     no_rate.write_text(json.dumps({"bandwidth": 1e9, "attention": {"forward_flops": 1e9}}))
+    results = tmp / "bench.json"  # a benchmark's results, naming their machine: once advised to measure into it
+    results.write_text(json.dumps({"config": {}, "machine": "x86_64", "torch": "2.13.0", "rows": []}))
     missing = str(tmp / "no" / "such" / "dir" / "out.json")
     (tmp / "afile").write_text("")
     (tmp / "dangling").symlink_to(tmp / "gone")
@@ -254,6 +256,8 @@ def bad_values(tmp: Path) -> list[tuple[tuple[str, ...], str]]:
         (("plan", "--hardware", "local", "--calibration", str(other_json)),
          "holds no calibration; write one into a new file (this one holds something else) with `ctxpar plan "
          "--hardware local --calibrate --json calibration.json`"),
+        (("plan", "--hardware", "local", "--calibration", str(results)), "holds no calibration; write one into a new "
+                                                                           "file (this one holds something else)"),
         (("plan", "--hardware", "local", "--calibration", str(bad_rate)), "calibration 'attention_flops' is 'fast'"),
         (("plan", "--hardware", "local", "--calibration", str(no_rate)),
          f"has no \"attention_flops\" entry (the measured attention FLOP/s); measure again with `ctxpar plan "

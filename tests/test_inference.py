@@ -225,6 +225,7 @@ ONE_RANK_BAD = {  # the last rank's call is bad: it raises its own error, the ot
     "one_rank_attention_grad": "sharded_attention is inference only, but grad mode is on and k set requires_grad",
     "one_rank_value_dim": "(layers, kv_heads, head_dim, value_dim) = (2, 4, 8, 8)",
     "one_rank_nested_prompt": "prompt: expected token ids as a dense (B, n) tensor",
+    "one_rank_empty_strategy": "inference strategy '': choose one of",
 }
 MULTI_RANK_ONLY = ("layout_length", "step", "tokens_differ", "chunks_differ", "methods_differ", "calls_differ",
                    "chunk_capacities_differ", "interrupted_chunk", "cache_on_a_mesh", "cache_on_group_and_mesh",

@@ -205,7 +205,7 @@ def _gathered_texts(texts: dict[str, Text], group: dist.ProcessGroup | None) -> 
     mine = torch.zeros(len(texts), TEXT_BYTES, dtype=torch.uint8)  # (texts, bytes), zero-padded
     for row, text in zip(mine, texts.values()):
         encoded = text.exchanged()
-        row[: len(encoded)] = torch.frombuffer(bytearray(encoded), dtype=torch.uint8)
+        row[: len(encoded)] = torch.tensor(list(encoded), dtype=torch.uint8)
     mine = mine.to(collective_device(group))
     table = mine.new_empty(dist.get_world_size(group) * len(texts), TEXT_BYTES)
     profile.add_traffic(0, 0)  # a synchronisation point, as ``_all_gather``'s
@@ -264,9 +264,10 @@ class Text:
         return text_code(str(self.value))
 
     def exchanged(self) -> bytes:
-        """Its name as exchanged: UTF-8, cut to ``TEXT_BYTES`` ("..." marking the cut)."""
+        """Its name as exchanged: UTF-8, cut to ``TEXT_BYTES`` ("..." marking the cut); empty
+        where it is (every rank must reach the all-gather with its row)."""
         try:
-            text = str(self.value).encode()
+            text = str(self.value).encode(errors="replace")
         except Exception:  # noqa: BLE001  a name that cannot be read is still exchanged
             text = b"?"
         return text if len(text) <= TEXT_BYTES else text[:TEXT_BYTES - 3] + b"..."

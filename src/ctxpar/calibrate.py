@@ -592,6 +592,11 @@ class OldCalibration(UserWarning):
     """A calibration file that loads, but from an older measurement than this version makes."""
 
 
+_CALIBRATION_ENTRIES = {"attention_flops", "bandwidth", "latency", "memory_bandwidth", "matmul_flops",
+                        "launch_overhead", "attention_size_curve", "attention_causal_size_curve", "attention", "matmul",
+                        "link", "tiles"}
+
+
 def load_calibration(path: str) -> dict:
     """The calibration in ``path``: a JSON written by ``ctxpar plan --calibrate --json`` (its
     "calibration" entry) or the calibration object itself."""
@@ -605,8 +610,9 @@ def load_calibration(path: str) -> dict:
     except (json.JSONDecodeError, UnicodeDecodeError) as e:
         raise ValueError(f"--calibration {path!r} is not JSON ({e}); give the file --calibrate --json wrote") from e
     found = (data.get("calibration") or data) if isinstance(data, dict) else None
-    # a calibration has these; one with some but no rate was called "no calibration" as a results file is
-    if not isinstance(found, dict) or not {"attention_flops", "bandwidth", "attention", "machine"} & set(found):
+    # a calibration lacking its rate, told from another file (a benchmark's results name their machine too,
+    # and the advice to measure again into it would overwrite them) by two of its own entries
+    if not isinstance(found, dict) or ("attention_flops" not in found and len(_CALIBRATION_ENTRIES & set(found)) < 2):
         raise ValueError(f"--calibration {path!r} holds no calibration; write one into a new file (this one holds "
                          f"something else) with `ctxpar plan --hardware local --calibrate --json calibration.json`")
     if "attention_flops" not in found:
