@@ -47,7 +47,9 @@ from ctxpar.parallelize import IGNORE_INDEX, cp_loss, shift_labels
 COMBOS = [("zigzag", "ring"), ("striped", "allgather"), ("contiguous", "ring"), ("zigzag", "alltoall")]
 # distinct attention set-ups: GQA + RoPE (Llama, Qwen2/3, Phi-3), Gemma's scaled embeddings,
 # MLA with different K and V head dims (DeepSeek-V3), a non-default scale (Granite), MoE (Mixtral)
-LABEL_CASES = ["llama", "qwen2", "qwen3", "gemma", "phi3", "deepseek_v3", "granite", "mixtral"]
+LABEL_CASES = ["llama", "qwen2", "qwen3", "gemma", "phi3", "deepseek_v3", "granite", "mixtral",
+               # MoE with output_router_logits=True: the router's load-balancing loss joins the labels= loss
+               "mixtral+router", "qwen2_moe+router", "olmoe+router"]
 SWEEP_P, SWEEP_TOKENS = 2, 16
 MASK_CASES = ["mistral", "qwen2+sliding-layers", "gemma3_text", "gpt_oss", "llama4_text"]
 MASK_COMBOS = [("zigzag", "ring"), ("contiguous", "allgather"), ("striped", "alltoall")]
@@ -125,14 +127,16 @@ def _labels(rank: int, world: int) -> dict:
     layout = ctxpar.get_layout("zigzag", world)
     out = {}
     for case in LABEL_CASES:
-        reference = hf_families.build(case).train()  # train(): MoE routers as in training; no dropout here
-        ref = reference(input_ids=input_ids, labels=labels, use_cache=False)  # transformers' own loss
+        family = case.removesuffix("+router")
+        routed = dict(output_router_logits=True) if case != family else {}
+        reference = hf_families.build(family).train()  # train(): MoE routers as in training; no dropout here
+        ref = reference(input_ids=input_ids, labels=labels, use_cache=False, **routed)  # transformers' own loss
         ref.loss.backward()
         want = _grads(reference)
-        model = enable_context_parallel(hf_families.build(case).train(), layout=layout)
+        model = enable_context_parallel(hf_families.build(family).train(), layout=layout)
         inputs, local_labels = shard_inputs(input_ids, layout=layout, rank=rank, labels=labels)
         try:
-            got = model(**inputs, labels=local_labels)
+            got = model(**inputs, labels=local_labels, **routed)
             got.loss.backward()
         except ValueError as e:  # reported by the test; raised alike on every rank, before communicating
             out[case] = dict(error=str(e))
@@ -146,6 +150,7 @@ def _labels(rank: int, world: int) -> dict:
             logits_scale=ref.logits.detach().abs().max().item(),
             grad_err=(grads - want).abs().max().item(),
             grad_scale=want.abs().max().item(),
+            aux_err=abs(got.aux_loss.item() - ref.aux_loss.item()) if routed else 0.0,
         )
     return out
 
@@ -414,6 +419,10 @@ def _guards(rank: int, world: int) -> dict:
     inputs, labels = shard_inputs(input_ids, layout=layout, rank=me)
     # labels= or a loss argument on one rank only: the others would wait in the loss's all-reduce
     out["labels on one rank"] = _attempt(lambda: model(**inputs, **(dict(labels=labels) if me == 0 else {})).loss)
+    # a MoE's router loss is made the sequence's after the forward, with every rank: asked on one rank only,
+    # that rank would wait alone
+    out["output_router_logits on one rank"] = _attempt(
+        lambda: tuple(model(**inputs, **(dict(output_router_logits=True) if me == 1 else {})).logits.shape))
     out["num_items_in_batch on one rank"] = _attempt(
         lambda: model(**inputs, labels=labels, **(dict(num_items_in_batch=7) if me == 1 else {})).loss.item())
     # each rank a batch of its own (a DistributedSampler over every rank): attention would mix them

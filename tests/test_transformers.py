@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import copy
 import re
+import sys
 
 import pytest
 
@@ -33,13 +34,15 @@ def test_llama_under_cp_gives_the_unsplit_logits_and_gradients(layout: str, stra
 def test_labels_loss_is_the_global_loss_and_its_gradient_sums_to_the_unsplit_one(case: str) -> None:
     """out.loss on every rank reads the unsplit model's own labels= loss (shifted once, every
     labelled token weighted alike across shards); summed over ranks its gradients are the
-    unsplit gradients (4 ranks, zigzag, uneven ignored labels)."""
+    unsplit gradients (4 ranks, zigzag, uneven ignored labels). With a MoE's router logits,
+    its aux_loss and the loss holding it are the sequence's (each rank's was its shard's)."""
     for rank, res in enumerate(hf_cases.results()):
         r = res["labels"][case]
         assert "error" not in r, f"rank {rank}: {r.get('error')}"
         assert r["loss_err"] <= 1e-5, f"rank {rank}: loss off by {r['loss_err']:.3g}"
         assert r["logits_err"] <= 1e-5 * r["logits_scale"], f"rank {rank}: logits {r['logits_err']:.3g}"
         assert r["grad_err"] <= 1e-4 * r["grad_scale"], f"rank {rank}: grads {r['grad_err']:.3g}"
+        assert r["aux_err"] <= 1e-5, f"rank {rank}: router aux_loss off by {r['aux_err']:.3g}"
 
 
 def _one_rank(model, tokens: int = 8, **labels):
@@ -80,12 +83,22 @@ def test_labels_loss_refuses_what_it_cannot_weigh_globally() -> None:
         model.loss_function(torch.randn(1, 8, 3), labels, model.config)
 
 
-def test_router_aux_loss_with_labels_is_refused() -> None:
-    """Mixtral adds a load-balancing loss over the tokens it sees, a per-shard quantity."""
+def test_a_router_loss_ctxpar_cannot_recompute_is_refused() -> None:
+    """A family whose aux_loss is not Switch Transformer's load-balancing loss over its router
+    logits (here Mixtral's own made twice as large) is refused, not replaced; return_dict=False
+    gives the tuple of the checked outputs."""
     model, inputs, labels = _one_rank(hf_families.build("mixtral"))
-    with pytest.raises(ValueError, match="router load-balancing loss"):
-        model(**inputs, labels=labels, output_router_logits=True)
-    model(**inputs, labels=labels)  # off by default: fine
+    want = model(**inputs, labels=labels, output_router_logits=True)
+    got = model(**inputs, labels=labels, output_router_logits=True, return_dict=False)
+    assert isinstance(got, tuple) and torch.equal(got[0], want.loss) and torch.equal(got[1], want.aux_loss)
+    module = sys.modules[type(model).__module__]
+    own = module.load_balancing_loss_func
+    try:
+        module.load_balancing_loss_func = lambda *args, **kwargs: 2 * own(*args, **kwargs)
+        with pytest.raises(ValueError, match="its aux_loss is not Switch Transformer's load-balancing loss"):
+            model(**inputs, output_router_logits=True)
+    finally:
+        module.load_balancing_loss_func = own
 
 
 def test_shard_inputs_refuses_a_batch_of_no_rows_whatever_p() -> None:
@@ -238,9 +251,13 @@ def test_logits_to_keep_is_refused_on_every_rank() -> None:
 
 def test_labels_or_a_loss_argument_on_one_rank_is_refused_on_every_rank_together() -> None:
     """labels= on rank 0 only left both ranks waiting until the timeout; num_items_in_batch=
-    on rank 1 only was refused there alone, inside the loss, after the forward."""
+    on rank 1 only was refused there alone, inside the loss, after the forward; and
+    output_router_logits on one rank only (its router loss is made the sequence's with
+    every rank) is refused before it."""
     for _, (kind, detail) in _guards("labels on one rank"):
         assert kind == "refused" and "got labels= on 1 of the 2 ranks of the CP group" in detail, detail
+    for _, (kind, detail) in _guards("output_router_logits on one rank"):
+        assert kind == "refused" and "got output_router_logits=True on 1 of the 2 ranks" in detail, detail
     for rank, (kind, detail) in _guards("num_items_in_batch on one rank"):
         assert kind == "refused", detail
         assert ("num_items_in_batch= is not supported" if rank == 1 else "another rank of the CP group refused") \

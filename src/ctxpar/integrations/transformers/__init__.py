@@ -50,7 +50,6 @@ from __future__ import annotations
 import copy
 import functools
 import inspect
-import typing
 
 import torch
 import torch.distributed as dist
@@ -74,6 +73,7 @@ from ctxpar.integrations.transformers.generation import (CACHE_KEYS, GENERATE_PA
                                                          cached_forward, check_token_ids, wrap_generate)
 from ctxpar.integrations.transformers.loss import (CAUSAL_LM_LOSSES, LOSS_KEYWORDS, CPCausalLMLoss, head_loss,
                                                    loss_refusal)
+from ctxpar.integrations.transformers.moe import global_aux_loss
 from ctxpar import agreement, limits, topology
 from ctxpar.attention import check_settings
 from ctxpar.layout import Layout
@@ -232,19 +232,22 @@ def _check_label_range(name: str, model, labels: torch.Tensor) -> None:
 
 
 def _refuse_together(name: str, error: Exception | None, label_flags: list[int], batch: int, device: torch.device,
-                     peers: topology.Topology) -> bool:
+                     peers: topology.Topology, routed: bool) -> bool:
     """One tiny all-reduce, so that every rank refuses a forward if any rank does (a refusal
     on some ranks only would leave the others waiting in attention): this rank's own error
     (declared documents, positions, caches, labels), labels= given on some ranks only (the
-    others would not join the loss's all-reduce), unshifted labels (``_label_flags``), and
-    shards of different batches (``batch``: ``batch_code``'s checksum, -1 if unknown).
+    others would not join the loss's all-reduce), unshifted labels (``_label_flags``),
+    output_router_logits on some ranks only (``routed``: the router loss is made the
+    sequence's after the forward, with every rank), and shards of different batches
+    (``batch``: ``batch_code``'s checksum, -1 if unknown).
     True when the labels equal input_ids wherever they label on every rank but label no
     last token: ``_refuse_unshifted`` decides those."""
     known = int(batch >= 0)
     code = batch if known else 0
-    flags = torch.tensor([int(error is not None), *label_flags, known, *agreement.sums_of(code)], device=device)
+    flags = torch.tensor([int(error is not None), *label_flags, int(routed), known, *agreement.sums_of(code)],
+                         device=device)
     topology.all_reduce(flags, peers)
-    refused, given, matching, last_labelled, with_ids, knowing, *summed = flags.tolist()
+    refused, given, matching, last_labelled, with_ids, routing, knowing, *summed = flags.tolist()
     ranks = summed[-1]
     if error is not None:
         raise error
@@ -255,6 +258,9 @@ def _refuse_together(name: str, error: Exception | None, label_flags: list[int],
                          f"with other labels or documents): each CP rank must pass the same whole batch to "
                          f"shard_inputs (sample data by data-parallel rank, not by global rank: a "
                          f"DistributedSampler over every rank gives each CP rank another batch)")
+    if 0 < routing < ranks:  # the router loss made exact after the forward needs every rank
+        raise ValueError(f"{name} got output_router_logits=True on {routing} of the {ranks} ranks of the CP group; "
+                         f"pass the same on every rank")
     if 0 < given < ranks:
         raise ValueError(f"{name} got labels= on {given} of the {ranks} ranks of the CP group; pass them on every "
                          f"rank or on none")
@@ -273,16 +279,10 @@ def _documents(name: str, settings: Settings, bound: dict, documents) -> tuple[i
     return None if len(lengths) == 1 else lengths
 
 
-# Outputs a model computes over the tokens it is given, that no per-token split of them adds up
-# to: each rank's is its shard's, silently (the model's config and modules do not give them all
-# away before the forward: CLIP pools inline, at the position of the largest token id).
-_SEQUENCE_OUTPUTS = {
-    "pooler_output": "run the model without its pooler and pool the position it reads, on the rank whose shard "
-                     "holds it (shard_inputs' position_ids say which)",
-    "aux_loss": "its router load-balancing loss depends on every token's routing; pass output_router_logits=False, "
-                "or compute it from out.router_logits with the experts' token fractions and mean probabilities "
-                "averaged over the CP group",
-}
+# A pooler computed inline (CLIP's text model pools at the largest token id), which the model's
+# config and modules do not give away before the forward: its output is this rank's shard's.
+_POOLER_OUTPUT_FIX = ("run the model without its pooler and pool the position it reads on the rank whose shard holds "
+                      "it (shard_inputs' position_ids say which)")
 
 
 def _wrap_forward(model, settings: Settings, loss: CPCausalLMLoss | None = None) -> None:
@@ -304,9 +304,7 @@ def _wrap_forward(model, settings: Settings, loss: CPCausalLMLoss | None = None)
 
     if "documents" in signature.parameters:
         raise ValueError(f"{name}.forward takes its own documents= argument, which ctxpar's documents= would shadow")
-    returned = typing.get_args(signature.return_annotation) or (signature.return_annotation,)
-    hidden_in_tuple = [key for key in _SEQUENCE_OUTPUTS
-                       if any(key in getattr(kind, "__dataclass_fields__", {}) for kind in returned)]
+    returns_dict = "return_dict" in signature.parameters or var_kw is not None
 
     def checked(args, kwargs, documents):
         bound = signature.bind_partial(*args, **kwargs).arguments
@@ -335,21 +333,8 @@ def _wrap_forward(model, settings: Settings, loss: CPCausalLMLoss | None = None)
                                      f"forward takes no KV cache but the one model.generate() builds (ctxpar's "
                                      f"ShardedCache, for the model enable_context_parallel was applied to), and "
                                      f"documents= do not go with it")
-            router = bound.get("output_router_logits", extra.get("output_router_logits"))
-            if router is None:
-                router = getattr(model.config, "output_router_logits", False)
-            if labels is not None and router and getattr(model.config, "router_aux_loss_coef", 0):
-                raise ValueError(f"{name} would add its router load-balancing loss, computed over this rank's "
-                                 f"tokens only, to the labels= loss; pass output_router_logits=False, or compute "
-                                 f"both losses yourself")
             _check_call(name, bound, extra)
             check_token_ids(name, model, bound.get("input_ids"))
-            as_tuple = bound.get("return_dict", extra.get("return_dict"))
-            if (as_tuple is False or (as_tuple is None and getattr(model.config, "return_dict", True) is False)) \
-                    and hidden_in_tuple:
-                raise ValueError(f"{name} got return_dict=False, and its outputs may hold "
-                                 f"{' or '.join(hidden_in_tuple)}, which ctxpar refuses when a forward computes them "
-                                 f"(from one shard) but cannot find in a tuple; pass return_dict=True")
             if labels is not None and head_loss(model) not in CAUSAL_LM_LOSSES:
                 raise ValueError(f"{name} got labels=, which under context parallelism are shard_inputs' labels, "
                                  f"shifted for next-token prediction, while its head ({head_loss(model)}) scores each "
@@ -373,8 +358,16 @@ def _wrap_forward(model, settings: Settings, loss: CPCausalLMLoss | None = None)
         device = (tokens if tokens is not None else model.get_input_embeddings().weight).device
         flags = [int(labels is not None), 0, 0, 0] if error is not None else _label_flags(labels, tokens, settings)
         batch = batch_code(tokens) if error is None else -1
-        if _refuse_together(name, error, flags, batch, device, peers):
+        routed = bound.get("output_router_logits", extra.get("output_router_logits"))
+        routed = bool(getattr(model.config, "output_router_logits", False) if routed is None else routed)
+        if _refuse_together(name, error, flags, batch, device, peers, routed):
             _refuse_unshifted(name, labels, tokens, settings)
+        # a tuple would hide the outputs checked below: asked for as a ModelOutput, given back as the tuple
+        given = bound.get("return_dict", extra.get("return_dict"))
+        as_tuple = returns_dict and "return_dict" not in bound and (
+            given is False or given is None and getattr(model.config, "return_dict", True) is False)
+        if as_tuple:
+            kwargs = dict(kwargs, return_dict=True)
         calls = loss.calls if loss is not None else 0
         declared = DOCUMENTS.set(documents)
         try:
@@ -385,11 +378,12 @@ def _wrap_forward(model, settings: Settings, loss: CPCausalLMLoss | None = None)
             raise ValueError(f"{name} computes its labels= loss without transformers' loss_function, so it would "
                              f"shift the already shifted labels and average per rank; call it without labels= and "
                              f"use ctxpar.parallelize.cp_loss(out.logits, labels)")
-        for key, fix in _SEQUENCE_OUTPUTS.items():  # every rank has one alike: the same model, the same arguments
-            if getattr(out, key, None) is not None:
-                raise ValueError(f"{name} returned {key}, computed from this rank's shard alone though it stands for "
-                                 f"the whole sequence; {fix}")
-        return out
+        if getattr(out, "pooler_output", None) is not None:  # every rank alike: the same model and arguments
+            raise ValueError(f"{name} returned pooler_output, computed from this rank's shard alone though it stands "
+                             f"for the whole sequence; {_POOLER_OUTPUT_FIX}")
+        if getattr(out, "aux_loss", None) is not None:  # on every rank alike: output_router_logits was agreed
+            global_aux_loss(name, model, out, peers, loss.last if labels is not None and loss is not None else None)
+        return out.to_tuple() if as_tuple and hasattr(out, "to_tuple") else out
 
     @installed
     @functools.wraps(forward)
