@@ -160,8 +160,7 @@ def _merged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, peers: 
 def _check_inputs(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float | None,
                   sinks: torch.Tensor | None) -> float:
     """Shapes, dtypes, devices and sinks of a sharded attention call; returns its scale."""
-    if not all(isinstance(t, torch.Tensor) and t.layout == torch.strided and not t.is_nested and t.dim() == 4
-               for t in (q, k, v)):
+    if not all(is_dense(t) and t.dim() == 4 for t in (q, k, v)):
         raise ValueError("sharded_attention takes dense 4-D tensors: q (B, H, S, D), k and v (B, H_kv, n, D)")
     if (k.shape != v.shape or q.shape[0] != k.shape[0] or q.shape[3] != k.shape[3] or not k.shape[1]
             or q.shape[1] % k.shape[1]):

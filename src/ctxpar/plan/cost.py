@@ -719,8 +719,12 @@ def data_parallel_time(w: Workload, hw: Hardware, step: StepTime) -> DataParalle
 
 def efficiency(w: Workload, hw: Hardware) -> float:
     """Parallel efficiency: CP-1 step time / (P x CP-P step time); 1.0 = perfect scaling."""
-    single = step_time(w.unsplit(), hw).seconds
-    return single / (w.cp * step_time(w, hw).seconds)
+    return scaling(step_time(w.unsplit(), hw).seconds, w.cp, step_time(w, hw).seconds)
+
+
+def scaling(single_seconds: float, cp: int, step_seconds: float) -> float:
+    """``efficiency`` from the two step times it compares."""
+    return single_seconds / (cp * step_seconds)
 
 
 def overlap_local_len(w: Workload, pipeline: Pipeline) -> float | None:

@@ -71,7 +71,17 @@ class Recommendation:
 
 def variant(w: Workload, hw: Hardware, *, strategy: str, cp: int, seq: int | None = None,
             layout: str | None = None) -> Workload | None:
-    """``w`` with another strategy / degree / length / layout, or None where that combination is invalid.
+    """``w`` with another strategy / degree / length / layout, or None where that combination is
+    invalid (``_changed``'s refusal)."""
+    try:
+        return _changed(w, hw, strategy=strategy, cp=cp, seq=seq, layout=layout)
+    except ValueError:  # e.g. alltoall with heads not divisible by P, or a length the layout rejects
+        return None
+
+
+def _changed(w: Workload, hw: Hardware, *, strategy: str, cp: int, seq: int | None = None,
+             layout: str | None = None) -> Workload:
+    """``variant``, raising ValueError where the combination is invalid, saying why.
 
     The same TP, FSDP and PP; the same DP replicas where FSDP still divides DP·P, else the
     fewest it needs (``Workload.dp`` None). DP sets the group that reduces gradients.
@@ -80,13 +90,9 @@ def variant(w: Workload, hw: Hardware, *, strategy: str, cp: int, seq: int | Non
     if strategy == "hybrid" and w.strategy == "hybrid" and cp == w.cp and w.ulysses:
         ulysses = w.ulysses
     if strategy == "hybrid" and ulysses is None:
-        return None
-    try:
-        return w.with_(strategy=strategy, cp=cp, seq=w.seq if seq is None else seq, ulysses=ulysses,
-                       dp=_replicas(w, cp),
-                       layout=w.layout if layout is None else layout)
-    except ValueError:  # e.g. alltoall with heads not divisible by P, or a length the layout rejects
-        return None
+        raise ValueError(f"no Ulysses degree U > 1 divides CP-{cp} and the heads within a node")
+    return w.with_(strategy=strategy, cp=cp, seq=w.seq if seq is None else seq, ulysses=ulysses,
+                   dp=_replicas(w, cp), layout=w.layout if layout is None else layout)
 
 
 def _replicas(w: Workload, cp: int) -> int | None:
@@ -98,8 +104,8 @@ def evaluate(w: Workload, hw: Hardware) -> SweepPoint:
     mem = memory_on(w, hw)
     step, cp1 = cost.step_time(w, hw), cost.step_time(w.unsplit(), hw).seconds
     return SweepPoint(w.strategy, w.cp, w.seq, w.layout, w.ulysses, w.world_size, step.seconds, cp1,
-                      cp1 / (w.cp * step.seconds),  # cost.efficiency's ratio, both its steps kept
-                      mem.total, mem.fits, step.attention.forward.hidden, cost.load_balance(w))
+                      cost.scaling(cp1, w.cp, step.seconds), mem.total, mem.fits, step.attention.forward.hidden,
+                      cost.load_balance(w))
 
 
 def sweep(w: Workload, hw: Hardware, degrees: Iterable[int], seqs: Iterable[int]) -> list[SweepPoint]:
@@ -206,27 +212,23 @@ def best_layout(w: Workload, hw: Hardware) -> tuple[str, dict[str, float], dict[
     return best, times, factors
 
 
-def _options(w: Workload, hw: Hardware, cp: int) -> list[Workload]:
+def _options(w: Workload, hw: Hardware, cp: int) -> tuple[list[Workload], str]:
     """``w`` at degree ``cp`` with every strategy that runs there, each on the first layout
-    (the requested one first) that splits T, for ``best_layout`` to improve on; at 1, the
-    CP-1 of the table and the efficiencies (``Workload.unsplit``: the same GPUs, the CP
-    group's as data parallelism)."""
+    (the requested one first) that splits T, for ``best_layout`` to improve on; and, where
+    none runs, why: the ring's refusal on the layout that asks least of T (contiguous), e.g.
+    'sequence length 18006 is not a multiple of P=4'. At 1, the CP-1 of the table and the
+    efficiencies (``Workload.unsplit``: the same GPUs, the CP group's as data parallelism)."""
     if cp == 1:
-        return [w.unsplit()]
-    layouts = dict.fromkeys((w.layout, *LAYOUT_NAMES))
-    options = (next((v for name in layouts if (v := variant(w, hw, strategy=s, cp=cp, layout=name))), None)
-               for s in STRATEGY_NAMES)
-    return [v for v in options if v is not None]
-
-
-def _why_not_split(w: Workload, cp: int) -> str:
-    """Why no strategy runs ``w`` at degree ``cp``: the refusal of its ring on the layout
-    that asks least of T (contiguous), e.g. 'sequence length 18006 is not a multiple of P=4'."""
-    try:
-        w.with_(strategy="ring", cp=cp, layout="contiguous", ulysses=None, dp=_replicas(w, cp))
-    except ValueError as e:
-        return str(e)
-    return "no strategy runs there"
+        return [w.unsplit()], ""
+    options, why = [], ""
+    for strategy in STRATEGY_NAMES:
+        for layout in dict.fromkeys((w.layout, *LAYOUT_NAMES)):
+            try:
+                options.append(_changed(w, hw, strategy=strategy, cp=cp, layout=layout))
+                break
+            except ValueError as e:
+                why = str(e) if (strategy, layout) == ("ring", "contiguous") else why
+    return options, why
 
 
 def recommend(w: Workload, hw: Hardware, degrees: Iterable[int]) -> Recommendation:
@@ -237,12 +239,13 @@ def recommend(w: Workload, hw: Hardware, degrees: Iterable[int]) -> Recommendati
     evaluated = []
     for cp in degrees:
         placed = {}  # strategy -> (on its fastest layout, every layout's step seconds, balance factors)
-        for v in _options(w, hw, cp):
+        runnable, why = _options(w, hw, cp)
+        for v in runnable:
             layout, steps, factors = best_layout(v, hw)
             placed[v.strategy] = (v.with_(layout=layout), steps, factors)
         options = [v for v, _, _ in placed.values()]
         if not options:
-            reasons.append(f"CP-{cp} not evaluated: {_why_not_split(w, cp)}")
+            reasons.append(f"CP-{cp} not evaluated: {why}")
             continue
         evaluated.append(cp)
         memory = {v.strategy: memory_on(v, hw) for v in options}
@@ -280,7 +283,7 @@ def recommend(w: Workload, hw: Hardware, degrees: Iterable[int]) -> Recommendati
 def _smallest_fitting(w: Workload, hw: Hardware, degrees: list[int]) -> tuple[int, int] | None:
     """(degree, bytes per GPU) of the smallest degree at which some strategy fits."""
     for cp in degrees:
-        fitting = [mem.total for mem in (memory_on(v, hw) for v in _options(w, hw, cp)) if mem.fits]
+        fitting = [mem.total for mem in (memory_on(v, hw) for v in _options(w, hw, cp)[0]) if mem.fits]
         if fitting:
             return cp, min(fitting)
     return None

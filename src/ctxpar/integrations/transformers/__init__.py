@@ -67,8 +67,8 @@ from ctxpar.integrations.transformers.attention import (
     installed,
     mask_forward,
 )
-from ctxpar.integrations.transformers.fidelity import (Unsupported, check_model, dynamic_rope_limits, find_unsupported,
-                                                       longrope_limits)
+from ctxpar.integrations.transformers.fidelity import (POOL_WHERE_HELD, Unsupported, check_model, dynamic_rope_limits,
+                                                       find_unsupported, longrope_limits)
 from ctxpar.integrations.transformers.generation import (CACHE_KEYS, GENERATE_PADDING_REFUSED, ShardedCache,
                                                          cached_forward, check_token_ids, wrap_generate)
 from ctxpar.integrations.transformers.loss import (CAUSAL_LM_LOSSES, LOSS_KEYWORDS, CPCausalLMLoss, head_loss,
@@ -279,12 +279,6 @@ def _documents(name: str, settings: Settings, bound: dict, documents) -> tuple[i
     return None if len(lengths) == 1 else lengths
 
 
-# A pooler computed inline (CLIP's text model pools at the largest token id), which the model's
-# config and modules do not give away before the forward: its output is this rank's shard's.
-_POOLER_OUTPUT_FIX = ("run the model without its pooler and pool the position it reads on the rank whose shard holds "
-                      "it (shard_inputs' position_ids say which)")
-
-
 def _wrap_forward(model, settings: Settings, loss: CPCausalLMLoss | None = None) -> None:
     """Refuse, before the forward and on every rank together, what the model would do wrong
     with its inputs (positions, masks, caches, labels, logits_to_keep) or with an attention
@@ -378,9 +372,11 @@ def _wrap_forward(model, settings: Settings, loss: CPCausalLMLoss | None = None)
             raise ValueError(f"{name} computes its labels= loss without transformers' loss_function, so it would "
                              f"shift the already shifted labels and average per rank; call it without labels= and "
                              f"use ctxpar.parallelize.cp_loss(out.logits, labels)")
-        if getattr(out, "pooler_output", None) is not None:  # every rank alike: the same model and arguments
+        # a pooler computed inline (CLIP's text model pools at the largest token id), which its config and
+        # modules do not give away before the forward; every rank alike: the same model and arguments
+        if getattr(out, "pooler_output", None) is not None:
             raise ValueError(f"{name} returned pooler_output, computed from this rank's shard alone though it stands "
-                             f"for the whole sequence; {_POOLER_OUTPUT_FIX}")
+                             f"for the whole sequence; run the model without its pooler and {POOL_WHERE_HELD}")
         if getattr(out, "aux_loss", None) is not None:  # on every rank alike: output_router_logits was agreed
             global_aux_loss(name, model, out, peers, loss.last if labels is not None and loss is not None else None)
         return out.to_tuple() if as_tuple and hasattr(out, "to_tuple") else out

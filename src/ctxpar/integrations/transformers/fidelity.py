@@ -75,8 +75,8 @@ _POOLING = ("a head that pools over the sequence: it reads each row at one posit
             "(or first) token is not the sequence's")
 _POOLER = ("a pooler: it reads each row at one position, and a rank's shard's first (or last) token is not the "
            "sequence's")
-_POOLER_FIX = ("build the model without it (add_pooling_layer=False, where its class takes it) and pool the position "
-               "it reads on the rank whose shard holds it (shard_inputs' position_ids say which)")
+POOL_WHERE_HELD = "pool the position it reads on the rank whose shard holds it (shard_inputs' position_ids say which)"
+_POOLER_FIX = f"build the model without it (add_pooling_layer=False, where its class takes it) and {POOL_WHERE_HELD}"
 _POOLING_FIX = ("run its base model (model.base_model) under context parallelism and apply the head to the position "
                 "it pools, on the rank whose shard holds it (shard_inputs' position_ids say which)")
 
