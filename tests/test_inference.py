@@ -482,6 +482,10 @@ def test_generation_inputs_are_refused_by_name_not_by_torch() -> None:
     refused = {
         "ids outside the vocabulary": (lambda: reference_generate(model, prompt + 200, new_tokens=2),
                                        "token ids from 201 to 327 in its prompt, outside its vocabulary of 128"),
+        # one id outside: named (the range alone read as if every id from its least were outside)
+        "one id outside the vocabulary": (lambda: reference_generate(model, torch.cat([prompt, prompt[:, :1] * 0 + 130],
+                                                                                       dim=1), new_tokens=2),
+                                          "outside its vocabulary of 128 (0..127): the id 130"),
         "float ids": (lambda: reference_generate(model, prompt.float(), new_tokens=2),
                       "integer token ids (int64), got torch.float32"),
         "prompts of two lengths": (lambda: reference_generate(model, torch.nested.nested_tensor(

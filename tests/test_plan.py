@@ -468,6 +468,11 @@ def test_every_degree_of_the_sweep_has_crossovers_on_lengths_it_splits(monkeypat
     table = format_plan(plan)
     assert re.search(r"\n +2 ring .* at T=32768\n", table) and re.search(r"\n +3 ring .*1\.0000\n", table)
     assert "at T=...: the next length the zigzag layout splits over that degree (it does not split T=32766)" in table
+    assert [(p.seq, p.cp) for p in plan.sweep] == sorted((p.seq, p.cp) for p in plan.sweep)  # CP-3's 32772 last
+    big = make_plan(Workload(resolve_model("llama-3-8b"), batch=1, seq=32766, dtype="bfloat16", cp=3),
+                    get_hardware("H100-SXM"), max_cp=3)
+    assert {c.fits_up_to for c in big.crossovers} == {0}  # no degree fits: said so, where it printed 0
+    assert re.search(r"\n +3 ring +<= 1026 +never\n", format_plan(big))
 
 
 def test_each_sweep_row_shows_the_cp1_its_efficiency_divides_by(monkeypatch) -> None:

@@ -18,8 +18,11 @@ def check_token_range(tokens, vocab: int, who: str, where: str = "") -> None:
     them (and ``where``): checked before a forward, where every rank of the group can learn
     of it, not as an IndexError on the one rank whose shard holds one."""
     if tokens.numel() and not 0 <= int(tokens.min()) <= int(tokens.max()) < vocab:
+        outside = tokens[(tokens < 0) | (tokens >= vocab)].unique()  # sorted
+        listed = ", ".join(str(int(t)) for t in outside[:4]) + (f" and {len(outside) - 4} more" if len(outside) > 4
+                                                              else "")
         raise ValueError(f"{who} got token ids from {int(tokens.min())} to {int(tokens.max())}{where}, outside its "
-                         f"vocabulary of {vocab} (0..{vocab - 1})")
+                         f"vocabulary of {vocab} (0..{vocab - 1}): the id{'s' if len(outside) > 1 else ''} {listed}")
 
 
 def whole(value) -> int | None:

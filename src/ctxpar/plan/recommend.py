@@ -125,7 +125,7 @@ def sweep(w: Workload, hw: Hardware, degrees: Iterable[int], seqs: Iterable[int]
                 v = variant(w, hw, strategy=strategy, cp=cp, seq=at) if cp > 1 else _unsplit_at(w, at)
                 if v is not None:
                     points.append(evaluate(v, hw))
-    return points
+    return sorted(points, key=lambda p: (p.seq, p.cp))  # a padded length may come before a shorter degree's
 
 
 def _unsplit_at(w: Workload, seq: int) -> Workload | None:

@@ -516,7 +516,8 @@ def _crossovers(plan: Plan) -> list[str]:
     for c in plan.crossovers:
         faster = "never" if c.faster_from is None else (f"<= {c.faster_from}" if c.faster_from <= c.searched_from
                                                           else str(c.faster_from))
-        lines.append(f"  {c.cp:>4} {c.strategy:<10} {faster:>14} {c.fits_up_to:>13}")
+        fits = c.fits_up_to or "never"  # 0: not at the layout's shortest length either
+        lines.append(f"  {c.cp:>4} {c.strategy:<10} {faster:>14} {fits:>13}")
     return lines
 
 
