@@ -49,7 +49,7 @@ COMBOS = [("zigzag", "ring"), ("striped", "allgather"), ("contiguous", "ring"), 
 # MLA with different K and V head dims (DeepSeek-V3), a non-default scale (Granite), MoE (Mixtral)
 LABEL_CASES = ["llama", "qwen2", "qwen3", "gemma", "phi3", "deepseek_v3", "granite", "mixtral",
                # MoE with output_router_logits=True: the router's load-balancing loss joins the labels= loss
-               "mixtral+router", "qwen2_moe+router", "olmoe+router"]
+               "mixtral+router", "qwen2_moe+router", "olmoe+router", "jetmoe+router"]  # JetMoE: aux_loss_coef
 SWEEP_P, SWEEP_TOKENS = 2, 16
 MASK_CASES = ["mistral", "qwen2+sliding-layers", "gemma3_text", "gpt_oss", "llama4_text"]
 MASK_COMBOS = [("zigzag", "ring"), ("contiguous", "allgather"), ("striped", "alltoall")]
@@ -116,6 +116,14 @@ def _llama(rank: int, world: int) -> dict:
     return out
 
 
+def _same_on_every_rank(*values: torch.Tensor) -> bool:
+    """Whether every rank holds the same bits of ``values`` (scalars): the loss to log."""
+    mine = torch.stack([v.detach().double() for v in values])
+    everyone = [torch.empty_like(mine) for _ in range(dist.get_world_size())]
+    dist.all_gather(everyone, mine)
+    return all(torch.equal(other, mine) for other in everyone)
+
+
 def _labels(rank: int, world: int) -> dict:
     import hf_families
 
@@ -151,6 +159,7 @@ def _labels(rank: int, world: int) -> dict:
             grad_err=(grads - want).abs().max().item(),
             grad_scale=want.abs().max().item(),
             aux_err=abs(got.aux_loss.item() - ref.aux_loss.item()) if routed else 0.0,
+            same_on_every_rank=_same_on_every_rank(got.loss, got.aux_loss if routed else got.loss),
         )
     return out
 

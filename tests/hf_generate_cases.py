@@ -244,6 +244,9 @@ def _refusals(rank: int, world: int) -> dict:
         "token outside the vocabulary over the sharded cache": _attempt(lambda: _over_cache(model, input_ids=outside)),
         "logits_to_keep over the sharded cache": _attempt(lambda: _over_cache(model, input_ids=tokens,
                                                                               logits_to_keep=3)),
+        # the prefill routes each rank's share of the prompt: its router logits and aux_loss were that share's
+        "router logits over the sharded cache": _attempt(lambda: _over_cache(model, input_ids=tokens,
+                                                                             output_router_logits=True)),
         # a decode step's all-gather has no gradient: attention's share of the backward was silently missing
         "grad mode over the sharded cache on rank 1": _attempt(lambda: _over_cache(model, grad=rank == 1,
                                                                                    input_ids=tokens)),

@@ -123,6 +123,8 @@ REFUSED = {  # what generate must refuse on every rank, and the words of the err
     "token outside the vocabulary over the sharded cache": "ValueError: LlamaForCausalLM got token ids from 5 to 101",
     "logits_to_keep over the sharded cache": "ValueError: LlamaForCausalLM got logits_to_keep=3 with ctxpar's "
                                              "sharded cache",
+    "router logits over the sharded cache": "ValueError: LlamaForCausalLM got output_router_logits=True with ctxpar's "
+                                            "sharded cache",
 }
 
 

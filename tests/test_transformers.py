@@ -43,6 +43,7 @@ def test_labels_loss_is_the_global_loss_and_its_gradient_sums_to_the_unsplit_one
         assert r["logits_err"] <= 1e-5 * r["logits_scale"], f"rank {rank}: logits {r['logits_err']:.3g}"
         assert r["grad_err"] <= 1e-4 * r["grad_scale"], f"rank {rank}: grads {r['grad_err']:.3g}"
         assert r["aux_err"] <= 1e-5, f"rank {rank}: router aux_loss off by {r['aux_err']:.3g}"
+        assert r["same_on_every_rank"], f"rank {rank}: the loss (or aux_loss) differs between ranks"
 
 
 def _one_rank(model, tokens: int = 8, **labels):

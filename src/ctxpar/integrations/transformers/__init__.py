@@ -279,6 +279,13 @@ def _documents(name: str, settings: Settings, bound: dict, documents) -> tuple[i
     return None if len(lengths) == 1 else lengths
 
 
+def _router_logits_asked(model, bound: dict, extra: dict) -> bool:
+    """Whether a forward returns a MoE's router logits (and its aux_loss): asked in the call,
+    else by the config."""
+    asked = bound.get("output_router_logits", extra.get("output_router_logits"))
+    return bool(getattr(model.config, "output_router_logits", False) if asked is None else asked)
+
+
 def _wrap_forward(model, settings: Settings, loss: CPCausalLMLoss | None = None) -> None:
     """Refuse, before the forward and on every rank together, what the model would do wrong
     with its inputs (positions, masks, caches, labels, logits_to_keep) or with an attention
@@ -311,6 +318,11 @@ def _wrap_forward(model, settings: Settings, loss: CPCausalLMLoss | None = None)
                 check_implementation(name, models)
                 _check_call(name, bound, extra, cached=True)
                 check_token_ids(name, model, bound.get("input_ids"))
+                if _router_logits_asked(model, bound, extra):
+                    raise ValueError(f"{name} got output_router_logits=True with ctxpar's sharded cache, whose "
+                                     f"prefill routes each rank's share of the prompt: its router logits and "
+                                     f"aux_loss would be that share's; pass output_router_logits=False (generate "
+                                     f"reads neither)")
             except Exception as e:  # noqa: BLE001  any failure: every rank raises together in cached_forward
                 refusal = e
             call = {k: v for k, v in bound.items() if k != var_kw}
@@ -352,9 +364,7 @@ def _wrap_forward(model, settings: Settings, loss: CPCausalLMLoss | None = None)
         device = (tokens if tokens is not None else model.get_input_embeddings().weight).device
         flags = [int(labels is not None), 0, 0, 0] if error is not None else _label_flags(labels, tokens, settings)
         batch = batch_code(tokens) if error is None else -1
-        routed = bound.get("output_router_logits", extra.get("output_router_logits"))
-        routed = bool(getattr(model.config, "output_router_logits", False) if routed is None else routed)
-        if _refuse_together(name, error, flags, batch, device, peers, routed):
+        if _refuse_together(name, error, flags, batch, device, peers, _router_logits_asked(model, bound, extra)):
             _refuse_unshifted(name, labels, tokens, settings)
         # a tuple would hide the outputs checked below: asked for as a ModelOutput, given back as the tuple
         given = bound.get("return_dict", extra.get("return_dict"))

@@ -12,8 +12,9 @@ both over the rows of every layer's router logits. On one shard it is that shard
 linear in the tokens, so no sum of the ranks' values gives the sequence's. ``global_aux_loss``
 recomputes it from the ranks' counts and probability sums (one all-reduce), after checking
 that it reproduces the model's own value on this rank's rows (a family computing another
-formula is refused, not replaced). Its value is the sequence's on every rank, its gradient
-this rank's share, as the labels= loss's: summed over the CP ranks, the unsplit gradients.
+formula is refused, not replaced). Its value is the sequence's, the same bits on every rank,
+its gradient this rank's share, as the labels= loss's: summed over the CP ranks, the
+unsplit gradients.
 """
 
 from __future__ import annotations
@@ -36,9 +37,10 @@ def _top_k(model) -> int | None:
 
 def _coefficient(model) -> float | None:
     for owner in (model, model.config):
-        coef = getattr(owner, "router_aux_loss_coef", None)
-        if isinstance(coef, (int, float)) and not isinstance(coef, bool):
-            return float(coef)
+        for key in ("router_aux_loss_coef", "aux_loss_coef"):  # JetMoE's name
+            coef = getattr(owner, key, None)
+            if isinstance(coef, (int, float)) and not isinstance(coef, bool):
+                return float(coef)
     return None
 
 
@@ -101,9 +103,14 @@ def global_aux_loss(name: str, model, out, peers: topology.Topology, labelled_lo
     choices, probabilities, rows = sums
     summed = torch.cat([choices, probabilities.detach(), torch.tensor([rows], dtype=torch.float32, device=device)])
     topology.all_reduce(summed, peers)
-    # the sequence's probability sums as value, this rank's as gradient
-    probabilities = probabilities + (summed[experts:-1] - probabilities).detach()
-    aux = _formula(summed[:experts], probabilities, summed[-1]).to(out.aux_loss.device, out.aux_loss.dtype)
-    if labelled_loss is not None:  # the model's own term out, the sequence's in: both gradients through aux
-        out["loss"] = out.loss + coef * (aux - out.aux_loss).to(out.loss.device)
+    counts, rows = summed[:experts], summed[-1]
+    # values from the all-reduced sums alone (the same bits on every rank, as the labels= loss's), gradients
+    # through zero-valued terms: this rank's probabilities against the sequence's counts
+    own_share = _formula(counts, probabilities, rows)
+    aux = _formula(counts, summed[experts:-1], rows) + (own_share - own_share.detach())
+    aux = aux.to(out.aux_loss.device, out.aux_loss.dtype)
+    if labelled_loss is not None:  # the model's own router term out (its labels= part's gradient kept)
+        labelled_part = out.loss - coef * out.aux_loss.to(out.loss.device)
+        out["loss"] = (labelled_loss + coef * aux.detach().to(out.loss.device)) \
+            + (labelled_part - labelled_part.detach()) + coef * (aux - aux.detach()).to(out.loss.device)
     out["aux_loss"] = aux
