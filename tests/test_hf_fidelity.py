@@ -244,6 +244,14 @@ def test_outputs_one_shard_cannot_give_are_refused() -> None:
     with pytest.raises(ValueError, match="CLIPTextModel returned pooler_output"):  # not hidden in a tuple
         clip(**plain, return_dict=False)
 
+    class Named(type(clip)):  # return_dict a parameter of its own forward, as older models' is
+        def forward(self, input_ids=None, position_ids=None, return_dict=None, **kwargs):
+            return super().forward(input_ids=input_ids, position_ids=position_ids, return_dict=return_dict, **kwargs)
+
+    named = enable_context_parallel(Named._from_config(clip.config, attn_implementation="eager").double(), layout=ONE)
+    with pytest.raises(ValueError, match="Named returned pooler_output"):
+        named(**plain, return_dict=False)
+
 
 def test_mobilebert_trigram_embeddings_are_refused() -> None:
     """Each token's embedding concatenates its neighbours' (F.pad of the shifted sequence): a

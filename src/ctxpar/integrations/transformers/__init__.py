@@ -368,7 +368,7 @@ def _wrap_forward(model, settings: Settings, loss: CPCausalLMLoss | None = None)
             _refuse_unshifted(name, labels, tokens, settings)
         # a tuple would hide the outputs checked below: asked for as a ModelOutput, given back as the tuple
         given = bound.get("return_dict", extra.get("return_dict"))
-        as_tuple = returns_dict and "return_dict" not in bound and (
+        as_tuple = returns_dict and ("return_dict" in kwargs or given is None) and (  # not passed by position
             given is False or given is None and getattr(model.config, "return_dict", True) is False)
         if as_tuple:
             kwargs = dict(kwargs, return_dict=True)
