@@ -123,8 +123,8 @@ REFUSED = {  # what generate must refuse on every rank, and the words of the err
     "token outside the vocabulary over the sharded cache": "ValueError: LlamaForCausalLM got token ids from 5 to 101",
     "logits_to_keep over the sharded cache": "ValueError: LlamaForCausalLM got logits_to_keep=3 with ctxpar's "
                                              "sharded cache",
-    "router logits over the sharded cache": "ValueError: LlamaForCausalLM got output_router_logits=True with ctxpar's "
-                                            "sharded cache",
+    "router logits over the sharded cache": "ValueError: LlamaForCausalLM got output_router_logits=True (in the call "
+                                            "or its config) with ctxpar's sharded cache",
 }
 
 
@@ -262,6 +262,18 @@ def test_one_rank_without_a_process_group_generates_as_without_cp(family: str) -
         model(input_ids=out.sequences[:, -1:], past_key_values=out.cache)
     with pytest.raises(ValueError, match=re.escape("strategy='hybrid' takes mesh=")):  # on a mesh: 4 ranks below
         enable_context_parallel(hf_families.build(family), layout=ONE, strategy="hybrid")
+
+
+def test_a_moe_routing_in_its_config_generates_and_its_own_forward_over_the_cache_is_refused() -> None:
+    """A config asking for router logits (as training sets it) made generate refuse every
+    prefill; a forward of one's own over the sharded cache would return each rank's share's
+    aux_loss: refused."""
+    tokens = cases.prompt()
+    want = cases.generate(hf_families.build("mixtral", output_router_logits=True), tokens, {})
+    model = enable_context_parallel(hf_families.build("mixtral", output_router_logits=True), layout=ONE)
+    assert torch.equal(cases.generate(model, tokens, {}), want)
+    with torch.no_grad(), pytest.raises(ValueError, match=r"output_router_logits=True \(in the call or its config\)"):
+        model(input_ids=tokens, cache=ShardedCache(layers=2, batch=tokens.shape[0], capacity=tokens.shape[1]))
 
 
 def test_a_layer_that_stores_in_the_prefill_and_skips_a_decode_step_is_refused() -> None:

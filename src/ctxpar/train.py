@@ -400,6 +400,8 @@ def full_gradients(model: torch.nn.Module, keep: bool = True) -> dict[str, torch
 
     gradients = {}
     for name, parameter in model.named_parameters():
+        if parameter.grad is None:  # on every rank alike (one model): a parameter the loss does not reach
+            continue
         grad = parameter.grad.full_tensor() if isinstance(parameter.grad, DTensor) else parameter.grad
         if keep:
             gradients[name] = grad.detach().to("cpu", copy=True)
@@ -409,6 +411,9 @@ def full_gradients(model: torch.nn.Module, keep: bool = True) -> dict[str, torch
 def gradient_errors(got: dict[str, torch.Tensor], want: dict[str, torch.Tensor]) -> dict[str, float]:
     """Each parameter's relative gradient error |got - want| / |want| (Frobenius norms); where
     ``want``'s norm is 0: 0 if ``got``'s is too, else inf (a NaN in either: NaN or inf)."""
+    if set(got) != set(want):
+        missing = sorted(set(got) ^ set(want))
+        return {name: math.inf for name in missing}  # a gradient one run has and the other lacks: no match
     errors = {}
     for name, reference in want.items():
         diff, scale = (got[name] - reference).norm().item(), reference.norm().item()

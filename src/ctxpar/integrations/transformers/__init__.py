@@ -318,11 +318,11 @@ def _wrap_forward(model, settings: Settings, loss: CPCausalLMLoss | None = None)
                 check_implementation(name, models)
                 _check_call(name, bound, extra, cached=True)
                 check_token_ids(name, model, bound.get("input_ids"))
-                if _router_logits_asked(model, bound, extra):
-                    raise ValueError(f"{name} got output_router_logits=True with ctxpar's sharded cache, whose "
-                                     f"prefill routes each rank's share of the prompt: its router logits and "
-                                     f"aux_loss would be that share's; pass output_router_logits=False (generate "
-                                     f"reads neither)")
+                if _router_logits_asked(model, bound, extra) and not sharded[0].made_by_generate:
+                    raise ValueError(f"{name} got output_router_logits=True (in the call or its config) with "
+                                     f"ctxpar's sharded cache, whose prefill routes each rank's share of the prompt: "
+                                     f"its router logits and aux_loss would be that share's; pass "
+                                     f"output_router_logits=False (generate, which reads neither, runs either way)")
             except Exception as e:  # noqa: BLE001  any failure: every rank raises together in cached_forward
                 refusal = e
             call = {k: v for k, v in bound.items() if k != var_kw}

@@ -132,6 +132,7 @@ class ShardedCache(Cache):
         self._per_layer: list[KVCache | None] = [None] * layers
         self._made: list[KVCache] = []  # in the order the layers first stored
         self._step: _Step | None = None
+        self.made_by_generate = False  # generate's own: its forwards' router logits are never read
 
     @property
     def kv(self) -> KVCache | None:
@@ -717,8 +718,10 @@ def wrap_generate(model, settings: Settings) -> None:
     def prepare_cache(generation_config, model_kwargs: dict, generation_mode, batch_size: int,
                       max_cache_length: int) -> None:
         copies = max(generation_config.num_beams or 1, generation_config.num_return_sequences or 1)
-        model_kwargs["cache"] = ShardedCache(layers=_num_layers(model.config), batch=batch_size * copies,
-                                             capacity=max_cache_length, group=settings.group, mesh=settings.mesh)
+        cache = ShardedCache(layers=_num_layers(model.config), batch=batch_size * copies, capacity=max_cache_length,
+                             group=settings.group, mesh=settings.mesh)
+        cache.made_by_generate = True
+        model_kwargs["cache"] = cache
 
     model.generate = cp_generate
     model._prepare_cache_for_generation = prepare_cache

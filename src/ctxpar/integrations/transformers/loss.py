@@ -7,9 +7,9 @@ second shift pairs tokens with the wrong targets), and a per-rank mean weighs sh
 different numbers of labelled tokens wrongly. The replacement below takes the labels as
 already shifted and returns
 
-    loss = share + (global_mean - share).detach()
+    loss = global_mean + (share - share.detach())
 
-whose value is the global token-weighted mean loss (the same on every rank, the number
+whose value is the global token-weighted mean loss (the same bits on every rank, the number
 to log) and whose gradient is exactly this rank's share, as with
 ``ctxpar.parallelize.cp_loss``: the parameter gradients of all CP ranks, summed, are the
 gradients of the unsplit loss.
@@ -91,7 +91,6 @@ class CPCausalLMLoss:
         if refusal is not None:
             raise ValueError(refusal)
         share, loss = cp_loss(logits, labels.to(logits.device), group=self.group, mesh=self.mesh)
-        result = share + (loss - share).detach()
-        # its value, which a model adding its router loss to it in place (loss += ...) does not change (moe.py)
-        self.last = result.detach().clone()
-        return result
+        # the all-reduced mean's bits as value (the same on every rank), this rank's share as gradient
+        self.last = loss  # detached: what a model adding its router loss in place (loss += ...) leaves (moe.py)
+        return loss + (share - share.detach())

@@ -10,7 +10,7 @@ routes:
 
 both over the rows of every layer's router logits. On one shard it is that shard's: not
 linear in the tokens, so no sum of the ranks' values gives the sequence's. ``global_aux_loss``
-recomputes it from the ranks' counts and probability sums (one all-reduce), after checking
+recomputes it from the ranks' counts and probability sums (all-reduced), after checking
 that it reproduces the model's own value on this rank's rows (a family computing another
 formula is refused, not replaced). Its value is the sequence's, the same bits on every rank,
 its gradient this rank's share, as the labels= loss's: summed over the CP ranks, the
@@ -21,10 +21,11 @@ from __future__ import annotations
 
 import torch
 
-from ctxpar import topology
+from ctxpar import comm, topology
 
-# the model's own aux_loss on this rank's rows against the formula above (float32, as transformers sums)
-_MATCH_RTOL = 1e-4
+# the model's own aux_loss on this rank's rows against the formula above (float32 sums, as transformers'),
+# and its labels= loss against the labels= part plus coef x aux_loss (one float32 addition)
+_MATCH_RTOL = 1e-5
 
 
 def _top_k(model) -> int | None:
@@ -55,7 +56,8 @@ def _local_sums(router_logits: tuple[torch.Tensor, ...], top_k: int) -> tuple[to
     for logits in router_logits:
         weights = torch.softmax(logits.to(device).reshape(-1, experts), dim=-1)
         chosen = torch.topk(weights, top_k, dim=-1).indices
-        choices = choices + torch.bincount(chosen.reshape(-1), minlength=experts).float()
+        # scatter_add, not bincount, whose minlength reads the counts back to the host on a GPU
+        choices = choices.scatter_add(0, chosen.reshape(-1), torch.ones_like(chosen, dtype=torch.float32).reshape(-1))
         probabilities = probabilities + weights.float().sum(dim=0)
         rows += weights.shape[0]
     return choices, probabilities, rows
@@ -70,39 +72,50 @@ def global_aux_loss(name: str, model, out, peers: topology.Topology, labelled_lo
     router term where a labels= loss holds one (``labelled_loss``: the value of the labels=
     part, as ctxpar's loss returned it, before the model added the router term). Every rank
     of ``peers`` calls it for the same forward (the ranks agreed on output_router_logits),
-    and all raise together where one cannot. On a GPU it reads a few scalars back (one
-    synchronisation per forward with router logits)."""
+    and all raise together where one cannot. Two small all-reduces (every rank's verdict,
+    then the sums) and one read of the verdicts on the host (a synchronisation on a GPU)."""
     router_logits = getattr(out, "router_logits", None)
     top_k, coef = _top_k(model), _coefficient(model)
-    why = None
-    if not isinstance(out.aux_loss, torch.Tensor) or not isinstance(router_logits, tuple) or not router_logits \
-            or top_k is None:
-        why = "it returns no router_logits (or names no num_experts_per_tok) to recompute it from"
-        sums = None
-    else:
+    device = comm.collective_device(peers.process_groups[0])
+    usable = isinstance(out.aux_loss, torch.Tensor) and isinstance(router_logits, tuple) and bool(router_logits) \
+        and top_k is not None
+    # this rank's verdicts (no router logits to use; another formula; the router term added otherwise), then
+    # E and E² (equal widths on all P ranks sum to P·E and P·E²): summed, a refusal anywhere reaches every rank
+    verdicts = torch.zeros(5, dtype=torch.float64, device=device)  # E² exact far past float32
+    if usable:
         sums = _local_sums(router_logits, top_k)
-        own = float(out.aux_loss.detach())
-        if abs(float(_formula(*sums).detach()) - own) > _MATCH_RTOL * max(abs(own), 1e-12):
-            why = "its aux_loss is not Switch Transformer's load-balancing loss over its router_logits"
-        elif labelled_loss is not None and (coef is None or abs(float(out.loss.detach()) - float(
-                labelled_loss.detach()) - coef * own) > _MATCH_RTOL * max(abs(float(out.loss.detach())), 1e-12)):
-            why = "its labels= loss adds the router loss otherwise than router_aux_loss_coef times aux_loss"
-    device = next(model.parameters()).device  # where the group's backend takes tensors
-    experts = sums[0].numel() if sums is not None else 0
-    # every rank's verdict and width first (a rank that cannot recompute must not leave the others in
-    # the second all-reduce): equal widths E on all P ranks sum to P·E and P·E²
-    header = torch.tensor([why is not None, experts, experts * experts], dtype=torch.int64, device=device)
-    topology.all_reduce(header, peers)
-    refused, widths, squares = header.tolist()
-    if why is not None or refused or widths != peers.world_size * experts or squares != experts * widths:
-        reason = why or "another rank of the CP group could not recompute it"
+        own = out.aux_loss.detach().float()
+        tolerance = _MATCH_RTOL * own.abs().clamp_min(1e-12)
+        verdicts[1] = ((_formula(*sums).detach() - own).abs() > tolerance).to(device)
+        if labelled_loss is not None:
+            total = out.loss.detach().float()
+            added = total - labelled_loss.float().to(total.device)
+            off = (added - (coef or 0.0) * own.to(total.device)).abs() > _MATCH_RTOL * total.abs().clamp_min(1e-12)
+            verdicts[2] = (off | torch.tensor(coef is None, device=total.device)).to(device)
+        experts = sums[0].numel()
+        verdicts[3:] = torch.tensor([experts, experts * experts], dtype=torch.float64)
+    else:
+        verdicts[0] = 1
+    mine = verdicts.clone()
+    topology.all_reduce(verdicts, peers)
+    mine, verdicts = torch.stack([mine, verdicts]).tolist()
+    no_logits, formula, added_otherwise, experts = mine[0], mine[1], mine[2], int(mine[3])
+    widths, squares = verdicts[3:]
+    if any(verdicts[:3]) or widths != peers.world_size * experts or squares != experts * widths:
+        reason = ("it returns no router_logits (or names no num_experts_per_tok) to recompute it from" if no_logits
+                  else "its aux_loss is not Switch Transformer's load-balancing loss over its router_logits" if formula
+                  else "its labels= loss adds the router loss otherwise than its router_aux_loss_coef (or "
+                       "aux_loss_coef) times aux_loss" if added_otherwise
+                  else "another rank of the CP group could not recompute it")
         raise ValueError(f"{name} returned aux_loss, its router load-balancing loss over this rank's tokens only, "
                          f"which ctxpar cannot make the sequence's: {reason}; pass output_router_logits=False, or "
                          f"compute it yourself from the experts' token fractions and mean probabilities summed over "
                          f"the CP group")
     choices, probabilities, rows = sums
-    summed = torch.cat([choices, probabilities.detach(), torch.tensor([rows], dtype=torch.float32, device=device)])
+    summed = torch.cat([choices, probabilities.detach(), torch.tensor([rows], dtype=torch.float32,
+                                                                       device=choices.device)]).to(device)
     topology.all_reduce(summed, peers)
+    summed = summed.to(probabilities.device)
     counts, rows = summed[:experts], summed[-1]
     # values from the all-reduced sums alone (the same bits on every rank, as the labels= loss's), gradients
     # through zero-valued terms: this rank's probabilities against the sequence's counts
