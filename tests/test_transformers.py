@@ -86,8 +86,8 @@ def test_labels_loss_refuses_what_it_cannot_weigh_globally() -> None:
 
 def test_a_router_loss_ctxpar_cannot_recompute_is_refused() -> None:
     """A family whose aux_loss is not Switch Transformer's load-balancing loss over its router
-    logits (here Mixtral's own made twice as large) is refused, not replaced; return_dict=False
-    gives the tuple of the checked outputs."""
+    logits (here Mixtral's own made twice as large), or whose labels= loss adds it otherwise
+    (twice), is refused, not replaced; return_dict=False gives the tuple of the checked outputs."""
     model, inputs, labels = _one_rank(hf_families.build("mixtral"))
     want = model(**inputs, labels=labels, output_router_logits=True)
     got = model(**inputs, labels=labels, output_router_logits=True, return_dict=False)
@@ -100,6 +100,16 @@ def test_a_router_loss_ctxpar_cannot_recompute_is_refused() -> None:
             model(**inputs, output_router_logits=True)
     finally:
         module.load_balancing_loss_func = own
+
+    class Twice(type(model)):  # adds its router term to the labels= loss once more
+        def forward(self, input_ids=None, position_ids=None, labels=None, **kwargs):
+            out = super().forward(input_ids=input_ids, position_ids=position_ids, labels=labels, **kwargs)
+            out["loss"] = out.loss + self.router_aux_loss_coef * out.aux_loss
+            return out
+
+    twice = enable_context_parallel(Twice._from_config(model.config, attn_implementation="eager"), layout=ONE)
+    with pytest.raises(ValueError, match="its labels= loss adds the router loss otherwise than its router_aux"):
+        twice(**inputs, labels=labels, output_router_logits=True)
 
 
 def test_shard_inputs_refuses_a_batch_of_no_rows_whatever_p() -> None:
