@@ -206,27 +206,27 @@ def _gathered_texts(texts: dict[str, Text], group: dist.ProcessGroup | None) -> 
     for row, text in zip(mine, texts.values()):
         encoded = text.exchanged()
         row[: len(encoded)] = torch.tensor(list(encoded), dtype=torch.uint8)
-    mine = mine.to(collective_device(group))
-    table = mine.new_empty(dist.get_world_size(group) * len(texts), TEXT_BYTES)
-    profile.add_traffic(0, 0)  # a synchronisation point, as ``_all_gather``'s
-    with profile.timed("wait", mine.device):
-        all_gather_into(table, mine, group=group)
-    rows = table.view(-1, len(texts), TEXT_BYTES).cpu()  # (W, texts, bytes)
+    rows = _gathered(mine, group)  # (W, texts, bytes)
     return {name: [bytes(per_rank[j].tolist()).rstrip(b"\0").decode(errors="replace") for per_rank in rows]
             for j, name in enumerate(texts)}
+
+
+def _gathered(mine: torch.Tensor, group: dist.ProcessGroup | None) -> torch.Tensor:
+    """(W, *mine.shape) on the host: every rank's ``mine`` over ``group``, on the device its
+    backend takes; a synchronisation point, whose few bytes are not the strategy's traffic."""
+    mine = mine.to(collective_device(group))
+    table = mine.new_empty(dist.get_world_size(group) * mine.shape[0], *mine.shape[1:])
+    profile.add_traffic(0, 0)
+    with profile.timed("wait", mine.device):
+        all_gather_into(table, mine, group=group)
+        return table.view(-1, *mine.shape).cpu()
 
 
 def _all_gather(sig: list[int], group: dist.ProcessGroup | None, kind: str) -> tuple[torch.Tensor, list[int]]:
     """Every rank's ``sig`` (W, len(sig)) and the kind of call each rank is in (``CALLS``)."""
     row = [text_code(kind), *sig]
     assert len(row) <= SIGNATURE_WIDTH, f"a {kind} signature of {len(sig)} fields exceeds {SIGNATURE_WIDTH - 1}"
-    device = collective_device(group)
-    mine = torch.tensor(row + [0] * (SIGNATURE_WIDTH - len(row)), dtype=torch.int64, device=device)
-    table = mine.new_empty(dist.get_world_size(group) * SIGNATURE_WIDTH)
-    profile.add_traffic(0, 0)  # a synchronisation point; its few bytes are not the strategy's traffic
-    with profile.timed("wait", mine.device):
-        all_gather_into(table, mine, group=group)
-        table = table.view(-1, SIGNATURE_WIDTH).cpu()
+    table = _gathered(torch.tensor(row + [0] * (SIGNATURE_WIDTH - len(row)), dtype=torch.int64), group)
     return table[:, 1:len(row)], table[:, 0].tolist()
 
 

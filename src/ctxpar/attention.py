@@ -219,8 +219,7 @@ def check_settings(*, layout: str | Layout, group: dist.ProcessGroup | None = No
 
 
 def _settings(layout, group, strategy, mesh) -> tuple[Strategy, topology.Topology, Layout]:
-    check_strategy(strategy, auto_allowed=True)
-    chosen = _strategy("ring" if strategy == auto.AUTO else strategy)
+    chosen = STRATEGIES["ring" if check_strategy(strategy, auto_allowed=True) == auto.AUTO else strategy]
     if strategy == auto.AUTO and mesh is not None:
         raise ValueError("strategy='auto' chooses among ring, allgather and alltoall on group=; a hybrid mesh= "
                          "is used with strategy='hybrid'")

@@ -261,8 +261,7 @@ def local_gpu() -> torch.device:
     the one GPU each rank sees is really its own (not one that CUDA_VISIBLE_DEVICES set for
     the whole job shows them all) only the node's ranks together can tell:
     ``check_own_gpus``, which ``init_from_env`` runs after the rendezvous."""
-    local_rank = int(os.environ.get("LOCAL_RANK", 0))
-    local_world = int(os.environ.get("LOCAL_WORLD_SIZE", local_rank + 1))
+    local_rank, local_world = _local_ranks()
     gpus = torch.cuda.device_count()
     if gpus == 1 and (local_world == 1 or os.environ.get("CUDA_VISIBLE_DEVICES")):
         return torch.device("cuda", 0)
@@ -274,6 +273,13 @@ def local_gpu() -> torch.device:
     raise ValueError(f"torchrun started {local_world} ranks on this node, and each sees {gpus} GPUs: NCCL needs a GPU "
                      f"per rank; start at most {gpus} (--nproc-per-node {gpus}), or give each rank its own GPU "
                      f"(CUDA_VISIBLE_DEVICES, one per rank), or use --device cpu (gloo)")
+
+
+def _local_ranks() -> tuple[int, int]:
+    """(this rank's place on its node, the node's ranks), as torchrun sets them (LOCAL_RANK,
+    LOCAL_WORLD_SIZE); without them, one rank alone on its node."""
+    local_rank = int(os.environ.get("LOCAL_RANK", 0))
+    return local_rank, int(os.environ.get("LOCAL_WORLD_SIZE", local_rank + 1))
 
 
 def init_from_env(timeout_s: float = DEFAULT_TIMEOUT_S, device_type: str = "cuda") -> torch.device:
@@ -293,7 +299,7 @@ def init_from_env(timeout_s: float = DEFAULT_TIMEOUT_S, device_type: str = "cuda
     _launch_store, rank, world = next(dist.rendezvous("env://", timeout=datetime.timedelta(seconds=timeout_s)))
     _joins += 1  # a second group this process joins must not read the first one's keys either
     store = dist.PrefixStore(f"ctxpar/attempt-{torchrun_restart()}/join-{_joins}", _launch_store)
-    local_rank, local_world = int(os.environ.get("LOCAL_RANK", 0)), int(os.environ.get("LOCAL_WORLD_SIZE", 1))
+    local_rank, local_world = _local_ranks()
     # builds whose devices report no UUID (some ROCm builds) cannot tell their GPUs apart: NCCL will
     gpu = getattr(torch.cuda.get_device_properties(device), "uuid", None) if device_type == "cuda" else None
     if gpu is not None and local_world > 1:

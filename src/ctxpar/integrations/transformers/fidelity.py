@@ -77,8 +77,7 @@ _POOLER = ("a pooler: it reads each row at one position, and a rank's shard's fi
            "sequence's")
 POOL_WHERE_HELD = "pool the position it reads on the rank whose shard holds it (shard_inputs' position_ids say which)"
 _POOLER_FIX = f"build the model without it (add_pooling_layer=False, where its class takes it) and {POOL_WHERE_HELD}"
-_POOLING_FIX = ("run its base model (model.base_model) under context parallelism and apply the head to the position "
-                "it pools, on the rank whose shard holds it (shard_inputs' position_ids say which)")
+_POOLING_FIX = f"run its base model (model.base_model) under context parallelism and apply the head: {POOL_WHERE_HELD}"
 
 
 def _configs(model: nn.Module) -> list:
