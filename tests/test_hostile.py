@@ -42,6 +42,32 @@ def test_q_k_v_unbound_from_an_interleaved_projection(strategy: str) -> None:
     torch.testing.assert_close(grad, want_grad, rtol=0, atol=1e-12)
 
 
+@pytest.mark.parametrize("strategy", ["ring", "allgather", "alltoall"])
+@pytest.mark.parametrize("overlapping", ["rows", "heads"])
+def test_q_whose_rows_or_heads_overlap_is_exact(strategy: str, overlapping: str) -> None:
+    """q as ``Tensor.unfold`` makes it, rows (or heads) one element apart: torch's fused CPU op
+    misread it beside a dense last dim (out off by up to 1e38, or NaN, varying run to run) where
+    the rows are fewer than the head dim."""
+    b, h, s, d = 1, 4, 6, 8
+    gen = torch.Generator().manual_seed(0)
+    k, v = (torch.randn(b, h, s, d, generator=gen, dtype=torch.float64) for _ in range(2))
+    if overlapping == "rows":
+        base = torch.randn(b, h, s + d - 1, generator=gen, dtype=torch.float64, requires_grad=True)
+        view = lambda t: t.unfold(2, d, 1)  # noqa: E731
+    else:
+        base = torch.randn(b, s, h + d - 1, generator=gen, dtype=torch.float64, requires_grad=True)
+        view = lambda t: t.unfold(2, d, 1).transpose(1, 2)  # noqa: E731
+    q = view(base)
+    assert 1 in q.stride()[:-1] and q.stride(-1) == 1
+    out = ctxpar.attention(q, k, v, layout="zigzag", strategy=strategy)
+    (grad,) = torch.autograd.grad(out.sum(), base)
+    leaf = base.detach().clone().requires_grad_()
+    want = reference_attention(view(leaf), k, v)[0]
+    (want_grad,) = torch.autograd.grad(want.sum(), leaf)
+    torch.testing.assert_close(out, want, rtol=0, atol=1e-12)
+    torch.testing.assert_close(grad, want_grad, rtol=0, atol=1e-12)
+
+
 def test_kernels_get_a_dense_last_dim_made_once_per_shard() -> None:
     """Strided q on 4 ranks (zigzag: several blocks per rank): every block the kernels get is
     dense in its last dim and a view of one copy made for the call, not a copy per block."""

@@ -25,10 +25,15 @@ def check_heads(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
 
 
 def unit_stride(t: torch.Tensor) -> torch.Tensor:
-    """``t`` if its last dim is dense (stride 1), else a contiguous copy.
+    """``t`` if its last dim alone is dense (stride 1), else a contiguous copy.
 
     torch's fused ops read the last dim as dense whatever its stride says: q, k, v unbound
     from an interleaved qkv projection (last-dim stride 3) would silently give wrong
-    results. Other dims may have any stride (transposed, sliced, expanded views are fine).
+    results. Nor may another dim have stride 1 (rows or heads one element apart, overlapping,
+    as ``Tensor.unfold`` makes them): the CPU op misreads those too. Other strides are fine
+    (transposed, sliced, expanded views).
     """
-    return t if t.stride(-1) == 1 or t.shape[-1] == 1 else t.contiguous()
+    if t.shape[-1] == 1:
+        return t
+    dense_last = t.stride(-1) == 1 and all(stride != 1 or size == 1 for size, stride in zip(t.shape[:-1], t.stride()))
+    return t if dense_last else t.contiguous()
