@@ -244,6 +244,7 @@ def _bad_inputs(world: int, mesh) -> dict[str, tuple]:
         "causal_type": ((q, kv, kv), dict(layout="zigzag", causal="no")),
         "consistency_type": ((q, kv, kv), dict(layout="zigzag", check_consistency="no")),  # once read as True
         "hybrid_without_mesh": ((q, kv, kv), dict(layout="zigzag", strategy="hybrid")),
+        "hybrid_with_group": ((q, kv, kv), dict(layout="zigzag", strategy="hybrid", group=dist.group.WORLD)),
         "mesh_for_ring": ((q, kv, kv), dict(layout="zigzag", strategy="ring", mesh=object())),
         "mesh_type": ((q, kv, kv), dict(layout="zigzag", strategy="hybrid", mesh="2x2")),
         "group_type": ((q, kv, kv), dict(layout="zigzag", group="cp")),

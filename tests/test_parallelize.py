@@ -477,7 +477,7 @@ def test_one_rank_needs_no_positions() -> None:
     (dict(layout="zigzga"), "unknown layout 'zigzga'"),
     (dict(layout=get_layout("zigzag", 3)), "is for P=3 ranks but torch.distributed is not initialised"),
     (dict(mesh=object()), "mesh= is for strategy='hybrid'"),
-    (dict(strategy="hybrid"), "strategy='hybrid' takes mesh="),
+    (dict(strategy="hybrid"), "strategy='hybrid' takes mesh= .* and none was given"),
     (dict(check_consistency="no"), "check_consistency must be True or False, got 'no'"),  # once read as True
 ], ids=["strategy", "layout", "layout_for_another_p", "mesh_without_hybrid", "hybrid_without_mesh", "check_flag"])
 def test_settings_are_refused_before_the_model_changes(settings: dict, message: str) -> None:

@@ -230,8 +230,9 @@ def _settings(layout, group, strategy, mesh) -> tuple[Strategy, topology.Topolog
 def _topology(axis: str, strategy: str, group, mesh) -> topology.Topology:
     if axis == "mesh":
         if mesh is None or group is not None:
+            given = "not group=" if group is not None else "and none was given"
             raise ValueError(f"strategy={strategy!r} takes mesh= (a 2D DeviceMesh with dims 'ulysses' and 'ring'), "
-                             f"not group=")
+                             f"{given}")
         return topology.from_mesh(mesh)
     if mesh is not None:
         raise ValueError(f"mesh= is for strategy='hybrid'; strategy={strategy!r} takes group=")
