@@ -512,6 +512,21 @@ def test_an_optimizer_with_state_for_some_parameters_only_resumes_exactly(tmp_pa
         checkpoint.load(*_tiny_model_and_adamw(), path)  # its embedding once started afresh, silently
 
 
+def test_the_optimizers_hyperparameters_are_resumed_with_its_state(tmp_path) -> None:
+    """A learning rate a scheduler lowered comes back with the moments: the resumed-losses tests
+    could not tell (dcp.load restores the moments in place, and their lr is constant)."""
+    model, optimizer = _tiny_model_and_adamw()
+    _train(model, optimizer, 1)
+    for group in optimizer.param_groups:
+        group["lr"] *= 0.25
+    path = checkpoint.save(model, optimizer, str(tmp_path / "ckpt"), 1, SETTINGS)
+    uninterrupted = _train(model, optimizer, 2)
+    resumed = _tiny_model_and_adamw()
+    checkpoint.load(*resumed, path)
+    assert [g["lr"] for g in resumed[1].param_groups] == [g["lr"] for g in optimizer.param_groups]
+    assert _train(*resumed, 2) == uninterrupted
+
+
 def test_an_optimizers_nested_state_is_saved_and_loaded(tmp_path) -> None:
     """State an optimizer keeps in nested dicts (per parameter, {"moments": {"m": ...}}),
     as some optimizers of one's own do: its entries are deeper than "<parameter>.<name>"."""

@@ -99,6 +99,43 @@ def test_compare_says_mismatch_where_attention_is_wrong_though_the_early_losses_
     assert "MISMATCH: a gradient of step 1 differs from the reference's by more than 0.0001" in format_report(report)
 
 
+def _steps_of_a_model_that_hits_on_rank_0_only(rank: int, world: int) -> dict:
+    """Two steps of the training loop whose model's logits hit every recall label on rank 0
+    and none on rank 1 (three recall positions each), each step timed as one second."""
+    import itertools
+    import types
+
+    import ctxpar.train as train
+
+    labels, recall = torch.tensor([[1, 2, 3, 4]]), torch.tensor([[True, True, False, True]])
+    hit = F.one_hot(labels if rank == 0 else (labels + 1) % 8, 8).float() * 5
+
+    class Model(torch.nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.bias = torch.nn.Parameter(torch.zeros(()))
+
+        def forward(self, tokens: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+            return hit + self.bias
+
+    train.time = types.SimpleNamespace(perf_counter=itertools.count().__next__)  # each step: 1 s
+    model = Model()
+    cfg = TrainConfig(nproc=world, dp=2, batch=3, seq=128, steps=2, progress=False)
+    return train._run_steps(model, torch.optim.SGD(model.parameters(), lr=0.0), cfg, 0,
+                            lambda step: (labels, None, labels, recall), lambda step: None, show=False)
+
+
+def test_recall_accuracy_and_tokens_per_second_count_every_rank() -> None:
+    """The recall accuracy is the hits of all ranks over all their recall positions (rank 0's
+    own shard once passed every test: no run of the suite learns to recall), and tokens per
+    second count batch x dp x seq tokens a step."""
+    from ctxpar import launch
+
+    for rank, history in enumerate(launch.run_local(_steps_of_a_model_that_hits_on_rank_0_only, 2, timeout_s=120)):
+        assert history["recall_accuracy"] == [0.5, 0.5], rank
+        assert history["tokens_per_second"] == [3 * 2 * 128] * 2, rank
+
+
 def test_resumed_run_continues_with_the_uninterrupted_losses(tmp_path) -> None:
     """A run given a checkpoint directory saves every --save-every steps and always its last
     step (--save-every 0: that one only); resuming the last with more --steps continues it."""
