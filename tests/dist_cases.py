@@ -355,13 +355,21 @@ def _check_window_traffic(rank: int, world: int) -> dict:
 
 
 def _check_subgroups(rank: int, world: int) -> dict:
-    """CP over two disjoint halves of the world at once (the group is not WORLD)."""
+    """CP over two disjoint halves of the world at once (the group is not WORLD); then over
+    the odd and the even ranks, each listed in descending order to ``new_group``, each rank
+    sharding by its rank in the group, which torch numbers by ascending global rank."""
     half = world // 2
     groups = [dist.new_group(list(range(0, half))), dist.new_group(list(range(half, world)))]
     mine, group_rank = (groups[0], rank) if rank < half else (groups[1], rank - half)
-    return {strategy: check_case(Case(strategy, "striped", True, "gqa", "float32"), rank, half, group=mine,
-                                  group_rank=group_rank)
-            for strategy in ("ring", "allgather", "alltoall")}
+    found = {strategy: check_case(Case(strategy, "striped", True, "gqa", "float32"), rank, half, group=mine,
+                                   group_rank=group_rank)
+             for strategy in ("ring", "allgather", "alltoall")}
+    listed = [list(range(world - 1, -1, -2)), list(range(world - 2, -1, -2))]  # P=4: [3, 1], [2, 0]
+    parities = [dist.new_group(ranks) for ranks in listed]
+    group = parities[rank % 2 == 0]
+    found["listed_descending"] = check_case(Case("ring", "zigzag", True, "gqa", "float32"), rank, half, group=group,
+                                            group_rank=dist.get_rank(group))
+    return found
 
 
 def _check_hybrid_meshes(rank: int, world: int) -> dict:

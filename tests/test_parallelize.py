@@ -94,7 +94,24 @@ def _cases(rank: int, world: int) -> dict:
             apply_context_parallel(model, layout=layout, check_consistency=False, **kwargs)
             found[name]["unchecked"] = _attempt(lambda: tuple(model(batch.tokens).shape))
         found[name].update(_losses(layout, cp_rank, last, {"mesh": kwargs["mesh"]} if "mesh" in kwargs else {}))
+    found["groups"] = _group_cases(rank, world)
     return found
+
+
+def _group_cases(rank: int, world: int) -> dict:
+    """The odd and the even ranks as CP groups listed in descending order ([3, 1], [2, 0]):
+    torch numbers each by ascending global rank, so a shard taken by the place in the list
+    holds another rank's positions (silently wrong attention through ``ctxpar.attention``)."""
+    listed = [list(range(world - 1, -1, -2)), list(range(world - 2, -1, -2))]
+    parities = [dist.new_group(ranks) for ranks in listed]
+    group, mine = parities[rank % 2 == 0], listed[rank % 2 == 0]
+    layout = get_layout("zigzag", len(mine))
+    model = apply_context_parallel(Transformer(get_config("tiny")).eval(), layout=layout, group=group)
+    tokens = torch.randint(0, 256, (1, SEQ), generator=torch.Generator().manual_seed(rank % 2))  # one per group
+    by_place = shard_batch(tokens, layout=layout, rank=mine.index(rank))
+    with torch.no_grad():
+        return dict(group_rank=dist.get_rank(group), by_place_in_the_list=_attempt(lambda: model(by_place.tokens,
+                                                                                                 by_place.positions)))
 
 
 def _losses(layout, cp_rank: int, last: bool, ranks: dict) -> dict:
@@ -166,16 +183,33 @@ def test_the_positions_shard_batch_gives_are_exact(strategy: str) -> None:
 def test_wrong_positions_are_refused_on_every_rank(strategy: str) -> None:
     for rank, res in enumerate(results()):
         r = res[strategy]
+        # the rank the guard expects, and how to read it (here every rank's place is its global rank)
+        holder = f"CP rank {rank} (ctxpar.hybrid_rank(mesh))" if strategy == "hybrid" else \
+            f"group rank {rank} (dist.get_rank(group))"
         assert "got no positions under context parallelism" in r["forgotten"], (rank, r["forgotten"])
-        assert "global positions under the zigzag layout" in r["other_layout"], (rank, r["other_layout"])
-        assert "global positions within each document" in r["global_with_documents"], rank
-        assert "shard_batch(tokens, layout=layout, rank=rank, documents=documents)" in r["global_with_documents"] \
-            or strategy == "hybrid", r["global_with_documents"]
+        assert f"of this rank, {holder}: batch = shard_batch(tokens, layout=layout, rank={rank})" in r["forgotten"]
+        assert f"global positions of {holder} under the zigzag layout" in r["other_layout"], (rank, r["other_layout"])
+        assert f"global positions within each document of {holder}" in r["global_with_documents"], rank
+        assert f"shard_batch(tokens, layout=layout, rank={rank}, documents=documents)" in r["global_with_documents"], \
+            r["global_with_documents"]
         assert "got no positions" in r["by_name_forgotten"], (rank, r["by_name_forgotten"])
         assert "got no positions" in r["copy_forgotten"], (rank, r["copy_forgotten"])
         # under the hybrid mesh a rank outside the culprit's row and column hears of it second hand, unnamed
         want = "got no positions" if rank == WORLD - 1 else "of the CP group rejected their forward inputs"
         assert want in r["one_rank_forgets"], (rank, r["one_rank_forgets"])
+
+
+def test_a_shard_taken_by_the_place_in_new_groups_list_is_refused_naming_the_group_rank() -> None:
+    """new_group([3, 1]): torch numbers global rank 1 as the group's rank 0. Sharding by the
+    place in the list (rank 3 taking shard 0) was refused telling rank 1 to pass 'rank=rank';
+    the refusal names the group rank, how to read it and the rank to pass."""
+    for rank, res in enumerate(results()):
+        r = res["groups"]
+        assert r["group_rank"] == rank // 2, (rank, r["group_rank"])
+        want = f"positions must be the global positions of group rank {rank // 2} (dist.get_rank(group)) under the " \
+               f"zigzag layout"
+        assert want in r["by_place_in_the_list"], (rank, r["by_place_in_the_list"])
+        assert f"shard_batch(tokens, layout=layout, rank={rank // 2})" in r["by_place_in_the_list"], rank
 
 
 @pytest.mark.parametrize("strategy", ["ring", "hybrid"])
@@ -379,7 +413,8 @@ def test_a_wrapped_model_is_guarded_as_the_model_is(wrapper: str) -> None:
         r = res[wrapper]
         assert isinstance(r["exact"], float) and r["exact"] < 1e-5, (rank, r["exact"])
         assert "Transformer got no positions under context parallelism" in r["forgotten"], (rank, r["forgotten"])
-        assert "global positions under the zigzag layout" in r["other_layout"], (rank, r["other_layout"])
+        assert f"global positions of group rank {rank} (dist.get_rank(group)) under the zigzag layout" in \
+            r["other_layout"], (rank, r["other_layout"])
         want = "outside its vocabulary of 256" if rank == 1 else "rejected their forward inputs"
         assert want in r["outside_the_vocabulary_on_one_rank"], (rank, r["outside_the_vocabulary_on_one_rank"])
 

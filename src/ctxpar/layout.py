@@ -11,6 +11,12 @@ relative order (the block plan relies on it). Example for T=16, P=4::
 Under causal attention a contiguous split gives the last rank (2P-1)/P times the mean
 work; zigzag (2P chunks, rank r holds chunks r and 2P-1-r) and striped (token t on rank
 t mod P) give every rank an equal share of early and late positions.
+
+A rank of a layout is a rank in the CP group, ``dist.get_rank(group)`` (under a hybrid
+mesh ``ctxpar.hybrid_rank(mesh)``): torch numbers a group's ranks by ascending global
+rank, whatever order ``new_group`` was given them in (``new_group([3, 1])``: global rank 1
+is the group's rank 0), and a DeviceMesh dim's group by the mesh's order,
+``mesh.get_local_rank("cp")``.
 """
 
 from __future__ import annotations
@@ -92,7 +98,9 @@ class Layout(ABC):
         return self._positions(int(seq_len), self._check_rank(rank)).to(device)
 
     def shard(self, x: torch.Tensor, rank: int, *, dim: int | None = None) -> torch.Tensor:
-        """The part of ``x`` (global length T along ``dim``) that ``rank`` holds.
+        """The part of ``x`` (global length T along ``dim``) that ``rank`` holds: its rank in
+        the CP group, ``dist.get_rank(group)`` (the module's docstring: not its place in the
+        list given to ``new_group``).
 
         ``dim`` is the sequence dim and has no default, because the library's tensors put
         it in different places: 2 for attention inputs (B, H, T, D), 1 for tokens (B, T)

@@ -59,6 +59,10 @@ def shard_batch(
 ) -> CPBatch:
     """This rank's part of a (B, T) batch: tokens, positions, shifted labels.
 
+    ``rank``: this rank's place in the layout, its rank in the CP group,
+    ``dist.get_rank(group)`` (torch numbers a group's ranks by ascending global rank,
+    whatever order ``new_group`` was given them in), or ``ctxpar.hybrid_rank(mesh)``.
+
     ``documents``: the lengths (or cu_seqlens) of the documents packed into each row, the
     same for every row. Positions then restart at 0 in each document, and a document's
     last token predicts nothing (not the next document's first token); pass
@@ -187,7 +191,10 @@ def apply_context_parallel(
     numbers its tokens itself (``torch.arange``) or takes them by other names
     (``input_ids``, ``position_ids``) would run with each shard numbered from 0 and go
     unchecked. ``model`` may wrap such a module (a module of one's own, DDP,
-    ``torch.compile``): the checks go on it, the innermost where they nest.
+    ``torch.compile``): the checks go on it, the innermost where they nest. Each rank
+    shards at its rank in ``group``, ``shard_batch(tokens, layout=layout,
+    rank=dist.get_rank(group))``, which torch numbers by ascending global rank whatever
+    order ``new_group`` was given them in (``ctxpar.hybrid_rank(mesh)`` under a hybrid mesh).
 
     ``check_consistency`` (as ``ctxpar.attention``'s, on every rank at once): each
     attention call compares the ranks' calls, and that module's forward (and the reference
@@ -349,19 +356,21 @@ class _PositionsGuard(_KeptWithTheModel):
         lengths = None if documents is None else document_lengths(documents, seq_len)
         want = positions_in_documents(placed.positions(seq_len, topo.rank), lengths)  # (S,)
         where = " within each document" if lengths else ""
-        rank = "ctxpar.hybrid_rank(mesh)" if topo.hybrid else "rank"
+        # torch numbers a group's ranks by ascending global rank, whatever order new_group was given them in
+        holder = (f"CP rank {topo.rank} (ctxpar.hybrid_rank(mesh))" if topo.hybrid
+                  else f"group rank {topo.rank} (dist.get_rank(group))")
         docs, batch_docs = (", documents=documents", ", documents=batch.documents") if lengths else ("", "")
-        fix = (f"batch = shard_batch(tokens, layout=layout, rank={rank}{docs}), then "
+        fix = (f"batch = shard_batch(tokens, layout=layout, rank={topo.rank}{docs}), then "
                f"model(batch.tokens, batch.positions{batch_docs})")
         if ids and not tokens.is_meta:  # meta: no values (attention refuses the device)
             limits.check_token_range(tokens, embed.num_embeddings, name)
         if positions is None:
-            raise ValueError(f"{name} got no positions under context parallelism, so it would "
-                             f"number this rank's tokens from 0; pass this rank's global positions{where}: {fix}")
+            raise ValueError(f"{name} got no positions under context parallelism, so it would number this "
+                             f"rank's tokens from 0; pass the global positions{where} of this rank, {holder}: {fix}")
         if positions.shape[-1] != want.numel() or not positions.is_meta and not bool(
                 (positions.reshape(-1, want.numel()).cpu() == want).all()):
-            raise ValueError(f"positions must be rank {topo.rank}'s global positions{where} under the "
-                             f"{placed.name} layout given to apply_context_parallel (they begin "
+            raise ValueError(f"positions must be the global positions{where} of {holder} under "
+                             f"the {placed.name} layout given to apply_context_parallel (they begin "
                              f"{want[:6].tolist()}): {fix}")
 
 

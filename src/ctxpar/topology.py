@@ -45,7 +45,10 @@ def _initialised() -> bool:
 
 def from_group(group: dist.ProcessGroup | None, axis: str = "ring") -> Topology:
     """One CP group used along one axis ("ring": K/V move around the group; "ulysses":
-    the whole group does all-to-alls). Without an initialised process group, one rank."""
+    the whole group does all-to-alls). Without an initialised process group, one rank. A
+    rank's place in the layout is its rank in the group, ``dist.get_rank(group)``: torch
+    numbers a group's ranks in ascending global rank, whatever order ``new_group`` was
+    given them in."""
     if not _initialised():
         if group is not None:
             raise ValueError("a process group was given but torch.distributed is not initialised")
