@@ -41,7 +41,7 @@ from report import write_json
 
 def one_rank(rank: int, world: int, args: dict) -> dict:
     torch.manual_seed(rank)
-    topo = topology.from_group(None)
+    topo = topology.from_group(None, "the benchmark")
     q = torch.randn(1, args["heads"], 4, args["head_dim"])
     sig = agreement.signature(q, q, q, layout_name="zigzag", causal=True, scale=0.125, strategy="ring",
                               rejected=False)

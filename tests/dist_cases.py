@@ -308,8 +308,34 @@ def _check_bad_inputs(rank: int, world: int, mesh) -> dict[str, str]:
         if rank == 0:
             messages["non_member"] = _refusal(torch.randn(1, 2, 4, 8), torch.randn(1, 2, 4, 8),
                                               torch.randn(1, 2, 4, 8), layout="contiguous", group=others)
+            messages.update(_non_member_entries(others))
     # no rank was left inside a collective: a full attention call still works afterwards
     messages["after"] = check_case(Case("ring", "zigzag", True, "gqa", "float32"), rank, world)
+    return messages
+
+
+def _non_member_entries(group) -> dict[str, str]:
+    """The refusals of ctxpar's other entries taking a CP group, called on a rank outside
+    ``group`` (they once all said to call ctxpar.attention only on its ranks)."""
+    from ctxpar.inference import KVCache, generate
+    from ctxpar.models import ModelConfig, Transformer
+    from ctxpar.parallelize import apply_context_parallel, cp_loss
+
+    cfg = ModelConfig(layers=1, hidden=16, heads=4, kv_heads=2, head_dim=4, ffn=16, vocab=20)
+    calls = {
+        "cp_loss": lambda: cp_loss(torch.randn(1, 4, 20), torch.zeros(1, 4, dtype=torch.long), group=group),
+        "apply_context_parallel": lambda: apply_context_parallel(Transformer(cfg), layout="zigzag", group=group),
+        "KVCache": lambda: KVCache.for_model(cfg, batch=1, capacity=8, group=group),
+        "generate": lambda: generate(Transformer(cfg), torch.zeros(1, 4, dtype=torch.long), layout="zigzag",
+                                     group=group, new_tokens=1),
+    }
+    messages = {}
+    for entry, call in calls.items():
+        try:
+            call()
+            messages[f"non_member_{entry}"] = "NO ERROR"
+        except ValueError as e:
+            messages[f"non_member_{entry}"] = str(e)
     return messages
 
 

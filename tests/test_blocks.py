@@ -169,11 +169,11 @@ def test_the_strategies_index_tensors_reach_the_device_once_not_per_call(monkeyp
     assert order[0] == "global" and allgather._key_order(lay, seq, 1, Mask(), host)[2] is order[2]
     arrived = torch.randn(8, 2, 1, 2, seq // 8, 4)  # (P, 2, B, h, S, D)
     q = torch.randn(1, 2, 64, 4)
-    alltoall.to_heads(q, q, q, get_layout("zigzag", 1), topology.from_group(None))  # the first call copies
+    alltoall.to_heads(q, q, q, get_layout("zigzag", 1), topology.from_group(None, "to_heads"))  # the first call copies
     monkeypatch.setattr(torch.Tensor, "to", lambda *args, **kwargs: pytest.fail("copied in a call"))
     keys = allgather._arrange(arrived, order)  # (2, B, h, T, D)
     assert torch.equal(allgather._by_arrival(keys, order, 8), arrived)
-    (ql, _, _), _ = alltoall.to_heads(q, q, q, get_layout("zigzag", 1), topology.from_group(None))
+    (ql, _, _), _ = alltoall.to_heads(q, q, q, get_layout("zigzag", 1), topology.from_group(None, "to_heads"))
     assert torch.equal(ql, q)
 
 

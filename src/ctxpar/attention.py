@@ -116,7 +116,7 @@ def attention_with_lse(
     error, topo, mask, layout_name, chosen_why = None, None, None, None, None
     try:
         limits.check_flag("check_consistency", check_consistency)  # "no" once ran the check, "" skipped it
-        chosen, topo, layout = _settings(layout, group, strategy, mesh)
+        chosen, topo, layout = _settings(layout, group, strategy, mesh, "ctxpar.attention")
         scale = _validate(q, k, v, layout, topo, scale)
         seq_len = q.shape[2] * layout.world_size
         layout = as_checked(layout, seq_len)  # a layout of the user's: its deal checked
@@ -127,7 +127,7 @@ def attention_with_lse(
             strategy, chosen_why = auto.choose(q, k, world=topo.world_size, layout_name=layout.name, mask=mask,
                                                backward=agreement.needs_grad(q, k, v, sinks))
             chosen = _strategy(strategy)
-            topo = _topology(chosen.axis, strategy, group, mesh)
+            topo = _topology(chosen.axis, strategy, group, mesh, "ctxpar.attention")
         chosen.check(q.shape[1], k.shape[1], topo)
     except Exception as e:  # noqa: BLE001  any failure, not only a ValueError: a rank that left here
         error = e  # would strand its peers in the exchange below
@@ -201,38 +201,39 @@ def _layout_name(layout) -> str:
 def _fallback_topology(group, mesh) -> topology.Topology | None:
     """The groups that ``group=`` or ``mesh=`` name, or None if they name none we belong to."""
     try:
-        return topology.from_mesh(mesh) if mesh is not None else topology.from_group(group)
+        return topology.from_mesh(mesh) if mesh is not None else topology.from_group(group, "ctxpar.attention")
     except Exception:  # noqa: BLE001  a mesh= of the wrong type, a group we are not in
         return None
 
 
 def check_settings(*, layout: str | Layout, group: dist.ProcessGroup | None = None, strategy: str = "ring",
-                   mesh=None, heads: Iterable[tuple[int, int]] = ()) -> Layout:
+                   mesh=None, heads: Iterable[tuple[int, int]] = (), who: str) -> Layout:
     """The CP settings a model's attention calls will take, checked once, before
     ``apply_context_parallel`` or ``enable_context_parallel`` change the model (each call
     checks them again): the strategy's name, ``mesh=`` given exactly for "hybrid", the
     groups they name (this rank among them), the layout for their size, and the model's
     ``heads``, each (H, H_kv) its attention modules have, which the all-to-all (and hybrid's)
-    must split over its ranks. Returns the layout built for that size."""
+    must split over its ranks. ``who``: the entry called, named in refusals. Returns the
+    layout built for that size."""
     if isinstance(layout, Layout) and layout.world_size > 1 and not (dist.is_available() and dist.is_initialized()):
         raise ValueError(f"the {layout.name} layout is for P={layout.world_size} ranks but torch.distributed is not "
                          f"initialised; call torch.distributed.init_process_group first")
-    chosen, topo, placed = _settings(layout, group, strategy, mesh)
+    chosen, topo, placed = _settings(layout, group, strategy, mesh, who)
     for h, kv_heads in heads:  # "auto" is checked as ring: it chooses among the strategies the heads allow
         chosen.check(h, kv_heads, topo)
     return placed
 
 
-def _settings(layout, group, strategy, mesh) -> tuple[Strategy, topology.Topology, Layout]:
+def _settings(layout, group, strategy, mesh, who: str) -> tuple[Strategy, topology.Topology, Layout]:
     chosen = STRATEGIES["ring" if check_strategy(strategy, auto_allowed=True) == auto.AUTO else strategy]
     if strategy == auto.AUTO and mesh is not None:
         raise ValueError("strategy='auto' chooses among ring, allgather and alltoall on group=; a hybrid mesh= "
                          "is used with strategy='hybrid'")
-    topo = _topology(chosen.axis, strategy, group, mesh)
+    topo = _topology(chosen.axis, strategy, group, mesh, who)
     return chosen, topo, _layout_for(layout, topo)
 
 
-def _topology(axis: str, strategy: str, group, mesh) -> topology.Topology:
+def _topology(axis: str, strategy: str, group, mesh, who: str) -> topology.Topology:
     if axis == "mesh":
         if mesh is None or group is not None:
             given = "not group=" if group is not None else "and none was given"
@@ -241,7 +242,7 @@ def _topology(axis: str, strategy: str, group, mesh) -> topology.Topology:
         return topology.from_mesh(mesh)
     if mesh is not None:
         raise ValueError(f"mesh= is for strategy='hybrid'; strategy={strategy!r} takes group=")
-    return topology.from_group(group, axis)
+    return topology.from_group(group, who, axis)
 
 
 def _layout_for(layout: str | Layout, topo: topology.Topology) -> Layout:

@@ -213,7 +213,8 @@ def apply_context_parallel(
     # the reference model's attention knows its heads: those the all-to-all cannot split are refused now, not at
     # every forward
     shapes = {(m.cfg.heads, m.cfg.kv_heads) for _, m in modules if isinstance(getattr(m, "cfg", None), ModelConfig)}
-    check_settings(layout=layout, group=group, strategy=strategy, mesh=mesh, heads=sorted(shapes))
+    check_settings(layout=layout, group=group, strategy=strategy, mesh=mesh, heads=sorted(shapes),
+                   who="apply_context_parallel")
     for name, module in modules:
         fn = module.attention_fn
         if not plain_causal_attention(fn):
@@ -320,7 +321,7 @@ class _PositionsGuard(_KeptWithTheModel):
     def __call__(self, module: nn.Module, args: tuple, kwargs: dict) -> None:
         if not any(getattr(m, "attention_fn", None) is self.cp_attention for m in module.modules()):
             return  # inference has swapped in its own attention, which passes its own positions
-        topo = topology.from_mesh(self.mesh) if self.mesh is not None else topology.from_group(self.group)
+        topo = topology.of(self.group, self.mesh, "apply_context_parallel")
         if topo.world_size == 1:
             return
         error = tokens = None

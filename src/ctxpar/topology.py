@@ -43,12 +43,12 @@ def _initialised() -> bool:
     return dist.is_available() and dist.is_initialized()
 
 
-def from_group(group: dist.ProcessGroup | None, axis: str = "ring") -> Topology:
+def from_group(group: dist.ProcessGroup | None, who: str, axis: str = "ring") -> Topology:
     """One CP group used along one axis ("ring": K/V move around the group; "ulysses":
-    the whole group does all-to-alls). Without an initialised process group, one rank. A
-    rank's place in the layout is its rank in the group, ``dist.get_rank(group)``: torch
-    numbers a group's ranks in ascending global rank, whatever order ``new_group`` was
-    given them in."""
+    the whole group does all-to-alls), as ``who`` (the entry called, named in refusals) was
+    given it. Without an initialised process group, one rank. A rank's place in the layout
+    is its rank in the group, ``dist.get_rank(group)``: torch numbers a group's ranks in
+    ascending global rank, whatever order ``new_group`` was given them in."""
     if not _initialised():
         if group is not None:
             raise ValueError("a process group was given but torch.distributed is not initialised")
@@ -62,7 +62,7 @@ def from_group(group: dist.ProcessGroup | None, axis: str = "ring") -> Topology:
     if rank < 0:
         raise ValueError(
             f"global rank {dist.get_rank()} is not a member of the given process group; call "
-            f"ctxpar.attention only on the ranks of the CP group"
+            f"{who} only on the ranks of the CP group"
         )
     world = dist.get_world_size(group)
     if axis == "ulysses":
@@ -103,7 +103,7 @@ def of(group: dist.ProcessGroup | None, mesh, who: str, mesh_is: str = "") -> To
     or instead a hybrid ``mesh``'s (``mesh_is``: what to call it in the refusal of both)."""
     if mesh is not None and group is not None:
         raise ValueError(f"{who} takes group= or mesh={mesh_is}, not both")
-    return from_mesh(mesh) if mesh is not None else from_group(group)
+    return from_mesh(mesh) if mesh is not None else from_group(group, who)
 
 
 def all_reduce(tensor, topo: Topology) -> None:

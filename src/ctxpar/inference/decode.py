@@ -71,7 +71,7 @@ def decode_step(model: nn.Module, cache: KVCache, tokens: torch.Tensor, *,
     slot = cache.length
     held = slot + int(mine)
     scale = cache.head_dim**-0.5  # the model's SDPA default
-    peers = topology.from_group(cache.group)
+    peers = topology.from_group(cache.group, "decode_step")
 
     def make(layer: int):
         def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:

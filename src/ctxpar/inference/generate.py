@@ -97,7 +97,7 @@ def generate(model: nn.Module, prompt: torch.Tensor, *, layout: str | Layout, gr
         ``GenerationResult``: tokens (B, new_tokens), ttft_s, tpot_s, kv_cache_bytes, cache.
     """
     error, head = None, None
-    ranks = topology.from_group(group)
+    ranks = topology.from_group(group, "generate")
     world = ranks.world_size
     try:
         limits.check_flag("check_consistency", check_consistency)

@@ -428,7 +428,8 @@ def enable_context_parallel(
         ValueError: listing every feature of the model that ctxpar would not compute exactly
             (``find_unsupported``), before changing the model and before any collective.
     """
-    layout = check_settings(layout=layout, group=group, strategy=strategy, mesh=mesh)  # a name, or one for this P
+    layout = check_settings(layout=layout, group=group, strategy=strategy, mesh=mesh,  # a name, or one for this P
+                            who="enable_context_parallel")
     from transformers import PreTrainedModel
 
     if not isinstance(model, PreTrainedModel):  # a wrapper (PEFT-like) was refused for positions it does hand on

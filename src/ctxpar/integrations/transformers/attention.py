@@ -30,11 +30,12 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
+from ctxpar import topology
 from ctxpar.attention import attention
 from ctxpar.inference.decode import sharded_attention_over
 from ctxpar.layout import Layout
 from ctxpar.masks import chunked, positions_in_documents
-from ctxpar.topology import Topology, from_group, from_mesh
+from ctxpar.topology import Topology
 
 NAME = "ctxpar"
 
@@ -95,7 +96,7 @@ class Settings:
     def peers(self) -> Topology:
         """The CP group: ``group``'s ranks, or the hybrid ``mesh``'s (never the rest of WORLD,
         which may hold other data-parallel replicas, forwarding other batches or none)."""
-        return from_mesh(self.mesh) if self.mesh is not None else from_group(self.group)
+        return topology.of(self.group, self.mesh, "enable_context_parallel")
 
     def positions(self, local_len: int) -> torch.Tensor:
         """(S,) the global positions this rank's ``local_len`` tokens sit at."""
