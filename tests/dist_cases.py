@@ -273,6 +273,16 @@ def _bad_inputs(world: int, mesh) -> dict[str, tuple]:
         # ranks not ascending along a dim: once silently wrong (group ranks taken for coordinates)
         permuted = DeviceMesh("cpu", torch.tensor([[3, 1], [0, 2]]), mesh_dim_names=("ring", "ulysses"))
         bad["hybrid_mesh_permuted"] = ((q, kv, kv), dict(layout="zigzag", strategy="hybrid", mesh=permuted))
+        # meshes given where another kind is taken: each refusal names what to pass instead
+        from torch.distributed.device_mesh import init_device_mesh
+
+        dp_cp = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "cp"))
+        bad["group_dp_cp_mesh"] = ((q, kv, kv), dict(layout="zigzag", group=dp_cp))
+        bad["group_mesh_dim"] = ((q, kv, kv), dict(layout="zigzag", group=dp_cp["cp"]))  # torch's idiom
+        bad["group_hybrid_mesh"] = ((q, kv, kv), dict(layout="zigzag", group=mesh))
+        bad["hybrid_dp_cp_mesh"] = ((q, kv, kv), dict(layout="zigzag", strategy="hybrid", mesh=dp_cp))
+        replicas = init_device_mesh("cpu", (1, *HYBRID_MESH), mesh_dim_names=("dp", "ring", "ulysses"))
+        bad["hybrid_3d_mesh"] = ((q, kv, kv), dict(layout="zigzag", strategy="hybrid", mesh=replicas))
         # a tensor-parallel plan that keeps DTensor outputs: torch's error came from inside the ring
         from torch.distributed.tensor import Replicate, distribute_tensor
 

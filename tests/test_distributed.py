@@ -69,6 +69,16 @@ EXPECTED_MESSAGES = {
     "non_member_apply_context_parallel": ["call apply_context_parallel only on the ranks of the CP group"],
     "non_member_KVCache": ["call KVCache only on the ranks of the CP group"],
     "non_member_generate": ["call generate only on the ranks of the CP group"],
+    # a DeviceMesh as group= (or the wrong one as mesh=) was refused without saying what to pass
+    "group_dp_cp_mesh": ["got a DeviceMesh (2D with mesh_dim_names ('dp', 'cp'))",
+                         "pass its CP dim's process group, group=mesh.get_group('cp')"],
+    "group_mesh_dim": ["got a DeviceMesh (1D with mesh_dim_names ('cp',))", "group=mesh.get_group() (of the mesh it "
+                       "was sliced from: mesh.get_group('cp'))"],
+    "group_hybrid_mesh": ["pass mesh=mesh (the hybrid strategy's) instead"],
+    "hybrid_dp_cp_mesh": ["got 2D with mesh_dim_names ('dp', 'cp'); for the ranks of its CP dim pass "
+                          "group=mesh.get_group('cp') instead"],
+    "hybrid_3d_mesh": ["got 3D with mesh_dim_names ('dp', 'ring', 'ulysses'); pass its sub-mesh "
+                       "mesh['ring', 'ulysses']"],
     "documents_sum": ["sum to 7", "tokens"],
     "documents_empty": ["lengths must be >= 1"],
     "documents_float": ["1-D integer tensor"],
@@ -98,7 +108,8 @@ def test_bad_inputs_raise_clear_errors_without_hanging(world: int) -> None:
         if world == 1:
             expected -= {"length", "alltoall_heads", "gloo_device", *non_member}
         if world != 4:
-            expected -= {"hybrid_layout_world", "hybrid_heads", "hybrid_mesh_permuted", "q_dtensor"}
+            expected -= {"hybrid_layout_world", "hybrid_heads", "hybrid_mesh_permuted", "q_dtensor", "group_dp_cp_mesh",
+                         "group_mesh_dim", "group_hybrid_mesh", "hybrid_dp_cp_mesh", "hybrid_3d_mesh"}
         if rank != 0:
             expected -= non_member
         assert set(messages) == expected

@@ -101,7 +101,10 @@ def _cases(rank: int, world: int) -> dict:
 def _group_cases(rank: int, world: int) -> dict:
     """The odd and the even ranks as CP groups listed in descending order ([3, 1], [2, 0]):
     torch numbers each by ascending global rank, so a shard taken by the place in the list
-    holds another rank's positions (silently wrong attention through ``ctxpar.attention``)."""
+    holds another rank's positions (silently wrong attention through ``ctxpar.attention``);
+    and cp_loss given a (dp, cp) mesh."""
+    from torch.distributed.device_mesh import init_device_mesh
+
     listed = [list(range(world - 1, -1, -2)), list(range(world - 2, -1, -2))]
     parities = [dist.new_group(ranks) for ranks in listed]
     group, mine = parities[rank % 2 == 0], listed[rank % 2 == 0]
@@ -109,9 +112,12 @@ def _group_cases(rank: int, world: int) -> dict:
     model = apply_context_parallel(Transformer(get_config("tiny")).eval(), layout=layout, group=group)
     tokens = torch.randint(0, 256, (1, SEQ), generator=torch.Generator().manual_seed(rank % 2))  # one per group
     by_place = shard_batch(tokens, layout=layout, rank=mine.index(rank))
+    dp_cp = init_device_mesh("cpu", (2, world // 2), mesh_dim_names=("dp", "cp"))
     with torch.no_grad():
         return dict(group_rank=dist.get_rank(group), by_place_in_the_list=_attempt(lambda: model(by_place.tokens,
-                                                                                                 by_place.positions)))
+                                                                                                 by_place.positions)),
+                    cp_loss_on_a_dp_cp_mesh=_attempt(lambda: cp_loss(torch.randn(1, 4, 8), torch.zeros(
+                        1, 4, dtype=torch.long), mesh=dp_cp)))
 
 
 def _losses(layout, cp_rank: int, last: bool, ranks: dict) -> dict:
@@ -210,6 +216,14 @@ def test_a_shard_taken_by_the_place_in_new_groups_list_is_refused_naming_the_gro
                f"zigzag layout"
         assert want in r["by_place_in_the_list"], (rank, r["by_place_in_the_list"])
         assert f"shard_batch(tokens, layout=layout, rank={rank // 2})" in r["by_place_in_the_list"], rank
+
+
+def test_cp_loss_on_a_dp_cp_mesh_names_the_groups_to_pass() -> None:
+    """Its mesh= is a hybrid mesh's ranks: a (dp, cp) mesh was refused as no hybrid mesh, naming no fix."""
+    for rank, res in enumerate(results()):
+        got = res["groups"]["cp_loss_on_a_dp_cp_mesh"]
+        assert "for the ranks of its CP dim pass group=mesh.get_group('cp') instead (the mean over one CP group's " \
+               "tokens), or group=None (over every rank's: DP x CP)" in got, (rank, got)
 
 
 @pytest.mark.parametrize("strategy", ["ring", "hybrid"])

@@ -412,7 +412,8 @@ def cp_loss(
     others waiting in it until the collective timeout. The verdict is read on the host: one
     device synchronisation per call.
     """
-    ranks = topology.of(group, mesh, "cp_loss", " (a hybrid mesh's ranks)")
+    ranks = topology.of(group, mesh, "cp_loss", " (a hybrid mesh's ranks)",
+                        group_also=" (the mean over one CP group's tokens), or group=None (over every rank's: DP x CP)")
     rank = dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
     tensor = isinstance(logits, torch.Tensor)  # logits that are none still join the verdict's all-reduce
     vocab = logits.shape[-1] if tensor and logits.dim() == 3 else 0

@@ -55,6 +55,11 @@ def from_group(group: dist.ProcessGroup | None, who: str, axis: str = "ring") ->
         return Topology(rank=0, world_size=1)
     if axis not in ("ring", "ulysses"):
         raise ValueError(f"axis must be 'ring' or 'ulysses', got {axis!r}")
+    if isinstance(group, DeviceMesh):
+        fix = (f"mesh={_hybrid_part(group)} (the hybrid strategy's) instead" if _hybrid_part(group)
+               else f"its CP dim's process group, group={_cp_group_of(group)}")
+        raise ValueError(f"group= must be a torch.distributed ProcessGroup (None: WORLD), got a DeviceMesh "
+                         f"({_described(group)}); pass {fix}")
     # new_group gives the ranks outside the group a sentinel: refused as "not a member" below
     if not (group is None or group is dist.GroupMember.NON_GROUP_MEMBER or isinstance(group, dist.ProcessGroup)):
         raise ValueError(f"group= must be a torch.distributed ProcessGroup (None: WORLD), got {type(group).__name__}")
@@ -71,15 +76,45 @@ def from_group(group: dist.ProcessGroup | None, who: str, axis: str = "ring") ->
     return Topology(rank=rank, world_size=world, group=group, ring_group=group, ring_degree=world, ring_rank=rank)
 
 
-def from_mesh(mesh) -> Topology:
-    """A 2D DeviceMesh with dims "ulysses" and "ring" (any order)."""
+def _described(mesh: DeviceMesh) -> str:
+    return f"{mesh.ndim}D with mesh_dim_names {tuple(mesh.mesh_dim_names or ()) or None}"
+
+
+def _cp_group_of(mesh: DeviceMesh) -> str:
+    """How to get the process group of ``mesh``'s CP dim: a 1-D mesh's only one (one sliced
+    from a larger mesh, ``mesh["cp"]``, is that mesh's dim), or its "cp" dim's."""
+    names = tuple(mesh.mesh_dim_names or ())
+    if mesh.ndim == 1:
+        sliced = f" (of the mesh it was sliced from: mesh.get_group({names[0]!r}))" if names else ""
+        return f"mesh.get_group(){sliced}"
+    return "mesh.get_group('cp')" if "cp" in names else "mesh.get_group(<its CP dim's name>)"
+
+
+def _hybrid_part(mesh: DeviceMesh) -> str | None:
+    """How to get the ('ring', 'ulysses') mesh in ``mesh``, if it has those dims (torch
+    slices them in the mesh's own order alone)."""
+    names = tuple(mesh.mesh_dim_names or ())
+    if not {"ring", "ulysses"} <= set(names):
+        return None
+    return "mesh" if mesh.ndim == 2 else f"mesh[{', '.join(repr(n) for n in names if n in ('ring', 'ulysses'))}]"
+
+
+def from_mesh(mesh, group_also: str = "") -> Topology:
+    """A 2D DeviceMesh with dims "ulysses" and "ring" (any order). ``group_also``: what else
+    the caller takes, beside ``group=`` a dim's process group, for a mesh whose CP ranks
+    are one of its dims, named in its refusal."""
     if not isinstance(mesh, DeviceMesh):
         raise ValueError(f"mesh= must be a torch DeviceMesh (2D, dims 'ulysses' and 'ring'), got {type(mesh).__name__}")
     names = tuple(getattr(mesh, "mesh_dim_names", None) or ())
     if mesh.ndim != 2 or set(names) != {"ulysses", "ring"}:
+        if _hybrid_part(mesh):
+            fix = f"pass its sub-mesh {_hybrid_part(mesh)}"
+        elif mesh.ndim == 1 or "cp" in names:
+            fix = f"for the ranks of its CP dim pass group={_cp_group_of(mesh)} instead{group_also}"
+        else:
+            fix = "build it with init_device_mesh(device, (ring, ulysses), mesh_dim_names=('ring', 'ulysses'))"
         raise ValueError(
-            f"hybrid needs a 2D DeviceMesh with mesh_dim_names ('ring', 'ulysses'), got "
-            f"{mesh.ndim}D with names {names or None}"
+            f"hybrid needs a 2D DeviceMesh with mesh_dim_names ('ring', 'ulysses'), got {_described(mesh)}; {fix}"
         )
     ranks = mesh.mesh  # (d0, d1) global ranks, the same tensor on every rank: so is this verdict
     if not all(bool((ranks.diff(dim=dim) > 0).all()) for dim in (0, 1)):
@@ -98,12 +133,13 @@ def from_mesh(mesh) -> Topology:
     )
 
 
-def of(group: dist.ProcessGroup | None, mesh, who: str, mesh_is: str = "") -> Topology:
+def of(group: dist.ProcessGroup | None, mesh, who: str, mesh_is: str = "", group_also: str = "") -> Topology:
     """The CP ranks ``who`` was given: ``group``'s (None: WORLD, or one process without one),
-    or instead a hybrid ``mesh``'s (``mesh_is``: what to call it in the refusal of both)."""
+    or instead a hybrid ``mesh``'s (``mesh_is``: what to call it in the refusal of both;
+    ``group_also``: ``from_mesh``'s)."""
     if mesh is not None and group is not None:
         raise ValueError(f"{who} takes group= or mesh={mesh_is}, not both")
-    return from_mesh(mesh) if mesh is not None else from_group(group, who)
+    return from_mesh(mesh, group_also) if mesh is not None else from_group(group, who)
 
 
 def all_reduce(tensor, topo: Topology) -> None:
