@@ -55,9 +55,10 @@ def attention_with_lse(
             group this is plain single-device attention. Each rank holds the shard at
             its rank in the group, ``dist.get_rank(group)``: torch numbers a group's ranks
             by ascending global rank, whatever order ``new_group`` was given them in
-            (``new_group([3, 1])``: global rank 1 holds shard 0), a DeviceMesh dim's group
-            by the mesh, ``mesh.get_local_rank("cp")``. Shards taken by the place in one's
-            own list have the right shapes and give wrong attention, silently.
+            (``new_group([3, 1])``: global rank 1 holds shard 0); for the group of a dim of
+            a mesh built by ``init_device_mesh``, ``mesh.get_local_rank("cp")``. Shards
+            taken by the place in one's own list have the right shapes and give wrong
+            attention, silently.
         causal: query at global position i sees keys at positions <= i.
         scale: softmax scale, default D ** -0.5.
         strategy: how K/V move between ranks (all give the same result):

@@ -15,8 +15,8 @@ t mod P) give every rank an equal share of early and late positions.
 A rank of a layout is a rank in the CP group, ``dist.get_rank(group)`` (under a hybrid
 mesh ``ctxpar.hybrid_rank(mesh)``): torch numbers a group's ranks by ascending global
 rank, whatever order ``new_group`` was given them in (``new_group([3, 1])``: global rank 1
-is the group's rank 0), and a DeviceMesh dim's group by the mesh's order,
-``mesh.get_local_rank("cp")``.
+is the group's rank 0); for the group of a dim of a mesh built by ``init_device_mesh``,
+that is ``mesh.get_local_rank("cp")``.
 """
 
 from __future__ import annotations
