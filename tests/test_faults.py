@@ -132,6 +132,21 @@ def leave_early(rank: int, world: int, leaver: int, how: str) -> int:
     return rank
 
 
+def _refuse_to_unpickle() -> None:
+    raise RuntimeError("this object cannot be rebuilt here")
+
+
+class UnpicklableOnArrival:
+    def __reduce__(self):
+        return _refuse_to_unpickle, ()
+
+
+def raise_in_a_finished_gather(rank: int, world: int) -> int:
+    """Rank 0 raises inside gather_object, unpickling rank 1's object after rank 1 has finished it."""
+    dist.gather_object(UnpicklableOnArrival() if rank == 1 else 0, [None] * world if rank == 0 else None, dst=0)
+    return rank
+
+
 def freeze_one_rank_in_a_new_group(rank: int, world: int, frozen: int) -> None:
     """A group the function makes itself, which torch would give its 30-minute default timeout."""
     group = dist.new_group(list(range(world)))
@@ -309,6 +324,17 @@ def test_a_rank_that_leaves_fn_while_the_others_are_in_a_collective_is_named(lea
                     rf"leave_early, waiting: RuntimeError: ", lines[1]), lines
     assert len(lines) == 2 and "Traceback" not in str(e.value)
     assert time.monotonic() - start < 60  # not the 120 s collective timeout
+
+
+def test_a_rank_that_raises_its_own_error_in_a_collective_is_the_cause_not_its_peer_that_returned() -> None:
+    """Rank 0 failed in gather_object on its own (an object it could not unpickle, as torch's
+    gather fails without numpy), after rank 1 had returned: rank 1 was blamed for leaving fn
+    early. Only a collective that lost its peer (the connection closed, a timeout) is theirs."""
+    with pytest.raises(launch.RankFailure) as e:
+        run_local(raise_in_a_finished_gather, 2, timeout_s=120)
+    message = str(e.value)
+    assert message.startswith("rank 0 failed:") and "returned from fn" not in message, message
+    assert message.rstrip().endswith("RuntimeError: this object cannot be rebuilt here"), message
 
 
 def test_a_frozen_rank_is_named_when_the_others_time_out() -> None:

@@ -882,15 +882,26 @@ def _failure_message(
     return "\n".join(lines)
 
 
+# how a collective fails for want of a peer that has gone (gloo; NCCL's are mostly timeouts), in its last line
+_PEER_GONE = ("connection closed by peer", "connection reset by peer", "broken pipe", "remote process exited")
+
+
+def _lost_a_peer(kind: str, text: str) -> bool:
+    return kind == "timeout" or any(sign in text.strip().splitlines()[-1].lower() for sign in _PEER_GONE)
+
+
 def _left_early(failed: dict[int, tuple[str, str]], died: dict[int, str], stuck: list[int],
                 whereabouts: dict[int, _Whereabouts], returned: frozenset[int]) -> str | None:
     """The failure of a run in which ranks left ``fn`` (returned or exited) while the others were still
     in a collective, which then failed for want of them (gloo: "Connection closed by peer"; NCCL: the
-    timeout), naming those ranks; None for any other failure."""
+    timeout), naming those ranks; None for any other failure (one raised in a collective by the rank
+    itself, such as an object it could not unpickle after its peers had finished, is its own)."""
     exited = {r: text.strip().splitlines()[-1] for r, (kind, text) in failed.items() if kind == "exited"}
     waiting = {r: _raised_at(text) for r, (kind, text) in failed.items() if kind in ("error", "timeout")}
     if died or not (returned or exited) or not waiting or len(exited) + len(waiting) < len(failed):
         return None  # a rank stopped on purpose, or none left early: the usual report
+    if not all(_lost_a_peer(*failed[r]) for r in waiting):
+        return None
     if not all(seen and seen.in_collective for seen in (*waiting.values(), *(whereabouts.get(r) for r in stuck))):
         return None  # a rank failed (or is stuck) on its own, outside a collective: that is the cause
     waited = sorted((*waiting, *stuck))
