@@ -19,7 +19,7 @@ from ctxpar.layout import get_layout
 from ctxpar.models import Transformer, get_config
 from ctxpar.models.llama import compute_dtype
 from ctxpar.parallelize import IGNORE_INDEX, cp_loss, shard_batch, shift_labels
-from ctxpar.train import TrainConfig, run_train
+from ctxpar.train import TrainConfig, format_report, run_train
 
 BASE = dict(nproc=4, seq=256, steps=10, model="tiny", compare=True, progress=False, return_parameters=True)
 
@@ -88,7 +88,6 @@ def test_compare_says_mismatch_where_attention_is_wrong_though_the_early_losses_
     scale moved them by 5e-6 and 6e-5 at --seq 128 and read OK. Step 1's gradients show it
     (the wk gradients differ by their whole norm; an exact run by 4e-7): MISMATCH."""
     from ctxpar import launch
-    from ctxpar.train import format_report
 
     run = launch.run
     monkeypatch.setattr(launch, "run", lambda fn, *args, **kwargs: run(_train_rank_with_attention_at_twice_the_scale,
@@ -147,6 +146,8 @@ def test_resumed_run_continues_with_the_uninterrupted_losses(tmp_path) -> None:
     resumed = run_train(TrainConfig(steps=6, resume=True, checkpoint_dir=ckpt, **common))
     assert resumed["start_step"] == 3 and resumed["resumed_from"] == os.path.join(ckpt, "step-000003")
     assert resumed["loss"] == full["loss"][3:]  # bit-identical
+    header = format_report(resumed).splitlines()[:2]  # it read "3 steps" with no word of the resume
+    assert header[0].endswith(", 3 steps (steps 4-6)") and header[1] == f"  resumed from {resumed['resumed_from']}"
     assert sorted(os.listdir(ckpt)) == [SAVE_LOCK, "step-000002", "step-000003", "step-000006"]
     # another world size, layout and strategy: the same sums in another order, so not bit for bit
     # (README once said so), within float32 rounding (measured up to 9.5e-7 on losses near 5.5)

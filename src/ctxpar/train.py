@@ -471,7 +471,10 @@ def format_report(report: dict) -> str:
     if report.get("strategy_chosen"):
         strategy += " -> " + ", ".join(report["strategy_chosen"])
     lines = [f"ctxpar train: {c['model']} model, T={c['seq']}, {c['nproc']} ranks = dp {c['dp']} x cp {c['cp']} "
-             f"({strategy}, {c['layout']}), {len(report['loss'])} steps"]
+             f"({strategy}, {c['layout']}), {len(report['loss'])} steps"
+             + (f" (steps {report['start_step'] + 1}-{c['steps']})" if report["start_step"] else "")]
+    if report.get("resumed_from"):
+        lines.append(f"  resumed from {report['resumed_from']}")
     lines += [f"  auto chose {s}: {why}" for s, why in report.get("strategy_chosen", {}).items()]
     ref = report.get("reference_loss")
     header = f"{'step':>5} {'loss':>10} {'recall':>7}" + (f" {'reference':>10} {'|diff|':>9}" if ref else "")
