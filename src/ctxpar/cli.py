@@ -498,7 +498,8 @@ class _Parser(argparse.ArgumentParser):
 def main(argv: list[str] | None = None) -> int:
     """Run one ``ctxpar`` command; its exit status. Under torchrun, why it failed also goes to
     the rank's error file, for torchrun's failure summary."""
-    parser = _Parser(prog="ctxpar", description=__doc__)
+    parser = _Parser(prog="ctxpar", description="Exact context-parallel attention: check it (demo), train with it, "
+                     "plan for it, generate with it. Each command's --help lists its flags.")
     sub = parser.add_subparsers(dest="command", required=True)
     for add_parser, _ in COMMANDS.values():
         add_parser(sub)
