@@ -56,7 +56,7 @@ def from_group(group: dist.ProcessGroup | None, who: str, axis: str = "ring") ->
     if axis not in ("ring", "ulysses"):
         raise ValueError(f"axis must be 'ring' or 'ulysses', got {axis!r}")
     if isinstance(group, DeviceMesh):
-        fix = (f"mesh={_hybrid_part(group)} (the hybrid strategy's) instead" if _hybrid_part(group)
+        fix = (f"mesh={hybrid} (the hybrid strategy's) instead" if (hybrid := _hybrid_part(group))
                else f"its CP dim's process group, group={_cp_group_of(group)}")
         raise ValueError(f"group= must be a torch.distributed ProcessGroup (None: WORLD), got a DeviceMesh "
                          f"({_described(group)}); pass {fix}")
@@ -107,8 +107,8 @@ def from_mesh(mesh, group_also: str = "") -> Topology:
         raise ValueError(f"mesh= must be a torch DeviceMesh (2D, dims 'ulysses' and 'ring'), got {type(mesh).__name__}")
     names = tuple(getattr(mesh, "mesh_dim_names", None) or ())
     if mesh.ndim != 2 or set(names) != {"ulysses", "ring"}:
-        if _hybrid_part(mesh):
-            fix = f"pass its sub-mesh {_hybrid_part(mesh)}"
+        if hybrid := _hybrid_part(mesh):
+            fix = f"pass its sub-mesh {hybrid}"
         elif mesh.ndim == 1 or "cp" in names:
             fix = f"for the ranks of its CP dim pass group={_cp_group_of(mesh)} instead{group_also}"
         else:
