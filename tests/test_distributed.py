@@ -72,11 +72,12 @@ EXPECTED_MESSAGES = {
     # a DeviceMesh as group= (or the wrong one as mesh=) was refused without saying what to pass
     "group_dp_cp_mesh": ["got a DeviceMesh (2D with mesh_dim_names ('dp', 'cp'))",
                          "pass its CP dim's process group, group=mesh.get_group('cp')"],
-    "group_mesh_dim": ["got a DeviceMesh (1D with mesh_dim_names ('cp',))", "group=mesh.get_group() (of the mesh it "
-                       "was sliced from: mesh.get_group('cp'))"],
+    "group_mesh_dim": ["got a DeviceMesh (1D with mesh_dim_names ('cp',))", "group=mesh.get_group()"],
     "group_hybrid_mesh": ["pass mesh=mesh (the hybrid strategy's) instead"],
+    # group= alone is refused for "hybrid": the advice names the strategies that take it
     "hybrid_dp_cp_mesh": ["got 2D with mesh_dim_names ('dp', 'cp'); for the ranks of its CP dim pass "
-                          "group=mesh.get_group('cp') instead"],
+                          "group=mesh.get_group('cp') instead with a strategy that takes group= (ring, allgather, "
+                          "alltoall or auto)"],
     "hybrid_3d_mesh": ["got 3D with mesh_dim_names ('dp', 'ring', 'ulysses'); pass its sub-mesh "
                        "mesh['ring', 'ulysses']"],
     "documents_sum": ["sum to 7", "tokens"],

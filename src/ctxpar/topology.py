@@ -81,13 +81,11 @@ def _described(mesh: DeviceMesh) -> str:
 
 
 def _cp_group_of(mesh: DeviceMesh) -> str:
-    """How to get the process group of ``mesh``'s CP dim: a 1-D mesh's only one (one sliced
-    from a larger mesh, ``mesh["cp"]``, is that mesh's dim), or its "cp" dim's."""
-    names = tuple(mesh.mesh_dim_names or ())
+    """How to get the process group of ``mesh``'s CP dim: a 1-D mesh's only one (``mesh["cp"]``
+    sliced from a larger mesh included), or its "cp" dim's."""
     if mesh.ndim == 1:
-        sliced = f" (of the mesh it was sliced from: mesh.get_group({names[0]!r}))" if names else ""
-        return f"mesh.get_group(){sliced}"
-    return "mesh.get_group('cp')" if "cp" in names else "mesh.get_group(<its CP dim's name>)"
+        return "mesh.get_group()"
+    return "mesh.get_group('cp')" if "cp" in (mesh.mesh_dim_names or ()) else "mesh.get_group(<its CP dim>)"
 
 
 def _hybrid_part(mesh: DeviceMesh) -> str | None:
@@ -99,7 +97,12 @@ def _hybrid_part(mesh: DeviceMesh) -> str | None:
     return "mesh" if mesh.ndim == 2 else f"mesh[{', '.join(repr(n) for n in names if n in ('ring', 'ulysses'))}]"
 
 
-def from_mesh(mesh, group_also: str = "") -> Topology:
+# what a mesh whose CP ranks are one of its dims is refused with by attention's callers: group= alone is
+# refused for strategy="hybrid"
+WITH_A_GROUP_STRATEGY = " with a strategy that takes group= (ring, allgather, alltoall or auto)"
+
+
+def from_mesh(mesh, group_also: str = WITH_A_GROUP_STRATEGY) -> Topology:
     """A 2D DeviceMesh with dims "ulysses" and "ring" (any order). ``group_also``: what else
     the caller takes, beside ``group=`` a dim's process group, for a mesh whose CP ranks
     are one of its dims, named in its refusal."""
@@ -133,7 +136,8 @@ def from_mesh(mesh, group_also: str = "") -> Topology:
     )
 
 
-def of(group: dist.ProcessGroup | None, mesh, who: str, mesh_is: str = "", group_also: str = "") -> Topology:
+def of(group: dist.ProcessGroup | None, mesh, who: str, mesh_is: str = "",
+       group_also: str = WITH_A_GROUP_STRATEGY) -> Topology:
     """The CP ranks ``who`` was given: ``group``'s (None: WORLD, or one process without one),
     or instead a hybrid ``mesh``'s (``mesh_is``: what to call it in the refusal of both;
     ``group_also``: ``from_mesh``'s)."""
