@@ -43,20 +43,23 @@ def test_q_k_v_unbound_from_an_interleaved_projection(strategy: str) -> None:
 
 
 @pytest.mark.parametrize("strategy", ["ring", "allgather", "alltoall"])
-@pytest.mark.parametrize("overlapping", ["rows", "heads"])
-def test_q_whose_rows_or_heads_overlap_is_exact(strategy: str, overlapping: str) -> None:
-    """q as ``Tensor.unfold`` makes it, rows (or heads) one element apart: torch's fused CPU op
-    misread it beside a dense last dim (out off by up to 1e38, or NaN, varying run to run) where
-    the rows are fewer than the head dim."""
+@pytest.mark.parametrize("overlapping", ["rows", "heads", "size_one_dim"])
+def test_q_with_another_dim_of_stride_one_is_exact(strategy: str, overlapping: str) -> None:
+    """q as ``Tensor.unfold`` makes it, rows (or heads) one element apart, or a size-1 dim of
+    stride 1 beside expanded rows: torch's fused CPU op misread it beside a dense last dim (out
+    off by up to 1e38, or NaN, varying run to run; rows where they are fewer than the head dim)."""
     b, h, s, d = 1, 4, 6, 8
     gen = torch.Generator().manual_seed(0)
     k, v = (torch.randn(b, h, s, d, generator=gen, dtype=torch.float64) for _ in range(2))
     if overlapping == "rows":
         base = torch.randn(b, h, s + d - 1, generator=gen, dtype=torch.float64, requires_grad=True)
         view = lambda t: t.unfold(2, d, 1)  # noqa: E731
-    else:
+    elif overlapping == "heads":
         base = torch.randn(b, s, h + d - 1, generator=gen, dtype=torch.float64, requires_grad=True)
         view = lambda t: t.unfold(2, d, 1).transpose(1, 2)  # noqa: E731
+    else:  # the batch dim (of size 1) of stride 1, the rows expanded (stride 0): not overlapping in a dim of size > 1
+        base = torch.randn(h * (d + 1), generator=gen, dtype=torch.float64, requires_grad=True)
+        view = lambda t: t.as_strided((b, h, s, d), (1, d + 1, 0, 1))  # noqa: E731
     q = view(base)
     assert 1 in q.stride()[:-1] and q.stride(-1) == 1
     out = ctxpar.attention(q, k, v, layout="zigzag", strategy=strategy)
@@ -128,6 +131,22 @@ def test_ranks_that_disagree_all_raise_by_default(case: str) -> None:
         assert DISAGREEMENTS[case] in message, f"rank {rank}: {message}"
     assert all(res["disagree"]["agreeing"] == "ok" for res in results())
     assert all(res["disagree"]["agreeing_signed_zero"] == "ok" for res in results())
+
+
+def test_the_ranks_checksums_of_their_values_need_no_numpy(monkeypatch) -> None:
+    """torch runs without numpy; Tensor.numpy() then raises, and the checksums it gave read as
+    unreadable (-1) on every rank: ranks passing other sinks or prompts were taken to agree."""
+    from ctxpar import agreement
+
+    tensors = [torch.arange(12).view(3, 4).t(), torch.randn(5).bfloat16(), torch.empty(0), torch.tensor(-0.0)]
+    want = [agreement.tensor_code(t, t.dtype) for t in tensors] + [agreement.values_code(tensors[1])]
+
+    def no_numpy(self):
+        raise RuntimeError("Numpy is not available")
+
+    monkeypatch.setattr(torch.Tensor, "numpy", no_numpy)
+    assert [agreement.tensor_code(t, t.dtype) for t in tensors] + [agreement.values_code(tensors[1])] == want
+    assert agreement.values_code(tensors[1] + 1) != want[-1]
 
 
 def test_a_tensor_scale_is_refused_naming_how_to_scale_by_a_tensor() -> None:

@@ -78,7 +78,8 @@ def strided_views() -> dict:
         "sliced_head_dim": lambda t: torch.cat([t, t], -1)[..., : t.shape[-1]],
         "expanded_batch": lambda t: t[:1].expand_as(t),
         # rows (heads) one element apart, overlapping (as Tensor.unfold makes them): a second dim of
-        # stride 1 beside the last, which torch's fused CPU op misreads (garbage, run to run)
+        # stride 1 beside the last, which torch's fused CPU op misreads in some shapes (garbage, run to
+        # run: the heads here; rows fewer than the head dim in test_hostile.py)
         "overlapping_rows": lambda t: t.as_strided(t.shape, (t.stride(0), t.stride(1), 1, 1)),
         "overlapping_heads": lambda t: t.as_strided(t.shape, (t.stride(0), 1, t.shape[-1], 1)),
     }

@@ -29,11 +29,11 @@ def unit_stride(t: torch.Tensor) -> torch.Tensor:
 
     torch's fused ops read the last dim as dense whatever its stride says: q, k, v unbound
     from an interleaved qkv projection (last-dim stride 3) would silently give wrong
-    results. Nor may another dim have stride 1 (rows or heads one element apart, overlapping,
-    as ``Tensor.unfold`` makes them): the CPU op misreads those too. Other strides are fine
-    (transposed, sliced, expanded views).
+    results. Nor may another dim have stride 1, whatever its size (rows or heads one element
+    apart, overlapping, as ``Tensor.unfold`` makes them; a size-1 dim of stride 1 beside an
+    expanded one): the CPU op misreads those too. Other strides are fine (transposed, sliced,
+    expanded views).
     """
     if t.shape[-1] == 1:
         return t
-    dense_last = t.stride(-1) == 1 and all(stride != 1 or size == 1 for size, stride in zip(t.shape[:-1], t.stride()))
-    return t if dense_last else t.contiguous()
+    return t if t.stride(-1) == 1 and 1 not in t.stride()[:-1] else t.contiguous()
