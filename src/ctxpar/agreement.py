@@ -15,6 +15,7 @@ every ring column holds one member of every row.
 
 from __future__ import annotations
 
+import ctypes
 import struct
 import zlib
 
@@ -53,8 +54,9 @@ def tensor_code(t: torch.Tensor, dtype: torch.dtype, start: int = 0) -> int:
     host = t.detach().to("cpu", dtype).contiguous()
     if host.dim() and host.stride(-1) != 1:  # a one-element last dim keeps any stride through .contiguous()
         host = host.clone(memory_format=torch.contiguous_format)
-    # read in place as bytes (numpy has no bfloat16), not copied
-    return zlib.crc32(memoryview(host.reshape(-1).view(torch.uint8).numpy()), start)
+    # read in place as bytes, not copied, and without numpy: were it missing, Tensor.numpy() would raise, every
+    # rank's checksum read as unreadable (-1) and ranks holding other values taken to agree
+    return zlib.crc32((ctypes.c_char * (host.numel() * host.element_size())).from_address(host.data_ptr()), start)
 
 
 def values_code(t: torch.Tensor) -> int:
