@@ -882,12 +882,13 @@ def _failure_message(
     return "\n".join(lines)
 
 
-# how a collective fails for want of a peer that has gone (gloo; NCCL's are mostly timeouts), in its last line
+# how a collective fails for want of a peer that has gone (gloo; NCCL's are mostly timeouts), anywhere in the
+# rank's traceback: NCCL's message runs over several lines, and fn may raise another error from it
 _PEER_GONE = ("connection closed by peer", "connection reset by peer", "broken pipe", "remote process exited")
 
 
 def _lost_a_peer(kind: str, text: str) -> bool:
-    return kind == "timeout" or any(sign in text.strip().splitlines()[-1].lower() for sign in _PEER_GONE)
+    return kind == "timeout" or any(sign in text.lower() for sign in _PEER_GONE)
 
 
 def _left_early(failed: dict[int, tuple[str, str]], died: dict[int, str], stuck: list[int],
