@@ -370,6 +370,17 @@ def _hybrid(rank: int, world: int) -> dict:
     return out
 
 
+class EmbeddingWrapper(torch.nn.Module):
+    """An adapter's wrapper around the input embeddings, which it keeps as ``base_layer``."""
+
+    def __init__(self, base_layer: torch.nn.Embedding) -> None:
+        super().__init__()
+        self.base_layer = base_layer
+
+    def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
+        return self.base_layer(input_ids)
+
+
 def _attempt(fn) -> tuple[str, object]:
     """("ran", what fn returns) or ("refused", the ValueError's message)."""
     try:
@@ -456,6 +467,16 @@ def _guards(rank: int, world: int) -> dict:
         bad_inputs, bad_labels = shard_inputs(input_ids, layout=layout, rank=me, labels=bad)
         out[check] = _attempt(lambda: model(**bad_inputs, labels=bad_labels).loss.item())
     out["after bad labels"] = _attempt(lambda: model(**inputs, labels=labels).loss.item())
+    # the embedding wrapped as PEFT's LoRA wraps it (the nn.Embedding kept as base_layer, no num_embeddings of
+    # its own): an id beyond the vocabulary on rank 1's shard went unchecked, its IndexError there alone
+    wrapped = enable_context_parallel(hf_families.build("llama"), layout=layout, group=group)
+    wrapped.set_input_embeddings(EmbeddingWrapper(wrapped.get_input_embeddings()))
+    beyond = input_ids.clone()
+    beyond[0, 6] = hf_families.VOCAB
+    beyond_inputs, _ = shard_inputs(beyond, layout=layout, rank=me)
+    with torch.no_grad():
+        out["token beyond the vocabulary, embedding wrapped"] = _attempt(
+            lambda: tuple(wrapped(**beyond_inputs).logits.shape))
     # supervised fine-tuning's copy of the tokens, its prompt and last token masked, sharded as the tokens are:
     # no one shard's labels give them away
     unshifted = input_ids.clone()

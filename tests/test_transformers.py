@@ -424,6 +424,16 @@ def test_an_attention_implementation_switched_on_one_rank_is_refused_on_every_ra
         assert got == ("ran", (1, hf_cases.SWEEP_TOKENS // 2, hf_families.VOCAB)), got
 
 
+def test_a_token_beyond_the_vocabulary_is_refused_on_every_rank_through_an_adapters_embedding() -> None:
+    """PEFT's LoRA on the embedding keeps the nn.Embedding as its base_layer: the token check,
+    reading num_embeddings off the wrapper, skipped it, and the rank holding the id failed alone
+    (IndexError) while the other waited in attention until the timeout."""
+    for rank, (kind, detail) in _guards("token beyond the vocabulary, embedding wrapped"):
+        assert kind == "refused", detail
+        want = f"outside its vocabulary of {hf_families.VOCAB}" if rank == 1 else "another rank of the CP group refused"
+        assert want in detail, (rank, detail)
+
+
 def test_a_label_outside_the_vocabulary_on_one_rank_is_refused_on_every_rank_together() -> None:
     """One label id beyond the vocabulary (or -1 for "ignore") in the batch lands on one rank's
     shard: cross_entropy's IndexError there left the other rank waiting in the loss's

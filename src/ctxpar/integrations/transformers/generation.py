@@ -602,9 +602,12 @@ def check_token_ids(name: str, model, tokens) -> None:
     has them (an IndexError on the rank whose shard held one left its peers waiting in
     attention, and the group out of step for the next call)."""
     try:
-        rows = getattr(model.get_input_embeddings(), "num_embeddings", None)
+        embeddings = model.get_input_embeddings()
     except NotImplementedError:  # a model without input embeddings: nothing to check against
         return
+    while embeddings is not None and not hasattr(embeddings, "num_embeddings"):  # an adapter's wrapper (PEFT's LoRA)
+        embeddings = getattr(embeddings, "base_layer", None)
+    rows = getattr(embeddings, "num_embeddings", None)
     if isinstance(tokens, torch.Tensor) and isinstance(rows, int):
         limits.check_token_range(tokens, rows, name)
 
