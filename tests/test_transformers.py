@@ -253,6 +253,7 @@ def test_the_decoder_called_alone_is_guarded_like_the_model() -> None:
         assert kind == "ran" and detail <= 1e-5, detail
     for _, (kind, detail) in _guards("decoder without positions"):
         assert kind == "refused" and "LlamaModel got no position_ids" in detail, detail
+        assert "PEFT's prompt tuning, is not supported" in detail, detail
 
 
 def test_logits_to_keep_is_refused_on_every_rank() -> None:
@@ -273,6 +274,7 @@ def test_labels_or_a_loss_argument_on_one_rank_is_refused_on_every_rank_together
         assert kind == "refused", detail
         assert ("num_items_in_batch= is not supported" if rank == 1 else "another rank of the CP group refused") \
             in detail, detail
+        assert rank != 1 or "transformers' Trainer passes it, and is not supported" in detail, detail
 
 
 def test_shards_of_different_batches_are_refused_on_every_rank() -> None:

@@ -120,7 +120,9 @@ def _check_positions(name: str, settings: Settings, bound: dict, documents: tupl
     if positions is None:
         if not torch.equal(want, torch.arange(tokens.shape[1])):
             raise ValueError(f"{name} got no position_ids, so it would number this rank's tokens from 0; pass the "
-                             f"global positions{' within each document' if documents else ''} (shard_inputs does)")
+                             f"global positions{' within each document' if documents else ''} (shard_inputs does; an "
+                             f"adapter that drops them to prepend virtual tokens to each shard, PEFT's prompt "
+                             f"tuning, is not supported under context parallelism)")
         return
     if positions.shape[-1] != want.numel() or not bool((positions.reshape(-1, want.numel()).cpu() == want).all()):
         given = positions.reshape(-1, positions.shape[-1])[0].cpu()
