@@ -35,6 +35,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
+import ctxpar
 from ctxpar import launch
 from ctxpar.launch import run_local
 
@@ -144,6 +145,16 @@ class UnpicklableOnArrival:
 def raise_in_a_finished_gather(rank: int, world: int) -> int:
     """Rank 0 raises inside gather_object, unpickling rank 1's object after rank 1 has finished it."""
     dist.gather_object(UnpicklableOnArrival() if rank == 1 else 0, [None] * world if rank == 0 else None, dst=0)
+    return rank
+
+
+def leave_before_the_ring(rank: int, world: int) -> int:
+    """Rank 1 leaves fn; rank 0 runs ring attention without the consistency check, so it waits in the
+    ring's own receive (a Work.wait, with no Python frame in torch.distributed)."""
+    dist.barrier()
+    if rank == 0:
+        q = torch.randn(1, 2, 4, 8)
+        ctxpar.attention(q, q, q, layout="contiguous", check_consistency=False)
     return rank
 
 
@@ -324,6 +335,17 @@ def test_a_rank_that_leaves_fn_while_the_others_are_in_a_collective_is_named(lea
                     rf"leave_early, waiting: RuntimeError: ", lines[1]), lines
     assert len(lines) == 2 and "Traceback" not in str(e.value)
     assert time.monotonic() - start < 60  # not the 120 s collective timeout
+
+
+def test_a_rank_left_waiting_in_ctxpars_own_transfers_names_the_rank_that_left() -> None:
+    """A rank waiting in the ring's receive when its peer left fn got its raw traceback: only
+    torch.distributed's frames counted as a collective, and the ring waits in ctxpar.comm."""
+    with pytest.raises(launch.RankFailure) as e:
+        run_local(leave_before_the_ring, 2, timeout_s=120)
+    lines = str(e.value).splitlines()
+    assert lines[0].startswith("rank 1 returned from fn while rank 0 was still in a collective"), lines
+    assert re.match(r"rank 0 failed in wait \(ctxpar\.comm\), called from ring.py:\d+ in forward, waiting: ",
+                    lines[1]), lines
 
 
 def test_a_rank_that_raises_its_own_error_in_a_collective_is_the_cause_not_its_peer_that_returned() -> None:

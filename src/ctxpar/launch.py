@@ -499,7 +499,12 @@ def _main_thread_frames(dump: str) -> list[tuple[str, str, str]]:
 _DECORATORS = {"wrapper", "inner", "_fn", "decorated"}  # torch wraps its collectives in these
 
 
+_COMM = os.path.join("ctxpar", "comm.py")  # ctxpar's own transfers: the ring's receive waits in a Work.wait,
+# which has no Python frame in torch.distributed
+
+
 def _whereabouts(frames: list[tuple[str, str, str]]) -> _Whereabouts:
+    """Where ``frames`` (file, line, function; innermost first) stand: in a collective or not."""
     outermost_first = list(reversed(frames))
     inside = [i for i, f in enumerate(outermost_first) if f"torch{os.sep}distributed" in f[0]]
     calls = [outermost_first[i][2] for i in inside if outermost_first[i][2] not in _DECORATORS]
@@ -509,6 +514,12 @@ def _whereabouts(frames: list[tuple[str, str, str]]) -> _Whereabouts:
             file, line, function = outermost_first[inside[0] - 1]
             where += f", called from {_shown(file)}:{line} in {function}"
         return _Whereabouts(True, where)
+    waiting = next((i for i, f in enumerate(frames) if _COMM in f[0]), None)
+    if waiting is not None:  # the innermost, and the code outside comm and the libraries that reached it
+        caller = next((f for f in frames[waiting + 1:] if _COMM not in f[0] and not _in_library(f[0])), None)
+        where = f"in {frames[waiting][2]} (ctxpar.comm)"
+        return _Whereabouts(True, where + (f", called from {_shown(caller[0])}:{caller[1]} in {caller[2]}"
+                                           if caller else ""))
     file, line, function = frames[0]
     where = f"at {_shown(file)}:{line} in {function}"
     if _in_library(file):  # stuck inside a library call: also the user's code that made it
@@ -536,8 +547,10 @@ def _shown(file: str) -> str:
 
 
 def _raised_at(text: str) -> _Whereabouts | None:
-    """Where the exception a rank reported (``traceback.format_exc()``'s text) was raised."""
-    frames = re.findall(r'^  File "(.+)", line (\d+), in (.+)$', text, re.MULTILINE)
+    """Where the exception a rank reported (``traceback.format_exc()``'s text) was raised: the
+    last of its chained tracebacks, the one that left fn."""
+    last = text.rsplit("Traceback (most recent call last):", 1)[-1]
+    frames = re.findall(r'^  File "(.+)", line (\d+), in (.+)$', last, re.MULTILINE)
     return _whereabouts(frames[::-1]) if frames else None
 
 
