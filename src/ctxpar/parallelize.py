@@ -60,8 +60,8 @@ def shard_batch(
     """This rank's part of a (B, T) batch: tokens, positions, shifted labels.
 
     ``rank``: this rank's place in the layout, its rank in the CP group,
-    ``dist.get_rank(group)`` (torch numbers a group's ranks by ascending global rank,
-    whatever order ``new_group`` was given them in), or ``ctxpar.hybrid_rank(mesh)``.
+    ``dist.get_rank(group)``, or ``ctxpar.hybrid_rank(mesh)`` (``ctxpar.layout``'s docstring:
+    not its place in a list given to ``new_group``).
 
     ``documents``: the lengths (or cu_seqlens) of the documents packed into each row, the
     same for every row. Positions then restart at 0 in each document, and a document's
@@ -192,9 +192,7 @@ def apply_context_parallel(
     (``input_ids``, ``position_ids``) would run with each shard numbered from 0 and go
     unchecked. ``model`` may wrap such a module (a module of one's own, DDP,
     ``torch.compile``): the checks go on it, the innermost where they nest. Each rank
-    shards at its rank in ``group``, ``shard_batch(tokens, layout=layout,
-    rank=dist.get_rank(group))``, which torch numbers by ascending global rank whatever
-    order ``new_group`` was given them in (``ctxpar.hybrid_rank(mesh)`` under a hybrid mesh).
+    shards at its rank in ``group`` (``shard_batch``'s ``rank``).
 
     ``check_consistency`` (as ``ctxpar.attention``'s, on every rank at once): each
     attention call compares the ranks' calls, and that module's forward (and the reference
@@ -357,7 +355,6 @@ class _PositionsGuard(_KeptWithTheModel):
         lengths = None if documents is None else document_lengths(documents, seq_len)
         want = positions_in_documents(placed.positions(seq_len, topo.rank), lengths)  # (S,)
         where = " within each document" if lengths else ""
-        # torch numbers a group's ranks by ascending global rank, whatever order new_group was given them in
         holder = (f"CP rank {topo.rank} (ctxpar.hybrid_rank(mesh))" if topo.hybrid
                   else f"group rank {topo.rank} (dist.get_rank(group))")
         docs, batch_docs = (", documents=documents", ", documents=batch.documents") if lengths else ("", "")

@@ -47,8 +47,7 @@ def from_group(group: dist.ProcessGroup | None, who: str, axis: str = "ring") ->
     """One CP group used along one axis ("ring": K/V move around the group; "ulysses":
     the whole group does all-to-alls), as ``who`` (the entry called, named in refusals) was
     given it. Without an initialised process group, one rank. A rank's place in the layout
-    is its rank in the group, ``dist.get_rank(group)``: torch numbers a group's ranks in
-    ascending global rank, whatever order ``new_group`` was given them in."""
+    is its rank in the group (``ctxpar.layout``'s docstring)."""
     if not _initialised():
         if group is not None:
             raise ValueError("a process group was given but torch.distributed is not initialised")
