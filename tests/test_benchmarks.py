@@ -56,6 +56,10 @@ REFUSED = [
     ("consistency", ["--seq", "1024,100"], "--seq"),
     ("consistency", ["--batch-seq", "7"], "--batch-seq"),
     ("heap", ["--rounds", "0"], "--rounds"),
+    ("call_overhead", ["--repeat", "0"], "--repeat"),
+    ("call_overhead", ["--seq", "102"], "--seq"),  # does not split over zigzag's 2P
+    ("call_overhead", ["--strategies", "alltoall", "--heads", "6", "--kv-heads", "2", "--nproc", "4"], "H=6"),
+    ("call_overhead", ["--baseline", "/nonexistent"], "--baseline"),
     ("plan_walk", ["--plan-repeat", "0"], "--plan-repeat"),
     ("gpu_check", ["--tests-timeout", "nan"], "--tests-timeout"),
     ("gpu_check", ["--repeat", "0"], "--repeat"),
