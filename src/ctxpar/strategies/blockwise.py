@@ -170,9 +170,9 @@ def backward_tiles(
             g_q, g_k, g_v = _reversed(*kernels.attention_backward(*_reversed(*tile), causal=True, scale=scale))
         else:
             g_q, g_k, g_v = kernels.attention_backward(*tile, causal=causal, scale=scale, mask=mask)
-        dq[:, :, qs] += g_q
-        dk[:, :, ks] += g_k
-        dv[:, :, ks] += g_v
+        dq[:, :, qs].add_(g_q)
+        dk[:, :, ks].add_(g_k)
+        dv[:, :, ks].add_(g_v)
 
 
 class LocalAttention(torch.autograd.Function):
