@@ -371,3 +371,20 @@ def test_a_record_counts_its_own_blocks_nested_reopened_or_decorating() -> None:
         @profile.record
         def forgot_the_record() -> None:
             pass
+
+
+def test_a_tile_whose_sum_is_nan_without_a_nan_query_poisons_no_row() -> None:
+    """The CPU kernel looks for NaN query rows only where the tile's one sum is NaN: -inf in
+    one row and +inf in another make it so without a NaN anywhere, and no row is poisoned for
+    it. Both rows score -inf against every key (no mass: out 0, lse -inf); the rest are the
+    fused op's own."""
+    q, k, v = (t.float() for t in make(4, 2, s=8))
+    k[..., 0], k[..., 1] = k[..., 0].abs() + 0.1, -k[..., 1].abs() - 0.1
+    q[0, 0, 1, 0], q[0, 3, 5, 1] = float("-inf"), float("inf")  # each row's every score: -inf
+    assert bool(q.sum().isnan()) and not q.isnan().any()
+    out, lse = cpu.attention_forward(q, k, v, causal=True, scale=0.25)
+    massless = torch.zeros(lse.shape, dtype=torch.bool)
+    massless[0, 0, 1] = massless[0, 3, 5] = True
+    assert (out[massless] == 0).all() and (lse[massless] == float("-inf")).all()
+    want_out, want_lse = cpu._cpu_fwd(q, k, v, 0.0, True, scale=0.25)[:2]
+    assert torch.equal(out[~massless], want_out[~massless]) and torch.equal(lse[~massless], want_lse[~massless])
