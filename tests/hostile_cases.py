@@ -92,6 +92,12 @@ def disagreeing_ranks(rank: int, world: int, mesh) -> dict[str, str]:
                                   layout="zigzag"),
         "q_nested": lambda: _call(*_converted(_tensors(), 0, (lambda q: torch.nested.nested_tensor(list(q)))
                                               if odd else None), layout="zigzag"),
+        # each part of the signature, left out, let the ranks compute (a mutation audit): other sinks silently,
+        # bf16 read as fp16 (finite garbage), other windows until gloo's size mismatch
+        "sinks_values": lambda: _call(*_tensors(), layout="zigzag", sinks=torch.full((4,), 1.0 if odd else 0.0)),
+        "dtype_same_bytes": lambda: _call(*(t.to(torch.float16 if odd else torch.bfloat16) for t in _tensors()),
+                                          layout="zigzag"),
+        "window": lambda: _call(*_tensors(), layout="zigzag", window=5 if odd else 3),
         "agreeing": lambda: _call(*_tensors(), layout="zigzag"),
         # the same sinks, -0.0 on one rank: once refused as different sinks (their bytes differ)
         "agreeing_signed_zero": lambda: _call(*_tensors(), layout="zigzag",

@@ -71,8 +71,10 @@ def test_a_diagonal_of_any_length_is_one_tile() -> None:
     """Queries at the positions after a prefix of keys: one FULL tile for the prefix and one
     CAUSAL for the diagonal, however long either (the walk finds where a diagonal ends by
     comparing doubling, then halving slices: an end found a row early would still cover
-    the pairs, in one tile more)."""
-    for n, prefix, after in itertools.product(range(2, 140), (0, 1, 5, 64), (0, 1, 100)):
+    the pairs, in one tile more; one a row late, past 128 rows, ran a tile past the keys, which
+    no shorter diagonal shows)."""
+    lengths = itertools.chain(range(2, 140), (255, 256, 257, 511, 1023, 1100))
+    for n, prefix, after in itertools.product(lengths, (0, 1, 5, 64), (0, 1, 100)):
         queries = torch.arange(prefix, prefix + n + after)  # after: rows past the keys, which see them all
         tiles = tiles_between(queries, torch.arange(prefix + n), Mask(), prefix + n + after)
         expected = (Tile(0, n, 0, prefix, MaskKind.FULL),) if prefix else ()

@@ -117,6 +117,9 @@ DISAGREEMENTS = {  # case -> what the ranks that called correctly are told
     "sinks_on_meta": "rejected their attention inputs",  # once NotImplementedError from the signature
     "k_sparse": "rejected their attention inputs",
     "q_nested": "rejected their attention inputs",
+    "sinks_values": "different sinks",
+    "dtype_same_bytes": "different dtype",
+    "window": "different documents/window",
 }
 
 
@@ -212,6 +215,39 @@ def test_under_autocast_q_k_v_are_cast_as_sdpa_casts_them(strategy: str) -> None
         assert r["out dtype"] and r["grad dtypes"], f"rank {rank}: {r}"
         assert r["out"] <= 2 * r["out sdpa"] + 1e-6, f"rank {rank}: out {r['out']:.3g} vs SDPA {r['out sdpa']:.3g}"
         assert r["grads"] <= 2 * r["grads sdpa"] + 1e-6, f"rank {rank}: {r['grads']:.3g} vs {r['grads sdpa']:.3g}"
+
+
+@pytest.mark.parametrize("argument", ["window", "documents", "sinks", "scale", "causal"])
+def test_under_autocast_every_argument_is_honoured(argument: str) -> None:
+    """Under autocast the call is made again on the cast tensors: it is the call without autocast
+    on q, k, v cast first, bit for bit (a re-call that dropped window= matched attention without
+    a window, silently, 1.8 off the windowed one)."""
+    gen = torch.Generator().manual_seed(0)
+    q, k, v = torch.randn(1, 4, 16, 8, generator=gen), torch.randn(1, 2, 16, 8, generator=gen), \
+        torch.randn(1, 2, 16, 8, generator=gen)
+    given = {"window": 3, "documents": [5, 11], "sinks": torch.randn(4, generator=gen), "scale": 0.7,
+             "causal": False}[argument]
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        out, lse = ctxpar.attention_with_lse(q, k, v, layout="zigzag", **{argument: given})
+    want, want_lse = ctxpar.attention_with_lse(q.bfloat16(), k.bfloat16(), v.bfloat16(), layout="zigzag",
+                                               **{argument: given})
+    assert torch.equal(out, want) and torch.equal(lse, want_lse)
+    plain, _ = ctxpar.attention_with_lse(q.bfloat16(), k.bfloat16(), v.bfloat16(), layout="zigzag")
+    assert not torch.equal(want, plain)  # the argument changes the result
+
+
+@pytest.mark.parametrize("strategy", ["ring", "allgather", "alltoall"])
+def test_bfloat16_attention_keeps_float32_sinks_and_lse(strategy: str) -> None:
+    """Sinks that bfloat16 cannot hold (0.3, 1.3, ...) merge in float32, and lse stays float32:
+    within float32 rounding of float64 attention of the bfloat16 inputs (sinks rounded to q's
+    dtype moved lse by 5e-3, inside the bfloat16 tolerance the exactness tests allow)."""
+    gen = torch.Generator().manual_seed(0)
+    q, k, v = (torch.randn(1, h, 16, 8, generator=gen).bfloat16() for h in (4, 2, 2))
+    sinks = torch.tensor([0.3, 1.3, 1.7, 2.9])
+    _, lse = ctxpar.attention_with_lse(q, k, v, layout="zigzag", strategy=strategy, sinks=sinks)
+    _, want = reference_attention(q.double(), k.double(), v.double(), sinks=sinks.double())
+    assert lse.dtype == torch.float32
+    torch.testing.assert_close(lse.double(), want, rtol=0, atol=1e-5)
 
 
 # -- item 11: non-finite inputs -------------------------------------------------------

@@ -18,6 +18,39 @@ def test_intervals_follow_documents_and_the_window() -> None:
     assert (first.tolist(), stop.tolist()) == ([0, 0, 0, 3, 3, 3, 3, 3], [3, 3, 3, 8, 8, 8, 8, 8])
 
 
+def test_intervals_are_the_definition_for_random_documents_and_windows() -> None:
+    """Every exactness test's reference reads the mask through Mask.intervals: here they are
+    held to the definition itself (same document, causal, fewer than window apart), built
+    densely without them (one key too many under documents and a window passed all but one
+    hand-written case)."""
+    gen = torch.Generator().manual_seed(0)
+    for _ in range(200):
+        seq = int(torch.randint(1, 40, (1,), generator=gen))
+        cuts = sorted(set(torch.randint(1, seq + 1, (int(torch.randint(0, 5, (1,), generator=gen)),),
+                                        generator=gen).tolist()) | {seq})
+        lengths = tuple(b - a for a, b in zip([0, *cuts], cuts))
+        window = int(torch.randint(1, seq + 2, (1,), generator=gen))
+        causal = bool(torch.randint(0, 2, (1,), generator=gen)) or window <= seq  # a window is causal
+        document = torch.repeat_interleave(torch.arange(len(lengths)), torch.tensor(lengths))
+        i, j = torch.arange(seq)[:, None], torch.arange(seq)[None, :]
+        dense = (document[:, None] == document[None, :]) & ((j <= i) & (i - j < window) if causal else True)
+        mask = Mask(causal=causal, documents=lengths if len(lengths) > 1 else None,
+                    window=window if causal else None)
+        first, stop = mask.intervals(torch.arange(seq), seq)
+        got = (j >= first[:, None]) & (j < stop[:, None])
+        assert torch.equal(got, dense), (lengths, window, causal)
+
+
+@pytest.mark.parametrize("window", [15, 16, 17])
+def test_a_window_near_the_sequence_length_is_canonical_only_from_t(window: int) -> None:
+    """make_mask drops a window of T or more (it sees all causal attention does); one of T-1
+    still hides key 0 from the last query (a window of T-1 taken for none: 0.38 off, silently)."""
+    first, stop = make_mask(16, causal=True, window=window).intervals(torch.arange(16), 16)
+    assert stop.tolist() == list(range(1, 17))
+    assert first.tolist() == [max(0, i - window + 1) for i in range(16)]
+    assert first[-1] == (1 if window == 15 else 0)
+
+
 def test_documents_that_do_not_cover_the_row_are_refused_by_every_plan() -> None:
     """The block plan's entries take the mask and T separately: documents summing to another
     length get the mask's own message, not an IndexError from deep in the walk."""
