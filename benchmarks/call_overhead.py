@@ -29,6 +29,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
+import ctxpar
 from ctxpar.demo import DemoConfig
 from ctxpar.launch import run_local
 from ctxpar.layout import LAYOUT_NAMES
@@ -184,6 +185,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                                head_dim=args.head_dim, layout=layout, strategy=strategy).validate(args.nproc)
         if args.baseline and not (Path(args.baseline) / "ctxpar" / "__init__.py").is_file():
             raise ValueError(f"--baseline {args.baseline} holds no ctxpar package (give a checkout's src/)")
+        # by resolved path: ../src from benchmarks/ compared this checkout with itself, and read "identical"
+        if args.baseline and (Path(args.baseline) / "ctxpar").resolve() == Path(ctxpar.__file__).resolve().parent:
+            raise ValueError(f"--baseline {args.baseline} is this checkout's ctxpar; give another checkout's src/")
     return args
 
 
