@@ -158,6 +158,21 @@ def leave_before_the_ring(rank: int, world: int) -> int:
     return rank
 
 
+def raise_in_a_ring_step_after_the_peer_left(rank: int, world: int) -> int:
+    """Rank 0 raises its own error in a ring step, its transfer posted, where rank 1 has returned."""
+    dist.barrier()
+    if rank == 0:
+        from ctxpar import kernels
+
+        def refuse(*args, **kwargs):
+            raise ValueError("this rank's own error in a ring step")
+
+        kernels.attention_forward = refuse
+        q = torch.randn(1, 2, 4, 8)
+        ctxpar.attention(q, q, q, layout="contiguous", check_consistency=False)
+    return rank
+
+
 def freeze_one_rank_in_a_new_group(rank: int, world: int, frozen: int) -> None:
     """A group the function makes itself, which torch would give its 30-minute default timeout."""
     group = dist.new_group(list(range(world)))
@@ -346,6 +361,17 @@ def test_a_rank_left_waiting_in_ctxpars_own_transfers_names_the_rank_that_left()
     assert lines[0].startswith("rank 1 returned from fn while rank 0 was still in a collective"), lines
     assert re.match(r"rank 0 failed in wait \(ctxpar\.comm\), called from ring.py:\d+ in forward, waiting: ",
                     lines[1]), lines
+
+
+def test_a_rank_whose_own_error_left_a_transfer_posted_reports_that_error() -> None:
+    """The ring waits for its posted transfer on the way out of an exception; where the peer had
+    gone, that wait failed too and its error replaced the rank's own, which the report lost
+    (it read as the peer leaving early)."""
+    with pytest.raises(launch.RankFailure) as e:
+        run_local(raise_in_a_ring_step_after_the_peer_left, 2, timeout_s=120)
+    message = str(e.value)
+    assert message.startswith("rank 0 failed:") and "returned from fn" not in message, message
+    assert message.rstrip().endswith("ValueError: this rank's own error in a ring step"), message
 
 
 def test_a_rank_that_raises_its_own_error_in_a_collective_is_the_cause_not_its_peer_that_returned() -> None:

@@ -117,13 +117,15 @@ def settled(*comms: RingComm | None) -> Iterator[None]:
     ``comms`` still have posted: dropped half-way, they leave the group's later
     point-to-point transfers paired with the wrong ones, and the next call hangs. Every
     rank interrupted at the same step gets a usable group back; a rank whose peers went on
-    waits for them at most the collective timeout, as any collective does."""
+    waits for them at most the collective timeout, as any collective does. The exception
+    that came is the one raised: a wait that fails too (its peer gone) would hide it."""
     try:
         yield
     except BaseException:
         for comm in comms:
             if comm is not None and comm.posted:
-                comm.wait()
+                with contextlib.suppress(Exception):
+                    comm.wait()
         raise
 
 
