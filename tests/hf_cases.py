@@ -371,14 +371,19 @@ def _hybrid(rank: int, world: int) -> dict:
 
 
 class EmbeddingWrapper(torch.nn.Module):
-    """An adapter's wrapper around the input embeddings, which it keeps as ``base_layer``."""
+    """An adapter's wrapper around the input embeddings, as PEFT's are: the embedding kept inside
+    (LoRA's as base_layer, trainable tokens' deeper), its weight shown, no num_embeddings."""
 
-    def __init__(self, base_layer: torch.nn.Embedding) -> None:
+    def __init__(self, embedding: torch.nn.Embedding) -> None:
         super().__init__()
-        self.base_layer = base_layer
+        self.adapter = torch.nn.ModuleDict({"base_layer": embedding})
+
+    @property
+    def weight(self) -> torch.Tensor:
+        return self.adapter["base_layer"].weight
 
     def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
-        return self.base_layer(input_ids)
+        return self.adapter["base_layer"](input_ids)
 
 
 def _attempt(fn) -> tuple[str, object]:
@@ -467,8 +472,8 @@ def _guards(rank: int, world: int) -> dict:
         bad_inputs, bad_labels = shard_inputs(input_ids, layout=layout, rank=me, labels=bad)
         out[check] = _attempt(lambda: model(**bad_inputs, labels=bad_labels).loss.item())
     out["after bad labels"] = _attempt(lambda: model(**inputs, labels=labels).loss.item())
-    # the embedding wrapped as PEFT's LoRA wraps it (the nn.Embedding kept as base_layer, no num_embeddings of
-    # its own): an id beyond the vocabulary on rank 1's shard went unchecked, its IndexError there alone
+    # the embedding wrapped as PEFT's adapters wrap it (no num_embeddings of its own): an id beyond the
+    # vocabulary on rank 1's shard went unchecked, its IndexError there alone
     wrapped = enable_context_parallel(hf_families.build("llama"), layout=layout, group=group)
     wrapped.set_input_embeddings(EmbeddingWrapper(wrapped.get_input_embeddings()))
     beyond = input_ids.clone()

@@ -605,9 +605,10 @@ def check_token_ids(name: str, model, tokens) -> None:
         embeddings = model.get_input_embeddings()
     except NotImplementedError:  # a model without input embeddings: nothing to check against
         return
-    while embeddings is not None and not hasattr(embeddings, "num_embeddings"):  # an adapter's wrapper (PEFT's LoRA)
-        embeddings = getattr(embeddings, "base_layer", None)
     rows = getattr(embeddings, "num_embeddings", None)
+    weight = getattr(embeddings, "weight", None)
+    if rows is None and isinstance(weight, torch.Tensor) and weight.dim() == 2:
+        rows = weight.shape[0]  # an adapter's wrapper (PEFT's LoRA, trainable tokens) shows its embedding's weight
     if isinstance(tokens, torch.Tensor) and isinstance(rows, int):
         limits.check_token_range(tokens, rows, name)
 
