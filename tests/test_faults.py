@@ -363,26 +363,21 @@ def test_a_rank_left_waiting_in_ctxpars_own_transfers_names_the_rank_that_left()
                     lines[1]), lines
 
 
-def test_a_rank_whose_own_error_left_a_transfer_posted_reports_that_error() -> None:
-    """The ring waits for its posted transfer on the way out of an exception; where the peer had
-    gone, that wait failed too and its error replaced the rank's own, which the report lost
-    (it read as the peer leaving early)."""
+@pytest.mark.parametrize("fn, error", [
+    # rank 0 failed in gather_object on its own (an object it could not unpickle, as torch's gather fails
+    # without numpy), after rank 1 had returned: rank 1 was blamed for leaving fn early
+    (raise_in_a_finished_gather, "RuntimeError: this object cannot be rebuilt here"),
+    # the ring waits for its posted transfer on the way out of an exception; where the peer had gone, that
+    # wait failed too and its error replaced the rank's own, which the report lost
+    (raise_in_a_ring_step_after_the_peer_left, "ValueError: this rank's own error in a ring step"),
+], ids=["unpickling in a finished gather", "own error with a ring transfer posted"])
+def test_a_rank_that_raises_its_own_error_is_the_cause_not_its_peer_that_returned(fn, error: str) -> None:
+    """Only a collective that lost its peer (the connection closed, a timeout) is the leaver's."""
     with pytest.raises(launch.RankFailure) as e:
-        run_local(raise_in_a_ring_step_after_the_peer_left, 2, timeout_s=120)
+        run_local(fn, 2, timeout_s=120)
     message = str(e.value)
     assert message.startswith("rank 0 failed:") and "returned from fn" not in message, message
-    assert message.rstrip().endswith("ValueError: this rank's own error in a ring step"), message
-
-
-def test_a_rank_that_raises_its_own_error_in_a_collective_is_the_cause_not_its_peer_that_returned() -> None:
-    """Rank 0 failed in gather_object on its own (an object it could not unpickle, as torch's
-    gather fails without numpy), after rank 1 had returned: rank 1 was blamed for leaving fn
-    early. Only a collective that lost its peer (the connection closed, a timeout) is theirs."""
-    with pytest.raises(launch.RankFailure) as e:
-        run_local(raise_in_a_finished_gather, 2, timeout_s=120)
-    message = str(e.value)
-    assert message.startswith("rank 0 failed:") and "returned from fn" not in message, message
-    assert message.rstrip().endswith("RuntimeError: this object cannot be rebuilt here"), message
+    assert message.rstrip().endswith(error), message
 
 
 def test_a_frozen_rank_is_named_when_the_others_time_out() -> None:
