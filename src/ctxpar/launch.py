@@ -508,25 +508,21 @@ def _whereabouts(frames: list[tuple[str, str, str]]) -> _Whereabouts:
     outermost_first = list(reversed(frames))
     inside = [i for i, f in enumerate(outermost_first) if f"torch{os.sep}distributed" in f[0]]
     calls = [outermost_first[i][2] for i in inside if outermost_first[i][2] not in _DECORATORS]
-    if calls:
-        where = f"in {calls[0]} (torch.distributed)"  # the outermost: the call made
-        if inside[0] > 0:  # and the code that made it
-            file, line, function = outermost_first[inside[0] - 1]
-            where += f", called from {_shown(file)}:{line} in {function}"
-        return _Whereabouts(True, where)
+    if calls:  # the outermost: the call made, and the code that made it
+        return _Whereabouts(True, f"in {calls[0]} (torch.distributed)"
+                            + _called_from(outermost_first[inside[0] - 1] if inside[0] > 0 else None))
     waiting = next((i for i, f in enumerate(frames) if _COMM in f[0]), None)
     if waiting is not None:  # the innermost, and the code outside comm and the libraries that reached it
         caller = next((f for f in frames[waiting + 1:] if _COMM not in f[0] and not _in_library(f[0])), None)
-        where = f"in {frames[waiting][2]} (ctxpar.comm)"
-        return _Whereabouts(True, where + (f", called from {_shown(caller[0])}:{caller[1]} in {caller[2]}"
-                                           if caller else ""))
+        return _Whereabouts(True, f"in {frames[waiting][2]} (ctxpar.comm)" + _called_from(caller))
     file, line, function = frames[0]
-    where = f"at {_shown(file)}:{line} in {function}"
-    if _in_library(file):  # stuck inside a library call: also the user's code that made it
-        caller = next((f for f in frames if not _in_library(f[0])), None)
-        if caller is not None:
-            where += f", called from {_shown(caller[0])}:{caller[1]} in {caller[2]}"
-    return _Whereabouts(False, where)
+    # stuck inside a library call: also the user's code that made it
+    caller = next((f for f in frames if not _in_library(f[0])), None) if _in_library(file) else None
+    return _Whereabouts(False, f"at {_shown(file)}:{line} in {function}" + _called_from(caller))
+
+
+def _called_from(frame: tuple[str, str, str] | None) -> str:
+    return "" if frame is None else f", called from {_shown(frame[0])}:{frame[1]} in {frame[2]}"
 
 
 def _library_roots() -> tuple[str, ...]:
