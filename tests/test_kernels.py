@@ -373,6 +373,30 @@ def test_a_record_counts_its_own_blocks_nested_reopened_or_decorating() -> None:
             pass
 
 
+@pytest.mark.parametrize("backend", [cpu, reference], ids=["cpu", "reference"])
+def test_a_massless_row_is_told_from_a_true_lse_0_in_its_own_key_group(backend) -> None:
+    """GQA, 4 query heads on 2 K/V heads. Only query head 2 (of K/V head 1) scores past
+    float32's range against keys 0-2, so only its rows 0-2 have no mass (head 3 shares those
+    keys and keeps its mass). Head 2's row 5 sees key 5 alone, scored exactly 0, of value 0:
+    lse 0 and out 0, as a massless row is given before it is rescored. Rescoring head 2
+    against the other group's keys, or not at all, would call row 5 massless too."""
+    q, k, v = (t.float() for t in make(4, 2, s=8))
+    q[:, 2, :, 0], q[:, 3, :, 0] = q[:, 2, :, 0].abs() + 3e19, 0.0
+    k[:, 1, :3, 0] = -3e19  # finite; with head 2's q the product overflows float32 to -inf, with head 3's is 0
+    k[:, 1, 5], v[:, 1, 5] = torch.eye(16)[1], 0.0
+    q[:, 2, 5, 1], q[:, 3, 5, 1] = 0.0, 1.0  # row 5 scores key 5: 0 in head 2, 0.25 in head 3
+    visible = torch.ones(8, 8, dtype=torch.bool).tril()
+    visible[5] = torch.arange(8) == 5
+    out, lse = backend.attention_forward(q, k, v, causal=False, scale=0.25, mask=visible)
+    massless = torch.zeros(lse.shape, dtype=torch.bool)
+    massless[:, 2, :3] = True
+    assert (out[massless] == 0).all() and (lse[massless] == float("-inf")).all()
+    assert (lse[:, 2, 5] == 0).all() and (out[:, 2, 5] == 0).all() and lse[~massless].isfinite().all()
+    want_out, want_lse = cpu._cpu_fwd(q, k, v, 0.0, False, attn_mask=cpu._additive(visible, q), scale=0.25)[:2]
+    torch.testing.assert_close(out[~massless], want_out[~massless], rtol=0, atol=1e-5)
+    torch.testing.assert_close(lse[~massless], want_lse[~massless], rtol=1e-6, atol=1e-6)
+
+
 def test_a_tile_whose_sum_is_nan_without_a_nan_query_poisons_no_row() -> None:
     """The CPU kernel looks for NaN query rows only where the tile's one sum is NaN: -inf in
     one row and +inf in another make it so without a NaN anywhere, and no row is poisoned for
