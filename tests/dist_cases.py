@@ -18,9 +18,13 @@ import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh
 
 import ctxpar
+from ctxpar import kernels
 from ctxpar.kernels.reference import reference_attention
 from ctxpar.masks import Mask
-from ctxpar.verify import FP32_RTOL, TENSORS, max_abs_errors, rounded_partials_on, tolerances, torch_sdpa
+from ctxpar.strategy_rules import kv_copies
+from ctxpar.verify import (
+    FP32_RTOL, TENSORS, UNIT_ROUNDOFF, max_abs_errors, rounded_partials_on, tolerances, torch_sdpa,
+)
 
 STRATEGIES = ("ring", "allgather", "alltoall", "hybrid")
 LAYOUTS = ("contiguous", "zigzag", "striped")
@@ -180,7 +184,7 @@ def _case_problems(case: Case, rank: int, world: int, group, group_rank: int | N
 
     baseline = None
     if dtype != torch.float32:  # (with sinks: the same call without them, for the error scale of this dtype)
-        dense = None if mask.is_plain else mask.visible(torch.arange(seq_len), torch.arange(seq_len), seq_len)
+        dense = dense_mask(mask, seq_len)
         low = torch_sdpa(*(t.to(device, dtype) for t in (q, k, v, dout)), causal=case.causal, scale=scale,
                          mask=None if dense is None else dense.to(device))
         baseline = max_abs_errors({n: t.cpu() for n, t in low.items()}, ref)
@@ -200,6 +204,11 @@ def _case_problems(case: Case, rank: int, world: int, group, group_rank: int | N
     problems = [f"{n} max abs error {errors[n]:.3g} > tolerance {tol[n]:.3g}" for n in TENSORS
                 if not errors[n] <= tol[n]]
     problems += [f"{n} not finite" for n in TENSORS if not bool(torch.isfinite(got[n]).all())]
+    if dtype in UNIT_ROUNDOFF and not rounded_partials_on(local[0], world):
+        copies = {"alltoall": world, "hybrid": mesh["ulysses"].size() if mesh is not None else 1}.get(case.strategy, 1)
+        problems += _final_rounding_problems(
+            got, ref, (q, k, v, dout), dense_mask(mask, seq_len), layout, shard, group, group_rank,
+            causal=case.causal, scale=scale, kv_copies=kv_copies(k.shape[1], copies))
     if case.sinks:  # each rank holds its rows' share of the sinks' gradient
         total = local_sinks.grad.detach().double()
         if dist.is_initialized():
@@ -217,6 +226,45 @@ def _case_problems(case: Case, rank: int, world: int, group, group_rank: int | N
     dtypes = (got_out.dtype, got_lse.dtype, *(t.grad.dtype for t in local))
     if dtypes != (dtype, lse_dtype, dtype, dtype, dtype):
         problems.append(f"dtypes of out, lse, dq, dk, dv are {dtypes} for {dtype} inputs")
+    return problems
+
+
+def dense_mask(mask: Mask, seq_len: int) -> torch.Tensor | None:
+    """``mask`` as a (T, T) bool tensor; None where it is plain causal or none."""
+    return None if mask.is_plain else mask.visible(torch.arange(seq_len), torch.arange(seq_len), seq_len)
+
+
+def _final_rounding_problems(got: dict, ref: dict, inputs: tuple, dense: torch.Tensor | None, layout, shard, group,
+                             group_rank: int, *, causal: bool, scale: float, kv_copies: int) -> list[str]:
+    """Where blocks are computed and summed in float32 (the CPU kernels on low-precision
+    inputs), a low-precision result is the float32 one rounded once: out and each gradient
+    within one unit roundoff of themselves (plus float32's noise) of exact attention on the
+    rounded inputs, the gradients' taken with the backward's delta = rowsum(dout * out) of
+    the rounded out (as single-process attention takes it). Much tighter than ``tolerances``'
+    twice SDPA's error, which lets through a strategy summing partials in the low dtype.
+    All-to-all's K/V head copies round each copy's dK/dV once more before autograd sums
+    them (known, allowed per copy)."""
+    pieces = [(group_rank, got["out"].double(), got["lse"].double())]
+    if dist.is_initialized():
+        pieces = [None] * dist.get_world_size(group)
+        dist.all_gather_object(pieces, (group_rank, got["out"].double(), got["lse"].double()), group=group)
+    pieces = [piece[1:] for piece in sorted(pieces, key=lambda piece: piece[0])]
+    out, lse = (layout.unshard([piece[i] for piece in pieces], dim=2) for i in (0, 1))
+    q, k, v, dout = inputs
+    want = dict(out=ref["out"], **dict(zip(("dq", "dk", "dv"), kernels.attention_backward(
+        dout, q, k, v, out, lse, causal=causal and dense is None, scale=scale, mask=dense))))
+    unit = UNIT_ROUNDOFF[got["out"].dtype]
+    gradients = max(want[n].abs().max().item() for n in ("dq", "dk", "dv"))
+    problems = []
+    for name, exact in want.items():
+        exact = shard(exact)
+        slack = FP32_RTOL * (gradients if name != "out" else exact.abs().max().item())
+        if name in ("dk", "dv"):
+            slack += (kv_copies - 1) * unit * gradients
+        excess = ((got[name].double() - exact).abs() - unit * exact.abs() - slack).max().item()
+        if excess > 0:
+            problems.append(f"{name} off by {excess:.3g} more than one {got['out'].dtype} rounding of the float32 "
+                            f"result")
     return problems
 
 
