@@ -133,6 +133,17 @@ def leave_early(rank: int, world: int, leaver: int, how: str) -> int:
     return rank
 
 
+def leave_a_point_to_point_exchange_early(rank: int, world: int) -> int:
+    """Rank 0 sends to rank 1, which returns having received it, then waits for rank 2, which
+    returned at once."""
+    if rank == 0:
+        dist.send(torch.ones(4), 1)
+        dist.recv(torch.ones(4), 2)
+    elif rank == 1:
+        dist.recv(torch.ones(4), 0)
+    return rank
+
+
 def _refuse_to_unpickle() -> None:
     raise RuntimeError("this object cannot be rebuilt here")
 
@@ -352,15 +363,31 @@ def test_a_rank_that_leaves_fn_while_the_others_are_in_a_collective_is_named(lea
     assert time.monotonic() - start < 60  # not the 120 s collective timeout
 
 
+def test_ranks_that_left_fn_are_not_each_blamed_where_one_may_have_done_its_part() -> None:
+    """Of two ranks that returned while rank 0 waited, only rank 2 skipped its part (rank 1
+    had received what it was sent). Each was named as leaving fn early, "while rank 0 was
+    still in a collective", which the report cannot know of either."""
+    with pytest.raises(launch.RankFailure) as e:
+        run_local(leave_a_point_to_point_exchange_early, 3, timeout_s=120)
+    lines = str(e.value).splitlines()
+    assert lines[0].startswith("ranks 1, 2 had left fn while rank 0 was still in a collective, one or more of them "
+                               "early: fn must make the same collective calls on every rank"), lines
+    assert lines[1:3] == ["rank 1 returned from fn", "rank 2 returned from fn"], lines
+    assert re.match(r"rank 0 failed in recv \(torch.distributed\), called from test_faults.py:\d+ in "
+                    r"leave_a_point_to_point_exchange_early, waiting: ", lines[3]), lines
+
+
 def test_a_rank_left_waiting_in_ctxpars_own_transfers_names_the_rank_that_left() -> None:
     """A rank waiting in the ring's receive when its peer left fn got its raw traceback: only
-    torch.distributed's frames counted as a collective, and the ring waits in ctxpar.comm."""
+    torch.distributed's frames counted as a collective, and the ring waits in ctxpar.comm.
+    Where the peer's going is seen as the transfer is posted, the report names the ring's
+    call, not comm.py's (which posts every transfer)."""
     with pytest.raises(launch.RankFailure) as e:
         run_local(leave_before_the_ring, 2, timeout_s=120)
     lines = str(e.value).splitlines()
     assert lines[0].startswith("rank 1 returned from fn while rank 0 was still in a collective"), lines
-    assert re.match(r"rank 0 failed in wait \(ctxpar\.comm\), called from ring.py:\d+ in forward, waiting: ",
-                    lines[1]), lines
+    assert re.match(r"rank 0 failed in (wait \(ctxpar\.comm\)|batch_isend_irecv \(torch\.distributed\)), "
+                    r"called from ring.py:\d+ in forward, waiting: ", lines[1]), lines
 
 
 @pytest.mark.parametrize("fn, error", [
@@ -415,6 +442,18 @@ def test_a_rank_stuck_in_a_library_is_placed_in_the_code_that_called_it() -> Non
               ("/home/me/train.py", "90", "main")]  # innermost first, as faulthandler dumps them
     assert launch._whereabouts(frames).where == "at re/__init__.py:166 in match, called from train.py:42 in step"
     assert launch._whereabouts(frames[1:]).where == "at train.py:42 in step"
+
+
+def test_a_transfer_ctxpar_posts_is_placed_in_the_code_that_asked_for_it() -> None:
+    """A ring step's receive that failed as it was posted read "called from comm.py:91 in
+    start", the one place every transfer is posted from."""
+    frames = [(os.path.join("torch", "distributed", "distributed_c10d.py"), "2800", "batch_isend_irecv"),
+              (os.path.join("src", "ctxpar", "comm.py"), "91", "start"),
+              (os.path.join("src", "ctxpar", "strategies", "ring.py"), "120", "forward"),
+              ("/home/me/train.py", "42", "step")]  # innermost first
+    posted = "in batch_isend_irecv (torch.distributed), called from"
+    assert launch._whereabouts(frames).where == f"{posted} ring.py:120 in forward"
+    assert launch._whereabouts([frames[0], frames[3]]).where == f"{posted} train.py:42 in step"
 
 
 def test_a_result_the_parent_cannot_unpickle_is_that_ranks_failure() -> None:

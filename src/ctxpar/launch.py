@@ -508,9 +508,9 @@ def _whereabouts(frames: list[tuple[str, str, str]]) -> _Whereabouts:
     outermost_first = list(reversed(frames))
     inside = [i for i, f in enumerate(outermost_first) if f"torch{os.sep}distributed" in f[0]]
     calls = [outermost_first[i][2] for i in inside if outermost_first[i][2] not in _DECORATORS]
-    if calls:  # the outermost: the call made, and the code that made it
-        return _Whereabouts(True, f"in {calls[0]} (torch.distributed)"
-                            + _called_from(outermost_first[inside[0] - 1] if inside[0] > 0 else None))
+    if calls:  # the outermost: the call made, and the code that made it (outside ctxpar.comm's own transfers)
+        caller = next((f for f in reversed(outermost_first[:inside[0]]) if _COMM not in f[0]), None)
+        return _Whereabouts(True, f"in {calls[0]} (torch.distributed)" + _called_from(caller))
     waiting = next((i for i, f in enumerate(frames) if _COMM in f[0]), None)
     if waiting is not None:  # the innermost, and the code outside comm and the libraries that reached it
         caller = next((f for f in frames[waiting + 1:] if _COMM not in f[0] and not _in_library(f[0])), None)
@@ -916,9 +916,16 @@ def _left_early(failed: dict[int, tuple[str, str]], died: dict[int, str], stuck:
         return None  # a rank failed (or is stuck) on its own, outside a collective: that is the cause
     waited = sorted((*waiting, *stuck))
     who = f"rank {waited[0]} was" if len(waited) == 1 else f"ranks {', '.join(map(str, waited))} were"
-    lines = [f"rank {r} {f'exited fn ({exited[r]})' if r in exited else 'returned from fn'} while {who} still in a "
-             f"collective: fn must make the same collective calls on every rank (a rank that leaves fn early "
-             f"leaves the others waiting for it)" for r in sorted({*returned, *exited})]
+    left = sorted({*returned, *exited})
+    how = {r: f"exited fn ({exited[r]})" if r in exited else "returned from fn" for r in left}
+    rule = "fn must make the same collective calls on every rank"
+    if len(left) == 1:
+        lines = [f"rank {left[0]} {how[left[0]]} while {who} still in a collective: {rule} (a rank that leaves fn "
+                 f"early leaves the others waiting for it)"]
+    else:  # which of them the collective waited for is not known: one may have made every call it had to
+        lines = [f"ranks {', '.join(map(str, left))} had left fn while {who} still in a collective, one or more of "
+                 f"them early: {rule} (a rank that leaves fn early leaves the others waiting for it)"]
+        lines += [f"rank {r} {how[r]}" for r in left]
     lines += [f"rank {r} failed {seen.where}, waiting: {failed[r][1].strip().splitlines()[-1]}"
               for r, seen in sorted(waiting.items())]
     lines += [f"rank {r} was still waiting ({whereabouts[r].where}) and was stopped" for r in stuck]
