@@ -144,6 +144,18 @@ def leave_a_point_to_point_exchange_early(rank: int, world: int) -> int:
     return rank
 
 
+def raise_quoting_a_collectives_traceback(rank: int, world: int) -> int:
+    """Rank 0 raises, outside any collective, an error whose message quotes another process's
+    traceback of a collective that lost its peer (as a job runner's error does); rank 1 has
+    returned."""
+    dist.barrier()
+    if rank == 0:
+        raise RuntimeError('the evaluation job failed:\nTraceback (most recent call last):\n  File '
+                           f'"{os.path.join("torch", "distributed", "distributed_c10d.py")}", line 2800, in '
+                           'all_reduce\n    work.wait()\nRuntimeError: Connection closed by peer')
+    return rank
+
+
 def _refuse_to_unpickle() -> None:
     raise RuntimeError("this object cannot be rebuilt here")
 
@@ -397,7 +409,9 @@ def test_a_rank_left_waiting_in_ctxpars_own_transfers_names_the_rank_that_left()
     # the ring waits for its posted transfer on the way out of an exception; where the peer had gone, that
     # wait failed too and its error replaced the rank's own, which the report lost
     (raise_in_a_ring_step_after_the_peer_left, "ValueError: this rank's own error in a ring step"),
-], ids=["unpickling in a finished gather", "own error with a ring transfer posted"])
+    # placed by the last traceback in its text, the one its message quotes: in a collective that lost its peer
+    (raise_quoting_a_collectives_traceback, "RuntimeError: Connection closed by peer"),
+], ids=["unpickling in a finished gather", "own error with a ring transfer posted", "quoting a traceback"])
 def test_a_rank_that_raises_its_own_error_is_the_cause_not_its_peer_that_returned(fn, error: str) -> None:
     """Only a collective that lost its peer (the connection closed, a timeout) is the leaver's."""
     with pytest.raises(launch.RankFailure) as e:

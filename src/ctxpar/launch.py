@@ -542,12 +542,10 @@ def _shown(file: str) -> str:
     return file[len(root):] if root else os.path.basename(file)
 
 
-def _raised_at(text: str) -> _Whereabouts | None:
-    """Where the exception a rank reported (``traceback.format_exc()``'s text) was raised: the
-    last of its chained tracebacks, the one that left fn."""
-    last = text.rsplit("Traceback (most recent call last):", 1)[-1]
-    frames = re.findall(r'^  File "(.+)", line (\d+), in (.+)$', last, re.MULTILINE)
-    return _whereabouts(frames[::-1]) if frames else None
+def _frames_of(e: BaseException) -> list[tuple[str, str, str]]:
+    """The frames (file, line, function; innermost first) that ``e`` came through on its way out
+    of fn: its own traceback, not one it was chained to, nor one its message quotes."""
+    return [(f.filename, str(f.lineno), f.name) for f in reversed(traceback.extract_tb(e.__traceback__))]
 
 
 def _is_timeout(e: BaseException) -> bool:
@@ -586,7 +584,8 @@ def _worker(rank, world_size, port, threads, timeout_s, parent_pid, backend, dev
     except SystemExit:  # sys.exit in fn: a failure, and the rank leaves fn as a return does
         conn.send_bytes(pickle.dumps(("exited", traceback.format_exc())))
     except BaseException as e:  # report everything, including failed asserts, to the parent
-        conn.send_bytes(pickle.dumps(("timeout" if _is_timeout(e) else "error", traceback.format_exc())))
+        conn.send_bytes(pickle.dumps(("timeout" if _is_timeout(e) else "error", (traceback.format_exc(),
+                                                                                 _frames_of(e)))))
     finally:
         conn.close()
         if dist.is_initialized():
@@ -777,6 +776,7 @@ def _collect(procs: list, readers: list, stacks: list[connection.Connection], ti
     joined: set[int] = set()
     outputs: dict[int, Any] = {}
     failed: dict[int, tuple[str, str]] = {}  # rank -> (kind, traceback), in the order they arrived
+    raised_at: dict[int, _Whereabouts] = {}  # of the ranks that raised: where, by the frames of what they raised
     died: dict[int, str] = {}
     give_up = start + deadline_s if deadline_s is not None else None
     grace_started = False
@@ -793,15 +793,19 @@ def _collect(procs: list, readers: list, stacks: list[connection.Connection], ti
                 kind, value = pickle.loads(message)
             except Exception:  # noqa: BLE001  a result the parent cannot rebuild: that rank's failure, named
                 kind, value = "error", (f"its result could not be unpickled in the parent:\n"
-                                        f"{traceback.format_exc()}")
+                                        f"{traceback.format_exc()}", [])
             if kind == "joined":
                 joined.add(r)
                 continue
             pending.discard(r)
             if kind == "ok":
                 outputs[r] = value
-            else:
-                failed[r] = (kind, value)
+                return
+            if kind in ("error", "timeout"):
+                value, frames = value
+                if frames:
+                    raised_at[r] = _whereabouts(frames)
+            failed[r] = (kind, value)
 
     while pending:
         wait = None if give_up is None else max(0.0, give_up - time.monotonic())
@@ -832,7 +836,7 @@ def _collect(procs: list, readers: list, stacks: list[connection.Connection], ti
     if not (failed or died or pending):
         return [outputs[r] for r in range(len(procs))]
     stuck = sorted(pending)
-    whereabouts = _probe(procs, stuck, stacks) if stuck and not died else {}
+    whereabouts = {**raised_at, **(_probe(procs, stuck, stacks) if stuck and not died else {})}
     message = _failure_message(failed, died, stuck, joined, whereabouts, timeout_s, deadline_s,
                                time.monotonic() - start, returned=frozenset(outputs))
     raise RankFailure(message, {r: tb for r, (_, tb) in failed.items()}, died, stuck)
@@ -907,7 +911,7 @@ def _left_early(failed: dict[int, tuple[str, str]], died: dict[int, str], stuck:
     timeout), naming those ranks; None for any other failure (one raised in a collective by the rank
     itself, such as an object it could not unpickle after its peers had finished, is its own)."""
     exited = {r: text.strip().splitlines()[-1] for r, (kind, text) in failed.items() if kind == "exited"}
-    waiting = {r: _raised_at(text) for r, (kind, text) in failed.items() if kind in ("error", "timeout")}
+    waiting = {r: whereabouts.get(r) for r, (kind, _) in failed.items() if kind in ("error", "timeout")}
     if died or not (returned or exited) or not waiting or len(exited) + len(waiting) < len(failed):
         return None  # a rank stopped on purpose, or none left early: the usual report
     if not all(_lost_a_peer(*failed[r]) for r in waiting):
