@@ -441,6 +441,10 @@ def _guards(rank: int, world: int) -> dict:
         out["sdpa on one rank"] = _attempt(lambda: tuple(model(**inputs).logits.shape))
         model.set_attn_implementation("ctxpar")
         out["after"] = _attempt(lambda: tuple(model(**inputs).logits.shape))
+        # a keyword argument the layers refuse, on one rank only: refused there alone, its peer waited in attention
+        out["attention keyword on one rank"] = _attempt(
+            lambda: tuple(model(**inputs, **(dict(softcap=30.0) if me == 1 else {})).logits.shape))
+        out["after attention keyword"] = _attempt(lambda: tuple(model(**inputs).logits.shape))
     inputs, labels = shard_inputs(input_ids, layout=layout, rank=me)
     # labels= or a loss argument on one rank only: the others would wait in the loss's all-reduce
     out["labels on one rank"] = _attempt(lambda: model(**inputs, **(dict(labels=labels) if me == 0 else {})).loss)

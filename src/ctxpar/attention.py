@@ -7,6 +7,7 @@ import math
 import reprlib
 import sys
 from collections.abc import Iterable
+from typing import NoReturn
 
 import torch
 import torch.distributed as dist
@@ -151,6 +152,18 @@ def attention_with_lse(
 def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, **kwargs) -> torch.Tensor:
     """Like ``attention_with_lse`` but returns only ``out`` (B, H, S, D)."""
     return attention_with_lse(q, k, v, **kwargs)[0]
+
+
+def refuse_with_peers(error: Exception, q, k, v, *, layout: str | Layout, group: dist.ProcessGroup | None = None,
+                      strategy: str = "ring", mesh=None, check_consistency: bool = True) -> NoReturn:
+    """Raise ``error``, a refusal that code calling ``attention`` made on this rank before the
+    call (a model layer's), once this rank has joined the exchange that its peers' call runs
+    first: they raise with it ("ranks [r] of the CP group rejected their attention inputs")
+    rather than wait for it, and the group stays in step for the next call."""
+    if check_consistency:
+        _check_ranks_agree(q, k, v, _fallback_topology(group, mesh), error, layout_name=_layout_name(layout),
+                           causal=True, scale=None, strategy=strategy)
+    raise error
 
 
 def _check_ranks_agree(q, k, v, peers: topology.Topology | None, error: Exception | None, **call) -> None:

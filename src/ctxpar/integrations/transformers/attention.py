@@ -31,7 +31,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 from ctxpar import topology
-from ctxpar.attention import attention
+from ctxpar.attention import attention, refuse_with_peers
 from ctxpar.inference.decode import sharded_attention_over
 from ctxpar.layout import Layout
 from ctxpar.masks import chunked, positions_in_documents
@@ -302,8 +302,9 @@ def attention_forward(module, query, key, value, attention_mask, dropout: float 
     q.k and the output unchanged. The layer's mask (a ``LayerMask`` from ``mask_forward``:
     sliding window, chunks, documents) and sink logits (``s_aux``, (H,), differentiable: the
     ranks' gradients sum to the unsplit one) are honoured exactly. Everything else
-    that would change the result is refused here, on every rank alike, before ctxpar
-    communicates."""
+    that would change the result is refused here, before ctxpar communicates; a rank
+    refusing alone (its own keyword arguments, a module changed on it alone) joins the check
+    its peers' attention makes first, so that they raise with it rather than wait."""
     settings: Settings | None = getattr(module, "ctxpar_settings", None)
     owner = type(module).__name__
     if settings is None:
@@ -312,20 +313,14 @@ def attention_forward(module, query, key, value, attention_mask, dropout: float 
                          f"to be split, it shares its config with one given to enable_context_parallel (two models "
                          f"built from one config object, or from_config(enabled_model.config)): give it a config "
                          f"of its own (copy.deepcopy(config)) or set_attn_implementation('sdpa') on it")
-    if dropout:
-        raise ValueError(f"{owner} applies attention dropout p={dropout}, which ctxpar does not support; set the "
-                         f"model's attention dropout to 0")
-    causal = is_causal if is_causal is not None else getattr(module, "is_causal", None)
-    if causal is None:  # a layer without the flag (Splinter's) attends as its mask says, causal by default
-        causal = attention_mask.causal if isinstance(attention_mask, LayerMask) else True
-    causal = bool(causal)
-    mask = _layer_mask(owner, attention_mask, causal, kwargs)
-    _check_kwargs(owner, kwargs)
-    sinks = _sinks(owner, module, kwargs)
-    if getattr(module, "is_cross_attention", False) or "CrossAttention" in owner:
-        raise ValueError(f"{owner} is a cross-attention layer (keys from another sequence), which ctxpar does not "
-                         f"support under context parallelism")
     cached = CACHED.get()
+    try:
+        causal, mask, sinks = _what_to_honour(owner, module, attention_mask, dropout, is_causal, kwargs)
+    except ValueError as e:
+        if cached is not None and cached.decoding:  # a decode step's exchange is another
+            raise
+        refuse_with_peers(e, query, key, value, layout=settings.layout, group=settings.group,
+                          strategy=settings.strategy, mesh=settings.mesh)
     if cached is not None:
         cached.take(module, key, value)
         if cached.decoding:
@@ -340,6 +335,26 @@ def attention_forward(module, query, key, value, attention_mask, dropout: float 
                     mesh=settings.mesh, causal=causal, scale=scale, documents=mask.documents_for(seq_len),
                     window=mask.window, sinks=sinks)  # (B, H, S, width)
     return out[..., :d_v].transpose(1, 2).contiguous(), None
+
+
+def _what_to_honour(owner: str, module, attention_mask, dropout: float, is_causal, kwargs: dict
+                    ) -> tuple[bool, LayerMask, torch.Tensor | None]:
+    """The layer's causal flag, mask and sinks; ValueError for anything else that would change
+    its result."""
+    if dropout:
+        raise ValueError(f"{owner} applies attention dropout p={dropout}, which ctxpar does not support; set the "
+                         f"model's attention dropout to 0")
+    causal = is_causal if is_causal is not None else getattr(module, "is_causal", None)
+    if causal is None:  # a layer without the flag (Splinter's) attends as its mask says, causal by default
+        causal = attention_mask.causal if isinstance(attention_mask, LayerMask) else True
+    causal = bool(causal)
+    mask = _layer_mask(owner, attention_mask, causal, kwargs)
+    _check_kwargs(owner, kwargs)
+    sinks = _sinks(owner, module, kwargs)
+    if getattr(module, "is_cross_attention", False) or "CrossAttention" in owner:
+        raise ValueError(f"{owner} is a cross-attention layer (keys from another sequence), which ctxpar does not "
+                         f"support under context parallelism")
+    return causal, mask, sinks
 
 
 def _decode(owner: str, settings: Settings, cached, query, key, value, mask: LayerMask, sinks,
