@@ -71,6 +71,7 @@ def run_all(rank: int, world: int) -> dict:
     for name, check in (("logits", _check_logits), ("greedy", _check_greedy), ("sampled", _check_sampled),
                         ("any_length", _check_any_length),
                         ("empty_shard", _check_empty_shard), ("partial", _check_partial),
+                        ("autocast", _check_autocast),
                         ("bad_inputs", _check_bad_inputs)):
         try:
             results[name] = check(rank, world)
@@ -219,6 +220,30 @@ def _check_partial(rank: int, world: int) -> dict:
             prompt_positions=get_layout(layout, world).positions(PROMPT_LEN, rank).tolist() if layout else None)
     out["bytes"] = _partial_bytes(rank, world)
     return out
+
+
+def _check_autocast(rank: int, world: int) -> dict:
+    """A float32 model under autocast(bfloat16), as a user serving in bf16 runs it: prefill,
+    then TURNS (decode steps and partial prefills): per call the logits' dtype, relative
+    error against the same model's forward under autocast, and a digest (every rank must
+    hold the same logits: the prefill's are broadcast by the rank holding the last position,
+    in the dtype the output layer gives under autocast)."""
+    model = build()
+    prompt, turns = prompt_tokens(), prompt_tokens(TURN_TOKENS, seed=4)
+    full = torch.cat([prompt, turns], dim=1)
+    cache = KVCache.for_model(model.cfg, batch=BATCH, capacity=PROMPT_LEN + TURN_TOKENS)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        got, ends, fed = [prefill(model, cache, prompt, layout="zigzag")], [PROMPT_LEN], 0
+        for kind, n in TURNS:
+            piece = turns[:, fed: fed + n]
+            got.append(decode_step(model, cache, piece[:, 0]) if kind == "decode"
+                       else partial_prefill(model, cache, piece, method="pass-q"))
+            fed += n
+            ends.append(PROMPT_LEN + fed)
+        with torch.no_grad():
+            want = [model(full[:, :end])[:, -1] for end in ends]
+    return dict(dtypes=sorted({str(g.dtype) for g in got}), errors=[rel_error(g, w) for g, w in zip(got, want)],
+                digest=digest(torch.stack(got).float()))
 
 
 def _partial_bytes(rank: int, world: int) -> dict[str, tuple[int, int]]:

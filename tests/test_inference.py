@@ -49,6 +49,20 @@ def test_prefill_and_every_decode_step_match_the_single_process_model(world: int
 
 
 @pytest.mark.parametrize("world", WORLD_SIZES, ids=lambda w: f"P{w}")
+def test_a_float32_model_under_autocast_serves_as_it_runs_alone(world: int) -> None:
+    """Under autocast(bfloat16) the rank holding the last position broadcast bf16 logits into
+    the others' float32 buffers (rank 1's off by 1.2 of the logits' scale, another token
+    chosen; 1.4e16 after a partial prefill), and a decode step refused its bf16 query beside
+    the float32 cache ("q, k, v are torch.bfloat16, torch.float32, torch.float32")."""
+    per_rank = _reported(world, "autocast")
+    for r in per_rank:
+        assert r["dtypes"] == ["torch.bfloat16"], r
+        assert len(r["errors"]) == 1 + len(cases.TURNS)
+        assert max(r["errors"]) <= 2e-2, r["errors"]  # bf16 logits: a few of its 2**-8 roundings
+    assert len({r["digest"] for r in per_rank}) == 1, "ranks hold different logits"
+
+
+@pytest.mark.parametrize("world", WORLD_SIZES, ids=lambda w: f"P{w}")
 def test_greedy_tokens_equal_the_single_process_generation(world: int) -> None:
     per_rank = _reported(world, "greedy")
     reference = per_rank[0]["reference"]

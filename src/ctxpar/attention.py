@@ -22,6 +22,25 @@ from ctxpar.strategy_rules import check_strategy
 SUPPORTED_DTYPES = (torch.float32, torch.bfloat16, torch.float16, torch.float64)
 
 
+def as_sdpa_under_autocast(fn):
+    """``fn(q, k, v, ...)`` run as scaled_dot_product_attention runs under autocast on q's
+    device: each of q, k, v that is floating but not float64 cast to autocast's dtype (RoPE in
+    float32 often leaves q and k there and v not; a float32 KV cache meets a bfloat16 query),
+    then computed without further casts."""
+    @functools.wraps(fn)
+    def under_autocast(q, k, v, *args, **kwargs):
+        device = q.device.type if isinstance(q, torch.Tensor) else None
+        if device not in ("cpu", "cuda") or not torch.is_autocast_enabled(device):
+            return fn(q, k, v, *args, **kwargs)
+        dtype = torch.get_autocast_dtype(device)
+        q, k, v = (t.to(dtype) if isinstance(t, torch.Tensor) and t.is_floating_point() and t.dtype != torch.float64
+                   else t for t in (q, k, v))
+        with torch.autocast(device, enabled=False):
+            return fn(q, k, v, *args, **kwargs)
+    return under_autocast
+
+
+@as_sdpa_under_autocast
 def attention_with_lse(
     q: torch.Tensor,
     k: torch.Tensor,
@@ -106,15 +125,6 @@ def attention_with_lse(
             or differ from the others'; without it the checks are local, and ranks
             called differently may compute wrong results or wait on each other.
     """
-    autocast = _autocast_dtype(q)
-    if autocast is not None:
-        # as scaled_dot_product_attention under autocast: q, k, v cast to its dtype (RoPE in
-        # float32 often leaves q and k there and v not), then computed without further casts
-        q, k, v = (t.to(autocast) if _autocast_casts(t) else t for t in (q, k, v))
-        with torch.autocast(q.device.type, enabled=False):
-            return attention_with_lse(q, k, v, layout=layout, group=group, causal=causal, scale=scale,
-                                      strategy=strategy, mesh=mesh, check_consistency=check_consistency,
-                                      documents=documents, window=window, sinks=sinks)
     error, topo, mask, layout_name, chosen_why = None, None, None, None, None
     try:
         limits.check_flag("check_consistency", check_consistency)  # "no" once ran the check, "" skipped it
@@ -190,18 +200,6 @@ def _is_dtensor(t) -> bool:
     """Without importing torch.distributed.tensor (0.7 s): a DTensor exists only once it is loaded."""
     module = sys.modules.get("torch.distributed.tensor")
     return module is not None and isinstance(t, module.DTensor)
-
-
-def _autocast_dtype(q) -> torch.dtype | None:
-    """The dtype autocast runs attention in on q's device, or None where it is off."""
-    if not isinstance(q, torch.Tensor) or q.device.type not in ("cpu", "cuda"):
-        return None
-    return torch.get_autocast_dtype(q.device.type) if torch.is_autocast_enabled(q.device.type) else None
-
-
-def _autocast_casts(t) -> bool:
-    """Whether autocast would cast ``t``: floating point, but not float64 (as torch's autocast)."""
-    return isinstance(t, torch.Tensor) and t.is_floating_point() and t.dtype != torch.float64
 
 
 def _strategy(name: str) -> Strategy:

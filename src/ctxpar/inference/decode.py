@@ -26,7 +26,7 @@ import torch.distributed as dist
 import torch.nn as nn
 
 from ctxpar import agreement, kernels, limits, topology
-from ctxpar.attention import SUPPORTED_DTYPES, check_scale, check_sinks
+from ctxpar.attention import SUPPORTED_DTYPES, as_sdpa_under_autocast, check_scale, check_sinks
 from ctxpar.inference.cache import SHARD_FULL_WHY, KVCache
 from ctxpar.inference.hooks import attention_replaced, check_cache, check_model_fits, model_code
 from ctxpar.inference.prefill import check_tokens, is_dense
@@ -88,6 +88,7 @@ def decode_step(model: nn.Module, cache: KVCache, tokens: torch.Tensor, *,
     return logits
 
 
+@as_sdpa_under_autocast
 def sharded_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, group: dist.ProcessGroup | None,
                       scale: float | None, sinks: torch.Tensor | None = None, mesh=None,
                       check_consistency: bool = True) -> torch.Tensor:
@@ -135,6 +136,7 @@ def sharded_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, grou
     return _merged_attention(q, k, v, peers, scale, sinks)
 
 
+@as_sdpa_under_autocast
 def sharded_attention_over(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, peers: topology.Topology, *,
                            scale: float | None, sinks: torch.Tensor | None = None) -> torch.Tensor:
     """``sharded_attention`` over the ranks of ``peers`` (a group's or a mesh's, resolved

@@ -136,11 +136,14 @@ def check_tokens(tokens: object, cache: KVCache, vocab: int, what: str) -> None:
 def last_logits(model: nn.Module, hidden: torch.Tensor, owner: int, cache: KVCache) -> torch.Tensor:
     """(B, vocab) logits of the sequence's last position on every rank of the cache's group:
     the rank holding it (``owner``, its rank in that group; positions ascend, so it is that
-    rank's last row) runs the output layer and broadcasts."""
+    rank's last row) runs the output layer and broadcasts. The others receive in the dtype
+    the layer gives, which under autocast is not the hidden states' (a float32 buffer took
+    the owner's bfloat16 bytes as float32 numbers): the layer run on no rows says which."""
     if cache.rank == owner:
         last = model.output(hidden[:, -1])
     else:
-        last = hidden.new_empty((hidden.shape[0], model.output.out_features))
+        dtype = model.output(hidden.new_empty((0, hidden.shape[-1]))).dtype  # (0, vocab) logits: no work
+        last = hidden.new_empty((hidden.shape[0], model.output.out_features), dtype=dtype)
     return comm.broadcast(last, owner, cache.group)
 
 
