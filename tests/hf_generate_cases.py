@@ -221,6 +221,12 @@ def _refusals(rank: int, world: int) -> dict:
                                                              return_dict_in_generate=True, **run)),
         "longrope head": _attempt(lambda: enable_context_parallel(  # long factors from position 8: the head's 0-7
             hf_families.build("phi3+longrope"), layout=layout).generate(tokens[:, :12], **run)),
+        # Phi-3's generate runs the whole sequence again with the long factors once it passes 8 tokens
+        "longrope switch": _attempt(lambda: enable_context_parallel(
+            hf_families.build("phi3+longrope"), layout=layout).generate(tokens[:, :8], **run)),
+        # 12 tokens: zigzag on 4 ranks prefills 8, then 4 one at a time, which the first 8 would never see
+        "bidirectional, prompt fed in parts": _attempt(lambda: enable_context_parallel(
+            hf_families.build("electra"), layout=layout).generate(tokens[:, :12], **run)),
         "guidance_scale": _attempt(lambda: model.generate(tokens, guidance_scale=1.5, **run)),
         "synced_gpus": _attempt(lambda: model.generate(tokens, synced_gpus=True, **run)),
         "beam search on rank 1 only": _attempt(lambda: model.generate(tokens, num_beams=1 + (rank == 1), **run)),

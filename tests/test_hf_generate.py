@@ -105,6 +105,15 @@ REFUSED = {  # what generate must refuse on every rank, and the words of the err
     "output_attentions": "NotImplementedError: generate with output_attentions=True",
     "longrope head": "ValueError: Phi3ForCausalLM uses LongRoPE (long factors from position 8): a prompt of 12 tokens "
                      "is prefilled as its first 8",
+    # the cache's keys stayed rotated with the short factors: the next logits 6.6 off, other tokens, silently
+    "longrope switch": "ValueError: Phi3ForCausalLM uses LongRoPE: its generate runs the whole sequence again with "
+                       "the long factors once it passes original_max_position_embeddings=8 tokens, which the sharded "
+                       "cache cannot follow (its keys stay rotated with the short factors); from this prompt of 8 "
+                       "tokens generate at most 1 new token, or start from a prompt longer than 8",
+    # the head's tokens never saw the rest, as they do in the whole prompt: logits up to 10 off, silently
+    "bidirectional, prompt fed in parts": "ValueError: ElectraSelfAttention attends bidirectionally, and the prompt "
+                                          "of 12 tokens, a length the zigzag layout does not split (it splits "
+                                          "multiples of 8), is fed as its first 8 tokens, then one token at a time",
     "guidance_scale": "NotImplementedError: generate with guidance_scale=1.5 is not supported under context "
                       "parallelism: classifier-free guidance",
     # a replica done early ran forwards past its cache's capacity; the others waited in transformers' all-reduce

@@ -322,7 +322,7 @@ def attention_forward(module, query, key, value, attention_mask, dropout: float 
         refuse_with_peers(e, query, key, value, layout=settings.layout, group=settings.group,
                           strategy=settings.strategy, mesh=settings.mesh)
     if cached is not None:
-        cached.take(module, key, value)
+        cached.take(module, key, value, causal)
         if cached.decoding:
             return _decode(owner, settings, cached, query, key, value, mask, sinks, scaling)
     if key.shape[2] != query.shape[2]:

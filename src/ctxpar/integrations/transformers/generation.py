@@ -97,6 +97,7 @@ class _Step:
     stored: set = field(default_factory=set)
     pending: deque = field(default_factory=deque)  # (K, V) handed to layers, not yet attended with
     unallocated: Exception | None = None  # why this rank could not allocate its share (``ShardedCache.update``)
+    split: str | None = None  # where it is a part of a prompt the layout does not split: how the prompt is fed
 
 
 class ShardedCache(Cache):
@@ -258,14 +259,21 @@ class ShardedCache(Cache):
     def decoding(self) -> bool:
         return self._step is not None and self._step.position is not None
 
-    def take(self, module, key: torch.Tensor, value: torch.Tensor) -> None:
+    def take(self, module, key: torch.Tensor, value: torch.Tensor, causal: bool) -> None:
         """Check that a layer attends with the K/V this cache just handed it, or, where the
         module has an ``expand_kv`` (transformers' name for multi-head latent attention's
         position-by-position expansion of its cached latents), with K/V of as many positions,
         taken to be what it made of them (not verified). A model that skips the cache, or
         changes K/V after it some other way, might attend over something else (keys
-        re-rotated by their index in the cache, which is not their position here)."""
+        re-rotated by their index in the cache, which is not their position here). A layer that
+        attends bidirectionally is refused over a prompt fed in parts: its earlier tokens would
+        not see the later ones, as they do in the whole prompt (every rank alike: the layers and
+        the prompt are the same on each)."""
         owner = type(module).__name__
+        if not causal and self._step.split:
+            raise ValueError(f"{owner} attends bidirectionally, and {self._step.split}: its earlier tokens would "
+                             f"not see the later ones, as they do when the whole prompt is prefilled; give a prompt "
+                             f"length the layout splits")
         if not self._step.pending:
             raise NotImplementedError(f"{owner} attends without storing its K/V in the cache (K/V shared across "
                                       f"layers), which ctxpar's sharded cache cannot serve")
@@ -304,9 +312,12 @@ def cached_forward(forward, kwargs: dict, *, name: str, settings: Settings, cach
     whole = {f"call's {k}": v for k, v in _forward_signature(cache, kwargs).items()}  # compared at every part
     out, length = None, kwargs["input_ids"].shape[1]
     refusal = _head_rope_refusal(name, settings, head, length)
+    split = (f"the prompt of {length} tokens, a length the {settings.layout.name} layout does not split (it splits "
+             f"multiples of {settings.layout.multiple}), is fed "
+             + (f"as its first {head} tokens, then one token at a time" if head else "one token at a time"))
     for start, end in ([(0, head)] if head else []) + [(p, p + 1) for p in range(head, length)]:
         out = _cached_step(forward, _sliced(kwargs, start, end), name=name, settings=settings, cache=cache,
-                           accepts=accepts, refusal=refusal, whole=whole)
+                           accepts=accepts, refusal=refusal, whole=whole, split=split)
     return out
 
 
@@ -356,9 +367,10 @@ def _sliced(kwargs: dict, start: int, end: int) -> dict:
 
 
 def _cached_step(forward, kwargs: dict, *, name: str, settings: Settings, cache: ShardedCache, accepts,
-                 refusal: Exception | None, whole: dict[str, int] | None = None):
+                 refusal: Exception | None, whole: dict[str, int] | None = None, split: str | None = None):
     """One forward over ``cache``: ``cached_forward``'s, or one part of a prompt it splits
-    (``whole``: the signature of the whole call, compared at every part)."""
+    (``whole``: the signature of the whole call, compared at every part; ``split``: how the
+    prompt is fed)."""
     error, call, step = refusal, None, None
     if error is None:
         try:
@@ -371,6 +383,8 @@ def _cached_step(forward, kwargs: dict, *, name: str, settings: Settings, cache:
     elif error is not None:
         raise error
     cache._step = step
+    if step is not None:
+        step.split = split
     active = CACHED.set(cache)
     first = not cache.get_seq_length()  # the forward that allocates the cache's shards
     try:
@@ -556,7 +570,7 @@ def check_generate(model, settings: Settings, generate, args: tuple, kwargs: dic
     prompt = bound.get("inputs")
     if prompt is None:
         prompt = extra.get("input_ids")
-    if not isinstance(prompt, torch.Tensor) or prompt.dim() != 2 or prompt.shape[1] == 0:
+    if not isinstance(prompt, torch.Tensor) or prompt.dim() != 2 or 0 in prompt.shape:
         got = tuple(prompt.shape) if isinstance(prompt, torch.Tensor) else type(prompt).__name__
         raise ValueError(f"generate under context parallelism needs the whole prompt as input_ids (B, T), the same "
                          f"on every rank, got {got}")
@@ -565,6 +579,7 @@ def check_generate(model, settings: Settings, generate, args: tuple, kwargs: dic
         raise ValueError(GENERATE_PADDING_REFUSED)
     check_token_ids(name, model, prompt)
     _check_cache_length(prompt.shape[1], config)
+    _check_longrope_switch(name, settings, prompt.shape[1], config)
     head = prefilled_length(settings.layout, prompt.shape[1])  # the rest: one token at a time (``cached_forward``)
     if head:
         check_rope_lengths(name, settings, head, None)
@@ -583,6 +598,23 @@ def _check_cache_length(prompt_len: int, config) -> None:
         raise ValueError(f"generate with {setting}={getattr(config, setting)} and a prompt of {prompt_len} tokens "
                          f"sizes the sharded KV cache for {longest - 1} positions, more than the {limits.MAX_COUNT} "
                          f"ctxpar counts; ask for {setting} at most {most}")
+
+
+def _check_longrope_switch(name: str, settings: Settings, prompt_len: int, config) -> None:
+    """LongRoPE models' generate (Phi-3's and Phi-MoE's ``prepare_inputs_for_generation``)
+    drops the cache and runs the whole sequence again with the long factors at the step whose
+    input first passes original_max_position_embeddings tokens; the sharded cache keeps the
+    keys it holds, rotated with the short factors (the next logits 6.6 off, other tokens,
+    silently). Refused where a generation from ``prompt_len`` tokens reaches that step."""
+    longest = prompt_len + config.max_new_tokens if config.max_new_tokens is not None else config.max_length
+    for limit in settings.longrope:
+        if prompt_len <= limit and longest - 1 > limit:  # the last forward's input: longest - 1 tokens
+            raise ValueError(f"{name} uses LongRoPE: its generate runs the whole sequence again with the long "
+                             f"factors once it passes original_max_position_embeddings={limit} tokens, which the "
+                             f"sharded cache cannot follow (its keys stay rotated with the short factors); from "
+                             f"this prompt of {prompt_len} tokens generate at most {limit + 1 - prompt_len} new "
+                             f"token{'s' if limit - prompt_len else ''}, or start from a prompt longer than {limit}, "
+                             f"or generate without context parallelism")
 
 
 def _synced_gpus(model, given) -> bool:
