@@ -227,6 +227,7 @@ def _refusals(rank: int, world: int) -> dict:
         # 12 tokens: zigzag on 4 ranks prefills 8, then 4 one at a time, which the first 8 would never see
         "bidirectional, prompt fed in parts": _attempt(lambda: enable_context_parallel(
             hf_families.build("electra"), layout=layout).generate(tokens[:, :12], **run)),
+        "empty batch": _attempt(lambda: model.generate(tokens[:0], **run)),
         "guidance_scale": _attempt(lambda: model.generate(tokens, guidance_scale=1.5, **run)),
         "synced_gpus": _attempt(lambda: model.generate(tokens, synced_gpus=True, **run)),
         "beam search on rank 1 only": _attempt(lambda: model.generate(tokens, num_beams=1 + (rank == 1), **run)),

@@ -114,6 +114,9 @@ REFUSED = {  # what generate must refuse on every rank, and the words of the err
     "bidirectional, prompt fed in parts": "ValueError: ElectraSelfAttention attends bidirectionally, and the prompt "
                                           "of 12 tokens, a length the zigzag layout does not split (it splits "
                                           "multiples of 8), is fed as its first 8 tokens, then one token at a time",
+    # it named the cache's batch ("ShardedCache batch must be an int between 1 and ...")
+    "empty batch": "ValueError: generate under context parallelism needs the whole prompt as input_ids (B, T), the "
+                   "same on every rank, got (0, 24)",
     "guidance_scale": "NotImplementedError: generate with guidance_scale=1.5 is not supported under context "
                       "parallelism: classifier-free guidance",
     # a replica done early ran forwards past its cache's capacity; the others waited in transformers' all-reduce
