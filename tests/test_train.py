@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import functools
+import itertools
 import json
 import os
 import re
@@ -177,6 +178,21 @@ def test_packed_documents_restart_positions_and_end_without_a_target() -> None:
     assert batch.documents == (3, 7, 6)
     assert batch.positions.tolist() == [1, 2, 3, 4, 5, 6, 0, 1]  # global 4..11: document 2 starts at 3, 3 at 10
     assert batch.labels.tolist() == [[5, 6, 7, 8, 9, IGNORE_INDEX, 11, 12]]  # 9 ends document 2
+
+
+@pytest.mark.parametrize("name", ["zigzag", "contiguous"])
+@pytest.mark.parametrize("world", [2, 4])
+def test_every_packed_documents_last_token_has_no_target_on_every_rank(name: str, world: int) -> None:
+    """The ranks' labels put together are the unsplit shifted labels with each document's last
+    token ignored, the first document's too (it ends on rank 0 in every list here)."""
+    layout = get_layout(name, world)
+    tokens = torch.randint(0, 256, (2, 16), generator=torch.Generator().manual_seed(0))
+    for documents in ([1, 15], [2, 14], [1, 4, 5, 6], [2, 2, 2, 10], [3, 7, 6]):
+        want = shift_labels(tokens)
+        for end in itertools.accumulate(documents):
+            want[:, end - 1] = IGNORE_INDEX
+        pieces = [shard_batch(tokens, layout=layout, rank=r, documents=documents).labels for r in range(world)]
+        assert torch.equal(layout.unshard(pieces, dim=1), want), documents
 
 
 def test_the_reference_model_keeps_packed_documents_apart_with_and_without_cp() -> None:
