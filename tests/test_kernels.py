@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 import time
 
 import pytest
@@ -151,6 +152,32 @@ def test_verify_refuses_results_it_cannot_compare_naming_what_differs() -> None:
         with pytest.raises(ValueError, match=said):
             call()
     assert verify.max_abs_errors(ref, ref) == dict.fromkeys(verify.TENSORS, 0.0)
+
+
+@pytest.mark.parametrize("bad", [float("nan"), float("inf"), -float("inf")], ids=["nan", "inf", "-inf"])
+def test_a_non_finite_result_is_a_non_finite_error_that_no_tolerance_passes(bad: float) -> None:
+    """One non-finite element of a result is its tensor's error, not a 0 that reads as exact
+    (``ctxpar demo`` compares errors <= tolerances so)."""
+    q, k, v = make(2, 1, 16)
+    ref = verify.unsplit_attention(q, k, v, torch.ones_like(q), causal=True, scale=0.25)
+    tol = verify.tolerances(torch.float64, ref)
+    for name in verify.TENSORS:
+        poisoned = ref[name].clone(memory_format=torch.contiguous_format)
+        poisoned.view(-1)[3] = bad
+        errors = verify.max_abs_errors(dict(ref, **{name: poisoned}), ref)
+        assert not errors[name] <= tol[name] and not math.isfinite(errors[name]), (name, errors)
+        assert all(errors[other] == 0.0 for other in verify.TENSORS if other != name), (name, errors)
+
+
+@pytest.mark.parametrize("dtype, rtol", [(torch.float64, 1e-12), (torch.float32, 1e-5)])
+def test_tolerances_are_the_dtypes_share_of_each_tensors_scale_and_a_vanishing_gradient_gets_the_others(
+        dtype: torch.dtype, rtol: float) -> None:
+    """The module's docstring: max |reference| x 1e-12 in float64, x 1e-5 in float32; dq, dk, dv
+    held to at least the largest of the three (dq exactly 0 here, as under a 1-key window)."""
+    ref = {name: torch.tensor([[-scale, 0.5 * scale]], dtype=torch.float64)
+           for name, scale in dict(out=2.0, lse=3.0, dq=0.0, dk=0.5, dv=4.0).items()}
+    assert verify.tolerances(dtype, ref) == dict(out=rtol * 2.0, lse=rtol * 3.0, dq=rtol * 4.0, dk=rtol * 4.0,
+                                                 dv=rtol * 4.0)
 
 
 @pytest.mark.parametrize("causal", [True, False])
