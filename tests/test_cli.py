@@ -65,6 +65,50 @@ def test_demo_hybrid_reports_its_strategy(tmp_path) -> None:
     assert report["ok"] and report["imbalance"]["pairs"] < 1.02
 
 
+def demo_verdicts_with_one_tensor_wrong(rank: int, world: int) -> dict | None:
+    """The demo's report with rank 1's result off by 0.01 in one element of each tensor in turn
+    (none: as computed); out and lse after the call, a gradient by a hook on its input. Rank 0's
+    verdicts by the wrong tensor; None elsewhere."""
+    import ctxpar
+    from ctxpar import demo
+
+    def off(t: torch.Tensor) -> torch.Tensor:
+        bump = torch.zeros(t.shape, dtype=t.dtype)
+        bump.view(-1)[0] = 0.01
+        return t + bump
+
+    computed, verdicts = ctxpar.attention_with_lse, {}
+    for wrong in ("none", *demo.TENSORS):
+        def corrupted(*args, **kwargs):
+            out, lse = computed(*args, **kwargs)
+            if rank == 1 and wrong in ("dq", "dk", "dv"):
+                args["dq dk dv".split().index(wrong)].register_hook(off)
+            if rank == 1 and wrong == "out":
+                out = off(out)
+            return out, off(lse) if rank == 1 and wrong == "lse" else lse
+
+        ctxpar.attention_with_lse = corrupted
+        try:
+            report = demo.demo_rank(rank, world, demo.DemoConfig(nproc=world, seq=64, heads=4, kv_heads=2,
+                                                                 head_dim=16, batch=1))
+        finally:
+            ctxpar.attention_with_lse = computed
+        if report is not None:
+            verdicts[wrong] = dict(ok=report["ok"], verdict=demo.format_report(report).splitlines()[-1],
+                                   beyond=[n for n in demo.TENSORS if not report["max_abs_err"][n]
+                                           <= report["tolerance"][n]])
+    return verdicts if rank == 0 else None
+
+
+def test_the_demo_says_mismatch_when_any_one_tensor_is_wrong() -> None:
+    """Each of out, lse, dq, dk, dv off on one rank fails the verdict, that tensor alone past its
+    tolerance (a verdict that skipped lse said OK of a wrong lse)."""
+    verdicts = launch.run_local(demo_verdicts_with_one_tensor_wrong, 2, timeout_s=120)[0]
+    assert verdicts.pop("none") == dict(ok=True, verdict="OK: CP matches unsplit attention", beyond=[])
+    assert verdicts == {name: dict(ok=False, verdict="MISMATCH: CP differs from unsplit attention", beyond=[name])
+                        for name in ("out", "lse", "dq", "dk", "dv")}
+
+
 def test_demo_rejects_a_bad_length_before_starting_ranks() -> None:
     proc = run_cli("demo", "--nproc", "4", "--seq", "1004")
     assert proc.returncode == 2
