@@ -458,16 +458,25 @@ def _check_subgroups(rank: int, world: int) -> dict:
 
 def _check_hybrid_meshes(rank: int, world: int) -> dict:
     """Hybrid on meshes other than the square one: all-to-all only, ring only, and the
-    dims named in the other order (so the CP rank is not the global rank)."""
+    dims named in the other order (so the CP rank is not the global rank). On each, what
+    ``topology.broadcast`` from every place and ``topology.all_gather`` deliver of the CP ranks'
+    own places (only a mesh with U != R tells a ulysses coordinate from a ring one)."""
     from torch.distributed.device_mesh import init_device_mesh
+
+    from ctxpar import topology
 
     meshes = {"ring1xulysses4": ((1, 4), ("ring", "ulysses")), "ring4xulysses1": ((4, 1), ("ring", "ulysses")),
               "ulysses2xring2": ((2, 2), ("ulysses", "ring"))}
     out = {}
     for name, (shape, names) in meshes.items():
         mesh = init_device_mesh("cpu", shape, mesh_dim_names=names)
+        topo = topology.from_mesh(mesh)
+        place = torch.tensor([float(topo.rank)])
         out[name] = dict(verdict=check_case(Case("hybrid", "zigzag", True, "gqa", "float32"), rank, world, mesh=mesh),
-                         cp_rank=ctxpar.hybrid_rank(mesh))
+                         cp_rank=ctxpar.hybrid_rank(mesh),
+                         # a copy each time: the ranks other than src receive into the tensor they pass
+                         broadcast=[topology.broadcast(place.clone(), src, topo).item() for src in range(world)],
+                         all_gather=topology.all_gather(place, topo).flatten().tolist())
     return out
 
 

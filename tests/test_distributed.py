@@ -193,6 +193,17 @@ def test_hybrid_on_every_mesh_shape_and_dim_order() -> None:
     assert seen_ranks["ulysses2xring2"] != [0, 1, 2, 3], "with the dims swapped the CP rank is not the global rank"
 
 
+def test_broadcast_and_all_gather_over_a_hybrid_mesh_follow_the_layout_order() -> None:
+    """topology.broadcast from every place reaches every rank with that place's tensor, and
+    all_gather returns the places in layout order, on 1x4, 4x1 and 2x2 (dims swapped) meshes
+    (HF generate broadcasts the last position's logits so; a source taken modulo the ring
+    degree instead of the ulysses degree passed on the square mesh alone)."""
+    for res in results(4):
+        for mesh, r in res["hybrid_meshes"].items():
+            assert r["broadcast"] == [0.0, 1.0, 2.0, 3.0], mesh
+            assert r["all_gather"] == [0.0, 1.0, 2.0, 3.0], mesh
+
+
 @pytest.mark.parametrize("world", WORLD_SIZES, ids=lambda w: f"P{w}")
 def test_loss_divides_by_the_global_token_count(world: int) -> None:
     for res in results(world):
