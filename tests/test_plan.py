@@ -436,27 +436,33 @@ def test_auto_names_what_it_costed_in_place_of_the_call() -> None:
 
 @pytest.mark.parametrize("backward", [True, False])
 def test_auto_chooses_the_strategy_the_planner_predicts_fastest(backward: bool) -> None:
-    """Each choice is the least predicted time among the strategies the heads allow, and the
-    shapes make each strategy the fastest once (the slowest once passed every test here)."""
+    """Each choice is the least predicted time among the strategies the heads allow, forward
+    alone for a call without backward, and the shapes make each strategy the fastest once (the
+    slowest once passed every test here) and one shape's forward fastest on another strategy
+    than its forward + backward (a forward-only call ranked by forward + backward passed)."""
     from ctxpar import auto
     from ctxpar.models.config import attention_only
 
     hw = get_hardware("H100-SXM")
-    shapes = [(1, 32, 32, 128, 2048, 2), (1, 8, 1, 64, 4096, 4), (1, 16, 16, 64, 512, 4), (1, 6, 2, 64, 4096, 4)]
-    chosen = []
+    shapes = [(1, 32, 32, 128, 2048, 2), (1, 8, 1, 64, 4096, 4), (1, 16, 16, 64, 512, 4), (1, 6, 2, 64, 4096, 4),
+              (1, 32, 8, 128, 4096, 2)]
+    chosen, fastest_differ = [], []
     for batch, heads, kv_heads, head_dim, seq, world in shapes:
         mask = Mask(causal=True)
         strategy, _ = auto.choose_for_shapes(batch, heads, kv_heads, head_dim, seq, world, "bfloat16", "zigzag",
                                              mask, backward, hw)
-        times = {}
+        forward, both = {}, {}
         for candidate in ("ring", "allgather") + (("alltoall",) if heads % world == 0 else ()):
             w = Workload(attention_only(heads, kv_heads, head_dim), batch=batch, seq=seq, dtype="bfloat16",
                          cp=world, strategy=candidate, layout="zigzag")
             t = cost.attention_time(w, hw.for_dtype("bfloat16"))
-            times[candidate] = t.seconds if backward else t.forward.seconds
+            forward[candidate], both[candidate] = t.forward.seconds, t.seconds
+        times = both if backward else forward
         assert strategy == min(times, key=times.get), (heads, kv_heads, seq, times)
         chosen.append(strategy)
+        fastest_differ.append(min(forward, key=forward.get) != min(both, key=both.get))
     assert set(chosen) == {"ring", "allgather", "alltoall"}, chosen
+    assert any(fastest_differ), "no shape tells forward alone from forward + backward"
 
 
 def test_make_plan_sweeps_every_valid_combination() -> None:
