@@ -435,6 +435,20 @@ def test_auto_names_what_it_costed_in_place_of_the_call() -> None:
 
 
 @pytest.mark.parametrize("backward", [True, False])
+def test_auto_costs_the_calls_own_kv_heads(backward: bool) -> None:
+    """GQA: the choice for q's 8 heads over k's 1 is the planner's for H_kv=1, a shape where
+    H_kv=8 is costed otherwise (taking q's heads for k's passed)."""
+    from ctxpar import auto
+
+    q, k = torch.empty(1, 8, 64, 64, device="meta"), torch.empty(1, 1, 64, 64, device="meta")
+    mask, hw = Mask(causal=True), auto.hardware_for(q.device)
+    got = auto.choose(q, k, world=2, layout_name="zigzag", mask=mask, backward=backward)
+    gqa, mha = (auto.choose_for_shapes(1, 8, kv_heads, 64, 128, 2, "float32", "zigzag", mask, backward, hw)
+                for kv_heads in (1, 8))
+    assert got == gqa and gqa[0] != mha[0], (got, mha)
+
+
+@pytest.mark.parametrize("backward", [True, False])
 def test_auto_chooses_the_strategy_the_planner_predicts_fastest(backward: bool) -> None:
     """Each choice is the least predicted time among the strategies the heads allow, forward
     alone for a call without backward, and the shapes make each strategy the fastest once (the
