@@ -677,6 +677,16 @@ def test_a_group_straddling_two_nodes_is_priced_at_the_inter_node_link() -> None
     assert default_ulysses(32, 8, 6, tp=2) is None  # t·U = 4 straddles, t·U = 8 is too wide
 
 
+def test_cli_hybrids_default_all_to_all_degree_fits_the_gpus_per_node_given(tmp_path, monkeypatch) -> None:
+    """--gpus-per-node 2 on 8-GPU H100 nodes: U = 2 (default_ulysses(32, 8, 2)), not the preset's 4
+    (a --gpus-per-node left out of the choice passed)."""
+    monkeypatch.setattr(planner, "MAX_SWEEP_SEQ", 2**15)  # a short sweep: this test is about one input
+    out = tmp_path / "plan.json"
+    assert main(["plan", "--strategy", "hybrid", "--cp", "8", "--seq", "32768", "--max-cp", "8",
+                 "--gpus-per-node", "2", "--json", str(out)]) == 0
+    assert json.loads(out.read_text())["inputs"]["ulysses"] == 2 == default_ulysses(32, 8, 2)
+
+
 def test_cli_refuses_a_world_too_large_naming_the_flag_given(capsys) -> None:
     """CP-1's derived DP was range-checked: '--dp must be between 1 and 2147483647, got 2147483648'."""
     assert main(["plan", "--dp", "268435456"]) == 2
