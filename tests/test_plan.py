@@ -623,6 +623,12 @@ def test_tp_traffic_and_time_are_megatrons_collectives() -> None:
     assert cost.tp_traffic(worked()).total == 0
     step = cost.step_time(w, hw)
     assert (step.tp_forward, step.tp_backward) == (4 * one / 450e9, 4 * one / 450e9)  # exposed; TP inside a node
+    # each pass's collectives pay one latency each: 4 with sequence parallelism, 2 all-reduces without
+    slow = get_hardware("H100-SXM", latency=10e-6)
+    for sp, collectives in ((True, 4), (False, 2)):
+        late = cost.step_time(w.with_(sequence_parallel=sp), slow)
+        want = 4 * one / 450e9 + collectives * 10e-6
+        assert (late.tp_forward, late.tp_backward) == (pytest.approx(want, rel=1e-12, abs=0),) * 2, sp
     assert step.tp_seconds == pytest.approx(32 * 8 * one / 450e9, rel=1e-12)
     full = cost.step_time(w.with_(checkpointing="full"), hw)
     assert full.tp_seconds == pytest.approx(32 * 12 * one / 450e9, rel=1e-12)  # the recomputed forward's again
