@@ -26,7 +26,7 @@ from ctxpar.cli import main
 from ctxpar import calibrate
 from ctxpar.calibrate import measure_link, measure_memory_bandwidth
 from ctxpar.plan import inference, inference_report, planner, plot, traffic, work
-from ctxpar.plan.baseline import VERDICTS, baseline, tp_degrees
+from ctxpar.plan.baseline import VERDICTS, BaselinePoint, _verdict, baseline, tp_degrees
 from ctxpar.plan.cost import Pipeline
 from ctxpar.plan.documents import pack, parse_doc_dist, parse_lengths, sample_lengths
 from ctxpar.plan.hardware import TILE_OVERHEADS, gpus_per_node, local_hardware
@@ -750,6 +750,18 @@ def test_baseline_is_the_fastest_fitting_configuration_without_cp() -> None:
     assert b.verdict == "pays_off" and b.summary.startswith("CP pays off: TP=1 x CP=4 ring takes 1.228 s per step")
     slow = baseline(worked(fsdp=4, tp=2, checkpointing="full"), hw)  # recomputation costs more than CP saves
     assert slow.verdict == "does_not_pay_off" and slow.speedup < 1
+
+
+def test_cp_pays_off_only_when_strictly_faster_than_the_best_without_it() -> None:
+    """The module's docstring: a configuration without CP that fits and is at least as fast
+    means does_not_pay_off, an exact tie included (it read pays_off at a tie)."""
+    def verdict(baseline_seconds: float, requested_fits: bool = True) -> str:
+        best = BaselinePoint(tp=4, checkpointing="none", step_seconds=baseline_seconds,
+                             seconds_per_batch=baseline_seconds, memory_bytes=1, fits=True)
+        return _verdict(worked(fsdp=8), best, 2.0, requested_fits)
+
+    assert [verdict(s) for s in (2.5, 2.0, 1.5)] == ["pays_off", "does_not_pay_off", "does_not_pay_off"]
+    assert verdict(2.5, requested_fits=False) == "does_not_pay_off"
 
 
 def test_baseline_says_cp_is_necessary_when_nothing_without_cp_fits() -> None:
