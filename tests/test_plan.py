@@ -1191,6 +1191,11 @@ def test_local_hardware_from_a_calibration_file(tmp_path) -> None:
     with warnings.catch_warnings():
         warnings.simplefilter("error")
         calibrate.load_calibration(str(path))
+    # a misspelt figure, or one no calibration sets, was read as nothing
+    path.write_text(json.dumps(dict(old, latencyy=1e-5, gpus_per_node=4)))
+    with pytest.raises(ValueError, match=r"has entries a calibration does not: gpus_per_node, latencyy; it holds what "
+                                         r"--calibrate measured \(set other figures with ctxpar plan's flags"):
+        calibrate.load_calibration(str(path))
 
 
 def test_gloo_link_and_memory_are_measured() -> None:

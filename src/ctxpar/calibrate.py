@@ -595,6 +595,9 @@ class OldCalibration(UserWarning):
 _CALIBRATION_ENTRIES = {"attention_flops", "bandwidth", "latency", "memory_bandwidth", "matmul_flops",
                         "launch_overhead", "attention_size_curve", "attention_causal_size_curve", "attention", "matmul",
                         "link", "tiles"}
+# every entry ``calibrate`` writes (a file may lack the later ones, measured by later versions)
+_CALIBRATION_KEYS = _CALIBRATION_ENTRIES | {"machine", "step_overhead", "strategy_step_overheads",
+                                            "strategy_step_byte_overheads", "step", *TILE_OVERHEADS}
 
 
 def load_calibration(path: str) -> dict:
@@ -618,6 +621,11 @@ def load_calibration(path: str) -> dict:
     if "attention_flops" not in found:
         raise ValueError(f"--calibration {path!r} has no \"attention_flops\" entry (the measured attention FLOP/s); "
                          f"measure again with `ctxpar plan --hardware local --calibrate --json {path}`")
+    unknown = sorted(set(found) - _CALIBRATION_KEYS)
+    if unknown:  # a misspelt figure, or one a calibration does not set, would be ignored without a word
+        raise ValueError(f"--calibration {path!r} has entries a calibration does not: {', '.join(unknown)}; it holds "
+                         f"what --calibrate measured (set other figures with ctxpar plan's flags: --gpus-per-node, "
+                         f"--bandwidth, --latency, ...)")
     attention = found.get("attention", {})
     if not isinstance(attention, dict):
         raise ValueError(f"--calibration {path!r}: its \"attention\" entry must be an object of measured rates, got "
