@@ -554,7 +554,36 @@ def test_the_recommendations_verdict_is_about_the_recommended_degree() -> None:
     assert plan.recommended_baseline.verdict == "pays_off"
     assert plan.recommended_baseline.speedup == pytest.approx(1.32, abs=0.01)
     rec = to_json(plan)["recommendation"]
-    assert (rec["cp"], rec["cp_verdict"]) == (16, "pays_off")
+    assert (rec["cp"], rec["cp_verdict"], rec["use_cp"], rec["without_cp"]) == (16, "pays_off", True, None)
+    assert format_plan(plan).count("Recommendation: CP-16 ") == 1
+
+
+def test_a_cp_degree_slower_than_a_configuration_without_cp_that_fits_is_not_the_recommendation() -> None:
+    """Llama-3-70B at 32K on 4 x 16 GPUs: the smallest CP degree that fits, CP-16, takes 8.36 s
+    per batch where TP 2 with full recomputation, on the same 16 GPUs, takes 2.719 s. The
+    headline recommended CP-16, and only its last line said CP was 0.33x as fast. CP-16 also
+    runs DP 4 where CP-4 runs 16 (FSDP 64 must divide DP x CP): a quarter of the sequences per
+    step, which it did not say."""
+    from ctxpar.plan.report import to_json
+
+    w = Workload(resolve_model("llama-3-70b"), batch=1, seq=32768, dtype="bfloat16", cp=4, fsdp=64)
+    plan = make_plan(w, get_hardware("H100-SXM"))
+    rec, text = to_json(plan)["recommendation"], format_plan(plan)
+    assert (rec["cp"], rec["cp_verdict"], rec["use_cp"], rec["dp"]) == (16, "does_not_pay_off", False, 4)
+    assert (rec["without_cp"]["tp"], rec["without_cp"]["checkpointing"]) == (2, "full")
+    assert rec["without_cp"]["seconds_per_batch"] == pytest.approx(2.719, abs=1e-3)
+    assert rec["step_seconds"] == pytest.approx(8.36, abs=1e-2)
+    assert "Recommendation: no CP: TP=2 with checkpointing full on the same 16 GPUs, 2.719 s per batch; the smallest " \
+           "CP degree that fits, CP-16 ring on the zigzag layout, takes 8.36 s per batch" in text
+    assert "DP=4 at CP-16 (--fsdp 64 must divide DP x CP; DP=16 at CP-4): 4 sequences per step on 64 GPUs, " \
+           "against 16 on 64" in text
+
+
+def test_a_cp1_recommendation_under_tp_says_a_tp_group_holds_the_sequence() -> None:
+    """It said "one GPU holds the whole sequence" of the 2 GPUs that hold it at TP 2."""
+    w = Workload(resolve_model("llama-3-8b"), batch=1, seq=4096, dtype="bfloat16", cp=2, tp=2)
+    rec = make_plan(w, get_hardware("H100-SXM")).recommendation
+    assert rec.workload.cp == 1 and rec.reasons[1].startswith("one TP group of 2 GPUs holds the whole sequence")
 
 
 def test_float32_runs_every_kernel_at_the_fp32_peaks_share_and_fp8_matmuls_keep_their_speed() -> None:
@@ -790,6 +819,8 @@ def test_the_baseline_tries_every_tp_degree_dividing_the_gpus_the_requested_one_
     assert {p.tp for p in b.points} == {1, 2, 3, 6} and set(b.skipped) == {4, 12}  # H_kv = 6
     assert (b.best.tp, b.best.checkpointing, b.verdict) == (6, "full", "does_not_pay_off")
     assert b.best.seconds_per_batch == pytest.approx(37.927, abs=1e-3) and b.speedup == pytest.approx(0.9975, abs=1e-4)
+    # two decimals read 1.00x beside "does not pay off"
+    assert "CP does not pay off: TP=6 x CP=2 ring takes 38.023 s per step, 0.9975x the speed" in b.summary
 
 
 def test_dp_and_fsdp_traffic_are_ring_collectives_over_the_gpus_holding_each_shard() -> None:

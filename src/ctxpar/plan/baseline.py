@@ -142,5 +142,6 @@ def _summary(w: Workload, hw: Hardware, verdict: str, best: BaselinePoint | None
         return f"CP does not pay off: {asked} does not fit; {without}"
     speedup = best.seconds_per_batch / requested
     words = "CP pays off" if verdict == "pays_off" else "CP does not pay off"
-    return (f"{words}: {asked} takes {format_seconds(requested)} per step, {speedup:.2f}x the speed of the best "
-            f"without CP; {without}")
+    digits = 2 if abs(speedup - 1) >= 0.005 else 4  # 0.9975x read as 1.00x beside "does not pay off"
+    return (f"{words}: {asked} takes {format_seconds(requested)} per step, {speedup:.{digits}f}x the speed of the "
+            f"best without CP; {without}")

@@ -259,7 +259,8 @@ def recommend(w: Workload, hw: Hardware, degrees: Iterable[int]) -> Recommendati
         best = min(fitting, key=lambda v: times[v.strategy])
         reasons.append(f"CP-{cp} fits: {gib(memory[best.strategy].total)} of {_budget_words(best, hw)} per GPU")
         if cp == 1:
-            reasons.append("one GPU holds the whole sequence, so CP would only add communication; "
+            holds = "one GPU holds" if best.tp == 1 else f"one TP group of {best.tp} GPUs holds"
+            reasons.append(f"{holds} the whole sequence, so CP would only add communication; "
                            "use the other GPUs for data parallelism")
             return Recommendation(best, times["ring"], 1.0, reasons)
         ranked = ", ".join(f"{s} {format_seconds(t)} ({placed[s][0].layout})"
@@ -273,11 +274,19 @@ def recommend(w: Workload, hw: Hardware, degrees: Iterable[int]) -> Recommendati
                        f"per rank) {listed}")
         eff = cost.efficiency(best, hw)
         reasons.append(f"parallel efficiency {eff:.3f} (CP-1 step time / ({cp} x CP-{cp} step time))")
+        if best.data_parallel != w.data_parallel:  # FSDP must divide DP x CP: the global batch changes with DP
+            reasons.append(f"DP={best.data_parallel} at CP-{cp} (--fsdp {w.fsdp} must divide DP x CP; "
+                           f"DP={w.data_parallel} at CP-{w.cp}): {_sequences_per_step(best)} sequences per step on "
+                           f"{best.world_size} GPUs, against {_sequences_per_step(w)} on {w.world_size}")
         return Recommendation(best, times[best.strategy], eff, reasons)
     tried = (f"no CP degree up to {max(degrees)} fits" if evaluated == degrees else
              f"none of the CP degrees evaluated ({', '.join(map(str, evaluated))}) fits")
     reasons.append(f"{tried}; " + _remedies(w, hw, degrees))
     return Recommendation(None, None, None, reasons)
+
+
+def _sequences_per_step(w: Workload) -> int:
+    return w.batch * w.microbatches * w.data_parallel
 
 
 def _smallest_fitting(w: Workload, hw: Hardware, degrees: list[int]) -> tuple[int, int] | None:

@@ -56,10 +56,13 @@ JSON (bytes exact, times in seconds; formulas in docs/planner.md):
                         fit), requested_step_seconds, requested_fits,
                         best and candidates (tp, checkpointing, step_seconds, seconds_per_batch,
                         memory_bytes, fits), skipped_tp (TP degree -> why it cannot run), summary
-    recommendation      strategy, cp, layout, ulysses, step_seconds, efficiency, reasons (the smallest CP
-                        degree that fits), cp_verdict and speedup_vs_baseline (``baseline``'s verdict
+    recommendation      strategy, cp, layout, ulysses, dp, step_seconds, efficiency, reasons (the smallest
+                        CP degree that fits), cp_verdict and speedup_vs_baseline (``baseline``'s verdict
                         and speedup for the recommended CP degree; the requested configuration's when
-                        CP-1 or nothing is recommended)
+                        CP-1 or nothing is recommended), use_cp (false where a configuration without CP
+                        that fits is at least as fast: the headline then recommends it; null where
+                        nothing fits) and without_cp (that configuration: tp, checkpointing,
+                        step_seconds, seconds_per_batch, memory_bytes, fits; null where CP is used)
     calibration         ``--hardware local``'s measurements, or null
 """
 
@@ -197,11 +200,14 @@ def to_json(plan: Plan) -> dict:
             "cp": rec.cp if rec else None,
             "layout": rec.layout if rec else None,
             "ulysses": rec.ulysses if rec else None,
+            "dp": rec.data_parallel if rec else None,
             "step_seconds": plan.recommendation.step_seconds,
             "efficiency": plan.recommendation.efficiency,
             "reasons": plan.recommendation.reasons,
             "cp_verdict": plan.recommended_baseline.verdict,
             "speedup_vs_baseline": plan.recommended_baseline.speedup,
+            "use_cp": None if plan.recommendation.workload is None else _uses_cp(plan),
+            "without_cp": vars(plan.recommended_baseline.best) if _without_cp_is_faster(plan) else None,
         },
         "calibration": plan.calibration,
     }
@@ -538,15 +544,32 @@ def _baseline(plan: Plan) -> list[str]:
     return lines
 
 
+def _without_cp_is_faster(plan: Plan) -> bool:
+    """Whether the smallest CP degree that fits loses to a configuration without CP that fits
+    on the same GPUs (``baseline``'s "does_not_pay_off" for it)."""
+    w = plan.recommendation.workload
+    return w is not None and w.cp > 1 and plan.recommended_baseline.verdict == "does_not_pay_off"
+
+
+def _uses_cp(plan: Plan) -> bool:
+    return plan.recommendation.workload.cp > 1 and not _without_cp_is_faster(plan)
+
+
 def _recommendation(plan: Plan) -> list[str]:
     rec = plan.recommendation
     w = rec.workload
+    extra = f", ulysses {w.ulysses} x ring {w.ring_degree}" if w is not None and w.strategy == "hybrid" else ""
     if w is None:
         head = "Recommendation: none fits"
     elif w.cp == 1:
         head = "Recommendation: no CP (CP-1)"
+    elif _without_cp_is_faster(plan):  # the smallest CP degree that fits is slower than what needs no CP
+        b = plan.recommended_baseline
+        head = (f"Recommendation: no CP: TP={b.best.tp} with checkpointing {b.best.checkpointing} on the same "
+                f"{b.gpus} GPUs, {format_seconds(b.best.seconds_per_batch)} per batch; the smallest CP degree that "
+                f"fits, CP-{w.cp} {w.strategy}{extra} on the {w.layout} layout, takes "
+                f"{format_seconds(rec.step_seconds)} per batch")
     else:
-        extra = f", ulysses {w.ulysses} x ring {w.ring_degree}" if w.strategy == "hybrid" else ""
         head = (f"Recommendation: CP-{w.cp} {w.strategy}{extra}, {w.layout} layout: step "
                 f"{format_seconds(rec.step_seconds)}, efficiency {rec.efficiency:.3f}")
     return [head, *(f"  - {r}" for r in rec.reasons),
