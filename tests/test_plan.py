@@ -823,6 +823,26 @@ def test_the_baseline_tries_every_tp_degree_dividing_the_gpus_the_requested_one_
     assert "CP does not pay off: TP=6 x CP=2 ring takes 38.023 s per step, 0.9975x the speed" in b.summary
 
 
+def test_an_all_to_all_across_nodes_sends_what_stays_in_a_node_over_the_faster_link() -> None:
+    """Each GPU sends an equal share to every peer at once, in-node peers over the intra-node
+    link and the others through its NIC: the GPU with the most peers off its node paces it. It
+    was priced wholly at the inter-node rate, 1.88x too long across 2 nodes of 8."""
+    h100 = get_hardware("H100-SXM")  # 450 GB/s in a node of 8, 50 between nodes
+    assert h100.all_to_all_bandwidth(8, 1, 16) == h100.all_to_all_bandwidth(4, 2, 16) == 450e9  # inside a node
+    assert h100.all_to_all_bandwidth(16, 1) == pytest.approx(15 / (8 / 50e9))  # 7 in-node peers, 8 off: 93.75 GB/s
+    assert h100.all_to_all_bandwidth(16, 2) == pytest.approx(7 / (4 / 50e9))  # TP 2 x CP 8: 3 in, 4 off
+    assert h100.all_to_all_bandwidth(64, 8) == 50e9  # one GPU a node per group: every peer off it
+    six = get_hardware("H100-SXM", gpus_per_node=6)  # groups of 4 on GPUs 4-7 straddle: 1 peer in, 2 off
+    assert six.all_to_all_bandwidth(4, 1, 12) == pytest.approx(3 / (2 / 50e9))
+    one_link = get_hardware("H100-SXM", bandwidth=100e9)
+    assert one_link.all_to_all_bandwidth(16, 1) == 100e9  # every byte over the one link given
+    w = Workload(resolve_model("llama-3-8b"), batch=1, seq=131072, dtype="bfloat16", cp=16, strategy="alltoall")
+    lead = cost.attention_time(w, h100).forward.lead
+    assert lead == pytest.approx(cost._split(w)[0].forward / (15 / (8 / 50e9)) + h100.latency)
+    assert cost.links(w, h100)["cp"].bandwidth == pytest.approx(93.75e9)  # the table's link, as priced
+    assert cost.links(w.with_(strategy="ring"), h100)["cp"].bandwidth == 50e9  # a ring: its slowest hop
+
+
 def test_dp_and_fsdp_traffic_are_ring_collectives_over_the_gpus_holding_each_shard() -> None:
     n = 8_030_261_248  # the worked model's parameters; bf16
     assert traffic.data_parallel(parameters=n, elem=2, group=1, fsdp=1).total == 0

@@ -436,7 +436,7 @@ def attention_time(w: Workload, hw: Hardware, world: int | None = None) -> Atten
         return stage_overhead(hw, w.strategy, kernels, own / stages, shuffled / stages)
 
     bw = hw.bandwidth(w.tp * w.cp, world)
-    a2a_bw = hw.bandwidth(w.tp * w.ulysses_degree, world)
+    a2a_bw = hw.all_to_all_bandwidth(w.tp * w.ulysses_degree, w.tp, world)
     if w.strategy == "allgather":
         n = gather_groups(w.kv_heads_per_gpu)  # one head group gathered per stage
         gather, reduce = rest.forward / n / bw + lat, (rest.backward - rest.forward) / n / bw + lat
@@ -486,14 +486,18 @@ def links(w: Workload, hw: Hardware) -> dict[str, Link]:
     of them t apart (spanning t·Z GPUs), and "replicas" (HSDP, the G/Z copies of a shard)
     or "dp" (DDP, all G) spanning the stage's t·P·DP GPUs. "pp": neighbouring stages are
     t·P·DP GPUs apart, so the pipeline spans every GPU. A group is priced at the inter-node
-    link when any of its copies over the job's GPUs leaves a node: the slowest sets the step."""
-    def link(size: int, span: int) -> Link:
+    link when any of its copies over the job's GPUs leaves a node: the slowest sets the step;
+    an all-to-all's (the all-to-all strategy's CP group, the hybrid's "ulysses") at
+    ``Hardware.all_to_all_bandwidth``, its in-node share over the faster link."""
+    def link(size: int, span: int, all_to_all: bool = False) -> Link:
         start = hw.straddling_group(span, w.world_size)
-        return Link(size, span, start is not None, hw.bandwidth(span, w.world_size), start)
+        bandwidth = (hw.all_to_all_bandwidth(span, w.tp, w.world_size) if all_to_all else
+                     hw.bandwidth(span, w.world_size))
+        return Link(size, span, start is not None, bandwidth, start)
 
-    out = {"tp": link(w.tp, w.tp), "cp": link(w.cp, w.tp * w.cp)}
+    out = {"tp": link(w.tp, w.tp), "cp": link(w.cp, w.tp * w.cp, all_to_all=w.strategy == "alltoall")}
     if w.strategy == "hybrid":
-        out["ulysses"] = link(w.ulysses_degree, w.tp * w.ulysses_degree)
+        out["ulysses"] = link(w.ulysses_degree, w.tp * w.ulysses_degree, all_to_all=True)
     if w.pp > 1:  # neighbouring stages are t·P·DP GPUs apart: all of them span every GPU
         out["pp"] = link(w.pp, w.world_size)
     group, z = w.data_parallel_group, w.fsdp
