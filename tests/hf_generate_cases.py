@@ -265,14 +265,23 @@ def _refusals(rank: int, world: int) -> dict:
     # shorter prompt, one token at a time from the start (ranks holding no position yet: multi-head
     # latent attention once failed on their empty K/V); a batch of one row (whose last column,
     # input_ids[:, -1], once failed the per-step checksum)
-    for name, family, part in (("9-token prompt", "llama", tokens[:, :9]), ("22-token prompt", "llama", tokens[:, :22]),
-                               ("7-token prompt", "llama", tokens[:, :7]), ("1-token prompt", "llama", tokens[:, :1]),
-                               ("5-token prompt, MLA", "deepseek_v3", tokens[:, :5]),
-                               ("3-token prompt, sinks", "gpt_oss", tokens[:, :3]),
-                               ("batch of 1", "llama", tokens[:1])):
+    # A 1-token prompt fed alone is fed whole, bidirectional layers too (it was refused as a prompt fed
+    # in parts); Llama with LongRoPE keeps its cache past original_max_position_embeddings, as CP does
+    # (refused as Phi-3 is, whose generate runs the sequence again there)
+    longrope = dict(rope_parameters=dict(rope_type="longrope", rope_theta=1e4, short_factor=[1.0] * 4,
+                                         long_factor=[4.0] * 4, original_max_position_embeddings=8))
+    for name, family, changes, part in (
+            ("9-token prompt", "llama", {}, tokens[:, :9]), ("22-token prompt", "llama", {}, tokens[:, :22]),
+            ("7-token prompt", "llama", {}, tokens[:, :7]), ("1-token prompt", "llama", {}, tokens[:, :1]),
+            ("5-token prompt, MLA", "deepseek_v3", {}, tokens[:, :5]),
+            ("3-token prompt, sinks", "gpt_oss", {}, tokens[:, :3]),
+            ("batch of 1", "llama", {}, tokens[:1]),
+            ("1-token prompt, bidirectional", "electra", {}, tokens[:, :1]),
+            ("LongRoPE past its switch, cache kept", "llama", longrope, tokens[:, :8])):
         try:
-            want = hf_families.build(family).generate(part, **run)
-            enabled = model if family == "llama" else enable_context_parallel(hf_families.build(family), layout=layout)
+            want = hf_families.build(family, **changes).generate(part, **run)
+            enabled = model if (family, changes) == ("llama", {}) else enable_context_parallel(
+                hf_families.build(family, **changes), layout=layout)
             out[name] = torch.equal(enabled.generate(part, **run), want)
         except Exception as e:  # noqa: BLE001
             out[name] = f"{type(e).__name__}: {e}"

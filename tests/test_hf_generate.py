@@ -165,7 +165,8 @@ def test_a_prompt_the_layout_does_not_split_is_prefilled_in_part_then_token_by_t
     is now a decode step from the start, ranks holding no position yet adding nothing."""
     for rank in range(4):
         for case in ("9-token prompt", "22-token prompt", "7-token prompt", "1-token prompt", "5-token prompt, MLA",
-                     "3-token prompt, sinks", "batch of 1"):
+                     "3-token prompt, sinks", "batch of 1", "1-token prompt, bidirectional",
+                     "LongRoPE past its switch, cache kept"):
             assert _part(rank, "refusals")[case] is True, (rank, case, _part(rank, "refusals")[case])
 
 

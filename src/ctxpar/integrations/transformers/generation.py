@@ -312,9 +312,10 @@ def cached_forward(forward, kwargs: dict, *, name: str, settings: Settings, cach
     whole = {f"call's {k}": v for k, v in _forward_signature(cache, kwargs).items()}  # compared at every part
     out, length = None, kwargs["input_ids"].shape[1]
     refusal = _head_rope_refusal(name, settings, head, length)
-    split = (f"the prompt of {length} tokens, a length the {settings.layout.name} layout does not split (it splits "
-             f"multiples of {settings.layout.multiple}), is fed "
-             + (f"as its first {head} tokens, then one token at a time" if head else "one token at a time"))
+    split = None if length == 1 else (  # a prompt of one token, fed alone, is fed whole
+        f"the prompt of {length} tokens, a length the {settings.layout.name} layout does not split (it splits "
+        f"multiples of {settings.layout.multiple}), is fed "
+        + (f"as its first {head} tokens, then one token at a time" if head else "one token at a time"))
     for start, end in ([(0, head)] if head else []) + [(p, p + 1) for p in range(head, length)]:
         out = _cached_step(forward, _sliced(kwargs, start, end), name=name, settings=settings, cache=cache,
                            accepts=accepts, refusal=refusal, whole=whole, split=split)
@@ -579,7 +580,7 @@ def check_generate(model, settings: Settings, generate, args: tuple, kwargs: dic
         raise ValueError(GENERATE_PADDING_REFUSED)
     check_token_ids(name, model, prompt)
     _check_cache_length(prompt.shape[1], config)
-    _check_longrope_switch(name, settings, prompt.shape[1], config)
+    _check_longrope_switch(model, settings, prompt.shape[1], config)
     head = prefilled_length(settings.layout, prompt.shape[1])  # the rest: one token at a time (``cached_forward``)
     if head:
         check_rope_lengths(name, settings, head, None)
@@ -600,12 +601,18 @@ def _check_cache_length(prompt_len: int, config) -> None:
                          f"ctxpar counts; ask for {setting} at most {most}")
 
 
-def _check_longrope_switch(name: str, settings: Settings, prompt_len: int, config) -> None:
-    """LongRoPE models' generate (Phi-3's and Phi-MoE's ``prepare_inputs_for_generation``)
-    drops the cache and runs the whole sequence again with the long factors at the step whose
-    input first passes original_max_position_embeddings tokens; the sharded cache keeps the
-    keys it holds, rotated with the short factors (the next logits 6.6 off, other tokens,
-    silently). Refused where a generation from ``prompt_len`` tokens reaches that step."""
+def _check_longrope_switch(model, settings: Settings, prompt_len: int, config) -> None:
+    """The generate of some LongRoPE models (Phi-3's, Phi-MoE's: their
+    ``prepare_inputs_for_generation`` reads original_max_position_embeddings) drops its cache
+    and runs the whole sequence again with the long factors at the step whose input first
+    passes original_max_position_embeddings tokens; under CP the sharded cache keeps the keys
+    it holds, rotated with the short factors (the next logits 6.6 off, other tokens, silently).
+    Refused where a generation from ``prompt_len`` tokens reaches that step; other LongRoPE
+    models keep their cache, as CP does."""
+    code = getattr(inspect.unwrap(type(model).prepare_inputs_for_generation), "__code__", None)
+    if code is None or "original_max_position_embeddings" not in code.co_names:
+        return
+    name = type(model).__name__
     longest = prompt_len + config.max_new_tokens if config.max_new_tokens is not None else config.max_length
     for limit in settings.longrope:
         if prompt_len <= limit and longest - 1 > limit:  # the last forward's input: longest - 1 tokens
