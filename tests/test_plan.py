@@ -839,8 +839,12 @@ def test_an_all_to_all_across_nodes_sends_what_stays_in_a_node_over_the_faster_l
     w = Workload(resolve_model("llama-3-8b"), batch=1, seq=131072, dtype="bfloat16", cp=16, strategy="alltoall")
     lead = cost.attention_time(w, h100).forward.lead
     assert lead == pytest.approx(cost._split(w)[0].forward / (15 / (8 / 50e9)) + h100.latency)
-    assert cost.links(w, h100)["cp"].bandwidth == pytest.approx(93.75e9)  # the table's link, as priced
-    assert cost.links(w.with_(strategy="ring"), h100)["cp"].bandwidth == 50e9  # a ring: its slowest hop
+    link = cost.links(w, h100)["cp"]  # the table's link, as priced
+    assert (link.bandwidth, link.name) == (pytest.approx(93.75e9), "intra- and inter-node (all-to-all)")
+    ring = cost.links(w.with_(strategy="ring"), h100)["cp"]  # a ring: its slowest hop
+    assert (ring.bandwidth, ring.name) == (50e9, "inter-node")
+    assert "more than a node of 8: intra- and inter-node links, each GPU's in-node peers over the first: in all " \
+           "93.75 GB/s" in format_plan(make_plan(w, h100))
 
 
 def test_dp_and_fsdp_traffic_are_ring_collectives_over_the_gpus_holding_each_shard() -> None:

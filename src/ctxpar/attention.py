@@ -165,14 +165,14 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, **kwargs) -> to
 
 
 def refuse_with_peers(error: Exception, q, k, v, *, layout: str | Layout, group: dist.ProcessGroup | None = None,
-                      strategy: str = "ring", mesh=None, check_consistency: bool = True) -> NoReturn:
-    """Raise ``error``, a refusal that code calling ``attention`` made on this rank before the
-    call (a model layer's), once this rank has joined the exchange that its peers' call runs
-    first: they raise with it ("ranks [r] of the CP group rejected their attention inputs")
-    rather than wait for it, and the group stays in step for the next call."""
-    if check_consistency:
-        _check_ranks_agree(q, k, v, _fallback_topology(group, mesh), error, layout_name=_layout_name(layout),
-                           causal=True, scale=None, strategy=strategy)
+                      strategy: str = "ring", mesh=None) -> NoReturn:
+    """Raise ``error``, a refusal that code calling ``attention`` (with ``check_consistency``)
+    made on this rank before the call (a model layer's), once this rank has joined the
+    exchange that its peers' call runs first: they raise with it ("ranks [r] of the CP group
+    rejected their attention inputs") rather than wait for it, and the group stays in step
+    for the next call."""
+    _check_ranks_agree(q, k, v, _fallback_topology(group, mesh), error, layout_name=_layout_name(layout),
+                       causal=True, scale=None, strategy=strategy)
     raise error
 
 

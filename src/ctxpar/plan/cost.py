@@ -469,10 +469,13 @@ class Link:
     crosses_nodes: bool
     bandwidth: float  # bytes/s per GPU per direction
     straddling_group: int | None = None  # first GPU of its first copy that leaves a node; None: none does
+    all_to_all: bool = False  # an all-to-all's: across nodes, its in-node share rides the intra-node link
 
     @property
     def name(self) -> str:
-        return "inter-node" if self.crosses_nodes else "intra-node"
+        if not self.crosses_nodes:
+            return "intra-node"
+        return "intra- and inter-node (all-to-all)" if self.all_to_all else "inter-node"
 
     def as_dict(self) -> dict:
         return dict(group_size=self.group_size, spans_gpus=self.span, crosses_nodes=self.crosses_nodes,
@@ -493,7 +496,7 @@ def links(w: Workload, hw: Hardware) -> dict[str, Link]:
         start = hw.straddling_group(span, w.world_size)
         bandwidth = (hw.all_to_all_bandwidth(span, w.tp, w.world_size) if all_to_all else
                      hw.bandwidth(span, w.world_size))
-        return Link(size, span, start is not None, bandwidth, start)
+        return Link(size, span, start is not None, bandwidth, start, all_to_all)
 
     out = {"tp": link(w.tp, w.tp), "cp": link(w.cp, w.tp * w.cp, all_to_all=w.strategy == "alltoall")}
     if w.strategy == "hybrid":

@@ -59,10 +59,11 @@ JSON (bytes exact, times in seconds; formulas in docs/planner.md):
     recommendation      strategy, cp, layout, ulysses, dp, step_seconds, efficiency, reasons (the smallest
                         CP degree that fits), cp_verdict and speedup_vs_baseline (``baseline``'s verdict
                         and speedup for the recommended CP degree; the requested configuration's when
-                        CP-1 or nothing is recommended), use_cp (false where a configuration without CP
-                        that fits is at least as fast: the headline then recommends it; null where
-                        nothing fits) and without_cp (that configuration: tp, checkpointing,
-                        step_seconds, seconds_per_batch, memory_bytes, fits; null where CP is used)
+                        CP-1 or nothing is recommended), use_cp (false where CP-1 is recommended or
+                        a configuration without CP that fits is at least as fast as the smallest CP
+                        degree that fits: the headline then recommends it; null where nothing fits)
+                        and without_cp (that configuration: tp, checkpointing, step_seconds,
+                        seconds_per_batch, memory_bytes, fits; null otherwise)
     calibration         ``--hardware local``'s measurements, or null
 """
 
@@ -207,7 +208,7 @@ def to_json(plan: Plan) -> dict:
             "cp_verdict": plan.recommended_baseline.verdict,
             "speedup_vs_baseline": plan.recommended_baseline.speedup,
             "use_cp": None if plan.recommendation.workload is None else _uses_cp(plan),
-            "without_cp": vars(plan.recommended_baseline.best) if _without_cp_is_faster(plan) else None,
+            "without_cp": vars(plan.recommended_baseline.best) if _without_cp_at_least_as_fast(plan) else None,
         },
         "calibration": plan.calibration,
     }
@@ -356,7 +357,9 @@ def _link_words(link, what: str, per_node: int) -> str:
         first = link.straddling_group
         where += (f", but the group on GPUs {first}-{first + link.span - 1} straddles two nodes "
                   f"(the slowest group sets the step)")
-    return (f"{what} group of {link.group_size} spans {link.span} consecutive GPUs, {where}: {link.name} link, "
+    links = ("intra- and inter-node links, each GPU's in-node peers over the first: in all" if link.all_to_all
+             and link.crosses_nodes else f"{link.name} link,")
+    return (f"{what} group of {link.group_size} spans {link.span} consecutive GPUs, {where}: {links} "
             f"{format_bandwidth(link.bandwidth)}")
 
 
@@ -544,7 +547,7 @@ def _baseline(plan: Plan) -> list[str]:
     return lines
 
 
-def _without_cp_is_faster(plan: Plan) -> bool:
+def _without_cp_at_least_as_fast(plan: Plan) -> bool:
     """Whether the smallest CP degree that fits loses to a configuration without CP that fits
     on the same GPUs (``baseline``'s "does_not_pay_off" for it)."""
     w = plan.recommendation.workload
@@ -552,7 +555,7 @@ def _without_cp_is_faster(plan: Plan) -> bool:
 
 
 def _uses_cp(plan: Plan) -> bool:
-    return plan.recommendation.workload.cp > 1 and not _without_cp_is_faster(plan)
+    return plan.recommendation.workload.cp > 1 and not _without_cp_at_least_as_fast(plan)
 
 
 def _recommendation(plan: Plan) -> list[str]:
@@ -563,7 +566,7 @@ def _recommendation(plan: Plan) -> list[str]:
         head = "Recommendation: none fits"
     elif w.cp == 1:
         head = "Recommendation: no CP (CP-1)"
-    elif _without_cp_is_faster(plan):  # the smallest CP degree that fits is slower than what needs no CP
+    elif _without_cp_at_least_as_fast(plan):  # the smallest CP degree that fits is slower than what needs no CP
         b = plan.recommended_baseline
         head = (f"Recommendation: no CP: TP={b.best.tp} with checkpointing {b.best.checkpointing} on the same "
                 f"{b.gpus} GPUs, {format_seconds(b.best.seconds_per_batch)} per batch; the smallest CP degree that "

@@ -304,7 +304,9 @@ def attention_forward(module, query, key, value, attention_mask, dropout: float 
     ranks' gradients sum to the unsplit one) are honoured exactly. Everything else
     that would change the result is refused here, before ctxpar communicates; a rank
     refusing alone (its own keyword arguments, a module changed on it alone) joins the check
-    its peers' attention makes first, so that they raise with it rather than wait."""
+    its peers' attention makes first, so that they raise with it rather than wait, except in
+    a generate decode step, whose peers' merge has no such check (there a module changed on
+    one rank alone leaves them waiting; generate's keyword arguments are compared before)."""
     settings: Settings | None = getattr(module, "ctxpar_settings", None)
     owner = type(module).__name__
     if settings is None:
