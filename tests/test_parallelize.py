@@ -327,6 +327,26 @@ class _OwnModel(torch.nn.Module):
         return self.run(tokens, positions)
 
 
+class _AttendsOutsideAttentionFn(_OwnModel):
+    """Block 0 attends through its attention_fn; after the blocks, a layer of its own attends
+    with ``attend`` (F.scaled_dot_product_attention, or an nn.MultiheadAttention's forward),
+    which under CP would see this rank's shard alone."""
+
+    def __init__(self, attend: str) -> None:
+        super().__init__()
+        self.attend = attend
+        self.mha = torch.nn.MultiheadAttention(self.cfg.hidden, 2, batch_first=True)
+
+    def forward(self, tokens: torch.Tensor, positions: torch.Tensor | None = None) -> torch.Tensor:
+        x = self.head.weight.T[None, None, :, :].expand(1, 1, -1, -1)  # (1, 1, vocab, d): any q, k, v
+        if self.attend == "sdpa":
+            direct = F.scaled_dot_product_attention(x, x, x, is_causal=True).mean()
+        else:
+            hidden = self.wte(tokens)
+            direct = self.mha(hidden, hidden, hidden, need_weights=False)[0].mean()
+        return self.run(tokens, positions) + direct
+
+
 class _NamedOtherwise(_OwnModel):
     def forward(self, input_ids: torch.Tensor, position_ids: torch.Tensor | None = None) -> torch.Tensor:
         return self.run(input_ids, position_ids)
@@ -403,6 +423,10 @@ def _wrapped_cases(rank: int, world: int) -> dict:
             exact=_reported(lambda: (own(batch.tokens, batch.positions) - want).abs().max().item()),
             outside_the_vocabulary_on_one_rank=_reported(lambda: own(
                 batch.tokens.clone().fill_(256) if last else batch.tokens, batch.positions)))
+    for attend in ("sdpa", "multihead"):  # after a forward refused, the next is refused too
+        own = apply_context_parallel(_AttendsOutsideAttentionFn(attend), layout=layout)
+        found[f"attends outside attention_fn, {attend}"] = [
+            _reported(lambda: own(batch.tokens, batch.positions)) for _ in range(2)]
     features, own = torch.randn(1, 16, 8), _FeatureModel()
     with torch.no_grad():
         want = layout.shard(own(features), rank, dim=2)
@@ -460,6 +484,18 @@ def test_a_model_of_ones_own_checks_its_tokens_against_its_one_embedding_whateve
         want = "_OwnModel got token ids from 256 to 256, outside its vocabulary of 256" if rank == 1 else (
             "ranks [1] of the CP group rejected their forward inputs")
         assert want in r["outside_the_vocabulary_on_one_rank"], (rank, r["outside_the_vocabulary_on_one_rank"])
+
+
+@pytest.mark.parametrize("attend, call", [("sdpa", "scaled_dot_product_attention"),
+                                          ("multihead", "multi_head_attention_forward")])
+def test_attention_outside_the_attention_fn_is_refused_on_every_rank(attend: str, call: str) -> None:
+    """A model of one's own mixing attention_fn with attention it runs itself (a layer calling
+    F.scaled_dot_product_attention, an nn.MultiheadAttention) trained silently wrong: those
+    layers attended within each rank's shard (loss 1e-3 off, gradients 70-130%)."""
+    for res in wrapped_results():
+        for message in res[f"attends outside attention_fn, {attend}"]:
+            assert message.startswith(f"ValueError: _AttendsOutsideAttentionFn calls torch.nn.functional.{call} "
+                                      f"itself, outside the attention_fn that apply_context_parallel replaced"), message
 
 
 @pytest.mark.parametrize("model", [_NamedOtherwise, _NumbersItsOwnTokens], ids=["input_ids", "tokens_alone"])

@@ -27,6 +27,7 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 import torch.nn.functional as F
+from torch.overrides import TorchFunctionMode
 
 from ctxpar import agreement, comm, limits, topology
 from ctxpar.attention import attention, check_settings
@@ -244,8 +245,47 @@ def apply_context_parallel(
     if check_consistency:
         for module in guarded:
             guard = _PositionsGuard(module, layout, group, mesh, cp_attention)
-            module._ctxpar_positions_guard = module.register_forward_pre_hook(guard, with_kwargs=True)
+            module._ctxpar_positions_guard = _Hooks(module.register_forward_pre_hook(guard, with_kwargs=True),
+                                                    module.register_forward_hook(guard.after, always_call=True))
     return model
+
+
+@dataclass(frozen=True)
+class _Hooks:
+    """The guard's two hooks on one module, removed together."""
+
+    before: torch.utils.hooks.RemovableHandle
+    after: torch.utils.hooks.RemovableHandle
+
+    def remove(self) -> None:
+        self.before.remove()
+        self.after.remove()
+
+
+# attention a module may run itself, outside its attention_fn: within this rank's shard alone under CP
+_DIRECT_ATTENTION = (F.scaled_dot_product_attention, F.multi_head_attention_forward)
+
+
+class _AttentionOutsideAttentionFn(TorchFunctionMode):
+    """Through a guarded module's first forward under CP: refuses attention called outside the
+    attention_fn that ``apply_context_parallel`` replaced (a layer calling
+    F.scaled_dot_product_attention itself, an nn.MultiheadAttention), which would attend
+    within this rank's shard alone: a model mixing both trained silently wrong (loss 1e-3
+    off, gradients 70-130%). Every rank runs the same layers, so every rank raises there."""
+
+    def __init__(self, model: str) -> None:
+        super().__init__()
+        self.model, self.refused = model, False
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        if func in _DIRECT_ATTENTION:
+            self.refused = True
+            raise ValueError(f"{self.model} calls torch.nn.functional.{func.__name__} itself, outside the "
+                             f"attention_fn that apply_context_parallel replaced: under context parallelism it would "
+                             f"attend within this rank's shard of the sequence alone, silently wrong; route that "
+                             f"layer's attention through an attention_fn (causal_sdpa), or call ctxpar.attention in "
+                             f"it")
+        return func(*args, **(kwargs or {}))
 
 
 def plain_causal_attention(fn) -> bool:
@@ -315,6 +355,10 @@ class _PositionsGuard(_KeptWithTheModel):
                  cp_attention: Callable[..., torch.Tensor]) -> None:
         self.signature = inspect.signature(module.forward)
         self.layout, self.group, self.mesh, self.cp_attention = layout, group, mesh, cp_attention
+        # attention outside the attention_fn is looked for until a forward completes (eagerly: not while
+        # torch.compile traces it)
+        self.watching: _AttentionOutsideAttentionFn | None = None
+        self.watched = False
 
     def __call__(self, module: nn.Module, args: tuple, kwargs: dict) -> None:
         if not any(getattr(m, "attention_fn", None) is self.cp_attention for m in module.modules()):
@@ -332,6 +376,17 @@ class _PositionsGuard(_KeptWithTheModel):
         batch = batch_code(tokens) if error is None else -1
         agreement.check_values_agree({SAME_BATCH: batch}, topo.process_groups, error, "forward",
                                      where_known=(SAME_BATCH,))
+        if not self.watched and self.watching is None and not torch.compiler.is_compiling():
+            self.watching = _AttentionOutsideAttentionFn(type(module).__name__)
+            self.watching.__enter__()
+
+    def after(self, module: nn.Module, args: tuple, output) -> None:
+        """The forward's end, also where it raised (``always_call``): the watch ends, and is done
+        once a forward completed."""
+        if self.watching is not None:
+            self.watching.__exit__(None, None, None)
+            self.watched = output is not None and not self.watching.refused
+            self.watching = None
 
     def _check(self, module: nn.Module, topo: topology.Topology, tokens, positions, documents) -> None:
         name, embed = type(module).__name__, _token_embedding(module)
