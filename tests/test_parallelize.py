@@ -518,6 +518,16 @@ def test_a_model_of_ones_own_whose_tokens_are_features_runs() -> None:
         assert isinstance(res["features"], float) and res["features"] < 1e-6, (rank, res["features"])
 
 
+def test_the_installed_attention_fn_takes_documents_as_causal_sdpa_does() -> None:
+    """attention_fn(q, k, v, documents), as causal_sdpa takes it, raised "attention() takes 3
+    positional arguments but 4 were given"."""
+    model = apply_context_parallel(Transformer(get_config("tiny")), layout=get_layout("zigzag", 1))
+    fn = model.layers[0].attention.attention_fn
+    q, k, v = (torch.randn(1, 2, 8, 4, dtype=torch.float64) for _ in range(3))
+    want = causal_sdpa(q, k, v, (3, 5))
+    assert torch.allclose(fn(q, k, v, (3, 5)), want) and torch.allclose(fn(q, k, v, documents=(3, 5)), want)
+
+
 def test_heads_the_all_to_all_cannot_split_are_refused_when_applied() -> None:
     """They were accepted and refused at every forward."""
     for rank, res in enumerate(wrapped_results()):

@@ -317,7 +317,11 @@ def pickling_refused(model: str, save: str) -> TypeError:
 class _SharedAttention(_KeptWithTheModel, functools.partial):
     """``ctxpar.attention`` with a model's CP settings, the ``attention_fn`` that
     ``apply_context_parallel`` installs. A deep copy of the model shares it: the positions
-    guard knows the model's attention by identity (a copied one left the copy unguarded)."""
+    guard knows the model's attention by identity (a copied one left the copy unguarded).
+    Called as ``causal_sdpa`` is, ``documents`` by place too (a TypeError once)."""
+
+    def __call__(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, documents=None, **kwargs) -> torch.Tensor:
+        return self.func(q, k, v, *self.args, documents=documents, **{**self.keywords, **kwargs})
 
 
 def _guarded_modules(model: nn.Module, attention_modules: list[nn.Module]) -> list[nn.Module]:
