@@ -5,6 +5,8 @@ from __future__ import annotations
 import re
 
 import numpy as np
+import warnings
+
 import pytest
 import torch
 
@@ -199,9 +201,19 @@ def test_a_balanced_layout_checks_its_arguments_and_says_when_it_cannot_balance(
     with pytest.raises(ValueError, match="tolerance must be a number >= 1"):
         ctxpar.BalancedLayout(2, 16, tolerance=0.5)
     # T/P = 67, prime: no chunks at all. Said where the layout is built (it once waited for the first positions())
-    with pytest.warns(UserWarning, match=r"busiest rank 1\.7\d\dx the mean") as said:
+    with pytest.warns(UserWarning, match=r"busiest rank 1\.7\d\dx the mean work \(tolerance 1.01\): T/P=67 has no "
+                      r"divisor from 2 to 64, so each rank took one chunk; .* pass tolerance=1\.7\d\d to") as said:
         ctxpar.balanced_layout(4, 4 * 67)
     assert said[0].filename == __file__
+    # one document of equal work per token beside 100 of one token: finer chunks came no closer, and the
+    # warning said "at most 4 chunks" (it had tried 2 to 48) and advised more divisors (96 has plenty)
+    with pytest.warns(UserWarning, match=r"busiest rank 1\.014x the mean work \(tolerance 1.01\): of 10 chunk counts "
+                      r"per rank \(the divisors of T/P=96 from 2 to 48\), 4 chunks of 24 tokens came closest; pass "
+                      r"tolerance=1\.015 to accept"):
+        ctxpar.balanced_layout(4, 384, causal=False, documents=[284] + [1] * 100)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        ctxpar.balanced_layout(4, 384, causal=False, documents=[284] + [1] * 100, tolerance=1.015)
     layout = ctxpar.balanced_layout(2, 16)
     layout.positions(16, 0).add_(100)  # a caller editing what it got
     assert layout.positions(16, 0).max() < 16

@@ -24,6 +24,7 @@ from __future__ import annotations
 import array
 import functools
 import hashlib
+import math
 import warnings
 import zlib
 from abc import ABC, abstractmethod
@@ -350,9 +351,17 @@ def _deal(layout: BalancedLayout) -> tuple[int, tuple[torch.Tensor, ...], tuple[
             break
     imbalance, n, owners = best
     if imbalance > layout.tolerance:
+        if layout.chunks:
+            tried = f"with chunks={n} of {local // n} tokens per rank"
+        elif options == [1]:
+            tried = (f"T/P={local} has no divisor from 2 to 64, so each rank took one chunk; a length whose T/P has "
+                     f"some balances better")
+        else:  # the finest chunks tried came no closer: the deal is as even as equal, whole chunks get
+            tried = (f"of {len(options)} chunk counts per rank (the divisors of T/P={local} from 2 to "
+                     f"{options[-1]}), {n} chunks of {local // n} tokens came closest")
         warnings.warn(f"the balanced layout leaves the busiest rank {imbalance:.3f}x the mean work (tolerance "
-                      f"{layout.tolerance}): {local} tokens per rank split into at most {n} chunks; a length "
-                      f"whose T/P has more divisors up to 64 balances better",
+                      f"{layout.tolerance}): {tried}; pass tolerance={math.ceil(imbalance * 1000) / 1000} to accept "
+                      f"this deal without a warning",
                       stacklevel=5)  # balanced_layout's caller, through __init__ and __post_init__
     size = local // n
     positions = tuple(torch.cat([torch.arange(c * size, (c + 1) * size) for c in range(world * n) if owners[c] == r])
@@ -361,11 +370,11 @@ def _deal(layout: BalancedLayout) -> tuple[int, tuple[torch.Tensor, ...], tuple[
 
 
 def balanced_layout(world_size: int, seq_len: int, *, causal: bool = True, documents=None, window=None,
-                    chunks: int = 0) -> BalancedLayout:
+                    chunks: int = 0, tolerance: float = BalancedLayout.tolerance) -> BalancedLayout:
     """A ``BalancedLayout`` for a row of ``seq_len`` tokens attended to with this mask (the
     same ``documents=`` / ``window=`` the attention calls take)."""
     return BalancedLayout(world_size, seq_len, make_mask(seq_len, causal=causal, documents=documents, window=window),
-                          chunks)
+                          chunks, tolerance)
 
 
 @dataclass(frozen=True)
