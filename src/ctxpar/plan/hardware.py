@@ -318,10 +318,10 @@ class Hardware:
         one_link = self.intra_node_bandwidth == self.inter_node_bandwidth
         if members < 2 or one_link or not self.crosses_nodes(span, world):
             return self.bandwidth(span, world)
-        n, groups = self.gpus_per_node, (world or span) // span
+        n = self.gpus_per_node
         slowest = 0.0  # seconds per byte a GPU sends
-        for k in range(min(groups, n // math.gcd(span, n))):  # where a group starts within its node repeats
-            for first in range(k * span, k * span + stride):
+        for start in self._group_starts(span, world):
+            for first in range(start, start + stride):
                 nodes = Counter((first + i * stride) // n for i in range(members))
                 for together in nodes.values():
                     inside, off = together - 1, members - together
@@ -339,9 +339,14 @@ class Hardware:
         None if all stay in one. A group fitting a node may still straddle two: 6 GPUs a
         node, groups of 4 on GPUs 4-7."""
         n = self.gpus_per_node
-        groups = (world or span) // span
-        cycle = n // math.gcd(span, n)  # where a group starts within its node repeats after this many groups
-        return next((k * span for k in range(min(groups, cycle)) if k * span % n + span > n), None)
+        return next((start for start in self._group_starts(span, world) if start % n + span > n), None)
+
+    def _group_starts(self, span: int, world: int | None) -> range:
+        """The first GPU of each group of ``span`` consecutive GPUs over ``world`` (None: one
+        group) that can differ in how it lies over the nodes: where a group starts within its
+        node repeats after n / gcd(span, n) groups."""
+        n = self.gpus_per_node
+        return range(0, min((world or span) // span, n // math.gcd(span, n)) * span, span)
 
     def memory_per_rank(self, world: int) -> int:
         """Bytes each of ``world`` ranks may fill: ``hbm_bytes``, or its 1/world share where all

@@ -488,8 +488,7 @@ def _copy_enabled_alike(model, settings: Settings) -> None:
         finally:
             for module, attributes in held:
                 module.__dict__.update(attributes)
-        return enable_context_parallel(copied, layout=settings.layout, group=settings.group,
-                                       strategy=settings.strategy, mesh=settings.mesh)
+        return enable_context_parallel(copied, **settings.split)
 
     @installed
     def reduce_ex(protocol: int):  # pickle (torch.save(model)) and copy.copy find it on the instance

@@ -93,6 +93,11 @@ class Settings:
     longrope: tuple[int, ...] = ()
     dynamic: tuple[int, ...] = ()
 
+    @property
+    def split(self) -> dict:
+        """How attention is split, as ``ctxpar.attention`` (and ``enable_context_parallel``) take it."""
+        return dict(layout=self.layout, group=self.group, strategy=self.strategy, mesh=self.mesh)
+
     def peers(self) -> Topology:
         """The CP group: ``group``'s ranks, or the hybrid ``mesh``'s (never the rest of WORLD,
         which may hold other data-parallel replicas, forwarding other batches or none)."""
@@ -321,8 +326,7 @@ def attention_forward(module, query, key, value, attention_mask, dropout: float 
     except ValueError as e:
         if cached is not None and cached.decoding:  # a decode step's exchange is another
             raise
-        refuse_with_peers(e, query, key, value, layout=settings.layout, group=settings.group,
-                          strategy=settings.strategy, mesh=settings.mesh)
+        refuse_with_peers(e, query, key, value, **settings.split)
     if cached is not None:
         cached.take(module, key, value, causal)
         if cached.decoding:
@@ -333,9 +337,8 @@ def attention_forward(module, query, key, value, attention_mask, dropout: float 
     scale = _scale(owner, scaling, query.shape[-1])
     seq_len = query.shape[2] * settings.layout.world_size
     query, key, value, d_v = _one_width(query, key, value)
-    out = attention(query, key, value, layout=settings.layout, group=settings.group, strategy=settings.strategy,
-                    mesh=settings.mesh, causal=causal, scale=scale, documents=mask.documents_for(seq_len),
-                    window=mask.window, sinks=sinks)  # (B, H, S, width)
+    out = attention(query, key, value, **settings.split, causal=causal, scale=scale,
+                    documents=mask.documents_for(seq_len), window=mask.window, sinks=sinks)  # (B, H, S, width)
     return out[..., :d_v].transpose(1, 2).contiguous(), None
 
 

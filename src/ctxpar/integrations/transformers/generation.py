@@ -587,14 +587,20 @@ def check_generate(model, settings: Settings, generate, args: tuple, kwargs: dic
     return prompt, config
 
 
+def _longest(prompt_len: int, config) -> int:
+    """The most tokens the sequence may hold by the end of generate (prompt and new)."""
+    return prompt_len + config.max_new_tokens if config.max_new_tokens is not None else config.max_length
+
+
 def _check_cache_length(prompt_len: int, config) -> None:
     """Refuse a call whose sharded cache (sized for the longest the sequence may get, as
     transformers sizes its caches) would hold more positions than ctxpar counts; raised inside
     the prefill, it named the cache's capacity, an argument the caller never gave."""
+    longest = _longest(prompt_len, config)
     if config.max_new_tokens is not None:
-        setting, longest, most = "max_new_tokens", prompt_len + config.max_new_tokens, limits.MAX_COUNT + 1 - prompt_len
+        setting, most = "max_new_tokens", limits.MAX_COUNT + 1 - prompt_len
     else:
-        setting, longest, most = "max_length", config.max_length, limits.MAX_COUNT + 1
+        setting, most = "max_length", limits.MAX_COUNT + 1
     if longest - 1 > limits.MAX_COUNT:
         raise ValueError(f"generate with {setting}={getattr(config, setting)} and a prompt of {prompt_len} tokens "
                          f"sizes the sharded KV cache for {longest - 1} positions, more than the {limits.MAX_COUNT} "
@@ -613,7 +619,7 @@ def _check_longrope_switch(model, settings: Settings, prompt_len: int, config) -
     if code is None or "original_max_position_embeddings" not in code.co_names:
         return
     name = type(model).__name__
-    longest = prompt_len + config.max_new_tokens if config.max_new_tokens is not None else config.max_length
+    longest = _longest(prompt_len, config)
     for limit in settings.longrope:
         if prompt_len <= limit and longest - 1 > limit:  # the last forward's input: longest - 1 tokens
             raise ValueError(f"{name} uses LongRoPE: its generate runs the whole sequence again with the long "
