@@ -12,6 +12,7 @@ import traceback
 import zlib
 
 import torch
+import torch.distributed as dist
 
 from ctxpar.inference import (KVCache, decode_step, generate, partial_prefill, prefill, reference_generate,
                               sharded_attention)
@@ -339,6 +340,7 @@ def _check_bad_inputs(rank: int, world: int) -> dict[str, str]:
         "chunk_method": _attempt(lambda: partial_prefill(model, prefilled(cache()), prompt[:, :2], method="pass-x")),
         "chunk_empty": _attempt(lambda: partial_prefill(model, prefilled(cache()), prompt[:, :0])),
         "cache_not_a_cache": _attempt(lambda: prefill(model, None, prompt, layout="zigzag")),
+        "empty_prompt": _attempt(lambda: prefill(model, cache(), prompt[:, :0], layout="zigzag")),
         "temperature_overflow": _attempt(lambda: generate(model, prompt, layout="zigzag", new_tokens=2,
                                                           temperature=10**400)),
     }
@@ -445,6 +447,27 @@ def _check_bad_inputs(rank: int, world: int) -> dict[str, str]:
         on_token = "progress" if rank == world - 1 else None
         messages["one_rank_on_token"] = _attempt(lambda: generate(model, prompt, layout="zigzag", new_tokens=2,
                                                                   on_token=on_token))
+        # two caches of other prompts, at one position, taken in another order on rank 0: once every rank's
+        # logits were plausible and of neither sequence (so for the same prompt dealt by two layouts)
+        first, second = prefilled(cache()), cache()
+        prefill(model, second, prompt.flip(1), layout="zigzag")
+        swap = lambda a, b: a if rank == 0 else b  # noqa: E731
+        messages["caches_swapped"] = _attempt(lambda: decode_step(model, swap(first, second), prompt[:, 0]))
+        messages["chunk_caches_swapped"] = _attempt(lambda: partial_prefill(model, swap(second, first), prompt[:, :2]))
+        dealt = cache()
+        prefill(model, dealt, prompt, layout="striped")
+        messages["deals_differ"] = _attempt(lambda: decode_step(model, swap(first, dealt), prompt[:, 0]))
+        messages["generate_layouts_differ"] = _attempt(lambda: generate(
+            model, prompt[:, :3], layout=swap("zigzag", "striped"), new_tokens=2))
+        if world == 4:
+            # a hybrid mesh over ranks {0, 2} and {1, 3}, the caches over {0, 1} and {2, 3}: once a prefill mixing
+            # the two groups' prompts, then a broadcast from another group's rank (the others waited)
+            from torch.distributed.device_mesh import init_device_mesh
+
+            pairs = [dist.new_group([0, 1]), dist.new_group([2, 3])]
+            across = init_device_mesh("cpu", (2, 2, 1), mesh_dim_names=("ring", "dp", "ulysses"))["ring", "ulysses"]
+            messages["mesh_over_other_ranks"] = _attempt(lambda: prefill(
+                model, cache(group=pairs[rank // 2]), prompt, layout="zigzag", strategy="hybrid", mesh=across))
     # no rank was left inside a collective: a whole generation still works afterwards
     r = generate(model, prompt, layout="zigzag", new_tokens=4)
     ok = r.tokens.tolist() == reference_generate(model, prompt, new_tokens=4).tolist()

@@ -12,7 +12,7 @@ import ctxpar
 import inference_cases as cases
 import spawned
 from ctxpar.auto import CANDIDATES
-from ctxpar.inference import KVCache, generate, partial_prefill, prefill, reference_generate
+from ctxpar.inference import KVCache, decode_step, generate, partial_prefill, prefill, reference_generate
 from ctxpar.plan import get_hardware
 from ctxpar.plan.inference import choose_partial_prefill
 from ctxpar.verify import FP32_RTOL
@@ -230,6 +230,13 @@ EXPECTED_MESSAGES = {
     "sparse_prompt": ["prompt: expected token ids as a dense (B, n) tensor", "got a sparse_coo tensor"],
     "temperature_differs": ["disagree on the generate call: temperature [0.5, 0.5000000000000001"],
     "names_differ": ["disagree on the prefill", "layout ['zigzag/", "'striped/", "strategy ['ring', 'allgather'"],
+    "empty_prompt": ["the prompt holds no tokens"],  # once 'length 0 is not a multiple of 2*P ... pad to 2P'
+    "caches_swapped": ["disagree on the decode step: sequence so far (crc32) ["],
+    "chunk_caches_swapped": ["disagree on the partial prefill: sequence so far (crc32) ["],
+    "deals_differ": ["disagree on the decode step: prompt dealt by ['zigzag/", "'striped/"],
+    "generate_layouts_differ": ["disagree on the generate call: layout ['zigzag/", "'striped/"],
+    "mesh_over_other_ranks": ["the hybrid mesh spans global ranks [", "but the KV cache's group holds [",
+                              "build the mesh over the cache's ranks"],
 }
 ONE_RANK_BAD = {  # the last rank's call is bad: it raises its own error, the others name it
     "one_rank_bad": "batch B=1",
@@ -243,7 +250,9 @@ ONE_RANK_BAD = {  # the last rank's call is bad: it raises its own error, the ot
 }
 MULTI_RANK_ONLY = ("layout_length", "step", "tokens_differ", "chunks_differ", "methods_differ", "calls_differ",
                    "chunk_capacities_differ", "interrupted_chunk", "cache_on_a_mesh", "cache_on_group_and_mesh",
-                   "attention_queries_differ", "models_differ", "temperature_differs", "names_differ")
+                   "attention_queries_differ", "models_differ", "temperature_differs", "names_differ",
+                   "caches_swapped", "chunk_caches_swapped", "deals_differ", "generate_layouts_differ")
+ONLY_AT_P4 = ("mesh_over_other_ranks",)
 
 
 @pytest.mark.parametrize("world", WORLD_SIZES, ids=lambda w: f"P{w}")
@@ -259,7 +268,8 @@ def test_bad_inputs_raise_clear_errors_on_every_rank_without_hanging(world: int)
             if world > 1:
                 want = own if rank == world - 1 else f"ranks [{world - 1}] of the CP group rejected"
                 assert want in message, (case, rank, message)
-        expected = {k for k in EXPECTED_MESSAGES if world > 1 or k not in MULTI_RANK_ONLY}
+        expected = {k for k in EXPECTED_MESSAGES if (world > 1 or k not in MULTI_RANK_ONLY)
+                    and (world == 4 or k not in ONLY_AT_P4)}
         assert set(messages) == expected
         for name, message in messages.items():
             for fragment in EXPECTED_MESSAGES[name]:
@@ -293,6 +303,14 @@ def test_a_custom_attention_fn_is_refused_not_replaced() -> None:
     attention_modules(model)[1].attention_fn = windowed
     with pytest.raises(ValueError, match="layer 1's attention_fn is 'windowed'"):
         generate(model, prompt, layout="zigzag", new_tokens=3)
+
+
+def test_a_cache_on_a_cuda_device_this_process_lacks_is_refused_by_name() -> None:
+    """torch's refusal was an AssertionError on a CPU build, or an allocation failure said to
+    need a smaller capacity."""
+    missing = f"cuda:{torch.cuda.device_count()}"
+    with pytest.raises(ValueError, match=f"KVCache device {missing}: this process sees "):
+        KVCache(layers=1, batch=1, kv_heads=1, head_dim=4, capacity=8, device=missing)
 
 
 def test_cache_allocates_a_pth_of_the_capacity_and_refuses_bad_shapes() -> None:
@@ -346,6 +364,70 @@ def test_rewind_forgets_the_later_positions_and_the_next_chunk_continues_there()
     for bad in (-1, cases.PROMPT_LEN + 6, 2.0, True):
         with pytest.raises(ValueError, match="rewind to"):
             cache.rewind(bad)
+
+
+def test_a_caches_history_is_its_tokens_however_they_were_fed_and_rewound() -> None:
+    """What decode_step and partial_prefill compare across ranks: the sequence itself, not the
+    calls that fed it, so the same tokens fed in other pieces or rewound and fed again match."""
+    model, prompt = cases.build(), cases.prompt_tokens()
+    tokens = torch.cat([prompt, cases.prompt_tokens(4, seed=5)], dim=1)  # (B, T + 4)
+
+    def cache() -> KVCache:
+        return KVCache.for_model(model.cfg, batch=cases.BATCH, capacity=tokens.shape[1])
+
+    whole, pieces = cache(), cache()
+    prefill(model, whole, tokens, layout="zigzag")
+    prefill(model, pieces, prompt, layout="zigzag")
+    partial_prefill(model, pieces, tokens[:, -4:-2])
+    for i in (-2, -1):
+        decode_step(model, pieces, tokens[:, i])
+    assert whole.history == pieces.history and whole.dealt_by == pieces.dealt_by == "zigzag/1"
+    pieces.rewind(cases.PROMPT_LEN - 3)
+    assert pieces.history != whole.history
+    partial_prefill(model, pieces, tokens[:, cases.PROMPT_LEN - 3:])
+    assert pieces.history == whole.history
+    pieces.rewind(cases.PROMPT_LEN + 1)
+    decode_step(model, pieces, tokens[:, cases.PROMPT_LEN + 2])  # another token at that position
+    assert pieces.history != whole.history
+    pieces.reset()
+    assert (pieces.history, pieces.dealt_by) == (0, "")
+
+
+def test_layers_sharing_one_attention_module_are_refused_not_decoded_from_overwritten_kv() -> None:
+    """The second call's K/V took the first's cache slot: the first decode step was 57% off."""
+    model, prompt = cases.build(), cases.prompt_tokens()
+    model.layers[1] = model.layers[0]
+    with pytest.raises(ValueError, match=r"layers\.0\.attention and layers\.1\.attention are one attention module: "
+                                         r"CP inference keeps one KV cache slot per attention module"):
+        generate(model, prompt, layout="zigzag", new_tokens=2)
+    one_slot = KVCache(layers=1, batch=cases.BATCH, kv_heads=model.cfg.kv_heads, head_dim=model.cfg.head_dim,
+                       capacity=cases.PROMPT_LEN + 1)
+    with pytest.raises(ValueError, match="layer 0's attention module ran twice in one forward"):
+        prefill(model, one_slot, prompt, layout="zigzag")
+    assert one_slot.seq_len == 0
+
+
+def test_partial_prefill_auto_chooses_with_the_caches_partials_and_its_dtypes_rates(monkeypatch) -> None:
+    """A float64 cache's partials are 8 bytes (auto once took 4 and sent 27% more bytes), and a
+    float32 cache runs at float32 rates (auto once took the bf16 rates the plan does not)."""
+    from ctxpar.inference import partial
+
+    asked = []
+
+    def spy(**kw):
+        asked.append(kw)
+        return "pass-kv", ""
+
+    monkeypatch.setattr(partial, "choose_partial_prefill", spy)
+    h100 = get_hardware("H100-SXM")
+    for dtype, acc, rates in ((torch.float64, 8, "float32"), (torch.float32, 4, "float32"),
+                              (torch.bfloat16, 4, "bfloat16")):
+        model = cases.build().to(dtype)
+        cache = KVCache.for_model(model.cfg, batch=cases.BATCH, capacity=cases.PROMPT_LEN, dtype=dtype)
+        partial_prefill(model, cache, cases.prompt_tokens(3), hardware=h100)
+        assert (asked[-1]["elem"], asked[-1]["acc"]) == (dtype.itemsize, acc)
+        assert asked[-1]["hw"] == h100.for_dtype(rates)
+    assert h100.for_dtype("float32") != h100
 
 
 def test_partial_prefill_gathers_the_held_positions_on_the_device_its_group_carries(monkeypatch) -> None:

@@ -1066,6 +1066,11 @@ def test_cli_parallel_flags_and_json_keys(tmp_path, capsys, monkeypatch) -> None
     assert "--tp 3 does not divide the 32 query heads" in capsys.readouterr().err
     assert main(["plan", "--inference", "--dp", "2"]) == 2
     assert "--dp: --inference plans one serving replica" in capsys.readouterr().err
+    # a prompt the layout does not split: generate serves it (its head prefilled, the rest a partial prefill)
+    for seq, fix in (("4097", "plan --seq 4096 (--chunk gives a partial prefill's time)"), ("5", "plan a lower --cp")):
+        assert main(["plan", "--inference", "--seq", seq, "--cp", "4"]) == 2
+        err = capsys.readouterr().err
+        assert "ctxpar generate takes any length, prefilling the longest such head" in err and fix in err
 
 
 # -- hardware and calibration -------------------------------------------------------------------

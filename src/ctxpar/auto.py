@@ -70,11 +70,17 @@ def hardware_for(device: torch.device) -> Hardware:
     return PRESETS["h100-sxm"]
 
 
+def planner_dtype(dtype: torch.dtype) -> str:
+    """The planner's name for ``dtype``'s rates: bfloat16, float16, or float32 (which float64
+    stands in for: the planner has no float64 rates)."""
+    return {torch.bfloat16: "bfloat16", torch.float16: "float16"}.get(dtype, "float32")
+
+
 def choose(q: torch.Tensor, k: torch.Tensor, *, world: int, layout_name: str, mask: Mask, backward: bool
            ) -> tuple[str, str]:
     """(strategy, why) for one call; ``note`` records it once the call is known to run."""
     b, h, s, d = q.shape
-    dtype = {torch.bfloat16: "bfloat16", torch.float16: "float16"}.get(q.dtype, "float32")
+    dtype = planner_dtype(q.dtype)
     hw = hardware_for(q.device)
     # the planner counts work on the named layouts; a balanced or union layout evens work out like zigzag
     layout = layout_name if layout_name in LAYOUT_NAMES else "zigzag"

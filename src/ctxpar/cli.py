@@ -15,7 +15,7 @@ from ctxpar import launch
 from ctxpar import plan as planning
 from ctxpar.demo import DTYPES, DemoConfig, format_report, run_demo
 from ctxpar.inference import command as generation
-from ctxpar.layout import LAYOUT_NAMES
+from ctxpar.layout import LAYOUT_NAMES, get_layout
 from ctxpar.limits import check_count, check_seed
 from ctxpar.models.config import PRESETS as MODEL_PRESETS
 from ctxpar.strategy_rules import STRATEGY_NAMES
@@ -361,6 +361,18 @@ def _inference_flags(args: argparse.Namespace) -> tuple[int, int | None]:
     return new_tokens, chunk
 
 
+def _check_prompt_splits(seq: int, layout: str, cp: int) -> None:
+    """Refuse an --inference prompt the layout does not split, saying how generate serves it."""
+    multiple = get_layout(layout, cp).multiple
+    if seq % multiple:
+        head = seq // multiple * multiple
+        fix = (f"plan --seq {head} (--chunk gives a partial prefill's time)" if head else
+               "plan a lower --cp")
+        raise ValueError(f"--seq {seq}: the {layout} layout on --cp {cp} prefills prompts of a multiple of {multiple} "
+                         f"tokens; ctxpar generate takes any length, prefilling the longest such head ({head} "
+                         f"tokens) and the other {seq - head} as a partial prefill: {fix}")
+
+
 def _run_plan(args: argparse.Namespace) -> int:
     # everything is checked first; measuring this machine (--calibrate) starts processes, so it comes last
     new_tokens, chunk = _inference_flags(args)
@@ -405,6 +417,8 @@ def _run_plan(args: argparse.Namespace) -> int:
                              f"with --tp {args.tp} x U dividing the {gpus_per_node} GPUs per node; "
                              "give --ulysses-degree, or use --strategy ring")
     planning.check_plan_size(args.seq, args.cp, args.max_cp)
+    if args.inference:
+        _check_prompt_splits(args.seq, args.layout, args.cp)
     documents, documents_from = _plan_documents(args)
     workload = planning.Workload(
         model, batch=args.batch, seq=args.seq, dtype=args.dtype, cp=args.cp, strategy=args.strategy,

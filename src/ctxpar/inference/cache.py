@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import math
 import weakref
+import zlib
 
 import torch
 import torch.distributed as dist
@@ -72,6 +73,8 @@ class KVCache:
         seq_len: positions in the sequence so far (every rank alike).
         prompt_len: the prefilled prompt's length T (0 before prefill).
         length: positions this rank holds.
+        dealt_by: how prefill dealt the prompt's positions to the ranks (its layout's
+            fingerprint, and a hybrid mesh's places); "" before prefill.
     """
 
     def __init__(self, *, layers: int, batch: int, kv_heads: int, head_dim: int, capacity: int,
@@ -90,6 +93,10 @@ class KVCache:
         except (RuntimeError, TypeError) as e:
             raise ValueError(f"KVCache device must be a torch.device or its name ('cpu', 'cuda:0'), got {device!r}: "
                              f"{e}") from None
+        if device.type == "cuda" and not (device.index or 0) < torch.cuda.device_count():
+            # torch's own refusal was an AssertionError, or an allocation failure that advised a smaller capacity
+            raise ValueError(f"KVCache device {device}: this process sees {torch.cuda.device_count()} CUDA device(s); "
+                             f"build the cache on the model's device")
         topo = topology.of(group, mesh, "KVCache")
         self.group, self.mesh, self.rank, self.world_size = group, mesh, topo.rank, topo.world_size
         self.layers, self.batch, self.kv_heads, self.head_dim = layers, batch, kv_heads, head_dim
@@ -110,7 +117,10 @@ class KVCache:
                              f"with a smaller capacity or batch, or over more ranks") from None
         self._positions = torch.full((self.local_capacity,), -1, dtype=torch.int64)
         self.seq_len = self.prompt_len = self.length = 0
+        self.dealt_by = ""
         self.filled_by: weakref.ref | None = None  # the model whose K/V it holds (``hooks.check_model_fits``)
+        self._tokens: torch.Tensor | None = None  # (B, capacity) int64, made by the first commit with tokens
+        self._history = (0, 0)  # (n, crc32 of the first n positions' tokens): ``history``, extended lazily
 
     @classmethod
     def for_model(cls, cfg, *, batch: int, capacity: int, group: dist.ProcessGroup | None = None,
@@ -181,15 +191,33 @@ class KVCache:
         self._keys[layer, :, :, start: start + n] = k
         self._values[layer, :, :, start: start + n] = v
 
-    def commit(self, positions: torch.Tensor, *, seq_len: int) -> None:
+    def commit(self, positions: torch.Tensor, *, seq_len: int, tokens: torch.Tensor | None = None) -> None:
         """Count the slots ``length``.. as holding ``positions`` (written to every layer),
-        and the sequence as ``seq_len`` long."""
+        and the sequence as ``seq_len`` long; ``tokens``, the (B, n) token ids of its last n
+        positions (ctxpar's prefill, decode_step and partial_prefill pass them), for ``history``."""
+        if tokens is not None:
+            if self._tokens is None:
+                self._tokens = torch.zeros((self.batch, self.capacity), dtype=torch.int64, device=self.device)
+            self._tokens[:, seq_len - tokens.shape[1]: seq_len] = tokens
         n = positions.numel()
         self._positions[self.length: self.length + n] = positions.cpu()
         self.length += n
         self.seq_len = seq_len
         if self.prompt_len == 0:
             self.prompt_len = seq_len
+
+    @property
+    def history(self) -> int:
+        """crc32 of the token ids fed so far, position after position: alike on ranks holding one
+        sequence, which ``decode_step`` and ``partial_prefill`` compare before extending it (two
+        caches taken in another order on one rank once gave every rank plausible logits of
+        neither sequence). Reads only the positions fed since it was last read."""
+        done, code = self._history
+        if done < self.seq_len and self._tokens is not None:
+            fed = self._tokens[:, done: self.seq_len].t().contiguous().cpu()  # position-major: any split, one code
+            code = zlib.crc32(fed.numpy().tobytes(), code)
+            self._history = (self.seq_len, code)
+        return code
 
     def rewind(self, seq_len: int) -> None:
         """Forget the positions from ``seq_len`` on (a turn taken back, or the same chunk
@@ -200,11 +228,16 @@ class KVCache:
         self._positions[keep:] = -1
         self.length, self.seq_len = keep, seq_len
         self.prompt_len = min(self.prompt_len, seq_len)
+        if seq_len < self._history[0]:
+            self._history = (0, 0)
+        if seq_len == 0:
+            self.dealt_by = ""
 
     def reset(self) -> None:
         """Forget everything held (the memory stays allocated for the next prompt)."""
         self._positions.fill_(-1)
         self.seq_len = self.prompt_len = self.length = 0
+        self.dealt_by, self._history = "", (0, 0)
 
     @property
     def bytes_per_position(self) -> int:

@@ -84,7 +84,7 @@ def decode_step(model: nn.Module, cache: KVCache, tokens: torch.Tensor, *,
     pos = torch.tensor([position], device=cache.device)
     with torch.no_grad(), attention_replaced(model, make):
         logits = model(tokens, pos)[:, -1]  # (B, vocab)
-    cache.commit(pos if mine else pos[:0], seq_len=position + 1)
+    cache.commit(pos if mine else pos[:0], seq_len=position + 1, tokens=tokens)
     return logits
 
 
@@ -221,10 +221,12 @@ def _check(model: nn.Module, cache: KVCache, tokens) -> torch.Tensor:
 
 
 def _signature(model: nn.Module, cache: KVCache, tokens) -> dict[str, agreement.Value]:
-    """Every rank must be at the same step with the same tokens."""
+    """Every rank must be at the same step of the same sequence, dealt alike, with the same tokens."""
     ok = is_dense(tokens)
     return {
         "position (prompt + steps)": cache.seq_len,
+        "sequence so far (crc32)": cache.history,
+        "prompt dealt by": agreement.Text(cache.dealt_by),
         "model (config, layers)": model_code(model),
         "capacity": cache.capacity,
         "batch": tokens.shape[0] if ok and tokens.dim() else -1,

@@ -27,8 +27,8 @@ from ctxpar.inference.cache import KVCache
 from ctxpar.inference.decode import decode_step
 from ctxpar.inference.hooks import model_code
 from ctxpar.inference.partial import partial_prefill
-from ctxpar.inference.prefill import check_dense_tokens, check_strategy, prefill
-from ctxpar.layout import Layout, OneLengthLayout, get_layout
+from ctxpar.inference.prefill import check_dense_tokens, check_strategy, prefill, prompt_signature
+from ctxpar.layout import Layout, OneLengthLayout, fingerprint, get_layout
 
 
 class Sampler:
@@ -106,8 +106,9 @@ def generate(model: nn.Module, prompt: torch.Tensor, *, layout: str | Layout, gr
             raise ValueError(f"on_token must be None or a function of no arguments, called after each new token, "
                              f"got {type(on_token).__name__}")
         # prefill checks these too, but a prompt shorter than the layout's multiple has no head to prefill
-        check_strategy(model, ranks.rank, world, strategy, mesh)
-        head = prefilled_length(get_layout(layout, world), prompt.shape[1])
+        check_strategy(model, ranks.rank, world, strategy, mesh, group)
+        layout = get_layout(layout, world)
+        head = prefilled_length(layout, prompt.shape[1])
         weight = model.output.weight
         # allocated before the ranks compare calls: a rank without the memory for its shard raises with the others
         cache = KVCache.for_model(model.cfg, batch=prompt.shape[0], capacity=prompt.shape[1] + new_tokens - 1,
@@ -115,8 +116,8 @@ def generate(model: nn.Module, prompt: torch.Tensor, *, layout: str | Layout, gr
     except Exception as e:  # noqa: BLE001  any failure: this rank must still join the
         error = e  # exchange below, or its peers wait there
     if check_consistency and world > 1:
-        agreement.check_values_agree(_signature(model, new_tokens, temperature, seed, strategy), group, error,
-                                     "generate call")
+        agreement.check_values_agree(_signature(model, prompt, layout, new_tokens, temperature, seed, strategy),
+                                     group, error, "generate call")
     elif error is not None:
         raise error
 
@@ -187,8 +188,10 @@ def _check(model: nn.Module, prompt: torch.Tensor, new_tokens: int, temperature:
                          f"{prompt.shape[1] + new_tokens - 1} positions, more than {limits.MAX_COUNT}")
 
 
-def _signature(model, new_tokens, temperature, seed, strategy) -> dict[str, agreement.Value]:
+def _signature(model, prompt, layout, new_tokens, temperature, seed, strategy) -> dict[str, agreement.Value]:
     return {"model (config, layers)": model_code(model),
+            **prompt_signature(prompt),
+            "layout": agreement.Text(fingerprint(layout) if isinstance(layout, Layout) else layout),
             "new_tokens": new_tokens if isinstance(new_tokens, int) else -1,
             "temperature": agreement.Real(temperature),
             "seed": seed if isinstance(seed, int) else -1,

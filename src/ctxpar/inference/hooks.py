@@ -28,18 +28,41 @@ def attention_modules(model: nn.Module) -> list[nn.Module]:
     return [m for m in model.modules() if hasattr(m, "attention_fn")]
 
 
+# why an attention module may attend once per forward
+ONE_SLOT_PER_MODULE = ("CP inference keeps one KV cache slot per attention module, and a second call's K/V would "
+                       "take the first's place; give each layer a module of its own (copy.deepcopy) or generate "
+                       "without CP (reference_generate)")
+
+
 @contextlib.contextmanager
 def attention_replaced(model: nn.Module, make: Callable[[int], AttentionFn]) -> Iterator[None]:
-    """Within the block, layer i attends with ``make(i)``; restored afterwards, also on error."""
+    """Within the block (one forward), layer i attends with ``make(i)``, once; restored
+    afterwards, also on error."""
     modules = attention_modules(model)
     saved = [m.attention_fn for m in modules]
     try:
         for i, m in enumerate(modules):
-            m.attention_fn = make(i)
+            m.attention_fn = _once(make(i), i)
         yield
     finally:
         for m, fn in zip(modules, saved):
             m.attention_fn = fn
+
+
+def _once(attend: AttentionFn, layer: int) -> AttentionFn:
+    """``attend``, refusing a second call: a module that layers share, or a forward looping
+    over a layer, once decoded from K/V the second call had overwritten. Every rank runs the
+    same layers, so every rank raises at the same call."""
+    calls = 0
+
+    def attend_once(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        nonlocal calls
+        calls += 1
+        if calls > 1:
+            raise ValueError(f"layer {layer}'s attention module ran twice in one forward: {ONE_SLOT_PER_MODULE}")
+        return attend(q, k, v)
+
+    return attend_once
 
 
 def model_code(model: nn.Module) -> int:
@@ -74,7 +97,12 @@ def check_model_fits(model: nn.Module, cache: KVCache) -> None:
     if cfg is None or not hasattr(model, "hidden_states") or not hasattr(model, "output"):
         raise ValueError(f"{type(model).__name__} is not a ctxpar.models.Transformer: CP inference needs its cfg, "
                          f"hidden_states() and output head")
-    modules = attention_modules(model)
+    places = {}  # attention module -> its names in the model, more than one where layers share it
+    for name, module in model.named_modules(remove_duplicate=False):
+        if hasattr(module, "attention_fn"):
+            places.setdefault(module, []).append(name)
+    modules = list(places)  # attention_modules(model)
+    shared = next((names for names in places.values() if len(names) > 1), None)
     for i, module in enumerate(modules):
         fn = module.attention_fn
         if not plain_causal_attention(fn):
@@ -86,8 +114,10 @@ def check_model_fits(model: nn.Module, cache: KVCache) -> None:
     have = (len(modules), cfg.kv_heads, cfg.head_dim, cfg.head_dim)  # the reference model's V is as wide as K
     want = (cache.layers, cache.kv_heads, cache.head_dim, cache.value_dim)
     if have != want:
+        fix = (f"{' and '.join(shared)} are one attention module: {ONE_SLOT_PER_MODULE}" if shared and
+               len(modules) < cfg.layers else "build the cache with KVCache.for_model(model.cfg, ...)")
         raise ValueError(f"the model has (layers, kv_heads, head_dim, value_dim) = {have} but the KV cache was "
-                         f"built for {want}; build the cache with KVCache.for_model(model.cfg, ...)")
+                         f"built for {want}; {fix}")
     dtype, device = model.output.weight.dtype, model.output.weight.device
     if (dtype, device) != (cache.dtype, cache.device):
         raise ValueError(f"the model is {dtype} on {device} but the KV cache {cache.dtype} on {cache.device}; "

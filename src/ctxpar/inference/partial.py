@@ -34,6 +34,7 @@ import torch
 import torch.nn as nn
 
 from ctxpar import agreement, kernels, limits
+from ctxpar.auto import planner_dtype
 from ctxpar.blocks import Tile, tiles_between
 from ctxpar.comm import PendingAllGather, RingComm, collective_device, settled
 from ctxpar.inference.cache import SHARD_FULL_WHY, KVCache
@@ -77,9 +78,10 @@ def partial_prefill(model: nn.Module, cache: KVCache, chunk: torch.Tensor, *, me
         limits.check_flag("check_consistency", check_consistency)
         chunk = _check(model, cache, chunk, method, hardware)
         if method == "auto":  # resolved before the ranks compare calls: each rank's hardware= could differ
-            method, _ = choose_partial_prefill(model=model.cfg, batch=cache.batch, cached=cache.seq_len,
-                                               new=chunk.shape[1], world=cache.world_size,
-                                               elem=cache.element_size, hw=hardware)
+            method, _ = choose_partial_prefill(
+                model=model.cfg, batch=cache.batch, cached=cache.seq_len, new=chunk.shape[1], world=cache.world_size,
+                elem=cache.element_size, acc=kernels.accumulation_dtype(cache.dtype).itemsize,
+                hw=hardware and hardware.for_dtype(planner_dtype(cache.dtype)))
     except Exception as e:  # noqa: BLE001  any failure: this rank must still join the
         error = e  # exchange below, or its peers wait there
     if check_consistency and cache.world_size > 1:
@@ -115,7 +117,7 @@ def partial_prefill(model: nn.Module, cache: KVCache, chunk: torch.Tensor, *, me
         hidden = model.hidden_states(tokens, positions)  # (B, m, d)
         owner = (seq_len - 1) % world
         logits = last_logits(model, hidden, owner, cache)
-    cache.commit(mine, seq_len=seq_len)
+    cache.commit(mine, seq_len=seq_len, tokens=chunk)
     return logits
 
 
@@ -234,6 +236,8 @@ def _signature(model: nn.Module, cache: KVCache, chunk, method: str) -> dict[str
     ok = is_dense(chunk) and chunk.dim() == 2
     return {
         "cached positions": cache.seq_len,
+        "sequence so far (crc32)": cache.history,
+        "prompt dealt by": agreement.Text(cache.dealt_by),
         "model (config, layers)": model_code(model),
         "batch": chunk.shape[0] if ok else -1,
         "chunk length": chunk.shape[1] if ok else -1,

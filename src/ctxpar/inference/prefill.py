@@ -13,6 +13,7 @@ the same numbers.
 from __future__ import annotations
 
 import torch
+import torch.distributed as dist
 import torch.nn as nn
 
 from ctxpar import agreement, comm, limits, strategy_rules, topology
@@ -69,6 +70,9 @@ def prefill(model: nn.Module, cache: KVCache, prompt: torch.Tensor, *, layout: s
     positions = layout.positions(seq_len, layout_rank, device=prompt.device)  # (T/P,) global, for RoPE
     tokens = layout.shard(prompt, layout_rank, dim=1)  # (B, T/P)
     groups = dict(mesh=mesh) if strategy == "hybrid" else dict(group=cache.group)
+    # hybrid: the rank in the cache's group at each place of the layout
+    group_ranks = [topology.hybrid_group_rank(mesh, place, cache.group) for place in range(cache.world_size)
+                   ] if strategy == "hybrid" else []
 
     def make(layer: int):
         def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
@@ -80,9 +84,9 @@ def prefill(model: nn.Module, cache: KVCache, prompt: torch.Tensor, *, layout: s
     with torch.no_grad(), attention_replaced(model, make):
         hidden = model.hidden_states(tokens, positions)  # (B, T/P, d)
         owner = last_position_owner(layout, seq_len)
-        owner_in_group = topology.hybrid_group_rank(mesh, owner, cache.group) if strategy == "hybrid" else owner
-        logits = last_logits(model, hidden, owner_in_group, cache)
-    cache.commit(positions, seq_len=seq_len)
+        logits = last_logits(model, hidden, group_ranks[owner] if group_ranks else owner, cache)
+    cache.commit(positions, seq_len=seq_len, tokens=prompt)
+    cache.dealt_by = fingerprint(layout) + (f", hybrid mesh places of ranks {group_ranks}" if group_ranks else "")
     return logits
 
 
@@ -151,9 +155,11 @@ def _check(model: nn.Module, cache: KVCache, prompt: torch.Tensor, layout: str |
            mesh) -> tuple[Layout, int]:
     """The layout, and this rank's index in it."""
     check_model_fits(model, cache)
-    layout_rank = check_strategy(model, cache.rank, cache.world_size, strategy, mesh)
+    layout_rank = check_strategy(model, cache.rank, cache.world_size, strategy, mesh, cache.group)
     check_tokens(prompt, cache, model.cfg.vocab, "prompt")
     seq_len = prompt.shape[1]
+    if seq_len == 0:
+        raise ValueError("the prompt holds no tokens: give at least one (B, T >= 1)")
     layout = get_layout(layout, cache.world_size)
     layout.validate(seq_len)
     if seq_len > cache.capacity:
@@ -165,9 +171,10 @@ def _check(model: nn.Module, cache: KVCache, prompt: torch.Tensor, layout: str |
     return layout, layout_rank
 
 
-def check_strategy(model: nn.Module, rank: int, world_size: int, strategy: str, mesh) -> int:
-    """The strategy and ``mesh=`` of a prefill over a cache on ``world_size`` ranks (``rank``
-    this one's), heads included; returns this rank's index in the layout."""
+def check_strategy(model: nn.Module, rank: int, world_size: int, strategy: str, mesh,
+                   group: dist.ProcessGroup | None) -> int:
+    """The strategy and ``mesh=`` of a prefill over a cache on ``group`` (``world_size`` ranks,
+    ``rank`` this one's), heads included; returns this rank's index in the layout."""
     if strategy not in INFERENCE_STRATEGIES:
         raise ValueError(f"inference strategy {strategy!r}: choose one of {', '.join(INFERENCE_STRATEGIES)}")
     layout_rank = rank
@@ -179,6 +186,11 @@ def check_strategy(model: nn.Module, rank: int, world_size: int, strategy: str, 
         if topo.world_size != world_size:
             raise ValueError(f"the hybrid mesh holds {topo.world_size} ranks but the KV cache's group "
                              f"{world_size}; build the cache on the group the mesh spans")
+        in_mesh = sorted(mesh.mesh.flatten().tolist())
+        in_group = sorted(dist.get_process_group_ranks(group or dist.group.WORLD))
+        if in_mesh != in_group:  # attention would run on the mesh's ranks, the cache's logits on the group's
+            raise ValueError(f"the hybrid mesh spans global ranks {in_mesh} but the KV cache's group holds "
+                             f"{in_group}; build the mesh over the cache's ranks, or the cache on the mesh's")
         layout_rank, ulysses = topo.rank, topo.ulysses_degree
     elif mesh is not None:
         raise ValueError(f"mesh= is for strategy='hybrid'; {strategy!r} runs on the cache's group")
@@ -188,14 +200,21 @@ def check_strategy(model: nn.Module, rank: int, world_size: int, strategy: str, 
     return layout_rank
 
 
-def _signature(model: nn.Module, cache: KVCache, prompt, layout, strategy) -> dict[str, agreement.Value]:
-    """What every rank's prefill call must share; -1 where the input was not even a tensor."""
+def prompt_signature(prompt) -> dict[str, agreement.Value]:
+    """A prompt's shape and tokens, as the ranks compare them; -1 where it is not a (B, T) tensor."""
     ok = is_dense(prompt) and prompt.dim() == 2
     return {
         "batch": prompt.shape[0] if ok else -1,
-        "model (config, layers)": model_code(model),
         "prompt length": prompt.shape[1] if ok else -1,
         "prompt tokens (crc32)": agreement.readable(lambda: agreement.tensor_code(prompt, torch.int64)) if ok else -1,
+    }
+
+
+def _signature(model: nn.Module, cache: KVCache, prompt, layout, strategy) -> dict[str, agreement.Value]:
+    """What every rank's prefill call must share; -1 where the input was not even a tensor."""
+    return {
+        **prompt_signature(prompt),
+        "model (config, layers)": model_code(model),
         "capacity": cache.capacity,
         "dtype": agreement.Text(cache.dtype),
         "cached positions": cache.seq_len,
