@@ -156,6 +156,36 @@ def raise_quoting_a_collectives_traceback(rank: int, world: int) -> int:
     return rank
 
 
+def raise_own_timeout_error(rank: int, world: int) -> int:
+    """Rank 0's own error says "timed out" (a download's), outside any collective; rank 1 is still
+    computing (it would sleep 60 s)."""
+    dist.barrier()
+    if rank == 0:
+        raise TimeoutError("The read operation timed out")
+    time.sleep(60)
+    return rank
+
+
+class StrRaises(Exception):
+    def __str__(self) -> str:
+        raise RuntimeError("str() of this exception fails")
+
+
+def raise_an_exception_whose_str_raises(rank: int, world: int) -> int:
+    dist.barrier()
+    if rank == 0:
+        raise StrRaises()
+    return rank
+
+
+def change_the_arguments_and_return_a_view(rank: int, world: int, shared: torch.Tensor, big: torch.Tensor):
+    """Each rank writes its own element of ``shared`` in place and returns it, with 8 elements of
+    ``big``."""
+    shared[rank] = 100 + rank
+    dist.barrier()
+    return shared.clone(), big[:8]
+
+
 def _refuse_to_unpickle() -> None:
     raise RuntimeError("this object cannot be rebuilt here")
 
@@ -411,7 +441,10 @@ def test_a_rank_left_waiting_in_ctxpars_own_transfers_names_the_rank_that_left()
     (raise_in_a_ring_step_after_the_peer_left, "ValueError: this rank's own error in a ring step"),
     # placed by the last traceback in its text, the one its message quotes: in a collective that lost its peer
     (raise_quoting_a_collectives_traceback, "RuntimeError: Connection closed by peer"),
-], ids=["unpickling in a finished gather", "own error with a ring transfer posted", "quoting a traceback"])
+    # str() of it raised in the report's classification: nothing was sent, and rank 0 "died"
+    (raise_an_exception_whose_str_raises, "StrRaises: <exception str() failed>"),
+], ids=["unpickling in a finished gather", "own error with a ring transfer posted", "quoting a traceback",
+        "str raises"])
 def test_a_rank_that_raises_its_own_error_is_the_cause_not_its_peer_that_returned(fn, error: str) -> None:
     """Only a collective that lost its peer (the connection closed, a timeout) is the leaver's."""
     with pytest.raises(launch.RankFailure) as e:
@@ -419,6 +452,18 @@ def test_a_rank_that_raises_its_own_error_is_the_cause_not_its_peer_that_returne
     message = str(e.value)
     assert message.startswith("rank 0 failed:") and "returned from fn" not in message, message
     assert message.rstrip().endswith(error), message
+
+
+def test_fns_own_timeout_error_is_that_ranks_failure_not_a_collectives() -> None:
+    """Read as a collective's timeout by its text, it blamed the healthy rank ("rank 1 never arrived
+    at a collective") and the run waited a timeout more."""
+    start = time.monotonic()
+    with pytest.raises(launch.RankFailure) as e:
+        run_local(raise_own_timeout_error, 2, timeout_s=5)
+    message = str(e.value)
+    assert "never arrived" not in message and "timed out after" not in message, message
+    assert "rank 0 failed:" in message and message.rstrip().endswith("TimeoutError: The read operation timed out")
+    assert time.monotonic() - start < 30
 
 
 def test_a_frozen_rank_is_named_when_the_others_time_out() -> None:
@@ -468,6 +513,17 @@ def test_a_transfer_ctxpar_posts_is_placed_in_the_code_that_asked_for_it() -> No
     posted = "in batch_isend_irecv (torch.distributed), called from"
     assert launch._whereabouts(frames).where == f"{posted} ring.py:120 in forward"
     assert launch._whereabouts([frames[0], frames[3]]).where == f"{posted} train.py:42 in step"
+
+
+def test_each_rank_gets_its_own_copy_of_a_tensor_argument_and_a_view_comes_back_alone() -> None:
+    """Tensor arguments were moved to shared memory: one rank's in-place op reached every rank
+    and the caller. A view result carried its whole storage (8 floats of 512 MiB: 512 MiB)."""
+    shared, big = torch.zeros(2), torch.arange(2.0**16)
+    results = run_local(change_the_arguments_and_return_a_view, 2, (shared, big), timeout_s=60)
+    assert [r[0].tolist() for r in results] == [[100.0, 0.0], [0.0, 101.0]]
+    assert shared.tolist() == [0.0, 0.0] and not shared.is_shared()
+    for _, view in results:
+        assert view.tolist() == list(range(8)) and view.untyped_storage().nbytes() == 8 * 4
 
 
 def test_a_result_the_parent_cannot_unpickle_is_that_ranks_failure() -> None:
@@ -666,6 +722,52 @@ def test_stray_launcher_variables_do_not_redirect_a_local_run(tmp_path) -> None:
     assert "ctxpar: spawning 2 local gloo ranks on 127.0.0.1" in proc.stderr
     assert "ignoring RANK, WORLD_SIZE, LOCAL_RANK, MASTER_ADDR, MASTER_PORT" in proc.stderr
     assert json.loads(out.read_text())["config"]["nproc"] == 2
+
+
+def test_a_torchrun_rank_without_a_process_group_is_refused_not_run_as_one_rank(monkeypatch) -> None:
+    """torch.distributed not initialised under torchrun: each rank attended over its own shard alone
+    (0.77 off), and a layout for P=2 was refused as "the process group has 1"."""
+    from ctxpar.layout import get_layout
+    from ctxpar.models import ModelConfig, Transformer
+    from ctxpar.parallelize import apply_context_parallel
+
+    for name, value in dict(TORCHELASTIC_RUN_ID="none", RANK="1", WORLD_SIZE="2", LOCAL_RANK="1",
+                            LOCAL_WORLD_SIZE="2", MASTER_ADDR="127.0.0.1", MASTER_PORT="29500").items():
+        monkeypatch.setenv(name, value)
+    q = torch.randn(1, 2, 8, 4)
+    said = "was called in rank 1 of a torchrun launch of 2 processes, but torch.distributed is not initialised here"
+    for layout in ("zigzag", get_layout("zigzag", 2)):
+        with pytest.raises(ValueError, match=f"ctxpar.attention {said}"):
+            ctxpar.attention(q, q, q, layout=layout)
+    with pytest.raises(ValueError, match=f"apply_context_parallel {said}"):
+        tiny = ModelConfig(layers=1, hidden=8, heads=2, kv_heads=2, head_dim=4, ffn=8, vocab=8)
+        apply_context_parallel(Transformer(tiny), layout="zigzag")
+    monkeypatch.setenv("WORLD_SIZE", "1")
+    assert ctxpar.attention(q, q, q, layout="zigzag").shape == q.shape  # one process: itself
+
+
+RUN_AS_A_TORCHRUN_RANK = """
+from torch.distributed import distributed_c10d
+import torch.distributed as dist
+from ctxpar import launch
+
+def fn(rank, world, device):
+    timeouts = {distributed_c10d.default_pg_timeout.total_seconds(),
+                distributed_c10d.default_pg_nccl_timeout.total_seconds()}
+    dist.destroy_process_group()
+    return timeouts
+
+print("returned", launch.run(fn, 1, timeout_s=7))
+"""
+
+
+def test_run_under_torchrun_gives_fns_groups_its_timeout_and_returns_after_fn_destroyed_the_group() -> None:
+    """Groups fn made under torchrun waited torch's 30 minutes, not timeout_s, as under run_local; and
+    fn's result was lost to an AssertionError where fn had destroyed the group itself."""
+    proc = subprocess.run([sys.executable, "-c", RUN_AS_A_TORCHRUN_RANK], capture_output=True, text=True,
+                          timeout=120, env=_as_torchrun_rank(0))
+    assert proc.returncode == 0, proc.stderr
+    assert "returned {7.0}" in proc.stdout
 
 
 def test_only_the_full_torchrun_environment_counts_as_torchrun(monkeypatch) -> None:

@@ -32,6 +32,7 @@ import ctypes
 import datetime
 import faulthandler
 import functools
+import io
 import json
 import logging
 import math
@@ -54,6 +55,7 @@ from typing import Any, NoReturn
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
+from torch.distributed import distributed_c10d
 
 from ctxpar import heap
 from ctxpar.limits import as_real, whole
@@ -196,16 +198,16 @@ def check_timeout(seconds: float, name: str = "timeout_s") -> None:
 DEVICE_TYPES = ("cpu", "cuda")
 
 
-def resolve_device_type(device_type: str | None) -> str:
+def resolve_device_type(device_type: str | None, name: str = "device_type") -> str:
     """The device the ranks compute on: ``device_type``, or by default the GPU under
     torchrun when there is one and the CPU for local ranks."""
     if device_type is None:
         return "cuda" if launched_by_torchrun() and torch.cuda.is_available() else "cpu"
     if device_type not in DEVICE_TYPES:
-        raise ValueError(f"--device {device_type!r}: choose one of {', '.join(DEVICE_TYPES)}")
+        raise ValueError(f"{name} {device_type!r}: choose one of {', '.join(DEVICE_TYPES)}")
     if device_type == "cuda" and not torch.cuda.is_available():
-        raise ValueError("--device cuda: this process sees no CUDA device (torch.cuda.is_available() is False); "
-                         "use --device cpu, or a machine (and torch build) with a GPU")
+        raise ValueError(f"{name} 'cuda': this process sees no CUDA device (torch.cuda.is_available() is False); "
+                         f"use {name} 'cpu', or a machine (and torch build) with a GPU")
     return device_type
 
 
@@ -234,7 +236,6 @@ def init_mesh(device_type: str, shape: tuple[int, ...], names: tuple[str, ...]):
     not the one the process group was created with, so a frozen rank would hold the others
     far past ``--timeout`` and the launcher would blame a healthy rank still waiting.
     """
-    from torch.distributed import distributed_c10d
     from torch.distributed.device_mesh import init_device_mesh
 
     mesh = init_device_mesh(device_type, shape, mesh_dim_names=names)
@@ -248,6 +249,9 @@ def _join(backend: str, timeout_s: float, **init) -> None:
     """``init_process_group``, remembering the timeout for the groups ``init_mesh`` makes."""
     global _collective_timeout
     _collective_timeout = datetime.timedelta(seconds=timeout_s)
+    # the groups fn makes (dist.new_group, init_device_mesh) wait as long as the run's: torch's defaults are 30
+    # minutes (gloo) and 10 (NCCL)
+    distributed_c10d.default_pg_timeout = distributed_c10d.default_pg_nccl_timeout = _collective_timeout
     dist.init_process_group(backend, timeout=_collective_timeout, **init)
 
 
@@ -548,8 +552,20 @@ def _frames_of(e: BaseException) -> list[tuple[str, str, str]]:
     return [(f.filename, str(f.lineno), f.name) for f in reversed(traceback.extract_tb(e.__traceback__))]
 
 
+def _text(e: BaseException) -> str:
+    """``str(e)``, or "" where the exception's own ``__str__`` raises (its report was once lost)."""
+    try:
+        return str(e)
+    except Exception:  # noqa: BLE001  whatever it raised
+        return ""
+
+
 def _is_timeout(e: BaseException) -> bool:
-    return isinstance(e, dist.DistStoreError) or "timed out" in str(e).lower()
+    """A wait in a collective or the rendezvous that expired: raised from inside torch.distributed
+    or ctxpar.comm, not fn's own error that says "timed out" (a download's), which once blamed
+    a healthy peer and added a timeout to the run."""
+    expired = isinstance(e, dist.DistStoreError) or "timed out" in _text(e).lower()
+    return expired and _whereabouts(_frames_of(e)).in_collective
 
 
 def _worker(rank, world_size, port, threads, timeout_s, parent_pid, backend, device, stack_writer, fn, args,
@@ -565,22 +581,15 @@ def _worker(rank, world_size, port, threads, timeout_s, parent_pid, backend, dev
         torch.set_num_threads(threads)
         if device is not None and device.type == "cuda":
             torch.cuda.set_device(device)
-        from torch.distributed import distributed_c10d
-
         timeout = datetime.timedelta(seconds=timeout_s)
-        # the groups fn makes (dist.new_group) wait as long as the run's: torch's defaults are 30
-        # minutes (gloo) and 10 (NCCL)
-        distributed_c10d.default_pg_timeout = distributed_c10d.default_pg_nccl_timeout = timeout
         store = dist.TCPStore("127.0.0.1", port, world_size, False, timeout)  # the parent serves it
         _join(backend, timeout_s, store=store, rank=rank, world_size=world_size)
         store.set(f"{_JOINED}{rank}", "")
         conn.send_bytes(pickle.dumps(("joined", None)))
         result = fn(rank, world_size, *args, *(() if device is None else (device,)))
-        # plain pickle copies tensors into the message; multiprocessing's would share their
-        # memory with a process that is about to exit
-        conn.send_bytes(pickle.dumps(("ok", result)))
+        conn.send_bytes(_result_bytes(("ok", result)))
     except StopRun as e:  # on purpose: the message says it all
-        conn.send_bytes(pickle.dumps(("stopped", str(e))))
+        conn.send_bytes(pickle.dumps(("stopped", _text(e))))
     except SystemExit:  # sys.exit in fn: a failure, and the rank leaves fn as a return does
         conn.send_bytes(pickle.dumps(("exited", traceback.format_exc())))
     except BaseException as e:  # report everything, including failed asserts, to the parent
@@ -737,6 +746,37 @@ def _check_importable(fn) -> None:
                          f"define it in a module file and import it from there")
 
 
+class _CopyingPickler(ForkingPickler):
+    """multiprocessing's pickler (its queues, locks and connections pickle for the ranks) without
+    torch's reductions, which move a tensor's storage to shared memory: each rank gets a copy
+    of a tensor argument, as of any other (a rank's in-place op once reached every rank and the
+    caller: attention 0.9 off where each rank scaled its q in place)."""
+
+    def __init__(self, *args, **kwargs) -> None:
+        super().__init__(*args, **kwargs)
+        for kind in [k for k in self.dispatch_table if isinstance(k, type)]:
+            if issubclass(kind, torch.Tensor) or kind.__module__.startswith("torch") and "Storage" in kind.__name__:
+                del self.dispatch_table[kind]
+
+
+class _ResultPickler(pickle.Pickler):
+    """Plain pickle (multiprocessing's would share a tensor's memory with a process about to
+    exit), sending a view of a larger tensor as a copy of its own elements: pickle sends the
+    whole storage (8 floats of a 512 MiB tensor once took 512 MiB per rank)."""
+
+    def reducer_override(self, obj):
+        if (type(obj) is torch.Tensor and obj.layout == torch.strided and not obj.requires_grad
+                and obj.device.type != "meta" and obj.untyped_storage().nbytes() > obj.numel() * obj.element_size()):
+            return obj.clone().__reduce_ex__(pickle.DEFAULT_PROTOCOL)
+        return NotImplemented
+
+
+def _result_bytes(message: tuple) -> bytes:
+    buffer = io.BytesIO()
+    _ResultPickler(buffer, pickle.DEFAULT_PROTOCOL).dump(message)
+    return buffer.getvalue()
+
+
 class _ForRanks:
     """``fn`` or ``args`` on its way to a rank, pickled on its own so that a failure names it
     (pickle's error names neither: "Can't pickle local object", "cannot pickle '_thread.lock'
@@ -749,7 +789,7 @@ class _ForRanks:
 
     def __reduce__(self):
         try:
-            return pickle.loads, (bytes(ForkingPickler.dumps(self.value)),)
+            return pickle.loads, (bytes(_CopyingPickler.dumps(self.value)),)
         except Exception as e:  # noqa: BLE001  whatever the pickler raised: named, with the fix
             if self.name == "fn":
                 raise ValueError(f"run_local's fn {getattr(self.value, '__qualname__', self.value)!r} cannot be "
@@ -759,7 +799,7 @@ class _ForRanks:
             what, error = "args", e  # unless one argument fails alone: that one
             for i, arg in enumerate(self.value):
                 try:
-                    ForkingPickler.dumps(arg)
+                    _CopyingPickler.dumps(arg)
                 except Exception as arg_error:  # noqa: BLE001
                     what, error = f"args[{i}], a {type(arg).__name__},", arg_error
                     break
@@ -959,7 +999,8 @@ def run(
         try:
             return fn(dist.get_rank(), dist.get_world_size(), *args, device)
         finally:
-            dist.destroy_process_group()
+            if dist.is_initialized():  # fn may have destroyed it (its result was once lost to an AssertionError)
+                dist.destroy_process_group()
     check_nproc(nproc)  # before the line that describes the ranks
     print(describe_mode(nproc, timeout_s, device_type), file=sys.stderr, flush=True)
     return run_local(fn, nproc, args, timeout_s=timeout_s, deadline_s=deadline_s, device_type=device_type)[0]

@@ -11,6 +11,7 @@ which is the global rank for ``init_device_mesh(device, (R, U), mesh_dim_names=(
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass
 
 import torch
@@ -18,6 +19,7 @@ import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh
 
 from ctxpar import comm
+from ctxpar.launch import launched_by_torchrun
 
 
 @dataclass(frozen=True)
@@ -46,11 +48,18 @@ def _initialised() -> bool:
 def from_group(group: dist.ProcessGroup | None, who: str, axis: str = "ring") -> Topology:
     """One CP group used along one axis ("ring": K/V move around the group; "ulysses":
     the whole group does all-to-alls), as ``who`` (the entry called, named in refusals) was
-    given it. Without an initialised process group, one rank. A rank's place in the layout
-    is its rank in the group (``ctxpar.layout``'s docstring)."""
+    given it. Without an initialised process group, one rank (refused in a torchrun launch of
+    several). A rank's place in the layout is its rank in the group (``ctxpar.layout``'s
+    docstring)."""
     if not _initialised():
         if group is not None:
             raise ValueError("a process group was given but torch.distributed is not initialised")
+        if launched_by_torchrun() and int(os.environ["WORLD_SIZE"]) > 1:
+            # one rank would attend over its own shard alone: wrong results on every rank, silently
+            raise ValueError(f"{who} was called in rank {os.environ['RANK']} of a torchrun launch of "
+                             f"{os.environ['WORLD_SIZE']} processes, but torch.distributed is not initialised here; "
+                             f"call torch.distributed.init_process_group() (or ctxpar.launch.init_from_env()) on "
+                             f"every rank first")
         return Topology(rank=0, world_size=1)
     if axis not in ("ring", "ulysses"):
         raise ValueError(f"axis must be 'ring' or 'ulysses', got {axis!r}")
