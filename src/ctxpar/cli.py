@@ -76,7 +76,7 @@ def _check_launch_flags(args: argparse.Namespace) -> int:
     """--nproc, --device and --timeout; returns the number of ranks the run will have."""
     if not launch.launched_by_torchrun():
         launch.check_nproc(args.nproc, "--nproc")
-    launch.resolve_device_type(args.device)
+    launch.resolve_device_type(args.device, "--device")
     launch.check_timeout(args.timeout, "--timeout")
     return launch.world_size(args.nproc)
 

@@ -206,8 +206,8 @@ def resolve_device_type(device_type: str | None, name: str = "device_type") -> s
     if device_type not in DEVICE_TYPES:
         raise ValueError(f"{name} {device_type!r}: choose one of {', '.join(DEVICE_TYPES)}")
     if device_type == "cuda" and not torch.cuda.is_available():
-        raise ValueError(f"{name} 'cuda': this process sees no CUDA device (torch.cuda.is_available() is False); "
-                         f"use {name} 'cpu', or a machine (and torch build) with a GPU")
+        raise ValueError(f"{name} cuda: this process sees no CUDA device (torch.cuda.is_available() is False); "
+                         f"use {name} cpu, or a machine (and torch build) with a GPU")
     return device_type
 
 
