@@ -25,6 +25,20 @@ CLI_COMMON = ["--nproc", "2", "--seq", "128", "--model", "tiny", "--no-progress"
 SETTINGS = TrainConfig(**COMMON).checkpoint_settings()
 
 
+def save_where_each_rank_says(rank: int, world: int, directory: str, per_rank_directory: bool) -> str:
+    """Each rank saves the tiny model: at step 3 + rank, or at step 3 into a directory of its own."""
+    from ctxpar.models import Transformer, get_config
+
+    model = Transformer(get_config("tiny"))
+    optimizer = torch.optim.AdamW(model.parameters())
+    place = os.path.join(directory, f"rank{rank}") if per_rank_directory else directory
+    try:
+        checkpoint.save(model, optimizer, place, 3 if per_rank_directory else 3 + rank, SETTINGS)
+        return "saved"
+    except ValueError as e:
+        return str(e)
+
+
 def ctxpar_train(*args: str, **popen) -> subprocess.Popen:
     return subprocess.Popen([sys.executable, "-m", "ctxpar.cli", "train", *CLI_COMMON, *args], **popen)
 
@@ -414,7 +428,28 @@ def test_the_checkpoint_api_refuses_what_would_lose_or_mix_work(tmp_path) -> Non
     refused(lambda: checkpoint.load(*model_and_optimizer(hidden=96), path), "of other shapes (embed.weight (")
     sgd = torch.optim.SGD(model.parameters(), momentum=0.9)
     sgd.step()  # momentum buffers the checkpoint does not hold
-    refused(lambda: checkpoint.load(model, sgd, path), "does not fit this model and optimizer")
+    refused(lambda: checkpoint.load(model, sgd, path),  # once 17 lines of DCP's traceback
+            "saved by an optimizer of another kind or setting: its state for embed.weight differs (only the "
+            "checkpoint's holds exp_avg, exp_avg_sq, step; only this one's holds momentum_buffer)")
+    # state of the same names under settings that change what it means: once loaded, then a KeyError at the next
+    # step (amsgrad), or AdamW's decoupled weight decay run by an Adam, silently
+    amsgrad = torch.optim.AdamW(model.parameters(), amsgrad=True)
+    refused(lambda: checkpoint.load(model, amsgrad, path), "only this one's holds max_exp_avg_sq")
+    refused(lambda: checkpoint.load(model, torch.optim.Adam(model.parameters()), path),
+            "another kind or setting (decoupled_weight_decay=True there, False here)")
+    # a path loaded directly is verified as find_resumable verifies: a flipped byte once loaded a wrong weight
+    copy = str(tmp_path / "copy" / "step-000001")
+    shutil.copytree(path, copy)
+    data = next(os.path.join(copy, n) for n in sorted(os.listdir(copy)) if n.endswith(".distcp"))
+    flip_bit(data, os.path.getsize(data) // 2)
+    refused(lambda: checkpoint.load(model, optimizer, copy), "does not match its sha256 in the manifest (corrupted)")
+    os.remove(os.path.join(copy, checkpoint.MANIFEST))
+    refused(lambda: checkpoint.load(model, optimizer, copy), "cannot be loaded: no manifest.json: incomplete")
+    refused(lambda: checkpoint.load(model, optimizer, str(tmp_path / "copy")), "is not a checkpoint (a step-<N>")
+    with pytest.warns(UserWarning, match=r"holds \d+ entries in other dtypes than the model's, loaded as the model's "
+                                         r"\(embed.weight torch.float32 there, torch.bfloat16 here"):
+        checkpoint.load(copy_model := model_and_optimizer()[0].to(torch.bfloat16),
+                        torch.optim.AdamW(copy_model.parameters()), path)
     for step in (-1, 1.5, "3", True):
         refused(lambda: checkpoint.save(model, optimizer, directory, step, SETTINGS), "step must be an int >= 0")
     refused(lambda: checkpoint.save(model, optimizer, directory, 2, None), "run must be a dict")
@@ -468,6 +503,21 @@ def _train(model, optimizer, steps: int) -> list[float]:
         optimizer.zero_grad()
         losses.append(loss.item())
     return losses
+
+
+@pytest.mark.parametrize("per_rank_directory", [False, True], ids=["steps differ", "directories differ"])
+def test_ranks_that_disagree_on_the_checkpoint_to_save_are_refused_on_every_rank(per_rank_directory, tmp_path
+                                                                                   ) -> None:
+    """Each rank wrote its shard where it was told and rank 0 sealed a checkpoint without the
+    others' (or failed naming a missing file): stray shards, and no word of the disagreement."""
+    from ctxpar.launch import run_local
+
+    said = run_local(save_where_each_rank_says, 2, (str(tmp_path), per_rank_directory), timeout_s=60)
+    want = (f"rank 0: step 3 in {tmp_path / 'rank0'}, rank 1: step 3 in {tmp_path / 'rank1'}" if per_rank_directory
+            else f"rank 0: step 3 in {tmp_path}, rank 1: step 4 in {tmp_path}")
+    for message in said:
+        assert message.startswith("the ranks disagree on the checkpoint to save (") and want in message, message
+    assert not [d for _, dirs, _ in os.walk(tmp_path) for d in dirs if d.startswith("step-")]  # nothing written
 
 
 def test_a_save_before_the_first_step_leaves_the_optimizer_as_it_was_and_resumes_it_so(tmp_path) -> None:

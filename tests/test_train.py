@@ -171,6 +171,24 @@ def test_labels_are_shifted_before_sharding_and_positions_are_global() -> None:
     assert batch.labels.tolist() == [[1, 2, 3, 4, 13, 14, 15, IGNORE_INDEX]]  # 3 -> 4 lives on rank 1
 
 
+def test_labels_given_are_unshifted_and_labels_shifted_already_are_refused() -> None:
+    """Next-token targets passed as labels= were shifted again: each token scored on the one after
+    next, silently (the loss of that task, 5.5920 against 5.5914)."""
+    tokens = torch.randint(0, 256, (2, 16), generator=torch.Generator().manual_seed(1))
+    layout = get_layout("zigzag", 2)
+    masked = tokens.clone()
+    masked[:, :5] = IGNORE_INDEX  # a prompt not to be predicted
+    got = layout.unshard([shard_batch(tokens, layout=layout, rank=r, labels=masked).labels for r in range(2)], dim=1)
+    assert torch.equal(got, shift_labels(tokens, masked)) and bool((got[:, :4] == IGNORE_INDEX).all())
+    for shifted in (shift_labels(tokens), shift_labels(tokens, masked)):
+        with pytest.raises(ValueError, match="labels are shifted already .* pass them aligned with tokens"):
+            shard_batch(tokens, layout=layout, rank=0, labels=shifted)
+    repeated = torch.full((1, 16), 7)  # unshifted labels of one repeated token also equal the next token
+    repeated_labels = repeated.clone()
+    repeated_labels[:, -1] = IGNORE_INDEX
+    shard_batch(repeated, layout=layout, rank=0, labels=repeated_labels)
+
+
 def test_packed_documents_restart_positions_and_end_without_a_target() -> None:
     layout = get_layout("zigzag", 2)
     tokens = torch.arange(16).view(1, 16)

@@ -40,6 +40,7 @@ import os
 import re
 import shutil
 import tempfile
+import warnings
 from collections.abc import Callable
 from dataclasses import dataclass
 from functools import cache, partial
@@ -184,6 +185,7 @@ def save(model: torch.nn.Module, optimizer: torch.optim.Optimizer, directory: st
 
     settings = _checked_run(run)
     path = step_path(directory, step)
+    _check_ranks_agree(directory, step)
     try:
         lock = _on_rank0(partial(_claim, directory, path, step, settings))  # rank 0's descriptor
     except OSError as e:
@@ -205,6 +207,21 @@ def save(model: torch.nn.Module, optimizer: torch.optim.Optimizer, directory: st
         if _rank_world()[0] == 0:
             os.close(lock)  # releases the lock
     return path
+
+
+def _check_ranks_agree(directory: str, step: int) -> None:
+    """Refuse, on every rank, ranks saving other steps or into other directories (collective):
+    each wrote its shard where it was told, and rank 0 sealed a checkpoint missing them."""
+    rank, world = _rank_world()
+    if world == 1:
+        return
+    mine = (step, os.path.abspath(directory))
+    every = [None] * world
+    dist.all_gather_object(every, mine)
+    if any(theirs != every[0] for theirs in every):
+        told = ", ".join(f"rank {r}: step {s} in {d}" for r, (s, d) in enumerate(every))
+        raise ValueError(f"the ranks disagree on the checkpoint to save ({told}); every rank must save the same step "
+                         f"into the same directory, on a file system they all share")
 
 
 def _unwritten(path: str, step: int, cause: OSError) -> OSError:
@@ -264,7 +281,9 @@ def write_manifest(path: str, step: int, run: dict[str, Any]) -> None:
     digests = _digests(path, names)
     unreadable = {name: d for name, d in digests.items() if isinstance(d, str)}
     if unreadable:
-        raise OSError(f"cannot read back the checkpoint files just written in {path}: {unreadable}")
+        shared = (" (files rank 0 lists are missing for other ranks: is it on a file system every rank shares?)"
+                  if "missing" in unreadable.values() and _rank_world()[1] > 1 else "")
+        raise OSError(f"cannot read back the checkpoint files just written in {path}{shared}: {unreadable}")
     body = {"format": FORMAT, "step": step, "run": _as_json(run), "files": digests}
     _on_rank0(partial(_write_atomically, path, {**body, "checksum": _checksum(body)}))
 
@@ -305,13 +324,21 @@ def find_resumable(directory: str, run: dict[str, Any], *, required: bool = True
     raise ValueError(f"--resume: no complete, verified checkpoint in {directory!r}:{listing}\n{fix}")
 
 
-def load(model: torch.nn.Module, optimizer: torch.optim.Optimizer, path: str) -> None:
-    """Load a checkpoint that :func:`find_resumable` verified into model and optimizer (collective).
+def load(model: torch.nn.Module, optimizer: torch.optim.Optimizer, checkpoint: Resumable | str) -> None:
+    """Load a checkpoint into model and optimizer (collective): the one :func:`find_resumable`
+    found (and verified), or a ``step-<N>`` directory's path, verified here against its
+    manifest first (a flipped byte once loaded a wrong weight without a word).
+
+    The optimizer's settings (learning rate, betas, weight decay) become the checkpoint's, as
+    torch's ``load_state_dict`` makes them; tensors are cast to the model's dtypes, with a
+    warning naming those that differ.
 
     Raises:
-        ValueError: the checkpoint holds parameters the model does not (a model with fewer
-            layers once loaded the rest silently), lacks some it has, or holds them in other
-            shapes, naming them; its optimizer state does not fit the optimizer (another kind);
+        ValueError: the checkpoint is not sealed or does not match its manifest; it holds
+            parameters the model does not (a model with fewer layers once loaded the rest
+            silently), lacks some it has, or holds them in other shapes, naming them; its
+            optimizer state is of another kind (state of other names, or amsgrad,
+            decoupled weight decay, maximize, nesterov or centered set otherwise), naming it;
             or it was saved by an optimizer over other parameters, naming them.
     """
     import torch.distributed.checkpoint as dcp
@@ -319,24 +346,82 @@ def load(model: torch.nn.Module, optimizer: torch.optim.Optimizer, path: str) ->
     from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_state_dict, set_model_state_dict,
                                                          set_optimizer_state_dict)
 
+    path = checkpoint.path if isinstance(checkpoint, Resumable) else _verified(checkpoint)
     model_state, optim_state = get_state_dict(model, optimizer)
-    parameters, saved_state = _on_rank0(partial(_saved_entries, path))
+    parameters, saved_state, dtypes = _on_rank0(partial(_saved_entries, path))
     _check_parameters(path, parameters, model_state)
+    _warn_casts(path, dtypes, model_state)
     # Only the parameters the saving optimizer held state for: none where it was saved before the first step
     # (_state_without_stepping), not those that never had a gradient. get_state_dict made state for every one.
     optim_state = {**optim_state, "state": {name: v for name, v in optim_state["state"].items()
                                             if f"optim.state.{name}" in saved_state}}
+    _check_optimizer_state(path, optim_state["state"], saved_state)
     groups = [list(group["params"]) for group in optim_state["param_groups"]]  # dcp.load puts the saved ones there
     state = {"model": model_state, "optim": optim_state}
     try:
         dcp.load(state, checkpoint_id=path)
     except CheckpointException as e:  # a BaseException: an `except Exception` would miss it
-        raise ValueError(f"the checkpoint {path} does not fit this model and optimizer (an optimizer of another "
-                         f"kind, or other state): {e}") from None
+        last = next((line for line in reversed(str(e).splitlines()) if line.strip()), type(e).__name__)
+        raise ValueError(f"the checkpoint {path} does not fit this model and optimizer: {last.strip()}") from None
     _check_optimizer_parameters(path, groups, [list(group["params"]) for group in state["optim"]["param_groups"]])
+    _check_optimizer_kind(path, optimizer.param_groups, state["optim"]["param_groups"])
     set_model_state_dict(model, state["model"])
     # not strict: the parameters without saved state start without, as the saving optimizer's would have stepped
     set_optimizer_state_dict(model, optimizer, state["optim"], options=StateDictOptions(strict=False))
+
+
+def _verified(path: str) -> str:
+    """``path``, once its manifest and files are found intact as ``find_resumable`` checks them
+    (collective); refused otherwise, naming why."""
+    _on_rank0(partial(_check_is_directory, path))
+    match = _STEP_DIR.fullmatch(os.path.basename(os.path.normpath(path)))
+    if match is None:
+        raise ValueError(f"{path!r} is not a checkpoint (a step-<N> directory save() wrote); pass one, or the "
+                         f"checkpoint find_resumable returns")
+    manifest, why = _on_rank0(partial(_read_manifest, path, int(match[1])))
+    problems = [why] if manifest is None else _file_problems(path, manifest["files"])
+    if problems:
+        raise ValueError(f"the checkpoint {path} cannot be loaded: {'; '.join(problems)}; load another (find_resumable "
+                         f"returns the newest that verifies)")
+    return path
+
+
+# optimizer settings that change what its state means: loading state saved under another value once ran on
+# (AdamW's decoupled weight decay in an Adam) or failed at the next step (amsgrad's missing max_exp_avg_sq)
+_OPTIMIZER_KIND = ("amsgrad", "decoupled_weight_decay", "maximize", "nesterov", "centered")
+
+
+def _check_optimizer_state(path: str, here: dict[str, dict], saved: set[str]) -> None:
+    """Refuse optimizer state of other names than this optimizer's (another kind, or amsgrad set
+    otherwise), naming them: the saved names it does not ask for were dropped unseen."""
+    for name, entries in here.items():
+        prefix = f"optim.state.{name}."
+        saved_names = {key[len(prefix):].split(".")[0] for key in saved if key.startswith(prefix)}
+        if saved_names != set(entries):
+            only_saved, only_here = sorted(saved_names - set(entries)), sorted(set(entries) - saved_names)
+            what = "; ".join(f"{where} {', '.join(names)}" for names, where in
+                             ((only_saved, "only the checkpoint's holds"), (only_here, "only this one's holds"))
+                             if names)
+            raise ValueError(f"the checkpoint {path} was saved by an optimizer of another kind or setting: its state "
+                             f"for {name} differs ({what}); make the optimizer the saving run made")
+
+
+def _check_optimizer_kind(path: str, here: list[dict], saved: list[dict]) -> None:
+    for mine, theirs in zip(here, saved):
+        differ = [f"{key}={theirs[key]!r} there, {mine[key]!r} here" for key in _OPTIMIZER_KIND
+                  if key in mine and key in theirs and mine[key] != theirs[key]]
+        if differ:
+            raise ValueError(f"the checkpoint {path} was saved by an optimizer of another kind or setting "
+                             f"({', '.join(differ)}); make the optimizer the saving run made")
+
+
+def _warn_casts(path: str, saved: dict[str, torch.dtype], model_state: dict) -> None:
+    """Warn where the checkpoint holds a parameter in another dtype than the model's: loaded cast."""
+    cast = [f"{name} {saved[name]} there, {value.dtype} here" for name, value in model_state.items()
+            if isinstance(value, torch.Tensor) and name in saved and saved[name] != value.dtype]
+    if cast:
+        warnings.warn(f"the checkpoint {path} holds {len(cast)} entries in other dtypes than the model's, loaded as "
+                      f"the model's ({_first(cast)})", stacklevel=3)
 
 
 def _check_is_directory(directory: str) -> None:
@@ -345,18 +430,20 @@ def _check_is_directory(directory: str) -> None:
         raise ValueError(f"checkpoint directory {directory!r} {what}; pass the directory a run saved to")
 
 
-def _saved_entries(path: str) -> tuple[dict[str, tuple[int, ...] | None], set[str]]:
-    """{entry name: its saved shape (None: not a tensor)} of the model in checkpoint ``path``,
-    and every dotted prefix of its optimizer state's entries: "optim.state.<parameter>" is
+def _saved_entries(path: str) -> tuple[dict[str, tuple[int, ...] | None], set[str], dict[str, torch.dtype]]:
+    """{entry name: its saved shape (None: not a tensor)} of the model in checkpoint ``path``;
+    its optimizer state's entries and every dotted prefix of them: "optim.state.<parameter>" is
     among them where it holds state for that parameter (its entries are
-    "optim.state.<parameter>.<state name>", or deeper where an optimizer nests its state)."""
+    "optim.state.<parameter>.<state name>", or deeper where an optimizer nests its state);
+    and {entry name: its saved dtype} of the model's tensors."""
     import torch.distributed.checkpoint as dcp
 
     saved = dcp.FileSystemReader(path).read_metadata().state_dict_metadata
-    parameters = {key.removeprefix("model."): tuple(entry.size) if hasattr(entry, "size") else None
-                  for key, entry in saved.items() if key.startswith("model.")}
+    model = {key.removeprefix("model."): entry for key, entry in saved.items() if key.startswith("model.")}
+    parameters = {name: tuple(entry.size) if hasattr(entry, "size") else None for name, entry in model.items()}
+    dtypes = {name: entry.properties.dtype for name, entry in model.items() if hasattr(entry, "properties")}
     parts = [key.split(".") for key in saved if key.startswith("optim.state.")]
-    return parameters, {".".join(names[:i]) for names in parts for i in range(3, len(names))}
+    return parameters, {".".join(names[:i]) for names in parts for i in range(3, len(names) + 1)}, dtypes
 
 
 def _check_optimizer_parameters(path: str, here: list[list[str]], saved: list[list[str]]) -> None:

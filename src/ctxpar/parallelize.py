@@ -64,6 +64,10 @@ def shard_batch(
     ``dist.get_rank(group)``, or ``ctxpar.hybrid_rank(mesh)`` (``ctxpar.layout``'s docstring:
     not its place in a list given to ``new_group``).
 
+    ``labels``: (B, T) unshifted, aligned with ``tokens`` (default: the tokens themselves),
+    IGNORE_INDEX (-100) where a token is not to be predicted; they are shifted here, on the
+    unsplit row (position t is scored on labels[t + 1]). Labels shifted already are refused.
+
     ``documents``: the lengths (or cu_seqlens) of the documents packed into each row, the
     same for every row. Positions then restart at 0 in each document, and a document's
     last token predicts nothing (not the next document's first token); pass
@@ -110,6 +114,21 @@ def _check_batch(tokens, layout, labels) -> None:
         if ids is not None and (ids.is_floating_point() or ids.is_complex() or ids.dtype == torch.bool):
             raise ValueError(f"{name} must hold integer token ids, got {ids.dtype}; pass the ids themselves (e.g. "
                              f"a tokenizer's int64 output), not scores or a mask")
+    if labels is not None and _shifted_already(tokens, labels):
+        raise ValueError("labels are shifted already (each equals the next token wherever it labels, the last "
+                         "position unlabelled): shard_batch shifts them itself, which would score each token on the "
+                         "one after next; pass them aligned with tokens (labels=tokens, or a copy with "
+                         f"{IGNORE_INDEX} where a token is not to be predicted)")
+
+
+def _shifted_already(tokens: torch.Tensor, labels: torch.Tensor) -> bool:
+    """Labels that are next-token targets already: each equal to the following token wherever it
+    labels, none on the last position, and not simply the tokens (a row of one repeated token)."""
+    labelled = labels != IGNORE_INDEX
+    if tokens.shape[1] < 2 or bool(labelled[:, -1].any()) or not bool(labelled.any()):
+        return False
+    follows = (labels[:, :-1] == tokens[:, 1:]) | ~labelled[:, :-1]
+    return bool(follows.all()) and bool(((labels != tokens) & labelled).any())
 
 
 def _batch_checksum(tokens: torch.Tensor, targets: torch.Tensor) -> int:

@@ -305,7 +305,7 @@ def train_rank(rank: int, world: int, cfg: TrainConfig, resume_from: checkpoint.
             _say_skipped(resumed)
     start = resumed.step if resumed else 0
     if resumed:
-        checkpoint.load(model, optimizer, resumed.path)
+        checkpoint.load(model, optimizer, resumed)
 
     rows = slice(dp_rank * cfg.batch, (dp_rank + 1) * cfg.batch)
 
