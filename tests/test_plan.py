@@ -847,6 +847,20 @@ def test_an_all_to_all_across_nodes_sends_what_stays_in_a_node_over_the_faster_l
            "93.75 GB/s" in format_plan(make_plan(w, h100))
 
 
+def test_a_hybrids_all_to_all_group_across_nodes_is_priced_and_named_as_an_all_to_all() -> None:
+    """The hybrid's "ulysses" group is an all-to-all, as the alltoall strategy's CP group is:
+    its link in the table is the all-to-all's, 93.75 GB/s over 2 nodes of 8, as attention_time
+    prices it. Once it could read as a ring's slowest hop, "inter-node link, 50 GB/s"."""
+    h100 = get_hardware("H100-SXM")
+    w = Workload(resolve_model("llama-3-8b"), batch=1, seq=131072, dtype="bfloat16", cp=32, strategy="hybrid",
+                 ulysses=16)
+    link = cost.links(w, h100)["ulysses"]
+    assert (link.bandwidth, link.name) == (pytest.approx(93.75e9), "intra- and inter-node (all-to-all)")
+    assert link.bandwidth == pytest.approx(h100.all_to_all_bandwidth(16, 1, w.world_size))
+    assert "all-to-all group of 16 spans 16 consecutive GPUs, more than a node of 8: intra- and inter-node links, " \
+           "each GPU's in-node peers over the first: in all 93.75 GB/s" in format_plan(make_plan(w, h100))
+
+
 def test_dp_and_fsdp_traffic_are_ring_collectives_over_the_gpus_holding_each_shard() -> None:
     n = 8_030_261_248  # the worked model's parameters; bf16
     assert traffic.data_parallel(parameters=n, elem=2, group=1, fsdp=1).total == 0
