@@ -342,6 +342,30 @@ def test_every_bad_value_is_refused_up_front_naming_the_flag(tmp_path, no_ranks,
     assert not wrong, "\n".join(wrong)
 
 
+
+def test_seeds_are_taken_from_0_to_the_largest_the_refusal_names(no_ranks, capsys) -> None:
+    """"--seed must be between 0 and 4294967295": both ends are taken, one past either is refused,
+    by every flag that takes a seed (an off-by-one bound once refused 4294967295, the largest
+    seed the message offers). demo, train and generate got past every check when they start a
+    rank (no_ranks: an AssertionError); plan's --doc-seed draws its documents."""
+    from ctxpar.limits import MAX_SEED
+
+    assert MAX_SEED == 2**32 - 1
+    for command in ("demo", "train", "generate"):
+        for seed in (0, MAX_SEED):
+            with pytest.raises(AssertionError, match="a rank was started"):
+                main([command, "--seed", str(seed)])
+        for seed in (-1, MAX_SEED + 1):
+            assert main([command, "--seed", str(seed)]) == 2
+            assert f"--seed must be between 0 and {MAX_SEED}, got {seed}" in capsys.readouterr().err
+    plan = ["plan", "--seq", "8192", "--cp", "2", "--max-cp", "2", "--doc-dist", "fixed:100", "--doc-seed"]
+    for seed in (0, MAX_SEED):
+        assert main([*plan, str(seed)]) == 0
+        assert f"documents fixed:100 seed {seed} (82 in the row" in capsys.readouterr().out
+    for seed in (-1, MAX_SEED + 1):
+        assert main([*plan, str(seed)]) == 2
+        assert f"--doc-seed must be between 0 and {MAX_SEED}, got {seed}" in capsys.readouterr().err
+
 @pytest.mark.parametrize("off_by, gradient_off_by, start, status, says", [
     (1e-6, 1e-5, 0, 0, "OK: step 1's gradients within 0.0001 of the reference's (at most 1.00e-05 of its norm, in "
                        "output.weight) and the losses of the first 2 step(s) within 0.0001"),

@@ -515,6 +515,26 @@ def test_sampling_draws_tokens_as_often_as_softmax_of_logits_over_temperature(te
     torch.testing.assert_close(frequencies, want, rtol=0, atol=0.01)
 
 
+def test_generate_and_sampler_take_seeds_from_0_to_the_largest_the_refusal_names() -> None:
+    """"seed must be between 0 and 4294967295": both ends are taken, one past either is refused,
+    by Sampler, generate and reference_generate (an off-by-one bound once refused 4294967295,
+    the largest seed the message offers; test_cli checks the --seed flags)."""
+    from ctxpar.inference.generate import Sampler
+    from ctxpar.limits import MAX_SEED
+
+    model, prompt = cases.build(), cases.prompt_tokens()
+    for seed in (0, MAX_SEED):
+        assert Sampler(1.0, seed=seed)(torch.zeros(2, 5)).shape == (2,)
+    got = generate(model, prompt, layout="zigzag", new_tokens=2, temperature=1.0, seed=MAX_SEED).tokens
+    assert got.tolist() == reference_generate(model, prompt, new_tokens=2, temperature=1.0, seed=MAX_SEED).tolist()
+    for seed in (-1, MAX_SEED + 1):
+        for call in (lambda: Sampler(1.0, seed=seed),
+                     lambda: reference_generate(model, prompt, new_tokens=2, seed=seed),
+                     lambda: generate(model, prompt, layout="zigzag", new_tokens=2, seed=seed)):
+            with pytest.raises(ValueError, match=f"seed must be between 0 and {MAX_SEED}, got {seed}$"):
+                call()
+
+
 def test_sharded_attention_refuses_sinks_of_another_shape_or_not_finite_and_two_groupings() -> None:
     from ctxpar.inference import sharded_attention
 
