@@ -220,6 +220,19 @@ def test_a_balanced_layout_checks_its_arguments_and_says_when_it_cannot_balance(
     assert ctxpar.balanced_layout(300, 600).fingerprint.startswith("balanced/300/")  # P > 256
 
 
+def test_balanced_layouts_tolerance_is_the_one_given_on_a_length_first_built_with_it() -> None:
+    """balanced_layout(tolerance=) reaches the layout: once dropped, the layout held the default
+    1.01 and warned. The test above missed it, its deals cached from a call without tolerance:
+    T = 4 x 83 is built nowhere else in the suite, and with the tolerance first. (T/P = 83 is
+    prime: one chunk per rank, the busiest 1.7x the mean.)"""
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        layout = ctxpar.balanced_layout(4, 4 * 83, tolerance=2.0)
+    assert layout.tolerance == 2.0
+    with pytest.warns(UserWarning, match=r"busiest rank 1\.7\d\dx the mean work \(tolerance 1.01\)"):
+        assert ctxpar.balanced_layout(4, 4 * 83).tolerance == 1.01
+
+
 class _UsersLayout(ctxpar.Layout):
     """A layout of the user's whose deal a test sets: ``deal(seq_len, rank)``."""
 
