@@ -236,6 +236,27 @@ def test_under_autocast_every_argument_is_honoured(argument: str) -> None:
     assert not torch.equal(want, plain)  # the argument changes the result
 
 
+
+def test_under_autocast_float64_q_k_v_stay_float64_and_exact() -> None:
+    """SDPA leaves float64 inputs alone under autocast(bfloat16), as ctxpar does: the output,
+    lse and every gradient stay float64 and within 1e-12 of float64 attention (cast down to
+    bfloat16 like float32 inputs, they came back in bfloat16, 6e-3 off). One process:
+    the cast is made before any strategy runs."""
+    import torch.nn.functional as F
+
+    gen = torch.Generator().manual_seed(0)
+    q, k, v = (torch.randn(1, h, 16, 8, generator=gen, dtype=torch.float64, requires_grad=True) for h in (4, 2, 2))
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        assert F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True).dtype == torch.float64
+        out, lse = ctxpar.attention_with_lse(q, k, v, layout="zigzag")
+    grads = torch.autograd.grad(out.sum(), (q, k, v))
+    want, want_lse = reference_attention(q, k, v)
+    want_grads = torch.autograd.grad(want.sum(), (q, k, v))
+    assert [t.dtype for t in (out, lse, *grads)] == [torch.float64] * 5
+    for got, exact in zip((out, lse, *grads), (want, want_lse, *want_grads)):
+        torch.testing.assert_close(got, exact, rtol=0, atol=1e-12)
+
+
 @pytest.mark.parametrize("strategy", ["ring", "allgather", "alltoall"])
 def test_bfloat16_attention_keeps_float32_sinks_and_lse(strategy: str) -> None:
     """Sinks that bfloat16 cannot hold (0.3, 1.3, ...) merge in float32, and lse stays float32:

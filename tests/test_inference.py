@@ -535,6 +535,26 @@ def test_generate_and_sampler_take_seeds_from_0_to_the_largest_the_refusal_names
                 call()
 
 
+def test_sharded_attention_under_autocast_keeps_float64_q_k_v_exact() -> None:
+    """As SDPA does, sharded_attention under autocast(bfloat16) casts float32 inputs and leaves
+    float64 ones alone: a float64 call stays float64 and within 1e-12 of float64 attention
+    (once cast down: bfloat16, 5e-3 off)."""
+    from ctxpar.inference import sharded_attention
+    from ctxpar.kernels.reference import reference_attention
+
+    gen = torch.Generator().manual_seed(0)
+    q = torch.randn(1, 4, 2, 8, generator=gen, dtype=torch.float64)
+    kv = [torch.randn(1, 2, 7, 8, generator=gen, dtype=torch.float64) for _ in range(2)]
+    sinks = torch.randn(4, generator=gen, dtype=torch.float64)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        out = sharded_attention(q, *kv, group=None, scale=None, sinks=sinks)
+    want, _ = reference_attention(q, *kv, causal=False, sinks=sinks)
+    assert out.dtype == torch.float64
+    torch.testing.assert_close(out, want, rtol=0, atol=1e-12)
+    with torch.autocast("cpu", dtype=torch.bfloat16):  # float32 is cast, as SDPA casts it
+        assert sharded_attention(q.float(), *(t.float() for t in kv), group=None, scale=None).dtype == torch.bfloat16
+
+
 def test_sharded_attention_refuses_sinks_of_another_shape_or_not_finite_and_two_groupings() -> None:
     from ctxpar.inference import sharded_attention
 
