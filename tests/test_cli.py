@@ -345,9 +345,10 @@ def test_every_bad_value_is_refused_up_front_naming_the_flag(tmp_path, no_ranks,
 
 def test_seeds_are_taken_from_0_to_the_largest_the_refusal_names(no_ranks, capsys) -> None:
     """"--seed must be between 0 and 4294967295": both ends are taken, one past either is refused,
-    by every flag that takes a seed (an off-by-one bound once refused 4294967295, the largest
-    seed the message offers). demo, train and generate got past every check when they start a
-    rank (no_ranks: an AssertionError); plan's --doc-seed draws its documents."""
+    by every flag that takes a seed (an off-by-one bound refusing 4294967295, the largest seed
+    the message offers, passed every test as a planted mutation). demo, train and generate got
+    past every check when they start a rank (no_ranks: an AssertionError); plan's --doc-seed
+    draws its documents."""
     from ctxpar.limits import MAX_SEED
 
     assert MAX_SEED == 2**32 - 1

@@ -517,8 +517,9 @@ def test_sampling_draws_tokens_as_often_as_softmax_of_logits_over_temperature(te
 
 def test_generate_and_sampler_take_seeds_from_0_to_the_largest_the_refusal_names() -> None:
     """"seed must be between 0 and 4294967295": both ends are taken, one past either is refused,
-    by Sampler, generate and reference_generate (an off-by-one bound once refused 4294967295,
-    the largest seed the message offers; test_cli checks the --seed flags)."""
+    by Sampler, generate and reference_generate (an off-by-one bound refusing 4294967295, the
+    largest seed the message offers, passed every test as a planted mutation; test_cli checks
+    the --seed flags)."""
     from ctxpar.inference.generate import Sampler
     from ctxpar.limits import MAX_SEED
 
@@ -538,7 +539,7 @@ def test_generate_and_sampler_take_seeds_from_0_to_the_largest_the_refusal_names
 def test_sharded_attention_under_autocast_keeps_float64_q_k_v_exact() -> None:
     """As SDPA does, sharded_attention under autocast(bfloat16) casts float32 inputs and leaves
     float64 ones alone: a float64 call stays float64 and within 1e-12 of float64 attention
-    (once cast down: bfloat16, 5e-3 off)."""
+    (cast down, as a planted mutation did unnoticed: bfloat16, 5e-3 off)."""
     from ctxpar.inference import sharded_attention
     from ctxpar.kernels.reference import reference_attention
 

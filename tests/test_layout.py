@@ -221,10 +221,10 @@ def test_a_balanced_layout_checks_its_arguments_and_says_when_it_cannot_balance(
 
 
 def test_balanced_layouts_tolerance_is_the_one_given_on_a_length_first_built_with_it() -> None:
-    """balanced_layout(tolerance=) reaches the layout: once dropped, the layout held the default
-    1.01 and warned. The test above missed it, its deals cached from a call without tolerance:
-    T = 4 x 83 is built nowhere else in the suite, and with the tolerance first. (T/P = 83 is
-    prime: one chunk per rank, the busiest 1.7x the mean.)"""
+    """balanced_layout(tolerance=) reaches the layout: dropped (a planted mutation), the layout
+    held the default 1.01 and warned. The test above missed it, its deals cached from a call
+    without tolerance: T = 4 x 83 is built nowhere else in the suite, and with the tolerance
+    first. (T/P = 83 is prime: one chunk per rank, the busiest 1.7x the mean.)"""
     with warnings.catch_warnings():
         warnings.simplefilter("error")
         layout = ctxpar.balanced_layout(4, 4 * 83, tolerance=2.0)

@@ -851,7 +851,8 @@ def test_an_all_to_all_across_nodes_sends_what_stays_in_a_node_over_the_faster_l
 def test_a_hybrids_all_to_all_group_across_nodes_is_priced_and_named_as_an_all_to_all() -> None:
     """The hybrid's "ulysses" group is an all-to-all, as the alltoall strategy's CP group is:
     its link in the table is the all-to-all's, 93.75 GB/s over 2 nodes of 8, as attention_time
-    prices it. Once it could read as a ring's slowest hop, "inter-node link, 50 GB/s"."""
+    prices it. Priced as a ring's slowest hop ("inter-node link, 50 GB/s"), a planted mutation
+    passed every test."""
     h100 = get_hardware("H100-SXM")
     w = Workload(resolve_model("llama-3-8b"), batch=1, seq=131072, dtype="bfloat16", cp=32, strategy="hybrid",
                  ulysses=16)
@@ -1276,10 +1277,10 @@ def test_local_hardware_from_a_calibration_file(tmp_path) -> None:
 
 def test_what_calibrate_writes_and_every_committed_calibration_load_with_calibration(tmp_path, monkeypatch) -> None:
     """--calibration takes every entry --calibrate writes: a key calibrate() sets that the loader
-    does not know is refused as "entries a calibration does not" (strategy_step_byte_overheads
-    once could be, and every committed run's calibration with it). calibrate()'s measurements
-    are stood in for by those of a committed run; docs/gpu_check.json's "calibration" is
-    benchmarks/gpu_check.py's GPU record, not one --calibrate wrote."""
+    does not know is refused as "entries a calibration does not" (a planted mutation dropping
+    strategy_step_byte_overheads from the loader's keys passed every test). calibrate()'s
+    measurements are stood in for by those of a committed run; docs/gpu_check.json's
+    "calibration" is benchmarks/gpu_check.py's GPU record, not one --calibrate wrote."""
     docs = Path(__file__).resolve().parents[1] / "docs"
     loaded = {}
     for path in sorted(docs.glob("*.json")):
