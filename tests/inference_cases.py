@@ -417,10 +417,12 @@ def _check_bad_inputs(rank: int, world: int) -> dict[str, str]:
         # returned on every rank without a word (of other shapes: a gloo abort)
         messages["attention_queries_differ"] = _attempt(lambda: sharded_attention(q + (rank == 0), kv, kv, group=None,
                                                                                   scale=None))
-        # another scale on rank 0: out of its signature (a planted mutation), every rank returned a merge of
-        # partials of different softmaxes without a word
+        # another scale, or other sinks, on rank 0: out of its signature (planted mutations), every rank returned
+        # a merge of partials of different softmaxes without a word
         messages["attention_scales_differ"] = _attempt(lambda: sharded_attention(q, kv, kv, group=None,
                                                                                  scale=0.5 if rank == 0 else 0.25))
+        messages["attention_sinks_differ"] = _attempt(lambda: sharded_attention(
+            q, kv, kv, group=None, scale=None, sinks=torch.full((4,), float(rank == 0))))
         # the last rank's keys have 3 heads for 4 query heads: it raised alone, the others waited in the all-gather
         bad_kv = torch.randn(1, 3, 2, 8) if rank == world - 1 else kv
         messages["one_rank_bad_keys"] = _attempt(lambda: sharded_attention(q, bad_kv, bad_kv, group=None, scale=None))

@@ -220,6 +220,7 @@ EXPECTED_MESSAGES = {
     "cache_on_group_and_mesh": ["KVCache takes group= or mesh=, not both"],
     "attention_queries_differ": ["disagree on the sharded attention", "q values (crc32)"],
     "attention_scales_differ": ["disagree on the sharded attention: scale [0.5, 0.25"],
+    "attention_sinks_differ": ["disagree on the sharded attention: sinks (crc32) ["],
     "models_differ": ["disagree on the generate call", "model (config, layers)"],
     "attention_grad": ["sharded_attention is inference only, but grad mode is on and q set requires_grad",
                        "under torch.no_grad() or torch.inference_mode(), or use ctxpar.attention for training"],
@@ -251,7 +252,7 @@ ONE_RANK_BAD = {  # the last rank's call is bad: it raises its own error, the ot
 }
 MULTI_RANK_ONLY = ("layout_length", "step", "tokens_differ", "chunks_differ", "methods_differ", "calls_differ",
                    "chunk_capacities_differ", "interrupted_chunk", "cache_on_a_mesh", "cache_on_group_and_mesh",
-                   "attention_queries_differ", "attention_scales_differ", "models_differ",
+                   "attention_queries_differ", "attention_scales_differ", "attention_sinks_differ", "models_differ",
                    "temperature_differs", "names_differ", "caches_swapped", "chunk_caches_swapped", "deals_differ",
                    "generate_layouts_differ")
 ONLY_AT_P4 = ("mesh_over_other_ranks",)
