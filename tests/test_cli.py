@@ -342,7 +342,6 @@ def test_every_bad_value_is_refused_up_front_naming_the_flag(tmp_path, no_ranks,
     assert not wrong, "\n".join(wrong)
 
 
-
 def test_seeds_are_taken_from_0_to_the_largest_the_refusal_names(no_ranks, capsys) -> None:
     """"--seed must be between 0 and 4294967295": both ends are taken, one past either is refused,
     by every flag that takes a seed (an off-by-one bound refusing 4294967295, the largest seed
@@ -366,6 +365,7 @@ def test_seeds_are_taken_from_0_to_the_largest_the_refusal_names(no_ranks, capsy
     for seed in (-1, MAX_SEED + 1):
         assert main([*plan, str(seed)]) == 2
         assert f"--doc-seed must be between 0 and {MAX_SEED}, got {seed}" in capsys.readouterr().err
+
 
 @pytest.mark.parametrize("off_by, gradient_off_by, start, status, says", [
     (1e-6, 1e-5, 0, 0, "OK: step 1's gradients within 0.0001 of the reference's (at most 1.00e-05 of its norm, in "

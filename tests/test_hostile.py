@@ -236,7 +236,6 @@ def test_under_autocast_every_argument_is_honoured(argument: str) -> None:
     assert not torch.equal(want, plain)  # the argument changes the result
 
 
-
 def test_under_autocast_float64_q_k_v_stay_float64_and_exact() -> None:
     """SDPA leaves float64 inputs alone under autocast(bfloat16), as ctxpar does: the output,
     lse and every gradient stay float64 and within 1e-12 of float64 attention (cast down to

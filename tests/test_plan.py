@@ -1274,7 +1274,6 @@ def test_local_hardware_from_a_calibration_file(tmp_path) -> None:
         calibrate.load_calibration(str(path))
 
 
-
 def test_what_calibrate_writes_and_every_committed_calibration_load_with_calibration(tmp_path, monkeypatch) -> None:
     """--calibration takes every entry --calibrate writes: a key calibrate() sets that the loader
     does not know is refused as "entries a calibration does not" (a planted mutation dropping
