@@ -13,6 +13,7 @@ from pathlib import Path
 import pytest
 import torch
 
+import ctxpar
 from ctxpar import launch
 from ctxpar.cli import COMMANDS, main
 from ctxpar import calibrate
@@ -308,6 +309,9 @@ def bad_values(tmp: Path) -> list[tuple[tuple[str, ...], str]]:
          f"--hardware local --calibrate --json {no_rate}`"),
         (("plan", "--hardware", "local", "--calibration", str(not_rates)), 'its "attention" entry must be an object'),
         (("plan", "--hardware", "local", "--calibrate", "--head-dim", "0"), "--head-dim must be between 1 and"),
+        # refused once the machine was measured (106 s)
+        (("plan", "--hardware", "local", "--calibrate", "--efficiency", "0.5"),
+         "--efficiency scales a preset's peak FLOP/s; --hardware local's rates are measured"),
         *(((command, "--seq", "1001"), "--seq: sequence length 1001 is not a multiple of 2*P=")
           for command in ("demo", "train", "plan")),
         (("generate", "--new-tokens", "0"), "--new-tokens must be between 1 and"),
@@ -487,6 +491,12 @@ def test_a_stdout_that_cannot_take_the_report_is_said_in_one_line(tmp_path) -> N
     assert proc.stderr.strip().splitlines() == ["ctxpar plan: error: the report could not be written to stdout (No "
                                                 "space left on device); nor could --json '/dev/full' (No space left on "
                                                 "device)"], proc.stderr
+    # started with stdout closed (1>&-): print dropped the report, exit status 0, not a word
+    proc = subprocess.run([sys.executable, "-m", "ctxpar.cli", "plan", "--json", str(out)], stderr=subprocess.PIPE,
+                          text=True, timeout=300, preexec_fn=lambda: os.close(1))
+    assert (proc.returncode, proc.stderr.strip().splitlines()) == (1, [
+        f"ctxpar plan: error: the report could not be written to stdout (it is closed); --json {str(out)!r} holds "
+        f"it"]), proc.stderr
 
 
 def test_a_report_reaches_a_stdout_whose_encoding_lacks_its_characters(tmp_path) -> None:
@@ -543,6 +553,14 @@ def test_help_describes_every_flag_and_states_only_real_defaults(command: str, c
     COMMANDS[command][0](sub)
     undescribed = [a.option_strings for a in sub.choices[command]._actions if not a.help]
     assert not undescribed
+
+
+def test_version_names_ctxpar_and_torch(capsys) -> None:
+    """It answered "the following arguments are required: command"."""
+    with pytest.raises(SystemExit) as e:
+        main(["--version"])
+    assert e.value.code == 0
+    assert capsys.readouterr().out.strip() == f"ctxpar {ctxpar.__version__} (torch {torch.__version__})"
 
 
 @pytest.mark.parametrize("command", ["demo", "train"])

@@ -953,7 +953,8 @@ cli.entry()
     ("crash", ["plan"], 1, "ZeroDivisionError"),
     ("report failed", ["plan"], 3, "ctxpar plan: exit status 3; rank 0's report says why"),
     ("usage", ["plan", "--seq", "x"], 2, "argument --seq: invalid int value: 'x'"),  # argparse's own refusal
-    ("no stdout", ["plan"], 0, ""),  # once an AttributeError flushing None, then the finalization
+    # once an AttributeError flushing None, then the finalization; then exit status 0, the report lost unsaid
+    ("no stdout", ["plan"], 1, "the report could not be written to stdout (it is closed)"),
 ])
 def test_the_command_ends_a_torchrun_rank_without_finalizing(case, argv, status, says, tmp_path) -> None:
     """Under torchrun the ``ctxpar`` command ends its rank's process itself, with the command's exit

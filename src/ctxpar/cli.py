@@ -10,6 +10,9 @@ import traceback
 import warnings
 from typing import NoReturn
 
+import torch
+
+import ctxpar
 from ctxpar import calibrate as calibration_
 from ctxpar import launch
 from ctxpar import plan as planning
@@ -122,6 +125,10 @@ def _report(text: str, json_path: str | None, data: dict) -> None:
                 json.dump(data, f, indent=2)
         except OSError as e:  # e.g. the disk filled up during the run
             json_error = e.strerror
+    json_said = "" if not json_path else f"; nor could --json {json_path!r} ({json_error})" if json_error \
+        else f"; --json {json_path!r} holds it"
+    if sys.stdout is None:  # started with stdout closed (1>&-): print would drop the report without a word
+        raise ReportUnwritten(f"the report could not be written to stdout (it is closed){json_said}")
     encoding = getattr(sys.stdout, "encoding", None)
     if encoding:  # '·' and '≤' as '?' where stdout's encoding lacks them (an ASCII locale): the encoding
         text = text.encode(encoding, "replace").decode(encoding)  # error, a ValueError, read as a bad flag
@@ -131,8 +138,6 @@ def _report(text: str, json_path: str | None, data: dict) -> None:
         os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())  # nor Python's flush at exit
     except OSError as e:  # stdout is a file on a full disk, or gone otherwise
         os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())  # Python's flush at exit would fail again
-        json_said = "" if not json_path else f"; nor could --json {json_path!r} ({json_error})" if json_error \
-            else f"; --json {json_path!r} holds it"
         raise ReportUnwritten(f"the report could not be written to stdout ({e.strerror}){json_said}")
     if json_error is not None:
         raise ReportUnwritten(f"--json {json_path!r} could not be written ({json_error}); the report above is "
@@ -383,7 +388,7 @@ def _run_plan(args: argparse.Namespace) -> int:
         (args.step_overhead, "--step-overhead")))
     tile = None if args.tile_overhead is None else planning.parse_tile_overhead(args.tile_overhead)
     planning.check_overrides(bandwidth=bandwidth, peak_flops=peak_flops, efficiency=args.efficiency,
-                             gpus_per_node=args.gpus_per_node)
+                             gpus_per_node=args.gpus_per_node, hardware=args.hardware)
     if args.fp8:
         planning.gpus_per_node(args.hardware)  # an unknown --hardware is refused as such
         planning.check_fp8(args.hardware)
@@ -514,6 +519,8 @@ def main(argv: list[str] | None = None) -> int:
     the rank's error file, for torchrun's failure summary."""
     parser = _Parser(prog="ctxpar", description="Exact context-parallel attention: check it (demo), train with it, "
                      "plan for it, generate with it. Each command's --help lists its flags.")
+    parser.add_argument("--version", action="version",
+                        version=f"ctxpar {ctxpar.__version__} (torch {torch.__version__})")
     sub = parser.add_subparsers(dest="command", required=True)
     for add_parser, _ in COMMANDS.values():
         add_parser(sub)

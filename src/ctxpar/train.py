@@ -491,9 +491,13 @@ def format_report(report: dict) -> str:
     if ref:
         lines.append(f"max |loss - reference_loss| = {report['max_abs_loss_diff']:.2e}")
         lines.append(_verdict(report))
-    falls = report["loss"][-1] < report["loss"][0]
-    lines.append(f"loss {'fell' if falls else 'did not fall'}: {report['loss'][0]:.4f} -> {report['loss'][-1]:.4f}"
-                 f" (ln vocab = {math.log(get_config(c['model']).vocab):.4f})")
+    chance = f"(ln vocab = {math.log(get_config(c['model']).vocab):.4f})"
+    if len(report["loss"]) == 1:  # one step: nothing to fall from
+        lines.append(f"loss: {report['loss'][0]:.4f} {chance}")
+    else:
+        falls = report["loss"][-1] < report["loss"][0]
+        lines.append(f"loss {'fell' if falls else 'did not fall'}: {report['loss'][0]:.4f} -> "
+                     f"{report['loss'][-1]:.4f} {chance}")
     return "\n".join(lines)
 
 

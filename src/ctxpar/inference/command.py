@@ -133,7 +133,8 @@ def format_report(report: dict) -> str:
     per_rank = report["kv_cache_bytes_per_rank"]
     tpot = "-" if report["tpot_s"] is None else f"{report['tpot_s'] * 1e3:.2f} ms"
     lines = [f"ctxpar generate: {c['model']} model, prompt {c['prompt_len']} x batch {c['batch']}, "
-             f"{c['new_tokens']} new tokens, {c['nproc']} ranks ({_strategy_words(report)}, {c['layout']})",
+             f"{c['new_tokens']} new tokens, {c['nproc']} rank{'s' * (c['nproc'] != 1)} "
+             f"({_strategy_words(report)}, {c['layout']})",
              f"time to first token   {report['ttft_s'] * 1e3:.2f} ms",
              f"time per output token {tpot}",
              f"KV cache per rank     {', '.join(f'{b:,}' for b in per_rank)} bytes"]

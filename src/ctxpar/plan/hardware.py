@@ -526,12 +526,13 @@ def check_fp8(name: str) -> None:
 def check_overrides(
     *, bandwidth: float | None = None, peak_flops: float | None = None, efficiency: float | None = None,
     latency: float | None = None, gpus_per_node: int | None = None, launch_overhead: float | None = None,
-    step_overhead: float | None = None, tile_overhead: tuple[float, float] | None = None,
+    step_overhead: float | None = None, tile_overhead: tuple[float, float] | None = None, hardware: str = "",
 ) -> None:
     """Refuse override figures that are not positive finite numbers (efficiency: in [0.01, 1];
     GPUs per node: an integer >= 1), and latency and overheads outside the flags' 0 .. 1 s
     (``units.check_seconds``, the flags' own check; the tile overhead a (forward, backward)
-    pair). Rates beyond the flags' ranges stay allowed: 1e30 B/s stands for free links."""
+    pair), and an efficiency for ``hardware`` "local". Rates beyond the flags' ranges stay
+    allowed: 1e30 B/s stands for free links."""
     if gpus_per_node is not None and (isinstance(gpus_per_node, bool) or not isinstance(gpus_per_node, int)
                                       or not 1 <= gpus_per_node <= MAX_GPUS_PER_NODE):
         raise ValueError(f"--gpus-per-node {gpus_per_node} must be an integer between 1 and {MAX_GPUS_PER_NODE}")
@@ -541,6 +542,9 @@ def check_overrides(
     if efficiency is not None and not (_is_number(efficiency) and MIN_EFFICIENCY <= efficiency <= 1):
         raise ValueError(f"--efficiency {efficiency!r} must be in [{MIN_EFFICIENCY}, 1]: the achieved fraction of "
                          f"peak FLOP/s")
+    if efficiency is not None and hardware.lower() == LOCAL:  # its "peak" is the measured attention rate
+        raise ValueError("--efficiency scales a preset's peak FLOP/s; --hardware local's rates are measured (the "
+                         "matmuls' above the attention rate it calls peak): give --flops for one rate instead")
     for flag, value in (("--latency", latency), ("--launch-overhead", launch_overhead),
                         ("--step-overhead", step_overhead)):
         if value is not None:
@@ -586,15 +590,12 @@ def get_hardware(
         raise ValueError(f"fp8 {fp8!r} must be True or False (--fp8)")
     check_overrides(bandwidth=bandwidth, peak_flops=peak_flops, efficiency=efficiency, latency=latency,
                     gpus_per_node=gpus_per_node, launch_overhead=launch_overhead, step_overhead=step_overhead,
-                    tile_overhead=tile_overhead)
+                    tile_overhead=tile_overhead, hardware=name)
     key = name.lower()
     if key == LOCAL:
         if calibration is None:
             raise ValueError("--hardware local needs measured figures: add --calibrate (about 75 s on 2 cores) or "
                              "--calibration PATH (a JSON written by --calibrate --json PATH)")
-        if efficiency is not None:  # its "peak" is the measured attention rate: a fraction of it is no achieved rate
-            raise ValueError("--efficiency scales a preset's peak FLOP/s; --hardware local's rates are measured (the "
-                             "matmuls' above the attention rate it calls peak): give --flops for one rate instead")
         hw = local_hardware(calibration)
     else:
         hw = PRESETS[key]
