@@ -25,15 +25,24 @@ CLI_COMMON = ["--nproc", "2", "--seq", "128", "--model", "tiny", "--no-progress"
 SETTINGS = TrainConfig(**COMMON).checkpoint_settings()
 
 
-def save_where_each_rank_says(rank: int, world: int, directory: str, per_rank_directory: bool) -> str:
-    """Each rank saves the tiny model: at step 3 + rank, or at step 3 into a directory of its own."""
+def save_where_each_rank_says(rank: int, world: int, directory: str, how: str) -> str:
+    """Each rank saves the tiny model at step 3 + rank ("steps differ"), or at step 3 into a
+    directory of its own ("directories differ"), or into one directory that rank 1 spells
+    relative to its working directory ("one directory")."""
     from ctxpar.models import Transformer, get_config
 
     model = Transformer(get_config("tiny"))
     optimizer = torch.optim.AdamW(model.parameters())
-    place = os.path.join(directory, f"rank{rank}") if per_rank_directory else directory
+    place, step = directory, 3
+    if how == "steps differ":
+        step += rank
+    elif how == "directories differ":
+        place = os.path.join(directory, f"rank{rank}")
+    elif rank == 1:
+        os.chdir(os.path.dirname(directory))
+        place = os.path.basename(directory)
     try:
-        checkpoint.save(model, optimizer, place, 3 if per_rank_directory else 3 + rank, SETTINGS)
+        checkpoint.save(model, optimizer, place, step, SETTINGS)
         return "saved"
     except ValueError as e:
         return str(e)
@@ -437,6 +446,13 @@ def test_the_checkpoint_api_refuses_what_would_lose_or_mix_work(tmp_path) -> Non
     refused(lambda: checkpoint.load(model, amsgrad, path), "only this one's holds max_exp_avg_sq")
     refused(lambda: checkpoint.load(model, torch.optim.Adam(model.parameters()), path),
             "another kind or setting (decoupled_weight_decay=True there, False here)")
+    refused(lambda: checkpoint.load(model, torch.optim.AdamW(model.parameters(), maximize=True), path),
+            "another kind or setting (maximize=False there, True here)")
+    momentum = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    momentum.step()
+    sgd_path = checkpoint.save(model, momentum, str(tmp_path / "sgd"), 1, SETTINGS)
+    refused(lambda: checkpoint.load(model, torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9, nesterov=True),
+                                    sgd_path), "another kind or setting (nesterov=False there, True here)")
     # a path loaded directly is verified as find_resumable verifies: a flipped byte once loaded a wrong weight
     copy = str(tmp_path / "copy" / "step-000001")
     shutil.copytree(path, copy)
@@ -447,9 +463,10 @@ def test_the_checkpoint_api_refuses_what_would_lose_or_mix_work(tmp_path) -> Non
     refused(lambda: checkpoint.load(model, optimizer, copy), "cannot be loaded: no manifest.json: incomplete")
     refused(lambda: checkpoint.load(model, optimizer, str(tmp_path / "copy")), "is not a checkpoint (a step-<N>")
     with pytest.warns(UserWarning, match=r"holds \d+ entries in other dtypes than the model's, loaded as the model's "
-                                         r"\(embed.weight torch.float32 there, torch.bfloat16 here"):
+                                         r"\(embed.weight torch.float32 there, torch.bfloat16 here") as cast:
         checkpoint.load(copy_model := model_and_optimizer()[0].to(torch.bfloat16),
                         torch.optim.AdamW(copy_model.parameters()), path)
+    assert cast[0].filename == __file__  # the caller's line, not ctxpar's
     for step in (-1, 1.5, "3", True):
         refused(lambda: checkpoint.save(model, optimizer, directory, step, SETTINGS), "step must be an int >= 0")
     refused(lambda: checkpoint.save(model, optimizer, directory, 2, None), "run must be a dict")
@@ -505,16 +522,20 @@ def _train(model, optimizer, steps: int) -> list[float]:
     return losses
 
 
-@pytest.mark.parametrize("per_rank_directory", [False, True], ids=["steps differ", "directories differ"])
-def test_ranks_that_disagree_on_the_checkpoint_to_save_are_refused_on_every_rank(per_rank_directory, tmp_path
-                                                                                   ) -> None:
+@pytest.mark.parametrize("how", ["steps differ", "directories differ", "one directory"])
+def test_ranks_that_disagree_on_the_checkpoint_to_save_are_refused_on_every_rank(how: str, tmp_path) -> None:
     """Each rank wrote its shard where it was told and rank 0 sealed a checkpoint without the
-    others' (or failed naming a missing file): stray shards, and no word of the disagreement."""
+    others' (or failed naming a missing file): stray shards, and no word of the disagreement.
+    One directory spelt two ways is one directory."""
     from ctxpar.launch import run_local
 
-    said = run_local(save_where_each_rank_says, 2, (str(tmp_path), per_rank_directory), timeout_s=60)
-    want = (f"rank 0: step 3 in {tmp_path / 'rank0'}, rank 1: step 3 in {tmp_path / 'rank1'}" if per_rank_directory
-            else f"rank 0: step 3 in {tmp_path}, rank 1: step 4 in {tmp_path}")
+    directory = tmp_path / "ckpt"
+    said = run_local(save_where_each_rank_says, 2, (str(directory), how), timeout_s=60)
+    if how == "one directory":
+        assert said == ["saved", "saved"] and checkpoint.find_resumable(str(directory), SETTINGS).step == 3
+        return
+    want = (f"rank 0: step 3 in {directory / 'rank0'}, rank 1: step 3 in {directory / 'rank1'}"
+            if how == "directories differ" else f"rank 0: step 3 in {directory}, rank 1: step 4 in {directory}")
     for message in said:
         assert message.startswith("the ranks disagree on the checkpoint to save (") and want in message, message
     assert not [d for _, dirs, _ in os.walk(tmp_path) for d in dirs if d.startswith("step-")]  # nothing written

@@ -171,6 +171,10 @@ def test_the_generate_report_says_when_no_prefill_ran() -> None:
     assert header(7, "hybrid").endswith("4 ranks (no prefill: a prompt under 8 tokens goes to partial_prefill, "
                                         "zigzag)")
     assert header(9, "hybrid").endswith("4 ranks (hybrid: ulysses 2 x ring 2, zigzag)")
+    config = dict(model="tiny", prompt_len=8, batch=1, new_tokens=2, nproc=1, layout="zigzag", strategy="ring",
+                  ulysses_degree=None)
+    one = dict(config=config, kv_cache_bytes_per_rank=[0], ttft_s=0.01, tpot_s=0.01, tokens=[[1, 2]])
+    assert format_report(one).splitlines()[0].endswith(", 1 rank (ring, zigzag)")  # once "1 ranks"
 
 
 def test_generate_with_the_hybrid_strategy_equals_the_single_process_tokens() -> None:
@@ -297,6 +301,8 @@ def bad_values(tmp: Path) -> list[tuple[tuple[str, ...], str]]:
         (("plan", "--hardware", "local", "--calibration", str(not_json)), "is not JSON"),
         # it scaled the measured attention rate, matmuls 2.8x slower at 0.5 and slower than measured at 1
         (("plan", "--hardware", "local", "--calibration", str(measured), "--efficiency", "0.5"),
+         "--efficiency scales a preset's peak FLOP/s; --hardware local's rates are measured"),
+        (("plan", "--hardware", "LOCAL", "--calibration", str(measured), "--efficiency", "0.5"),  # names any case
          "--efficiency scales a preset's peak FLOP/s; --hardware local's rates are measured"),
         (("plan", "--hardware", "local", "--calibration", str(other_json)),
          "holds no calibration; write one into a new file (this one holds something else) with `ctxpar plan "

@@ -731,17 +731,20 @@ def test_a_torchrun_rank_without_a_process_group_is_refused_not_run_as_one_rank(
     from ctxpar.models import ModelConfig, Transformer
     from ctxpar.parallelize import apply_context_parallel
 
-    for name, value in dict(TORCHELASTIC_RUN_ID="none", RANK="1", WORLD_SIZE="2", LOCAL_RANK="1",
-                            LOCAL_WORLD_SIZE="2", MASTER_ADDR="127.0.0.1", MASTER_PORT="29500").items():
+    for name, value in dict(TORCHELASTIC_RUN_ID="none", WORLD_SIZE="2", LOCAL_WORLD_SIZE="2",
+                            MASTER_ADDR="127.0.0.1", MASTER_PORT="29500").items():
         monkeypatch.setenv(name, value)
     q = torch.randn(1, 2, 8, 4)
-    said = "was called in rank 1 of a torchrun launch of 2 processes, but torch.distributed is not initialised here"
-    for layout in ("zigzag", get_layout("zigzag", 2)):
-        with pytest.raises(ValueError, match=f"ctxpar.attention {said}"):
-            ctxpar.attention(q, q, q, layout=layout)
-    with pytest.raises(ValueError, match=f"apply_context_parallel {said}"):
-        tiny = ModelConfig(layers=1, hidden=8, heads=2, kv_heads=2, head_dim=4, ffn=8, vocab=8)
-        apply_context_parallel(Transformer(tiny), layout="zigzag")
+    for rank in ("0", "1"):
+        monkeypatch.setenv("RANK", rank)
+        monkeypatch.setenv("LOCAL_RANK", rank)
+        said = f"was called in rank {rank} of a torchrun launch of 2 processes, but torch.distributed is not initialised"
+        for layout in ("zigzag", get_layout("zigzag", 2)):
+            with pytest.raises(ValueError, match=f"ctxpar.attention {said}"):
+                ctxpar.attention(q, q, q, layout=layout)
+        with pytest.raises(ValueError, match=f"apply_context_parallel {said}"):
+            tiny = ModelConfig(layers=1, hidden=8, heads=2, kv_heads=2, head_dim=4, ffn=8, vocab=8)
+            apply_context_parallel(Transformer(tiny), layout="zigzag")
     monkeypatch.setenv("WORLD_SIZE", "1")
     assert ctxpar.attention(q, q, q, layout="zigzag").shape == q.shape  # one process: itself
 

@@ -392,6 +392,10 @@ def test_a_caches_history_is_its_tokens_however_they_were_fed_and_rewound() -> N
     pieces.rewind(cases.PROMPT_LEN + 1)
     decode_step(model, pieces, tokens[:, cases.PROMPT_LEN + 2])  # another token at that position
     assert pieces.history != whole.history
+    pieces.rewind(0)  # as fresh: a peer with a fresh cache takes the same calls
+    assert (pieces.history, pieces.dealt_by) == (0, "")
+    partial_prefill(model, pieces, tokens[:, :3])
+    assert pieces.history != 0
     pieces.reset()
     assert (pieces.history, pieces.dealt_by) == (0, "")
 
@@ -424,7 +428,7 @@ def test_partial_prefill_auto_chooses_with_the_caches_partials_and_its_dtypes_ra
     monkeypatch.setattr(partial, "choose_partial_prefill", spy)
     h100 = get_hardware("H100-SXM")
     for dtype, acc, rates in ((torch.float64, 8, "float32"), (torch.float32, 4, "float32"),
-                              (torch.bfloat16, 4, "bfloat16")):
+                              (torch.bfloat16, 4, "bfloat16"), (torch.float16, 4, "float16")):
         model = cases.build().to(dtype)
         cache = KVCache.for_model(model.cfg, batch=cases.BATCH, capacity=cases.PROMPT_LEN, dtype=dtype)
         partial_prefill(model, cache, cases.prompt_tokens(3), hardware=h100)

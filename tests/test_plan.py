@@ -1087,6 +1087,10 @@ def test_cli_parallel_flags_and_json_keys(tmp_path, capsys, monkeypatch) -> None
         assert main(["plan", "--inference", "--seq", seq, "--cp", "4"]) == 2
         err = capsys.readouterr().err
         assert "ctxpar generate takes any length, prefilling the longest such head" in err and fix in err
+    # the layout's own multiple, not 2P: striped on 4 splits 4100 tokens
+    assert main(["plan", "--inference", "--seq", "4100", "--cp", "4", "--layout", "striped", "--model", "tiny"]) == 0
+    assert main(["plan", "--inference", "--seq", "4102", "--cp", "4", "--layout", "striped", "--model", "tiny"]) == 2
+    assert "the striped layout on --cp 4 prefills prompts of a multiple of 4 tokens" in capsys.readouterr().err
 
 
 # -- hardware and calibration -------------------------------------------------------------------

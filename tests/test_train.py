@@ -96,7 +96,10 @@ def test_compare_says_mismatch_where_attention_is_wrong_though_the_early_losses_
     report = run_train(TrainConfig(nproc=2, seq=128, steps=1, compare=True, progress=False))
     assert report["losses_match"] and not report["gradients_match"]
     assert report["max_gradient_error"] > 0.5 and ".attention.w" in report["max_gradient_error_parameter"]
-    assert "MISMATCH: a gradient of step 1 differs from the reference's by more than 0.0001" in format_report(report)
+    said = format_report(report)
+    assert "MISMATCH: a gradient of step 1 differs from the reference's by more than 0.0001" in said
+    assert ", 2 ranks = dp 1 x cp 2 (ring, zigzag), 1 step\n" in said  # once "1 steps"
+    assert said.splitlines()[-1].startswith("loss: ") and "fall" not in said  # one loss: nothing fell or did not
 
 
 def _steps_of_a_model_that_hits_on_rank_0_only(rank: int, world: int) -> dict:

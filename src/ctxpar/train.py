@@ -470,8 +470,9 @@ def format_report(report: dict) -> str:
         strategy += f" ulysses {c['ulysses_degree']} x ring {c['cp'] // c['ulysses_degree']}"
     if report.get("strategy_chosen"):
         strategy += " -> " + ", ".join(report["strategy_chosen"])
-    lines = [f"ctxpar train: {c['model']} model, T={c['seq']}, {c['nproc']} ranks = dp {c['dp']} x cp {c['cp']} "
-             f"({strategy}, {c['layout']}), {len(report['loss'])} steps"
+    steps = len(report["loss"])
+    lines = [f"ctxpar train: {c['model']} model, T={c['seq']}, {c['nproc']} rank{'s' * (c['nproc'] != 1)} = dp "
+             f"{c['dp']} x cp {c['cp']} ({strategy}, {c['layout']}), {steps} step{'s' * (steps != 1)}"
              + (f" (steps {report['start_step'] + 1}-{c['steps']})" if report["start_step"] else "")]
     if report.get("resumed_from"):
         lines.append(f"  resumed from {report['resumed_from']}")
