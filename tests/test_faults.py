@@ -738,7 +738,7 @@ def test_a_torchrun_rank_without_a_process_group_is_refused_not_run_as_one_rank(
     for rank in ("0", "1"):
         monkeypatch.setenv("RANK", rank)
         monkeypatch.setenv("LOCAL_RANK", rank)
-        said = f"was called in rank {rank} of a torchrun launch of 2 processes, but torch.distributed is not initialised"
+        said = f"was called in rank {rank} of a torchrun launch of 2 processes, but torch.distributed is not"
         for layout in ("zigzag", get_layout("zigzag", 2)):
             with pytest.raises(ValueError, match=f"ctxpar.attention {said}"):
                 ctxpar.attention(q, q, q, layout=layout)
