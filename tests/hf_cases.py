@@ -524,6 +524,19 @@ def _heads(layout, group, input_ids) -> dict:
             out["subclass labels"] = _attempt(lambda: tagger(**inputs, labels=labels).loss.item())
     positions = dict(start_positions=torch.tensor([3]), end_positions=torch.tensor([5]))
     out["question answering positions"] = _attempt(lambda: model(**inputs, **positions).loss.item())
+    # GPT-2's segment ids: shard_inputs shards them with the tokens; the whole batch's beside a shard's ids once gave
+    # (2, 8) logits for one (1, 8) row, or torch's broadcast error
+    torch.manual_seed(0)
+    gpt2 = transformers.GPT2LMHeadModel._from_config(hf_families.config_for("gpt2"), attn_implementation="eager")
+    reference = gpt2.eval()
+    model = enable_context_parallel(copy.deepcopy(reference), layout=layout, group=group)
+    types = (torch.arange(input_ids.shape[1]) >= input_ids.shape[1] // 3).long().expand_as(input_ids)
+    inputs, _ = shard_inputs(input_ids, layout=layout, rank=me, token_type_ids=types)
+    with torch.no_grad():
+        want = reference(input_ids=input_ids, token_type_ids=types, use_cache=False).logits
+        out["token_type_ids"] = _relative(model(**inputs).logits, layout.shard(want, me, dim=1))
+        whole = {**inputs, "token_type_ids": types}
+        out["whole token_type_ids"] = _attempt(lambda: model(**whole).logits.shape)
     return out
 
 

@@ -485,6 +485,10 @@ def test_per_token_heads_run_exactly_and_their_positions_or_labels_are_refused()
             assert got <= 1e-5, (head, rank, got)
     for _, (kind, detail) in _guards("question answering positions"):
         assert kind == "refused" and "LlamaForQuestionAnswering got start_positions=" in detail, detail
+    for rank, got in _guards("token_type_ids"):  # sharded by shard_inputs: GPT-2's logits with segment ids
+        assert got <= 1e-5, (rank, got)
+    for _, (kind, detail) in _guards("whole token_type_ids"):
+        assert kind == "refused" and "GPT2LMHeadModel got token_type_ids (1, 16) for input_ids (1, 8)" in detail, detail
     for case in ("token classification labels", "subclass labels"):  # shifted by shard_inputs: once a wrong loss
         for _, (kind, detail) in _guards(case):
             assert kind == "refused" and "its head (ForTokenClassification) scores each token" in detail, detail

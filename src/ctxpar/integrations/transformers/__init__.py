@@ -50,6 +50,7 @@ from __future__ import annotations
 import copy
 import functools
 import inspect
+import reprlib
 
 import torch
 import torch.distributed as dist
@@ -156,6 +157,11 @@ def _check_call(name: str, bound: dict, extra: dict, *, cached: bool = False) ->
                              f"refused")
         if not bool(mask.all()):
             raise ValueError(f"{name}: {GENERATE_PADDING_REFUSED if cached else PADDING_REFUSED}")
+    types, ids = bound.get("token_type_ids", extra.get("token_type_ids")), bound.get("input_ids")
+    if isinstance(types, torch.Tensor) and isinstance(ids, torch.Tensor) and types.shape[-1:] != ids.shape[-1:]:
+        # the whole batch's beside a shard's ids: (2, 8) logits for one (1, 8) row, or torch's broadcast error
+        raise ValueError(f"{name} got token_type_ids {tuple(types.shape)} for input_ids {tuple(ids.shape)}: pass this "
+                         f"rank's shard, as shard_inputs(input_ids, token_type_ids=..., ...) returns it")
     for key in ("start_positions", "end_positions"):
         if bound.get(key, extra.get(key)) is not None:
             raise ValueError(f"{name} got {key}=: they index the whole sequence, while under context parallelism a "
@@ -500,13 +506,16 @@ def _copy_enabled_alike(model, settings: Settings) -> None:
 
 
 def shard_inputs(
-    input_ids: torch.Tensor, *, layout: Layout, rank: int, labels: torch.Tensor | None = None, documents=None
+    input_ids: torch.Tensor, *, layout: Layout, rank: int, labels: torch.Tensor | None = None, documents=None,
+    token_type_ids: torch.Tensor | None = None,
 ) -> tuple[dict, torch.Tensor]:
-    """This rank's model inputs (input_ids, position_ids, use_cache=False, and documents
-    when given) and its shifted labels.
+    """This rank's model inputs (input_ids, position_ids, use_cache=False, and documents and
+    token_type_ids when given) and its shifted labels.
 
     Args:
         input_ids: (B, T) the unsplit batch. labels: (B, T) unshifted, default input_ids.
+        token_type_ids: (B, T) the unsplit batch's segment ids (GPT-2, BERT-style models), sharded
+            as input_ids are.
         documents: the documents packed into each row (every row alike): their lengths
             summing to T, or cu_seqlens (0, ..., T). Positions then restart at 0 in each
             document, a token predicts nothing across a document boundary (its label is
@@ -523,4 +532,10 @@ def shard_inputs(
     inputs = dict(input_ids=batch.tokens, position_ids=positions, use_cache=False)
     if batch.documents is not None:
         inputs["documents"] = batch.documents
+    if token_type_ids is not None:
+        if not isinstance(token_type_ids, torch.Tensor) or token_type_ids.shape != input_ids.shape:
+            got = tuple(token_type_ids.shape) if isinstance(token_type_ids, torch.Tensor) else token_type_ids
+            raise ValueError(f"token_type_ids must be a tensor of input_ids' shape {tuple(input_ids.shape)}, got "
+                             f"{reprlib.repr(got)}")
+        inputs["token_type_ids"] = layout.shard(token_type_ids, rank, dim=1)
     return inputs, batch.labels
