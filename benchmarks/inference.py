@@ -43,9 +43,9 @@ import torch.distributed as dist
 from ctxpar import auto
 from ctxpar.calibrate import calibrate, format_calibration
 from ctxpar.inference import KVCache, generate, partial_prefill, prefill
-from ctxpar.launch import launched_by_torchrun, run, run_local, world_size
+from ctxpar.launch import launched_by_torchrun, resolve_device_type, run, run_local, world_size
 from ctxpar.layout import get_layout
-from ctxpar.limits import check_splits
+from ctxpar.limits import MAX_COUNT, check_splits
 from ctxpar.models import ModelConfig, Transformer
 from ctxpar.plan import ELEMENT_BYTES
 from ctxpar.plan.hardware import local_hardware
@@ -114,14 +114,23 @@ def chunk_rank(rank: int, world: int, cached: int, chunks: list[int], repeat: in
 
 
 def measured_crossover(chunks: list[int], ratios: list[float]) -> float | None:
-    """The chunk length where pass-KV / pass-Q falls to 1, interpolated in log length from
-    the last chunk where pass-KV was slower; None if it never was, or always is."""
-    for i in range(len(chunks) - 1, 0, -1):
-        if ratios[i - 1] > 1 >= ratios[i]:
-            a, b = math.log(chunks[i - 1]), math.log(chunks[i])
-            t = (ratios[i - 1] - 1) / (ratios[i - 1] - ratios[i])
-            return math.exp(a + t * (b - a))
-    return None
+    """The chunk length from which pass-KV is no slower than pass-Q (pass-KV / pass-Q <= 1 at
+    every longer chunk measured), interpolated in log length from the last chunk where pass-KV
+    was slower; None if it never was, or is at the longest chunk (a dip below 1 before it once
+    read as a crossover)."""
+    slower = [i for i, ratio in enumerate(ratios) if ratio > 1]
+    if not slower or slower[-1] == len(chunks) - 1:
+        return None
+    i = slower[-1] + 1
+    a, b = math.log(chunks[i - 1]), math.log(chunks[i])
+    t = (ratios[i - 1] - 1) / (ratios[i - 1] - ratios[i])
+    return math.exp(a + t * (b - a))
+
+
+def check_cache_size(what: str, positions: int) -> None:
+    """Refuse a KV cache of more positions than one holds (it was refused in the ranks, after the work)."""
+    if positions > MAX_COUNT:
+        raise ValueError(f"{what} = {positions} positions, more than a KV cache holds ({MAX_COUNT})")
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -146,11 +155,15 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         p.error("--parts generation runs on local CPU ranks; with --device cuda or under torchrun give "
                 "--parts crossover")
     with flags.refusals(p):
+        if not launched_by_torchrun():
+            resolve_device_type(args.device, "--device")
         if "generation" in args.parts:
             for world in args.nproc:
                 check_splits(get_layout("zigzag", world), args.prompt, "--prompt")
+            check_cache_size("--prompt + --new-tokens - 1", args.prompt + args.new_tokens - 1)
         if "crossover" in args.parts:
             check_splits(get_layout("zigzag", world_size(args.cross_nproc)), args.cached, "--cached")
+            check_cache_size("--cached + the longest of --chunks", args.cached + max(args.chunks))
     return args
 
 

@@ -46,12 +46,14 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--layout", default="zigzag")
     p.add_argument("--activation-checkpointing", action="store_true")
     p.add_argument("--budget-gib", type=flags.positive, default=4.0,
-                   help="per-rank memory budget for the largest-T estimate")
+                   help="per-rank memory budget for the largest-T estimate (at most 2**30 GiB)")
     p.add_argument("--json", metavar="PATH", type=flags.output_file)
     args = p.parse_args(argv)
     if args.short_seq >= args.seq:
         p.error(f"--short-seq {args.short_seq} must be below --seq {args.seq}: the sequence part is their "
                 f"difference")
+    if args.budget_gib > 2**30:  # its bytes overflowed the estimate after every run
+        p.error(f"--budget-gib {args.budget_gib:g} must be at most {2**30} GiB")
     if 1 not in args.nprocs:
         p.error(f"--nprocs {','.join(map(str, args.nprocs))} must include 1: each sequence part is compared with "
                 f"P=1's")
@@ -72,7 +74,9 @@ def main() -> None:
         per_token = (full - short) / (args.seq - args.short_seq)
         multiple = ctxpar.get_layout(args.layout, nproc).multiple
         budget = args.budget_gib * 2**30
-        largest = int((budget - short) / per_token + args.short_seq) // multiple * multiple if per_token > 0 else None
+        # None where the budget is below the step's fixed part, or nothing grows with T
+        largest = (int((budget - short) / per_token + args.short_seq) // multiple * multiple
+                   if per_token > 0 and budget > short else None)
         rows.append(dict(nproc=nproc, growth_short=short, growth_full=full, sequence_part=full - short,
                          bytes_per_token=per_token, largest_seq_in_budget=largest))
     base = next(row["sequence_part"] for row in rows if row["nproc"] == 1)

@@ -9,6 +9,7 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
 
 BENCHMARKS = Path(__file__).resolve().parents[1] / "benchmarks"
 sys.path.insert(0, str(BENCHMARKS))
@@ -40,6 +41,7 @@ REFUSED = [
     ("memory", ["--nprocs", "2,4"], "--nprocs"),  # its ratio was labelled vs P=1 without a P=1 run
     ("memory", ["--nprocs", "0"], "--nprocs"),
     ("memory", ["--budget-gib", "0"], "--budget-gib"),
+    ("memory", ["--budget-gib", "1e300"], "--budget-gib 1e+300 must be at most"),  # was an OverflowError after the runs
     ("memory", ["--strategy", "foo"], "--strategy"),
     ("memory", ["--strategy", "hybrid"], "invalid choice: 'hybrid'"),  # once asked for a flag memory.py has not
     ("memory", ["--seq", "1000"], "--seq"),
@@ -49,6 +51,13 @@ REFUSED = [
     ("inference", ["--parts", "crossover", "--cached", "101"], "--cached"),
     ("inference", ["--chunks", "8,0"], "--chunks"),
     ("inference", ["--cross-nproc", "0"], "--cross-nproc"),
+    # refused in the ranks, after the work
+    ("inference", ["--parts", "crossover", "--cached", "64", "--chunks", "2147483647"], "--cached + the longest of "
+     "--chunks = 2147483711 positions, more than a KV cache holds"),
+    ("inference", ["--parts", "generation", "--nproc", "1", "--prompt", "64", "--new-tokens", "2147483646"],
+     "--prompt + --new-tokens - 1 = 2147483709 positions"),
+    *([] if torch.cuda.is_available() else
+      [("inference", ["--parts", "crossover", "--device", "cuda"], "--device cuda: this process sees no CUDA device")]),
     ("masks", ["--seq", "8", "--nproc", "2"], "--seq"),
     ("masks", ["--repeat", "0"], "--repeat"),
     ("masks", ["--heads", "3", "--kv-heads", "2"], "--kv-heads"),
@@ -135,3 +144,14 @@ def test_a_script_stops_with_status_2_before_it_spawns_a_rank() -> None:
                           capture_output=True, text=True, timeout=120)
     assert proc.returncode == 2, proc.stderr
     assert "--ulysses-degree" in proc.stderr and "Traceback" not in proc.stderr
+
+
+def test_the_measured_crossover_is_where_pass_kv_stays_no_slower() -> None:
+    """From the last chunk where pass-KV was slower: a dip below 1 before a longer chunk where it
+    was slower again once read as a crossover (ratios 1.2, 0.9, 1.3 gave 12.7)."""
+    from inference import measured_crossover
+
+    assert measured_crossover([8, 16, 32], [1.2, 0.9, 1.3]) is None
+    assert measured_crossover([8, 16, 32], [0.9, 0.8, 0.7]) is None  # never slower
+    assert measured_crossover([8, 16, 32, 64], [1.2, 0.9, 1.1, 0.9]) == pytest.approx(32 * 2 ** 0.5)
+    assert measured_crossover([8, 16], [1.5, 0.5]) == pytest.approx(8 * 2 ** 0.5)
