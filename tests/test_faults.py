@@ -156,6 +156,17 @@ def raise_quoting_a_collectives_traceback(rank: int, world: int) -> int:
     return rank
 
 
+def wait_on_a_receive_rank_1_never_sends(rank: int, world: int) -> int:
+    """Rank 0 waits on a posted receive (Work.wait: no Python frame in torch.distributed);
+    rank 1 is elsewhere (it would sleep 60 s)."""
+    dist.barrier()
+    if rank == 0:
+        dist.irecv(torch.zeros(1), src=1).wait()
+    else:
+        time.sleep(60)
+    return rank
+
+
 def raise_own_timeout_error(rank: int, world: int) -> int:
     """Rank 0's own error says "timed out" (a download's), outside any collective; rank 1 is still
     computing (it would sleep 60 s)."""
@@ -452,6 +463,13 @@ def test_a_rank_that_raises_its_own_error_is_the_cause_not_its_peer_that_returne
     message = str(e.value)
     assert message.startswith("rank 0 failed:") and "returned from fn" not in message, message
     assert message.rstrip().endswith(error), message
+
+
+def test_a_backends_timeout_raised_from_cpp_names_the_rank_that_never_arrived() -> None:
+    """gloo's "Timed out waiting" from a Work.wait() carries no frame in torch.distributed: read as
+    the waiting rank's own failure, it blamed the rank that waited."""
+    with pytest.raises(RuntimeError, match=r"rank 1 never arrived at a collective: ranks \[0\] timed out after 5 s"):
+        run_local(wait_on_a_receive_rank_1_never_sends, 2, timeout_s=5)
 
 
 def test_fns_own_timeout_error_is_that_ranks_failure_not_a_collectives() -> None:

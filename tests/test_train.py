@@ -183,9 +183,12 @@ def test_labels_given_are_unshifted_and_labels_shifted_already_are_refused() -> 
     masked[:, :5] = IGNORE_INDEX  # a prompt not to be predicted
     got = layout.unshard([shard_batch(tokens, layout=layout, rank=r, labels=masked).labels for r in range(2)], dim=1)
     assert torch.equal(got, shift_labels(tokens, masked)) and bool((got[:, :4] == IGNORE_INDEX).all())
+    data = torch.randint(0, 256, (2, 17), generator=torch.Generator().manual_seed(2))
     for shifted in (shift_labels(tokens), shift_labels(tokens, masked)):
         with pytest.raises(ValueError, match="labels are shifted already .* pass them aligned with tokens"):
             shard_batch(tokens, layout=layout, rank=0, labels=shifted)
+    with pytest.raises(ValueError, match="labels are shifted already"):  # nanoGPT's x, y: the last position labelled
+        shard_batch(data[:, :-1], layout=layout, rank=0, labels=data[:, 1:])
     repeated = torch.full((1, 16), 7)  # unshifted labels of one repeated token also equal the next token
     repeated_labels = repeated.clone()
     repeated_labels[:, -1] = IGNORE_INDEX

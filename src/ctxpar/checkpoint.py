@@ -215,7 +215,7 @@ def _check_ranks_agree(directory: str, step: int) -> None:
     rank, world = _rank_world()
     if world == 1:
         return
-    mine = (step, os.path.abspath(directory))
+    mine = (step, os.path.realpath(directory))
     every = [None] * world
     dist.all_gather_object(every, mine)
     if any(theirs != every[0] for theirs in every):
@@ -394,9 +394,12 @@ _OPTIMIZER_KIND = ("amsgrad", "decoupled_weight_decay", "maximize", "nesterov", 
 def _check_optimizer_state(path: str, here: dict[str, dict], saved: set[str]) -> None:
     """Refuse optimizer state of other names than this optimizer's (another kind, or amsgrad set
     otherwise), naming them: the saved names it does not ask for were dropped unseen."""
+    below: dict[str, set[str]] = {}  # each saved prefix -> the names one level below it
+    for key in saved:
+        parent, _, child = key.rpartition(".")
+        below.setdefault(parent, set()).add(child)
     for name, entries in here.items():
-        prefix = f"optim.state.{name}."
-        saved_names = {key[len(prefix):].split(".")[0] for key in saved if key.startswith(prefix)}
+        saved_names = below.get(f"optim.state.{name}", set())
         if saved_names != set(entries):
             only_saved, only_here = sorted(saved_names - set(entries)), sorted(set(entries) - saved_names)
             what = "; ".join(f"{where} {', '.join(names)}" for names, where in

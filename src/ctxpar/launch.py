@@ -560,12 +560,20 @@ def _text(e: BaseException) -> str:
         return ""
 
 
+# what a backend's own timeout says, raised from C++ (a Work.wait() leaves no Python frame in torch.distributed)
+_BACKEND_TIMEOUT = re.compile(r"gloo|nccl|Timed out waiting", re.IGNORECASE)
+
+
 def _is_timeout(e: BaseException) -> bool:
-    """A wait in a collective or the rendezvous that expired: raised from inside torch.distributed
-    or ctxpar.comm, not fn's own error that says "timed out" (a download's), which once blamed
-    a healthy peer and added a timeout to the run."""
-    expired = isinstance(e, dist.DistStoreError) or "timed out" in _text(e).lower()
-    return expired and _whereabouts(_frames_of(e)).in_collective
+    """A wait in a collective or the rendezvous that expired: a torch.distributed error, one
+    raised inside torch.distributed or ctxpar.comm, or a backend's; not fn's own error that
+    says "timed out" (a download's), which once blamed a healthy peer and added a timeout
+    to the run."""
+    if isinstance(e, dist.DistStoreError):
+        return True
+    text = _text(e)
+    return "timed out" in text.lower() and (isinstance(e, dist.DistError) or bool(_BACKEND_TIMEOUT.search(text))
+                                            or _whereabouts(_frames_of(e)).in_collective)
 
 
 def _worker(rank, world_size, port, threads, timeout_s, parent_pid, backend, device, stack_writer, fn, args,
@@ -755,14 +763,15 @@ class _CopyingPickler(ForkingPickler):
     def __init__(self, *args, **kwargs) -> None:
         super().__init__(*args, **kwargs)
         for kind in [k for k in self.dispatch_table if isinstance(k, type)]:
-            if issubclass(kind, torch.Tensor) or kind.__module__.startswith("torch") and "Storage" in kind.__name__:
+            if issubclass(kind, torch.Tensor) or (kind.__module__.startswith("torch") and "Storage" in kind.__name__):
                 del self.dispatch_table[kind]
 
 
 class _ResultPickler(pickle.Pickler):
     """Plain pickle (multiprocessing's would share a tensor's memory with a process about to
     exit), sending a view of a larger tensor as a copy of its own elements: pickle sends the
-    whole storage (8 floats of a 512 MiB tensor once took 512 MiB per rank)."""
+    whole storage (8 floats of a 512 MiB tensor once took 512 MiB per rank). Plain tensors
+    only: a Parameter or another subclass is sent as pickle sends it."""
 
     def reducer_override(self, obj):
         if (type(obj) is torch.Tensor and obj.layout == torch.strided and not obj.requires_grad

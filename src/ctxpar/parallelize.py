@@ -115,20 +115,21 @@ def _check_batch(tokens, layout, labels) -> None:
             raise ValueError(f"{name} must hold integer token ids, got {ids.dtype}; pass the ids themselves (e.g. "
                              f"a tokenizer's int64 output), not scores or a mask")
     if labels is not None and _shifted_already(tokens, labels):
-        raise ValueError("labels are shifted already (each equals the next token wherever it labels, the last "
-                         "position unlabelled): shard_batch shifts them itself, which would score each token on the "
-                         "one after next; pass them aligned with tokens (labels=tokens, or a copy with "
-                         f"{IGNORE_INDEX} where a token is not to be predicted)")
+        raise ValueError("labels are shifted already (each equals the next token wherever it labels): shard_batch "
+                         "shifts them itself, which would score each token on the one after next; pass them aligned "
+                         f"with tokens (labels=tokens, or a copy with {IGNORE_INDEX} where a token is not to be "
+                         "predicted)")
 
 
 def _shifted_already(tokens: torch.Tensor, labels: torch.Tensor) -> bool:
-    """Labels that are next-token targets already: each equal to the following token wherever it
-    labels, none on the last position, and not simply the tokens (a row of one repeated token)."""
-    labelled = labels != IGNORE_INDEX
-    if tokens.shape[1] < 2 or bool(labelled[:, -1].any()) or not bool(labelled.any()):
+    """Labels that are next-token targets already (``shift_labels``', or nanoGPT's y = data[:, 1:]
+    beside x = data[:, :-1]): each equal to the following token wherever it labels one, and not
+    simply the tokens (a row of one repeated token). One host read."""
+    if tokens.shape[1] < 2:
         return False
-    follows = (labels[:, :-1] == tokens[:, 1:]) | ~labelled[:, :-1]
-    return bool(follows.all()) and bool(((labels != tokens) & labelled).any())
+    labelled = labels != IGNORE_INDEX
+    follows = ((labels[:, :-1] == tokens[:, 1:]) | ~labelled[:, :-1]).all()
+    return bool(follows & labelled[:, :-1].any() & ((labels != tokens) & labelled).any())
 
 
 def _batch_checksum(tokens: torch.Tensor, targets: torch.Tensor) -> int:

@@ -59,7 +59,8 @@ def from_group(group: dist.ProcessGroup | None, who: str, axis: str = "ring") ->
             raise ValueError(f"{who} was called in rank {os.environ['RANK']} of a torchrun launch of "
                              f"{os.environ['WORLD_SIZE']} processes, but torch.distributed is not initialised here; "
                              f"call torch.distributed.init_process_group() (or ctxpar.launch.init_from_env()) on "
-                             f"every rank first")
+                             f"every rank first (a process meant to run alone: start it without torchrun, or with "
+                             f"WORLD_SIZE=1)")
         return Topology(rank=0, world_size=1)
     if axis not in ("ring", "ulysses"):
         raise ValueError(f"axis must be 'ring' or 'ulysses', got {axis!r}")

@@ -101,7 +101,7 @@ def check_model_fits(model: nn.Module, cache: KVCache) -> None:
     for name, module in model.named_modules(remove_duplicate=False):
         if hasattr(module, "attention_fn"):
             places.setdefault(module, []).append(name)
-    modules = list(places)  # attention_modules(model)
+    modules = list(places)  # attention_modules(model), in its order, from the same walk
     shared = next((names for names in places.values() if len(names) > 1), None)
     for i, module in enumerate(modules):
         fn = module.attention_fn
