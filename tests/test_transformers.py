@@ -52,6 +52,22 @@ def _one_rank(model, tokens: int = 8, **labels):
     return model, inputs, shifted
 
 
+def test_an_attention_module_replaced_after_enabling_is_named_as_such() -> None:
+    """A layer rebuilt after enable_context_parallel (surgery, an adapter) was told to call
+    enable_context_parallel first, which had been done, or that its config was shared."""
+    model, inputs, _ = _one_rank(hf_families.build("llama"))
+    attention = model.model.layers[1].self_attn
+    fresh = type(attention)(model.config, 1)
+    fresh.load_state_dict(attention.state_dict())
+    model.model.layers[1].self_attn = fresh
+    with pytest.raises(ValueError, match="not prepared, though its config is a model's given to enable_context_"
+                                         r"parallel: a module added or replaced after it \(call enable_context_"
+                                         r"parallel\(model, \.\.\.\) again once the model is changed\)"):
+        model(**inputs)
+    enable_context_parallel(model, layout=ONE)  # as the message says
+    assert model(**inputs).logits.shape[1] == inputs["input_ids"].shape[1]
+
+
 def test_labels_loss_refuses_what_it_cannot_weigh_globally() -> None:
     model, inputs, labels = _one_rank(hf_families.build("llama"))
     for extra, message in ((dict(shift_labels=labels), "already shifted"),

@@ -57,6 +57,7 @@ import torch.distributed as dist
 
 from ctxpar.integrations.transformers.attention import (
     CHECKED,
+    ENABLED_CONFIGS,
     DOCUMENTS,
     FEATURE_KWARGS,
     NAME,
@@ -449,6 +450,8 @@ def enable_context_parallel(
                         dynamic=dynamic_rope_limits(model))
     for module in model.modules():  # attention_forward finds its settings on the module that calls it
         module.ctxpar_settings = settings
+        if getattr(module, "config", None) is not None:
+            ENABLED_CONFIGS[id(module.config)] = settings
     model.set_attn_implementation(NAME)
     stale = sorted({type(m).__name__ for m in model.modules()
                     if isinstance(m, PreTrainedModel) and m.config._attn_implementation != NAME})

@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import contextvars
 import math
+import weakref
 from dataclasses import dataclass
 
 import torch
@@ -76,6 +77,11 @@ FEATURE_KWARGS = {
 _PACKED = ("cu_seq_lens_q", "cu_seq_lens_k", "max_length_q", "max_length_k", "seq_idx")
 KWARG_FIXES = dict.fromkeys(_PACKED, "declare the packed row's documents instead: pass the whole row's document "
                                      "lengths as shard_inputs(..., documents=...) (or model(..., documents=...))")
+
+
+# the settings of the models given to enable_context_parallel, by id of each of their configs, held as long
+# as the model holds them: a module not prepared whose config is there was added after enable_context_parallel
+ENABLED_CONFIGS: weakref.WeakValueDictionary[int, Settings] = weakref.WeakValueDictionary()
 
 
 @dataclass(frozen=True)
@@ -315,11 +321,16 @@ def attention_forward(module, query, key, value, attention_mask, dropout: float 
     settings: Settings | None = getattr(module, "ctxpar_settings", None)
     owner = type(module).__name__
     if settings is None:
+        shared = ("it shares its config with one given to enable_context_parallel (two models built from one config "
+                  "object, or from_config(enabled_model.config)): give it a config of its own (copy.deepcopy(config)) "
+                  "or set_attn_implementation('sdpa') on it")
+        if id(getattr(module, "config", None)) in ENABLED_CONFIGS:  # said "call enable_context_parallel first"
+            raise ValueError(f"{owner} uses attn_implementation='ctxpar' but was not prepared, though its config is a "
+                             f"model's given to enable_context_parallel: a module added or replaced after it (call "
+                             f"enable_context_parallel(model, ...) again once the model is changed), or {shared}")
         raise ValueError(f"{owner} uses attn_implementation='ctxpar' but was not prepared; call "
                          f"enable_context_parallel(model, layout=..., group=...) first. If this model is not meant "
-                         f"to be split, it shares its config with one given to enable_context_parallel (two models "
-                         f"built from one config object, or from_config(enabled_model.config)): give it a config "
-                         f"of its own (copy.deepcopy(config)) or set_attn_implementation('sdpa') on it")
+                         f"to be split, {shared}")
     cached = CACHED.get()
     try:
         causal, mask, sinks = _what_to_honour(owner, module, attention_mask, dropout, is_causal, kwargs)
