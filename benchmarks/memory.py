@@ -20,6 +20,7 @@ from __future__ import annotations
 import argparse
 
 import ctxpar
+from ctxpar import launch
 from ctxpar.train import TRAIN_STRATEGIES, TrainConfig, run_train
 import flags
 from report import write_json
@@ -60,9 +61,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     with flags.refusals(p):
         for nproc in args.nprocs:
             for seq, flag in ((args.short_seq, "--short-seq"), (args.seq, "--seq")):
-                TrainConfig(nproc=nproc, seq=seq, steps=1, model=args.model, strategy=args.strategy,
-                            layout=args.layout, activation_checkpointing=args.activation_checkpointing
-                            ).validate(nproc, seq_flag=flag)
+                cfg = TrainConfig(nproc=nproc, seq=seq, steps=1, model=args.model, strategy=args.strategy,
+                                  layout=args.layout, activation_checkpointing=args.activation_checkpointing)
+                cfg.validate(nproc, seq_flag=flag)
+                # refused inside run_train once, naming --batch and --nproc, which this script has not
+                ranks = f"{nproc} rank{'s' * (nproc != 1)}"
+                launch.check_local_memory(cfg.memory_needed(nproc), f"--model {args.model} on {ranks} with {flag} {seq}",
+                                          "choose a smaller --model, or lower --seq or --nprocs")
     return args
 
 

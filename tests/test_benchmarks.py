@@ -45,6 +45,9 @@ REFUSED = [
     ("memory", ["--strategy", "foo"], "--strategy"),
     ("memory", ["--strategy", "hybrid"], "invalid choice: 'hybrid'"),  # once asked for a flag memory.py has not
     ("memory", ["--seq", "1000"], "--seq"),
+    # refused inside the run, naming --batch and --nproc, which memory.py has not
+    ("memory", ["--model", "llama-3-405b", "--seq", "2048", "--short-seq", "1024"], "on 1 rank with --short-seq "
+     "1024 needs at least 1,512.4 GiB, more than this machine's"),
     ("inference", ["--repeat", "0"], "--repeat"),
     ("inference", ["--parts", "foo"], "--parts"),
     ("inference", ["--prompt", "100"], "--prompt"),

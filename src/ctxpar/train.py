@@ -107,16 +107,18 @@ class TrainConfig:
             raise ValueError("--save-every and --resume need --checkpoint-dir")
         self.task()
 
-    def check_memory(self, ranks: int) -> None:
-        """Refuse a run this machine cannot hold: each of ``ranks`` local ranks builds the whole
-        fp32 model before FSDP shards it, and the fp32 logits of the global batch are spread
-        over the ranks (a lower bound)."""
+    def memory_needed(self, ranks: int) -> int:
+        """Bytes ``ranks`` local ranks need at least: each builds the whole fp32 model before FSDP
+        shards it, and the fp32 logits of the global batch are spread over the ranks."""
         model = get_config(self.model)
-        needed = 4 * (ranks * model.parameters + self.dp * self.batch * self.seq * model.vocab)
+        return 4 * (ranks * model.parameters + self.dp * self.batch * self.seq * model.vocab)
+
+    def check_memory(self, ranks: int) -> None:
+        """Refuse a run this machine cannot hold (``memory_needed``)."""
         launch.check_local_memory(
-            needed, f"--model {self.model} on {ranks} ranks with --seq {self.seq} and --batch {self.batch}",
-            "choose a smaller --model, or lower --seq, --batch or the ranks on this machine (--nproc, or "
-            "torchrun's --nproc-per-node)")
+            self.memory_needed(ranks), f"--model {self.model} on {ranks} ranks with --seq {self.seq} and --batch "
+            f"{self.batch}", "choose a smaller --model, or lower --seq, --batch or the ranks on this machine "
+            "(--nproc, or torchrun's --nproc-per-node)")
 
     def checkpoint_settings(self) -> dict:
         """What a resumed run must share with the run that saved: what it trains on and with.
