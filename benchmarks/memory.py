@@ -65,9 +65,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                                   layout=args.layout, activation_checkpointing=args.activation_checkpointing)
                 cfg.validate(nproc, seq_flag=flag)
                 # refused inside run_train once, naming --batch and --nproc, which this script has not
-                ranks = f"{nproc} rank{'s' * (nproc != 1)}"
-                launch.check_local_memory(cfg.memory_needed(nproc), f"--model {args.model} on {ranks} with {flag} {seq}",
-                                          "choose a smaller --model, or lower --seq or --nprocs")
+                run = f"--model {args.model} on {nproc} rank{'s' * (nproc != 1)} with {flag} {seq}"
+                launch.check_local_memory(cfg.memory_needed(nproc), run, "choose a smaller --model, or lower --seq or "
+                                                                         "--nprocs")
     return args
 
 
