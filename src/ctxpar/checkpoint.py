@@ -304,14 +304,10 @@ def find_resumable(directory: str, run: dict[str, Any], *, required: bool = True
     candidates, strays = _on_rank0(partial(list_checkpoints, directory))
     skipped = list(strays)
     for step, path in candidates:
-        manifest, why = _on_rank0(partial(_read_manifest, path, step))
-        if manifest is not None:
-            _refuse_other_run(path, manifest["run"], run)
-            problems = _file_problems(path, manifest["files"])
-            if not problems:
-                return Resumable(step, path, tuple(skipped))
-            why = "; ".join(problems)
-        skipped.append(Skipped(path, why))
+        problems = _problems(path, step, run)
+        if not problems:
+            return Resumable(step, path, tuple(skipped))
+        skipped.append(Skipped(path, "; ".join(problems)))
     if not required:
         return None
     listing = "".join(f"\n  {s.path}: {s.reason}" for s in skipped) or " (it is empty)"
@@ -370,6 +366,18 @@ def load(model: torch.nn.Module, optimizer: torch.optim.Optimizer, checkpoint: R
     set_optimizer_state_dict(model, optimizer, state["optim"], options=StateDictOptions(strict=False))
 
 
+def _problems(path: str, step: int, run: dict[str, Any] | None = None) -> list[str]:
+    """Why checkpoint ``step`` at ``path`` cannot be used (collective): no intact manifest, or
+    files that differ from it; none where it verifies. A sealed checkpoint of other ``run``
+    settings (where given) is refused, before its files are read."""
+    manifest, why = _on_rank0(partial(_read_manifest, path, step))
+    if manifest is None:
+        return [why]
+    if run is not None:
+        _refuse_other_run(path, manifest["run"], run)
+    return _file_problems(path, manifest["files"])
+
+
 def _verified(path: str) -> str:
     """``path``, once its manifest and files are found intact as ``find_resumable`` checks them
     (collective); refused otherwise, naming why."""
@@ -378,8 +386,7 @@ def _verified(path: str) -> str:
     if match is None:
         raise ValueError(f"{path!r} is not a checkpoint (a step-<N> directory save() wrote); pass one, or the "
                          f"checkpoint find_resumable returns")
-    manifest, why = _on_rank0(partial(_read_manifest, path, int(match[1])))
-    problems = [why] if manifest is None else _file_problems(path, manifest["files"])
+    problems = _problems(path, int(match[1]))
     if problems:
         raise ValueError(f"the checkpoint {path} cannot be loaded: {'; '.join(problems)}; load another (find_resumable "
                          f"returns the newest that verifies)")

@@ -57,8 +57,8 @@ import torch.distributed as dist
 
 from ctxpar.integrations.transformers.attention import (
     CHECKED,
-    ENABLED_CONFIGS,
     DOCUMENTS,
+    ENABLED_CONFIGS,
     FEATURE_KWARGS,
     NAME,
     PADDING_REFUSED,
