@@ -99,7 +99,8 @@ def test_a_json_path_that_cannot_be_written_is_refused_before_the_run(script: st
     """A directory or a missing parent directory was found only when the report was written,
     after the run: a traceback, exit status 1, the run's figures lost. Checked by ``ctxpar
     demo``'s and ``plan``'s own check (``cli.check_output``)."""
-    for path, said in ((tmp_path, "is a directory"), (tmp_path / "missing" / "x.json", "does not exist")):
+    for path, said in ((tmp_path, "is a directory"), (tmp_path / "missing" / "x.json", "does not exist"),
+                       ("-", "would write a file named '-' here")):  # once a file named '-', as `ctxpar` did
         with pytest.raises(SystemExit) as stop:
             importlib.import_module(script).parse_args(["--json", str(path)])
         err = capsys.readouterr().err

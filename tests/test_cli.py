@@ -441,6 +441,31 @@ def test_a_report_that_cannot_be_written_once_the_work_is_done_exits_1_in_every_
     assert not wrong, "\n".join(wrong)
 
 
+def test_json_dash_writes_the_json_to_stdout_and_the_report_to_stderr(monkeypatch, capsys, tmp_path) -> None:
+    """``ctxpar plan --json - | jq``: '-' was written as a file named '-' in the working directory,
+    and stdout had the table. Each command's JSON is now stdout's whole content; --plot refuses '-'."""
+    import ctxpar.cli as cli
+
+    for command, report in (("demo", {"ok": True}), ("train", {"loss": [5.0]}), ("generate", {"tokens": [1]})):
+        run = {"demo": "run_demo", "train": "run_train", "generate": "run_generate"}[command]
+        monkeypatch.setattr(cli.generation if command == "generate" else cli, run, lambda cfg, r=report, **kw: r)
+    for module, name in ((cli, "format_report"), (cli, "format_train_report"), (cli.generation, "format_report")):
+        monkeypatch.setattr(module, name, lambda report: "the report")
+    monkeypatch.chdir(tmp_path)
+    argv = ["plan", "--model", "tiny", "--seq", "4096", "--cp", "2", "--max-cp", "4"]
+    assert main([*argv, "--json", "plan.json"]) == 0
+    table = capsys.readouterr().out
+    for command, expected in (("demo", {"ok": True}), ("train", {"loss": [5.0]}), ("generate", {"tokens": [1]}),
+                              ("plan", json.loads((tmp_path / "plan.json").read_text()))):
+        assert main([*(argv if command == "plan" else [command]), "--json", "-"]) == 0
+        out, err = capsys.readouterr()
+        assert json.loads(out) == expected, command
+        assert err == (table if command == "plan" else "the report\n"), command
+    assert sorted(os.listdir(tmp_path)) == ["plan.json"]
+    assert main([*argv, "--plot", "-"]) == 2
+    assert "--plot '-' would write a file named '-' here; give a file path, e.g. plan.png" in capsys.readouterr().err
+
+
 def test_an_unknown_train_model_is_refused_by_the_flag(capsys) -> None:
     with pytest.raises(SystemExit) as e:
         main(["train", "--model", "gpt-5"])

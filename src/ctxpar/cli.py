@@ -26,6 +26,10 @@ from ctxpar.train import GRADIENT_RTOL, JUDGED_STEPS, LOSS_RTOL, TRAIN_STRATEGIE
 from ctxpar.train import format_report as format_train_report
 
 
+STDOUT = "-"  # --json - : the JSON on stdout, the report for people on stderr (``| jq``)
+TO_STDOUT = " (- for stdout, the report then on stderr)"
+
+
 class _HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
     """Appends "(default: X)" only where it says something: not for an unset flag (None), not for a
     plain switch (--compare's False, --no-progress's True) and not where the help already states its
@@ -58,7 +62,7 @@ def _demo_parser(sub) -> None:
     p.add_argument("--dtype", choices=sorted(DTYPES), default=d.dtype, help="dtype of q, k, v")
     p.add_argument("--causal", action=argparse.BooleanOptionalAction, default=d.causal, help="causal mask")
     p.add_argument("--seed", type=int, default=d.seed, help="seed of the random inputs")
-    p.add_argument("--json", metavar="PATH", help="also write the full report as JSON")
+    p.add_argument("--json", metavar="PATH", help="also write the full report as JSON" + TO_STDOUT)
 
 
 def _launch_flags(p: argparse.ArgumentParser, nproc: int) -> None:
@@ -84,12 +88,18 @@ def _check_launch_flags(args: argparse.Namespace) -> int:
     return launch.world_size(args.nproc)
 
 
-def check_output(flag: str, path: str | None, example: str = "out.json") -> None:
-    """Refuse an output file that could not be written, before any work is done."""
+def check_output(flag: str, path: str | None, example: str = "out.json", stdout_ok: bool = False) -> None:
+    """Refuse an output file that could not be written, before any work is done. ``-`` is
+    stdout where ``stdout_ok``, and refused elsewhere: it was written as a file named '-'."""
     if path is None:
         return
     if not path.strip():
         raise ValueError(f"{flag} needs a file path, e.g. {example}; got an empty one")
+    if path == STDOUT:
+        if stdout_ok:
+            return
+        raise ValueError(f"{flag} '-' would write a file named '-' here; give a file path, e.g. {example} "
+                         f"(or ./- for that name)")
     if os.path.isdir(path):
         raise ValueError(f"{flag} {path!r} is a directory; give a file path, e.g. {os.path.join(path, example)}")
     if path.endswith(os.sep):  # a directory that does not exist (yet): writing said "Is a directory"
@@ -117,7 +127,15 @@ def check_output(flag: str, path: str | None, example: str = "out.json") -> None
 
 def _report(text: str, json_path: str | None, data: dict) -> None:
     """Print a command's report and write its JSON, the JSON first: a reader of stdout that
-    is gone (``| head``) must not cost the file, nor the command's exit status."""
+    is gone (``| head``) must not cost the file, nor the command's exit status. With
+    ``--json -`` the JSON is what stdout gets, and the report goes to stderr."""
+    if json_path == STDOUT:
+        if sys.stderr is not None:
+            try:
+                print(text, file=sys.stderr, flush=True)
+            except OSError:  # stderr's reader gone or its disk full: stdout still gets the JSON
+                pass
+        text, json_path = json.dumps(data, indent=2), None
     json_error = None  # why the JSON could not be written
     if json_path:
         try:
@@ -151,7 +169,7 @@ class ReportUnwritten(Exception):
 
 def _run_demo(args: argparse.Namespace) -> int:
     _check_launch_flags(args)
-    check_output("--json", args.json)
+    check_output("--json", args.json, stdout_ok=True)
     cfg = DemoConfig(
         nproc=args.nproc, seq=args.seq, heads=args.heads, kv_heads=args.kv_heads, head_dim=args.head_dim,
         layout=args.layout, strategy=args.strategy, dtype=args.dtype, causal=args.causal,
@@ -199,12 +217,12 @@ def _train_parser(sub) -> None:
     p.add_argument("--resume", action="store_true",
                    help="continue from the newest verified checkpoint in --checkpoint-dir, to --steps in all")
     p.add_argument("--no-progress", dest="progress", action="store_false", help="no progress bar")
-    p.add_argument("--json", metavar="PATH", help="write losses (and reference losses) as JSON")
+    p.add_argument("--json", metavar="PATH", help="write losses (and reference losses) as JSON" + TO_STDOUT)
 
 
 def _run_train(args: argparse.Namespace) -> int:
     world = _check_launch_flags(args)
-    check_output("--json", args.json)
+    check_output("--json", args.json, stdout_ok=True)
     if args.json and args.checkpoint_dir and os.path.abspath(args.json) == os.path.abspath(args.checkpoint_dir):
         beside = os.path.join(os.path.dirname(os.path.abspath(args.checkpoint_dir)), "report.json")
         raise ValueError(f"--json {args.json!r} is the --checkpoint-dir; give the report a file of its own outside "
@@ -310,7 +328,7 @@ def _plan_parser(sub) -> None:
     serve.add_argument("--chunk", type=int, default=argparse.SUPPRESS, metavar="T_NEW",
                        help="a follow-up chunk prefilled on top of prompt + new tokens, for pass-KV vs pass-Q "
                             "(default: --seq // 16, at least 1)")
-    p.add_argument("--json", metavar="PATH", help="write every figure (exact bytes, seconds) as JSON")
+    p.add_argument("--json", metavar="PATH", help="write every figure (exact bytes, seconds) as JSON" + TO_STDOUT)
     p.add_argument("--plot", metavar="PATH", help="write a PNG: efficiency vs sequence length, memory per GPU")
 
 
@@ -401,7 +419,7 @@ def _run_plan(args: argparse.Namespace) -> int:
             print(f"ctxpar plan: note: {note.message}", file=sys.stderr)
         else:  # another library's warning: as it would have been shown
             warnings.warn_explicit(note.message, note.category, note.filename, note.lineno)
-    check_output("--json", args.json)
+    check_output("--json", args.json, stdout_ok=True)
     check_output("--plot", args.plot, "plan.png")
     if args.plot is not None:
         planning.check_plot_support(args.plot)
@@ -433,7 +451,8 @@ def _run_plan(args: argparse.Namespace) -> int:
         window=args.window, documents=documents, documents_from=documents_from)
     if args.calibrate:
         calibration = calibration_.plan_calibration(args.hardware, measure=True, path=None)
-        print(calibration_.format_calibration(calibration) + "\n")
+        print(calibration_.format_calibration(calibration) + "\n",
+              file=sys.stderr if args.json == STDOUT else sys.stdout)
     hardware = planning.get_hardware(args.hardware, calibration=calibration, efficiency=args.efficiency,
                                      bandwidth=bandwidth, peak_flops=peak_flops, latency=latency,
                                      gpus_per_node=args.gpus_per_node, launch_overhead=launch, step_overhead=step,
@@ -480,12 +499,12 @@ def _generate_parser(sub) -> None:
     p.add_argument("--no-progress", dest="progress", action="store_false", help="no progress bar")
     p.add_argument("--json", metavar="PATH",
                    help="write tokens, reference_tokens, ttft_s, tpot_s, kv_cache_bytes_per_rank, strategy_chosen "
-                        "as JSON")
+                        "as JSON" + TO_STDOUT)
 
 
 def _run_generate(args: argparse.Namespace) -> int:
     _check_launch_flags(args)
-    check_output("--json", args.json)
+    check_output("--json", args.json, stdout_ok=True)
     cfg = generation.GenerateConfig(
         nproc=args.nproc, prompt_len=args.prompt_len, new_tokens=args.new_tokens, batch=args.batch,
         model=args.model, layout=args.layout, strategy=args.strategy, ulysses_degree=args.ulysses_degree,
