@@ -271,6 +271,8 @@ def bad_values(tmp: Path) -> list[tuple[tuple[str, ...], str]]:
         (("plan", "--seq", str(2**40)), f"--seq {2**40} is longer than the planner evaluates"),
         (("plan", "--bandwidth", "1e400"), "--bandwidth '1e400' = inf bytes/s is outside"),
         (("plan", "--bandwidth", "fast"), "--bandwidth 'fast' is not understood"),
+        (("plan", "--bandwidth=-1GB/s"), "--bandwidth '-1GB/s' = -1e+09 bytes/s is outside"),  # "not understood"
+        (("plan", "--flops=-989T"), "--flops '-989T' = -9.89e+14 FLOP/s is outside"),
         (("plan", "--flops", "0.5"), "--flops '0.5' = 0.5 FLOP/s is outside"),
         (("plan", "--efficiency", "0.0001"), "--efficiency 0.0001 must be in [0.01, 1]"),
         (("plan", "--window", "0"), "--window must be between 1 and"),

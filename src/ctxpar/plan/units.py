@@ -12,15 +12,16 @@ import re
 
 _DECIMAL = {"": 1.0, "k": 1e3, "m": 1e6, "g": 1e9, "t": 1e12, "p": 1e15, "e": 1e18}
 _BINARY = {"ki": 2.0**10, "mi": 2.0**20, "gi": 2.0**30, "ti": 2.0**40}
-_BANDWIDTH = re.compile(r"^\s*([0-9]*\.?[0-9]+(?:e[+-]?[0-9]+)?)\s*([kmgtp]i?)?([bB])?(?:/s|ps)?\s*$", re.I)
+_BANDWIDTH = re.compile(r"^\s*([-+]?[0-9]*\.?[0-9]+(?:e[+-]?[0-9]+)?)\s*([kmgtp]i?)?([bB])?(?:/s|ps)?\s*$", re.I)
 # What a flag may say: beyond these, the figures describe no machine and the arithmetic
-# over them overflows (or divides by zero).
+# over them overflows (or divides by zero). The patterns read a sign, so that a negative
+# value is refused by these ranges, not as "not understood".
 BANDWIDTH_RANGE = (1e3, 1e18, "1kB/s .. 1e18B/s")
 FLOPS_RANGE = (1e6, 1e24, "1M .. 1e24 FLOP/s")
 LATENCY_RANGE = (0.0, 1.0, "0 .. 1 s")
 _SECONDS = {"": 1.0, "s": 1.0, "ms": 1e-3, "us": 1e-6, "µs": 1e-6, "ns": 1e-9}
-_LATENCY = re.compile(r"^\s*([0-9]*\.?[0-9]+(?:e[+-]?[0-9]+)?)\s*(s|ms|us|µs|ns)?\s*$", re.I)
-_FLOPS = re.compile(r"^\s*([0-9]*\.?[0-9]+(?:e[+-]?[0-9]+)?)\s*([kmgtpe])?(?:flop/?s|flops)?\s*$", re.I)
+_LATENCY = re.compile(r"^\s*([-+]?[0-9]*\.?[0-9]+(?:e[+-]?[0-9]+)?)\s*(s|ms|us|µs|ns)?\s*$", re.I)
+_FLOPS = re.compile(r"^\s*([-+]?[0-9]*\.?[0-9]+(?:e[+-]?[0-9]+)?)\s*([kmgtpe])?(?:flop/?s|flops)?\s*$", re.I)
 
 
 def parse_bandwidth(text: str) -> float:
