@@ -461,6 +461,13 @@ def _guards(rank: int, world: int) -> dict:
     out["another batch"] = _attempt(lambda: model(**moved, labels=mine_labels).loss)
     with torch.no_grad():
         out["another batch, decoder"] = _attempt(lambda: tuple(model.model(**mine).last_hidden_state.shape))
+    # a model loaded with another config on one rank (another norm epsilon) trained silently wrong
+    other = enable_context_parallel(hf_families.build("llama", **(dict(rms_norm_eps=1e-2) if me == 1 else {})),
+                                    layout=layout, group=group)
+    out["another config on one rank"] = _attempt(lambda: other(**inputs, labels=labels).loss)
+    with torch.no_grad():
+        out["another config on one rank, decoder"] = _attempt(
+            lambda: tuple(other.model(**inputs).last_hidden_state.shape))
     copied = copy.deepcopy(model)  # group= given: the copy shares it (a ProcessGroup cannot be copied)
     with torch.no_grad():
         for parameter in copied.parameters():

@@ -120,6 +120,10 @@ def test_a_mask_refuses_what_cannot_be_one(kwargs, message) -> None:
     # an empty first document reads as cu_seqlens: the message says both readings (once only the first)
     ([0, 3, 5], "sum to 8.*it holds an empty document"),
     (torch.tensor([3, 5], device="meta"), "on the meta device"),  # once torch's NotImplementedError
+    # a packing per row: once only "must hold integers", not that one packing goes for every row
+    ([[3, 5], [4, 4]], "must hold integers.*one packing describes every row"),
+    (torch.tensor([[3, 5], [4, 4]]), "got shape \\(2, 2\\): one packing describes every row"),
+    ([3.0, 5.0], "integers, got \\[3.0, 5.0\\]$"),  # not a packing per row
 ])
 def test_document_lengths_refuse_what_a_hurried_user_passes(documents, message) -> None:
     with pytest.raises(ValueError, match=message):

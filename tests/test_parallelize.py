@@ -68,6 +68,10 @@ def _cases(rank: int, world: int) -> dict:
                 documents=_attempt(lambda: (model(docs.tokens, docs.positions, documents=docs.documents)
                                             - layout.shard(packed, cp_rank, dim=1)).abs().max().item()),
                 forgotten=_attempt(lambda: model(batch.tokens)),
+                # a list, an array, a column: AttributeError, or "must be the global positions" of right values
+                positions_list=_attempt(lambda: model(batch.tokens, batch.positions.tolist())),
+                positions_array=_attempt(lambda: model(batch.tokens, batch.positions.numpy())),
+                positions_column=_attempt(lambda: model(batch.tokens, batch.positions.reshape(-1, 1))),
                 other_layout=_attempt(lambda: model(other.tokens, other.positions)),
                 global_with_documents=_attempt(lambda: model(docs.tokens, batch.positions, documents=DOCUMENTS)),
                 one_rank_forgets=_attempt(lambda: model(batch.tokens, None if last else batch.positions)),
@@ -77,6 +81,7 @@ def _cases(rank: int, world: int) -> dict:
                                         - layout.shard(full, cp_rank, dim=1)).abs().max().item()),
             )
             found[name].update(_batches_compared(model, tokens, layout, cp_rank, last, full))
+            found[name].update(_models_compared(kwargs, layout, batch, last))
             copied = copy.deepcopy(model)  # an EMA copy: once unguarded, its attention a copy the guard missed
             found[name]["copy_exact"] = _attempt(lambda: (copied(batch.tokens, batch.positions)
                                                           - layout.shard(full, cp_rank, dim=1)).abs().max().item())
@@ -172,6 +177,22 @@ def _batches_compared(model, tokens, layout, cp_rank: int, last: bool, full) -> 
     )
 
 
+def _models_compared(kwargs: dict, layout, batch, last: bool) -> dict:
+    """Forwards of models built otherwise on the last rank: the reference model with another
+    config, and a module of one's own (no config: its parameters' shapes) around one."""
+    found = {}
+    tiny = get_config("tiny")
+    with torch.random.fork_rng():  # the last rank draws more weights: the models after must stay alike
+        for case, changes in (("rope_theta", dict(rope_theta=10000.0)), ("norm_eps", dict(norm_eps=1e-2)),
+                              ("vocab", dict(vocab=300)), ("layers", dict(layers=3))):
+            model = Transformer(tiny.with_(**changes) if last else tiny).eval()
+            for wrapped in (False, True):
+                guarded = apply_context_parallel(_Wrapped(model) if wrapped else model, layout=layout, **kwargs)
+                found[f"{case}{'_wrapped' if wrapped else ''}_on_one_rank"] = _attempt(
+                    lambda: guarded(batch.tokens, batch.positions))
+    return found
+
+
 def results() -> list[dict]:
     return spawned.results("parallelize", _cases, WORLD, timeout_s=60)
 
@@ -203,6 +224,17 @@ def test_wrong_positions_are_refused_on_every_rank(strategy: str) -> None:
         # under the hybrid mesh a rank outside the culprit's row and column hears of it second hand, unnamed
         want = "got no positions" if rank == WORLD - 1 else "of the CP group rejected their forward inputs"
         assert want in r["one_rank_forgets"], (rank, r["one_rank_forgets"])
+
+
+@pytest.mark.parametrize("strategy", ["ring", "hybrid"])
+def test_positions_of_another_type_or_shape_are_refused_naming_the_shape(strategy: str) -> None:
+    local = SEQ // WORLD
+    for rank, res in enumerate(results()):
+        r = res[strategy]
+        for case, got in (("list", "list"), ("array", "ndarray"), ("column", f"shape ({local}, 1)")):
+            want = f"takes positions as a ({local},) or (2, {local}) tensor for tokens (2, {local}) " \
+                   f"(shard_batch's batch.positions), got {got}"
+            assert want in r[f"positions_{case}"], (rank, case, r[f"positions_{case}"])
 
 
 def test_a_shard_taken_by_the_place_in_new_groups_list_is_refused_naming_the_group_rank() -> None:
@@ -284,6 +316,23 @@ def test_shards_of_different_batches_are_refused_on_every_rank(strategy: str) ->
         assert r["unnamed_second"] == (2, SEQ // WORLD, 256), (rank, r["unnamed_second"])
 
 
+@pytest.mark.parametrize("strategy", ["ring", "hybrid"])
+def test_a_model_built_otherwise_on_one_rank_is_refused_on_every_rank(strategy: str) -> None:
+    """Another RoPE theta or norm eps on one rank trained silently wrong (a gradient 23% and
+    75% off), another vocabulary too; another layer count waited out the timeout. Compared
+    in each forward: the config, or a module of one's own's parameter shapes."""
+    for rank, res in enumerate(results()):
+        r = res[strategy]
+        for case in ("rope_theta", "norm_eps", "vocab", "layers"):
+            for wrapped in ("", "_wrapped"):
+                got = r[f"{case}{wrapped}_on_one_rank"]
+                # under the hybrid mesh a rank outside the last rank's row and column hears second hand
+                heard = ["disagree on the forward: model (a checksum of its config"]
+                if strategy == "hybrid" and rank != WORLD - 1:
+                    heard.append("disagree on the forward: (seen by another rank)")
+                assert isinstance(got, str) and any(want in got for want in heard), (rank, case, wrapped, got)
+
+
 def _reported(fn) -> str | float:
     """fn()'s value, or the type and message of what it raised (a rank raising alone, not only
     a ValueError, is then a case that fails rather than the whole group)."""
@@ -302,6 +351,17 @@ class _Wrapper(torch.nn.Module):
 
     def forward(self, input_ids: torch.Tensor, pos: torch.Tensor | None = None) -> torch.Tensor:
         return self.model(input_ids, pos)
+
+
+class _Wrapped(torch.nn.Module):
+    """A module of one's own around the reference model, with no config of its own."""
+
+    def __init__(self, model: torch.nn.Module) -> None:
+        super().__init__()
+        self.inner = model
+
+    def forward(self, tokens: torch.Tensor, positions: torch.Tensor | None = None) -> torch.Tensor:
+        return self.inner(tokens, positions)
 
 
 class _OwnModel(torch.nn.Module):

@@ -104,6 +104,11 @@ def positions_in_documents(positions: torch.Tensor, documents: tuple[int, ...] |
     return positions - (bounds[doc] - torch.tensor(documents, device=positions.device)[doc])
 
 
+# documents= given per row
+_ONE_PACKING = ("one packing describes every row of the batch alike; rows packed otherwise go one forward per row "
+                "(B=1), each with its own documents=")
+
+
 def document_lengths(documents, seq_len: int) -> tuple[int, ...]:
     """Document lengths from what a user passes: lengths (a sequence or 1-D tensor summing
     to ``seq_len``) or ``cu_seqlens`` (a 1-D tensor or sequence starting at 0 and ending
@@ -112,6 +117,9 @@ def document_lengths(documents, seq_len: int) -> tuple[int, ...]:
     if hasattr(documents, "__array__") and not isinstance(documents, torch.Tensor):  # a numpy array
         documents = _as_tensor(documents, "documents= must be lengths or cu_seqlens")
     if isinstance(documents, torch.Tensor):
+        if documents.dim() > 1:
+            raise ValueError(f"documents= must be a 1-D integer tensor or array, got shape "
+                             f"{tuple(documents.shape)}: {_ONE_PACKING}")
         if documents.dim() != 1 or documents.dtype.is_floating_point or documents.dtype == torch.bool:
             raise ValueError(f"documents= must be a 1-D integer tensor or array, got {documents.dtype} of shape "
                              f"{tuple(documents.shape)}")
@@ -125,7 +133,9 @@ def document_lengths(documents, seq_len: int) -> tuple[int, ...]:
     if not all(type(x) is int for x in values):  # plain ints (a tensor's tolist()) pass here, fast
         # numpy's integers, and the 0-d tensors list(cu_seqlens) holds, as window= takes one
         if not all(_is_integer(x) or _integer_scalar(x) for x in values):
-            raise ValueError(f"documents= must hold integers, got {values[:8]}")
+            nested = any(isinstance(x, (Sequence, torch.Tensor)) or hasattr(x, "__array__") for x in values)
+            raise ValueError(f"documents= must hold integers, got {values[:8]}"
+                             + (f": {_ONE_PACKING}" if nested else ""))
         values = [int(x) for x in values]
     if values[0] == 0:  # cu_seqlens: a document can't have length 0, so a leading 0 says which
         if values[-1] != seq_len:

@@ -177,6 +177,37 @@ class _ShardedLately:
 _SHARDED = _ShardedLately()
 SAME_BATCH = ("batch (a checksum of the whole batch shard_batch cut each rank's tokens from: every rank of a CP "
               "group shards the same batch; sample data by data-parallel rank, not by global rank)")
+SAME_MODEL = "model (a checksum of its config and attention modules: build the same model on every rank)"
+# A Hugging Face config's fields that say where the model came from or the dtype it was loaded
+# in, not what it computes (parameters' dtypes attention compares itself): ranks loading one
+# model from node-local copies agree.
+_PROVENANCE = ("_name_or_path", "transformers_version", "architectures", "dtype", "torch_dtype")
+
+
+def model_code(model: nn.Module) -> int:
+    """A checksum of what ``model`` computes, alike on ranks holding models of one shape: a
+    Hugging Face model's ``config`` but for its provenance; else the reference model's
+    ``cfg`` (RoPE theta and norm eps included), or for a module without one its parameters'
+    names and shapes, and its number of attention modules. Compared in each forward and
+    inference call: a model built otherwise on one rank trained silently wrong (another
+    RoPE theta: a gradient 23% off) or left the others waiting in a layer it lacked. -1
+    where it cannot be read."""
+    def describe() -> str:
+        if callable(getattr(getattr(model, "config", None), "to_dict", None)):
+            return repr(_computed(model.config.to_dict()))
+        config = getattr(model, "cfg", None)
+        described = repr(config) if isinstance(config, ModelConfig) else repr(
+            [(name, tuple(p.shape)) for name, p in model.named_parameters()])
+        attending = sum(1 for m in model.modules() if hasattr(m, "attention_fn"))
+        return f"{described}, {attending} attention modules"
+
+    return agreement.readable(lambda: agreement.text_code(describe()))
+
+
+def _computed(config: dict) -> list:
+    """A Hugging Face config's fields, and its sub-configs', but for ``_PROVENANCE``, in order."""
+    return sorted(((str(key), _computed(value) if isinstance(value, dict) else value)
+                   for key, value in config.items() if key not in _PROVENANCE), key=lambda field: field[0])
 
 
 def batch_code(tokens) -> int:
@@ -398,8 +429,8 @@ class _PositionsGuard(_KeptWithTheModel):
         except Exception as e:  # noqa: BLE001  any failure: this rank must still join the exchange below
             error = e
         batch = batch_code(tokens) if error is None else -1
-        agreement.check_values_agree({SAME_BATCH: batch}, topo.process_groups, error, "forward",
-                                     where_known=(SAME_BATCH,))
+        agreement.check_values_agree({SAME_BATCH: batch, SAME_MODEL: model_code(module)}, topo.process_groups, error,
+                                     "forward", where_known=(SAME_BATCH,))
         if not self.watched and self.watching is None and not torch.compiler.is_compiling():
             self.watching = _AttentionOutsideAttentionFn(type(module).__name__)
             self.watching.__enter__()
@@ -426,6 +457,13 @@ class _PositionsGuard(_KeptWithTheModel):
         if ids and tokens.device != embed.weight.device:
             raise ValueError(f"{name} got tokens on {tokens.device}, its embedding is on {embed.weight.device}; "
                              f"move the tokens there")
+        rows, local = tokens.shape[:2]
+        if positions is not None and (not isinstance(positions, torch.Tensor) or positions.dim() not in (1, 2) or (
+                positions.shape[-1] != local or positions.dim() == 2 and positions.shape[0] not in (1, rows))):
+            got = f"shape {tuple(positions.shape)}" if isinstance(positions, torch.Tensor) else \
+                type(positions).__name__
+            raise ValueError(f"{name} takes positions as a ({local},) or ({rows}, {local}) tensor for tokens "
+                             f"{tuple(tokens.shape)} (shard_batch's batch.positions), got {got}")
         if isinstance(positions, torch.Tensor) and positions.device != tokens.device:
             raise ValueError(f"{name} got positions on {positions.device} and tokens on {tokens.device}; pass them "
                              f"on one device, as shard_batch gives them")
@@ -444,8 +482,7 @@ class _PositionsGuard(_KeptWithTheModel):
         if positions is None:
             raise ValueError(f"{name} got no positions under context parallelism, so it would number this "
                              f"rank's tokens from 0; pass the global positions{where} of this rank, {holder}: {fix}")
-        if positions.shape[-1] != want.numel() or not positions.is_meta and not bool(
-                (positions.reshape(-1, want.numel()).cpu() == want).all()):
+        if not positions.is_meta and not bool((positions.reshape(-1, local).cpu() == want).all()):
             raise ValueError(f"positions must be the global positions{where} of {holder} under "
                              f"the {placed.name} layout given to apply_context_parallel (they begin "
                              f"{want[:6].tolist()}): {fix}")

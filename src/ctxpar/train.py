@@ -35,7 +35,7 @@ ADAM_BETAS = (0.9, 0.95)
 # are what shows wrong attention: at initialisation the loss barely depends on it (attention at
 # twice the scale moved step 1's loss by 4.7e-6 of it, its wk gradient by 100%; a window of 120 at
 # --seq 128, 9e-6 and 2.4e-2), while exact fp32 runs (ring, allgather, alltoall, hybrid, auto,
-# dp 2 x cp 2, --seq 128 to 2048, tiny and small) differ by at most 5.3e-7. Later steps' losses are
+# dp 2 x cp 2, 2 to 4 ranks, --seq 120 to 2048, tiny and small) differ by at most 6e-7. Later steps' losses are
 # shown, not judged: training amplifies float32 summation order (CP vs unsplit) step by step, to
 # 5e-2 within 60 steps at --lr 0.01 on 4 ranks, while step 1 differs by about 5e-7; nor are
 # post-AdamW parameters, whose update flips with the sign of a gradient near 0

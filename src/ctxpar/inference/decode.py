@@ -28,9 +28,10 @@ import torch.nn as nn
 from ctxpar import agreement, kernels, limits, topology
 from ctxpar.attention import SUPPORTED_DTYPES, as_sdpa_under_autocast, check_scale, check_sinks
 from ctxpar.inference.cache import SHARD_FULL_WHY, KVCache
-from ctxpar.inference.hooks import attention_replaced, check_cache, check_model_fits, model_code
+from ctxpar.inference.hooks import attention_replaced, check_cache, check_model_fits
 from ctxpar.inference.prefill import check_tokens, is_dense
 from ctxpar.merge import merge_packed
+from ctxpar.parallelize import model_code
 
 
 def decode_step(model: nn.Module, cache: KVCache, tokens: torch.Tensor, *,

@@ -25,10 +25,10 @@ import torch.nn as nn
 from ctxpar import agreement, limits, topology
 from ctxpar.inference.cache import KVCache
 from ctxpar.inference.decode import decode_step
-from ctxpar.inference.hooks import model_code
 from ctxpar.inference.partial import partial_prefill
 from ctxpar.inference.prefill import check_dense_tokens, check_strategy, prefill, prompt_signature
 from ctxpar.layout import Layout, OneLengthLayout, fingerprint, get_layout
+from ctxpar.parallelize import model_code
 
 
 class Sampler:

@@ -17,7 +17,6 @@ from collections.abc import Callable, Iterator
 import torch
 import torch.nn as nn
 
-from ctxpar import agreement
 from ctxpar.inference.cache import KVCache
 from ctxpar.models.llama import AttentionFn
 from ctxpar.parallelize import plain_causal_attention
@@ -63,14 +62,6 @@ def _once(attend: AttentionFn, layer: int) -> AttentionFn:
         return attend(q, k, v)
 
     return attend_once
-
-
-def model_code(model: nn.Module) -> int:
-    """A checksum of ``model``'s shape (its config and number of attention layers), alike on
-    ranks holding models of one shape, for the signatures the ranks compare: models of other
-    shapes once gave another rank uninitialised logits (another vocabulary) or left it
-    waiting in a layer the others do not have. -1 for what is not a reference model."""
-    return agreement.readable(lambda: agreement.text_code(f"{model.cfg!r}, {len(attention_modules(model))} layers"))
 
 
 def check_cache(cache) -> None:

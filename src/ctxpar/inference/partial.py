@@ -38,10 +38,11 @@ from ctxpar.auto import planner_dtype
 from ctxpar.blocks import Tile, tiles_between
 from ctxpar.comm import PendingAllGather, RingComm, collective_device, settled
 from ctxpar.inference.cache import SHARD_FULL_WHY, KVCache
-from ctxpar.inference.hooks import attention_replaced, check_cache, check_model_fits, model_code
+from ctxpar.inference.hooks import attention_replaced, check_cache, check_model_fits
 from ctxpar.inference.prefill import check_tokens, is_dense, last_logits
 from ctxpar.masks import Mask
 from ctxpar.merge import merge_packed
+from ctxpar.parallelize import model_code
 from ctxpar.plan.hardware import Hardware
 from ctxpar.plan.inference import PARTIAL_PREFILL_METHODS, choose_partial_prefill
 from ctxpar.strategies.blockwise import forward_tiles, output_accumulators

@@ -19,8 +19,9 @@ import torch.nn as nn
 from ctxpar import agreement, comm, limits, strategy_rules, topology
 from ctxpar.attention import attention
 from ctxpar.inference.cache import KVCache
-from ctxpar.inference.hooks import attention_replaced, check_cache, check_model_fits, model_code
+from ctxpar.inference.hooks import attention_replaced, check_cache, check_model_fits
 from ctxpar.layout import Layout, fingerprint, get_layout
+from ctxpar.parallelize import model_code
 
 INFERENCE_STRATEGIES = (*strategy_rules.STRATEGY_NAMES, strategy_rules.AUTO)
 

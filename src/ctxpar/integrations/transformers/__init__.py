@@ -80,7 +80,7 @@ from ctxpar import agreement, limits, topology
 from ctxpar.attention import check_settings
 from ctxpar.layout import Layout
 from ctxpar.masks import document_lengths, positions_in_documents
-from ctxpar.parallelize import IGNORE_INDEX, batch_code, pickling_refused, shard_batch
+from ctxpar.parallelize import IGNORE_INDEX, batch_code, model_code, pickling_refused, shard_batch
 
 __all__ = ["ShardedCache", "Unsupported", "check_model", "enable_context_parallel", "find_unsupported",
            "shard_inputs"]
@@ -240,28 +240,34 @@ def _check_label_range(name: str, model, labels: torch.Tensor) -> None:
                                  f" (besides {IGNORE_INDEX}, which marks a token without a label)")
 
 
-def _refuse_together(name: str, error: Exception | None, label_flags: list[int], batch: int, device: torch.device,
-                     peers: topology.Topology, routed: bool) -> bool:
+def _refuse_together(name: str, error: Exception | None, label_flags: list[int], batch: int, model: int,
+                     device: torch.device, peers: topology.Topology, routed: bool) -> bool:
     """One tiny all-reduce, so that every rank refuses a forward if any rank does (a refusal
     on some ranks only would leave the others waiting in attention): this rank's own error
     (declared documents, positions, caches, labels), labels= given on some ranks only (the
     others would not join the loss's all-reduce), unshifted labels (``_label_flags``),
     output_router_logits on some ranks only (``routed``: the router loss is made the
-    sequence's after the forward, with every rank), and shards of different batches
-    (``batch``: ``batch_code``'s checksum, -1 if unknown).
+    sequence's after the forward, with every rank), shards of different batches
+    (``batch``: ``batch_code``'s checksum, -1 if unknown) and models of other configs
+    (``model``: ``model_code``'s).
     True when the labels equal input_ids wherever they label on every rank but label no
     last token: ``_refuse_unshifted`` decides those."""
     known = int(batch >= 0)
     code = batch if known else 0
-    flags = torch.tensor([int(error is not None), *label_flags, int(routed), known, *agreement.sums_of(code)],
-                         device=device)
+    model &= 0xFFFFFF  # sums_of's 24 bits
+    flags = torch.tensor([int(error is not None), *label_flags, int(routed), known, *agreement.sums_of(code),
+                          *agreement.sums_of(model)], device=device)
     topology.all_reduce(flags, peers)
     refused, given, matching, last_labelled, with_ids, routing, knowing, *summed = flags.tolist()
+    summed, models = summed[:3], summed[3:]
     ranks = summed[-1]
     if error is not None:
         raise error
     if refused:
         raise ValueError(f"{name}: another rank of the CP group refused its inputs for this forward; see its error")
+    if agreement.differ(model, models):
+        raise ValueError(f"{name} has another config on some rank of the CP group (its fields but where it was "
+                         f"loaded from and its dtype): load or build the same model on every rank")
     if knowing == ranks and agreement.differ(code, summed):
         raise ValueError(f"{name} got shards of different batches on the ranks of the CP group (or of one batch "
                          f"with other labels or documents): each CP rank must pass the same whole batch to "
@@ -373,7 +379,8 @@ def _wrap_forward(model, settings: Settings, loss: CPCausalLMLoss | None = None)
         device = (tokens if tokens is not None else model.get_input_embeddings().weight).device
         flags = [int(labels is not None), 0, 0, 0] if error is not None else _label_flags(labels, tokens, settings)
         batch = batch_code(tokens) if error is None else -1
-        if _refuse_together(name, error, flags, batch, device, peers, _router_logits_asked(model, bound, extra)):
+        if _refuse_together(name, error, flags, batch, model_code(model), device, peers,
+                            _router_logits_asked(model, bound, extra)):
             _refuse_unshifted(name, labels, tokens, settings)
         # a tuple would hide the outputs checked below: asked for as a ModelOutput, given back as the tuple
         given = bound.get("return_dict", extra.get("return_dict"))
