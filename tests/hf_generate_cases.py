@@ -259,6 +259,7 @@ def _refusals(rank: int, world: int) -> dict:
                                                                                    input_ids=tokens)),
         "max_new_tokens past the count": _attempt(lambda: model.generate(tokens, max_new_tokens=2**31)),
         "cache unallocated on rank 1": _unallocated_on_rank_1(model, tokens, rank),
+        **_another_config_on_rank_1(layout, tokens, rank),
     }
     out.update(_stops_and_last_tokens(model, tokens, rank))
     # zigzag on 4 ranks splits multiples of 8: a head of 8 or 16, then one token at a time; a
@@ -297,6 +298,17 @@ def _over_cache(model, grad: bool = False, **kwargs):
     """A forward of one's own over a new sharded cache, inference only (as generate's) unless ``grad``."""
     with torch.set_grad_enabled(grad):
         return model(cache=_sharded(model), **kwargs)
+
+
+def _another_config_on_rank_1(layout, tokens: torch.Tensor, rank: int) -> dict:
+    """A model loaded with another norm epsilon on rank 1: generate, and a forward over the
+    sharded cache, gave tokens and logits without a word."""
+    import hf_families
+
+    other = enable_context_parallel(hf_families.build("llama", **(dict(rms_norm_eps=1e-2) if rank == 1 else {})),
+                                    layout=layout)
+    return {"another config on rank 1": _attempt(lambda: other.generate(tokens, max_new_tokens=4)),
+            "another config on rank 1 over the sharded cache": _attempt(lambda: _over_cache(other, input_ids=tokens))}
 
 
 def _sharded(model) -> ShardedCache:

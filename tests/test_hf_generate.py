@@ -123,6 +123,11 @@ REFUSED = {  # what generate must refuse on every rank, and the words of the err
     "synced_gpus": "NotImplementedError: generate with synced_gpus (which transformers turns on under FSDP",
     "prompts differ": "ValueError: the ranks of the CP group disagree on the generate call: arguments",
     "seeds differ": "ValueError: the ranks of the CP group disagree on the generate call: RNG state",
+    # another norm epsilon on rank 1: tokens and logits without a word
+    "another config on rank 1": "ValueError: the ranks of the CP group disagree on the generate call: model (a "
+                                "checksum of its config",
+    "another config on rank 1 over the sharded cache": "ValueError: the ranks of the CP group disagree on the "
+                                                       "generate forward: model (a checksum of its config",
     "dynamic cache in forward": "ValueError: LlamaForCausalLM got past_key_values=DynamicCache",
     # an IndexError on the one rank whose shard held it, its peers waiting, the group out of step for the next call
     "token outside the vocabulary": "ValueError: LlamaForCausalLM got token ids from",

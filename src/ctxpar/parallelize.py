@@ -177,7 +177,7 @@ class _ShardedLately:
 _SHARDED = _ShardedLately()
 SAME_BATCH = ("batch (a checksum of the whole batch shard_batch cut each rank's tokens from: every rank of a CP "
               "group shards the same batch; sample data by data-parallel rank, not by global rank)")
-SAME_MODEL = "model (a checksum of its config and attention modules: build the same model on every rank)"
+SAME_MODEL = "model (a checksum of its config: build or load the same model on every rank)"
 # A Hugging Face config's fields that say where the model came from or the dtype it was loaded
 # in, not what it computes (parameters' dtypes attention compares itself): ranks loading one
 # model from node-local copies agree.

@@ -342,7 +342,7 @@ def _wrap_forward(model, settings: Settings, loss: CPCausalLMLoss | None = None)
                 refusal = e
             call = {k: v for k, v in bound.items() if k != var_kw}
             return cached_forward(forward, {**call, **extra}, name=name, settings=settings, cache=sharded[0],
-                                  accepts=signature.parameters, refusal=refusal)
+                                  accepts=signature.parameters, model=model_code(model), refusal=refusal)
         labels = bound.get("labels")
         peers = settings.peers()  # enable_context_parallel saw this rank in them
         error = None

@@ -70,6 +70,7 @@ from ctxpar.inference.generate import prefilled_length
 from ctxpar.inference.prefill import last_position_owner
 from ctxpar.integrations.transformers.attention import (CACHED, Settings, check_dynamic_rope, check_implementation,
                                                         check_rope_lengths, installed)
+from ctxpar.parallelize import SAME_MODEL, model_code
 
 try:
     from transformers.cache_utils import Cache
@@ -296,10 +297,11 @@ class ShardedCache(Cache):
 
 
 def cached_forward(forward, kwargs: dict, *, name: str, settings: Settings, cache: ShardedCache, accepts,
-                   refusal: Exception | None = None):
+                   model: int, refusal: Exception | None = None):
     """One forward of generate over ``cache`` (the prefill or a decode step), ``kwargs`` as
-    the caller passed them; ``accepts``: the names the model's forward takes; ``refusal``:
-    what the caller already refused (raised on every rank together, like this call's own).
+    the caller passed them; ``accepts``: the names the model's forward takes; ``model``: its
+    ``model_code``, compared as the call's arguments are; ``refusal``: what the caller
+    already refused (raised on every rank together, like this call's own).
 
     A prompt whose length the layout does not split is prefilled as its longest head that
     it does, then one token at a time as decode steps (exact: each attends to every earlier
@@ -308,7 +310,7 @@ def cached_forward(forward, kwargs: dict, *, name: str, settings: Settings, cach
     head = _splittable_head(settings, cache, kwargs) if refusal is None else None
     if head is None:
         return _cached_step(forward, kwargs, name=name, settings=settings, cache=cache, accepts=accepts,
-                            refusal=refusal)
+                            model=model, refusal=refusal)
     whole = {f"call's {k}": v for k, v in _forward_signature(cache, kwargs).items()}  # compared at every part
     out, length = None, kwargs["input_ids"].shape[1]
     refusal = _head_rope_refusal(name, settings, head, length)
@@ -318,7 +320,7 @@ def cached_forward(forward, kwargs: dict, *, name: str, settings: Settings, cach
         + (f"as its first {head} tokens, then one token at a time" if head else "one token at a time"))
     for start, end in ([(0, head)] if head else []) + [(p, p + 1) for p in range(head, length)]:
         out = _cached_step(forward, _sliced(kwargs, start, end), name=name, settings=settings, cache=cache,
-                           accepts=accepts, refusal=refusal, whole=whole, split=split)
+                           accepts=accepts, model=model, refusal=refusal, whole=whole, split=split)
     return out
 
 
@@ -367,7 +369,7 @@ def _sliced(kwargs: dict, start: int, end: int) -> dict:
     return part
 
 
-def _cached_step(forward, kwargs: dict, *, name: str, settings: Settings, cache: ShardedCache, accepts,
+def _cached_step(forward, kwargs: dict, *, name: str, settings: Settings, cache: ShardedCache, accepts, model: int,
                  refusal: Exception | None, whole: dict[str, int] | None = None, split: str | None = None):
     """One forward over ``cache``: ``cached_forward``'s, or one part of a prompt it splits
     (``whole``: the signature of the whole call, compared at every part; ``split``: how the
@@ -379,7 +381,7 @@ def _cached_step(forward, kwargs: dict, *, name: str, settings: Settings, cache:
         except Exception as e:  # noqa: BLE001  any failure: this rank must still join the exchange below
             error = e
     if cache.world_size > 1:
-        agreement.check_values_agree({**_forward_signature(cache, kwargs), **(whole or {})},
+        agreement.check_values_agree({**_forward_signature(cache, kwargs), SAME_MODEL: model, **(whole or {})},
                                      cache.peers.process_groups, error, "generate forward")
     elif error is not None:
         raise error
@@ -663,8 +665,8 @@ _NAMED_SETTINGS = ("max_new_tokens", "max_length", "min_new_tokens", "do_sample"
 
 
 def generate_signature(model, args: tuple, kwargs: dict, prompt, config) -> dict[str, int]:
-    """What every rank's generate call must share: arguments, prompt and, when sampling,
-    the state of the RNG transformers draws from. A ``streamer`` is left out: it only
+    """What every rank's generate call must share: arguments, prompt, the model's config and,
+    when sampling, the state of the RNG transformers draws from. A ``streamer`` is left out: it only
     watches (rank 0 alone often prints)."""
     sampling = config is not None and bool(config.do_sample)
     rng = [torch.get_rng_state()] if sampling else []
@@ -676,7 +678,7 @@ def generate_signature(model, args: tuple, kwargs: dict, prompt, config) -> dict
             "prompt": tuple(prompt.shape)[1] if isinstance(prompt, torch.Tensor) else -1,
             **named,
             "generation config (crc32)": _crc(config.to_dict()) if config is not None else -1,
-            "RNG state (crc32), seed every rank alike": _crc(rng)}
+            "RNG state (crc32), seed every rank alike": _crc(rng), SAME_MODEL: model_code(model)}
 
 
 def _setting(value) -> int:
