@@ -559,6 +559,27 @@ def test_the_recommendations_verdict_is_about_the_recommended_degree() -> None:
     assert format_plan(plan).count("Recommendation: CP-16 ") == 1
 
 
+def test_where_no_cp_degree_fits_but_more_tp_does_that_is_the_recommendation() -> None:
+    """``ctxpar plan`` as it stands (Llama-3-8B at 32K, CP-8, TP 1): no CP degree fits, and the
+    headline said "none fits" above its own table of TP 4 and 8 fitting on the same 8 GPUs
+    (JSON: use_cp and without_cp null)."""
+    from ctxpar.plan.report import to_json
+
+    plan = make_plan(Workload(resolve_model("llama-3-8b"), batch=1, seq=32768, dtype="bfloat16", cp=8),
+                     get_hardware("H100-SXM"))
+    assert plan.recommendation.workload is None
+    rec, text = to_json(plan)["recommendation"], format_plan(plan)
+    assert (rec["use_cp"], rec["without_cp"]["tp"], rec["without_cp"]["checkpointing"]) == (False, 4, "none")
+    assert "Recommendation: no CP: TP=4 with checkpointing none on the same 8 GPUs, 667.763 ms per batch; no CP " \
+           "degree fits at TP=1" in text
+    w = Workload(resolve_model("llama-3-70b"), batch=1, seq=131072, dtype="bfloat16", cp=2, tp=8)
+    nothing = make_plan(w, get_hardware("H100-SXM"), max_cp=2)  # nor without CP: TP 16 cannot split H_kv = 8
+    assert "Recommendation: none fits" in format_plan(nothing) and to_json(nothing)["recommendation"]["use_cp"] is None
+    # neither full checkpointing nor FSDP alone fits it: once "raise --max-cp", which does not help either
+    assert "no CP degree up to 2 fits; with --checkpointing full and --fsdp 4, CP-1 fits (70.66 GiB)" \
+        in nothing.recommendation.reasons
+
+
 def test_a_cp_degree_slower_than_a_configuration_without_cp_that_fits_is_not_the_recommendation() -> None:
     """Llama-3-70B at 32K on 4 x 16 GPUs: the smallest CP degree that fits, CP-16, takes 8.36 s
     per batch where TP 2 with full recomputation, on the same 16 GPUs, takes 2.719 s. The

@@ -308,19 +308,32 @@ def _budget_words(w: Workload, hw: Hardware, memory: str = "") -> str:
 
 
 def _remedies(w: Workload, hw: Hardware, degrees: list[int]) -> str:
-    """What would make it fit: full checkpointing, and the smallest FSDP degree (powers of two)."""
+    """What would make it fit: full checkpointing, the smallest FSDP degree (powers of two),
+    and where neither alone does, the two together."""
     found = []
     if w.checkpointing != "full" and (hit := _smallest_fitting(w.with_(checkpointing="full"), hw, degrees)):
         found.append(f"with --checkpointing full, CP-{hit[0]} fits ({format_bytes(hit[1])})")
+    if sharded := _smallest_fsdp(w, hw, degrees):
+        found.append(f"with --fsdp {sharded[0]}, CP-{sharded[1]} fits ({format_bytes(sharded[2])})")
+    if not found and w.checkpointing != "full" and (sharded := _smallest_fsdp(w.with_(checkpointing="full"), hw,
+                                                                              degrees)):
+        found.append(f"with --checkpointing full and --fsdp {sharded[0]}, CP-{sharded[1]} fits "
+                     f"({format_bytes(sharded[2])})")
+    if not found:
+        return (f"neither --checkpointing full nor --fsdp up to {MAX_FSDP}, alone or together, helps: raise --tp or "
+                f"--max-cp")
+    return "; ".join(found)
+
+
+def _smallest_fsdp(w: Workload, hw: Hardware, degrees: list[int]) -> tuple[int, int, int] | None:
+    """(FSDP degree, CP degree, bytes per GPU) at the smallest FSDP degree above ``w``'s
+    (powers of two up to ``MAX_FSDP``) at which some degree fits."""
     fsdp = w.fsdp * 2
     while fsdp <= MAX_FSDP:
         if hit := _smallest_fitting(w.with_(fsdp=fsdp, dp=None), hw, degrees):
-            found.append(f"with --fsdp {fsdp}, CP-{hit[0]} fits ({format_bytes(hit[1])})")
-            break
+            return fsdp, *hit
         fsdp *= 2
-    if not found:
-        return f"neither --checkpointing full nor --fsdp up to {MAX_FSDP} helps: raise --max-cp"
-    return "; ".join(found)
+    return None
 
 
 def _why_strategy(w: Workload, hw: Hardware) -> list[str]:

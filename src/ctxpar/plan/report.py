@@ -207,8 +207,8 @@ def to_json(plan: Plan) -> dict:
             "reasons": plan.recommendation.reasons,
             "cp_verdict": plan.recommended_baseline.verdict,
             "speedup_vs_baseline": plan.recommended_baseline.speedup,
-            "use_cp": None if plan.recommendation.workload is None else _uses_cp(plan),
-            "without_cp": vars(plan.recommended_baseline.best) if _without_cp_at_least_as_fast(plan) else None,
+            "use_cp": _uses_cp(plan),
+            "without_cp": vars(plan.recommended_baseline.best) if _without_cp_instead(plan) else None,
         },
         "calibration": plan.calibration,
     }
@@ -547,31 +547,39 @@ def _baseline(plan: Plan) -> list[str]:
     return lines
 
 
-def _without_cp_at_least_as_fast(plan: Plan) -> bool:
-    """Whether the smallest CP degree that fits loses to a configuration without CP that fits
-    on the same GPUs (``baseline``'s "does_not_pay_off" for it)."""
+def _without_cp_instead(plan: Plan) -> bool:
+    """Whether a configuration without CP that fits on the same GPUs is the recommendation: the
+    smallest CP degree that fits loses to it (``baseline``'s "does_not_pay_off" for it), or
+    no CP degree fits and it does."""
+    w, best = plan.recommendation.workload, plan.recommended_baseline.best
+    if w is None:
+        return best is not None
+    return w.cp > 1 and plan.recommended_baseline.verdict == "does_not_pay_off"
+
+
+def _uses_cp(plan: Plan) -> bool | None:
+    """None where nothing fits, with CP or without."""
     w = plan.recommendation.workload
-    return w is not None and w.cp > 1 and plan.recommended_baseline.verdict == "does_not_pay_off"
-
-
-def _uses_cp(plan: Plan) -> bool:
-    return plan.recommendation.workload.cp > 1 and not _without_cp_at_least_as_fast(plan)
+    if w is None:
+        return False if _without_cp_instead(plan) else None
+    return w.cp > 1 and not _without_cp_instead(plan)
 
 
 def _recommendation(plan: Plan) -> list[str]:
     rec = plan.recommendation
     w = rec.workload
     extra = f", ulysses {w.ulysses} x ring {w.ring_degree}" if w is not None and w.strategy == "hybrid" else ""
-    if w is None:
-        head = "Recommendation: none fits"
+    b = plan.recommended_baseline
+    instead = None if b.best is None else (
+        f"Recommendation: no CP: TP={b.best.tp} with checkpointing {b.best.checkpointing} on the same {b.gpus} GPUs, "
+        f"{format_seconds(b.best.seconds_per_batch)} per batch")
+    if w is None:  # no CP degree fits at the requested TP; without CP, more TP may
+        head = f"{instead}; no CP degree fits at TP={plan.workload.tp}" if instead else "Recommendation: none fits"
     elif w.cp == 1:
         head = "Recommendation: no CP (CP-1)"
-    elif _without_cp_at_least_as_fast(plan):  # the smallest CP degree that fits is slower than what needs no CP
-        b = plan.recommended_baseline
-        head = (f"Recommendation: no CP: TP={b.best.tp} with checkpointing {b.best.checkpointing} on the same "
-                f"{b.gpus} GPUs, {format_seconds(b.best.seconds_per_batch)} per batch; the smallest CP degree that "
-                f"fits, CP-{w.cp} {w.strategy}{extra} on the {w.layout} layout, takes "
-                f"{format_seconds(rec.step_seconds)} per batch")
+    elif _without_cp_instead(plan):  # the smallest CP degree that fits is slower than what needs no CP
+        head = (f"{instead}; the smallest CP degree that fits, CP-{w.cp} {w.strategy}{extra} on the {w.layout} "
+                f"layout, takes {format_seconds(rec.step_seconds)} per batch")
     else:
         head = (f"Recommendation: CP-{w.cp} {w.strategy}{extra}, {w.layout} layout: step "
                 f"{format_seconds(rec.step_seconds)}, efficiency {rec.efficiency:.3f}")
