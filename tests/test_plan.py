@@ -559,6 +559,24 @@ def test_the_recommendations_verdict_is_about_the_recommended_degree() -> None:
     assert format_plan(plan).count("Recommendation: CP-16 ") == 1
 
 
+def test_the_hybrids_traffic_seconds_price_each_part_at_its_own_link() -> None:
+    """Its all-to-all within a node, its ring across nodes: the traffic table and JSON priced
+    all 172.875 MiB at the ring's 50 GB/s (3.625 ms), where the step's own pipeline sends the
+    all-to-all's 140.875 MiB at 450 GB/s (about 1.0 ms in all)."""
+    from ctxpar.plan.report import to_json
+
+    w = Workload(resolve_model("llama-3-8b"), batch=1, seq=131072, dtype="bfloat16", cp=16, fsdp=16,
+                 strategy="hybrid", ulysses=8)
+    plan = make_plan(w, get_hardware("H100-SXM"))
+    t = to_json(plan)["traffic_per_layer"]
+    for name in ("forward", "backward"):
+        a2a = t[f"all_to_all_{name}_bytes"]
+        assert t[f"{name}_transfer_seconds"] == pytest.approx(a2a / 450e9 + (t[f"{name}_bytes"] - a2a) / 50e9)
+    assert t["forward_transfer_seconds"] == pytest.approx(999.351e-6, rel=1e-6)
+    assert "of which the all-to-all: 140.875 MiB forward, 140 MiB backward at 450 GB/s; the ring's at 50 GB/s" \
+        in format_plan(plan)
+
+
 def test_where_no_cp_degree_fits_but_more_tp_does_that_is_the_recommendation() -> None:
     """``ctxpar plan`` as it stands (Llama-3-8B at 32K, CP-8, TP 1): no CP degree fits, and the
     headline said "none fits" above its own table of TP 4 and 8 fitting on the same 8 GPUs
@@ -860,7 +878,7 @@ def test_an_all_to_all_across_nodes_sends_what_stays_in_a_node_over_the_faster_l
     assert one_link.all_to_all_bandwidth(16, 1) == 100e9  # every byte over the one link given
     w = Workload(resolve_model("llama-3-8b"), batch=1, seq=131072, dtype="bfloat16", cp=16, strategy="alltoall")
     lead = cost.attention_time(w, h100).forward.lead
-    assert lead == pytest.approx(cost._split(w)[0].forward / (15 / (8 / 50e9)) + h100.latency)
+    assert lead == pytest.approx(cost.split_traffic(w)[0].forward / (15 / (8 / 50e9)) + h100.latency)
     link = cost.links(w, h100)["cp"]  # the table's link, as priced
     assert (link.bandwidth, link.name) == (pytest.approx(93.75e9), "intra- and inter-node (all-to-all)")
     ring = cost.links(w.with_(strategy="ring"), h100)["cp"]  # a ring: its slowest hop

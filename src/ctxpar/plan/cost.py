@@ -217,7 +217,7 @@ class AttentionTime:
         return self.forward.seconds + self.backward.seconds
 
 
-def _split(w: Workload) -> tuple[traffic.Traffic, traffic.Traffic]:
+def split_traffic(w: Workload) -> tuple[traffic.Traffic, traffic.Traffic]:
     """(all-to-all part, ring/all-gather part) of the layer's traffic."""
     total = layer_traffic(w)
     if w.strategy != "hybrid":
@@ -428,7 +428,7 @@ def attention_time(w: Workload, hw: Hardware, world: int | None = None) -> Atten
     fwd_compute, bwd_compute = compute_seconds(w, hw)
     kernels = kernels_per_stage(w) if hw.launch_overhead else 1  # counting walks the block plan: only if it costs
     lat = hw.latency
-    a2a, rest = _split(w)
+    a2a, rest = split_traffic(w)
 
     def overhead(stages: int, backward: bool) -> float:
         """Per stage of the forward (or backward) pass, whose bytes are spread over its stages."""

@@ -19,7 +19,8 @@ JSON (bytes exact, times in seconds; formulas in docs/planner.md):
                         link ("intra-node" | "inter-node") and bandwidth
     sequence_tensors    one hidden state, one per layer, one layer's K/V: total and per-GPU bytes
     traffic_per_layer   CP: forward_bytes, backward_bytes per GPU, link_bandwidth, the transfer
-                        seconds, link, crosses_nodes
+                        seconds, link, crosses_nodes; the hybrid's all_to_all_forward_bytes,
+                        all_to_all_backward_bytes (in those bytes) and all_to_all_bandwidth
     tp_traffic_per_layer  TP: forward_bytes, backward_bytes (exposed collectives),
                         backward_regather_bytes (sequence parallelism's re-gathers, overlapped),
                         collective_bytes (one all-gather / reduce-scatter, or one all-reduce),
@@ -69,7 +70,7 @@ JSON (bytes exact, times in seconds; formulas in docs/planner.md):
 
 from __future__ import annotations
 
-from ctxpar.plan.cost import attention_time, overlap_local_len, ring_window_per_rank, traffic_bound
+from ctxpar.plan.cost import attention_time, overlap_local_len, ring_window_per_rank, split_traffic, traffic_bound
 from ctxpar.plan.recommend import variant
 from ctxpar.plan.hardware import LOCAL, TILE_OVERHEADS, Hardware
 from ctxpar.plan.memory import layers_in_flight, parameters_per_gpu
@@ -176,10 +177,13 @@ def to_json(plan: Plan) -> dict:
             "forward_bytes": plan.traffic.forward,
             "backward_bytes": plan.traffic.backward,
             "link_bandwidth": bw,
-            "forward_transfer_seconds": plan.traffic.forward / bw if bw else 0.0,
-            "backward_transfer_seconds": plan.traffic.backward / bw if bw else 0.0,
+            "forward_transfer_seconds": _transfer_seconds(plan, backward=False),
+            "backward_transfer_seconds": _transfer_seconds(plan, backward=True),
             "link": plan.links["cp"].name,
             "crosses_nodes": plan.links["cp"].crosses_nodes,
+            **({"all_to_all_forward_bytes": split_traffic(w)[0].forward,
+                "all_to_all_backward_bytes": split_traffic(w)[0].backward,
+                "all_to_all_bandwidth": plan.links["ulysses"].bandwidth} if "ulysses" in plan.links else {}),
         },
         "tp_traffic_per_layer": _tp_traffic_json(plan),
         "dp_traffic_per_step": _dp_traffic_json(plan),
@@ -327,16 +331,36 @@ def _tensors(plan: Plan) -> list[str]:
     return lines
 
 
+def _transfer_seconds(plan: Plan, backward: bool) -> float:
+    """A pass's attention bytes at their links: the hybrid's all-to-all part at its own link
+    (within a node, where the ring's may cross nodes), the rest at the CP link."""
+    bw = plan.step.attention.link_bandwidth
+    a2a, rest = split_traffic(plan.workload)
+    shuffled, own = (a2a.backward, rest.backward) if backward else (a2a.forward, rest.forward)
+    if "ulysses" not in plan.links:
+        own += shuffled  # the all-to-all strategy's bytes go over its CP link
+        shuffled = 0
+    seconds = own / bw if bw else 0.0
+    return seconds + (shuffled / plan.links["ulysses"].bandwidth if shuffled else 0.0)
+
+
 def _traffic(plan: Plan) -> list[str]:
     w, tr = plan.workload, plan.traffic
     bw = plan.step.attention.link_bandwidth
     halo = ring_window_per_rank(w) is not None
     fwd_f, bwd_f = HALO_FORMULAS if halo else TRAFFIC_FORMULAS[w.strategy]
     what = f"halo of w-1 = {w.mask.window - 1} keys, busiest rank" if halo else "sent = received"
+    at = "at their links" if "ulysses" in plan.links else f"at {format_bandwidth(bw)}"
     lines = [f"Attention traffic per GPU per layer ({w.strategy}; {what})",
-             f"  {'':<10}{'formula':<40} {'bytes':>12} {f'at {format_bandwidth(bw)}':>14}"]
+             f"  {'':<10}{'formula':<40} {'bytes':>12} {at:>14}"]
     for name, formula, n in (("forward", fwd_f, tr.forward), ("backward", bwd_f, tr.backward)):
-        lines.append(f"  {name:<10}{formula:<40} {format_bytes(n):>12} {format_seconds(n / bw if bw else 0):>14}")
+        lines.append(f"  {name:<10}{formula:<40} {format_bytes(n):>12} "
+                     f"{format_seconds(_transfer_seconds(plan, backward=name == 'backward')):>14}")
+    if "ulysses" in plan.links:
+        a2a = split_traffic(w)[0]
+        lines.append(f"  of which the all-to-all: {format_bytes(a2a.forward)} forward, {format_bytes(a2a.backward)} "
+                     f"backward at {format_bandwidth(plan.links['ulysses'].bandwidth)}; the ring's at "
+                     f"{format_bandwidth(bw)}")
     if (bound := traffic_bound(w)) is not None:
         lines.append(f"  {bound}")
     elif not w.mask.is_plain and w.strategy in ("allgather", "alltoall"):
