@@ -559,6 +559,21 @@ def test_the_recommendations_verdict_is_about_the_recommended_degree() -> None:
     assert format_plan(plan).count("Recommendation: CP-16 ") == 1
 
 
+def test_auto_takes_the_earlier_candidate_at_a_tie_and_costs_a_balanced_layout_of_odd_shards() -> None:
+    """Ring and all-gather 0.004005 ms apart in the last bits only: all-gather was taken, the
+    docstring saying ties go to ring. A balanced layout of 13-token shards (T=39 on 3 ranks)
+    was costed as zigzag, whose halves do not split 13: "the planner cannot evaluate"."""
+    from ctxpar import auto
+    from ctxpar.masks import Mask
+
+    strategy, why = auto.choose_for_shapes(1, 6, 3, 16, 36, 3, "float32", "zigzag", Mask(causal=True), False,
+                                           auto.CPU_DEFAULT)
+    assert strategy == "ring" and "ring 0.004005 ms, allgather 0.004005 ms" in why, why
+    q, k = torch.zeros(1, 6, 13, 16), torch.zeros(1, 3, 13, 16)
+    strategy, why = auto.choose(q, k, world=3, layout_name="balanced", mask=Mask(causal=True), backward=False)
+    assert "cannot evaluate" not in why and why.endswith("balanced costed as striped"), why
+
+
 def test_the_hybrids_traffic_seconds_price_each_part_at_its_own_link() -> None:
     """Its all-to-all within a node, its ring across nodes: the traffic table and JSON priced
     all 172.875 MiB at the ring's 50 GB/s (3.625 ms), where the step's own pipeline sends the

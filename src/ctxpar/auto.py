@@ -82,8 +82,9 @@ def choose(q: torch.Tensor, k: torch.Tensor, *, world: int, layout_name: str, ma
     b, h, s, d = q.shape
     dtype = planner_dtype(q.dtype)
     hw = hardware_for(q.device)
-    # the planner counts work on the named layouts; a balanced or union layout evens work out like zigzag
-    layout = layout_name if layout_name in LAYOUT_NAMES else "zigzag"
+    # the planner counts work on the named layouts; a balanced or union layout evens work out like zigzag,
+    # or where its shards are of odd length (zigzag's halves would not be whole), like striped
+    layout = layout_name if layout_name in LAYOUT_NAMES else "zigzag" if s % 2 == 0 else "striped"
     strategy, why = choose_for_shapes(b, h, k.shape[1], d, s * world, world, dtype, layout, mask, backward, hw)
     stand_ins = [f"{given} costed as {used}" for given, used in ((str(q.dtype).removeprefix("torch."), dtype),
                                                                    (layout_name, layout)) if given != used]
@@ -122,7 +123,8 @@ def choose_for_shapes(batch: int, heads: int, kv_heads: int, head_dim: int, seq:
         times[strategy] = t.seconds if backward else t.forward.seconds
     if not times:
         return "ring", f"the planner cannot evaluate T={seq} on P={world}: ring, which every shape allows"
-    best = min(times, key=times.get)  # dicts keep CANDIDATES' order: ties go to the earlier
+    fastest = min(times.values())  # ties, to the last bits of rounding, go to the earlier in CANDIDATES
+    best = next(strategy for strategy, seconds in times.items() if seconds <= fastest * (1 + 1e-9))
     table = ", ".join(f"{s} {t * 1e3:.4g} ms" for s, t in times.items())  # 4 digits: near-ties read apart
     return best, (f"predicted per layer {'forward + backward' if backward else 'forward'} on {hw.name}: {table} "
                   f"(B={batch} H={heads} H_kv={kv_heads} D={head_dim} T={seq} P={world} {dtype} {layout})")
