@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+import torch.nn.functional as F
 from torch.overrides import TorchFunctionMode
 
 import ctxpar
@@ -66,6 +67,34 @@ def test_the_efficient_backward_reads_the_out_it_is_handed(handed: str, gpu, mon
 
 
 H200, A10, RTX_5090, T4, V100 = (9, 0), (8, 6), (12, 0), (7, 5), (7, 0)
+
+
+@pytest.mark.parametrize("op", ["flash", "efficient"])
+def test_a_row_without_mass_comes_back_as_the_contracts_whatever_the_ops_convention(op: str, gpu,
+                                                                                    monkeypatch) -> None:
+    """Rows whose keys all score -inf, in each op's convention (torch's kernels, read: flash
+    gives out 0 and lse +inf, the efficient op, which fp32 takes, lse -inf and out NaN: 0 x 1/0).
+    The efficient op's NaN went through, and its merge made the whole row NaN on a GPU."""
+    gpu(H200, cudnn=False)
+    dtype, d = (torch.bfloat16, 128) if op == "flash" else (torch.float32, 64)
+    q, k, v, _ = _block(4, 2, 8, d, dtype)
+    empty = torch.zeros(1, 4, 8, dtype=torch.bool)
+    empty[0, 1, 2] = empty[0, 3, 5] = True  # two rows without mass
+    finite = torch.randn(1, 4, 8, d).to(dtype)
+
+    def ops_output(q, *args, **kwargs):
+        out = finite.masked_fill(empty.unsqueeze(-1), 0.0 if op == "flash" else float("nan"))
+        lse = torch.zeros(1, 4, 8).masked_fill(empty, float("inf") if op == "flash" else float("-inf"))
+        if op == "efficient":
+            lse = F.pad(lse, (0, 24))  # the op pads its lse rows to 32
+        return out, lse, *([None] * 7)
+
+    monkeypatch.setattr(cuda, "_flash_fwd" if op == "flash" else "_eff_fwd", ops_output)
+    monkeypatch.setattr(cuda, "_flash_takes_gqa", lambda device, dtype: True)
+    assert cuda.op_for(q, k) == op
+    out, lse = cuda.attention_forward(q, k, v, causal=False, scale=0.1)
+    assert torch.equal(out, finite.masked_fill(empty.unsqueeze(-1), 0))
+    assert torch.equal(lse, torch.zeros(1, 4, 8).masked_fill(empty, float("-inf")))
 
 
 @pytest.mark.parametrize("capability, dtype, d, cudnn, op", [

@@ -231,10 +231,12 @@ def attention_forward(
     else:
         out, lse = _eff_fwd(q, _repeat_kv(k, heads), _repeat_kv(v, heads), None, True, 0.0, causal, scale=scale)[:2]
         lse = lse[:, :, : q.shape[2]]
-    # FlashAttention-2 gives a row whose keys all scored -inf (no mass) out 0 and lse +inf, which
-    # merges as "no defined softmax" (NaN); the contract's no-mass row has lse -inf. A NaN or +inf
-    # score leaves out NaN, so those rows keep +inf.
-    return out, lse.masked_fill_(torch.isposinf(lse) & (out == 0).all(-1), float("-inf"))
+    # A row whose keys all scored -inf (no mass): FlashAttention-2 gives it out 0 and lse +inf, which
+    # merges as "no defined softmax" (NaN); the efficient kernel lse -inf and out NaN (0 x 1/0), which
+    # poisons the merged row. The contract's no-mass row is out 0, lse -inf. A NaN or +inf score
+    # leaves out NaN and lse NaN or +inf, so those rows keep them.
+    lse = lse.masked_fill_(torch.isposinf(lse) & (out == 0).all(-1), float("-inf"))
+    return out.masked_fill_(torch.isneginf(lse).unsqueeze(-1), 0), lse
 
 
 def attention_backward(
