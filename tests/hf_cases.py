@@ -468,6 +468,12 @@ def _guards(rank: int, world: int) -> dict:
     with torch.no_grad():
         out["another config on one rank, decoder"] = _attempt(
             lambda: tuple(other.model(**inputs).last_hidden_state.shape))
+    # weights drawn apart (rank 1's first value moved, as another seed would): a mixture of models, silently
+    drawn = hf_families.build("llama")
+    with torch.no_grad():
+        next(drawn.parameters()).view(-1)[0] += me == 1
+    drawn = enable_context_parallel(drawn, layout=layout, group=group)
+    out["other weights on one rank"] = _attempt(lambda: drawn(**inputs, labels=labels).loss)
     copied = copy.deepcopy(model)  # group= given: the copy shares it (a ProcessGroup cannot be copied)
     with torch.no_grad():
         for parameter in copied.parameters():

@@ -301,14 +301,19 @@ def _over_cache(model, grad: bool = False, **kwargs):
 
 
 def _another_config_on_rank_1(layout, tokens: torch.Tensor, rank: int) -> dict:
-    """A model loaded with another norm epsilon on rank 1: generate, and a forward over the
-    sharded cache, gave tokens and logits without a word."""
+    """A model loaded with another norm epsilon on rank 1 (generate, and a forward over the
+    sharded cache), or with other weights (generate): tokens and logits without a word."""
     import hf_families
 
     other = enable_context_parallel(hf_families.build("llama", **(dict(rms_norm_eps=1e-2) if rank == 1 else {})),
                                     layout=layout)
+    drawn = hf_families.build("llama")
+    with torch.no_grad():
+        next(drawn.parameters()).view(-1)[0] += rank == 1  # weights drawn apart, as another seed would
+    drawn = enable_context_parallel(drawn, layout=layout)
     return {"another config on rank 1": _attempt(lambda: other.generate(tokens, max_new_tokens=4)),
-            "another config on rank 1 over the sharded cache": _attempt(lambda: _over_cache(other, input_ids=tokens))}
+            "another config on rank 1 over the sharded cache": _attempt(lambda: _over_cache(other, input_ids=tokens)),
+            "other weights on rank 1": _attempt(lambda: drawn.generate(tokens, max_new_tokens=4))}
 
 
 def _sharded(model) -> ShardedCache:

@@ -449,6 +449,12 @@ def _check_bad_inputs(rank: int, world: int) -> dict[str, str]:
         wider = Transformer(ModelConfig(**{**vars(cfg), "vocab": cfg.vocab + 2})).eval()
         messages["models_differ"] = _attempt(lambda: generate(wider if rank == 0 else model, prompt, layout="zigzag",
                                                               new_tokens=2))
+        # rank 0's weights drawn apart (its first value moved, as another seed would): once other logits, silently
+        drawn = Transformer(cfg).eval()
+        drawn.load_state_dict(model.state_dict())
+        with torch.no_grad():
+            next(drawn.parameters()).view(-1)[0] += rank == 0
+        messages["weights_differ"] = _attempt(lambda: generate(drawn, prompt, layout="zigzag", new_tokens=2))
         # the last rank's on_token is not a function: it once raised after the prefill, leaving the others waiting
         on_token = "progress" if rank == world - 1 else None
         messages["one_rank_on_token"] = _attempt(lambda: generate(model, prompt, layout="zigzag", new_tokens=2,

@@ -128,6 +128,8 @@ REFUSED = {  # what generate must refuse on every rank, and the words of the err
                                 "checksum of its config",
     "another config on rank 1 over the sharded cache": "ValueError: the ranks of the CP group disagree on the "
                                                        "generate forward: model (a checksum of its config",
+    "other weights on rank 1": "ValueError: the ranks of the CP group disagree on the generate call: weights (a "
+                               "checksum of each parameter's first values",
     "dynamic cache in forward": "ValueError: LlamaForCausalLM got past_key_values=DynamicCache",
     # an IndexError on the one rank whose shard held it, its peers waiting, the group out of step for the next call
     "token outside the vocabulary": "ValueError: LlamaForCausalLM got token ids from",

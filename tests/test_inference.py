@@ -222,6 +222,7 @@ EXPECTED_MESSAGES = {
     "attention_scales_differ": ["disagree on the sharded attention: scale [0.5, 0.25"],
     "attention_sinks_differ": ["disagree on the sharded attention: sinks (crc32) ["],
     "models_differ": ["disagree on the generate call", "model (config, layers)"],
+    "weights_differ": ["disagree on the prefill", "weights (a checksum of each parameter's first values"],
     "attention_grad": ["sharded_attention is inference only, but grad mode is on and q set requires_grad",
                        "under torch.no_grad() or torch.inference_mode(), or use ctxpar.attention for training"],
     "inference_mode_cache": ["KV cache was built under torch.inference_mode()", "inside torch.inference_mode() as"],
@@ -253,8 +254,8 @@ ONE_RANK_BAD = {  # the last rank's call is bad: it raises its own error, the ot
 MULTI_RANK_ONLY = ("layout_length", "step", "tokens_differ", "chunks_differ", "methods_differ", "calls_differ",
                    "chunk_capacities_differ", "interrupted_chunk", "cache_on_a_mesh", "cache_on_group_and_mesh",
                    "attention_queries_differ", "attention_scales_differ", "attention_sinks_differ", "models_differ",
-                   "temperature_differs", "names_differ", "caches_swapped", "chunk_caches_swapped", "deals_differ",
-                   "generate_layouts_differ")
+                   "weights_differ", "temperature_differs", "names_differ", "caches_swapped", "chunk_caches_swapped",
+                   "deals_differ", "generate_layouts_differ")
 ONLY_AT_P4 = ("mesh_over_other_ranks",)
 
 

@@ -303,10 +303,13 @@ def test_shards_of_different_batches_are_refused_on_every_rank() -> None:
 
 
 def test_a_model_of_another_config_on_one_rank_is_refused_on_every_rank() -> None:
-    """rms_norm_eps 1e-2 on one rank (the others 1e-6) gave a loss and gradients without a word."""
+    """rms_norm_eps 1e-2 on one rank (the others 1e-6), or other weights, gave a loss and
+    gradients without a word."""
     for check in ("another config on one rank", "another config on one rank, decoder"):
         for _, (kind, detail) in _guards(check):
             assert kind == "refused" and "has another config on some rank of the CP group" in detail, (check, detail)
+    for _, (kind, detail) in _guards("other weights on one rank"):  # compared at the first forward
+        assert kind == "refused" and "has other weights on some rank of the CP group" in detail, detail
 
 
 def test_hybrid_on_a_mesh_gives_the_unsplit_loss_logits_and_gradients() -> None:

@@ -204,6 +204,28 @@ def model_code(model: nn.Module) -> int:
     return agreement.readable(lambda: agreement.text_code(describe()))
 
 
+SAME_WEIGHTS = ("weights (a checksum of each parameter's first values: seed ranks apart only after building the "
+                "model, or load the same weights on every rank)")
+_SAMPLED = 8  # values of each parameter weights_code reads
+
+
+def weights_code(model: nn.Module) -> int:
+    """A checksum of the first values of each parameter this rank holds whole (not a DTensor's
+    shard, nor on the meta device), alike on ranks holding one model's weights: a model
+    built after seeding the ranks apart trained as a mixture of models, silently. -1 where
+    no parameter is held whole. One host read."""
+    from torch.distributed.tensor import DTensor
+
+    sampled: dict[torch.dtype, list[torch.Tensor]] = {}
+    for p in model.parameters():
+        if not isinstance(p, DTensor) and not p.is_meta and p.numel():
+            sampled.setdefault(p.dtype, []).append(p.detach().reshape(-1)[:_SAMPLED])
+    code = -1
+    for dtype in sorted(sampled, key=str):
+        code = agreement.tensor_code(torch.cat(sampled[dtype]), dtype, max(code, 0))
+    return code
+
+
 def _computed(config: dict) -> list:
     """A Hugging Face config's fields, and its sub-configs', but for ``_PROVENANCE``, in order."""
     return sorted(((str(key), _computed(value) if isinstance(value, dict) else value)
@@ -402,7 +424,8 @@ class _PositionsGuard(_KeptWithTheModel):
     given, as ``shard_batch`` makes them): forgotten positions (the model would number the
     shard from 0) or a shard taken with another layout give RoPE positions that the causal
     mask does not share, silently wrong. So are shards of different batches
-    (``batch_code``), where attention would mix them. Tokens the embedding cannot take (ids
+    (``batch_code``), where attention would mix them, models of other configs
+    (``model_code``) and, at the first forward, other weights (``weights_code``). Tokens the embedding cannot take (ids
     outside the vocabulary, another dtype than int64 or int32, another device) raised on the
     one rank holding them, its peers waiting in attention. One tiny all-gather per forward."""
 
@@ -414,6 +437,7 @@ class _PositionsGuard(_KeptWithTheModel):
         # torch.compile traces it)
         self.watching: _AttentionOutsideAttentionFn | None = None
         self.watched = False
+        self.weights_compared = False  # at the first forward: the weights it trains from
 
     def __call__(self, module: nn.Module, args: tuple, kwargs: dict) -> None:
         if not any(getattr(m, "attention_fn", None) is self.cp_attention for m in module.modules()):
@@ -429,8 +453,10 @@ class _PositionsGuard(_KeptWithTheModel):
         except Exception as e:  # noqa: BLE001  any failure: this rank must still join the exchange below
             error = e
         batch = batch_code(tokens) if error is None else -1
-        agreement.check_values_agree({SAME_BATCH: batch, SAME_MODEL: model_code(module)}, topo.process_groups, error,
-                                     "forward", where_known=(SAME_BATCH,))
+        weights = -2 if self.weights_compared else agreement.readable(lambda: weights_code(module))
+        agreement.check_values_agree({SAME_BATCH: batch, SAME_MODEL: model_code(module), SAME_WEIGHTS: weights},
+                                     topo.process_groups, error, "forward", where_known=(SAME_BATCH, SAME_WEIGHTS))
+        self.weights_compared = True
         if not self.watched and self.watching is None and not torch.compiler.is_compiling():
             self.watching = _AttentionOutsideAttentionFn(type(module).__name__)
             self.watching.__enter__()

@@ -21,7 +21,7 @@ from ctxpar.attention import attention
 from ctxpar.inference.cache import KVCache
 from ctxpar.inference.hooks import attention_replaced, check_cache, check_model_fits
 from ctxpar.layout import Layout, fingerprint, get_layout
-from ctxpar.parallelize import model_code
+from ctxpar.parallelize import SAME_WEIGHTS, model_code, weights_code
 
 INFERENCE_STRATEGIES = (*strategy_rules.STRATEGY_NAMES, strategy_rules.AUTO)
 
@@ -216,6 +216,7 @@ def _signature(model: nn.Module, cache: KVCache, prompt, layout, strategy) -> di
     return {
         **prompt_signature(prompt),
         "model (config, layers)": model_code(model),
+        SAME_WEIGHTS: agreement.readable(lambda: weights_code(model)),
         "capacity": cache.capacity,
         "dtype": agreement.Text(cache.dtype),
         "cached positions": cache.seq_len,

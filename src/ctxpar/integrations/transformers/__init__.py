@@ -80,7 +80,7 @@ from ctxpar import agreement, limits, topology
 from ctxpar.attention import check_settings
 from ctxpar.layout import Layout
 from ctxpar.masks import document_lengths, positions_in_documents
-from ctxpar.parallelize import IGNORE_INDEX, batch_code, model_code, pickling_refused, shard_batch
+from ctxpar.parallelize import IGNORE_INDEX, batch_code, model_code, pickling_refused, shard_batch, weights_code
 
 __all__ = ["ShardedCache", "Unsupported", "check_model", "enable_context_parallel", "find_unsupported",
            "shard_inputs"]
@@ -241,25 +241,26 @@ def _check_label_range(name: str, model, labels: torch.Tensor) -> None:
 
 
 def _refuse_together(name: str, error: Exception | None, label_flags: list[int], batch: int, model: int,
-                     device: torch.device, peers: topology.Topology, routed: bool) -> bool:
+                     weights: int, device: torch.device, peers: topology.Topology, routed: bool) -> bool:
     """One tiny all-reduce, so that every rank refuses a forward if any rank does (a refusal
     on some ranks only would leave the others waiting in attention): this rank's own error
     (declared documents, positions, caches, labels), labels= given on some ranks only (the
     others would not join the loss's all-reduce), unshifted labels (``_label_flags``),
     output_router_logits on some ranks only (``routed``: the router loss is made the
     sequence's after the forward, with every rank), shards of different batches
-    (``batch``: ``batch_code``'s checksum, -1 if unknown) and models of other configs
-    (``model``: ``model_code``'s).
+    (``batch``: ``batch_code``'s checksum, -1 if unknown), models of other configs
+    (``model``: ``model_code``'s) and of other weights (``weights``: ``weights_code``'s, at
+    the first forward; -2 after it).
     True when the labels equal input_ids wherever they label on every rank but label no
     last token: ``_refuse_unshifted`` decides those."""
     known = int(batch >= 0)
     code = batch if known else 0
-    model &= 0xFFFFFF  # sums_of's 24 bits
+    model, weights = model & 0xFFFFFF, weights & 0xFFFFFF  # sums_of's 24 bits
     flags = torch.tensor([int(error is not None), *label_flags, int(routed), known, *agreement.sums_of(code),
-                          *agreement.sums_of(model)], device=device)
+                          *agreement.sums_of(model), *agreement.sums_of(weights)], device=device)
     topology.all_reduce(flags, peers)
     refused, given, matching, last_labelled, with_ids, routing, knowing, *summed = flags.tolist()
-    summed, models = summed[:3], summed[3:]
+    summed, models, weighed = summed[:3], summed[3:6], summed[6:]
     ranks = summed[-1]
     if error is not None:
         raise error
@@ -268,6 +269,10 @@ def _refuse_together(name: str, error: Exception | None, label_flags: list[int],
     if agreement.differ(model, models):
         raise ValueError(f"{name} has another config on some rank of the CP group (its fields but where it was "
                          f"loaded from and its dtype): load or build the same model on every rank")
+    if agreement.differ(weights, weighed):
+        raise ValueError(f"{name} has other weights on some rank of the CP group (the first values of its "
+                         f"parameters differ): seed ranks apart only after building the model, or load the same "
+                         f"weights on every rank")
     if knowing == ranks and agreement.differ(code, summed):
         raise ValueError(f"{name} got shards of different batches on the ranks of the CP group (or of one batch "
                          f"with other labels or documents): each CP rank must pass the same whole batch to "
@@ -321,8 +326,10 @@ def _wrap_forward(model, settings: Settings, loss: CPCausalLMLoss | None = None)
     if "documents" in signature.parameters:
         raise ValueError(f"{name}.forward takes its own documents= argument, which ctxpar's documents= would shadow")
     returns_dict = "return_dict" in signature.parameters or var_kw is not None
+    compared = False  # the weights, at the first forward every rank agreed on
 
     def checked(args, kwargs, documents):
+        nonlocal compared
         bound = signature.bind_partial(*args, **kwargs).arguments
         extra = bound.get(var_kw, {}) if var_kw else {}
         caches = {key: bound.get(key, extra.get(key)) for key in CACHE_KEYS}
@@ -379,9 +386,11 @@ def _wrap_forward(model, settings: Settings, loss: CPCausalLMLoss | None = None)
         device = (tokens if tokens is not None else model.get_input_embeddings().weight).device
         flags = [int(labels is not None), 0, 0, 0] if error is not None else _label_flags(labels, tokens, settings)
         batch = batch_code(tokens) if error is None else -1
-        if _refuse_together(name, error, flags, batch, model_code(model), device, peers,
+        weights = -2 if compared else agreement.readable(lambda: weights_code(model))
+        if _refuse_together(name, error, flags, batch, model_code(model), weights, device, peers,
                             _router_logits_asked(model, bound, extra)):
             _refuse_unshifted(name, labels, tokens, settings)
+        compared = True
         # a tuple would hide the outputs checked below: asked for as a ModelOutput, given back as the tuple
         given = bound.get("return_dict", extra.get("return_dict"))
         as_tuple = returns_dict and ("return_dict" in kwargs or given is None) and (  # not passed by position

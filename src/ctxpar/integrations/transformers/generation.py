@@ -70,7 +70,7 @@ from ctxpar.inference.generate import prefilled_length
 from ctxpar.inference.prefill import last_position_owner
 from ctxpar.integrations.transformers.attention import (CACHED, Settings, check_dynamic_rope, check_implementation,
                                                         check_rope_lengths, installed)
-from ctxpar.parallelize import SAME_MODEL, model_code
+from ctxpar.parallelize import SAME_MODEL, SAME_WEIGHTS, model_code, weights_code
 
 try:
     from transformers.cache_utils import Cache
@@ -665,8 +665,8 @@ _NAMED_SETTINGS = ("max_new_tokens", "max_length", "min_new_tokens", "do_sample"
 
 
 def generate_signature(model, args: tuple, kwargs: dict, prompt, config) -> dict[str, int]:
-    """What every rank's generate call must share: arguments, prompt, the model's config and,
-    when sampling, the state of the RNG transformers draws from. A ``streamer`` is left out: it only
+    """What every rank's generate call must share: arguments, prompt, the model's config and
+    weights and, when sampling, the state of the RNG transformers draws from. A ``streamer`` is left out: it only
     watches (rank 0 alone often prints)."""
     sampling = config is not None and bool(config.do_sample)
     rng = [torch.get_rng_state()] if sampling else []
@@ -678,7 +678,8 @@ def generate_signature(model, args: tuple, kwargs: dict, prompt, config) -> dict
             "prompt": tuple(prompt.shape)[1] if isinstance(prompt, torch.Tensor) else -1,
             **named,
             "generation config (crc32)": _crc(config.to_dict()) if config is not None else -1,
-            "RNG state (crc32), seed every rank alike": _crc(rng), SAME_MODEL: model_code(model)}
+            "RNG state (crc32), seed every rank alike": _crc(rng), SAME_MODEL: model_code(model),
+            SAME_WEIGHTS: agreement.readable(lambda: weights_code(model))}
 
 
 def _setting(value) -> int:
