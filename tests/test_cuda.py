@@ -188,6 +188,16 @@ def _cli(*args: str, tmp_path) -> dict:
 
 
 @pytest.mark.parametrize("strategy", ["ring", "allgather", "alltoall"])
+def test_sampled_tokens_are_the_cpus_from_one_seed() -> None:
+    """``generate --device cuda --temperature 0.9 --compare`` read MISMATCH: the ranks drew with a
+    CUDA generator, the CPU reference with a CPU one, which draw other tokens from one seed."""
+    from ctxpar.inference.generate import Sampler
+
+    logits = torch.randn(4, 1000, generator=torch.Generator().manual_seed(0))
+    drawn = [Sampler(0.9, seed=5)(logits.to(device)) for device in ("cpu", "cuda")]
+    assert drawn[1].device.type == "cuda" and torch.equal(drawn[0], drawn[1].cpu())
+
+
 def test_train_on_four_ranks_sharing_the_gpu(strategy: str, tmp_path) -> None:
     report = _cli("train", "--nproc", "4", "--seq", "512", "--steps", "4", "--strategy", strategy, "--compare",
                   "--no-progress", tmp_path=tmp_path)

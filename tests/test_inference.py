@@ -534,6 +534,8 @@ def test_generate_and_sampler_take_seeds_from_0_to_the_largest_the_refusal_names
     model, prompt = cases.build(), cases.prompt_tokens()
     for seed in (0, MAX_SEED):
         assert Sampler(1.0, seed=seed)(torch.zeros(2, 5)).shape == (2,)
+    # the host's generator whatever the logits' device: a CUDA one drew other tokens than the CPU reference's
+    assert Sampler(1.0, seed=0).generator.device == torch.device("cpu")
     got = generate(model, prompt, layout="zigzag", new_tokens=2, temperature=1.0, seed=MAX_SEED).tokens
     assert got.tolist() == reference_generate(model, prompt, new_tokens=2, temperature=1.0, seed=MAX_SEED).tolist()
     for seed in (-1, MAX_SEED + 1):

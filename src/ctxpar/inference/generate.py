@@ -34,15 +34,17 @@ from ctxpar.parallelize import model_code
 class Sampler:
     """Next tokens from logits: greedy (temperature 0) or drawn from softmax(logits / temperature).
 
-    The draws come from a ``torch.Generator`` seeded with ``seed``; built alike on every
+    The draws come from a CPU ``torch.Generator`` seeded with ``seed``; built alike on every
     rank and fed the identical logits that prefill and decode give every rank, it draws
-    the same tokens everywhere, with no communication.
+    the same tokens everywhere, with no communication. On the host whatever the logits'
+    device (one (B, vocab) copy per token): a CUDA generator draws other tokens from one
+    seed, and a GPU run then differed from its CPU reference (``--compare``).
     """
 
-    def __init__(self, temperature: float = 0.0, seed: int = 0, device: torch.device | str = "cpu") -> None:
+    def __init__(self, temperature: float = 0.0, seed: int = 0) -> None:
         check_sampling(temperature, seed)
         self.temperature = float(temperature)
-        self.generator = torch.Generator(device=device).manual_seed(seed) if temperature > 0 else None
+        self.generator = torch.Generator().manual_seed(seed) if temperature > 0 else None
 
     def __call__(self, logits: torch.Tensor) -> torch.Tensor:
         """logits (B, vocab) -> (B,) int64."""
@@ -52,7 +54,7 @@ class Sampler:
         # shifted so the largest is 0 first: a tiny temperature then sends the others to -inf, not the
         # largest to +inf (whose softmax is NaN)
         probs = torch.softmax((logits - logits.amax(-1, keepdim=True)) / self.temperature, dim=-1)
-        return torch.multinomial(probs, 1, generator=self.generator).squeeze(1)
+        return torch.multinomial(probs.cpu(), 1, generator=self.generator).squeeze(1).to(logits.device)
 
 
 def check_sampling(temperature: float, seed: int) -> None:
@@ -121,7 +123,7 @@ def generate(model: nn.Module, prompt: torch.Tensor, *, layout: str | Layout, gr
     elif error is not None:
         raise error
 
-    sample = Sampler(temperature, seed, weight.device)
+    sample = Sampler(temperature, seed)
     begin = _now(weight.device)
     if head:
         logits = prefill(model, cache, prompt[:, :head], layout=layout, strategy=strategy, mesh=mesh,
@@ -151,7 +153,7 @@ def reference_generate(model: nn.Module, prompt: torch.Tensor, *, new_tokens: in
     sequence so far goes through the model with its own attention; no cache, no CP.
     Returns (B, new_tokens) int64 on the CPU."""
     _check(model, prompt, new_tokens, temperature, seed)
-    sample = Sampler(temperature, seed, prompt.device)
+    sample = Sampler(temperature, seed)
     seq = prompt
     with torch.no_grad():
         for _ in range(new_tokens):
