@@ -159,7 +159,7 @@ def test_the_plans_data_reaches_the_gpu_without_a_host_synchronisation() -> None
     gpu, seq, layout = torch.device("cuda", torch.cuda.current_device()), 64, get_layout("zigzag", 4)
     documents = make_mask(seq, causal=True, documents=[7, 31, 26])  # a plan no other test made
     tile = blocks.Tile(0, 3, 0, 5, blocks.MaskKind.PARTIAL, rows=((0, 1), (1, 3), (2, 5)))
-    for cached in (blocks._rows_mask, allgather._key_order, alltoall._position_order):
+    for cached in (blocks._rows_bounds, allgather._key_order, alltoall._position_order):
         cached.cache_clear()  # else a plan an earlier test made would be taken from the cache, copying nothing
     torch.cuda._sleep(10**8)  # work queued ahead, which a synchronising copy would wait for
     torch.cuda.set_sync_debug_mode("error")

@@ -225,14 +225,14 @@ def test_a_partial_tiles_mask_and_the_strategies_orders_reach_a_gpu_without_wait
     tile = blocks.Tile(0, 3, 0, 4, blocks.MaskKind.PARTIAL, rows=((0, 1), (1, 3), (0, 4)))
     documents = make_mask(seq, causal=True, documents=[5, 30, 29])
     layout = ctxpar.get_layout("zigzag", 4)
-    for cached in (blocks._rows_mask, allgather._key_order, alltoall._position_order):
+    for cached in (blocks._rows_bounds, allgather._key_order, alltoall._position_order):
         cached.cache_clear()
     try:
         with HostToGpuCopies() as copies:
             on_gpu = (tile.visible(gpu), allgather._key_order(layout, seq, 1, documents, gpu)[2],
                       *alltoall._position_order(layout, seq, 0, 2, gpu))
     finally:
-        for cached in (blocks._rows_mask, allgather._key_order, alltoall._position_order):
+        for cached in (blocks._rows_bounds, allgather._key_order, alltoall._position_order):
             cached.cache_clear()  # they hold CPU tensors for a GPU
     assert copies.waits == [] and copies.queued == 4
     on_cpu = (tile.visible("cpu"), allgather._key_order(layout, seq, 1, documents, torch.device("cpu"))[2],

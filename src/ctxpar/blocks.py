@@ -96,11 +96,15 @@ class Tile:
         return sum(b - a for a, b in self.rows)
 
     def visible(self, device: torch.device | str = "cpu") -> torch.Tensor | None:
-        """(queries, keys) bool mask of a PARTIAL tile, on ``device`` (cached there: no
-        host-to-device copy per call); None for the other kinds."""
+        """(queries, keys) bool mask of a PARTIAL tile, on ``device``, made there per call from
+        its row bounds (cached there: no host-to-device copy per call); None for the other
+        kinds."""
         if self.kind is not MaskKind.PARTIAL:
             return None
-        return _rows_mask(self.rows, self.kv_stop - self.kv_start, torch.device(device))
+        device = torch.device(device)
+        bounds = _rows_bounds(self.rows, device)  # (queries, 2)
+        cols = torch.arange(self.kv_stop - self.kv_start, device=device).unsqueeze(0)
+        return (cols >= bounds[:, :1]) & (cols < bounds[:, 1:])
 
     def kernel_args(self, device: torch.device | str = "cpu") -> tuple[slice, slice, bool, torch.Tensor | None]:
         """(query slice, key slice, is_causal, mask): CAUSAL is the kernels' square causal
@@ -121,10 +125,10 @@ class Tile:
 
 
 @functools.lru_cache(maxsize=1024)
-def _rows_mask(rows: tuple[tuple[int, int], ...], keys: int, device: torch.device) -> torch.Tensor:
-    bounds = to_device(torch.tensor(rows, dtype=torch.int64), device)  # (queries, 2)
-    cols = torch.arange(keys, device=device).unsqueeze(0)
-    return (cols >= bounds[:, :1]) & (cols < bounds[:, 1:])
+def _rows_bounds(rows: tuple[tuple[int, int], ...], device: torch.device) -> torch.Tensor:
+    """A PARTIAL tile's row bounds on ``device``: 16 bytes a row. Cached masks (queries x keys)
+    outlived the plans that made them: with documents changing every batch, up to 4 GiB per GPU."""
+    return to_device(torch.tensor(rows, dtype=torch.int64), device)
 
 
 def to_device(host: torch.Tensor, device: torch.device) -> torch.Tensor:
