@@ -574,6 +574,19 @@ def test_auto_takes_the_earlier_candidate_at_a_tie_and_costs_a_balanced_layout_o
     assert "cannot evaluate" not in why and why.endswith("balanced costed as striped"), why
 
 
+def test_the_inference_plan_names_the_degrees_it_cannot_evaluate() -> None:
+    """A prompt of 131,080 tokens, which zigzag splits over 1, 2 and 4 ranks but not 8 or 16:
+    those rows vanished from the table and the JSON without a word."""
+    from ctxpar.plan import format_inference_plan, inference_to_json, make_inference_plan
+
+    w = Workload(resolve_model("llama-3-8b"), batch=1, seq=131080, dtype="bfloat16", cp=4)
+    plan = make_inference_plan(w, get_hardware("H100-SXM"), new_tokens=256)
+    got = inference_to_json(plan)
+    assert [d["cp"] for d in got["degrees"]] == [1, 2, 4] and [d["cp"] for d in got["skipped_degrees"]] == [8, 16]
+    assert "     8 not evaluated: sequence length 131080 is not a multiple of 2*P=16 required by the zigzag layout" \
+        in format_inference_plan(plan)
+
+
 def test_the_hybrids_traffic_seconds_price_each_part_at_its_own_link() -> None:
     """Its all-to-all within a node, its ring across nodes: the traffic table and JSON priced
     all 172.875 MiB at the ring's 50 GB/s (3.625 ms), where the step's own pipeline sends the
@@ -1719,8 +1732,8 @@ def test_cli_inference_table_and_json(tmp_path, capsys) -> None:
     assert lines[-1].startswith("At CP 8: prefill 8.00x faster than CP 1") and "-45.2%" in lines[-1]
 
     report = json.loads(out.read_text())
-    assert set(report) == {"inputs", "hardware", "conventions", "degrees", "partial_prefill", "summary",
-                           "calibration"}
+    assert set(report) == {"inputs", "hardware", "conventions", "degrees", "skipped_degrees", "partial_prefill",
+                           "summary", "calibration"}
     assert report["inputs"]["prompt_tokens"] == 131072 and report["inputs"]["new_tokens"] == 256
     assert (report["hardware"]["memory_bandwidth"], report["hardware"]["latency"]) == (3.35e12, 0.0)
     at8 = next(d for d in report["degrees"] if d["cp"] == 8)

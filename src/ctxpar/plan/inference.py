@@ -31,7 +31,7 @@ the weights are held and read at 1 byte each; the KV cache stays in the compute 
 
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 
 from ctxpar.limits import check_count
 from ctxpar.models.config import ModelConfig
@@ -230,13 +230,17 @@ def _at_degree(w: Workload, cp: int, hw: Hardware) -> Workload:
     return w.with_(cp=cp, ulysses=u)
 
 
-def inference_sweep(w: Workload, hw: Hardware, *, new_tokens: int, degrees: list[int]) -> list[InferencePoint]:
-    """An ``InferencePoint`` for each CP degree that can split the prompt (``w.seq``)."""
+def inference_sweep(w: Workload, hw: Hardware, *, new_tokens: int, degrees: list[int],
+                    skipped: dict[int, str] | None = None) -> list[InferencePoint]:
+    """An ``InferencePoint`` for each CP degree that can split the prompt (``w.seq``); the others
+    go into ``skipped`` with the reason."""
     points = []
     for cp in degrees:
         try:
             v = _at_degree(w, cp, hw)
-        except ValueError:  # the layout cannot split T over cp ranks, or the heads do not divide
+        except ValueError as e:  # the layout cannot split T over cp ranks, or the heads do not divide
+            if skipped is not None:
+                skipped[cp] = str(e).removeprefix("--seq: ")
             continue
         # the cache generate allocates: the prompt and every new token but the last, which is never stored
         kv = kv_cache_bytes(w.model, batch=w.batch, positions=w.seq + new_tokens - 1, cp=cp, elem=w.elem, tp=w.tp)
@@ -286,6 +290,7 @@ class InferencePlan:
     points: list[InferencePoint]  # one per degree that can split the prompt, CP 1 first
     partial: PartialPrefillPlan
     calibration: dict | None = None
+    skipped: dict[int, str] = field(default_factory=dict)  # the degrees that cannot, and why
 
     def point(self, cp: int) -> InferencePoint | None:
         return next((p for p in self.points if p.cp == cp), None)
@@ -334,6 +339,6 @@ def make_inference_plan(w: Workload, hw: Hardware, *, new_tokens: int, chunk: in
     cached = w.seq + new_tokens
     partial = partial_prefill_plan(model=w.model, batch=w.batch, cached=cached, new=chunk, world=w.cp,
                                    elem=w.elem, hw=hw, acc=w.acc, tp=w.tp)
-    return InferencePlan(w, hw, new_tokens, inference_sweep(w, hw, new_tokens=new_tokens,
-                                                            degrees=sweep_degrees(w.cp, max_cp)),
-                         partial, calibration)
+    skipped: dict[int, str] = {}
+    points = inference_sweep(w, hw, new_tokens=new_tokens, degrees=sweep_degrees(w.cp, max_cp), skipped=skipped)
+    return InferencePlan(w, hw, new_tokens, points, partial, calibration, skipped)

@@ -15,6 +15,8 @@ JSON (bytes exact, times in seconds):
                       to CP 1; null as before), kv_cache_bytes and weight_bytes per GPU (1/t of
                       the heads and weights under TP), fits
                       (weights + KV cache within the GPU's memory)
+    skipped_degrees   the degrees not evaluated: cp and reason (the layout does not split T over
+                      them, or the heads do not divide)
     partial_prefill   a chunk of new_tokens on top of cached_tokens = T + n at cp: new_fraction
                       (T_new / (T_cached + T_new)); methods["pass-kv" | "pass-q"] with
                       bytes_sent_per_layer (per rank), seconds_per_layer and the pipeline;
@@ -78,6 +80,7 @@ def inference_to_json(plan: InferencePlan) -> dict:
                         "bandwidth": "bytes per second per GPU per direction; GB/s = 1e9 bytes/s"},
         "degrees": [dict(p.as_dict(), prefill_speedup=plan.speedup(p.cp), decode_change=decode_change(plan, p.cp),
                          decode_positions=w.seq + plan.new_tokens) for p in plan.points],
+        "skipped_degrees": [{"cp": cp, "reason": why} for cp, why in plan.skipped.items()],
         "partial_prefill": {
             "cp": pp.cp, "cached_tokens": pp.cached, "new_tokens": pp.new, "new_fraction": pp.new_fraction,
             "methods": {c.method: c.as_dict() for c in pp.costs},
@@ -133,6 +136,7 @@ def _degrees(plan: InferencePlan) -> list[str]:
                      f"{'-' if speedup is None else f'{speedup:.2f}x':>9} {decode:>13} "
                      f"{format_bytes(p.kv_cache_bytes):>12} {format_bytes(p.weight_bytes):>12} "
                      f"{'yes' if p.fits else 'no':>5}")
+    lines += [f"  {cp:>4} not evaluated: {why}" for cp, why in plan.skipped.items()]
     if w.strategy == "hybrid":
         lines.append("  hybrid prefill, ulysses U x ring R: " + ", ".join(
             f"CP {p.cp}: {p.ulysses} x {p.cp // p.ulysses}" for p in plan.points if p.ulysses))
