@@ -75,6 +75,7 @@ from __future__ import annotations
 
 import collections
 import functools
+import math
 from dataclasses import dataclass, replace
 
 from ctxpar.blocks import MaskKind
@@ -734,17 +735,57 @@ def scaling(single_seconds: float, cp: int, step_seconds: float) -> float:
     return single_seconds / (cp * step_seconds)
 
 
-def overlap_local_len(w: Workload, pipeline: Pipeline) -> float | None:
-    """Tokens per rank S above which ``pipeline``'s transfers hide behind compute.
+OVERLAP_SEARCH_TOKENS = 2**24  # tokens per rank beyond which overlap_local_len stops looking
+
+
+def overlap_local_len(w: Workload, hw: Hardware, backward: bool = False) -> int | None:
+    """Tokens per rank S from which the forward's (``backward``: the backward's) transfers hide
+    behind compute: the boundary nearest ``w``'s own S, below it where they hide there (the
+    smallest S down to which they still do), above it where they do not, among the lengths
+    the layout splits, found by evaluating the pipeline (from S·transfer/compute, halving or
+    doubling, then bisecting).
 
     The Ring Attention overlap condition (Liu et al. 2023, arXiv:2310.01889: block size
-    >= F/B for MHA, non-causal, bf16), here for this workload's GQA ratio, mask, dtype and
-    layout: a stage's compute grows as S² and its transfer as S, so they meet at
-    S·transfer/compute. None where nothing overlaps (all-to-all) or nothing moves, and
-    under documents or a window: there compute grows as S times a document or window
-    length, and the threshold is not a length per rank (``Pipeline.hidden`` still says
-    whether the transfer hides now).
+    >= F/B for MHA, non-causal, bf16), here for this workload's GQA ratio, mask, dtype,
+    layout and fixed costs: a stage's compute grows as S² and its transfer as S, so without
+    fixed costs they meet at S·transfer/compute; per-message latency, size curves and tile
+    overheads move the meeting point, which that ratio missed by 28% (100 us latency) to 5x
+    (the H200 preset's size curves). None where nothing overlaps (all-to-all) or nothing
+    moves, where nothing hides up to ``OVERLAP_SEARCH_TOKENS``, and under documents or a
+    window: there compute grows as S times a document or window length, and the threshold is
+    not a length per rank (``Pipeline.hidden`` still says whether the transfer hides now).
     """
-    if pipeline.stages == 1 or pipeline.transfer == 0 or not w.mask.is_plain:
+    def passing(k: int) -> Pipeline | None:  # the pass at T = k layout multiples
+        try:
+            t = attention_time(w.with_(seq=k * multiple), hw)
+        except ValueError:  # a length the workload refuses (too short for its shards)
+            return None
+        return t.backward if backward else t.forward
+
+    def hidden(k: int) -> bool:
+        p = passing(k)
+        return p is not None and p.hidden
+
+    multiple = w.seq_multiple
+    k_now = w.seq // multiple
+    now = passing(k_now)
+    if now is None or now.stages == 1 or now.transfer == 0 or not w.mask.is_plain:
         return None
-    return w.local_len * pipeline.transfer / pipeline.compute
+    # start where the ratio puts it, so that the lengths evaluated are near the threshold (small, cheap) rather
+    # than near the plan's T; where they hide now, look no further than T
+    estimate = max(1, math.ceil(w.local_len * now.transfer / now.compute * w.cp / multiple))
+    limit = k_now if now.hidden else OVERLAP_SEARCH_TOKENS * w.cp // multiple
+    lo = hi = min(estimate, limit)  # then: not hidden at lo (or lo = 0), hidden at hi
+    if hidden(hi):
+        lo //= 2
+        while lo and hidden(lo):
+            lo, hi = lo // 2, lo
+    else:
+        while not hidden(hi):
+            if hi >= limit:
+                return None
+            lo, hi = hi, min(hi * 2, limit)
+    while hi - lo > 1:
+        mid = (lo + hi) // 2
+        lo, hi = (lo, mid) if hidden(mid) else (mid, hi)
+    return hi * multiple // w.cp

@@ -344,9 +344,9 @@ def _why_strategy(w: Workload, hw: Hardware) -> list[str]:
                 f"runs one unsplit kernel per head group; its {format_seconds(fwd.lead)} forward transfer is not "
                 f"overlapped"]
     verdict = "hides" if fwd.hidden else "does not hide"
-    s_min = cost.overlap_local_len(w, fwd)
+    s_min = cost.overlap_local_len(w, hw)
     line = (f"{w.strategy}: each forward transfer ({format_seconds(fwd.transfer)}) {verdict} behind its "
             f"compute ({format_seconds(fwd.compute)})")
     if s_min is not None:
-        line += f"; it hides from {format_tokens(round(s_min))} tokens per GPU (now {format_tokens(w.local_len)})"
+        line += f"; it hides from {format_tokens(s_min)} tokens per GPU (now {format_tokens(w.local_len)})"
     return [line]

@@ -70,7 +70,7 @@ JSON (bytes exact, times in seconds; formulas in docs/planner.md):
 
 from __future__ import annotations
 
-from ctxpar.plan.cost import attention_time, overlap_local_len, ring_window_per_rank, split_traffic, traffic_bound
+from ctxpar.plan.cost import overlap_local_len, ring_window_per_rank, split_traffic, traffic_bound
 from ctxpar.plan.recommend import variant
 from ctxpar.plan.hardware import LOCAL, TILE_OVERHEADS, Hardware
 from ctxpar.plan.memory import layers_in_flight, parameters_per_gpu
@@ -228,9 +228,8 @@ def _overlap_thresholds(plan: Plan) -> list[dict]:
         v = variant(w, hw, strategy=strategy, cp=cp, seq=w.padded(w.seq, cp))
         if v is None:
             continue
-        t = attention_time(v, hw)
         out.append(dict(strategy=strategy, cp=cp, tokens_per_gpu=v.local_len,
-                        forward=overlap_local_len(v, t.forward), backward=overlap_local_len(v, t.backward)))
+                        forward=overlap_local_len(v, hw), backward=overlap_local_len(v, hw, backward=True)))
     return out
 
 
@@ -454,8 +453,8 @@ def _attention(plan: Plan) -> list[str]:
              f"  {'':<10}{'stages':>6} {'compute/stage':>14} {'transfer/stage':>15} {'exposed':>10} {'total':>11}"
              f"  transfer hidden"]
     for name, p in (("forward", attn.forward), ("backward", attn.backward)):
-        s_min = overlap_local_len(w, p)
-        when = f" (from {round(s_min)} tokens/GPU; now {w.local_len})" if s_min is not None else ""
+        s_min = overlap_local_len(w, hw, backward=name == "backward")
+        when = f" (from {s_min} tokens/GPU; now {w.local_len})" if s_min is not None else ""
         lines.append(f"  {name:<10}{p.stages:>6} {format_seconds(p.compute):>14} {format_seconds(p.transfer):>15} "
                      f"{format_seconds(p.exposed):>10} {format_seconds(p.seconds):>11}  "
                      f"{'yes' if p.hidden else 'no'}{when}")
