@@ -29,7 +29,8 @@ def test_gpu_check_dry_run_writes_every_section(tmp_path) -> None:
     report = json.loads(path.read_text())
     assert set(report) == {"dry_run", "environment", "calibration", "tests", "exactness", "generation", "efficiency",
                            "kernels", "targets", "seconds"}
-    assert [(g["strategy"], g["ok"]) for g in report["generation"]] == [("ring", True), ("auto", True)]
+    assert [(g["strategy"], g["prompt_len"], g["temperature"], g["ok"]) for g in report["generation"]] == [
+        ("ring", 64, 0.0, True), ("auto", 64, 0.0, True), ("ring", 69, 0.9, True)]  # 69: partial prefill, sampled
     cal = report["calibration"]
     assert [(a["seq"], a["causal"]) for a in cal["attention"]] == [(256, True), (512, True), (256, False),
                                                                    (512, False)]
