@@ -256,31 +256,39 @@ def test_a_masked_non_finite_key_leaves_the_rows_that_cannot_see_it_alone(bad: f
 
 
 @pytest.mark.parametrize("backend", [cpu, reference], ids=["cpu", "reference"])
-@pytest.mark.parametrize("heads", [(4, 4), (4, 2)])
+@pytest.mark.parametrize("heads", [(4, 4), (4, 2), (8, 2)])
 @pytest.mark.parametrize("tile", ["causal", "masked"])
 def test_a_row_whose_visible_keys_all_score_minus_inf_carries_no_mass(backend, heads, tile, monkeypatch) -> None:
-    """Keys 0-2 score -inf for every query (an -inf in k; a product past float32's range,
-    from finite inputs, for key 2): rows that see only them have no softmax mass here, lse
-    -inf. torch's CPU op gave them lse 0, which merged as a phantom key of weight 1 and
-    value 0 (outputs off by 0.4 in CP). A row whose one key scores exactly 0 keeps lse 0."""
+    """Keys 0-1 score -inf for every query (an -inf in k), key 2 for the query heads of K/V
+    head 0 only (a product past float32's range, from finite inputs): rows that see only them
+    have no softmax mass here, lse -inf. torch's CPU op gave them lse 0, which merged as a
+    phantom key of weight 1 and value 0 (outputs off by 0.4 in CP). A row whose one key
+    scores exactly 0 keeps lse 0. With the -inf at the same keys in every K/V head, rescoring
+    the suspect rows of K/V head g on query heads g..g+G instead of g*G..(g+1)*G (8 query
+    heads on 2: heads 1-4 against K/V head 1) passed unseen; here row 2 of heads 1-3 then
+    keeps the op's lse 0."""
     monkeypatch.setattr(cpu, "_RESCORED_SCORES", 24)  # the CPU kernel rescores suspect rows two at a time
     q, k, v = (t.float() for t in make(*heads, s=12))
     q[..., 0] = q[..., 0].abs() + 3e19
     k[:, :, :2, 0] = float("-inf")
-    k[:, :, 2, 0] = -3e19  # finite; q.k overflows float32
+    k[:, 0, 2, 0] = -3e19  # finite; q.k overflows float32 (the other K/V heads' key 2 scores finitely)
     visible = torch.ones(12, 12, dtype=torch.bool).tril()
     if tile == "masked":
         visible[5], visible[9] = torch.arange(12) < 2, torch.arange(12) == 9
         k[:, :, 9], v[:, :, 9] = 0.0, 0.0  # row 9 sees only key 9, scored 0, of value 0
     repeat = heads[0] // heads[1]
     scores = torch.einsum("bhqd,bhkd->bhqk", q.double(), k.double().repeat_interleave(repeat, 1)) * 0.25
-    scores[..., :3] = float("-inf")  # as float32 sees them
+    scores[..., :2] = scores[:, :repeat, :, 2] = float("-inf")  # as float32 sees them
     scores = scores.masked_fill(~visible, float("-inf"))
     want_lse = torch.logsumexp(scores, -1)
     massless = torch.isneginf(want_lse)
     want_out = (torch.softmax(scores, -1) @ v.double().repeat_interleave(repeat, 1)).masked_fill(
         massless.unsqueeze(-1), 0.0)
-    assert massless[..., :3].all() and not massless[..., 3:].any() if tile == "causal" else massless[..., 5].all()
+    if tile == "causal":  # rows 0-1 of every head, row 2 of K/V head 0's alone
+        assert massless[..., :2].all() and massless[:, :repeat, 2].all() and not massless[:, repeat:, 2:].any()
+        assert not massless[..., 3:].any()
+    else:
+        assert massless[..., 5].all()
     out, lse = backend.attention_forward(q, k, v, causal=tile == "causal", scale=0.25,
                                          mask=visible if tile == "masked" else None)
     assert torch.equal(torch.isneginf(lse), massless) and (out[massless] == 0).all()
