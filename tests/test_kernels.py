@@ -180,17 +180,22 @@ def test_tolerances_are_the_dtypes_share_of_each_tensors_scale_and_a_vanishing_g
                                                  dv=rtol * 4.0)
 
 
-@pytest.mark.parametrize("causal", [True, False])
-def test_reference_kernel_bounds_its_score_tiles(causal, monkeypatch) -> None:
-    """With a budget of a few tiles the reference kernel still gives the untiled result."""
+@pytest.mark.parametrize("tile", ["causal", "full", "masked"])
+def test_reference_kernel_bounds_its_score_tiles(tile, monkeypatch) -> None:
+    """With a budget of a few tiles the reference kernel still gives the untiled result,
+    an explicit mask too: each score tile takes its own keys' columns of it (the first
+    tile's columns for every key tile passed unseen without a masked case)."""
     q, k, v = make(4, 2, 70)
     dout = torch.randn_like(q)
-    want_out, want_lse = reference.attention_forward(q, k, v, causal=causal, scale=0.3)
-    want = reference.attention_backward(dout, q, k, v, want_out, want_lse, causal=causal, scale=0.3)
+    causal, mask = tile == "causal", None
+    if tile == "masked":  # random visibility, each row seeing its own key at least
+        mask = (torch.rand(70, 70, generator=torch.Generator().manual_seed(5)) < 0.3) | torch.eye(70, dtype=torch.bool)
+    want_out, want_lse = reference.attention_forward(q, k, v, causal=causal, scale=0.3, mask=mask)
+    want = reference.attention_backward(dout, q, k, v, want_out, want_lse, causal=causal, scale=0.3, mask=mask)
     monkeypatch.setattr(reference, "SCORE_BUDGET_BYTES", 2 * 4 * 16 * 16 * 8)  # 16 x 16 tiles
     assert reference.tile_size(2, 4, 8) == 16
-    out, lse = reference.attention_forward(q, k, v, causal=causal, scale=0.3)
-    grads = reference.attention_backward(dout, q, k, v, out, lse, causal=causal, scale=0.3)
+    out, lse = reference.attention_forward(q, k, v, causal=causal, scale=0.3, mask=mask)
+    grads = reference.attention_backward(dout, q, k, v, out, lse, causal=causal, scale=0.3, mask=mask)
     for got, expected in zip((out, lse, *grads), (want_out, want_lse, *want)):
         torch.testing.assert_close(got, expected, rtol=0, atol=1e-12)
 
