@@ -25,13 +25,14 @@ def make(h: int, hkv: int, s: int, dtype=torch.float64, seed: int = 0):
 @pytest.mark.parametrize("heads", [(4, 4), (4, 2), (4, 1)])
 @pytest.mark.parametrize("causal", [True, False])
 def test_block_kernel_matches_autograd_reference(backend, heads, causal) -> None:
+    """Scale 0.3, not D**-0.5 = 0.25: a kernel falling back to the default scale shows."""
     q, k, v = make(*heads, s=33)
     dout = torch.randn_like(q)
     leaves = [t.clone().requires_grad_() for t in (q, k, v)]
-    want_out, want_lse = reference.reference_attention(*leaves, causal=causal, scale=0.25)
+    want_out, want_lse = reference.reference_attention(*leaves, causal=causal, scale=0.3)
     want_out.backward(dout)
-    out, lse = backend.attention_forward(q, k, v, causal=causal, scale=0.25)
-    dq, dk, dv = backend.attention_backward(dout, q, k, v, out, lse, causal=causal, scale=0.25)
+    out, lse = backend.attention_forward(q, k, v, causal=causal, scale=0.3)
+    dq, dk, dv = backend.attention_backward(dout, q, k, v, out, lse, causal=causal, scale=0.3)
     assert out.dtype == lse.dtype == dq.dtype == dk.dtype == torch.float64 and dk.shape == k.shape
     torch.testing.assert_close(out, want_out, rtol=0, atol=1e-12)
     torch.testing.assert_close(lse, want_lse, rtol=0, atol=1e-12)
@@ -205,7 +206,8 @@ def test_reference_kernel_bounds_its_score_tiles(tile, monkeypatch) -> None:
 def test_an_explicit_tile_mask_is_honoured_and_a_row_that_sees_nothing_gets_minus_inf(backend, heads) -> None:
     """A PARTIAL tile: random visibility with one row that sees no key. Its lse is -inf
     (it merges as nothing), and given the global lse of the rows that do see keys the
-    backward gives exactly the masked gradients."""
+    backward gives exactly the masked gradients. Scale 0.3: at D**-0.5 = 0.25 (the default)
+    a PARTIAL tile's backward that dropped the caller's scale passed unseen."""
     q, k, v = make(*heads, s=20)
     gen = torch.Generator().manual_seed(3)
     visible = torch.rand(20, 20, generator=gen) < 0.4
@@ -215,19 +217,19 @@ def test_an_explicit_tile_mask_is_honoured_and_a_row_that_sees_nothing_gets_minu
     leaves = [t.clone().requires_grad_() for t in (q, k, v)]
     scores_mask = visible.clone()
     scores_mask[5, 0] = True  # the reference needs one key for row 5; its gradient is zeroed below
-    s = torch.einsum("bhqd,bhkd->bhqk", leaves[0], leaves[1].repeat_interleave(heads[0] // heads[1], 1)) * 0.25
+    s = torch.einsum("bhqd,bhkd->bhqk", leaves[0], leaves[1].repeat_interleave(heads[0] // heads[1], 1)) * 0.3
     s = s.masked_fill(~scores_mask, float("-inf"))
     want_lse = torch.logsumexp(s, -1)
     want_out = torch.softmax(s, -1) @ leaves[2].repeat_interleave(heads[0] // heads[1], 1)
     (want_out * dout.masked_fill(~visible.any(-1).view(1, 1, 20, 1), 0)).sum().backward()
-    out, lse = backend.attention_forward(q, k, v, causal=False, scale=0.25, mask=visible)
+    out, lse = backend.attention_forward(q, k, v, causal=False, scale=0.3, mask=visible)
     assert torch.isneginf(lse[:, :, 5]).all() and (out[:, :, 5] == 0).all()
     rows = visible.any(-1)
     torch.testing.assert_close(out[:, :, rows], want_out[:, :, rows], rtol=0, atol=1e-12)
     torch.testing.assert_close(lse[:, :, rows], want_lse[:, :, rows], rtol=0, atol=1e-12)
     global_lse = lse.masked_fill(~rows.view(1, 1, 20), 0.0)  # row 5 sees keys in some other tile
     grads = backend.attention_backward(dout.masked_fill(~rows.view(1, 1, 20, 1), 0), q, k, v, out, global_lse,
-                                       causal=False, scale=0.25, mask=visible)
+                                       causal=False, scale=0.3, mask=visible)
     for got, leaf in zip(grads, leaves):
         assert torch.isfinite(got).all()
         torch.testing.assert_close(got, leaf.grad, rtol=0, atol=1e-12)
@@ -243,17 +245,17 @@ def test_a_masked_non_finite_key_leaves_the_rows_that_cannot_see_it_alone(bad: f
     k[:, :, 1, 3] = bad
     documents = torch.arange(12) < 5
     visible = (documents[:, None] == documents[None, :]) & torch.ones(12, 12, dtype=torch.bool).tril()
-    out, lse = cpu.attention_forward(q, k, v, causal=False, scale=0.25, mask=visible)
-    want_out, want_lse = reference.attention_forward(q.double(), k.double(), v.double(), causal=False, scale=0.25,
+    out, lse = cpu.attention_forward(q, k, v, causal=False, scale=0.3, mask=visible)
+    want_out, want_lse = reference.attention_forward(q.double(), k.double(), v.double(), causal=False, scale=0.3,
                                                      mask=visible)
     second = ~documents
     assert torch.isfinite(out[:, :, second]).all() and torch.isfinite(lse[:, :, second]).all()
     torch.testing.assert_close(out[:, :, second].double(), want_out[:, :, second], rtol=0, atol=1e-5)
     torch.testing.assert_close(lse[:, :, second].double(), want_lse[:, :, second], rtol=0, atol=1e-5)
     dout = torch.randn_like(q).masked_fill(documents.view(1, 1, 12, 1), 0)  # the first document's rows: no loss
-    grads = cpu.attention_backward(dout, q, k, v, out, lse, causal=False, scale=0.25, mask=visible)
+    grads = cpu.attention_backward(dout, q, k, v, out, lse, causal=False, scale=0.3, mask=visible)
     want = reference.attention_backward(dout.double(), q.double(), k.double(), v.double(), want_out, want_lse,
-                                        causal=False, scale=0.25, mask=visible)
+                                        causal=False, scale=0.3, mask=visible)
     # the gradients are the reference kernel's, non-finite where its are (dQ's rows sum 0 x the bad key)
     for got, expected in zip(grads, want):
         torch.testing.assert_close(got[:, :, second].double(), expected[:, :, second], rtol=0, atol=1e-5,
