@@ -318,8 +318,11 @@ def test_compute_cpu_time_leaves_out_other_threads_work() -> None:
     previous = torch.get_num_threads()
 
     def busy(seconds: float) -> None:  # torch ops release the GIL: CPU time on another thread
-        end = time.perf_counter() + seconds
-        while time.perf_counter() < end:
+        # seconds of its own CPU time, not of wall time: on a loaded machine 0.3 s of wall gave
+        # it 0.07 s of CPU, and the counted 0.072 s failed the > 0.1 below (a cap of a minute's
+        # wall keeps a starved thread from hanging the test)
+        end, give_up = time.thread_time() + seconds, time.perf_counter() + 60
+        while time.thread_time() < end and time.perf_counter() < give_up:
             a @ a
 
     try:
