@@ -8,6 +8,7 @@ import dist_cases
 import spawned
 from ctxpar.plan import traffic
 from ctxpar.strategies.allgather import head_groups
+from ctxpar.strategy_rules import MAX_GATHERS, gather_groups
 
 WORLD_SIZES = (1, 2, 3, 4)
 def results(world: int) -> list[dict]:
@@ -174,6 +175,19 @@ def test_synchronisation_points_are_the_documented_few(world: int) -> None:
     for res in results(world):
         for (strategy, (_, _, hkv, _, _), dtype), counted in res["traffic"].items():
             assert counted["syncs"] == _expected_syncs(strategy, world, hkv), (strategy, hkv, dtype)
+
+
+def test_allgather_head_groups_take_every_kv_head_once() -> None:
+    """For 1..64 K/V heads the all-gather's groups are consecutive, together exactly range(h),
+    at most MAX_GATHERS of them (as many as the planner counts), equal but for a smaller last
+    one. Leaving that last group out (9 or 11 heads) gathered no K/V for its query heads and
+    passed the exactness grid, whose head counts all split into equal groups."""
+    for h in range(1, 65):
+        groups = head_groups(h)
+        assert [i for group in groups for i in range(h)[group]] == list(range(h)), (h, groups)
+        sizes = [group.stop - group.start for group in groups]
+        assert len(groups) == gather_groups(h) <= MAX_GATHERS, (h, groups)
+        assert len(set(sizes[:-1])) <= 1 and 1 <= sizes[-1] <= sizes[0], (h, groups)
 
 
 def test_ring_volume_by_hand() -> None:
