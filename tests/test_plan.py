@@ -2759,3 +2759,21 @@ def test_published_cp_runs_within_a_quarter(tmp_path) -> None:
     assert [k for k, r in nemo.items() if not r["none"]["fits"]] == [4, 16, 32]
     assert [k for k, r in nemo.items() if not r["full"]["fits"]] == [4]
     assert all(r["full"]["step_seconds"] > r["none"]["step_seconds"] for r in rows)
+
+
+@pytest.mark.parametrize("name", ["contiguous", "zigzag", "striped"])
+def test_plain_masks_pairs_per_rank_in_closed_form_are_the_counted_ones(name: str) -> None:
+    """Under a plain mask each rank's pairs come from the sums of its runs of positions, in
+    O(P): counting them token by token made the overlap threshold's search, which evaluates
+    many lengths, take minutes and gigabytes at 1M tokens."""
+    from ctxpar.masks import Mask
+    from ctxpar.plan import work
+
+    for world in (1, 2, 3, 4, 8):
+        layout = get_layout(name, world)
+        for seq in (layout.multiple, 3 * layout.multiple, 10 * layout.multiple):
+            for causal in (True, False):
+                keys = work._keys_seen(seq, Mask(causal=causal))
+                counted = [int(keys[layout.positions(seq, r)].sum()) for r in range(world)]
+                assert work._plain_pairs(layout, seq, Mask(causal=causal)) == counted, (world, seq, causal)
+    assert work._plain_pairs(get_layout(name, 2), 64, Mask(causal=True, window=8)) is None

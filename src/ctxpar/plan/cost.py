@@ -83,7 +83,7 @@ from ctxpar.layout import UnionLayout, get_layout
 from ctxpar.masks import Mask
 from ctxpar.plan.work import pairs_per_rank, stage_tiles
 from ctxpar.plan.hardware import BACKWARD_FLOPS_RATIO, TILE_OVERHEADS, Hardware
-from ctxpar.plan.workload import Workload
+from ctxpar.plan.workload import MAX_PLAN_SEQ, Workload
 from ctxpar.plan import traffic
 from ctxpar.strategy_rules import gather_groups
 
@@ -735,9 +735,7 @@ def scaling(single_seconds: float, cp: int, step_seconds: float) -> float:
     return single_seconds / (cp * step_seconds)
 
 
-OVERLAP_SEARCH_TOKENS = 2**24  # tokens per rank beyond which overlap_local_len stops looking
-
-
+@functools.lru_cache(maxsize=1024)  # the table, the JSON and the recommendation ask alike
 def overlap_local_len(w: Workload, hw: Hardware, backward: bool = False) -> int | None:
     """Tokens per rank S from which the forward's (``backward``: the backward's) transfers hide
     behind compute: the boundary nearest ``w``'s own S, below it where they hide there (the
@@ -750,10 +748,12 @@ def overlap_local_len(w: Workload, hw: Hardware, backward: bool = False) -> int 
     layout and fixed costs: a stage's compute grows as S² and its transfer as S, so without
     fixed costs they meet at S·transfer/compute; per-message latency, size curves and tile
     overheads move the meeting point, which that ratio missed by 28% (100 us latency) to 5x
-    (the H200 preset's size curves). None where nothing overlaps (all-to-all) or nothing
-    moves, where nothing hides up to ``OVERLAP_SEARCH_TOKENS``, and under documents or a
-    window: there compute grows as S times a document or window length, and the threshold is
-    not a length per rank (``Pipeline.hidden`` still says whether the transfer hides now).
+    (the H200 preset's size curves). Lengths beyond 4T (and the planner's ``MAX_PLAN_SEQ``)
+    are not evaluated: a threshold past them is the ratio at the longest evaluated, where
+    fixed costs weigh least. None where nothing overlaps (all-to-all) or nothing moves, and
+    under documents or a window: there compute grows as S times a document or window length,
+    and the threshold is not a length per rank (``Pipeline.hidden`` still says whether the
+    transfer hides now).
     """
     def passing(k: int) -> Pipeline | None:  # the pass at T = k layout multiples
         try:
@@ -771,19 +771,30 @@ def overlap_local_len(w: Workload, hw: Hardware, backward: bool = False) -> int 
     now = passing(k_now)
     if now is None or now.stages == 1 or now.transfer == 0 or not w.mask.is_plain:
         return None
+
+    def ratio(k: int, p: Pipeline) -> int:  # S·transfer/compute at T = k multiples, in multiples
+        return max(1, math.ceil(k * p.transfer / p.compute))
+
     # start where the ratio puts it, so that the lengths evaluated are near the threshold (small, cheap) rather
-    # than near the plan's T; where they hide now, look no further than T
-    estimate = max(1, math.ceil(w.local_len * now.transfer / now.compute * w.cp / multiple))
-    limit = k_now if now.hidden else OVERLAP_SEARCH_TOKENS * w.cp // multiple
-    lo = hi = min(estimate, limit)  # then: not hidden at lo (or lo = 0), hidden at hi
-    if hidden(hi):
-        lo //= 2
-        while lo and hidden(lo):
-            lo, hi = lo // 2, lo
-    else:
+    # than near the plan's T; where they hide now, look no further than T, and where not, from T up to 4T
+    if now.hidden:  # a boundary in (0, k_now]: not hidden at lo (or lo = 0), hidden at hi
+        lo = hi = min(ratio(k_now, now), k_now)
+        if hidden(hi):
+            lo //= 2
+            while lo and hidden(lo):
+                lo, hi = lo // 2, lo
+        else:
+            while not hidden(hi):
+                lo, hi = hi, min(hi * 2, k_now)
+    else:  # a boundary above k_now
+        limit = max(k_now, min(4 * w.seq, MAX_PLAN_SEQ) // multiple)
+        lo, hi = k_now, max(ratio(k_now, now), k_now + 1)
+        if hi > limit:
+            return ratio(k_now, now) * multiple // w.cp
         while not hidden(hi):
-            if hi >= limit:
-                return None
+            if hi >= limit:  # the ratio where the search stops
+                last = passing(hi)
+                return max(ratio(hi, last) if last else 0, hi + 1) * multiple // w.cp
             lo, hi = hi, min(hi * 2, limit)
     while hi - lo > 1:
         mid = (lo + hi) // 2

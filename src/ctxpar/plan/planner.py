@@ -17,15 +17,12 @@ from ctxpar.plan.hardware import Hardware
 from ctxpar.plan.memory import MemoryEstimate, SequenceTensors, memory_on, sequence_tensors
 from ctxpar.plan.recommend import (Crossover, Recommendation, SweepPoint, crossovers, fits_up_to, recommend,
                                     sweep)
-from ctxpar.plan.workload import Workload
+from ctxpar.plan.workload import MAX_PLAN_SEQ, Workload
 from ctxpar.plan.traffic import TensorParallelTraffic, Traffic
 
 MIN_SWEEP_SEQ = 2**10
 MAX_SWEEP_SEQ = 2**20
 MIN_MAX_CP = 16  # the sweep covers at least two 8-GPU nodes
-# The largest request evaluated: per-rank work is counted token by token for every degree,
-# so time and memory grow with both (T = 16M at CP 8 takes about a minute on one core).
-MAX_PLAN_SEQ = 2**24
 MAX_PLAN_CP = 1024
 
 

@@ -56,6 +56,11 @@ def resolve_model(name: str | None = None, **shape: int | None) -> ModelConfig:
     return base.with_(**given)
 
 
+# The largest request evaluated: per-rank work is counted token by token for every degree,
+# so time and memory grow with both (T = 16M at CP 8 takes about a minute on one core).
+MAX_PLAN_SEQ = 2**24
+
+
 @dataclass(frozen=True)
 class Workload:
     """One training step's shape and parallel layout.
