@@ -221,7 +221,7 @@ EXPECTED_MESSAGES = {
     "attention_queries_differ": ["disagree on the sharded attention", "q values (crc32)"],
     "attention_scales_differ": ["disagree on the sharded attention: scale [0.5, 0.25"],
     "attention_sinks_differ": ["disagree on the sharded attention: sinks (crc32) ["],
-    "models_differ": ["disagree on the generate call", "model (config, layers)"],
+    "models_differ": ["disagree on the generate call", "model (a checksum of its config"],
     "weights_differ": ["disagree on the prefill", "weights (a checksum of each parameter's first values"],
     "attention_grad": ["sharded_attention is inference only, but grad mode is on and q set requires_grad",
                        "under torch.no_grad() or torch.inference_mode(), or use ctxpar.attention for training"],

@@ -710,3 +710,32 @@ def test_a_shard_names_the_batch_it_was_cut_from_unless_two_batches_share_it() -
     assert batch_code(relabelled.tokens) not in (-1, batch_code(shard_batch(first + 2, layout=layout, rank=1).tokens))
     assert batch_code(torch.full((1, 8), 7)) == -1  # never sharded here
     assert batch_code(shard.float()) == batch_code(None) == -1
+
+
+def test_the_config_and_weights_checksums_are_alike_in_every_process_and_skip_sharded_parameters() -> None:
+    """A config value's repr may hold an address (an object) or the hash seed's order (a set),
+    which differ between processes: a refusal of ranks holding one model. FSDP1's parameters
+    are each rank's flat shard: "other weights" on every step of a correct run."""
+    from torch.distributed.fsdp import FullyShardedDataParallel
+
+    from ctxpar.parallelize import _computed, model_code, weights_code
+
+    assert _computed({"a": {3, 1, 2}, "b": object(), "c": {"_name_or_path": "/node/1", "k": (1, None)}}) == [
+        ("a", [1, 2, 3]), ("b", "object"), ("c", [("k", [1, None])])]
+    model = Transformer(get_config("tiny"))
+    same = copy.deepcopy(model)
+    with torch.no_grad():  # a parameter held transposed: its first row read as a view, alike
+        same.embed.weight = torch.nn.Parameter(model.embed.weight.detach().t().contiguous().t())
+    assert weights_code(same) == weights_code(model) != -1
+    with torch.no_grad():
+        same.embed.weight[0, 0] += 1
+    assert weights_code(same) != weights_code(model)
+    unit = FullyShardedDataParallel.__new__(FullyShardedDataParallel)  # an FSDP1 unit, without a process group
+    torch.nn.Module.__init__(unit)
+    wrapped = _Wrapped(same)
+    wrapped.unit = unit
+    assert weights_code(wrapped) == -1
+    wider = _Wrapped(Transformer(get_config("tiny").with_(vocab=300)))
+    assert model_code(wider) != model_code(_Wrapped(same))  # a module of one's own: its parameters' shapes
+    wider.unit = unit
+    assert model_code(wider) == model_code(wrapped)  # left out under FSDP1, whose flat shards differ by rank

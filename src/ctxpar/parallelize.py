@@ -184,22 +184,26 @@ SAME_MODEL = "model (a checksum of its config: build or load the same model on e
 _PROVENANCE = ("_name_or_path", "transformers_version", "architectures", "dtype", "torch_dtype")
 
 
+def attention_modules(model: nn.Module) -> list[nn.Module]:
+    """The modules with an ``attention_fn``, in forward order (layer 0 first)."""
+    return [m for m in model.modules() if hasattr(m, "attention_fn")]
+
+
 def model_code(model: nn.Module) -> int:
     """A checksum of what ``model`` computes, alike on ranks holding models of one shape: a
     Hugging Face model's ``config`` but for its provenance; else the reference model's
     ``cfg`` (RoPE theta and norm eps included), or for a module without one its parameters'
-    names and shapes, and its number of attention modules. Compared in each forward and
-    inference call: a model built otherwise on one rank trained silently wrong (another
-    RoPE theta: a gradient 23% off) or left the others waiting in a layer it lacked. -1
-    where it cannot be read."""
+    names and shapes (not under FSDP1, whose flat shards differ by rank), and its number of
+    attention modules. Compared at the first forward and in inference calls: a model built
+    otherwise on one rank trained silently wrong (another RoPE theta: a gradient 23% off) or
+    left the others waiting in a layer it lacked. -1 where it cannot be read."""
     def describe() -> str:
         if callable(getattr(getattr(model, "config", None), "to_dict", None)):
             return repr(_computed(model.config.to_dict()))
         config = getattr(model, "cfg", None)
-        described = repr(config) if isinstance(config, ModelConfig) else repr(
+        described = repr(config) if isinstance(config, ModelConfig) else "" if _fsdp1_sharded(model) else repr(
             [(name, tuple(p.shape)) for name, p in model.named_parameters()])
-        attending = sum(1 for m in model.modules() if hasattr(m, "attention_fn"))
-        return f"{described}, {attending} attention modules"
+        return f"{described}, {len(attention_modules(model))} attention modules"
 
     return agreement.readable(lambda: agreement.text_code(describe()))
 
@@ -211,25 +215,49 @@ _SAMPLED = 8  # values of each parameter weights_code reads
 
 def weights_code(model: nn.Module) -> int:
     """A checksum of the first values of each parameter this rank holds whole (not a DTensor's
-    shard, nor on the meta device), alike on ranks holding one model's weights: a model
-    built after seeding the ranks apart trained as a mixture of models, silently. -1 where
-    no parameter is held whole. One host read."""
+    shard, nor on the meta device; nothing under FSDP1, whose parameters are flat shards),
+    alike on ranks holding one model's weights: a model built after seeding the ranks apart
+    trained as a mixture of models, silently. -1 where no parameter is held whole. One host
+    read per device and dtype."""
     from torch.distributed.tensor import DTensor
 
-    sampled: dict[torch.dtype, list[torch.Tensor]] = {}
+    if _fsdp1_sharded(model):
+        return -1
+    sampled: dict[tuple[torch.device, torch.dtype], list[torch.Tensor]] = {}
     for p in model.parameters():
         if not isinstance(p, DTensor) and not p.is_meta and p.numel():
-            sampled.setdefault(p.dtype, []).append(p.detach().reshape(-1)[:_SAMPLED])
+            first = p.detach()
+            while first.dim() > 1:  # the first row: a view, where reshape(-1) copies a strided parameter
+                first = first[0]
+            sampled.setdefault((p.device, p.dtype), []).append(first[:_SAMPLED])
     code = -1
-    for dtype in sorted(sampled, key=str):
-        code = agreement.tensor_code(torch.cat(sampled[dtype]), dtype, max(code, 0))
+    for device, dtype in sorted(sampled, key=str):
+        code = agreement.tensor_code(torch.cat(sampled[device, dtype]), dtype, max(code, 0))
     return code
 
 
-def _computed(config: dict) -> list:
-    """A Hugging Face config's fields, and its sub-configs', but for ``_PROVENANCE``, in order."""
-    return sorted(((str(key), _computed(value) if isinstance(value, dict) else value)
-                   for key, value in config.items() if key not in _PROVENANCE), key=lambda field: field[0])
+def _fsdp1_sharded(model: nn.Module) -> bool:
+    """Whether ``model`` holds FSDP1 units, whose parameters are this rank's flat shards (or
+    views of them, or empty): neither their values nor their shapes are alike across ranks."""
+    from torch.distributed.fsdp import FullyShardedDataParallel
+
+    return any(isinstance(m, FullyShardedDataParallel) for m in model.modules())
+
+
+def _computed(value):
+    """A Hugging Face config's fields, and its sub-configs', but for ``_PROVENANCE``, in an order
+    and a form alike in every process: sets sorted, and objects by their type (a repr may hold
+    an address, a set's order the process's hash seed)."""
+    if isinstance(value, dict):
+        return sorted(((str(key), _computed(field)) for key, field in value.items() if key not in _PROVENANCE),
+                      key=lambda item: item[0])
+    if isinstance(value, (list, tuple)):
+        return [_computed(item) for item in value]
+    if isinstance(value, (set, frozenset)):
+        return sorted((_computed(item) for item in value), key=repr)
+    if value is None or isinstance(value, (bool, int, float, str)):
+        return value
+    return type(value).__qualname__
 
 
 def batch_code(tokens) -> int:
@@ -424,8 +452,8 @@ class _PositionsGuard(_KeptWithTheModel):
     given, as ``shard_batch`` makes them): forgotten positions (the model would number the
     shard from 0) or a shard taken with another layout give RoPE positions that the causal
     mask does not share, silently wrong. So are shards of different batches
-    (``batch_code``), where attention would mix them, models of other configs
-    (``model_code``) and, at the first forward, other weights (``weights_code``). Tokens the embedding cannot take (ids
+    (``batch_code``), where attention would mix them, and at the first forward models of other
+    configs (``model_code``) or weights (``weights_code``). Tokens the embedding cannot take (ids
     outside the vocabulary, another dtype than int64 or int32, another device) raised on the
     one rank holding them, its peers waiting in attention. One tiny all-gather per forward."""
 
@@ -437,7 +465,7 @@ class _PositionsGuard(_KeptWithTheModel):
         # torch.compile traces it)
         self.watching: _AttentionOutsideAttentionFn | None = None
         self.watched = False
-        self.weights_compared = False  # at the first forward: the weights it trains from
+        self.first_compared = False  # the model and the weights it trains from, at the first forward
 
     def __call__(self, module: nn.Module, args: tuple, kwargs: dict) -> None:
         if not any(getattr(m, "attention_fn", None) is self.cp_attention for m in module.modules()):
@@ -453,10 +481,12 @@ class _PositionsGuard(_KeptWithTheModel):
         except Exception as e:  # noqa: BLE001  any failure: this rank must still join the exchange below
             error = e
         batch = batch_code(tokens) if error is None else -1
-        weights = -2 if self.weights_compared else agreement.readable(lambda: weights_code(module))
-        agreement.check_values_agree({SAME_BATCH: batch, SAME_MODEL: model_code(module), SAME_WEIGHTS: weights},
-                                     topo.process_groups, error, "forward", where_known=(SAME_BATCH, SAME_WEIGHTS))
-        self.weights_compared = True
+        first = not self.first_compared
+        weights = agreement.readable(lambda: weights_code(module)) if first else -2
+        agreement.check_values_agree({SAME_BATCH: batch, SAME_MODEL: model_code(module) if first else -2,
+                                      SAME_WEIGHTS: weights}, topo.process_groups, error, "forward",
+                                     where_known=(SAME_BATCH, SAME_WEIGHTS))
+        self.first_compared = True
         if not self.watched and self.watching is None and not torch.compiler.is_compiling():
             self.watching = _AttentionOutsideAttentionFn(type(module).__name__)
             self.watching.__enter__()

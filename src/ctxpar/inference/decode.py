@@ -31,7 +31,7 @@ from ctxpar.inference.cache import SHARD_FULL_WHY, KVCache
 from ctxpar.inference.hooks import attention_replaced, check_cache, check_model_fits
 from ctxpar.inference.prefill import check_tokens, is_dense
 from ctxpar.merge import merge_packed
-from ctxpar.parallelize import model_code
+from ctxpar.parallelize import SAME_MODEL, model_code
 
 
 def decode_step(model: nn.Module, cache: KVCache, tokens: torch.Tensor, *,
@@ -228,7 +228,7 @@ def _signature(model: nn.Module, cache: KVCache, tokens) -> dict[str, agreement.
         "position (prompt + steps)": cache.seq_len,
         "sequence so far (crc32)": cache.history,
         "prompt dealt by": agreement.Text(cache.dealt_by),
-        "model (config, layers)": model_code(model),
+        SAME_MODEL: model_code(model),
         "capacity": cache.capacity,
         "batch": tokens.shape[0] if ok and tokens.dim() else -1,
         "dtype": agreement.Text(cache.dtype),

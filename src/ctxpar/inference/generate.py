@@ -28,7 +28,7 @@ from ctxpar.inference.decode import decode_step
 from ctxpar.inference.partial import partial_prefill
 from ctxpar.inference.prefill import check_dense_tokens, check_strategy, prefill, prompt_signature
 from ctxpar.layout import Layout, OneLengthLayout, fingerprint, get_layout
-from ctxpar.parallelize import model_code
+from ctxpar.parallelize import SAME_MODEL, model_code
 
 
 class Sampler:
@@ -191,7 +191,7 @@ def _check(model: nn.Module, prompt: torch.Tensor, new_tokens: int, temperature:
 
 
 def _signature(model, prompt, layout, new_tokens, temperature, seed, strategy) -> dict[str, agreement.Value]:
-    return {"model (config, layers)": model_code(model),
+    return {SAME_MODEL: model_code(model),
             **prompt_signature(prompt),
             "layout": agreement.Text(fingerprint(layout) if isinstance(layout, Layout) else layout),
             "new_tokens": new_tokens if isinstance(new_tokens, int) else -1,

@@ -19,12 +19,7 @@ import torch.nn as nn
 
 from ctxpar.inference.cache import KVCache
 from ctxpar.models.llama import AttentionFn
-from ctxpar.parallelize import plain_causal_attention
-
-
-def attention_modules(model: nn.Module) -> list[nn.Module]:
-    """The modules with an ``attention_fn``, in forward order (layer 0 first)."""
-    return [m for m in model.modules() if hasattr(m, "attention_fn")]
+from ctxpar.parallelize import attention_modules, plain_causal_attention
 
 
 # why an attention module may attend once per forward

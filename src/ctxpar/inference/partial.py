@@ -42,7 +42,7 @@ from ctxpar.inference.hooks import attention_replaced, check_cache, check_model_
 from ctxpar.inference.prefill import check_tokens, is_dense, last_logits
 from ctxpar.masks import Mask
 from ctxpar.merge import merge_packed
-from ctxpar.parallelize import model_code
+from ctxpar.parallelize import SAME_MODEL, model_code
 from ctxpar.plan.hardware import Hardware
 from ctxpar.plan.inference import PARTIAL_PREFILL_METHODS, choose_partial_prefill
 from ctxpar.strategies.blockwise import forward_tiles, output_accumulators
@@ -239,7 +239,7 @@ def _signature(model: nn.Module, cache: KVCache, chunk, method: str) -> dict[str
         "cached positions": cache.seq_len,
         "sequence so far (crc32)": cache.history,
         "prompt dealt by": agreement.Text(cache.dealt_by),
-        "model (config, layers)": model_code(model),
+        SAME_MODEL: model_code(model),
         "batch": chunk.shape[0] if ok else -1,
         "chunk length": chunk.shape[1] if ok else -1,
         "chunk tokens (crc32)": agreement.readable(lambda: agreement.tensor_code(chunk, torch.int64)) if ok else -1,

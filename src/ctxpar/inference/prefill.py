@@ -21,7 +21,7 @@ from ctxpar.attention import attention
 from ctxpar.inference.cache import KVCache
 from ctxpar.inference.hooks import attention_replaced, check_cache, check_model_fits
 from ctxpar.layout import Layout, fingerprint, get_layout
-from ctxpar.parallelize import SAME_WEIGHTS, model_code, weights_code
+from ctxpar.parallelize import SAME_MODEL, SAME_WEIGHTS, model_code, weights_code
 
 INFERENCE_STRATEGIES = (*strategy_rules.STRATEGY_NAMES, strategy_rules.AUTO)
 
@@ -215,7 +215,7 @@ def _signature(model: nn.Module, cache: KVCache, prompt, layout, strategy) -> di
     """What every rank's prefill call must share; -1 where the input was not even a tensor."""
     return {
         **prompt_signature(prompt),
-        "model (config, layers)": model_code(model),
+        SAME_MODEL: model_code(model),
         SAME_WEIGHTS: agreement.readable(lambda: weights_code(model)),
         "capacity": cache.capacity,
         "dtype": agreement.Text(cache.dtype),

@@ -320,8 +320,9 @@ def _remedies(w: Workload, hw: Hardware, degrees: list[int]) -> str:
         found.append(f"with --checkpointing full and --fsdp {sharded[0]}, CP-{sharded[1]} fits "
                      f"({format_bytes(sharded[2])})")
     if not found:
-        return (f"neither --checkpointing full nor --fsdp up to {MAX_FSDP}, alone or together, helps: raise --tp or "
-                f"--max-cp")
+        tried = (f"neither --checkpointing full nor --fsdp up to {MAX_FSDP}, alone or together," if
+                 w.checkpointing != "full" else f"no --fsdp up to {MAX_FSDP}")
+        return f"{tried} helps: raise --tp or --max-cp"
     return "; ".join(found)
 
 

@@ -248,9 +248,9 @@ def _refuse_together(name: str, error: Exception | None, label_flags: list[int],
     others would not join the loss's all-reduce), unshifted labels (``_label_flags``),
     output_router_logits on some ranks only (``routed``: the router loss is made the
     sequence's after the forward, with every rank), shards of different batches
-    (``batch``: ``batch_code``'s checksum, -1 if unknown), models of other configs
-    (``model``: ``model_code``'s) and of other weights (``weights``: ``weights_code``'s, at
-    the first forward; -2 after it).
+    (``batch``: ``batch_code``'s checksum, -1 if unknown), and models of other configs
+    (``model``: ``model_code``'s) or weights (``weights``: ``weights_code``'s), at the first
+    forward (-2 after it).
     True when the labels equal input_ids wherever they label on every rank but label no
     last token: ``_refuse_unshifted`` decides those."""
     known = int(batch >= 0)
@@ -326,7 +326,7 @@ def _wrap_forward(model, settings: Settings, loss: CPCausalLMLoss | None = None)
     if "documents" in signature.parameters:
         raise ValueError(f"{name}.forward takes its own documents= argument, which ctxpar's documents= would shadow")
     returns_dict = "return_dict" in signature.parameters or var_kw is not None
-    compared = False  # the weights, at the first forward every rank agreed on
+    compared = False  # the config and weights, at the first forward every rank agreed on
 
     def checked(args, kwargs, documents):
         nonlocal compared
@@ -349,7 +349,8 @@ def _wrap_forward(model, settings: Settings, loss: CPCausalLMLoss | None = None)
                 refusal = e
             call = {k: v for k, v in bound.items() if k != var_kw}
             return cached_forward(forward, {**call, **extra}, name=name, settings=settings, cache=sharded[0],
-                                  accepts=signature.parameters, model=model_code(model), refusal=refusal)
+                                  accepts=signature.parameters, refusal=refusal,
+                                  model=-2 if sharded[0].get_seq_length() else model_code(model))  # at the prefill
         labels = bound.get("labels")
         peers = settings.peers()  # enable_context_parallel saw this rank in them
         error = None
@@ -386,8 +387,8 @@ def _wrap_forward(model, settings: Settings, loss: CPCausalLMLoss | None = None)
         device = (tokens if tokens is not None else model.get_input_embeddings().weight).device
         flags = [int(labels is not None), 0, 0, 0] if error is not None else _label_flags(labels, tokens, settings)
         batch = batch_code(tokens) if error is None else -1
-        weights = -2 if compared else agreement.readable(lambda: weights_code(model))
-        if _refuse_together(name, error, flags, batch, model_code(model), weights, device, peers,
+        code, weights = (-2, -2) if compared else (model_code(model), agreement.readable(lambda: weights_code(model)))
+        if _refuse_together(name, error, flags, batch, code, weights, device, peers,
                             _router_logits_asked(model, bound, extra)):
             _refuse_unshifted(name, labels, tokens, settings)
         compared = True

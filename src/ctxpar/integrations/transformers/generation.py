@@ -300,8 +300,9 @@ def cached_forward(forward, kwargs: dict, *, name: str, settings: Settings, cach
                    model: int, refusal: Exception | None = None):
     """One forward of generate over ``cache`` (the prefill or a decode step), ``kwargs`` as
     the caller passed them; ``accepts``: the names the model's forward takes; ``model``: its
-    ``model_code``, compared as the call's arguments are; ``refusal``: what the caller
-    already refused (raised on every rank together, like this call's own).
+    ``model_code`` at the prefill (-2 after it), compared as the call's arguments are;
+    ``refusal``: what the caller already refused (raised on every rank together, like this
+    call's own).
 
     A prompt whose length the layout does not split is prefilled as its longest head that
     it does, then one token at a time as decode steps (exact: each attends to every earlier
