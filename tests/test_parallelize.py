@@ -360,15 +360,12 @@ class _Wrapper(torch.nn.Module):
         return self.model(input_ids, pos)
 
 
-class _Wrapped(torch.nn.Module):
-    """A module of one's own around the reference model, with no config of its own."""
-
-    def __init__(self, model: torch.nn.Module) -> None:
-        super().__init__()
-        self.inner = model
+class _Wrapped(_Wrapper):
+    """A module of one's own around the reference model, with no config of its own, its
+    forward's arguments named as the reference model's."""
 
     def forward(self, tokens: torch.Tensor, positions: torch.Tensor | None = None) -> torch.Tensor:
-        return self.inner(tokens, positions)
+        return self.model(tokens, positions)
 
 
 class _OwnModel(torch.nn.Module):
