@@ -644,6 +644,12 @@ def test_where_no_cp_degree_fits_but_more_tp_does_that_is_the_recommendation() -
     # neither full checkpointing nor FSDP alone fits it: once "raise --max-cp", which does not help either
     assert "no CP degree up to 2 fits; with --checkpointing full and --fsdp 4, CP-1 fits (70.66 GiB)" \
         in nothing.recommendation.reasons
+    # nothing helps: the advice names what the user has not set, and --tp only where TP can split H_kv further
+    at_1m = make_plan(w.with_(seq=1048576, checkpointing="full"), get_hardware("H100-SXM"), max_cp=2)
+    assert "no CP degree up to 2 fits; no --fsdp up to 1024 helps: raise --max-cp" in at_1m.recommendation.reasons
+    at_1m = make_plan(w.with_(seq=1048576, tp=4), get_hardware("H100-SXM"), max_cp=2)
+    assert "no CP degree up to 2 fits; neither --checkpointing full nor --fsdp up to 1024, alone or together, " \
+           "helps: raise --tp or --max-cp" in at_1m.recommendation.reasons
 
 
 def test_a_cp_degree_slower_than_a_configuration_without_cp_that_fits_is_not_the_recommendation() -> None:

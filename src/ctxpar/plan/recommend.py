@@ -322,7 +322,8 @@ def _remedies(w: Workload, hw: Hardware, degrees: list[int]) -> str:
     if not found:
         tried = (f"neither --checkpointing full nor --fsdp up to {MAX_FSDP}, alone or together," if
                  w.checkpointing != "full" else f"no --fsdp up to {MAX_FSDP}")
-        return f"{tried} helps: raise --tp or --max-cp"
+        more_tp = w.model.kv_heads % (2 * w.tp) == 0  # TP splits the K/V heads
+        return f"{tried} helps: raise {'--tp or ' if more_tp else ''}--max-cp"
     return "; ".join(found)
 
 
