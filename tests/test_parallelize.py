@@ -72,6 +72,7 @@ def _cases(rank: int, world: int) -> dict:
                 positions_list=_attempt(lambda: model(batch.tokens, batch.positions.tolist())),
                 positions_array=_attempt(lambda: model(batch.tokens, batch.positions.numpy())),
                 positions_column=_attempt(lambda: model(batch.tokens, batch.positions.reshape(-1, 1))),
+                positions_rows=_attempt(lambda: model(batch.tokens, batch.positions.reshape(1, -1).expand(3, -1))),
                 other_layout=_attempt(lambda: model(other.tokens, other.positions)),
                 global_with_documents=_attempt(lambda: model(docs.tokens, batch.positions, documents=DOCUMENTS)),
                 one_rank_forgets=_attempt(lambda: model(batch.tokens, None if last else batch.positions)),
@@ -234,7 +235,8 @@ def test_positions_of_another_type_or_shape_are_refused_naming_the_shape(strateg
     local = SEQ // WORLD
     for rank, res in enumerate(results()):
         r = res[strategy]
-        for case, got in (("list", "list"), ("array", "ndarray"), ("column", f"shape ({local}, 1)")):
+        for case, got in (("list", "list"), ("array", "ndarray"), ("column", f"shape ({local}, 1)"),
+                          ("rows", f"shape (3, {local})")):  # 3 rows for 2: once k and v's shapes refused
             want = f"takes positions as a ({local},) or (2, {local}) tensor for tokens (2, {local}) " \
                    f"(shard_batch's batch.positions), got {got}"
             assert want in r[f"positions_{case}"], (rank, case, r[f"positions_{case}"])

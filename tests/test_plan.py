@@ -594,6 +594,18 @@ def test_the_overlap_threshold_is_where_the_pipeline_starts_to_hide_its_transfer
         assert not (below.backward if backward else below.forward).hidden
 
 
+def test_an_overlap_threshold_above_twice_the_plans_length_is_searched_for_too() -> None:
+    """At T = 16K on 8 ranks (2,048 tokens each) behind a 100 us latency, the transfer hides
+    from 4,302 tokens per GPU: between 2T and 4T, where the search still evaluates; a search
+    stopped at 2T returned the ratio there, 5,348, where one shard less hides too."""
+    w = Workload(resolve_model("llama-3-8b"), batch=1, seq=16384, dtype="bfloat16", cp=8)
+    hw = get_hardware("H100-SXM", bandwidth=50e9, latency=100e-6).for_dtype("bfloat16")
+    shard = w.seq_multiple // w.cp
+    assert cost.overlap_local_len(w, hw) == 4302
+    at, below = (cost.attention_time(w.with_(seq=s * w.cp), hw).forward for s in (4302, 4302 - shard))
+    assert at.hidden and not below.hidden
+
+
 def test_the_inference_plan_names_the_degrees_it_cannot_evaluate() -> None:
     """A prompt of 131,080 tokens, which zigzag splits over 1, 2 and 4 ranks but not 8 or 16:
     those rows vanished from the table and the JSON without a word."""
