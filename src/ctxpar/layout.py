@@ -90,6 +90,12 @@ class Layout(ABC):
         self.validate(seq_len)
         return int(seq_len) // self.world_size
 
+    def runs(self, seq_len: int, rank: int) -> tuple[tuple[int, int, int], ...] | None:
+        """``rank``'s positions as ascending arithmetic runs (first, count, step), for work
+        counted without listing them (the planner's pairs per rank); None where the layout
+        does not give them so (a union, a deal, a layout of one's own)."""
+        return None
+
     def positions(self, seq_len: int, rank: int, device: torch.device | str | None = None) -> torch.Tensor:
         """Global positions held by ``rank``, ascending, int64 of shape (T/P,).
 
@@ -169,18 +175,37 @@ def _sequence_dim(x: torch.Tensor, dim: int | None, what: str) -> int:
 
 
 @dataclass(frozen=True)
-class ContiguousLayout(Layout):
+class _RunsLayout(Layout):
+    """A layout whose ranks hold arithmetic runs of positions (``_runs``), listed from them."""
+
+    @abstractmethod
+    def _runs(self, seq_len: int, rank: int) -> tuple[tuple[int, int, int], ...]:
+        """(first, count, step) of each run ``rank`` holds, ascending; ``seq_len`` validated."""
+
+    def _positions(self, seq_len: int, rank: int) -> torch.Tensor:
+        return torch.cat([torch.arange(first, first + count * step, step) for first, count, step in
+                          self._runs(seq_len, rank)])
+
+    def runs(self, seq_len: int, rank: int) -> tuple[tuple[int, int, int], ...] | None:
+        if type(self)._positions is not _RunsLayout._positions:  # a subclass that deals otherwise
+            return None
+        self.validate(seq_len)
+        return self._runs(int(seq_len), self._check_rank(rank))
+
+
+@dataclass(frozen=True)
+class ContiguousLayout(_RunsLayout):
     """Rank r holds tokens [r*T/P, (r+1)*T/P). Causal work grows with r."""
 
     name = "contiguous"
 
-    def _positions(self, seq_len: int, rank: int) -> torch.Tensor:
+    def _runs(self, seq_len: int, rank: int) -> tuple[tuple[int, int, int], ...]:
         n = seq_len // self.world_size
-        return torch.arange(rank * n, (rank + 1) * n)
+        return ((rank * n, n, 1),)
 
 
 @dataclass(frozen=True)
-class ZigzagLayout(Layout):
+class ZigzagLayout(_RunsLayout):
     """2P chunks of T/(2P); rank r holds chunk r and chunk 2P-1-r. One rank holds all of any T:
     it splits nothing, so it asks for no even length."""
 
@@ -191,22 +216,21 @@ class ZigzagLayout(Layout):
     def multiple(self) -> int:
         return 2 * self.world_size if self.world_size > 1 else 1
 
-    def _positions(self, seq_len: int, rank: int) -> torch.Tensor:
+    def _runs(self, seq_len: int, rank: int) -> tuple[tuple[int, int, int], ...]:
         if self.world_size == 1:
-            return torch.arange(seq_len)
+            return ((0, seq_len, 1),)
         c = seq_len // (2 * self.world_size)
-        mirror = 2 * self.world_size - 1 - rank
-        return torch.cat([torch.arange(rank * c, (rank + 1) * c), torch.arange(mirror * c, (mirror + 1) * c)])
+        return ((rank * c, c, 1), ((2 * self.world_size - 1 - rank) * c, c, 1))
 
 
 @dataclass(frozen=True)
-class StripedLayout(Layout):
+class StripedLayout(_RunsLayout):
     """Token t lives on rank t mod P (round-robin)."""
 
     name = "striped"
 
-    def _positions(self, seq_len: int, rank: int) -> torch.Tensor:
-        return torch.arange(rank, seq_len, self.world_size)
+    def _runs(self, seq_len: int, rank: int) -> tuple[tuple[int, int, int], ...]:
+        return ((rank, seq_len // self.world_size, self.world_size),)
 
 
 @dataclass(frozen=True)

@@ -161,7 +161,7 @@ def to_json(plan: Plan) -> dict:
     """Every figure of the plan: bytes as exact integers, times in seconds (keys: the module docstring)."""
     w, hw = plan.workload, plan.hardware
     bw = plan.step.attention.link_bandwidth
-    mem = plan.memory
+    mem, a2a = plan.memory, _all_to_all_part(plan)
     return {
         "inputs": w.as_dict(),
         "hardware": hw.as_dict(),
@@ -177,13 +177,11 @@ def to_json(plan: Plan) -> dict:
             "forward_bytes": plan.traffic.forward,
             "backward_bytes": plan.traffic.backward,
             "link_bandwidth": bw,
-            "forward_transfer_seconds": _transfer_seconds(plan, backward=False),
-            "backward_transfer_seconds": _transfer_seconds(plan, backward=True),
+            **dict(zip(("forward_transfer_seconds", "backward_transfer_seconds"), _transfer_seconds(plan))),
             "link": plan.links["cp"].name,
             "crosses_nodes": plan.links["cp"].crosses_nodes,
-            **({"all_to_all_forward_bytes": split_traffic(w)[0].forward,
-                "all_to_all_backward_bytes": split_traffic(w)[0].backward,
-                "all_to_all_bandwidth": plan.links["ulysses"].bandwidth} if "ulysses" in plan.links else {}),
+            **({"all_to_all_forward_bytes": a2a.forward, "all_to_all_backward_bytes": a2a.backward,
+                "all_to_all_bandwidth": plan.links["ulysses"].bandwidth} if a2a is not None else {}),
         },
         "tp_traffic_per_layer": _tp_traffic_json(plan),
         "dp_traffic_per_step": _dp_traffic_json(plan),
@@ -330,17 +328,21 @@ def _tensors(plan: Plan) -> list[str]:
     return lines
 
 
-def _transfer_seconds(plan: Plan, backward: bool) -> float:
-    """A pass's attention bytes at their links: the hybrid's all-to-all part at its own link
-    (within a node, where the ring's may cross nodes), the rest at the CP link."""
-    bw = plan.step.attention.link_bandwidth
-    a2a, rest = split_traffic(plan.workload)
-    shuffled, own = (a2a.backward, rest.backward) if backward else (a2a.forward, rest.forward)
-    if "ulysses" not in plan.links:
-        own += shuffled  # the all-to-all strategy's bytes go over its CP link
-        shuffled = 0
-    seconds = own / bw if bw else 0.0
-    return seconds + (shuffled / plan.links["ulysses"].bandwidth if shuffled else 0.0)
+def _all_to_all_part(plan: Plan):
+    """The hybrid's all-to-all traffic (``traffic.Traffic``), which has a link of its own; None
+    for the other strategies (the all-to-all strategy's goes over its CP link)."""
+    return split_traffic(plan.workload)[0] if "ulysses" in plan.links else None
+
+
+def _transfer_seconds(plan: Plan) -> tuple[float, float]:
+    """(forward, backward): each pass's attention bytes at their links, the hybrid's all-to-all
+    part at its own (within a node, where the ring's may cross nodes), the rest at the CP link."""
+    bw, total, a2a = plan.step.attention.link_bandwidth, plan.traffic, _all_to_all_part(plan)
+    if a2a is None:
+        return (total.forward / bw, total.backward / bw) if bw else (0.0, 0.0)
+    shuffled = plan.links["ulysses"].bandwidth
+    return ((total.forward - a2a.forward) / bw + a2a.forward / shuffled,
+            (total.backward - a2a.backward) / bw + a2a.backward / shuffled)
 
 
 def _traffic(plan: Plan) -> list[str]:
@@ -349,14 +351,14 @@ def _traffic(plan: Plan) -> list[str]:
     halo = ring_window_per_rank(w) is not None
     fwd_f, bwd_f = HALO_FORMULAS if halo else TRAFFIC_FORMULAS[w.strategy]
     what = f"halo of w-1 = {w.mask.window - 1} keys, busiest rank" if halo else "sent = received"
-    at = "at their links" if "ulysses" in plan.links else f"at {format_bandwidth(bw)}"
+    a2a = _all_to_all_part(plan)
+    at = "at their links" if a2a is not None else f"at {format_bandwidth(bw)}"
     lines = [f"Attention traffic per GPU per layer ({w.strategy}; {what})",
              f"  {'':<10}{'formula':<40} {'bytes':>12} {at:>14}"]
-    for name, formula, n in (("forward", fwd_f, tr.forward), ("backward", bwd_f, tr.backward)):
-        lines.append(f"  {name:<10}{formula:<40} {format_bytes(n):>12} "
-                     f"{format_seconds(_transfer_seconds(plan, backward=name == 'backward')):>14}")
-    if "ulysses" in plan.links:
-        a2a = split_traffic(w)[0]
+    for name, formula, n, seconds in zip(("forward", "backward"), (fwd_f, bwd_f), (tr.forward, tr.backward),
+                                         _transfer_seconds(plan)):
+        lines.append(f"  {name:<10}{formula:<40} {format_bytes(n):>12} {format_seconds(seconds):>14}")
+    if a2a is not None:
         lines.append(f"  of which the all-to-all: {format_bytes(a2a.forward)} forward, {format_bytes(a2a.backward)} "
                      f"backward at {format_bandwidth(plan.links['ulysses'].bandwidth)}; the ring's at "
                      f"{format_bandwidth(bw)}")

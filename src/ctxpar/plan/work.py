@@ -12,7 +12,7 @@ import functools
 import torch
 
 from ctxpar.blocks import Tile, gathered_key_order, tiles_between, tiles_per_shard
-from ctxpar.layout import ContiguousLayout, Layout, StripedLayout, ZigzagLayout
+from ctxpar.layout import Layout
 from ctxpar.masks import Mask
 
 
@@ -55,35 +55,17 @@ def pairs_per_rank(layout: Layout, seq_len: int, mask: Mask, ulysses: int = 1) -
 
 
 def _plain_pairs(layout: Layout, seq_len: int, mask: Mask) -> list[int] | None:
-    """Each rank's pairs under a plain mask on contiguous, zigzag or striped shards, from the
-    sums of their positions (a causal query at p sees p + 1 keys); None for other masks and
-    layouts. The overlap threshold's search evaluates many lengths, each once O(T)."""
+    """Each rank's pairs under a plain mask where the layout gives its shards as runs of
+    positions (``Layout.runs``), from their sums (a causal query at p sees p + 1 keys); None
+    otherwise. The overlap threshold's search evaluates many lengths, each once O(T)."""
     p = layout.world_size
-    if not mask.is_plain or type(layout) not in _RUNS or seq_len % layout.multiple:
+    if not mask.is_plain or seq_len % layout.multiple or layout.runs(seq_len, 0) is None:
         return None
     shard = seq_len // p
     if not mask.causal:
         return [shard * seq_len] * p
-    runs = _RUNS[type(layout)]
-
-    def run_sum(first: int, count: int, step: int) -> int:  # first + (first + step) + ... , count terms
-        return count * first + step * count * (count - 1) // 2
-
-    return [sum(run_sum(first, count, step) for first, count, step in runs(seq_len, p, r)) + shard for r in range(p)]
-
-
-def _zigzag_runs(seq_len: int, p: int, r: int) -> tuple[tuple[int, int, int], ...]:
-    if p == 1:
-        return ((0, seq_len, 1),)
-    c = seq_len // (2 * p)
-    return ((r * c, c, 1), ((2 * p - 1 - r) * c, c, 1))
-
-
-_RUNS = {  # (first position, count, step) of each run a rank holds
-    ContiguousLayout: lambda seq_len, p, r: ((r * (seq_len // p), seq_len // p, 1),),
-    ZigzagLayout: _zigzag_runs,
-    StripedLayout: lambda seq_len, p, r: ((r, seq_len // p, p),),
-}
+    return [sum(count * first + step * count * (count - 1) // 2 for first, count, step in layout.runs(seq_len, r))
+            + shard for r in range(p)]
 
 
 def stage_tiles(layout: Layout, seq_len: int, rank: int, mask: Mask, strategy: str) -> tuple[tuple[Tile, ...], ...]:
