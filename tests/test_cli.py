@@ -35,7 +35,7 @@ def test_demo_matches_and_writes_the_documented_json(tmp_path) -> None:
         "strategy": "ring", "dtype": "bfloat16", "causal": True, "batch": 1, "seed": 0, "ulysses_degree": None,
         "device": None,
     }
-    assert report["ok"] is True
+    assert report["ok"] is True and report["strategy_chosen"] == {}
     assert set(report["max_abs_err"]) == {"out", "lse", "dq", "dk", "dv"}
     assert set(report["imbalance"]) == {"pairs", "seconds"}
     ranks = report["ranks"]
@@ -47,12 +47,17 @@ def test_demo_matches_and_writes_the_documented_json(tmp_path) -> None:
     assert report["imbalance"]["pairs"] < 1.02
 
 
-def test_demo_contiguous_shows_the_causal_imbalance(tmp_path) -> None:
+def test_demo_auto_on_contiguous_says_what_it_chose_and_shows_the_causal_imbalance(tmp_path) -> None:
     path = tmp_path / "demo.json"
     proc = run_cli("demo", "--nproc", "4", "--seq", "256", "--layout", "contiguous", "--heads", "2",
-                   "--kv-heads", "1", "--json", str(path))
+                   "--kv-heads", "1", "--strategy", "auto", "--json", str(path))
     assert proc.returncode == 0, proc.stdout + proc.stderr
-    assert abs(json.loads(path.read_text())["imbalance"]["pairs"] - 1.75) < 0.01
+    report = json.loads(path.read_text())
+    (chosen, why), = report["strategy_chosen"].items()  # 2 heads on 4 ranks: no all-to-all
+    assert chosen in ("ring", "allgather") and "predicted per layer forward + backward" in why
+    assert f"auto -> {chosen} attention" in proc.stdout and f"auto chose {chosen}: {why}" in proc.stdout
+    assert report["config"]["strategy"] == "auto" and report["ok"]
+    assert abs(report["imbalance"]["pairs"] - 1.75) < 0.01
 
 
 def test_demo_hybrid_reports_its_strategy(tmp_path) -> None:
@@ -122,6 +127,8 @@ def test_demo_rejects_strategy_shapes_before_starting_ranks() -> None:
     assert proc.returncode == 2 and "query heads H=8 (H_kv=2) over P=3 ranks" in proc.stderr
     proc = run_cli("demo", "--nproc", "4", "--seq", "256", "--strategy", "hybrid", "--ulysses-degree", "3")
     assert proc.returncode == 2 and "needs a --ulysses-degree dividing the 4 CP ranks" in proc.stderr
+    proc = run_cli("demo", "--nproc", "4", "--seq", "256", "--strategy", "auto", "--ulysses-degree", "2")
+    assert proc.returncode == 2 and "a --ulysses-degree is only for strategy 'hybrid', not 'auto'" in proc.stderr
 
 
 def test_generate_equals_the_single_process_tokens_and_writes_the_documented_json(tmp_path) -> None:

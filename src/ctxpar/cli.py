@@ -21,7 +21,7 @@ from ctxpar.inference import command as generation
 from ctxpar.layout import LAYOUT_NAMES, get_layout
 from ctxpar.limits import check_count, check_seed
 from ctxpar.models.config import PRESETS as MODEL_PRESETS
-from ctxpar.strategy_rules import STRATEGY_NAMES
+from ctxpar.strategy_rules import CALL_STRATEGIES, STRATEGY_NAMES
 from ctxpar.train import GRADIENT_RTOL, JUDGED_STEPS, LOSS_RTOL, TRAIN_STRATEGIES, TrainConfig, run_train
 from ctxpar.train import format_report as format_train_report
 
@@ -56,7 +56,8 @@ def _demo_parser(sub) -> None:
     p.add_argument("--kv-heads", type=int, default=d.kv_heads, help="key/value heads H_kv (GQA)")
     p.add_argument("--head-dim", type=int, default=d.head_dim, help="head dim D")
     p.add_argument("--layout", choices=LAYOUT_NAMES, default=d.layout, help="which positions each rank holds")
-    p.add_argument("--strategy", choices=STRATEGY_NAMES, default=d.strategy, help="how ranks exchange K/V")
+    p.add_argument("--strategy", choices=CALL_STRATEGIES, default=d.strategy,
+                   help="how ranks exchange K/V (auto: the one the planner predicts fastest for these shapes)")
     p.add_argument("--ulysses-degree", type=int, default=d.ulysses_degree,
                    help="hybrid only: all-to-all degree; the ring degree is nproc / this")
     p.add_argument("--dtype", choices=sorted(DTYPES), default=d.dtype, help="dtype of q, k, v")

@@ -49,7 +49,7 @@ class DemoConfig:
         limits.check_splits(ctxpar.get_layout(self.layout, world), self.seq)
         if self.heads % self.kv_heads:
             raise ValueError(f"--heads {self.heads} must be a multiple of --kv-heads {self.kv_heads}")
-        u = strategy_rules.ulysses_degree(self.strategy, world, self.ulysses_degree, name="--ulysses-degree")
+        u = strategy_rules.call_ulysses_degree(self.strategy, world, self.ulysses_degree, name="--ulysses-degree")
         strategy_rules.check_heads(self.strategy, self.heads, self.kv_heads, u)
 
     def check_memory(self, ranks: int) -> None:
@@ -72,13 +72,13 @@ def _inputs(cfg: DemoConfig) -> tuple[torch.Tensor, ...]:
     return tuple(torch.randn(s, generator=gen).to(DTYPES[cfg.dtype]) for s in shapes)
 
 
-def _work_pairs(cfg: DemoConfig, layout: ctxpar.Layout, rank: int) -> float:
+def _work_pairs(cfg: DemoConfig, strategy: str, layout: ctxpar.Layout, rank: int) -> float:
     """(query, key) pairs this rank computes per head, averaged over the H heads.
 
     Ring and all-gather: the pairs of the rank's own queries. All-to-all over U ranks:
     all pairs of the U shards of its group, for H/U heads, i.e. those pairs / U.
     """
-    u = {"alltoall": layout.world_size, "hybrid": cfg.ulysses_degree}.get(cfg.strategy, 1)
+    u = {"alltoall": layout.world_size, "hybrid": cfg.ulysses_degree}.get(strategy, 1)
     return union_pairs(layout, cfg.seq, rank, Mask(causal=cfg.causal), u) / u
 
 
@@ -116,10 +116,11 @@ def demo_rank(rank: int, world: int, cfg: DemoConfig, device: torch.device | Non
         if device.type == "cuda":
             torch.cuda.synchronize(device)
         wall = time.perf_counter() - start
+    chosen = dict(rec.strategy_choices)  # strategy="auto": {strategy: why}
     peak, peak_source = ctxpar.profile.peak_memory(device)
     stats = dict(
         rank=rank,
-        pairs=_work_pairs(cfg, layout, rank),
+        pairs=_work_pairs(cfg, next(iter(chosen), cfg.strategy), layout, rank),
         attn_seconds=rec.compute_cpu_seconds if device.type == "cpu" else rec.compute_seconds,
         wall_seconds=wall,
         wait_seconds=rec.wait_seconds,
@@ -150,6 +151,7 @@ def demo_rank(rank: int, world: int, cfg: DemoConfig, device: torch.device | Non
     mean = lambda key: sum(s[key] for s in all_stats) / world  # noqa: E731
     return {
         "config": dict(asdict(cfg), nproc=world),
+        "strategy_chosen": chosen,
         "ok": all(errors[n] <= tol[n] for n in TENSORS),
         "max_abs_err": errors,
         "tolerance": tol,
@@ -208,6 +210,8 @@ def format_report(report: dict) -> str:
     strategy = c["strategy"]
     if strategy == "hybrid":
         strategy += f" (ulysses {c['ulysses_degree']} x ring {c['nproc'] // c['ulysses_degree']})"
+    if report["strategy_chosen"]:
+        strategy += " -> " + ", ".join(report["strategy_chosen"])
     lines = [
         f"ctxpar demo: {strategy} attention, {c['layout']} layout, {c['nproc']} ranks "
         f"({report['backend']}, {report['device']}), B={c['batch']} T={c['seq']} H={c['heads']} "
@@ -223,6 +227,7 @@ def format_report(report: dict) -> str:
             f"{s['peak_memory_bytes'] / mib:>9.1f}"
         )
     imb = report["imbalance"]
+    lines += [f"auto chose {s}: {why}" for s, why in report["strategy_chosen"].items()]
     lines += [
         "",
         f"imbalance (max/mean): pairs {imb['pairs']:.3f}, attn seconds {imb['seconds']:.3f}",

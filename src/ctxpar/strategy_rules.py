@@ -18,11 +18,12 @@ import math
 STRATEGY_NAMES = ("ring", "allgather", "alltoall", "hybrid")
 MAX_GATHERS = 8  # all-gather head groups per pass (why eight: strategies/allgather.py)
 AUTO = "auto"  # a call's strategy picked per call by ``ctxpar.auto`` among ring, allgather and alltoall
+CALL_STRATEGIES = (*STRATEGY_NAMES, AUTO)  # what a call (and demo, train, generate) may ask for
 
 
 def check_strategy(strategy: object, *, auto_allowed: bool = False) -> str:
     """``strategy`` if it names one (``auto_allowed``: "auto" too, where a call may ask for it)."""
-    names = (*STRATEGY_NAMES, AUTO) if auto_allowed else STRATEGY_NAMES
+    names = CALL_STRATEGIES if auto_allowed else STRATEGY_NAMES
     if not isinstance(strategy, str) or strategy not in names:
         raise ValueError(f"unknown strategy {strategy!r}; choose one of {', '.join(names)}")
     return strategy

@@ -27,7 +27,7 @@ from ctxpar import launch
 from ctxpar.models import Transformer, get_config
 from ctxpar.parallelize import apply_context_parallel, cp_loss, shard_batch, shift_labels
 
-TRAIN_STRATEGIES = (*strategy_rules.STRATEGY_NAMES, strategy_rules.AUTO)  # auto: ctxpar.auto picks per call
+TRAIN_STRATEGIES = strategy_rules.CALL_STRATEGIES  # auto: ctxpar.auto picks per call
 ADAM_BETAS = (0.9, 0.95)
 # --compare's verdict on a run from step 0: step 1's gradients, each parameter's within GRADIENT_RTOL of
 # the reference's (|g - g_ref| / |g_ref|, Frobenius norms), and the first JUDGED_STEPS losses (the

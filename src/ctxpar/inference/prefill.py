@@ -23,7 +23,7 @@ from ctxpar.inference.hooks import attention_replaced, check_cache, check_model_
 from ctxpar.layout import Layout, fingerprint, get_layout
 from ctxpar.parallelize import SAME_MODEL, SAME_WEIGHTS, model_code, weights_code
 
-INFERENCE_STRATEGIES = (*strategy_rules.STRATEGY_NAMES, strategy_rules.AUTO)
+INFERENCE_STRATEGIES = strategy_rules.CALL_STRATEGIES
 
 
 def prefill(model: nn.Module, cache: KVCache, prompt: torch.Tensor, *, layout: str | Layout,
