@@ -216,6 +216,11 @@ def _refusals(rank: int, world: int) -> dict:
         "no cache": _attempt(lambda: model.generate(tokens, use_cache=False, **run)),
         "chunked prefill": _attempt(lambda: model.generate(tokens, prefill_chunk_size=8, **run)),
         "padding": _attempt(lambda: model.generate(tokens, attention_mask=padded, **run)),
+        # transformers made position ids of these, refused then as position ids the caller never passed
+        "mask of halves": _attempt(lambda: model.generate(tokens, attention_mask=torch.full(tokens.shape, 0.5), **run)),
+        "mask of another length": _attempt(lambda: model.generate(tokens, attention_mask=torch.ones(BATCH, 30),
+                                                                  **run)),
+        "float prompt": _attempt(lambda: model.generate(tokens.double(), **run)),
         "inputs_embeds": _attempt(lambda: model.generate(inputs_embeds=model.get_input_embeddings()(tokens), **run)),
         "output_attentions": _attempt(lambda: model.generate(tokens, output_attentions=True,
                                                              return_dict_in_generate=True, **run)),

@@ -101,6 +101,11 @@ REFUSED = {  # what generate must refuse on every rank, and the words of the err
     "no cache": "NotImplementedError: generate with use_cache=False",
     "chunked prefill": "NotImplementedError: generate with prefill_chunk_size=8",
     "padding": "ValueError: padding",
+    "mask of halves": "ValueError: generate got an attention_mask holding 0.5: a mask holds 0 (padding) and 1",
+    "mask of another length": f"ValueError: generate got an attention_mask of shape (2, 30) for input_ids of shape "
+                              f"(2, {cases.PROMPT_LEN}): pass a mask of the prompt's shape, or none",
+    # torch's embedding error ("Expected tensor for argument #1 'indices'"), the argument unnamed
+    "float prompt": "ValueError: LlamaForCausalLM got token ids of dtype torch.float64: token ids are integers",
     "inputs_embeds": "NotImplementedError: generate from inputs_embeds",
     "output_attentions": "NotImplementedError: generate with output_attentions=True",
     "longrope head": "ValueError: Phi3ForCausalLM uses LongRoPE (long factors from position 8): a prompt of 12 tokens "

@@ -578,9 +578,7 @@ def check_generate(model, settings: Settings, generate, args: tuple, kwargs: dic
         got = tuple(prompt.shape) if isinstance(prompt, torch.Tensor) else type(prompt).__name__
         raise ValueError(f"generate under context parallelism needs the whole prompt as input_ids (B, T), the same "
                          f"on every rank, got {got}")
-    mask = extra.get("attention_mask")
-    if mask is not None and not bool(mask.all()):
-        raise ValueError(GENERATE_PADDING_REFUSED)
+    _check_attention_mask(extra.get("attention_mask"), prompt)
     check_token_ids(name, model, prompt)
     _check_cache_length(prompt.shape[1], config)
     _check_longrope_switch(model, settings, prompt.shape[1], config)
@@ -588,6 +586,24 @@ def check_generate(model, settings: Settings, generate, args: tuple, kwargs: dic
     if head:
         check_rope_lengths(name, settings, head, None)
     return prompt, config
+
+
+def _check_attention_mask(mask, prompt: torch.Tensor) -> None:
+    """A generate's ``attention_mask`` must be all ones of the prompt's shape (padding is
+    refused): another shape or values other than 0 and 1 reached transformers, which made
+    position ids of them, refused then as if the caller had passed position ids."""
+    if mask is None:
+        return
+    if not isinstance(mask, torch.Tensor) or tuple(mask.shape) != tuple(prompt.shape):
+        got = tuple(mask.shape) if isinstance(mask, torch.Tensor) else type(mask).__name__
+        raise ValueError(f"generate got an attention_mask of shape {got} for input_ids of shape "
+                         f"{tuple(prompt.shape)}: pass a mask of the prompt's shape, or none")
+    binary = (mask == 0) | (mask == 1)
+    if not bool(binary.all()):
+        raise ValueError(f"generate got an attention_mask holding {mask[~binary][0].item()!r}: a mask holds 0 "
+                         f"(padding) and 1 (a token) only")
+    if not bool(mask.all()):
+        raise ValueError(GENERATE_PADDING_REFUSED)
 
 
 def _longest(prompt_len: int, config) -> int:
@@ -646,9 +662,10 @@ def _synced_gpus(model, given) -> bool:
 
 
 def check_token_ids(name: str, model, tokens) -> None:
-    """``limits.check_token_range`` against the rows of the model's input embeddings, if it
-    has them (an IndexError on the rank whose shard held one left its peers waiting in
-    attention, and the group out of step for the next call)."""
+    """Token ids of an integer dtype (torch's embedding error named no argument), within the
+    rows of the model's input embeddings, if it has them (an IndexError on the rank whose
+    shard held one left its peers waiting in attention, and the group out of step for the
+    next call)."""
     try:
         embeddings = model.get_input_embeddings()
     except NotImplementedError:  # a model without input embeddings: nothing to check against
@@ -657,6 +674,9 @@ def check_token_ids(name: str, model, tokens) -> None:
     weight = getattr(embeddings, "weight", None)
     if rows is None and isinstance(weight, torch.Tensor) and weight.dim() == 2:
         rows = weight.shape[0]  # an adapter's wrapper (PEFT's LoRA, trainable tokens) shows its embedding's weight
+    if isinstance(tokens, torch.Tensor) and (tokens.dtype.is_floating_point or tokens.dtype.is_complex
+                                             or tokens.dtype == torch.bool):
+        raise ValueError(f"{name} got token ids of dtype {tokens.dtype}: token ids are integers (torch.long)")
     if isinstance(tokens, torch.Tensor) and isinstance(rows, int):
         limits.check_token_range(tokens, rows, name)
 
