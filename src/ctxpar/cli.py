@@ -76,8 +76,8 @@ def _launch_flags(p: argparse.ArgumentParser, nproc: int) -> None:
                         "memory (a test and debug path)")
     p.add_argument("--timeout", type=float, default=launch.DEFAULT_TIMEOUT_S, metavar="SECONDS",
                    help="how long a rank waits at one collective (or for the others to join) before the run "
-                        f"fails, naming the rank that did not arrive (at least {launch.MIN_TIMEOUT_S:g}); the run as a "
-                        "whole has no time limit")
+                        f"fails, naming the rank that did not arrive ({launch.MIN_TIMEOUT_S:g} to "
+                        f"{launch.MAX_TIMEOUT_S:g}); the run as a whole has no time limit")
 
 
 def _check_launch_flags(args: argparse.Namespace) -> int:
