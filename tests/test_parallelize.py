@@ -738,3 +738,26 @@ def test_the_config_and_weights_checksums_are_alike_in_every_process_and_skip_sh
     assert model_code(wider) != model_code(_Wrapped(same))  # a module of one's own: its parameters' shapes
     wider.unit = unit
     assert model_code(wider) == model_code(wrapped)  # left out under FSDP1, whose flat shards differ by rank
+
+
+def test_attention_modules_finds_an_attention_fn_however_it_is_held() -> None:
+    """``has_attention_fn`` (hasattr without Module.__getattr__'s raised AttributeError, which
+    made a tenth of a decode step) finds what hasattr finds: an instance attribute, a module
+    held as one, a class attribute; and nothing on a module without one."""
+    from ctxpar.parallelize import attention_modules, has_attention_fn
+
+    class OnTheClass(torch.nn.Module):
+        attention_fn = staticmethod(causal_sdpa)
+
+    class AsAModule(torch.nn.Module):
+        def forward(self, q, k, v):
+            return causal_sdpa(q, k, v)
+
+    holder = torch.nn.Module()
+    holder.attention_fn = AsAModule()  # registered in _modules, not the instance's __dict__
+    model = Transformer(dataclasses.replace(get_config("tiny"), layers=2))
+    model.extra = torch.nn.ModuleList([OnTheClass(), holder, torch.nn.Linear(2, 2)])
+    modules = list(model.modules())
+    assert [has_attention_fn(m) for m in modules] == [hasattr(m, "attention_fn") for m in modules]
+    assert attention_modules(model) == [m for m in modules if hasattr(m, "attention_fn")]
+    assert len(attention_modules(model)) == 2 + 2  # the two layers', then the class's and the held module's

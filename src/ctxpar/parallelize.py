@@ -184,9 +184,17 @@ SAME_MODEL = "model (a checksum of its config: build or load the same model on e
 _PROVENANCE = ("_name_or_path", "transformers_version", "architectures", "dtype", "torch_dtype")
 
 
+def has_attention_fn(module: nn.Module) -> bool:
+    """Whether ``module`` has an ``attention_fn``: ``hasattr`` without Module.__getattr__, which
+    raises (and catches) an AttributeError for each module lacking one; a decode step walked a
+    model's modules so for a tenth of its time."""
+    return "attention_fn" in module.__dict__ or "attention_fn" in module._modules or hasattr(type(module),
+                                                                                           "attention_fn")
+
+
 def attention_modules(model: nn.Module) -> list[nn.Module]:
     """The modules with an ``attention_fn``, in forward order (layer 0 first)."""
-    return [m for m in model.modules() if hasattr(m, "attention_fn")]
+    return [m for m in model.modules() if has_attention_fn(m)]
 
 
 def model_code(model: nn.Module) -> int:
@@ -307,7 +315,7 @@ def apply_context_parallel(
     The model cannot be pickled (``torch.save(model)``) afterwards: save its ``state_dict()``.
     """
     limits.check_flag("check_consistency", check_consistency)
-    modules = [(name, m) for name, m in model.named_modules() if hasattr(m, "attention_fn")]
+    modules = [(name, m) for name, m in model.named_modules() if has_attention_fn(m)]
     if not modules:
         raise ValueError(f"{type(model).__name__} has no module with an attention_fn to replace")
     # the reference model's attention knows its heads: those the all-to-all cannot split are refused now, not at
@@ -468,7 +476,7 @@ class _PositionsGuard(_KeptWithTheModel):
         self.first_compared = False  # the model and the weights it trains from, at the first forward
 
     def __call__(self, module: nn.Module, args: tuple, kwargs: dict) -> None:
-        if not any(getattr(m, "attention_fn", None) is self.cp_attention for m in module.modules()):
+        if not any(has_attention_fn(m) and m.attention_fn is self.cp_attention for m in module.modules()):
             return  # inference has swapped in its own attention, which passes its own positions
         topo = topology.of(self.group, self.mesh, "apply_context_parallel")
         if topo.world_size == 1:

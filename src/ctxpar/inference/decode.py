@@ -59,7 +59,7 @@ def decode_step(model: nn.Module, cache: KVCache, tokens: torch.Tensor, *,
     error = None
     try:
         limits.check_flag("check_consistency", check_consistency)
-        tokens = _check(model, cache, tokens)
+        tokens, modules = _check(model, cache, tokens)
     except Exception as e:  # noqa: BLE001  any failure: this rank must still join the
         error = e  # exchange below, or its peers wait there
     if check_consistency and cache.world_size > 1:
@@ -83,7 +83,7 @@ def decode_step(model: nn.Module, cache: KVCache, tokens: torch.Tensor, *,
         return attend
 
     pos = torch.tensor([position], device=cache.device)
-    with torch.no_grad(), attention_replaced(model, make):
+    with torch.no_grad(), attention_replaced(model, make, modules):
         logits = model(tokens, pos)[:, -1]  # (B, vocab)
     cache.commit(pos if mine else pos[:0], seq_len=position + 1, tokens=tokens)
     return logits
@@ -202,8 +202,9 @@ def _attention_signature(q, k, v, scale, sinks) -> dict[str, agreement.Value]:
     }
 
 
-def _check(model: nn.Module, cache: KVCache, tokens) -> torch.Tensor:
-    check_model_fits(model, cache)
+def _check(model: nn.Module, cache: KVCache, tokens) -> tuple[torch.Tensor, list[nn.Module]]:
+    """The tokens as (B, 1), and the model's attention modules."""
+    modules = check_model_fits(model, cache)
     if cache.prompt_len == 0:
         raise ValueError("decode before prefill: the KV cache holds no prompt; call prefill(model, cache, prompt, "
                          "...) first")
@@ -218,7 +219,7 @@ def _check(model: nn.Module, cache: KVCache, tokens) -> torch.Tensor:
     if cache.owner(cache.seq_len) == cache.rank and cache.length >= cache.local_capacity:
         raise ValueError(f"rank {cache.rank}'s KV cache shard is full ({cache.length} of its {cache.local_capacity} "
                          f"slots) though the sequence is not: {SHARD_FULL_WHY}")
-    return tokens
+    return tokens, modules
 
 
 def _signature(model: nn.Module, cache: KVCache, tokens) -> dict[str, agreement.Value]:

@@ -19,7 +19,7 @@ import torch.nn as nn
 
 from ctxpar.inference.cache import KVCache
 from ctxpar.models.llama import AttentionFn
-from ctxpar.parallelize import attention_modules, plain_causal_attention
+from ctxpar.parallelize import attention_modules, has_attention_fn, plain_causal_attention
 
 
 # why an attention module may attend once per forward
@@ -29,10 +29,12 @@ ONE_SLOT_PER_MODULE = ("CP inference keeps one KV cache slot per attention modul
 
 
 @contextlib.contextmanager
-def attention_replaced(model: nn.Module, make: Callable[[int], AttentionFn]) -> Iterator[None]:
+def attention_replaced(model: nn.Module, make: Callable[[int], AttentionFn],
+                       modules: list[nn.Module] | None = None) -> Iterator[None]:
     """Within the block (one forward), layer i attends with ``make(i)``, once; restored
-    afterwards, also on error."""
-    modules = attention_modules(model)
+    afterwards, also on error. ``modules``: the model's attention modules where the caller
+    has them (``check_model_fits``'), else found here."""
+    modules = attention_modules(model) if modules is None else modules
     saved = [m.attention_fn for m in modules]
     try:
         for i, m in enumerate(modules):
@@ -71,21 +73,22 @@ def check_cache(cache) -> None:
                          "(KVCache(group=...)), and hybrid prefill takes the mesh as its own mesh= argument")
 
 
-def check_model_fits(model: nn.Module, cache: KVCache) -> None:
+def check_model_fits(model: nn.Module, cache: KVCache) -> list[nn.Module]:
     """Refuse a model whose shape is not the cache's, or that inference cannot drive
     (it needs the reference model's ``cfg``, ``hidden_states`` and ``output``, and plain
     causal attention in every layer: prefill and decode put exact causal attention over
     the sharded cache in its place, which would drop what a custom ``attention_fn`` does),
     or that is not the model whose K/V the cache holds; and a cache built under
     ``torch.inference_mode()`` outside it, where its tensors cannot be written. Records ``model`` as that model:
-    every call that writes the cache checks first."""
+    every call that writes the cache checks first. Returns the model's attention modules
+    (``attention_modules``)."""
     cfg = getattr(model, "cfg", None)
     if cfg is None or not hasattr(model, "hidden_states") or not hasattr(model, "output"):
         raise ValueError(f"{type(model).__name__} is not a ctxpar.models.Transformer: CP inference needs its cfg, "
                          f"hidden_states() and output head")
     places = {}  # attention module -> its names in the model, more than one where layers share it
     for name, module in model.named_modules(remove_duplicate=False):
-        if hasattr(module, "attention_fn"):
+        if has_attention_fn(module):
             places.setdefault(module, []).append(name)
     modules = list(places)  # attention_modules(model), in its order, from the same walk
     shared = next((names for names in places.values() if len(names) > 1), None)
@@ -120,3 +123,4 @@ def check_model_fits(model: nn.Module, cache: KVCache) -> None:
         raise ValueError(f"the KV cache holds {cache.seq_len} positions of K/V another model computed; continue "
                          f"with the model that prefilled it, or reset() the cache and prefill again")
     cache.filled_by = weakref.ref(model)
+    return modules
