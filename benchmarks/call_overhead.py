@@ -20,21 +20,18 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import importlib
 import statistics
-import sys
 import time
-from pathlib import Path
 
 import torch
 import torch.distributed as dist
 
-import ctxpar
 from ctxpar.demo import DemoConfig
 from ctxpar.launch import run_local
 from ctxpar.layout import LAYOUT_NAMES
 from ctxpar.strategy_rules import STRATEGY_NAMES
 import flags
+from baseline import check_baseline, ctxpar_modules, load_baseline
 from report import write_json
 
 PARTS = ("kernels", "collectives")
@@ -87,31 +84,6 @@ class _Posting:
         return self._posts.get(name) or getattr(dist, name)
 
 
-def ctxpar_modules() -> dict:
-    return {name: module for name, module in sys.modules.items() if name.split(".")[0] == "ctxpar"}
-
-
-def load_baseline(src: str) -> dict:
-    """The modules of the ctxpar package under ``src``, imported beside this process's own:
-    swapped into ``sys.modules`` while they import (each binds its siblings then)."""
-    ours = ctxpar_modules()
-    for name in ours:
-        del sys.modules[name]
-    sys.path.insert(0, src)
-    try:
-        for name in ("ctxpar", *(f"ctxpar.{name}" for name in INSTRUMENTED)):
-            importlib.import_module(name)
-        theirs = ctxpar_modules()
-    finally:
-        sys.path.remove(src)
-        for name in ctxpar_modules():
-            del sys.modules[name]
-        sys.modules.update(ours)
-    if theirs["ctxpar"].__file__ == ours["ctxpar"].__file__:
-        raise ValueError(f"--baseline {src} holds no other ctxpar package")
-    return theirs
-
-
 def inputs(rank: int, row: dict, cfg: dict) -> tuple[torch.Tensor, ...]:
     gen = torch.Generator().manual_seed(rank)
     s = row["seq"] // cfg["nproc"]
@@ -134,7 +106,7 @@ def call_kwargs(row: dict, cfg: dict) -> dict:
 def one_rank(rank: int, world: int, cfg: dict) -> list[dict]:
     impls = {"after": Instrumented(ctxpar_modules())}
     if cfg["baseline"]:
-        impls = {"before": Instrumented(load_baseline(cfg["baseline"])), **impls}
+        impls = {"before": Instrumented(load_baseline(cfg["baseline"], INSTRUMENTED)), **impls}
     rows = []
     for row in cfg["rows"]:
         q, k, v, dout, sinks = inputs(rank, row, cfg)
@@ -183,11 +155,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                 for strategy in args.strategies:
                     DemoConfig(nproc=args.nproc, seq=seq, heads=args.heads, kv_heads=args.kv_heads,
                                head_dim=args.head_dim, layout=layout, strategy=strategy).validate(args.nproc)
-        if args.baseline and not (Path(args.baseline) / "ctxpar" / "__init__.py").is_file():
-            raise ValueError(f"--baseline {args.baseline} holds no ctxpar package (give a checkout's src/)")
-        # by resolved path: ../src from benchmarks/ compared this checkout with itself, and read "identical"
-        if args.baseline and (Path(args.baseline) / "ctxpar").resolve() == Path(ctxpar.__file__).resolve().parent:
-            raise ValueError(f"--baseline {args.baseline} is this checkout's ctxpar; give another checkout's src/")
+        if args.baseline:
+            check_baseline(args.baseline)
     return args
 
 

@@ -4,6 +4,7 @@ before any calibration, rank or timing: ``parse_args`` of each script does every
 from __future__ import annotations
 
 import importlib
+import json
 import subprocess
 import sys
 from pathlib import Path
@@ -74,6 +75,10 @@ REFUSED = [
     ("call_overhead", ["--baseline", "/nonexistent"], "--baseline"),
     # this checkout's src by another path (../src from benchmarks/) once ran, comparing ctxpar with itself
     ("call_overhead", ["--baseline", str(BENCHMARKS / ".." / "src")], "is this checkout's ctxpar"),
+    ("decode_host", ["--baseline", "/nonexistent"], "--baseline"),
+    ("decode_host", ["--baseline", str(BENCHMARKS / ".." / "src")], "is this checkout's ctxpar"),
+    ("decode_host", ["--heads", "3"], "--heads 3 must divide --hidden 64"),
+    ("decode_host", ["--layers", "4,0"], "--layers"),
     ("plan_walk", ["--plan-repeat", "0"], "--plan-repeat"),
     ("gpu_check", ["--tests-timeout", "nan"], "--tests-timeout"),
     ("gpu_check", ["--repeat", "0"], "--repeat"),
@@ -159,3 +164,15 @@ def test_the_measured_crossover_is_where_pass_kv_stays_no_slower() -> None:
     assert measured_crossover([8, 16, 32], [0.9, 0.8, 0.7]) is None  # never slower
     assert measured_crossover([8, 16, 32, 64], [1.2, 0.9, 1.1, 0.9]) == pytest.approx(32 * 2 ** 0.5)
     assert measured_crossover([8, 16], [1.5, 0.5]) == pytest.approx(8 * 2 ** 0.5)
+
+
+def test_decode_host_times_the_step_and_the_plain_forward(tmp_path) -> None:
+    path = tmp_path / "decode.json"
+    proc = subprocess.run([sys.executable, "decode_host.py", "--layers", "1,3", "--repeat", "3", "--json", str(path)],
+                          cwd=BENCHMARKS, capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    rows = json.loads(path.read_text())["rows"]
+    assert [row["layers"] for row in rows] == [1, 3]
+    for row in rows:
+        assert row["after_step"] > row["after_forward"] > 0 and row["identical"] is None
+    assert rows[1]["after_forward"] > rows[0]["after_forward"]  # three layers' forward
