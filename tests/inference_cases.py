@@ -436,6 +436,19 @@ def _check_bad_inputs(rank: int, world: int) -> dict[str, str]:
             model, cache(value_dim=2 * cfg.head_dim if rank == world - 1 else None), prompt, layout="zigzag"))
         rows = ragged if rank == world - 1 else prompt
         messages["one_rank_nested_prompt"] = _attempt(lambda: prefill(model, cache(), rows, layout="zigzag"))
+        # a falsy flag that the last rank alone refuses: it once skipped the exchange there, its peers' exchange
+        # meeting its next call's
+        flag = None if rank == world - 1 else True
+        messages["one_rank_flag_prefill"] = _attempt(lambda: prefill(model, cache(), prompt, layout="zigzag",
+                                                                     check_consistency=flag))
+        messages["one_rank_flag_decode"] = _attempt(lambda: decode_step(model, prefilled(cache()), prompt[:, 0],
+                                                                        check_consistency=flag))
+        messages["one_rank_flag_chunk"] = _attempt(lambda: partial_prefill(model, prefilled(cache()), prompt[:, :2],
+                                                                           check_consistency=flag))
+        messages["one_rank_flag_generate"] = _attempt(lambda: generate(model, prompt, layout="zigzag", new_tokens=2,
+                                                                       check_consistency=flag))
+        messages["one_rank_flag_attention"] = _attempt(lambda: sharded_attention(q, kv, kv, group=None, scale=None,
+                                                                                 check_consistency=flag))
         # an empty name among those that differ: its row of the names' exchange once failed on that rank alone
         messages["one_rank_empty_strategy"] = _attempt(lambda: generate(
             model, prompt, layout="zigzag", new_tokens=2, strategy="" if rank == world - 1 else "ring"))

@@ -233,11 +233,13 @@ def test_ranks_that_disagree_all_raise_with_check_consistency(world: int) -> Non
         assert "different local_len" in r["length"]
         assert "different causal" in r["causal"]
         assert "different documents/window" in r["documents"]
-        assert "different layout" in r["balanced_deal"]
+        assert "different layout" in r["balanced_deal"] and "different layout" in r["balanced_documents"]
         if rank == world - 1:
             assert "H_kv=3" in r["invalid"], "the rank with invalid inputs raises its own error"
+            assert r["invalid_flag"] == "check_consistency must be True or False, got None"
         else:
             assert f"ranks [{world - 1}]" in r["invalid"] and "rejected" in r["invalid"]
+            assert f"ranks [{world - 1}]" in r["invalid_flag"] and "rejected" in r["invalid_flag"]
         assert r["agreeing"] == "ok"
 
 

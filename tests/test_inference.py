@@ -250,6 +250,8 @@ ONE_RANK_BAD = {  # the last rank's call is bad: it raises its own error, the ot
     "one_rank_value_dim": "(layers, kv_heads, head_dim, value_dim) = (2, 4, 8, 8)",
     "one_rank_nested_prompt": "prompt: expected token ids as a dense (B, n) tensor",
     "one_rank_empty_strategy": "inference strategy '': choose one of",
+    **{f"one_rank_flag_{call}": "check_consistency must be True or False, got None"
+       for call in ("prefill", "decode", "chunk", "generate", "attention")},
 }
 MULTI_RANK_ONLY = ("layout_length", "step", "tokens_differ", "chunks_differ", "methods_differ", "calls_differ",
                    "chunk_capacities_differ", "interrupted_chunk", "cache_on_a_mesh", "cache_on_group_and_mesh",

@@ -143,7 +143,7 @@ def attention_with_lse(
         chosen.check(q.shape[1], k.shape[1], topo)
     except Exception as e:  # noqa: BLE001  any failure, not only a ValueError: a rank that left here
         error = e  # would strand its peers in the exchange below
-    if check_consistency:
+    if check_consistency is not False:  # an invalid flag (None, 0) joins too: its peers hear its refusal
         # a rank whose own arguments name no valid strategy or topology still joins the
         # exchange its peers run, on the groups its group= or mesh= describe
         _check_ranks_agree(q, k, v, topo or _fallback_topology(group, mesh), error,

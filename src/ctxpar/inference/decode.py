@@ -62,7 +62,7 @@ def decode_step(model: nn.Module, cache: KVCache, tokens: torch.Tensor, *,
         tokens, modules = _check(model, cache, tokens)
     except Exception as e:  # noqa: BLE001  any failure: this rank must still join the
         error = e  # exchange below, or its peers wait there
-    if check_consistency and cache.world_size > 1:
+    if check_consistency is not False and cache.world_size > 1:  # an invalid flag joins, to say so
         agreement.check_values_agree(_signature(model, cache, tokens), cache.group, error, "decode step")
     elif error is not None:
         raise error
@@ -129,7 +129,7 @@ def sharded_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, grou
         scale = _check_inputs(q, k, v, scale, sinks)
     except Exception as e:  # noqa: BLE001  any failure: this rank must still join the
         error = e  # exchange below, or its peers wait there
-    if check_consistency and peers.world_size > 1:
+    if check_consistency is not False and peers.world_size > 1:  # an invalid flag joins, to say so
         agreement.check_values_agree(_attention_signature(q, k, v, scale, sinks), peers.process_groups, error,
                                      "sharded attention")
     elif error is not None:

@@ -117,7 +117,7 @@ def generate(model: nn.Module, prompt: torch.Tensor, *, layout: str | Layout, gr
                                   group=group, dtype=weight.dtype, device=weight.device)
     except Exception as e:  # noqa: BLE001  any failure: this rank must still join the
         error = e  # exchange below, or its peers wait there
-    if check_consistency and world > 1:
+    if check_consistency is not False and world > 1:  # an invalid flag joins, to say so
         agreement.check_values_agree(_signature(model, prompt, layout, new_tokens, temperature, seed, strategy),
                                      group, error, "generate call")
     elif error is not None:

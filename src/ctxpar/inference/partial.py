@@ -85,7 +85,7 @@ def partial_prefill(model: nn.Module, cache: KVCache, chunk: torch.Tensor, *, me
                 hw=hardware and hardware.for_dtype(planner_dtype(cache.dtype)))
     except Exception as e:  # noqa: BLE001  any failure: this rank must still join the
         error = e  # exchange below, or its peers wait there
-    if check_consistency and cache.world_size > 1:
+    if check_consistency is not False and cache.world_size > 1:  # an invalid flag joins, to say so
         agreement.check_values_agree(_signature(model, cache, chunk, method), cache.group, error, "partial prefill")
     elif error is not None:
         raise error

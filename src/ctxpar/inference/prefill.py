@@ -62,7 +62,7 @@ def prefill(model: nn.Module, cache: KVCache, prompt: torch.Tensor, *, layout: s
         layout, layout_rank = _check(model, cache, prompt, layout, strategy, mesh)
     except Exception as e:  # noqa: BLE001  any failure: this rank must still join the
         error = e  # exchange below, or its peers wait there
-    if check_consistency and cache.world_size > 1:
+    if check_consistency is not False and cache.world_size > 1:  # an invalid flag joins, to say so
         agreement.check_values_agree(_signature(model, cache, prompt, layout, strategy), cache.group, error, "prefill")
     elif error is not None:
         raise error
