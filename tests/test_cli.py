@@ -614,3 +614,19 @@ def test_timeout_reaches_the_ranks_and_no_deadline_is_set(command: str, monkeypa
     monkeypatch.setattr(launch, "run_local", record)
     assert main([command, "--nproc", "2", "--seq", "64", "--timeout", "7.5"]) == 130
     assert seen == {"nproc": 2, "timeout_s": 7.5, "deadline_s": None, "device_type": "cpu"}
+
+
+@pytest.mark.skipif(not os.path.exists("/dev/full"), reason="needs /dev/full")
+def test_a_stderr_closed_or_full_costs_the_run_nothing(tmp_path) -> None:
+    """``ctxpar train ... 2>&-``: a rank's progress check (``sys.stderr.isatty()``, stderr None)
+    ended the run at its first step; ``2>/dev/full`` (a log on a full disk): the launch line's
+    OSError ended it before any rank started, saying nothing. Notes are dropped, not fatal."""
+    for name, stderr in (("closed", None), ("full", "/dev/full")):
+        directory, report = tmp_path / name, tmp_path / f"{name}.json"
+        argv = [sys.executable, "-m", "ctxpar.cli", "train", "--nproc", "2", "--seq", "64", "--steps", "2",
+                "--checkpoint-dir", str(directory), "--json", str(report)]
+        with open(stderr or os.devnull, "w") as err:
+            proc = subprocess.run(argv, stdout=subprocess.PIPE, stderr=err, text=True, timeout=300,
+                                  preexec_fn=(lambda: os.close(2)) if stderr is None else None)
+        assert proc.returncode == 0, (name, proc.stdout)
+        assert "step-000002" in os.listdir(directory) and json.loads(report.read_text())["loss"], name

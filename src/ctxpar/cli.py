@@ -131,11 +131,7 @@ def _report(text: str, json_path: str | None, data: dict) -> None:
     is gone (``| head``) must not cost the file, nor the command's exit status. With
     ``--json -`` the JSON is what stdout gets, and the report goes to stderr."""
     if json_path == STDOUT:
-        if sys.stderr is not None:
-            try:
-                print(text, file=sys.stderr, flush=True)
-            except OSError:  # stderr's reader gone or its disk full: stdout still gets the JSON
-                pass
+        launch.note(text)  # stderr's reader gone or its disk full: stdout still gets the JSON
         text, json_path = json.dumps(data, indent=2), None
     json_error = None  # why the JSON could not be written
     if json_path:
@@ -417,7 +413,7 @@ def _run_plan(args: argparse.Namespace) -> int:
         calibration = calibration_.load_calibration(args.calibration) if args.calibration is not None else None
     for note in notes:
         if issubclass(note.category, calibration_.OldCalibration):
-            print(f"ctxpar plan: note: {note.message}", file=sys.stderr)
+            launch.note(f"ctxpar plan: note: {note.message}")
         else:  # another library's warning: as it would have been shown
             warnings.warn_explicit(note.message, note.category, note.filename, note.lineno)
     check_output("--json", args.json, stdout_ok=True)
@@ -452,8 +448,11 @@ def _run_plan(args: argparse.Namespace) -> int:
         window=args.window, documents=documents, documents_from=documents_from)
     if args.calibrate:
         calibration = calibration_.plan_calibration(args.hardware, measure=True, path=None)
-        print(calibration_.format_calibration(calibration) + "\n",
-              file=sys.stderr if args.json == STDOUT else sys.stdout)
+        shown = calibration_.format_calibration(calibration) + "\n"
+        if args.json == STDOUT:
+            launch.note(shown)
+        else:
+            print(shown)
     hardware = planning.get_hardware(args.hardware, calibration=calibration, efficiency=args.efficiency,
                                      bandwidth=bandwidth, peak_flops=peak_flops, latency=latency,
                                      gpus_per_node=args.gpus_per_node, launch_overhead=launch, step_overhead=step,
@@ -575,7 +574,7 @@ def entry() -> NoReturn:
 def _stop(command: str, e: Exception, status: int) -> int:
     """Say why ``command`` stops; under torchrun its failure summary says it too."""
     message = f"ctxpar {command}: error: {e}"
-    print(message, file=sys.stderr)
+    launch.note(message)
     launch.tell_torchrun(message)
     return status
 
@@ -589,7 +588,7 @@ def _run_command(args: argparse.Namespace) -> int:
         return _stop(args.command, e, 1)
     except KeyboardInterrupt:
         said = f"ctxpar {args.command}: interrupted; the ranks were stopped"
-        print(said, file=sys.stderr)
+        launch.note(said)
         launch.tell_torchrun(said)
         return 130
 

@@ -1003,7 +1003,7 @@ def run(
     device_type = resolve_device_type(device_type)
     if launched_by_torchrun():
         if os.environ["RANK"] == "0":
-            print(describe_mode(nproc, timeout_s, device_type), file=sys.stderr, flush=True)
+            note(describe_mode(nproc, timeout_s, device_type))
         device = init_from_env(timeout_s, device_type)
         try:
             return fn(dist.get_rank(), dist.get_world_size(), *args, device)
@@ -1011,8 +1011,29 @@ def run(
             if dist.is_initialized():  # fn may have destroyed it (its result was once lost to an AssertionError)
                 dist.destroy_process_group()
     check_nproc(nproc)  # before the line that describes the ranks
-    print(describe_mode(nproc, timeout_s, device_type), file=sys.stderr, flush=True)
+    note(describe_mode(nproc, timeout_s, device_type))
     return run_local(fn, nproc, args, timeout_s=timeout_s, deadline_s=deadline_s, device_type=device_type)[0]
+
+
+def note(text: str) -> None:
+    """``text`` as a line on stderr, never failing the run for it: nothing where stderr is
+    closed (None in a process started with it closed: the note went to stdout) or cannot be
+    written (its reader gone, its disk full: a launch line once ended the run before any rank
+    started, and said nothing)."""
+    if sys.stderr is None:
+        return
+    try:
+        print(text, file=sys.stderr, flush=True)
+    except (OSError, ValueError):  # ValueError: a stream closed in this process
+        pass
+
+
+def stderr_is_a_terminal() -> bool:
+    """Whether progress bars have a terminal to draw on (stderr may be closed: None)."""
+    try:
+        return sys.stderr is not None and sys.stderr.isatty()
+    except ValueError:  # closed in this process
+        return False
 
 
 def tell_torchrun(message: str, details: str | None = None) -> None:

@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import math
 import os
-import sys
 import time
 from collections.abc import Callable
 from dataclasses import asdict, dataclass
@@ -168,7 +167,7 @@ def _run_steps(
     history: dict[str, list[float]] = {"loss": [], "recall_accuracy": [], "tokens_per_second": []}
     global_tokens = cfg.batch * cfg.dp * cfg.seq
     bar = None
-    if show and cfg.progress and sys.stderr.isatty():
+    if show and cfg.progress and launch.stderr_is_a_terminal():
         from tqdm import tqdm
 
         bar = tqdm(total=cfg.steps, initial=start, desc="train", unit="step")
@@ -237,8 +236,8 @@ def _within_a_torchrun_launch(cfg: TrainConfig, rank: int) -> checkpoint.Resumab
         if restarted:
             what = (f"continuing from its checkpoint at step {found.step}" if found
                     else "no checkpoint of it verifies: starting over from step 0")
-            print(f"ctxpar train: torchrun restarted the run: {what} (--checkpoint-dir {cfg.checkpoint_dir!r})",
-                  file=sys.stderr, flush=True)
+            launch.note(f"ctxpar train: torchrun restarted the run: {what} (--checkpoint-dir "
+                        f"{cfg.checkpoint_dir!r})")
         if found:
             _say_skipped(found)
     return found
@@ -260,7 +259,7 @@ def find_resume_point(cfg: TrainConfig) -> checkpoint.Resumable:
 
 def _say_skipped(found: checkpoint.Resumable) -> None:
     for skipped in found.skipped:
-        print(f"ctxpar train: --resume skipped {skipped.path}: {skipped.reason}", file=sys.stderr)
+        launch.note(f"ctxpar train: --resume skipped {skipped.path}: {skipped.reason}")
 
 
 def train_rank(rank: int, world: int, cfg: TrainConfig, resume_from: checkpoint.Resumable | None = None,

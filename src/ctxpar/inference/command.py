@@ -8,7 +8,6 @@ way (``reference_generate``: no cache, no CP) and reports whether they are equal
 
 from __future__ import annotations
 
-import sys
 from dataclasses import asdict, dataclass
 
 import torch
@@ -82,7 +81,7 @@ def generate_rank(rank: int, world: int, cfg: GenerateConfig, device: torch.devi
     cfg.validate(world)
     model, prompt = build(cfg, device)
     bar = None
-    if rank == 0 and cfg.progress and sys.stderr.isatty():
+    if rank == 0 and cfg.progress and launch.stderr_is_a_terminal():
         from tqdm import tqdm
 
         bar = tqdm(total=cfg.new_tokens, desc="generate", unit="tok")
