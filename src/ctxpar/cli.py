@@ -398,7 +398,7 @@ def _run_plan(args: argparse.Namespace) -> int:
     new_tokens, chunk = _inference_flags(args)
     bandwidth = planning.parse_bandwidth(args.bandwidth) if args.bandwidth is not None else None
     peak_flops = planning.parse_flops(args.flops) if args.flops is not None else None
-    latency, launch, step = (None if text is None else planning.parse_latency(text, flag) for text, flag in (
+    latency, launch_overhead, step = (None if text is None else planning.parse_latency(text, flag) for text, flag in (
         (args.latency, "--latency"), (args.launch_overhead, "--launch-overhead"),
         (args.step_overhead, "--step-overhead")))
     tile = None if args.tile_overhead is None else planning.parse_tile_overhead(args.tile_overhead)
@@ -455,8 +455,8 @@ def _run_plan(args: argparse.Namespace) -> int:
             print(shown)
     hardware = planning.get_hardware(args.hardware, calibration=calibration, efficiency=args.efficiency,
                                      bandwidth=bandwidth, peak_flops=peak_flops, latency=latency,
-                                     gpus_per_node=args.gpus_per_node, launch_overhead=launch, step_overhead=step,
-                                     tile_overhead=tile, fp8=args.fp8)
+                                     gpus_per_node=args.gpus_per_node, launch_overhead=launch_overhead,
+                                     step_overhead=step, tile_overhead=tile, fp8=args.fp8)
     if args.inference:
         served = planning.make_inference_plan(workload, hardware, new_tokens=new_tokens, chunk=chunk,
                                               max_cp=args.max_cp, calibration=calibration)
