@@ -73,6 +73,13 @@ def freeze_one_rank(rank: int, world: int, frozen: int) -> None:
     dist.all_reduce(torch.ones(4))
 
 
+def stop_one_rank(rank: int, world: int, stopped: int) -> None:
+    dist.barrier()
+    if rank == stopped:
+        os.kill(os.getpid(), signal.SIGSTOP)  # as Ctrl-Z or a debugger would: it cannot answer where it is
+    dist.all_reduce(torch.ones(4))
+
+
 def freeze_one_rank_in_a_mesh(rank: int, world: int, frozen: int, late: int) -> None:
     """Rank ``frozen`` never arrives; healthy rank ``late`` arrives 3 s after the others.
     The collective runs on a DeviceMesh dimension group, which torch would give its own
@@ -493,6 +500,18 @@ def test_a_frozen_rank_is_named_when_the_others_time_out() -> None:
         run_local(freeze_one_rank, 2, (1,), timeout_s=5)
     assert e.value.stuck == [1]
     assert time.monotonic() - start < 60  # the frozen rank sleeps 300 s: it was stopped
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads the process state from /proc")
+def test_a_rank_stopped_by_a_signal_is_named_as_such() -> None:
+    """A SIGSTOPped rank cannot answer the request for its stack: it was "still running", where
+    unknown (Ctrl-Z, a debugger, a cgroup freezer: what to look for)."""
+    start = time.monotonic()
+    with pytest.raises(RuntimeError, match=r"rank 1 never arrived at a collective: ranks \[0\] timed out after 5 s "
+                                           r"waiting; it was frozen by a signal \(SIGSTOP, Ctrl-Z or a debugger") as e:
+        run_local(stop_one_rank, 2, (1,), timeout_s=5)
+    assert e.value.stuck == [1]
+    assert time.monotonic() - start < 60  # it was stopped, not waited for
 
 
 def test_a_frozen_rank_is_named_at_the_timeout_in_a_group_the_function_made() -> None:

@@ -28,6 +28,7 @@ rank's process is best ended with ``exit_torchrun_rank`` (the ``ctxpar`` command
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import datetime
 import faulthandler
@@ -455,9 +456,11 @@ def _probe(procs: list, ranks: list[int], stacks: list[connection.Connection]) -
     """Where each of ``ranks`` (alive) is: its main thread's innermost frames, by signal."""
     if _STACK_SIGNAL is None:
         return {}
-    asked = []
+    asked, found = [], {}
     for r in ranks:
-        if procs[r].is_alive():
+        if procs[r].is_alive() and _frozen(procs[r].pid):  # it cannot answer: the signal waits for it
+            found[r] = _Whereabouts(False, "frozen by a signal (SIGSTOP, Ctrl-Z or a debugger: process state T)")
+        elif procs[r].is_alive():
             os.kill(procs[r].pid, _STACK_SIGNAL)
             asked.append(r)
     dumps = {r: b"" for r in asked}
@@ -470,7 +473,6 @@ def _probe(procs: list, ranks: list[int], stacks: list[connection.Connection]) -
                 dumps[open_[reader]] += chunk
             else:  # the process is gone
                 del open_[reader]
-    found = {}
     for r, dump in dumps.items():
         if not dump:  # the signal's default action ended it: it was still importing
             found[r] = _Whereabouts(False, "still starting (importing, before its worker code)")
@@ -479,6 +481,16 @@ def _probe(procs: list, ranks: list[int], stacks: list[connection.Connection]) -
         if frames:
             found[r] = _whereabouts(frames)
     return found
+
+
+def _frozen(pid: int) -> bool:
+    """Whether process ``pid`` is stopped by a signal (Linux's /proc; False where it cannot tell)."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            state = f.read().rpartition(")")[2].split()[0]  # after the command name, which may hold spaces
+    except (OSError, IndexError):
+        return False
+    return state in ("T", "t")
 
 
 def _main_thread_frames(dump: str) -> list[tuple[str, str, str]]:
@@ -638,6 +650,9 @@ def _stop(procs: list) -> None:
     for p in procs:
         if p.is_alive():
             p.terminate()
+            if hasattr(signal, "SIGCONT"):  # a rank frozen by SIGSTOP takes the SIGTERM only once continued
+                with contextlib.suppress(ProcessLookupError):
+                    os.kill(p.pid, signal.SIGCONT)
     for p in procs:
         if p.pid is None:  # never started
             continue
