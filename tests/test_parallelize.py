@@ -76,6 +76,10 @@ def _cases(rank: int, world: int) -> dict:
                 other_layout=_attempt(lambda: model(other.tokens, other.positions)),
                 global_with_documents=_attempt(lambda: model(docs.tokens, batch.positions, documents=DOCUMENTS)),
                 one_rank_forgets=_attempt(lambda: model(batch.tokens, None if last else batch.positions)),
+                # (B, S) positions whose second row alone is wrong, on the last rank: once the guard compared the
+                # first row only, and row 1's logits were silently wrong
+                second_row_wrong=_attempt(lambda: model(batch.tokens, torch.stack(
+                    [batch.positions, batch.positions.flip(0) if last else batch.positions]))),
                 hidden_states_one_rank_forgets=_attempt(lambda: model.hidden_states(
                     batch.tokens, None if last else batch.positions)),
                 after=_attempt(lambda: (model(batch.tokens, batch.positions)
@@ -228,6 +232,9 @@ def test_wrong_positions_are_refused_on_every_rank(strategy: str) -> None:
         # under the hybrid mesh a rank outside the culprit's row and column hears of it second hand, unnamed
         want = "got no positions" if rank == WORLD - 1 else "of the CP group rejected their forward inputs"
         assert want in r["one_rank_forgets"], (rank, r["one_rank_forgets"])
+        want = f"global positions of {holder} under the zigzag layout" if rank == WORLD - 1 else \
+            "of the CP group rejected their forward inputs"
+        assert isinstance(r["second_row_wrong"], str) and want in r["second_row_wrong"], (rank, r["second_row_wrong"])
 
 
 @pytest.mark.parametrize("strategy", ["ring", "hybrid"])
