@@ -574,6 +574,7 @@ def test_auto_takes_the_earlier_candidate_at_a_tie_and_costs_a_balanced_layout_o
     assert "cannot evaluate" not in why and why.endswith("balanced costed as striped"), why
 
 
+
 @pytest.mark.parametrize("hardware, forward, backward", [
     (dict(name="H100-SXM", bandwidth=100e9, latency=100e-6), 3028, 2986),  # the ratio said 2174: exposed at 2176
     (dict(name="H200"), 136, 188),  # its size curves: the ratio said 649
@@ -2795,3 +2796,23 @@ def test_plain_masks_pairs_per_rank_in_closed_form_are_the_counted_ones(name: st
                 counted = [int(keys[layout.positions(seq, r)].sum()) for r in range(world)]
                 assert work._plain_pairs(layout, seq, Mask(causal=causal)) == counted, (world, seq, causal)
     assert work._plain_pairs(get_layout(name, 2), 64, Mask(causal=True, window=8)) is None
+
+
+def test_a_users_subclass_of_a_named_layout_that_deals_otherwise_is_counted_by_its_own_positions() -> None:
+    """A subclass of ContiguousLayout overriding ``_positions`` (rank r holding block P-1-r):
+    once its ``runs`` were the parent's, the planner's pairs per rank were contiguous's, each
+    rank's work another rank's, silently."""
+    from ctxpar.layout import ContiguousLayout
+
+    class Reversed(ContiguousLayout):
+        name = "reversed"
+
+        def _positions(self, seq_len: int, rank: int) -> torch.Tensor:
+            n = seq_len // self.world_size
+            return torch.arange((self.world_size - 1 - rank) * n, (self.world_size - rank) * n)
+
+    layout, mask = Reversed(4), Mask(causal=True)
+    assert layout.runs(16, 0) is None and layout.positions(16, 0).tolist() == [12, 13, 14, 15]
+    keys = work._keys_seen(16, mask)
+    counted = tuple(int(keys[layout.positions(16, r)].sum()) for r in range(4))
+    assert pairs_per_rank(layout, 16, mask) == counted == (58, 42, 26, 10), counted
