@@ -281,3 +281,18 @@ def test_a_layout_of_the_users_that_deals_every_position_once_runs_and_is_identi
     assert [checked.positions(8, r).tolist() for r in range(2)] == [[0, 2, 4, 6], [1, 3, 5, 7]]
     zigzag = get_layout("zigzag", 2)
     assert ctxpar.layout.as_checked(zigzag, 8) is zigzag and ctxpar.layout.fingerprint(zigzag) == "zigzag/2"
+
+
+def test_a_layout_of_the_users_runs_at_every_length_it_is_used_at() -> None:
+    """One layout object of the user's at two lengths: once its checked deal was cached by the
+    layout alone, the second length met the first's deal and was refused."""
+    striped = _UsersLayout(2, lambda t, r: torch.arange(r, t, 2))
+    for seq_len in (8, 16, 8):
+        checked = ctxpar.layout.as_checked(striped, seq_len)
+        assert [checked.positions(seq_len, r).tolist() for r in range(2)] == \
+            [list(range(0, seq_len, 2)), list(range(1, seq_len, 2))], seq_len
+    alone = _UsersLayout(1, lambda t, r: torch.arange(t))  # through attention, no group: one rank
+    for seq_len in (8, 16):
+        q = torch.randn(1, 2, seq_len, 4)
+        torch.testing.assert_close(ctxpar.attention(q, q, q, layout=alone),
+                                   torch.nn.functional.scaled_dot_product_attention(q, q, q, is_causal=True))
