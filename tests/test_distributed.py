@@ -246,7 +246,21 @@ def test_ranks_that_disagree_all_raise_with_check_consistency(world: int) -> Non
 def test_any_process_group_not_only_world() -> None:
     for rank, res in enumerate(results(4)):
         for strategy, verdict in res["subgroups"].items():
-            assert verdict == "ok", f"{strategy} on a subgroup: {verdict}"
+            if strategy != "refused_by_global_rank":
+                assert verdict == "ok", f"{strategy} on a subgroup: {verdict}"
+
+
+def test_a_refusal_on_a_subgroup_names_the_global_ranks() -> None:
+    """Global rank 3 of new_group([2, 3]) (its group rank 1) passes invalid K/V: its peer's
+    refusal once named "ranks [1]", a rank of the other group."""
+    for rank, res in enumerate(results(4)):
+        got = res["subgroups"]["refused_by_global_rank"]
+        if rank < 2:
+            assert got == "NO ERROR", (rank, got)
+        elif rank == 3:
+            assert "H_kv=3" in got, (rank, got)
+        else:
+            assert "ranks [3]" in got and "rejected" in got, (rank, got)
 
 
 @pytest.mark.parametrize("world", WORLD_SIZES, ids=lambda w: f"P{w}")
