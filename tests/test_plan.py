@@ -574,6 +574,26 @@ def test_auto_takes_the_earlier_candidate_at_a_tie_and_costs_a_balanced_layout_o
     assert "cannot evaluate" not in why and why.endswith("balanced costed as striped"), why
 
 
+def test_auto_costs_a_sliding_window() -> None:
+    """Under window=64 at T=65536 on 4 ranks the planner predicts all-to-all fastest, where the
+    unwindowed mask predicts ring: once the window was left out of auto's workload, a windowed
+    call was costed (and chose) as the full causal one."""
+    from ctxpar import auto
+    from ctxpar.models.config import attention_only
+
+    hw = auto.CPU_DEFAULT
+    chosen = {}
+    for window in (None, 64):
+        chosen[window] = auto.choose_for_shapes(1, 8, 8, 64, 65536, 4, "float32", "zigzag",
+                                                Mask(causal=True, window=window), False, hw)
+        forward = {}
+        for candidate in ("ring", "allgather", "alltoall"):
+            w = Workload(attention_only(8, 8, 64), batch=1, seq=65536, dtype="float32", cp=4, strategy=candidate,
+                         layout="zigzag", causal=True, window=window)
+            forward[candidate] = cost.attention_time(w, hw.for_dtype("float32")).forward.seconds
+        assert chosen[window][0] == min(forward, key=forward.get), (window, chosen[window], forward)
+    assert chosen[None][0] == "ring" and chosen[64][0] == "alltoall", chosen
+
 
 @pytest.mark.parametrize("hardware, forward, backward", [
     (dict(name="H100-SXM", bandwidth=100e9, latency=100e-6), 3028, 2986),  # the ratio said 2174: exposed at 2176
