@@ -593,6 +593,10 @@ def test_auto_costs_a_sliding_window() -> None:
             forward[candidate] = cost.attention_time(w, hw.for_dtype("float32")).forward.seconds
         assert chosen[window][0] == min(forward, key=forward.get), (window, chosen[window], forward)
     assert chosen[None][0] == "ring" and chosen[64][0] == "alltoall", chosen
+    assert chosen[None][1].endswith("float32 zigzag)") and chosen[64][1].endswith("float32 zigzag window 64)")
+    documents = auto.choose_for_shapes(1, 8, 8, 64, 4096, 4, "float32", "zigzag",
+                                       Mask(causal=True, documents=(1000, 3096)), False, hw)[1]
+    assert documents.endswith("float32 zigzag 2 documents)"), documents
 
 
 @pytest.mark.parametrize("hardware, forward, backward", [

@@ -126,5 +126,7 @@ def choose_for_shapes(batch: int, heads: int, kv_heads: int, head_dim: int, seq:
     fastest = min(times.values())  # ties, to the last bits of rounding, go to the earlier in CANDIDATES
     best = next(strategy for strategy, seconds in times.items() if seconds <= fastest * (1 + 1e-9))
     table = ", ".join(f"{s} {t * 1e3:.4g} ms" for s, t in times.items())  # 4 digits: near-ties read apart
+    costed = "".join((" non-causal" if not mask.causal else "", f" window {mask.window}" if mask.window else "",
+                      f" {len(documents)} documents" if documents else ""))  # the mask the times are for
     return best, (f"predicted per layer {'forward + backward' if backward else 'forward'} on {hw.name}: {table} "
-                  f"(B={batch} H={heads} H_kv={kv_heads} D={head_dim} T={seq} P={world} {dtype} {layout})")
+                  f"(B={batch} H={heads} H_kv={kv_heads} D={head_dim} T={seq} P={world} {dtype} {layout}{costed})")
