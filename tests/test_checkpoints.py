@@ -642,3 +642,40 @@ def test_a_file_system_without_locks_saves_unlocked(tmp_path, monkeypatch) -> No
     optimizer = torch.optim.AdamW(model.parameters())
     path = checkpoint.save(model, optimizer, str(tmp_path), 1, SETTINGS)
     assert checkpoint.find_resumable(str(tmp_path), SETTINGS).path == path
+    assert checkpoint.hold_for_run(str(tmp_path)) is None  # a run goes unlocked there too
+
+
+def test_a_run_on_a_directory_a_live_run_holds_is_refused_before_any_rank_starts(tmp_path, monkeypatch) -> None:
+    """``ctxpar train --resume`` beside a live run on its directory took the live run's newest
+    checkpoint, saved over its later steps, and one of the two died at its next save. The
+    launching process holds the directory for its run's life, ended or failed."""
+    from ctxpar import train
+
+    fresh, used = str(tmp_path / "fresh"), tmp_path / "used"
+    (used / "step-000004").mkdir(parents=True)
+    checkpoint.write_manifest(str(used / "step-000004"), 4, SETTINGS)
+    os.makedirs(fresh)
+    held = [checkpoint.hold_for_run(fresh), checkpoint.hold_for_run(str(used))]
+    try:
+        started = time.monotonic()
+        for directory, resume in ((fresh, False), (str(used), True)):
+            with pytest.raises(ValueError, match=f"another ctxpar train is running on --checkpoint-dir "
+                                                 f"'{re.escape(directory)}' \\(.* pid {os.getpid()}\\); wait for it"):
+                run_train(TrainConfig(steps=8, resume=resume, checkpoint_dir=directory, **COMMON))
+        assert time.monotonic() - started < 5, "refused before spawning any rank"
+    finally:
+        for fd in held:
+            os.close(fd)
+    runs = iter([{"first_step_gradients": None}, RuntimeError("a rank failed")])
+
+    def launched(*args, **kwargs):
+        outcome = next(runs)
+        if isinstance(outcome, Exception):
+            raise outcome
+        return outcome
+
+    monkeypatch.setattr(train.launch, "run", launched)
+    run_train(TrainConfig(steps=2, checkpoint_dir=fresh, **COMMON))
+    with pytest.raises(RuntimeError, match="a rank failed"):
+        run_train(TrainConfig(steps=2, checkpoint_dir=fresh, **COMMON))
+    os.close(checkpoint.hold_for_run(fresh))  # free again after a run that ended and one that failed

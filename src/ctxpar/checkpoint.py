@@ -39,6 +39,7 @@ import json
 import os
 import re
 import shutil
+import socket
 import tempfile
 import warnings
 from collections.abc import Callable
@@ -55,6 +56,7 @@ MANIFEST = "manifest.json"
 FORMAT = "ctxpar-checkpoint/1"
 OWN_FILES = ".ctxpar-"  # the prefix of this module's own entries in a checkpoint directory (a lock, a probe)
 SAVE_LOCK = OWN_FILES + "save.lock"  # held by the rank 0 that is saving into the directory
+RUN_LOCK = OWN_FILES + "run.lock"  # held by the process that launched a run on the directory, for the run's life
 _CANNOT_LOCK = (errno.ENOLCK, errno.ENOSYS, errno.EOPNOTSUPP)  # flock's errors where the file system has none
 _STEP_DIR = re.compile(r"step-([0-9]+)")
 _UNSEALED = f"no {MANIFEST}: incomplete, the run stopped while saving it"
@@ -152,6 +154,41 @@ def check_directory(directory: str, *, resuming: bool, checkpoint_bytes: int = 0
         raise ValueError(f"--checkpoint-dir {directory!r} has {format_bytes(free)} free, less than one checkpoint of "
                          f"this run takes (at least {format_bytes(checkpoint_bytes)}: the model's parameters and the "
                          "optimizer's state); free space there, or pass a directory on a file system with room")
+
+
+def hold_for_run(directory: str) -> int | None:
+    """Lock ``directory`` for one run's life (where its file system has locks) and return the
+    lock's descriptor (closing it, or the process's end, releases it). A second run started on
+    it meanwhile, ``--resume`` included, is refused before its ranks start: a resume beside a
+    live run took its newest checkpoint as the last, saved over its later steps, and one of
+    the two died at its next save.
+
+    Raises:
+        ValueError: another process holds the directory, naming its host and pid.
+    """
+    lock = os.open(os.path.join(directory, RUN_LOCK), os.O_RDWR | os.O_CREAT, 0o644)
+    try:
+        fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        holder = os.read(lock, 256).decode(errors="replace").strip()
+        os.close(lock)
+        raise ValueError(f"another ctxpar train is running on --checkpoint-dir {directory!r}"
+                         f"{f' ({holder})' if holder else ''}; wait for it to end (--resume then continues it), or "
+                         f"give this run a directory of its own") from None
+    except OSError as e:
+        os.close(lock)
+        if e.errno in _CANNOT_LOCK:  # a file system without locks: runs go unlocked there, as saves do
+            return None
+        raise
+    os.ftruncate(lock, 0)
+    os.write(lock, f"{socket.gethostname()} pid {os.getpid()}\n".encode())
+    return lock
+
+
+def hold_for_run_together(directory: str) -> None:
+    """:func:`hold_for_run` by rank 0, for the rest of its process's life (a torchrun rank runs
+    one training), raising on every rank (collective)."""
+    _on_rank0(partial(hold_for_run, directory))
 
 
 def check_directory_together(directory: str, *, resuming: bool, checkpoint_bytes: int = 0) -> None:

@@ -222,6 +222,7 @@ def _within_a_torchrun_launch(cfg: TrainConfig, rank: int) -> checkpoint.Resumab
     if not restarted:
         checkpoint.check_directory_together(cfg.checkpoint_dir, resuming=cfg.resume,
                                             checkpoint_bytes=cfg.checkpoint_bytes())
+    checkpoint.hold_for_run_together(cfg.checkpoint_dir)
     found = None
     if cfg.resume:  # asked for, on every attempt
         found = find_resume_point(cfg)
@@ -431,15 +432,21 @@ def run_train(cfg: TrainConfig, *, timeout_s: float = launch.DEFAULT_TIMEOUT_S) 
     """
     cfg.validate(launch.world_size(cfg.nproc))
     cfg.check_memory(launch.local_ranks(cfg.nproc))
-    resume_from = None
+    resume_from, held = None, None
     # here, not in validate (which every rank runs): it may create the directory; torchrun's
-    # ranks check it together once joined (``_within_a_torchrun_launch``)
-    if cfg.checkpoint_dir and not launch.launched_by_torchrun():
+    # ranks check and hold it together once joined (``_within_a_torchrun_launch``)
+    here = cfg.checkpoint_dir and not launch.launched_by_torchrun()
+    if here:
         checkpoint.check_directory(cfg.checkpoint_dir, resuming=cfg.resume, checkpoint_bytes=cfg.checkpoint_bytes())
-        if cfg.resume:
+        held = checkpoint.hold_for_run(cfg.checkpoint_dir)
+    try:
+        if here and cfg.resume:
             resume_from = find_resume_point(cfg)
             _say_skipped(resume_from)
-    report = launch.run(train_rank, cfg.nproc, (cfg, resume_from), device_type=cfg.device, timeout_s=timeout_s)
+        report = launch.run(train_rank, cfg.nproc, (cfg, resume_from), device_type=cfg.device, timeout_s=timeout_s)
+    finally:
+        if held is not None:
+            os.close(held)
     if report is not None:
         gradients = report.pop("first_step_gradients")  # step 1's whole gradients, with --compare from step 0
         if cfg.compare:
