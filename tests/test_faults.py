@@ -80,6 +80,17 @@ def stop_one_rank(rank: int, world: int, stopped: int) -> None:
     dist.all_reduce(torch.ones(4))
 
 
+def leave_children_behind(rank: int, world: int) -> int:
+    """Rank 0 forks a copy of itself, rank 1 spawns a program; neither waits. Returns the child's pid."""
+    if rank == 0:
+        pid = os.fork()
+        if pid == 0:  # the copy: the rank's memory and sockets, lingering
+            time.sleep(60)
+            os._exit(0)
+        return pid
+    return subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"]).pid
+
+
 def freeze_one_rank_in_a_mesh(rank: int, world: int, frozen: int, late: int) -> None:
     """Rank ``frozen`` never arrives; healthy rank ``late`` arrives 3 s after the others.
     The collective runs on a DeviceMesh dimension group, which torch would give its own
@@ -500,6 +511,27 @@ def test_a_frozen_rank_is_named_when_the_others_time_out() -> None:
         run_local(freeze_one_rank, 2, (1,), timeout_s=5)
     assert e.value.stuck == [1]
     assert time.monotonic() - start < 60  # the frozen rank sleeps 300 s: it was stopped
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads the process state from /proc")
+def test_what_a_rank_forks_or_spawns_ends_with_the_run() -> None:
+    """A forked copy of a rank (a fork-context pool) or a program it spawned outlived the run,
+    re-parented: each rank has a process group of its own, ended with it."""
+    children = run_local(leave_children_behind, 2, timeout_s=60)
+    deadline = time.monotonic() + 10
+    alive = children
+    while alive and time.monotonic() < deadline:
+        alive = [pid for pid in children if os.path.exists(f"/proc/{pid}") and _state(pid) != "Z"]
+        time.sleep(0.1)
+    assert not alive, f"still running: {alive}"
+
+
+def _state(pid: int) -> str:
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rpartition(")")[2].split()[0]
+    except OSError:  # gone meanwhile
+        return "Z"
 
 
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads the process state from /proc")

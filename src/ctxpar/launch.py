@@ -590,6 +590,8 @@ def _is_timeout(e: BaseException) -> bool:
 
 def _worker(rank, world_size, port, threads, timeout_s, parent_pid, backend, device, stack_writer, fn, args,
             conn) -> None:
+    if hasattr(os, "setpgid"):  # a process group of its own, which _stop ends with it: what fn forks or spawns
+        os.setpgid(0, 0)
     _die_with_parent(parent_pid)
     _dump_stack_on_request(stack_writer)
     # Ctrl-C reaches every process of the terminal's group; the parent alone handles it
@@ -646,7 +648,9 @@ def _exit_reason(exitcode: int | None) -> str:
 
 
 def _stop(procs: list) -> None:
-    """SIGTERM, then SIGKILL what is still there a few seconds later."""
+    """SIGTERM, then SIGKILL what is still there a few seconds later; then SIGKILL what is left
+    of each rank's process group (what its fn forked or spawned: a forked copy outlived the run,
+    re-parented, holding the rank's memory and sockets), as torchrun ends its ranks' groups."""
     for p in procs:
         if p.is_alive():
             p.terminate()
@@ -660,6 +664,9 @@ def _stop(procs: list) -> None:
         if p.is_alive():
             p.kill()
             p.join()
+        if hasattr(os, "killpg"):
+            with contextlib.suppress(ProcessLookupError, PermissionError):  # none left, or it never made its group
+                os.killpg(p.pid, signal.SIGKILL)
 
 
 def run_local(
