@@ -197,21 +197,23 @@ def attention_modules(model: nn.Module) -> list[nn.Module]:
     return [m for m in model.modules() if has_attention_fn(m)]
 
 
-def model_code(model: nn.Module) -> int:
+def model_code(model: nn.Module, attention: list[nn.Module] | None = None) -> int:
     """A checksum of what ``model`` computes, alike on ranks holding models of one shape: a
     Hugging Face model's ``config`` but for its provenance; else the reference model's
     ``cfg`` (RoPE theta and norm eps included), or for a module without one its parameters'
     names and shapes (not under FSDP1, whose flat shards differ by rank), and its number of
     attention modules. Compared at the first forward and in inference calls: a model built
     otherwise on one rank trained silently wrong (another RoPE theta: a gradient 23% off) or
-    left the others waiting in a layer it lacked. -1 where it cannot be read."""
+    left the others waiting in a layer it lacked. -1 where it cannot be read. ``attention``:
+    its attention modules where the caller has them (a decode step: no second walk)."""
     def describe() -> str:
         if callable(getattr(getattr(model, "config", None), "to_dict", None)):
             return repr(_computed(model.config.to_dict()))
         config = getattr(model, "cfg", None)
         described = repr(config) if isinstance(config, ModelConfig) else "" if _fsdp1_sharded(model) else repr(
             [(name, tuple(p.shape)) for name, p in model.named_parameters()])
-        return f"{described}, {len(attention_modules(model))} attention modules"
+        count = len(attention_modules(model) if attention is None else attention)
+        return f"{described}, {count} attention modules"
 
     return agreement.readable(lambda: agreement.text_code(describe()))
 

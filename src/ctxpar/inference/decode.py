@@ -56,14 +56,14 @@ def decode_step(model: nn.Module, cache: KVCache, tokens: torch.Tensor, *,
             any K/V is written.
     """
     check_cache(cache)
-    error = None
+    error, modules = None, None
     try:
         limits.check_flag("check_consistency", check_consistency)
         tokens, modules = _check(model, cache, tokens)
     except Exception as e:  # noqa: BLE001  any failure: this rank must still join the
         error = e  # exchange below, or its peers wait there
     if check_consistency is not False and cache.world_size > 1:  # an invalid flag joins, to say so
-        agreement.check_values_agree(_signature(model, cache, tokens), cache.group, error, "decode step")
+        agreement.check_values_agree(_signature(model, cache, tokens, modules), cache.group, error, "decode step")
     elif error is not None:
         raise error
 
@@ -222,14 +222,15 @@ def _check(model: nn.Module, cache: KVCache, tokens) -> tuple[torch.Tensor, list
     return tokens, modules
 
 
-def _signature(model: nn.Module, cache: KVCache, tokens) -> dict[str, agreement.Value]:
+def _signature(model: nn.Module, cache: KVCache, tokens, modules: list[nn.Module] | None
+               ) -> dict[str, agreement.Value]:
     """Every rank must be at the same step of the same sequence, dealt alike, with the same tokens."""
     ok = is_dense(tokens)
     return {
         "position (prompt + steps)": cache.seq_len,
         "sequence so far (crc32)": cache.history,
         "prompt dealt by": agreement.Text(cache.dealt_by),
-        SAME_MODEL: model_code(model),
+        SAME_MODEL: model_code(model, modules),
         "capacity": cache.capacity,
         "batch": tokens.shape[0] if ok and tokens.dim() else -1,
         "dtype": agreement.Text(cache.dtype),
