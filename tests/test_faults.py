@@ -516,7 +516,7 @@ def test_a_frozen_rank_is_named_when_the_others_time_out() -> None:
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads the process state from /proc")
 def test_what_a_rank_forks_or_spawns_ends_with_the_run() -> None:
     """A forked copy of a rank (a fork-context pool) or a program it spawned outlived the run,
-    re-parented: each rank has a process group of its own, ended with it."""
+    re-parented, the copy holding the rank's memory and sockets."""
     children = run_local(leave_children_behind, 2, timeout_s=60)
     deadline = time.monotonic() + 10
     alive = children
@@ -537,13 +537,27 @@ def _state(pid: int) -> str:
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads the process state from /proc")
 def test_a_rank_stopped_by_a_signal_is_named_as_such() -> None:
     """A SIGSTOPped rank cannot answer the request for its stack: it was "still running", where
-    unknown (Ctrl-Z, a debugger, a cgroup freezer: what to look for)."""
+    unknown (a debugger, a cgroup freezer: what to look for)."""
     start = time.monotonic()
     with pytest.raises(RuntimeError, match=r"rank 1 never arrived at a collective: ranks \[0\] timed out after 5 s "
-                                           r"waiting; it was frozen by a signal \(SIGSTOP, Ctrl-Z or a debugger") as e:
+                                           r"waiting; it was frozen by a signal \(SIGSTOP or a debugger") as e:
         run_local(stop_one_rank, 2, (1,), timeout_s=5)
     assert e.value.stuck == [1]
     assert time.monotonic() - start < 60  # it was stopped, not waited for
+
+
+def stop_myself() -> None:
+    os.kill(os.getpid(), signal.SIGSTOP)
+
+
+def test_a_stopped_rank_takes_its_sigterm() -> None:
+    """A rank frozen by SIGSTOP keeps a SIGTERM pending: it waited the grace period for the SIGKILL."""
+    process = multiprocessing.get_context("spawn").Process(target=stop_myself)
+    process.start()
+    while _state(process.pid) != "T":
+        time.sleep(0.05)
+    launch._stop([process])
+    assert process.exitcode == -signal.SIGTERM
 
 
 def test_a_frozen_rank_is_named_at_the_timeout_in_a_group_the_function_made() -> None:

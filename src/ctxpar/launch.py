@@ -459,7 +459,7 @@ def _probe(procs: list, ranks: list[int], stacks: list[connection.Connection]) -
     asked, found = [], {}
     for r in ranks:
         if procs[r].is_alive() and _frozen(procs[r].pid):  # it cannot answer: the signal waits for it
-            found[r] = _Whereabouts(False, "frozen by a signal (SIGSTOP, Ctrl-Z or a debugger: process state T)")
+            found[r] = _Whereabouts(False, "frozen by a signal (SIGSTOP or a debugger: process state T)")
         elif procs[r].is_alive():
             os.kill(procs[r].pid, _STACK_SIGNAL)
             asked.append(r)
@@ -590,8 +590,6 @@ def _is_timeout(e: BaseException) -> bool:
 
 def _worker(rank, world_size, port, threads, timeout_s, parent_pid, backend, device, stack_writer, fn, args,
             conn) -> None:
-    if hasattr(os, "setpgid"):  # a process group of its own, which _stop ends with it: what fn forks or spawns
-        os.setpgid(0, 0)
     _die_with_parent(parent_pid)
     _dump_stack_on_request(stack_writer)
     # Ctrl-C reaches every process of the terminal's group; the parent alone handles it
@@ -622,6 +620,7 @@ def _worker(rank, world_size, port, threads, timeout_s, parent_pid, backend, dev
         if dist.is_initialized():
             _stay_until_all_joined(store, world_size, timeout)
             dist.destroy_process_group()
+        _end(_descendants(os.getpid()))  # what fn forked or spawned and left running
 
 
 _JOINED = "ctxpar/joined/"  # + a rank: set in the run's store once that rank has joined the group
@@ -647,10 +646,39 @@ def _exit_reason(exitcode: int | None) -> str:
     return f"exited with code {exitcode}"
 
 
+def _descendants(pid: int) -> list[int]:
+    """The processes ``pid`` started and theirs, still running (Linux's /proc; none elsewhere)."""
+    found, parents = [], [pid]
+    while parents:
+        parent = parents.pop()
+        try:
+            threads = os.listdir(f"/proc/{parent}/task")
+        except OSError:  # gone, or no /proc
+            continue
+        for thread in threads:
+            try:
+                with open(f"/proc/{parent}/task/{thread}/children") as f:
+                    children = [int(child) for child in f.read().split()]
+            except OSError:
+                continue
+            found += children
+            parents += children
+    return found
+
+
+def _end(pids: list[int]) -> None:
+    """SIGTERM to each of ``pids``: what a rank forked or spawned and left running ends with the
+    rank (a forked copy outlived the run, re-parented, holding the rank's memory and sockets).
+    Not SIGKILL: multiprocessing's resource tracker ignores it and cleans up once its rank is gone."""
+    for pid in pids:
+        with contextlib.suppress(ProcessLookupError, PermissionError):
+            os.kill(pid, signal.SIGTERM)
+
+
 def _stop(procs: list) -> None:
-    """SIGTERM, then SIGKILL what is still there a few seconds later; then SIGKILL what is left
-    of each rank's process group (what its fn forked or spawned: a forked copy outlived the run,
-    re-parented, holding the rank's memory and sockets), as torchrun ends its ranks' groups."""
+    """SIGTERM, then SIGKILL what is still there a few seconds later, and SIGTERM to what each
+    rank stopped so had started (``_end``: a rank that ends itself ends its own)."""
+    started = {p.pid: _descendants(p.pid) for p in procs if p.is_alive()}  # before they are re-parented
     for p in procs:
         if p.is_alive():
             p.terminate()
@@ -664,9 +692,7 @@ def _stop(procs: list) -> None:
         if p.is_alive():
             p.kill()
             p.join()
-        if hasattr(os, "killpg"):
-            with contextlib.suppress(ProcessLookupError, PermissionError):  # none left, or it never made its group
-                os.killpg(p.pid, signal.SIGKILL)
+        _end(started.get(p.pid, []))
 
 
 def run_local(
