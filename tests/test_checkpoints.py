@@ -658,7 +658,8 @@ def test_a_run_on_a_directory_a_live_run_holds_is_refused_before_any_rank_starts
     held = [checkpoint.hold_for_run(fresh), checkpoint.hold_for_run(str(used))]
     try:
         started = time.monotonic()
-        for directory, resume in ((fresh, False), (str(used), True)):
+        # a new run beside a live run that saved: the live run is named, not "holds checkpoints: add --resume"
+        for directory, resume in ((fresh, False), (str(used), True), (str(used), False)):
             with pytest.raises(ValueError, match=f"another ctxpar train is running on --checkpoint-dir "
                                                  f"'{re.escape(directory)}' \\(.* pid {os.getpid()}\\); wait for it"):
                 run_train(TrainConfig(steps=8, resume=resume, checkpoint_dir=directory, **COMMON))

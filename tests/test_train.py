@@ -14,7 +14,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from ctxpar.checkpoint import SAVE_LOCK
+from ctxpar.checkpoint import RUN_LOCK, SAVE_LOCK
 from ctxpar.data import RecallTask
 from ctxpar.layout import get_layout
 from ctxpar.models import Transformer, get_config
@@ -148,13 +148,13 @@ def test_resumed_run_continues_with_the_uninterrupted_losses(tmp_path) -> None:
     ckpt = str(tmp_path / "ckpt")
     full = run_train(TrainConfig(steps=6, **common))
     run_train(TrainConfig(steps=3, save_every=2, checkpoint_dir=ckpt, **common))
-    assert sorted(os.listdir(ckpt)) == [SAVE_LOCK, "step-000002", "step-000003"]
+    assert sorted(os.listdir(ckpt)) == [RUN_LOCK, SAVE_LOCK, "step-000002", "step-000003"]
     resumed = run_train(TrainConfig(steps=6, resume=True, checkpoint_dir=ckpt, **common))
     assert resumed["start_step"] == 3 and resumed["resumed_from"] == os.path.join(ckpt, "step-000003")
     assert resumed["loss"] == full["loss"][3:]  # bit-identical
     header = format_report(resumed).splitlines()[:2]  # it read "3 steps" with no word of the resume
     assert header[0].endswith(", 3 steps (steps 4-6)") and header[1] == f"  resumed from {resumed['resumed_from']}"
-    assert sorted(os.listdir(ckpt)) == [SAVE_LOCK, "step-000002", "step-000003", "step-000006"]
+    assert sorted(os.listdir(ckpt)) == [RUN_LOCK, SAVE_LOCK, "step-000002", "step-000003", "step-000006"]
     # another world size, layout and strategy: the same sums in another order, so not bit for bit
     # (README once said so), within float32 rounding (measured up to 9.5e-7 on losses near 5.5)
     resharded = str(tmp_path / "resharded")

@@ -156,44 +156,81 @@ def check_directory(directory: str, *, resuming: bool, checkpoint_bytes: int = 0
                          "optimizer's state); free space there, or pass a directory on a file system with room")
 
 
-def hold_for_run(directory: str) -> int | None:
-    """Lock ``directory`` for one run's life (where its file system has locks) and return the
-    lock's descriptor (closing it, or the process's end, releases it). A second run started on
-    it meanwhile, ``--resume`` included, is refused before its ranks start: a resume beside a
-    live run took its newest checkpoint as the last, saved over its later steps, and one of
-    the two died at its next save.
+class HeldByAnotherRun(ValueError):
+    """The checkpoint directory is held by another live run (``hold_for_run``)."""
+
+
+def _flock(path: str) -> int | None:
+    """An exclusive ``flock`` on the file ``path`` (created): its descriptor (closing it releases
+    the lock), or None where the file system has no locks (NFS mounted nolock, Lustre noflock).
 
     Raises:
-        ValueError: another process holds the directory, naming its host and pid.
+        BlockingIOError: another open file holds the lock.
     """
-    lock = os.open(os.path.join(directory, RUN_LOCK), os.O_RDWR | os.O_CREAT, 0o644)
+    fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
     try:
-        fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
-    except BlockingIOError:
-        holder = os.read(lock, 256).decode(errors="replace").strip()
-        os.close(lock)
-        raise ValueError(f"another ctxpar train is running on --checkpoint-dir {directory!r}"
-                         f"{f' ({holder})' if holder else ''}; wait for it to end (--resume then continues it), or "
-                         f"give this run a directory of its own") from None
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
     except OSError as e:
-        os.close(lock)
-        if e.errno in _CANNOT_LOCK:  # a file system without locks: runs go unlocked there, as saves do
+        os.close(fd)
+        if e.errno in _CANNOT_LOCK:
             return None
         raise
-    os.ftruncate(lock, 0)
-    os.write(lock, f"{socket.gethostname()} pid {os.getpid()}\n".encode())
+    return fd
+
+
+def hold_for_run(directory: str) -> int | None:
+    """Lock ``directory`` for one run's life and return the lock's descriptor (closing it, or
+    the process's end, releases it); None where its file system has no locks or the directory
+    cannot be written (``check_directory`` says so). A second run started on it meanwhile,
+    ``--resume`` included, is refused before its ranks start: a resume beside a live run took
+    its newest checkpoint as the last, saved over its later steps, and one of the two died at
+    its next save.
+
+    Raises:
+        HeldByAnotherRun: another process holds the directory, naming its host and pid.
+    """
+    path = os.path.join(directory, RUN_LOCK)
+    try:
+        lock = _flock(path)
+    except BlockingIOError:
+        try:
+            with open(path, encoding="utf-8", errors="replace") as f:
+                holder = f" ({f.read(256).strip()})"
+        except OSError:
+            holder = ""
+        raise HeldByAnotherRun(f"another ctxpar train is running on --checkpoint-dir {directory!r}{holder}; wait for "
+                               f"it to end (--resume then continues it), or give this run a directory of its own"
+                               ) from None
+    except OSError:  # not a writable directory
+        return None
+    if lock is not None:
+        os.ftruncate(lock, 0)
+        os.write(lock, f"{socket.gethostname()} pid {os.getpid()}\n".encode())
     return lock
 
 
-def hold_for_run_together(directory: str) -> None:
-    """:func:`hold_for_run` by rank 0, for the rest of its process's life (a torchrun rank runs
-    one training), raising on every rank (collective)."""
-    _on_rank0(partial(hold_for_run, directory))
+def check_and_hold(directory: str, *, resuming: bool, checkpoint_bytes: int = 0) -> int | None:
+    """:func:`check_directory`, then :func:`hold_for_run`; a directory that exists is held
+    first, so that a live run on it is named before what it saved there ("holds checkpoints:
+    add --resume", which the lock then refused)."""
+    held = hold_for_run(directory) if os.path.isdir(directory) else None
+    try:
+        check_directory(directory, resuming=resuming, checkpoint_bytes=checkpoint_bytes)
+        return held if held is not None else hold_for_run(directory)
+    except BaseException:
+        if held is not None:
+            os.close(held)
+        raise
 
 
-def check_directory_together(directory: str, *, resuming: bool, checkpoint_bytes: int = 0) -> None:
-    """:func:`check_directory` once, by rank 0, raising on every rank (collective)."""
-    _on_rank0(partial(check_directory, directory, resuming=resuming, checkpoint_bytes=checkpoint_bytes))
+def check_and_hold_together(directory: str, *, resuming: bool, checkpoint_bytes: int = 0, checked: bool = True
+                            ) -> int | None:
+    """:func:`check_and_hold` by rank 0 (``checked`` False: :func:`hold_for_run` alone), raising
+    on every rank (collective); rank 0's descriptor there, None elsewhere."""
+    hold = partial(check_and_hold, directory, resuming=resuming, checkpoint_bytes=checkpoint_bytes) if checked \
+        else partial(hold_for_run, directory)
+    held = _on_rank0(hold)
+    return held if _rank_world()[0] == 0 else None
 
 
 def save(model: torch.nn.Module, optimizer: torch.optim.Optimizer, directory: str, step: int,
@@ -241,7 +278,7 @@ def save(model: torch.nn.Module, optimizer: torch.optim.Optimizer, directory: st
     except OSError as e:
         raise _unwritten(path, step, e) from None
     finally:
-        if _rank_world()[0] == 0:
+        if _rank_world()[0] == 0 and lock is not None:
             os.close(lock)  # releases the lock
     return path
 
@@ -649,29 +686,27 @@ def _checked_run(run: Any) -> dict[str, Any]:
         raise ValueError(f"checkpoint run must hold what JSON can (numbers, strings, lists, dicts): {e}") from None
 
 
-def _claim(directory: str, path: str, step: int, run: dict[str, Any]) -> int:
+def _claim(directory: str, path: str, step: int, run: dict[str, Any]) -> int | None:
     """Lock ``directory`` for this run's save of ``step`` at ``path`` and clear what is there;
-    return the lock's descriptor (closing it releases the lock, as the process's end does)."""
+    return the lock's descriptor (closing it releases the lock, as the process's end does),
+    None where the file system has no locks."""
     os.makedirs(directory, exist_ok=True)
-    lock = os.open(os.path.join(directory, SAVE_LOCK), os.O_WRONLY | os.O_CREAT, 0o644)
     try:
-        try:
-            fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except BlockingIOError:
-            raise ValueError(f"another process is saving a checkpoint into {directory} right now; give each run a "
-                             f"--checkpoint-dir of its own") from None
-        except OSError as e:
-            if e.errno not in _CANNOT_LOCK:
-                raise
-            # a file system without locks (NFS mounted nolock, Lustre noflock): saves go unlocked there,
-            # as they did before the lock; a sealed checkpoint of another run is still refused below
+        # None on a file system without locks: saves go unlocked there, as they did before the
+        # lock; a sealed checkpoint of another run is still refused below
+        lock = _flock(os.path.join(directory, SAVE_LOCK))
+    except BlockingIOError:
+        raise ValueError(f"another process is saving a checkpoint into {directory} right now; give each run a "
+                         f"--checkpoint-dir of its own") from None
+    try:
         manifest, _ = _read_manifest(path, step)
         if manifest is not None and manifest["run"] != run:
             raise ValueError(f"{path} holds a checkpoint sealed by another run ({_differences(manifest['run'], run)})"
                              f", which is not replaced; give each run a --checkpoint-dir of its own")
         _remove(path)
     except BaseException:
-        os.close(lock)
+        if lock is not None:
+            os.close(lock)
         raise
     return lock
 

@@ -204,9 +204,10 @@ def _run_steps(
     return history
 
 
-def _within_a_torchrun_launch(cfg: TrainConfig, rank: int) -> checkpoint.Resumable | None:
+def _within_a_torchrun_launch(cfg: TrainConfig, rank: int, holds: list[int]) -> checkpoint.Resumable | None:
     """Where a torchrun rank starts, decided by the ranks together (collective): the checkpoint
-    to continue from, or None.
+    to continue from, or None. Rank 0 holds the directory for the run (``checkpoint.hold_for_run``),
+    its descriptor put in ``holds``.
 
     torchrun restarts failed ranks with the same arguments (``--max-restarts``), so an
     attempt tells a restart from a new launch by the mark an earlier attempt of the launch
@@ -219,10 +220,19 @@ def _within_a_torchrun_launch(cfg: TrainConfig, rank: int) -> checkpoint.Resumab
     mark = f"{OWN_CHECKPOINTS} {os.path.abspath(cfg.checkpoint_dir)}"
     restarted = launch.launch_marked(mark)
     dist.barrier()  # every rank has read the mark before rank 0 sets it below
-    if not restarted:
-        checkpoint.check_directory_together(cfg.checkpoint_dir, resuming=cfg.resume,
-                                            checkpoint_bytes=cfg.checkpoint_bytes())
-    checkpoint.hold_for_run_together(cfg.checkpoint_dir)
+    try:
+        held = checkpoint.check_and_hold_together(cfg.checkpoint_dir, resuming=cfg.resume,
+                                                  checkpoint_bytes=cfg.checkpoint_bytes(), checked=not restarted)
+    except checkpoint.HeldByAnotherRun as e:
+        if not restarted:
+            raise
+        # the failed attempt's lock, on a file system that keeps a dead host's locks for a while (NFS)
+        held = None
+        if rank == 0:
+            launch.note(f"ctxpar train: torchrun restarted the run, and the directory's run lock is still held: {e}; "
+                        f"continuing without it")
+    if held is not None:
+        holds.append(held)
     found = None
     if cfg.resume:  # asked for, on every attempt
         found = find_resume_point(cfg)
@@ -268,8 +278,19 @@ def train_rank(rank: int, world: int, cfg: TrainConfig, resume_from: checkpoint.
     """One rank of a CP (x DP) training run; returns the report on rank 0.
 
     With ``cfg.resume``, ``resume_from`` is the checkpoint the launching process found and
-    verified (local ranks share its file system); None: the ranks find it together (torchrun).
+    verified (local ranks share its file system); None: the ranks find it together (torchrun),
+    rank 0 holding the checkpoint directory until the run ends.
     """
+    holds: list[int] = []
+    try:
+        return _train_rank(rank, world, cfg, resume_from, device, holds)
+    finally:
+        for held in holds:
+            os.close(held)
+
+
+def _train_rank(rank: int, world: int, cfg: TrainConfig, resume_from: checkpoint.Resumable | None,
+                device: torch.device | None, holds: list[int]) -> dict | None:
     from torch.distributed.fsdp import fully_shard
 
     device = device or torch.device("cpu")
@@ -300,7 +321,7 @@ def train_rank(rank: int, world: int, cfg: TrainConfig, resume_from: checkpoint.
 
     resumed = resume_from
     if cfg.checkpoint_dir and launch.joined_torchrun():
-        resumed = _within_a_torchrun_launch(cfg, rank)
+        resumed = _within_a_torchrun_launch(cfg, rank, holds)
     elif cfg.resume and resumed is None:
         resumed = find_resume_point(cfg)
         if rank == 0:
@@ -435,12 +456,12 @@ def run_train(cfg: TrainConfig, *, timeout_s: float = launch.DEFAULT_TIMEOUT_S) 
     resume_from, held = None, None
     # here, not in validate (which every rank runs): it may create the directory; torchrun's
     # ranks check and hold it together once joined (``_within_a_torchrun_launch``)
-    here = cfg.checkpoint_dir and not launch.launched_by_torchrun()
-    if here:
-        checkpoint.check_directory(cfg.checkpoint_dir, resuming=cfg.resume, checkpoint_bytes=cfg.checkpoint_bytes())
-        held = checkpoint.hold_for_run(cfg.checkpoint_dir)
+    checked_here = bool(cfg.checkpoint_dir) and not launch.launched_by_torchrun()
+    if checked_here:
+        held = checkpoint.check_and_hold(cfg.checkpoint_dir, resuming=cfg.resume,
+                                         checkpoint_bytes=cfg.checkpoint_bytes())
     try:
-        if here and cfg.resume:
+        if checked_here and cfg.resume:
             resume_from = find_resume_point(cfg)
             _say_skipped(resume_from)
         report = launch.run(train_rank, cfg.nproc, (cfg, resume_from), device_type=cfg.device, timeout_s=timeout_s)
