@@ -377,10 +377,27 @@ def _stops_and_last_tokens(model, tokens: torch.Tensor, rank: int) -> dict:
         def end(self):
             pass
 
+    class ClosedPipe(BaseStreamer):
+        """Fails at its put number ``at`` (1: the prompt's, before the prefill; 5: the last token's)."""
+
+        def __init__(self, at: int) -> None:
+            self.puts, self.at = 0, at
+
+        def put(self, value):
+            self.puts += 1
+            if self.puts == self.at:
+                raise BrokenPipeError("printing to a closed pipe")
+
+        def end(self):
+            pass
+
     return {"max_time": sequences(max_time=1e-9),  # once refused: each rank stopped by its own clock
             "max_new_tokens differ": sequences(max_new_tokens=4 + rank),
             "a stop failing on rank 1": sequences(stopping_criteria=StoppingCriteriaList([FailOnRank1()])),
             "a streamer on rank 0": sequences(streamer=Watching() if rank == 0 else None),
+            # raised on rank 0 alone between steps: its peers waited in the next step's collective
+            **{f"a streamer on rank 0 failing at put {at}": sequences(streamer=ClosedPipe(at) if rank == 0 else None)
+               for at in (1, 3, 5)},
             "a stop of rank 1": sequences(stopping_criteria=StoppingCriteriaList([StopOnRank1()])),
             "last token differs": sequences(max_new_tokens=1, logits_processor=LogitsProcessorList([FavourOwnToken()]))}
 

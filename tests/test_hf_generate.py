@@ -208,6 +208,15 @@ def test_a_difference_in_a_common_setting_is_named_and_a_streamer_on_one_rank_ru
         assert kind == "refused" and "max_new_tokens [4, 5, 6, 7]" in message, (rank, message)
         streamed = run["a streamer on rank 0"]
         assert streamed[0] == "ran" and streamed == runs[0]["a streamer on rank 0"], (rank, streamed)
+        for at in (1, 3):  # raised at the next forward, on every rank together
+            got = run[f"a streamer on rank 0 failing at put {at}"]
+            want = "BrokenPipeError: printing to a closed pipe" if rank == 0 else \
+                "ValueError: ranks [0] of the CP group rejected their generate forward"
+            assert got[0] == "refused" and got[1].startswith(want), (rank, at, got)
+        # the last token's put: no forward follows, the peers are done; rank 0 raises alone, from the streamer's end
+        got = run["a streamer on rank 0 failing at put 5"]
+        want = ("refused", "BrokenPipeError: printing to a closed pipe") if rank == 0 else streamed
+        assert got == want, (rank, got)
 
 
 def test_a_forward_with_a_token_outside_the_vocabulary_on_one_rank_is_refused_on_every_rank() -> None:

@@ -56,6 +56,7 @@ K/V in the prefill and skips a decode step, at that step (``cached_forward``).
 
 from __future__ import annotations
 
+import contextvars
 import functools
 import inspect
 from collections import deque
@@ -376,6 +377,9 @@ def _cached_step(forward, kwargs: dict, *, name: str, settings: Settings, cache:
     (``whole``: the signature of the whole call, compared at every part; ``split``: how the
     prompt is fed)."""
     error, call, step = refusal, None, None
+    streamer = STREAMING.get()
+    if error is None and streamer is not None:
+        error = streamer.error  # what the last token (or the prompt) made it raise, raised now on every rank
     if error is None:
         try:
             call, step = _plan(name, settings, cache, dict(kwargs), accepts)
@@ -712,6 +716,35 @@ def _setting(value) -> int:
     raise TypeError(value)  # readable() sends -1 for it: the config's checksum still compares it
 
 
+class HeldStreamer:
+    """A generate call's ``streamer``, whose error is held for the next forward's exchange,
+    which raises it on every rank together: a streamer given on rank 0 alone (a closed pipe
+    to print to) raised there between steps, its peers waiting in the next step's
+    collective. An error after the last forward is raised by ``end``, on that rank alone (its
+    peers are done)."""
+
+    def __init__(self, streamer) -> None:
+        self.streamer = streamer
+        self.error: Exception | None = None
+
+    def put(self, value) -> None:
+        if self.error is None:
+            try:
+                self.streamer.put(value)
+            except Exception as e:  # noqa: BLE001  any failure: raised at the next exchange
+                self.error = e
+
+    def end(self) -> None:
+        if self.error is None:
+            self.streamer.end()
+        if self.error is not None:
+            raise self.error
+
+
+# The streamer of the generate call in progress (None outside one, or without a streamer).
+STREAMING: contextvars.ContextVar[HeldStreamer | None] = contextvars.ContextVar("ctxpar_streaming", default=None)
+
+
 class AgreedStop(StoppingCriteriaList):
     """transformers' stopping criteria for one generate call, then one tiny all-reduce over
     the CP group: a sequence stops on every rank where any rank's criteria stop it (a
@@ -779,7 +812,15 @@ def wrap_generate(model, settings: Settings) -> None:
                                          peers.process_groups, error, "generate call")
         elif error is not None:
             raise error
-        return generate(model, *args, **kwargs)
+        held = None
+        if kwargs.get("streamer") is not None and peers.world_size > 1:
+            held = HeldStreamer(kwargs["streamer"])
+            kwargs = dict(kwargs, streamer=held)
+        streaming = STREAMING.set(held)
+        try:
+            return generate(model, *args, **kwargs)
+        finally:
+            STREAMING.reset(streaming)
 
     @installed
     def stopping_criteria(*args, **kwargs) -> StoppingCriteriaList:
