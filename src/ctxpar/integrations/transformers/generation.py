@@ -687,6 +687,9 @@ def check_token_ids(name: str, model, tokens) -> None:
 
 # generation settings compared by value, so that a difference names them (the rest by checksum)
 _NAMED_SETTINGS = ("max_new_tokens", "max_length", "min_new_tokens", "do_sample", "num_return_sequences", "top_k")
+# generate's arguments of objects compared each by its own checksum, so that a difference names them (an empty
+# StoppingCriteriaList on one rank, None on the others, read "arguments (crc32)")
+_NAMED_ARGUMENTS = ("generation_config", "logits_processor", "stopping_criteria", "prefix_allowed_tokens_fn")
 
 
 def generate_signature(model, args: tuple, kwargs: dict, prompt, config) -> dict[str, int]:
@@ -699,7 +702,9 @@ def generate_signature(model, args: tuple, kwargs: dict, prompt, config) -> dict
     if sampling and device.type == "cuda":
         rng.append(torch.cuda.get_rng_state(device))
     named = {key: agreement.readable(lambda key=key: _setting(getattr(config, key, None))) for key in _NAMED_SETTINGS}
-    return {"arguments (crc32)": _crc([list(args), {k: v for k, v in kwargs.items() if k != "streamer"}]),
+    rest = {k: v for k, v in kwargs.items() if k != "streamer" and k not in _NAMED_ARGUMENTS}
+    return {"arguments (crc32)": _crc([list(args), rest]),
+            **{f"{key} (crc32)": _crc(kwargs.get(key)) for key in _NAMED_ARGUMENTS},
             "prompt": tuple(prompt.shape)[1] if isinstance(prompt, torch.Tensor) else -1,
             **named,
             "generation config (crc32)": _crc(config.to_dict()) if config is not None else -1,
