@@ -40,8 +40,9 @@ def thread_seconds(fn) -> tuple[float, object]:
 
 
 def measure(layers: int, args: argparse.Namespace, packages: dict) -> dict:
-    """Per package: the step's and the plain forward's median thread time; their logits alike?"""
-    steps, plain, logits, runs = {}, {}, {}, {}
+    """Per package: the step's and the plain forward's median thread time; their logits alike at
+    every step?"""
+    steps, plain, runs, identical = {}, {}, {}, True
     for name, modules in packages.items():
         models, inference = modules["ctxpar.models"], modules["ctxpar.inference"]
         cfg = models.ModelConfig(layers=layers, hidden=args.hidden, heads=args.heads, kv_heads=args.kv_heads,
@@ -56,6 +57,7 @@ def measure(layers: int, args: argparse.Namespace, packages: dict) -> dict:
         steps[name], plain[name] = [], []
     token = torch.tensor([3])
     for i in range(args.warmup + args.repeat):  # alternating: drift on the machine hits both alike
+        logits = {}
         for name, (model, cache, decode_step) in runs.items():
             seconds, logits[name] = thread_seconds(lambda: decode_step(model, cache, token))
             position = torch.tensor([cache.seq_len - 1])
@@ -64,10 +66,12 @@ def measure(layers: int, args: argparse.Namespace, packages: dict) -> dict:
             if i >= args.warmup:
                 steps[name].append(seconds)
                 plain[name].append(forward)
-    row = dict(layers=layers, identical=torch.equal(*logits.values()) if len(logits) == 2 else None)
+        identical = identical and (len(logits) < 2 or torch.equal(*logits.values()))
+    row = dict(layers=layers, identical=identical if len(runs) == 2 else None)
     for name in runs:
         row[f"{name}_step"] = statistics.median(steps[name])
         row[f"{name}_forward"] = statistics.median(plain[name])
+        row[f"{name}_added"] = row[f"{name}_step"] - row[f"{name}_forward"]
     return row
 
 
@@ -112,7 +116,6 @@ def main() -> None:
     for row in rows:
         line = f"{row['layers']:>4}"
         for name in names:
-            row[f"{name}_added"] = row[f"{name}_step"] - row[f"{name}_forward"]
             line += " ".join(f" {row[f'{name}_{part}'] * 1e6:>{w}.0f}" for part, w in
                              (("step", 11), ("forward", 7), ("added", 7)))
         if args.baseline:

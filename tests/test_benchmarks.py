@@ -173,6 +173,6 @@ def test_decode_host_times_the_step_and_the_plain_forward(tmp_path) -> None:
     assert proc.returncode == 0, proc.stdout + proc.stderr
     rows = json.loads(path.read_text())["rows"]
     assert [row["layers"] for row in rows] == [1, 3]
-    for row in rows:
-        assert row["after_step"] > row["after_forward"] > 0 and row["identical"] is None
-    assert rows[1]["after_forward"] > rows[0]["after_forward"]  # three layers' forward
+    for row in rows:  # figures, not asserted against each other (timings are the benchmark's to report)
+        assert row["after_step"] > 0 and row["after_forward"] > 0 and row["identical"] is None
+        assert row["after_added"] == row["after_step"] - row["after_forward"]

@@ -521,17 +521,9 @@ def test_what_a_rank_forks_or_spawns_ends_with_the_run() -> None:
     deadline = time.monotonic() + 10
     alive = children
     while alive and time.monotonic() < deadline:
-        alive = [pid for pid in children if os.path.exists(f"/proc/{pid}") and _state(pid) != "Z"]
+        alive = [pid for pid in children if launch.process_state(pid) not in (None, "Z")]
         time.sleep(0.1)
     assert not alive, f"still running: {alive}"
-
-
-def _state(pid: int) -> str:
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            return f.read().rpartition(")")[2].split()[0]
-    except OSError:  # gone meanwhile
-        return "Z"
 
 
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads the process state from /proc")
@@ -554,7 +546,7 @@ def test_a_stopped_rank_takes_its_sigterm() -> None:
     """A rank frozen by SIGSTOP keeps a SIGTERM pending: it waited the grace period for the SIGKILL."""
     process = multiprocessing.get_context("spawn").Process(target=stop_myself)
     process.start()
-    while _state(process.pid) != "T":
+    while launch.process_state(process.pid) != "T":
         time.sleep(0.05)
     launch._stop([process])
     assert process.exitcode == -signal.SIGTERM

@@ -483,14 +483,19 @@ def _probe(procs: list, ranks: list[int], stacks: list[connection.Connection]) -
     return found
 
 
-def _frozen(pid: int) -> bool:
-    """Whether process ``pid`` is stopped by a signal (Linux's /proc; False where it cannot tell)."""
+def process_state(pid: int) -> str | None:
+    """Process ``pid``'s state letter ("R", "S", "T": stopped by a signal, "Z": a zombie), from
+    Linux's /proc; None where it is gone or cannot be read."""
     try:
         with open(f"/proc/{pid}/stat") as f:
-            state = f.read().rpartition(")")[2].split()[0]  # after the command name, which may hold spaces
+            return f.read().rpartition(")")[2].split()[0]  # after the command name, which may hold spaces
     except (OSError, IndexError):
-        return False
-    return state in ("T", "t")
+        return None
+
+
+def _frozen(pid: int) -> bool:
+    """Whether process ``pid`` is stopped by a signal (False where it cannot tell)."""
+    return process_state(pid) in ("T", "t")
 
 
 def _main_thread_frames(dump: str) -> list[tuple[str, str, str]]:

@@ -185,9 +185,11 @@ _PROVENANCE = ("_name_or_path", "transformers_version", "architectures", "dtype"
 
 
 def has_attention_fn(module: nn.Module) -> bool:
-    """Whether ``module`` has an ``attention_fn``: ``hasattr`` without Module.__getattr__, which
-    raises (and catches) an AttributeError for each module lacking one; a decode step walked a
-    model's modules so for a tenth of its time."""
+    """Whether ``module`` has an ``attention_fn`` of its own: ``hasattr`` without
+    Module.__getattr__, which raises (and catches) an AttributeError for each module lacking
+    one (a decode step walked a model's modules so for a tenth of its time). A wrapper that
+    forwards attribute reads to the module it wraps (torch.compile's, FSDP1's) has none: the
+    wrapped module, which the walk also meets, is the attention module."""
     return "attention_fn" in module.__dict__ or "attention_fn" in module._modules or hasattr(type(module),
                                                                                            "attention_fn")
 

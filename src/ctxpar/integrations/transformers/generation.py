@@ -599,9 +599,10 @@ def _check_attention_mask(mask, prompt: torch.Tensor) -> None:
     if mask is None:
         return
     if not isinstance(mask, torch.Tensor) or tuple(mask.shape) != tuple(prompt.shape):
-        got = tuple(mask.shape) if isinstance(mask, torch.Tensor) else type(mask).__name__
-        raise ValueError(f"generate got an attention_mask of shape {got} for input_ids of shape "
-                         f"{tuple(prompt.shape)}: pass a mask of the prompt's shape, or none")
+        got = f"of shape {tuple(mask.shape)}" if isinstance(mask, torch.Tensor) else \
+            f"of type {type(mask).__name__}, not a tensor,"
+        raise ValueError(f"generate got an attention_mask {got} for input_ids of shape {tuple(prompt.shape)}: pass "
+                         f"a mask of the prompt's shape, or none")
     binary = (mask == 0) | (mask == 1)
     if not bool(binary.all()):
         raise ValueError(f"generate got an attention_mask holding {mask[~binary][0].item()!r}: a mask holds 0 "
