@@ -395,6 +395,11 @@ def test_a_caches_history_is_its_tokens_however_they_were_fed_and_rewound() -> N
     pieces.rewind(cases.PROMPT_LEN + 1)
     decode_step(model, pieces, tokens[:, cases.PROMPT_LEN + 2])  # another token at that position
     assert pieces.history != whole.history
+    # back by exactly one position, its token read into the history above: once kept that checksum
+    pieces.rewind(cases.PROMPT_LEN + 1)
+    for i in range(cases.PROMPT_LEN + 1, tokens.shape[1]):
+        decode_step(model, pieces, tokens[:, i])
+    assert pieces.history == whole.history
     pieces.rewind(0)  # as fresh: a peer with a fresh cache takes the same calls
     assert (pieces.history, pieces.dealt_by) == (0, "")
     partial_prefill(model, pieces, tokens[:, :3])
