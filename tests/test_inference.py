@@ -291,6 +291,26 @@ def test_without_a_process_group_generate_is_the_single_process_generation() -> 
         assert got.cache.positions().tolist() == list(range(cases.PROMPT_LEN + 4))
 
 
+def test_time_per_output_token_is_the_decode_steps_time_over_the_tokens_after_the_first(monkeypatch) -> None:
+    """tpot_s: the new_tokens - 1 decode steps' time over their count (the first token is the
+    prefill's); once divided by new_tokens, 20% short at 5 tokens. On a clock that the decode
+    steps alone move, 20 ms each: exact on a loaded machine."""
+    import importlib
+
+    module = importlib.import_module("ctxpar.inference.generate")  # the package's `generate` is the function
+    clock, real = [0.0], module.decode_step
+
+    def step(*args, **kwargs):
+        clock[0] += 0.02
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(module, "_now", lambda device: clock[0])
+    monkeypatch.setattr(module, "decode_step", step)
+    got = generate(cases.build(), cases.prompt_tokens(), layout="striped", new_tokens=5)
+    assert (got.ttft_s, clock[0]) == (0.0, pytest.approx(0.08))
+    assert got.tpot_s == pytest.approx(0.02)
+
+
 def test_a_custom_attention_fn_is_refused_not_replaced() -> None:
     """Prefill and decode put causal attention over the sharded cache in each layer's place:
     a sliding window set by hand was once silently dropped; apply_context_parallel's runs."""
