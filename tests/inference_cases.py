@@ -400,6 +400,12 @@ def _check_bad_inputs(rank: int, world: int) -> dict[str, str]:
         rewound = prefilled(cache(capacity=PROMPT_LEN))
         rewound.rewind(PROMPT_LEN - 2)
         messages["rewound_refill"] = _attempt(lambda: [decode_step(model, rewound, prompt[:, i]) for i in (0, 1)])
+        # so for a chunk: rewound into a contiguous prompt, rank 0's shard (its first positions) fills first; once
+        # unchecked, a torch error on rank 0 and 'Connection closed by peer' on the others
+        contiguous = cache(capacity=PROMPT_LEN)
+        prefill(model, contiguous, prompt, layout="contiguous")
+        contiguous.rewind(2)
+        messages["rank_0_shard_full"] = _attempt(lambda: partial_prefill(model, contiguous, prompt[:, 2:]))
         messages["interrupted_chunk"] = _interrupted_chunk(model, prefilled(cache()), prefilled(cache()), prompt)
         # only the last rank's temperature is out of float range: once an OverflowError that left the others waiting
         hot = 10**400 if rank == world - 1 else 1.0

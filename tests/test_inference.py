@@ -253,6 +253,9 @@ ONE_RANK_BAD = {  # the last rank's call is bad: it raises its own error, the ot
     **{f"one_rank_flag_{call}": "check_consistency must be True or False, got None"
        for call in ("prefill", "decode", "chunk", "generate", "attention")},
 }
+RANK_0_BAD = {  # rank 0's call is bad: it raises its own error, the others name it
+    "rank_0_shard_full": "rank 0's KV cache shard cannot take its share of the chunk",
+}
 MULTI_RANK_ONLY = ("layout_length", "step", "tokens_differ", "chunks_differ", "methods_differ", "calls_differ",
                    "chunk_capacities_differ", "interrupted_chunk", "cache_on_a_mesh", "cache_on_group_and_mesh",
                    "attention_queries_differ", "attention_scales_differ", "attention_sinks_differ", "models_differ",
@@ -269,11 +272,12 @@ def test_bad_inputs_raise_clear_errors_on_every_rank_without_hanging(world: int)
         refill = messages.pop("rewound_refill", None)
         if world > 1:
             assert "rewound into its prompt" in refill or "of the CP group rejected their decode step" in refill, refill
-        for case, own in ONE_RANK_BAD.items():
-            message = messages.pop(case, None)
-            if world > 1:
-                want = own if rank == world - 1 else f"ranks [{world - 1}] of the CP group rejected"
-                assert want in message, (case, rank, message)
+        for bad, own_messages in ((world - 1, ONE_RANK_BAD), (0, RANK_0_BAD)):
+            for case, own in own_messages.items():
+                message = messages.pop(case, None)
+                if world > 1:
+                    want = own if rank == bad else f"ranks [{bad}] of the CP group rejected"
+                    assert want in message, (case, rank, message)
         expected = {k for k in EXPECTED_MESSAGES if (world > 1 or k not in MULTI_RANK_ONLY)
                     and (world == 4 or k not in ONLY_AT_P4)}
         assert set(messages) == expected
