@@ -185,6 +185,7 @@ def test_chunks_go_round_robin_and_keep_the_caches_balanced(world: int) -> None:
 
 EXPECTED_MESSAGES = {
     "capacity": ["prompt of 24 tokens", "capacity of 22"],
+    "capacity_one_short": ["prompt of 24 tokens", "capacity of 23"],
     "batch": ["batch B=2", "built for batch 3"],
     "heads": ["(layers, kv_heads, head_dim, value_dim) = (2, 4, 8, 8)", "(2, 2, 8, 8)"],
     "layout_length": ["not a multiple of 2*P=", "zigzag layout", "pad to"],
