@@ -623,7 +623,7 @@ def test_a_stderr_closed_or_full_costs_the_run_nothing(tmp_path) -> None:
     OSError ended it before any rank started, saying nothing. Notes are dropped, not fatal."""
     for name, stderr in (("closed", None), ("full", "/dev/full")):
         directory, report = tmp_path / name, tmp_path / f"{name}.json"
-        argv = [sys.executable, "-m", "ctxpar.cli", "train", "--nproc", "2", "--seq", "64", "--steps", "2",
+        argv = [sys.executable, "-m", "ctxpar.cli", "train", "--nproc", "1", "--seq", "64", "--steps", "2",
                 "--checkpoint-dir", str(directory), "--json", str(report)]
         with open(stderr or os.devnull, "w") as err:
             proc = subprocess.run(argv, stdout=subprocess.PIPE, stderr=err, text=True, timeout=300,
