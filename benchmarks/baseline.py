@@ -9,6 +9,7 @@ import sys
 from pathlib import Path
 
 import ctxpar
+from report import write_json
 
 
 def ctxpar_modules() -> dict:
@@ -44,3 +45,17 @@ def load_baseline(src: str, names: tuple[str, ...]) -> dict:
     if theirs["ctxpar"].__file__ == ours["ctxpar"].__file__:
         raise ValueError(f"--baseline {src} holds no other ctxpar package")
     return theirs
+
+
+def bits(row: dict) -> str:
+    """A table's last column: whether the row's results are bit-identical to the baseline's."""
+    return f" {'identical' if row['identical'] else 'DIFFER':>9}"
+
+
+def write_and_judge(args, rows: list[dict], differ: str) -> None:
+    """The rows as --json asked, then, against a --baseline, exit status 1 naming ``differ``
+    where a row's results are not bit-identical (after the table: the figures still count)."""
+    if args.json:
+        write_json(args.json, args, rows=rows)
+    if args.baseline and not all(row["identical"] for row in rows):
+        raise SystemExit(differ)

@@ -31,8 +31,7 @@ from ctxpar.launch import run_local
 from ctxpar.layout import LAYOUT_NAMES
 from ctxpar.strategy_rules import STRATEGY_NAMES
 import flags
-from baseline import check_baseline, ctxpar_modules, load_baseline
-from report import write_json
+from baseline import bits, check_baseline, ctxpar_modules, load_baseline, write_and_judge
 
 PARTS = ("kernels", "collectives")
 INSTRUMENTED = ("kernels.cpu", "comm", "agreement")  # the modules whose calls are timed
@@ -194,13 +193,9 @@ def main() -> None:
             line += f" {total:>13.2f} {kernels:>8.2f} {collectives:>8.2f} {total - kernels - collectives:>9.2f}"
         if args.baseline:
             line += (f" {row['after_total'] / row['before_total'] - 1:>+7.1%}"
-                     f" {row['after_rest'] / row['before_rest'] - 1:>+7.1%}"
-                     f" {'identical' if row['identical'] else 'DIFFER':>9}")
+                     f" {row['after_rest'] / row['before_rest'] - 1:>+7.1%}{bits(row)}")
         print(line)
-    if args.json:
-        write_json(args.json, args, rows=slowest)
-    if args.baseline and not all(row["identical"] for row in slowest):
-        raise SystemExit("results differ from the baseline's")
+    write_and_judge(args, slowest, "results differ from the baseline's")
 
 
 if __name__ == "__main__":

@@ -26,9 +26,8 @@ import time
 
 import torch
 
-from baseline import check_baseline, ctxpar_modules, load_baseline
+from baseline import bits, check_baseline, ctxpar_modules, load_baseline, write_and_judge
 import flags
-from report import write_json
 
 USED = ("models", "inference")  # the baseline's modules this benchmark calls
 
@@ -119,13 +118,9 @@ def main() -> None:
             line += " ".join(f" {row[f'{name}_{part}'] * 1e6:>{w}.0f}" for part, w in
                              (("step", 11), ("forward", 7), ("added", 7)))
         if args.baseline:
-            line += (f" {row['after_step'] / row['before_step'] - 1:>+7.1%}"
-                     f" {'identical' if row['identical'] else 'DIFFER':>9}")
+            line += f" {row['after_step'] / row['before_step'] - 1:>+7.1%}{bits(row)}"
         print(line)
-    if args.json:
-        write_json(args.json, args, rows=rows)
-    if args.baseline and not all(row["identical"] for row in rows):
-        raise SystemExit("logits differ from the baseline's")
+    write_and_judge(args, rows, "logits differ from the baseline's")
 
 
 if __name__ == "__main__":
