@@ -80,15 +80,22 @@ def stop_one_rank(rank: int, world: int, stopped: int) -> None:
     dist.all_reduce(torch.ones(4))
 
 
-def leave_children_behind(rank: int, world: int) -> int:
-    """Rank 0 forks a copy of itself, rank 1 spawns a program; neither waits. Returns the child's pid."""
+def leave_children_behind(rank: int, world: int, pids: str, hang: bool) -> None:
+    """Rank 0 forks a copy of itself that ignores SIGTERM, rank 1 spawns a program; neither
+    waits. Each child's pid goes to the file ``pids``; then, with ``hang``, the ranks sleep."""
     if rank == 0:
         pid = os.fork()
         if pid == 0:  # the copy: the rank's memory and sockets, lingering
+            signal.signal(signal.SIGTERM, signal.SIG_IGN)
             time.sleep(60)
             os._exit(0)
-        return pid
-    return subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"]).pid
+    else:
+        pid = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"]).pid
+    with open(pids, "a") as f:
+        f.write(f"{pid}\n")
+    dist.barrier()  # both written
+    if hang:
+        time.sleep(60)
 
 
 def freeze_one_rank_in_a_mesh(rank: int, world: int, frozen: int, late: int) -> None:
@@ -301,11 +308,7 @@ def free_port() -> int:
 
 def alive(pid: int) -> bool:
     """Running, not a zombie (an orphan's zombie waits for a reaper that may never come)."""
-    try:
-        stat = Path(f"/proc/{pid}/stat").read_text()
-    except FileNotFoundError:
-        return False
-    return stat.rsplit(")", 1)[1].split()[0] not in ("Z", "X")
+    return launch.process_state(pid) not in (None, "Z", "X")
 
 
 def workers_of(parent: int) -> list[int]:
@@ -514,16 +517,20 @@ def test_a_frozen_rank_is_named_when_the_others_time_out() -> None:
 
 
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads the process state from /proc")
-def test_what_a_rank_forks_or_spawns_ends_with_the_run() -> None:
-    """A forked copy of a rank (a fork-context pool) or a program it spawned outlived the run,
-    re-parented, the copy holding the rank's memory and sockets."""
-    children = run_local(leave_children_behind, 2, timeout_s=60)
-    deadline = time.monotonic() + 10
-    alive = children
-    while alive and time.monotonic() < deadline:
-        alive = [pid for pid in children if launch.process_state(pid) not in (None, "Z")]
-        time.sleep(0.1)
-    assert not alive, f"still running: {alive}"
+def test_what_a_rank_forks_or_spawns_ends_with_the_run(tmp_path) -> None:
+    """A forked copy of a rank or a program it spawned outlived the run, re-parented, the copy
+    holding the rank's memory and sockets: ended when the rank ends, or is stopped (SIGKILL
+    after the grace period for the copy that ignores SIGTERM)."""
+    for hang in (False, True):
+        pids = tmp_path / f"pids-{hang}"
+        if hang:  # stopped at the deadline
+            with pytest.raises(launch.RankFailure, match="deadline"):
+                run_local(leave_children_behind, 2, (str(pids), hang), timeout_s=60, deadline_s=5)
+        else:
+            run_local(leave_children_behind, 2, (str(pids), hang), timeout_s=60)
+        children = [int(pid) for pid in pids.read_text().split()]
+        assert len(children) == 2
+        wait_for(lambda: not any(alive(pid) for pid in children), 10, f"children {children} to end")
 
 
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads the process state from /proc")
@@ -546,8 +553,7 @@ def test_a_stopped_rank_takes_its_sigterm() -> None:
     """A rank frozen by SIGSTOP keeps a SIGTERM pending: it waited the grace period for the SIGKILL."""
     process = multiprocessing.get_context("spawn").Process(target=stop_myself)
     process.start()
-    while launch.process_state(process.pid) != "T":
-        time.sleep(0.05)
+    wait_for(lambda: launch.process_state(process.pid) == "T", 60, "the process to stop itself")
     launch._stop([process])
     assert process.exitcode == -signal.SIGTERM
 

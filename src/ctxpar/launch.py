@@ -483,14 +483,21 @@ def _probe(procs: list, ranks: list[int], stacks: list[connection.Connection]) -
     return found
 
 
-def process_state(pid: int) -> str | None:
-    """Process ``pid``'s state letter ("R", "S", "T": stopped by a signal, "Z": a zombie), from
-    Linux's /proc; None where it is gone or cannot be read."""
+def _stat(pid: int) -> list[str]:
+    """The fields of Linux's /proc/<pid>/stat after the command name (which may hold spaces):
+    [0] the state, [19] the start time; [] where it is gone or cannot be read."""
     try:
         with open(f"/proc/{pid}/stat") as f:
-            return f.read().rpartition(")")[2].split()[0]  # after the command name, which may hold spaces
-    except (OSError, IndexError):
-        return None
+            return f.read().rpartition(")")[2].split()
+    except OSError:
+        return []
+
+
+def process_state(pid: int) -> str | None:
+    """Process ``pid``'s state letter ("R", "S", "T": stopped by a signal, "Z": a zombie, "X":
+    dead); None where it is gone or cannot be read."""
+    fields = _stat(pid)
+    return fields[0] if fields else None
 
 
 def _frozen(pid: int) -> bool:
@@ -622,10 +629,12 @@ def _worker(rank, world_size, port, threads, timeout_s, parent_pid, backend, dev
                                                                                  _frames_of(e)))))
     finally:
         conn.close()
-        if dist.is_initialized():
-            _stay_until_all_joined(store, world_size, timeout)
-            dist.destroy_process_group()
-        _end(_descendants(os.getpid()))  # what fn forked or spawned and left running
+        try:
+            if dist.is_initialized():
+                _stay_until_all_joined(store, world_size, timeout)
+                dist.destroy_process_group()
+        finally:
+            _end(_descendants(os.getpid()))  # what fn forked or spawned and left running
 
 
 _JOINED = "ctxpar/joined/"  # + a rank: set in the run's store once that rank has joined the group
@@ -651,8 +660,9 @@ def _exit_reason(exitcode: int | None) -> str:
     return f"exited with code {exitcode}"
 
 
-def _descendants(pid: int) -> list[int]:
-    """The processes ``pid`` started and theirs, still running (Linux's /proc; none elsewhere)."""
+def _descendants(pid: int) -> list[tuple[int, str]]:
+    """The processes ``pid`` started and theirs, still running, each as (pid, start time): the
+    pair names the process even once its pid is reused (Linux's /proc; none elsewhere)."""
     found, parents = [], [pid]
     while parents:
         parent = parents.pop()
@@ -666,18 +676,29 @@ def _descendants(pid: int) -> list[int]:
                     children = [int(child) for child in f.read().split()]
             except OSError:
                 continue
-            found += children
+            found += [(child, fields[19]) for child in children if len(fields := _stat(child)) > 19]
             parents += children
     return found
 
 
-def _end(pids: list[int]) -> None:
-    """SIGTERM to each of ``pids``: what a rank forked or spawned and left running ends with the
-    rank (a forked copy outlived the run, re-parented, holding the rank's memory and sockets).
-    Not SIGKILL: multiprocessing's resource tracker ignores it and cleans up once its rank is gone."""
-    for pid in pids:
-        with contextlib.suppress(ProcessLookupError, PermissionError):
-            os.kill(pid, signal.SIGTERM)
+def _end(processes: list[tuple[int, str]]) -> None:
+    """End what a rank forked or spawned and left running (``_descendants``), as the rank ends:
+    it outlived the run, re-parented, a forked copy holding the rank's memory and sockets.
+    SIGTERM, then SIGKILL to what still runs ``GRACE_S`` later."""
+    def running() -> list[int]:
+        return [pid for pid, start in processes if (fields := _stat(pid)) and fields[19:20] == [start]
+                and fields[0] not in ("Z", "X")]
+
+    for sent in (signal.SIGTERM, signal.SIGKILL):
+        left = running()
+        if sent == signal.SIGKILL and left:
+            deadline = time.monotonic() + GRACE_S
+            while left and time.monotonic() < deadline:
+                time.sleep(0.05)
+                left = running()
+        for pid in left:
+            with contextlib.suppress(ProcessLookupError, PermissionError):
+                os.kill(pid, sent)
 
 
 def _stop(procs: list) -> None:
