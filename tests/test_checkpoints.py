@@ -680,3 +680,7 @@ def test_a_run_on_a_directory_a_live_run_holds_is_refused_before_any_rank_starts
     with pytest.raises(RuntimeError, match="a rank failed"):
         run_train(TrainConfig(steps=2, checkpoint_dir=fresh, **COMMON))
     os.close(checkpoint.hold_for_run(fresh))  # free again after a run that ended and one that failed
+    odd = tmp_path / "odd"
+    (odd / checkpoint.RUN_LOCK).mkdir(parents=True)  # a lock that cannot be taken: once the run went unlocked
+    with pytest.raises(ValueError, match=f"its run lock {re.escape(str(odd / checkpoint.RUN_LOCK))} cannot be taken"):
+        run_train(TrainConfig(steps=2, checkpoint_dir=str(odd), **COMMON))

@@ -178,16 +178,18 @@ def _flock(path: str) -> int | None:
     return fd
 
 
-def hold_for_run(directory: str) -> int | None:
+def hold_for_run(directory: str, owner: str = "") -> int | None:
     """Lock ``directory`` for one run's life and return the lock's descriptor (closing it, or
-    the process's end, releases it); None where its file system has no locks or the directory
-    cannot be written (``check_directory`` says so). A second run started on it meanwhile,
-    ``--resume`` included, is refused before its ranks start: a resume beside a live run took
-    its newest checkpoint as the last, saved over its later steps, and one of the two died at
-    its next save.
+    the process's end, releases it); None where its file system has no locks. A second run
+    started on it meanwhile, ``--resume`` included, is refused before its ranks start: a
+    resume beside a live run took its newest checkpoint as the last, saved over its later
+    steps, and one of the two died at its next save. The lock file names this process's host
+    and pid, and ``owner`` (a torchrun launch) beside them, which the refusal quotes. It is
+    left in the directory, which resume passes over (``OWN_FILES``).
 
     Raises:
         HeldByAnotherRun: another process holds the directory, naming its host and pid.
+        ValueError: the lock file cannot be opened or locked.
     """
     path = os.path.join(directory, RUN_LOCK)
     try:
@@ -201,34 +203,36 @@ def hold_for_run(directory: str) -> int | None:
         raise HeldByAnotherRun(f"another ctxpar train is running on --checkpoint-dir {directory!r}{holder}; wait for "
                                f"it to end (--resume then continues it), or give this run a directory of its own"
                                ) from None
-    except OSError:  # not a writable directory
-        return None
+    except OSError as e:
+        raise ValueError(f"--checkpoint-dir {directory!r}: its run lock {path} cannot be taken ({e.strerror or e}); "
+                         f"remove it if it is no file, or make it writable") from None
     if lock is not None:
         os.ftruncate(lock, 0)
-        os.write(lock, f"{socket.gethostname()} pid {os.getpid()}\n".encode())
+        os.write(lock, f"{socket.gethostname()} pid {os.getpid()}{', ' + owner if owner else ''}\n".encode())
     return lock
 
 
-def check_and_hold(directory: str, *, resuming: bool, checkpoint_bytes: int = 0) -> int | None:
-    """:func:`check_directory`, then :func:`hold_for_run`; a directory that exists is held
-    first, so that a live run on it is named before what it saved there ("holds checkpoints:
-    add --resume", which the lock then refused)."""
-    held = hold_for_run(directory) if os.path.isdir(directory) else None
+def check_and_hold(directory: str, *, resuming: bool, checkpoint_bytes: int = 0, owner: str = "") -> int | None:
+    """:func:`check_directory`, then :func:`hold_for_run`; a writable directory that exists
+    is held first, so that a live run on it is named before what it saved there ("holds
+    checkpoints: add --resume", which the lock then refused)."""
+    first = os.path.isdir(directory) and os.access(directory, os.W_OK)  # else check_directory says why not
+    held = hold_for_run(directory, owner) if first else None
     try:
         check_directory(directory, resuming=resuming, checkpoint_bytes=checkpoint_bytes)
-        return held if held is not None else hold_for_run(directory)
+        return held if first else hold_for_run(directory, owner)
     except BaseException:
         if held is not None:
             os.close(held)
         raise
 
 
-def check_and_hold_together(directory: str, *, resuming: bool, checkpoint_bytes: int = 0, checked: bool = True
-                            ) -> int | None:
+def check_and_hold_together(directory: str, *, resuming: bool, checkpoint_bytes: int = 0, checked: bool = True,
+                            owner: str = "") -> int | None:
     """:func:`check_and_hold` by rank 0 (``checked`` False: :func:`hold_for_run` alone), raising
     on every rank (collective); rank 0's descriptor there, None elsewhere."""
-    hold = partial(check_and_hold, directory, resuming=resuming, checkpoint_bytes=checkpoint_bytes) if checked \
-        else partial(hold_for_run, directory)
+    hold = partial(check_and_hold, directory, resuming=resuming, checkpoint_bytes=checkpoint_bytes, owner=owner) \
+        if checked else partial(hold_for_run, directory, owner)
     held = _on_rank0(hold)
     return held if _rank_world()[0] == 0 else None
 

@@ -47,6 +47,7 @@ import sysconfig
 import threading
 import time
 import traceback
+import uuid
 from collections.abc import Callable
 from dataclasses import dataclass
 from multiprocessing import connection
@@ -364,6 +365,12 @@ def mark_launch(name: str) -> None:
 def launch_marked(name: str) -> bool:
     """Whether an attempt of this torchrun launch recorded ``name`` (``mark_launch``)."""
     return _joined_launch().check([f"ctxpar/marks/{name}"])
+
+
+def launch_token() -> str:
+    """A token naming this torchrun launch, the same in all its attempts: the first rank to ask
+    draws it, and the launch's store keeps it."""
+    return _joined_launch().compare_set("ctxpar/launch-token", "", uuid.uuid4().hex).decode()
 
 
 def _joined_launch() -> dist.Store:

@@ -220,13 +220,14 @@ def _within_a_torchrun_launch(cfg: TrainConfig, rank: int, holds: list[int]) -> 
     mark = f"{OWN_CHECKPOINTS} {os.path.abspath(cfg.checkpoint_dir)}"
     restarted = launch.launch_marked(mark)
     dist.barrier()  # every rank has read the mark before rank 0 sets it below
+    owner = f"torchrun launch {launch.launch_token()}"
     try:
-        held = checkpoint.check_and_hold_together(cfg.checkpoint_dir, resuming=cfg.resume,
+        held = checkpoint.check_and_hold_together(cfg.checkpoint_dir, resuming=cfg.resume, owner=owner,
                                                   checkpoint_bytes=cfg.checkpoint_bytes(), checked=not restarted)
     except checkpoint.HeldByAnotherRun as e:
-        if not restarted:
+        if not restarted or f"{owner})" not in str(e):
             raise
-        # the failed attempt's lock, on a file system that keeps a dead host's locks for a while (NFS)
+        # this launch's failed attempt's lock, on a file system that keeps a dead host's locks for a while (NFS)
         held = None
         if rank == 0:
             launch.note(f"ctxpar train: torchrun restarted the run, and the directory's run lock is still held: {e}; "
