@@ -399,8 +399,11 @@ def _stops_and_last_tokens(model, tokens: torch.Tensor, rank: int) -> dict:
             **{f"a streamer on rank 0 failing at put {at}": sequences(streamer=ClosedPipe(at) if rank == 0 else None)
                for at in (1, 3, 5)},
             "a stop of rank 1": sequences(stopping_criteria=StoppingCriteriaList([StopOnRank1()])),
-            # no argument named: "arguments (crc32) [...]"
+            # an empty list is None's: it was refused
             "no stops listed on rank 0": sequences(stopping_criteria=StoppingCriteriaList() if rank == 0 else None),
+            # named, not "arguments (crc32) [...]"
+            "a logits processor on rank 0": sequences(
+                logits_processor=LogitsProcessorList([FavourOwnToken()]) if rank == 0 else None),
             "last token differs": sequences(max_new_tokens=1, logits_processor=LogitsProcessorList([FavourOwnToken()]))}
 
 

@@ -175,4 +175,3 @@ def test_decode_host_times_the_step_and_the_plain_forward(tmp_path) -> None:
     assert [row["layers"] for row in rows] == [1, 3]
     for row in rows:  # figures, not asserted against each other (timings are the benchmark's to report)
         assert row["after_step"] > 0 and row["after_forward"] > 0 and row["identical"] is None
-        assert row["after_added"] == row["after_step"] - row["after_forward"]

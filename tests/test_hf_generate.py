@@ -206,8 +206,10 @@ def test_a_difference_in_a_common_setting_is_named_and_a_streamer_on_one_rank_ru
     for rank, run in enumerate(runs):
         kind, message = run["max_new_tokens differ"]
         assert kind == "refused" and "max_new_tokens [4, 5, 6, 7]" in message, (rank, message)
-        kind, message = run["no stops listed on rank 0"]
-        assert kind == "refused" and "disagree on the generate call: stopping_criteria (crc32) [" in message, message
+        unlisted = run["no stops listed on rank 0"]
+        assert unlisted == runs[0]["a streamer on rank 0"], (rank, unlisted)
+        kind, message = run["a logits processor on rank 0"]
+        assert kind == "refused" and "disagree on the generate call: logits_processor (crc32) [" in message, message
         streamed = run["a streamer on rank 0"]
         assert streamed[0] == "ran" and streamed == runs[0]["a streamer on rank 0"], (rank, streamed)
         for at in (1, 3):  # raised at the next forward, on every rank together

@@ -166,6 +166,7 @@ def _flock(path: str) -> int | None:
 
     Raises:
         BlockingIOError: another open file holds the lock.
+        OSError: the file cannot be opened (no permission, a directory in its place).
     """
     fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
     try:

@@ -509,6 +509,8 @@ def _crc(value) -> int:
         return agreement.text_code(str(sorted((str(k), _crc(v)) for k, v in value.items())))
     if value is None or isinstance(value, (bool, int, float, str)):
         return agreement.text_code(repr(value))
+    if inspect.isfunction(value) or inspect.ismethod(value):  # by its name: every function's type is one
+        return agreement.text_code(f"{value.__module__}.{value.__qualname__}")
     return agreement.text_code(type(value).__qualname__)
 
 
@@ -688,24 +690,24 @@ def check_token_ids(name: str, model, tokens) -> None:
 
 # generation settings compared by value, so that a difference names them (the rest by checksum)
 _NAMED_SETTINGS = ("max_new_tokens", "max_length", "min_new_tokens", "do_sample", "num_return_sequences", "top_k")
-# generate's arguments of objects compared each by its own checksum, so that a difference names them (an empty
-# StoppingCriteriaList on one rank, None on the others, read "arguments (crc32)")
-_NAMED_ARGUMENTS = ("generation_config", "logits_processor", "stopping_criteria", "prefix_allowed_tokens_fn")
+# generate's arguments of objects compared each by its own checksum, so that a difference names them (a logits
+# processor on one rank read "arguments (crc32)"); an empty list is no list (an empty StoppingCriteriaList is None's)
+_NAMED_ARGUMENTS = ("logits_processor", "stopping_criteria", "prefix_allowed_tokens_fn")
 
 
-def generate_signature(model, args: tuple, kwargs: dict, prompt, config) -> dict[str, int]:
-    """What every rank's generate call must share: arguments, prompt, the model's config and
-    weights and, when sampling, the state of the RNG transformers draws from. A ``streamer`` is left out: it only
-    watches (rank 0 alone often prints)."""
+def generate_signature(model, arguments: dict, prompt, config) -> dict[str, int]:
+    """What every rank's generate call must share: ``arguments`` (generate's, by name), prompt,
+    the model's config and weights and, when sampling, the state of the RNG transformers draws
+    from. A ``streamer`` is left out: it only watches (rank 0 alone often prints)."""
     sampling = config is not None and bool(config.do_sample)
     rng = [torch.get_rng_state()] if sampling else []
     device = model.device
     if sampling and device.type == "cuda":
         rng.append(torch.cuda.get_rng_state(device))
     named = {key: agreement.readable(lambda key=key: _setting(getattr(config, key, None))) for key in _NAMED_SETTINGS}
-    rest = {k: v for k, v in kwargs.items() if k != "streamer" and k not in _NAMED_ARGUMENTS}
-    return {"arguments (crc32)": _crc([list(args), rest]),
-            **{f"{key} (crc32)": _crc(kwargs.get(key)) for key in _NAMED_ARGUMENTS},
+    rest = {k: v for k, v in arguments.items() if k != "streamer" and k not in _NAMED_ARGUMENTS}
+    return {"arguments (crc32)": _crc(rest),
+            **{f"{key} (crc32)": _crc(arguments.get(key) or None) for key in _NAMED_ARGUMENTS},
             "prompt": tuple(prompt.shape)[1] if isinstance(prompt, torch.Tensor) else -1,
             **named,
             "generation config (crc32)": _crc(config.to_dict()) if config is not None else -1,
@@ -807,24 +809,26 @@ def wrap_generate(model, settings: Settings) -> None:
     @installed
     @functools.wraps(generate)
     def cp_generate(*args, **kwargs):
-        error, prompt, config = None, None, None
+        error, prompt, config, call = None, None, None, None
         try:
+            call = inspect.signature(generate).bind(model, *args, **kwargs)  # a positional streamer too
             prompt, config = check_generate(model, settings, generate, args, kwargs)
         except Exception as e:  # noqa: BLE001  any failure: this rank must still join the exchange below
             error = e
+        arguments = dict(call.arguments) if call is not None else {"arguments": [list(args), kwargs]}
+        arguments.pop("self", None)
         peers = settings.peers()
         if peers.world_size > 1:
-            agreement.check_values_agree(generate_signature(model, args, kwargs, prompt, config),
+            agreement.check_values_agree(generate_signature(model, arguments, prompt, config),
                                          peers.process_groups, error, "generate call")
         elif error is not None:
             raise error
         held = None
-        if kwargs.get("streamer") is not None and peers.world_size > 1:
-            held = HeldStreamer(kwargs["streamer"])
-            kwargs = dict(kwargs, streamer=held)
+        if call.arguments.get("streamer") is not None and peers.world_size > 1:
+            held = call.arguments["streamer"] = HeldStreamer(call.arguments["streamer"])
         streaming = STREAMING.set(held)
         try:
-            return generate(model, *args, **kwargs)
+            return generate(*call.args, **call.kwargs)
         finally:
             STREAMING.reset(streaming)
 
