@@ -696,21 +696,22 @@ def _end(processes: list[tuple[int, str]]) -> None:
         return [pid for pid, start in processes if (fields := _stat(pid)) and fields[19:20] == [start]
                 and fields[0] not in ("Z", "X")]
 
-    for sent in (signal.SIGTERM, signal.SIGKILL):
-        left = running()
-        if sent == signal.SIGKILL and left:
-            deadline = time.monotonic() + GRACE_S
-            while left and time.monotonic() < deadline:
-                time.sleep(0.05)
-                left = running()
-        for pid in left:
+    def send(pids: list[int], sent: signal.Signals) -> None:
+        for pid in pids:
             with contextlib.suppress(ProcessLookupError, PermissionError):
                 os.kill(pid, sent)
 
+    send(running(), signal.SIGTERM)
+    deadline, left = time.monotonic() + GRACE_S, running()
+    while left and time.monotonic() < deadline:
+        time.sleep(0.05)
+        left = running()
+    send(left, signal.SIGKILL)
+
 
 def _stop(procs: list) -> None:
-    """SIGTERM, then SIGKILL what is still there a few seconds later, and SIGTERM to what each
-    rank stopped so had started (``_end``: a rank that ends itself ends its own)."""
+    """SIGTERM, then SIGKILL what is still there a few seconds later; then end what each rank
+    stopped so had started (``_end``: a rank that ends itself ends its own)."""
     started = {p.pid: _descendants(p.pid) for p in procs if p.is_alive()}  # before they are re-parented
     for p in procs:
         if p.is_alive():
