@@ -529,16 +529,17 @@ def _num_layers(config) -> int:
     raise NotImplementedError(f"{type(text).__name__} names no layer count ctxpar's sharded cache can size itself by")
 
 
-def check_generate(model, settings: Settings, generate, args: tuple, kwargs: dict):
+def check_generate(model, settings: Settings, call: inspect.BoundArguments):
     """Refuse what generate would do that the sharded cache cannot honour (no collective);
-    returns the prompt (B, T) and transformers' GenerationConfig for the call."""
+    returns the prompt (B, T) and transformers' GenerationConfig for the call, ``call`` its
+    arguments bound to generate's parameters."""
     from transformers import PreTrainedModel
 
     name = type(model).__name__
     check_implementation(name, [m for m in model.modules() if isinstance(m, PreTrainedModel)])
     if model.config.is_encoder_decoder:
         raise NotImplementedError(f"{name} is an encoder-decoder model; ctxpar generates with decoder-only models")
-    bound = inspect.signature(generate).bind(model, *args, **kwargs).arguments
+    bound = dict(call.arguments)
     extra = dict(bound.pop("kwargs", {}))
     for key, what in (("assistant_model", "assisted decoding (assistant_model=)"),
                       ("custom_generate", "custom_generate="),
@@ -812,7 +813,7 @@ def wrap_generate(model, settings: Settings) -> None:
         error, prompt, config, call = None, None, None, None
         try:
             call = inspect.signature(generate).bind(model, *args, **kwargs)  # a positional streamer too
-            prompt, config = check_generate(model, settings, generate, args, kwargs)
+            prompt, config = check_generate(model, settings, call)
         except Exception as e:  # noqa: BLE001  any failure: this rank must still join the exchange below
             error = e
         arguments = dict(call.arguments) if call is not None else {"arguments": [list(args), kwargs]}
