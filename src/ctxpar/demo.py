@@ -210,8 +210,7 @@ def format_report(report: dict) -> str:
     strategy = c["strategy"]
     if strategy == "hybrid":
         strategy += f" (ulysses {c['ulysses_degree']} x ring {c['nproc'] // c['ulysses_degree']})"
-    if report["strategy_chosen"]:
-        strategy += " -> " + ", ".join(report["strategy_chosen"])
+    strategy = strategy_rules.named_with_choice(strategy, report["strategy_chosen"])
     lines = [
         f"ctxpar demo: {strategy} attention, {c['layout']} layout, {c['nproc']} ranks "
         f"({report['backend']}, {report['device']}), B={c['batch']} T={c['seq']} H={c['heads']} "
@@ -227,7 +226,7 @@ def format_report(report: dict) -> str:
             f"{s['peak_memory_bytes'] / mib:>9.1f}"
         )
     imb = report["imbalance"]
-    lines += [f"auto chose {s}: {why}" for s, why in report["strategy_chosen"].items()]
+    lines += strategy_rules.choice_lines(report["strategy_chosen"])
     lines += [
         "",
         f"imbalance (max/mean): pairs {imb['pairs']:.3f}, attn seconds {imb['seconds']:.3f}",

@@ -21,6 +21,16 @@ AUTO = "auto"  # a call's strategy picked per call by ``ctxpar.auto`` among ring
 CALL_STRATEGIES = (*STRATEGY_NAMES, AUTO)  # what a call (and demo, train, generate) may ask for
 
 
+def named_with_choice(strategy: str, chosen: dict[str, str]) -> str:
+    """``strategy`` as a command's report names it, with what "auto" chose: "auto -> ring"."""
+    return f"{strategy} -> {', '.join(chosen)}" if chosen else strategy
+
+
+def choice_lines(chosen: dict[str, str], indent: str = "") -> list[str]:
+    """A command report's line for each strategy "auto" chose, with the planner's reason."""
+    return [f"{indent}auto chose {strategy}: {why}" for strategy, why in chosen.items()]
+
+
 def check_strategy(strategy: object, *, auto_allowed: bool = False) -> str:
     """``strategy`` if it names one (``auto_allowed``: "auto" too, where a call may ask for it)."""
     names = CALL_STRATEGIES if auto_allowed else STRATEGY_NAMES

@@ -498,15 +498,14 @@ def format_report(report: dict) -> str:
     strategy = c["strategy"]
     if strategy == "hybrid":
         strategy += f" ulysses {c['ulysses_degree']} x ring {c['cp'] // c['ulysses_degree']}"
-    if report.get("strategy_chosen"):
-        strategy += " -> " + ", ".join(report["strategy_chosen"])
+    strategy = strategy_rules.named_with_choice(strategy, report.get("strategy_chosen", {}))
     steps = len(report["loss"])
     lines = [f"ctxpar train: {c['model']} model, T={c['seq']}, {c['nproc']} rank{'s' * (c['nproc'] != 1)} = dp "
              f"{c['dp']} x cp {c['cp']} ({strategy}, {c['layout']}), {steps} step{'s' * (steps != 1)}"
              + (f" (steps {report['start_step'] + 1}-{c['steps']})" if report["start_step"] else "")]
     if report.get("resumed_from"):
         lines.append(f"  resumed from {report['resumed_from']}")
-    lines += [f"  auto chose {s}: {why}" for s, why in report.get("strategy_chosen", {}).items()]
+    lines += strategy_rules.choice_lines(report.get("strategy_chosen", {}), indent="  ")
     ref = report.get("reference_loss")
     header = f"{'step':>5} {'loss':>10} {'recall':>7}" + (f" {'reference':>10} {'|diff|':>9}" if ref else "")
     lines.append(header)

@@ -122,9 +122,7 @@ def _strategy_words(report: dict) -> str:
         return f"no prefill: a prompt under {layout.multiple} tokens goes to partial_prefill"
     if c["strategy"] == "hybrid":
         return f"hybrid: ulysses {c['ulysses_degree']} x ring {c['nproc'] // c['ulysses_degree']}"
-    if report.get("strategy_chosen"):
-        return f"{c['strategy']} -> {', '.join(report['strategy_chosen'])}"
-    return c["strategy"]
+    return strategy_rules.named_with_choice(c["strategy"], report.get("strategy_chosen", {}))
 
 
 def format_report(report: dict) -> str:
@@ -137,7 +135,7 @@ def format_report(report: dict) -> str:
              f"time to first token   {report['ttft_s'] * 1e3:.2f} ms",
              f"time per output token {tpot}",
              f"KV cache per rank     {', '.join(f'{b:,}' for b in per_rank)} bytes"]
-    lines += [f"auto chose {s}: {why}" for s, why in report.get("strategy_chosen", {}).items()]
+    lines += strategy_rules.choice_lines(report.get("strategy_chosen", {}))
     for row, tokens in enumerate(report["tokens"]):
         lines.append(f"tokens[{row}]: {' '.join(map(str, tokens))}")
     if "reference_tokens" in report:
