@@ -297,6 +297,8 @@ def _bad_inputs(world: int, mesh) -> dict[str, tuple]:
         "device": ((q, kv.to("meta"), kv.to("meta")), dict(layout="zigzag")),
         "kv_shape": ((q, kv, good(2, n=8)), dict(layout="zigzag")),
         "seq_mismatch": ((q, good(2, n=8), good(2, n=8)), dict(layout="zigzag")),
+        # q of 2 rows against K/V of 1: once accepted, out read uninitialised memory (values near 1e257)
+        "batch_mismatch": ((torch.randn(2, 4, 6, 8), kv, kv), dict(layout="zigzag")),
         "rank3": ((q[0], kv[0], kv[0]), dict(layout="zigzag")),
         "layout_world": ((q, kv, kv), dict(layout=wrong_world)),
         "layout_name": ((q, kv, kv), dict(layout="spiral")),
@@ -305,6 +307,8 @@ def _bad_inputs(world: int, mesh) -> dict[str, tuple]:
         "scale": ((q, kv, kv), dict(layout="zigzag", scale=-1.0)),
         "scale_overflow": ((q, kv, kv), dict(layout="zigzag", scale=10**400)),
         "scale_under_float32": ((q, kv, kv), dict(layout="zigzag", scale=1e-50)),  # once NaN, for finite inputs
+        # finite as a Python float, inf in float32: without its upper bound most outputs were NaN
+        "scale_over_float32": ((q, kv, kv), dict(layout="zigzag", scale=1e39)),
         "int_dtype": ((q.long(), kv.long(), kv.long()), dict(layout="zigzag")),
         "empty": ((good(n=0), good(2, n=0), good(2, n=0)), dict(layout="zigzag")),
         "causal_type": ((q, kv, kv), dict(layout="zigzag", causal="no")),
@@ -415,7 +419,9 @@ def _non_member_entries(group) -> dict[str, str]:
     return messages
 
 
-TRAFFIC_SHAPES = [(2, 12, 4, 6, 8), (1, 12, 1, 4, 8)]  # (B, H, H_kv, S, D): GQA, and MQA (KV copies)
+# (B, H, H_kv, S, D): GQA, MQA (P copies of its K/V head for all-to-all), and 2 K/V heads (2 copies each on 4 ranks:
+# U copies, where U / gcd(H_kv, U) are the fewest, once sent a third more and passed the two others)
+TRAFFIC_SHAPES = [(2, 12, 4, 6, 8), (1, 12, 1, 4, 8), (1, 12, 2, 4, 8)]
 
 
 def _check_traffic(rank: int, world: int, mesh) -> dict:
@@ -494,7 +500,11 @@ def _check_hybrid_meshes(rank: int, world: int) -> dict:
         mesh = init_device_mesh("cpu", shape, mesh_dim_names=names)
         topo = topology.from_mesh(mesh)
         place = torch.tensor([float(topo.rank)])
+        # with sinks too: each rank's heads' sinks sliced by the global rank, not the ulysses one, passed the
+        # square mesh's default dim order alone
         out[name] = dict(verdict=check_case(Case("hybrid", "zigzag", True, "gqa", "float32"), rank, world, mesh=mesh),
+                         sinks_verdict=check_case(Case("hybrid", "zigzag", True, "gqa", "float32", sinks=True), rank,
+                                                  world, mesh=mesh),
                          cp_rank=ctxpar.hybrid_rank(mesh),
                          # a copy each time: the ranks other than src receive into the tensor they pass
                          broadcast=[topology.broadcast(place.clone(), src, topo).item() for src in range(world)],

@@ -147,8 +147,10 @@ def _max_abs(t: torch.Tensor, rows: torch.Tensor) -> float:
 
 
 def nonfinite_inputs(rank: int, world: int) -> dict:
-    """Which rows of out, dq, dk, dv are non-finite under CP and in single-process SDPA."""
-    results = {}
+    """``rows``: which rows of out, dq, dk, dv are non-finite under CP and in single-process SDPA;
+    ``lse_changed``: the cases whose returned lse the backward changed (the -inf of a row seeing
+    no finite key once turned +inf in place, in the tensor saved for the backward)."""
+    results, lse_changed = {}, []
     for poison, causal, strategy in itertools.product(POISONS, (True, False), ("ring", "allgather", "alltoall")):
         layout = ctxpar.get_layout("striped" if poison == KEY_SCORED_MINUS_INF else "zigzag", world)
         q, k, v, dout = _poisoned(poison)
@@ -156,8 +158,11 @@ def nonfinite_inputs(rank: int, world: int) -> dict:
         single = F.scaled_dot_product_attention(*leaves, is_causal=causal, enable_gqa=True)
         single.backward(dout)
         local = [layout.shard(t, rank, dim=2).requires_grad_() for t in (q, k, v)]
-        out = ctxpar.attention(*local, layout=layout, causal=causal, strategy=strategy)
+        out, lse = ctxpar.attention_with_lse(*local, layout=layout, causal=causal, strategy=strategy)
+        lse_before = lse.detach().clone()
         out.backward(layout.shard(dout, rank, dim=2))
+        if not torch.equal(lse.detach().nan_to_num(0.0), lse_before.nan_to_num(0.0)):  # inf == inf; NaN as 0
+            lse_changed.append((poison, causal, strategy))
         got = [out.detach(), *(t.grad for t in local)]
         pieces = []
         for t in got:
@@ -170,7 +175,7 @@ def nonfinite_inputs(rank: int, world: int) -> dict:
                        scale=_max_abs(w, ~_rows(w)))
             for name, c, w in zip(("out", "dq", "dk", "dv"), pieces, want)
         }
-    return results
+    return dict(rows=results, lse_changed=lse_changed)
 
 
 def dense_once(rank: int, world: int) -> dict:

@@ -42,6 +42,7 @@ EXPECTED_MESSAGES = {
     "device": ["different devices"],
     "kv_shape": ["same shape"],
     "seq_mismatch": ["must agree"],
+    "batch_mismatch": ["q (2, 4, 6, 8) and k/v (1, 2, 6, 8) must agree on batch"],
     "rank3": ["4-D"],
     "layout_world": ["built for P=", "process group has"],
     "layout_name": ["unknown layout", "zigzag"],
@@ -50,6 +51,7 @@ EXPECTED_MESSAGES = {
     "scale": ["scale"],
     "scale_overflow": ["scale must be a positive finite number, got 1000"],
     "scale_under_float32": ["scale 1e-50 is outside float32's range", "torch.float32 attention is computed"],
+    "scale_over_float32": ["scale 1e+39 is outside float32's range"],
     "int_dtype": ["not supported"],
     "empty": ["empty input"],
     "causal_type": ["causal must be True or False"],
@@ -197,11 +199,21 @@ def test_ring_volume_by_hand() -> None:
     assert (t.forward, t.backward) == (3 * kv * 2, 3 * kv * (2 + 4))
 
 
+def test_alltoall_volume_by_hand() -> None:
+    """Ulysses on 4 ranks with 2 K/V heads: each copied twice (the fewest making 4 heads), so q and out
+    (8 heads each) and K and V (4 heads each), 4 tokens of 8 dims in bf16, three quarters of it leaving
+    the rank; the forward adds the float32 lse of the 8 heads."""
+    t = traffic.per_rank("alltoall", batch=1, seq_len=16, heads=8, kv_heads=2, head_dim=8, world=4, elem=2, acc=4)
+    tensors = (8 + 8 + 4 + 4) * 4 * 8 * 2 * 3 // 4
+    assert (t.forward, t.backward) == (tensors + 8 * 4 * 4 * 3 // 4, tensors) == (1248, 1152)
+
+
 def test_hybrid_on_every_mesh_shape_and_dim_order() -> None:
     seen_ranks = {}
     for rank, res in enumerate(results(4)):
         for mesh, r in res["hybrid_meshes"].items():
             assert r["verdict"] == "ok", f"{mesh}: {r['verdict']}"
+            assert r["sinks_verdict"] == "ok", f"{mesh} with sinks: {r['sinks_verdict']}"
             seen_ranks.setdefault(mesh, []).append(r["cp_rank"])
     assert sorted(seen_ranks["ulysses2xring2"]) == [0, 1, 2, 3]
     assert seen_ranks["ulysses2xring2"] != [0, 1, 2, 3], "with the dims swapped the CP rank is not the global rank"

@@ -278,8 +278,11 @@ def test_non_finite_inputs_poison_what_single_process_attention_poisons(poison: 
     """Guarantees (docs/reliability.md): every gradient is non-finite somewhere iff
     single-process SDPA's is, so NaN checks and loss scaling react the same; a row of the
     output is never non-finite where SDPA's is finite; rows finite in both agree; and
-    an infinite key poisons dV exactly where SDPA does (the ring once poisoned ~30 rows)."""
-    for (name, causal, strategy), tensors in results()[0]["nonfinite"].items():
+    an infinite key poisons dV exactly where SDPA does (the ring once poisoned ~30 rows); and
+    the backward leaves the returned lse as it was."""
+    found = results()[0]["nonfinite"]
+    assert not [where for where in found["lse_changed"] if where[0] == poison], found["lse_changed"]
+    for (name, causal, strategy), tensors in found["rows"].items():
         if name != poison:
             continue
         where = f"{poison} causal={causal} {strategy}"
