@@ -18,7 +18,7 @@ import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh
 
 import ctxpar
-from ctxpar import kernels
+from ctxpar import comm, kernels
 from ctxpar.kernels.reference import reference_attention
 from ctxpar.masks import Mask
 from ctxpar.strategy_rules import kv_copies
@@ -481,6 +481,10 @@ def _check_subgroups(rank: int, world: int) -> dict:
     group = parities[rank % 2 == 0]
     found["listed_descending"] = check_case(Case("ring", "zigzag", True, "gqa", "float32"), rank, half, group=group,
                                             group_rank=dist.get_rank(group))
+    # from each group rank (prefill broadcasts over the cache's group so): a source taken as a global rank
+    # delivered group [3, 1]'s rank 1 from global rank 1, with no error
+    found["broadcast_from_each_group_rank"] = [comm.broadcast(torch.tensor([float(rank)]), src, group).item()
+                                               for src in range(half)]
     return found
 
 
