@@ -288,6 +288,7 @@ def test_contiguous_window_traffic_is_the_rings_halo(window: int) -> None:
     if window <= 2049:  # the halo, one hop: w-1 keys' K/V, and once more with its accumulator backward
         assert (tr.forward, tr.backward) == ((window - 1) * kv * 4, (window - 1) * kv * 8)
     steps = traffic.window_steps(local_len=2048, world=4, window=window)
+    assert steps == min(3, math.ceil((window - 1) / 2048)), window  # a halo of 2049 keys needs a second hop
     assert cost.attention_time(w, get_hardware("H100-SXM")).forward.stages == steps + 1
     assert tr.total <= cost.layer_traffic(w.with_(window=None)).total
 
@@ -478,6 +479,25 @@ def test_auto_chooses_the_strategy_the_planner_predicts_fastest(backward: bool) 
         fastest_differ.append(min(forward, key=forward.get) != min(both, key=both.get))
     assert set(chosen) == {"ring", "allgather", "alltoall"}, chosen
     assert any(fastest_differ), "no shape tells forward alone from forward + backward"
+
+
+def test_auto_costs_float32_at_float32_rates_and_allows_all_to_all_by_query_heads() -> None:
+    """float32 calls are costed at the preset's float32 rates (at the 16-bit ones, every time was
+    ~12x low and allgather chose over ring here); all-to-all is a candidate wherever P divides
+    the query heads H, whatever H_kv (K/V heads are copied): 8 K/V heads on 16 ranks, where it
+    is the fastest by 1.9x, once fell to ring by testing H_kv."""
+    from ctxpar import auto
+    from ctxpar.models.config import attention_only
+
+    hw = get_hardware("H100-SXM")
+    mask = Mask(causal=True)
+    strategy, why = auto.choose_for_shapes(1, 32, 8, 128, 4096, 8, "float32", "zigzag", mask, True, hw)
+    times = {candidate: cost.attention_time(
+        Workload(attention_only(32, 8, 128), batch=1, seq=4096, dtype="float32", cp=8, strategy=candidate,
+                 layout="zigzag"), hw.for_dtype("float32")).seconds for candidate in ("ring", "allgather", "alltoall")}
+    assert strategy == min(times, key=times.get) == "ring", (times, why)
+    assert format_seconds(times["ring"]) in why, (times, why)
+    assert auto.choose_for_shapes(1, 32, 8, 128, 16384, 16, "bfloat16", "zigzag", mask, False, hw)[0] == "alltoall"
 
 
 def test_make_plan_sweeps_every_valid_combination() -> None:
@@ -841,6 +861,36 @@ def test_a_group_straddling_two_nodes_is_priced_at_the_inter_node_link() -> None
     # hybrid's default all-to-all degree keeps its groups inside nodes: U = 4 would straddle GPUs 4-7
     assert [default_ulysses(32, 8, n) for n in (6, 8, 4)] == [2, 4, 4]
     assert default_ulysses(32, 8, 6, tp=2) is None  # t·U = 4 straddles, t·U = 8 is too wide
+    # U divides the H/t heads a GPU holds: 24/4 = 6 heads allow 2 (U = 4 divides 24 but not 6; counting
+    # H's 24 once refused the plan, blaming a degree never given)
+    assert default_ulysses(24, 8, 16, tp=4) == 2
+
+
+def test_a_group_one_gpu_past_its_node_crosses_nodes() -> None:
+    """The boundary itself: a group ending on the node's last GPU stays in it, one GPU further
+    crosses (a check off by one priced CP=5 on 4-GPU nodes at the intra-node link, and said
+    "more than a node of 4: intra-node link")."""
+    hw = get_hardware("H100-SXM")  # 8 GPUs a node
+    assert (hw.crosses_nodes(8), hw.crosses_nodes(9)) == (False, True)
+    assert hw.straddling_group(3, 24) == 6  # groups of 3 on GPUs 0-2, 3-5, 6-8: the third ends one past the node
+    assert hw.straddling_group(4, 24) is None
+    small = get_hardware("H100-SXM", gpus_per_node=4)
+    w = worked(seq=16380, cp=5)
+    cp = cost.links(w, small)["cp"]
+    assert (cp.crosses_nodes, cp.bandwidth) == (True, small.inter_node_bandwidth)
+    assert "CP group of 5 spans 5 consecutive GPUs, more than a node of 4: inter-node link" in \
+        format_plan(make_plan(w, small))
+
+
+def test_the_planners_bounds_take_their_own_limits() -> None:
+    """The documented limits are accepted, one past them refused: --seq 2**24 (16M tokens) and
+    --gpus-per-node 1 (a refusal off by one said "must be between 1 and ..." of 1 itself)."""
+    planner.check_plan_size(2**24, 8)
+    with pytest.raises(ValueError, match="longer than the planner evaluates"):
+        planner.check_plan_size(2**24 + 1, 8)
+    one = get_hardware("H100-SXM", gpus_per_node=1)
+    assert one.gpus_per_node == 1 and cost.links(worked(seq=16384, cp=2), one)["cp"].crosses_nodes
+    assert "; 1 GPU per node" in format_plan(make_plan(worked(seq=16384, cp=2), one))
 
 
 def test_cli_hybrids_default_all_to_all_degree_fits_the_gpus_per_node_given(tmp_path, monkeypatch) -> None:
@@ -1624,6 +1674,12 @@ def test_pass_q_fraction_is_where_the_partial_prefill_bytes_cross(heads: int, kv
     for new in range(world, 4 * cached, world):  # multiples of P: no rounding
         kv, q = (traffic.partial_prefill(m, cached=cached, new=new, **shape) for m in ("pass-kv", "pass-q"))
         assert (q < kv) == (new / (cached + new) < threshold), new
+    # lengths that do not divide P round up: a rank holds ceil(1007/4) = 252 positions and ceil(6/4) = 2 new
+    # queries (rounded down, the bytes were 0.4% and half low)
+    if (heads, kv_heads, head_dim, elem) == (32, 8, 128, 2):
+        odd = dict(shape, cached=1001, new=6)
+        assert traffic.partial_prefill("pass-kv", **odd) == 3 * 2 * 8 * 252 * 128 * 2 == 3_096_576
+        assert traffic.partial_prefill("pass-q", **odd) == 3 * 32 * 2 * (128 * 2 + 129 * 4)
     # the published 2·H_kv/H counts the queries only: ours is it times D·e / (D·e + (D+1)·a)
     d = head_dim
     assert threshold == pytest.approx(inference.published_pass_q_fraction(model) * d * elem / (d * elem + (d + 1) * 4))

@@ -299,7 +299,7 @@ def _parallel_words(plan: Plan) -> str:
     micro = f"; {w.microbatches} micro-batches of B={w.batch} per step" if w.microbatches > 1 else ""
     order = "TP, CP, DP, PP" if w.pp > 1 else "TP, CP, DP"
     return (f"parallel: TP={w.tp}{sp} x CP={w.cp} x DP={w.data_parallel}{implied}{pp} = {w.world_size} GPUs "
-            f"(rank order {order}); {hw.gpus_per_node} GPUs per node{micro}")
+            f"(rank order {order}); {hw.gpus_per_node} GPU{'s' * (hw.gpus_per_node != 1)} per node{micro}")
 
 
 
