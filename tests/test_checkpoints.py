@@ -670,6 +670,10 @@ def test_a_run_on_a_directory_a_live_run_holds_is_refused_before_any_rank_starts
     runs = iter([{"first_step_gradients": None}, RuntimeError("a rank failed")])
 
     def launched(*args, **kwargs):
+        # held while the ranks run (a hold released before the launch let a second run in; the refusals
+        # above hold the lock themselves, so they cannot tell)
+        with pytest.raises(checkpoint.HeldByAnotherRun):
+            checkpoint.hold_for_run(fresh)
         outcome = next(runs)
         if isinstance(outcome, Exception):
             raise outcome

@@ -58,7 +58,8 @@ def _cases(rank: int, world: int) -> dict:
             batch = shard_batch(tokens, layout=layout, rank=cp_rank)
             docs = shard_batch(tokens, layout=layout, rank=cp_rank, documents=DOCUMENTS)
             other = shard_batch(tokens, layout=get_layout("contiguous", world), rank=cp_rank)
-            last = rank == world - 1
+            last, chunk = rank == world - 1, SEQ // (2 * world)
+            mirrored = torch.arange(chunk) + (world + cp_rank) * chunk  # chunk P + r: zigzag's is 2P - 1 - r
             outside = batch.tokens.clone()
             outside[0, 0] = 256 if last else 0  # the vocabulary is 0..255
             found[name] = dict(
@@ -80,6 +81,9 @@ def _cases(rank: int, world: int) -> dict:
                 # first row only, and row 1's logits were silently wrong
                 second_row_wrong=_attempt(lambda: model(batch.tokens, torch.stack(
                     [batch.positions, batch.positions.flip(0) if last else batch.positions]))),
+                # zigzag positions hand-rolled with the wrong mirrored chunk (P + r, not 2P - 1 - r), wrong in
+                # their second half alone: a guard comparing the first half passed them at P = 2
+                wrong_mirror=_attempt(lambda: model(batch.tokens, torch.cat([batch.positions[:chunk], mirrored]))),
                 hidden_states_one_rank_forgets=_attempt(lambda: model.hidden_states(
                     batch.tokens, None if last else batch.positions)),
                 after=_attempt(lambda: (model(batch.tokens, batch.positions)
@@ -224,6 +228,7 @@ def test_wrong_positions_are_refused_on_every_rank(strategy: str) -> None:
         assert "got no positions under context parallelism" in r["forgotten"], (rank, r["forgotten"])
         assert f"of this rank, {holder}: batch = shard_batch(tokens, layout=layout, rank={rank})" in r["forgotten"]
         assert f"global positions of {holder} under the zigzag layout" in r["other_layout"], (rank, r["other_layout"])
+        assert f"global positions of {holder} under the zigzag layout" in r["wrong_mirror"], (rank, r["wrong_mirror"])
         assert f"global positions within each document of {holder}" in r["global_with_documents"], rank
         assert f"shard_batch(tokens, layout=layout, rank={rank}, documents=documents)" in r["global_with_documents"], \
             r["global_with_documents"]
