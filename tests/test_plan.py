@@ -29,7 +29,7 @@ from ctxpar.calibrate import measure_link, measure_memory_bandwidth
 from ctxpar.plan import inference, inference_report, planner, plot, traffic, work
 from ctxpar.plan.baseline import VERDICTS, BaselinePoint, _verdict, baseline, tp_degrees
 from ctxpar.plan.cost import Pipeline
-from ctxpar.plan.documents import pack, parse_doc_dist, parse_lengths, sample_lengths
+from ctxpar.plan.documents import describe, pack, parse_doc_dist, parse_lengths, sample_lengths
 from ctxpar.plan.hardware import TILE_OVERHEADS, gpus_per_node, local_hardware
 from ctxpar.plan.memory import (layers_in_flight, memory_per_gpu, parameters_per_gpu, saved_bytes_per_layer,
                                 saved_tensors_per_token, sequence_tensors)
@@ -1632,6 +1632,9 @@ def test_cli_plans_windows_and_document_distributions(tmp_path, capsys) -> None:
     lengths = first["inputs"]["documents"]["lengths"]
     assert sum(lengths) == 32768 and first["mask"]["documents_in_row"]["count"] == len(lengths)
     assert first["inputs"]["documents_from"] == "lognormal:2048,1.5 seed 0"
+    # a row's documents described as they are (an even count's median, the middle two's mean, once the upper one)
+    described = describe((1000, 3000, 500, 1500))
+    assert (described["median"], described["mean"], described["max"]) == (1250, 1500, 3000)
     assert main([*args, "--doc-dist", "lognormal:2048,1.5", "--json", str(out)]) == 0  # reproducible
     assert json.loads(out.read_text())["work"] == first["work"]
     assert main([*args, "--doc-dist", "lognormal:2048,1.5", "--doc-seed", "1", "--json", str(out)]) == 0

@@ -155,6 +155,8 @@ def test_resumed_run_continues_with_the_uninterrupted_losses(tmp_path) -> None:
     assert resumed["loss"] == full["loss"][5:]  # bit-identical
     header = format_report(resumed).splitlines()[:2]  # it read "3 steps" with no word of the resume
     assert header[0].endswith(", 3 steps (steps 6-8)") and header[1] == f"  resumed from {resumed['resumed_from']}"
+    # an even count's median is the middle two's mean (it showed the faster of 2 steps)
+    assert "tokens/s (median over steps): 250\n" in format_report(dict(resumed, tokens_per_second=[100, 400, 300, 200]))
     assert sorted(os.listdir(ckpt)) == [RUN_LOCK, SAVE_LOCK, "step-000002", "step-000004", "step-000005",
                                         "step-000008"]
     # resumed: not judged, and the loss difference is taken against the reference's same steps (against

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import math
 import os
+import statistics
 import time
 from collections.abc import Callable
 from dataclasses import asdict, dataclass
@@ -517,7 +518,7 @@ def format_report(report: dict) -> str:
             row += f" {r:>10.5f} {abs(loss - r):>9.2e}"
         lines.append(row)
     tps = report["tokens_per_second"]
-    lines.append(f"tokens/s (median over steps): {sorted(tps)[len(tps) // 2]:,.0f}")
+    lines.append(f"tokens/s (median over steps): {statistics.median(tps):,.0f}")
     if ref:
         lines.append(f"max |loss - reference_loss| = {report['max_abs_loss_diff']:.2e}")
         lines.append(_verdict(report))

@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import math
 import random
+import statistics
 from dataclasses import dataclass
 
 from ctxpar.limits import MAX_COUNT
@@ -109,6 +110,5 @@ def pack(lengths: tuple[int, ...], seq: int) -> tuple[int, ...]:
 
 def describe(lengths: tuple[int, ...]) -> dict:
     """count, mean, median and max of a row's document lengths (for the report)."""
-    ordered = sorted(lengths)
-    return dict(count=len(lengths), mean=sum(lengths) / len(lengths), median=ordered[len(ordered) // 2],
-                max=ordered[-1])
+    return dict(count=len(lengths), mean=sum(lengths) / len(lengths), median=statistics.median(lengths),
+                max=max(lengths))

@@ -312,7 +312,7 @@ def mask_words(plan: Plan) -> str:
     if w.documents is not None:
         rows = describe(mask.documents or (w.seq,))
         words.append(f"documents {w.documents_from or 'given'} ({rows['count']} in the row: mean "
-                     f"{rows['mean']:.0f}, median {rows['median']}, max {rows['max']})")
+                     f"{rows['mean']:.0f}, median {rows['median']:.0f}, max {rows['max']})")
     return ", ".join(words)
 
 
