@@ -18,6 +18,7 @@ import functools
 import inspect
 import itertools
 import reprlib
+import sys
 import threading
 from collections import OrderedDict
 from collections.abc import Callable
@@ -30,7 +31,7 @@ import torch.nn.functional as F
 from torch.overrides import TorchFunctionMode
 
 from ctxpar import agreement, comm, limits, topology
-from ctxpar.attention import attention, check_settings
+from ctxpar.attention import attention, check_settings, is_dtensor
 from ctxpar.layout import Layout, get_layout
 from ctxpar.masks import document_lengths, positions_in_documents
 from ctxpar.models.config import ModelConfig
@@ -231,13 +232,11 @@ def weights_code(model: nn.Module) -> int:
     alike on ranks holding one model's weights: a model built after seeding the ranks apart
     trained as a mixture of models, silently. -1 where no parameter is held whole. One host
     read per device and dtype."""
-    from torch.distributed.tensor import DTensor
-
     if _fsdp1_sharded(model):
         return -1
     sampled: dict[tuple[torch.device, torch.dtype], list[torch.Tensor]] = {}
     for p in model.parameters():
-        if not isinstance(p, DTensor) and not p.is_meta and p.numel():
+        if not is_dtensor(p) and not p.is_meta and p.numel():
             first = p.detach()
             while first.dim() > 1:  # the first row: a view, where reshape(-1) copies a strided parameter
                 first = first[0]
@@ -250,10 +249,11 @@ def weights_code(model: nn.Module) -> int:
 
 def _fsdp1_sharded(model: nn.Module) -> bool:
     """Whether ``model`` holds FSDP1 units, whose parameters are this rank's flat shards (or
-    views of them, or empty): neither their values nor their shapes are alike across ranks."""
-    from torch.distributed.fsdp import FullyShardedDataParallel
-
-    return any(isinstance(m, FullyShardedDataParallel) for m in model.modules())
+    views of them, or empty): neither their values nor their shapes are alike across ranks.
+    Without importing torch.distributed.fsdp (0.8 s, with DTensor): a unit exists only once it
+    is loaded."""
+    fsdp = sys.modules.get("torch.distributed.fsdp")
+    return fsdp is not None and any(isinstance(m, fsdp.FullyShardedDataParallel) for m in model.modules())
 
 
 def _computed(value):

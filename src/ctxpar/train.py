@@ -25,6 +25,7 @@ from ctxpar import checkpoint, limits, profile, strategy_rules
 from ctxpar.data import RecallTask
 from ctxpar import launch
 from ctxpar.models import Transformer, get_config
+from ctxpar.attention import is_dtensor
 from ctxpar.parallelize import apply_context_parallel, cp_loss, shard_batch, shift_labels
 
 TRAIN_STRATEGIES = strategy_rules.CALL_STRATEGIES  # auto: ctxpar.auto picks per call
@@ -421,13 +422,11 @@ def full_gradients(model: torch.nn.Module, keep: bool = True) -> dict[str, torch
     """Every parameter's whole gradient by name, on the CPU. FSDP's shards are gathered, so
     under FSDP every rank calls it (collective); ``keep``: this rank keeps them (rank 0, as
     ``return_parameters`` keeps the gathered parameters)."""
-    from torch.distributed.tensor import DTensor
-
     gradients = {}
     for name, parameter in model.named_parameters():
         if parameter.grad is None:  # on every rank alike (one model): a parameter the loss does not reach
             continue
-        grad = parameter.grad.full_tensor() if isinstance(parameter.grad, DTensor) else parameter.grad
+        grad = parameter.grad.full_tensor() if is_dtensor(parameter.grad) else parameter.grad
         if keep:
             gradients[name] = grad.detach().to("cpu", copy=True)
     return gradients
