@@ -147,6 +147,15 @@ def test_padding_masks_and_foreign_positions_are_refused() -> None:
     with pytest.raises(ValueError, match=r"position_ids \[3, 4, .* are not this rank's positions under the zigzag "
                                          r"layout enable_context_parallel was given \(\[0, 1, "):
         model(**shifted)
+    # a second row alone wrong: refused (once only row 0 was compared), naming that row and its positions (the
+    # message once quoted row 0's, the right ones, as "not this rank's positions")
+    right = inputs["position_ids"].reshape(-1)
+    two_rows = dict(input_ids=inputs["input_ids"].expand(2, -1), position_ids=torch.stack([right, right + 3]))
+    with pytest.raises(ValueError, match=r"position_ids \(row 1\) \[3, 4, .* are not this rank's positions"):
+        model(**two_rows)
+    two_rows["position_ids"] = torch.stack([right, right.flip(0)])
+    with pytest.raises(ValueError, match=r"position_ids \(row 1\) must be this rank's global layout positions"):
+        model(**two_rows)
 
 
 def test_mistral_sliding_window_runs_exactly() -> None:

@@ -127,16 +127,18 @@ def _check_positions(name: str, settings: Settings, bound: dict, documents: tupl
                              f"tuning, is not supported under context parallelism)")
         return
     if positions.shape[-1] != want.numel() or not bool((positions.reshape(-1, want.numel()).cpu() == want).all()):
-        given = positions.reshape(-1, positions.shape[-1])[0].cpu()
+        rows = positions.reshape(-1, positions.shape[-1]).cpu()
+        wrong = 0 if rows.shape[1] != want.numel() else int((rows != want).any(1).nonzero()[0, 0])
+        given, name_row = rows[wrong], f"position_ids (row {wrong})" if rows.shape[0] > 1 else "position_ids"
         if documents is None and bool((given.diff() > 0).all()):  # ascending: another layout's, or none's
-            raise ValueError(f"position_ids {given[:8].tolist()} are not this rank's positions under the "
+            raise ValueError(f"{name_row} {given[:8].tolist()} are not this rank's positions under the "
                              f"{settings.layout.name} layout enable_context_parallel was given "
                              f"({want[:8].tolist()}); shard the batch with shard_inputs(..., layout=) that layout")
         if documents is None:
-            raise ValueError(f"position_ids must be this rank's global layout positions (use shard_inputs); "
+            raise ValueError(f"{name_row} must be this rank's global layout positions (use shard_inputs); "
                              f"positions that restart mean packed documents, which ctxpar cannot infer from one "
                              f"shard: {_declare_fix()}")
-        raise ValueError(f"position_ids must be this rank's global layout positions counted from the start of "
+        raise ValueError(f"{name_row} must be this rank's global layout positions counted from the start of "
                          f"each declared document {list(documents)[:8]} (use shard_inputs(..., documents=...))")
 
 
