@@ -111,6 +111,25 @@ def test_a_non_default_scale_is_honoured_exactly() -> None:
     assert (plain - want).abs().max() > 1e-3 * want.abs().max()  # the scale matters on these inputs
 
 
+def test_the_default_scale_is_the_query_head_dims_when_values_are_wider() -> None:
+    """MLA shapes (DeepSeek): q and k of head dim 4, v of 8, scaling=None. The default scale is
+    Dqk ** -0.5 = 0.5; once it was taken from the zero-padded width max(Dqk, Dv) (8 ** -0.5),
+    the output off by 0.45."""
+    from ctxpar.integrations.transformers.attention import LayerMask, Settings, attention_forward
+
+    module = torch.nn.Module()
+    module.is_causal = True
+    module.ctxpar_settings = Settings(ONE, None, "ring", None)
+    torch.manual_seed(0)
+    q, k, v = torch.randn(1, 2, 16, 4), torch.randn(1, 2, 16, 4), torch.randn(1, 2, 16, 8)
+    got, _ = attention_forward(module, q, k, v, LayerMask(), scaling=None)  # (B, S, H, Dv)
+    visible = torch.ones(16, 16, dtype=torch.bool).tril()
+    want = torch.nn.functional.scaled_dot_product_attention(q.double(), k.double(), v.double(), attn_mask=visible,
+                                                            scale=4**-0.5).transpose(1, 2)
+    assert got.shape == (1, 16, 2, 8)
+    assert (got.double() - want).abs().max().item() <= 1e-5
+
+
 def test_attention_dropout_is_refused_at_enable_time_and_at_call_time() -> None:
     with pytest.raises(ValueError, match=r"attention dropout \(GPT2Config.attn_pdrop=0.1\); set attn_pdrop=0"):
         enable_context_parallel(hf_families.build("gpt2+dropout", meta=True), layout=ONE)
