@@ -200,6 +200,42 @@ def test_custom_masks_and_cross_attention_are_refused() -> None:
         bert(**bert_inputs, encoder_hidden_states=torch.zeros(1, 5, 32))
 
 
+def test_composed_masks_are_read_as_the_pairs_their_functions_allow() -> None:
+    """describe_mask over transformers' and_masks / or_masks, against the mask function itself
+    on a 12 x 12 grid: causal OR bidirectional sees everything (it was read as causal once
+    or_masks took any part's causal flag: 78 pairs for 144), and an intersection of windows
+    is the smallest (it was read as the largest once and_masks kept the max: 68 pairs for 42)."""
+    from transformers.masking_utils import (
+        and_masks,
+        bidirectional_mask_function,
+        causal_mask_function,
+        or_masks,
+        sliding_window_overlay,
+    )
+
+    from ctxpar.integrations.transformers.attention import LayerMask, describe_mask
+    from ctxpar.masks import make_mask
+
+    seq_len = 12
+    cases = {
+        "or(causal, bidirectional)": (or_masks(causal_mask_function, bidirectional_mask_function),
+                                      LayerMask(causal=False)),
+        "and(causal, window 4, window 8)": (and_masks(causal_mask_function, sliding_window_overlay(4),
+                                                      sliding_window_overlay(8)), LayerMask(window=4)),
+        "and(and(window 8, causal), window 4)": (and_masks(and_masks(sliding_window_overlay(8), causal_mask_function),
+                                                           sliding_window_overlay(4)), LayerMask(window=4)),
+    }
+    zero, positions = torch.tensor(0), torch.arange(seq_len)
+    for name, (fn, expected) in cases.items():
+        want = torch.tensor([[bool(fn(zero, zero, torch.tensor(q), torch.tensor(k))) for k in range(seq_len)]
+                             for q in range(seq_len)])
+        described = describe_mask(fn)
+        got = make_mask(seq_len, causal=described.causal, window=described.window).visible(positions, positions,
+                                                                                          seq_len)
+        assert torch.equal(got, want), (name, described, int(got.sum()), int(want.sum()))
+        assert described == expected, (name, described)
+
+
 def test_heads_that_pool_over_the_sequence_are_refused_at_enable_time() -> None:
     """LlamaForSequenceClassification was accepted and read each rank's shard's last token:
     2 ranks, rank 1's logits off by 0.25. Heads that score every token stay accepted (their
