@@ -345,6 +345,29 @@ def test_dynamic_rope_scaling_runs_below_its_limit_and_is_refused_past_it_on_eve
             detail
 
 
+def test_rope_limits_are_checked_at_their_exact_edges() -> None:
+    """check_rope_lengths on one process (16 tokens, contiguous over 2 ranks: rank 0 holds
+    positions 0-7). LongRoPE with limit 15: the sequence's largest position 15 reaches it, so
+    rank 0 (up to 7) would keep the short factors: refused (it ran once the check skipped a
+    largest position equal to the limit: logits off by 1.2e-3). Dynamic RoPE with limit 16:
+    16 tokens is max_position_embeddings, refused (it ran once only largest >= limit was
+    refused: off by 6e-5 after a longer call); limit 17 runs."""
+    from ctxpar.integrations.transformers.attention import Settings, check_rope_lengths
+
+    def verdict(**limits) -> str:
+        try:
+            check_rope_lengths("M", Settings(ctxpar.get_layout("contiguous", 2), None, "ring", None, **limits), 16,
+                               None)
+        except ValueError as e:
+            return str(e)
+        return "runs"
+
+    assert "uses LongRoPE" in verdict(longrope=(15,)) and "rank 0 holds positions up to 7" in verdict(longrope=(15,))
+    assert verdict(longrope=(17,)) == "runs"
+    assert "dynamic RoPE scaling" in verdict(dynamic=(16,)) and "max_position_embeddings=16" in verdict(dynamic=(16,))
+    assert verdict(dynamic=(17,)) == "runs"
+
+
 def test_longrope_runs_exactly_where_every_rank_uses_the_sequences_factors_and_is_refused_elsewhere() -> None:
     """LongRoPE switches to its long factors when the largest position a forward sees
     reaches original_max_position_embeddings (8). On 16 tokens over 2 ranks, zigzag and
