@@ -419,8 +419,9 @@ def _non_member_entries(group) -> dict[str, str]:
     return messages
 
 
-# (B, H, H_kv, S, D): GQA, MQA (P copies of its K/V head for all-to-all), and 2 K/V heads (2 copies each on 4 ranks:
-# U copies, where U / gcd(H_kv, U) are the fewest, once sent a third more and passed the two others)
+# (B, H, H_kv, S, D): GQA, MQA (P copies of its K/V head for all-to-all), and 2 K/V heads, which on 4 ranks need
+# U / gcd(H_kv, U) = 2 copies each: sending U = 4 once moved about a quarter more, and the two shapes before could not
+# tell (their fewest copies are 1 or U)
 TRAFFIC_SHAPES = [(2, 12, 4, 6, 8), (1, 12, 1, 4, 8), (1, 12, 2, 4, 8)]
 
 

@@ -85,7 +85,7 @@ def run_all(rank: int, world: int) -> dict:
 
 def _first_call_imports(rank: int, world: int) -> dict:
     """Run first in a fresh process: which of torch's heavy modules a generate call loaded
-    (the weights check imported torch.distributed.fsdp and DTensor's package, 0.8 s that
+    (the weights check imported torch.distributed.fsdp and DTensor's package, ~0.5 s that
     the first call's ttft_s counted: 1.2 s where later calls took 15 ms)."""
     heavy = ("torch.distributed.tensor", "torch.distributed.fsdp")
     before = [name for name in heavy if name in sys.modules]

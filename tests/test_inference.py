@@ -36,7 +36,7 @@ def _reported(world: int, check: str) -> list:
 
 @pytest.mark.parametrize("world", WORLD_SIZES, ids=lambda w: f"P{w}")
 def test_a_first_generate_call_loads_no_heavy_module(world: int) -> None:
-    """Its ttft_s is the prefill's, not a 0.8 s import's: a DTensor or FSDP1 unit can exist only
+    """Its ttft_s is the prefill's, not a half-second import's: a DTensor or FSDP1 unit can exist only
     once its module is loaded, so the checks look it up rather than import it."""
     for res in results(world):
         assert res["first_call_imports"] == dict(before=[], loaded=[]), res["first_call_imports"]

@@ -59,7 +59,8 @@ def _cases(rank: int, world: int) -> dict:
             docs = shard_batch(tokens, layout=layout, rank=cp_rank, documents=DOCUMENTS)
             other = shard_batch(tokens, layout=get_layout("contiguous", world), rank=cp_rank)
             last, chunk = rank == world - 1, SEQ // (2 * world)
-            mirrored = torch.arange(chunk) + (world + cp_rank) * chunk  # chunk P + r: zigzag's is 2P - 1 - r
+            # chunk P + r, where zigzag's is 2P - 1 - r: another chunk on every rank for an even P (WORLD is 4)
+            mirrored = torch.arange(chunk) + (world + cp_rank) * chunk
             outside = batch.tokens.clone()
             outside[0, 0] = 256 if last else 0  # the vocabulary is 0..255
             found[name] = dict(

@@ -267,7 +267,9 @@ def test_the_reference_run_is_plain_adamw_training() -> None:
     """--compare trusts train_reference, which shares the optimizer and step loop with the CP
     run, so a slip there (weight decay 0.01, a missing zero_grad) passed every parity test: pinned
     to a loop written out here (AdamW, betas (0.9, 0.95), no weight decay, zero_grad each step,
-    mean cross-entropy over the shifted labels)."""
+    mean cross-entropy over the shifted labels). Compared exactly: on one rank cp_loss's sum over
+    the valid tokens divided by their count is the mean F.cross_entropy takes, to the bit here,
+    and a weight decay of 0.01 moves the loss by only 4e-6 in 4 steps."""
     from ctxpar.train import ADAM_BETAS, build_model, train_reference
 
     cfg = TrainConfig(nproc=1, seq=128, steps=4, model="tiny", progress=False)

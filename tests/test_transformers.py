@@ -156,6 +156,11 @@ def test_padding_masks_and_foreign_positions_are_refused() -> None:
     two_rows["position_ids"] = torch.stack([right, right.flip(0)])
     with pytest.raises(ValueError, match=r"position_ids \(row 1\) must be this rank's global layout positions"):
         model(**two_rows)
+    # another length: named by its shape (it quoted row 0 as wrong beside the same list, or raised reshape's error)
+    for wrong in (torch.arange(9).expand(2, -1), torch.zeros(1, 0, dtype=torch.long)):
+        with pytest.raises(ValueError, match=re.escape(f"position_ids of shape {tuple(wrong.shape)} for this rank's "
+                                                       f"8 tokens: pass its global positions, one per token")):
+            model(**dict(two_rows, position_ids=wrong))
 
 
 def test_mistral_sliding_window_runs_exactly() -> None:

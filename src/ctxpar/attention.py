@@ -196,11 +196,15 @@ def _eager_exchange():
     return torch.compiler.disable(_exchange)
 
 
+def loaded_class(module: str, name: str) -> type | tuple:
+    """``module``'s class ``name`` where the module is loaded, else () (no instance of it can
+    exist yet, and ``isinstance(x, ())`` is False): what tests for DTensors and FSDP units use,
+    since importing torch.distributed's tensor or fsdp package takes about half a second."""
+    return getattr(sys.modules.get(module), name, ())
+
+
 def is_dtensor(t) -> bool:
-    """Without importing torch.distributed.tensor (0.7 s, once counted in a first generate call's
-    time to first token): a DTensor exists only once it is loaded."""
-    module = sys.modules.get("torch.distributed.tensor")
-    return module is not None and isinstance(t, module.DTensor)
+    return isinstance(t, loaded_class("torch.distributed.tensor", "DTensor"))
 
 
 def _strategy(name: str) -> Strategy:

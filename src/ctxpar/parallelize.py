@@ -18,7 +18,6 @@ import functools
 import inspect
 import itertools
 import reprlib
-import sys
 import threading
 from collections import OrderedDict
 from collections.abc import Callable
@@ -31,7 +30,7 @@ import torch.nn.functional as F
 from torch.overrides import TorchFunctionMode
 
 from ctxpar import agreement, comm, limits, topology
-from ctxpar.attention import attention, check_settings, is_dtensor
+from ctxpar.attention import attention, check_settings, is_dtensor, loaded_class
 from ctxpar.layout import Layout, get_layout
 from ctxpar.masks import document_lengths, positions_in_documents
 from ctxpar.models.config import ModelConfig
@@ -249,11 +248,9 @@ def weights_code(model: nn.Module) -> int:
 
 def _fsdp1_sharded(model: nn.Module) -> bool:
     """Whether ``model`` holds FSDP1 units, whose parameters are this rank's flat shards (or
-    views of them, or empty): neither their values nor their shapes are alike across ranks.
-    Without importing torch.distributed.fsdp (0.8 s, with DTensor): a unit exists only once it
-    is loaded."""
-    fsdp = sys.modules.get("torch.distributed.fsdp")
-    return fsdp is not None and any(isinstance(m, fsdp.FullyShardedDataParallel) for m in model.modules())
+    views of them, or empty): neither their values nor their shapes are alike across ranks."""
+    unit = loaded_class("torch.distributed.fsdp", "FullyShardedDataParallel")
+    return any(isinstance(m, unit) for m in model.modules())
 
 
 def _computed(value):

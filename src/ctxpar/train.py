@@ -22,10 +22,10 @@ import torch.distributed as dist
 
 import ctxpar
 from ctxpar import checkpoint, limits, profile, strategy_rules
+from ctxpar.attention import is_dtensor
 from ctxpar.data import RecallTask
 from ctxpar import launch
 from ctxpar.models import Transformer, get_config
-from ctxpar.attention import is_dtensor
 from ctxpar.parallelize import apply_context_parallel, cp_loss, shard_batch, shift_labels
 
 TRAIN_STRATEGIES = strategy_rules.CALL_STRATEGIES  # auto: ctxpar.auto picks per call

@@ -110,5 +110,5 @@ def pack(lengths: tuple[int, ...], seq: int) -> tuple[int, ...]:
 
 def describe(lengths: tuple[int, ...]) -> dict:
     """count, mean, median and max of a row's document lengths (for the report)."""
-    return dict(count=len(lengths), mean=sum(lengths) / len(lengths), median=statistics.median(lengths),
+    return dict(count=len(lengths), mean=sum(lengths) / len(lengths), median=float(statistics.median(lengths)),
                 max=max(lengths))

@@ -298,8 +298,12 @@ def _parallel_words(plan: Plan) -> str:
           if w.pp > 1 else "")
     micro = f"; {w.microbatches} micro-batches of B={w.batch} per step" if w.microbatches > 1 else ""
     order = "TP, CP, DP, PP" if w.pp > 1 else "TP, CP, DP"
-    return (f"parallel: TP={w.tp}{sp} x CP={w.cp} x DP={w.data_parallel}{implied}{pp} = {w.world_size} GPUs "
-            f"(rank order {order}); {hw.gpus_per_node} GPU{'s' * (hw.gpus_per_node != 1)} per node{micro}")
+    return (f"parallel: TP={w.tp}{sp} x CP={w.cp} x DP={w.data_parallel}{implied}{pp} = {_gpus(w.world_size)} "
+            f"(rank order {order}); {_gpus(hw.gpus_per_node)} per node{micro}")
+
+
+def _gpus(count: int) -> str:
+    return f"{count} GPU" if count == 1 else f"{count} GPUs"
 
 
 
@@ -558,7 +562,7 @@ def _crossovers(plan: Plan) -> list[str]:
 def _baseline(plan: Plan) -> list[str]:
     b, w = plan.baseline, plan.workload
     per = "pipeline stage" if w.pp > 1 else "replica"
-    lines = [f"Without CP on the same {b.gpus} GPUs per {per} at T={format_tokens(w.seq)}: TP x checkpointing "
+    lines = [f"Without CP on the same {_gpus(b.gpus)} per {per} at T={format_tokens(w.seq)}: TP x checkpointing "
              f"(other GPUs: data parallelism)",
              f"  {'TP':>4} {'checkpointing':<14} {'step':>11} {'per batch':>11} {'memory/GPU':>12} {'fits':>5}"]
     for p in b.points:
@@ -596,7 +600,7 @@ def _recommendation(plan: Plan) -> list[str]:
     extra = f", ulysses {w.ulysses} x ring {w.ring_degree}" if w is not None and w.strategy == "hybrid" else ""
     b = plan.recommended_baseline
     instead = None if b.best is None else (
-        f"Recommendation: no CP: TP={b.best.tp} with checkpointing {b.best.checkpointing} on the same {b.gpus} GPUs, "
+        f"Recommendation: no CP: TP={b.best.tp} with checkpointing {b.best.checkpointing} on the same {_gpus(b.gpus)}, "
         f"{format_seconds(b.best.seconds_per_batch)} per batch")
     if w is None:  # no CP degree fits at the requested TP; without CP, more TP may
         head = f"{instead}; no CP degree fits at TP={plan.workload.tp}" if instead else "Recommendation: none fits"

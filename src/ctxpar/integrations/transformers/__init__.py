@@ -126,9 +126,12 @@ def _check_positions(name: str, settings: Settings, bound: dict, documents: tupl
                              f"adapter that drops them to prepend virtual tokens to each shard, PEFT's prompt "
                              f"tuning, is not supported under context parallelism)")
         return
-    if positions.shape[-1] != want.numel() or not bool((positions.reshape(-1, want.numel()).cpu() == want).all()):
-        rows = positions.reshape(-1, positions.shape[-1]).cpu()
-        wrong = 0 if rows.shape[1] != want.numel() else int((rows != want).any(1).nonzero()[0, 0])
+    if positions.shape[-1] != want.numel():
+        raise ValueError(f"position_ids of shape {tuple(positions.shape)} for this rank's {want.numel()} tokens: pass "
+                         f"its global positions, one per token (shard_inputs does)")
+    rows = positions.reshape(-1, want.numel()).cpu()
+    if not bool((rows == want).all()):
+        wrong = int((rows != want).any(1).nonzero()[0, 0])
         given, name_row = rows[wrong], f"position_ids (row {wrong})" if rows.shape[0] > 1 else "position_ids"
         if documents is None and bool((given.diff() > 0).all()):  # ascending: another layout's, or none's
             raise ValueError(f"{name_row} {given[:8].tolist()} are not this rank's positions under the "
