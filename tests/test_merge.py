@@ -101,3 +101,21 @@ def test_merge_packed_folds_a_stack_in_order_and_refuses_what_is_not_one() -> No
     for bad in (torch.zeros(0, 2, 5, 5), torch.zeros(5, 5), torch.zeros(2, 3, 1)):
         with pytest.raises(ValueError, match="merge_packed takes a stack"):
             merge_packed(bad)
+
+
+@pytest.mark.parametrize("lse", [torch.tensor([[0.0]]), torch.tensor([[1.0e4]]),
+                                 torch.tensor([[0.0, 1.0e4, -1.0e4, -3.5, 88.0, -math.inf]])],
+                         ids=["zero", "large", "mixed-row"])
+def test_merging_a_partial_with_its_twin_doubles_its_mass(lse) -> None:
+    """merge(o, l, o, l) is the same keys counted twice: out o, lse l + ln 2 (a row that saw no
+    key stays (0, -inf)). Once the ln 2 was dropped where the two lse were equal, the weights
+    summed to 2 and every such row came back as (2 o, l). float64, so l = 1e4 + ln 2 is exact
+    to far below the tolerance (float32 rounds it to 1e-3)."""
+    lse = lse.double()
+    out = torch.randn(*lse.shape, 3, generator=torch.Generator().manual_seed(0), dtype=torch.float64)
+    got_out, got_lse = merge(out, lse, out, lse)
+    seen = ~torch.isneginf(lse)
+    want_out = torch.where(seen.unsqueeze(-1), out, torch.zeros_like(out))
+    torch.testing.assert_close(got_out, want_out, rtol=1e-9, atol=1e-9)
+    torch.testing.assert_close(got_lse[seen], lse[seen] + math.log(2), rtol=1e-12, atol=1e-12)
+    assert torch.isneginf(got_lse[~seen]).all()
