@@ -62,12 +62,35 @@ def test_block_gradients_from_global_lse_add_up_to_the_full_gradient() -> None:
         torch.testing.assert_close(got, want, rtol=0, atol=1e-5)
 
 
-def test_low_precision_blocks_are_computed_and_returned_in_float32() -> None:
+@pytest.mark.parametrize("backend", [cpu, reference], ids=["cpu", "reference"])
+@pytest.mark.parametrize("tile", ["causal", "masked"])
+def test_low_precision_blocks_are_computed_and_returned_in_float32(backend, tile) -> None:
+    """bf16 blocks, a causal one and a PARTIAL one (explicit mask, one row that sees no key),
+    give what the same kernel gives on the inputs upcast to float32: computed in float32, not
+    only returned in it. Once the reference kernel accumulated in the input dtype, its bf16
+    blocks came back bf16 and off by bf16's rounding; only the default (cpu) kernel was asked."""
     q, k, v = make(4, 2, 16, dtype=torch.bfloat16)
-    out, lse = kernels.attention_forward(q, k, v, causal=True, scale=0.25)
-    grads = kernels.attention_backward(torch.ones_like(q), q, k, v, out, lse, causal=True, scale=0.25)
+    mask = None
+    if tile == "masked":
+        mask = torch.rand(16, 16, generator=torch.Generator().manual_seed(5)) < 0.5
+        mask[3] = False
+        mask[4, 15] = True
+    dout = torch.randn(q.shape, generator=torch.Generator().manual_seed(6)).bfloat16()
+    seen = torch.ones(16, dtype=torch.bool) if mask is None else mask.any(-1)
+    dout = dout.masked_fill(~seen.view(1, 1, 16, 1), 0)
+    kw = dict(causal=tile == "causal", scale=0.25, mask=mask)
+    out, lse = backend.attention_forward(q, k, v, **kw)
+    want_out, want_lse = backend.attention_forward(q.float(), k.float(), v.float(), **kw)
     assert out.dtype == lse.dtype == torch.float32
+    assert torch.isneginf(lse[:, :, ~seen]).all() and (out[:, :, ~seen] == 0).all()
+    torch.testing.assert_close(out, want_out, rtol=0, atol=1e-5)
+    torch.testing.assert_close(lse, want_lse, rtol=0, atol=1e-5)
+    global_lse = lse.masked_fill(~seen.view(1, 1, 16), 0.0)  # the empty row sees keys elsewhere
+    grads = backend.attention_backward(dout, q, k, v, out, global_lse, **kw)
+    want = backend.attention_backward(dout.float(), q.float(), k.float(), v.float(), out, global_lse, **kw)
     assert all(g.dtype == torch.float32 for g in grads)
+    for got, expected in zip(grads, want):
+        torch.testing.assert_close(got, expected, rtol=0, atol=1e-5)
 
 
 def strided_views() -> dict:
