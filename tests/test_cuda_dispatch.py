@@ -64,9 +64,22 @@ def test_the_efficient_backward_reads_the_out_it_is_handed(handed: str, gpu, mon
     dq, dk, dv = cuda.attention_backward(dout, q, k, v, given[handed], torch.zeros(1, 4, 40), causal=True, scale=0.1)
     assert torch.equal(read[0], out)
     assert dq.shape == q.shape and dk.shape == dv.shape == k.shape
+    assert dq.dtype == torch.bfloat16 and dk.dtype == dv.dtype == torch.float32  # K/V heads summed in fp32
+
+
+def test_kv_gradients_of_repeated_heads_are_summed_and_returned_in_float32() -> None:
+    """``_sum_kv`` folds the H/H_kv query heads' dK/dV back onto their KV head in float32 and
+    returns it so: 1 + 2^-8 is exact in float32 and rounds to 1 in bf16. Once it summed in
+    the input dtype, every GQA block's bf16 dK/dV was rounded a second time."""
+    t = torch.tensor([1.0, 2.0 ** -8]).bfloat16().view(1, 2, 1, 1).expand(2, 2, 3, 4).contiguous()
+    summed = cuda._sum_kv(t, 1)
+    assert summed.dtype == torch.float32 and summed.shape == (2, 1, 3, 4)
+    assert (summed == 1 + 2.0 ** -8).all()
+    assert cuda._sum_kv(t, 2) is t  # heads that are not repeated come back as they are
 
 
 H200, A10, RTX_5090, T4, V100 = (9, 0), (8, 6), (12, 0), (7, 5), (7, 0)
+L40S, DGX_SPARK = (8, 9), (12, 1)  # the top of each range whose flash backward refuses D 193-224
 
 
 @pytest.mark.parametrize("op", ["flash", "efficient"])
@@ -74,17 +87,23 @@ def test_a_row_without_mass_comes_back_as_the_contracts_whatever_the_ops_convent
                                                                                     monkeypatch) -> None:
     """Rows whose keys all score -inf, in each op's convention (torch's kernels, read: flash
     gives out 0 and lse +inf, the efficient op, which fp32 takes, lse -inf and out NaN: 0 x 1/0).
-    The efficient op's NaN went through, and its merge made the whole row NaN on a GPU."""
+    The efficient op's NaN went through, and its merge made the whole row NaN on a GPU. A row
+    that met a +inf score (out NaN, lse +inf, in either op) has mass, undefined: it stays NaN /
+    +inf; once every +inf lse was read as "no mass", it came back (0, -inf) and hid the NaN."""
     gpu(H200, cudnn=False)
     dtype, d = (torch.bfloat16, 128) if op == "flash" else (torch.float32, 64)
     q, k, v, _ = _block(4, 2, 8, d, dtype)
     empty = torch.zeros(1, 4, 8, dtype=torch.bool)
     empty[0, 1, 2] = empty[0, 3, 5] = True  # two rows without mass
+    poisoned = torch.zeros(1, 4, 8, dtype=torch.bool)
+    poisoned[0, 2, 6] = True  # a row that met a +inf score
     finite = torch.randn(1, 4, 8, d).to(dtype)
 
     def ops_output(q, *args, **kwargs):
         out = finite.masked_fill(empty.unsqueeze(-1), 0.0 if op == "flash" else float("nan"))
+        out = out.masked_fill(poisoned.unsqueeze(-1), float("nan"))
         lse = torch.zeros(1, 4, 8).masked_fill(empty, float("inf") if op == "flash" else float("-inf"))
+        lse = lse.masked_fill(poisoned, float("inf"))
         if op == "efficient":
             lse = F.pad(lse, (0, 24))  # the op pads its lse rows to 32
         return out, lse, *([None] * 7)
@@ -93,8 +112,9 @@ def test_a_row_without_mass_comes_back_as_the_contracts_whatever_the_ops_convent
     monkeypatch.setattr(cuda, "_flash_takes_gqa", lambda device, dtype: True)
     assert cuda.op_for(q, k) == op
     out, lse = cuda.attention_forward(q, k, v, causal=False, scale=0.1)
-    assert torch.equal(out, finite.masked_fill(empty.unsqueeze(-1), 0))
-    assert torch.equal(lse, torch.zeros(1, 4, 8).masked_fill(empty, float("-inf")))
+    assert out[poisoned].isnan().all() and torch.isposinf(lse[poisoned]).all()
+    assert torch.equal(out[~poisoned], finite.masked_fill(empty.unsqueeze(-1), 0)[~poisoned])
+    assert torch.equal(lse[~poisoned], torch.zeros(1, 4, 8).masked_fill(empty, float("-inf"))[~poisoned])
 
 
 @pytest.mark.parametrize("capability, dtype, d, cudnn, op", [
@@ -104,6 +124,8 @@ def test_a_row_without_mass_comes_back_as_the_contracts_whatever_the_ops_convent
     (H200, torch.float32, 20, True, "reference"),
     (A10, torch.bfloat16, 192, False, "flash"), (A10, torch.bfloat16, 208, False, "efficient"),
     (A10, torch.bfloat16, 256, False, "flash"), (RTX_5090, torch.float16, 224, False, "efficient"),
+    (L40S, torch.bfloat16, 208, False, "efficient"), (L40S, torch.bfloat16, 128, False, "flash"),
+    (DGX_SPARK, torch.float16, 200, False, "efficient"), (DGX_SPARK, torch.bfloat16, 256, False, "flash"),
     (T4, torch.float16, 64, True, "efficient"), (T4, torch.float16, 264, False, "efficient"),
     (T4, torch.bfloat16, 128, True, "reference"), (T4, torch.float32, 64, False, "efficient"),
     (V100, torch.float16, 128, False, "efficient"),
@@ -111,7 +133,8 @@ def test_a_row_without_mass_comes_back_as_the_contracts_whatever_the_ops_convent
 def test_each_block_goes_to_an_op_its_gpu_runs(capability, dtype, d, cudnn, op, gpu) -> None:
     """As torch's SDPA selects (sdp_utils.cpp): flash and cuDNN from sm80 on, the efficient op
     from sm50 (bf16 from sm80); sm86-89 and sm120-121 refuse the flash backward at D 193-224.
-    A T4 or V100 was sent to the flash op, which raises there."""
+    A T4 or V100 was sent to the flash op, which raises there; the L40S / RTX 4090 (sm89) and
+    sm121 rows pin the ranges' upper ends (once sm89 was left out and sent D 208 to flash)."""
     gpu(capability, cudnn)
     q = torch.empty(1, 8, 128, d, dtype=dtype)
     assert cuda.op_for(q, torch.empty_like(q)) == op
@@ -145,17 +168,61 @@ def test_an_op_torch_was_told_not_to_use_is_not_used(off, dtype, d, op, gpu) -> 
     assert cuda.op_for(q, torch.empty_like(q)) == op
 
 
-@pytest.mark.parametrize("queries, kv_heads, a_cache_view, op", [
-    (1, 2, True, "flash"), (1, 8, True, "flash"), (1, 8, False, "cudnn"), (1, 2, False, "flash"),
-    (511, 2, False, "flash"), (512, 2, False, "cudnn"), (512, 8, True, "cudnn"), (64, 8, False, "cudnn"),
+def test_deterministic_algorithms_keep_blocks_off_cudnn(gpu) -> None:
+    """``torch.use_deterministic_algorithms(True)``: torch does not count cuDNN's attention among
+    its deterministic algorithms, so a bf16 D = 128 block that would go to cuDNN goes to flash
+    (once the switch was not asked, it went to cuDNN)."""
+    gpu(H200, cudnn=True)
+    q = torch.empty(1, 8, 1024, 128, dtype=torch.bfloat16)
+    assert cuda.op_for(q, torch.empty_like(q)) == "cudnn"
+    was, warn_only = torch.are_deterministic_algorithms_enabled(), torch.is_deterministic_algorithms_warn_only_enabled()
+    # the switch torch.use_deterministic_algorithms sets, without its first-call import of
+    # torch._inductor (0.8 s), which only mirrors the setting into inductor's config
+    torch._C._set_deterministic_algorithms(True, warn_only=False)
+    try:
+        assert cuda.op_for(q, torch.empty_like(q)) == "flash"
+    finally:
+        torch._C._set_deterministic_algorithms(was, warn_only=warn_only)
+
+
+@pytest.mark.parametrize("dtype, d, cudnn, op", [
+    (torch.bfloat16, 128, True, "cudnn"), (torch.bfloat16, 128, False, "flash"), (torch.float32, 64, True, "efficient"),
+])
+def test_a_partial_tile_goes_to_the_reference_kernel_whatever_op_its_block_gets(dtype, d, cudnn, op, gpu,
+                                                                               monkeypatch) -> None:
+    """The fused ops here take no mask: a PARTIAL tile (``mask=``) runs the reference kernel, forward
+    and backward, with every fused op replaced by a stand-in that fails. Once the forward dropped
+    the mask test, a masked block went to its fused op, which attended to every key."""
+    gpu(H200, cudnn=cudnn)
+    for name in ("_cudnn_fwd", "_cudnn_bwd", "_flash_fwd", "_flash_bwd", "_eff_fwd", "_eff_bwd"):
+        monkeypatch.setattr(cuda, name, lambda *args, _name=name, **kwargs: pytest.fail(f"{_name} ran a masked tile"))
+    q, k, v, dout = _block(4, 4, 8, d, dtype)  # K/V with q's heads: cuDNN's, at 8 queries
+    assert cuda.op_for(q, k) == op
+    mask = torch.rand(8, 8, generator=torch.Generator().manual_seed(1)) < 0.5
+    mask[:, 0] = True
+    out, lse = cuda.attention_forward(q, k, v, causal=False, scale=0.1, mask=mask)
+    want_out, want_lse = cuda.reference.attention_forward(q, k, v, causal=False, scale=0.1, mask=mask)
+    assert torch.equal(out, want_out) and torch.equal(lse, want_lse)
+    grads = cuda.attention_backward(dout, q, k, v, out, lse, causal=False, scale=0.1, mask=mask)
+    want = cuda.reference.attention_backward(dout, q, k, v, out, lse, causal=False, scale=0.1, mask=mask)
+    assert all(torch.equal(got, expected) for got, expected in zip(grads, want, strict=True))
+
+
+@pytest.mark.parametrize("queries, kv_heads, a_cache_view, op, keys", [
+    (1, 2, True, "flash", 3000), (1, 8, True, "flash", 3000), (1, 8, False, "cudnn", 3000),
+    (1, 2, False, "flash", 3000), (511, 2, False, "flash", 3000), (512, 2, False, "cudnn", 3000),
+    (512, 8, True, "cudnn", 3000), (64, 8, False, "cudnn", 3000),
+    (1, 8, False, "flash", 1), (2, 8, False, "flash", 1), (1, 8, False, "cudnn", 2),
 ])
 def test_a_block_whose_kv_cudnn_would_copy_goes_to_flash_unless_the_queries_pay_for_it(
-        queries, kv_heads, a_cache_view, op, gpu) -> None:
+        queries, kv_heads, a_cache_view, op, keys, gpu) -> None:
     """cuDNN's op is handed K/V dense with q's heads: a decode step's K/V (a strided view of the
-    cache, H_kv heads) would be copied whole for one query token; the flash op reads them in place."""
+    cache, H_kv heads) would be copied whole for one query token; the flash op reads them in place.
+    A block of a single key goes to flash however it is laid out: cuDNN's backward refused one
+    query against one key on the H200 (once the one-key rule was dropped, that block got cuDNN)."""
     gpu(H200, cudnn=True)
     q = torch.empty(1, 8, queries, 128, dtype=torch.bfloat16)
-    k = torch.empty(1, kv_heads, 4096 if a_cache_view else 3000, 128, dtype=torch.bfloat16)[:, :, :3000]
+    k = torch.empty(1, kv_heads, keys + 1096 if a_cache_view else keys, 128, dtype=torch.bfloat16)[:, :, :keys]
     assert cuda.op_for(q, k) == op
 
 
