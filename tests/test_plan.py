@@ -1503,6 +1503,15 @@ def test_gloo_link_and_memory_are_measured() -> None:
     assert measure_memory_bandwidth(nbytes=16 * MiB, repeats=1) > 1e8
 
 
+def test_memory_bandwidth_counts_the_copys_read_and_its_write(monkeypatch) -> None:
+    """A copy of n bytes reads n and writes n: its bandwidth is 2 n over the fastest copy's
+    seconds (the timer stubbed: 1 MiB copies in 10, 4 and 6 ms). Once only the read was
+    counted, decoding's weight and KV-cache reads were priced at twice their time."""
+    seconds = iter([0.010, 0.004, 0.006])
+    monkeypatch.setattr(calibrate, "_wall_seconds", lambda fn: next(seconds))
+    assert measure_memory_bandwidth(nbytes=MiB, repeats=3) == pytest.approx(2 * MiB / 0.004, rel=1e-12)
+
+
 def test_a_link_measurement_swamped_by_load_is_taken_again_then_refused(monkeypatch, capsys) -> None:
     """A 4-byte hop half as long as a 1 MiB one or more measured a stall, which would inflate
     the bandwidth (bytes over the difference) 2x or more, to a petabyte per second once the
@@ -2783,6 +2792,19 @@ def test_tile_overheads_are_what_the_tile_loop_adds_to_its_kernel(monkeypatch) -
             calibrate.measure_tile_overheads(shape=shape)
     with pytest.raises(ValueError, match="a size curve needs rounds >= 1"):
         calibrate.measure_size_curve(rounds=0)
+
+
+def test_tile_probes_in_low_precision_count_float32_accumulator_bytes() -> None:
+    """bf16 tiles merge into, and add their gradients to, float32 accumulators: the bytes each
+    probe is fitted against are the float32 ones (``cost.accumulated_bytes(..., acc=4)``), as the
+    planner prices them. Once they were counted at the input's 2 bytes, a bf16 calibration's
+    seconds per byte came out twice the truth."""
+    shape = dict(heads=2, kv_heads=1, head_dim=8)
+    m = calibrate.measure_tile_overheads(calls=16, dtype=torch.bfloat16, shape=shape, probes=((16, 16), (32, 32)))
+    want = [cost.accumulated_bytes(batch=1, queries=q, keys=k, heads=2, kv_heads=1, head_dim=8, acc=4)
+            for q, k in ((16, 16), (32, 32))]
+    assert [(r["forward_bytes"], r["backward_bytes"]) for r in m["tiles"]] == want
+    assert want[0] == (4 * 16 * 2 * 8, 4 * (16 * 2 + 2 * 16) * 8)
 
 
 def test_measurements_label_the_size_they_measured_and_refuse_counts_below_one() -> None:
