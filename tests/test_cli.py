@@ -266,6 +266,9 @@ def bad_values(tmp: Path) -> list[tuple[tuple[str, ...], str]]:
                                                    "at least 50, e.g. --seq 52 (a multiple of 4 for --layout zigzag"),
         (("train", "--lr", "nan"), "--lr nan must be a positive finite learning rate"),
         (("train", "--cp", "-2", "--dp", "-2"), "--cp -2 x --dp -2 must equal the 4 ranks"),
+        # a product other than the ranks, above or below: once only "above" was refused, and --cp 1 on 2 ranks ran CP=2
+        (("train", "--nproc", "4", "--dp", "1", "--cp", "2"), "--cp 2 x --dp 1 must equal the 4 ranks"),
+        (("train", "--nproc", "2", "--dp", "2", "--cp", "2"), "--cp 2 x --dp 2 must equal the 2 ranks"),
         (("train", "--seed", str(2**70)), "--seed must be between 0 and"),
         (("train", "--model", "llama-3-405b"), "--model llama-3-405b on 4 ranks"),
         (("train", "--json", missing), "does not exist; create it first"),
@@ -421,6 +424,44 @@ def test_train_compare_exits_non_zero_when_an_early_loss_or_gradient_differs_fro
     argv = ["train", "--nproc", "1", "--seq", "64", "--steps", "3", "--compare", "--no-progress"]
     assert main(argv) == status
     assert says in capsys.readouterr().out
+
+
+def test_demo_exits_1_when_cp_differs_from_unsplit_attention(monkeypatch, capsys) -> None:
+    """Scripts read the status: a MISMATCH once exited 0 (the demo's run is stood in for)."""
+    import ctxpar.cli as cli
+
+    monkeypatch.setattr(cli, "format_report", lambda report: "OK" if report["ok"] else "MISMATCH")
+    for ok, status in ((True, 0), (False, 1)):
+        monkeypatch.setattr(cli, "run_demo", lambda cfg, ok=ok, **kwargs: {"ok": ok})
+        assert main(["demo", "--nproc", "1", "--seq", "64"]) == status
+        assert capsys.readouterr().out == ("OK\n" if ok else "MISMATCH\n")
+
+
+@pytest.mark.parametrize("temperature", [0.0, 0.8])
+def test_generate_compare_judges_every_row_against_a_reference_drawn_alike(temperature: float, monkeypatch) -> None:
+    """``generate --compare``'s verdict, the ranks stood in for by the exact answer: equal at
+    temperature 0 and when sampling (a reference drawn greedily once said MISMATCH for a right
+    sampled run), and not equal where row 1 alone differs (once only row 0 was compared)."""
+    from ctxpar.inference import command
+    from ctxpar.inference.generate import reference_generate
+
+    changed = []
+
+    def ranks(fn, nproc, args, **kwargs):
+        cfg = args[0]
+        model, prompt = command.build(cfg, torch.device("cpu"))
+        tokens = reference_generate(model, prompt, new_tokens=cfg.new_tokens, temperature=cfg.temperature,
+                                    seed=cfg.seed).tolist()
+        if changed:
+            tokens[1][-1] += 1
+        return {"tokens": tokens}
+
+    monkeypatch.setattr(command.launch, "run", ranks)
+    cfg = command.GenerateConfig(nproc=2, prompt_len=16, new_tokens=4, batch=2, temperature=temperature, seed=3,
+                                 compare=True, progress=False)
+    assert command.run_generate(cfg)["tokens_match"] is True
+    changed.append(True)
+    assert command.run_generate(cfg)["tokens_match"] is False
 
 
 @pytest.mark.skipif(not os.path.exists("/dev/full"), reason="needs /dev/full")

@@ -204,6 +204,19 @@ def test_tolerances_are_the_dtypes_share_of_each_tensors_scale_and_a_vanishing_g
                                                  dv=rtol * 4.0)
 
 
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_a_low_precision_tolerance_is_twice_the_single_process_error(dtype: torch.dtype) -> None:
+    """bfloat16 / float16: each tensor within 2x single-process SDPA's own error in that dtype,
+    plus float32's share of its scale (once 20x the baseline, a bf16 demo said OK for numbers
+    ten times worse than SDPA's; every demo test gave it right numbers)."""
+    ref = {name: torch.tensor([[-scale, 0.5 * scale]], dtype=torch.float64)
+           for name, scale in dict(out=2.0, lse=3.0, dq=0.0, dk=0.5, dv=4.0).items()}
+    baseline = dict(out=1e-2, lse=2e-3, dq=3e-2, dk=4e-2, dv=5e-2)
+    want = dict(out=2 * 1e-2 + 1e-5 * 2.0, lse=2 * 2e-3 + 1e-5 * 3.0, dq=2 * 3e-2 + 1e-5 * 4.0,
+                dk=2 * 4e-2 + 1e-5 * 4.0, dv=2 * 5e-2 + 1e-5 * 4.0)
+    assert verify.tolerances(dtype, ref, baseline) == pytest.approx(want, rel=1e-12)
+
+
 @pytest.mark.parametrize("tile", ["causal", "full", "masked"])
 def test_reference_kernel_bounds_its_score_tiles(tile, monkeypatch) -> None:
     """With a budget of a few tiles the reference kernel still gives the untiled result,
