@@ -36,7 +36,8 @@ from ctxpar.plan.memory import (layers_in_flight, memory_per_gpu, parameters_per
 from ctxpar.plan.recommend import crossover, fits_up_to, recommend, variant
 from ctxpar.plan.workload import default_ulysses
 from ctxpar.plan.report import rates_words
-from ctxpar.plan.units import format_bytes, format_flops, format_seconds, parse_latency, parse_tile_overhead
+from ctxpar.plan.units import (format_bytes, format_flops, format_seconds, format_tokens, parse_latency,
+                               parse_tile_overhead)
 from ctxpar.plan.work import pairs_per_rank, union_pairs
 from ctxpar.plan.workload import Workload
 
@@ -2925,3 +2926,96 @@ def test_a_users_subclass_of_a_named_layout_that_deals_otherwise_is_counted_by_i
     keys = work._keys_seen(16, mask)
     counted = tuple(int(keys[layout.positions(16, r)].sum()) for r in range(4))
     assert pairs_per_rank(layout, 16, mask) == counted == (58, 42, 26, 10), counted
+
+
+def _inference_json(tmp_path, *args):
+    out = tmp_path / "p.json"
+    assert main(["plan", "--inference", "--model", "llama-3-8b", "--seq", "131072", "--hardware", "H100-SXM",
+                 *args, "--json", str(out)]) == 0
+    return json.loads(out.read_text())
+
+
+def test_inference_json_sequence_parallel_is_false_without_tp(tmp_path, capsys) -> None:
+    """An inference plan without TP has no sequence parallelism, in its JSON as in its header (the
+    field once read the flag alone: true at TP 1)."""
+    report = _inference_json(tmp_path, "--cp", "8")
+    assert report["inputs"]["tp"] == 1 and report["inputs"]["sequence_parallel"] is False
+    assert "sequence parallelism" not in capsys.readouterr().out  # as the header says
+
+
+def test_inference_summary_share_is_kv_over_kv_plus_weights(tmp_path) -> None:
+    """The summary's "KV cache's share of the bytes read" is KV / (KV + weights): 52% for
+    Llama-3-8B at 128K on one GPU (KV / weights alone read 107%)."""
+    report = _inference_json(tmp_path, "--cp", "8")
+    one = report["degrees"][0]
+    share = int(re.search(r"\((\d+)% at CP 1\)", report["summary"]).group(1))
+    assert share == round(100 * one["kv_cache_bytes"] / (one["kv_cache_bytes"] + one["weight_bytes"])) == 52
+
+
+def test_inference_json_decode_positions_is_t_plus_n(tmp_path) -> None:
+    """Each degree's decode_positions is the table's T + n (once one less, unchecked beyond the key)."""
+    report = _inference_json(tmp_path, "--cp", "8", "--new-tokens", "3")
+    assert {d["decode_positions"] for d in report["degrees"]} == {131072 + 3}
+
+
+def test_decode_tp_all_reduce_prices_a_tp_group_that_straddles_a_node() -> None:
+    """A decode step's TP all-reduces and partials over a TP group that straddles two nodes go at
+    the inter-node link, the time written out here (once the group was priced alone, inside a
+    node: CP 2's decode 0.4% fast and its change against CP 1 read +0.54% for +0.91%)."""
+    hw = replace(get_hardware("H100-SXM"), gpus_per_node=6, latency=0.0)
+    m = resolve_model("llama-3-8b")
+    kw = dict(batch=1, positions=131328, elem=2)
+    # TP 4 x CP 2 = 8 GPUs over nodes of 6: the TP group 4..7 leaves its node, so every all-reduce is inter-node
+    reduce = traffic.tensor_parallel(batch=1, local_len=1, hidden=m.hidden, tp=4, elem=2, sequence_parallel=False)
+    weights = inference.weight_bytes(m, tp=4, elem=2, hw=hw)
+    kv = inference.kv_cache_bytes(m, cp=2, tp=4, **kw)
+    partials = 1 * 1 * 8 * 129 * 4
+    expected = (max((weights + kv) / hw.memory_bandwidth,
+                    2 * m.parameters_per_tp_rank(4) / hw.matmul_flops
+                    + 4 * 128 * 8 * 131328 * 32 / 2 / hw.forward_flops)
+                + 32 * hw.launch_overhead + 32 * reduce.forward / hw.inter_node_bandwidth
+                + 32 * partials / hw.inter_node_bandwidth)
+    assert hw.inter_node_bandwidth < hw.intra_node_bandwidth
+    assert inference.decode_seconds(m, cp=2, tp=4, hw=hw, **kw) == pytest.approx(expected, rel=1e-12)
+
+
+def _plot_lines(tmp_path, monkeypatch):
+    import matplotlib.figure
+    seen, made = {}, []
+    monkeypatch.setattr(matplotlib.figure.Figure, "savefig", lambda fig, *a, **k: seen.update(axes=[
+        [(line.get_label(), list(line.get_xdata()), list(line.get_ydata())) for line in ax.get_lines()]
+        for ax in fig.axes]))
+    import ctxpar.plan as planning
+    real = planning.write_plot
+    monkeypatch.setattr(planning, "write_plot", lambda plan, path: made.append(plan) or real(plan, path))
+    assert main(["plan", "--model", "llama-3-8b", "--seq", "131072", "--cp", "4", "--hardware", "H100-SXM",
+                 "--plot", str(tmp_path / "p.png")]) == 0
+    return seen["axes"], made[-1]
+
+
+def test_plot_series_are_their_configuration_and_in_gib(tmp_path, monkeypatch) -> None:
+    """Each plotted line is its own (strategy, CP) configuration's sweep, and the memory panel is in
+    GiB as its axis says (lines once mixed every strategy's points at a degree, or drew MiB)."""
+    axes, plan = _plot_lines(tmp_path, monkeypatch)
+    sweep = {}
+    for p in plan.sweep:
+        sweep.setdefault((p.strategy, p.cp), []).append(p)
+    checked = 0
+    for label, xs, ys in axes[0]:  # efficiency
+        m = re.fullmatch(r"CP-(\d+) (\w+)", label)
+        if m:
+            pts = sorted(sweep[(m.group(2), int(m.group(1)))], key=lambda p: p.seq)
+            assert (xs, ys) == ([p.seq for p in pts], [p.efficiency for p in pts]), label
+            checked += 1
+    for label, xs, ys in axes[3]:  # memory per GPU, GiB
+        m = re.fullmatch(r"CP-(\d+) (\w+)", label)
+        if m:
+            pts = sorted(sweep[(m.group(2), int(m.group(1)))], key=lambda p: p.seq)
+            assert ys == pytest.approx([p.memory_bytes / 2**30 for p in pts], rel=1e-12), label
+            checked += 1
+    assert checked > 4
+
+
+def test_format_tokens_is_exact() -> None:
+    """Token counts print as K or M only where exact: 100000 stays 100000 (once "97K" in a header)."""
+    assert [format_tokens(t) for t in (32768, 2**20, 100000, 3 * 1024 + 1)] == ["32K", "1M", "100000", "3073"]

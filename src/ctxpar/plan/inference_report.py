@@ -10,8 +10,9 @@ JSON (bytes exact, times in seconds):
                       memory_bandwidth 0 = unknown, latency 0 = not modelled
     degrees           per CP degree: cp, ulysses (the hybrid prefill's U there; null for the
                       other strategies), prefill_seconds (time to first token),
-                      prefill_speedup (CP-1 / CP-P; null without CP 1), decode_seconds_per_token
-                      (at T + n positions; null: no memory bandwidth), decode_change (relative
+                      prefill_speedup (CP-1 / CP-P; null without CP 1), decode_positions (T + n,
+                      where decoding is priced), decode_seconds_per_token
+                      (at those positions; null: no memory bandwidth), decode_change (relative
                       to CP 1; null as before), kv_cache_bytes and weight_bytes per GPU (1/t of
                       the heads and weights under TP), fits
                       (weights + KV cache within the GPU's memory)
