@@ -2929,16 +2929,16 @@ def test_a_users_subclass_of_a_named_layout_that_deals_otherwise_is_counted_by_i
 
 
 def _inference_json(tmp_path, *args):
+    """``ctxpar plan`` on the ``SERVED`` workload with ``args`` added: its JSON."""
     out = tmp_path / "p.json"
-    assert main(["plan", "--inference", "--model", "llama-3-8b", "--seq", "131072", "--hardware", "H100-SXM",
-                 *args, "--json", str(out)]) == 0
+    assert main(["plan", *SERVED, *args, "--json", str(out)]) == 0
     return json.loads(out.read_text())
 
 
 def test_inference_json_sequence_parallel_is_false_without_tp(tmp_path, capsys) -> None:
     """An inference plan without TP has no sequence parallelism, in its JSON as in its header (the
     field once read the flag alone: true at TP 1)."""
-    report = _inference_json(tmp_path, "--cp", "8")
+    report = _inference_json(tmp_path)
     assert report["inputs"]["tp"] == 1 and report["inputs"]["sequence_parallel"] is False
     assert "sequence parallelism" not in capsys.readouterr().out  # as the header says
 
@@ -2946,7 +2946,7 @@ def test_inference_json_sequence_parallel_is_false_without_tp(tmp_path, capsys) 
 def test_inference_summary_share_is_kv_over_kv_plus_weights(tmp_path) -> None:
     """The summary's "KV cache's share of the bytes read" is KV / (KV + weights): 52% for
     Llama-3-8B at 128K on one GPU (KV / weights alone read 107%)."""
-    report = _inference_json(tmp_path, "--cp", "8")
+    report = _inference_json(tmp_path)
     one = report["degrees"][0]
     share = int(re.search(r"\((\d+)% at CP 1\)", report["summary"]).group(1))
     assert share == round(100 * one["kv_cache_bytes"] / (one["kv_cache_bytes"] + one["weight_bytes"])) == 52
@@ -2954,7 +2954,7 @@ def test_inference_summary_share_is_kv_over_kv_plus_weights(tmp_path) -> None:
 
 def test_inference_json_decode_positions_is_t_plus_n(tmp_path) -> None:
     """Each degree's decode_positions is the table's T + n (once one less, unchecked beyond the key)."""
-    report = _inference_json(tmp_path, "--cp", "8", "--new-tokens", "3")
+    report = _inference_json(tmp_path, "--new-tokens", "3")
     assert {d["decode_positions"] for d in report["degrees"]} == {131072 + 3}
 
 
