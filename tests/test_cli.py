@@ -234,6 +234,9 @@ def bad_values(tmp: Path) -> list[tuple[tuple[str, ...], str]]:
         (("demo", "--timeout", "nan"), "--timeout nan must be a number of seconds"),
         (("demo", "--timeout", "1e300"), "--timeout 1e+300 must be a number of seconds"),
         (("demo", "--strategy", "hybrid", "--ulysses-degree", "-2"), "--ulysses-degree dividing the 4 CP ranks"),
+        (("demo", "--strategy", "hybrid", "--ulysses-degree", "0"), "--ulysses-degree dividing the 4 CP ranks"),
+        (("plan", "--cp", "4", "--strategy", "hybrid", "--ulysses-degree", "0"),
+         "--ulysses-degree dividing the 4 CP ranks"),
         (("demo", "--seq", str(2**40)), "--seq must be between 1 and"),
         (("demo", "--head-dim", "100000000"), "--head-dim 100000000 on 4 ranks (each builds the whole sequence) "
                                                 "needs at least"),

@@ -82,7 +82,12 @@ def stop_one_rank(rank: int, world: int, stopped: int) -> None:
 
 def leave_children_behind(rank: int, world: int, pids: str, hang: bool) -> None:
     """Rank 0 forks a copy of itself that ignores SIGTERM, rank 1 spawns a program; neither
-    waits. Each child's pid goes to the file ``pids``; then, with ``hang``, the ranks sleep."""
+    waits. Each rank also spawns a program from a thread that stays, waiting for it (a
+    loader's or a server's thread): Linux lists that child under the thread, not the rank's
+    main thread. Each child's pid goes to the file ``pids``; then, with ``hang``, the ranks sleep."""
+    def sleeper() -> subprocess.Popen:
+        return subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+
     if rank == 0:
         pid = os.fork()
         if pid == 0:  # the copy: the rank's memory and sockets, lingering
@@ -90,9 +95,19 @@ def leave_children_behind(rank: int, world: int, pids: str, hang: bool) -> None:
             time.sleep(60)
             os._exit(0)
     else:
-        pid = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"]).pid
+        pid = sleeper().pid
+    from_thread = []
+    started = threading.Event()
+
+    def spawn_and_wait() -> None:
+        from_thread.append(sleeper())
+        started.set()
+        from_thread[0].wait()
+
+    threading.Thread(target=spawn_and_wait, daemon=True).start()
+    started.wait()
     with open(pids, "a") as f:
-        f.write(f"{pid}\n")
+        f.write(f"{pid}\n{from_thread[0].pid}\n")
     dist.barrier()  # both written
     if hang:
         time.sleep(60)
@@ -523,13 +538,13 @@ def test_what_a_rank_forks_or_spawns_ends_with_the_run(tmp_path) -> None:
     after the grace period for the copy that ignores SIGTERM)."""
     for hang in (False, True):
         pids = tmp_path / f"pids-{hang}"
-        if hang:  # stopped at the deadline
+        if hang:  # stopped at the deadline, long enough for ranks starting on a loaded machine to write their pids
             with pytest.raises(launch.RankFailure, match="deadline"):
-                run_local(leave_children_behind, 2, (str(pids), hang), timeout_s=60, deadline_s=5)
+                run_local(leave_children_behind, 2, (str(pids), hang), timeout_s=60, deadline_s=15)
         else:
             run_local(leave_children_behind, 2, (str(pids), hang), timeout_s=60)
         children = [int(pid) for pid in pids.read_text().split()]
-        assert len(children) == 2
+        assert len(children) == 4
         wait_for(lambda: not any(alive(pid) for pid in children), 10, f"children {children} to end")
 
 
@@ -543,6 +558,48 @@ def test_a_rank_stopped_by_a_signal_is_named_as_such() -> None:
         run_local(stop_one_rank, 2, (1,), timeout_s=5)
     assert e.value.stuck == [1]
     assert time.monotonic() - start < 60  # it was stopped, not waited for
+
+
+def test_an_exit_status_reads_as_an_exit_or_a_signal() -> None:
+    """A rank's exit status in a failure report: 0 is an exit like any other, a negative one
+    the signal (``multiprocessing``'s convention), by name where Python knows it."""
+    assert launch._exit_reason(0) == "exited with code 0"
+    assert launch._exit_reason(3) == "exited with code 3"
+    assert launch._exit_reason(None) == "exited with code None"
+    assert launch._exit_reason(-signal.SIGKILL) == "killed by SIGKILL"
+    assert launch._exit_reason(-200) == "killed by signal 200"
+
+
+def test_a_local_rank_sees_no_launcher_variable(monkeypatch) -> None:
+    """Every variable a launcher sets is dropped before a local rank joins, not only torchrun's
+    own (a leftover TORCHELASTIC_USE_AGENT_STORE makes rank 0 a store client); gloo is bound to
+    the loopback interface."""
+    for name in launch.LAUNCHER_VARS:
+        monkeypatch.setenv(name, "3")
+    launch._isolate_from_launcher_env()
+    left = {name: os.environ[name] for name in launch.LAUNCHER_VARS if name in os.environ}
+    assert left == ({"GLOO_SOCKET_IFNAME": launch._loopback_interface()} if launch._loopback_interface() else {})
+
+
+def test_a_leftover_torchrun_error_file_is_left_alone_outside_torchrun(monkeypatch, tmp_path) -> None:
+    """``TORCHELASTIC_ERROR_FILE`` alone, left in the shell by another job, is no torchrun
+    launch: a local run's failure is not written over that job's file."""
+    path = tmp_path / "error.json"
+    for name in launch.TORCHRUN_VARS:
+        monkeypatch.delenv(name, raising=False)
+    monkeypatch.setenv("TORCHELASTIC_ERROR_FILE", str(path))
+    launch.tell_torchrun("a local failure")
+    assert not path.exists() and not launch.told_torchrun()
+
+
+def test_local_ranks_get_a_gpu_each_with_nccl_where_there_are_enough(monkeypatch) -> None:
+    """As many ranks as GPUs (or fewer): NCCL, a GPU each. More: gloo, sharing them round-robin."""
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 2)
+    cuda = [torch.device("cuda", r) for r in (0, 1, 0)]
+    assert launch.local_placement(1, "cuda") == ("nccl", cuda[:1])
+    assert launch.local_placement(2, "cuda") == ("nccl", cuda[:2])
+    assert launch.local_placement(3, "cuda") == ("gloo", cuda)
+    assert launch.local_placement(3, "cpu") == ("gloo", [torch.device("cpu")] * 3)
 
 
 def stop_myself() -> None:

@@ -15,7 +15,7 @@ import torch
 import torch.nn.functional as F
 
 from ctxpar.checkpoint import RUN_LOCK, SAVE_LOCK
-from ctxpar.data import RecallTask
+from ctxpar.data import BOS, SEP, RecallTask
 from ctxpar.layout import get_layout
 from ctxpar.models import Transformer, get_config
 from ctxpar.models.llama import compute_dtype
@@ -439,6 +439,19 @@ def test_recall_task_places_queries_after_the_filler() -> None:
         RecallTask(vocab=256, seq_len=20)
 
 
+def test_recall_task_fits_the_shortest_length_it_names() -> None:
+    """BOS, the pairs, SEP and the queries, each in its own place at the shortest length; one
+    token shorter is refused (accepted, the last pair's value was written over SEP)."""
+    shortest = RecallTask.shortest(4, 2)
+    assert shortest == 14
+    tokens, recall = RecallTask(vocab=64, seq_len=shortest, pairs=4, queries=2).batch(3, seed=0, step=0)
+    assert (tokens[:, 0] == BOS).all() and (tokens[:, shortest - 2 * 2 - 1] == SEP).all()
+    assert ((tokens == SEP).sum(1) == 1).all() and ((tokens == BOS).sum(1) == 1).all()
+    assert recall.sum() == 3 * 2
+    with pytest.raises(ValueError, match=f"too short for 4 pairs and 2 queries: at least {shortest}"):
+        RecallTask(vocab=64, seq_len=shortest - 1, pairs=4, queries=2)
+
+
 def test_recall_task_refuses_what_it_cannot_draw_and_seeds_never_share_a_batch() -> None:
     """Each of these failed inside torch (IndexError, TypeError, RuntimeError) or passed a bool
     as 1; the batch of seed 0's step 1_000_003 was seed 1's step 0 (seeded seed * 1_000_003 + step)."""
@@ -459,8 +472,9 @@ def test_recall_task_refuses_what_it_cannot_draw_and_seeds_never_share_a_batch()
         with pytest.raises(ValueError, match=re.escape(f"RecallTask.batch {message}")):
             task.batch(*args)
     assert not torch.equal(task.batch(2, seed=0, step=1_000_003)[0], task.batch(2, seed=1, step=0)[0])
-    drawn = {tuple(task.batch(1, seed, step)[0].flatten().tolist()) for seed in range(4) for step in range(8)}
-    assert len(drawn) == 32
+    drawn = {tuple(task.batch(1, seed, step)[0].flatten().tolist()) for seed in (0, 1, 2, 11, 12, 21)
+             for step in (0, 1, 2, 3, 11, 23)}
+    assert len(drawn) == 36  # seed 1's step 23 is not seed 12's step 3, nor seed 2's step 11 seed 21's step 1
     assert torch.equal(task.batch(2, np.int64(3), np.int64(5))[0], task.batch(2, 3, 5)[0])
 
 
