@@ -353,6 +353,13 @@ def _stops_and_last_tokens(model, tokens: torch.Tensor, rank: int) -> dict:
         def __call__(self, input_ids, scores, **kwargs):
             return torch.full((input_ids.shape[0],), rank == 1, dtype=torch.bool)
 
+    class StopRow0(StoppingCriteria):
+        def __init__(self, here: bool) -> None:
+            self.here = here
+
+        def __call__(self, input_ids, scores, **kwargs):
+            return torch.tensor([self.here] + [False] * (input_ids.shape[0] - 1))
+
     class FailOnRank1(StoppingCriteria):
         def __call__(self, input_ids, scores, **kwargs):
             if rank == 1:
@@ -391,7 +398,18 @@ def _stops_and_last_tokens(model, tokens: torch.Tensor, rank: int) -> dict:
         def end(self):
             pass
 
+    import hf_families
+
+    plain = hf_families.build("llama").generate(tokens, max_new_tokens=4)
+    row_eos = dict(eos_token_id=int(plain[0, PROMPT_LEN + 1]), pad_token_id=0)  # row 0's second new token
     return {"max_time": sequences(max_time=1e-9),  # once refused: each rank stopped by its own clock
+            # each row stops on its own: ("ran", the CP sequences), the sequences without CP
+            "a row's eos": (sequences(**row_eos),
+                            hf_families.build("llama").generate(tokens, max_new_tokens=4, **row_eos).tolist()),
+            "a stop of row 0 on rank 1": (
+                sequences(stopping_criteria=StoppingCriteriaList([StopRow0(rank == 1)])),
+                hf_families.build("llama").generate(tokens, max_new_tokens=4,
+                                                    stopping_criteria=StoppingCriteriaList([StopRow0(True)])).tolist()),
             "max_new_tokens differ": sequences(max_new_tokens=4 + rank),
             "a stop failing on rank 1": sequences(stopping_criteria=StoppingCriteriaList([FailOnRank1()])),
             "a streamer on rank 0": sequences(streamer=Watching() if rank == 0 else None),

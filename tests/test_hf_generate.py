@@ -192,6 +192,15 @@ def test_every_rank_stops_where_any_rank_stops_and_compares_the_last_token() -> 
         assert kinds == {"ran"}, (case, [run[case] for run in runs])
         assert all(run[case] == runs[0][case] for run in runs), case  # the same sequences on every rank
         assert len(runs[0][case][1][0]) == cases.PROMPT_LEN + 1, case  # stopped after the first new token
+    for case in ("a row's eos", "a stop of row 0 on rank 1"):  # one row stopping stopped every row once
+        for rank, run in enumerate(runs):
+            (kind, got), want = run[case]
+            assert (kind, got) == ("ran", want), (case, rank, run[case])
+            assert len(want[1]) == cases.PROMPT_LEN + 4, case  # row 1 ran on to max_new_tokens
+    eos_run = runs[0]["a row's eos"][1]
+    assert eos_run[0][cases.PROMPT_LEN + 2:] == [0, 0] and 0 not in eos_run[1][cases.PROMPT_LEN:]  # row 0 padded
+    stop_run = runs[0]["a stop of row 0 on rank 1"][1]
+    assert len(set(stop_run[0][cases.PROMPT_LEN + 1:])) == 1 < len(set(stop_run[1][cases.PROMPT_LEN + 1:]))  # padded
     for rank, run in enumerate(runs):
         kind, message = run["last token differs"]
         assert kind == "refused" and "appended different tokens at position 24" in message, (rank, message)

@@ -306,22 +306,28 @@ def test_without_a_process_group_generate_is_the_single_process_generation() -> 
 
 def test_time_per_output_token_is_the_decode_steps_time_over_the_tokens_after_the_first(monkeypatch) -> None:
     """tpot_s: the new_tokens - 1 decode steps' time over their count (the first token is the
-    prefill's); once divided by new_tokens, 20% short at 5 tokens. On a clock that the decode
-    steps alone move, 20 ms each: exact on a loaded machine."""
+    prefill's); once divided by new_tokens, 20% short at 5 tokens. ttft_s ends once the first
+    token is sampled, and each later sampling counts in its step. On a clock that the decode
+    steps (20 ms each) and the samplings (5 ms each) alone move: exact on a loaded machine."""
     import importlib
 
     module = importlib.import_module("ctxpar.inference.generate")  # the package's `generate` is the function
-    clock, real = [0.0], module.decode_step
+    clock, real_step, real_sample = [0.0], module.decode_step, module.Sampler.__call__
 
     def step(*args, **kwargs):
         clock[0] += 0.02
-        return real(*args, **kwargs)
+        return real_step(*args, **kwargs)
+
+    def sample(self, logits):
+        clock[0] += 0.005
+        return real_sample(self, logits)
 
     monkeypatch.setattr(module, "_now", lambda device: clock[0])
     monkeypatch.setattr(module, "decode_step", step)
+    monkeypatch.setattr(module.Sampler, "__call__", sample)
     got = generate(cases.build(), cases.prompt_tokens(), layout="striped", new_tokens=5)
-    assert (got.ttft_s, clock[0]) == (0.0, pytest.approx(0.08))
-    assert got.tpot_s == pytest.approx(0.02)
+    assert (got.ttft_s, clock[0]) == (pytest.approx(0.005), pytest.approx(0.105))
+    assert got.tpot_s == pytest.approx(0.025)
 
 
 def test_a_custom_attention_fn_is_refused_not_replaced() -> None:
