@@ -109,20 +109,23 @@ def finish_tests(tests: dict, timeout_s: float) -> dict:
     still running then; the counts pytest printed and its FAILED/ERROR lines, per group."""
     groups, counts = {}, {}
     for name, (proc, log, log_path) in tests["running"].items():
+        timed_out = False  # stopped here; a SIGKILL from elsewhere (the OOM killer) is not a timeout
         try:
             proc.wait(timeout=max(1.0, tests["started"] + timeout_s - time.perf_counter()))
         except subprocess.TimeoutExpired:
             os.killpg(proc.pid, signal.SIGKILL)
             proc.wait()
+            timed_out = True
         log.close()
         with open(log_path) as f:
             text = f.read()
         tail = text.strip().splitlines()[-60:]
-        found = {word: int(n) for n, word in re.findall(r"(\d+) (passed|failed|skipped|errors?)\b", tail[-1] if tail
-                                                       else "")}
+        # pytest says "1 error" and "2 errors": one key, "errors"
+        found = {"errors" if word.startswith("error") else word: int(n)
+                 for n, word in re.findall(r"(\d+) (passed|failed|skipped|errors?)\b", tail[-1] if tail else "")}
         for word, n in found.items():
             counts[word] = counts.get(word, 0) + n
-        groups[name] = dict(returncode=proc.returncode, counts=found, timed_out=proc.returncode == -9,
+        groups[name] = dict(returncode=proc.returncode, counts=found, timed_out=timed_out,
                             failures=[line for line in text.splitlines() if line.startswith(("FAILED", "ERROR"))][:20])
     return dict(seconds=time.perf_counter() - tests["started"], counts=counts, groups=groups,
                 returncode=max((abs(g["returncode"]) for g in groups.values()), default=0),
@@ -511,7 +514,9 @@ def format_report(r: dict) -> str:
     t = r["tests"]
     status = f" (exit {t['returncode']})" if "returncode" in t else ""
     lines.append(f"tests/test_cuda.py: {t.get('counts', t)}{status}")
-    lines += [f"  {name}: stopped at --tests-timeout" for name, g in t.get("groups", {}).items() if g["timed_out"]]
+    lines += [f"  {name}: stopped at --tests-timeout" if g["timed_out"] else f"  {name}: killed by signal "
+              f"{-g['returncode']} (not this check's timeout: the OOM killer?)"
+              for name, g in t.get("groups", {}).items() if g["timed_out"] or g["returncode"] < 0]
     lines += [f"  {f}" for f in t.get("failures", [])]
     names = ("out", "lse", "dq", "dk", "dv")
     lines += ["", f"{'strategy':<10} {'ok':>3} " + " ".join(f"{n + ' err':>10}" for n in names)]

@@ -7,11 +7,14 @@ from __future__ import annotations
 
 import importlib
 import json
+import os
 import statistics
+import subprocess
 import sys
 from pathlib import Path
 
 import pytest
+import torch
 
 BENCHMARKS = Path(__file__).resolve().parents[1] / "benchmarks"
 sys.path.insert(0, str(BENCHMARKS))
@@ -316,3 +319,157 @@ def test_call_overhead_leaves_the_warm_up_calls_untimed(monkeypatch) -> None:
                head_dim=8, sinks=False, documents=None, window=None, warmup=3, repeat=2, baseline=None)
     [row] = call_overhead.one_rank(0, 2, cfg)
     assert row["after_total"] == 4.5 and row["after_kernels"] == 2.25 and row["after_collectives"] == 1.125
+
+
+# inference.py, heap.py, plan_walk.py, gpu_check.py
+
+
+def test_inference_figures(monkeypatch, tmp_path) -> None:
+    """TTFT/TPOT the slowest rank's; speed-up = first P's TTFT / this P's; KV ratio = this P's / first's;
+    chunks sorted before the crossover; fraction = T_new / (T_cached + T_new); error = planner / measured - 1;
+    --repeat and --dtype reach the ranks."""
+    inf = importlib.import_module("inference")
+    seen = {}
+    ratios = {8: 1.5, 16: 1.2, 32: 0.8, 64: 0.7}
+
+    def run_local(fn, world, args, **kwargs):
+        if fn is inf.generation_rank:
+            seen["generation"] = args
+            return [dict(ttft_s=1.0 / world + 0.1 * r, tpot_s=0.01 * world + 0.001 * r,
+                         kv_cache_bytes=1000 // world, tokens=[1, 2]) for r in range(world)]
+        seen["crossover"] = args
+        return [[{"pass-kv": ratios[n] * 1e-3, "pass-q": 1e-3} for n in args[1]]] * world
+
+    monkeypatch.setattr(inf, "run_local", run_local)
+    monkeypatch.setattr(inf, "calibrate", lambda: None)
+    report = _run_main(monkeypatch, tmp_path, "inference", ["--nproc", "1,2", "--prompt", "64", "--repeat", "3",
+                                                             "--cached", "64", "--chunks", "32,8,64,16",
+                                                             "--dtype", "bfloat16"])
+    p1, p2 = report["generation"]
+    assert (p2["ttft_s"], p2["tpot_s"]) == (pytest.approx(0.6), pytest.approx(0.021))
+    assert p2["speedup"] == pytest.approx(1.0 / 0.6) and p2["kv_ratio"] == 0.5
+    assert p2["tpot_ratio"] == pytest.approx(0.021 / 0.01)
+    assert seen["generation"] == (64, 16, 3) and seen["crossover"] == (64, [8, 16, 32, 64], 3, "bfloat16")
+    rows = report["partial_prefill"]
+    assert [r["chunk"] for r in rows] == [8, 16, 32, 64]
+    assert [r["fraction"] for r in rows] == pytest.approx([n / (64 + n) for n in (8, 16, 32, 64)])
+    c = report["crossover"]
+    assert c["measured"] == pytest.approx(16 * 2 ** (0.2 / 0.4))
+    assert c["error"] == pytest.approx(c["predicted"] / c["measured"] - 1)
+
+
+def test_inference_chunk_rank_drops_the_warm_up_pair(monkeypatch) -> None:
+    """A chunk's first pass-KV / pass-Q pair warms up, untimed: kept, a 50 ms first call is a
+    pass-Q 25x slower than pass-KV."""
+    inf = importlib.import_module("inference")
+    calls, clock = [], [0.0]
+
+    def partial_prefill(model, cache, chunk, method, check_consistency):
+        calls.append(method)
+        clock[0] += 50.0 if len(calls) <= 2 else 1.0
+
+    monkeypatch.setattr(inf, "partial_prefill", partial_prefill)
+    monkeypatch.setattr(inf, "prefill", lambda *a, **k: None)
+    monkeypatch.setattr(inf.KVCache, "rewind", lambda self, n: None)
+    monkeypatch.setattr(inf.dist, "barrier", lambda: None)
+    monkeypatch.setattr(inf.dist, "all_reduce", lambda t, op=None: None)
+    monkeypatch.setattr(inf.time, "perf_counter", lambda: clock[0])
+    rows = inf.chunk_rank(0, 1, 64, [8], 1, "float32", torch.device("cpu"))
+    assert calls == ["pass-kv", "pass-q"] * 2 and rows == [{"pass-kv": 1.0, "pass-q": 1.0}]
+
+
+def test_heap_rows_labels_and_ratio(monkeypatch, tmp_path) -> None:
+    """The default heap's rows are measured with the off switch set; ratio = default / kept; faults the median."""
+    bench = importlib.import_module("heap")
+    from ctxpar import heap
+
+    monkeypatch.setattr(heap, "on_glibc", lambda: True)
+    kept = lambda: heap.OFF_SWITCH not in os.environ  # noqa: E731
+    monkeypatch.setattr(bench, "measure_link", lambda: dict(seconds=1e-3 if kept() else 2e-3, bandwidth=1e9))
+    faults = lambda: (0, 0, 9) if kept() else (1, 2, 30)  # noqa: E731
+    monkeypatch.setattr(bench, "run_local", lambda fn, world, args, threads=None: [
+        {bench.PROBE_TOKENS[-1]: {s: [dict(faults=f, seconds=0.01) for f in faults()] for s in bench.PROBE_STRATEGIES}}
+    ] * 2)
+    report = _run_main(monkeypatch, tmp_path, "heap", ["--rounds", "1"])
+    default, kept_row = report["rows"]
+    s = bench.PROBE_STRATEGIES[0]
+    assert (default["kept"], default["link_seconds"], default["faults"][s], default["most_faults"][s]) == (
+        False, 2e-3, 2, 30)
+    assert (kept_row["kept"], kept_row["link_seconds"]) == (True, 1e-3)
+    assert report["hop_default_over_kept"] == pytest.approx(2.0)
+
+
+def test_plan_walk_best_and_plan_repeat(monkeypatch, tmp_path) -> None:
+    """A walk's time is the best of --repeat (the worst reads 5x), and each plan command runs
+    --plan-repeat times, not --repeat."""
+    pw = importlib.import_module("plan_walk")
+    clock, runs = [0.0], []
+    walks = iter([5.0] * pw.WALK_RANKS + [1.0] * 2 * pw.WALK_RANKS)
+
+    def tiles_between(q, k, mask, seq):
+        clock[0] += next(walks)
+        return [0, 0]
+
+    monkeypatch.setattr(pw, "tiles_between", tiles_between)
+    monkeypatch.setattr(pw.time, "perf_counter", lambda: clock[0])
+    assert pw.time_rank_walk("zigzag", pw.Mask(), 3) == (pytest.approx(pw.WALK_RANKS * 1.0), 2 * pw.WALK_RANKS)
+    monkeypatch.setattr(pw.subprocess, "run", lambda *a, **k: runs.append(a))
+    monkeypatch.setattr(pw, "time_rank_walk", lambda *a: (0.1, 16))
+    _run_main(monkeypatch, tmp_path, "plan_walk", ["--repeat", "5", "--plan-repeat", "2"])
+    assert len(runs) == 2 * len(pw.PLAN_COMMANDS)
+
+
+def test_gpu_check_finish_tests_a_failed_and_a_timed_out_group(tmp_path) -> None:
+    """The test groups' counts summed from each pytest summary's last line ("error" and
+    "errors" one key), the exit status the worst group's, a group stopped at the timeout said
+    so, one killed by a signal from elsewhere not taken for the timeout, FAILED lines shown."""
+    gc = importlib.import_module("gpu_check")
+    codes = {"P1": "print('FAILED tests/test_cuda.py::test_x - boom'); print('== 1 failed, 2 passed in 1s =='); "
+                   "raise SystemExit(1)",
+             "P2": "print('== 3 passed, 1 error in 1.0s ==')", "P3": "import time; time.sleep(60)",
+             "P4": "import os, signal; print('== 2 errors in 1s =='); os.kill(os.getpid(), signal.SIGKILL)"}
+    running = {}
+    for name, code in codes.items():
+        path = tmp_path / f"{name}.log"
+        log = open(path, "w")
+        running[name] = (subprocess.Popen([sys.executable, "-c", code], stdout=log, stderr=subprocess.STDOUT,
+                                          start_new_session=True), log, str(path))
+    t = gc.finish_tests(dict(started=gc.time.perf_counter(), running=running), 3)
+    assert t["counts"] == {"failed": 1, "passed": 5, "errors": 3} and t["returncode"] == 9
+    assert {n: g["timed_out"] for n, g in t["groups"].items()} == {"P1": False, "P2": False, "P3": True, "P4": False}
+    report = dict(dry_run=True, environment=dict(gpu=None, device="cpu", torch="x", cuda=None, driver=None),
+                  seconds=1, calibration=dict(error="x"), kernels={}, efficiency=[], targets={}, generation=[],
+                  exactness=[], tests=t)
+    text = gc.format_report(report)
+    assert "P3: stopped at --tests-timeout" in text and "FAILED tests/test_cuda.py::test_x - boom" in text
+    assert "P4: killed by signal 9 (not this check's timeout" in text and "P1: " not in text
+
+
+def test_gpu_check_targets_efficiency_and_timeout_flag(monkeypatch, tmp_path) -> None:
+    """Each target holds only where every row meets it (the max/min one over zigzag rows);
+    efficiency's TFLOP/s are the slowest rank's; --tests-timeout reaches finish_tests."""
+    gc = importlib.import_module("gpu_check")
+    from ctxpar.masks import Mask
+    from ctxpar.plan.work import rank_pairs
+    import ctxpar
+
+    row = lambda layout, s, m: dict(layout=layout, sum_over_unsplit=s, max_over_min=m,  # noqa: E731
+                                    rank_peak_growth_bytes=[None], rank_o_s_bytes=1)
+    assert gc.targets([row("zigzag", 1.05, 1.02), row("zigzag", 1.3, 1.01), row("striped", 1.0, 1.5)]) == dict(
+        sum_over_unsplit_le_1_10=False, zigzag_max_over_min_le_1_05=True, no_s_squared_allocation=True)
+    assert not gc.targets([row("zigzag", 1.0, 1.2), row("striped", 1.0, 1.0)])["zigzag_max_over_min_le_1_05"]
+    seconds = iter([1.0, 0.6, 0.4, 1.0, 1.0])  # unsplit; zigzag ranks 0, 1; striped ranks 0, 1
+    monkeypatch.setattr(gc, "_timed", lambda fn, device, repeat: next(seconds))
+    e = gc.efficiency(torch.device("cpu"), torch.float32, [(64, 2)], 1, dict(heads=2, kv_heads=1, head_dim=8))[0]
+    pairs = rank_pairs(ctxpar.get_layout("zigzag", 2), 64, 0, Mask())
+    assert e["slowest_rank_tflops"] == pytest.approx(gc.causal_flops(pairs, 2, 8) / 0.6 / 1e12)
+    assert e["sum_over_unsplit"] == pytest.approx(1.0) and e["max_over_min"] == pytest.approx(1.5)
+    got = {}
+    for name in ("calibration", "kernels", "efficiency", "targets", "generation", "exactness", "start_tests"):
+        monkeypatch.setattr(gc, name, lambda *a: {})
+    monkeypatch.setattr(gc, "finish_tests", lambda tests, timeout: got.update(timeout=timeout) or {})
+    monkeypatch.setattr(gc, "format_report", lambda r: "")
+    monkeypatch.setattr(sys, "argv", ["gpu_check.py", "--dry-run", "--tests-timeout", "30",
+                                      "--json", str(tmp_path / "g.json")])
+    gc.main()
+    assert got["timeout"] == 30
