@@ -346,7 +346,8 @@ def _stops_and_last_tokens(model, tokens: torch.Tensor, rank: int) -> dict:
     """Stops that differ between ranks (a clock's, a criterion of rank 1 alone), a last token
     that does (a logits processor biased per rank, one new token), max_new_tokens that do,
     a streamer on rank 0 alone: ("ran", the generated sequences) or ("refused", the message)."""
-    from transformers import LogitsProcessor, LogitsProcessorList, StoppingCriteria, StoppingCriteriaList
+    from transformers import (LogitsProcessor, LogitsProcessorList, MaxTimeCriteria, StoppingCriteria,
+                              StoppingCriteriaList, TemperatureLogitsWarper)
     from transformers.generation.streamers import BaseStreamer
 
     class StopOnRank1(StoppingCriteria):
@@ -365,6 +366,12 @@ def _stops_and_last_tokens(model, tokens: torch.Tensor, rank: int) -> dict:
             if rank == 1:
                 raise RuntimeError("a criterion of rank 1 failed")
             return torch.zeros(input_ids.shape[0], dtype=torch.bool)
+
+    class FailOnRank1AtStep2(LogitsProcessor):
+        def __call__(self, input_ids, scores):
+            if rank == 1 and input_ids.shape[1] == PROMPT_LEN + 1:
+                raise RuntimeError("a processor of rank 1 failed")
+            return scores
 
     class FavourOwnToken(LogitsProcessor):
         def __call__(self, input_ids, scores):
@@ -402,7 +409,32 @@ def _stops_and_last_tokens(model, tokens: torch.Tensor, rank: int) -> dict:
 
     plain = hf_families.build("llama").generate(tokens, max_new_tokens=4)
     row_eos = dict(eos_token_id=int(plain[0, PROMPT_LEN + 1]), pad_token_id=0)  # row 0's second new token
+    def differing(changes: dict):
+        """generate with ``model.generation_config`` changed on rank 1 alone (restored after)."""
+        saved = {key: getattr(model.generation_config, key) for key in changes}
+        if rank == 1:
+            for key, value in changes.items():
+                setattr(model.generation_config, key, value)
+        try:
+            return sequences()
+        finally:
+            for key, value in saved.items():
+                setattr(model.generation_config, key, value)
+
+    torch.manual_seed(0)  # sampled calls below: the RNG alike on every rank
     return {"max_time": sequences(max_time=1e-9),  # once refused: each rank stopped by its own clock
+            # raised on rank 1 alone, its peers waited in the step's all-reduce until the timeout
+            "a processor failing on rank 1": sequences(logits_processor=LogitsProcessorList([FailOnRank1AtStep2()])),
+            # one class compared by type alone: accepted, other scores on each rank
+            "a processor's parameter differing": sequences(
+                logits_processor=LogitsProcessorList([TemperatureLogitsWarper(0.5 if rank == 0 else 2.0)])),
+            # a criterion's state may differ (a clock's start): AgreedStop agrees on its stops
+            "a clock of one's own": (sequences(stopping_criteria=StoppingCriteriaList([MaxTimeCriteria(1e6)])),
+                                     plain.tolist()),
+            # served without CP; refused naming ShardedCache's capacity, an argument never given
+            "max_new_tokens 3.0": (sequences(max_new_tokens=3.0), plain[:, :PROMPT_LEN + 3].tolist()),
+            "temperature differing": sequences(do_sample=True, temperature=0.5 + 0.25 * rank),
+            "model.generation_config differing": differing(dict(repetition_penalty=1.3)),
             # each row stops on its own: ("ran", the CP sequences), the sequences without CP
             "a row's eos": (sequences(**row_eos),
                             hf_families.build("llama").generate(tokens, max_new_tokens=4, **row_eos).tolist()),

@@ -209,12 +209,33 @@ def test_every_rank_stops_where_any_rank_stops_and_compares_the_last_token() -> 
         assert kind == "refused" and want in message, (rank, message)
 
 
+def test_a_logits_processor_failing_on_one_rank_fails_every_rank_at_that_step() -> None:
+    """It raised on rank 1 alone, its peers waiting in the step's all-reduce until the timeout;
+    a processor's parameters are compared, a stopping criterion's state (a clock's start) is
+    not, and a whole float max_new_tokens is served as without CP."""
+    runs = [_part(rank, "refusals") for rank in range(4)]
+    for rank, run in enumerate(runs):
+        kind, message = run["a processor failing on rank 1"]
+        want = "a processor of rank 1 failed" if rank == 1 else "a logits processor failed on another rank"
+        assert kind == "refused" and want in message, (rank, message)
+        kind, message = run["a processor's parameter differing"]
+        assert kind == "refused" and "disagree on the generate call: logits_processor (crc32) [" in message, message
+        for case in ("a clock of one's own", "max_new_tokens 3.0"):  # the tokens of generate without CP
+            (kind, got), want = run[case]
+            assert (kind, got) == ("ran", want), (case, rank, run[case])
+
+
 def test_a_difference_in_a_common_setting_is_named_and_a_streamer_on_one_rank_runs() -> None:
     """Both were refused with checksums alone ("arguments (crc32) [...]")."""
     runs = [_part(rank, "refusals") for rank in range(4)]
     for rank, run in enumerate(runs):
         kind, message = run["max_new_tokens differ"]
         assert kind == "refused" and "max_new_tokens [4, 5, 6, 7]" in message, (rank, message)
+        kind, message = run["temperature differing"]  # said as checksums of the arguments and config alone
+        assert kind == "refused" and "temperature ['0.5', '0.75', '1.0', '1.25']" in message, (rank, message)
+        kind, message = run["model.generation_config differing"]
+        assert kind == "refused" and "repetition_penalty ['1.0', '1.3', '1.0', '1.0']" in message, (rank, message)
+        assert "the call's settings over model.generation_config" in message, message
         unlisted = run["no stops listed on rank 0"]
         assert unlisted == runs[0]["a streamer on rank 0"], (rank, unlisted)
         kind, message = run["a logits processor on rank 0"]

@@ -496,7 +496,7 @@ def enable_context_parallel(
 # The instance attributes enable_context_parallel may set on a model's modules, besides the
 # inner forward: a deep copy's own copy of it is bound to the copy
 _INSTALLED_ATTRIBUTES = ("forward", "generate", "_prepare_cache_for_generation", "_get_stopping_criteria",
-                         "_loss_function", "ctxpar_settings", "__deepcopy__", "__reduce_ex__")
+                         "_get_logits_processor", "_loss_function", "ctxpar_settings", "__deepcopy__", "__reduce_ex__")
 
 
 def _installed_by_ctxpar(value) -> bool:

@@ -33,7 +33,9 @@ RNG seeded alike on every rank, pick the same tokens everywhere. One tiny all-ga
 generate call and one per forward compare the ranks' arguments, RNG state and tokens
 (``agreement.check_values_agree``): a rank that refuses or differs makes every rank raise.
 One tiny all-reduce per step after the stopping criteria (``AgreedStop``) stops a sequence
-on every rank where any rank's criteria stop it, and compares the token just appended.
+on every rank where any rank's criteria stop it, compares the token just appended, and
+raises on every rank where a logits processor (``HeldProcessors``) or a criterion raised on
+one.
 
 What generate would do that this cannot honour is refused on every rank before any
 collective, naming it (``check_generate``): every mode but greedy and sampling (beam
@@ -75,9 +77,10 @@ from ctxpar.parallelize import SAME_MODEL, SAME_WEIGHTS, model_code, weights_cod
 
 try:
     from transformers.cache_utils import Cache
+    from transformers.generation.logits_process import LogitsProcessorList
     from transformers.generation.stopping_criteria import StoppingCriteriaList
 except ImportError:  # the integration imports transformers lazily; without it nothing here is reachable
-    Cache, StoppingCriteriaList = object, list
+    Cache, LogitsProcessorList, StoppingCriteriaList = object, list, list
 
 CACHE_KEYS = ("cache", "past_key_values", "cache_params")  # transformers 5 renamed past_key_values to cache
 GENERATE_PADDING_REFUSED = ("padding (an attention_mask with zeros, a left-padded batch, or one transformers infers "
@@ -498,20 +501,32 @@ def _plan(name: str, settings: Settings, cache: ShardedCache, kwargs: dict, acce
     return kwargs, step
 
 
-def _crc(value) -> int:
-    """A checksum every rank computes alike for alike values (tensors by content; objects
-    other than plain values by type, as their repr holds addresses)."""
+_CRC_DEPTH = 5  # containers and objects nested deeper are compared by type (and length) alone: cycles end
+
+
+def _crc(value, state: bool = True, depth: int = 0) -> int:
+    """A checksum every rank computes alike for alike values: tensors by content, objects
+    other than plain values by type (their repr holds addresses) and, with ``state``, by
+    their attributes (two logits processors of one class with other parameters once compared
+    equal; a stopping criterion's state may differ, as a clock's does: ``AgreedStop``), modules
+    by type alone (weights are compared apart)."""
     if isinstance(value, torch.Tensor):
         return agreement.tensor_code(value, value.dtype, agreement.text_code(str((tuple(value.shape), value.dtype))))
-    if isinstance(value, (list, tuple)):
-        return agreement.text_code(str([_crc(v) for v in value]))
-    if isinstance(value, dict):
-        return agreement.text_code(str(sorted((str(k), _crc(v)) for k, v in value.items())))
     if value is None or isinstance(value, (bool, int, float, str)):
         return agreement.text_code(repr(value))
     if inspect.isfunction(value) or inspect.ismethod(value):  # by its name: every function's type is one
         return agreement.text_code(f"{value.__module__}.{value.__qualname__}")
-    return agreement.text_code(type(value).__qualname__)
+    kind = type(value).__qualname__
+    if depth >= _CRC_DEPTH:
+        return agreement.text_code(f"{kind} of {len(value)}" if isinstance(value, (list, tuple, dict)) else kind)
+    if isinstance(value, (list, tuple)):
+        return agreement.text_code(str([_crc(v, state, depth + 1) for v in value]))
+    if isinstance(value, dict):
+        return agreement.text_code(str(sorted((str(k), _crc(v, state, depth + 1)) for k, v in value.items())))
+    attributes = getattr(value, "__dict__", None)
+    if not state or isinstance(value, torch.nn.Module) or not isinstance(attributes, dict):
+        return agreement.text_code(kind)
+    return agreement.text_code(str((kind, _crc(attributes, state, depth + 1))))
 
 
 def _forward_signature(cache: ShardedCache, kwargs: dict) -> dict[str, int]:
@@ -689,8 +704,10 @@ def check_token_ids(name: str, model, tokens) -> None:
         limits.check_token_range(tokens, rows, name)
 
 
-# generation settings compared by value, so that a difference names them (the rest by checksum)
+# generation settings compared by value, so that a difference names them (the rest by checksum): integers, and
+# the usual sampling settings shown as written (None where unset)
 _NAMED_SETTINGS = ("max_new_tokens", "max_length", "min_new_tokens", "do_sample", "num_return_sequences", "top_k")
+_NAMED_FLOAT_SETTINGS = ("temperature", "top_p", "min_p", "typical_p", "repetition_penalty")
 # generate's arguments of objects compared each by its own checksum, so that a difference names them (a logits
 # processor on one rank read "arguments (crc32)"); an empty list is no list (an empty StoppingCriteriaList is None's)
 _NAMED_ARGUMENTS = ("logits_processor", "stopping_criteria", "prefix_allowed_tokens_fn")
@@ -706,12 +723,15 @@ def generate_signature(model, arguments: dict, prompt, config) -> dict[str, int]
     if sampling and device.type == "cuda":
         rng.append(torch.cuda.get_rng_state(device))
     named = {key: agreement.readable(lambda key=key: _setting(getattr(config, key, None))) for key in _NAMED_SETTINGS}
+    named_floats = {key: agreement.Text(repr(getattr(config, key, None))) for key in _NAMED_FLOAT_SETTINGS}
     rest = {k: v for k, v in arguments.items() if k != "streamer" and k not in _NAMED_ARGUMENTS}
     return {"arguments (crc32)": _crc(rest),
-            **{f"{key} (crc32)": _crc(arguments.get(key) or None) for key in _NAMED_ARGUMENTS},
+            **{f"{key} (crc32)": _crc(arguments.get(key) or None, state=key != "stopping_criteria")
+               for key in _NAMED_ARGUMENTS},
             "prompt": tuple(prompt.shape)[1] if isinstance(prompt, torch.Tensor) else -1,
-            **named,
-            "generation config (crc32)": _crc(config.to_dict()) if config is not None else -1,
+            **named, **named_floats,
+            "generation config (crc32: the call's settings over model.generation_config)":
+                _crc(config.to_dict()) if config is not None else -1,
             "RNG state (crc32), seed every rank alike": _crc(rng), SAME_MODEL: model_code(model),
             SAME_WEIGHTS: agreement.readable(lambda: weights_code(model))}
 
@@ -754,6 +774,29 @@ class HeldStreamer:
 STREAMING: contextvars.ContextVar[HeldStreamer | None] = contextvars.ContextVar("ctxpar_streaming", default=None)
 
 
+class HeldProcessors(LogitsProcessorList):
+    """A generate call's logits processors, whose error is held for the step's ``AgreedStop``,
+    which raises it on every rank together: a processor failing on one rank raised there,
+    its peers waiting in the all-reduce until the timeout (and the group out of step for the
+    next call). Once one failed, the scores pass unchanged to the step's end."""
+
+    def __init__(self, processors) -> None:
+        super().__init__(processors)
+        self.error: Exception | None = None
+
+    def __call__(self, input_ids: torch.Tensor, scores: torch.Tensor, **kwargs) -> torch.Tensor:
+        if self.error is None:
+            try:
+                return super().__call__(input_ids, scores, **kwargs)
+            except Exception as e:  # noqa: BLE001  any failure: raised by this step's AgreedStop
+                self.error = e
+        return scores
+
+
+# The logits processors of the generate call in progress (None outside one, or on one rank).
+PROCESSING: contextvars.ContextVar[HeldProcessors | None] = contextvars.ContextVar("ctxpar_processing", default=None)
+
+
 class AgreedStop(StoppingCriteriaList):
     """transformers' stopping criteria for one generate call, then one tiny all-reduce over
     the CP group: a sequence stops on every rank where any rank's criteria stop it (a
@@ -767,20 +810,23 @@ class AgreedStop(StoppingCriteriaList):
 
     def __call__(self, input_ids: torch.Tensor, scores, **kwargs) -> torch.Tensor:
         rows, error = input_ids.shape[0], None
+        processors = PROCESSING.get()
+        processor_error = processors.error if processors is not None else None
         try:
             done = super().__call__(input_ids, scores, **kwargs).tolist()  # (B,) bool
         except Exception as e:  # noqa: BLE001  a criterion failing here: this rank must still join the all-reduce
             done, error = [False] * rows, e
         code = _crc(input_ids[:, -1]) & 0xFFFFFF  # 24 bits (agreement.sums_of)
-        flags = torch.tensor([*done, int(error is not None), *agreement.sums_of(code)], dtype=torch.int64,
-                             device=input_ids.device)
+        flags = torch.tensor([*done, int(processor_error is not None), int(error is not None),
+                              *agreement.sums_of(code)], dtype=torch.int64, device=input_ids.device)
         topology.all_reduce(flags, self.peers)
         values = flags.tolist()  # one copy to the host
-        stopped, failed, summed = values[:rows], values[rows], values[rows + 1:]
-        if error is not None:
-            raise error
-        if failed:
-            raise ValueError("a stopping criterion failed on another rank of the CP group; see its error")
+        stopped, failed, summed = values[:rows], values[rows:rows + 2], values[rows + 2:]
+        if processor_error is not None or error is not None:
+            raise processor_error if processor_error is not None else error
+        for what, count in zip(("a logits processor", "a stopping criterion"), failed):
+            if count:
+                raise ValueError(f"{what} failed on another rank of the CP group; see its error")
         if agreement.differ(code, summed):
             raise ValueError(f"the ranks of the CP group appended different tokens at position "
                              f"{input_ids.shape[1] - 1}: a logits processor, stopping criterion or use of the RNG "
@@ -797,7 +843,8 @@ def wrap_generate(model, settings: Settings) -> None:
     if generate is None:
         return  # no LM head: nothing to generate with
     name = type(model).__name__
-    hooks = ("_prepare_generation_config", "_prepare_cache_for_generation", "_get_stopping_criteria")
+    hooks = ("_prepare_generation_config", "_prepare_cache_for_generation", "_get_stopping_criteria",
+             "_get_logits_processor")
     if generate is not GenerationMixin.generate or not all(hasattr(GenerationMixin, h) for h in hooks):
         @installed
         def refuse(*args, **kwargs):
@@ -827,11 +874,21 @@ def wrap_generate(model, settings: Settings) -> None:
         held = None
         if call.arguments.get("streamer") is not None and peers.world_size > 1:
             held = call.arguments["streamer"] = HeldStreamer(call.arguments["streamer"])
-        streaming = STREAMING.set(held)
+        streaming, processing = STREAMING.set(held), PROCESSING.set(None)
         try:
             return generate(*call.args, **call.kwargs)
         finally:
             STREAMING.reset(streaming)
+            PROCESSING.reset(processing)
+
+    @installed
+    def logits_processor(*args, **kwargs) -> LogitsProcessorList:
+        processors = type(model)._get_logits_processor(model, *args, **kwargs)
+        if settings.peers().world_size == 1:
+            return processors
+        held = HeldProcessors(processors)
+        PROCESSING.set(held)
+        return held
 
     @installed
     def stopping_criteria(*args, **kwargs) -> StoppingCriteriaList:
@@ -843,6 +900,8 @@ def wrap_generate(model, settings: Settings) -> None:
     def prepare_cache(generation_config, model_kwargs: dict, generation_mode, batch_size: int,
                       max_cache_length: int) -> None:
         copies = max(generation_config.num_beams or 1, generation_config.num_return_sequences or 1)
+        if isinstance(max_cache_length, float) and max_cache_length.is_integer():  # max_new_tokens=3.0, as generate
+            max_cache_length = int(max_cache_length)                                # serves it without CP
         cache = ShardedCache(layers=_num_layers(model.config), batch=batch_size * copies, capacity=max_cache_length,
                              group=settings.group, mesh=settings.mesh)
         cache.made_by_generate = True
@@ -851,3 +910,4 @@ def wrap_generate(model, settings: Settings) -> None:
     model.generate = cp_generate
     model._prepare_cache_for_generation = prepare_cache
     model._get_stopping_criteria = stopping_criteria
+    model._get_logits_processor = logits_processor
