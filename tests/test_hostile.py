@@ -120,6 +120,7 @@ DISAGREEMENTS = {  # case -> what the ranks that called correctly are told
     "sinks_values": "different sinks",
     "dtype_same_bytes": "different dtype",
     "window": "different documents/window",
+    "batch": "different batch",
 }
 
 

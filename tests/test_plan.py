@@ -84,6 +84,33 @@ def test_formatting() -> None:
 # -- the worked example ------------------------------------------------------------------------
 
 
+def test_a_model_config_is_a_model_that_can_exist() -> None:
+    """Counts at their edges (2**31 - 1 layers pass, 2**31 are refused, as are 0, True and 2.0),
+    query heads a multiple of K/V heads (6 over 4 once built, failing at its first forward),
+    and an odd vocabulary's rows per TP rank rounded up (Megatron pads V: 129 of 257 per rank
+    of 2, which rounding down under-counts)."""
+    from ctxpar.limits import MAX_COUNT, check_count
+
+    check_count("chunk", MAX_COUNT)
+    for bad, message in ((MAX_COUNT + 1, f"between 1 and {MAX_COUNT}, got {MAX_COUNT + 1}"),
+                         (0, f"between 1 and {MAX_COUNT}, got 0"), (True, "an integer, got True"),
+                         (2.0, "an integer, got 2.0")):
+        with pytest.raises(ValueError, match=re.escape(f"--chunk must be {message}")):
+            check_count("chunk", bad)
+    assert resolve_model("tiny", layers=MAX_COUNT).layers == MAX_COUNT
+    with pytest.raises(ValueError, match=re.escape(f"--layers must be between 1 and {MAX_COUNT}")):
+        resolve_model("tiny", layers=MAX_COUNT + 1)
+    shape = dict(layers=1, hidden=64, head_dim=16, ffn=128, vocab=256)
+    for heads, kv_heads in ((6, 4), (2, 4)):
+        with pytest.raises(ValueError, match=f"heads={heads} must be a multiple of kv_heads={kv_heads}"):
+            ModelConfig(heads=heads, kv_heads=kv_heads, **shape)
+    with pytest.raises(ValueError, match="--heads 6 must be a multiple of --kv-heads 4"):
+        resolve_model("tiny", heads=6, kv_heads=4)
+    odd = ModelConfig(heads=4, kv_heads=2, **{**shape, "vocab": 257})
+    assert (odd.vocab_rows(1), odd.vocab_rows(2), odd.vocab_rows(4)) == (257, 129, 65)
+    assert odd.parameters_per_tp_rank(2) == 2 * 129 * 64 + odd.layer_parameters(2) + 64
+
+
 def test_worked_example_sizes_and_ring_transfer() -> None:
     w = worked()
     t = sequence_tensors(w)
