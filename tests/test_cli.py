@@ -260,6 +260,12 @@ def bad_values(tmp: Path) -> list[tuple[tuple[str, ...], str]]:
         (("train", "--checkpoint-dir", str(tmp / "ck"), "--json", str(tmp / "ck")),
          f"is the --checkpoint-dir; give the report a file of its own outside it (--resume names every file in it "
          f"that is not a checkpoint), e.g. {tmp / 'report.json'}"),
+        # an existing directory (--resume's): a file inside it was suggested, which --resume then named a stray entry
+        (("train", "--checkpoint-dir", str(tmp), "--json", str(tmp), "--resume"),
+         f"is the --checkpoint-dir; give the report a file of its own outside it (--resume names every file in it "
+         f"that is not a checkpoint), e.g. {tmp.parent / 'report.json'}"),
+        (("train", "--checkpoint-dir", str(tmp / "ck"), "--json", str(tmp / "ck" / "out.json")),
+         "is inside the --checkpoint-dir; give the report a file of its own outside it"),
         # "is not writable (File exists)" for both
         (("train", "--checkpoint-dir", f"{tmp / 'afile'}/"), "/afile/' is a file, not a directory"),
         (("train", "--checkpoint-dir", str(tmp / "dangling")),

@@ -219,11 +219,15 @@ def _train_parser(sub) -> None:
 
 def _run_train(args: argparse.Namespace) -> int:
     world = _check_launch_flags(args)
+    if args.json not in (None, STDOUT) and args.checkpoint_dir and args.checkpoint_dir.strip():
+        # before check_output, which would suggest a file inside an existing directory
+        report, directory = os.path.abspath(args.json), os.path.abspath(args.checkpoint_dir)
+        if os.path.commonpath([report, directory]) == directory:
+            beside = os.path.join(os.path.dirname(directory), "report.json")
+            where = "is the" if report == directory else "is inside the"
+            raise ValueError(f"--json {args.json!r} {where} --checkpoint-dir; give the report a file of its own "
+                             f"outside it (--resume names every file in it that is not a checkpoint), e.g. {beside}")
     check_output("--json", args.json, stdout_ok=True)
-    if args.json and args.checkpoint_dir and os.path.abspath(args.json) == os.path.abspath(args.checkpoint_dir):
-        beside = os.path.join(os.path.dirname(os.path.abspath(args.checkpoint_dir)), "report.json")
-        raise ValueError(f"--json {args.json!r} is the --checkpoint-dir; give the report a file of its own outside "
-                         f"it (--resume names every file in it that is not a checkpoint), e.g. {beside}")
     if args.cp is not None and (args.cp < 1 or args.cp * args.dp != world):
         raise ValueError(f"--cp {args.cp} x --dp {args.dp} must equal the {world} ranks; leave --cp out to use "
                          f"ranks / dp")
