@@ -22,6 +22,7 @@ model's generate without CP, on CP groups of P = 2, 3 and 4 of those ranks.
 
 from __future__ import annotations
 
+import copy
 import traceback
 
 import torch
@@ -433,6 +434,9 @@ def _stops_and_last_tokens(model, tokens: torch.Tensor, rank: int) -> dict:
                                      plain.tolist()),
             # served without CP; refused naming ShardedCache's capacity, an argument never given
             "max_new_tokens 3.0": (sequences(max_new_tokens=3.0), plain[:, :PROMPT_LEN + 3].tolist()),
+            # its private hash of a string differs per process: compared, it refused a copy of the model's config
+            "the model's generation config passed in": (
+                sequences(generation_config=copy.deepcopy(model.generation_config)), plain.tolist()),
             "temperature differing": sequences(do_sample=True, temperature=0.5 + 0.25 * rank),
             "model.generation_config differing": differing(dict(repetition_penalty=1.3)),
             # each row stops on its own: ("ran", the CP sequences), the sequences without CP

@@ -220,7 +220,7 @@ def test_a_logits_processor_failing_on_one_rank_fails_every_rank_at_that_step() 
         assert kind == "refused" and want in message, (rank, message)
         kind, message = run["a processor's parameter differing"]
         assert kind == "refused" and "disagree on the generate call: logits_processor (crc32) [" in message, message
-        for case in ("a clock of one's own", "max_new_tokens 3.0"):  # the tokens of generate without CP
+        for case in ("a clock of one's own", "max_new_tokens 3.0", "the model's generation config passed in"):
             (kind, got), want = run[case]
             assert (kind, got) == ("ran", want), (case, rank, run[case])
 

@@ -507,9 +507,10 @@ _CRC_DEPTH = 5  # containers and objects nested deeper are compared by type (and
 def _crc(value, state: bool = True, depth: int = 0) -> int:
     """A checksum every rank computes alike for alike values: tensors by content, objects
     other than plain values by type (their repr holds addresses) and, with ``state``, by
-    their attributes (two logits processors of one class with other parameters once compared
-    equal; a stopping criterion's state may differ, as a clock's does: ``AgreedStop``), modules
-    by type alone (weights are compared apart)."""
+    their public attributes (two logits processors of one class with other parameters once
+    compared equal; a stopping criterion's state may differ, as a clock's does: ``AgreedStop``;
+    private ones may differ too, as the string hash a GenerationConfig keeps, seeded per
+    process, does), modules by type alone (weights are compared apart)."""
     if isinstance(value, torch.Tensor):
         return agreement.tensor_code(value, value.dtype, agreement.text_code(str((tuple(value.shape), value.dtype))))
     if value is None or isinstance(value, (bool, int, float, str)):
@@ -526,7 +527,8 @@ def _crc(value, state: bool = True, depth: int = 0) -> int:
     attributes = getattr(value, "__dict__", None)
     if not state or isinstance(value, torch.nn.Module) or not isinstance(attributes, dict):
         return agreement.text_code(kind)
-    return agreement.text_code(str((kind, _crc(attributes, state, depth + 1))))
+    public = {key: v for key, v in attributes.items() if not str(key).startswith("_")}
+    return agreement.text_code(str((kind, _crc(public, state, depth + 1))))
 
 
 def _forward_signature(cache: ShardedCache, kwargs: dict) -> dict[str, int]:
