@@ -225,6 +225,28 @@ def test_a_logits_processor_failing_on_one_rank_fails_every_rank_at_that_step() 
             assert (kind, got) == ("ran", want), (case, rank, run[case])
 
 
+def test_generates_arguments_are_compared_by_their_public_state() -> None:
+    """What the ranks compare of generate's arguments: an object's public attributes (a
+    processor's parameters; not a private per-process hash), sets in any order, a cycle
+    ended, a module by its type, a stopping criterion (state=False) by its type alone."""
+    from transformers import MaxTimeCriteria, TemperatureLogitsWarper
+
+    from ctxpar.integrations.transformers.generation import _crc
+
+    class Processor:
+        def __init__(self, words, salt) -> None:
+            self.words, self._salt = words, salt
+
+    assert _crc([TemperatureLogitsWarper(0.5)]) != _crc([TemperatureLogitsWarper(2.0)])
+    assert _crc(Processor({1, 2, 3}, 1)) == _crc(Processor({3, 2, 1}, 2)) != _crc(Processor({1, 2}, 1))
+    looped = []
+    looped.append(looped)
+    assert _crc(looped) == _crc(looped)
+    assert _crc(torch.nn.Linear(2, 2)) == _crc(torch.nn.Linear(2, 2))
+    clocks = [MaxTimeCriteria(5.0, initial_timestamp=t) for t in (1.0, 2.0)]
+    assert _crc(clocks[0], state=False) == _crc(clocks[1], state=False) and _crc(clocks[0]) != _crc(clocks[1])
+
+
 def test_a_difference_in_a_common_setting_is_named_and_a_streamer_on_one_rank_runs() -> None:
     """Both were refused with checksums alone ("arguments (crc32) [...]")."""
     runs = [_part(rank, "refusals") for rank in range(4)]

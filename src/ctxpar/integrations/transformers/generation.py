@@ -519,9 +519,12 @@ def _crc(value, state: bool = True, depth: int = 0) -> int:
         return agreement.text_code(f"{value.__module__}.{value.__qualname__}")
     kind = type(value).__qualname__
     if depth >= _CRC_DEPTH:
-        return agreement.text_code(f"{kind} of {len(value)}" if isinstance(value, (list, tuple, dict)) else kind)
+        sized = isinstance(value, (list, tuple, dict, set, frozenset))
+        return agreement.text_code(f"{kind} of {len(value)}" if sized else kind)
     if isinstance(value, (list, tuple)):
         return agreement.text_code(str([_crc(v, state, depth + 1) for v in value]))
+    if isinstance(value, (set, frozenset)):  # in no order of its own: its members' checksums sorted
+        return agreement.text_code(str((kind, sorted(_crc(v, state, depth + 1) for v in value))))
     if isinstance(value, dict):
         return agreement.text_code(str(sorted((str(k), _crc(v, state, depth + 1)) for k, v in value.items())))
     attributes = getattr(value, "__dict__", None)
