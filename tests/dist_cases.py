@@ -18,7 +18,7 @@ import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh
 
 import ctxpar
-from ctxpar import comm, kernels
+from ctxpar import agreement, comm, kernels
 from ctxpar.kernels.reference import reference_attention
 from ctxpar.masks import Mask
 from ctxpar.strategy_rules import kv_copies
@@ -477,6 +477,19 @@ def _check_subgroups(rank: int, world: int) -> dict:
     # once the refusal named the culprit by its group rank (rank half - 1, a rank of the other half)
     q, kv = torch.randn(1, 4, 4, 8), torch.randn(1, 3 if rank == world - 1 else 2, 4, 8)
     found["refused_by_global_rank"] = _refusal(q, kv, kv, layout="zigzag", group=mine)
+    # the same through the exchange of the other calls (prefill, decode, a model's forward); and a value
+    # unknown (-1) on one rank compared nowhere: judged by each rank's own value, the rank that knew it not
+    # went on alone while its peers raised
+    def compared(values: dict, error=None, where_known=()) -> str:
+        try:
+            agreement.check_values_agree(values, mine, error, "decode step", where_known)
+            return "NO ERROR"
+        except ValueError as e:
+            return str(e)
+
+    found["values_refused_by_global_rank"] = compared({"step": 4}, ValueError("mine") if rank == world - 1 else None)
+    found["unknown_on_one_rank"] = [compared({"weights": -1 if rank % 2 == 0 else 7}, where_known=("weights",)),
+                                    compared({"weights": 7 + rank}, where_known=("weights",))]
     listed = [list(range(world - 1, -1, -2)), list(range(world - 2, -1, -2))]  # P=4: [3, 1], [2, 0]
     parities = [dist.new_group(ranks) for ranks in listed]
     group = parities[rank % 2 == 0]

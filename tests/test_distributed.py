@@ -266,8 +266,9 @@ def test_any_process_group_not_only_world() -> None:
 
 
 def test_a_refusal_on_a_subgroup_names_the_global_ranks() -> None:
-    """Global rank 3 of new_group([2, 3]) (its group rank 1) passes invalid K/V: its peer's
-    refusal once named "ranks [1]", a rank of the other group."""
+    """Global rank 3 of new_group([2, 3]) (its group rank 1) passes invalid K/V, or refuses
+    the inputs of another call: its peer's refusal once named "ranks [1]", a rank of the other
+    group. A value unknown on one rank of a group is compared on none of its ranks."""
     for rank, res in enumerate(results(4)):
         got = res["subgroups"]["refused_by_global_rank"]
         if rank < 2:
@@ -276,6 +277,12 @@ def test_a_refusal_on_a_subgroup_names_the_global_ranks() -> None:
             assert "H_kv=3" in got, (rank, got)
         else:
             assert "ranks [3]" in got and "rejected" in got, (rank, got)
+        got = res["subgroups"]["values_refused_by_global_rank"]
+        assert got == ("NO ERROR" if rank < 2 else "mine" if rank == 3 else
+                       "ranks [3] of the CP group rejected their decode step inputs; see their errors"), (rank, got)
+        unknown, differing = res["subgroups"]["unknown_on_one_rank"]
+        assert unknown == "NO ERROR", (rank, unknown)  # every rank went on, comparing it nowhere
+        assert "disagree on the decode step: weights [" in differing, (rank, differing)
 
 
 @pytest.mark.parametrize("world", WORLD_SIZES, ids=lambda w: f"P{w}")

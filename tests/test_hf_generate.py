@@ -245,6 +245,33 @@ def test_generates_arguments_are_compared_by_their_public_state() -> None:
     assert _crc(torch.nn.Linear(2, 2)) == _crc(torch.nn.Linear(2, 2))
     clocks = [MaxTimeCriteria(5.0, initial_timestamp=t) for t in (1.0, 2.0)]
     assert _crc(clocks[0], state=False) == _crc(clocks[1], state=False) and _crc(clocks[0]) != _crc(clocks[1])
+    # functions by name and code, what they capture and their defaults: two lambdas written in one place once
+    # compared equal, the ranks then appending other tokens (named as such, not as prefix_allowed_tokens_fn)
+    def allowing(tokens: list[int]):
+        return lambda batch, ids: tokens
+
+    def first(batch, ids):
+        return [5]
+
+    def second(batch, ids):
+        return [5]
+
+    lambdas = [lambda batch, ids: [5], lambda batch, ids: [6]]
+    assert _crc(allowing([5])) != _crc(allowing([6])) and _crc(allowing([5])) == _crc(allowing([5]))
+    assert _crc(lambdas[0]) != _crc(lambdas[1]) and _crc(first) != _crc(second) and _crc([first]) != _crc([second])
+    assert _crc(clocks[0].__call__) != _crc(clocks[1].__call__)
+
+
+def test_a_forward_over_the_sharded_cache_compares_every_token() -> None:
+    """Its signature holds a checksum of all its tokens, not of the last column alone (rank
+    0 went on with logits for a prompt it never passed, 0.02 off)."""
+    from ctxpar.integrations.transformers.generation import _forward_signature
+
+    tokens = torch.arange(24).view(2, 12)
+    other = tokens.clone()
+    other[0, 5] += 1
+    cache = ShardedCache(layers=1, batch=2, capacity=16)
+    assert _forward_signature(cache, {"input_ids": tokens}) != _forward_signature(cache, {"input_ids": other})
 
 
 def test_a_difference_in_a_common_setting_is_named_and_a_streamer_on_one_rank_runs() -> None:

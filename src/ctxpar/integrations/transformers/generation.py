@@ -506,17 +506,28 @@ _CRC_DEPTH = 5  # containers and objects nested deeper are compared by type (and
 
 def _crc(value, state: bool = True, depth: int = 0) -> int:
     """A checksum every rank computes alike for alike values: tensors by content, objects
-    other than plain values by type (their repr holds addresses) and, with ``state``, by
-    their public attributes (two logits processors of one class with other parameters once
-    compared equal; a stopping criterion's state may differ, as a clock's does: ``AgreedStop``;
-    private ones may differ too, as the string hash a GenerationConfig keeps, seeded per
-    process, does), modules by type alone (weights are compared apart)."""
+    other than plain values by type (their repr holds addresses), functions by name and code;
+    with ``state``, objects by their public attributes too and functions by what they capture
+    (two logits processors of one class with other parameters once compared equal, as did two
+    lambdas allowing other tokens). A stopping criterion's state may differ between ranks (a
+    clock's start: ``AgreedStop`` agrees on its stops), and so may private attributes (the
+    string hash a GenerationConfig keeps, seeded per process); modules by type alone (their
+    weights are compared apart)."""
     if isinstance(value, torch.Tensor):
         return agreement.tensor_code(value, value.dtype, agreement.text_code(str((tuple(value.shape), value.dtype))))
     if value is None or isinstance(value, (bool, int, float, str)):
         return agreement.text_code(repr(value))
-    if inspect.isfunction(value) or inspect.ismethod(value):  # by its name: every function's type is one
-        return agreement.text_code(f"{value.__module__}.{value.__qualname__}")
+    if inspect.ismethod(value):  # a bound method: its function, and with ``state`` its object's state
+        return agreement.text_code(str((_crc(value.__func__, state, depth),
+                                        _crc(value.__self__, state, depth + 1) if state else 0)))
+    if inspect.isfunction(value):  # by its name and code (two lambdas written in one place share a name)
+        code = value.__code__
+        plain = [c for c in code.co_consts if c is None or isinstance(c, (bool, int, float, str, bytes))]
+        named = f"{value.__module__}.{value.__qualname__} {code.co_code.hex()} {plain!r}"
+        if not state:
+            return agreement.text_code(named)
+        captured = [cell.cell_contents for cell in value.__closure__ or () if _filled(cell)]
+        return agreement.text_code(str((named, _crc([captured, value.__defaults__], state, depth + 1))))
     kind = type(value).__qualname__
     if depth >= _CRC_DEPTH:
         sized = isinstance(value, (list, tuple, dict, set, frozenset))
@@ -532,6 +543,15 @@ def _crc(value, state: bool = True, depth: int = 0) -> int:
         return agreement.text_code(kind)
     public = {key: v for key, v in attributes.items() if not str(key).startswith("_")}
     return agreement.text_code(str((kind, _crc(public, state, depth + 1))))
+
+
+def _filled(cell) -> bool:
+    """Whether a closure's cell holds a value yet (a name assigned after the function was made)."""
+    try:
+        cell.cell_contents
+    except ValueError:
+        return False
+    return True
 
 
 def _forward_signature(cache: ShardedCache, kwargs: dict) -> dict[str, int]:
