@@ -261,7 +261,7 @@ def test_any_process_group_not_only_world() -> None:
         for strategy, verdict in res["subgroups"].items():
             if strategy == "broadcast_from_each_group_rank":
                 assert verdict == sorted(float(r) for r in listed), (rank, verdict)
-            elif strategy != "refused_by_global_rank":
+            elif strategy in ("ring", "allgather", "alltoall", "listed_descending"):
                 assert verdict == "ok", f"{strategy} on a subgroup: {verdict}"
 
 
