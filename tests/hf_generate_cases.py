@@ -348,7 +348,8 @@ def _stops_and_last_tokens(model, tokens: torch.Tensor, rank: int) -> dict:
     that does (a logits processor biased per rank, one new token), max_new_tokens that do,
     a streamer on rank 0 alone: ("ran", the generated sequences) or ("refused", the message)."""
     from transformers import (LogitsProcessor, LogitsProcessorList, MaxTimeCriteria, StoppingCriteria,
-                              StoppingCriteriaList, TemperatureLogitsWarper)
+                              StoppingCriteriaList, TemperatureLogitsWarper,
+                              UnbatchedClassifierFreeGuidanceLogitsProcessor)
     from transformers.generation.streamers import BaseStreamer
 
     class StopOnRank1(StoppingCriteria):
@@ -377,6 +378,13 @@ def _stops_and_last_tokens(model, tokens: torch.Tensor, rank: int) -> dict:
     class FavourOwnToken(LogitsProcessor):
         def __call__(self, input_ids, scores):
             scores[:, 5 + rank] += 1e4
+            return scores
+
+    class ReseedPerRank(LogitsProcessor):
+        """The same scores everywhere, then each rank's own draw of the token."""
+
+        def __call__(self, input_ids, scores):
+            torch.manual_seed(rank)
             return scores
 
     def sequences(**kwargs):
@@ -408,8 +416,12 @@ def _stops_and_last_tokens(model, tokens: torch.Tensor, rank: int) -> dict:
 
     import hf_families
 
-    plain = hf_families.build("llama").generate(tokens, max_new_tokens=4)
+    reference = hf_families.build("llama")  # the same model without CP
+    plain = reference.generate(tokens, max_new_tokens=4)
     row_eos = dict(eos_token_id=int(plain[0, PROMPT_LEN + 1]), pad_token_id=0)  # row 0's second new token
+    spelled = _characters()
+    stop = dict(stop_strings=[spelled.decode([int(plain[0, PROMPT_LEN + 1])])], tokenizer=spelled)
+
     def differing(changes: dict):
         """generate with ``model.generation_config`` changed on rank 1 alone (restored after)."""
         saved = {key: getattr(model.generation_config, key) for key in changes}
@@ -426,9 +438,16 @@ def _stops_and_last_tokens(model, tokens: torch.Tensor, rank: int) -> dict:
     return {"max_time": sequences(max_time=1e-9),  # once refused: each rank stopped by its own clock
             # raised on rank 1 alone, its peers waited in the step's all-reduce until the timeout
             "a processor failing on rank 1": sequences(logits_processor=LogitsProcessorList([FailOnRank1AtStep2()])),
-            # one class compared by type alone: accepted, other scores on each rank
+            # one class with other parameters: accepted, each rank returning its own scores (compared by type)
             "a processor's parameter differing": sequences(
                 logits_processor=LogitsProcessorList([TemperatureLogitsWarper(0.5 if rank == 0 else 2.0)])),
+            # transformers passes the tokenizer on to the forward: refused by attention as an argument it ignores
+            "stop strings": (sequences(**stop), reference.generate(tokens, max_new_tokens=4, **stop).tolist()),
+            # refused as guidance_scale is; it failed inside its own forward of the last token, another message
+            "a guidance processor": sequences(logits_processor=LogitsProcessorList(
+                [UnbatchedClassifierFreeGuidanceLogitsProcessor(1.5, model)])),
+            "max_new_tokens 3.5": (sequences(max_new_tokens=3.5),
+                                   reference.generate(tokens, max_new_tokens=3.5).tolist()),
             # a criterion's state may differ (a clock's start): AgreedStop agrees on its stops
             "a clock of one's own": (sequences(stopping_criteria=StoppingCriteriaList([MaxTimeCriteria(1e6)])),
                                      plain.tolist()),
@@ -440,12 +459,11 @@ def _stops_and_last_tokens(model, tokens: torch.Tensor, rank: int) -> dict:
             "temperature differing": sequences(do_sample=True, temperature=0.5 + 0.25 * rank),
             "model.generation_config differing": differing(dict(repetition_penalty=1.3)),
             # each row stops on its own: ("ran", the CP sequences), the sequences without CP
-            "a row's eos": (sequences(**row_eos),
-                            hf_families.build("llama").generate(tokens, max_new_tokens=4, **row_eos).tolist()),
+            "a row's eos": (sequences(**row_eos), reference.generate(tokens, max_new_tokens=4, **row_eos).tolist()),
             "a stop of row 0 on rank 1": (
                 sequences(stopping_criteria=StoppingCriteriaList([StopRow0(rank == 1)])),
-                hf_families.build("llama").generate(tokens, max_new_tokens=4,
-                                                    stopping_criteria=StoppingCriteriaList([StopRow0(True)])).tolist()),
+                reference.generate(tokens, max_new_tokens=4,
+                                   stopping_criteria=StoppingCriteriaList([StopRow0(True)])).tolist()),
             "max_new_tokens differ": sequences(max_new_tokens=4 + rank),
             "a stop failing on rank 1": sequences(stopping_criteria=StoppingCriteriaList([FailOnRank1()])),
             "a streamer on rank 0": sequences(streamer=Watching() if rank == 0 else None),
@@ -458,7 +476,26 @@ def _stops_and_last_tokens(model, tokens: torch.Tensor, rank: int) -> dict:
             # named, not "arguments (crc32) [...]"
             "a logits processor on rank 0": sequences(
                 logits_processor=LogitsProcessorList([FavourOwnToken()]) if rank == 0 else None),
-            "last token differs": sequences(max_new_tokens=1, logits_processor=LogitsProcessorList([FavourOwnToken()]))}
+            # the same scores, then another token drawn on each rank
+            "last token differs": sequences(max_new_tokens=1, do_sample=True, temperature=100.0,
+                                            logits_processor=LogitsProcessorList([ReseedPerRank()]))}
+
+
+def _characters():
+    """A tokenizer of one character per token id, made here (no hub): what stop_strings needs."""
+    import string
+
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    import hf_families
+
+    characters = (string.ascii_letters + string.digits + string.punctuation + " ")[:hf_families.VOCAB]
+    made = Tokenizer(models.WordLevel({c: i for i, c in enumerate(characters)}, unk_token=characters[0]))
+    made.pre_tokenizer = pre_tokenizers.Split("", "isolated")
+    made.decoder = decoders.Fuse()
+    return PreTrainedTokenizerFast(tokenizer_object=made, unk_token=characters[0], eos_token=characters[2],
+                                   pad_token=characters[1])
 
 
 def run(rank: int, world: int) -> dict:

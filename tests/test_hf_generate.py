@@ -219,47 +219,48 @@ def test_a_logits_processor_failing_on_one_rank_fails_every_rank_at_that_step() 
         want = "a processor of rank 1 failed" if rank == 1 else "a logits processor failed on another rank"
         assert kind == "refused" and want in message, (rank, message)
         kind, message = run["a processor's parameter differing"]
-        assert kind == "refused" and "disagree on the generate call: logits_processor (crc32) [" in message, message
-        for case in ("a clock of one's own", "max_new_tokens 3.0", "the model's generation config passed in"):
+        assert kind == "refused" and "the logits processors of the ranks of the CP group gave different scores for " \
+            f"position {cases.PROMPT_LEN}: a logits processor (its parameters)" in message, (rank, message)
+        kind, message = run["a guidance processor"]
+        assert kind == "refused" and "generate with a UnbatchedClassifierFreeGuidanceLogitsProcessor is not " \
+            "supported" in message, (rank, message)
+        for case in ("a clock of one's own", "max_new_tokens 3.0", "max_new_tokens 3.5",
+                     "the model's generation config passed in", "stop strings"):
             (kind, got), want = run[case]
             assert (kind, got) == ("ran", want), (case, rank, run[case])
 
 
-def test_generates_arguments_are_compared_by_their_public_state() -> None:
-    """What the ranks compare of generate's arguments: an object's public attributes (a
-    processor's parameters; not a private per-process hash), sets in any order, a cycle
-    ended, a module by its type, a stopping criterion (state=False) by its type alone."""
+def test_generates_arguments_are_compared_by_value_type_or_code() -> None:
+    """What the ranks compare of generate's arguments before any collective: plain values and
+    containers of them by value (sets in any order; dict keys by their own checksum, not by
+    str(), which shows addresses), functions by name and code (two lambdas written in one
+    place once compared equal), other objects by type alone: a creation time or an id held
+    by a processor refused calls alike everywhere. A cycle ends; a meta tensor raises."""
     from transformers import MaxTimeCriteria, TemperatureLogitsWarper
 
     from ctxpar.integrations.transformers.generation import _crc
 
     class Processor:
-        def __init__(self, words, salt) -> None:
-            self.words, self._salt = words, salt
+        def __init__(self, started) -> None:
+            self.started, self.words = started, list({"alpha", "beta", "gamma"})
 
-    assert _crc([TemperatureLogitsWarper(0.5)]) != _crc([TemperatureLogitsWarper(2.0)])
-    assert _crc(Processor({1, 2, 3}, 1)) == _crc(Processor({3, 2, 1}, 2)) != _crc(Processor({1, 2}, 1))
+    def allowed(batch, ids):
+        return [5]
+
+    assert _crc(Processor(1.0)) == _crc(Processor(2.0)) and _crc([MaxTimeCriteria(5.0, initial_timestamp=1.0)]) == \
+        _crc([MaxTimeCriteria(5.0, initial_timestamp=2.0)])
+    assert _crc([TemperatureLogitsWarper(0.5)]) == _crc([TemperatureLogitsWarper(2.0)])  # compared by their scores
+    assert _crc({1, 2, 3}) == _crc({3, 2, 1}) != _crc({1, 2}) and _crc({"b", "a"}) == _crc({"a", "b"})
+    assert _crc({allowed: 1, Processor(1.0): 2}) == _crc({allowed: 1, Processor(2.0): 2})
+    assert _crc([1, 2]) != _crc((1, 2)) and _crc({"a": [1, 2]}) != _crc({"a": [2, 1]})
     looped = []
     looped.append(looped)
     assert _crc(looped) == _crc(looped)
-    assert _crc(torch.nn.Linear(2, 2)) == _crc(torch.nn.Linear(2, 2))
-    clocks = [MaxTimeCriteria(5.0, initial_timestamp=t) for t in (1.0, 2.0)]
-    assert _crc(clocks[0], state=False) == _crc(clocks[1], state=False) and _crc(clocks[0]) != _crc(clocks[1])
-    # functions by name and code, what they capture and their defaults: two lambdas written in one place once
-    # compared equal, the ranks then appending other tokens (named as such, not as prefix_allowed_tokens_fn)
-    def allowing(tokens: list[int]):
-        return lambda batch, ids: tokens
-
-    def first(batch, ids):
-        return [5]
-
-    def second(batch, ids):
-        return [5]
-
     lambdas = [lambda batch, ids: [5], lambda batch, ids: [6]]
-    assert _crc(allowing([5])) != _crc(allowing([6])) and _crc(allowing([5])) == _crc(allowing([5]))
-    assert _crc(lambdas[0]) != _crc(lambdas[1]) and _crc(first) != _crc(second) and _crc([first]) != _crc([second])
-    assert _crc(clocks[0].__call__) != _crc(clocks[1].__call__)
+    assert _crc(lambdas[0]) != _crc(lambdas[1]) and _crc(allowed) != _crc(lambdas[0])
+    assert _crc(Processor(1.0).__init__) == _crc(Processor(2.0).__init__)
+    with pytest.raises(NotImplementedError):
+        _crc(torch.zeros(2, device="meta"))
 
 
 def test_a_forward_over_the_sharded_cache_compares_every_token() -> None:

@@ -33,9 +33,9 @@ RNG seeded alike on every rank, pick the same tokens everywhere. One tiny all-ga
 generate call and one per forward compare the ranks' arguments, RNG state and tokens
 (``agreement.check_values_agree``): a rank that refuses or differs makes every rank raise.
 One tiny all-reduce per step after the stopping criteria (``AgreedStop``) stops a sequence
-on every rank where any rank's criteria stop it, compares the token just appended, and
-raises on every rank where a logits processor (``HeldProcessors``) or a criterion raised on
-one.
+on every rank where any rank's criteria stop it, compares the token just appended and the
+scores the logits processors gave (``HeldProcessors``), and raises on every rank where a
+logits processor or a criterion raised on one.
 
 What generate would do that this cannot honour is refused on every rank before any
 collective, naming it (``check_generate``): every mode but greedy and sampling (beam
@@ -61,6 +61,7 @@ from __future__ import annotations
 import contextvars
 import functools
 import inspect
+import math
 from collections import deque
 from dataclasses import dataclass, field
 
@@ -300,6 +301,9 @@ class ShardedCache(Cache):
         return slice(int(torch.searchsorted(keys, first)) if first > 0 else 0, self._step.held)
 
 
+_GENERATE_MODE_KEYS = ("tokenizer", "assistant_tokenizer")
+
+
 def cached_forward(forward, kwargs: dict, *, name: str, settings: Settings, cache: ShardedCache, accepts,
                    model: int, refusal: Exception | None = None):
     """One forward of generate over ``cache`` (the prefill or a decode step), ``kwargs`` as
@@ -312,6 +316,8 @@ def cached_forward(forward, kwargs: dict, *, name: str, settings: Settings, cach
     it does, then one token at a time as decode steps (exact: each attends to every earlier
     key), so that generate takes a prompt of any length; one shorter than the layout's
     multiple goes one token at a time from the start."""
+    if cache.made_by_generate:  # transformers passes generate's tokenizers on to the forward (stop_strings needs
+        kwargs = {k: v for k, v in kwargs.items() if k not in _GENERATE_MODE_KEYS}  # one); attention ignores them
     head = _splittable_head(settings, cache, kwargs) if refusal is None else None
     if head is None:
         return _cached_step(forward, kwargs, name=name, settings=settings, cache=cache, accepts=accepts,
@@ -501,57 +507,46 @@ def _plan(name: str, settings: Settings, cache: ShardedCache, kwargs: dict, acce
     return kwargs, step
 
 
-_CRC_DEPTH = 5  # containers and objects nested deeper are compared by type (and length) alone: cycles end
+_CRC_DEPTH = 5  # containers nested deeper are compared by type and length alone: a cycle ends
+_PLAIN = (type(None), bool, int, float, str)
 
 
-def _crc(value, state: bool = True, depth: int = 0) -> int:
-    """A checksum every rank computes alike for alike values: tensors by content, objects
-    other than plain values by type (their repr holds addresses), functions by name and code;
-    with ``state``, objects by their public attributes too and functions by what they capture
-    (two logits processors of one class with other parameters once compared equal, as did two
-    lambdas allowing other tokens). A stopping criterion's state may differ between ranks (a
-    clock's start: ``AgreedStop`` agrees on its stops), and so may private attributes (the
-    string hash a GenerationConfig keeps, seeded per process); modules by type alone (their
-    weights are compared apart)."""
+def _crc(value, depth: int = 0) -> int:
+    """A checksum every rank computes alike for alike values: tensors by content, plain values
+    and containers of them by value (one pass over a container of plain values: a vocabulary
+    of 152k entries took 0.2-0.4 s member by member), functions by name and code (two lambdas
+    written in one place share a name), other objects by type alone. Their attributes may
+    differ between ranks without changing what they do (a creation time, an id, a set's
+    order made into a list: compared, they refused calls that were the same everywhere);
+    what a logits processor does is compared at every step, by the scores it gives
+    (``HeldProcessors``)."""
     if isinstance(value, torch.Tensor):
         return agreement.tensor_code(value, value.dtype, agreement.text_code(str((tuple(value.shape), value.dtype))))
-    if value is None or isinstance(value, (bool, int, float, str)):
+    if isinstance(value, _PLAIN):
         return agreement.text_code(repr(value))
-    if inspect.ismethod(value):  # a bound method: its function, and with ``state`` its object's state
-        return agreement.text_code(str((_crc(value.__func__, state, depth),
-                                        _crc(value.__self__, state, depth + 1) if state else 0)))
-    if inspect.isfunction(value):  # by its name and code (two lambdas written in one place share a name)
+    if inspect.ismethod(value):
+        value = value.__func__
+    if inspect.isfunction(value):
         code = value.__code__
-        plain = [c for c in code.co_consts if c is None or isinstance(c, (bool, int, float, str, bytes))]
-        named = f"{value.__module__}.{value.__qualname__} {code.co_code.hex()} {plain!r}"
-        if not state:
-            return agreement.text_code(named)
-        captured = [cell.cell_contents for cell in value.__closure__ or () if _filled(cell)]
-        return agreement.text_code(str((named, _crc([captured, value.__defaults__], state, depth + 1))))
+        constants = [c for c in code.co_consts if isinstance(c, _PLAIN)]
+        return agreement.text_code(f"{value.__module__}.{value.__qualname__} {code.co_code.hex()} {constants!r}")
     kind = type(value).__qualname__
-    if depth >= _CRC_DEPTH:
-        sized = isinstance(value, (list, tuple, dict, set, frozenset))
-        return agreement.text_code(f"{kind} of {len(value)}" if sized else kind)
-    if isinstance(value, (list, tuple)):
-        return agreement.text_code(str([_crc(v, state, depth + 1) for v in value]))
-    if isinstance(value, (set, frozenset)):  # in no order of its own: its members' checksums sorted
-        return agreement.text_code(str((kind, sorted(_crc(v, state, depth + 1) for v in value))))
-    if isinstance(value, dict):
-        return agreement.text_code(str(sorted((str(k), _crc(v, state, depth + 1)) for k, v in value.items())))
-    attributes = getattr(value, "__dict__", None)
-    if not state or isinstance(value, torch.nn.Module) or not isinstance(attributes, dict):
+    containers = (list, tuple, set, frozenset, dict)
+    if not isinstance(value, containers):
         return agreement.text_code(kind)
-    public = {key: v for key, v in attributes.items() if not str(key).startswith("_")}
-    return agreement.text_code(str((kind, _crc(public, state, depth + 1))))
-
-
-def _filled(cell) -> bool:
-    """Whether a closure's cell holds a value yet (a name assigned after the function was made)."""
-    try:
-        cell.cell_contents
-    except ValueError:
-        return False
-    return True
+    if depth >= _CRC_DEPTH:
+        return agreement.text_code(f"{kind} of {len(value)}")
+    if isinstance(value, dict):
+        items = list(value.items())
+        if all(isinstance(k, _PLAIN) and isinstance(v, _PLAIN) for k, v in items):
+            return agreement.text_code(f"{kind} {sorted((repr(k), repr(v)) for k, v in items)}")
+        return agreement.text_code(f"{kind} {sorted((_crc(k, depth + 1), _crc(v, depth + 1)) for k, v in items)}")
+    unordered = isinstance(value, (set, frozenset))  # in no order of its own (a set of str's: PYTHONHASHSEED's)
+    if all(isinstance(v, _PLAIN) for v in value):
+        members = sorted(map(repr, value)) if unordered else list(value)
+        return agreement.text_code(f"{kind} {members!r}")
+    members = [_crc(v, depth + 1) for v in value]
+    return agreement.text_code(f"{kind} {sorted(members) if unordered else members}")
 
 
 def _forward_signature(cache: ShardedCache, kwargs: dict) -> dict[str, int]:
@@ -614,10 +609,13 @@ def check_generate(model, settings: Settings, call: inspect.BoundArguments):
                                   "running forwards for the others, past what its sharded cache holds; pass "
                                   "synced_gpus=False where no sharding across CP groups needs every rank's forwards "
                                   "in step")
-    if config.guidance_scale not in (None, 1):
-        raise NotImplementedError(f"generate with guidance_scale={config.guidance_scale!r} is not supported under "
-                                  f"context parallelism: classifier-free guidance runs the model on the prompt's "
-                                  f"last token alone, which is no shard of the layout")
+    guiding = [type(p).__name__ for p in bound.get("logits_processor") or ()
+               if type(p).__name__ == "UnbatchedClassifierFreeGuidanceLogitsProcessor"]
+    if config.guidance_scale not in (None, 1) or guiding:
+        given = f"a {guiding[0]}" if guiding else f"guidance_scale={config.guidance_scale!r}"
+        raise NotImplementedError(f"generate with {given} is not supported under context parallelism: "
+                                  f"classifier-free guidance runs the model on the prompt's last token alone, which "
+                                  f"is no shard of the layout")
     prompt = bound.get("inputs")
     if prompt is None:
         prompt = extra.get("input_ids")
@@ -750,8 +748,9 @@ def generate_signature(model, arguments: dict, prompt, config) -> dict[str, int]
     named = {key: agreement.readable(lambda key=key: _setting(getattr(config, key, None))) for key in _NAMED_SETTINGS}
     named_floats = {key: agreement.Text(repr(getattr(config, key, None))) for key in _NAMED_FLOAT_SETTINGS}
     rest = {k: v for k, v in arguments.items() if k != "streamer" and k not in _NAMED_ARGUMENTS}
-    return {"arguments (crc32)": _crc(rest),
-            **{f"{key} (crc32)": _crc(arguments.get(key) or None, state=key != "stopping_criteria")
+    # a checksum that raises (a meta or sparse tensor held by one rank) is sent as -1: a difference, on every rank
+    return {"arguments (crc32)": agreement.readable(lambda: _crc(rest)),
+            **{f"{key} (crc32)": agreement.readable(lambda key=key: _crc(arguments.get(key) or None))
                for key in _NAMED_ARGUMENTS},
             "prompt": tuple(prompt.shape)[1] if isinstance(prompt, torch.Tensor) else -1,
             **named, **named_floats,
@@ -803,19 +802,45 @@ class HeldProcessors(LogitsProcessorList):
     """A generate call's logits processors, whose error is held for the step's ``AgreedStop``,
     which raises it on every rank together: a processor failing on one rank raised there,
     its peers waiting in the all-reduce until the timeout (and the group out of step for the
-    next call). Once one failed, the scores pass unchanged to the step's end."""
+    next call). Once one failed, the scores pass unchanged to the step's end. ``code``: a
+    checksum of the scores they gave at this step, which ``AgreedStop`` compares: processors
+    that differ between ranks (one class with other parameters; two ``prefix_allowed_tokens_fn``)
+    gave each rank its own scores, the tokens differing only where they made them differ."""
 
     def __init__(self, processors) -> None:
         super().__init__(processors)
         self.error: Exception | None = None
+        self.code = 0
 
     def __call__(self, input_ids: torch.Tensor, scores: torch.Tensor, **kwargs) -> torch.Tensor:
         if self.error is None:
             try:
-                return super().__call__(input_ids, scores, **kwargs)
+                scores = super().__call__(input_ids, scores, **kwargs)
             except Exception as e:  # noqa: BLE001  any failure: raised by this step's AgreedStop
                 self.error = e
+        if self.error is not None:  # what a processor left half done (NaN, all -inf) could fail the sampling here
+            scores = torch.zeros_like(scores)
+        self.code = _scores_code(scores)
         return scores
+
+
+_SCORE_BITS = {torch.float64: torch.int64, torch.float32: torch.int32, torch.float16: torch.int16,
+               torch.bfloat16: torch.int16}
+
+
+def _scores_code(scores: torch.Tensor) -> int:
+    """A 24-bit checksum of ``scores``' bits (``agreement.sums_of``), summed on their device
+    with weights by position (a swap of two values changes it), int64 wrapping alike on every
+    rank; one scalar comes to the host (the logits are bit-identical on every rank, and so
+    are the scores alike processors make of them)."""
+    bits = _SCORE_BITS.get(scores.dtype)
+    if bits is None:
+        return 0
+    flat = scores.detach().contiguous().view(bits).reshape(-1).to(torch.int64)
+    weights = torch.arange(flat.numel(), device=flat.device, dtype=torch.int64) % 65521 + 1
+    # all 64 bits of the sum folded into the checksum: scores scaled by a power of 2 (a temperature of 0.5
+    # against 2.0) differ in their exponents alone, the sum by a multiple of 2**24
+    return agreement.text_code(str(int((flat * weights).sum()))) & 0xFFFFFF
 
 
 # The logits processors of the generate call in progress (None outside one, or on one rank).
@@ -836,22 +861,28 @@ class AgreedStop(StoppingCriteriaList):
     def __call__(self, input_ids: torch.Tensor, scores, **kwargs) -> torch.Tensor:
         rows, error = input_ids.shape[0], None
         processors = PROCESSING.get()
-        processor_error = processors.error if processors is not None else None
+        processor_error, scores_code = (processors.error, processors.code) if processors is not None else (None, 0)
         try:
             done = super().__call__(input_ids, scores, **kwargs).tolist()  # (B,) bool
         except Exception as e:  # noqa: BLE001  a criterion failing here: this rank must still join the all-reduce
             done, error = [False] * rows, e
         code = _crc(input_ids[:, -1]) & 0xFFFFFF  # 24 bits (agreement.sums_of)
         flags = torch.tensor([*done, int(processor_error is not None), int(error is not None),
-                              *agreement.sums_of(code)], dtype=torch.int64, device=input_ids.device)
+                              *agreement.sums_of(code), *agreement.sums_of(scores_code)], dtype=torch.int64,
+                             device=input_ids.device)
         topology.all_reduce(flags, self.peers)
         values = flags.tolist()  # one copy to the host
-        stopped, failed, summed = values[:rows], values[rows:rows + 2], values[rows + 2:]
+        stopped, failed = values[:rows], values[rows:rows + 2]
+        summed, summed_scores = values[rows + 2:rows + 5], values[rows + 5:]
         if processor_error is not None or error is not None:
             raise processor_error if processor_error is not None else error
         for what, count in zip(("a logits processor", "a stopping criterion"), failed):
             if count:
                 raise ValueError(f"{what} failed on another rank of the CP group; see its error")
+        if agreement.differ(scores_code, summed_scores):
+            raise ValueError(f"the logits processors of the ranks of the CP group gave different scores for position "
+                             f"{input_ids.shape[1] - 1}: a logits processor (its parameters) or a "
+                             f"prefix_allowed_tokens_fn differs between ranks; every rank must generate alike")
         if agreement.differ(code, summed):
             raise ValueError(f"the ranks of the CP group appended different tokens at position "
                              f"{input_ids.shape[1] - 1}: a logits processor, stopping criterion or use of the RNG "
@@ -925,8 +956,8 @@ def wrap_generate(model, settings: Settings) -> None:
     def prepare_cache(generation_config, model_kwargs: dict, generation_mode, batch_size: int,
                       max_cache_length: int) -> None:
         copies = max(generation_config.num_beams or 1, generation_config.num_return_sequences or 1)
-        if isinstance(max_cache_length, float) and max_cache_length.is_integer():  # max_new_tokens=3.0, as generate
-            max_cache_length = int(max_cache_length)                                # serves it without CP
+        if isinstance(max_cache_length, float) and math.isfinite(max_cache_length):  # max_new_tokens=3.5: generate
+            max_cache_length = math.ceil(max_cache_length)  # without CP runs while the length is below T + 3.5
         cache = ShardedCache(layers=_num_layers(model.config), batch=batch_size * copies, capacity=max_cache_length,
                              group=settings.group, mesh=settings.mesh)
         cache.made_by_generate = True
