@@ -504,6 +504,15 @@ def main() -> None:
     print(format_report(report))
 
 
+def _killed(returncode: int) -> str:
+    """A test group's death by a signal not this check's timeout sent."""
+    try:
+        name = signal.Signals(-returncode).name
+    except ValueError:
+        name = f"signal {-returncode}"
+    return f"killed by {name}" + (" (not this check's timeout: the OOM killer?)" if name == "SIGKILL" else "")
+
+
 def format_report(r: dict) -> str:
     env = r["environment"]
     lines = [f"ctxpar gpu-check{' (dry run, CPU)' if r['dry_run'] else ''}: {env['gpu'] or env['device']}, "
@@ -514,8 +523,7 @@ def format_report(r: dict) -> str:
     t = r["tests"]
     status = f" (exit {t['returncode']})" if "returncode" in t else ""
     lines.append(f"tests/test_cuda.py: {t.get('counts', t)}{status}")
-    lines += [f"  {name}: stopped at --tests-timeout" if g["timed_out"] else f"  {name}: killed by signal "
-              f"{-g['returncode']} (not this check's timeout: the OOM killer?)"
+    lines += [f"  {name}: stopped at --tests-timeout" if g["timed_out"] else f"  {name}: {_killed(g['returncode'])}"
               for name, g in t.get("groups", {}).items() if g["timed_out"] or g["returncode"] < 0]
     lines += [f"  {f}" for f in t.get("failures", [])]
     names = ("out", "lse", "dq", "dk", "dv")

@@ -24,6 +24,14 @@ from ctxpar.demo import DemoConfig  # noqa: E402
 CALIBRATION = dict(attention_flops=5e10, bandwidth=1e9)
 
 
+@pytest.fixture(autouse=True)
+def _threads():
+    """Some scripts' main() sets torch's threads to 1 for their ranks: the later tests get theirs back."""
+    threads = torch.get_num_threads()
+    yield
+    torch.set_num_threads(threads)
+
+
 def _run_main(monkeypatch, tmp_path, script: str, argv: list[str]) -> dict:
     """``script``'s main() on ``argv`` plus ``--json``: the report it wrote."""
     path = tmp_path / f"{script}.json"
@@ -384,6 +392,7 @@ def test_heap_rows_labels_and_ratio(monkeypatch, tmp_path) -> None:
     from ctxpar import heap
 
     monkeypatch.setattr(heap, "on_glibc", lambda: True)
+    monkeypatch.delenv(heap.OFF_SWITCH, raising=False)  # the benchmark sets and pops it: restored after
     kept = lambda: heap.OFF_SWITCH not in os.environ  # noqa: E731
     monkeypatch.setattr(bench, "measure_link", lambda: dict(seconds=1e-3 if kept() else 2e-3, bandwidth=1e9))
     faults = lambda: (0, 0, 9) if kept() else (1, 2, 30)  # noqa: E731
@@ -427,14 +436,16 @@ def test_gpu_check_finish_tests_a_failed_and_a_timed_out_group(tmp_path) -> None
     codes = {"P1": "print('FAILED tests/test_cuda.py::test_x - boom'); print('== 1 failed, 2 passed in 1s =='); "
                    "raise SystemExit(1)",
              "P2": "print('== 3 passed, 1 error in 1.0s ==')", "P3": "import time; time.sleep(60)",
-             "P4": "import os, signal; print('== 2 errors in 1s =='); os.kill(os.getpid(), signal.SIGKILL)"}
+             "P4": "import os, signal; print('== 2 errors in 1s ==', flush=True); os.kill(os.getpid(), signal.SIGKILL)"}
     running = {}
     for name, code in codes.items():
         path = tmp_path / f"{name}.log"
         log = open(path, "w")
         running[name] = (subprocess.Popen([sys.executable, "-c", code], stdout=log, stderr=subprocess.STDOUT,
                                           start_new_session=True), log, str(path))
-    t = gc.finish_tests(dict(started=gc.time.perf_counter(), running=running), 3)
+    for name in ("P1", "P2", "P4"):  # done before the timeout, which P3 alone runs into
+        running[name][0].wait()
+    t = gc.finish_tests(dict(started=gc.time.perf_counter(), running=running), 1)
     assert t["counts"] == {"failed": 1, "passed": 5, "errors": 3} and t["returncode"] == 9
     assert {n: g["timed_out"] for n, g in t["groups"].items()} == {"P1": False, "P2": False, "P3": True, "P4": False}
     report = dict(dry_run=True, environment=dict(gpu=None, device="cpu", torch="x", cuda=None, driver=None),
@@ -442,7 +453,7 @@ def test_gpu_check_finish_tests_a_failed_and_a_timed_out_group(tmp_path) -> None
                   exactness=[], tests=t)
     text = gc.format_report(report)
     assert "P3: stopped at --tests-timeout" in text and "FAILED tests/test_cuda.py::test_x - boom" in text
-    assert "P4: killed by signal 9 (not this check's timeout" in text and "P1: " not in text
+    assert "P4: killed by SIGKILL (not this check's timeout: the OOM killer?)" in text and "P1: " not in text
 
 
 def test_gpu_check_targets_efficiency_and_timeout_flag(monkeypatch, tmp_path) -> None:

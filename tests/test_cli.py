@@ -227,6 +227,8 @@ def bad_values(tmp: Path) -> list[tuple[tuple[str, ...], str]]:
     missing = str(tmp / "no" / "such" / "dir" / "out.json")
     (tmp / "afile").write_text("")
     (tmp / "dangling").symlink_to(tmp / "gone")
+    (tmp / "ck2").mkdir()
+    (tmp / "to_ck2").symlink_to(tmp / "ck2")
     return [
         (("demo", "--nproc", "0"), "--nproc 0 must be >= 1"),
         (("demo", "--nproc", "100000"), "--nproc 100000 is more local ranks than this machine runs"),
@@ -266,6 +268,9 @@ def bad_values(tmp: Path) -> list[tuple[tuple[str, ...], str]]:
          f"that is not a checkpoint), e.g. {tmp.parent / 'report.json'}"),
         (("train", "--checkpoint-dir", str(tmp / "ck"), "--json", str(tmp / "ck" / "out.json")),
          "is inside the --checkpoint-dir; give the report a file of its own outside it"),
+        (("train", "--checkpoint-dir", str(tmp / "ck2"), "--json", str(tmp / "to_ck2" / "out.json")),  # by a link
+         "is inside the --checkpoint-dir; give the report a file of its own outside it"),
+        (("train", "--checkpoint-dir", ".", "--json", ""), "--json needs a file path"),  # not "is the --checkpoint-dir"
         # "is not writable (File exists)" for both
         (("train", "--checkpoint-dir", f"{tmp / 'afile'}/"), "/afile/' is a file, not a directory"),
         (("train", "--checkpoint-dir", str(tmp / "dangling")),

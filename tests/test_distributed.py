@@ -258,6 +258,7 @@ def test_ranks_that_disagree_all_raise_with_check_consistency(world: int) -> Non
 def test_any_process_group_not_only_world() -> None:
     for rank, res in enumerate(results(4)):
         listed = [3, 1] if rank % 2 else [2, 0]  # new_group's lists; group ranks ascend by global rank
+        assert {"ring", "allgather", "alltoall", "listed_descending"} <= set(res["subgroups"]), res["subgroups"]
         for strategy, verdict in res["subgroups"].items():
             if strategy == "broadcast_from_each_group_rank":
                 assert verdict == sorted(float(r) for r in listed), (rank, verdict)

@@ -219,9 +219,9 @@ def _train_parser(sub) -> None:
 
 def _run_train(args: argparse.Namespace) -> int:
     world = _check_launch_flags(args)
-    if args.json not in (None, STDOUT) and args.checkpoint_dir and args.checkpoint_dir.strip():
-        # before check_output, which would suggest a file inside an existing directory
-        report, directory = os.path.abspath(args.json), os.path.abspath(args.checkpoint_dir)
+    if args.json and args.json.strip() and args.json != STDOUT and args.checkpoint_dir and args.checkpoint_dir.strip():
+        # before check_output, which would suggest a file inside an existing directory; through symbolic links
+        report, directory = os.path.realpath(args.json), os.path.realpath(args.checkpoint_dir)
         if os.path.commonpath([report, directory]) == directory:
             beside = os.path.join(os.path.dirname(directory), "report.json")
             where = "is the" if report == directory else "is inside the"
