@@ -802,10 +802,11 @@ class HeldProcessors(LogitsProcessorList):
     """A generate call's logits processors, whose error is held for the step's ``AgreedStop``,
     which raises it on every rank together: a processor failing on one rank raised there,
     its peers waiting in the all-reduce until the timeout (and the group out of step for the
-    next call). Once one failed, the scores pass unchanged to the step's end. ``code``: a
-    checksum of the scores they gave at this step, which ``AgreedStop`` compares: processors
-    that differ between ranks (one class with other parameters; two ``prefix_allowed_tokens_fn``)
-    gave each rank its own scores, the tokens differing only where they made them differ."""
+    next call). Once one failed, zeros go on to the step's end (what it left half done, NaN or
+    all -inf, could fail the sampling on this rank alone). ``code``: a checksum of the scores
+    they gave at this step, which ``AgreedStop`` compares: processors that differ between
+    ranks (one class with other parameters; two ``prefix_allowed_tokens_fn``) gave each rank
+    its own scores, the tokens differing only where they made them differ."""
 
     def __init__(self, processors) -> None:
         super().__init__(processors)
