@@ -812,6 +812,7 @@ class HeldProcessors(LogitsProcessorList):
         super().__init__(processors)
         self.error: Exception | None = None
         self.code = 0
+        self._weights: torch.Tensor | None = None  # _scores_code's, made once per generate call, not per step
 
     def __call__(self, input_ids: torch.Tensor, scores: torch.Tensor, **kwargs) -> torch.Tensor:
         if self.error is None:
@@ -821,7 +822,9 @@ class HeldProcessors(LogitsProcessorList):
                 self.error = e
         if self.error is not None:  # what a processor left half done (NaN, all -inf) could fail the sampling here
             scores = torch.zeros_like(scores)
-        self.code = _scores_code(scores)
+        if self._weights is None or self._weights.numel() != scores.numel() or self._weights.device != scores.device:
+            self._weights = torch.arange(scores.numel(), device=scores.device, dtype=torch.int64) % 65521 + 1
+        self.code = _scores_code(scores, self._weights)
         return scores
 
 
@@ -829,16 +832,15 @@ _SCORE_BITS = {torch.float64: torch.int64, torch.float32: torch.int32, torch.flo
                torch.bfloat16: torch.int16}
 
 
-def _scores_code(scores: torch.Tensor) -> int:
+def _scores_code(scores: torch.Tensor, weights: torch.Tensor) -> int:
     """A 24-bit checksum of ``scores``' bits (``agreement.sums_of``), summed on their device
-    with weights by position (a swap of two values changes it), int64 wrapping alike on every
+    with ``weights`` by position (a swap of two values changes it), int64 wrapping alike on every
     rank; one scalar comes to the host (the logits are bit-identical on every rank, and so
     are the scores alike processors make of them)."""
     bits = _SCORE_BITS.get(scores.dtype)
     if bits is None:
         return 0
     flat = scores.detach().contiguous().view(bits).reshape(-1).to(torch.int64)
-    weights = torch.arange(flat.numel(), device=flat.device, dtype=torch.int64) % 65521 + 1
     # all 64 bits of the sum folded into the checksum: scores scaled by a power of 2 (a temperature of 0.5
     # against 2.0) differ in their exponents alone, the sum by a multiple of 2**24
     return agreement.text_code(str(int((flat * weights).sum()))) & 0xFFFFFF
