@@ -1317,6 +1317,13 @@ def test_hardware_errors_and_overrides() -> None:
     assert get_hardware("H200").bandwidth(16) == 50e9  # beyond one node: the NIC
 
 
+def test_each_preset_names_where_its_memory_figure_comes_from() -> None:
+    for name in ("H100-SXM", "H200", "A100-80GB"):
+        assert "memory: NVML's total" in get_hardware(name).source
+    assert "memory: Vultr's HGX B200 overview" in get_hardware("B200").source  # no NVML total was read for it
+    assert "NVML" not in get_hardware("B200").source
+
+
 def test_get_hardware_refuses_what_the_flags_refuse(capsys) -> None:
     """The Python API took a latency of 5 s and a launch overhead of 1e9 s (the flags: 0 .. 1 s),
     and fp8="yes" as true: the flags' range checks are the API's too."""

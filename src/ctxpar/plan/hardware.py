@@ -4,7 +4,8 @@ Figures are per GPU, from the vendors' datasheets (dense tensor-core peak, no sp
 NVLink per direction = half the quoted
 bidirectional total; the inter-node link is one NIC per GPU as in the DGX/HGX reference
 systems), except device memory: the total NVML (nvidia-smi) reports, in MiB, which is
-about 7% more than the datasheets' round "80GB" read as 1e9 bytes (docs/planner.md section 6).
+about 7% more than the datasheets' round "80GB" read as 1e9 bytes (the B200's as Vultr's HGX
+B200 overview reports it; docs/planner.md section 6).
 
 Kernel rates (achieved FLOP/s; docs/planner.md section 6 gives every figure, its source and
 how the ones not published for a GPU were derived): attention forward and backward are
@@ -358,7 +359,11 @@ class Hardware:
                     attention_backward_flops=self.backward_flops, matmul_flops=self.matmul_flops)
 
 
-_DATASHEETS = "NVIDIA datasheets (dense peak); memory: NVML's total; NVLink per direction; one NDR/HDR NIC per GPU"
+def _datasheets(memory: str) -> str:
+    return f"NVIDIA datasheets (dense peak); memory: {memory}; NVLink per direction; one NDR/HDR NIC per GPU"
+
+
+_DATASHEETS = _datasheets("NVML's total")
 _KERNELS = "kernel rates: FlashAttention-2 and MAMF benchmarks, docs/planner.md section 6"
 MiB = 2**20
 T = 10**12
@@ -393,7 +398,8 @@ PRESETS: dict[str, Hardware] = {
                  memory_bandwidth=2.039e12, attention_forward_rate=0.73 * 312 * T,
                  attention_backward_rate=0.63 * 312 * T, matmul_rate=271.2 * T, fp32_peak_flops=19.5 * T),
         Hardware("B200", 2250e12, 0.5, 179 * 1024 * MiB, 8, 900e9, 50e9,
-                 _DATASHEETS + " (HGX B200, NVLink 5 1.8 TB/s, 400 Gb/s, HBM3e 8 TB/s); " + _KERNELS
+                 _datasheets("Vultr's HGX B200 overview, not checked to the MiB")
+                 + " (HGX B200, NVLink 5 1.8 TB/s, 400 Gb/s, HBM3e 8 TB/s); " + _KERNELS
                  + " (attention: H100's fractions of peak)",
                  memory_bandwidth=8e12, attention_forward_rate=335 / 989 * 2250 * T,
                  attention_backward_rate=322 / 989 * 2250 * T, matmul_rate=1745 * T, fp8_peak_flops=4500 * T,
