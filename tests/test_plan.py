@@ -693,6 +693,24 @@ def test_the_inference_plan_names_the_degrees_it_cannot_evaluate() -> None:
         in format_inference_plan(plan)
 
 
+@pytest.mark.parametrize("kv_heads, ulysses, ring_degree", [(8, 16, 2), (2, 4, 3), (8, 4, 2), (3, 2, 5)])
+def test_the_hybrids_ring_carries_each_ranks_share_of_the_kv_head_copies(kv_heads, ulysses, ring_degree) -> None:
+    """After the all-to-all each rank holds (H_kv·f)/U K/V heads, f the copies that make H_kv·f
+    divisible by U, and U·S tokens of them travel the ring. With H_kv < U the copies matter:
+    taken as H_kv // U (0 heads at H_kv 8, U 16), a planted mutation dropped the ring's K/V
+    bytes and passed every planner test; only a spawned 4-rank byte count caught it."""
+    b, s, h, d, elem, acc = 2, 96, 16, 8, 2, 4
+    got = traffic.hybrid(batch=b, local_len=s, heads=h, kv_heads=kv_heads, head_dim=d, ulysses=ulysses,
+                         ring_degree=ring_degree, elem=elem, acc=acc)
+    a2a = traffic.alltoall(batch=b, local_len=s, heads=h, kv_heads=kv_heads, head_dim=d, ulysses=ulysses, elem=elem,
+                           acc=acc)
+    heads_held = kv_heads * (ulysses // math.gcd(kv_heads, ulysses)) // ulysses
+    kv = 2 * b * heads_held * ulysses * s * d  # K and V of the U·S tokens, per travelling copy
+    assert heads_held >= 1
+    assert got.forward - a2a.forward == (ring_degree - 1) * kv * elem
+    assert got.backward - a2a.backward == (ring_degree - 1) * kv * (elem + acc)
+
+
 def test_the_hybrids_traffic_seconds_price_each_part_at_its_own_link() -> None:
     """Its all-to-all within a node, its ring across nodes: the traffic table and JSON priced
     all 172.875 MiB at the ring's 50 GB/s (3.625 ms), where the step's own pipeline sends the
@@ -1074,6 +1092,26 @@ def test_a_hybrids_all_to_all_group_across_nodes_is_priced_and_named_as_an_all_t
            "each GPU's in-node peers over the first: in all 93.75 GB/s" in format_plan(make_plan(w, h100))
 
 
+@pytest.mark.parametrize("strategy, cp, ulysses, group", [("alltoall", 8, None, "cp"), ("hybrid", 16, 8, "ulysses")])
+def test_an_all_to_all_beside_tp_is_priced_among_gpus_tp_apart(strategy, cp, ulysses, group) -> None:
+    """With TP=2 the all-to-all's 8 CP ranks are 2 GPUs apart, spanning 16 GPUs, 2 nodes of 8:
+    each GPU has 3 peers in its node and 4 off it, 7 / (4 / 50 GB/s) = 87.5 GB/s (read as
+    adjacent GPUs, 93.75 GB/s). Priced with stride 1 in ``attention_time`` alone, while the
+    table's link said 87.5, a planted mutation passed every test, which checked TP=1 only."""
+    h100 = get_hardware("H100-SXM")
+    w = Workload(resolve_model("llama-3-8b"), batch=1, seq=131072, dtype="bfloat16", cp=cp, tp=2, strategy=strategy,
+                 ulysses=ulysses)
+    link = cost.links(w, h100)[group]
+    assert (link.group_size, link.span, link.bandwidth) == (8, 16, pytest.approx(87.5e9))
+    attention = cost.attention_time(w, h100)
+    a2a, _ = cost.split_traffic(w)
+    latency = cost.A2A_MESSAGES * h100.latency
+    assert attention.forward.lead == pytest.approx(a2a.forward / 87.5e9 + latency)
+    assert attention.backward.lead == pytest.approx(a2a.backward / 87.5e9 + latency)
+    if strategy == "alltoall":  # the table's figure for the CP traffic's link
+        assert attention.link_bandwidth == pytest.approx(87.5e9)
+
+
 def test_dp_and_fsdp_traffic_are_ring_collectives_over_the_gpus_holding_each_shard() -> None:
     n = 8_030_261_248  # the worked model's parameters; bf16
     assert traffic.data_parallel(parameters=n, elem=2, group=1, fsdp=1).total == 0
@@ -1180,6 +1218,23 @@ def test_pipeline_stages_hold_their_layers_and_the_schedules_in_flight_activatio
     assert accumulate.schedule.message_bytes == 0 and "pp" not in cost.links(w, hw)
     assert accumulate.seconds == pytest.approx(4 * cost.step_time(w, hw).compute_seconds + accumulate.dp_seconds,
                                                rel=1e-12)
+
+
+def test_fsdp_keeps_the_stage_gathered_in_memory_exactly_when_its_traffic_gathers_once() -> None:
+    """From two micro-batches on, FSDP keeps the stage's parameters gathered and gradients
+    unsharded (one all-gather per step in the traffic); with one, only the unit computed and
+    the prefetched next. Kept from three micro-batches only, a planted mutation under-counted
+    16 GB per GPU at m = 2 (PP 2, FSDP 8) while the traffic said one gather: no test saw it."""
+    hw = get_hardware("H100-SXM")
+    for pp in (1, 2):
+        for m in (1, 2, 3, 8):
+            w = worked(fsdp=8, pp=pp, microbatches=m)
+            stage = w.stage()
+            largest_unit = max(stage.model.layer_parameters(1), stage.model.vocab_rows(1) * stage.model.hidden)
+            kept = parameters_per_gpu(w) if m > 1 else largest_unit
+            assert memory_per_gpu(w, hw.hbm_bytes).fsdp_buffers == 2 * kept * 2, (pp, m)
+            assert cost.dp_traffic(w).gathers == (1 if m > 1 else 2), (pp, m)
+    assert memory_per_gpu(worked(pp=2, microbatches=2), hw.hbm_bytes).fsdp_buffers == 0  # no FSDP: nothing gathered
 
 
 def test_cp1_the_sweep_and_the_baseline_reduce_gradients_over_the_same_gpus() -> None:

@@ -437,7 +437,7 @@ def attention_time(w: Workload, hw: Hardware, world: int | None = None) -> Atten
         return stage_overhead(hw, w.strategy, kernels, own / stages, shuffled / stages)
 
     bw = hw.bandwidth(w.tp * w.cp, world)
-    a2a_bw = hw.all_to_all_bandwidth(w.tp * w.ulysses_degree, w.tp, world)
+    a2a_bw = all_to_all_bandwidth(w, hw, world)
     if w.strategy == "allgather":
         n = gather_groups(w.kv_heads_per_gpu)  # one head group gathered per stage
         gather, reduce = rest.forward / n / bw + lat, (rest.backward - rest.forward) / n / bw + lat
@@ -459,6 +459,14 @@ def attention_time(w: Workload, hw: Hardware, world: int | None = None) -> Atten
         Pipeline(r, bwd_compute / r, kv_hop + dkv_hop, lead=a2a.backward / a2a_bw + a2a_latency, tail=dkv_hop,
                  overhead=overhead(r, True)),
         bw if r > 1 else a2a_bw)
+
+
+def all_to_all_bandwidth(w: Workload, hw: Hardware, world: int | None = None) -> float:
+    """Bytes/s per GPU per direction of the all-to-all (the alltoall strategy's CP group, the
+    hybrid's Ulysses group): U CP ranks t GPUs apart, the groups laid over ``world`` GPUs
+    (default ``w``'s). What ``attention_time`` prices and ``links`` shows: one place, so that
+    the two cannot part."""
+    return hw.all_to_all_bandwidth(w.tp * w.ulysses_degree, w.tp, world or w.world_size)
 
 
 @dataclass(frozen=True)
@@ -495,8 +503,7 @@ def links(w: Workload, hw: Hardware) -> dict[str, Link]:
     ``Hardware.all_to_all_bandwidth``, its in-node share over the faster link."""
     def link(size: int, span: int, all_to_all: bool = False) -> Link:
         start = hw.straddling_group(span, w.world_size)
-        bandwidth = (hw.all_to_all_bandwidth(span, w.tp, w.world_size) if all_to_all else
-                     hw.bandwidth(span, w.world_size))
+        bandwidth = all_to_all_bandwidth(w, hw) if all_to_all else hw.bandwidth(span, w.world_size)
         return Link(size, span, start is not None, bandwidth, start, all_to_all)
 
     out = {"tp": link(w.tp, w.tp), "cp": link(w.cp, w.tp * w.cp, all_to_all=w.strategy == "alltoall")}
