@@ -203,6 +203,9 @@ def _models_compared(kwargs: dict, layout, batch, last: bool) -> dict:
         torch.manual_seed(1 if last else 0)  # seeded by rank before building the model
         drawn = apply_context_parallel(Transformer(tiny).eval(), layout=layout, **kwargs)
         found["weights_on_one_rank"] = _attempt(lambda: drawn(batch.tokens, batch.positions))
+        torch.manual_seed(0)
+        trained = apply_context_parallel(Transformer(tiny).train(last), layout=layout, **kwargs)
+        found["mode_on_one_rank"] = _attempt(lambda: trained(batch.tokens, batch.positions))
     return found
 
 
@@ -338,8 +341,9 @@ def test_shards_of_different_batches_are_refused_on_every_rank(strategy: str) ->
 def test_a_model_built_otherwise_on_one_rank_is_refused_on_every_rank(strategy: str) -> None:
     """Another RoPE theta or norm eps on one rank trained silently wrong (a gradient 23% and
     75% off), another vocabulary too; another layer count waited out the timeout. Compared
-    in each forward: the config, or a module of one's own's parameter shapes; at the first,
-    the weights (a model built after seeding the ranks apart)."""
+    in each forward: the config, or a module of one's own's parameter shapes, and the mode
+    (train() on one rank, eval() on another); at the first, the weights (a model built after
+    seeding the ranks apart)."""
     for rank, res in enumerate(results()):
         r = res[strategy]
         for case in ("rope_theta", "norm_eps", "vocab", "layers"):
@@ -353,6 +357,10 @@ def test_a_model_built_otherwise_on_one_rank_is_refused_on_every_rank(strategy: 
         got = r["weights_on_one_rank"]  # trained a mixture of models, silently
         assert isinstance(got, str) and "disagree on the forward" in got, (rank, got)
         assert rank != WORLD - 1 or "weights (a checksum of each parameter's first values" in got, got
+        got = r["mode_on_one_rank"]  # model.train() on one rank: a model with dropout would drop on its shard alone
+        assert isinstance(got, str) and "disagree on the forward" in got, (rank, got)
+        assert rank != WORLD - 1 or "mode (call model.train() or model.eval() on every rank" in got and \
+            "'train'" in got and "'eval'" in got, got
 
 
 def _reported(fn) -> str | float:

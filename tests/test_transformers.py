@@ -326,6 +326,15 @@ def test_a_model_of_another_config_on_one_rank_is_refused_on_every_rank() -> Non
         assert kind == "refused" and "has other weights on some rank of the CP group" in detail, detail
 
 
+def test_training_mode_on_some_ranks_only_is_refused_on_every_rank() -> None:
+    """model.train() on one rank and model.eval() on the other ran without a word: dropout
+    acted on one rank's shard alone (GPT-2 with dropout 0.3: a loss of 3.8823 where the eval
+    loss is 3.8777)."""
+    for _, (kind, detail) in _guards("train mode on one rank"):
+        assert kind == "refused" and "is in training mode on 1 of the 2 ranks of the CP group" in detail, detail
+        assert "call model.train() or model.eval() on every rank" in detail, detail
+
+
 def test_hybrid_on_a_mesh_gives_the_unsplit_loss_logits_and_gradients() -> None:
     """strategy="hybrid" on a 2x2 mesh of 4 ranks (zigzag, unevenly ignored labels)."""
     for rank, res in enumerate(hf_cases.results()):

@@ -178,6 +178,7 @@ _SHARDED = _ShardedLately()
 SAME_BATCH = ("batch (a checksum of the whole batch shard_batch cut each rank's tokens from: every rank of a CP "
               "group shards the same batch; sample data by data-parallel rank, not by global rank)")
 SAME_MODEL = "model (a checksum of its config: build or load the same model on every rank)"
+SAME_MODE = "mode (call model.train() or model.eval() on every rank: dropout on some ranks' shards only is neither)"
 # A Hugging Face config's fields that say where the model came from or the dtype it was loaded
 # in, not what it computes (parameters' dtypes attention compares itself): ranks loading one
 # model from node-local copies agree.
@@ -492,9 +493,10 @@ class _PositionsGuard(_KeptWithTheModel):
         batch = batch_code(tokens) if error is None else -1
         first = not self.first_compared
         weights = agreement.readable(lambda: weights_code(module)) if first else -2
+        mode = agreement.Text("train" if module.training else "eval")
         agreement.check_values_agree({SAME_BATCH: batch, SAME_MODEL: model_code(module) if first else -2,
-                                      SAME_WEIGHTS: weights}, topo.process_groups, error, "forward",
-                                     where_known=(SAME_BATCH, SAME_WEIGHTS))
+                                      SAME_WEIGHTS: weights, SAME_MODE: mode},
+                                     topo.process_groups, error, "forward", where_known=(SAME_BATCH, SAME_WEIGHTS))
         self.first_compared = True
         if not self.watched and self.watching is None and not torch.compiler.is_compiling():
             self.watching = _AttentionOutsideAttentionFn(type(module).__name__)

@@ -246,7 +246,8 @@ def _check_label_range(name: str, model, labels: torch.Tensor) -> None:
 
 
 def _refuse_together(name: str, error: Exception | None, label_flags: list[int], batch: int, model: int,
-                     weights: int, device: torch.device, peers: topology.Topology, routed: bool) -> bool:
+                     weights: int, device: torch.device, peers: topology.Topology, routed: bool,
+                     training: bool) -> bool:
     """One tiny all-reduce, so that every rank refuses a forward if any rank does (a refusal
     on some ranks only would leave the others waiting in attention): this rank's own error
     (declared documents, positions, caches, labels), labels= given on some ranks only (the
@@ -255,16 +256,18 @@ def _refuse_together(name: str, error: Exception | None, label_flags: list[int],
     sequence's after the forward, with every rank), shards of different batches
     (``batch``: ``batch_code``'s checksum, -1 if unknown), and models of other configs
     (``model``: ``model_code``'s) or weights (``weights``: ``weights_code``'s), at the first
-    forward (-2 after it).
+    forward (-2 after it), and ``training`` mode on some ranks only (dropout on some shards:
+    silently neither the eval loss nor a train step's).
     True when the labels equal input_ids wherever they label on every rank but label no
     last token: ``_refuse_unshifted`` decides those."""
     known = int(batch >= 0)
     code = batch if known else 0
     model, weights = model & 0xFFFFFF, weights & 0xFFFFFF  # sums_of's 24 bits
-    flags = torch.tensor([int(error is not None), *label_flags, int(routed), known, *agreement.sums_of(code),
-                          *agreement.sums_of(model), *agreement.sums_of(weights)], device=device)
+    flags = torch.tensor([int(error is not None), *label_flags, int(routed), int(training), known,
+                          *agreement.sums_of(code), *agreement.sums_of(model), *agreement.sums_of(weights)],
+                         device=device)
     topology.all_reduce(flags, peers)
-    refused, given, matching, last_labelled, with_ids, routing, knowing, *summed = flags.tolist()
+    refused, given, matching, last_labelled, with_ids, routing, trained, knowing, *summed = flags.tolist()
     summed, models, weighed = summed[:3], summed[3:6], summed[6:]
     ranks = summed[-1]
     if error is not None:
@@ -283,6 +286,10 @@ def _refuse_together(name: str, error: Exception | None, label_flags: list[int],
                          f"with other labels or documents): each CP rank must pass the same whole batch to "
                          f"shard_inputs (sample data by data-parallel rank, not by global rank: a "
                          f"DistributedSampler over every rank gives each CP rank another batch)")
+    if 0 < trained < ranks:
+        raise ValueError(f"{name} is in training mode on {trained} of the {ranks} ranks of the CP group and in eval "
+                         f"mode on the others: dropout would act on some ranks' shards only; call model.train() or "
+                         f"model.eval() on every rank")
     if 0 < routing < ranks:  # the router loss made exact after the forward needs every rank
         raise ValueError(f"{name} got output_router_logits=True on {routing} of the {ranks} ranks of the CP group; "
                          f"pass the same on every rank")
@@ -394,7 +401,7 @@ def _wrap_forward(model, settings: Settings, loss: CPCausalLMLoss | None = None)
         batch = batch_code(tokens) if error is None else -1
         code, weights = (-2, -2) if compared else (model_code(model), agreement.readable(lambda: weights_code(model)))
         if _refuse_together(name, error, flags, batch, code, weights, device, peers,
-                            _router_logits_asked(model, bound, extra)):
+                            _router_logits_asked(model, bound, extra), model.training):
             _refuse_unshifted(name, labels, tokens, settings)
         compared = True
         # a tuple would hide the outputs checked below: asked for as a ModelOutput, given back as the tuple
