@@ -722,6 +722,45 @@ def test_run_local_refuses_what_its_ranks_could_not_start_with(monkeypatch) -> N
             run_local(fn, 2)
 
 
+SCRIPT_WITH_A_MAIN_GUARD = """
+def above(rank, world):
+    return rank
+if "__main__" == __name__:
+    import functools
+
+    @functools.lru_cache
+    def inside(rank, world):
+        return rank
+else:
+    def in_the_else(rank, world):
+        return rank
+if __name__ == "__main__":
+    def in_a_second_guard(rank, world):
+        return rank
+"""
+
+
+def test_a_fn_defined_inside_the_scripts_main_guard_is_refused_naming_where_to_move_it(tmp_path, monkeypatch) -> None:
+    """The ranks import the script without running its guarded block: each rank died
+    unpickling fn, and the report guessed the opposite ("without an if __name__ ==
+    '__main__': guard")."""
+    script = tmp_path / "train_script.py"
+    script.write_text(SCRIPT_WITH_A_MAIN_GUARD)
+    main = type(sys)("__main__")
+    main.__file__ = str(script)
+    exec(compile(SCRIPT_WITH_A_MAIN_GUARD, str(script), "exec"), main.__dict__)  # as `python train_script.py` runs it
+    main.in_the_else = main.above  # the else branch ran on import instead; its own def is checked below
+    monkeypatch.setitem(sys.modules, "__main__", main)
+    for fn in (main.inside.__wrapped__, main.inside, main.in_a_second_guard, functools.partial(main.in_a_second_guard)):
+        with pytest.raises(ValueError, match=r"run_local's fn '(inside|in_a_second_guard)' is defined inside the "
+                                             r"script's if __name__ == '__main__': block, .* move its def above"):
+            run_local(fn, 2)
+    launch._check_importable(main.above)  # defined where an import runs: no refusal
+    in_the_else = compile(SCRIPT_WITH_A_MAIN_GUARD, str(script), "exec").co_consts
+    else_code = next(c for c in in_the_else if getattr(c, "co_name", "") == "in_the_else")
+    assert not launch._defined_under_main_guard(type(main.above)(else_code, main.__dict__))
+
+
 def test_a_frozen_rank_is_named_even_when_a_healthy_peer_times_out_later() -> None:
     """Four ranks on a mesh group: the --timeout reaches the mesh's groups, and a healthy
     rank that timed out seconds after the others is not mistaken for the frozen one."""

@@ -159,6 +159,23 @@ def test_a_tensor_scale_is_refused_naming_how_to_scale_by_a_tensor() -> None:
         ctxpar.attention(q, q, q, layout="zigzag", scale=torch.tensor(0.5))  # once "must be a positive finite number"
 
 
+def test_a_layout_for_several_ranks_without_a_process_group_says_to_initialise_one() -> None:
+    """ctxpar.attention and inference's entries said "the process group has 1; build it with
+    world_size=1", which invites each rank to attend over its own shard alone."""
+    from ctxpar.inference import generate
+    from ctxpar.models import Transformer, get_config
+
+    assert not torch.distributed.is_initialized()
+    said = "the zigzag layout is for P=2 ranks but torch.distributed is not initialised; call " \
+           "torch.distributed.init_process_group first"
+    q = torch.randn(1, 2, 8, 4)
+    with pytest.raises(ValueError, match=said):
+        ctxpar.attention(q, q, q, layout=ctxpar.get_layout("zigzag", 2))
+    with pytest.raises(ValueError, match=said):
+        generate(Transformer(get_config("tiny")), torch.zeros(1, 8, dtype=torch.long),
+                 layout=ctxpar.get_layout("zigzag", 2), new_tokens=2)
+
+
 def test_the_rank_with_invalid_arguments_raises_its_own_error() -> None:
     last = results()[-1]["disagree"]
     assert "unknown strategy 'rign'" in last["strategy_invalid"]

@@ -89,6 +89,24 @@ def test_invalid_length_names_length_multiple_and_fix(name, world, seq_len, frag
         assert fragment in str(err.value)
 
 
+def test_empty_lengths_and_swapped_arguments_are_named_as_such() -> None:
+    """positions(rank, seq_len) said "sequence length 0 is not a multiple of 2*P=6" (0 is a
+    multiple of anything), and a one-rank zigzag wrote its multiple as "2*P=1"."""
+    with pytest.raises(ValueError, match=r"^rank 16 is outside the zigzag layout's P=3 ranks and seq_len 2 would be "
+                                         r"one of them: positions takes \(seq_len, rank\); were they swapped\?$"):
+        get_layout("zigzag", 3).positions(2, 16)
+    with pytest.raises(ValueError, match=r"^an empty sequence \(length 0\) cannot be split: the contiguous layout "
+                                         r"with P=2 ranks takes a positive multiple of P=2 tokens$"):
+        get_layout("contiguous", 2).positions(0, 1)
+    with pytest.raises(ValueError, match=r"^sequence length -4 cannot be split: the zigzag layout with P=2 ranks "
+                                         r"takes a positive multiple of 2\*P=4 tokens$"):
+        get_layout("zigzag", 2).validate(-4)
+    with pytest.raises(ValueError, match=r"the zigzag layout with P=1 ranks takes a positive multiple of P=1 tokens"):
+        get_layout("zigzag", 1).validate(0)
+    with pytest.raises(ValueError, match="rank 5 is outside the striped layout's 2 ranks$"):
+        get_layout("striped", 2).positions(8, 5)  # 8 is no rank of 2: not taken for swapped
+
+
 def test_bad_layout_arguments() -> None:
     with pytest.raises(ValueError, match="unknown layout"):
         get_layout("spiral", 2)

@@ -232,9 +232,6 @@ def check_settings(*, layout: str | Layout, group: dist.ProcessGroup | None = No
     ``heads``, each (H, H_kv) its attention modules have, which the all-to-all (and hybrid's)
     must split over its ranks. ``who``: the entry called, named in refusals. Returns the
     layout built for that size."""
-    if isinstance(layout, Layout) and layout.world_size > 1 and not (dist.is_available() and dist.is_initialized()):
-        raise ValueError(f"the {layout.name} layout is for P={layout.world_size} ranks but torch.distributed is not "
-                         f"initialised; call torch.distributed.init_process_group first")
     chosen, topo, placed = _settings(layout, group, strategy, mesh, who)
     for h, kv_heads in heads:  # "auto" is checked as ring: it chooses among the strategies the heads allow
         chosen.check(h, kv_heads, topo)

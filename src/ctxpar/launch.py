@@ -28,11 +28,13 @@ rank's process is best ended with ``exit_torchrun_rank`` (the ``ctxpar`` command
 
 from __future__ import annotations
 
+import ast
 import contextlib
 import ctypes
 import datetime
 import faulthandler
 import functools
+import inspect
 import io
 import json
 import logging
@@ -822,8 +824,10 @@ def _check_can_spawn() -> None:
 def _check_importable(fn) -> None:
     """Refuse, before spawning, an ``fn`` that is not callable (each rank failed calling it), or
     one that spawned ranks cannot import: one defined in a notebook cell, the REPL, ``python -c``
-    or a script read from stdin (a ``__main__`` without a file). Each rank failed to unpickle
-    it before it could report why. A lambda or nested function fails to pickle: ``_ForRanks``."""
+    or a script read from stdin (a ``__main__`` without a file), or inside the script's
+    ``if __name__ == "__main__":`` block, which the ranks' import of the script skips. Each
+    rank failed to unpickle it before it could report why. A lambda or nested function fails
+    to pickle: ``_ForRanks``."""
     if not callable(fn):
         raise ValueError(f"run_local's fn {fn!r} is not callable: pass the function each rank calls as "
                          f"fn(rank, nproc, *args)")
@@ -834,6 +838,31 @@ def _check_importable(fn) -> None:
         raise ValueError(f"run_local's fn {getattr(fn, '__qualname__', fn)!r} is defined in an interactive session "
                          f"(a notebook cell, the REPL, python -c or stdin), which the spawned ranks cannot import; "
                          f"define it in a module file and import it from there")
+    if module == "__main__" and _defined_under_main_guard(fn):
+        raise ValueError(f"run_local's fn {fn.__qualname__!r} is defined inside the script's "
+                         f"if __name__ == '__main__': block, which the spawned ranks do not run when they import "
+                         f"the script; move its def above that block")
+
+
+def _defined_under_main_guard(fn) -> bool:
+    """Whether ``fn``'s def (of the ``__main__`` script) lies in a top-level ``if __name__ ==
+    "__main__":`` block; False where the script cannot be read or parsed."""
+    try:
+        line = inspect.unwrap(fn).__code__.co_firstlineno  # through decorators
+        with open(sys.modules["__main__"].__file__, encoding="utf-8") as f:
+            tree = ast.parse(f.read())
+    except (AttributeError, OSError, SyntaxError, ValueError, KeyError, TypeError):
+        return False
+
+    def is_main_guard(test: ast.expr) -> bool:
+        if not (isinstance(test, ast.Compare) and len(test.ops) == 1 and isinstance(test.ops[0], ast.Eq)):
+            return False
+        sides = (test.left, test.comparators[0])
+        return any(isinstance(a, ast.Name) and a.id == "__name__" and isinstance(b, ast.Constant)
+                   and b.value == "__main__" for a, b in (sides, sides[::-1]))
+
+    return any(isinstance(node, ast.If) and is_main_guard(node.test)  # its body, not its else
+               and node.body[0].lineno <= line <= node.body[-1].end_lineno for node in tree.body)
 
 
 class _CopyingPickler(ForkingPickler):

@@ -76,7 +76,11 @@ class Layout(ABC):
         """Raise ValueError unless ``seq_len`` splits evenly under this layout."""
         _check_length(seq_len)
         m = self.multiple
-        if seq_len <= 0 or seq_len % m:
+        if seq_len <= 0:
+            what = "an empty sequence (length 0)" if seq_len == 0 else f"sequence length {seq_len}"
+            raise ValueError(f"{what} cannot be split: the {self.name} layout with P={self.world_size} ranks takes "
+                             f"a positive multiple of {self.multiple_formula}={m} tokens")
+        if seq_len % m:
             up, down = max(m, -(-seq_len // m) * m), seq_len // m * m
             fixes = [f"pad to {up}"] if up <= MAX_COUNT else []  # no fix that is refused in turn
             fixes += [f"trim to {down}"] if down > 0 else []
@@ -101,6 +105,11 @@ class Layout(ABC):
 
         Use them for RoPE and for any mask that depends on absolute position.
         """
+        if whole(rank) is not None and not 0 <= rank < self.world_size and whole(seq_len) is not None \
+                and 0 <= seq_len < self.world_size:  # shard(x, rank, ...) takes the rank first
+            raise ValueError(f"rank {rank} is outside the {self.name} layout's P={self.world_size} ranks and "
+                             f"seq_len {seq_len} would be one of them: positions takes (seq_len, rank); were they "
+                             f"swapped?")
         self.validate(seq_len)
         return self._positions(int(seq_len), self._check_rank(rank)).to(device)
 
@@ -210,7 +219,10 @@ class ZigzagLayout(_RunsLayout):
     it splits nothing, so it asks for no even length."""
 
     name = "zigzag"
-    multiple_formula = "2*P"
+
+    @property
+    def multiple_formula(self) -> str:  # type: ignore[override]
+        return "2*P" if self.world_size > 1 else "P"
 
     @property
     def multiple(self) -> int:
@@ -501,6 +513,11 @@ def get_layout(layout: str | Layout, world_size: int) -> Layout:
     with a group of 2 is an error, not a silent reinterpretation.
     """
     if isinstance(layout, Layout):
+        if layout.world_size != world_size and world_size == 1 and not (
+                torch.distributed.is_available() and torch.distributed.is_initialized()):
+            raise ValueError(f"the {layout.name} layout is for P={layout.world_size} ranks but torch.distributed is "
+                             f"not initialised; call torch.distributed.init_process_group first (or start the ranks "
+                             f"with ctxpar.launch.run_local or torchrun)")
         if layout.world_size != world_size:
             raise ValueError(
                 f"the {layout.name} layout was built for P={layout.world_size} ranks but the "
