@@ -869,6 +869,29 @@ def test_ctrl_c_on_demo_stops_the_workers_with_one_message() -> None:
         proc.kill()
 
 
+def test_ctrl_c_while_run_local_starts_its_ranks_stops_the_run_once_they_are_started(monkeypatch) -> None:
+    """Ignored while the ranks started, a Ctrl-C taken by another thread of the parent (the
+    store's) was lost: the run went on to its end (and the demo's Ctrl-C test hung 60 s
+    under load, its interrupt landing in that window)."""
+    import multiprocessing.context
+
+    started, start = [], multiprocessing.context.SpawnProcess.start
+
+    def start_then_ctrl_c(process) -> None:
+        start(process)
+        started.append(process.pid)
+        if len(started) == 1:  # halfway through the starts
+            os.kill(os.getpid(), signal.SIGINT)
+            time.sleep(0.2)  # delivered now, to whichever thread takes it
+
+    monkeypatch.setattr(multiprocessing.context.SpawnProcess, "start", start_then_ctrl_c)
+    began = time.monotonic()
+    with pytest.raises(KeyboardInterrupt):
+        run_local(sleep_then_return, 2, (30,))
+    assert len(started) == 2 and time.monotonic() - began < 20  # every rank started, then stopped
+    assert_all_die(started, within=5.0)
+
+
 def test_ctrl_c_to_the_whole_group_while_the_ranks_start_gives_one_message() -> None:
     """A terminal's Ctrl-C reaches every process of its group: ranks still importing torch
     printed their KeyboardInterrupt tracebacks before the parent's message."""

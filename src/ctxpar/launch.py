@@ -614,8 +614,10 @@ def _worker(rank, world_size, port, threads, timeout_s, parent_pid, backend, dev
     _die_with_parent(parent_pid)
     _dump_stack_on_request(stack_writer)
     # Ctrl-C reaches every process of the terminal's group; the parent alone handles it
-    # (and stops the workers), so that one interrupt gives one message.
+    # (and stops the workers), so that one interrupt gives one message. Started with SIGINT
+    # blocked (run_local), so that one during the start-up waited; ignored, it is discarded.
     signal.signal(signal.SIGINT, signal.SIG_IGN)
+    signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGINT})
     _isolate_from_launcher_env()
     heap.keep_freed_memory()
     try:
@@ -785,12 +787,15 @@ def run_local(
         ]
         # Ctrl-C waits until every worker is started: one interrupted halfway through a start
         # would run on untracked, holding the terminal's pipes, until it notices the parent gone.
-        # The workers inherit SIGINT ignored: a Ctrl-C while they still import torch (seconds)
-        # reaches the terminal's whole group, and printed their KeyboardInterrupt tracebacks
+        # The workers inherit SIGINT blocked (until _worker ignores it): a Ctrl-C while they still
+        # import torch (seconds) reaches the terminal's whole group, and printed their
+        # KeyboardInterrupt tracebacks. This thread blocking it is not enough: another thread of
+        # this process (the store's) may take it, so the handler holds it until the starts are done
+        # (ignored meanwhile, as it once was, it was lost: the run went on after the Ctrl-C).
         blocked = signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGINT})
-        handler = None
+        handler, held = None, []
         if threading.current_thread() is threading.main_thread():  # where signal handlers are set
-            handler = signal.signal(signal.SIGINT, signal.SIG_IGN)  # a Ctrl-C pending while blocked stays so
+            handler = signal.signal(signal.SIGINT, lambda signum, frame: held.append(signum))
         try:
             for p, (_, writer), (_, stack_writer) in zip(procs, pipes, stack_pipes):
                 p.start()
@@ -800,6 +805,8 @@ def run_local(
             if handler is not None:
                 signal.signal(signal.SIGINT, handler)
             signal.pthread_sigmask(signal.SIG_SETMASK, blocked)
+        if held:
+            signal.raise_signal(signal.SIGINT)  # to the handler it was meant for, now every worker is tracked
         return _collect(procs, [reader for reader, _ in pipes], [reader for reader, _ in stack_pipes], timeout_s,
                         deadline_s)
     finally:
