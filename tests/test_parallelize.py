@@ -687,7 +687,9 @@ class _Encoder(torch.nn.Module):
 @pytest.mark.parametrize("attention_fn, name", [
     (F.scaled_dot_product_attention, "'scaled_dot_product_attention'"),
     (functools.partial(F.scaled_dot_product_attention, is_causal=True, scale=1.0), "functools.partial"),
-], ids=["bidirectional", "own_scale"])
+    # causal_sdpa's own documents= bound in a partial: accepted as causal_sdpa, it ran across the documents
+    (functools.partial(causal_sdpa, documents=[4, 4]), "functools.partial"),
+], ids=["bidirectional", "own_scale", "causal_sdpa_with_documents"])
 def test_an_attention_fn_other_than_causal_attention_is_refused_before_the_model_changes(attention_fn,
                                                                                          name: str) -> None:
     """It was replaced by causal attention at the default scale without a word (errors up to 1.19)."""
