@@ -436,6 +436,13 @@ def _guards(rank: int, world: int) -> dict:
         mask[:, :2] = 0  # left padding: after sharding, only rank 0 holds zeros
         padded = dict(inputs, attention_mask=layout.shard(mask, me, dim=1))
         out["padding on one rank"] = _attempt(lambda: tuple(model(**padded).logits.shape))
+        # two rows, the first all ones, the second left-padded: a check of the first row alone let rank 0 refuse
+        # alone in the mask's forward while rank 1 waited in attention
+        rows = torch.randint(3, hf_families.VOCAB, (2, SWEEP_TOKENS), generator=torch.Generator().manual_seed(7))
+        mask = torch.ones_like(rows)
+        mask[1, :2] = 0
+        two = dict(shard_inputs(rows, layout=layout, rank=me)[0], attention_mask=layout.shard(mask, me, dim=1))
+        out["padding in a second row on one rank"] = _attempt(lambda: tuple(model(**two).logits.shape))
         if me == 1:
             model.set_attn_implementation("sdpa")  # each rank would attend within its own shard
         out["sdpa on one rank"] = _attempt(lambda: tuple(model(**inputs).logits.shape))

@@ -458,10 +458,17 @@ def test_a_model_under_autocast_runs_as_its_sdpa_model_does() -> None:
 
 def test_a_padding_mask_on_one_rank_is_refused_on_every_rank_together() -> None:
     """A left-padded row: after sharding only rank 0 holds zeros of the mask. Rank 0 says
-    why, rank 1 that another rank refused; nobody waits in attention."""
+    why, rank 1 that another rank refused; nobody waits in attention. So too when the padded
+    row is the second of two (the first row alone was checked: rank 1 waited in attention)."""
     for rank, (kind, detail) in _guards("padding on one rank"):
         assert kind == "refused", detail
         assert ("padding masks are not supported" if rank == 0 else "another rank of the CP group refused") in detail
+    # two rows, the second one's padding on rank 0 alone: a check of the first row alone let rank 0 refuse later,
+    # alone, in the mask's forward (its message without the model's name) while rank 1 waited in attention
+    for rank, (kind, detail) in _guards("padding in a second row on one rank"):
+        assert kind == "refused", detail
+        assert ("LlamaForCausalLM: padding masks are not supported" if rank == 0 else
+                "another rank of the CP group refused") in detail, (rank, detail)
 
 
 def test_an_attention_implementation_switched_on_one_rank_is_refused_on_every_rank() -> None:
