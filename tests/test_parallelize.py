@@ -493,6 +493,9 @@ def _wrapped_cases(rank: int, world: int) -> dict:
     found["one_rank"] = {case: _reported(lambda: model(bad if last else batch.tokens, batch.positions))
                          for case, bad in bad_tokens.items()}
     found["one_rank"]["after"] = _reported(lambda: (model(batch.tokens, batch.positions) - want).abs().max().item())
+    found["one_rank"]["int32"] = _reported(  # every rank's ids int32, which nn.Embedding takes: run, as int64's
+        lambda: (model(batch.tokens.to(torch.int32), batch.positions) - model(batch.tokens, batch.positions)).abs()
+        .max().item())
     with torch.device("meta"):
         on_meta = apply_context_parallel(Transformer(get_config("tiny")), layout=layout)
     found["meta_forward"] = _reported(lambda: on_meta(batch.tokens.to("meta"), batch.positions.to("meta")))
@@ -547,7 +550,9 @@ def test_a_wrapped_model_is_guarded_as_the_model_is(wrapper: str) -> None:
 def test_tokens_one_rank_cannot_embed_are_refused_on_every_rank() -> None:
     """Float, uint8 or bool tokens, or tokens on another device, passed the range check and
     raised in the embedding on that rank alone, the other waiting until the timeout; 1-D
-    tokens raised IndexError. A model on the meta device raised Tensor.item() from the guard."""
+    tokens raised IndexError. A model on the meta device raised Tensor.item() from the guard.
+    int32 ids, which the embedding takes, run as int64's (once refused: "as int64 or int32, got
+    torch.int32")."""
     wants = dict(float="takes token ids as int64 or int32, got torch.float32",
                  uint8="takes token ids as int64 or int32, got torch.uint8",
                  bool="takes token ids as int64 or int32, got torch.bool",
@@ -558,6 +563,7 @@ def test_tokens_one_rank_cannot_embed_are_refused_on_every_rank() -> None:
             assert (want if rank == 1 else "ranks [1] of the CP group rejected their forward inputs") in got, (
                 rank, case, got)
         assert res["one_rank"]["after"] < 1e-5
+        assert res["one_rank"]["int32"] == 0.0, (rank, res["one_rank"]["int32"])
         assert "the tensors are on meta; move them to the CPU" in res["meta_forward"], (rank, res["meta_forward"])
 
 
