@@ -444,6 +444,24 @@ def test_pickling_an_enabled_model_is_refused_saying_what_to_save(tmp_path) -> N
     assert (tmp_path / "pretrained" / "config.json").exists()
 
 
+def test_a_bfloat16_models_labels_loss_is_taken_in_float32_as_transformers_takes_it() -> None:
+    """A bf16 model's logits: transformers upcasts them for its cross-entropy. Taken in
+    bfloat16, the loss was off by 0.0082 (a float64 reference on the same logits) and came
+    back in bfloat16."""
+    torch.manual_seed(0)
+    ids = torch.randint(3, hf_families.VOCAB, (1, 128))
+    plain = hf_families.build("llama").to(torch.bfloat16)
+    model = enable_context_parallel(hf_families.build("llama").to(torch.bfloat16), layout=ONE)
+    inputs, labels = shard_inputs(ids, layout=ONE, rank=0)
+    with torch.no_grad():
+        want = plain(input_ids=ids, labels=ids, use_cache=False).loss
+        got = model(**inputs, labels=labels)
+    exact = torch.nn.functional.cross_entropy(got.logits.double().flatten(0, 1), labels.flatten())
+    assert got.loss.dtype == want.dtype == torch.float32
+    assert abs(got.loss.item() - exact.item()) <= 1e-6  # float32 accumulation: 7e-8 off here
+    assert abs(got.loss.item() - want.item()) <= 5e-4  # the two attentions' bfloat16 logits differ: 3e-5 here
+
+
 def test_a_model_under_autocast_runs_as_its_sdpa_model_does() -> None:
     """A Trainer's bf16=True: RoPE leaves q and k in float32 and v in bfloat16, which was
     refused ("q, k, v dtypes differ"); SDPA under autocast casts all three."""
