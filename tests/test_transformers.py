@@ -173,6 +173,34 @@ def test_mistral_sliding_window_runs_exactly() -> None:
     assert (got - want).abs().max() <= 1e-5 * want.abs().max()
 
 
+@pytest.mark.parametrize("case", ["mistral", "gemma3_text"])
+def test_a_window_is_taken_from_the_mask_when_the_layers_do_not_pass_sliding_window(case: str) -> None:
+    """A family whose layers pass no sliding_window= to their attention (the cross-check of the
+    two then cannot speak): the window read off the mask one short gave logits off by 0.66
+    relative (Gemma 3; Mistral 0.3), at world size 1 (the split itself: the masks tests below)."""
+    from transformers import AttentionInterface
+    from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
+
+    tokens = torch.randint(3, hf_families.VOCAB, (2, 16), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        want = hf_families.build(case)(input_ids=tokens, use_cache=False).logits
+    model, _, _ = _one_rank(hf_families.build(case), tokens=16)
+    name = model.config._attn_implementation
+    registered = ALL_ATTENTION_FUNCTIONS[name]
+
+    def without_window(*args, **kwargs):
+        kwargs.pop("sliding_window", None)
+        return registered(*args, **kwargs)
+
+    AttentionInterface.register(name, without_window)
+    try:
+        with torch.no_grad():
+            got = model(**shard_inputs(tokens, layout=ONE, rank=0)[0]).logits
+    finally:
+        AttentionInterface.register(name, registered)
+    assert (got - want).abs().max() <= 1e-5 * want.abs().max()
+
+
 @pytest.mark.parametrize("layout, strategy", hf_cases.MASK_COMBOS)
 @pytest.mark.parametrize("case", hf_cases.MASK_CASES)
 def test_sliding_chunked_and_sink_families_give_the_unsplit_logits_loss_and_gradients(
