@@ -489,7 +489,12 @@ def _check_subgroups(rank: int, world: int) -> dict:
 
     found["values_refused_by_global_rank"] = compared({"step": 4}, ValueError("mine") if rank == world - 1 else None)
     found["unknown_on_one_rank"] = [compared({"weights": -1 if rank % 2 == 0 else 7}, where_known=("weights",)),
-                                    compared({"weights": 7 + rank}, where_known=("weights",))]
+                                    compared({"weights": 7 + rank}, where_known=("weights",)),
+                                    # -1 is a value like any other where it may not stand for unknown
+                                    compared({"step": -1 if rank % 2 == 0 else 7})]
+    # a layout for two ranks on a group of one, torch.distributed initialised: the group's size is the cause
+    alone = [dist.new_group([r]) for r in range(world)][rank]
+    found["layout_for_two_on_a_group_of_one"] = _refusal(q, q, q, layout=ctxpar.get_layout("zigzag", 2), group=alone)
     listed = [list(range(world - 1, -1, -2)), list(range(world - 2, -1, -2))]  # P=4: [3, 1], [2, 0]
     parities = [dist.new_group(ranks) for ranks in listed]
     group = parities[rank % 2 == 0]

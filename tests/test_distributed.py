@@ -281,9 +281,13 @@ def test_a_refusal_on_a_subgroup_names_the_global_ranks() -> None:
         got = res["subgroups"]["values_refused_by_global_rank"]
         assert got == ("NO ERROR" if rank < 2 else "mine" if rank == 3 else
                        "ranks [3] of the CP group rejected their decode step inputs; see their errors"), (rank, got)
-        unknown, differing = res["subgroups"]["unknown_on_one_rank"]
+        unknown, differing, minus_one = res["subgroups"]["unknown_on_one_rank"]
         assert unknown == "NO ERROR", (rank, unknown)  # every rank went on, comparing it nowhere
-        assert "disagree on the decode step: weights [" in differing, (rank, differing)
+        assert f"disagree on the decode step: weights {[7, 8] if rank < 2 else [9, 10]} (one value" in differing, (
+            rank, differing)  # each group rank's own value, in group rank order
+        assert "disagree on the decode step: step [-1, 7] (one value" in minus_one, (rank, minus_one)
+        got = res["subgroups"]["layout_for_two_on_a_group_of_one"]
+        assert "the zigzag layout was built for P=2 ranks but the process group has 1" in got, (rank, got)
 
 
 @pytest.mark.parametrize("world", WORLD_SIZES, ids=lambda w: f"P{w}")

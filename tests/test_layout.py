@@ -95,6 +95,8 @@ def test_empty_lengths_and_swapped_arguments_are_named_as_such() -> None:
     with pytest.raises(ValueError, match=r"^rank 16 is outside the zigzag layout's P=3 ranks and seq_len 2 would be "
                                          r"one of them: positions takes \(seq_len, rank\); were they swapped\?$"):
         get_layout("zigzag", 3).positions(2, 16)
+    with pytest.raises(ValueError, match=r"^rank 4096 is outside .* seq_len 0 would be one of them: .* swapped\?$"):
+        get_layout("zigzag", 3).positions(0, 4096)  # rank 0's call, the commonest swap
     with pytest.raises(ValueError, match=r"^an empty sequence \(length 0\) cannot be split: the contiguous layout "
                                          r"with P=2 ranks takes a positive multiple of P=2 tokens$"):
         get_layout("contiguous", 2).positions(0, 1)

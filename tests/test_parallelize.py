@@ -204,7 +204,9 @@ def _models_compared(kwargs: dict, layout, batch, last: bool) -> dict:
         drawn = apply_context_parallel(Transformer(tiny).eval(), layout=layout, **kwargs)
         found["weights_on_one_rank"] = _attempt(lambda: drawn(batch.tokens, batch.positions))
         torch.manual_seed(0)
-        trained = apply_context_parallel(Transformer(tiny).train(last), layout=layout, **kwargs)
+        trained = apply_context_parallel(Transformer(tiny).eval(), layout=layout, **kwargs)
+        found["mode_alike"] = _attempt(lambda: tuple(trained(batch.tokens, batch.positions).shape))
+        trained.train(last)  # after a forward alike: the mode is compared at every forward, not at the first alone
         found["mode_on_one_rank"] = _attempt(lambda: trained(batch.tokens, batch.positions))
     return found
 
@@ -357,6 +359,7 @@ def test_a_model_built_otherwise_on_one_rank_is_refused_on_every_rank(strategy: 
         got = r["weights_on_one_rank"]  # trained a mixture of models, silently
         assert isinstance(got, str) and "disagree on the forward" in got, (rank, got)
         assert rank != WORLD - 1 or "weights (a checksum of each parameter's first values" in got, got
+        assert r["mode_alike"] == (2, SEQ // WORLD, 256), (rank, r["mode_alike"])
         got = r["mode_on_one_rank"]  # model.train() on one rank: a model with dropout would drop on its shard alone
         assert isinstance(got, str) and "disagree on the forward" in got, (rank, got)
         assert rank != WORLD - 1 or "mode (call model.train() or model.eval() on every rank" in got and \

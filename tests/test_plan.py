@@ -1112,6 +1112,16 @@ def test_an_all_to_all_beside_tp_is_priced_among_gpus_tp_apart(strategy, cp, uly
         assert attention.link_bandwidth == pytest.approx(87.5e9)
 
 
+def test_a_pipeline_stages_all_to_all_is_priced_over_the_jobs_gpus() -> None:
+    """A stage's 4 GPUs, as one group on nodes of 6, fit a node; laid over the job's 8 with PP=2,
+    the second stage's group straddles two: 3 peers over the NIC, 75 GB/s. Priced over the stage
+    alone, the step took 450 GB/s (its forward lead 6x short) while the table said 75."""
+    six = get_hardware("H100-SXM", gpus_per_node=6)
+    w = Workload(resolve_model("llama-3-8b"), batch=1, seq=131072, dtype="bfloat16", cp=4, pp=2, strategy="alltoall")
+    assert cost.links(w, six)["cp"].bandwidth == pytest.approx(75e9)
+    assert cost.step_time(w, six).attention.link_bandwidth == pytest.approx(75e9)
+
+
 def test_dp_and_fsdp_traffic_are_ring_collectives_over_the_gpus_holding_each_shard() -> None:
     n = 8_030_261_248  # the worked model's parameters; bf16
     assert traffic.data_parallel(parameters=n, elem=2, group=1, fsdp=1).total == 0
