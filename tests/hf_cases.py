@@ -221,7 +221,7 @@ def _compare(case: str, layout, group, input_ids, labels, reference_kwargs: dict
     grads = _grads(model)
     dist.all_reduce(grads, group=group)
     # a sink without a gradient (detached in the attention) counts as zeros: its error is then the whole gradient's
-    sinks = [p.grad.flatten() if p.grad is not None else torch.zeros(p.numel())
+    sinks = [p.grad.flatten() if p.grad is not None else torch.zeros_like(p).flatten()
              for n, p in model.named_parameters() if n.endswith("sinks")]
     out = dict(
         loss_err=abs(got.loss.item() - ref.loss.item()),

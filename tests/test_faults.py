@@ -753,7 +753,7 @@ def test_a_fn_defined_inside_the_scripts_main_guard_is_refused_naming_where_to_m
     monkeypatch.setitem(sys.modules, "__main__", main)
     for fn in (main.inside.__wrapped__, main.inside, main.in_a_second_guard, functools.partial(main.in_a_second_guard)):
         with pytest.raises(ValueError, match=r"run_local's fn '(inside|in_a_second_guard)' is defined inside the "
-                                             r"script's if __name__ == '__main__': block, .* move its def above"):
+                                             r"script's if __name__ == '__main__': block, .* move its definition"):
             run_local(fn, 2)
     launch._check_importable(main.above)  # defined where an import runs: no refusal
     in_the_else = compile(SCRIPT_WITH_A_MAIN_GUARD, str(script), "exec").co_consts

@@ -48,6 +48,7 @@ import sys
 import sysconfig
 import threading
 import time
+import tokenize
 import traceback
 import uuid
 from collections.abc import Callable
@@ -791,20 +792,24 @@ def run_local(
         # import torch (seconds) reaches the terminal's whole group, and printed their
         # KeyboardInterrupt tracebacks. This thread blocking it is not enough: another thread of
         # this process (the store's) may take it, so the handler holds it until the starts are done
-        # (ignored meanwhile, as it once was, it was lost: the run went on after the Ctrl-C).
-        blocked = signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGINT})
-        handler, held = None, []
-        if threading.current_thread() is threading.main_thread():  # where signal handlers are set
-            handler = signal.signal(signal.SIGINT, lambda signum, frame: held.append(signum))
+        # (ignored meanwhile, as it once was, it was lost: the run went on after the Ctrl-C). The
+        # handler goes in first, so that nothing raises between the mask and the try that restores it;
+        # not over a handler set outside Python (it could not be put back).
+        held: list[int] = []
+        holding = threading.current_thread() is threading.main_thread() and signal.getsignal(signal.SIGINT) is not None
+        handler = signal.signal(signal.SIGINT, lambda signum, frame: held.append(signum)) if holding else None
+        blocked = None
         try:
+            blocked = signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGINT})
             for p, (_, writer), (_, stack_writer) in zip(procs, pipes, stack_pipes):
                 p.start()
                 writer.close()  # the worker holds the only writer: its end of file means it is gone
                 stack_writer.close()
         finally:
-            if handler is not None:
+            if blocked is not None:
+                signal.pthread_sigmask(signal.SIG_SETMASK, blocked)
+            if holding:
                 signal.signal(signal.SIGINT, handler)
-            signal.pthread_sigmask(signal.SIG_SETMASK, blocked)
         if held:
             signal.raise_signal(signal.SIGINT)  # to the handler it was meant for, now every worker is tracked
         return _collect(procs, [reader for reader, _ in pipes], [reader for reader, _ in stack_pipes], timeout_s,
@@ -848,18 +853,21 @@ def _check_importable(fn) -> None:
     if module == "__main__" and _defined_under_main_guard(fn):
         raise ValueError(f"run_local's fn {fn.__qualname__!r} is defined inside the script's "
                          f"if __name__ == '__main__': block, which the spawned ranks do not run when they import "
-                         f"the script; move its def above that block")
+                         f"the script; move its definition above that block")
 
 
 def _defined_under_main_guard(fn) -> bool:
     """Whether ``fn``'s def (of the ``__main__`` script) lies in a top-level ``if __name__ ==
     "__main__":`` block; False where the script cannot be read or parsed."""
     try:
-        line = inspect.unwrap(fn).__code__.co_firstlineno  # through decorators
-        with open(sys.modules["__main__"].__file__, encoding="utf-8") as f:
+        code, script = inspect.unwrap(fn).__code__, sys.modules["__main__"].__file__  # through decorators
+        if os.path.realpath(code.co_filename) != os.path.realpath(script):  # defined elsewhere (runpy.run_path)
+            return False
+        with tokenize.open(script) as f:  # its coding cookie honoured
             tree = ast.parse(f.read())
-    except (AttributeError, OSError, SyntaxError, ValueError, KeyError, TypeError):
+    except Exception:  # noqa: BLE001  unreadable: the ranks' own error will say
         return False
+    line = code.co_firstlineno
 
     def is_main_guard(test: ast.expr) -> bool:
         if not (isinstance(test, ast.Compare) and len(test.ops) == 1 and isinstance(test.ops[0], ast.Eq)):

@@ -178,7 +178,8 @@ _SHARDED = _ShardedLately()
 SAME_BATCH = ("batch (a checksum of the whole batch shard_batch cut each rank's tokens from: every rank of a CP "
               "group shards the same batch; sample data by data-parallel rank, not by global rank)")
 SAME_MODEL = "model (a checksum of its config: build or load the same model on every rank)"
-SAME_MODE = "mode (call model.train() or model.eval() on every rank: dropout on some ranks' shards only is neither)"
+SAME_MODE = ("mode (call model.train() or model.eval() on every rank: dropout on some ranks' shards only gives "
+             "neither the eval nor the training result)")
 # A Hugging Face config's fields that say where the model came from or the dtype it was loaded
 # in, not what it computes (parameters' dtypes attention compares itself): ranks loading one
 # model from node-local copies agree.

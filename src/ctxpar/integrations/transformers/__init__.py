@@ -288,8 +288,8 @@ def _refuse_together(name: str, error: Exception | None, label_flags: list[int],
                          f"DistributedSampler over every rank gives each CP rank another batch)")
     if 0 < trained < ranks:
         raise ValueError(f"{name} is in training mode on {trained} of the {ranks} ranks of the CP group and in eval "
-                         f"mode on the others: dropout would act on some ranks' shards only; call model.train() or "
-                         f"model.eval() on every rank")
+                         f"mode on the others: dropout and other training-only behaviour would act on some ranks' "
+                         f"shards only; call model.train() or model.eval() on every rank")
     if 0 < routing < ranks:  # the router loss made exact after the forward needs every rank
         raise ValueError(f"{name} got output_router_logits=True on {routing} of the {ranks} ranks of the CP group; "
                          f"pass the same on every rank")
@@ -401,7 +401,7 @@ def _wrap_forward(model, settings: Settings, loss: CPCausalLMLoss | None = None)
         batch = batch_code(tokens) if error is None else -1
         code, weights = (-2, -2) if compared else (model_code(model), agreement.readable(lambda: weights_code(model)))
         if _refuse_together(name, error, flags, batch, code, weights, device, peers,
-                            _router_logits_asked(model, bound, extra), model.training):
+                            _router_logits_asked(model, bound, extra), training=model.training):
             _refuse_unshifted(name, labels, tokens, settings)
         compared = True
         # a tuple would hide the outputs checked below: asked for as a ModelOutput, given back as the tuple
