@@ -53,7 +53,7 @@ import traceback
 import uuid
 from collections.abc import Callable
 from dataclasses import dataclass
-from multiprocessing import connection
+from multiprocessing import connection, resource_tracker
 from multiprocessing.reduction import ForkingPickler
 from typing import Any, NoReturn
 
@@ -800,6 +800,7 @@ def run_local(
         handler = signal.signal(signal.SIGINT, lambda signum, frame: held.append(signum)) if holding else None
         blocked = None
         try:
+            resource_tracker.ensure_running()  # its first start unblocks SIGINT in this thread: before the mask
             blocked = signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGINT})
             for p, (_, writer), (_, stack_writer) in zip(procs, pipes, stack_pipes):
                 p.start()
