@@ -320,6 +320,34 @@ def test_a_save_that_fails_or_is_refused_stops_the_run_with_one_message(case: st
     assert not manifest_of(checkpoint.step_path(str(directory), 1))
 
 
+TRAIN_WHOSE_SECOND_SAVE_FAILS = """
+from ctxpar import checkpoint, cli
+
+save = checkpoint.save
+def save_or_fail(model, optimizer, directory, step, settings):
+    if step == 2:
+        raise OSError(28, "No space left on device")
+    save(model, optimizer, directory, step, settings)
+checkpoint.save = save_or_fail  # in the parent and in each rank, which imports this script
+if __name__ == "__main__":
+    cli.entry()
+"""
+
+
+def test_a_failed_save_names_the_newest_checkpoint_sealed_before_it(tmp_path) -> None:
+    """Step 1 saved and sealed, step 2's save failed: the way on is from step 1 (taken as
+    sealed before its save was done, it named step 2, which resume skips)."""
+    script = tmp_path / "train_script.py"
+    script.write_text(TRAIN_WHOSE_SECOND_SAVE_FAILS)
+    directory = tmp_path / "ckpt"
+    proc = subprocess.run([sys.executable, str(script), "train", *CLI_COMMON, "--steps", "3", "--save-every", "1",
+                           "--checkpoint-dir", str(directory)], capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 1, proc.stderr
+    assert "No space left on device. Fix that (free space, a file-size limit, write permission), then run the same " \
+           "command with --resume: it continues from step 1, whose checkpoint is sealed" in proc.stderr, proc.stderr
+    assert manifest_of(checkpoint.step_path(str(directory), 1))
+
+
 @pytest.mark.parametrize("case", ["negative save-every", "dir is a file", "dir not writable", "stray dir only",
                                   "new run over old checkpoints", "dir not writable, no --save-every",
                                   "new run over old checkpoints, no --save-every"])

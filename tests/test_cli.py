@@ -255,6 +255,7 @@ def bad_values(tmp: Path) -> list[tuple[tuple[str, ...], str]]:
         (("train", "--timeout", "0.001"), "--timeout 0.001 must be a number of seconds from 1 to"),
         (("demo", "--timeout", "0.5"), "--timeout 0.5 must be a number of seconds from 1 to"),
         (("train", "--lr", "-0.1"), "--lr -0.1 must be a positive finite learning rate"),
+        (("train", "--lr", "0"), "--lr 0.0 must be a positive finite learning rate"),  # trains nothing, silently
         (("train", "--lr", "1e38"), "where AdamW's first step size overflows float32"),  # once a late crash
         (("train", "--checkpoint-dir", " "), "--checkpoint-dir needs a directory path"),  # once "" saved nothing
         (("train", "--checkpoint-dir", "", "--resume"), "--checkpoint-dir needs a directory path"),

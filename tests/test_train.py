@@ -155,6 +155,10 @@ def test_resumed_run_continues_with_the_uninterrupted_losses(tmp_path) -> None:
     assert resumed["loss"] == full["loss"][5:]  # bit-identical
     header = format_report(resumed).splitlines()[:2]  # it read "3 steps" with no word of the resume
     assert header[0].endswith(", 3 steps (steps 6-8)") and header[1] == f"  resumed from {resumed['resumed_from']}"
+    rows = [line.split() for line in format_report(resumed).splitlines() if line.split()[:1] in (["6"], ["7"], ["8"])]
+    assert [int(row[0]) for row in rows] == [6, 7, 8]
+    for row in rows:  # each step beside the reference's same step (the table's first rows against steps 1-3 read 2.0)
+        assert float(row[3]) == round(resumed["reference_loss"][int(row[0]) - 1], 5) and float(row[4]) < 1e-5, row
     # an even count's median is the middle two's mean (it showed the faster of 2 steps)
     assert "tokens/s (median over steps): 250\n" in format_report(dict(resumed, tokens_per_second=[100, 400, 300, 200]))
     assert sorted(os.listdir(ckpt)) == [RUN_LOCK, SAVE_LOCK, "step-000002", "step-000004", "step-000005",
@@ -429,6 +433,9 @@ def test_recall_task_places_queries_after_the_filler() -> None:
     tokens, recall = task.batch(2, seed=0, step=0)
     again, _ = task.batch(2, seed=0, step=0)
     assert torch.equal(tokens, again), "batches must be a pure function of (seed, step)"
+    drawn = {(seed, step): task.batch(1, seed=seed, step=step)[0] for seed in (0, 1, 12, 2**16, 2**32 - 1)
+             for step in (0, 3, 23)}  # every seed its own (seed 65536 taken mod 2**16 drew seed 0's batches)
+    assert len({tuple(t.flatten().tolist()) for t in drawn.values()}) == len(drawn)
     assert recall.sum() == 2 * task.queries and recall[:, : 128 - 2 * task.queries].sum() == 0
     labels = shift_labels(tokens)
     keys_at_start = tokens[0, 1 : 1 + 2 * task.pairs : 2].tolist()
