@@ -324,10 +324,10 @@ TRAIN_WHOSE_SECOND_SAVE_FAILS = """
 from ctxpar import checkpoint, cli
 
 save = checkpoint.save
-def save_or_fail(model, optimizer, directory, step, settings):
+def save_or_fail(model, optimizer, directory, step, *rest):
     if step == 2:
         raise OSError(28, "No space left on device")
-    save(model, optimizer, directory, step, settings)
+    save(model, optimizer, directory, step, *rest)
 checkpoint.save = save_or_fail  # in the parent and in each rank, which imports this script
 if __name__ == "__main__":
     cli.entry()

@@ -800,9 +800,12 @@ def run_local(
         handler = signal.signal(signal.SIGINT, lambda signum, frame: held.append(signum)) if holding else None
         blocked = None
         try:
-            resource_tracker.ensure_running()  # its first start unblocks SIGINT in this thread: before the mask
-            blocked = signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGINT})
+            blocked = signal.pthread_sigmask(signal.SIG_BLOCK, ())  # the caller's mask, put back below
             for p, (_, writer), (_, stack_writer) in zip(procs, pipes, stack_pipes):
+                # multiprocessing's resource tracker, started (first, or again if it died) within a start,
+                # unblocks SIGINT and SIGTERM in this thread before the rank is spawned: started here first
+                resource_tracker.ensure_running()
+                signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGINT})
                 p.start()
                 writer.close()  # the worker holds the only writer: its end of file means it is gone
                 stack_writer.close()
