@@ -153,9 +153,10 @@ def _check_any_length(rank: int, world: int) -> dict:
     """generate from prompts the zigzag layout does not split (its head prefilled, the rest a
     partial prefill) and shorter than one multiple (all of it a partial prefill), and from one
     a layout of the user's (blocks of 2 dealt round-robin: multiples of 2P) does not split,
-    sampled: {(layout, length): the tokens equal the single-process ones}."""
+    sampled: {(layout, length): the tokens equal the single-process ones}, and each prompt's
+    tail: (tokens, the pass partial_prefill ran them by)."""
     model = build()
-    out: dict = {"prompt_len": []}
+    out: dict = {"prompt_len": [], "tails": []}
     for layout, length in (("zigzag", 2 * world * 3 + 1), ("zigzag", 2 * world - 1),
                            (BlockedLayout(world, block=2), 2 * world * 3 + 1)):
         prompt = prompt_tokens(length, seed=length)
@@ -163,6 +164,7 @@ def _check_any_length(rank: int, world: int) -> dict:
         ref = reference_generate(model, prompt, new_tokens=SAMPLED_TOKENS, temperature=TEMPERATURE, seed=SEED)
         out[(getattr(layout, "name", layout), length)] = r.tokens.tolist() == ref.tolist()
         out["prompt_len"].append(r.cache.prompt_len)
+        out["tails"].append(r.tail and (r.tail.tokens, r.tail.method))
     return out
 
 
@@ -513,6 +515,10 @@ def _check_bad_inputs(rank: int, world: int) -> dict[str, str]:
             across = init_device_mesh("cpu", (2, 2, 1), mesh_dim_names=("ring", "dp", "ulysses"))["ring", "ulysses"]
             messages["mesh_over_other_ranks"] = _attempt(lambda: prefill(
                 model, cache(group=pairs[rank // 2]), prompt, layout="zigzag", strategy="hybrid", mesh=across))
+            messages["generate_mesh_over_other_ranks"] = _attempt(lambda: generate(
+                model, prompt, layout="zigzag", group=pairs[rank // 2], strategy="hybrid", mesh=across, new_tokens=2))
+            messages["generate_mesh_of_fewer_ranks"] = _attempt(lambda: generate(
+                model, prompt, layout="zigzag", strategy="hybrid", mesh=across, new_tokens=2))
     # no rank was left inside a collective: a whole generation still works afterwards
     r = generate(model, prompt, layout="zigzag", new_tokens=4)
     ok = r.tokens.tolist() == reference_generate(model, prompt, new_tokens=4).tolist()

@@ -145,6 +145,7 @@ def test_generate_equals_the_single_process_tokens_and_writes_the_documented_jso
     # tiny: 2 layers, K and V, 2 KV heads of 16, fp32; 64 + 7 positions over 2 ranks
     assert report["kv_cache_bytes_per_rank"] == [36 * 2 * 2 * 2 * 2 * 16 * 4] * 2
     assert report["strategy_chosen"] == {}  # an explicit strategy asks the planner nothing
+    assert report["prompt_tail"] is None and "partial_prefill" not in proc.stdout  # striped splits 64 over 2
 
 
 def test_generate_with_strategy_auto_equals_the_single_process_tokens_and_reports_its_choice(tmp_path) -> None:
@@ -178,6 +179,17 @@ def test_the_generate_report_says_when_no_prefill_ran() -> None:
     assert header(7, "hybrid").endswith("4 ranks (no prefill: a prompt under 8 tokens goes to partial_prefill, "
                                         "zigzag)")
     assert header(9, "hybrid").endswith("4 ranks (hybrid: ulysses 2 x ring 2, zigzag)")
+
+    def tail_line(prompt_len: int, tokens: int) -> list[str]:
+        config = dict(model="tiny", prompt_len=prompt_len, batch=1, new_tokens=2, nproc=4, layout="zigzag",
+                      strategy="ring", ulysses_degree=None)
+        report = dict(config=config, kv_cache_bytes_per_rank=[0] * 4, ttft_s=0.01, tpot_s=0.01, tokens=[[1, 2]],
+                      prompt_tail=dict(tokens=tokens, method="pass-q", why="fewer bytes"))
+        return [line for line in format_report(report).splitlines() if "partial_prefill took" in line]
+
+    assert tail_line(7, 7) == ["partial_prefill took the whole prompt (7 tokens) by pass-q: fewer bytes"]
+    assert tail_line(9, 1) == ["partial_prefill took the last prompt token by pass-q: fewer bytes"]
+    assert tail_line(11, 3) == ["partial_prefill took the last 3 prompt tokens by pass-q: fewer bytes"]
     config = dict(model="tiny", prompt_len=8, batch=1, new_tokens=2, nproc=1, layout="zigzag", strategy="ring",
                   ulysses_degree=None)
     one = dict(config=config, kv_cache_bytes_per_rank=[0], ttft_s=0.01, tpot_s=0.01, tokens=[[1, 2]])
@@ -186,12 +198,18 @@ def test_the_generate_report_says_when_no_prefill_ran() -> None:
 
 def test_generate_with_the_hybrid_strategy_equals_the_single_process_tokens() -> None:
     """67 tokens: zigzag on 4 ranks splits 64 of them, the last 3 go to partial_prefill (a
-    length the layout did not split was refused, advising padding, which generate has none of)."""
+    length the layout did not split was refused, advising padding, which generate has none of),
+    the report and JSON say by which pass and why (they said nothing of them)."""
     proc = run_cli("generate", "--nproc", "4", "--prompt-len", "67", "--new-tokens", "6", "--strategy", "hybrid",
-                   "--ulysses-degree", "2", "--compare")
+                   "--ulysses-degree", "2", "--compare", "--json", "-")
     assert proc.returncode == 0, proc.stdout + proc.stderr
-    assert "4 ranks (hybrid: ulysses 2 x ring 2, zigzag)" in proc.stdout
-    assert "OK: the tokens equal the single-process generation" in proc.stdout
+    report = json.loads(proc.stdout)
+    # 3 new on 64 cached: pass-Q moves the fewer bytes
+    assert report["prompt_tail"]["tokens"] == 3 and report["prompt_tail"]["method"] == "pass-q", report
+    assert report["prompt_tail"]["why"].startswith("fewer bytes: pass-KV ")
+    assert "4 ranks (hybrid: ulysses 2 x ring 2, zigzag)" in proc.stderr
+    assert f"partial_prefill took the last 3 prompt tokens by pass-q: {report['prompt_tail']['why']}" in proc.stderr
+    assert "OK: the tokens equal the single-process generation" in proc.stderr and report["tokens_match"] is True
 
 
 # -- item 10: every value checked before any rank starts -----------------------------------------

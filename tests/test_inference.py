@@ -137,6 +137,11 @@ def test_generate_takes_a_prompt_of_any_length(world: int) -> None:
     for rank, r in enumerate(_reported(world, "any_length")):
         # the cache's, the whole prompt
         assert r.pop("prompt_len") == [2 * world * 3 + 1, 2 * world - 1, 2 * world * 3 + 1], (rank, r)
+        # one token on top of 6P cached: pass-Q's fewer bytes; 2P - 1 on none: pass-KV's; one rank's zigzag splits
+        # any length, and nothing moves
+        tails = [(1, "pass-q"), (2 * world - 1, "pass-kv"), (1, "pass-q")] if world > 1 else [None, None,
+                                                                                             (1, "pass-kv")]
+        assert r.pop("tails") == tails, (rank, r)
         assert r and all(r.values()), (rank, r)
 
 
@@ -248,7 +253,12 @@ EXPECTED_MESSAGES = {
     "deals_differ": ["disagree on the decode step: prompt dealt by ['zigzag/", "'striped/"],
     "generate_layouts_differ": ["disagree on the generate call: layout ['zigzag/", "'striped/"],
     "mesh_over_other_ranks": ["the hybrid mesh spans global ranks [", "but the KV cache's group holds [",
-                              "build the mesh over the cache's ranks"],
+                              "build the cache on the group the mesh spans, or build the mesh over the group's"],
+    # generate builds the cache itself: the fix is its group= (it once said to build the cache)
+    "generate_mesh_of_fewer_ranks": ["the hybrid mesh holds 2 ranks but group= (generate builds the KV cache on "
+                                     "it) holds 4; pass group= a process group of the mesh's ranks (dist.new_group(["],
+    "generate_mesh_over_other_ranks": ["the hybrid mesh spans global ranks [", "but group= (generate builds the KV "
+                                       "cache on it) holds [", "pass group= a process group of the mesh's ranks"],
 }
 ONE_RANK_BAD = {  # the last rank's call is bad: it raises its own error, the others name it
     "one_rank_bad": "batch B=1",
@@ -270,7 +280,7 @@ MULTI_RANK_ONLY = ("layout_length", "step", "tokens_differ", "chunks_differ", "m
                    "attention_queries_differ", "attention_scales_differ", "attention_sinks_differ", "models_differ",
                    "weights_differ", "temperature_differs", "names_differ", "caches_swapped", "chunk_caches_swapped",
                    "deals_differ", "generate_layouts_differ")
-ONLY_AT_P4 = ("mesh_over_other_ranks",)
+ONLY_AT_P4 = ("mesh_over_other_ranks", "generate_mesh_of_fewer_ranks", "generate_mesh_over_other_ranks")
 
 
 @pytest.mark.parametrize("world", WORLD_SIZES, ids=lambda w: f"P{w}")
@@ -593,6 +603,24 @@ def test_generate_and_sampler_take_seeds_from_0_to_the_largest_the_refusal_names
                      lambda: generate(model, prompt, layout="zigzag", new_tokens=2, seed=seed)):
             with pytest.raises(ValueError, match=f"seed must be between 0 and {MAX_SEED}, got {seed}$"):
                 call()
+
+
+def test_generate_takes_numpy_integers_and_refuses_a_prompt_on_another_device() -> None:
+    """new_tokens and seed as numpy integers (the CLI's config takes them) were refused while a
+    numpy temperature ran; a prompt on the meta device met torch's "Tensor.item() cannot be
+    called on meta tensors" from the token-range check, not a word on its device."""
+    import numpy as np
+
+    model, prompt = cases.build(), cases.prompt_tokens()
+    want = reference_generate(model, prompt, new_tokens=2, temperature=1.0, seed=5).tolist()
+    for new_tokens, seed in ((np.int64(2), np.int64(5)), (np.int32(2), np.uint32(5))):
+        got = generate(model, prompt, layout="zigzag", new_tokens=new_tokens, temperature=1.0, seed=seed)
+        assert got.tokens.tolist() == want
+        assert reference_generate(model, prompt, new_tokens=new_tokens, temperature=1.0, seed=seed).tolist() == want
+    for call in (lambda: generate(model, prompt.to("meta"), layout="zigzag", new_tokens=2),
+                 lambda: reference_generate(model, prompt.to("meta"), new_tokens=2)):
+        with pytest.raises(ValueError, match="^the prompt is on meta but the model is on cpu$"):
+            call()
 
 
 def test_sharded_attention_under_autocast_keeps_float64_q_k_v_exact() -> None:

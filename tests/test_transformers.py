@@ -430,7 +430,8 @@ def test_enable_takes_a_layout_name_and_refuses_a_bad_layout_or_strategy_at_once
                             (dict(layout="spiral"), "unknown layout 'spiral'"),
                             # a mesh with the default strategy was refused only at the first forward
                             (dict(mesh=object()), "mesh= is for strategy='hybrid'"),
-                            (dict(strategy="auto", mesh=object()), "strategy='auto' chooses among"),
+                            (dict(strategy="auto", mesh=object()), r"strategy='auto' chooses among .*\(for auto on "
+                                                                   r"the mesh's ranks, pass group= a process group"),
                             (dict(strategy="hybrid"), "strategy='hybrid' takes mesh=")):
         fresh = hf_families.build("llama")
         with pytest.raises(ValueError, match=message):

@@ -242,7 +242,8 @@ def _settings(layout, group, strategy, mesh, who: str) -> tuple[Strategy, topolo
     chosen = STRATEGIES["ring" if check_strategy(strategy, auto_allowed=True) == auto.AUTO else strategy]
     if strategy == auto.AUTO and mesh is not None:
         raise ValueError("strategy='auto' chooses among ring, allgather and alltoall on group=; a hybrid mesh= "
-                         "is used with strategy='hybrid'")
+                         "is used with strategy='hybrid' (for auto on the mesh's ranks, pass group= a process group "
+                         "of them, or leave it None for all ranks, instead of mesh=)")
     topo = _topology(chosen.axis, strategy, group, mesh, who)
     return chosen, topo, _layout_for(layout, topo)
 

@@ -98,7 +98,8 @@ def generate_rank(rank: int, world: int, cfg: GenerateConfig, device: torch.devi
     if rank != 0:
         return None
     return dict(config=dict(asdict(cfg), nproc=world), tokens=result.tokens.tolist(), ttft_s=result.ttft_s,
-                tpot_s=result.tpot_s, kv_cache_bytes_per_rank=per_rank, strategy_chosen=chosen)
+                tpot_s=result.tpot_s, kv_cache_bytes_per_rank=per_rank, strategy_chosen=chosen,
+                prompt_tail=result.tail and asdict(result.tail))
 
 
 def run_generate(cfg: GenerateConfig, *, timeout_s: float = launch.DEFAULT_TIMEOUT_S) -> dict | None:
@@ -136,6 +137,12 @@ def format_report(report: dict) -> str:
              f"time per output token {tpot}",
              f"KV cache per rank     {', '.join(f'{b:,}' for b in per_rank)} bytes"]
     lines += strategy_rules.choice_lines(report.get("strategy_chosen", {}))
+    tail = report.get("prompt_tail")
+    if tail:
+        n = tail["tokens"]
+        which = (f"the whole prompt ({n} token{'s' * (n != 1)})" if n == c["prompt_len"] else
+                 "the last prompt token" if n == 1 else f"the last {n} prompt tokens")
+        lines.append(f"partial_prefill took {which} by {tail['method']}: {tail['why']}")
     for row, tokens in enumerate(report["tokens"]):
         lines.append(f"tokens[{row}]: {' '.join(map(str, tokens))}")
     if "reference_tokens" in report:

@@ -25,7 +25,7 @@ import torch.nn as nn
 from ctxpar import agreement, limits, topology
 from ctxpar.inference.cache import KVCache
 from ctxpar.inference.decode import decode_step
-from ctxpar.inference.partial import partial_prefill
+from ctxpar.inference.partial import auto_method, partial_prefill
 from ctxpar.inference.prefill import check_dense_tokens, check_strategy, prefill, prompt_signature
 from ctxpar.layout import Layout, OneLengthLayout, fingerprint, get_layout
 from ctxpar.parallelize import SAME_MODEL, model_code
@@ -44,7 +44,7 @@ class Sampler:
     def __init__(self, temperature: float = 0.0, seed: int = 0) -> None:
         check_sampling(temperature, seed)
         self.temperature = float(temperature)
-        self.generator = torch.Generator().manual_seed(seed) if temperature > 0 else None
+        self.generator = torch.Generator().manual_seed(int(seed)) if temperature > 0 else None  # a numpy int too
 
     def __call__(self, logits: torch.Tensor) -> torch.Tensor:
         """logits (B, vocab) -> (B,) int64."""
@@ -61,9 +61,18 @@ def check_sampling(temperature: float, seed: int) -> None:
     value = limits.as_real(temperature)
     if not (math.isfinite(value) and value >= 0):
         raise ValueError(f"temperature must be a finite number >= 0 (0: greedy), got {reprlib.repr(temperature)}")
-    if isinstance(seed, bool) or not isinstance(seed, int):
+    if limits.whole(seed) is None:
         raise ValueError(f"seed must be an int, got {seed!r}")
     limits.check_seed(seed, "seed")
+
+
+@dataclass(frozen=True)
+class PromptTail:
+    """The prompt's tokens after the head the layout splits, run by ``partial_prefill``."""
+
+    tokens: int
+    method: str  # "pass-kv" | "pass-q", as method="auto" chose
+    why: str
 
 
 @dataclass
@@ -73,6 +82,7 @@ class GenerationResult:
     tpot_s: float | None  # mean seconds per new token after the first (None for a single token)
     kv_cache_bytes: int  # K/V this rank allocated: ceil((T + new_tokens - 1) / P) positions
     cache: KVCache  # this rank's shard, as decoding left it
+    tail: PromptTail | None  # None where the layout split the whole prompt
 
 
 def generate(model: nn.Module, prompt: torch.Tensor, *, layout: str | Layout, group: dist.ProcessGroup | None = None,
@@ -96,7 +106,9 @@ def generate(model: nn.Module, prompt: torch.Tensor, *, layout: str | Layout, gr
         on_token: called after each new token (a progress bar).
 
     Returns:
-        ``GenerationResult``: tokens (B, new_tokens), ttft_s, tpot_s, kv_cache_bytes, cache.
+        ``GenerationResult``: tokens (B, new_tokens), ttft_s, tpot_s, kv_cache_bytes, cache,
+        tail (the prompt's tokens past the layout's head: how many, and the pass
+        ``partial_prefill`` chose for them, and why).
     """
     error, head = None, None
     ranks = topology.from_group(group, "generate")
@@ -104,11 +116,12 @@ def generate(model: nn.Module, prompt: torch.Tensor, *, layout: str | Layout, gr
     try:
         limits.check_flag("check_consistency", check_consistency)
         _check(model, prompt, new_tokens, temperature, seed)
+        new_tokens, seed = int(new_tokens), int(seed)  # numpy integers too
         if not (on_token is None or callable(on_token)):
             raise ValueError(f"on_token must be None or a function of no arguments, called after each new token, "
                              f"got {type(on_token).__name__}")
         # prefill checks these too, but a prompt shorter than the layout's multiple has no head to prefill
-        check_strategy(model, ranks.rank, world, strategy, mesh, group)
+        check_strategy(model, ranks.rank, world, strategy, mesh, group, cache_from_group=True)
         layout = get_layout(layout, world)
         head = prefilled_length(layout, prompt.shape[1])
         weight = model.output.weight
@@ -128,8 +141,11 @@ def generate(model: nn.Module, prompt: torch.Tensor, *, layout: str | Layout, gr
     if head:
         logits = prefill(model, cache, prompt[:, :head], layout=layout, strategy=strategy, mesh=mesh,
                          check_consistency=check_consistency)  # (B, vocab)
+    tail = None
     if head < prompt.shape[1]:  # the tokens the layout does not split: one chunk after the head (or all)
-        logits = partial_prefill(model, cache, prompt[:, head:], check_consistency=check_consistency)
+        tail = PromptTail(prompt.shape[1] - head, *auto_method(model, cache, prompt.shape[1] - head))
+        logits = partial_prefill(model, cache, prompt[:, head:], method=tail.method,
+                                 check_consistency=check_consistency)
         cache.prompt_len = prompt.shape[1]  # the whole prompt, as after one prefill (its first commit: the head)
     token = sample(logits)  # (B,)
     out = [token]
@@ -144,7 +160,7 @@ def generate(model: nn.Module, prompt: torch.Tensor, *, layout: str | Layout, gr
     decode_s = _now(weight.device) - begin
     return GenerationResult(tokens=torch.stack(out, dim=1).cpu(), ttft_s=ttft,
                             tpot_s=decode_s / (new_tokens - 1) if new_tokens > 1 else None,
-                            kv_cache_bytes=cache.nbytes, cache=cache)
+                            kv_cache_bytes=cache.nbytes, cache=cache, tail=tail)
 
 
 def reference_generate(model: nn.Module, prompt: torch.Tensor, *, new_tokens: int, temperature: float = 0.0,
@@ -173,13 +189,15 @@ def prefilled_length(layout: Layout, length: int) -> int:
 
 def _check(model: nn.Module, prompt: torch.Tensor, new_tokens: int, temperature: float, seed: int) -> None:
     """generate's own arguments; prefill checks the prompt against the model and layout."""
-    if isinstance(new_tokens, bool) or not isinstance(new_tokens, int) or not 1 <= new_tokens <= limits.MAX_COUNT:
+    if limits.whole(new_tokens) is None or not 1 <= new_tokens <= limits.MAX_COUNT:
         raise ValueError(f"new_tokens must be an int between 1 and {limits.MAX_COUNT}, got {new_tokens!r}")
     check_sampling(temperature, seed)
     if getattr(model, "cfg", None) is None or not hasattr(model, "output"):
         raise ValueError(f"{type(model).__name__} is not a ctxpar.models.Transformer: generate needs its cfg and "
                          f"output head")
     check_dense_tokens(prompt, "the prompt", "(B, T)")
+    if prompt.device != model.output.weight.device:
+        raise ValueError(f"the prompt is on {prompt.device} but the model is on {model.output.weight.device}")
     if 0 in prompt.shape:
         raise ValueError(f"the prompt must hold token ids (B, T) with B, T >= 1, got {tuple(prompt.shape)}")
     if prompt.dtype not in (torch.int64, torch.int32):
@@ -194,9 +212,9 @@ def _signature(model, prompt, layout, new_tokens, temperature, seed, strategy) -
     return {SAME_MODEL: model_code(model),
             **prompt_signature(prompt),
             "layout": agreement.Text(fingerprint(layout) if isinstance(layout, Layout) else layout),
-            "new_tokens": new_tokens if isinstance(new_tokens, int) else -1,
+            "new_tokens": -1 if limits.whole(new_tokens) is None else int(new_tokens),
             "temperature": agreement.Real(temperature),
-            "seed": seed if isinstance(seed, int) else -1,
+            "seed": -1 if limits.whole(seed) is None else int(seed),
             "strategy": agreement.Text(strategy)}
 
 

@@ -51,6 +51,14 @@ METHODS = ("auto", *PARTIAL_PREFILL_METHODS)
 _CAUSAL = Mask(causal=True)
 
 
+def auto_method(model: nn.Module, cache: KVCache, new: int, hardware: Hardware | None = None) -> tuple[str, str]:
+    """(method, why): what ``method="auto"`` picks for ``new`` tokens on top of ``cache``."""
+    return choose_partial_prefill(model=model.cfg, batch=cache.batch, cached=cache.seq_len, new=new,
+                                  world=cache.world_size, elem=cache.element_size,
+                                  acc=kernels.accumulation_dtype(cache.dtype).itemsize,
+                                  hw=hardware and hardware.for_dtype(planner_dtype(cache.dtype)))
+
+
 def partial_prefill(model: nn.Module, cache: KVCache, chunk: torch.Tensor, *, method: str = "auto",
                     hardware: Hardware | None = None, check_consistency: bool = True) -> torch.Tensor:
     """Run ``chunk`` through the model at the positions after the cache's, extending the cache.
@@ -79,10 +87,7 @@ def partial_prefill(model: nn.Module, cache: KVCache, chunk: torch.Tensor, *, me
         limits.check_flag("check_consistency", check_consistency)
         chunk = _check(model, cache, chunk, method, hardware)
         if method == "auto":  # resolved before the ranks compare calls: each rank's hardware= could differ
-            method, _ = choose_partial_prefill(
-                model=model.cfg, batch=cache.batch, cached=cache.seq_len, new=chunk.shape[1], world=cache.world_size,
-                elem=cache.element_size, acc=kernels.accumulation_dtype(cache.dtype).itemsize,
-                hw=hardware and hardware.for_dtype(planner_dtype(cache.dtype)))
+            method, _ = auto_method(model, cache, chunk.shape[1], hardware)
     except Exception as e:  # noqa: BLE001  any failure: this rank must still join the
         error = e  # exchange below, or its peers wait there
     if check_consistency is not False and cache.world_size > 1:  # an invalid flag joins, to say so

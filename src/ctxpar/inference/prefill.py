@@ -173,9 +173,11 @@ def _check(model: nn.Module, cache: KVCache, prompt: torch.Tensor, layout: str |
 
 
 def check_strategy(model: nn.Module, rank: int, world_size: int, strategy: str, mesh,
-                   group: dist.ProcessGroup | None) -> int:
+                   group: dist.ProcessGroup | None, cache_from_group: bool = False) -> int:
     """The strategy and ``mesh=`` of a prefill over a cache on ``group`` (``world_size`` ranks,
-    ``rank`` this one's), heads included; returns this rank's index in the layout."""
+    ``rank`` this one's), heads included; returns this rank's index in the layout.
+    ``cache_from_group``: the caller (``generate``) builds the cache on its ``group=``, so a
+    mesh over other ranks is mended there, not by building the cache."""
     if strategy not in INFERENCE_STRATEGIES:
         raise ValueError(f"inference strategy {strategy!r}: choose one of {', '.join(INFERENCE_STRATEGIES)}")
     layout_rank = rank
@@ -184,14 +186,18 @@ def check_strategy(model: nn.Module, rank: int, world_size: int, strategy: str, 
             raise ValueError("strategy='hybrid' takes mesh= (a 2D DeviceMesh with dims 'ulysses' and 'ring' over the "
                              "cache's ranks)")
         topo = topology.from_mesh(mesh)
-        if topo.world_size != world_size:
-            raise ValueError(f"the hybrid mesh holds {topo.world_size} ranks but the KV cache's group "
-                             f"{world_size}; build the cache on the group the mesh spans")
         in_mesh = sorted(mesh.mesh.flatten().tolist())
+        cache_group, fix = (("group= (generate builds the KV cache on it)",
+                             f"pass group= a process group of the mesh's ranks (dist.new_group({in_mesh}))")
+                            if cache_from_group else
+                            ("the KV cache's group", "build the cache on the group the mesh spans"))
+        if topo.world_size != world_size:
+            raise ValueError(f"the hybrid mesh holds {topo.world_size} ranks but {cache_group} holds {world_size}; "
+                             f"{fix}")
         in_group = sorted(dist.get_process_group_ranks(group or dist.group.WORLD))
         if in_mesh != in_group:  # attention would run on the mesh's ranks, the cache's logits on the group's
-            raise ValueError(f"the hybrid mesh spans global ranks {in_mesh} but the KV cache's group holds "
-                             f"{in_group}; build the mesh over the cache's ranks, or the cache on the mesh's")
+            raise ValueError(f"the hybrid mesh spans global ranks {in_mesh} but {cache_group} holds {in_group}; "
+                             f"{fix}, or build the mesh over the group's ranks")
         layout_rank, ulysses = topo.rank, topo.ulysses_degree
     elif mesh is not None:
         raise ValueError(f"mesh= is for strategy='hybrid'; {strategy!r} runs on the cache's group")
