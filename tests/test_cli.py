@@ -555,6 +555,21 @@ def test_an_unknown_train_model_is_refused_by_the_flag(capsys) -> None:
     assert e.value.code == 2 and "argument --model: invalid choice: 'gpt-5'" in capsys.readouterr().err
 
 
+def test_a_flag_is_taken_by_its_whole_name_only_and_a_misspelt_one_named_with_the_nearest(no_ranks, capsys) -> None:
+    """argparse's prefix matching ran --new-token 3 as --new-tokens 3 and --temp as --temperature:
+    a flag misspelt into another's prefix would run as that one."""
+    for argv, nearest in ((["generate", "--new-token", "3"], " (did you mean --new-tokens?)"),
+                          (["generate", "--temp", "0.5"], " (did you mean --temperature?)"),
+                          (["plan", "--mod", "llama-3-8b"], " (did you mean --model?)"),
+                          (["demo", "--nprocs", "2", "--layuot=zigzag"], " (did you mean --nproc, --layout?)"),
+                          (["train", "--frobnicate", "3"], "")):
+        with pytest.raises(SystemExit) as e:
+            main(argv)
+        err = capsys.readouterr().err
+        shown = " ".join(argv[1:])
+        assert e.value.code == 2 and err.endswith(f"error: unrecognized arguments: {shown}{nearest}\n"), err
+
+
 def test_bad_values_give_no_traceback_from_the_command() -> None:
     for args in (("plan", "--head-dim", "0"), ("demo", "--json", "/")):
         proc = run_cli(*args)

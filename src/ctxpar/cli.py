@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import difflib
 import json
 import os
 import sys
@@ -530,11 +531,30 @@ COMMANDS = {
 
 
 class _Parser(argparse.ArgumentParser):
-    """argparse's, whose usage errors under torchrun also reach torchrun's failure summary."""
+    """argparse's, whose usage errors under torchrun also reach torchrun's failure summary, and
+    which takes each flag by its whole name only: argparse's prefix matching ran a misspelt
+    --new-token as --new-tokens, and would run a flag's prefix as another flag once one is
+    added that shares it."""
+
+    def __init__(self, *args, **kwargs) -> None:
+        super().__init__(*args, **{**kwargs, "allow_abbrev": False})
 
     def error(self, message: str) -> NoReturn:
         launch.tell_torchrun(f"{self.prog}: error: {message}")
         super().error(message)
+
+
+def _did_you_mean(command: argparse.ArgumentParser, unknown: list[str]) -> str:
+    """The command's flags nearest the unknown ones (``--new-token``: ``--new-tokens``)."""
+    flags = [f for f in command._option_string_actions if f.startswith("--")]
+    near = {}
+    for word in unknown:
+        name = "--" + word.split("=", 1)[0].lstrip("-")
+        if word.startswith("-"):  # a flag of which it is the start (once taken for it), else the closest
+            started = [f for f in flags if f.startswith(name)]
+            near.update(dict.fromkeys(started if len(started) == 1 else
+                                      difflib.get_close_matches(name, flags, n=1, cutoff=0.7)))
+    return f" (did you mean {', '.join(near)}?)" if near else ""
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -547,7 +567,9 @@ def main(argv: list[str] | None = None) -> int:
     sub = parser.add_subparsers(dest="command", required=True)
     for add_parser, _ in COMMANDS.values():
         add_parser(sub)
-    args = parser.parse_args(argv)
+    args, unknown = parser.parse_known_args(argv)
+    if unknown:
+        parser.error(f"unrecognized arguments: {' '.join(unknown)}{_did_you_mean(sub.choices[args.command], unknown)}")
     if not launch.launched_by_torchrun():
         return _run_command(args)
     try:
