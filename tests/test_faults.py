@@ -53,6 +53,13 @@ def sleep_then_return(rank: int, world: int, seconds: float) -> int:
     return rank
 
 
+def time_out_on_rank_0_sleep_on_the_others(rank: int, world: int) -> int:
+    if rank == 0:
+        raise dist.DistStoreError("wait timed out after 1 s")  # as a store.wait of fn's own says it
+    time.sleep(600)
+    return rank
+
+
 def parent_death_signal(rank: int, world: int) -> int:
     sig = ctypes.c_int()
     ctypes.CDLL(None, use_errno=True).prctl(PR_GET_PDEATHSIG, ctypes.byref(sig), 0, 0, 0)
@@ -412,6 +419,11 @@ def test_an_optional_deadline_stops_the_run_and_says_so() -> None:
         run_local(sleep_then_return, 2, (300.0,), deadline_s=deadline)
     assert e.value.stuck == [0, 1]
     assert time.monotonic() - start < deadline + 30
+    # a rank's timeout starts a grace period of timeout_s for its peers to time out too: the deadline still ends it
+    start = time.monotonic()
+    with pytest.raises(RuntimeError, match=r"rank 1 never arrived at a collective"):
+        run_local(time_out_on_rank_0_sleep_on_the_others, 2, timeout_s=300, deadline_s=deadline)
+    assert time.monotonic() - start < deadline + 30
 
 
 # -- item 8: dead and frozen ranks -----------------------------------------------------------
@@ -517,6 +529,8 @@ def test_fns_own_timeout_error_is_that_ranks_failure_not_a_collectives() -> None
     message = str(e.value)
     assert "never arrived" not in message and "timed out after" not in message, message
     assert "rank 0 failed:" in message and message.rstrip().endswith("TimeoutError: The read operation timed out")
+    # fn's own frames in its traceback (one limited to its first frame showed only launch.py's _worker)
+    assert re.search(r'test_faults\.py", line \d+, in raise_own_timeout_error\n', message), message
     assert time.monotonic() - start < 30
 
 
@@ -613,6 +627,30 @@ def test_a_stopped_rank_takes_its_sigterm() -> None:
     wait_for(lambda: launch.process_state(process.pid) == "T", 60, "the process to stop itself")
     launch._stop([process])
     assert process.exitcode == -signal.SIGTERM
+
+
+def ignore_sigterm_and_sleep(ready) -> None:
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    ready.set()
+    time.sleep(600)
+
+
+def test_a_rank_that_ignores_sigterm_is_killed_after_the_grace_period() -> None:
+    """Without the SIGKILL after GRACE_S, stopping a rank that ignores SIGTERM hung the run
+    (a planted mutation passed every test)."""
+    context = multiprocessing.get_context("spawn")
+    ready = context.Event()
+    process = context.Process(target=ignore_sigterm_and_sleep, args=(ready,))
+    process.start()
+    assert ready.wait(60), "the process never started"
+    start = time.monotonic()
+    stopping = threading.Thread(target=launch._stop, args=([process],), daemon=True)
+    stopping.start()
+    stopping.join(launch.GRACE_S + 10)
+    if process.is_alive():  # not left behind by a failing test
+        process.kill()
+    assert not stopping.is_alive(), "stopping a rank that ignores SIGTERM hangs"
+    assert process.exitcode == -signal.SIGKILL and time.monotonic() - start >= launch.GRACE_S
 
 
 def test_a_frozen_rank_is_named_at_the_timeout_in_a_group_the_function_made() -> None:
@@ -737,6 +775,10 @@ else:
 if __name__ == "__main__":
     def in_a_second_guard(rank, world):
         return rank
+if __name__ == "__main__":
+    @functools.lru_cache
+    def decorated_first(rank, world):
+        return rank
 """
 
 
@@ -751,9 +793,12 @@ def test_a_fn_defined_inside_the_scripts_main_guard_is_refused_naming_where_to_m
     exec(compile(SCRIPT_WITH_A_MAIN_GUARD, str(script), "exec"), main.__dict__)  # as `python train_script.py` runs it
     main.in_the_else = main.above  # the else branch ran on import instead; its own def is checked below
     monkeypatch.setitem(sys.modules, "__main__", main)
-    for fn in (main.inside.__wrapped__, main.inside, main.in_a_second_guard, functools.partial(main.in_a_second_guard)):
-        with pytest.raises(ValueError, match=r"run_local's fn '(inside|in_a_second_guard)' is defined inside the "
-                                             r"script's if __name__ == '__main__': block, .* move its definition"):
+    # a decorated def opening its guard: its code starts at the decorator, a line before the guard's first statement
+    for fn in (main.inside.__wrapped__, main.inside, main.in_a_second_guard, functools.partial(main.in_a_second_guard),
+               main.decorated_first):
+        with pytest.raises(ValueError, match=r"run_local's fn '(inside|in_a_second_guard|decorated_first)' is defined "
+                                             r"inside the script's if __name__ == '__main__': block, .* move its "
+                                             r"definition"):
             run_local(fn, 2)
     launch._check_importable(main.above)  # defined where an import runs: no refusal
     in_the_else = compile(SCRIPT_WITH_A_MAIN_GUARD, str(script), "exec").co_consts
@@ -1016,9 +1061,10 @@ def test_only_the_full_torchrun_environment_counts_as_torchrun(monkeypatch) -> N
     for name, value in dict(RANK="0", WORLD_SIZE="2", MASTER_ADDR="127.0.0.1", MASTER_PORT="29500").items():
         monkeypatch.setenv(name, value)
     assert not launch.launched_by_torchrun() and launch.world_size(4) == 4
-    for name, value in dict(TORCHELASTIC_RUN_ID="none", LOCAL_RANK="0", LOCAL_WORLD_SIZE="2").items():
+    # two nodes of one rank each: the run's ranks are WORLD_SIZE's, this machine's LOCAL_WORLD_SIZE's
+    for name, value in dict(TORCHELASTIC_RUN_ID="none", LOCAL_RANK="0", LOCAL_WORLD_SIZE="1").items():
         monkeypatch.setenv(name, value)
-    assert launch.launched_by_torchrun() and launch.world_size(4) == 2
+    assert launch.launched_by_torchrun() and launch.world_size(4) == 2 and launch.local_ranks(4) == 1
 
 
 @pytest.mark.parametrize("local_rank, local_world, gpus, visible, takes", [

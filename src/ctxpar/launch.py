@@ -880,8 +880,10 @@ def _defined_under_main_guard(fn) -> bool:
         return any(isinstance(a, ast.Name) and a.id == "__name__" and isinstance(b, ast.Constant)
                    and b.value == "__main__" for a, b in (sides, sides[::-1]))
 
-    return any(isinstance(node, ast.If) and is_main_guard(node.test)  # its body, not its else
-               and node.body[0].lineno <= line <= node.body[-1].end_lineno for node in tree.body)
+    # from the guard's own line, not its body's first statement: a decorated def's code starts at its decorator, a
+    # line before the statement (a guard opening with one went unrefused); its body, not its else
+    return any(isinstance(node, ast.If) and is_main_guard(node.test)
+               and node.lineno <= line <= node.body[-1].end_lineno for node in tree.body)
 
 
 class _CopyingPickler(ForkingPickler):
