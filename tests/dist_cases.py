@@ -343,6 +343,10 @@ def _bad_inputs(world: int, mesh) -> dict[str, tuple]:
         # ranks not ascending along a dim: once silently wrong (group ranks taken for coordinates)
         permuted = DeviceMesh("cpu", torch.tensor([[3, 1], [0, 2]]), mesh_dim_names=("ring", "ulysses"))
         bad["hybrid_mesh_permuted"] = ((q, kv, kv), dict(layout="zigzag", strategy="hybrid", mesh=permuted))
+        # descending along the ring dim alone (the mesh above descends along both): prefill's owner of the last
+        # position, found by the mesh's coordinates, was another rank than the one holding it
+        rows_down = DeviceMesh("cpu", torch.tensor([[2, 3], [0, 1]]), mesh_dim_names=("ring", "ulysses"))
+        bad["hybrid_mesh_rows_descending"] = ((q, kv, kv), dict(layout="zigzag", strategy="hybrid", mesh=rows_down))
         # meshes given where another kind is taken: each refusal names what to pass instead
         from torch.distributed.device_mesh import init_device_mesh
 

@@ -66,6 +66,7 @@ EXPECTED_MESSAGES = {
     "hybrid_layout_world": ["ulysses degree 2", "ring degree 2"],
     "hybrid_heads": ["H=5", "ulysses degree=2"],
     "hybrid_mesh_permuted": ["ranks ascend along each dim", "[[3, 1], [0, 2]]"],
+    "hybrid_mesh_rows_descending": ["ranks ascend along each dim", "[[2, 3], [0, 1]]"],
     "non_member": ["not a member", "call ctxpar.attention only on the ranks of the CP group"],
     # the other entries taking a group once all told to call ctxpar.attention only on its ranks
     "non_member_cp_loss": ["not a member", "call cp_loss only on the ranks of the CP group"],
@@ -112,8 +113,9 @@ def test_bad_inputs_raise_clear_errors_without_hanging(world: int) -> None:
         if world == 1:
             expected -= {"length", "alltoall_heads", "gloo_device", *non_member}
         if world != 4:
-            expected -= {"hybrid_layout_world", "hybrid_heads", "hybrid_mesh_permuted", "q_dtensor", "group_dp_cp_mesh",
-                         "group_mesh_dim", "group_hybrid_mesh", "hybrid_dp_cp_mesh", "hybrid_3d_mesh"}
+            expected -= {"hybrid_layout_world", "hybrid_heads", "hybrid_mesh_permuted", "hybrid_mesh_rows_descending",
+                         "q_dtensor", "group_dp_cp_mesh", "group_mesh_dim", "group_hybrid_mesh", "hybrid_dp_cp_mesh",
+                         "hybrid_3d_mesh"}
         if rank != 0:
             expected -= non_member
         assert set(messages) == expected
