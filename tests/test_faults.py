@@ -642,15 +642,18 @@ def test_a_rank_that_ignores_sigterm_is_killed_after_the_grace_period() -> None:
     ready = context.Event()
     process = context.Process(target=ignore_sigterm_and_sleep, args=(ready,))
     process.start()
-    assert ready.wait(60), "the process never started"
-    start = time.monotonic()
-    stopping = threading.Thread(target=launch._stop, args=([process],), daemon=True)
-    stopping.start()
-    stopping.join(launch.GRACE_S + 10)
-    if process.is_alive():  # not left behind by a failing test
-        process.kill()
-    assert not stopping.is_alive(), "stopping a rank that ignores SIGTERM hangs"
-    assert process.exitcode == -signal.SIGKILL and time.monotonic() - start >= launch.GRACE_S
+    try:
+        assert ready.wait(60), "the process never started"
+        start = time.monotonic()
+        stopping = threading.Thread(target=launch._stop, args=([process],), daemon=True)
+        stopping.start()
+        stopping.join(launch.GRACE_S + 10)
+        hung, exitcode, took = stopping.is_alive(), process.exitcode, time.monotonic() - start
+    finally:
+        if process.is_alive():  # not left behind by a failing test
+            process.kill()
+    assert not hung, "stopping a rank that ignores SIGTERM hangs"
+    assert exitcode == -signal.SIGKILL and took >= launch.GRACE_S
 
 
 def test_a_frozen_rank_is_named_at_the_timeout_in_a_group_the_function_made() -> None:

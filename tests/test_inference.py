@@ -256,9 +256,10 @@ EXPECTED_MESSAGES = {
                               "build the cache on the group the mesh spans, or build the mesh over the group's"],
     # generate builds the cache itself: the fix is its group= (it once said to build the cache)
     "generate_mesh_of_fewer_ranks": ["the hybrid mesh holds 2 ranks but group= (generate builds the KV cache on "
-                                     "it) holds 4; pass group= a process group of the mesh's ranks (dist.new_group(["],
+                                     "it) holds 4; pass group= the process group of the mesh's ranks (for a mesh "
+                                     "taken from a larger one, each rank's own: dist.new_subgroups_by_enumeration"],
     "generate_mesh_over_other_ranks": ["the hybrid mesh spans global ranks [", "but group= (generate builds the KV "
-                                       "cache on it) holds [", "pass group= a process group of the mesh's ranks"],
+                                       "cache on it) holds [", "pass group= the process group of the mesh's ranks"],
 }
 ONE_RANK_BAD = {  # the last rank's call is bad: it raises its own error, the others name it
     "one_rank_bad": "batch B=1",
@@ -605,11 +606,13 @@ def test_generate_and_sampler_take_seeds_from_0_to_the_largest_the_refusal_names
                 call()
 
 
-def test_generate_takes_numpy_integers_and_refuses_a_prompt_on_another_device() -> None:
+def test_generate_takes_numpy_integers_and_refuses_a_prompt_or_model_on_another_device() -> None:
     """new_tokens and seed as numpy integers (the CLI's config takes them) were refused while a
-    numpy temperature ran; a prompt on the meta device met torch's "Tensor.item() cannot be
-    called on meta tensors" from the token-range check, not a word on its device."""
+    numpy temperature ran; a prompt or model on the meta device met torch's "Tensor.item()
+    cannot be called on meta tensors" from the token-range check, not a word on its device."""
     import numpy as np
+
+    from ctxpar.limits import MAX_COUNT
 
     model, prompt = cases.build(), cases.prompt_tokens()
     want = reference_generate(model, prompt, new_tokens=2, temperature=1.0, seed=5).tolist()
@@ -617,10 +620,21 @@ def test_generate_takes_numpy_integers_and_refuses_a_prompt_on_another_device() 
         got = generate(model, prompt, layout="zigzag", new_tokens=new_tokens, temperature=1.0, seed=seed)
         assert got.tokens.tolist() == want
         assert reference_generate(model, prompt, new_tokens=new_tokens, temperature=1.0, seed=seed).tolist() == want
-    for call in (lambda: generate(model, prompt.to("meta"), layout="zigzag", new_tokens=2),
-                 lambda: reference_generate(model, prompt.to("meta"), new_tokens=2)):
-        with pytest.raises(ValueError, match="^the prompt is on meta but the model is on cpu$"):
-            call()
+    # a numpy int32's sum with the prompt's length wraps: the largest count passed the cache-size check (and
+    # reference_generate went on into 2**31 steps)
+    with pytest.raises(ValueError, match=f"need a KV cache of {MAX_COUNT + prompt.shape[1] - 1} positions, more "):
+        generate(model, prompt, layout="zigzag", new_tokens=np.int32(MAX_COUNT))
+    meta, split = cases.build().to("meta"), cases.build()
+    split.embed.to("meta")
+    for (model_, prompt_), message in (((model, prompt.to("meta")), "the prompt is on meta but the model is on cpu"),
+                                       ((meta, prompt), "the model is on the meta device, its weights not loaded"),
+                                       ((meta, prompt.to("meta")), "the model is on the meta device"),
+                                       ((split, prompt), r"the model's parameters are on several devices \(cpu, "
+                                                         r"meta\): generate runs it on one")):
+        for call in (lambda: generate(model_, prompt_, layout="zigzag", new_tokens=2),
+                     lambda: reference_generate(model_, prompt_, new_tokens=2)):
+            with pytest.raises(ValueError, match=f"^{message}"):
+                call()
 
 
 def test_sharded_attention_under_autocast_keeps_float64_q_k_v_exact() -> None:

@@ -545,11 +545,11 @@ class _Parser(argparse.ArgumentParser):
 
 
 def _did_you_mean(command: argparse.ArgumentParser, unknown: list[str]) -> str:
-    """The command's flags nearest the unknown ones (``--new-token``: ``--new-tokens``)."""
+    """The command's flags nearest the unknown ones it was given (``--new-token``: ``--new-tokens``)."""
     flags = [f for f in command._option_string_actions if f.startswith("--")]
     near = {}
     for word in unknown:
-        name = "--" + word.split("=", 1)[0].lstrip("-")
+        name = "--" + word.split("=", 1)[0].lstrip("-").lower()
         if word.startswith("-"):  # a flag of which it is the start (once taken for it), else the closest
             started = [f for f in flags if f.startswith(name)]
             near.update(dict.fromkeys(started if len(started) == 1 else
@@ -567,9 +567,12 @@ def main(argv: list[str] | None = None) -> int:
     sub = parser.add_subparsers(dest="command", required=True)
     for add_parser, _ in COMMANDS.values():
         add_parser(sub)
+    argv = sys.argv[1:] if argv is None else argv
     args, unknown = parser.parse_known_args(argv)
-    if unknown:
-        parser.error(f"unrecognized arguments: {' '.join(unknown)}{_did_you_mean(sub.choices[args.command], unknown)}")
+    if unknown:  # the command's flags are suggested for what follows its name alone
+        given = argv[argv.index(args.command) + 1:]
+        near = _did_you_mean(sub.choices[args.command], [word for word in unknown if word in given])
+        parser.error(f"unrecognized arguments: {' '.join(unknown)}{near}")
     if not launch.launched_by_torchrun():
         return _run_command(args)
     try:

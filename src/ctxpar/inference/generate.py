@@ -189,23 +189,32 @@ def prefilled_length(layout: Layout, length: int) -> int:
 
 def _check(model: nn.Module, prompt: torch.Tensor, new_tokens: int, temperature: float, seed: int) -> None:
     """generate's own arguments; prefill checks the prompt against the model and layout."""
-    if limits.whole(new_tokens) is None or not 1 <= new_tokens <= limits.MAX_COUNT:
+    count = limits.whole(new_tokens)  # a Python int: a numpy int32's sums wrap
+    if count is None or not 1 <= count <= limits.MAX_COUNT:
         raise ValueError(f"new_tokens must be an int between 1 and {limits.MAX_COUNT}, got {new_tokens!r}")
     check_sampling(temperature, seed)
     if getattr(model, "cfg", None) is None or not hasattr(model, "output"):
         raise ValueError(f"{type(model).__name__} is not a ctxpar.models.Transformer: generate needs its cfg and "
                          f"output head")
     check_dense_tokens(prompt, "the prompt", "(B, T)")
-    if prompt.device != model.output.weight.device:
-        raise ValueError(f"the prompt is on {prompt.device} but the model is on {model.output.weight.device}")
+    devices = {p.device for p in model.parameters()}
+    if len(devices) > 1:
+        raise ValueError(f"the model's parameters are on several devices ({', '.join(sorted(map(str, devices)))}): "
+                         f"generate runs it on one; move it with model.to(device)")
+    device, = devices
+    if device.type == "meta":
+        raise ValueError("the model is on the meta device, its weights not loaded: materialise it "
+                         "(model.to_empty(device=...), then load its weights)")
+    if prompt.device != device:
+        raise ValueError(f"the prompt is on {prompt.device} but the model is on {device}")
     if 0 in prompt.shape:
         raise ValueError(f"the prompt must hold token ids (B, T) with B, T >= 1, got {tuple(prompt.shape)}")
     if prompt.dtype not in (torch.int64, torch.int32):
         raise ValueError(f"the prompt must hold integer token ids (int64), got {prompt.dtype}")
     limits.check_token_range(prompt, model.cfg.vocab, "the model", " in its prompt")
-    if prompt.shape[1] + new_tokens - 1 > limits.MAX_COUNT:
-        raise ValueError(f"a prompt of {prompt.shape[1]} tokens and new_tokens={new_tokens} need a KV cache of "
-                         f"{prompt.shape[1] + new_tokens - 1} positions, more than {limits.MAX_COUNT}")
+    if prompt.shape[1] + count - 1 > limits.MAX_COUNT:
+        raise ValueError(f"a prompt of {prompt.shape[1]} tokens and new_tokens={count} need a KV cache of "
+                         f"{prompt.shape[1] + count - 1} positions, more than {limits.MAX_COUNT}")
 
 
 def _signature(model, prompt, layout, new_tokens, temperature, seed, strategy) -> dict[str, agreement.Value]:

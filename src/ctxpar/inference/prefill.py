@@ -188,7 +188,8 @@ def check_strategy(model: nn.Module, rank: int, world_size: int, strategy: str, 
         topo = topology.from_mesh(mesh)
         in_mesh = sorted(mesh.mesh.flatten().tolist())
         cache_group, fix = (("group= (generate builds the KV cache on it)",
-                             f"pass group= a process group of the mesh's ranks (dist.new_group({in_mesh}))")
+                             "pass group= the process group of the mesh's ranks (for a mesh taken from a larger one, "
+                             "each rank's own: dist.new_subgroups_by_enumeration makes them on every rank)")
                             if cache_from_group else
                             ("the KV cache's group", "build the cache on the group the mesh spans"))
         if topo.world_size != world_size:
