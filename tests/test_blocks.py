@@ -120,6 +120,11 @@ def test_balanced_layouts_split_causal_work_evenly(name: str) -> None:
 def test_malformed_blocks_are_rejected() -> None:
     with pytest.raises(ValueError):
         Tile(0, 4, 0, 3, MaskKind.CAUSAL)
+    # a PARTIAL row that sees no key (its softmax empty) or runs past the keys
+    for tile in (lambda: Tile(0, 2, 0, 2, MaskKind.PARTIAL, rows=((0, 0), (0, 2))),
+                 lambda: Tile(0, 1, 0, 2, MaskKind.PARTIAL, rows=((0, 3),))):
+        with pytest.raises(ValueError, match="malformed partial tile"):
+            tile()
     with pytest.raises(ValueError, match="ascending"):
         tiles_between(torch.tensor([3, 1]), torch.tensor([0, 1]), Mask(), 4)
 

@@ -75,6 +75,7 @@ def test_one_rank_holds_a_sequence_of_any_length_in_order(name: str) -> None:
         ("zigzag", 4, 1001, ["1001", "2*P=8", "pad to 1008", "trim to 1000"]),
         ("contiguous", 3, 10, ["10", "P=3", "pad to 12", "trim to 9"]),
         ("striped", 8, 5, ["5", "P=8", "pad to 8"]),
+        ("zigzag", 4, 3, ["3", "2*P=8", "pad to 8"]),  # shorter than one multiple: no "trim to 0", itself refused
         # no fix past the longest length ctxpar counts (pad to 2147483648 was suggested)
         ("zigzag", 2, 2**31 - 1, ["2147483647", "; trim to 2147483644"]),
     ],
@@ -87,6 +88,7 @@ def test_invalid_length_names_length_multiple_and_fix(name, world, seq_len, frag
         layout.positions(seq_len, 0)
     for fragment in fragments:
         assert fragment in str(err.value)
+    assert "trim to 0" not in str(err.value)
 
 
 def test_empty_lengths_and_swapped_arguments_are_named_as_such() -> None:
@@ -107,13 +109,16 @@ def test_empty_lengths_and_swapped_arguments_are_named_as_such() -> None:
         get_layout("zigzag", 1).validate(0)
     with pytest.raises(ValueError, match="rank 5 is outside the striped layout's 2 ranks$"):
         get_layout("striped", 2).positions(8, 5)  # 8 is no rank of 2: not taken for swapped
+    with pytest.raises(ValueError, match="rank 5 is outside the contiguous layout's 4 ranks$"):
+        get_layout("contiguous", 4).positions(4, 5)  # nor is 4 of 4
 
 
 def test_bad_layout_arguments() -> None:
     with pytest.raises(ValueError, match="unknown layout"):
         get_layout("spiral", 2)
-    with pytest.raises(ValueError, match="built for P=4"):
-        get_layout(ctxpar.ZigzagLayout(4), 2)
+    for built, world in ((4, 2), (2, 4)):  # fewer ranks than the group too: an IndexError on the others, then gloo's
+        with pytest.raises(ValueError, match=f"built for P={built} ranks but the process group has {world}"):
+            get_layout(ctxpar.ZigzagLayout(built), world)
     with pytest.raises(ValueError, match="positive int"):
         ctxpar.StripedLayout(0)
     with pytest.raises(ValueError, match="outside"):
@@ -201,6 +206,9 @@ def test_a_balanced_layout_takes_any_document_lengths_and_refuses_what_cannot_sp
     x = torch.arange(24).view(1, 24)
     assert torch.equal(layout.unshard([layout.shard(x, r, dim=1) for r in range(3)], dim=1), x)
     assert layout.fingerprint == ctxpar.balanced_layout(3, 24, documents=(1, 1, 5, 17)).fingerprint
+    # other deals, other fingerprints: one taken from the sorted owners let ranks of either deal agree
+    assert (ctxpar.balanced_layout(2, 16, documents=(13, 3), tolerance=2).fingerprint
+            != ctxpar.balanced_layout(2, 16, documents=(3, 13), tolerance=2).fingerprint)
     with pytest.raises(ValueError, match="built for sequence length 24, not 48"):
         layout.positions(48, 0)
     with pytest.raises(ValueError, match="not a multiple of P=3"):
