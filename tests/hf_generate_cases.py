@@ -387,6 +387,20 @@ def _stops_and_last_tokens(model, tokens: torch.Tensor, rank: int) -> dict:
             torch.manual_seed(rank)
             return scores
 
+    class ReseedPerRankButTheLastRow(LogitsProcessor):
+        """Each rank's own draw for row 0; the last row's token forced alike on every rank."""
+
+        def __call__(self, input_ids, scores):
+            torch.manual_seed(rank)
+            scores[-1] = float("-inf")
+            scores[-1, 7] = 0.0
+            return scores
+
+    def sequences_reseeded(**kwargs):
+        """``sequences`` with every rank's RNG alike again (a case before left each its own)."""
+        torch.manual_seed(SEED)
+        return sequences(**kwargs)
+
     def sequences(**kwargs):
         try:
             return "ran", model.generate(tokens, **{"max_new_tokens": 4, **kwargs}).tolist()
@@ -478,7 +492,11 @@ def _stops_and_last_tokens(model, tokens: torch.Tensor, rank: int) -> dict:
                 logits_processor=LogitsProcessorList([FavourOwnToken()]) if rank == 0 else None),
             # the same scores, then another token drawn on each rank
             "last token differs": sequences(max_new_tokens=1, do_sample=True, temperature=100.0,
-                                            logits_processor=LogitsProcessorList([ReseedPerRank()]))}
+                                            logits_processor=LogitsProcessorList([ReseedPerRank()])),
+            # every row is compared, not the last alone
+            "row 0's last token differs": sequences_reseeded(
+                max_new_tokens=1, do_sample=True, temperature=100.0,
+                logits_processor=LogitsProcessorList([ReseedPerRankButTheLastRow()]))}
 
 
 def _characters():

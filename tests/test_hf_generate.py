@@ -202,8 +202,9 @@ def test_every_rank_stops_where_any_rank_stops_and_compares_the_last_token() -> 
     stop_run = runs[0]["a stop of row 0 on rank 1"][1]
     assert len(set(stop_run[0][cases.PROMPT_LEN + 1:])) == 1 < len(set(stop_run[1][cases.PROMPT_LEN + 1:]))  # padded
     for rank, run in enumerate(runs):
-        kind, message = run["last token differs"]
-        assert kind == "refused" and "appended different tokens at position 24" in message, (rank, message)
+        for case in ("last token differs", "row 0's last token differs"):
+            kind, message = run[case]
+            assert kind == "refused" and "appended different tokens at position 24" in message, (case, rank, message)
         kind, message = run["a stop failing on rank 1"]  # the others waited in the all-reduce until the timeout
         want = "a criterion of rank 1 failed" if rank == 1 else "a stopping criterion failed on another rank"
         assert kind == "refused" and want in message, (rank, message)
@@ -273,6 +274,53 @@ def test_a_forward_over_the_sharded_cache_compares_every_token() -> None:
     other[0, 5] += 1
     cache = ShardedCache(layers=1, batch=2, capacity=16)
     assert _forward_signature(cache, {"input_ids": tokens}) != _forward_signature(cache, {"input_ids": other})
+
+
+def test_position_ids_over_the_sharded_cache_are_checked_in_every_row_and_the_row_named() -> None:
+    """A forward of one's own over the cache with position_ids other than the sequence's, in one
+    row of the prefill or in a decode step, is refused (a check of any row, or none in a decode
+    step, passed every test), naming the row that differs (row 0's right ids were shown)."""
+    model = enable_context_parallel(hf_families.build("llama"), layout=ONE)
+    tokens = cases.prompt()[:, :8]
+    shifted = torch.arange(8).repeat(2, 1)
+    shifted[1] += 100
+    with torch.no_grad():
+        with pytest.raises(ValueError, match=re.escape("got position_ids (row 1) [100, 101, 102, 103, 104, 105, "
+                                                       "106, 107] for positions 0..7 of the sequence")):
+            model(input_ids=tokens, position_ids=shifted, cache=ShardedCache(layers=2, batch=2, capacity=16))
+        cache = ShardedCache(layers=2, batch=2, capacity=16)
+        model(input_ids=tokens, position_ids=torch.arange(8).repeat(2, 1), cache=cache)  # the right ones run
+        with pytest.raises(ValueError, match=re.escape("got position_ids (row 0) [3] for positions 8..8")):
+            model(input_ids=tokens[:, :1], position_ids=torch.tensor([[3], [8]]), cache=cache)
+        model(input_ids=tokens[:, :1], position_ids=torch.tensor([[8], [8]]), cache=cache)
+
+
+def test_a_prompt_fed_in_parts_is_refused_where_dynamic_rope_passes_its_limit_within_it() -> None:
+    """The whole prompt's largest position decides, not the head's the layout splits (a head of
+    60 under max_position_embeddings=62 passed a 63-token prompt: logits 2e-4 off)."""
+    from ctxpar.integrations.transformers.attention import Settings
+    from ctxpar.integrations.transformers.generation import _head_rope_refusal
+
+    def settings(limit: int) -> Settings:
+        return Settings(ctxpar.get_layout("zigzag", 2), None, "ring", None, dynamic=(limit,))
+
+    refusal = _head_rope_refusal("M", settings(62), head=60, length=63)
+    assert isinstance(refusal, ValueError) and "reaches position 62" in str(refusal), refusal
+    assert _head_rope_refusal("M", settings(64), head=60, length=63) is None
+
+
+def test_the_most_max_new_tokens_a_refusal_advises_is_taken_and_one_more_is_not() -> None:
+    from transformers import GenerationConfig
+
+    from ctxpar.integrations.transformers.generation import _check_cache_length
+
+    for setting, prompt_len in (("max_new_tokens", 24), ("max_length", 24)):
+        with pytest.raises(ValueError) as e:
+            _check_cache_length(prompt_len, GenerationConfig(**{setting: 2**31 + 5}))
+        most = int(str(e.value).rsplit(f"ask for {setting} at most ", 1)[1])
+        _check_cache_length(prompt_len, GenerationConfig(**{setting: most}))
+        with pytest.raises(ValueError, match=f"at most {most}$"):
+            _check_cache_length(prompt_len, GenerationConfig(**{setting: most + 1}))
 
 
 def test_a_difference_in_a_common_setting_is_named_and_a_streamer_on_one_rank_runs() -> None:

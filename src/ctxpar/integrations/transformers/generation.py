@@ -502,7 +502,10 @@ def _plan(name: str, settings: Settings, cache: ShardedCache, kwargs: dict, acce
         step = _Step(position=past, positions=new_positions, held=len(held) + int(mine),
                      keys=torch.cat([held, new_positions]))
     if given is not None and (given.shape[-1] != new or not bool((given.reshape(-1, new).cpu() == want).all())):
-        raise ValueError(f"{name} got position_ids {given.reshape(-1)[:8].tolist()} for positions "
+        rows = given.reshape(-1, given.shape[-1]).cpu()
+        row = next(i for i, r in enumerate(rows) if r.shape != want.shape or not bool((r == want).all()))
+        which = f" (row {row})" if len(rows) > 1 else ""  # the row that differs: row 0 may be right
+        raise ValueError(f"{name} got position_ids{which} {rows[row][:8].tolist()} for positions "
                          f"{past}..{past + new - 1} of the sequence; leave them to generate")
     return kwargs, step
 
