@@ -11,6 +11,7 @@ from __future__ import annotations
 import sys
 import traceback
 import zlib
+from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
@@ -20,7 +21,7 @@ from ctxpar.inference import (KVCache, decode_step, generate, partial_prefill, p
 from ctxpar import profile, topology
 from hostile_cases import BlockedLayout
 from ctxpar.topology import hybrid_group_rank as group_rank
-from ctxpar.layout import get_layout
+from ctxpar.layout import Layout, get_layout
 from ctxpar.plan import get_hardware, traffic
 from ctxpar.models import ModelConfig, Transformer
 
@@ -93,6 +94,20 @@ def _first_call_imports(rank: int, world: int) -> dict:
     return dict(before=before, loaded=[name for name in heavy if name in sys.modules and name not in before])
 
 
+@dataclass(frozen=True)
+class RotatedLayout(Layout):
+    """A layout of the user's: contiguous blocks, place r holding block (r + 2) mod P, so
+    position T-1 sits at place P - 3: inside a hybrid mesh (at P=4, place 1 of its 2 x 2 is
+    group rank 2), where the built-in layouts keep it at place 0 or P-1, whose ranks the
+    places share."""
+
+    name = "rotated"
+
+    def _positions(self, seq_len: int, rank: int) -> torch.Tensor:
+        n, block = seq_len // self.world_size, (rank + 2) % self.world_size
+        return torch.arange(block * n, (block + 1) * n)
+
+
 def _check_logits(rank: int, world: int) -> dict:
     """Prefill and FORCED_STEPS decode steps fed fixed tokens, for every layout x strategy
     and auto (GQA) and the ring under MQA: (max relative error vs the single-process model,
@@ -102,7 +117,7 @@ def _check_logits(rank: int, world: int) -> dict:
     cases += [("mqa", lay, "ring") for lay in LAYOUTS]
     mesh = None
     if world > 1:  # hybrid: all-to-all over 2 ranks where P is even, ring over the rest
-        cases += [("gqa", lay, "hybrid") for lay in LAYOUTS]
+        cases += [("gqa", lay, "hybrid") for lay in (*LAYOUTS, RotatedLayout(world))]
         mesh = hybrid_mesh(world)
     for config, layout, strategy in cases:
         model, vocab = build(config), CONFIGS[config].vocab
@@ -115,9 +130,9 @@ def _check_logits(rank: int, world: int) -> dict:
         got = [prefill(model, cache, prompt, layout=layout, strategy=strategy,
                        mesh=mesh if strategy == "hybrid" else None)]
         got += [decode_step(model, cache, forced[:, i]) for i in range(FORCED_STEPS)]
-        out[f"{config}-{layout}-{strategy}"] = ([rel_error(g, w) for g, w in zip(got, want)],
+        out[f"{config}-{getattr(layout, 'name', layout)}-{strategy}"] = ([rel_error(g, w) for g, w in zip(got, want)],
                                                 digest(torch.stack(got)))
-    if mesh is not None:  # the owner of T-1 is at place 0 or P-1, where place = rank: check every place
+    if mesh is not None:  # every place's rank, not only the places that hold T-1 in the cases above
         out["place_to_rank"] = group_rank(mesh, topology.hybrid_rank(mesh), None) == rank
     return out
 

@@ -45,8 +45,9 @@ def test_a_first_generate_call_loads_no_heavy_module(world: int) -> None:
 @pytest.mark.parametrize("world", WORLD_SIZES, ids=lambda w: f"P{w}")
 def test_prefill_and_every_decode_step_match_the_single_process_model(world: int) -> None:
     per_rank = _reported(world, "logits")
-    # every layout x strategy and auto (GQA), the ring under MQA, and on more than one rank the hybrid
-    assert len(per_rank[0]) == 3 * 4 + 3 + (3 + 1 if world > 1 else 0)
+    # every layout x strategy and auto (GQA), the ring under MQA, and on more than one rank the hybrid (a user's
+    # layout holding T-1 inside the mesh too: the broadcast from its place's rank, not the rank of that number)
+    assert len(per_rank[0]) == 3 * 4 + 3 + (3 + 1 + 1 if world > 1 else 0)
     assert all(r.pop("place_to_rank", True) is True for r in per_rank), "hybrid: a mesh place maps to another rank"
     for case, (errors, _) in per_rank[0].items():
         assert len(errors) == 1 + cases.FORCED_STEPS
@@ -99,7 +100,8 @@ def test_strategy_auto_asks_the_planner_once_per_prefill_layer_and_never_in_deco
 @pytest.mark.parametrize("world", WORLD_SIZES, ids=lambda w: f"P{w}")
 def test_each_cache_holds_its_prompt_positions_and_every_pth_decoded_one(world: int) -> None:
     """Prompt positions as the layout dealt them, then position p on rank p mod P; the
-    last token is returned, not fed back, so T + n - 1 positions in all."""
+    last token is returned, not fed back, so T + n - 1 positions in all; kv_cache_bytes is
+    what the rank allocated for them."""
     per_rank = _reported(world, "greedy")
     decoded = range(cases.PROMPT_LEN, cases.PROMPT_LEN + cases.GREEDY_TOKENS - 1)
     for case in (f"{lay}-{s}" for lay in cases.LAYOUTS for s in cases.WITH_AUTO):
@@ -107,6 +109,9 @@ def test_each_cache_holds_its_prompt_positions_and_every_pth_decoded_one(world: 
         for rank, r in enumerate(per_rank):
             want = r[case]["prompt_positions"] + [p for p in decoded if p % world == rank]
             assert r[case]["positions"] == want, f"P={world} rank {rank} {case}"
+            # what it allocated, ceil((T + n - 1) / P) slots, however many it holds (held bytes passed at P = 4)
+            slots = -(-decoded.stop // world)
+            assert r[case]["kv_cache_bytes"] == slots * r[case]["bytes_per_position"], f"P={world} rank {rank} {case}"
             held.append(len(want))
         assert sorted(p for r in per_rank for p in r[case]["positions"]) == list(range(decoded.stop))
         assert max(held) - min(held) <= 1, f"P={world} {case}: unbalanced {held}"
@@ -439,7 +444,7 @@ def test_a_caches_history_is_its_tokens_however_they_were_fed_and_rewound() -> N
         decode_step(model, pieces, tokens[:, i])
     assert whole.history == pieces.history and whole.dealt_by == pieces.dealt_by == "zigzag/1"
     pieces.rewind(cases.PROMPT_LEN - 3)
-    assert pieces.history != whole.history
+    assert pieces.history != whole.history and pieces.prompt_len == cases.PROMPT_LEN - 3  # into the prompt
     partial_prefill(model, pieces, tokens[:, cases.PROMPT_LEN - 3:])
     assert pieces.history == whole.history
     pieces.rewind(cases.PROMPT_LEN + 1)
@@ -451,7 +456,9 @@ def test_a_caches_history_is_its_tokens_however_they_were_fed_and_rewound() -> N
         decode_step(model, pieces, tokens[:, i])
     assert pieces.history == whole.history
     pieces.rewind(0)  # as fresh: a peer with a fresh cache takes the same calls
-    assert (pieces.history, pieces.dealt_by) == (0, "")
+    assert (pieces.history, pieces.dealt_by, pieces.prompt_len) == (0, "", 0)
+    with pytest.raises(ValueError, match="decode before prefill"):  # the prompt forgotten (once decoded position 0)
+        decode_step(model, pieces, tokens[:, 0])
     partial_prefill(model, pieces, tokens[:, :3])
     assert pieces.history != 0
     pieces.reset()
