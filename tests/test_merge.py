@@ -119,3 +119,22 @@ def test_merging_a_partial_with_its_twin_doubles_its_mass(lse) -> None:
     torch.testing.assert_close(got_out, want_out, rtol=1e-9, atol=1e-9)
     torch.testing.assert_close(got_lse[seen], lse[seen] + math.log(2), rtol=1e-12, atol=1e-12)
     assert torch.isneginf(got_lse[~seen]).all()
+
+
+@pytest.mark.parametrize("sinks_dtype", [torch.float32, torch.bfloat16])
+def test_the_sinks_gradient_is_summed_at_the_lse_precision_from_low_precision_outputs(sinks_dtype) -> None:
+    """-sum over rows of exp(sink - lse) (dout . out): from bf16 dout and out, summed in the
+    lse's float32, within float32's rounding of the float64 sum of the same numbers (summed in
+    bf16, 1e-2 off: the suite's tolerances for bf16 attention let it through)."""
+    from ctxpar.strategies.blockwise import sink_gradient
+
+    gen = torch.Generator().manual_seed(0)
+    dout, out = (torch.randn(2, 4, 64, 16, generator=gen).bfloat16() for _ in range(2))
+    lse = torch.randn(2, 4, 64, generator=gen) + 3.0
+    sinks = (torch.randn(4, generator=gen) * 0.3).to(sinks_dtype)
+    got = sink_gradient(sinks, dout, out, lse)
+    want = -(torch.exp(sinks.double().view(1, -1, 1) - lse.double())
+             * (dout.double() * out.double()).sum(-1)).sum((0, 2))
+    assert got.dtype == sinks_dtype
+    rounding = 1e-5 if sinks_dtype == torch.float32 else 2**-8  # the result's own dtype's
+    torch.testing.assert_close(got.double(), want, rtol=rounding, atol=rounding * want.abs().max().item())
