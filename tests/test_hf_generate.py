@@ -293,6 +293,17 @@ def test_position_ids_over_the_sharded_cache_are_checked_in_every_row_and_the_ro
         with pytest.raises(ValueError, match=re.escape("got position_ids (row 0) [3] for positions 8..8")):
             model(input_ids=tokens[:, :1], position_ids=torch.tensor([[3], [8]]), cache=cache)
         model(input_ids=tokens[:, :1], position_ids=torch.tensor([[8], [8]]), cache=cache)
+    from ctxpar.integrations.transformers.generation import _check_position_ids
+
+    want = torch.arange(8)
+    for odd, shown in ((torch.zeros(2, 0, dtype=torch.long), "of shape (2, 0)"), (torch.tensor(3), "of shape ()"),
+                       (torch.zeros(0, 8, dtype=torch.long), "of shape (0, 8)"), ([0, 1], "as list")):
+        with pytest.raises(ValueError, match=re.escape(f"got position_ids {shown} for positions 0..7")):
+            _check_position_ids("M", odd, want, 0)  # a RuntimeError or StopIteration of its own, once
+    three_d = torch.arange(8).repeat(3, 2, 1)  # (3, B, n), as a multimodal RoPE's
+    three_d[1, 1, 0] = 5
+    with pytest.raises(ValueError, match=re.escape("got position_ids (row (1, 1)) [5, 1, 2")):
+        _check_position_ids("M", three_d, want, 0)
 
 
 def test_a_prompt_fed_in_parts_is_refused_where_dynamic_rope_passes_its_limit_within_it() -> None:

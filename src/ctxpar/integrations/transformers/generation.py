@@ -501,13 +501,26 @@ def _plan(name: str, settings: Settings, cache: ShardedCache, kwargs: dict, acce
         held = cache.kv.positions() if cache.kv is not None else new_positions[:0]
         step = _Step(position=past, positions=new_positions, held=len(held) + int(mine),
                      keys=torch.cat([held, new_positions]))
-    if given is not None and (given.shape[-1] != new or not bool((given.reshape(-1, new).cpu() == want).all())):
-        rows = given.reshape(-1, given.shape[-1]).cpu()
-        row = next(i for i, r in enumerate(rows) if r.shape != want.shape or not bool((r == want).all()))
-        which = f" (row {row})" if len(rows) > 1 else ""  # the row that differs: row 0 may be right
-        raise ValueError(f"{name} got position_ids{which} {rows[row][:8].tolist()} for positions "
-                         f"{past}..{past + new - 1} of the sequence; leave them to generate")
+    if given is not None:
+        _check_position_ids(name, given, want, past)
     return kwargs, step
+
+
+def _check_position_ids(name: str, given, want: torch.Tensor, past: int) -> None:
+    """Refuse position_ids other than the sequence's own (``want``, from ``past`` on), naming
+    the first row that differs: row 0 may be right."""
+    new = len(want)
+    span = f"positions {past}..{past + new - 1} of the sequence; leave them to generate"
+    if not isinstance(given, torch.Tensor) or given.dim() == 0 or given.numel() == 0 or given.shape[-1] != new:
+        got = f"of shape {tuple(given.shape)}" if isinstance(given, torch.Tensor) else f"as {type(given).__name__}"
+        raise ValueError(f"{name} got position_ids {got} for {span}")
+    rows = given.reshape(-1, new).cpu()
+    wrong = (rows != want).any(-1).nonzero().flatten()
+    if len(wrong):
+        row = int(wrong[0])
+        index = tuple(int(i) for i in torch.unravel_index(torch.tensor(row), given.shape[:-1]))
+        which = f" (row {index[0] if len(index) == 1 else index})" if len(rows) > 1 else ""
+        raise ValueError(f"{name} got position_ids{which} {rows[row][:8].tolist()} for {span}")
 
 
 _CRC_DEPTH = 5  # containers nested deeper are compared by type and length alone: a cycle ends
