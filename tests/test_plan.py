@@ -3163,3 +3163,42 @@ def test_plot_series_are_their_configuration_and_in_gib(tmp_path, monkeypatch) -
 def test_format_tokens_is_exact() -> None:
     """Token counts print as K or M only where exact: 100000 stays 100000 (once "97K" in a header)."""
     assert [format_tokens(t) for t in (32768, 2**20, 100000, 3 * 1024 + 1)] == ["32K", "1M", "100000", "3073"]
+
+
+def _plan_at_5_gb_per_s(tmp_path: Path) -> dict:
+    """``ctxpar plan``'s JSON (its table to stdout) for llama-3-8b, T=64K asked at CP-4 with full
+    checkpointing and FSDP over 5 GB/s: all-gather recommended at CP-2, and the ring's forward
+    and backward overlap thresholds apart."""
+    out = tmp_path / "plan.json"
+    assert main(["plan", "--model", "llama-3-8b", "--seq", "65536", "--cp", "4", "--checkpointing", "full",
+                 "--fsdp", "4", "--max-cp", "8", "--bandwidth", "5GB/s", "--json", str(out)]) == 0
+    return json.loads(out.read_text())
+
+
+def test_the_recommendations_step_and_efficiency_are_its_own_strategys_and_degrees(tmp_path, capsys) -> None:
+    """Its step was the ring's where all-gather was recommended (12.669 s in the headline and the
+    JSON, the reasons below saying all-gather 10.973 s), and the headline's efficiency the
+    requested degree's (0.998 for the CP-4 asked for, beside the CP-2 recommended)."""
+    from ctxpar.plan.units import format_seconds
+
+    plan = _plan_at_5_gb_per_s(tmp_path)
+    table = capsys.readouterr().out
+    rec = plan["recommendation"]
+    assert (rec["cp"], rec["strategy"]) == (2, "allgather"), rec  # not the ring, not the degree asked for
+    fastest = next(r for r in rec["reasons"] if r.startswith("fastest step"))
+    assert f"{rec['strategy']} {format_seconds(rec['step_seconds'])} (" in fastest, (rec["step_seconds"], fastest)
+    headline = next(line for line in table.splitlines() if line.startswith("Recommendation:"))
+    assert f"step {format_seconds(rec['step_seconds'])}, efficiency {rec['efficiency']:.3f}" in headline, headline
+    assert f"efficiency {plan['efficiency']:.3f}" not in headline  # the requested CP-4's differs
+
+
+def test_the_jsons_overlap_thresholds_are_the_tables_forward_and_backward(tmp_path, capsys) -> None:
+    """Swapped in the JSON, they passed: the worked example's two thresholds are close enough
+    that only the forward was compared."""
+    plan = _plan_at_5_gb_per_s(tmp_path)
+    table = capsys.readouterr().out
+    shown = {way: int(re.search(rf"^  {way} .*\(from (\d+) tokens/GPU", table, re.M).group(1))
+             for way in ("forward", "backward")}
+    ring = next(t for t in plan["overlap_thresholds"] if (t["strategy"], t["cp"]) == ("ring", 4))
+    assert shown["forward"] != shown["backward"], shown
+    assert (round(ring["forward"]), round(ring["backward"])) == (shown["forward"], shown["backward"]), (ring, shown)
