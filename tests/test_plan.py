@@ -3178,7 +3178,9 @@ def _plan_at_5_gb_per_s(tmp_path: Path) -> dict:
 def test_the_recommendations_step_and_efficiency_are_its_own_strategys_and_degrees(tmp_path, capsys) -> None:
     """Its step was the ring's where all-gather was recommended (12.669 s in the headline and the
     JSON, the reasons below saying all-gather 10.973 s), and the headline's efficiency the
-    requested degree's (0.998 for the CP-4 asked for, beside the CP-2 recommended)."""
+    requested degree's (0.998 for the CP-4 asked for, beside the CP-2 recommended). At DP=2
+    (FSDP over 4 must divide DP x CP) its step takes 2 sequences, which the headline says: its
+    time stood beside the requested CP-4's for one, looking twice as slow."""
     from ctxpar.plan.units import format_seconds
 
     plan = _plan_at_5_gb_per_s(tmp_path)
@@ -3188,7 +3190,8 @@ def test_the_recommendations_step_and_efficiency_are_its_own_strategys_and_degre
     fastest = next(r for r in rec["reasons"] if r.startswith("fastest step"))
     assert f"{rec['strategy']} {format_seconds(rec['step_seconds'])} (" in fastest, (rec["step_seconds"], fastest)
     headline = next(line for line in table.splitlines() if line.startswith("Recommendation:"))
-    assert f"step {format_seconds(rec['step_seconds'])}, efficiency {rec['efficiency']:.3f}" in headline, headline
+    assert (f"step {format_seconds(rec['step_seconds'])} for 2 sequences (DP=2), efficiency {rec['efficiency']:.3f}"
+            in headline), headline
     assert f"efficiency {plan['efficiency']:.3f}" not in headline  # the requested CP-4's differs
 
 

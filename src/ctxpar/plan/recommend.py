@@ -276,8 +276,8 @@ def recommend(w: Workload, hw: Hardware, degrees: Iterable[int]) -> Recommendati
         reasons.append(f"parallel efficiency {eff:.3f} (CP-1 step time / ({cp} x CP-{cp} step time))")
         if best.data_parallel != w.data_parallel:  # FSDP must divide DP x CP: the global batch changes with DP
             reasons.append(f"DP={best.data_parallel} at CP-{cp} (--fsdp {w.fsdp} must divide DP x CP; "
-                           f"DP={w.data_parallel} at CP-{w.cp}): {_sequences_per_step(best)} sequences per step on "
-                           f"{best.world_size} GPUs, against {_sequences_per_step(w)} on {w.world_size}")
+                           f"DP={w.data_parallel} at CP-{w.cp}): {sequences_per_step(best)} sequences per step on "
+                           f"{best.world_size} GPUs, against {sequences_per_step(w)} on {w.world_size}")
         return Recommendation(best, times[best.strategy], eff, reasons)
     tried = (f"no CP degree up to {max(degrees)} fits" if evaluated == degrees else
              f"none of the CP degrees evaluated ({', '.join(map(str, evaluated))}) fits")
@@ -285,7 +285,8 @@ def recommend(w: Workload, hw: Hardware, degrees: Iterable[int]) -> Recommendati
     return Recommendation(None, None, None, reasons)
 
 
-def _sequences_per_step(w: Workload) -> int:
+def sequences_per_step(w: Workload) -> int:
+    """Sequences one step of ``w`` takes: its batch, times micro-batches, times DP replicas."""
     return w.batch * w.microbatches * w.data_parallel
 
 

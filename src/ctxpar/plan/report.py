@@ -71,7 +71,7 @@ JSON (bytes exact, times in seconds; formulas in docs/planner.md):
 from __future__ import annotations
 
 from ctxpar.plan.cost import overlap_local_len, ring_window_per_rank, split_traffic, traffic_bound
-from ctxpar.plan.recommend import variant
+from ctxpar.plan.recommend import sequences_per_step, variant
 from ctxpar.plan.hardware import LOCAL, TILE_OVERHEADS, Hardware
 from ctxpar.plan.memory import layers_in_flight, parameters_per_gpu
 from ctxpar.plan.documents import describe
@@ -610,7 +610,11 @@ def _recommendation(plan: Plan) -> list[str]:
         head = (f"{instead}; the smallest CP degree that fits, CP-{w.cp} {w.strategy}{extra} on the {w.layout} "
                 f"layout, takes {format_seconds(rec.step_seconds)} per batch")
     else:
+        # at another DP than asked (FSDP must divide DP x CP) a step holds other sequences: its time beside the
+        # requested degree's misleads without it (the reasons say why)
+        batch = (f" for {sequences_per_step(w)} sequences (DP={w.data_parallel})"
+                 if w.data_parallel != plan.workload.data_parallel else "")
         head = (f"Recommendation: CP-{w.cp} {w.strategy}{extra}, {w.layout} layout: step "
-                f"{format_seconds(rec.step_seconds)}, efficiency {rec.efficiency:.3f}")
+                f"{format_seconds(rec.step_seconds)}{batch}, efficiency {rec.efficiency:.3f}")
     return [head, *(f"  - {r}" for r in rec.reasons),
             f"  - against the best without CP: {plan.recommended_baseline.summary}"]
