@@ -451,8 +451,9 @@ def _check_traffic(rank: int, world: int, mesh) -> dict:
 
 
 def _check_window_traffic(rank: int, world: int) -> dict:
-    """Ring bytes (sent, received) under sliding windows on the contiguous layout: halos of
-    one shard or less, of more than one shard, and a window wider than the sequence."""
+    """Ring bytes (sent, received) and (posts, waits) of the forward and the backward under
+    sliding windows on the contiguous layout: halos of one shard or less, of more than one
+    shard, and a window wider than the sequence."""
     b, h, hkv, s, d = 1, 4, 2, 6, 8
     counted = {}
     for window in (1, 4, s + 3, 2 * s + 1, 10 * s * world):
@@ -463,7 +464,8 @@ def _check_window_traffic(rank: int, world: int) -> dict:
         with ctxpar.record() as bwd:
             out.sum().backward()
         counted[window] = dict(sent=(fwd.bytes_sent, bwd.bytes_sent), received=(fwd.bytes_received,
-                                                                                bwd.bytes_received))
+                                                                                bwd.bytes_received),
+                               syncs=(fwd.collectives, fwd.waits, bwd.collectives, bwd.waits))
     return counted
 
 

@@ -140,10 +140,14 @@ def test_counted_bytes_equal_the_documented_formulas(world: int) -> None:
 @pytest.mark.parametrize("world", WORLD_SIZES, ids=lambda w: f"P{w}")
 def test_a_sliding_window_sends_only_the_halo(world: int) -> None:
     """Counted ring bytes per rank under windows on the contiguous layout equal
-    ``traffic.ring_window``; a window wider than T sends what plain causal sends."""
+    ``traffic.ring_window``; a window wider than T sends what plain causal sends. A ring step
+    that moves nothing either way is no post (they were counted as posts of 0 bytes, which
+    no wait follows): every post is waited on once."""
     b, hkv, s, d = 1, 2, 6, 8
     for rank, res in enumerate(results(world)):
         for window, counted in res["window_traffic"].items():
+            forward_posts, forward_waits, backward_posts, backward_waits = counted["syncs"]
+            assert (forward_posts, backward_posts) == (forward_waits, backward_waits), (rank, window, counted)
             if window >= s * world:
                 plain = traffic.ring(batch=b, local_len=s, kv_heads=hkv, head_dim=d, world=world, elem=4, acc=4)
                 want_sent = want_received = plain
@@ -156,6 +160,8 @@ def test_a_sliding_window_sends_only_the_halo(world: int) -> None:
         sent, _ = traffic.ring_window(batch=b, local_len=s, kv_heads=hkv, head_dim=d, world=world, window=4, rank=0,
                                       elem=4, acc=4)
         assert sent.forward == 3 * 2 * b * hkv * d * 4
+    if world == 3:  # a halo of 9 keys (window s + 3) takes two ring steps, and rank 0's second moves nothing
+        assert results(world)[0]["window_traffic"][s + 3]["syncs"][:2] == (2, 2)  # the consistency check, step 0
 
 
 def _expected_syncs(strategy: str, world: int, kv_heads: int) -> tuple[int, int, int, int]:
