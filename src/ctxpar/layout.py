@@ -513,18 +513,14 @@ def get_layout(layout: str | Layout, world_size: int) -> Layout:
     with a group of 2 is an error, not a silent reinterpretation.
     """
     if isinstance(layout, Layout):
-        if layout.world_size != world_size and world_size == 1 and not (
-                torch.distributed.is_available() and torch.distributed.is_initialized()):
+        if layout.world_size == world_size:
+            return layout
+        if world_size == 1 and not (torch.distributed.is_available() and torch.distributed.is_initialized()):
             raise ValueError(f"the {layout.name} layout is for P={layout.world_size} ranks but torch.distributed is "
                              f"not initialised; call torch.distributed.init_process_group first (or start the ranks "
                              f"with ctxpar.launch.run_local or torchrun)")
-        if layout.world_size != world_size:
-            raise ValueError(
-                f"the {layout.name} layout was built for P={layout.world_size} ranks but the "
-                f"process group has {world_size}; build it with world_size={world_size} or pass "
-                f"the group it was made for"
-            )
-        return layout
+        raise ValueError(f"the {layout.name} layout was built for P={layout.world_size} ranks but the process group "
+                         f"has {world_size}; build it with world_size={world_size} or pass the group it was made for")
     if not isinstance(layout, str):
         raise ValueError(f"layout must be a name ({', '.join(LAYOUT_NAMES)}) or a Layout, got "
                          f"{type(layout).__name__} {layout!r}")
