@@ -448,6 +448,15 @@ def _stops_and_last_tokens(model, tokens: torch.Tensor, rank: int) -> dict:
             for key, value in saved.items():
                 setattr(model.generation_config, key, value)
 
+    def hooked_on_rank_1(**kwargs):
+        """``sequences`` with rank 1's lm_head adding 1e-3 to its decode steps' logits."""
+        handle = model.lm_head.register_forward_hook(
+            lambda module, inputs, logits: logits + 1e-3 if rank == 1 and inputs[0].shape[1] == 1 else logits)
+        try:
+            return sequences(**kwargs)
+        finally:
+            handle.remove()
+
     torch.manual_seed(0)  # sampled calls below: the RNG alike on every rank
     return {"max_time": sequences(max_time=1e-9),  # once refused: each rank stopped by its own clock
             # raised on rank 1 alone, its peers waited in the step's all-reduce until the timeout
@@ -470,6 +479,10 @@ def _stops_and_last_tokens(model, tokens: torch.Tensor, rank: int) -> dict:
             # its private hash of a string differs per process: compared, it refused a copy of the model's config
             "the model's generation config passed in": (
                 sequences(generation_config=copy.deepcopy(model.generation_config)), plain.tolist()),
+            # blamed on the logits processors (none in the first), the first scores compared
+            "logits differing": hooked_on_rank_1(),
+            "logits differing, a processor": hooked_on_rank_1(
+                logits_processor=LogitsProcessorList([TemperatureLogitsWarper(0.5)])),
             "temperature differing": sequences(do_sample=True, temperature=0.5 + 0.25 * rank),
             "model.generation_config differing": differing(dict(repetition_penalty=1.3)),
             # each row stops on its own: ("ran", the CP sequences), the sequences without CP

@@ -212,8 +212,9 @@ def test_every_rank_stops_where_any_rank_stops_and_compares_the_last_token() -> 
 
 def test_a_logits_processor_failing_on_one_rank_fails_every_rank_at_that_step() -> None:
     """It raised on rank 1 alone, its peers waiting in the step's all-reduce until the timeout;
-    a processor's parameters are compared, a stopping criterion's state (a clock's start) is
-    not, and a whole float max_new_tokens is served as without CP."""
+    a processor's parameters are compared (logits that differ are not blamed on them), a
+    stopping criterion's state (a clock's start) is not, and a whole float max_new_tokens is
+    served as without CP."""
     runs = [_part(rank, "refusals") for rank in range(4)]
     for rank, run in enumerate(runs):
         kind, message = run["a processor failing on rank 1"]
@@ -222,6 +223,10 @@ def test_a_logits_processor_failing_on_one_rank_fails_every_rank_at_that_step() 
         kind, message = run["a processor's parameter differing"]
         assert kind == "refused" and "the logits processors of the ranks of the CP group gave different scores for " \
             f"position {cases.PROMPT_LEN}: a logits processor (its parameters)" in message, (rank, message)
+        for case in ("logits differing", "logits differing, a processor"):
+            kind, message = run[case]
+            assert kind == "refused" and "the model gave the ranks of the CP group different logits for position " \
+                f"{cases.PROMPT_LEN + 1} (before any logits processor): a forward hook" in message, (case, message)
         kind, message = run["a guidance processor"]
         assert kind == "refused" and "generate with a UnbatchedClassifierFreeGuidanceLogitsProcessor is not " \
             "supported" in message, (rank, message)

@@ -822,25 +822,28 @@ class HeldProcessors(LogitsProcessorList):
     all -inf, could fail the sampling on this rank alone). ``code``: a checksum of the scores
     they gave at this step, which ``AgreedStop`` compares: processors that differ between
     ranks (one class with other parameters; two ``prefix_allowed_tokens_fn``) gave each rank
-    its own scores, the tokens differing only where they made them differ."""
+    its own scores, the tokens differing only where they made them differ. ``logits_code``:
+    the same of the logits they were given, so that logits differing between ranks (a hook or
+    weights of one rank's own) are not blamed on the processors."""
 
     def __init__(self, processors) -> None:
         super().__init__(processors)
         self.error: Exception | None = None
-        self.code = 0
+        self.code = self.logits_code = 0
         self._weights: torch.Tensor | None = None  # _scores_code's, made once per generate call, not per step
 
     def __call__(self, input_ids: torch.Tensor, scores: torch.Tensor, **kwargs) -> torch.Tensor:
-        if self.error is None:
+        if self._weights is None or self._weights.numel() != scores.numel() or self._weights.device != scores.device:
+            self._weights = torch.arange(scores.numel(), device=scores.device, dtype=torch.int64) % 65521 + 1
+        self.logits_code = _scores_code(scores, self._weights)  # before processors that change them in place
+        if self.error is None and len(self):
             try:
                 scores = super().__call__(input_ids, scores, **kwargs)
             except Exception as e:  # noqa: BLE001  any failure: raised by this step's AgreedStop
                 self.error = e
         if self.error is not None:  # what a processor left half done (NaN, all -inf) could fail the sampling here
             scores = torch.zeros_like(scores)
-        if self._weights is None or self._weights.numel() != scores.numel() or self._weights.device != scores.device:
-            self._weights = torch.arange(scores.numel(), device=scores.device, dtype=torch.int64) % 65521 + 1
-        self.code = _scores_code(scores, self._weights)
+        self.code = _scores_code(scores, self._weights) if len(self) else self.logits_code
         return scores
 
 
@@ -880,24 +883,29 @@ class AgreedStop(StoppingCriteriaList):
     def __call__(self, input_ids: torch.Tensor, scores, **kwargs) -> torch.Tensor:
         rows, error = input_ids.shape[0], None
         processors = PROCESSING.get()
-        processor_error, scores_code = (processors.error, processors.code) if processors is not None else (None, 0)
+        processor_error, logits_code, scores_code = ((processors.error, processors.logits_code, processors.code)
+                                                     if processors is not None else (None, 0, 0))
         try:
             done = super().__call__(input_ids, scores, **kwargs).tolist()  # (B,) bool
         except Exception as e:  # noqa: BLE001  a criterion failing here: this rank must still join the all-reduce
             done, error = [False] * rows, e
         code = _crc(input_ids[:, -1]) & 0xFFFFFF  # 24 bits (agreement.sums_of)
         flags = torch.tensor([*done, int(processor_error is not None), int(error is not None),
-                              *agreement.sums_of(code), *agreement.sums_of(scores_code)], dtype=torch.int64,
-                             device=input_ids.device)
+                              *agreement.sums_of(code), *agreement.sums_of(logits_code),
+                              *agreement.sums_of(scores_code)], dtype=torch.int64, device=input_ids.device)
         topology.all_reduce(flags, self.peers)
         values = flags.tolist()  # one copy to the host
         stopped, failed = values[:rows], values[rows:rows + 2]
-        summed, summed_scores = values[rows + 2:rows + 5], values[rows + 5:]
+        summed, summed_logits, summed_scores = values[rows + 2:rows + 5], values[rows + 5:rows + 8], values[rows + 8:]
         if processor_error is not None or error is not None:
             raise processor_error if processor_error is not None else error
         for what, count in zip(("a logits processor", "a stopping criterion"), failed):
             if count:
                 raise ValueError(f"{what} failed on another rank of the CP group; see its error")
+        if agreement.differ(logits_code, summed_logits):
+            raise ValueError(f"the model gave the ranks of the CP group different logits for position "
+                             f"{input_ids.shape[1] - 1} (before any logits processor): a forward hook, or weights "
+                             f"changed since the call began, differ between ranks; every rank must generate alike")
         if agreement.differ(scores_code, summed_scores):
             raise ValueError(f"the logits processors of the ranks of the CP group gave different scores for position "
                              f"{input_ids.shape[1] - 1}: a logits processor (its parameters) or a "
