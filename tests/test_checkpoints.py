@@ -498,6 +498,9 @@ def test_the_checkpoint_api_refuses_what_would_lose_or_mix_work(tmp_path) -> Non
     for step in (-1, 1.5, "3", True):
         refused(lambda: checkpoint.save(model, optimizer, directory, step, SETTINGS), "step must be an int >= 0")
     refused(lambda: checkpoint.save(model, optimizer, directory, 2, None), "run must be a dict")
+    # a file for the directory: once "could not be written ... (File exists); what was written of it is left unsealed"
+    refused(lambda: checkpoint.save(model, optimizer, path + "/manifest.json", 2, SETTINGS),
+            f"checkpoint directory {path + '/manifest.json'!r} is a file, not a directory; pass a directory path")
     refused(lambda: checkpoint.save(model, optimizer, directory, 2, {"dtype": torch.float32}),
             "run must hold what JSON can")
     with open(os.path.join(directory, checkpoint.SAVE_LOCK), "w") as held:  # another run, saving right now
@@ -567,6 +570,46 @@ def test_ranks_that_disagree_on_the_checkpoint_to_save_are_refused_on_every_rank
     for message in said:
         assert message.startswith("the ranks disagree on the checkpoint to save (") and want in message, message
     assert not [d for _, dirs, _ in os.walk(tmp_path) for d in dirs if d.startswith("step-")]  # nothing written
+
+
+def load_where_rank_1_differs(rank: int, world: int, directory: str) -> dict[str, str]:
+    """Both ranks save the tiny model and AdamW at step 1, then load it into a model with one
+    parameter renamed on rank 1 ("renamed", refused before DCP's load), or into an Adam on
+    rank 1 ("adam", refused after it), or as saved ("alike"): what load said on each."""
+    model, optimizer = _tiny_model_and_adamw()
+    _train(model, optimizer, 1)
+    path = checkpoint.save(model, optimizer, directory, 1, SETTINGS)
+    said = {}
+    for how in ("renamed", "adam", "alike"):
+        model, optimizer = _tiny_model_and_adamw()
+        if rank == 1 and how == "renamed":
+            model.norm.register_parameter("gain", model.norm._parameters.pop("weight"))
+            optimizer = torch.optim.AdamW(model.parameters(), lr=0.01)
+        elif rank == 1 and how == "adam":
+            optimizer = torch.optim.Adam(model.parameters(), lr=0.01)
+        try:
+            checkpoint.load(model, optimizer, path)
+            said[how] = "loaded"
+        except ValueError as e:
+            said[how] = str(e)
+    return said
+
+
+def test_a_model_or_optimizer_that_one_rank_alone_cannot_load_into_is_refused_on_every_rank(tmp_path) -> None:
+    """Rank 1's refusal was its own: rank 0 waited in DCP's load until rank 1 left (a renamed
+    parameter), or loaded and trained on (an optimizer of another kind on rank 1)."""
+    from ctxpar.launch import run_local
+
+    said = run_local(load_where_rank_1_differs, 2, (str(tmp_path / "ckpt"),), timeout_s=60)
+    own = {"renamed": "is of another model: 1 entry only the checkpoint holds (norm.weight); 1 entry only the "
+                      "model has (norm.gain)",
+           "adam": "was saved by an optimizer of another kind or setting (decoupled_weight_decay=True there, "
+                   "False here)"}
+    for how, words in own.items():
+        assert words in said[1][how] and not said[1][how].startswith("rank 1"), (how, said[1][how])
+        assert said[0][how].startswith("rank 1 cannot load this checkpoint: the checkpoint ") \
+            and words in said[0][how], (how, said[0][how])
+    assert said[0]["alike"] == said[1]["alike"] == "loaded"
 
 
 def test_a_save_before_the_first_step_leaves_the_optimizer_as_it_was_and_resumes_it_so(tmp_path) -> None:

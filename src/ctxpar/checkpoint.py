@@ -249,8 +249,9 @@ def save(model: torch.nn.Module, optimizer: torch.optim.Optimizer, directory: st
     this one; a sealed checkpoint of another run (other ``run`` settings) is never replaced.
 
     Raises:
-        ValueError: a step that is not an int >= 0, ``run`` not a dict JSON can hold, the
-            directory locked by another save, or ``step`` sealed there by another run; on
+        ValueError: a step that is not an int >= 0, ``run`` not a dict JSON can hold, a
+            directory that is a file, the directory locked by another save, or ``step``
+            sealed there by another run; on
             every rank, before any file of the checkpoint is written.
         OSError: the checkpoint could not be written (no space left, a file-size limit, no
             permission), on every rank with one message naming the OS's error; what was
@@ -414,7 +415,9 @@ def load(model: torch.nn.Module, optimizer: torch.optim.Optimizer, checkpoint: R
             silently), lacks some it has, or holds them in other shapes, naming them; its
             optimizer state is of another kind (state of other names, or amsgrad,
             decoupled weight decay, maximize, nesterov or centered set otherwise), naming it;
-            or it was saved by an optimizer over other parameters, naming them.
+            or it was saved by an optimizer over other parameters, naming them. On every rank
+            where any rank's model or optimizer is refused, naming that rank, before the
+            collective that would load or set the state.
     """
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.api import CheckpointException
@@ -422,15 +425,20 @@ def load(model: torch.nn.Module, optimizer: torch.optim.Optimizer, checkpoint: R
                                                          set_optimizer_state_dict)
 
     path = checkpoint.path if isinstance(checkpoint, Resumable) else _verified(checkpoint)
-    model_state, optim_state = get_state_dict(model, optimizer)
     parameters, saved_state, dtypes = _on_rank0(partial(_saved_entries, path))
-    _check_parameters(path, parameters, model_state)
-    _warn_casts(path, dtypes, model_state)
-    # Only the parameters the saving optimizer held state for: none where it was saved before the first step
-    # (_state_without_stepping), not those that never had a gradient. get_state_dict made state for every one.
-    optim_state = {**optim_state, "state": {name: v for name, v in optim_state["state"].items()
-                                            if f"optim.state.{name}" in saved_state}}
-    _check_optimizer_state(path, optim_state["state"], saved_state)
+    error = None
+    try:
+        model_state, optim_state = get_state_dict(model, optimizer)
+        _check_parameters(path, parameters, model_state)
+        _warn_casts(path, dtypes, model_state)
+        # Only the parameters the saving optimizer held state for: none where it was saved before the first step
+        # (_state_without_stepping), not those that never had a gradient. get_state_dict made state for every one.
+        optim_state = {**optim_state, "state": {name: v for name, v in optim_state["state"].items()
+                                                if f"optim.state.{name}" in saved_state}}
+        _check_optimizer_state(path, optim_state["state"], saved_state)
+    except Exception as e:  # noqa: BLE001  any failure: raised on every rank together, below
+        error = e
+    _raise_together(error)
     groups = [list(group["params"]) for group in optim_state["param_groups"]]  # dcp.load puts the saved ones there
     state = {"model": model_state, "optim": optim_state}
     try:
@@ -438,11 +446,31 @@ def load(model: torch.nn.Module, optimizer: torch.optim.Optimizer, checkpoint: R
     except CheckpointException as e:  # a BaseException: an `except Exception` would miss it
         last = next((line for line in reversed(str(e).splitlines()) if line.strip()), type(e).__name__)
         raise ValueError(f"the checkpoint {path} does not fit this model and optimizer: {last.strip()}") from None
-    _check_optimizer_parameters(path, groups, [list(group["params"]) for group in state["optim"]["param_groups"]])
-    _check_optimizer_kind(path, optimizer.param_groups, state["optim"]["param_groups"])
+    try:
+        _check_optimizer_parameters(path, groups, [list(group["params"]) for group in state["optim"]["param_groups"]])
+        _check_optimizer_kind(path, optimizer.param_groups, state["optim"]["param_groups"])
+    except ValueError as e:
+        error = e
+    _raise_together(error)
     set_model_state_dict(model, state["model"])
     # not strict: the parameters without saved state start without, as the saving optimizer's would have stepped
     set_optimizer_state_dict(model, optimizer, state["optim"], options=StateDictOptions(strict=False))
+
+
+def _raise_together(error: Exception | None) -> None:
+    """Raise on every rank where any rank's own check of its model or optimizer failed
+    (collective): that rank its own error, the others naming it. Refused on one rank alone,
+    its peers went on into DCP's collectives and waited there, or loaded and trained on."""
+    rank, world = _rank_world()
+    if world > 1:
+        every: list[str | None] = [None] * world
+        dist.all_gather_object(every, None if error is None else str(error))
+        failed = [(r, message) for r, message in enumerate(every) if message is not None]
+        if error is None and failed:
+            other, message = failed[0]
+            raise ValueError(f"rank {other} cannot load this checkpoint: {message}")
+    if error is not None:
+        raise error
 
 
 def _problems(path: str, step: int, run: dict[str, Any] | None = None) -> list[str]:
@@ -695,6 +723,8 @@ def _claim(directory: str, path: str, step: int, run: dict[str, Any]) -> int | N
     """Lock ``directory`` for this run's save of ``step`` at ``path`` and clear what is there;
     return the lock's descriptor (closing it releases the lock, as the process's end does),
     None where the file system has no locks."""
+    if os.path.lexists(directory) and not os.path.isdir(directory):  # makedirs said "File exists", nothing more
+        raise ValueError(f"checkpoint directory {directory!r} is a file, not a directory; pass a directory path")
     os.makedirs(directory, exist_ok=True)
     try:
         # None on a file system without locks: saves go unlocked there, as they did before the
