@@ -7,6 +7,8 @@ The per-family verdicts come from ``hf_cases.sweep`` (CP groups of 2 gloo ranks,
 
 from __future__ import annotations
 
+import re
+
 import pytest
 
 pytest.importorskip("transformers")
@@ -93,13 +95,17 @@ def test_a_sliding_window_argument_the_mask_does_not_carry_is_refused() -> None:
         model(**inputs, sliding_window=4)
 
 
-def test_a_non_default_scale_is_honoured_exactly() -> None:
-    """Every attention module scales by 0.173 instead of head_dim ** -0.5 (8 ** -0.5 = 0.354)."""
+@pytest.mark.parametrize("scaling", [0.173, torch.tensor(0.173, dtype=torch.float64)], ids=["float", "tensor"])
+def test_a_non_default_scale_is_honoured_exactly(scaling) -> None:
+    """Every attention module scales by 0.173 instead of head_dim ** -0.5 (8 ** -0.5 = 0.354),
+    a float or a one-element tensor (a scale restored as a buffer); a learned or per-element
+    scale tensor is refused."""
     reference = hf_families.build("llama")
+    reference.set_attn_implementation("eager")  # takes a tensor scale
     model = hf_families.build("llama")
     for m in (*reference.modules(), *model.modules()):
         if hasattr(m, "scaling"):
-            m.scaling = 0.173
+            m.scaling = scaling
     tokens = torch.randint(3, hf_families.VOCAB, (2, 8))
     with torch.no_grad():
         want = reference(input_ids=tokens, use_cache=False).logits
@@ -109,6 +115,29 @@ def test_a_non_default_scale_is_honoured_exactly() -> None:
     with torch.no_grad():
         plain = hf_families.build("llama")(input_ids=tokens, use_cache=False).logits
     assert (plain - want).abs().max() > 1e-3 * want.abs().max()  # the scale matters on these inputs
+    if isinstance(scaling, torch.Tensor):
+        for refused, words in ((torch.tensor([0.1, 0.2]), "per-element attention scale tensor of shape (2,)"),
+                               (torch.tensor(0.173, requires_grad=True), "learned attention scale tensor of shape ()")):
+            for m in model.modules():
+                if hasattr(m, "scaling"):
+                    m.scaling = refused
+            with pytest.raises(ValueError, match=re.escape(words)), torch.no_grad():
+                model(**shard_inputs(tokens, layout=ONE, rank=0)[0])
+
+
+def test_a_sliding_window_argument_other_than_the_masks_window_is_refused() -> None:
+    """gpt-oss passes its module's window, the mask carries the config's: eager attention would
+    follow the mask, flash attention the argument."""
+    from ctxpar.integrations.transformers.attention import LayerMask, Settings, attention_forward
+
+    module = torch.nn.Module()
+    module.is_causal = True
+    module.ctxpar_settings = Settings(ONE, None, "ring", None)
+    q = torch.randn(1, 2, 16, 4)
+    with pytest.raises(ValueError, match="passes sliding_window=2 but its attention mask has window 4"):
+        attention_forward(module, q, q, q, LayerMask(window=4), scaling=None, sliding_window=2)
+    got, _ = attention_forward(module, q, q, q, LayerMask(window=4), scaling=None, sliding_window=4)
+    assert got.shape == (1, 16, 2, 4)
 
 
 def test_the_default_scale_is_the_query_head_dims_when_values_are_wider() -> None:

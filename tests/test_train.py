@@ -513,6 +513,42 @@ def _forward_in_float64(model: Transformer, tokens: torch.Tensor) -> torch.Tenso
     return norm(x, model.norm.weight) @ model.output.weight.T
 
 
+def test_the_reference_model_is_transformers_llama() -> None:
+    """The same weights in transformers' LlamaForCausalLM give the same logits (float64, GQA
+    4/2): the suite compares CP with this model unsplit, where a bug of the model's own
+    (RoPE rotating interleaved pairs instead of halves, SwiGLU's gate and up swapped)
+    cancels out; against Llama it was 1.3 off."""
+    transformers = pytest.importorskip("transformers")
+    from ctxpar.models.config import ModelConfig
+
+    torch.manual_seed(0)
+    cfg = ModelConfig(layers=2, hidden=64, heads=4, kv_heads=2, head_dim=16, ffn=128, vocab=97, rope_theta=10000.0)
+    ours = Transformer(cfg).double()
+    for parameter in ours.parameters():  # norms away from 1 too, so that an eps or weight misplaced shows
+        torch.nn.init.normal_(parameter, std=0.3 if parameter.dim() > 1 else 1.0)
+    llama = transformers.LlamaForCausalLM._from_config(transformers.LlamaConfig(
+        vocab_size=cfg.vocab, hidden_size=cfg.hidden, intermediate_size=cfg.ffn, num_hidden_layers=cfg.layers,
+        num_attention_heads=cfg.heads, num_key_value_heads=cfg.kv_heads, head_dim=cfg.head_dim,
+        rms_norm_eps=cfg.norm_eps, rope_parameters=dict(rope_type="default", rope_theta=cfg.rope_theta),
+        tie_word_embeddings=False), attn_implementation="eager").double().eval()
+    names = {"model.embed_tokens": "embed", "model.norm": "norm", "lm_head": "output"}
+    for i in range(cfg.layers):
+        names.update({f"model.layers.{i}.{theirs}": f"layers.{i}.{mine}" for theirs, mine in (
+            ("input_layernorm", "attention_norm"), ("post_attention_layernorm", "ffn_norm"),
+            ("self_attn.q_proj", "attention.wq"), ("self_attn.k_proj", "attention.wk"),
+            ("self_attn.v_proj", "attention.wv"), ("self_attn.o_proj", "attention.wo"),
+            ("mlp.gate_proj", "feed_forward.w1"), ("mlp.up_proj", "feed_forward.w3"),
+            ("mlp.down_proj", "feed_forward.w2"))})
+    ours_state = ours.state_dict()
+    llama.load_state_dict({f"{theirs}.weight": ours_state[f"{mine}.weight"] for theirs, mine in names.items()})
+    tokens = torch.randint(0, cfg.vocab, (2, 64))
+    with torch.no_grad():
+        want = llama(input_ids=tokens, use_cache=False).logits
+        got = ours.eval()(tokens)
+    # transformers computes RoPE's angles in float32 whatever the model's dtype: 2.2e-6 here
+    assert ((got - want).abs().max() / want.abs().max()).item() < 1e-5
+
+
 def test_a_float64_model_computes_in_float64_end_to_end() -> None:
     """RMSNorm and RoPE computed in float32 whatever the model's dtype, so ``.double()`` was
     only float32-accurate (9.7e-8 relative); bfloat16 and float32 models still compute them
