@@ -28,7 +28,7 @@ SETTINGS = TrainConfig(**COMMON).checkpoint_settings()
 def save_where_each_rank_says(rank: int, world: int, directory: str, how: str) -> str:
     """Each rank saves the tiny model at step 3 + rank ("steps differ"), or at step 3 into a
     directory of its own ("directories differ"), or into one directory that rank 1 spells
-    relative to its working directory ("one directory")."""
+    relative to its working directory, through a symbolic link to its parent ("one directory")."""
     from ctxpar.models import Transformer, get_config
 
     model = Transformer(get_config("tiny"))
@@ -39,8 +39,10 @@ def save_where_each_rank_says(rank: int, world: int, directory: str, how: str) -
     elif how == "directories differ":
         place = os.path.join(directory, f"rank{rank}")
     elif rank == 1:
-        os.chdir(os.path.dirname(directory))
-        place = os.path.basename(directory)
+        parent = os.path.dirname(directory)
+        os.chdir(os.path.dirname(parent))
+        os.symlink(parent, "link")
+        place = os.path.join("link", os.path.basename(directory))
     try:
         checkpoint.save(model, optimizer, place, step, SETTINGS)
         return "saved"
@@ -212,6 +214,29 @@ def test_the_checkpoint_writer_raises_the_os_error_it_finds_message_and_all(tmp_
         assert "None" not in str(e.value)
 
 
+def test_every_byte_of_a_checkpoints_files_is_verified(tmp_path, monkeypatch) -> None:
+    """Files are read in chunks (4 MiB, made 4 KiB here: the tiny model's files hold one): a bit
+    flipped past the first chunk is found, and so are bytes appended, named by the size."""
+    monkeypatch.setattr(checkpoint, "_READ_BYTES", 4096)
+    model, optimizer = _tiny_model_and_adamw()
+    _train(model, optimizer, 1)
+    directory = str(tmp_path / "ckpt")
+    path = checkpoint.save(model, optimizer, directory, 1, SETTINGS)
+    data = max((os.path.join(path, n) for n in os.listdir(path) if n.endswith(".distcp")), key=os.path.getsize)
+    name, size = os.path.basename(data), os.path.getsize(data)
+    assert size > 100 * 4096
+    flip_bit(data, size - 1000)
+    with pytest.raises(ValueError, match=re.escape(f"{name} does not match its sha256 in the manifest (corrupted)")):
+        checkpoint.find_resumable(directory, SETTINGS)
+    flip_bit(data, size - 1000)  # flipped back
+    assert checkpoint.find_resumable(directory, SETTINGS).step == 1
+    with open(data, "ab") as grown:
+        grown.write(bytes(100))
+    with pytest.raises(ValueError, match=re.escape(f"{name} has {size + 100} bytes, the manifest says {size} "
+                                                   "(truncated or overwritten)")):
+        checkpoint.find_resumable(directory, SETTINGS)
+
+
 def test_a_directory_of_saves_cut_short_takes_a_new_run(tmp_path) -> None:
     """A directory holding only a save cut short (its first save killed, or out of space): a new
     run there was told it would overwrite checkpoints and to add --resume, and --resume to start a
@@ -236,6 +261,11 @@ def test_a_directory_of_saves_cut_short_takes_a_new_run(tmp_path) -> None:
     with pytest.raises(ValueError, match=re.escape("already holds checkpoints (newest: step-000001) that this new run "
                                                    "would overwrite")):
         checkpoint.check_directory(directory, resuming=False)
+    with open(os.path.join(cut_short, "__3_0.distcp"), "wb") as stray:  # of a save on 4 ranks cut short
+        stray.write(b"x" * 100)
+    model, optimizer = _tiny_model_and_adamw()
+    checkpoint.save(model, optimizer, directory, 2, SETTINGS)  # replaces the save cut short, strays and all
+    assert sorted(os.listdir(cut_short)) == [".metadata", "__0_0.distcp", checkpoint.MANIFEST]
 
 
 def test_resume_refuses_a_checkpoint_of_other_settings_and_names_the_difference(killed_run) -> None:
@@ -336,16 +366,20 @@ if __name__ == "__main__":
 
 def test_a_failed_save_names_the_newest_checkpoint_sealed_before_it(tmp_path) -> None:
     """Step 1 saved and sealed, step 2's save failed: the way on is from step 1 (taken as
-    sealed before its save was done, it named step 2, which resume skips)."""
+    sealed before its save was done, it named step 2, which resume skips), also in a run
+    resumed from step 1."""
     script = tmp_path / "train_script.py"
     script.write_text(TRAIN_WHOSE_SECOND_SAVE_FAILS)
     directory = tmp_path / "ckpt"
-    proc = subprocess.run([sys.executable, str(script), "train", *CLI_COMMON, "--steps", "3", "--save-every", "1",
-                           "--checkpoint-dir", str(directory)], capture_output=True, text=True, timeout=120)
-    assert proc.returncode == 1, proc.stderr
-    assert "No space left on device. Fix that (free space, a file-size limit, write permission), then run the same " \
-           "command with --resume: it continues from step 1, whose checkpoint is sealed" in proc.stderr, proc.stderr
-    assert manifest_of(checkpoint.step_path(str(directory), 1))
+    for resume in ([], ["--resume"]):  # resumed from step 1, its step 2 failing again: step 1 is still the way on
+        proc = subprocess.run([sys.executable, str(script), "train", *CLI_COMMON, "--steps", "3", "--save-every", "1",
+                               "--checkpoint-dir", str(directory), *resume], capture_output=True, text=True,
+                              timeout=120)
+        assert proc.returncode == 1, proc.stderr
+        assert "No space left on device. Fix that (free space, a file-size limit, write permission), then run the " \
+               f"same command{'' if resume else ' with --resume'}: it continues from step 1, whose checkpoint is " \
+               "sealed" in proc.stderr, (resume, proc.stderr)
+        assert manifest_of(checkpoint.step_path(str(directory), 1))
 
 
 @pytest.mark.parametrize("case", ["negative save-every", "dir is a file", "dir not writable", "stray dir only",
@@ -397,6 +431,11 @@ def test_a_checkpoint_dir_without_room_for_one_checkpoint_is_refused_before_any_
             "least 1.222 MiB: the model's parameters and the optimizer's state); free space there, or pass a directory "
             "on a file system with room")):
         run_train(cfg)
+    sealed = checkpoint.step_path(cfg.checkpoint_dir, 1)
+    os.makedirs(sealed)
+    checkpoint.write_manifest(sealed, 1, SETTINGS)
+    with pytest.raises(ValueError, match="has 40 KiB free, less than one checkpoint"):  # a resumed run saves too
+        checkpoint.check_directory(cfg.checkpoint_dir, resuming=True, checkpoint_bytes=cfg.checkpoint_bytes())
 
 
 def test_resume_values_that_do_not_fit_the_checkpoint_are_refused_before_any_rank_starts(
@@ -557,7 +596,7 @@ def _train(model, optimizer, steps: int) -> list[float]:
 def test_ranks_that_disagree_on_the_checkpoint_to_save_are_refused_on_every_rank(how: str, tmp_path) -> None:
     """Each rank wrote its shard where it was told and rank 0 sealed a checkpoint without the
     others' (or failed naming a missing file): stray shards, and no word of the disagreement.
-    One directory spelt two ways is one directory."""
+    One directory spelt two ways (relative, through a link) is one directory."""
     from ctxpar.launch import run_local
 
     directory = tmp_path / "ckpt"

@@ -129,6 +129,43 @@ def _steps_of_a_model_that_hits_on_rank_0_only(rank: int, world: int) -> dict:
                             lambda step: (labels, None, labels, recall), lambda step: None, show=False)
 
 
+def test_an_infinite_loss_stops_the_run_before_its_step_is_saved() -> None:
+    """The label's logit at -inf: the loss is +inf, no NaN anywhere (the suite's other stop is a
+    NaN weight's)."""
+    import ctxpar.train as train
+    from ctxpar.launch import StopRun
+
+    labels = torch.tensor([[1, 2, 3, 4]])
+    logits = torch.zeros(1, 4, 8)
+    logits[0, 1, 2] = float("-inf")
+
+    class Model(torch.nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.bias = torch.nn.Parameter(torch.zeros(()))
+
+        def forward(self, tokens: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+            return logits + self.bias
+
+    saved, model = [], Model()
+    cfg = TrainConfig(nproc=1, seq=128, steps=2, progress=False)
+    with pytest.raises(StopRun, match=re.escape("step 1: the loss is inf; stopped before anything of this step is "
+                                                "saved")):
+        train._run_steps(model, torch.optim.SGD(model.parameters(), lr=0.0), cfg, 0,
+                         lambda step: (labels, None, labels, torch.ones_like(labels, dtype=torch.bool)),
+                         saved.append, show=False)
+    assert saved == []
+
+
+def test_the_memory_a_run_needs_counts_the_logits_of_the_global_batch() -> None:
+    """Each local rank builds the whole float32 model; the float32 logits of dp x batch rows of
+    --seq tokens are spread over the ranks (without dp, a run 2.7x too large was started)."""
+    model = get_config("tiny")
+    for dp, batch in ((1, 1), (4, 1), (2, 3)):
+        cfg = TrainConfig(nproc=4, dp=dp, batch=batch, seq=2048, model="tiny")
+        assert cfg.memory_needed(4) == 4 * (4 * model.parameters + dp * batch * 2048 * model.vocab), (dp, batch)
+
+
 def test_recall_accuracy_and_tokens_per_second_count_every_rank() -> None:
     """The recall accuracy is the hits of all ranks over all their recall positions, 3 of 4 (rank
     0's own shard, 1.0, once passed every test: no run of the suite learns to recall; the mean
@@ -143,14 +180,15 @@ def test_recall_accuracy_and_tokens_per_second_count_every_rank() -> None:
 
 def test_resumed_run_continues_with_the_uninterrupted_losses(tmp_path) -> None:
     """A run given a checkpoint directory saves every --save-every steps (each multiple, not
-    only the first) and always its last step (--save-every 0: that one only); resuming the last
-    with more --steps continues it, and its --compare judges the steps it ran."""
+    only the first, counted from step 0 in a resumed run too) and always its last step
+    (--save-every 0: that one only); resuming the last with more --steps continues it, and its
+    --compare judges the steps it ran."""
     common = dict(nproc=2, seq=128, model="tiny", progress=False)
     ckpt = str(tmp_path / "ckpt")
     full = run_train(TrainConfig(steps=8, **common))
     run_train(TrainConfig(steps=5, save_every=2, checkpoint_dir=ckpt, **common))
     assert sorted(os.listdir(ckpt)) == [RUN_LOCK, SAVE_LOCK, "step-000002", "step-000004", "step-000005"]
-    resumed = run_train(TrainConfig(steps=8, resume=True, checkpoint_dir=ckpt, compare=True, **common))
+    resumed = run_train(TrainConfig(steps=8, resume=True, save_every=2, checkpoint_dir=ckpt, compare=True, **common))
     assert resumed["start_step"] == 5 and resumed["resumed_from"] == os.path.join(ckpt, "step-000005")
     assert resumed["loss"] == full["loss"][5:]  # bit-identical
     header = format_report(resumed).splitlines()[:2]  # it read "3 steps" with no word of the resume
@@ -163,7 +201,7 @@ def test_resumed_run_continues_with_the_uninterrupted_losses(tmp_path) -> None:
     # an even count's median is the middle two's mean (it showed the faster of 2 steps)
     assert "tokens/s (median over steps): 250\n" in format_report(dict(resumed, tokens_per_second=[100, 400, 300, 200]))
     assert sorted(os.listdir(ckpt)) == [RUN_LOCK, SAVE_LOCK, "step-000002", "step-000004", "step-000005",
-                                        "step-000008"]
+                                        "step-000006", "step-000008"]  # the multiples of 2, not 5 + 2
     # resumed: not judged, and the loss difference is taken against the reference's same steps (against
     # its first steps it read 6.9e-3 where the table beside it said 4.8e-7)
     assert resumed["losses_match"] is None and resumed["gradients_match"] is None
@@ -173,7 +211,7 @@ def test_resumed_run_continues_with_the_uninterrupted_losses(tmp_path) -> None:
     # another world size, layout and strategy: the same sums in another order, so not bit for bit
     # (README once said so), within float32 rounding (measured up to 9.5e-7 on losses near 5.5)
     resharded = str(tmp_path / "resharded")
-    shutil.copytree(ckpt, resharded, ignore=lambda _, names: [n for n in names if n == "step-000008"])
+    shutil.copytree(ckpt, resharded, ignore=lambda _, names: [n for n in names if n in ("step-000006", "step-000008")])
     moved = run_train(TrainConfig(steps=8, resume=True, checkpoint_dir=resharded, **{
         **common, "nproc": 1, "layout": "striped", "strategy": "allgather"}))
     assert moved["start_step"] == 5
