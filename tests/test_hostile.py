@@ -153,6 +153,29 @@ def test_the_ranks_checksums_of_their_values_need_no_numpy(monkeypatch) -> None:
     assert agreement.values_code(tensors[1] + 1) != want[-1]
 
 
+def test_a_row_without_mass_and_a_nan_query_row_on_one_rank() -> None:
+    """Row 0 sees only key 0, which it scores past float32's range (-inf) from finite inputs:
+    out 0 and dq 0, as from SDPA. A NaN in a query makes its output row NaN at every length,
+    where torch's fused CPU op returns it finite below 16 tokens (docs/reliability.md)."""
+    import torch.nn.functional as F
+
+    torch.manual_seed(0)
+    q, k, v = torch.randn(1, 4, 12, 8), torch.randn(1, 2, 12, 8), torch.randn(1, 2, 12, 8)
+    q[:, :, 0, 0], k[:, :, 0, 0] = 3e19, -3e19
+    for attend in (lambda *t: ctxpar.attention(*t, layout="zigzag"),
+                   lambda *t: F.scaled_dot_product_attention(*t, is_causal=True, enable_gqa=True)):
+        q_, k_, v_ = (t.clone().requires_grad_() for t in (q, k, v))
+        out = attend(q_, k_, v_)
+        out.backward(torch.ones_like(out))
+        assert (out[:, :, 0] == 0).all() and (q_.grad[:, :, 0] == 0).all(), (out[:, :, 0], q_.grad[:, :, 0])
+    for length in (12, 32):
+        q, k, v = torch.randn(1, 4, length, 8), torch.randn(1, 2, length, 8), torch.randn(1, 2, length, 8)
+        q[0, 0, 5, 3] = float("nan")
+        out = ctxpar.attention(q, k, v, layout="zigzag")
+        nan_rows = out.isnan().any(-1)
+        assert nan_rows[0, 0, 5] and nan_rows.sum() == 1, (length, nan_rows.nonzero())
+
+
 def test_a_tensor_scale_is_refused_naming_how_to_scale_by_a_tensor() -> None:
     q = torch.randn(1, 2, 4, 8)
     with pytest.raises(ValueError, match="scale must be a number, got a tensor .* multiply q by it"):
