@@ -298,41 +298,48 @@ def loss_on_lse(mesh) -> dict[str, str]:
     return found
 
 
-def interrupted_once(module, name: str):
-    """``module.name`` raising KeyboardInterrupt on its first call (Ctrl-C in a compute step),
-    itself again afterwards."""
+def interrupted_once(module, name: str, error: type[BaseException]):
+    """``module.name`` raising ``error`` on its first call (Ctrl-C in a compute step, or any
+    failure), itself again afterwards."""
     real = getattr(module, name)
 
     def once(*args, **kwargs):
         setattr(module, name, real)
-        raise KeyboardInterrupt
+        raise error("interrupted in a compute step")
 
     setattr(module, name, once)
 
 
 def interrupted_steps() -> dict[str, float | str]:
-    """Ctrl-C on every rank in a strategy's first compute step, forward and then backward,
-    with its communication in flight: the same call again must work and agree. The ring once
-    hung (its posted transfer was dropped and paired with the retry's); the all-gather's and
-    all-to-all's collectives are checked alike."""
+    """Ctrl-C (or a RuntimeError) on every rank in a strategy's first compute step, forward and
+    then backward, with its communication in flight: the same call again must work and agree,
+    out and every gradient (the largest difference). The ring once hung (its posted transfer
+    was dropped and paired with the retry's); the all-gather's and all-to-all's collectives
+    are checked alike."""
     from ctxpar.strategies import allgather, blockwise, ring
 
     q, k, v = _tensors()
+
+    def out_and_gradients(strategy: str) -> tuple[torch.Tensor, ...]:
+        out = ctxpar.attention(q, k, v, layout="zigzag", strategy=strategy)
+        return out.detach(), *torch.autograd.grad((out * out).sum(), (q, k, v))
+
     found = {}
     for strategy, module, names in (("ring", ring, ("forward_tiles", "backward_tiles")),
                                     ("allgather", allgather, ("_attend_forward", "_attend_backward")),
                                     ("alltoall", blockwise, ("forward_tiles", "backward_tiles"))):
-        (want,) = torch.autograd.grad(ctxpar.attention(q, k, v, layout="zigzag", strategy=strategy).sum(), q)
-        for phase, name in zip(("forward", "backward"), names):
-            interrupted_once(module, name)
+        want = out_and_gradients(strategy)
+        for (phase, name), error in itertools.product(zip(("forward", "backward"), names),
+                                                      (KeyboardInterrupt, RuntimeError)):
+            case = f"{strategy} {phase} {error.__name__}"
+            interrupted_once(module, name, error)
             try:
-                torch.autograd.grad(ctxpar.attention(q, k, v, layout="zigzag", strategy=strategy).sum(), q)
-                found[f"{strategy} {phase}"] = "not interrupted"
+                out_and_gradients(strategy)
+                found[case] = "not interrupted"
                 continue
-            except KeyboardInterrupt:
+            except error:
                 pass  # retried below, once the interrupted call's frames (and its transfers) are gone
-            (again,) = torch.autograd.grad(ctxpar.attention(q, k, v, layout="zigzag", strategy=strategy).sum(), q)
-            found[f"{strategy} {phase}"] = float((again - want).abs().max())
+            found[case] = max(float((a - b).abs().max()) for a, b in zip(out_and_gradients(strategy), want))
     return found
 
 

@@ -213,7 +213,7 @@ def test_the_rank_with_invalid_arguments_raises_its_own_error() -> None:
 
 def test_every_strategy_is_usable_again_after_ctrl_c_in_a_step() -> None:
     for rank, res in enumerate(results()):
-        assert len(res["interrupted_steps"]) == 6
+        assert len(res["interrupted_steps"]) == 12
         for case, err in res["interrupted_steps"].items():
             assert err == 0.0, f"rank {rank} {case}: {err}"
 
