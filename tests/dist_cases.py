@@ -46,7 +46,7 @@ class Case:
     dtype: str
     chunk: int = 3  # tokens per zigzag chunk: T = 2 * P * chunk
     scale: float | None = None
-    memory: str = "dense"  # how q/k/v sit in memory: a key of MEMORY
+    memory: str = "dense"  # how q/k/v sit in memory: a key of MEMORY, or "per_rank": each rank its own
     documents: str | None = None  # a key of DOCUMENTS
     window: int | None = None
     sinks: bool = False
@@ -131,6 +131,9 @@ def exactness_cases() -> list[Case]:
                  Case(strategy, "zigzag", True, "gqa", "float32", memory="interleaved"),
                  Case(strategy, "contiguous", False, "mha", "bfloat16", memory="d_major"),
                  Case(strategy, "zigzag", True, "gqa", "float32", memory="heads_last"),
+                 # each rank's q, k, v laid out otherwise: the ring once refused heads-innermost K/V from
+                 # inside the strategy, its peers waiting until the timeout, where one rank's were so
+                 Case(strategy, "striped", True, "gqa", "float32", memory="per_rank"),
                  # float16: blocks computed and merged in float32, lse returned in float32 (accumulators
                  # in float16 passed every bfloat16 and float32 case)
                  Case(strategy, "zigzag", True, "gqa", "float16")]
@@ -161,8 +164,10 @@ MEMORY = {
 }
 
 
-def _local(t: torch.Tensor, dtype: torch.dtype, memory: str) -> torch.Tensor:
-    """A leaf in ``dtype`` with the strides of ``MEMORY[memory]``."""
+def _local(t: torch.Tensor, dtype: torch.dtype, memory: str, rank: int) -> torch.Tensor:
+    """A leaf in ``dtype`` with the strides of ``MEMORY[memory]`` (per_rank: the rank's own)."""
+    if memory == "per_rank":
+        memory = ("heads_last", "dense", "d_major", "bshd", "interleaved")[rank % 5]
     return MEMORY[memory](t.to(dtype)).detach().requires_grad_()
 
 
@@ -208,7 +213,7 @@ def _case_problems(case: Case, rank: int, world: int, group, group_rank: int | N
         baseline = max_abs_errors({n: t.cpu() for n, t in low.items()}, ref)
 
     shard = lambda t: layout.shard(t, group_rank, dim=2)  # noqa: E731
-    local = [_local(shard(t).to(device), dtype, case.memory) for t in (q, k, v)]
+    local = [_local(shard(t).to(device), dtype, case.memory, rank) for t in (q, k, v)]
     local_sinks = sinks.to(device, torch.float32).requires_grad_() if case.sinks else None
     got_out, got_lse = ctxpar.attention_with_lse(
         *local, layout=layout, group=group, mesh=mesh, causal=case.causal, scale=case.scale, strategy=case.strategy,
