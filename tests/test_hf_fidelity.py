@@ -95,6 +95,17 @@ def test_a_sliding_window_argument_the_mask_does_not_carry_is_refused() -> None:
         model(**inputs, sliding_window=4)
 
 
+def test_a_sliding_window_of_no_keys_is_refused_naming_the_config() -> None:
+    """Qwen2 with sliding_window=0 (its mask hides every key): refused by the mask code,
+    "window must be an integer >= 1", naming no model and no config field."""
+    model = enable_context_parallel(hf_families.build("qwen2", sliding_window=0, use_sliding_window=True,
+                                                      max_window_layers=0, layer_types=None), layout=ONE)
+    inputs, _ = shard_inputs(torch.randint(3, hf_families.VOCAB, (1, 8)), layout=ONE, rank=0)
+    with pytest.raises(ValueError, match=re.escape("Qwen2Attention's attention mask has a sliding window of 0 keys "
+                                                   "(the config's sliding_window), which hides every key")):
+        model(**inputs)
+
+
 @pytest.mark.parametrize("scaling", [0.173, torch.tensor(0.173, dtype=torch.float64)], ids=["float", "tensor"])
 def test_a_non_default_scale_is_honoured_exactly(scaling) -> None:
     """Every attention module scales by 0.173 instead of head_dim ** -0.5 (8 ** -0.5 = 0.354),

@@ -285,6 +285,10 @@ def _layer_mask(owner: str, attention_mask, causal: bool, kwargs: dict) -> Layer
         raise ValueError(f"{owner} attends {'causally' if causal else 'bidirectionally'} over a "
                          f"{'causal' if attention_mask.causal else 'bidirectional'} mask; ctxpar refuses the "
                          f"contradiction")
+    if attention_mask.window is not None and attention_mask.window < 1:  # masks.py's refusal named no config
+        raise ValueError(f"{owner}'s attention mask has a sliding window of {attention_mask.window} keys (the "
+                         f"config's sliding_window), which hides every key from every query; set it to 1 or more, "
+                         f"or turn the window off (Qwen2: use_sliding_window=False)")
     window = kwargs.get("sliding_window")
     if not _is_unset(window) and window != attention_mask.window:
         raise ValueError(f"{owner} passes sliding_window={window} but its attention mask has "
