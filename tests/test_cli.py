@@ -150,10 +150,11 @@ def test_generate_equals_the_single_process_tokens_and_writes_the_documented_jso
 
 def test_generate_with_strategy_auto_equals_the_single_process_tokens_and_reports_its_choice(tmp_path) -> None:
     """3 ranks: the tiny model's 4 query heads do not split over them, which refuses
-    alltoall but not auto (it weighs ring and allgather only)."""
+    alltoall but not auto (it weighs ring and allgather only). Sampled with --seed 3, as the
+    reference is (ranks sampling with seed 0 passed every greedy test)."""
     path = tmp_path / "generate.json"
     proc = run_cli("generate", "--nproc", "3", "--prompt-len", "24", "--new-tokens", "4", "--strategy", "auto",
-                   "--compare", "--json", str(path))
+                   "--temperature", "0.8", "--seed", "3", "--compare", "--json", str(path))
     assert proc.returncode == 0, proc.stdout + proc.stderr
     assert "OK: the tokens equal the single-process generation" in proc.stdout
     report = json.loads(path.read_text())
@@ -163,6 +164,40 @@ def test_generate_with_strategy_auto_equals_the_single_process_tokens_and_report
     assert f"3 ranks (auto -> {', '.join(chosen)}, zigzag)" in proc.stdout
     for strategy, why in chosen.items():
         assert f"auto chose {strategy}: {why}" in proc.stdout and "P=3" in why
+
+
+def test_the_generate_report_prints_its_timings_and_the_prompt_follows_the_seed() -> None:
+    """The time per output token line printed the time to first token (the tests had them
+    equal); the prompt drawn with a fixed seed gave every --seed one prompt (and --compare,
+    drawing it alike, said OK)."""
+    from ctxpar.inference import command
+
+    config = dict(model="tiny", prompt_len=16, batch=1, new_tokens=2, nproc=2, layout="zigzag", strategy="ring",
+                  ulysses_degree=None)
+    lines = command.format_report(dict(config=config, kv_cache_bytes_per_rank=[0] * 2, ttft_s=0.01, tpot_s=0.002,
+                                       tokens=[[1, 2]])).splitlines()
+    assert lines[1:3] == ["time to first token   10.00 ms", "time per output token 2.00 ms"]
+    prompts = [command.build(command.GenerateConfig(prompt_len=16, seed=seed), torch.device("cpu"))[1]
+               for seed in (1, 2)]
+    assert not torch.equal(*prompts)
+    assert torch.equal(prompts[1], torch.randint(0, 256, (1, 16), generator=torch.Generator().manual_seed(3)))
+
+
+def generate_rank_with_timings_stood_in(rank: int, world: int) -> dict:
+    """``ctxpar generate``'s rank on one gloo rank, its generate giving ttft 1 s, tpot 2 s."""
+    from ctxpar.inference import command
+    from ctxpar.inference.generate import GenerationResult
+
+    command.generate = lambda *args, **kwargs: GenerationResult(
+        tokens=torch.zeros(1, 2, dtype=torch.int64), ttft_s=1.0, tpot_s=2.0, kv_cache_bytes=0, cache=None, tail=None)
+    return command.generate_rank(rank, world, command.GenerateConfig(nproc=1, prompt_len=8, new_tokens=2,
+                                                                     progress=False))
+
+
+def test_the_generate_report_takes_each_timing_from_its_own_field() -> None:
+    """ttft_s and tpot_s swapped in the report passed every test (they only checked both > 0)."""
+    (report,) = launch.run_local(generate_rank_with_timings_stood_in, 1, timeout_s=60)
+    assert (report["ttft_s"], report["tpot_s"]) == (1.0, 2.0)
 
 
 def test_the_generate_report_says_when_no_prefill_ran() -> None:
@@ -460,6 +495,70 @@ def test_train_compare_exits_non_zero_when_an_early_loss_or_gradient_differs_fro
     assert says in capsys.readouterr().out
 
 
+# each command's flags at values other than their defaults, and the config the run must get
+EVERY_FLAG = {
+    "demo": (["--nproc", "3", "--seq", "36", "--batch", "2", "--heads", "6", "--kv-heads", "3", "--head-dim", "4",
+              "--layout", "striped", "--strategy", "allgather", "--dtype", "bfloat16", "--no-causal", "--seed", "7",
+              "--device", "cpu"],
+             dict(nproc=3, seq=36, batch=2, heads=6, kv_heads=3, head_dim=4, layout="striped", strategy="allgather",
+                  dtype="bfloat16", causal=False, seed=7, ulysses_degree=None, device="cpu")),
+    "train": (["--nproc", "6", "--dp", "2", "--cp", "3", "--seq", "66", "--batch", "3", "--steps", "5", "--lr", "0.002",
+               "--model", "small", "--strategy", "hybrid", "--ulysses-degree", "3", "--layout", "contiguous",
+               "--seed", "7", "--activation-checkpointing", "--compare", "--checkpoint-dir", "CKPT",
+               "--save-every", "2", "--no-progress", "--device", "cpu"],
+              dict(nproc=6, dp=2, seq=66, batch=3, steps=5, lr=0.002, model="small", strategy="hybrid",
+                   ulysses_degree=3, layout="contiguous", seed=7, activation_checkpointing=True, compare=True,
+                   checkpoint_dir="CKPT", save_every=2, resume=False, progress=False, device="cpu",
+                   return_parameters=False)),
+    "generate": (["--nproc", "2", "--prompt-len", "13", "--new-tokens", "5", "--batch", "2", "--model", "small",
+                  "--layout", "striped", "--strategy", "hybrid", "--ulysses-degree", "2", "--temperature", "0.7",
+                  "--seed", "7", "--compare", "--no-progress", "--device", "cpu"],
+                 dict(nproc=2, prompt_len=13, new_tokens=5, batch=2, model="small", layout="striped",
+                      strategy="hybrid", ulysses_degree=2, temperature=0.7, seed=7, compare=True, progress=False,
+                      device="cpu")),
+}
+
+
+@pytest.mark.parametrize("command", list(EVERY_FLAG))
+def test_every_flag_reaches_the_run(command: str, monkeypatch, tmp_path) -> None:
+    """Each flag given a value other than its default arrives in the config the run gets, and
+    --timeout in the run's timeout: demo's --no-causal, train's --layout and
+    --activation-checkpointing and generate's --layout and --timeout, dropped one at a time,
+    passed every test (a dropped --layout even refused a length the asked layout splits)."""
+    import dataclasses
+
+    from ctxpar import cli
+    from ctxpar.inference import command as generation
+
+    got = {}
+
+    def run(cfg, timeout_s):
+        got.update(config=cfg, timeout_s=timeout_s)
+        return None  # as a torchrun rank other than 0: nothing to print
+
+    monkeypatch.setattr(cli, "run_demo", run)
+    monkeypatch.setattr(cli, "run_train", run)
+    monkeypatch.setattr(generation, "run_generate", run)
+    flags, want = EVERY_FLAG[command]
+    flags = [str(tmp_path / "ckpt") if flag == "CKPT" else flag for flag in flags]
+    want = {key: str(tmp_path / "ckpt") if value == "CKPT" else value for key, value in want.items()}
+    assert main([command, *flags, "--timeout", "9.5"]) == 0
+    assert dataclasses.asdict(got["config"]) == want and got["timeout_s"] == 9.5
+    defaults = dataclasses.asdict(type(got["config"])())
+    not_flags = {"demo": ["ulysses_degree"], "train": ["resume", "return_parameters"], "generate": []}[command]
+    assert [key for key in want if want[key] == defaults[key]] == not_flags, defaults  # --resume: a test of its own
+
+
+def test_plan_without_sequence_parallelism_says_so_and_counts_all_reduces(capsys) -> None:
+    """--no-sequence-parallel, dropped, planned Megatron's sequence parallelism without a word."""
+    plan = ["plan", "--model", "llama-3-8b", "--seq", "32768", "--cp", "2", "--tp", "2"]
+    assert main(plan) == 0
+    with_sp = capsys.readouterr().out
+    assert main([*plan, "--no-sequence-parallel"]) == 0
+    without = capsys.readouterr().out
+    assert "TP=2 (sequence parallel)" in with_sp and "TP=2 (no sequence parallelism)" in without, without
+
+
 def test_demo_exits_1_when_cp_differs_from_unsplit_attention(monkeypatch, capsys) -> None:
     """Scripts read the status: a MISMATCH once exited 0 (the demo's run is stood in for)."""
     import ctxpar.cli as cli
@@ -475,7 +574,10 @@ def test_demo_exits_1_when_cp_differs_from_unsplit_attention(monkeypatch, capsys
 def test_generate_compare_judges_every_row_against_a_reference_drawn_alike(temperature: float, monkeypatch) -> None:
     """``generate --compare``'s verdict, the ranks stood in for by the exact answer: equal at
     temperature 0 and when sampling (a reference drawn greedily once said MISMATCH for a right
-    sampled run), and not equal where row 1 alone differs (once only row 0 was compared)."""
+    sampled run), and not equal where row 1 alone differs (once only row 0 was compared), which
+    the command's exit status says (it once exited 0 after printing MISMATCH)."""
+    import dataclasses
+
     from ctxpar.inference import command
     from ctxpar.inference.generate import reference_generate
 
@@ -488,14 +590,17 @@ def test_generate_compare_judges_every_row_against_a_reference_drawn_alike(tempe
                                     seed=cfg.seed).tolist()
         if changed:
             tokens[1][-1] += 1
-        return {"tokens": tokens}
+        return dict(tokens=tokens, config=dataclasses.asdict(cfg), ttft_s=0.01, tpot_s=0.002,
+                    kv_cache_bytes_per_rank=[0, 0])
 
     monkeypatch.setattr(command.launch, "run", ranks)
     cfg = command.GenerateConfig(nproc=2, prompt_len=16, new_tokens=4, batch=2, temperature=temperature, seed=3,
                                  compare=True, progress=False)
-    assert command.run_generate(cfg)["tokens_match"] is True
+    argv = ["generate", "--nproc", "2", "--prompt-len", "16", "--new-tokens", "4", "--batch", "2", "--temperature",
+            str(temperature), "--seed", "3", "--compare", "--no-progress"]
+    assert command.run_generate(cfg)["tokens_match"] is True and main(argv) == 0
     changed.append(True)
-    assert command.run_generate(cfg)["tokens_match"] is False
+    assert command.run_generate(cfg)["tokens_match"] is False and main(argv) == 1
 
 
 @pytest.mark.skipif(not os.path.exists("/dev/full"), reason="needs /dev/full")

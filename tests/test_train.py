@@ -15,7 +15,7 @@ import torch
 import torch.nn.functional as F
 
 from ctxpar.checkpoint import RUN_LOCK, SAVE_LOCK
-from ctxpar.data import BOS, SEP, RecallTask
+from ctxpar.data import BOS, FIRST_KEY, SEP, RecallTask
 from ctxpar.layout import get_layout
 from ctxpar.models import Transformer, get_config
 from ctxpar.models.llama import compute_dtype
@@ -477,10 +477,20 @@ def test_recall_task_places_queries_after_the_filler() -> None:
     assert len({tuple(t.flatten().tolist()) for t in drawn.values()}) == len(drawn)
     assert recall.sum() == 2 * task.queries and recall[:, : 128 - 2 * task.queries].sum() == 0
     labels = shift_labels(tokens)
-    keys_at_start = tokens[0, 1 : 1 + 2 * task.pairs : 2].tolist()
-    for pos in recall[0].nonzero().flatten().tolist():
-        key, value = tokens[0, pos].item(), labels[0, pos].item()
-        assert value == tokens[0, 2 + 2 * keys_at_start.index(key)], "a query's value is the pair's value"
+    for row in range(2):
+        keys_at_start = tokens[row, 1 : 1 + 2 * task.pairs : 2].tolist()
+        for pos in recall[row].nonzero().flatten().tolist():
+            key, value = tokens[row, pos].item(), labels[row, pos].item()
+            assert value == tokens[row, 2 + 2 * keys_at_start.index(key)], "a query's value is the pair's value"
+    # each row and each seed its own pairs (a row given row 0's, or pairs drawn from the step alone, passed the
+    # checks above: the filler still differed), the values drawn from every value token, not the first 16
+    pairs = slice(1, 1 + 2 * task.pairs)
+    assert not torch.equal(tokens[0, pairs], tokens[1, pairs])
+    assert not torch.equal(task.batch(1, seed=1, step=0)[0][0, pairs], tokens[0, pairs])
+    values = torch.cat([task.batch(16, seed=0, step=step)[0][:, 2 : 2 + 2 * task.pairs : 2] for step in range(4)])
+    first_value = FIRST_KEY + task.keys
+    assert values.min() >= first_value and values.max() < first_value + task.keys
+    assert len(values.unique()) == task.keys  # 63 value tokens, each drawn in 1024 draws
     with pytest.raises(ValueError, match="too short"):
         RecallTask(vocab=256, seq_len=20)
 
