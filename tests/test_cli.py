@@ -74,7 +74,8 @@ def test_demo_hybrid_reports_its_strategy(tmp_path) -> None:
 def demo_verdicts_with_one_tensor_wrong(rank: int, world: int) -> dict | None:
     """The demo's report with rank 1's result off by 0.01 in one element of each tensor in turn
     (none: as computed); out and lse after the call, a gradient by a hook on its input. Rank 0's
-    verdicts by the wrong tensor; None elsewhere."""
+    verdicts by the wrong tensor, its per-rank figures as computed ("figures") and with
+    ctxpar.record stood in by known ones ("known"); None elsewhere."""
     import ctxpar
     from ctxpar import demo
 
@@ -103,6 +104,37 @@ def demo_verdicts_with_one_tensor_wrong(rank: int, world: int) -> dict | None:
             verdicts[wrong] = dict(ok=report["ok"], verdict=demo.format_report(report).splitlines()[-1],
                                    beyond=[n for n in demo.TENSORS if not report["max_abs_err"][n]
                                            <= report["tolerance"][n]])
+
+    class Known:
+        """What ctxpar.record measured, known: rank r's compute CPU seconds r + 1."""
+        strategy_choices: dict = {}
+        compute_cpu_seconds, compute_seconds, wait_seconds, bytes_sent, bytes_received = rank + 1.0, 20.0, 30.0, 5, 7
+
+        def __enter__(self):
+            return self
+
+        def __exit__(self, *exc) -> None:
+            return None
+
+    reference, dtypes = demo.unsplit_attention, set()
+
+    def unsplit(*tensors, **kwargs):
+        dtypes.update(str(t.dtype) for t in tensors)
+        return reference(*tensors, **kwargs)
+
+    # long enough that the backward's compute outweighs the host's work of the first call at this length
+    report = demo.demo_rank(rank, world, demo.DemoConfig(nproc=world, seq=2048, heads=4, kv_heads=2, head_dim=16))
+    if report is not None:
+        verdicts["figures"] = report["ranks"]
+    ctxpar.record, demo.unsplit_attention, recording = Known, unsplit, ctxpar.record
+    try:
+        report = demo.demo_rank(rank, world, demo.DemoConfig(nproc=world, seq=64, heads=4, kv_heads=2, head_dim=16))
+    finally:
+        ctxpar.record, demo.unsplit_attention = recording, reference
+    if report is not None:
+        figures = ("attn_seconds", "compute_wall_seconds", "wait_seconds", "bytes_sent", "bytes_received")
+        verdicts["known"] = dict(ranks=[[s[key] for key in figures] for s in report["ranks"]],
+                                 seconds_imbalance=report["imbalance"]["seconds"], reference_dtypes=dtypes)
     return verdicts if rank == 0 else None
 
 
@@ -111,8 +143,44 @@ def test_the_demo_says_mismatch_when_any_one_tensor_is_wrong() -> None:
     tolerance (a verdict that skipped lse said OK of a wrong lse)."""
     verdicts = launch.run_local(demo_verdicts_with_one_tensor_wrong, 2, timeout_s=120)[0]
     assert verdicts.pop("none") == dict(ok=True, verdict="OK: CP matches unsplit attention", beyond=[])
+    # each figure from its own field of ctxpar.record, the imbalance of the attention seconds, the reference in
+    # float64 (each swapped for another, or the wall time counted without the backward, passed every test)
+    known = verdicts.pop("known")
+    assert known == dict(ranks=[[1.0, 20.0, 30.0, 5, 7], [2.0, 20.0, 30.0, 5, 7]], seconds_imbalance=2.0 / 1.5,
+                         reference_dtypes={"torch.float64"}), known
+    for figures in verdicts.pop("figures"):  # the call's wall time holds its compute and its waits
+        assert figures["wall_seconds"] >= figures["compute_wall_seconds"] + figures["wait_seconds"] > 0, figures
+        assert figures["peak_memory_bytes"] > 0, figures
     assert verdicts == {name: dict(ok=False, verdict="MISMATCH: CP differs from unsplit attention", beyond=[name])
                         for name in ("out", "lse", "dq", "dk", "dv")}
+
+
+def test_the_demo_report_prints_each_figure_in_its_unit_and_a_hybrid_ranks_own_pairs() -> None:
+    """Every tensor's row printed out's tolerance, and peak memory in MB under a MiB header,
+    unseen (only the verdict line was read); the hybrid's pairs per rank divided by the ranks
+    rather than the Ulysses degree read 8,224 on every rank of a contiguous layout, imbalance
+    1.000 for 1.498."""
+    import dataclasses
+
+    from ctxpar import demo
+
+    cfg = demo.DemoConfig(nproc=4, seq=256, heads=4, kv_heads=2, strategy="hybrid", ulysses_degree=2,
+                          layout="contiguous")
+    layout = ctxpar.get_layout("contiguous", 4)
+    assert [demo._work_pairs(cfg, "hybrid", layout, r) for r in range(4)] == [4128, 4128, 12320, 12320]
+    errors = dict(zip(demo.TENSORS, (1e-1, 2e-2, 3e-3, 4e-4, 5e-5)))
+    tolerance = dict(zip(demo.TENSORS, (6e-6, 7e-7, 8e-8, 9e-9, 1e-9)))
+    report = dict(config=dataclasses.asdict(demo.DemoConfig(nproc=1)), strategy_chosen={}, backend="gloo",
+                  device="cpu", ok=False, max_abs_err=errors, tolerance=tolerance, imbalance=dict(pairs=1, seconds=1),
+                  attn_seconds_source="CPU time", peak_memory_source="process_max_rss",
+                  ranks=[dict(rank=0, pairs=10, attn_seconds=1.0, wall_seconds=2.0, wait_seconds=0.5,
+                              bytes_sent=2**20, bytes_received=2**21, peak_memory_bytes=2**30)])
+    lines = demo.format_report(report).splitlines()
+    row = next(line.split() for line in lines if line.split()[:2] == ["0", "10"])
+    assert row == ["0", "10", "1.000", "2.000", "0.500", "1.00", "2.00", "1024.0"], row
+    printed = {line.split()[0]: [float(x) for x in line.split()[1:]] for line in lines
+               if line.split()[:1] and line.split()[0] in demo.TENSORS}
+    assert printed == {name: [errors[name], tolerance[name]] for name in demo.TENSORS}, printed
 
 
 def test_demo_rejects_a_bad_length_before_starting_ranks() -> None:
