@@ -457,6 +457,12 @@ def _guards(rank: int, world: int) -> dict:
         out["attention keyword on one rank"] = _attempt(
             lambda: tuple(model(**inputs, **(dict(softcap=30.0) if me == 1 else {})).logits.shape))
         out["after attention keyword"] = _attempt(lambda: tuple(model(**inputs).logits.shape))
+        # a layer's scale changed on one rank only: refused there alone, its peer waited in attention
+        attention = model.model.layers[0].self_attn
+        scaling, attention.scaling = attention.scaling, float("inf") if me == 1 else attention.scaling
+        out["attention scale on one rank"] = _attempt(lambda: tuple(model(**inputs).logits.shape))
+        attention.scaling = scaling
+        out["after attention scale"] = _attempt(lambda: tuple(model(**inputs).logits.shape))
     inputs, labels = shard_inputs(input_ids, layout=layout, rank=me)
     # labels= or a loss argument on one rank only: the others would wait in the loss's all-reduce
     out["labels on one rank"] = _attempt(lambda: model(**inputs, **(dict(labels=labels) if me == 0 else {})).loss)

@@ -529,15 +529,18 @@ def test_an_attention_implementation_switched_on_one_rank_is_refused_on_every_ra
         assert got == ("ran", (1, hf_cases.SWEEP_TOKENS // 2, hf_families.VOCAB)), got
 
 
-def test_a_keyword_argument_the_layers_refuse_on_one_rank_is_refused_on_every_rank() -> None:
-    """softcap= on rank 1 alone reaches its attention layers alone: refused there, while rank
-    0 waited in attention's first exchange (until the timeout, or "Connection closed by peer"
-    once rank 1 had gone). Both refuse, and the next forward runs."""
-    for rank, (kind, detail) in _guards("attention keyword on one rank"):
+@pytest.mark.parametrize("check, refusal", [("attention keyword", "asks for attention logit soft-capping"),
+                                            ("attention scale", "LlamaAttention passes scaling=inf")])
+def test_a_layers_refusal_on_one_rank_is_refused_on_every_rank(check: str, refusal: str) -> None:
+    """softcap= on rank 1 alone reaches its attention layers alone, and so does a scale set on
+    rank 1's layer alone: refused there, while rank 0 waited in attention's first exchange
+    (until the timeout, or "Connection closed by peer" once rank 1 had gone). Both refuse,
+    and the next forward runs."""
+    for rank, (kind, detail) in _guards(f"{check} on one rank"):
         assert kind == "refused", detail
-        assert ("asks for attention logit soft-capping" if rank == 1 else
-                "of the CP group rejected their attention inputs; see their errors") in detail, detail
-    for _, got in _guards("after attention keyword"):
+        assert (refusal if rank == 1 else "of the CP group rejected their attention inputs; see their errors") \
+            in detail, detail
+    for _, got in _guards(f"after {check}"):
         assert got == ("ran", (1, hf_cases.SWEEP_TOKENS // 2, hf_families.VOCAB)), got
 
 

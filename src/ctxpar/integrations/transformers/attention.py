@@ -336,20 +336,21 @@ def attention_forward(module, query, key, value, attention_mask, dropout: float 
                          f"enable_context_parallel(model, layout=..., group=...) first. If this model is not meant "
                          f"to be split, {shared}")
     cached = CACHED.get()
+    decoding = cached is not None and cached.decoding
     try:
         causal, mask, sinks = _what_to_honour(owner, module, attention_mask, dropout, is_causal, kwargs)
+        scale = _scale(owner, scaling, query.shape[-1])  # a scale of one rank's own (inf) once left its peers waiting
+        if not decoding and key.shape[2] != query.shape[2]:
+            raise ValueError(f"{owner} attends from {query.shape[2]} queries to {key.shape[2]} keys (cross-attention "
+                             f"or a KV cache), which ctxpar does not support")
     except ValueError as e:
-        if cached is not None and cached.decoding:  # a decode step's exchange is another
+        if decoding:  # a decode step's exchange is another
             raise
         refuse_with_peers(e, query, key, value, **settings.split)
     if cached is not None:
         cached.take(module, key, value, causal)
-        if cached.decoding:
-            return _decode(owner, settings, cached, query, key, value, mask, sinks, scaling)
-    if key.shape[2] != query.shape[2]:
-        raise ValueError(f"{owner} attends from {query.shape[2]} queries to {key.shape[2]} keys (cross-attention or "
-                         f"a KV cache), which ctxpar does not support")
-    scale = _scale(owner, scaling, query.shape[-1])
+        if decoding:
+            return _decode(cached, query, key, value, mask, sinks, scale)
     seq_len = query.shape[2] * settings.layout.world_size
     query, key, value, d_v = _one_width(query, key, value)
     out = attention(query, key, value, **settings.split, causal=causal, scale=scale,
@@ -377,13 +378,11 @@ def _what_to_honour(owner: str, module, attention_mask, dropout: float, is_causa
     return causal, mask, sinks
 
 
-def _decode(owner: str, settings: Settings, cached, query, key, value, mask: LayerMask, sinks,
-            scaling) -> tuple[torch.Tensor, None]:
+def _decode(cached, query, key, value, mask: LayerMask, sinks, scale: float) -> tuple[torch.Tensor, None]:
     """A generate decode step: the new query (B, H, 1, D) against the keys (B, H_kv, n, D)
     this rank holds, those inside the layer's window or chunk; partials merged over ranks.
     The cache holds only earlier positions and the new one, so a causal and a
     bidirectional layer attend alike here."""
-    scale = _scale(owner, scaling, query.shape[-1])
     seen = cached.visible(mask.window, mask.chunk)
     key, value = key[:, :, seen], value[:, :, seen]  # (B, H_kv, m, D): views, no copy
     query, key, value, d_v = _one_width(query, key, value)
