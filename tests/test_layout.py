@@ -282,6 +282,10 @@ class _UsersLayout(ctxpar.Layout):
     (lambda t, r: torch.arange(r, t, 2) + 1, "gives positions outside 0..7"),
     (lambda t, r: torch.arange(r, t, 2).int(), "must be an int64 tensor of T/P = 4 positions, got torch.int32 (4,)"),
     (lambda t, r: torch.arange(r, t, 4), "got torch.int64 (2,)"),
+    # failed in Layout.positions' .to(device): "'list' object has no attribute 'to'", "Cannot copy out of meta"
+    (lambda t, r: list(range(r, t, 2)), "must be an int64 tensor of T/P = 4 positions, got list"),
+    (lambda t, r: np.arange(r, t, 2), "must be an int64 tensor of T/P = 4 positions, got ndarray"),
+    (lambda t, r: torch.arange(r, t, 2, device="meta"), "got a tensor on meta"),
 ])
 def test_a_layout_of_the_users_is_refused_unless_it_deals_every_position_once(deal, message) -> None:
     layout = _UsersLayout(2, deal)

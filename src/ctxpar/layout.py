@@ -44,7 +44,10 @@ class Layout(ABC):
 
     ctxpar.attention checks a subclass's deal before anything is sent (``checked_deal``:
     each rank's positions ascending, together 0..T-1 once each; O(T), once per layout and
-    T), and compares it across ranks; ctxpar's own layouts are compared by name.
+    T), and compares it across ranks; ctxpar's own layouts are compared by name. The deal
+    checked is kept for that layout object and T, so ``_positions`` must be a pure function
+    of (seq_len, rank), as layouts are frozen: one that reads state changed between calls
+    would have ``shard`` deal the new way while attention runs the old.
 
     Args:
         world_size: P, the number of ranks in the CP group.
@@ -69,7 +72,8 @@ class Layout(ABC):
 
     @abstractmethod
     def _positions(self, seq_len: int, rank: int) -> torch.Tensor:
-        """Ascending global positions of ``rank``; ``seq_len`` is already validated."""
+        """Ascending global positions of ``rank`` (int64, T/P of them), the same for the same
+        arguments every call; ``seq_len`` is already validated."""
 
     # -- shared behaviour ---------------------------------------------------------------
     def validate(self, seq_len: int) -> None:
@@ -111,7 +115,12 @@ class Layout(ABC):
                              f"seq_len {seq_len} would be one of them: positions takes (seq_len, rank); were they "
                              f"swapped?")
         self.validate(seq_len)
-        return self._positions(int(seq_len), self._check_rank(rank)).to(device)
+        held = self._positions(int(seq_len), self._check_rank(rank))
+        if not isinstance(held, torch.Tensor) or held.is_meta:  # a list, an array: '... has no attribute to'
+            what = "a tensor on meta" if isinstance(held, torch.Tensor) else type(held).__name__
+            raise ValueError(f"the {self.name} layout's positions for rank {rank} of a sequence of {seq_len} must "
+                             f"be an int64 tensor of T/P = {self.local_len(seq_len)} positions, got {what}")
+        return held.to(device)
 
     def shard(self, x: torch.Tensor, rank: int, *, dim: int | None = None) -> torch.Tensor:
         """The part of ``x`` (global length T along ``dim``) that ``rank`` holds: its rank in
@@ -479,11 +488,10 @@ def checked_deal(layout: Layout, seq_len: int) -> torch.Tensor:
     local = layout.local_len(seq_len)
     parts = []
     for rank in range(layout.world_size):
-        got = layout.positions(seq_len, rank)
-        if not isinstance(got, torch.Tensor) or got.dtype != torch.int64 or tuple(got.shape) != (local,):
-            what = f"{got.dtype} {tuple(got.shape)}" if isinstance(got, torch.Tensor) else type(got).__name__
+        got = layout.positions(seq_len, rank)  # a tensor, refused otherwise
+        if got.dtype != torch.int64 or tuple(got.shape) != (local,):
             raise ValueError(f"the {layout.name} layout's positions for rank {rank} of a sequence of {seq_len} must "
-                             f"be an int64 tensor of T/P = {local} positions, got {what}")
+                             f"be an int64 tensor of T/P = {local} positions, got {got.dtype} {tuple(got.shape)}")
         got = got.cpu()
         if not bool((got[1:] > got[:-1]).all()):
             raise ValueError(f"the {layout.name} layout gives rank {rank} positions that are not strictly ascending "
