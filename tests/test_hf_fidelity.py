@@ -95,6 +95,18 @@ def test_a_sliding_window_argument_the_mask_does_not_carry_is_refused() -> None:
         model(**inputs, sliding_window=4)
 
 
+def test_layerdrop_set_after_enabling_is_refused_in_training() -> None:
+    """enable_context_parallel refuses LayerDrop it finds; set afterwards, each rank skipped
+    layers of its own in training, its peers waiting in their attention until the timeout."""
+    model, inputs = _one_rank("opt")
+    model.model.decoder.layerdrop = 0.5
+    model.train()
+    with pytest.raises(ValueError, match=re.escape("has model.decoder.layerdrop=0.5 in training mode: LayerDrop")):
+        model(**inputs)
+    model.eval()
+    model(**inputs)  # no layer is dropped in eval mode
+
+
 def test_a_sliding_window_of_no_keys_is_refused_naming_the_config() -> None:
     """Qwen2 with sliding_window=0 (its mask hides every key): refused by the mask code,
     "window must be an integer >= 1", naming no model and no config field."""

@@ -69,8 +69,8 @@ from ctxpar.integrations.transformers.attention import (
     installed,
     mask_forward,
 )
-from ctxpar.integrations.transformers.fidelity import (POOL_WHERE_HELD, Unsupported, check_model, dynamic_rope_limits,
-                                                       find_unsupported, longrope_limits)
+from ctxpar.integrations.transformers.fidelity import (POOL_WHERE_HELD, Unsupported, check_model, check_no_layerdrop,
+                                                       dynamic_rope_limits, find_unsupported, longrope_limits)
 from ctxpar.integrations.transformers.generation import (CACHE_KEYS, GENERATE_PADDING_REFUSED, ShardedCache,
                                                          cached_forward, check_token_ids, wrap_generate)
 from ctxpar.integrations.transformers.loss import (CAUSAL_LM_LOSSES, LOSS_KEYWORDS, CPCausalLMLoss, head_loss,
@@ -393,6 +393,8 @@ def _wrap_forward(model, settings: Settings, loss: CPCausalLMLoss | None = None)
             if documents is not None:
                 documents = _documents(name, settings, bound, documents)
             _check_positions(name, settings, bound, documents)
+            if model.training:
+                check_no_layerdrop(name, model)
         except Exception as e:  # noqa: BLE001  any failure: this rank must still join the
             error = e  # exchange below, or its peers wait there
         tokens = bound.get("input_ids")

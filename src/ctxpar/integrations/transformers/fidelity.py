@@ -195,6 +195,22 @@ _ATTENTION_VARIANTS = {
 }
 
 
+def _layerdrop(module: nn.Module) -> float:
+    """The probability of LayerDrop set on ``module`` (0: none)."""
+    layerdrop = getattr(module, "layerdrop", 0)
+    return layerdrop if isinstance(layerdrop, (int, float)) and layerdrop > 0 else 0
+
+
+def check_no_layerdrop(name: str, model: nn.Module) -> None:
+    """Refuse LayerDrop set on a module after ``enable_context_parallel`` (which refused it
+    then), in a training forward: each rank skipped layers of its own, its peers waiting in
+    the skipped layers' attention until the timeout."""
+    for path, module in model.named_modules():
+        if _layerdrop(module):
+            raise ValueError(f"{name} has {path}.layerdrop={module.layerdrop} in training mode: {_LAYERDROP}, which "
+                             f"ctxpar does not support under context parallelism; set it to 0")
+
+
 def _module_features(model: nn.Module) -> list[Unsupported]:
     from transformers import PreTrainedModel
 
@@ -208,9 +224,8 @@ def _module_features(model: nn.Module) -> list[Unsupported]:
             found.append(Unsupported(_POOLING, owner, _POOLING_FIX))
         elif owner.endswith("Pooler") or path.rpartition(".")[2] == "pooler":
             found.append(Unsupported(_POOLER, owner if owner.endswith("Pooler") else f"{path}: {owner}", _POOLER_FIX))
-        layerdrop = getattr(module, "layerdrop", 0)
-        if isinstance(layerdrop, (int, float)) and layerdrop > 0:  # set on the module after its config
-            found.append(Unsupported(_LAYERDROP, f"{path}.layerdrop={layerdrop}", "set it to 0"))
+        if _layerdrop(module):  # set on the module after its config
+            found.append(Unsupported(_LAYERDROP, f"{path}.layerdrop={module.layerdrop}", "set it to 0"))
         if isinstance(module, PreTrainedModel):
             if not type(module)._can_set_attn_implementation():
                 found.append(Unsupported("attention computed in the model's own code, not through transformers' "
