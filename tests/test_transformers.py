@@ -77,7 +77,11 @@ def test_labels_loss_refuses_what_it_cannot_weigh_globally() -> None:
             model(**inputs, labels=labels, **extra)
     with pytest.raises(ValueError, match=r"labels \(1, 7\) must be this rank's shifted labels"):
         model(**inputs, labels=labels[:, :7])
-    assert model(**inputs, labels=torch.full_like(labels, IGNORE_INDEX)).loss.item() == 0.0  # nothing labelled
+    nothing = model(**inputs, labels=torch.full_like(labels, IGNORE_INDEX)).loss  # nothing labelled
+    nothing.backward()
+    gradients = [p.grad for p in model.parameters() if p.grad is not None]
+    assert nothing.item() == 0.0 and gradients and all(bool((g == 0).all()) for g in gradients)  # zero, not NaN
+    model.zero_grad()
     with pytest.raises(ValueError, match="unshifted labels"):  # transformers' usual idiom, wrong under CP
         model(**inputs, labels=inputs["input_ids"])
     prompt_masked = inputs["input_ids"].clone()
