@@ -251,8 +251,8 @@ def save(model: torch.nn.Module, optimizer: torch.optim.Optimizer, directory: st
     Raises:
         ValueError: a step that is not an int >= 0, ``run`` not a dict JSON can hold, a
             directory that is a file, the directory locked by another save, or ``step``
-            sealed there by another run; on
-            every rank, before any file of the checkpoint is written.
+            sealed there by another run; on every rank, before any file of the checkpoint
+            is written.
         OSError: the checkpoint could not be written (no space left, a file-size limit, no
             permission), on every rank with one message naming the OS's error; what was
             written is left unsealed, which resume skips.
@@ -449,7 +449,7 @@ def load(model: torch.nn.Module, optimizer: torch.optim.Optimizer, checkpoint: R
     try:
         _check_optimizer_parameters(path, groups, [list(group["params"]) for group in state["optim"]["param_groups"]])
         _check_optimizer_kind(path, optimizer.param_groups, state["optim"]["param_groups"])
-    except ValueError as e:
+    except Exception as e:  # noqa: BLE001  any failure: raised on every rank together, below
         error = e
     _raise_together(error)
     set_model_state_dict(model, state["model"])
