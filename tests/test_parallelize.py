@@ -161,6 +161,8 @@ def _losses(layout, cp_rank: int, last: bool, ranks: dict) -> dict:
     # logits that are no tensor on one rank (a model output object passed whole): it raised alone
     found["logits_not_a_tensor_on_one_rank"] = _attempt(lambda: cp_loss(dict(logits=local) if last else local, mine,
                                                                         **ranks))
+    # float32 logits on one rank, float64 on the others: the loss's all-reduce in two widths aborted gloo
+    found["logits_narrower_on_one_rank"] = _attempt(lambda: cp_loss(local.float() if last else local, mine, **ranks))
     found["loss_after"] = abs(cp_loss(local, mine, **ranks)[1].item() - want.item()) / want.item()
     return found
 
@@ -303,8 +305,9 @@ def test_cp_loss_is_exact_in_float64(strategy: str) -> None:
 def test_labels_that_do_not_fit_on_one_rank_are_refused_on_every_rank(strategy: str) -> None:
     """A label outside the vocabulary (the vocabulary's size, or -1 meant as "ignore"), labels of
     another shape or logits that are no tensor on one rank raised there alone; the others
-    waited in cp_loss's all-reduce until the timeout. Every rank now names the value and the
-    rank, and cp_loss works after."""
+    waited in cp_loss's all-reduce until the timeout; float32 logits on one rank aborted
+    gloo in the loss's all-reduce. Every rank now names the value and the rank, and cp_loss
+    works after."""
     for rank, res in enumerate(results()):
         r = res[strategy]
         for case, value in (("vocab", 256), ("minus_one", -1)):
@@ -314,6 +317,9 @@ def test_labels_that_do_not_fit_on_one_rank_are_refused_on_every_rank(strategy: 
         assert want in r["labels_of_another_shape_on_one_rank"], (rank, r["labels_of_another_shape_on_one_rank"])
         want = "got logits dict and labels (2, 8)" if rank == WORLD - 1 else f"rank {WORLD - 1}'s labels do not fit"
         assert want in r["logits_not_a_tensor_on_one_rank"], (rank, r["logits_not_a_tensor_on_one_rank"])
+        want = f"the logits are float64 on {WORLD - 1} of the {WORLD} ranks and narrower on the others " \
+               f"({'float32' if rank == WORLD - 1 else 'float64'} on rank {rank})"
+        assert want in r["logits_narrower_on_one_rank"], (rank, r["logits_narrower_on_one_rank"])
         assert r["loss_after"] < 1e-13, (rank, r["loss_after"])
 
 

@@ -590,8 +590,9 @@ def cp_loss(
     outside 0..vocab-1 other than IGNORE_INDEX: ``vocab``, or -1 meant as "ignore") are
     refused on every rank together, naming the rank and the values, by the all-reduce of the
     token count: raised on one rank alone (``cross_entropy``'s IndexError), they left the
-    others waiting in it until the collective timeout. The verdict is read on the host: one
-    device synchronisation per call.
+    others waiting in it until the collective timeout. So are float64 logits on some ranks
+    only (the loss's all-reduce in two widths aborted gloo). The verdict is read on the
+    host: one device synchronisation per call.
     """
     ranks = topology.of(group, mesh, "cp_loss", " (a hybrid mesh's ranks)",
                         group_also=" (the mean over one CP group's tokens), or group=None (over every rank's: DP x CP)")
@@ -602,9 +603,12 @@ def cp_loss(
             and labels.device == logits.device and not labels.is_floating_point() and not labels.is_complex()
             and labels.dtype != torch.bool)
     # count, then (ranks refusing, the sum of their ranks, of those whose labels do not fit, labels outside the
-    # vocabulary, their lowest, their highest): summed over the ranks, each exact where one rank refuses
+    # vocabulary, their lowest, their highest), then ranks computing in float64: summed over the ranks, each exact
+    # where one rank refuses
     device = logits.device if tensor else comm.collective_device(ranks.process_groups[0])
-    verdict = torch.zeros(7, dtype=torch.int64, device=device)
+    verdict = torch.zeros(8, dtype=torch.int64, device=device)
+    width = torch.promote_types(logits.dtype, torch.float32) if tensor else None  # what the loss is computed in
+    verdict[7] = width == torch.float64
     if fits:
         labels = labels.long()  # cross_entropy takes int64 class indices alone
     if not fits:
@@ -620,7 +624,7 @@ def cp_loss(
     own = verdict.clone()
     topology.all_reduce(verdict, ranks)
     own, summed = torch.stack([own, verdict]).tolist()  # one synchronisation
-    count, refusing, culprit, unfit = summed[:4]
+    count, refusing, culprit, unfit, wide = *summed[:4], summed[7]
     if not fits:
         got = type(labels).__name__
         if isinstance(labels, torch.Tensor):
@@ -642,7 +646,12 @@ def cp_loss(
     if refusing:
         raise ValueError(f"cp_loss: {refusing} ranks refused their labels ({unfit} not fitting their logits, "
                          f"{refusing - unfit} with values outside the vocabulary 0..{vocab - 1}); see their errors")
-    total = F.cross_entropy(logits.flatten(0, 1).to(torch.promote_types(logits.dtype, torch.float32)),
+    if 0 < wide < ranks.world_size:
+        here = "float64" if width == torch.float64 else str(logits.dtype).removeprefix("torch.")
+        raise ValueError(f"cp_loss: the logits are float64 on {wide} of the {ranks.world_size} ranks and narrower on "
+                         f"the others ({here} on rank {rank}), so the loss would be summed in two widths; give every "
+                         f"rank logits of one dtype")
+    total = F.cross_entropy(logits.flatten(0, 1).to(width),
                             labels.flatten(), ignore_index=IGNORE_INDEX, reduction="sum")
     share = total / max(count, 1)
     loss = share.detach().clone()
