@@ -497,6 +497,8 @@ def _guards(rank: int, world: int) -> dict:
     was_training = model.training
     model.train(me == 0)
     out["train mode on one rank"] = _attempt(lambda: model(**inputs, labels=labels).loss)
+    with torch.no_grad():  # an evaluation loop scoring from the logits: no loss to disagree on, dropout still acts
+        out["train mode on one rank, no labels"] = _attempt(lambda: tuple(model(**inputs).logits.shape))
     model.train(was_training)
     copied = copy.deepcopy(model)  # group= given: the copy shares it (a ProcessGroup cannot be copied)
     with torch.no_grad():

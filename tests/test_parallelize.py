@@ -767,6 +767,12 @@ def test_the_config_and_weights_checksums_are_alike_in_every_process_and_skip_sh
     with torch.no_grad():
         same.embed.weight[0, 0] += 1
     assert weights_code(same) != weights_code(model)
+    frozen = copy.deepcopy(model)
+    frozen.embed.requires_grad_(False)  # a frozen part (LoRA-style) is compared too
+    changed = copy.deepcopy(frozen)
+    with torch.no_grad():
+        changed.embed.weight[0, 1] += 1
+    assert weights_code(changed) != weights_code(frozen) == weights_code(model)
     unit = FullyShardedDataParallel.__new__(FullyShardedDataParallel)  # an FSDP1 unit, without a process group
     torch.nn.Module.__init__(unit)
     wrapped = _Wrapped(same)

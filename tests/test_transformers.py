@@ -361,10 +361,11 @@ def test_a_model_of_another_config_on_one_rank_is_refused_on_every_rank() -> Non
 def test_training_mode_on_some_ranks_only_is_refused_on_every_rank() -> None:
     """model.train() on one rank and model.eval() on the other ran without a word: dropout
     acted on one rank's shard alone (GPT-2 with dropout 0.3: a loss of 3.8823 where the eval
-    loss is 3.8777)."""
-    for _, (kind, detail) in _guards("train mode on one rank"):
-        assert kind == "refused" and "is in training mode on 1 of the 2 ranks of the CP group" in detail, detail
-        assert "call model.train() or model.eval() on every rank" in detail, detail
+    loss is 3.8777), with labels= or without (logits 0.23 off)."""
+    for check in ("train mode on one rank", "train mode on one rank, no labels"):
+        for _, (kind, detail) in _guards(check):
+            assert kind == "refused" and "is in training mode on 1 of the 2 ranks of the CP group" in detail, detail
+            assert "call model.train() or model.eval() on every rank" in detail, detail
 
 
 def test_hybrid_on_a_mesh_gives_the_unsplit_loss_logits_and_gradients() -> None:
