@@ -499,6 +499,12 @@ def _guards(rank: int, world: int) -> dict:
     out["train mode on one rank"] = _attempt(lambda: model(**inputs, labels=labels).loss)
     with torch.no_grad():  # an evaluation loop scoring from the logits: no loss to disagree on, dropout still acts
         out["train mode on one rank, no labels"] = _attempt(lambda: tuple(model(**inputs).logits.shape))
+    model.train()
+    if me == 1:  # set after enable_context_parallel, on one rank: each rank would skip layers of its own
+        model.model.layerdrop = 0.5
+    out["layerdrop on one rank"] = _attempt(lambda: model(**inputs, labels=labels).loss)
+    if me == 1:
+        del model.model.layerdrop
     model.train(was_training)
     copied = copy.deepcopy(model)  # group= given: the copy shares it (a ProcessGroup cannot be copied)
     with torch.no_grad():

@@ -368,6 +368,13 @@ def test_training_mode_on_some_ranks_only_is_refused_on_every_rank() -> None:
             assert "call model.train() or model.eval() on every rank" in detail, detail
 
 
+def test_layerdrop_set_on_one_rank_after_enabling_is_refused_on_every_rank() -> None:
+    for rank, (kind, detail) in _guards("layerdrop on one rank"):
+        assert kind == "refused" and (
+            "has model.layerdrop=0.5 in training mode: LayerDrop" if rank == 1 else
+            "another rank of the CP group refused its inputs for this forward") in detail, (rank, detail)
+
+
 def test_hybrid_on_a_mesh_gives_the_unsplit_loss_logits_and_gradients() -> None:
     """strategy="hybrid" on a 2x2 mesh of 4 ranks (zigzag, unevenly ignored labels)."""
     for rank, res in enumerate(hf_cases.results()):

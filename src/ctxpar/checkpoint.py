@@ -416,8 +416,11 @@ def load(model: torch.nn.Module, optimizer: torch.optim.Optimizer, checkpoint: R
             optimizer state is of another kind (state of other names, or amsgrad,
             decoupled weight decay, maximize, nesterov or centered set otherwise), naming it;
             or it was saved by an optimizer over other parameters, naming them. On every rank
-            where any rank's model or optimizer is refused, naming that rank, before the
-            collective that would load or set the state.
+            where any rank's model or optimizer is refused, naming that rank: a model or
+            optimizer state that does not fit before DCP's collective load; an optimizer
+            of another setting or over other parameters after it, DCP having written the
+            checkpoint's weights and optimizer state into the model's and the optimizer's
+            tensors in place (build them again before another try).
     """
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.api import CheckpointException
@@ -723,8 +726,10 @@ def _claim(directory: str, path: str, step: int, run: dict[str, Any]) -> int | N
     """Lock ``directory`` for this run's save of ``step`` at ``path`` and clear what is there;
     return the lock's descriptor (closing it releases the lock, as the process's end does),
     None where the file system has no locks."""
-    if os.path.lexists(directory) and not os.path.isdir(directory):  # makedirs said "File exists", nothing more
-        raise ValueError(f"checkpoint directory {directory!r} is a file, not a directory; pass a directory path")
+    place = directory.rstrip(os.sep) or directory  # "afile/" names the file
+    if os.path.lexists(place) and not os.path.isdir(place):  # makedirs said "File exists", nothing more
+        what = "a link to a missing path" if os.path.islink(place) else "a file"
+        raise ValueError(f"checkpoint directory {directory!r} is {what}, not a directory; pass a directory path")
     os.makedirs(directory, exist_ok=True)
     try:
         # None on a file system without locks: saves go unlocked there, as they did before the

@@ -830,12 +830,12 @@ class HeldProcessors(LogitsProcessorList):
         super().__init__(processors)
         self.error: Exception | None = None
         self.code = self.logits_code = 0
-        self._weights: torch.Tensor | None = None  # _scores_code's, made once per generate call, not per step
+        self._weights: torch.Tensor | None = None  # _scores_sum's, made once per generate call, not per step
 
     def __call__(self, input_ids: torch.Tensor, scores: torch.Tensor, **kwargs) -> torch.Tensor:
         if self._weights is None or self._weights.numel() != scores.numel() or self._weights.device != scores.device:
             self._weights = torch.arange(scores.numel(), device=scores.device, dtype=torch.int64) % 65521 + 1
-        self.logits_code = _scores_code(scores, self._weights)  # before processors that change them in place
+        logits_sum = _scores_sum(scores, self._weights)  # before processors that change them in place
         if self.error is None and len(self):
             try:
                 scores = super().__call__(input_ids, scores, **kwargs)
@@ -843,7 +843,10 @@ class HeldProcessors(LogitsProcessorList):
                 self.error = e
         if self.error is not None:  # what a processor left half done (NaN, all -inf) could fail the sampling here
             scores = torch.zeros_like(scores)
-        self.code = _scores_code(scores, self._weights) if len(self) else self.logits_code
+        scores_sum = _scores_sum(scores, self._weights) if len(self) else logits_sum
+        # one host read for both checksums per step
+        self.logits_code, self.code = (agreement.text_code(str(int(s))) & 0xFFFFFF
+                                       for s in torch.stack([logits_sum, scores_sum]).tolist())
         return scores
 
 
@@ -851,18 +854,17 @@ _SCORE_BITS = {torch.float64: torch.int64, torch.float32: torch.int32, torch.flo
                torch.bfloat16: torch.int16}
 
 
-def _scores_code(scores: torch.Tensor, weights: torch.Tensor) -> int:
-    """A 24-bit checksum of ``scores``' bits (``agreement.sums_of``), summed on their device
-    with ``weights`` by position (a swap of two values changes it), int64 wrapping alike on every
-    rank; one scalar comes to the host (the logits are bit-identical on every rank, and so
-    are the scores alike processors make of them)."""
+def _scores_sum(scores: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
+    """The sum of ``scores``' bits weighted by position (a swap of two values changes it), an
+    int64 scalar on their device wrapping alike on every rank, whose 64 bits the caller folds
+    into a 24-bit checksum (``agreement.sums_of``): scores scaled by a power of 2 (a
+    temperature of 0.5 against 2.0) differ in their exponents alone, the sum by a multiple of
+    2**24. 0 for a dtype without a same-width integer type."""
     bits = _SCORE_BITS.get(scores.dtype)
     if bits is None:
-        return 0
+        return torch.zeros((), dtype=torch.int64, device=scores.device)
     flat = scores.detach().contiguous().view(bits).reshape(-1).to(torch.int64)
-    # all 64 bits of the sum folded into the checksum: scores scaled by a power of 2 (a temperature of 0.5
-    # against 2.0) differ in their exponents alone, the sum by a multiple of 2**24
-    return agreement.text_code(str(int((flat * weights).sum()))) & 0xFFFFFF
+    return (flat * weights).sum()
 
 
 # The logits processors of the generate call in progress (None outside one, or on one rank).
