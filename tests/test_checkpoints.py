@@ -6,6 +6,7 @@ followed by the one the kill interrupted) is the material the other tests corrup
 
 from __future__ import annotations
 
+import copy
 import os
 import re
 import shutil
@@ -671,6 +672,28 @@ def test_a_save_before_the_first_step_leaves_the_optimizer_as_it_was_and_resumes
     model = _tiny_model_and_adamw()[0]
     with pytest.raises(ValueError, match="does not fit this model and optimizer"):  # an optimizer of another kind
         checkpoint.load(model, torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9), path)
+
+
+def test_a_refused_optimizer_leaves_the_model_and_the_optimizer_as_they_were(tmp_path) -> None:
+    """An optimizer of another setting (Adam for AdamW) or over other parameters was refused
+    after DCP's load, which had written the checkpoint's weights and moments into the
+    model's and the optimizer's own tensors."""
+    model, optimizer = _tiny_model_and_adamw()
+    _train(model, optimizer, 1)
+    path = checkpoint.save(model, optimizer, str(tmp_path / "ckpt"), 1, SETTINGS)
+    for other in ("Adam", "other parameters"):
+        torch.manual_seed(1)
+        fresh = type(model)(model.cfg)
+        kept = fresh.embed.weight if other == "Adam" else fresh.output.weight
+        mine = (torch.optim.Adam(fresh.parameters(), lr=0.01) if other == "Adam" else
+                torch.optim.AdamW([p for p in fresh.parameters() if p is not fresh.embed.weight], lr=0.01))
+        _train(fresh, mine, 1)
+        weights, moments = copy.deepcopy(fresh.state_dict()), mine.state[kept]["exp_avg"].clone()
+        with pytest.raises(ValueError, match="decoupled_weight_decay=True there" if other == "Adam" else
+                           "saved by an optimizer over other parameters"):
+            checkpoint.load(fresh, mine, path)
+        assert all(torch.equal(weights[name], value) for name, value in fresh.state_dict().items()), other
+        assert torch.equal(mine.state[kept]["exp_avg"], moments), other
 
 
 def test_an_optimizer_with_state_for_some_parameters_only_resumes_exactly(tmp_path) -> None:

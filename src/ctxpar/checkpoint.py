@@ -32,6 +32,7 @@ takes 0.6 s (torch.distributed.tensor with it), which every ``ctxpar`` command p
 
 from __future__ import annotations
 
+import copy
 import errno
 import fcntl
 import hashlib
@@ -416,14 +417,9 @@ def load(model: torch.nn.Module, optimizer: torch.optim.Optimizer, checkpoint: R
             optimizer state is of another kind (state of other names, or amsgrad,
             decoupled weight decay, maximize, nesterov or centered set otherwise), naming it;
             or it was saved by an optimizer over other parameters, naming them. On every rank
-            where any rank's model or optimizer is refused, naming that rank: a model or
-            optimizer state that does not fit before DCP's collective load; an optimizer
-            of another setting or over other parameters after it, DCP having written the
-            checkpoint's weights and optimizer state into the model's and the optimizer's
-            tensors in place (build them again before another try).
+            where any rank's model or optimizer is refused, naming that rank, before DCP
+            writes any tensor (it loads into the model's and the optimizer's own).
     """
-    import torch.distributed.checkpoint as dcp
-    from torch.distributed.checkpoint.api import CheckpointException
     from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_state_dict, set_model_state_dict,
                                                          set_optimizer_state_dict)
 
@@ -442,22 +438,34 @@ def load(model: torch.nn.Module, optimizer: torch.optim.Optimizer, checkpoint: R
     except Exception as e:  # noqa: BLE001  any failure: raised on every rank together, below
         error = e
     _raise_together(error)
-    groups = [list(group["params"]) for group in optim_state["param_groups"]]  # dcp.load puts the saved ones there
+    # the saving optimizer's settings alone first (a few values): refused after the whole load, the model and
+    # optimizer already held the checkpoint's tensors, which DCP writes in place
+    saved_groups = copy.deepcopy(optim_state["param_groups"])
+    _load_from_dcp({"optim": {"param_groups": saved_groups}}, path)
+    try:
+        _check_optimizer_parameters(path, [list(group["params"]) for group in optim_state["param_groups"]],
+                                    [list(group["params"]) for group in saved_groups])
+        _check_optimizer_kind(path, optimizer.param_groups, saved_groups)
+    except Exception as e:  # noqa: BLE001  any failure: raised on every rank together, below
+        error = e
+    _raise_together(error)
     state = {"model": model_state, "optim": optim_state}
+    _load_from_dcp(state, path)
+    set_model_state_dict(model, state["model"])
+    # not strict: the parameters without saved state start without, as the saving optimizer's would have stepped
+    set_optimizer_state_dict(model, optimizer, state["optim"], options=StateDictOptions(strict=False))
+
+
+def _load_from_dcp(state: dict, path: str) -> None:
+    """DCP's load of ``state``'s entries from checkpoint ``path`` (collective), in place."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.api import CheckpointException
+
     try:
         dcp.load(state, checkpoint_id=path)
     except CheckpointException as e:  # a BaseException: an `except Exception` would miss it
         last = next((line for line in reversed(str(e).splitlines()) if line.strip()), type(e).__name__)
         raise ValueError(f"the checkpoint {path} does not fit this model and optimizer: {last.strip()}") from None
-    try:
-        _check_optimizer_parameters(path, groups, [list(group["params"]) for group in state["optim"]["param_groups"]])
-        _check_optimizer_kind(path, optimizer.param_groups, state["optim"]["param_groups"])
-    except Exception as e:  # noqa: BLE001  any failure: raised on every rank together, below
-        error = e
-    _raise_together(error)
-    set_model_state_dict(model, state["model"])
-    # not strict: the parameters without saved state start without, as the saving optimizer's would have stepped
-    set_optimizer_state_dict(model, optimizer, state["optim"], options=StateDictOptions(strict=False))
 
 
 def _raise_together(error: Exception | None) -> None:
