@@ -499,6 +499,19 @@ def _check_subgroups(rank: int, world: int) -> dict:
             return str(e)
 
     found["values_refused_by_global_rank"] = compared({"step": 4}, ValueError("mine") if rank == world - 1 else None)
+    # requires_grad on the upper half's group rank 0 alone: once named by group ranks, "rank 0", of the other half
+    q_grad, kv_grad = (t.clone().requires_grad_(rank != world - 1) for t in (q, torch.randn(1, 2, 4, 8)))
+    found["requires_grad_by_global_rank"] = _refusal(q_grad, kv_grad, kv_grad, layout="zigzag", group=mine)
+    # a hybrid mesh's rows, then its columns (decode's exchange): rank 0's refusal reaches rank 3, which shares
+    # no row with it, through the columns; passed on in the rows alone, rank 3 went on alone
+    rows = [dist.new_group(list(range(r, r + half))) for r in range(0, world, half)]
+    columns = [dist.new_group(list(range(c, world, half))) for c in range(half)]
+    agreed = [rows[rank // half], columns[rank % half]]
+    try:
+        agreement.check_values_agree({"step": 4}, agreed, ValueError("mine") if rank == 0 else None, "decode step")
+        found["refusal_through_rows_and_columns"] = "NO ERROR"
+    except ValueError as e:
+        found["refusal_through_rows_and_columns"] = str(e)
     found["unknown_on_one_rank"] = [compared({"weights": -1 if rank % 2 == 0 else 7}, where_known=("weights",)),
                                     compared({"weights": 7 + rank}, where_known=("weights",)),
                                     # -1 is a value like any other where it may not stand for unknown

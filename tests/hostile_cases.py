@@ -65,6 +65,11 @@ def disagreeing_ranks(rank: int, world: int, mesh) -> dict[str, str]:
     """One rank (the last) calls differently from the others; every rank must raise."""
     odd = rank == world - 1
     same_bytes = dict(local_len=8, head_dim=4) if odd else dict(local_len=4, head_dim=8)  # equal byte counts
+
+    def without_grad_mode_on_the_last_rank():
+        with torch.set_grad_enabled(not odd):
+            return _call(*_tensors(), layout="zigzag")
+
     cases = {
         "kv_shape_same_bytes": lambda: _call(*_tensors(**same_bytes), layout="zigzag"),
         "layout": lambda: _call(*_tensors(), layout="striped" if odd else "zigzag"),
@@ -98,6 +103,13 @@ def disagreeing_ranks(rank: int, world: int, mesh) -> dict[str, str]:
         "dtype_same_bytes": lambda: _call(*(t.to(torch.float16 if odd else torch.bfloat16) for t in _tensors()),
                                           layout="zigzag"),
         "window": lambda: _call(*_tensors(), layout="zigzag", window=5 if odd else 3),
+        # left out of the signature in a mutation audit, each computed silently (errors up to 3.0), or hung (grad mode)
+        "kv_heads": lambda: _call(*_tensors(kv_heads=1 if odd else 2), layout="zigzag", strategy="alltoall"),
+        "window_with_documents": lambda: _call(*_tensors(), layout="zigzag", strategy="allgather",
+                                               documents=(8, 8), window=5 if odd else 3),
+        "sinks_values_bf16": lambda: _call(*(t.bfloat16() for t in _tensors(grad=False)), layout="zigzag",
+                                           sinks=torch.full((4,), 1.001 if odd else 1.0)),
+        "grad_mode": without_grad_mode_on_the_last_rank,
         # the batch alone: left out, gloo's size mismatch aborted every rank
         "batch": lambda: _call(*(t.detach().expand(2, -1, -1, -1).contiguous() if odd else t
                                  for t in _tensors(grad=False)), layout="zigzag"),

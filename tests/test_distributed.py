@@ -296,6 +296,11 @@ def test_a_refusal_on_a_subgroup_names_the_global_ranks() -> None:
         assert "disagree on the decode step: step [-1, 7] (one value" in minus_one, (rank, minus_one)
         got = res["subgroups"]["layout_for_two_on_a_group_of_one"]
         assert "the zigzag layout was built for P=2 ranks but the process group has 1" in got, (rank, got)
+        got = res["subgroups"]["requires_grad_by_global_rank"]
+        assert got == "NO ERROR" if rank < 2 else "different requires_grad" in got and "rank 2: q, k, v; rank 3: " \
+            "none" in got, (rank, got)
+        got = res["subgroups"]["refusal_through_rows_and_columns"]
+        assert got == "mine" if rank == 0 else "of the CP group rejected their decode step inputs" in got, (rank, got)
 
 
 @pytest.mark.parametrize("world", WORLD_SIZES, ids=lambda w: f"P{w}")

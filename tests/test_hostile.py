@@ -121,6 +121,10 @@ DISAGREEMENTS = {  # case -> what the ranks that called correctly are told
     "dtype_same_bytes": "different dtype",
     "window": "different documents/window",
     "batch": "different batch",
+    "kv_heads": "different kv_heads",
+    "window_with_documents": "different documents/window",
+    "sinks_values_bf16": "different sinks",  # 1.001 against 1.0, both bfloat16's 1.0
+    "grad_mode": "different requires_grad",
 }
 
 
@@ -174,6 +178,31 @@ def test_a_row_without_mass_and_a_nan_query_row_on_one_rank() -> None:
         out = ctxpar.attention(q, k, v, layout="zigzag")
         nan_rows = out.isnan().any(-1)
         assert nan_rows[0, 0, 5] and nan_rows.sum() == 1, (length, nan_rows.nonzero())
+
+
+def test_scales_are_judged_in_the_type_attention_is_computed_in_and_a_bool_is_no_scale() -> None:
+    """float16 q is computed in float32: scale 1e-5 and 7e4, outside float16's range, run
+    exactly (judged in q's dtype, they were refused); scale=True is refused, not taken as 1."""
+    import torch.nn.functional as F
+
+    q, k, v = (torch.randn(1, 2, 8, 4, dtype=torch.float64) for _ in range(3))
+    for scale in (1e-5, 7e4):
+        want = F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scale)
+        got = ctxpar.attention(q.half(), k.half(), v.half(), layout="zigzag", scale=scale)
+        assert (got.double() - want).abs().max() < 2e-3, scale
+    with pytest.raises(ValueError, match="scale must be a positive finite number, got True"):
+        ctxpar.attention(q, k, v, layout="zigzag", scale=True)
+
+
+def test_a_sum_of_checksums_tells_every_rank_that_they_differ() -> None:
+    """The all-reduced (codes, squares, ranks) of codes 1, 2, 3: by their sum alone, the rank
+    holding the mean took them to agree and went on while the others refused."""
+    from ctxpar import agreement
+
+    summed = [sum(column) for column in zip(*(agreement.sums_of(code) for code in (1, 2, 3)))]
+    assert [agreement.differ(code, summed) for code in (1, 2, 3)] == [True, True, True]
+    alike = [sum(column) for column in zip(*(agreement.sums_of(2) for _ in range(3)))]
+    assert not agreement.differ(2, alike)
 
 
 def test_a_tensor_scale_is_refused_naming_how_to_scale_by_a_tensor() -> None:
