@@ -102,6 +102,19 @@ def test_compare_says_mismatch_where_attention_is_wrong_though_the_early_losses_
     assert said.splitlines()[-1].startswith("loss: ") and "fall" not in said  # one loss: nothing fell or did not
 
 
+class _FixedLogits(torch.nn.Module):
+    """A stand-in model for the training loop: the same logits for any tokens, and one
+    parameter for the optimizer."""
+
+    def __init__(self, logits: torch.Tensor) -> None:
+        super().__init__()
+        self.logits = logits
+        self.bias = torch.nn.Parameter(torch.zeros(()))
+
+    def forward(self, tokens: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        return self.logits + self.bias
+
+
 def _steps_of_a_model_that_hits_on_rank_0_only(rank: int, world: int) -> dict:
     """Two steps of the training loop whose model's logits hit every recall label on rank 0
     (three recall positions) and none on rank 1 (one), each step timed as one second."""
@@ -113,17 +126,8 @@ def _steps_of_a_model_that_hits_on_rank_0_only(rank: int, world: int) -> dict:
     labels = torch.tensor([[1, 2, 3, 4]])
     recall = torch.tensor([[True, True, False, True]] if rank == 0 else [[False, True, False, False]])
     hit = F.one_hot(labels if rank == 0 else (labels + 1) % 8, 8).float() * 5
-
-    class Model(torch.nn.Module):
-        def __init__(self) -> None:
-            super().__init__()
-            self.bias = torch.nn.Parameter(torch.zeros(()))
-
-        def forward(self, tokens: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
-            return hit + self.bias
-
     train.time = types.SimpleNamespace(perf_counter=itertools.count().__next__)  # each step: 1 s
-    model = Model()
+    model = _FixedLogits(hit)
     cfg = TrainConfig(nproc=world, dp=2, batch=3, seq=128, steps=2, progress=False)
     return train._run_steps(model, torch.optim.SGD(model.parameters(), lr=0.0), cfg, 0,
                             lambda step: (labels, None, labels, recall), lambda step: None, show=False)
@@ -138,16 +142,7 @@ def test_an_infinite_loss_stops_the_run_before_its_step_is_saved() -> None:
     labels = torch.tensor([[1, 2, 3, 4]])
     logits = torch.zeros(1, 4, 8)
     logits[0, 1, 2] = float("-inf")
-
-    class Model(torch.nn.Module):
-        def __init__(self) -> None:
-            super().__init__()
-            self.bias = torch.nn.Parameter(torch.zeros(()))
-
-        def forward(self, tokens: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
-            return logits + self.bias
-
-    saved, model = [], Model()
+    saved, model = [], _FixedLogits(logits)
     cfg = TrainConfig(nproc=1, seq=128, steps=2, progress=False)
     with pytest.raises(StopRun, match=re.escape("step 1: the loss is inf; stopped before anything of this step is "
                                                 "saved")):
