@@ -544,7 +544,7 @@ def test_the_checkpoint_api_refuses_what_would_lose_or_mix_work(tmp_path) -> Non
                 f"checkpoint directory {file!r} is a file, not a directory; pass a directory path")
     os.symlink(str(tmp_path / "missing"), str(tmp_path / "dangling"))
     refused(lambda: checkpoint.save(model, optimizer, str(tmp_path / "dangling"), 2, SETTINGS),
-            "is a link to a missing path, not a directory")
+            f"is a symbolic link to {str(tmp_path / 'missing')!r}, which does not exist")
     refused(lambda: checkpoint.save(model, optimizer, directory, 2, {"dtype": torch.float32}),
             "run must hold what JSON can")
     with open(os.path.join(directory, checkpoint.SAVE_LOCK), "w") as held:  # another run, saving right now

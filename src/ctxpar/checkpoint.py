@@ -118,12 +118,7 @@ def check_directory(directory: str, *, resuming: bool, checkpoint_bytes: int = 0
     would overwrite them step by step. Resuming needs at least one ``step-<N>`` directory;
     whether one is intact is decided by :func:`find_resumable`.
     """
-    path = directory.rstrip(os.sep) or directory  # "afile/" names the file: makedirs would say only "File exists"
-    if os.path.islink(path) and not os.path.exists(path):
-        raise ValueError(f"--checkpoint-dir {directory!r} is a symbolic link to {os.readlink(path)!r}, which does "
-                         "not exist; create the directory it points to, or pass another path")
-    if os.path.lexists(path) and not os.path.isdir(path):
-        raise ValueError(f"--checkpoint-dir {directory!r} is a file, not a directory; pass a directory path")
+    _refuse_what_is_no_directory(directory, "--checkpoint-dir")
     if resuming and not os.path.isdir(directory):
         raise ValueError(f"--resume: --checkpoint-dir {directory!r} does not exist; pass the directory the "
                          "earlier run saved to, or drop --resume to start a new run")
@@ -155,6 +150,17 @@ def check_directory(directory: str, *, resuming: bool, checkpoint_bytes: int = 0
         raise ValueError(f"--checkpoint-dir {directory!r} has {format_bytes(free)} free, less than one checkpoint of "
                          f"this run takes (at least {format_bytes(checkpoint_bytes)}: the model's parameters and the "
                          "optimizer's state); free space there, or pass a directory on a file system with room")
+
+
+def _refuse_what_is_no_directory(directory: str, named: str) -> None:
+    """Refuse a ``directory`` path that names a file (spelt with a trailing slash too) or a
+    link to a missing path: makedirs would say only "File exists"."""
+    path = directory.rstrip(os.sep) or directory  # "afile/" names the file
+    if os.path.islink(path) and not os.path.exists(path):
+        raise ValueError(f"{named} {directory!r} is a symbolic link to {os.readlink(path)!r}, which does not exist; "
+                         "create the directory it points to, or pass another path")
+    if os.path.lexists(path) and not os.path.isdir(path):
+        raise ValueError(f"{named} {directory!r} is a file, not a directory; pass a directory path")
 
 
 class HeldByAnotherRun(ValueError):
@@ -734,10 +740,7 @@ def _claim(directory: str, path: str, step: int, run: dict[str, Any]) -> int | N
     """Lock ``directory`` for this run's save of ``step`` at ``path`` and clear what is there;
     return the lock's descriptor (closing it releases the lock, as the process's end does),
     None where the file system has no locks."""
-    place = directory.rstrip(os.sep) or directory  # "afile/" names the file
-    if os.path.lexists(place) and not os.path.isdir(place):  # makedirs said "File exists", nothing more
-        what = "a link to a missing path" if os.path.islink(place) else "a file"
-        raise ValueError(f"checkpoint directory {directory!r} is {what}, not a directory; pass a directory path")
+    _refuse_what_is_no_directory(directory, "checkpoint directory")
     os.makedirs(directory, exist_ok=True)
     try:
         # None on a file system without locks: saves go unlocked there, as they did before the
