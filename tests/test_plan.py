@@ -2395,6 +2395,8 @@ def test_calibration_gives_three_rates_and_the_launch_overhead(monkeypatch) -> N
     assert hw.matmul_flops == c["matmul_flops"] == 2 * 1024**3 / c["matmul"]["seconds"]
     assert 0 < hw.launch_overhead == c["launch_overhead"] < 1e-2
     assert "launch overhead" in calibrate.format_calibration(c)
+    assert (f"forward {hw.forward_flops / 1e9:.1f}, backward {hw.backward_flops / 1e9:.1f} GFLOP/s"
+            in calibrate.format_calibration(c))  # the rates printed are those planned with
     # the tile loop's fixed parts and what attention calls spend around each tile
     assert (hw.tile_forward_overhead, hw.tile_backward_overhead, hw.tile_backward_seconds_per_byte) == (
         c["tiles"]["tile_forward_overhead"] + 1e-4, c["tiles"]["tile_backward_overhead"] + 5e-5,
@@ -2952,13 +2954,19 @@ def test_tile_probes_in_low_precision_count_float32_accumulator_bytes() -> None:
     assert want[0] == (4 * 16 * 2 * 8, 4 * (16 * 2 + 2 * 16) * 8)
 
 
-def test_measurements_label_the_size_they_measured_and_refuse_counts_below_one() -> None:
+def test_measurements_label_the_size_they_measured_and_refuse_counts_below_one(monkeypatch) -> None:
     """measure_attention(tokens=N) said block tokens 4096 whatever N, and tokens=0 measured
     4096; repeats=0 failed in min() of nothing, calls=0 divided by zero, rounds=True ran one
     round: refused by name before anything is measured."""
     m = calibrate.measure_attention(repeats=1, tokens=16)
     assert m["block"] == dict(calibrate.BLOCK, tokens=16)
     assert m["forward_flops"] == 4 * 8 * 64 * 16 * 17 // 2
+    # on clocks of known seconds: the rate over forward and backward, one call's launch overhead
+    monkeypatch.setattr(calibrate, "_cpu_seconds", lambda fn: {"forward": 1.0, "backward": 2.0}[fn.__name__])
+    timed = calibrate.measure_attention(repeats=1, tokens=16)
+    assert (timed["attention_flops"], timed["backward_to_forward_seconds"]) == (3.5 * m["forward_flops"] / 3, 2.0)
+    monkeypatch.setattr(calibrate, "_wall_seconds", lambda fn: 0.01)
+    assert calibrate.measure_launch_overhead(calls=200, repeats=1) == pytest.approx(5e-5)
     refused = [
         (lambda: calibrate.measure_attention(tokens=0), "measuring attention needs .* got tokens=0"),
         (lambda: calibrate.measure_attention(repeats=0, tokens=16), "got repeats=0"),

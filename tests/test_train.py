@@ -462,6 +462,21 @@ def test_model_with_explicit_positions_equals_default_positions() -> None:
     torch.testing.assert_close(model(tokens), model(tokens, torch.arange(12)))
 
 
+def test_model_takes_each_rows_own_positions() -> None:
+    """(B, T) positions whose rows differ (packing per row, on one device): each row as if run
+    alone (row 0's positions for every row was 8.9 off). Row 1 restarts at 5, not a constant
+    offset, which RoPE, depending on relative positions only, could not tell from row 0's."""
+    torch.manual_seed(0)
+    model = Transformer(get_config("tiny")).double().eval()
+    for weight in model.parameters():
+        torch.nn.init.normal_(weight, std=0.3 if weight.dim() > 1 else 1.0)
+    tokens = torch.randint(0, 256, (2, 12))
+    positions = torch.stack([torch.arange(12), torch.cat([torch.arange(5), torch.arange(7)])])
+    with torch.no_grad():
+        alone = torch.cat([model(tokens[row:row + 1], positions[row]) for row in range(2)])
+        torch.testing.assert_close(model(tokens, positions), alone, rtol=0, atol=1e-12)
+
+
 def test_recall_task_places_queries_after_the_filler() -> None:
     task = RecallTask(vocab=256, seq_len=128)
     tokens, recall = task.batch(2, seed=0, step=0)
