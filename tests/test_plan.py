@@ -161,7 +161,8 @@ def test_allgather_plan_follows_the_strategys_head_groups(kv_heads: int, tp: int
 @pytest.mark.parametrize("strategy, kv_heads, dtype", [
     ("allgather", 1, "bfloat16"), ("allgather", 2, "float32"), ("allgather", 8, "bfloat16"),
     ("allgather", 12, "float32"), ("alltoall", 8, "bfloat16"), ("alltoall", 8, "float32"),
-    ("alltoall", 2, "bfloat16"), ("alltoall", 2, "float32"), ("hybrid", 8, "bfloat16"), ("hybrid", 1, "float32")])
+    ("alltoall", 2, "bfloat16"), ("alltoall", 2, "float32"), ("alltoall", 3, "float32"), ("hybrid", 8, "bfloat16"),
+    ("hybrid", 1, "float32")])
 def test_attention_workspace_is_the_larger_column_of_the_peak_memory_table(strategy: str, kv_heads: int,
                                                                             dtype: str) -> None:
     """docs/strategies.md's peak-memory table, written out term by term: what the strategy's
@@ -383,6 +384,10 @@ def test_memory_categories() -> None:
     assert mem.activations_checkpointed == 32 * 8192 * 4096 * 2 + 8192 * per_token
     assert memory_per_gpu(w.with_(cp=8), 1).activations == mem.activations // 2
     assert not mem.fits and mem.total == sum(v for k, v in mem.categories().items() if k != "activations_checkpointed")
+    # all-to-all over more ranks than K/V heads keeps each K/V head's copies: H_kv' = 16 at U = 16 and 8, not 8
+    for shape in (dict(strategy="alltoall", cp=16), dict(strategy="hybrid", cp=32, ulysses=16)):
+        assert saved_tensors_per_token(w.with_(**shape))["head-sharded q, k, v, out (all-to-all)"] == \
+            (2 * 32 + 2 * 16) * 128 * 2
 
 
 def test_fits_up_to_is_the_longest_fitting_length() -> None:
@@ -1195,6 +1200,8 @@ def test_dp_and_fsdp_time_is_what_the_layers_compute_does_not_hide() -> None:
     assert step.dp_seconds == pytest.approx(reduce, rel=1e-12)  # hidden but for the last layer's
     assert dp.backward.compute == pytest.approx((step.compute_seconds - step.forward_seconds) / layers, rel=1e-12)
     assert step.seconds == step.compute_seconds + step.dp_seconds
+    latent = cost.step_time(worked(), replace(hw, latency=1e-4))  # the last all-reduce's message waits its latency
+    assert latent.dp_seconds == pytest.approx(reduce + 1e-4, rel=1e-12)
 
     # HSDP on 64 GPUs, 8 per node: FSDP over 8 CP x DP ranks spanning 8 GPUs (NVLink), 8 replicas over every node
     w = worked(dp=16, fsdp=8)
