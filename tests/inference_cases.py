@@ -505,6 +505,7 @@ def _check_bad_inputs(rank: int, world: int) -> dict[str, str]:
         with torch.no_grad():
             next(drawn.parameters()).view(-1)[0] += rank == 0
         messages["weights_differ"] = _attempt(lambda: generate(drawn, prompt, layout="zigzag", new_tokens=2))
+        messages["prefill_weights_differ"] = _attempt(lambda: prefill(drawn, cache(), prompt, layout="zigzag"))
         # the last rank's on_token is not a function: it once raised after the prefill, leaving the others waiting
         on_token = "progress" if rank == world - 1 else None
         messages["one_rank_on_token"] = _attempt(lambda: generate(model, prompt, layout="zigzag", new_tokens=2,

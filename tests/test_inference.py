@@ -241,7 +241,8 @@ EXPECTED_MESSAGES = {
     "attention_scales_differ": ["disagree on the sharded attention: scale [0.5, 0.25"],
     "attention_sinks_differ": ["disagree on the sharded attention: sinks (crc32) ["],
     "models_differ": ["disagree on the generate call", "model (a checksum of its config"],
-    "weights_differ": ["disagree on the prefill", "weights (a checksum of each parameter's first values"],
+    "weights_differ": ["disagree on the generate call", "weights (a checksum of each parameter's first values"],
+    "prefill_weights_differ": ["disagree on the prefill", "weights (a checksum of each parameter's first values"],
     "attention_grad": ["sharded_attention is inference only, but grad mode is on and q set requires_grad",
                        "under torch.no_grad() or torch.inference_mode(), or use ctxpar.attention for training"],
     "inference_mode_cache": ["KV cache was built under torch.inference_mode()", "inside torch.inference_mode() as"],
@@ -284,8 +285,8 @@ RANK_0_BAD = {  # rank 0's call is bad: it raises its own error, the others name
 MULTI_RANK_ONLY = ("layout_length", "step", "tokens_differ", "chunks_differ", "methods_differ", "calls_differ",
                    "chunk_capacities_differ", "interrupted_chunk", "cache_on_a_mesh", "cache_on_group_and_mesh",
                    "attention_queries_differ", "attention_scales_differ", "attention_sinks_differ", "models_differ",
-                   "weights_differ", "temperature_differs", "names_differ", "caches_swapped", "chunk_caches_swapped",
-                   "deals_differ", "generate_layouts_differ")
+                   "weights_differ", "prefill_weights_differ", "temperature_differs", "names_differ", "caches_swapped",
+                   "chunk_caches_swapped", "deals_differ", "generate_layouts_differ")
 ONLY_AT_P4 = ("mesh_over_other_ranks", "generate_mesh_of_fewer_ranks", "generate_mesh_over_other_ranks")
 
 
@@ -778,6 +779,10 @@ def test_generation_inputs_are_refused_by_name_not_by_torch() -> None:
     prefill(model, cache, prompt, layout="zigzag")
     refused["decode tokens (1, B)"] = (lambda: decode_step(model, cache, prompt[:, :1].T),
                                        "pass them as (B, n) = (2, 1) or (B,), one token per sequence, not (1, B)")
+    refused["0-d decode token"] = (lambda: decode_step(model, cache, prompt[0, 0]), "a decode step takes one token "
+                                   "per sequence, (B,) or (B, 1), got () (one sequence's: tokens.view(1))")
+    refused["3-d decode tokens"] = (lambda: decode_step(model, cache, prompt[:, :1, None]),
+                                    "a decode step takes one token per sequence, (B,) or (B, 1), got (2, 1, 1)")
     refused["nested decode tokens"] = (lambda: decode_step(model, cache, torch.nested.nested_tensor(
         [prompt[0, :1], prompt[1, :1]], layout=torch.jagged)), "decode tokens: expected token ids as a dense (B, n)")
     for name, (call, message) in refused.items():

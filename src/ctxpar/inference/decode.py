@@ -210,9 +210,13 @@ def _check(model: nn.Module, cache: KVCache, tokens) -> tuple[torch.Tensor, list
                          "...) first")
     if is_dense(tokens) and tokens.dim() == 1:
         tokens = tokens.unsqueeze(1)  # (B, 1)
+    one_each = "a decode step takes one token per sequence, (B,) or (B, 1), got {}"
+    if is_dense(tokens) and tokens.dim() != 2:  # a 0-d token (argmax() of one row) was told "(B, n) ... per prompt"
+        raise ValueError(one_each.format(tuple(tokens.shape)) + (" (one sequence's: tokens.view(1))"
+                                                                 if tokens.dim() == 0 else ""))
     check_tokens(tokens, cache, model.cfg.vocab, "decode tokens")
     if tokens.shape[1] != 1:
-        raise ValueError(f"a decode step takes one token per sequence, (B,) or (B, 1), got {tuple(tokens.shape)}")
+        raise ValueError(one_each.format(tuple(tokens.shape)))
     if cache.seq_len >= cache.capacity:
         raise ValueError(f"the KV cache is full: {cache.seq_len} positions = its capacity; build it with capacity "
                          f">= prompt + new tokens")

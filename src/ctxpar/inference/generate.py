@@ -28,7 +28,7 @@ from ctxpar.inference.decode import decode_step
 from ctxpar.inference.partial import auto_method, partial_prefill
 from ctxpar.inference.prefill import check_dense_tokens, check_strategy, prefill, prompt_signature
 from ctxpar.layout import Layout, OneLengthLayout, fingerprint, get_layout
-from ctxpar.parallelize import SAME_MODEL, model_code
+from ctxpar.parallelize import SAME_MODEL, SAME_WEIGHTS, model_code, weights_code
 
 
 class Sampler:
@@ -219,6 +219,7 @@ def _check(model: nn.Module, prompt: torch.Tensor, new_tokens: int, temperature:
 
 def _signature(model, prompt, layout, new_tokens, temperature, seed, strategy) -> dict[str, agreement.Value]:
     return {SAME_MODEL: model_code(model),
+            SAME_WEIGHTS: agreement.readable(lambda: weights_code(model)),  # named by the call made, not its prefill
             **prompt_signature(prompt),
             "layout": agreement.Text(fingerprint(layout) if isinstance(layout, Layout) else layout),
             "new_tokens": -1 if limits.whole(new_tokens) is None else int(new_tokens),
