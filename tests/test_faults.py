@@ -21,6 +21,7 @@ import inspect
 import json
 import multiprocessing
 import os
+import pickle
 import re
 import signal
 import socket
@@ -88,10 +89,11 @@ def stop_one_rank(rank: int, world: int, stopped: int) -> None:
 
 
 def leave_children_behind(rank: int, world: int, pids: str, hang: bool) -> None:
-    """Rank 0 forks a copy of itself that ignores SIGTERM, rank 1 spawns a program; neither
-    waits. Each rank also spawns a program from a thread that stays, waiting for it (a
-    loader's or a server's thread): Linux lists that child under the thread, not the rank's
-    main thread. Each child's pid goes to the file ``pids``; then, with ``hang``, the ranks sleep."""
+    """Rank 0 forks a copy of itself that ignores SIGTERM, rank 1 spawns a shell that spawns a
+    program (the rank's grandchild, whose pid is written); neither waits. Each rank also
+    spawns a program from a thread that stays, waiting for it (a loader's or a server's
+    thread): Linux lists that child under the thread, not the rank's main thread. Each
+    child's pid goes to the file ``pids``; then, with ``hang``, the ranks sleep."""
     def sleeper() -> subprocess.Popen:
         return subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
 
@@ -102,7 +104,9 @@ def leave_children_behind(rank: int, world: int, pids: str, hang: bool) -> None:
             time.sleep(60)
             os._exit(0)
     else:
-        pid = sleeper().pid
+        shell = subprocess.Popen(["sh", "-c", f"'{sys.executable}' -c 'import time; time.sleep(300)' & echo $!; wait"],
+                                 stdout=subprocess.PIPE, text=True)
+        pid = int(shell.stdout.readline())
     from_thread = []
     started = threading.Event()
 
@@ -709,6 +713,11 @@ def test_each_rank_gets_its_own_copy_of_a_tensor_argument_and_a_view_comes_back_
     assert shared.tolist() == [0.0, 0.0] and not shared.is_shared()
     for _, view in results:
         assert view.tolist() == list(range(8)) and view.untyped_storage().nbytes() == 8 * 4
+    square = torch.arange(16.0).reshape(4, 4)
+    for view in (square[:, :2], square.T, square[1:, ::2]):  # as the parent unpickles a rank's result
+        back = pickle.loads(launch._result_bytes(("ok", view)))[1]
+        assert back.shape == view.shape and torch.equal(back, view)
+        assert back.untyped_storage().nbytes() == view.numel() * 4
 
 
 def test_a_result_the_parent_cannot_unpickle_is_that_ranks_failure() -> None:
@@ -748,6 +757,7 @@ def test_run_local_refuses_what_its_ranks_could_not_start_with(monkeypatch) -> N
         # a queue pickles as a rank starts, and is not the one named
         (dict(args=[queue, threading.Lock()]), r"args\[1\], a lock, cannot be pickled for the ranks \(cannot pickle "
                                                r"'_thread.lock' object\)"),
+        (dict(args=[threading.Lock(), 5, threading.RLock()]), r"args\[0\], a lock, cannot be pickled"),  # the first
     ]:
         with pytest.raises(ValueError, match=says):
             run_local(**dict(dict(fn=sleep_then_return, nproc=2, args=(0,)), **bad))
@@ -1074,6 +1084,19 @@ def test_only_the_full_torchrun_environment_counts_as_torchrun(monkeypatch) -> N
     for name, value in dict(TORCHELASTIC_RUN_ID="none", LOCAL_RANK="0", LOCAL_WORLD_SIZE="1").items():
         monkeypatch.setenv(name, value)
     assert launch.launched_by_torchrun() and launch.world_size(4) == 2 and launch.local_ranks(4) == 1
+    monkeypatch.setenv("WORLD_SIZE", "4")
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "2")  # two nodes of two: the group is the run's, not the node's
+    assert "joining torchrun's group of 4 ranks" in launch.describe_mode(2, 30)
+    monkeypatch.setattr(launch, "_launch_store", dist.HashStore())
+    assert launch.launch_token() == launch.launch_token() != ""  # one token for the launch: its restarts' too
+    for name in ("TORCHELASTIC_RUN_ID", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT"):
+        monkeypatch.delenv(name)
+    assert launch.describe_mode(2, 30).endswith("; ignoring RANK, WORLD_SIZE from the environment (not a torchrun "
+                                                "launch: TORCHELASTIC_RUN_ID, LOCAL_RANK, LOCAL_WORLD_SIZE, "
+                                                "MASTER_ADDR, MASTER_PORT unset)")
+    launch.check_nproc(launch.max_local_ranks())  # the cap itself runs, one more is refused
+    with pytest.raises(ValueError, match="more local ranks than this machine runs"):
+        launch.check_nproc(launch.max_local_ranks() + 1)
 
 
 @pytest.mark.parametrize("local_rank, local_world, gpus, visible, takes", [
@@ -1082,6 +1105,7 @@ def test_only_the_full_torchrun_environment_counts_as_torchrun(monkeypatch) -> N
                     "at most 4 (--nproc-per-node 4)"),
     (1, 4, 2, None, "start at most 2"), (0, 2, 0, None, "sees no GPU"),
     (1, 2, 1, None, "torchrun started 2 ranks on this node, and each sees 1 GPUs"),  # once both took cuda:0
+    (1, None, 1, None, "torchrun started 2 ranks on this node"),  # LOCAL_WORLD_SIZE unset: ranks 0 and 1 at least
 ])
 def test_a_torchrun_rank_takes_its_own_gpu_or_is_refused_before_joining(local_rank, local_world, gpus, visible,
                                                                          takes, monkeypatch) -> None:
@@ -1093,7 +1117,10 @@ def test_a_torchrun_rank_takes_its_own_gpu_or_is_refused_before_joining(local_ra
     else:
         monkeypatch.setenv("CUDA_VISIBLE_DEVICES", visible)
     monkeypatch.setenv("LOCAL_RANK", str(local_rank))
-    monkeypatch.setenv("LOCAL_WORLD_SIZE", str(local_world))
+    if local_world is None:
+        monkeypatch.delenv("LOCAL_WORLD_SIZE", raising=False)
+    else:
+        monkeypatch.setenv("LOCAL_WORLD_SIZE", str(local_world))
     monkeypatch.setattr(torch.cuda, "device_count", lambda: gpus)
     chosen = []
     monkeypatch.setattr(torch.cuda, "set_device", chosen.append)
@@ -1149,6 +1176,8 @@ def test_ranks_of_one_node_that_would_share_a_gpu_are_refused_alike_before_joini
     assert {said[0, i] for i in range(4)} == {said[0, 0]} and said[4, 0] == said[4, 1] == ""
     assert said[0, 0].startswith("torchrun ranks 1 (cuda:0), 3 (cuda:0) would share one GPU (UUID GPU-b)")
     assert "start at most 3" in said[0, 0]
+    said = _own_gpus_check([["GPU-a", "GPU-a", "GPU-b", "GPU-b"]])[0, 0]  # two pairs: both named
+    assert "1 (cuda:0) would share one GPU (UUID GPU-a); torchrun ranks 2 (cuda:0), 3 (cuda:0) would share" in said
     assert set(_own_gpus_check([["GPU-a", "GPU-b"], ["GPU-c", "GPU-d", "GPU-e"]]).values()) == {""}
     said = _own_gpus_check([["GPU-a", "GPU-b", "GPU-c"]], missing=(0, 1), timeout_s=0.5)  # rank 1 failed before
     for r in (0, 2):
