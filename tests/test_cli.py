@@ -20,7 +20,8 @@ from ctxpar import calibrate
 
 
 def run_cli(*args: str) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "ctxpar.cli", *args], capture_output=True, text=True, timeout=300)
+    """``python -m ctxpar``, as a user without the console script on the PATH runs it (ranks spawned too)."""
+    return subprocess.run([sys.executable, "-m", "ctxpar", *args], capture_output=True, text=True, timeout=300)
 
 
 def test_demo_matches_and_writes_the_documented_json(tmp_path) -> None:

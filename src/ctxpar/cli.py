@@ -586,7 +586,7 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def entry() -> NoReturn:
-    """The ``ctxpar`` console script and ``python -m ctxpar.cli``: ``main``'s status as the
+    """The ``ctxpar`` console script, ``python -m ctxpar`` and ``python -m ctxpar.cli``: ``main``'s status as the
     process's. A torchrun rank's process ends through ``launch.exit_torchrun_rank``."""
     if not launch.launched_by_torchrun():
         sys.exit(main())

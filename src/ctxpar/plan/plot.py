@@ -7,7 +7,8 @@ in HBM, a dot where CP-P starts beating CP-1 (when that is inside the sweep), an
 vertical line at the longest sequence CP-1 holds. Top right: the memory per GPU of the
 plan's strategy at its sequence length, stacked by category, for every degree, against
 HBM. Bottom: step time and memory per GPU against sequence length for every
-configuration (strategy x CP degree) of the sweep, lengths that do not fit in HBM dotted.
+configuration (strategy x CP degree) of the sweep, one line style per strategy, each length
+that does not fit in HBM marked with a dot.
 
 Needs matplotlib (``pip install 'ctxpar[plot]'``).
 """
@@ -105,8 +106,8 @@ def _efficiency_panel(plan: Plan, ax) -> None:
 
 
 def _sweep_panel(plan: Plan, ax, field: str, unit: float, ylabel: str, title: str) -> None:
-    """``field`` of every sweep point / ``unit`` against T, a line per (strategy, CP degree),
-    solid where it fits in HBM and dotted where it does not."""
+    """``field`` of every sweep point / ``unit`` against T, a line per (strategy, CP degree)
+    in its strategy's style, a dot on each length that does not fit in HBM."""
     import matplotlib.pyplot as plt
 
     degrees = sorted({p.cp for p in plan.sweep})

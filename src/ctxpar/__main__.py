@@ -1,0 +1,5 @@
+"""``python -m ctxpar``: the ``ctxpar`` command where the console script is not on the PATH.
+Spawned ranks do not re-run it: multiprocessing skips a package's ``__main__`` module."""
+from ctxpar.cli import entry
+
+entry()
