@@ -9,7 +9,7 @@ import torch
 from hypothesis import example, given, settings
 from hypothesis import strategies as st
 
-from ctxpar.blocks import (MaskKind, Tile, count_pairs, gathered_key_order, layout_tiles, shards_in_sight,
+from ctxpar.blocks import (MaskKind, Tile, gathered_key_order, layout_tiles, shards_in_sight,
                            tiles_between)
 from ctxpar.layout import LAYOUT_NAMES, UnionLayout, get_layout
 from ctxpar.masks import Mask
@@ -231,7 +231,7 @@ def test_masked_plans_cover_exactly_the_visible_pairs(name, world, chunks, causa
             want = mask.visible(q_pos, kv_pos, seq_len).long()
             assert torch.equal(covered(tiles, *want.shape), want), (r, s, tiles)
             assert all(t.pairs > 0 for t in tiles)
-            work += count_pairs(tiles)
+            work += sum(t.pairs for t in tiles)
             in_sight.append(bool(want.any()))
         assert rank_pairs(layout, seq_len, r, mask) == work
         assert shards_in_sight(layout, seq_len, r, mask) == tuple(in_sight), (r, mask)
@@ -243,7 +243,7 @@ def test_a_window_band_is_cut_into_few_large_tiles_without_explicit_masks() -> N
     seq_len, window = 4096, 512
     positions = torch.arange(seq_len)
     tiles = tiles_between(positions, positions, Mask(window=window), seq_len)
-    assert count_pairs(tiles) == sum(min(p + 1, window) for p in range(seq_len))
+    assert sum(t.pairs for t in tiles) == sum(min(p + 1, window) for p in range(seq_len))
     assert not any(t.kind is MaskKind.PARTIAL for t in tiles)
     assert len(tiles) <= 3 * seq_len // window + 2
     # the trailing edge of the window on another rank's keys (a halo): one triangle, not slices
@@ -278,7 +278,7 @@ def test_a_staircase_is_cut_in_bands_not_a_tile_per_step() -> None:
             assert torch.equal(covered(tiles, len(q), len(kv)), brute_force(q, kv, True))
             assert len(tiles) <= 64
             wasted = sum((t.q_stop - t.q_start) * (t.kv_stop - t.kv_start) - t.pairs for t in tiles)
-            assert wasted < 0.12 * count_pairs(tiles)  # the explicit masks' computed but unseen pairs
+            assert wasted < 0.12 * sum(t.pairs for t in tiles)  # the explicit masks' computed but unseen pairs
 
 
 def test_a_partial_tiles_mask_is_made_per_call_from_cached_row_bounds() -> None:

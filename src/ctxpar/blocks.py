@@ -272,10 +272,6 @@ def _diagonal_end(hi: list[int], r: int, stop: int) -> int:
     return r + known - 1
 
 
-def count_pairs(tiles: tuple[Tile, ...] | list[Tile]) -> int:
-    return sum(t.pairs for t in tiles)
-
-
 @functools.lru_cache(maxsize=256)  # a mask with documents may change every batch: keep few plans
 def layout_tiles(layout: Layout, seq_len: int, q_rank: int, kv_rank: int, mask: Mask) -> tuple[Tile, ...]:
     """The tiles of ``q_rank``'s queries against ``kv_rank``'s keys under ``layout`` (cached)."""

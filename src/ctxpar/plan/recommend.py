@@ -69,12 +69,11 @@ class Recommendation:
     reasons: list[str] = field(default_factory=list)
 
 
-def variant(w: Workload, hw: Hardware, *, strategy: str, cp: int, seq: int | None = None,
-            layout: str | None = None) -> Workload | None:
-    """``w`` with another strategy / degree / length / layout, or None where that combination is
+def variant(w: Workload, hw: Hardware, *, strategy: str, cp: int, seq: int | None = None) -> Workload | None:
+    """``w`` with another strategy / degree / length, or None where that combination is
     invalid (``_changed``'s refusal)."""
     try:
-        return _changed(w, hw, strategy=strategy, cp=cp, seq=seq, layout=layout)
+        return _changed(w, hw, strategy=strategy, cp=cp, seq=seq)
     except ValueError:  # e.g. alltoall with heads not divisible by P, or a length the layout rejects
         return None
 
