@@ -18,6 +18,7 @@ from __future__ import annotations
 import ctypes
 import struct
 import zlib
+from collections.abc import Callable
 
 import torch
 import torch.distributed as dist
@@ -327,3 +328,37 @@ def check_values_agree(values: dict[str, Value],
         what_differs = "; ".join(f"{name} {column}" for name, column in differ.items()) or "(seen by another rank)"
         raise ValueError(f"the ranks of the CP group disagree on the {what}: {what_differs} (one value per "
                          f"rank); every rank must make the same calls with the same tokens")
+
+
+class Refusal:
+    """A rank's refusal of a collective call, held until the ranks have compared the call:
+    raised at once, it would leave the peers waiting in that exchange. Any ``Exception``
+    is held, not only a ValueError; KeyboardInterrupt and SystemExit go through.
+
+        with agreement.Refusal() as refusal:
+            ...  # the call's checks
+        refusal.join(lambda: signature, group, "prefill", world_size=P)
+    """
+
+    def __init__(self, error: Exception | None = None) -> None:
+        self.error = error
+
+    def __enter__(self) -> Refusal:
+        return self
+
+    def __exit__(self, kind, error, traceback) -> bool:
+        if isinstance(error, Exception):
+            self.error = error
+            return True
+        return False
+
+    def join(self, values: Callable[[], dict[str, Value]],
+             group: dist.ProcessGroup | None | list[dist.ProcessGroup | None], what: str, *, world_size: int,
+             check_consistency: object = True, where_known: tuple[str, ...] = ()) -> None:
+        """Where there are peers and ``check_consistency`` is not False (an invalid flag joins
+        too, its peers hearing its refusal): ``check_values_agree`` of the call's
+        ``values()``, every rank raising together. Else this rank's refusal, if any."""
+        if check_consistency is not False and world_size > 1:
+            check_values_agree(values(), group, self.error, what, where_known)
+        elif self.error is not None:
+            raise self.error

@@ -125,8 +125,8 @@ def attention_with_lse(
             or differ from the others'; without it the checks are local, and ranks
             called differently may compute wrong results or wait on each other.
     """
-    error, topo, mask, layout_name, chosen_why = None, None, None, None, None
-    try:
+    topo, mask, layout_name, chosen_why = None, None, None, None
+    with agreement.Refusal() as refusal:  # any failure: a rank that left here would strand its peers below
         limits.check_flag("check_consistency", check_consistency)  # "no" once ran the check, "" skipped it
         chosen, topo, layout = _settings(layout, group, strategy, mesh, "ctxpar.attention")
         scale = _validate(q, k, v, layout, topo, scale)
@@ -141,8 +141,7 @@ def attention_with_lse(
             chosen = _strategy(strategy)
             topo = _topology(chosen.axis, strategy, group, mesh, "ctxpar.attention")
         chosen.check(q.shape[1], k.shape[1], topo)
-    except Exception as e:  # noqa: BLE001  any failure, not only a ValueError: a rank that left here
-        error = e  # would strand its peers in the exchange below
+    error = refusal.error
     if check_consistency is not False:  # an invalid flag (None, 0) joins too: its peers hear its refusal
         # a rank whose own arguments name no valid strategy or topology still joins the
         # exchange its peers run, on the groups its group= or mesh= describe

@@ -484,20 +484,18 @@ class _PositionsGuard(_KeptWithTheModel):
         topo = topology.of(self.group, self.mesh, "apply_context_parallel")
         if topo.world_size == 1:
             return
-        error = tokens = None
-        try:
+        tokens = None
+        with agreement.Refusal() as refusal:
             bound = self.signature.bind(*args, **kwargs).arguments
             tokens, positions, documents = (bound.get(name) for name in ("tokens", "positions", "documents"))
             self._check(module, topo, tokens, positions, documents)
-        except Exception as e:  # noqa: BLE001  any failure: this rank must still join the exchange below
-            error = e
-        batch = batch_code(tokens) if error is None else -1
+        batch = batch_code(tokens) if refusal.error is None else -1
         first = not self.first_compared
         weights = agreement.readable(lambda: weights_code(module)) if first else -2
         mode = agreement.Text("train" if module.training else "eval")
-        agreement.check_values_agree({SAME_BATCH: batch, SAME_MODEL: model_code(module) if first else -2,
-                                      SAME_WEIGHTS: weights, SAME_MODE: mode},
-                                     topo.process_groups, error, "forward", where_known=(SAME_BATCH, SAME_WEIGHTS))
+        refusal.join(lambda: {SAME_BATCH: batch, SAME_MODEL: model_code(module) if first else -2,
+                              SAME_WEIGHTS: weights, SAME_MODE: mode},
+                     topo.process_groups, "forward", world_size=topo.world_size, where_known=(SAME_BATCH, SAME_WEIGHTS))
         self.first_compared = True
         if not self.watched and self.watching is None and not torch.compiler.is_compiling():
             self.watching = _AttentionOutsideAttentionFn(type(module).__name__)

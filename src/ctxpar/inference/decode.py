@@ -56,16 +56,12 @@ def decode_step(model: nn.Module, cache: KVCache, tokens: torch.Tensor, *,
             any K/V is written.
     """
     check_cache(cache)
-    error, modules = None, None
-    try:
+    modules = None
+    with agreement.Refusal() as refusal:
         limits.check_flag("check_consistency", check_consistency)
         tokens, modules = _check(model, cache, tokens)
-    except Exception as e:  # noqa: BLE001  any failure: this rank must still join the
-        error = e  # exchange below, or its peers wait there
-    if check_consistency is not False and cache.world_size > 1:  # an invalid flag joins, to say so
-        agreement.check_values_agree(_signature(model, cache, tokens, modules), cache.group, error, "decode step")
-    elif error is not None:
-        raise error
+    refusal.join(lambda: _signature(model, cache, tokens, modules), cache.group, "decode step",
+                 world_size=cache.world_size, check_consistency=check_consistency)
 
     position = cache.seq_len
     mine = cache.owner(position) == cache.rank
@@ -123,17 +119,11 @@ def sharded_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, grou
             all-gather, on every rank together; both group and mesh.
     """
     peers = topology.of(group, mesh, "sharded_attention")
-    error = None
-    try:
+    with agreement.Refusal() as refusal:
         limits.check_flag("check_consistency", check_consistency)
         scale = _check_inputs(q, k, v, scale, sinks)
-    except Exception as e:  # noqa: BLE001  any failure: this rank must still join the
-        error = e  # exchange below, or its peers wait there
-    if check_consistency is not False and peers.world_size > 1:  # an invalid flag joins, to say so
-        agreement.check_values_agree(_attention_signature(q, k, v, scale, sinks), peers.process_groups, error,
-                                     "sharded attention")
-    elif error is not None:
-        raise error
+    refusal.join(lambda: _attention_signature(q, k, v, scale, sinks), peers.process_groups, "sharded attention",
+                 world_size=peers.world_size, check_consistency=check_consistency)
     return _merged_attention(q, k, v, peers, scale, sinks)
 
 

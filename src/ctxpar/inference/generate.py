@@ -110,10 +110,10 @@ def generate(model: nn.Module, prompt: torch.Tensor, *, layout: str | Layout, gr
         tail (the prompt's tokens past the layout's head: how many, and the pass
         ``partial_prefill`` chose for them, and why).
     """
-    error, head = None, None
+    head = None
     ranks = topology.from_group(group, "generate")
     world = ranks.world_size
-    try:
+    with agreement.Refusal() as refusal:
         limits.check_flag("check_consistency", check_consistency)
         _check(model, prompt, new_tokens, temperature, seed)
         new_tokens, seed = int(new_tokens), int(seed)  # numpy integers too
@@ -128,13 +128,8 @@ def generate(model: nn.Module, prompt: torch.Tensor, *, layout: str | Layout, gr
         # allocated before the ranks compare calls: a rank without the memory for its shard raises with the others
         cache = KVCache.for_model(model.cfg, batch=prompt.shape[0], capacity=prompt.shape[1] + new_tokens - 1,
                                   group=group, dtype=weight.dtype, device=weight.device)
-    except Exception as e:  # noqa: BLE001  any failure: this rank must still join the
-        error = e  # exchange below, or its peers wait there
-    if check_consistency is not False and world > 1:  # an invalid flag joins, to say so
-        agreement.check_values_agree(_signature(model, prompt, layout, new_tokens, temperature, seed, strategy),
-                                     group, error, "generate call")
-    elif error is not None:
-        raise error
+    refusal.join(lambda: _signature(model, prompt, layout, new_tokens, temperature, seed, strategy), group,
+                 "generate call", world_size=world, check_consistency=check_consistency)
 
     sample = Sampler(temperature, seed)
     begin = _now(weight.device)

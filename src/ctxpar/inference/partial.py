@@ -82,18 +82,13 @@ def partial_prefill(model: nn.Module, cache: KVCache, chunk: torch.Tensor, *, me
             rank together, also when ranks are at different positions or hold other tokens.
     """
     check_cache(cache)
-    error = None
-    try:
+    with agreement.Refusal() as refusal:
         limits.check_flag("check_consistency", check_consistency)
         chunk = _check(model, cache, chunk, method, hardware)
         if method == "auto":  # resolved before the ranks compare calls: each rank's hardware= could differ
             method, _ = auto_method(model, cache, chunk.shape[1], hardware)
-    except Exception as e:  # noqa: BLE001  any failure: this rank must still join the
-        error = e  # exchange below, or its peers wait there
-    if check_consistency is not False and cache.world_size > 1:  # an invalid flag joins, to say so
-        agreement.check_values_agree(_signature(model, cache, chunk, method), cache.group, error, "partial prefill")
-    elif error is not None:
-        raise error
+    refusal.join(lambda: _signature(model, cache, chunk, method), cache.group, "partial prefill",
+                 world_size=cache.world_size, check_consistency=check_consistency)
 
     world, rank = cache.world_size, cache.rank
     cached, new = cache.seq_len, chunk.shape[1]

@@ -56,16 +56,12 @@ def prefill(model: nn.Module, cache: KVCache, prompt: torch.Tensor, *, layout: s
             with ``check_consistency`` on every rank together.
     """
     check_cache(cache)
-    error, layout_rank = None, cache.rank
-    try:
+    layout_rank = cache.rank
+    with agreement.Refusal() as refusal:
         limits.check_flag("check_consistency", check_consistency)
         layout, layout_rank = _check(model, cache, prompt, layout, strategy, mesh)
-    except Exception as e:  # noqa: BLE001  any failure: this rank must still join the
-        error = e  # exchange below, or its peers wait there
-    if check_consistency is not False and cache.world_size > 1:  # an invalid flag joins, to say so
-        agreement.check_values_agree(_signature(model, cache, prompt, layout, strategy), cache.group, error, "prefill")
-    elif error is not None:
-        raise error
+    refusal.join(lambda: _signature(model, cache, prompt, layout, strategy), cache.group, "prefill",
+                 world_size=cache.world_size, check_consistency=check_consistency)
 
     seq_len = prompt.shape[1]
     positions = layout.positions(seq_len, layout_rank, device=prompt.device)  # (T/P,) global, for RoPE

@@ -347,8 +347,8 @@ def _wrap_forward(model, settings: Settings, loss: CPCausalLMLoss | None = None)
         caches = {key: bound.get(key, extra.get(key)) for key in CACHE_KEYS}
         sharded = [c for c in caches.values() if isinstance(c, ShardedCache)]
         if sharded and documents is None and loss is not None:
-            refusal = None
-            try:  # what the forward below refuses, refused alike over the cache (agreed in cached_forward)
+            # what the forward below refuses, refused alike over the cache (every rank together in cached_forward)
+            with agreement.Refusal() as held:
                 check_implementation(name, models)
                 _check_call(name, bound, extra, cached=True)
                 check_token_ids(name, model, bound.get("input_ids"))
@@ -357,16 +357,13 @@ def _wrap_forward(model, settings: Settings, loss: CPCausalLMLoss | None = None)
                                      f"ctxpar's sharded cache, whose prefill routes each rank's share of the prompt: "
                                      f"its router logits and aux_loss would be that share's; pass "
                                      f"output_router_logits=False (generate, which reads neither, runs either way)")
-            except Exception as e:  # noqa: BLE001  any failure: every rank raises together in cached_forward
-                refusal = e
             call = {k: v for k, v in bound.items() if k != var_kw}
             return cached_forward(forward, {**call, **extra}, name=name, settings=settings, cache=sharded[0],
-                                  accepts=signature.parameters, refusal=refusal,
+                                  accepts=signature.parameters, refusal=held.error,
                                   model=-2 if sharded[0].get_seq_length() else model_code(model))  # at the prefill
         labels = bound.get("labels")
         peers = settings.peers()  # enable_context_parallel saw this rank in them
-        error = None
-        try:
+        with agreement.Refusal() as held:  # this rank's refusal joins the exchange below
             check_implementation(name, models)
             for key, cache in caches.items():
                 if cache is not None:
@@ -395,8 +392,7 @@ def _wrap_forward(model, settings: Settings, loss: CPCausalLMLoss | None = None)
             _check_positions(name, settings, bound, documents)
             if model.training:
                 check_no_layerdrop(name, model)
-        except Exception as e:  # noqa: BLE001  any failure: this rank must still join the
-            error = e  # exchange below, or its peers wait there
+        error = held.error
         tokens = bound.get("input_ids")
         device = (tokens if tokens is not None else model.get_input_embeddings().weight).device
         flags = [int(labels is not None), 0, 0, 0] if error is not None else _label_flags(labels, tokens, settings)

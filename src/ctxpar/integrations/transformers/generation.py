@@ -385,20 +385,15 @@ def _cached_step(forward, kwargs: dict, *, name: str, settings: Settings, cache:
     """One forward over ``cache``: ``cached_forward``'s, or one part of a prompt it splits
     (``whole``: the signature of the whole call, compared at every part; ``split``: how the
     prompt is fed)."""
-    error, call, step = refusal, None, None
+    call, step = None, None
     streamer = STREAMING.get()
-    if error is None and streamer is not None:
-        error = streamer.error  # what the last token (or the prompt) made it raise, raised now on every rank
-    if error is None:
-        try:
+    if refusal is None and streamer is not None:
+        refusal = streamer.error  # what the last token (or the prompt) made it raise, raised now on every rank
+    with agreement.Refusal(refusal) as held:
+        if held.error is None:
             call, step = _plan(name, settings, cache, dict(kwargs), accepts)
-        except Exception as e:  # noqa: BLE001  any failure: this rank must still join the exchange below
-            error = e
-    if cache.world_size > 1:
-        agreement.check_values_agree({**_forward_signature(cache, kwargs), SAME_MODEL: model, **(whole or {})},
-                                     cache.peers.process_groups, error, "generate forward")
-    elif error is not None:
-        raise error
+    held.join(lambda: {**_forward_signature(cache, kwargs), SAME_MODEL: model, **(whole or {})},
+              cache.peers.process_groups, "generate forward", world_size=cache.world_size)
     cache._step = step
     if step is not None:
         step.split = split
@@ -942,20 +937,15 @@ def wrap_generate(model, settings: Settings) -> None:
     @installed
     @functools.wraps(generate)
     def cp_generate(*args, **kwargs):
-        error, prompt, config, call = None, None, None, None
-        try:
+        prompt, config, call = None, None, None
+        with agreement.Refusal() as refusal:
             call = inspect.signature(generate).bind(model, *args, **kwargs)  # a positional streamer too
             prompt, config = check_generate(model, settings, call)
-        except Exception as e:  # noqa: BLE001  any failure: this rank must still join the exchange below
-            error = e
         arguments = dict(call.arguments) if call is not None else {"arguments": [list(args), kwargs]}
         arguments.pop("self", None)
         peers = settings.peers()
-        if peers.world_size > 1:
-            agreement.check_values_agree(generate_signature(model, arguments, prompt, config),
-                                         peers.process_groups, error, "generate call")
-        elif error is not None:
-            raise error
+        refusal.join(lambda: generate_signature(model, arguments, prompt, config), peers.process_groups,
+                     "generate call", world_size=peers.world_size)
         held = None
         if call.arguments.get("streamer") is not None and peers.world_size > 1:
             held = call.arguments["streamer"] = HeldStreamer(call.arguments["streamer"])
