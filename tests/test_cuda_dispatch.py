@@ -11,7 +11,7 @@ from torch.overrides import TorchFunctionMode
 
 import ctxpar
 from ctxpar import blocks
-from ctxpar.kernels import cuda
+from ctxpar.kernels import cuda, reference
 from ctxpar.masks import make_mask
 from ctxpar.strategies import allgather, alltoall
 
@@ -306,3 +306,107 @@ def test_a_partial_tiles_mask_and_the_strategies_orders_reach_a_gpu_without_wait
               *alltoall._position_order(layout, seq, 0, 2, torch.device("cpu")))
     assert all(torch.equal(a, b) for a, b in zip(on_gpu, on_cpu, strict=True))
     assert on_cpu[0].tolist() == [[True, False, False, False], [False, True, True, False], [True] * 4]
+
+
+def _exact_ops(monkeypatch) -> None:
+    """torch's CUDA attention ops replaced by float64 attention on the CPU that takes its
+    arguments as each op documents them: flash K/V with fewer heads (GQA) or q's, the efficient
+    op K/V with q's heads and its lse padded to 32 rows, cuDNN's lse (B, H, Sq, 1)."""
+    def forward(q, k, v, causal, scale):
+        out, lse = reference.attention_forward(q.double(), k.double(), v.double(), causal=causal, scale=scale)
+        return out.to(q.dtype), lse.float()
+
+    def backward(dout, q, k, v, out, lse, causal, scale):
+        grads = reference.attention_backward(dout.double(), q.double(), k.double(), v.double(), out.double(),
+                                             lse.double(), causal=causal, scale=scale)
+        return [g.to(q.dtype) for g in grads]
+
+    def efficient_forward(q, k, v, bias, compute_lse, dropout, causal, *, scale):
+        assert k.shape[1] == v.shape[1] == q.shape[1], "the efficient op takes K/V with q's heads"
+        out, lse = forward(q, k, v, causal, scale)
+        return out, F.pad(lse, (0, -q.shape[2] % 32), value=1e30), None, None
+
+    def efficient_backward(dout, q, k, v, bias, out, lse, seed, offset, dropout, grad_mask, causal, *, scale):
+        assert lse.shape[-1] % 32 == 0, "the efficient op reads lse padded to 32 rows"
+        return (*backward(dout, q, k, v, out, lse[..., :q.shape[2]], causal, scale), None)
+
+    def cudnn_forward(q, k, v, bias, compute_lse, dropout, causal, debug, *, scale):
+        out, lse = forward(q, k, v, causal, scale)
+        return out, lse.unsqueeze(-1).contiguous(), *[None] * 7
+
+    def cudnn_backward(dout, q, k, v, out, lse, seed, offset, bias, cum_q, cum_k, max_q, max_k, dropout, causal, *,
+                       scale):
+        return backward(dout, q, k, v, out, lse[..., 0], causal, scale)
+
+    ops = dict(_flash_fwd=lambda q, k, v, dropout, causal, debug, *, scale: (*forward(q, k, v, causal, scale),
+                                                                             *[None] * 7),
+               _flash_bwd=lambda dout, q, k, v, out, lse, cum_q, cum_k, max_q, max_k, dropout, causal, seed, offset,
+               *, scale: backward(dout, q, k, v, out, lse, causal, scale),
+               _eff_fwd=efficient_forward, _eff_bwd=efficient_backward, _cudnn_fwd=cudnn_forward,
+               _cudnn_bwd=cudnn_backward)
+    for name, op in ops.items():
+        monkeypatch.setattr(cuda, name, op)
+    for name in ("_flash_aux", "_efficient_aux"):
+        monkeypatch.setattr(cuda, name, lambda device, dtype: (None, None))
+    monkeypatch.setattr(cuda, "_cudnn_aux", lambda device, dtype: (None, None, None, None, 4))
+
+
+@pytest.mark.parametrize("causal", [True, False], ids=["causal", "full"])
+@pytest.mark.parametrize("kv_heads", [4, 2], ids=["mha", "gqa"])
+@pytest.mark.parametrize("dtype, d, op, flash_gqa", [
+    (torch.bfloat16, 64, "cudnn", False), (torch.bfloat16, 192, "flash", True), (torch.bfloat16, 192, "flash", False),
+    (torch.float32, 64, "efficient", False)])
+def test_each_op_handed_its_arguments_gives_the_contracts_attention(dtype, d, op, flash_gqa, kv_heads, causal, gpu,
+                                                                     monkeypatch) -> None:
+    """What the wrapper hands each op, read as the op reads it, is exact attention: K/V heads
+    repeated for their query heads in order (H/H_kv copies of each, not the whole set tiled:
+    out 3.8 off), the causal flag and the caller's scale passed on (a flash forward told
+    non-causal: out 4.0 off; cuDNN's backward at D^-0.5: dq 3.1 off), cuDNN's lse read as
+    (B, H, Sq) (dq 466 off), the efficient backward's lse padded again. At S = 520, no
+    multiple of 32 and enough queries for cuDNN to take GQA blocks; scale 0.2."""
+    gpu()
+    _exact_ops(monkeypatch)
+    monkeypatch.setattr(cuda, "_flash_takes_gqa", lambda device, dtype: flash_gqa)
+    q, k, v, dout = _block(4, kv_heads, 520, d, dtype)
+    assert cuda.op_for(q, k) == op
+    want_out, want_lse = reference.attention_forward(q.double(), k.double(), v.double(), causal=causal, scale=0.2)
+    want = reference.attention_backward(dout.double(), q.double(), k.double(), v.double(), want_out, want_lse,
+                                        causal=causal, scale=0.2)
+    out, lse = cuda.attention_forward(q, k, v, causal=causal, scale=0.2)
+    grads = cuda.attention_backward(dout, q, k, v, out, lse, causal=causal, scale=0.2)
+    ulp = 2.0 ** -8 if dtype == torch.bfloat16 else 2.0 ** -23
+    for name, got, expected in zip(("out", "lse", "dq", "dk", "dv"), (out, lse, *grads), (want_out, want_lse, *want)):
+        error = float((got.double() - expected).abs().max() / expected.abs().max())
+        assert error < 8 * ulp, (name, error)
+
+
+def test_cudnn_is_used_only_where_its_backward_reads_the_lse_it_is_handed(monkeypatch) -> None:
+    """The probe gives cuDNN's backward lse + ln 2 and expects dV halved: a cuDNN that used
+    its own lse passed a probe whose tolerance was dV's largest value, and then every block's
+    gradient came from the block's lse instead of the merged one."""
+    _exact_ops(monkeypatch)
+    monkeypatch.setattr(torch.cuda, "synchronize", lambda device=None: None)
+    probe = cuda._cudnn_honours_lse.__wrapped__
+    assert probe(torch.device("cpu"), torch.bfloat16)
+    honest = cuda._cudnn_bwd
+
+    def own_lse(dout, q, k, v, out, lse, *rest, scale):  # rest: the RNG state, lengths, dropout, causal
+        own = reference.attention_forward(q.double(), k.double(), v.double(), causal=rest[-1], scale=scale)[1]
+        return honest(dout, q, k, v, out, own.float().unsqueeze(-1), *rest, scale=scale)
+
+    monkeypatch.setattr(cuda, "_cudnn_bwd", own_lse)
+    assert not probe(torch.device("cpu"), torch.bfloat16)
+
+
+def test_blocks_of_a_fused_gpu_op_come_back_in_the_inputs_dtype(gpu) -> None:
+    """``kernels.partial_dtype`` on a GPU is the op's: bf16 for a fused op (each block's out
+    rounded once before the merge, which verify's tolerances count), float32 for the reference
+    kernel (D = 20); the accumulation dtype for every block made the bf16 tolerances 6x tight."""
+    from types import SimpleNamespace
+
+    from ctxpar import kernels
+
+    gpu()
+    for d, dtype in ((64, torch.bfloat16), (192, torch.bfloat16), (20, torch.float32)):
+        block = SimpleNamespace(device=torch.device("cuda", 0), dtype=torch.bfloat16, shape=(1, 8, 128, d))
+        assert kernels.partial_dtype(block) == dtype, d

@@ -83,3 +83,36 @@ def test_an_op_failing_with_an_empty_message_is_reported(monkeypatch) -> None:
     found = gpu_check.cudnn_candidates(torch.device("cpu"))
     assert found["cudnn_takes_gqa"] == "no: RuntimeError: "
     assert found["cudnn_first_call_error"] == found["flash_first_call_error"] == "RuntimeError: "
+
+
+def test_a_failing_demo_or_test_group_fails_the_check(monkeypatch, tmp_path) -> None:
+    """The dry run passes everywhere, so it never showed a failure being reported: a demo out
+    of tolerance in dq alone is not ok; one test group exiting 1 among groups exiting 0 is the
+    check's exit status (counts and FAILED lines kept); and without a GPU and --dry-run the
+    script says so in one line, not torch's traceback."""
+    errors = dict(out=1e-3, lse=1e-3, dq=0.5, dk=1e-3, dv=1e-3)
+    monkeypatch.setattr(gpu_check, "run_demo", lambda cfg: dict(
+        ok=False, max_abs_err=errors, tolerance={name: 1e-2 for name in errors}, ranks=[dict(bytes_sent=1)]))
+    assert [row["ok"] for row in gpu_check.exactness(torch.device("cpu"), 64, "float32", True)] == [False] * 4
+
+    class Exited:
+        def __init__(self, returncode: int) -> None:
+            self.returncode, self.pid = returncode, 0
+
+        def wait(self, timeout=None) -> None:
+            pass
+
+    running = {}
+    for group, status, log in (("P1", 0, "3 passed in 1s"), ("P2", 1, "FAILED tests/test_cuda.py::x\n1 failed, 2 "
+                                                                      "passed in 1s"), ("P3", 0, "3 passed in 1s")):
+        path = tmp_path / f"{group}.log"
+        path.write_text(log + "\n")
+        running[group] = (Exited(status), open(os.devnull), str(path))
+    tests = gpu_check.finish_tests(dict(started=0.0, running=running), 1e9)
+    assert (tests["returncode"], tests["counts"]) == (1, dict(passed=8, failed=1))
+    assert tests["failures"] == ["FAILED tests/test_cuda.py::x"]
+    if not torch.cuda.is_available():
+        proc = subprocess.run([sys.executable, "benchmarks/gpu_check.py", "--skip-tests", "--json",
+                               str(tmp_path / "gpu_check.json")], cwd=ROOT, capture_output=True, text=True, timeout=120)
+        assert (proc.returncode, proc.stderr.strip()) == (1, "gpu_check: no CUDA device visible; run with --dry-run "
+                                                             "to check the plumbing on the CPU")
