@@ -292,6 +292,13 @@ def test_a_layout_of_the_users_is_refused_unless_it_deals_every_position_once(de
     with pytest.raises(ValueError, match=re.escape(message)):
         ctxpar.layout.checked_deal(layout, 8)
 
+    class Contiguously(ctxpar.layout.ContiguousLayout):  # one of ctxpar's, its deal the user's: checked alike
+        def _positions(self, seq_len: int, rank: int) -> torch.Tensor:
+            return deal(seq_len, rank)
+
+    with pytest.raises(ValueError, match=re.escape(message.replace("users", "contiguous"))):
+        ctxpar.layout.as_checked(Contiguously(2), 8)
+
 
 def test_attention_checks_a_layout_of_the_users_before_it_runs() -> None:
     q = torch.randn(1, 2, 8, 4)
@@ -310,6 +317,12 @@ def test_a_layout_of_the_users_that_deals_every_position_once_runs_and_is_identi
     assert ctxpar.layout.fingerprint(checked) != ctxpar.layout.fingerprint(ctxpar.layout.as_checked(other, 8))
     # what the block plans are cached by: the instances compare equal, their deals do not
     assert striped == other and checked != ctxpar.layout.as_checked(other, 8)
+    # on 3 ranks, alike on rank 0, ranks 1 and 2 swapped: told apart by the whole deal, not rank 0's part
+    blocks = _UsersLayout(3, lambda t, r: torch.arange(r * t // 3, (r + 1) * t // 3))
+    swapped = _UsersLayout(3, lambda t, r: torch.arange((r and 3 - r) * t // 3, ((r and 3 - r) + 1) * t // 3))
+    assert ctxpar.layout.fingerprint(ctxpar.layout.as_checked(blocks, 12)) != \
+        ctxpar.layout.fingerprint(ctxpar.layout.as_checked(swapped, 12))
+    assert ctxpar.layout.as_checked(blocks, 12) != ctxpar.layout.as_checked(swapped, 12)
     assert [checked.positions(8, r).tolist() for r in range(2)] == [[0, 2, 4, 6], [1, 3, 5, 7]]
     zigzag = get_layout("zigzag", 2)
     assert ctxpar.layout.as_checked(zigzag, 8) is zigzag and ctxpar.layout.fingerprint(zigzag) == "zigzag/2"
