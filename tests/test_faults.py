@@ -23,6 +23,7 @@ import multiprocessing
 import os
 import pickle
 import re
+import shlex
 import signal
 import socket
 import subprocess
@@ -94,18 +95,18 @@ def leave_children_behind(rank: int, world: int, pids: str, hang: bool) -> None:
     spawns a program from a thread that stays, waiting for it (a loader's or a server's
     thread): Linux lists that child under the thread, not the rank's main thread. Each
     child's pid goes to the file ``pids``; then, with ``hang``, the ranks sleep."""
-    def sleeper() -> subprocess.Popen:
-        return subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+    def sleeper() -> subprocess.Popen:  # each outlives the test's wait: it ends only if the run ends it
+        return subprocess.Popen([sys.executable, "-c", "import time; time.sleep(300)"])
 
     if rank == 0:
         pid = os.fork()
         if pid == 0:  # the copy: the rank's memory and sockets, lingering
             signal.signal(signal.SIGTERM, signal.SIG_IGN)
-            time.sleep(60)
+            time.sleep(300)
             os._exit(0)
     else:
-        shell = subprocess.Popen(["sh", "-c", f"'{sys.executable}' -c 'import time; time.sleep(300)' & echo $!; wait"],
-                                 stdout=subprocess.PIPE, text=True)
+        sleep = f"{shlex.quote(sys.executable)} -c 'import time; time.sleep(300)'"
+        shell = subprocess.Popen(["sh", "-c", f"{sleep} & echo $!; wait"], stdout=subprocess.PIPE, text=True)
         pid = int(shell.stdout.readline())
     from_thread = []
     started = threading.Event()
@@ -567,9 +568,15 @@ def test_what_a_rank_forks_or_spawns_ends_with_the_run(tmp_path) -> None:
         else:
             run_local(leave_children_behind, 2, (str(pids), hang), timeout_s=60)
         children = [int(pid) for pid in pids.read_text().split()]
-        assert len(children) == 4
-        # a rank ends its own as it exits, a SIGTERM-ignoring copy GRACE_S later: 10 s passed under load 8 on 2 cores
-        wait_for(lambda: not any(alive(pid) for pid in children), 60, f"children {children} to end")
+        try:
+            assert len(children) == 4
+            # a rank ends its own as it exits, a SIGTERM-ignoring copy GRACE_S later: 10 s passed under load 8 on
+            # 2 cores; each sleeps 300 s, so one the run did not end is still there
+            wait_for(lambda: not any(alive(pid) for pid in children), 60, f"children {children} to end")
+        finally:  # none left behind by a failing run
+            for pid in children:
+                if alive(pid):
+                    os.kill(pid, signal.SIGKILL)
 
 
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads the process state from /proc")

@@ -2,4 +2,5 @@
 Spawned ranks do not re-run it: multiprocessing skips a package's ``__main__`` module."""
 from ctxpar.cli import entry
 
-entry()
+if __name__ == "__main__":  # imported (pydoc, a tool importing every module), it runs nothing
+    entry()

@@ -7,7 +7,7 @@ in HBM, a dot where CP-P starts beating CP-1 (when that is inside the sweep), an
 vertical line at the longest sequence CP-1 holds. Top right: the memory per GPU of the
 plan's strategy at its sequence length, stacked by category, for every degree, against
 HBM. Bottom: step time and memory per GPU against sequence length for every
-configuration (strategy x CP degree) of the sweep, one line style per strategy, each length
+configuration (strategy x CP degree) of the sweep, one line style per strategy (CP-1 thick and solid), each length
 that does not fit in HBM marked with a dot.
 
 Needs matplotlib (``pip install 'ctxpar[plot]'``).
