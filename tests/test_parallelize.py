@@ -731,9 +731,10 @@ def test_the_guard_is_replaced_not_stacked_when_applied_again() -> None:
     assert len(model._forward_pre_hooks) == 1
 
 
-def test_a_shard_names_the_batch_it_was_cut_from_unless_two_batches_share_it() -> None:
+def test_a_shard_names_the_batch_it_was_cut_from_unless_two_batches_share_it(monkeypatch) -> None:
+    monkeypatch.setattr(ctxpar.parallelize, "_SHARDED", ctxpar.parallelize._ShardedLately())  # none of other tests'
     layout = get_layout("zigzag", 2)
-    first = torch.arange(16).reshape(1, 16) + 1000  # numbers no other test of this process shards
+    first = torch.arange(16).reshape(1, 16) + 1000
     second = first.clone()
     second[:, layout.positions(16, 1)] += 100  # rank 0's shards of the two are equal
     shards = {(name, rank): shard_batch(tokens, layout=layout, rank=rank).tokens
@@ -745,7 +746,7 @@ def test_a_shard_names_the_batch_it_was_cut_from_unless_two_batches_share_it() -
     assert batch_code(shard.clone().to(torch.int32)) == codes[("first", 1)]  # moved or cast: the same values
     relabelled = shard_batch(first + 1, layout=layout, rank=1, labels=torch.zeros_like(first))
     assert batch_code(relabelled.tokens) not in (-1, batch_code(shard_batch(first + 2, layout=layout, rank=1).tokens))
-    assert batch_code(torch.full((1, 8), 123457)) == -1  # never sharded in this process (test_train shards 7s)
+    assert batch_code(torch.full((1, 8), 7)) == -1  # never sharded here
     assert batch_code(shard.float()) == batch_code(None) == -1
 
 
