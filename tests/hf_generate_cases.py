@@ -239,6 +239,9 @@ def _refusals(rank: int, world: int) -> dict:
         "beam search on rank 1 only": _attempt(lambda: model.generate(tokens, num_beams=1 + (rank == 1), **run)),
         "prompts differ": _attempt(lambda: model.generate(other, **run)),
         "seeds differ": _attempt(lambda: (torch.manual_seed(rank), model.generate(tokens, do_sample=True, **run))),
+        # one seed, one draw more on rank 1: the RNG's state differs, not its seed
+        "one draw more": _attempt(lambda: (torch.manual_seed(5), rank == 1 and torch.rand(1),
+                                           model.generate(tokens, do_sample=True, **run))),
         "longrope prefill": _attempt(lambda: enable_context_parallel(  # rank 0 holds positions 0-5 of 24, limit 8
             hf_families.build("phi3+longrope"), layout=ctxpar.get_layout("contiguous", world)).generate(tokens, **run)),
         "sdpa after enable": _attempt(lambda: _switched(layout).generate(tokens, **run)),
@@ -484,6 +487,7 @@ def _stops_and_last_tokens(model, tokens: torch.Tensor, rank: int) -> dict:
             "logits differing, a processor": hooked_on_rank_1(
                 logits_processor=LogitsProcessorList([TemperatureLogitsWarper(0.5)])),
             "temperature differing": sequences(do_sample=True, temperature=0.5 + 0.25 * rank),
+            "top_p differing": sequences(do_sample=True, top_p=0.5 + 0.125 * rank),
             "model.generation_config differing": differing(dict(repetition_penalty=1.3)),
             # each row stops on its own: ("ran", the CP sequences), the sequences without CP
             "a row's eos": (sequences(**row_eos), reference.generate(tokens, max_new_tokens=4, **row_eos).tolist()),

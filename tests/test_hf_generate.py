@@ -128,6 +128,7 @@ REFUSED = {  # what generate must refuse on every rank, and the words of the err
     "synced_gpus": "NotImplementedError: generate with synced_gpus (which transformers turns on under FSDP",
     "prompts differ": "ValueError: the ranks of the CP group disagree on the generate call: arguments",
     "seeds differ": "ValueError: the ranks of the CP group disagree on the generate call: RNG state",
+    "one draw more": "ValueError: the ranks of the CP group disagree on the generate call: RNG state",
     # another norm epsilon on rank 1: tokens and logits without a word
     "another config on rank 1": "ValueError: the ranks of the CP group disagree on the generate call: model (a "
                                 "checksum of its config",
@@ -347,6 +348,8 @@ def test_a_difference_in_a_common_setting_is_named_and_a_streamer_on_one_rank_ru
         assert kind == "refused" and "max_new_tokens [4, 5, 6, 7]" in message, (rank, message)
         kind, message = run["temperature differing"]  # said as checksums of the arguments and config alone
         assert kind == "refused" and "temperature ['0.5', '0.75', '1.0', '1.25']" in message, (rank, message)
+        kind, message = run["top_p differing"]
+        assert kind == "refused" and "top_p ['0.5', '0.625', '0.75', '0.875']" in message, (rank, message)
         kind, message = run["model.generation_config differing"]
         assert kind == "refused" and "repetition_penalty ['1.0', '1.3', '1.0', '1.0']" in message, (rank, message)
         assert "the call's settings over model.generation_config" in message, message
@@ -444,6 +447,16 @@ def test_one_rank_without_a_process_group_generates_as_without_cp(family: str) -
         model(input_ids=out.sequences[:, -1:], past_key_values=out.cache)
     with pytest.raises(ValueError, match=re.escape("strategy='hybrid' takes mesh=")):  # on a mesh: 4 ranks below
         enable_context_parallel(hf_families.build(family), layout=ONE, strategy="hybrid")
+
+
+def test_chunked_attention_decodes_past_a_chunks_last_position() -> None:
+    """Llama 4's chunks of 4: a decode step at a chunk's last position (p % 4 = 3) sees its
+    chunk's keys; 8 new tokens after 16 reach two such steps (the spawned batch's 4 reach none:
+    a chunk start taken from p + 1 gave the tokens of another sequence from step 5)."""
+    tokens = cases.prompt(length=16)
+    want = hf_families.build("llama4_text").generate(tokens, max_new_tokens=8, min_new_tokens=8)
+    model = enable_context_parallel(hf_families.build("llama4_text"), layout=ONE)
+    assert torch.equal(model.generate(tokens, max_new_tokens=8, min_new_tokens=8), want)
 
 
 def test_a_moe_routing_in_its_config_generates_and_its_own_forward_over_the_cache_is_refused() -> None:
