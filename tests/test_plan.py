@@ -600,12 +600,16 @@ def test_each_sweep_row_shows_the_cp1_its_efficiency_divides_by(monkeypatch) -> 
 
 def test_the_recommendations_verdict_is_about_the_recommended_degree() -> None:
     """CP-8 does not fit, CP-16 is recommended: the verdict once judged the CP-8 that does
-    not fit ("does not pay off") beside a CP-16 that beats the best without CP."""
+    not fit ("does not pay off") beside a CP-16 that beats the best without CP; so did the
+    summary of the asked CP-8 ("CP does not pay off: ... does not fit")."""
     from ctxpar.plan.report import to_json
 
     w = Workload(resolve_model("llama-3-8b"), batch=1, seq=131072, dtype="bfloat16", cp=8, fsdp=8)
     plan = make_plan(w, get_hardware("H100-SXM"))
     assert plan.recommendation.workload.cp == 16 and plan.baseline.verdict == "does_not_pay_off"
+    # no word on CP itself beside the CP it recommends: the asked degree does not fit
+    assert plan.baseline.summary.startswith("TP=1 x CP=8 ring as asked does not fit (111.594 GiB per GPU > "
+                                            "79.647 GiB); the best without CP")
     assert plan.recommended_baseline.verdict == "pays_off"
     assert plan.recommended_baseline.speedup == pytest.approx(1.32, abs=0.01)
     rec = to_json(plan)["recommendation"]
