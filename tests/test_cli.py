@@ -745,6 +745,8 @@ def test_a_flag_is_taken_by_its_whole_name_only_and_a_misspelt_one_named_with_th
             main(argv)
         err = capsys.readouterr().err
         assert e.value.code == 2 and err.endswith(f"error: unrecognized arguments: {shown}\n"), err
+        who = "ctxpar" if argv[0].startswith("-") else f"ctxpar {argv[0]}"  # the usage of what was misspelt
+        assert err.startswith(f"usage: {who} [-h]") and f"\n{who}: error: " in err, err
 
 
 def test_bad_values_give_no_traceback_from_the_command() -> None:

@@ -571,8 +571,11 @@ def main(argv: list[str] | None = None) -> int:
     args, unknown = parser.parse_known_args(argv)
     if unknown:  # the command's flags are suggested for what follows its name alone
         given = argv[argv.index(args.command) + 1:]
-        near = _did_you_mean(sub.choices[args.command], [word for word in unknown if word in given])
-        parser.error(f"unrecognized arguments: {' '.join(unknown)}{near}")
+        command = sub.choices[args.command]
+        after = [word for word in unknown if word in given]
+        # the command's usage where every stray word follows its name, as its own refusals show it
+        (command if after == unknown else parser).error(
+            f"unrecognized arguments: {' '.join(unknown)}{_did_you_mean(command, after)}")
     if not launch.launched_by_torchrun():
         return _run_command(args)
     try:
