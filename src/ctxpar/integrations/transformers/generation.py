@@ -371,12 +371,11 @@ def _head_rope_refusal(name: str, settings: Settings, head: int, length: int) ->
 
 
 def _sliced(kwargs: dict, start: int, end: int) -> dict:
-    """The forward's arguments for prompt tokens start..end-1."""
+    """The forward's arguments for prompt tokens start..end-1 (its attention_mask, all ones,
+    is dropped by ``_plan``)."""
     part = dict(kwargs, input_ids=kwargs["input_ids"][:, start:end])
     if isinstance(kwargs.get("position_ids"), torch.Tensor):
         part["position_ids"] = kwargs["position_ids"][..., start:end]
-    if isinstance(kwargs.get("attention_mask"), torch.Tensor):
-        part["attention_mask"] = kwargs["attention_mask"][:, :end]
     return part
 
 
