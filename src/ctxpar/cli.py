@@ -209,7 +209,7 @@ def _train_parser(sub) -> None:
                         f"reference's)")
     p.add_argument("--checkpoint-dir",
                    help="where torch.distributed.checkpoint saves the last step (and every --save-every steps) "
-                        "and --resume continues from")
+                        "and --resume continues from; made, with any missing parents, if it does not exist")
     p.add_argument("--save-every", type=int, default=d.save_every,
                    help="with --checkpoint-dir: steps between checkpoints besides the last (0: the last only)")
     p.add_argument("--resume", action="store_true",
