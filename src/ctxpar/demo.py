@@ -50,7 +50,7 @@ class DemoConfig:
         if self.heads % self.kv_heads:
             raise ValueError(f"--heads {self.heads} must be a multiple of --kv-heads {self.kv_heads}")
         u = strategy_rules.call_ulysses_degree(self.strategy, world, self.ulysses_degree, name="--ulysses-degree")
-        strategy_rules.check_heads(self.strategy, self.heads, self.kv_heads, u)
+        strategy_rules.check_heads_split(self.strategy, self.heads, self.kv_heads, u)
 
     def check_memory(self, ranks: int) -> None:
         """Refuse a run this machine cannot hold: ``ranks`` local ranks each build the whole

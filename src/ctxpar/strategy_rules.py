@@ -59,7 +59,7 @@ def ulysses_degree(strategy: str, world: int, ulysses: int | None = None, name: 
 
 def call_ulysses_degree(strategy: str, world: int, ulysses: int | None = None, name: str = "ulysses degree") -> int:
     """``ulysses_degree`` for a call that may ask for ``AUTO``: 1 there, since auto takes
-    all-to-all only where P divides the heads (so ``check_heads`` has nothing to refuse),
+    all-to-all only where P divides the heads (so ``check_heads_split`` has nothing to refuse),
     and auto takes no degree of its own."""
     if strategy == AUTO:
         if ulysses is not None:
@@ -68,7 +68,7 @@ def call_ulysses_degree(strategy: str, world: int, ulysses: int | None = None, n
     return ulysses_degree(strategy, world, ulysses, name)
 
 
-def check_heads(strategy: str, heads: int, kv_heads: int, ulysses: int) -> None:
+def check_heads_split(strategy: str, heads: int, kv_heads: int, ulysses: int) -> None:
     """Refuse query heads that ``strategy``'s all-to-all over ``ulysses`` ranks cannot split."""
     if heads % ulysses:
         over = "P" if strategy == "alltoall" else "ulysses degree"

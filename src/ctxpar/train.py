@@ -98,7 +98,7 @@ class TrainConfig:
         limits.check_splits(layout, self.seq, seq_flag)
         u = strategy_rules.call_ulysses_degree(self.strategy, self.cp(world), self.ulysses_degree,
                                                name="--ulysses-degree")
-        strategy_rules.check_heads(self.strategy, cfg.heads, cfg.kv_heads, u)
+        strategy_rules.check_heads_split(self.strategy, cfg.heads, cfg.kv_heads, u)
         if self.save_every < 0:
             raise ValueError(f"--save-every {self.save_every} must be >= 0 (steps between checkpoints; 0: the last "
                              "step only)")

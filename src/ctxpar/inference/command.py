@@ -46,7 +46,7 @@ class GenerateConfig:
                              f"{', '.join(INFERENCE_STRATEGIES)}")
         cfg = get_config(self.model)
         get_layout(self.layout, world)  # any --prompt-len: what the layout does not split goes to partial_prefill
-        strategy_rules.check_heads(self.strategy, cfg.heads, cfg.kv_heads, strategy_rules.call_ulysses_degree(
+        strategy_rules.check_heads_split(self.strategy, cfg.heads, cfg.kv_heads, strategy_rules.call_ulysses_degree(
             self.strategy, world, self.ulysses_degree, name="--ulysses-degree"))
         try:
             check_sampling(self.temperature, self.seed)

@@ -26,7 +26,7 @@ from ctxpar import agreement, limits, topology
 from ctxpar.inference.cache import KVCache
 from ctxpar.inference.decode import decode_step
 from ctxpar.inference.partial import auto_method, partial_prefill
-from ctxpar.inference.prefill import check_dense_tokens, check_strategy, prefill, prompt_signature
+from ctxpar.inference.prefill import check_dense_tokens, check_inference_strategy, prefill, prompt_signature
 from ctxpar.layout import Layout, OneLengthLayout, fingerprint, get_layout
 from ctxpar.parallelize import SAME_MODEL, SAME_WEIGHTS, model_code, weights_code
 
@@ -121,7 +121,7 @@ def generate(model: nn.Module, prompt: torch.Tensor, *, layout: str | Layout, gr
             raise ValueError(f"on_token must be None or a function of no arguments, called after each new token, "
                              f"got {type(on_token).__name__}")
         # prefill checks these too, but a prompt shorter than the layout's multiple has no head to prefill
-        check_strategy(model, ranks.rank, world, strategy, mesh, group, cache_from_group=True)
+        check_inference_strategy(model, ranks.rank, world, strategy, mesh, group, cache_from_group=True)
         layout = get_layout(layout, world)
         head = prefilled_length(layout, prompt.shape[1])
         weight = model.output.weight

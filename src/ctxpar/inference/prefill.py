@@ -152,7 +152,7 @@ def _check(model: nn.Module, cache: KVCache, prompt: torch.Tensor, layout: str |
            mesh) -> tuple[Layout, int]:
     """The layout, and this rank's index in it."""
     check_model_fits(model, cache)
-    layout_rank = check_strategy(model, cache.rank, cache.world_size, strategy, mesh, cache.group)
+    layout_rank = check_inference_strategy(model, cache.rank, cache.world_size, strategy, mesh, cache.group)
     check_tokens(prompt, cache, model.cfg.vocab, "prompt")
     seq_len = prompt.shape[1]
     if seq_len == 0:
@@ -168,7 +168,7 @@ def _check(model: nn.Module, cache: KVCache, prompt: torch.Tensor, layout: str |
     return layout, layout_rank
 
 
-def check_strategy(model: nn.Module, rank: int, world_size: int, strategy: str, mesh,
+def check_inference_strategy(model: nn.Module, rank: int, world_size: int, strategy: str, mesh,
                    group: dist.ProcessGroup | None, cache_from_group: bool = False) -> int:
     """The strategy and ``mesh=`` of a prefill over a cache on ``group`` (``world_size`` ranks,
     ``rank`` this one's), heads included; returns this rank's index in the layout.
@@ -200,7 +200,7 @@ def check_strategy(model: nn.Module, rank: int, world_size: int, strategy: str, 
         raise ValueError(f"mesh= is for strategy='hybrid'; {strategy!r} runs on the cache's group")
     else:
         ulysses = strategy_rules.call_ulysses_degree(strategy, world_size)
-    strategy_rules.check_heads(strategy, model.cfg.heads, model.cfg.kv_heads, ulysses)
+    strategy_rules.check_heads_split(strategy, model.cfg.heads, model.cfg.kv_heads, ulysses)
     return layout_rank
 
 

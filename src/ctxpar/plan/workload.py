@@ -25,7 +25,7 @@ from ctxpar.limits import MAX_COUNT, check_count, check_splits, plain_values
 from ctxpar.masks import Mask, make_mask
 from ctxpar.models.config import ModelConfig, get_config
 from ctxpar.plan.documents import describe, pack
-from ctxpar.strategy_rules import check_heads, kv_copies, ulysses_degree
+from ctxpar.strategy_rules import check_heads_split, kv_copies, ulysses_degree
 
 DEFAULT_MODEL = "llama-3-8b"
 ELEMENT_BYTES = {"bfloat16": 2, "float16": 2, "float32": 4}
@@ -155,7 +155,7 @@ class Workload:
                              f"{self.heads_per_gpu} query heads of each tensor-parallel rank over {over}={u} ranks, "
                              f"which does not divide them; use strategy 'ring' or 'allgather', or a {over} that "
                              f"divides {self.heads_per_gpu}")
-        check_heads(self.strategy, self.heads_per_gpu, self.kv_heads_per_gpu, u)
+        check_heads_split(self.strategy, self.heads_per_gpu, self.kv_heads_per_gpu, u)
 
     def _check_pipeline(self) -> None:
         """Every chunk of every stage holds a layer, and a stage's chunks hold as many; the

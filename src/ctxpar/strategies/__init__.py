@@ -15,7 +15,7 @@ from ctxpar.strategies.allgather import allgather_attention
 from ctxpar.strategies.ring import ring_attention
 from ctxpar.strategies.alltoall import alltoall_attention
 from ctxpar.strategies.hybrid import hybrid_attention
-from ctxpar.strategy_rules import STRATEGY_NAMES, check_heads
+from ctxpar.strategy_rules import STRATEGY_NAMES, check_heads_split
 from ctxpar.topology import Topology
 
 
@@ -24,7 +24,7 @@ def _no_constraint(heads: int, kv_heads: int, topo: Topology) -> None:
 
 
 def _heads_split_over_ulysses(heads: int, kv_heads: int, topo: Topology) -> None:
-    check_heads("hybrid" if topo.hybrid else "alltoall", heads, kv_heads, topo.ulysses_degree)
+    check_heads_split("hybrid" if topo.hybrid else "alltoall", heads, kv_heads, topo.ulysses_degree)
 
 
 @dataclass(frozen=True)
