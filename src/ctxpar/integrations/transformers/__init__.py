@@ -110,7 +110,9 @@ def _check_positions(name: str, settings: Settings, bound: dict, documents: tupl
     each declared document: RoPE reads them, and so does transformers' mask code (which
     ctxpar's mask replaces). Restarting positions without declared documents are refused:
     transformers would read them as packing of this shard alone. LongRoPE's choice of
-    factors, which reads the largest position, must be the whole sequence's on every rank."""
+    factors, which reads the largest position, must be the whole sequence's on every rank
+    (with documents, the packed row's: every document takes the factors of the row's
+    largest position, as transformers' forward of the packed row does)."""
     tokens = _tokens(bound)
     if tokens is None:
         if documents is not None:
