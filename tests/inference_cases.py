@@ -463,6 +463,16 @@ def _check_bad_inputs(rank: int, world: int) -> dict[str, str]:
         # the last rank's keys have 3 heads for 4 query heads: it raised alone, the others waited in the all-gather
         bad_kv = torch.randn(1, 3, 2, 8) if rank == world - 1 else kv
         messages["one_rank_bad_keys"] = _attempt(lambda: sharded_attention(q, bad_kv, bad_kv, group=None, scale=None))
+        # check_consistency=False compares nothing: calls that differ between ranks run (an exchange left in
+        # would refuse them, and cost every call its all-gather)
+        other = prompt.flip(1) if rank == 0 else prompt
+        unchecked = {"prefill": lambda: prefill(model, cache(), other, layout="zigzag", check_consistency=False),
+                     "chunk": lambda: partial_prefill(model, prefilled(cache()), other[:, :2], check_consistency=False),
+                     "decode": lambda: decode_step(model, prefilled(cache()), other[:, 0], check_consistency=False),
+                     "attention": lambda: sharded_attention(q + (rank == 0), kv, kv, group=None, scale=None,
+                                                            check_consistency=False)}
+        for entry, call in unchecked.items():
+            messages[f"unchecked_{entry}"] = _attempt(call)
         # only the last rank's keys require grad: it raises its own error, the others name it
         grad_kv = kv.clone().requires_grad_(rank == world - 1)
         messages["one_rank_attention_grad"] = _attempt(lambda: sharded_attention(q, grad_kv, kv, group=None,
@@ -535,6 +545,12 @@ def _check_bad_inputs(rank: int, world: int) -> dict[str, str]:
                 model, prompt, layout="zigzag", group=pairs[rank // 2], strategy="hybrid", mesh=across, new_tokens=2))
             messages["generate_mesh_of_fewer_ranks"] = _attempt(lambda: generate(
                 model, prompt, layout="zigzag", strategy="hybrid", mesh=across, new_tokens=2))
+            # the last rank's keys of 3 heads over a 2 x 2 mesh: compared over the rows, then the columns (over the
+            # rows alone, ranks 0 and 1 went on into the all-gather); rank 0 hears of it in the second exchange
+            square = init_device_mesh("cpu", (2, 2), mesh_dim_names=("ring", "ulysses"))
+            said = _attempt(lambda: sharded_attention(q, bad_kv, bad_kv, group=None, mesh=square, scale=None))
+            heard = "H a multiple of H_kv" if rank == world - 1 else "of the CP group rejected their sharded attention"
+            messages["one_rank_bad_keys_on_a_mesh"] = "refused alike" if heard in said else said
     # no rank was left inside a collective: a whole generation still works afterwards
     r = generate(model, prompt, layout="zigzag", new_tokens=4)
     ok = r.tokens.tolist() == reference_generate(model, prompt, new_tokens=4).tolist()

@@ -362,3 +362,26 @@ def test_non_finite_inputs_poison_what_single_process_attention_poisons(poison: 
         assert not (tensors["out"]["cp"] & ~tensors["out"]["single"]).any(), f"{where}: out rows SDPA keeps finite"
         if poison in ("k+inf", "k-inf"):
             assert torch.equal(tensors["dv"]["cp"], tensors["dv"]["single"]), f"{where}: dv rows differ"
+
+
+def test_a_refusal_of_any_kind_is_held_until_the_ranks_compare_the_call(monkeypatch) -> None:
+    """Every entry checks its call inside ``agreement.Refusal`` and then joins its peers'
+    exchange: a rank's TypeError (a user layout failing in its own code) held as a ValueError
+    is, or that rank alone left and its peers waited; Ctrl-C goes through at once. Without
+    peers, or with check_consistency=False, the refusal is raised and nothing compared."""
+    from ctxpar import agreement
+
+    with agreement.Refusal() as refusal:
+        raise TypeError("unsupported operand type(s) for //: 'int' and 'NoneType'")
+    assert isinstance(refusal.error, TypeError)
+    with pytest.raises(KeyboardInterrupt), agreement.Refusal():
+        raise KeyboardInterrupt
+    compared = []
+    monkeypatch.setattr(agreement, "check_values_agree", lambda *args: compared.append(args))
+    for world_size, flag in ((1, True), (2, False)):
+        with pytest.raises(TypeError, match="unsupported operand"):
+            refusal.join(lambda: pytest.fail("the signature built"), None, "prefill", world_size=world_size,
+                         check_consistency=flag)
+    assert compared == []
+    refusal.join(lambda: {"batch": 2}, None, "prefill", world_size=2, check_consistency=None)  # an invalid flag joins
+    assert compared == [({"batch": 2}, None, refusal.error, "prefill", ())]

@@ -242,6 +242,8 @@ EXPECTED_MESSAGES = {
     "attention_sinks_differ": ["disagree on the sharded attention: sinks (crc32) ["],
     "models_differ": ["disagree on the generate call", "model (a checksum of its config"],
     "weights_differ": ["disagree on the generate call", "weights (a checksum of each parameter's first values"],
+    **{f"unchecked_{entry}": ["NO ERROR"] for entry in ("prefill", "chunk", "decode", "attention")},
+    "one_rank_bad_keys_on_a_mesh": ["refused alike"],
     "prefill_weights_differ": ["disagree on the prefill", "weights (a checksum of each parameter's first values"],
     "attention_grad": ["sharded_attention is inference only, but grad mode is on and q set requires_grad",
                        "under torch.no_grad() or torch.inference_mode(), or use ctxpar.attention for training"],
@@ -286,8 +288,10 @@ MULTI_RANK_ONLY = ("layout_length", "step", "tokens_differ", "chunks_differ", "m
                    "chunk_capacities_differ", "interrupted_chunk", "cache_on_a_mesh", "cache_on_group_and_mesh",
                    "attention_queries_differ", "attention_scales_differ", "attention_sinks_differ", "models_differ",
                    "weights_differ", "prefill_weights_differ", "temperature_differs", "names_differ", "caches_swapped",
-                   "chunk_caches_swapped", "deals_differ", "generate_layouts_differ")
-ONLY_AT_P4 = ("mesh_over_other_ranks", "generate_mesh_of_fewer_ranks", "generate_mesh_over_other_ranks")
+                   "chunk_caches_swapped", "deals_differ", "generate_layouts_differ", "unchecked_prefill",
+                   "unchecked_chunk", "unchecked_decode", "unchecked_attention")
+ONLY_AT_P4 = ("mesh_over_other_ranks", "generate_mesh_of_fewer_ranks", "generate_mesh_over_other_ranks",
+              "one_rank_bad_keys_on_a_mesh")
 
 
 @pytest.mark.parametrize("world", WORLD_SIZES, ids=lambda w: f"P{w}")
