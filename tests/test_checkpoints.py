@@ -26,29 +26,54 @@ CLI_COMMON = ["--nproc", "2", "--seq", "128", "--model", "tiny", "--no-progress"
 SETTINGS = TrainConfig(**COMMON).checkpoint_settings()
 
 
-def save_where_each_rank_says(rank: int, world: int, directory: str, how: str) -> str:
-    """Each rank saves the tiny model at step 3 + rank ("steps differ"), or at step 3 into a
-    directory of its own ("directories differ"), or into one directory that rank 1 spells
-    relative to its working directory, through a symbolic link to its parent ("one directory")."""
+SAVES = ("steps differ", "directories differ", "the manifest cannot be written", "one directory")
+
+
+def save_each_way(rank: int, world: int, root: str) -> dict[str, str]:
+    """Each rank saves the tiny model, in a directory of ``root`` per way of ``SAVES``: at step 3 +
+    rank ("steps differ"); at step 3 into a directory of its own ("directories differ"); with the
+    disk full as the manifest is written; into one directory that rank 1 spells relative to its
+    working directory, through a symbolic link to its parent ("one directory", last: it changes
+    rank 1's working directory). What each save said."""
     from ctxpar.models import Transformer, get_config
 
-    model = Transformer(get_config("tiny"))
-    optimizer = torch.optim.AdamW(model.parameters())
-    place, step = directory, 3
-    if how == "steps differ":
-        step += rank
-    elif how == "directories differ":
-        place = os.path.join(directory, f"rank{rank}")
-    elif rank == 1:
-        parent = os.path.dirname(directory)
-        os.chdir(parent)
-        os.symlink(parent, "link")  # inside the test's own directory
-        place = os.path.join("link", os.path.basename(directory))
-    try:
-        checkpoint.save(model, optimizer, place, step, SETTINGS)
-        return "saved"
-    except ValueError as e:
-        return str(e)
+    said = {}
+    for how in SAVES:
+        model = Transformer(get_config("tiny"))
+        optimizer = torch.optim.AdamW(model.parameters())
+        directory = os.path.join(root, how.replace(" ", "-"), "ckpt")
+        place, step = directory, 3
+        write_manifest = checkpoint._write_atomically
+        if how == "steps differ":
+            step += rank
+        elif how == "directories differ":
+            place = os.path.join(directory, f"rank{rank}")
+        elif how == "the manifest cannot be written":
+            def full(path, manifest):
+                raise OSError(28, "No space left on device")
+            checkpoint._write_atomically = full
+        elif rank == 1:
+            parent = os.path.dirname(directory)
+            os.makedirs(parent, exist_ok=True)
+            os.chdir(parent)
+            os.symlink(parent, "link")  # inside the test's own directory
+            place = os.path.join("link", os.path.basename(directory))
+        try:
+            checkpoint.save(model, optimizer, place, step, SETTINGS)
+            said[how] = "saved"
+        except (ValueError, OSError) as e:
+            said[how] = str(e)
+        finally:
+            checkpoint._write_atomically = write_manifest
+    return said
+
+
+@pytest.fixture(scope="module")
+def saved_each_way(tmp_path_factory) -> tuple[str, list[dict[str, str]]]:
+    from ctxpar.launch import run_local
+
+    root = str(tmp_path_factory.mktemp("saves"))
+    return root, run_local(save_each_way, 2, (root,), timeout_s=60)
 
 
 def ctxpar_train(*args: str, **popen) -> subprocess.Popen:
@@ -598,22 +623,57 @@ def _train(model, optimizer, steps: int) -> list[float]:
 
 
 @pytest.mark.parametrize("how", ["steps differ", "directories differ", "one directory"])
-def test_ranks_that_disagree_on_the_checkpoint_to_save_are_refused_on_every_rank(how: str, tmp_path) -> None:
+def test_ranks_that_disagree_on_the_checkpoint_to_save_are_refused_on_every_rank(how: str, saved_each_way) -> None:
     """Each rank wrote its shard where it was told and rank 0 sealed a checkpoint without the
     others' (or failed naming a missing file): stray shards, and no word of the disagreement.
     One directory spelt two ways (relative, through a link) is one directory."""
-    from ctxpar.launch import run_local
-
-    directory = tmp_path / "ckpt"
-    said = run_local(save_where_each_rank_says, 2, (str(directory), how), timeout_s=60)
+    root, said_by_rank = saved_each_way
+    said = [on_rank[how] for on_rank in said_by_rank]
+    directory = os.path.join(root, how.replace(" ", "-"), "ckpt")
     if how == "one directory":
-        assert said == ["saved", "saved"] and checkpoint.find_resumable(str(directory), SETTINGS).step == 3
+        assert said == ["saved", "saved"] and checkpoint.find_resumable(directory, SETTINGS).step == 3
         return
-    want = (f"rank 0: step 3 in {directory / 'rank0'}, rank 1: step 3 in {directory / 'rank1'}"
-            if how == "directories differ" else f"rank 0: step 3 in {directory}, rank 1: step 4 in {directory}")
+    want = (f"rank 0: step 3 in {os.path.join(directory, 'rank0')}, rank 1: step 3 in "
+            f"{os.path.join(directory, 'rank1')}" if how == "directories differ"
+            else f"rank 0: step 3 in {directory}, rank 1: step 4 in {directory}")
     for message in said:
         assert message.startswith("the ranks disagree on the checkpoint to save (") and want in message, message
-    assert not [d for _, dirs, _ in os.walk(tmp_path) for d in dirs if d.startswith("step-")]  # nothing written
+    assert not [d for _, dirs, _ in os.walk(os.path.dirname(directory)) for d in dirs if d.startswith("step-")]
+
+
+def test_a_manifest_that_cannot_be_written_fails_the_save_on_every_rank(saved_each_way) -> None:
+    """The manifest is written by rank 0 and its outcome shared: written by another rank without a
+    collective (a planted bug no test saw), a failure there was that rank's alone, and rank 0
+    returned as if the checkpoint were sealed (in train, going on to its next step)."""
+    for rank, on_rank in enumerate(saved_each_way[1]):
+        said = on_rank["the manifest cannot be written"]
+        assert "checkpoint step 3 could not be written" in said and "No space left on device" in said, (rank, said)
+
+
+def test_a_manifest_whose_write_is_cut_short_leaves_the_checkpoint_unsealed(tmp_path, monkeypatch) -> None:
+    """The manifest is written to a temporary name and renamed into place. Written in place (a
+    planted bug no test saw), a write cut short (a full disk, a kill) left half a manifest.json:
+    resume called it unreadable, and a new run there was refused as one that would overwrite
+    checkpoints, though nothing there could be resumed."""
+    real_dump = checkpoint.json.dump
+
+    def dump_half_then_fail(manifest, f, **kwargs):
+        real_dump(manifest, f, **kwargs)
+        f.flush()
+        f.truncate(f.tell() // 2)
+        raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr(checkpoint.json, "dump", dump_half_then_fail)
+    model, optimizer = _tiny_model_and_adamw()
+    directory = str(tmp_path / "ckpt")
+    with pytest.raises(OSError, match="No space left on device"):
+        checkpoint.save(model, optimizer, directory, 1, SETTINGS)
+    monkeypatch.setattr(checkpoint.json, "dump", real_dump)
+    step = checkpoint.step_path(directory, 1)
+    assert not os.path.lexists(os.path.join(step, checkpoint.MANIFEST)), sorted(os.listdir(step))
+    checkpoint.check_directory(directory, resuming=False)  # a new run may start here: nothing was sealed
+    with pytest.raises(ValueError, match="none was sealed: start a new run here"):
+        checkpoint.find_resumable(directory, SETTINGS)
 
 
 def load_where_rank_1_differs(rank: int, world: int, directory: str) -> dict[str, str]:
