@@ -127,37 +127,56 @@ def check_ranks_agree(sig: list[int], topo: Topology, error: Exception | None) -
     any rank rejected its inputs or the signatures differ. Re-raises ``error`` on the
     rank that had it. Every rank runs every exchange, whatever it has learnt, so that no
     rank is left waiting in one."""
-    sig = list(sig)
-    rejected_ranks: list[int] = []
-    differs: list[str] = []
-    for group in topo.process_groups:
-        table, kinds = _all_gather(sig, group, "attention")  # (W, fields)
+    def show(differing: dict[str, list[int]], group) -> dict[str, str]:
+        return {name: _described(name, column, group) for name, column in differing.items()}
+
+    def disagreement(descriptions: list[str]) -> str:
+        what = f"different {', '.join(descriptions)}" if descriptions else "different arguments (seen by another rank)"
+        return (f"the ranks of the CP group called attention with {what}; every rank must pass the same shapes, "
+                f"dtype, causal flag, scale, strategy, layout, documents, window, sinks and requires_grad")
+
+    _agree(sig, topo.process_groups, "attention", FIELDS[1:], error, show, disagreement)
+
+
+def _agree(mine: list[int], groups: list[dist.ProcessGroup | None], what: str, names: tuple[str, ...],
+           error: Exception | None, show: Callable[[dict[str, list[int]], dist.ProcessGroup | None], dict[str, str]],
+           disagreement: Callable[[list[str]], str], where_known: tuple[str, ...] = ()) -> None:
+    """What both checks do: one all-gather of ``mine`` (the trouble bits, then one integer per
+    name of ``names``) over each of ``groups`` in turn, the trouble seen in one passed on in
+    the next; then ``error`` re-raised on its rank, and every other rank raising too where any
+    rank rejected its inputs or a value differs between the ranks of a group. A differing value
+    is described by ``show(differing columns, group)`` (the first group's description where
+    several differ; "call" where ranks are in different calls), and the descriptions by
+    ``disagreement``. Values named in ``where_known`` may be unknown (-1) on some rank; they
+    are compared only where every rank of the group knows them."""
+    mine = list(mine)
+    rejected: list[int] = []
+    differs: dict[str, str] = {}
+    for group in groups:
+        table, kinds = _all_gather(mine, group, what)
         if len(set(kinds)) > 1:  # another call on some rank: its fields are not these
-            differs.append(f"call {_call_names(kinds)}")
-            sig[0] |= SAW_DIFFERENT
+            differs.setdefault("call", f"call {_call_names(kinds)}")
+            mine[0] |= SAW_DIFFERENT
             continue
-        rows = table.tolist()  # compared as Python lists: a tensor comparison per field cost 13x as much
-        bits = [row[0] for row in rows]
-        rejected_ranks += [_global_rank(group, i) for i, b in enumerate(bits) if b & OWN_INPUTS_REJECTED]
-        columns = list(zip(*rows))
-        here = [_described(FIELDS[i], list(columns[i]), group) for i in range(1, len(FIELDS))
-                if len(set(columns[i])) > 1]
-        differs += [f for f in here if f not in differs]
+        columns = [list(column) for column in zip(*table.tolist())]  # compared as lists: tensors cost 13x as much
+        bits = columns[0]
+        rejected += [_global_rank(group, i) for i, b in enumerate(bits) if b & OWN_INPUTS_REJECTED]
         if any(b & (OWN_INPUTS_REJECTED | SAW_REJECTED) for b in bits):
-            sig[0] |= SAW_REJECTED
-        if here or any(b & SAW_DIFFERENT for b in bits):
-            sig[0] |= SAW_DIFFERENT
+            mine[0] |= SAW_REJECTED
+        differing = {name: columns[i] for i, name in enumerate(names, start=1)
+                     if not (name in where_known and -1 in columns[i]) and len(set(columns[i])) > 1}
+        if differing:  # every rank of the group holds this table: all of them (or none) call ``show``
+            for name, description in show(differing, group).items():
+                differs.setdefault(name, description)
+        if differing or any(b & SAW_DIFFERENT for b in bits):
+            mine[0] |= SAW_DIFFERENT
     if error is not None:
         raise error
-    if sig[0] & SAW_REJECTED:
-        who = f"ranks {sorted(set(rejected_ranks))}" if rejected_ranks else "a rank"
-        raise ValueError(f"{who} of the CP group rejected their attention inputs; see their errors")
-    if sig[0] & SAW_DIFFERENT:
-        what = f"different {', '.join(differs)}" if differs else "different arguments (seen by another rank)"
-        raise ValueError(
-            f"the ranks of the CP group called attention with {what}; every rank must pass the same shapes, "
-            f"dtype, causal flag, scale, strategy, layout, documents, window, sinks and requires_grad"
-        )
+    if mine[0] & SAW_REJECTED:
+        who = f"ranks {sorted(set(rejected))}" if rejected else "a rank"
+        raise ValueError(f"{who} of the CP group rejected their {what} inputs; see their errors")
+    if mine[0] & SAW_DIFFERENT:
+        raise ValueError(disagreement(list(differs.values())))
 
 
 def _described(field: str, column: list[int], group: dist.ProcessGroup | None) -> str:
@@ -293,41 +312,22 @@ def check_values_agree(values: dict[str, Value],
     the call. The values named in ``where_known`` may be unknown (-1) on some rank; they
     are compared only where every rank of the group knows them. A value's kind (int, Real,
     Text) must be the same on every rank: the callers' signatures fix it per field."""
-    names = list(values)
+    def show(differing: dict[str, list[int]], group) -> dict[str, str]:
+        texts = {name: values[name] for name in differing if isinstance(values[name], Text)}
+        names_shown = _gathered_texts(texts, group) if texts else {}  # one all-gather more, of the names
+        shown = {name: names_shown[name] if name in names_shown else
+                 [Real.shown(c) for c in column] if isinstance(values[name], Real) else column
+                 for name, column in differing.items()}
+        return {name: f"{name} {column}" for name, column in shown.items()}
+
+    def disagreement(descriptions: list[str]) -> str:
+        what_differs = "; ".join(descriptions) or "(seen by another rank)"
+        return (f"the ranks of the CP group disagree on the {what}: {what_differs} (one value per rank); every "
+                f"rank must make the same calls with the same tokens")
+
+    names = tuple(values)
     mine = [OWN_INPUTS_REJECTED if error is not None else 0, *(readable(lambda: _code(values[n])) for n in names)]
-    rejected: list[int] = []
-    differ: dict[str, list] = {}
-    for members in group if isinstance(group, list) else [group]:
-        table, kinds = _all_gather(mine, members, what)
-        if len(set(kinds)) > 1:  # another call on some rank: its fields are not these
-            differ.setdefault("call", _call_names(kinds))
-            mine[0] |= SAW_DIFFERENT
-            continue
-        columns = [list(column) for column in zip(*table.tolist())]  # one copy; compared as lists (13x cheaper)
-        bits = columns[0]
-        rejected += [_global_rank(members, i) for i, b in enumerate(bits) if b & OWN_INPUTS_REJECTED]
-        if any(b & (OWN_INPUTS_REJECTED | SAW_REJECTED) for b in bits):
-            mine[0] |= SAW_REJECTED
-        differing = [(i, name) for i, name in enumerate(names, start=1)
-                     if not (name in where_known and -1 in columns[i]) and len(set(columns[i])) > 1]
-        # every rank of the group holds this table, so all of them (or none) exchange the names
-        texts = {name: values[name] for _, name in differing if isinstance(values[name], Text)}
-        shown = _gathered_texts(texts, members) if texts else {}
-        for i, name in differing:
-            column = columns[i]
-            differ.setdefault(name, shown[name] if name in shown else
-                              [Real.shown(c) for c in column] if isinstance(values[name], Real) else column)
-        if differ or any(b & SAW_DIFFERENT for b in bits):
-            mine[0] |= SAW_DIFFERENT
-    if error is not None:
-        raise error
-    if mine[0] & SAW_REJECTED:
-        who = f"ranks {sorted(set(rejected))}" if rejected else "a rank"
-        raise ValueError(f"{who} of the CP group rejected their {what} inputs; see their errors")
-    if mine[0] & SAW_DIFFERENT:
-        what_differs = "; ".join(f"{name} {column}" for name, column in differ.items()) or "(seen by another rank)"
-        raise ValueError(f"the ranks of the CP group disagree on the {what}: {what_differs} (one value per "
-                         f"rank); every rank must make the same calls with the same tokens")
+    _agree(mine, group if isinstance(group, list) else [group], what, names, error, show, disagreement, where_known)
 
 
 class Refusal:
