@@ -49,7 +49,7 @@ SAMPLE = dict(do_sample=True, temperature=0.9, top_k=20)
 
 def cases(world: int) -> dict[str, tuple]:
     """Llama in every layout; Mistral (its window) in every layout on 4 ranks, one on 2 and 3;
-    gpt-oss (its sinks) sampled; DeepSeek-V3 (multi-head latent attention)."""
+    gpt-oss (its sinks) sampled; DeepSeek-V3 (multi-head latent attention); penalties."""
     found = {f"llama/{layout}": ("llama", layout, "ring", {}) for layout in LAYOUTS}
     for layout in LAYOUTS if world == 4 else LAYOUTS[world - 1:world]:
         found[f"mistral/{layout}"] = ("mistral", layout, "ring", {})
@@ -62,6 +62,9 @@ def cases(world: int) -> dict[str, tuple]:
     found["deepseek_v3/contiguous"] = ("deepseek_v3", "contiguous", "ring", {})  # latents cached, expanded per step
     found["llama/zigzag/sampled"] = ("llama", "zigzag", "ring", SAMPLE)
     found["mistral/striped/sampled x2"] = ("mistral", "striped", "ring", dict(SAMPLE, num_return_sequences=2))
+    # logits processors reading the whole sequence so far (prompt and new tokens), beside the sampling filters
+    found["llama/zigzag/penalised"] = ("llama", "zigzag", "ring", dict(
+        SAMPLE, top_p=0.9, min_p=0.02, repetition_penalty=1.3, no_repeat_ngram_size=2, bad_words_ids=[[5], [7, 8]]))
     return found
 
 
