@@ -525,15 +525,21 @@ def _check_subgroups(rank: int, world: int) -> dict:
     found["listed_descending"] = check_case(Case("ring", "zigzag", True, "gqa", "float32"), rank, half, group=group,
                                             group_rank=dist.get_rank(group))
     # from each group rank (prefill broadcasts over the cache's group so): a source taken as a global rank
-    # delivered group [3, 1]'s rank 1 from global rank 1, with no error
-    found["broadcast_from_each_group_rank"] = [comm.broadcast(torch.tensor([float(rank)]), src, group).item()
-                                               for src in range(half)]
+    # delivered group [3, 1]'s rank 1 from global rank 1, with no error; and the bytes each rank counts
+    # (sent by the source, received by the others: a source compared with the global rank swapped them)
+    found["broadcast_from_each_group_rank"], found["broadcast_bytes"] = [], []
+    for src in range(half):
+        with ctxpar.record(timing=False) as rec:
+            found["broadcast_from_each_group_rank"].append(comm.broadcast(torch.tensor([float(rank)]), src,
+                                                                          group).item())
+        found["broadcast_bytes"].append((rec.bytes_sent, rec.bytes_received))
     return found
 
 
 def _check_hybrid_meshes(rank: int, world: int) -> dict:
     """Hybrid on meshes other than the square one: all-to-all only, ring only, and the
-    dims named in the other order (so the CP rank is not the global rank). On each, what
+    dims named in the other order (so the CP rank is not the global rank; and on 4 x 1,
+    degrees read by the dims' positions, not their names, would be swapped). On each, what
     ``topology.broadcast`` from every place and ``topology.all_gather`` deliver of the CP ranks'
     own places (only a mesh with U != R tells a ulysses coordinate from a ring one)."""
     from torch.distributed.device_mesh import init_device_mesh
@@ -541,7 +547,7 @@ def _check_hybrid_meshes(rank: int, world: int) -> dict:
     from ctxpar import topology
 
     meshes = {"ring1xulysses4": ((1, 4), ("ring", "ulysses")), "ring4xulysses1": ((4, 1), ("ring", "ulysses")),
-              "ulysses2xring2": ((2, 2), ("ulysses", "ring"))}
+              "ulysses2xring2": ((2, 2), ("ulysses", "ring")), "ulysses4xring1": ((4, 1), ("ulysses", "ring"))}
     out = {}
     for name, (shape, names) in meshes.items():
         mesh = init_device_mesh("cpu", shape, mesh_dim_names=names)
@@ -549,7 +555,8 @@ def _check_hybrid_meshes(rank: int, world: int) -> dict:
         place = torch.tensor([float(topo.rank)])
         # with sinks too: each rank's heads' sinks sliced by the global rank, not the ulysses one, passed the
         # square mesh's default dim order alone
-        out[name] = dict(verdict=check_case(Case("hybrid", "zigzag", True, "gqa", "float32"), rank, world, mesh=mesh),
+        out[name] = dict(degrees=(topo.ulysses_degree, topo.ring_degree),
+                         verdict=check_case(Case("hybrid", "zigzag", True, "gqa", "float32"), rank, world, mesh=mesh),
                          sinks_verdict=check_case(Case("hybrid", "zigzag", True, "gqa", "float32", sinks=True), rank,
                                                   world, mesh=mesh),
                          cp_rank=ctxpar.hybrid_rank(mesh),
@@ -663,6 +670,84 @@ def _check_compiled_with_dynamic_shapes(rank: int, world: int) -> float | str:
         return f"{type(e).__name__}: {str(e)[:300]}"
 
 
+class _LazyTransfers:
+    """Stands in for ``dist.batch_isend_irecv``'s requests: the transfer is posted only when one
+    of its requests is first waited for, so a send buffer is read at the latest moment a
+    transport may read it (NCCL on a busy stream, gloo for large messages): a buffer written
+    again before its ``wait`` sends the new contents. ``waited``: which requests were."""
+
+    def __init__(self, ops) -> None:
+        self.ops, self.real, self.waited = ops, None, [False] * len(ops)
+
+    def request(self, i: int):
+        transfers = self
+
+        class Request:
+            def wait(self) -> bool:
+                if transfers.real is None:
+                    transfers.real = dist.batch_isend_irecv(transfers.ops)
+                transfers.waited[i] = True
+                return transfers.real[i].wait()
+
+            def is_completed(self) -> bool:
+                return transfers.real is not None and transfers.real[i].is_completed()
+
+        return Request()
+
+
+def _check_ring_on_a_lazy_transport(rank: int, world: int) -> dict:
+    """Ring attention, plain causal and with a window that ends the ring early, forward and
+    backward on ``_LazyTransfers``: the errors against float64, requests never waited for, and
+    for each forward tile whether the next shard's transfer was posted while it was computed
+    (the overlap: a forward waiting before it computes changed no number and no counter)."""
+    import ctxpar.strategies.ring as ring
+
+    posted: list[_LazyTransfers] = []
+
+    class LazyDist:  # ctxpar.comm's dist, its batch_isend_irecv lazy
+        def __getattr__(self, name):
+            return getattr(dist, name)
+
+        @staticmethod
+        def batch_isend_irecv(ops):
+            posted.append(_LazyTransfers(ops))
+            return [posted[-1].request(i) for i in range(len(ops))]
+
+    comms, overlapped = [], []
+    real_init, real_forward_tiles = ring.RingComm.__init__, ring.forward_tiles
+
+    def init(self, *args, **kwargs):
+        real_init(self, *args, **kwargs)
+        comms.append(self)
+
+    def forward_tiles(*args, **kwargs):
+        overlapped.append(any(c.posted for c in comms))
+        return real_forward_tiles(*args, **kwargs)
+
+    comm.dist, ring.RingComm.__init__, ring.forward_tiles = LazyDist(), init, forward_tiles
+    found = {}
+    try:
+        for name, window in (("causal", None), ("window", 5)):
+            comms.clear(), overlapped.clear(), posted.clear()
+            gen = torch.Generator().manual_seed(3)
+            layout = ctxpar.get_layout("contiguous" if window else "zigzag", world)
+            q, k, v, dout = (torch.randn(1, h, 8 * world, 8, generator=gen, dtype=torch.float64) for h in (4, 2, 2, 4))
+            local = [layout.shard(x, rank, dim=2).clone().requires_grad_() for x in (q, k, v)]
+            out = ctxpar.attention(*local, layout=layout, window=window, check_consistency=False)
+            forward_overlapped = list(overlapped)
+            out.backward(layout.shard(dout, rank, dim=2))
+            whole = [x.clone().requires_grad_() for x in (q, k, v)]
+            ref, _ = reference_attention(*whole, causal=True, scale=8 ** -0.5, mask=Mask(True, None, window))
+            ref.backward(dout)
+            errors = [float((got - layout.shard(want, rank, dim=2)).abs().max())
+                      for got, want in zip((out, *(x.grad for x in local)), (ref, *(x.grad for x in whole)))]
+            found[name] = dict(errors=errors, forward_overlapped=forward_overlapped,
+                               unwaited=sum(not w for t in posted for w in t.waited))
+    finally:
+        comm.dist, ring.RingComm.__init__, ring.forward_tiles = dist, real_init, real_forward_tiles
+    return found
+
+
 def run_all(rank: int, world: int) -> dict:
     """Every distributed check for one world size; failures are reported, not raised."""
     mesh = None
@@ -684,6 +769,8 @@ def run_all(rank: int, world: int) -> dict:
         results["consistency"] = _check_consistency(rank, world)
     if world == 2:
         results["compiled"] = _check_compiled_with_dynamic_shapes(rank, world)
+    if world == 3:
+        results["lazy_transport"] = _check_ring_on_a_lazy_transport(rank, world)
     if world >= 4 and world % 2 == 0:
         results["subgroups"] = _check_subgroups(rank, world)
     if world == 4:

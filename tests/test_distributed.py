@@ -216,12 +216,83 @@ def test_alltoall_volume_by_hand() -> None:
     assert (t.forward, t.backward) == (tensors + 8 * 4 * 4 * 3 // 4, tensors) == (1248, 1152)
 
 
+def test_the_ring_on_a_transport_that_sends_late_is_exact_waits_every_request_and_overlaps() -> None:
+    """On 3 ranks (a dK/dV accumulator passes a rank on its way home), a transport posting each
+    transfer only when it is first waited for: a buffer written again before its send was waited
+    for sends the new contents there (gloo's eager loopback had sent it already: exact), a wait
+    leaving a request alone hangs, and a forward that waits before it computes, hiding no
+    transfer, changed no number and no counter."""
+    for rank, res in enumerate(results(3)):
+        for name, r in res["lazy_transport"].items():
+            assert max(r["errors"]) < 1e-10, (rank, name, r["errors"])
+            assert r["unwaited"] == 0, (rank, name, r["unwaited"])
+        # zigzag, plain causal: three tiles, the next shard's transfer posted while each of the first two computes
+        assert res["lazy_transport"]["causal"]["forward_overlapped"] == [True, True, False], rank
+
+
+def test_strategies_splitting_heads_refuse_exactly_the_counts_their_degree_does_not_divide() -> None:
+    """Every H <= 16 and H_kv dividing it over U <= 8 ranks: the bad-input grid's H=5 over 2 or 4
+    is coprime to U, so a rule refusing only heads coprime to U passed it, and H=6 over U=4 then
+    failed inside the all-to-all with torch's "unflatten: Provided sizes ... don't multiply up"."""
+    import itertools
+
+    from ctxpar.strategies import STRATEGIES
+    from ctxpar.topology import Topology
+
+    for strategy, heads, ulysses in itertools.product(("alltoall", "hybrid"), range(1, 17), range(1, 9)):
+        rings = 2 if strategy == "hybrid" else 1
+        topo = Topology(rank=0, world_size=ulysses * rings, ulysses_degree=ulysses, ring_degree=rings,
+                        hybrid=strategy == "hybrid")
+        for kv_heads in (h for h in range(1, heads + 1) if heads % h == 0):
+            if heads % ulysses:
+                with pytest.raises(ValueError, match=f"H={heads} .* which does not divide them"):
+                    STRATEGIES[strategy].check(heads, kv_heads, topo)
+            else:
+                STRATEGIES[strategy].check(heads, kv_heads, topo)
+
+
+@pytest.mark.parametrize("strategy", ["ring", "allgather", "alltoall"])
+def test_a_strategy_keeps_for_its_backward_only_the_tensors_it_saves(strategy: str) -> None:
+    """Every floating-point tensor a strategy's autograd nodes hold after the forward went through
+    ``save_for_backward``: what saved-tensor hooks (save_on_cpu, checkpointing's) see and the
+    memory tables count. One kept as a ctx attribute (the ring's last K/V received, the
+    all-to-all's whole receive buffer) stayed alive until the backward in every layer, unseen by
+    the hooks and by the exactness tests. Index tensors are not floating point."""
+    import torch
+
+    import ctxpar
+
+    def floats(value) -> list:
+        if isinstance(value, torch.Tensor):
+            return [value] if value.is_floating_point() else []
+        if isinstance(value, (tuple, list)):
+            return [t for item in value for t in floats(item)]
+        return [t for item in value.values() for t in floats(item)] if isinstance(value, dict) else []
+
+    gen = torch.Generator().manual_seed(0)
+    q, k, v = (torch.randn(1, h, 16, 8, generator=gen, requires_grad=True) for h in (4, 2, 2))
+    nodes, seen, kept = [ctxpar.attention(q, k, v, layout="zigzag", strategy=strategy).grad_fn], set(), {}
+    while nodes:
+        node = nodes.pop()
+        if node is None or id(node) in seen:
+            continue
+        seen.add(id(node))
+        nodes += [fn for fn, _ in node.next_functions]
+        extra = [t for name, value in getattr(node, "__dict__", {}).items() if not name.startswith("_")
+                 for t in floats(value)]
+        if extra:
+            kept[type(node).__name__] = sum(t.numel() * t.element_size() for t in extra)
+    assert kept == {}, f"{strategy}: floating-point tensors kept outside save_for_backward (bytes per node): {kept}"
+
+
 def test_hybrid_on_every_mesh_shape_and_dim_order() -> None:
     seen_ranks = {}
     for rank, res in enumerate(results(4)):
         for mesh, r in res["hybrid_meshes"].items():
             assert r["verdict"] == "ok", f"{mesh}: {r['verdict']}"
             assert r["sinks_verdict"] == "ok", f"{mesh} with sinks: {r['sinks_verdict']}"
+            ulysses = int(mesh.split("ulysses")[1][0])  # read by the dims' names, not their positions
+            assert r["degrees"] == (ulysses, 4 // ulysses), (mesh, r["degrees"])
             seen_ranks.setdefault(mesh, []).append(r["cp_rank"])
     assert sorted(seen_ranks["ulysses2xring2"]) == [0, 1, 2, 3]
     assert seen_ranks["ulysses2xring2"] != [0, 1, 2, 3], "with the dims swapped the CP rank is not the global rank"
@@ -270,6 +341,9 @@ def test_any_process_group_not_only_world() -> None:
         for strategy, verdict in res["subgroups"].items():
             if strategy == "broadcast_from_each_group_rank":
                 assert verdict == sorted(float(r) for r in listed), (rank, verdict)
+            elif strategy == "broadcast_bytes":  # 4 bytes sent by each source, received by its peer
+                assert verdict == [(4, 0) if src == listed[::-1].index(rank) else (0, 4) for src in range(2)], (
+                    rank, verdict)
             elif strategy in ("ring", "allgather", "alltoall", "listed_descending"):
                 assert verdict == "ok", f"{strategy} on a subgroup: {verdict}"
 
