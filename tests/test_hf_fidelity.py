@@ -20,6 +20,7 @@ from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_N
 
 import ctxpar  # noqa: E402
 from ctxpar.integrations.transformers import enable_context_parallel, shard_inputs  # noqa: E402
+from ctxpar.parallelize import IGNORE_INDEX  # noqa: E402
 
 ONE = ctxpar.get_layout("zigzag", 1)
 
@@ -434,3 +435,98 @@ def test_longrope_runs_exactly_where_every_rank_uses_the_sequences_factors_and_i
         kind, detail = got["longrope contiguous"]
         assert kind == "refused", detail
         assert "uses LongRoPE" in detail and "original_max_position_embeddings=8" in detail and "rank 0" in detail
+
+
+# -- guards of the attention forward, the labels and the fidelity check, one process --------------------------
+
+
+def _module(**attributes) -> torch.nn.Module:
+    from ctxpar.integrations.transformers.attention import Settings
+
+    module = torch.nn.Module()
+    module.is_causal = True
+    module.ctxpar_settings = Settings(ONE, None, "ring", None)
+    for key, value in attributes.items():
+        setattr(module, key, value)
+    return module
+
+
+def test_sinks_a_layer_holds_but_does_not_pass_are_refused() -> None:
+    """A layer with a sinks parameter that does not hand it to its attention function as s_aux=
+    (a family ported from gpt-oss that applies them otherwise, or not at all): ctxpar cannot tell
+    whether they apply, and refuses; passed, they are honoured (they change the output). No
+    installed family reaches the refusal: the guard's removal passed every test."""
+    from ctxpar.integrations.transformers.attention import LayerMask, attention_forward
+
+    torch.manual_seed(0)
+    sinks = torch.nn.Parameter(torch.full((2,), 3.0))
+    module = _module(sinks=sinks)
+    q = torch.randn(1, 2, 8, 4)
+    with pytest.raises(ValueError, match=r"has attention sinks \(module.sinks\) but did not pass them"):
+        attention_forward(module, q, q, q, LayerMask())
+    with_sinks, _ = attention_forward(module, q, q, q, LayerMask(), s_aux=sinks)
+    without, _ = attention_forward(_module(), q, q, q, LayerMask())
+    assert (with_sinks - without).abs().max() > 1e-2
+
+
+def test_declared_documents_with_no_mask_for_a_layer_are_refused() -> None:
+    """A model that hands a layer no mask (attention_mask=None: it did not build it through
+    transformers' mask functions) while documents= were declared: the layer would attend across
+    the documents; refused (no installed family does: the guard's removal passed every test)."""
+    from ctxpar.integrations.transformers.attention import DOCUMENTS, attention_forward
+
+    q = torch.randn(1, 2, 16, 4)
+    declared = DOCUMENTS.set((5, 7, 4))
+    try:
+        with pytest.raises(ValueError, match="got no attention mask although documents were declared"):
+            attention_forward(_module(), q, q, q, None)
+    finally:
+        DOCUMENTS.reset(declared)
+    got, _ = attention_forward(_module(), q, q, q, None)  # no documents: plain causal
+    assert got.shape == (1, 16, 2, 4)
+
+
+def test_longrope_with_documents_is_checked_on_each_ranks_positions_within_its_documents() -> None:
+    """LongRoPE reads the largest position_id a forward sees, and with documents a rank's
+    position_ids restart per document. Contiguous over 2 ranks, 16 tokens, documents of 2 and
+    14, limit 6: the row reaches position 13 (long factors), rank 0 holds in-document positions
+    0-1 and 0-5, so up to 5 (short factors): refused. Taken without the documents, rank 0's
+    largest looked like 7 and the forward ran, rank 0 rotating with the short factors (Phi-3, two
+    ranks, documents of 10 and 6: 0.009 of the logits off, no error), and no test saw it."""
+    from ctxpar.integrations.transformers.attention import Settings, check_rope_lengths
+
+    settings = Settings(ctxpar.get_layout("contiguous", 2), None, "ring", None, longrope=(6,))
+    with pytest.raises(ValueError, match="rank 0 holds positions up to 5 only"):
+        check_rope_lengths("M", settings, 16, (2, 14))
+    check_rope_lengths("M", settings, 16, None)  # one document: rank 0 holds 0-7, long factors everywhere
+
+
+def test_a_packed_row_of_repeated_tokens_with_shifted_labels_runs() -> None:
+    """shard_inputs' labels of a packed row hold -100 at each document's last token. Over a run
+    of repeated tokens they equal the tokens wherever they label, so the unshifted-label check
+    gathers the rows: a -100 there is no label, and must not count as one that differs from the
+    next token (the row was refused as unshifted labels, and no test saw it)."""
+    model = enable_context_parallel(hf_families.build("llama"), layout=ONE)
+    inputs, labels = shard_inputs(torch.full((1, 16), 5), layout=ONE, rank=0, documents=[5, 7, 4])
+    assert labels[0, [4, 11, 15]].tolist() == [IGNORE_INDEX] * 3
+    assert model(**inputs, labels=labels).loss.item() > 0
+
+
+def test_attention_dropout_in_the_config_is_refused_at_enable_time() -> None:
+    """config.attention_dropout (Llama, Mistral, Qwen...): refused by enable_context_parallel,
+    not only at the first training forward (the field dropped from the guard passed every test)."""
+    with pytest.raises(ValueError, match=re.escape("attention dropout (LlamaConfig.attention_dropout=0.1); set "
+                                                   "attention_dropout=0")):
+        enable_context_parallel(hf_families.build("llama", meta=True, attention_dropout=0.1), layout=ONE)
+
+
+def test_a_window_over_bidirectional_attention_is_refused_by_the_mask_reader() -> None:
+    """and_masks(bidirectional, sliding_window_overlay): a window ctxpar's causal window is not;
+    refused naming it (once it reached masks.py: "window= is a causal sliding window; it needs
+    causal=True", naming no model)."""
+    from transformers.masking_utils import and_masks, bidirectional_mask_function, sliding_window_overlay
+
+    from ctxpar.integrations.transformers.attention import RefusedMask, describe_mask
+
+    got = describe_mask(and_masks(bidirectional_mask_function, sliding_window_overlay(3)))
+    assert isinstance(got, RefusedMask) and "a sliding window or chunks over bidirectional attention" in got.reason
