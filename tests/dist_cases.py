@@ -553,6 +553,7 @@ def _check_hybrid_meshes(rank: int, world: int) -> dict:
         mesh = init_device_mesh("cpu", shape, mesh_dim_names=names)
         topo = topology.from_mesh(mesh)
         place = torch.tensor([float(topo.rank)])
+        q = torch.randn(1, 4, 4, 8, requires_grad=rank != 0)
         # with sinks too: each rank's heads' sinks sliced by the global rank, not the ulysses one, passed the
         # square mesh's default dim order alone
         out[name] = dict(degrees=(topo.ulysses_degree, topo.ring_degree),
@@ -562,7 +563,9 @@ def _check_hybrid_meshes(rank: int, world: int) -> dict:
                          cp_rank=ctxpar.hybrid_rank(mesh),
                          # a copy each time: the ranks other than src receive into the tensor they pass
                          broadcast=[topology.broadcast(place.clone(), src, topo).item() for src in range(world)],
-                         all_gather=topology.all_gather(place, topo).flatten().tolist())
+                         all_gather=topology.all_gather(place, topo).flatten().tolist(),
+                         requires_grad_on_rank_0_alone=_refusal(q, q, q, layout="zigzag", strategy="hybrid",
+                                                                mesh=mesh))
     return out
 
 

@@ -655,20 +655,22 @@ def test_a_manifest_whose_write_is_cut_short_leaves_the_checkpoint_unsealed(tmp_
     planted bug no test saw), a write cut short (a full disk, a kill) left half a manifest.json:
     resume called it unreadable, and a new run there was refused as one that would overwrite
     checkpoints, though nothing there could be resumed."""
-    real_dump = checkpoint.json.dump
+    real_dump, cut = checkpoint.json.dump, []
 
-    def dump_half_then_fail(manifest, f, **kwargs):
-        real_dump(manifest, f, **kwargs)
-        f.flush()
-        f.truncate(f.tell() // 2)
-        raise OSError(28, "No space left on device")
+    def dump_half_then_fail(value, f, **kwargs):
+        real_dump(value, f, **kwargs)
+        if os.path.basename(f.name).startswith(checkpoint.MANIFEST):  # the manifest alone, whatever else save dumps
+            f.flush()
+            f.truncate(f.tell() // 2)
+            cut.append(f.name)
+            raise OSError(28, "No space left on device")
 
-    monkeypatch.setattr(checkpoint.json, "dump", dump_half_then_fail)
     model, optimizer = _tiny_model_and_adamw()
     directory = str(tmp_path / "ckpt")
-    with pytest.raises(OSError, match="No space left on device"):
+    with monkeypatch.context() as patched, pytest.raises(OSError, match="No space left on device"):
+        patched.setattr(checkpoint.json, "dump", dump_half_then_fail)
         checkpoint.save(model, optimizer, directory, 1, SETTINGS)
-    monkeypatch.setattr(checkpoint.json, "dump", real_dump)
+    assert len(cut) == 1, cut
     step = checkpoint.step_path(directory, 1)
     assert not os.path.lexists(os.path.join(step, checkpoint.MANIFEST)), sorted(os.listdir(step))
     checkpoint.check_directory(directory, resuming=False)  # a new run may start here: nothing was sealed

@@ -293,6 +293,12 @@ def test_hybrid_on_every_mesh_shape_and_dim_order() -> None:
             assert r["sinks_verdict"] == "ok", f"{mesh} with sinks: {r['sinks_verdict']}"
             ulysses = int(mesh.split("ulysses")[1][0])  # read by the dims' names, not their positions
             assert r["degrees"] == (ulysses, 4 // ulysses), (mesh, r["degrees"])
+            # rank 0 alone without requires_grad: every rank raises; rank 0 hears of it in its row and its
+            # column, each naming its own ranks (a description kept once per field dropped the column's)
+            said = r["requires_grad_on_rank_0_alone"]
+            assert "different requires_grad" in said or "(seen by another rank)" in said, (mesh, rank, said)
+            if rank == 0 and mesh == "ulysses2xring2":
+                assert said.count("requires_grad (of q, k, v, sinks: rank 0: none; rank ") == 2, said
             seen_ranks.setdefault(mesh, []).append(r["cp_rank"])
     assert sorted(seen_ranks["ulysses2xring2"]) == [0, 1, 2, 3]
     assert seen_ranks["ulysses2xring2"] != [0, 1, 2, 3], "with the dims swapped the CP rank is not the global rank"
@@ -342,7 +348,7 @@ def test_any_process_group_not_only_world() -> None:
             if strategy == "broadcast_from_each_group_rank":
                 assert verdict == sorted(float(r) for r in listed), (rank, verdict)
             elif strategy == "broadcast_bytes":  # 4 bytes sent by each source, received by its peer
-                assert verdict == [(4, 0) if src == listed[::-1].index(rank) else (0, 4) for src in range(2)], (
+                assert verdict == [(4, 0) if src == sorted(listed).index(rank) else (0, 4) for src in range(2)], (
                     rank, verdict)
             elif strategy in ("ring", "allgather", "alltoall", "listed_descending"):
                 assert verdict == "ok", f"{strategy} on a subgroup: {verdict}"

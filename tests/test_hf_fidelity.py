@@ -493,11 +493,12 @@ def test_longrope_with_documents_is_checked_on_each_ranks_positions_within_its_d
     0-1 and 0-5, so up to 5 (short factors): refused. Taken without the documents, rank 0's
     largest looked like 7 and the forward ran, rank 0 rotating with the short factors (Phi-3, two
     ranks, documents of 10 and 6: 0.009 of the logits off, no error), and no test saw it."""
+    from ctxpar.integrations import transformers as integration
     from ctxpar.integrations.transformers.attention import Settings, check_rope_lengths
 
     settings = Settings(ctxpar.get_layout("contiguous", 2), None, "ring", None, longrope=(6,))
-    with pytest.raises(ValueError, match="rank 0 holds positions up to 5 only"):
-        check_rope_lengths("M", settings, 16, (2, 14))
+    with pytest.raises(ValueError, match="rank 0 holds positions up to 5 only"):  # as the forward checks
+        integration._check_positions("M", settings, dict(input_ids=torch.zeros(1, 8, dtype=torch.long)), (2, 14))
     check_rope_lengths("M", settings, 16, None)  # one document: rank 0 holds 0-7, long factors everywhere
 
 

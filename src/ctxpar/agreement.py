@@ -127,29 +127,33 @@ def check_ranks_agree(sig: list[int], topo: Topology, error: Exception | None) -
     any rank rejected its inputs or the signatures differ. Re-raises ``error`` on the
     rank that had it. Every rank runs every exchange, whatever it has learnt, so that no
     rank is left waiting in one."""
-    def show(differing: dict[str, list[int]], group) -> dict[str, str]:
-        return {name: _described(name, column, group) for name, column in differing.items()}
-
-    def disagreement(descriptions: list[str]) -> str:
+    descriptions = _agree(list(sig), topo.process_groups, "attention", FIELDS[1:], error, _attention_differences)
+    if descriptions is not None:
         what = f"different {', '.join(descriptions)}" if descriptions else "different arguments (seen by another rank)"
-        return (f"the ranks of the CP group called attention with {what}; every rank must pass the same shapes, "
-                f"dtype, causal flag, scale, strategy, layout, documents, window, sinks and requires_grad")
+        raise ValueError(f"the ranks of the CP group called attention with {what}; every rank must pass the same "
+                         f"shapes, dtype, causal flag, scale, strategy, layout, documents, window, sinks and "
+                         f"requires_grad")
 
-    _agree(sig, topo.process_groups, "attention", FIELDS[1:], error, show, disagreement)
+
+def _attention_differences(differing: dict[str, list[int]], group: dist.ProcessGroup | None) -> dict[str, str]:
+    """The differing fields of attention's signature, keyed by their descriptions: requires_grad's
+    names each group's ranks, so a hybrid mesh's row and column each say theirs."""
+    return {description: description
+            for description in (_described(name, column, group) for name, column in differing.items())}
 
 
 def _agree(mine: list[int], groups: list[dist.ProcessGroup | None], what: str, names: tuple[str, ...],
            error: Exception | None, show: Callable[[dict[str, list[int]], dist.ProcessGroup | None], dict[str, str]],
-           disagreement: Callable[[list[str]], str], where_known: tuple[str, ...] = ()) -> None:
+           where_known: tuple[str, ...] = ()) -> list[str] | None:
     """What both checks do: one all-gather of ``mine`` (the trouble bits, then one integer per
-    name of ``names``) over each of ``groups`` in turn, the trouble seen in one passed on in
-    the next; then ``error`` re-raised on its rank, and every other rank raising too where any
-    rank rejected its inputs or a value differs between the ranks of a group. A differing value
-    is described by ``show(differing columns, group)`` (the first group's description where
-    several differ; "call" where ranks are in different calls), and the descriptions by
-    ``disagreement``. Values named in ``where_known`` may be unknown (-1) on some rank; they
-    are compared only where every rank of the group knows them."""
-    mine = list(mine)
+    name of ``names``; updated in place) over each of ``groups`` in turn, the trouble seen in
+    one passed on in the next; then ``error`` re-raised on its rank, every other rank raising
+    where any rank rejected its inputs. Returns None where the ranks agree, else what differs:
+    ``show(differing columns, group)``'s descriptions, the first of each key (``show`` may make
+    a collective on ``group``: every rank of a group holds the same table, so all of them or
+    none call it), and "call ..." where ranks are in different calls. Values named in
+    ``where_known`` may be unknown (-1) on some rank; they are compared only where every rank
+    of the group knows them."""
     rejected: list[int] = []
     differs: dict[str, str] = {}
     for group in groups:
@@ -158,16 +162,16 @@ def _agree(mine: list[int], groups: list[dist.ProcessGroup | None], what: str, n
             differs.setdefault("call", f"call {_call_names(kinds)}")
             mine[0] |= SAW_DIFFERENT
             continue
-        columns = [list(column) for column in zip(*table.tolist())]  # compared as lists: tensors cost 13x as much
+        columns = list(zip(*table.tolist()))  # compared as Python tuples: a tensor comparison cost 13x as much
         bits = columns[0]
         rejected += [_global_rank(group, i) for i, b in enumerate(bits) if b & OWN_INPUTS_REJECTED]
         if any(b & (OWN_INPUTS_REJECTED | SAW_REJECTED) for b in bits):
             mine[0] |= SAW_REJECTED
-        differing = {name: columns[i] for i, name in enumerate(names, start=1)
-                     if not (name in where_known and -1 in columns[i]) and len(set(columns[i])) > 1}
-        if differing:  # every rank of the group holds this table: all of them (or none) call ``show``
-            for name, description in show(differing, group).items():
-                differs.setdefault(name, description)
+        differing = {name: list(columns[i]) for i, name in enumerate(names, start=1)
+                     if len(set(columns[i])) > 1 and not (name in where_known and -1 in columns[i])}
+        if differing:
+            for key, description in show(differing, group).items():
+                differs.setdefault(key, description)
         if differing or any(b & SAW_DIFFERENT for b in bits):
             mine[0] |= SAW_DIFFERENT
     if error is not None:
@@ -175,8 +179,7 @@ def _agree(mine: list[int], groups: list[dist.ProcessGroup | None], what: str, n
     if mine[0] & SAW_REJECTED:
         who = f"ranks {sorted(set(rejected))}" if rejected else "a rank"
         raise ValueError(f"{who} of the CP group rejected their {what} inputs; see their errors")
-    if mine[0] & SAW_DIFFERENT:
-        raise ValueError(disagreement(list(differs.values())))
+    return list(differs.values()) if mine[0] & SAW_DIFFERENT else None
 
 
 def _described(field: str, column: list[int], group: dist.ProcessGroup | None) -> str:
@@ -320,14 +323,13 @@ def check_values_agree(values: dict[str, Value],
                  for name, column in differing.items()}
         return {name: f"{name} {column}" for name, column in shown.items()}
 
-    def disagreement(descriptions: list[str]) -> str:
-        what_differs = "; ".join(descriptions) or "(seen by another rank)"
-        return (f"the ranks of the CP group disagree on the {what}: {what_differs} (one value per rank); every "
-                f"rank must make the same calls with the same tokens")
-
     names = tuple(values)
     mine = [OWN_INPUTS_REJECTED if error is not None else 0, *(readable(lambda: _code(values[n])) for n in names)]
-    _agree(mine, group if isinstance(group, list) else [group], what, names, error, show, disagreement, where_known)
+    descriptions = _agree(mine, group if isinstance(group, list) else [group], what, names, error, show, where_known)
+    if descriptions is not None:
+        raise ValueError(f"the ranks of the CP group disagree on the {what}: "
+                         f"{'; '.join(descriptions) or '(seen by another rank)'} (one value per rank); every rank "
+                         f"must make the same calls with the same tokens")
 
 
 class Refusal:
