@@ -28,7 +28,7 @@ from dataclasses import asdict, dataclass, field
 
 from ctxpar.plan import cost
 from ctxpar.plan.hardware import Hardware
-from ctxpar.plan.memory import memory_on
+from ctxpar.plan.memory import MemoryEstimate, memory_on
 from ctxpar.plan.units import format_bytes, format_seconds
 from ctxpar.plan.workload import CHECKPOINTING, Workload
 
@@ -100,10 +100,9 @@ def baseline(w: Workload, hw: Hardware) -> Baseline:
     best = min(fitting, key=lambda p: p.seconds_per_batch) if fitting else None
     requested = cost.step_time(w, hw).seconds
     asked_memory = memory_on(w, hw)
-    requested_fits = asked_memory.fits
-    verdict = _verdict(w, best, requested, requested_fits)
-    return Baseline(gpus, points, best, requested, requested_fits, verdict,
-                    _summary(w, hw, verdict, best, requested, asked_memory.total, requested_fits, points), skipped)
+    verdict = _verdict(w, best, requested, asked_memory.fits)
+    return Baseline(gpus, points, best, requested, asked_memory.fits, verdict,
+                    _summary(w, hw, verdict, best, requested, asked_memory, points), skipped)
 
 
 def _verdict(w: Workload, best: BaselinePoint | None, requested: float, requested_fits: bool) -> str:
@@ -115,7 +114,7 @@ def _verdict(w: Workload, best: BaselinePoint | None, requested: float, requeste
 
 
 def _summary(w: Workload, hw: Hardware, verdict: str, best: BaselinePoint | None, requested: float,
-             requested_bytes: int, requested_fits: bool, points: list[BaselinePoint]) -> str:
+             asked_memory: MemoryEstimate, points: list[BaselinePoint]) -> str:
     g = w.gpus_per_stage
     per = "pipeline stage" if w.pp > 1 else "replica"
     asked = f"TP={w.tp} x CP={w.cp} {w.strategy}"
@@ -139,9 +138,9 @@ def _summary(w: Workload, hw: Hardware, verdict: str, best: BaselinePoint | None
         return f"CP is necessary: {without}; but {asked} does not fit either"
     if verdict == "necessary":
         return f"CP is necessary: {without}; {asked} fits, {format_seconds(requested)} per step"
-    if not requested_fits:  # no verdict on CP itself: a larger degree may fit and pay off (the recommendation's)
-        return (f"{asked} as asked does not fit ({format_bytes(requested_bytes)} per GPU > "
-                f"{format_bytes(hw.memory_per_rank(w.world_size))}); {without}")
+    if not asked_memory.fits:  # no verdict on CP itself: a larger degree may fit and pay off (the recommendation's)
+        return (f"{asked} as asked does not fit ({format_bytes(asked_memory.total)} per GPU > "
+                f"{format_bytes(asked_memory.hbm_bytes)}); {without}")
     speedup = best.seconds_per_batch / requested
     words = "CP pays off" if verdict == "pays_off" else "CP does not pay off"
     digits = 2 if abs(speedup - 1) >= 0.005 else 4  # 0.9975x read as 1.00x beside "does not pay off"
