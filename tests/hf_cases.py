@@ -61,7 +61,7 @@ PACKED_DOCUMENTS = (5, 7, 4)  # SWEEP_TOKENS in all; windows and chunks of 4 cut
 
 def results() -> list[dict]:
     """Every rank's results of ``run`` on 4 local gloo ranks, computed once per test session."""
-    return spawned.results("hf", run, 4, timeout_s=300)
+    return spawned.results("hf")
 
 
 def tiny_llama():
@@ -597,3 +597,6 @@ def run(rank: int, world: int) -> dict:
     return dict(llama=_llama(rank, world), labels=_labels(rank, world), sweep=_sweep(rank, world),
                 masks=_masks(rank, world), packed=_packed(rank, world), one_rank_refuses=_one_rank_refuses(rank, world),
                 guards=_guards(rank, world), hybrid=_hybrid(rank, world), generate=hf_generate_cases.run(rank, world))
+
+
+spawned.declare("hf", run, 4, timeout_s=300)

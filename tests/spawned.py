@@ -1,29 +1,98 @@
-"""Spawned process groups for the tests: one per key, run once per session.
+"""Spawned process groups for the tests: one spawn per world size, run once per session.
 
-Spawning costs seconds and a case milliseconds, so each module runs all its cases inside
-one group and its tests assert on what the group reported. A group that failed or hung is
-cached too: every test that needs it reports the same failure instead of spawning (and
+Spawning costs seconds (each rank imports torch: 3 s for 4 ranks on a 2-core machine) and a
+case milliseconds, so each module runs all its cases inside one batch, a function of (rank,
+world) whose result its tests assert on. The modules declare their batches when pytest
+imports them (``declare``); the first test that asks for a batch's results (``results``)
+spawns one group for its world size and runs in it, one after another, every batch declared
+for that world size, so that a run of the whole suite spawns once per world size, and a run
+of one module only that module's batches. A group that failed or hung is cached too: every
+test that needs one of its batches reports the same failure instead of spawning (and
 waiting) again.
 """
 
 from __future__ import annotations
 
+import importlib
+import sys
+import warnings
 from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Any
 
 from ctxpar.launch import run_local
 
+
+@dataclass(frozen=True)
+class _Batch:
+    module: str  # the batch's function, imported by name in the ranks: see _run_batches
+    name: str
+    world: int
+    device_type: str | None
+    timeout_s: float
+    first: bool
+
+
+_declared: dict[str, _Batch] = {}
 _groups: dict[str, tuple[bool, Any]] = {}
 
 
-def results(key: str, fn: Callable[..., Any], nproc: int, **kwargs) -> list[Any]:
-    """``run_local(fn, nproc, **kwargs)``'s per-rank results, computed once for ``key``."""
+def declare(key: str, fn: Callable[..., Any], world: int, *, timeout_s: float, device_type: str | None = None,
+            first: bool = False) -> None:
+    """Declare the batch ``key``: ``fn(rank, world)`` (module level, its result picklable) on
+    ``world`` gloo ranks; with ``device_type``, ``fn(rank, world, device)`` on ``run_local``'s
+    placement, in a group of its own device type. ``timeout_s`` bounds each of its collectives
+    (the group takes the largest of its batches'); ``first``: it must run first in a fresh
+    process (it checks what its first call imports), before any other batch's module is imported."""
+    batch = _Batch(fn.__module__, fn.__qualname__, world, device_type, timeout_s, first)
+    if _declared.setdefault(key, batch) != batch:
+        raise ValueError(f"batch {key!r} declared twice, as {_declared[key]} and as {batch}")
+    if first and any(_same_group(b, batch) and b.first and k != key for k, b in _declared.items()):
+        raise ValueError(f"two batches on {world} ranks must run first in a fresh process: spawn them apart")
+
+
+def _same_group(a: _Batch, b: _Batch) -> bool:
+    return (a.world, a.device_type) == (b.world, b.device_type)
+
+
+def results(key: str) -> list[Any]:
+    """The per-rank results of the declared batch ``key``."""
     if key not in _groups:
+        asked = _declared[key]
+        keys = sorted((k for k, b in _declared.items() if _same_group(b, asked) and k not in _groups),
+                      key=lambda k: not _declared[k].first)  # stable: the rest in the order declared
+        batches = [(_declared[k].module, _declared[k].name) for k in keys]
+        # one thread per rank: the cases' ops are tiny, and OpenMP threads on a loaded machine spin at every op's
+        # barrier (milliseconds per 2 x 32 matmul); on 2 or more ranks of 2 cores, one is the default anyway
+        timeout_s = max(_declared[k].timeout_s for k in keys)
         try:
-            _groups[key] = (True, run_local(fn, nproc, **kwargs))
+            per_rank = run_local(_run_batches, asked.world, (batches,), timeout_s=timeout_s, threads=1,
+                                 device_type=asked.device_type)
+            for i, k in enumerate(keys):
+                _groups[k] = (True, [ranks_results[i] for ranks_results in per_rank])
         except Exception as e:  # noqa: BLE001  re-raised by every test that asks
-            _groups[key] = (False, e)
+            for k in keys:
+                _groups[k] = (False, e)
     ok, value = _groups[key]
     if not ok:
         raise value
     return value
+
+
+def _run_batches(rank: int, world: int, batches: list[tuple[str, str]], *device) -> list[Any]:
+    """Each batch's result on this rank, in order (``device``: run_local's, where the group has a
+    device type); each batch's module imported only when its turn comes (a ``first`` batch sees
+    a process that has imported none of the others). Each batch finds the warning filters as
+    the process began and no code torch.compile compiled for another: a frame of ctxpar's
+    compiled with dynamic=True, its scale symbolic, was reused by a later compile that passed
+    no scale (torch 2.13: ``None.item()`` inside ``_validate``)."""
+    found = []
+    for module, name in batches:
+        fn = importlib.import_module(module)
+        for part in name.split("."):
+            fn = getattr(fn, part)
+        with warnings.catch_warnings():
+            found.append(fn(rank, world, *device))
+        if "torch._dynamo" in sys.modules:
+            sys.modules["torch._dynamo"].reset()
+    return found

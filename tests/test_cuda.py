@@ -21,8 +21,12 @@ from ctxpar.kernels.reference import reference_attention  # noqa: E402
 from ctxpar.verify import TENSORS, max_abs_errors, tolerances, torch_sdpa  # noqa: E402
 
 WORLD_SIZES = (1, 2, 3, 4)
+for _world in WORLD_SIZES:
+    spawned.declare(f"cuda-P{_world}", cuda_cases.run_all, _world, timeout_s=300, device_type="cuda")
+
+
 def results(world: int) -> list[dict]:
-    return spawned.results(f"cuda-P{world}", cuda_cases.run_all, world, device_type="cuda", timeout_s=300)
+    return spawned.results(f"cuda-P{world}")
 
 
 CASES = [pytest.param(world, case, id=f"P{world}-{case.id}") for world in WORLD_SIZES

@@ -11,9 +11,13 @@ from ctxpar.strategies.allgather import head_groups
 from ctxpar.strategy_rules import MAX_GATHERS, gather_groups
 
 WORLD_SIZES = (1, 2, 3, 4)
+for _world in WORLD_SIZES:
+    spawned.declare(f"dist-P{_world}", dist_cases.run_all, _world, timeout_s=60)
+
+
 def results(world: int) -> list[dict]:
-    """Per-rank results of ``dist_cases.run_all``, spawned once per world size."""
-    return spawned.results(f"dist-P{world}", dist_cases.run_all, world, timeout_s=60)
+    """Per-rank results of ``dist_cases.run_all`` on ``world`` ranks."""
+    return spawned.results(f"dist-P{world}")
 
 
 CASES = [

@@ -20,7 +20,10 @@ from ctxpar.kernels.reference import reference_attention
 def results() -> list[dict]:
     """Per-rank results of ``hostile_cases.run``; a call that hangs is cut short by the 60 s
     collective timeout, and the failure is reported by every test, spawned once."""
-    return spawned.results("hostile", hostile_cases.run, hostile_cases.WORLD, timeout_s=60)
+    return spawned.results("hostile")
+
+
+spawned.declare("hostile", hostile_cases.run, hostile_cases.WORLD, timeout_s=60)
 
 
 # -- item 1: strided inputs -----------------------------------------------------------

@@ -213,8 +213,11 @@ def _models_compared(kwargs: dict, layout, batch, last: bool) -> dict:
     return found
 
 
+spawned.declare("parallelize", _cases, WORLD, timeout_s=60)
+
+
 def results() -> list[dict]:
-    return spawned.results("parallelize", _cases, WORLD, timeout_s=60)
+    return spawned.results("parallelize")
 
 
 @pytest.mark.parametrize("strategy", ["ring", "hybrid"])
@@ -535,8 +538,11 @@ def _wrapped_cases(rank: int, world: int) -> dict:
     return found
 
 
+spawned.declare("parallelize_wrapped", _wrapped_cases, 2, timeout_s=60)
+
+
 def wrapped_results() -> list[dict]:
-    return spawned.results("parallelize_wrapped", _wrapped_cases, 2, timeout_s=60)
+    return spawned.results("parallelize_wrapped")
 
 
 @pytest.mark.parametrize("wrapper", ["own", "ddp", "compiled"])

@@ -14,15 +14,43 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+import spawned
 from ctxpar.checkpoint import RUN_LOCK, SAVE_LOCK
 from ctxpar.data import BOS, FIRST_KEY, SEP, RecallTask
 from ctxpar.layout import get_layout
 from ctxpar.models import Transformer, get_config
 from ctxpar.models.llama import compute_dtype
 from ctxpar.parallelize import IGNORE_INDEX, cp_loss, shard_batch, shift_labels
-from ctxpar.train import TrainConfig, build_model, format_report, run_train
+from ctxpar.train import (TrainConfig, build_model, compare_with_reference, format_report, run_train, train_rank,
+                          train_reference)
 
 BASE = dict(nproc=4, seq=256, steps=10, model="tiny", compare=True, progress=False, return_parameters=True)
+# the 4-rank runs the tests below judge, trained one after another in one spawned group (a spawn of 4 ranks costs
+# seconds on a 2-core machine): hybrid is ulysses 2 x ring 2
+FOUR_RANK_RUNS = {
+    **{("cp4", strategy): TrainConfig(strategy=strategy, ulysses_degree=2 if strategy == "hybrid" else None,
+                                      layout="zigzag", **BASE)
+       for strategy in ("ring", "allgather", "alltoall", "hybrid")},
+    **{("dp2xcp2", strategy): TrainConfig(dp=2, batch=2, layout="striped", activation_checkpointing=True,
+                                          strategy=strategy, ulysses_degree=2 if strategy == "hybrid" else None,
+                                          **BASE)
+       for strategy in ("ring", "hybrid")},
+}
+
+
+def _train_each(rank: int, world: int) -> list[dict | None]:
+    return [train_rank(rank, world, cfg, None, torch.device("cpu")) for cfg in FOUR_RANK_RUNS.values()]
+
+
+spawned.declare("train-4", _train_each, 4, timeout_s=300)
+
+
+def _trained(key: tuple[str, str]) -> dict:
+    """``run_train``'s report (the CP run judged against its reference) for ``FOUR_RANK_RUNS[key]``."""
+    cfg = FOUR_RANK_RUNS[key]
+    report = dict(spawned.results("train-4")[0][list(FOUR_RANK_RUNS).index(key)])
+    gradients = report.pop("first_step_gradients")
+    return {**report, **compare_with_reference(report, gradients, train_reference(cfg))}
 
 
 def assert_matches_reference(report: dict, rtol: float = 1e-4, param_atol: float = 1e-3) -> None:
@@ -48,8 +76,8 @@ def assert_matches_reference(report: dict, rtol: float = 1e-4, param_atol: float
 @pytest.mark.parametrize("strategy", ["ring", "allgather", "alltoall", "hybrid"])
 def test_cp_training_matches_single_process(strategy: str) -> None:
     """hybrid: ulysses 2 x ring 2 on a ("dp", "ring", "ulysses") mesh of dp 1, FSDP2 over all of it."""
-    ulysses = 2 if strategy == "hybrid" else None
-    report = run_train(TrainConfig(strategy=strategy, ulysses_degree=ulysses, layout="zigzag", **BASE))
+    report = _trained(("cp4", strategy))
+    assert report["config"]["strategy"] == strategy and report["config"]["cp"] == 4
     assert_matches_reference(report)
     assert report["loss"][-1] < report["loss"][0]
 
@@ -58,9 +86,8 @@ def test_cp_training_matches_single_process(strategy: str) -> None:
 def test_dp2_x_cp2_with_fsdp_matches_single_process_on_the_global_batch(strategy: str) -> None:
     """hybrid: ("dp", "ring", "ulysses") = (2, 1, 2), each data-parallel group's CP ranks a mesh of
     their own, FSDP2 over the three dims flattened."""
-    ulysses = 2 if strategy == "hybrid" else None
-    report = run_train(TrainConfig(dp=2, batch=2, layout="striped", activation_checkpointing=True, strategy=strategy,
-                                   ulysses_degree=ulysses, **BASE))
+    report = _trained(("dp2xcp2", strategy))
+    assert report["config"]["strategy"] == strategy
     assert report["config"]["cp"] == 2 and report["config"]["dp"] == 2
     assert_matches_reference(report)
 
