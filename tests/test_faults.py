@@ -89,12 +89,13 @@ def stop_one_rank(rank: int, world: int, stopped: int) -> None:
     dist.all_reduce(torch.ones(4))
 
 
-def leave_children_behind(rank: int, world: int, pids: str, hang: bool) -> None:
+def leave_children_behind(rank: int, world: int, pids: str, fail: bool) -> None:
     """Rank 0 forks a copy of itself that ignores SIGTERM, rank 1 spawns a shell that spawns a
     program (the rank's grandchild, whose pid is written); neither waits. Each rank also
     spawns a program from a thread that stays, waiting for it (a loader's or a server's
     thread): Linux lists that child under the thread, not the rank's main thread. Each
-    child's pid goes to the file ``pids``; then, with ``hang``, the ranks sleep."""
+    child's pid goes to the file ``pids``; then, with ``fail``, rank 1 raises and rank 0
+    sleeps, to be stopped by the launcher."""
     def sleeper() -> subprocess.Popen:  # each outlives the test's wait: it ends only if the run ends it
         return subprocess.Popen([sys.executable, "-c", "import time; time.sleep(300)"])
 
@@ -121,7 +122,9 @@ def leave_children_behind(rank: int, world: int, pids: str, hang: bool) -> None:
     with open(pids, "a") as f:
         f.write(f"{pid}\n{from_thread[0].pid}\n")
     dist.barrier()  # both written
-    if hang:
+    if fail and rank == 1:
+        raise RuntimeError("rank 1 fails")
+    if fail:
         time.sleep(60)
 
 
@@ -560,13 +563,14 @@ def test_what_a_rank_forks_or_spawns_ends_with_the_run(tmp_path) -> None:
     """A forked copy of a rank or a program it spawned outlived the run, re-parented, the copy
     holding the rank's memory and sockets: ended when the rank ends, or is stopped (SIGKILL
     after the grace period for the copy that ignores SIGTERM)."""
-    for hang in (False, True):
-        pids = tmp_path / f"pids-{hang}"
-        if hang:  # stopped at the deadline, long enough for ranks starting on a loaded machine to write their pids
-            with pytest.raises(launch.RankFailure, match="deadline"):
-                run_local(leave_children_behind, 2, (str(pids), hang), timeout_s=60, deadline_s=15)
+    for fail in (False, True):
+        pids = tmp_path / f"pids-{fail}"
+        if fail:  # rank 0, holding the copy, is stopped once rank 1 has failed
+            with pytest.raises(launch.RankFailure, match="rank 1 fails") as e:
+                run_local(leave_children_behind, 2, (str(pids), fail), timeout_s=60)
+            assert e.value.stuck == [0]
         else:
-            run_local(leave_children_behind, 2, (str(pids), hang), timeout_s=60)
+            run_local(leave_children_behind, 2, (str(pids), fail), timeout_s=60)
         children = [int(pid) for pid in pids.read_text().split()]
         try:
             assert len(children) == 4
