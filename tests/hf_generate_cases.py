@@ -31,7 +31,8 @@ import torch.distributed as dist
 import ctxpar
 from ctxpar.integrations.transformers import ShardedCache, enable_context_parallel, generation
 
-PROMPT_LEN, BATCH, NEW_TOKENS = 24, 2, 16  # 24: a multiple of 2P for P = 2, 3, 4
+# 24: a multiple of 2P for P = 2, 3, 4; 8 new tokens: every rank of 4 caches two of them
+PROMPT_LEN, BATCH, NEW_TOKENS = 24, 2, 8
 WORLDS = (2, 3, 4)
 LAYOUTS = ("contiguous", "zigzag", "striped")
 SEED = 5

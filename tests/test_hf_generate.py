@@ -39,7 +39,7 @@ def _runs(world: int, key: str) -> list[dict]:
 
 @pytest.mark.parametrize("world, key", [(p, key) for p in cases.WORLDS for key in cases.cases(p)])
 def test_generate_under_cp_gives_the_tokens_of_generate_without_cp(world: int, key: str) -> None:
-    """Greedy and seeded sampling, 16 new tokens after a 24-token prompt, batch 2: every
+    """Greedy and seeded sampling, 8 new tokens after a 24-token prompt, batch 2: every
     rank returns the sequences the same model's generate returns without CP."""
     runs = _runs(world, key)
     for rank, r in enumerate(runs):
