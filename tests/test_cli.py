@@ -184,20 +184,33 @@ def test_the_demo_report_prints_each_figure_in_its_unit_and_a_hybrid_ranks_own_p
     assert printed == {name: [errors[name], tolerance[name]] for name in demo.TENSORS}, printed
 
 
-def test_demo_rejects_a_bad_length_before_starting_ranks() -> None:
-    proc = run_cli("demo", "--nproc", "4", "--seq", "1004")
-    assert proc.returncode == 2
-    assert "sequence length 1004 is not a multiple of 2*P=8" in proc.stderr
-    assert "Traceback" not in proc.stderr
+def refused_before_starting_ranks(monkeypatch, capsys, *argv: str) -> str:
+    """What ``ctxpar ARGV`` says on stderr, having exited with status 2, said no traceback and
+    started no rank (in this process: a spawned command costs seconds of importing torch)."""
+    monkeypatch.setattr(launch, "run_local", lambda *args, **kwargs: pytest.fail(f"ctxpar {argv} started ranks"))
+    try:
+        status = main(list(argv))
+    except SystemExit as e:  # argparse's refusals
+        status = e.code
+    said = capsys.readouterr().err
+    assert status == 2 and "Traceback" not in said, (status, said)
+    return said
 
 
-def test_demo_rejects_strategy_shapes_before_starting_ranks() -> None:
-    proc = run_cli("demo", "--nproc", "3", "--seq", "384", "--strategy", "alltoall")
-    assert proc.returncode == 2 and "query heads H=8 (H_kv=2) over P=3 ranks" in proc.stderr
-    proc = run_cli("demo", "--nproc", "4", "--seq", "256", "--strategy", "hybrid", "--ulysses-degree", "3")
-    assert proc.returncode == 2 and "needs a --ulysses-degree dividing the 4 CP ranks" in proc.stderr
-    proc = run_cli("demo", "--nproc", "4", "--seq", "256", "--strategy", "auto", "--ulysses-degree", "2")
-    assert proc.returncode == 2 and "a --ulysses-degree is only for strategy 'hybrid', not 'auto'" in proc.stderr
+def test_demo_rejects_a_bad_length_before_starting_ranks(monkeypatch, capsys) -> None:
+    said = refused_before_starting_ranks(monkeypatch, capsys, "demo", "--nproc", "4", "--seq", "1004")
+    assert "sequence length 1004 is not a multiple of 2*P=8" in said
+
+
+def test_demo_rejects_strategy_shapes_before_starting_ranks(monkeypatch, capsys) -> None:
+    for argv, words in (
+        (["--nproc", "3", "--seq", "384", "--strategy", "alltoall"], "query heads H=8 (H_kv=2) over P=3 ranks"),
+        (["--nproc", "4", "--seq", "256", "--strategy", "hybrid", "--ulysses-degree", "3"],
+         "needs a --ulysses-degree dividing the 4 CP ranks"),
+        (["--nproc", "4", "--seq", "256", "--strategy", "auto", "--ulysses-degree", "2"],
+         "a --ulysses-degree is only for strategy 'hybrid', not 'auto'"),
+    ):
+        assert words in refused_before_starting_ranks(monkeypatch, capsys, "demo", *argv), argv
 
 
 def test_generate_equals_the_single_process_tokens_and_writes_the_documented_json(tmp_path) -> None:

@@ -1698,13 +1698,15 @@ def test_a_link_measurement_swamped_by_load_is_taken_again_then_refused(monkeypa
 # -- the command -------------------------------------------------------------------------------
 
 
-def run_cli(*args: str) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "ctxpar.cli", "plan", *args], capture_output=True, text=True,
-                          timeout=120)
+def run_plan(capsys, *args: str) -> subprocess.CompletedProcess:
+    """``ctxpar plan ARGS`` in this process (it starts no rank; a spawned command costs seconds of importing torch)."""
+    status = main(["plan", *args])
+    said = capsys.readouterr()
+    return subprocess.CompletedProcess(["ctxpar", "plan", *args], status, said.out, said.err)
 
 
-def test_cli_prints_the_worked_example() -> None:
-    proc = run_cli(*WORKED)
+def test_cli_prints_the_worked_example(capsys) -> None:
+    proc = run_plan(capsys, *WORKED)
     assert proc.returncode == 0, proc.stderr
     lines = proc.stdout.splitlines()
 
@@ -1718,9 +1720,9 @@ def test_cli_prints_the_worked_example() -> None:
     assert "GB/s = 1e9 B/s" in proc.stdout and "at 100 GB/s" in proc.stdout
 
 
-def test_cli_json_carries_exact_bytes_and_seconds_and_plots(tmp_path) -> None:
+def test_cli_json_carries_exact_bytes_and_seconds_and_plots(tmp_path, capsys) -> None:
     out, png = tmp_path / "plan.json", tmp_path / "plan.png"
-    proc = run_cli(*WORKED, "--json", str(out), "--plot", str(png))
+    proc = run_plan(capsys, *WORKED, "--json", str(out), "--plot", str(png))
     assert proc.returncode == 0, proc.stderr
     report = json.loads(out.read_text())
     tensors = report["sequence_tensors"]
