@@ -129,7 +129,7 @@ def attention_with_lse(
     with agreement.Refusal() as refusal:  # any failure: a rank that left here would strand its peers below
         limits.check_flag("check_consistency", check_consistency)  # "no" once ran the check, "" skipped it
         chosen, topo, layout = _settings(layout, group, strategy, mesh, "ctxpar.attention")
-        scale = _validate(q, k, v, layout, topo, scale)
+        scale = _eager(_validate)(q, k, v, layout, topo, scale)
         seq_len = q.shape[2] * layout.world_size
         layout = as_checked(layout, seq_len)  # a layout of the user's: its deal checked
         layout_name = fingerprint(layout)
@@ -181,18 +181,25 @@ def _check_ranks_agree(q, k, v, peers: topology.Topology | None, error: Exceptio
     symbolic scale under ``dynamic=True``)."""
     if peers is None or peers.world_size == 1:
         return
-    # dynamo is loaded once torch.compile is used; importing it for everyone cost 0.6 s per process
-    exchange = _eager_exchange() if "torch._dynamo" in sys.modules else _exchange
-    exchange(q, k, v, peers, error, **call)
+    _eager(_exchange)(q, k, v, peers, error, **call)
 
 
 def _exchange(q, k, v, peers: topology.Topology, error: Exception | None, **call) -> None:
     agreement.check_ranks_agree(agreement.signature(q, k, v, rejected=error is not None, **call), peers, error)
 
 
+def _eager(fn):
+    """``fn``, run eagerly under ``torch.compile``: host-side checks of concrete values. The
+    input checks compiled under ``dynamic=True`` (the default scale symbolic in the head dim)
+    were reused by a later compile without it, in the same process, and raised there (torch
+    2.13: "'NoneType' object has no attribute 'item'"). Dynamo is loaded once torch.compile is
+    used; importing it for everyone cost 0.6 s per process."""
+    return _compiler_disabled(fn) if "torch._dynamo" in sys.modules else fn
+
+
 @functools.cache
-def _eager_exchange():
-    return torch.compiler.disable(_exchange)
+def _compiler_disabled(fn):
+    return torch.compiler.disable(fn)
 
 
 def loaded_class(module: str, name: str) -> type | tuple:
