@@ -83,9 +83,8 @@ def _run_batches(rank: int, world: int, batches: list[tuple[str, str]], *device)
     """Each batch's result on this rank, in order (``device``: run_local's, where the group has a
     device type); each batch's module imported only when its turn comes (a ``first`` batch sees
     a process that has imported none of the others). Each batch finds the warning filters as
-    the process began and no code torch.compile compiled for another: a frame of ctxpar's
-    compiled with dynamic=True, its scale symbolic, was reused by a later compile that passed
-    no scale (torch 2.13: ``None.item()`` inside ``_validate``)."""
+    the process began and none of the code torch.compile made for another, as it would in a
+    process of its own."""
     found = []
     for module, name in batches:
         fn = importlib.import_module(module)

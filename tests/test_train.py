@@ -42,7 +42,7 @@ def _train_each(rank: int, world: int) -> list[dict | None]:
     return [train_rank(rank, world, cfg, None, torch.device("cpu")) for cfg in FOUR_RANK_RUNS.values()]
 
 
-spawned.declare("train-4", _train_each, 4, timeout_s=300)
+spawned.declare("train-4", _train_each, 4, timeout_s=60)
 
 
 def _trained(key: tuple[str, str]) -> dict:
