@@ -3,6 +3,7 @@ model, greedy and sampled tokens, what each rank's cache holds, and bad input.""
 
 from __future__ import annotations
 
+import importlib
 import re
 
 import pytest
@@ -48,8 +49,9 @@ def test_a_first_generate_call_loads_no_heavy_module(world: int) -> None:
 def test_prefill_and_every_decode_step_match_the_single_process_model(world: int) -> None:
     per_rank = _reported(world, "logits")
     # every layout x strategy and auto (GQA), the ring under MQA, and on more than one rank the hybrid (a user's
-    # layout holding T-1 inside the mesh too: the broadcast from its place's rank, not the rank of that number)
-    assert len(per_rank[0]) == 3 * 4 + 3 + (3 + 1 if world > 1 else 0) + (world == 4)
+    # layout holding T-1 inside the mesh too: the broadcast from its place's rank, not the rank of that number);
+    # from P=3 that layout under the ring
+    assert len(per_rank[0]) == 3 * 4 + 3 + (3 + 1 if world > 1 else 0) + (world == 4) + (world > 2)
     assert all(r.pop("place_to_rank", True) is True for r in per_rank), "hybrid: a mesh place maps to another rank"
     for case, (errors, _) in per_rank[0].items():
         assert len(errors) == 1 + cases.FORCED_STEPS
@@ -798,3 +800,105 @@ def test_generation_inputs_are_refused_by_name_not_by_torch() -> None:
             assert message in str(e), (name, str(e))
         else:
             pytest.fail(f"{name}: no error")
+
+
+# -- what the engine hands on and counts (mutation round 54's misses), one process each --------------------------
+
+generate_module = importlib.import_module("ctxpar.inference.generate")  # the package's `generate` is the function
+
+
+def test_generate_calls_on_token_after_every_token_the_first_included(monkeypatch) -> None:
+    """on_token ("called after each new token", the command's progress bar): new_tokens calls, the
+    first once the first token is sampled, before any decode step (one short passed every test)."""
+    steps, calls = [], []
+    real = generate_module.decode_step
+
+    def step(*args, **kwargs):
+        steps.append(len(calls))
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(generate_module, "decode_step", step)
+    generate(cases.build(), cases.prompt_tokens(), layout="zigzag", new_tokens=4, on_token=lambda: calls.append(1))
+    assert len(calls) == 4 and steps == [1, 2, 3], (calls, steps)
+
+
+def test_a_caches_held_bytes_count_v_at_its_own_width() -> None:
+    """A latent cache's K of head_dim 6 beside V of value_dim 2: held_bytes counting V as wide as K
+    passed every test (nbytes was checked)."""
+    latents = KVCache(layers=1, batch=2, kv_heads=1, head_dim=6, value_dim=2, capacity=10)
+    latents.write(0, 0, torch.randn(2, 1, 3, 6), torch.randn(2, 1, 3, 2))
+    latents.commit(torch.arange(3), seq_len=3)
+    assert latents.held_bytes == 3 * 2 * (6 + 2) * 4
+    assert latents.nbytes == 10 * 2 * (6 + 2) * 4
+
+
+def test_partial_prefill_auto_asks_the_planner_with_the_cached_and_new_counts(monkeypatch) -> None:
+    """auto's choice turns on T_new / (T_cached + T_new): the total passed as T_cached picked pass-Q at
+    cached 1000, new 600 on 4 ranks (20% more bytes than pass-KV), unseen: the tails' picks are far
+    from the threshold."""
+    from ctxpar.inference import partial
+
+    asked = []
+    monkeypatch.setattr(partial, "choose_partial_prefill", lambda **kwargs: (asked.append(kwargs), ("pass-kv", ""))[1])
+    model = cases.build()
+    cache = KVCache.for_model(model.cfg, batch=cases.BATCH, capacity=cases.PROMPT_LEN + 3)
+    prefill(model, cache, cases.prompt_tokens(), layout="zigzag")
+    partial_prefill(model, cache, cases.prompt_tokens(3, seed=7))
+    assert [(a["cached"], a["new"], a["world"], a["batch"]) for a in asked] == [(cases.PROMPT_LEN, 3, 1, cases.BATCH)]
+
+
+def test_generate_passes_check_consistency_to_every_call_it_makes(monkeypatch) -> None:
+    """check_consistency=False reaches prefill, partial_prefill and every decode step (a decode step
+    checking whatever it was told, an all-gather per token, passed every test)."""
+    from hostile_cases import BlockedLayout
+
+    seen = []
+
+    def spying(name, fn):
+        def call(*args, **kwargs):
+            seen.append((name, kwargs.get("check_consistency")))
+            return fn(*args, **kwargs)
+        return call
+
+    for name in ("prefill", "partial_prefill", "decode_step"):
+        monkeypatch.setattr(generate_module, name, spying(name, getattr(generate_module, name)))
+    prompt = cases.prompt_tokens(cases.PROMPT_LEN + 1)  # blocks of 2 split 24 of 25: one token by partial_prefill
+    for flag in (False, True):
+        seen.clear()
+        generate(cases.build(), prompt, layout=BlockedLayout(1, block=2), new_tokens=3, check_consistency=flag)
+        assert seen == [("prefill", flag), ("partial_prefill", flag), ("decode_step", flag), ("decode_step", flag)]
+
+
+def test_prefill_hands_check_consistency_to_each_layers_attention(monkeypatch) -> None:
+    """prefill's docstring: "each attention call checks its own"."""
+    prefill_module = importlib.import_module("ctxpar.inference.prefill")
+    seen = []
+    real = prefill_module.attention
+    monkeypatch.setattr(prefill_module, "attention",
+                        lambda *args, **kwargs: (seen.append(kwargs["check_consistency"]), real(*args, **kwargs))[1])
+    model = cases.build()
+    for flag in (True, False):
+        seen.clear()
+        cache = KVCache.for_model(model.cfg, batch=cases.BATCH, capacity=cases.PROMPT_LEN)
+        prefill(model, cache, cases.prompt_tokens(), layout="zigzag", check_consistency=flag)
+        assert seen == [flag] * model.cfg.layers
+
+
+def test_decode_and_pass_q_merge_partials_in_the_accumulation_dtype(monkeypatch) -> None:
+    """A bfloat16 model's partial (out, lse) are merged in float32: merged in bfloat16, attention at P=4
+    over 4096 keys came out 4.6e-2 off instead of 5.2e-3, which the autocast test's tiny model (24
+    positions, 2e-2 on logits) does not show, and at P=1 nothing is merged across ranks at all."""
+    from ctxpar.inference import decode, partial
+
+    seen = []
+    for module in (decode, partial):
+        real, name = module.merge_packed, module.__name__.rsplit(".", 1)[1]
+        monkeypatch.setattr(module, "merge_packed",
+                            lambda packed, real=real, name=name: (seen.append((name, packed.dtype)), real(packed))[1])
+    model = cases.build().to(torch.bfloat16)
+    cache = KVCache.for_model(model.cfg, batch=cases.BATCH, capacity=cases.PROMPT_LEN + 4, dtype=torch.bfloat16)
+    prefill(model, cache, cases.prompt_tokens(), layout="zigzag")
+    decode_step(model, cache, cases.prompt_tokens(1, seed=3)[:, 0])
+    partial_prefill(model, cache, cases.prompt_tokens(3, seed=4), method="pass-q")
+    layers = model.cfg.layers
+    assert seen == [("decode", torch.float32)] * layers + [("partial", torch.float32)] * layers, seen
