@@ -865,6 +865,19 @@ def test_a_stop_made_on_purpose_reads_as_its_message_and_a_crash_keeps_its_trace
     assert alone == f"rank 1 stopped: {stop}"
 
 
+def test_a_rank_killed_by_sigkill_or_sigabrt_is_said_what_most_often_sends_it() -> None:
+    """A gloo collective whose ranks' sizes differ aborts the rank that receives ("terminate called
+    after throwing an instance of 'gloo::EnforceNotMet'" on its stderr): the report said only "killed
+    by SIGABRT"."""
+    said = launch._failure_message({}, {0: "killed by SIGABRT", 1: "killed by SIGKILL", 2: "exited with code 3"}, [],
+                                   {0, 1, 2}, {}, 5.0, None, 1.0).splitlines()
+    assert said[0].startswith("rank 0 died during the run: killed by SIGABRT (an abort, most often torch.distributed"
+                              "'s backend's: gloo's where the ranks' collectives differ in size or kind")
+    assert said[1] == ("rank 1 died during the run: killed by SIGKILL (kill -9, or the kernel's out-of-memory "
+                       "killer); it reported no result")
+    assert said[2] == "rank 2 died during the run: exited with code 3; it reported no result"
+
+
 def test_workers_are_tied_to_the_parent() -> None:
     assert run_local(parent_death_signal, 2) == [signal.SIGKILL, signal.SIGKILL]
 

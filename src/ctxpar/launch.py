@@ -1035,12 +1035,17 @@ def _failure_message(
     left = _left_early(failed, died, stuck, whereabouts, returned)
     if left:
         return left
-    oom = " (kill -9, or the kernel's out-of-memory killer)"
+    why_signal = {  # what most often sends it to a rank
+        "killed by SIGKILL": " (kill -9, or the kernel's out-of-memory killer)",
+        "killed by SIGABRT": " (an abort, most often torch.distributed's backend's: gloo's where the ranks' "
+                             "collectives differ in size or kind, NCCL's on an operation failed or timed out; "
+                             "the rank's message is on stderr)",
+    }
     # before it reports, a rank can only die in spawn's start-up: its error is on stderr
     early = ("; its error is on stderr: a rank that dies this early most often re-ran a script that calls "
              "run_local without an if __name__ == '__main__': guard, or could not import fn or its arguments")
     lines = [f"rank {r} died {'during the run' if r in joined else 'before joining the process group'}: "
-             f"{why}{oom if why == 'killed by SIGKILL' else ''}; it reported no result"
+             f"{why}{why_signal.get(why, '')}; it reported no result"
              f"{'' if r in joined else early}" for r, why in died.items()]
     timed_out = sorted(r for r, (kind, _) in failed.items() if kind == "timeout")
     for r in stuck if not died else []:
