@@ -6,8 +6,9 @@ world) whose result its tests assert on. The modules declare their batches when 
 imports them (``declare``); the first test that asks for a batch's results (``results``)
 spawns one group for its world size and runs in it, one after another, every batch declared
 for that world size, so that a run of the whole suite spawns once per world size, and a run
-of one module only that module's batches. A group that failed or hung is cached too: every
-test that needs one of its batches reports the same failure instead of spawning (and
+of one module's file only that module's batches (``-k`` selects tests, not the batches of the
+modules collected). A group that failed or hung is cached too: every test that needs one of
+its batches reports the same failure, naming the batch that raised, instead of spawning (and
 waiting) again.
 """
 
@@ -19,6 +20,8 @@ import warnings
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
+
+import torch
 
 from ctxpar.launch import run_local
 
@@ -62,11 +65,12 @@ def results(key: str) -> list[Any]:
         keys = sorted((k for k, b in _declared.items() if _same_group(b, asked) and k not in _groups),
                       key=lambda k: not _declared[k].first)  # stable: the rest in the order declared
         batches = [(_declared[k].module, _declared[k].name) for k in keys]
-        # one thread per rank: the cases' ops are tiny, and OpenMP threads on a loaded machine spin at every op's
-        # barrier (milliseconds per 2 x 32 matmul); on 2 or more ranks of 2 cores, one is the default anyway
+        # gloo ranks get one thread each: the cases' ops are tiny, and OpenMP threads on a loaded machine spin at
+        # every op's barrier (milliseconds per 2 x 32 matmul); on 2 or more ranks of 2 cores, one is the default
+        threads = 1 if asked.device_type is None else None
         timeout_s = max(_declared[k].timeout_s for k in keys)
         try:
-            per_rank = run_local(_run_batches, asked.world, (batches,), timeout_s=timeout_s, threads=1,
+            per_rank = run_local(_run_batches, asked.world, (batches,), timeout_s=timeout_s, threads=threads,
                                  device_type=asked.device_type)
             for i, k in enumerate(keys):
                 _groups[k] = (True, [ranks_results[i] for ranks_results in per_rank])
@@ -74,24 +78,29 @@ def results(key: str) -> list[Any]:
             for k in keys:
                 _groups[k] = (False, e)
     ok, value = _groups[key]
-    if not ok:
-        raise value
+    if not ok:  # chained, not re-raised: each raise would add its frames to the one exception's traceback
+        raise RuntimeError(f"the spawned group running batch {key!r} failed") from value
     return value
 
 
 def _run_batches(rank: int, world: int, batches: list[tuple[str, str]], *device) -> list[Any]:
     """Each batch's result on this rank, in order (``device``: run_local's, where the group has a
     device type); each batch's module imported only when its turn comes (a ``first`` batch sees
-    a process that has imported none of the others). Each batch finds the warning filters as
-    the process began and none of the code torch.compile made for another, as it would in a
-    process of its own."""
-    found = []
+    a process that has imported none of the others). Each batch finds torch's random state and
+    the warning filters as the process began, and none of the code torch.compile made for
+    another, as it would in a process of its own. What a batch raises names it."""
+    found, random_state = [], torch.random.get_rng_state()
     for module, name in batches:
         fn = importlib.import_module(module)
         for part in name.split("."):
             fn = getattr(fn, part)
-        with warnings.catch_warnings():
-            found.append(fn(rank, world, *device))
+        torch.random.set_rng_state(random_state)
+        try:
+            with warnings.catch_warnings():
+                found.append(fn(rank, world, *device))
+        except Exception as e:
+            e.add_note(f"(raised by the spawned batch {module}.{name})")
+            raise
         if "torch._dynamo" in sys.modules:
             sys.modules["torch._dynamo"].reset()
     return found

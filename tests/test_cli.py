@@ -184,35 +184,6 @@ def test_the_demo_report_prints_each_figure_in_its_unit_and_a_hybrid_ranks_own_p
     assert printed == {name: [errors[name], tolerance[name]] for name in demo.TENSORS}, printed
 
 
-def refused_before_starting_ranks(monkeypatch, capsys, *argv: str) -> str:
-    """What ``ctxpar ARGV`` says on stderr, having exited with status 2, said no traceback and
-    started no rank (in this process: a spawned command costs seconds of importing torch)."""
-    monkeypatch.setattr(launch, "run_local", lambda *args, **kwargs: pytest.fail(f"ctxpar {argv} started ranks"))
-    try:
-        status = main(list(argv))
-    except SystemExit as e:  # argparse's refusals
-        status = e.code
-    said = capsys.readouterr().err
-    assert status == 2 and "Traceback" not in said, (status, said)
-    return said
-
-
-def test_demo_rejects_a_bad_length_before_starting_ranks(monkeypatch, capsys) -> None:
-    said = refused_before_starting_ranks(monkeypatch, capsys, "demo", "--nproc", "4", "--seq", "1004")
-    assert "sequence length 1004 is not a multiple of 2*P=8" in said
-
-
-def test_demo_rejects_strategy_shapes_before_starting_ranks(monkeypatch, capsys) -> None:
-    for argv, words in (
-        (["--nproc", "3", "--seq", "384", "--strategy", "alltoall"], "query heads H=8 (H_kv=2) over P=3 ranks"),
-        (["--nproc", "4", "--seq", "256", "--strategy", "hybrid", "--ulysses-degree", "3"],
-         "needs a --ulysses-degree dividing the 4 CP ranks"),
-        (["--nproc", "4", "--seq", "256", "--strategy", "auto", "--ulysses-degree", "2"],
-         "a --ulysses-degree is only for strategy 'hybrid', not 'auto'"),
-    ):
-        assert words in refused_before_starting_ranks(monkeypatch, capsys, "demo", *argv), argv
-
-
 def test_generate_equals_the_single_process_tokens_and_writes_the_documented_json(tmp_path) -> None:
     path = tmp_path / "generate.json"
     proc = run_cli("generate", "--nproc", "2", "--prompt-len", "64", "--new-tokens", "8", "--batch", "2",
@@ -366,6 +337,12 @@ def bad_values(tmp: Path) -> list[tuple[tuple[str, ...], str]]:
     (tmp / "ck2").mkdir()
     (tmp / "to_ck2").symlink_to(tmp / "ck2")
     return [
+        (("demo", "--nproc", "4", "--seq", "1004"), "sequence length 1004 is not a multiple of 2*P=8"),
+        (("demo", "--nproc", "3", "--seq", "384", "--strategy", "alltoall"), "query heads H=8 (H_kv=2) over P=3 ranks"),
+        (("demo", "--nproc", "4", "--seq", "256", "--strategy", "hybrid", "--ulysses-degree", "3"),
+         "needs a --ulysses-degree dividing the 4 CP ranks"),
+        (("demo", "--nproc", "4", "--seq", "256", "--strategy", "auto", "--ulysses-degree", "2"),
+         "a --ulysses-degree is only for strategy 'hybrid', not 'auto'"),
         (("demo", "--nproc", "0"), "--nproc 0 must be >= 1"),
         (("demo", "--nproc", "100000"), "--nproc 100000 is more local ranks than this machine runs"),
         (("demo", "--timeout", "0"), "--timeout 0.0 must be a number of seconds"),

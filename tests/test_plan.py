@@ -1698,17 +1698,18 @@ def test_a_link_measurement_swamped_by_load_is_taken_again_then_refused(monkeypa
 # -- the command -------------------------------------------------------------------------------
 
 
-def run_plan(capsys, *args: str) -> subprocess.CompletedProcess:
-    """``ctxpar plan ARGS`` in this process (it starts no rank; a spawned command costs seconds of importing torch)."""
+def run_plan(capsys, *args: str) -> tuple[int, str, str]:
+    """``ctxpar plan ARGS`` in this process (it starts no rank; a spawned command costs seconds of
+    importing torch): its exit status, stdout and stderr."""
     status = main(["plan", *args])
     said = capsys.readouterr()
-    return subprocess.CompletedProcess(["ctxpar", "plan", *args], status, said.out, said.err)
+    return status, said.out, said.err
 
 
 def test_cli_prints_the_worked_example(capsys) -> None:
-    proc = run_plan(capsys, *WORKED)
-    assert proc.returncode == 0, proc.stderr
-    lines = proc.stdout.splitlines()
+    status, out, err = run_plan(capsys, *WORKED)
+    assert status == 0, err
+    lines = out.splitlines()
 
     def row(start: str) -> list[str]:
         return next(line for line in lines if line.strip().startswith(start)).split()
@@ -1717,13 +1718,13 @@ def test_cli_prints_the_worked_example(capsys) -> None:
     assert row("one per layer, 32 layers")[-4:] == ["8", "GiB", "2", "GiB"]
     assert row("K/V for one layer")[-4:] == ["128", "MiB", "32", "MiB"]
     assert row("forward   (P-1)")[-4:] == ["96", "MiB", "1.007", "ms"]
-    assert "GB/s = 1e9 B/s" in proc.stdout and "at 100 GB/s" in proc.stdout
+    assert "GB/s = 1e9 B/s" in out and "at 100 GB/s" in out
 
 
 def test_cli_json_carries_exact_bytes_and_seconds_and_plots(tmp_path, capsys) -> None:
     out, png = tmp_path / "plan.json", tmp_path / "plan.png"
-    proc = run_plan(capsys, *WORKED, "--json", str(out), "--plot", str(png))
-    assert proc.returncode == 0, proc.stderr
+    status, said, err = run_plan(capsys, *WORKED, "--json", str(out), "--plot", str(png))
+    assert status == 0, err
     report = json.loads(out.read_text())
     tensors = report["sequence_tensors"]
     assert tensors["hidden_state"] == {"total_bytes": 268435456, "per_gpu_bytes": 67108864}
@@ -1737,7 +1738,7 @@ def test_cli_json_carries_exact_bytes_and_seconds_and_plots(tmp_path, capsys) ->
     thresholds = {(t["strategy"], t["cp"]): t for t in report["overlap_thresholds"]}
     assert {s for s, _ in thresholds} == {p["strategy"] for p in report["sweep"] if p["cp"] > 1}
     ring4 = thresholds[("ring", 4)]  # the worked example: the table's "from N tokens/GPU"
-    assert ring4["tokens_per_gpu"] == 8192 and f"(from {round(ring4['forward'])} tokens/GPU; now 8192)" in proc.stdout
+    assert ring4["tokens_per_gpu"] == 8192 and f"(from {round(ring4['forward'])} tokens/GPU; now 8192)" in said
     assert all(t["forward"] is None for (s, _), t in thresholds.items() if s == "alltoall")  # nothing overlaps
 
 
