@@ -405,10 +405,3 @@ def test_auto_strategy_is_exact_chosen_alike_and_recorded(world: int) -> None:
                "and the planner's hardware: requires_grad and ctxpar.auto.set_hardware must be alike" \
                in r["disagreeing"], (rank, r["disagreeing"])
         assert r["refused_choices"] == [], (rank, r["refused_choices"])  # a call refused records no choice
-
-
-def test_torch_compile_with_dynamic_shapes_runs_exactly_and_so_does_a_static_compile_after_it() -> None:
-    for rank, res in enumerate(results(2)):
-        errors = res["compiled"]
-        assert set(errors) == {"dynamic", "static_model_after"}, f"rank {rank}: {errors}"
-        assert max(errors.values()) < 1e-5, f"rank {rank}: {errors}"

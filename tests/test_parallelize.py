@@ -471,15 +471,26 @@ class _FeatureModel(torch.nn.Module):
         return self.attention_fn(q, k, v)
 
 
+def _dynamic_compile_error(layout, rank: int) -> float:
+    """Max error against SDPA of torch.compile(dynamic=True) of a function calling
+    ctxpar.attention (its scale symbolic from the first call)."""
+    compiled = torch.compile(lambda q, k, v: ctxpar.attention(q, k, v, layout=layout), backend="eager", dynamic=True)
+    full = [torch.randn(1, 2, 4 * layout.world_size, 8, generator=torch.Generator().manual_seed(i)) for i in range(3)]
+    want = layout.shard(torch.nn.functional.scaled_dot_product_attention(*full, is_causal=True), rank, dim=2)
+    return (compiled(*(layout.shard(t, rank, dim=2) for t in full)) - want).abs().max().item()
+
+
 def _wrapped_cases(rank: int, world: int) -> dict:
-    """2 ranks: the reference model wrapped before apply_context_parallel (a module of one's
-    own, DDP, torch.compile), tokens only one rank cannot embed, heads the all-to-all cannot
-    split."""
+    """2 ranks: a function calling ctxpar.attention compiled with dynamic=True; then the
+    reference model wrapped before apply_context_parallel (a module of one's own, DDP,
+    torch.compile: compiled without dynamic=True after the other, in the same process, on
+    purpose), tokens only one rank cannot embed, heads the all-to-all cannot split."""
     from torch.distributed.device_mesh import init_device_mesh
     from torch.nn.parallel import DistributedDataParallel
 
     torch.manual_seed(0)
     layout = get_layout("zigzag", world)
+    found = {"dynamic_compile": _reported(lambda: _dynamic_compile_error(layout, rank))}
     base = Transformer(get_config("tiny")).eval()
     tokens = torch.randint(0, 256, (2, 16))
     with torch.no_grad():
@@ -487,7 +498,6 @@ def _wrapped_cases(rank: int, world: int) -> dict:
     batch = shard_batch(tokens, layout=layout, rank=rank)
     other = shard_batch(tokens, layout=get_layout("striped", world), rank=rank)
     last = rank == world - 1
-    found = {}
     wrappers = dict(own=_Wrapper, ddp=DistributedDataParallel, compiled=lambda m: torch.compile(m, backend="eager"))
     for name, wrap in wrappers.items():
         model = apply_context_parallel(wrap(copy.deepcopy(base)), layout=layout)
@@ -560,6 +570,17 @@ def test_a_wrapped_model_is_guarded_as_the_model_is(wrapper: str) -> None:
             r["other_layout"], (rank, r["other_layout"])
         want = "outside its vocabulary of 256" if rank == 1 else "rejected their forward inputs"
         assert want in r["outside_the_vocabulary_on_one_rank"], (rank, r["outside_the_vocabulary_on_one_rank"])
+
+
+def test_torch_compile_with_dynamic_shapes_runs_exactly_and_so_does_a_model_compiled_after_it() -> None:
+    """dynamic=True: the consistency check once made dynamo recurse packing the symbolic scale (a
+    2,660-line traceback); it runs eagerly. The model compiled without dynamic=True after it, in
+    the same process (``[compiled]`` above: exact), raised "'NoneType' object has no attribute
+    'item'" (torch 2.13): ctxpar's input checks, compiled for the first call with the head dim
+    symbolic, were reused for it; they run eagerly too."""
+    for rank, res in enumerate(wrapped_results()):
+        assert isinstance(res["dynamic_compile"], float) and res["dynamic_compile"] < 1e-5, (rank, res)
+        assert isinstance(res["compiled"]["exact"], float), (rank, res["compiled"]["exact"])
 
 
 def test_tokens_one_rank_cannot_embed_are_refused_on_every_rank() -> None:
