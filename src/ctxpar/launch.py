@@ -1010,9 +1010,11 @@ def _collect(procs: list, readers: list, stacks: list[connection.Connection], ti
             grace_started = True
             # a rank that timed out waited for a peer; healthy ranks that reached that
             # collective later time out up to timeout_s later, and only once they have
-            # reported is the rank still running known to be the one that never arrived
+            # reported is the rank still running known to be the one that never arrived.
+            # Ranks frozen by a signal (SIGSTOP, a debugger) will not time out: none else, no wait
             first_kind = next(iter(failed.values()))[0]
-            grace_end = time.monotonic() + GRACE_S + (timeout_s if first_kind == "timeout" else 0.0)
+            peers_may_time_out = first_kind == "timeout" and not all(_frozen(procs[r].pid) for r in pending)
+            grace_end = time.monotonic() + GRACE_S + (timeout_s if peers_may_time_out else 0.0)
             give_up = grace_end if give_up is None else min(give_up, grace_end)
     if not (failed or died or pending):
         return [outputs[r] for r in range(len(procs))]
