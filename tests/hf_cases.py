@@ -43,6 +43,7 @@ import ctxpar
 import spawned
 from ctxpar.integrations.transformers import enable_context_parallel, shard_inputs
 from ctxpar.parallelize import IGNORE_INDEX, cp_loss, shift_labels
+from hf_families import tiny_llama
 
 COMBOS = [("zigzag", "ring"), ("striped", "allgather"), ("contiguous", "ring"), ("zigzag", "alltoall")]
 # distinct attention set-ups: GQA + RoPE (Llama, Qwen2/3, Phi-3), Gemma's scaled embeddings,
@@ -62,15 +63,6 @@ PACKED_DOCUMENTS = (5, 7, 4)  # SWEEP_TOKENS in all; windows and chunks of 4 cut
 def results() -> list[dict]:
     """Every rank's results of ``run`` on 4 local gloo ranks, computed once per test session."""
     return spawned.results("hf")
-
-
-def tiny_llama():
-    from transformers import LlamaConfig, LlamaForCausalLM
-
-    torch.manual_seed(0)
-    config = LlamaConfig(vocab_size=128, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256)
-    return LlamaForCausalLM(config).float()
 
 
 def _gather(local: torch.Tensor, layout, group) -> torch.Tensor:

@@ -162,6 +162,16 @@ REFUSED = {
 CASES = [f for f in sorted(MODEL_FOR_CAUSAL_LM_MAPPING_NAMES) if f not in UNBUILDABLE] + list(VARIANTS)
 
 
+def tiny_llama():
+    """The Llama the CP tests train and compare: 2 layers, 4 heads over 2 K/V heads, seeded."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(0)
+    config = LlamaConfig(vocab_size=128, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256)
+    return LlamaForCausalLM(config).float()
+
+
 def _kind_list(kinds: list) -> list:
     """One layer of each kind, in order of first appearance (two layers if one kind)."""
     kept = list(dict.fromkeys(kinds))

@@ -43,6 +43,10 @@ refused on every rank before any collective.
 
     torch.manual_seed(0)                                   # sampling: seed every rank alike
     out = model.generate(input_ids, max_new_tokens=32)     # (B, T + 32), the same on every rank
+
+``ContextParallelTrainer`` is transformers' ``Trainer`` for an enabled model (``trainer.py``):
+every rank of a CP group gets the same whole batch, sharded in its ``compute_loss``, and it
+trains what ``Trainer`` trains without CP.
 """
 
 from __future__ import annotations
@@ -82,8 +86,16 @@ from ctxpar.layout import Layout
 from ctxpar.masks import document_lengths, positions_in_documents
 from ctxpar.parallelize import IGNORE_INDEX, batch_code, model_code, pickling_refused, shard_batch, weights_code
 
-__all__ = ["ShardedCache", "Unsupported", "check_model", "enable_context_parallel", "find_unsupported",
-           "shard_inputs"]
+__all__ = ["ContextParallelTrainer", "ShardedCache", "Unsupported", "check_model", "enable_context_parallel",
+           "find_unsupported", "shard_inputs"]
+
+
+def __getattr__(name: str):
+    if name == "ContextParallelTrainer":  # transformers' Trainer (and accelerate) imported only when asked for
+        from ctxpar.integrations.transformers.trainer import ContextParallelTrainer
+
+        return ContextParallelTrainer
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
 def _register() -> None:

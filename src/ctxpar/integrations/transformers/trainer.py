@@ -1,0 +1,179 @@
+"""transformers' ``Trainer`` under context parallelism: ``ContextParallelTrainer``.
+
+    model = enable_context_parallel(LlamaForCausalLM(config), layout="zigzag", group=cp_group)
+    trainer = ContextParallelTrainer(model=model, args=TrainingArguments(...), train_dataset=data)
+    trainer.train()        # every CP rank: the whole batch, sharded in compute_loss
+
+It trains what ``Trainer`` trains on the same batches without CP (one process per
+data-parallel replica), to rounding: the same losses logged, the same gradient norms, the
+same steps. Three things differ from a plain ``Trainer`` under ``torchrun``:
+
+- data: the data loaders deal batches out over the data-parallel replicas only (the CP
+  groups), so that every rank of a CP group gets the same whole batch;
+- the loss: ``compute_loss`` shards each batch over the CP group (``shard_inputs``, which
+  shifts the labels on the whole sequence) and scales the model's ``labels=`` loss (the
+  micro-batch's token mean, the same on every CP rank) as ``Trainer`` scales its own:
+  by ``num_items_in_batch``, the labelled tokens of the whole accumulated batch over the
+  replicas, counted once per replica (the CP ranks of a replica count the same batch);
+- the gradient: DDP averages over every rank, P per replica, where each CP rank holds its
+  share of the replica's gradient; the loss's gradient is scaled by P (its value is not:
+  the losses logged are ``Trainer``'s), so the average is the replicas' mean, as without CP.
+
+Evaluation computes the loss alike, one copy per replica gathered; predictions (logits of
+a shard) are refused, as are features whose CP form is not built: label smoothing, a
+``compute_loss_func``, DeepSpeed and FSDP through accelerate, accelerate's own
+``parallelism_config``, an iterable dataset, batch rebalancing, DataParallel, padding masks.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+from transformers import Trainer
+
+from ctxpar import comm
+from ctxpar.integrations.transformers import shard_inputs
+from ctxpar.integrations.transformers.attention import PADDING_REFUSED, Settings
+from ctxpar.parallelize import IGNORE_INDEX
+
+__all__ = ["ContextParallelTrainer"]
+
+_INPUTS = ("input_ids", "labels", "attention_mask")  # what a batch may hold
+
+
+def _settings(model) -> Settings:
+    found = next((m.ctxpar_settings for m in model.modules()
+                  if isinstance(getattr(m, "ctxpar_settings", None), Settings)), None) if model is not None else None
+    if found is None:
+        raise ValueError("ContextParallelTrainer trains a model enable_context_parallel was applied to; enable it "
+                         "(ctxpar.integrations.transformers.enable_context_parallel) before building the trainer")
+    return found
+
+
+class ContextParallelTrainer(Trainer):
+    """``Trainer`` for a model ``enable_context_parallel`` made context-parallel: every rank
+    of a CP group gets the same whole batch, ``compute_loss`` shards it, and the gradients
+    are those of ``Trainer`` without CP (module docstring). Launch as for ``Trainer`` (one
+    process per rank, ``torchrun``), with torch.distributed initialised over every rank;
+    the CP groups must split WORLD into data-parallel replicas of equal size."""
+
+    def __init__(self, model=None, args=None, *positional, **kwargs) -> None:
+        settings = _settings(model)
+        if kwargs.get("compute_loss_func") is not None:
+            raise ValueError("ContextParallelTrainer computes the loss itself (a CP loss sharded over the group); "
+                             "compute_loss_func= is not supported")
+        super().__init__(model, args, *positional, **kwargs)
+        self._layout = settings.layout
+        peers = settings.peers()
+        self._cp, self._cp_rank = peers.world_size, peers.rank
+        self._check_set_up()
+        self._replica, self._replicas, self._leaders = self._replicas_of(settings)
+
+    def _check_set_up(self) -> None:
+        args, accelerator = self.args, self.accelerator
+        refusals = [
+            (args.label_smoothing_factor != 0, f"label_smoothing_factor={args.label_smoothing_factor}"),
+            (args.n_gpu > 1, f"torch.nn.DataParallel over {args.n_gpu} GPUs of one process (launch a process per GPU)"),
+            (self.is_deepspeed_enabled, "DeepSpeed"),
+            (self.is_fsdp_enabled, "FSDP through accelerate"),
+            (getattr(accelerator, "parallelism_config", None) is not None,
+             "accelerate's parallelism_config (its own context, tensor and sequence parallelism)"),
+            (args.train_sampling_strategy == "batch_rebalance", "train_sampling_strategy='batch_rebalance'"),
+        ]
+        refused = [what for bad, what in refusals if bad]
+        if refused:
+            raise ValueError(f"ContextParallelTrainer does not support {', '.join(refused)}")
+        world = dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
+        if accelerator.num_processes != world:
+            raise ValueError(f"accelerate sees {accelerator.num_processes} process(es) where torch.distributed has "
+                             f"{world}: launch with torchrun (or set RANK, WORLD_SIZE, LOCAL_RANK, MASTER_ADDR and "
+                             f"MASTER_PORT before TrainingArguments), so that DDP sums the CP ranks' gradient shares")
+
+    def _replicas_of(self, settings: Settings) -> tuple[int, int, list[int]]:
+        """(this rank's data-parallel replica, their number, every rank's CP-group leader): a
+        replica is a CP group, led by its lowest global rank."""
+        world = self.accelerator.num_processes
+        if world == 1:
+            return 0, 1, [0]
+        members = dist.get_process_group_ranks(settings.group or dist.group.WORLD) if settings.mesh is None else \
+            settings.mesh.mesh.flatten().tolist()
+        leader = min(members)
+        mine = torch.tensor([leader], dtype=torch.int64, device=comm.collective_device(None))
+        everyone = [torch.empty_like(mine) for _ in range(world)]
+        dist.all_gather(everyone, mine)
+        leaders = [int(t) for t in everyone]
+        replicas = sorted(set(leaders))
+        if any(leaders.count(r) != self._cp for r in replicas):
+            raise ValueError(f"the CP groups do not split WORLD into replicas of {self._cp} ranks (each rank's group's "
+                             f"first rank: {leaders}); ContextParallelTrainer needs every rank in one CP group of "
+                             f"the same size")
+        return replicas.index(leader), len(replicas), leaders
+
+    def get_cp_size(self) -> int:
+        """The ranks sharing each batch: ``Trainer`` divides the token count gathered over every
+        rank by it, and the world size by it for the data-parallel batch size."""
+        return self._cp
+
+    def _get_dataloader(self, *args, **kwargs):
+        loader = super()._get_dataloader(*args, **kwargs)
+        sampler = getattr(loader, "batch_sampler", None)
+        while hasattr(sampler, "batch_sampler") and not hasattr(sampler, "num_processes"):
+            sampler = sampler.batch_sampler  # a resumed epoch's SkipBatchSampler
+        if self.accelerator.num_processes > 1:
+            if not hasattr(sampler, "num_processes"):
+                raise ValueError(f"ContextParallelTrainer deals batches out over the data-parallel replicas and cannot "
+                                 f"with {type(loader).__name__} over {type(loader.dataset).__name__} (an iterable "
+                                 f"dataset, or batches dispatched from rank 0): use a dataset with a length")
+            # as Trainer does for its own rank-aware sampler: accelerate shards over every rank, we over the replicas
+            sampler.num_processes, sampler.process_index = self._replicas, self._replica
+        return loader
+
+    def compute_loss(self, model, inputs: dict, return_outputs: bool = False, num_items_in_batch=None):
+        """Shard the whole batch over the CP group and return the loss ``Trainer`` would
+        compute without CP, whose gradient is this rank's share scaled by P."""
+        unknown = sorted(set(inputs) - set(_INPUTS))
+        if unknown:
+            raise ValueError(f"ContextParallelTrainer got batch keys {unknown}; it shards {list(_INPUTS)} (a "
+                             f"collator adding others, position_ids of packed rows, is not supported)")
+        labels, mask = inputs.get("labels"), inputs.get("attention_mask")
+        if labels is None:
+            raise ValueError("ContextParallelTrainer needs labels in the batch (for next-token prediction, a copy of "
+                             "input_ids with unlabelled tokens set to -100, unshifted: the model shifts them)")
+        if mask is not None and not bool(mask.all()):
+            raise ValueError(PADDING_REFUSED)
+        sharded, shifted = shard_inputs(inputs["input_ids"], layout=self._layout, rank=self._cp_rank, labels=labels)
+        outputs = model(**sharded, labels=shifted)
+        loss = outputs.loss  # the micro-batch's token mean over the CP group, the same on every CP rank
+        if num_items_in_batch is not None:  # as Trainer without CP: the sum over the accumulated batch's tokens
+            if self.args.average_tokens_across_devices:
+                loss = loss * self._replicas  # DDP averages over the replicas
+            else:  # this replica's count, which Trainer divides by get_cp_size() as if gathered over every rank
+                num_items_in_batch = num_items_in_batch * self._cp
+            loss = loss * (labels[..., 1:] != IGNORE_INDEX).sum() / num_items_in_batch
+        # DDP averages over every rank, P per replica, each holding its share: P times the gradient, the same value
+        loss = loss + (self._cp - 1) * (loss - loss.detach())
+        return (loss, outputs) if return_outputs else loss
+
+    def prediction_step(self, model, inputs: dict, prediction_loss_only: bool, ignore_keys=None):
+        if not prediction_loss_only:
+            raise ValueError("ContextParallelTrainer evaluates the loss only: a rank's logits are its shard's, not the "
+                             "batch's (pass no compute_metrics, or prediction_loss_only=True)")
+        return super().prediction_step(model, inputs, True, ignore_keys)
+
+    def evaluation_loop(self, *args, **kwargs):
+        gather = self.gather_function
+        self.gather_function = self._gather_replicas
+        try:
+            return super().evaluation_loop(*args, **kwargs)
+        finally:
+            self.gather_function = gather
+
+    def _gather_replicas(self, tensor: torch.Tensor) -> torch.Tensor:
+        """``gather_for_metrics`` over the replicas: every rank's rows gathered, one CP rank's
+        kept per replica (the others hold the same), and the last batch's padding dropped."""
+        everyone = self.accelerator.gather(tensor).unflatten(0, (len(self._leaders), -1))
+        kept = everyone[[rank for rank, leader in enumerate(self._leaders) if rank == leader]].flatten(0, 1)
+        state = self.accelerator.gradient_state
+        if state.end_of_dataloader and state.remainder > 0:
+            kept = kept[:state.remainder]
+        return kept

@@ -1,0 +1,270 @@
+"""transformers' Trainer under CP (``ContextParallelTrainer``): the losses logged, gradient
+norms, learning rates, trained weights and evaluation loss of Trainer without CP, computed
+here in float64 from the batches each data-parallel replica was dealt."""
+
+from __future__ import annotations
+
+import os
+import tempfile
+import traceback
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+
+import spawned
+from hf_families import tiny_llama
+
+WORLD = 4
+SEQ = 16
+STEPS, ACCUMULATE, BATCH, LR = 2, 2, 2, 0.5
+TRAIN_EXAMPLES, EVAL_EXAMPLES = 20, 7  # 7: the last evaluation batch is cut (and padded on a second replica)
+# what torchrun gives each process, which accelerate reads to see the processes
+LAUNCH_VARS = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT", "OMP_NUM_THREADS")
+# (CP groups, or MESH: 2 replicas of a hybrid ulysses 2 x ring 1 mesh; strategy, layout, max_grad_norm,
+# average_tokens_across_devices)
+MESH = "dp 2 x (ring 1, ulysses 2)"
+RUNS = {
+    "cp4": (None, "ring", "zigzag", 100.0, True),
+    # strided groups: replica 0 is ranks 0 and 2, replica 1 ranks 1 and 3; gradients clipped at 1
+    "dp2xcp2": (((0, 2), (1, 3)), "allgather", "zigzag", 1.0, True),
+    "dp2xcp2 own tokens": (((0, 2), (1, 3)), "ring", "contiguous", 100.0, False),
+    "dp2 x hybrid": (MESH, "hybrid", "striped", 100.0, True),
+}
+
+
+def examples(count: int, seed: int) -> list[dict]:
+    """Rows of SEQ tokens whose first 1-9 labels are -100 (a prompt), so that batches hold different
+    numbers of labelled tokens and a mean per batch differs from the mean per token."""
+    g = torch.Generator().manual_seed(seed)
+    rows = []
+    for _ in range(count):
+        ids = torch.randint(0, 128, (SEQ,), generator=g)
+        labels = ids.clone()
+        labels[:int(torch.randint(1, 10, (), generator=g))] = -100
+        rows.append(dict(input_ids=ids, labels=labels))
+    return rows
+
+
+def _arguments(max_grad_norm: float, average: bool):
+    from transformers import TrainingArguments
+
+    return TrainingArguments(output_dir=tempfile.mkdtemp(), use_cpu=True, report_to=[], save_strategy="no",
+                             max_steps=STEPS, per_device_train_batch_size=BATCH, per_device_eval_batch_size=BATCH,
+                             gradient_accumulation_steps=ACCUMULATE, logging_steps=1, optim="sgd", learning_rate=LR,
+                             max_grad_norm=max_grad_norm, average_tokens_across_devices=average, disable_tqdm=True,
+                             seed=0)
+
+
+def _train(rank: int, world: int, run: str) -> dict:
+    from ctxpar.integrations.transformers import ContextParallelTrainer, enable_context_parallel
+
+    from torch.distributed.device_mesh import init_device_mesh
+
+    groups, strategy, layout, max_grad_norm, average = RUNS[run]
+    group = mesh = None
+    if groups == MESH:
+        mesh = init_device_mesh("cpu", (2, 1, 2), mesh_dim_names=("dp", "ring", "ulysses"))["ring", "ulysses"]
+    for ranks in groups if groups not in (None, MESH) else ():
+        made = dist.new_group(list(ranks))  # every rank makes every group
+        group = made if rank in ranks else group
+    seen = {True: [], False: []}  # the batches compute_loss was given, training and evaluating
+
+    class Recording(ContextParallelTrainer):
+        def compute_loss(self, model, inputs, *args, **kwargs):
+            seen[model.training].append((inputs["input_ids"].clone(), inputs["labels"].clone()))
+            return super().compute_loss(model, inputs, *args, **kwargs)
+
+    model = enable_context_parallel(tiny_llama(), layout=layout, group=group, mesh=mesh, strategy=strategy)
+    trainer = Recording(model=model, args=_arguments(max_grad_norm, average), train_dataset=examples(TRAIN_EXAMPLES, 1))
+    trainer.train()
+    evaluated = trainer.evaluate(examples(EVAL_EXAMPLES, 2))
+    return dict(logs=[log for log in trainer.state.log_history if "loss" in log], eval_loss=evaluated["eval_loss"],
+                weights=_weights(model), train=seen[True],
+                eval=seen[False], replica=trainer._replica)
+
+
+def _weights(model) -> torch.Tensor:
+    return torch.cat([p.detach().flatten() for p in model.parameters()])
+
+
+def _refusals(rank: int, world: int) -> dict:
+    from transformers import Trainer
+
+    from ctxpar.integrations.transformers import ContextParallelTrainer, enable_context_parallel
+
+    def attempt(fn) -> str:
+        try:
+            fn()
+        except ValueError as e:
+            return str(e)
+        return "no error"
+
+    data = examples(4, 3)
+    enabled = enable_context_parallel(tiny_llama(), layout="zigzag")
+    padded = [dict(row, attention_mask=torch.ones(SEQ, dtype=torch.int64)) for row in data]
+    padded[0]["attention_mask"][-2:] = 0
+    extra = [dict(row, token_type_ids=torch.zeros(SEQ, dtype=torch.int64)) for row in data]
+    unlabelled = [dict(input_ids=row["input_ids"]) for row in data]
+
+    class Stream(torch.utils.data.IterableDataset):
+        def __iter__(self):
+            return iter(data)
+
+    def train(dataset, model=enabled, **changes):
+        args = _arguments(100.0, True)
+        for key, value in changes.items():
+            setattr(args, key, value)
+        return ContextParallelTrainer(model=model, args=args, train_dataset=dataset).train()
+
+    return {
+        "not enabled": attempt(lambda: train(data, model=tiny_llama())),
+        "label smoothing": attempt(lambda: train(data, label_smoothing_factor=0.1)),
+        "compute_loss_func": attempt(lambda: ContextParallelTrainer(model=enabled, args=_arguments(1.0, True),
+                                                                    compute_loss_func=lambda *a, **k: 0)),
+        "padding": attempt(lambda: train(padded)),
+        "extra key": attempt(lambda: train(extra, remove_unused_columns=False)),
+        "no labels": attempt(lambda: train(unlabelled)),
+        "iterable dataset": attempt(lambda: train(Stream())),
+        "predictions": attempt(lambda: ContextParallelTrainer(
+            model=enabled, args=_arguments(1.0, True), compute_metrics=lambda p: {}).evaluate(data)),
+        # the plain Trainer on the enabled model: its num_items_in_batch= is refused
+        "plain Trainer": attempt(lambda: Trainer(model=enabled, args=_arguments(1.0, True),
+                                                 train_dataset=data).train()),
+    }
+
+
+def run(rank: int, world: int) -> dict:
+    import warnings
+
+    from accelerate.state import AcceleratorState
+    from transformers.utils import logging
+
+    logging.set_verbosity_error()
+    warnings.filterwarnings("ignore")
+    saved = {key: os.environ.get(key) for key in LAUNCH_VARS}
+    os.environ.update(RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank), LOCAL_WORLD_SIZE=str(world),
+                      MASTER_ADDR="127.0.0.1", MASTER_PORT="0", OMP_NUM_THREADS=str(torch.get_num_threads()))
+    out = {}
+    try:
+        for name in RUNS:
+            try:
+                out[name] = _train(rank, world, name)
+            except Exception:  # noqa: BLE001  reported by its own test
+                out[name] = f"rank {rank} raised\n{traceback.format_exc()}"
+        out["refusals"] = _refusals(rank, world)
+    finally:
+        AcceleratorState._reset_state(reset_partial_state=True)  # the group's later batches: no accelerate state
+        for key, value in saved.items():
+            if value is None:
+                os.environ.pop(key, None)
+            else:
+                os.environ[key] = value
+    return out
+
+
+spawned.declare("hf_trainer", run, WORLD, timeout_s=60)
+
+
+def _token_sum(model, batch) -> tuple[torch.Tensor, int]:
+    """The summed next-token loss of a batch and its number of labelled targets, unsplit."""
+    ids, labels = batch
+    logits = model(input_ids=ids, use_cache=False).logits[:, :-1]
+    targets = labels[:, 1:]
+    return F.cross_entropy(logits.flatten(0, 1), targets.flatten(), ignore_index=-100, reduction="sum"), \
+        int((targets != -100).sum())
+
+
+def _reference(run: str, dealt: list[list]) -> dict:
+    """What Trainer without CP computes, one process per replica: ``dealt[r]`` the micro-batches
+    replica r was given, in order. float64, SGD on a linear schedule, clipped at max_grad_norm."""
+    _, _, _, max_grad_norm, average = RUNS[run]
+    model = tiny_llama().double()
+    model.set_attn_implementation("sdpa")
+    params = list(model.parameters())
+    logs = []
+    for step in range(STEPS):
+        micro = [replica[step * ACCUMULATE:(step + 1) * ACCUMULATE] for replica in dealt]
+        sums = [[_token_sum(model, batch) for batch in replica] for replica in micro]
+        if average:  # each token's loss over every replica's tokens of the step
+            total = sum(n for replica in sums for _, n in replica)
+            loss = sum(s for replica in sums for s, _ in replica) / total
+        else:  # each replica's mean over its own tokens, the replicas' means averaged (DDP)
+            loss = sum(sum(s for s, _ in replica) / sum(n for _, n in replica) for replica in sums) / len(sums)
+        grads = torch.autograd.grad(loss, params)
+        norm = torch.cat([g.flatten() for g in grads]).norm()
+        lr = LR * (STEPS - step) / STEPS
+        with torch.no_grad():
+            for p, g in zip(params, grads):
+                p -= lr * min(1.0, max_grad_norm / (float(norm) + 1e-6)) * g
+        logs.append(dict(loss=loss.item(), grad_norm=norm.item(), learning_rate=lr))
+    return dict(logs=logs, weights=_weights(model), model=model)
+
+
+def _eval_reference(run: str, dealt: list[list], model) -> float:
+    """Trainer's evaluation loss without CP, of the trained ``model``: per step, each replica's
+    batch loss (its token sum over the step's labelled tokens, times the replicas, where they are
+    averaged), one value per row, the padding rows of the last step dropped, the rows' mean."""
+    _, _, _, _, average = RUNS[run]
+    rows = []
+    with torch.no_grad():
+        for step in zip(*dealt):
+            sums = [_token_sum(model, batch) for batch in step]
+            total = sum(n for _, n in sums)
+            for (s, n), batch in zip(sums, step):
+                value = s / total * len(step) if average else s / n
+                rows += [value.item()] * batch[0].shape[0]
+    return sum(rows[:EVAL_EXAMPLES]) / EVAL_EXAMPLES
+
+
+@pytest.fixture(scope="module")
+def ranks() -> list[dict]:
+    return spawned.results("hf_trainer")
+
+
+@pytest.mark.parametrize("run", list(RUNS))
+def test_trainer_matches_trainer_without_cp(ranks, run):
+    results = [r[run] for r in ranks]
+    for result in results:
+        assert not isinstance(result, str), result
+    replicas = sorted({r["replica"] for r in results})
+    dealt = {part: [next(r[part] for r in results if r["replica"] == k) for k in replicas]
+             for part in ("train", "eval")}
+    for result in results:  # every CP rank of a replica: its whole batches
+        for part in ("train", "eval"):
+            mine = dealt[part][result["replica"]]
+            assert len(result[part]) == len(mine)
+            assert all(torch.equal(a[0], b[0]) and torch.equal(a[1], b[1]) for a, b in zip(result[part], mine))
+    if len(replicas) > 1:  # the replicas were dealt different examples
+        firsts = [tuple(map(tuple, dealt["train"][k][0][0].tolist())) for k in replicas]
+        assert len(set(firsts)) == len(firsts)
+    want = _reference(run, dealt["train"])
+    for result in results:
+        assert len(result["logs"]) == STEPS
+        for got, expected in zip(result["logs"], want["logs"]):
+            assert got["loss"] == pytest.approx(expected["loss"], rel=1e-5)
+            assert got["grad_norm"] == pytest.approx(expected["grad_norm"], rel=1e-4)
+            assert got["learning_rate"] == pytest.approx(expected["learning_rate"])
+        moved = (want["weights"] - _weights(tiny_llama().double())).abs().max()
+        assert (result["weights"].double() - want["weights"]).abs().max() < 1e-4 * moved
+        assert result["eval_loss"] == pytest.approx(_eval_reference(run, dealt["eval"], want["model"]), rel=1e-5)
+
+
+REFUSED = {
+    "not enabled": "enable it",
+    "label smoothing": "label_smoothing_factor=0.1",
+    "compute_loss_func": "compute_loss_func= is not supported",
+    "padding": "padding masks are not supported",
+    "extra key": "batch keys ['token_type_ids']",
+    "no labels": "needs labels in the batch",
+    "iterable dataset": "use a dataset with a length",
+    "predictions": "evaluates the loss only",
+    "plain Trainer": "num_items_in_batch= is not supported",
+}
+
+
+@pytest.mark.parametrize("case", list(REFUSED))
+def test_what_the_trainer_cannot_train_exactly_is_refused_on_every_rank(ranks, case):
+    for result in ranks:
+        assert REFUSED[case] in result["refusals"][case]
