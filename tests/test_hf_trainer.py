@@ -7,6 +7,7 @@ from __future__ import annotations
 import os
 import tempfile
 import traceback
+from typing import NamedTuple
 
 import pytest
 import torch
@@ -22,15 +23,24 @@ STEPS, ACCUMULATE, BATCH, LR = 2, 2, 2, 0.5
 TRAIN_EXAMPLES, EVAL_EXAMPLES = 20, 7  # 7: the last evaluation batch is cut (and padded on a second replica)
 # what torchrun gives each process, which accelerate reads to see the processes
 LAUNCH_VARS = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT", "OMP_NUM_THREADS")
-# (CP groups, or MESH: 2 replicas of a hybrid ulysses 2 x ring 1 mesh; strategy, layout, max_grad_norm,
-# average_tokens_across_devices)
-MESH = "dp 2 x (ring 1, ulysses 2)"
+MESH = "dp 2 x (ring 1, ulysses 2)"  # 2 replicas, each a hybrid mesh
+
+
+class Run(NamedTuple):
+    groups: tuple | str | None  # the CP groups (None: WORLD), or MESH
+    strategy: str
+    layout: str
+    max_grad_norm: float = 100.0  # never reached, but 1
+    average: bool = True  # average_tokens_across_devices
+    checkpointing: bool = False  # gradient_checkpointing
+
+
 RUNS = {
-    "cp4": (None, "ring", "zigzag", 100.0, True),
-    # strided groups: replica 0 is ranks 0 and 2, replica 1 ranks 1 and 3; gradients clipped at 1
-    "dp2xcp2": (((0, 2), (1, 3)), "allgather", "zigzag", 1.0, True),
-    "dp2xcp2 own tokens": (((0, 2), (1, 3)), "ring", "contiguous", 100.0, False),
-    "dp2 x hybrid": (MESH, "hybrid", "striped", 100.0, True),
+    "cp4": Run(None, "ring", "zigzag"),
+    # strided groups: replica 0 is ranks 0 and 2, replica 1 ranks 1 and 3
+    "dp2xcp2": Run(((0, 2), (1, 3)), "allgather", "zigzag", max_grad_norm=1.0),
+    "dp2xcp2 own tokens": Run(((0, 2), (1, 3)), "ring", "contiguous", average=False),
+    "dp2 x hybrid": Run(MESH, "hybrid", "striped", checkpointing=True),
 }
 
 
@@ -47,22 +57,21 @@ def examples(count: int, seed: int) -> list[dict]:
     return rows
 
 
-def _arguments(max_grad_norm: float, average: bool):
+def _arguments(output_dir: str, **changes):
     from transformers import TrainingArguments
 
-    return TrainingArguments(output_dir=tempfile.mkdtemp(), use_cpu=True, report_to=[], save_strategy="no",
-                             max_steps=STEPS, per_device_train_batch_size=BATCH, per_device_eval_batch_size=BATCH,
-                             gradient_accumulation_steps=ACCUMULATE, logging_steps=1, optim="sgd", learning_rate=LR,
-                             max_grad_norm=max_grad_norm, average_tokens_across_devices=average, disable_tqdm=True,
-                             seed=0)
+    settings = dict(use_cpu=True, report_to=[], save_strategy="no", max_steps=STEPS, per_device_train_batch_size=BATCH,
+                    per_device_eval_batch_size=BATCH, gradient_accumulation_steps=ACCUMULATE, logging_steps=1,
+                    optim="sgd", learning_rate=LR, max_grad_norm=100.0, disable_tqdm=True, seed=0)
+    return TrainingArguments(output_dir=output_dir, **{**settings, **changes})
 
 
-def _train(rank: int, world: int, run: str) -> dict:
+def _train(rank: int, world: int, run: str, output_dir: str) -> dict:
     from ctxpar.integrations.transformers import ContextParallelTrainer, enable_context_parallel
 
     from torch.distributed.device_mesh import init_device_mesh
 
-    groups, strategy, layout, max_grad_norm, average = RUNS[run]
+    groups = RUNS[run].groups
     group = mesh = None
     if groups == MESH:
         mesh = init_device_mesh("cpu", (2, 1, 2), mesh_dim_names=("dp", "ring", "ulysses"))["ring", "ulysses"]
@@ -76,8 +85,11 @@ def _train(rank: int, world: int, run: str) -> dict:
             seen[model.training].append((inputs["input_ids"].clone(), inputs["labels"].clone()))
             return super().compute_loss(model, inputs, *args, **kwargs)
 
-    model = enable_context_parallel(tiny_llama(), layout=layout, group=group, mesh=mesh, strategy=strategy)
-    trainer = Recording(model=model, args=_arguments(max_grad_norm, average), train_dataset=examples(TRAIN_EXAMPLES, 1))
+    model = enable_context_parallel(tiny_llama(), layout=RUNS[run].layout, group=group, mesh=mesh,
+                                    strategy=RUNS[run].strategy)
+    args = _arguments(output_dir, max_grad_norm=RUNS[run].max_grad_norm,
+                      average_tokens_across_devices=RUNS[run].average, gradient_checkpointing=RUNS[run].checkpointing)
+    trainer = Recording(model=model, args=args, train_dataset=examples(TRAIN_EXAMPLES, 1))
     trainer.train()
     evaluated = trainer.evaluate(examples(EVAL_EXAMPLES, 2))
     return dict(logs=[log for log in trainer.state.log_history if "loss" in log], eval_loss=evaluated["eval_loss"],
@@ -89,7 +101,26 @@ def _weights(model) -> torch.Tensor:
     return torch.cat([p.detach().flatten() for p in model.parameters()])
 
 
-def _refusals(rank: int, world: int) -> dict:
+def _resumed(rank: int, world: int, output_dir: str) -> dict:
+    """Two steps of AdamW (Trainer's default), and again, resumed from the checkpoint saved after the first."""
+    from ctxpar.integrations.transformers import ContextParallelTrainer, enable_context_parallel
+
+    shared = [output_dir]
+    dist.broadcast_object_list(shared, src=0)  # Trainer saves where every rank reads, as on a shared file system
+
+    def trainer():
+        args = _arguments(shared[0], optim="adamw_torch", learning_rate=1e-2, save_strategy="steps", save_steps=1)
+        model = enable_context_parallel(tiny_llama(), layout="zigzag")
+        return ContextParallelTrainer(model=model, args=args, train_dataset=examples(TRAIN_EXAMPLES, 1))
+
+    whole, resumed = trainer(), trainer()
+    whole.train()
+    resumed.train(resume_from_checkpoint=os.path.join(shared[0], "checkpoint-1"))
+    return dict(whole=_weights(whole.model), resumed=_weights(resumed.model), logs=[
+        [log["loss"] for log in t.state.log_history if "loss" in log] for t in (whole, resumed)])
+
+
+def _refusals(rank: int, world: int, output_dir: str) -> dict:
     from transformers import Trainer
 
     from ctxpar.integrations.transformers import ContextParallelTrainer, enable_context_parallel
@@ -113,24 +144,22 @@ def _refusals(rank: int, world: int) -> dict:
             return iter(data)
 
     def train(dataset, model=enabled, **changes):
-        args = _arguments(100.0, True)
-        for key, value in changes.items():
-            setattr(args, key, value)
+        args = _arguments(output_dir, **changes)
         return ContextParallelTrainer(model=model, args=args, train_dataset=dataset).train()
 
     return {
         "not enabled": attempt(lambda: train(data, model=tiny_llama())),
         "label smoothing": attempt(lambda: train(data, label_smoothing_factor=0.1)),
-        "compute_loss_func": attempt(lambda: ContextParallelTrainer(model=enabled, args=_arguments(1.0, True),
+        "compute_loss_func": attempt(lambda: ContextParallelTrainer(model=enabled, args=_arguments(output_dir),
                                                                     compute_loss_func=lambda *a, **k: 0)),
         "padding": attempt(lambda: train(padded)),
         "extra key": attempt(lambda: train(extra, remove_unused_columns=False)),
         "no labels": attempt(lambda: train(unlabelled)),
         "iterable dataset": attempt(lambda: train(Stream())),
         "predictions": attempt(lambda: ContextParallelTrainer(
-            model=enabled, args=_arguments(1.0, True), compute_metrics=lambda p: {}).evaluate(data)),
+            model=enabled, args=_arguments(output_dir), compute_metrics=lambda p: {}).evaluate(data)),
         # the plain Trainer on the enabled model: its num_items_in_batch= is refused
-        "plain Trainer": attempt(lambda: Trainer(model=enabled, args=_arguments(1.0, True),
+        "plain Trainer": attempt(lambda: Trainer(model=enabled, args=_arguments(output_dir),
                                                  train_dataset=data).train()),
     }
 
@@ -148,12 +177,14 @@ def run(rank: int, world: int) -> dict:
                       MASTER_ADDR="127.0.0.1", MASTER_PORT="0", OMP_NUM_THREADS=str(torch.get_num_threads()))
     out = {}
     try:
-        for name in RUNS:
-            try:
-                out[name] = _train(rank, world, name)
-            except Exception:  # noqa: BLE001  reported by its own test
-                out[name] = f"rank {rank} raised\n{traceback.format_exc()}"
-        out["refusals"] = _refusals(rank, world)
+        with tempfile.TemporaryDirectory() as output_dir:  # Trainer's, where nothing is saved (save_strategy="no")
+            for name in RUNS:
+                try:
+                    out[name] = _train(rank, world, name, output_dir)
+                except Exception:  # noqa: BLE001  reported by its own test
+                    out[name] = f"rank {rank} raised\n{traceback.format_exc()}"
+            out["refusals"] = _refusals(rank, world, output_dir)
+            out["resumed"] = _resumed(rank, world, output_dir)
     finally:
         AcceleratorState._reset_state(reset_partial_state=True)  # the group's later batches: no accelerate state
         for key, value in saved.items():
@@ -179,7 +210,6 @@ def _token_sum(model, batch) -> tuple[torch.Tensor, int]:
 def _reference(run: str, dealt: list[list]) -> dict:
     """What Trainer without CP computes, one process per replica: ``dealt[r]`` the micro-batches
     replica r was given, in order. float64, SGD on a linear schedule, clipped at max_grad_norm."""
-    _, _, _, max_grad_norm, average = RUNS[run]
     model = tiny_llama().double()
     model.set_attn_implementation("sdpa")
     params = list(model.parameters())
@@ -187,7 +217,7 @@ def _reference(run: str, dealt: list[list]) -> dict:
     for step in range(STEPS):
         micro = [replica[step * ACCUMULATE:(step + 1) * ACCUMULATE] for replica in dealt]
         sums = [[_token_sum(model, batch) for batch in replica] for replica in micro]
-        if average:  # each token's loss over every replica's tokens of the step
+        if RUNS[run].average:  # each token's loss over every replica's tokens of the step
             total = sum(n for replica in sums for _, n in replica)
             loss = sum(s for replica in sums for s, _ in replica) / total
         else:  # each replica's mean over its own tokens, the replicas' means averaged (DDP)
@@ -197,7 +227,7 @@ def _reference(run: str, dealt: list[list]) -> dict:
         lr = LR * (STEPS - step) / STEPS
         with torch.no_grad():
             for p, g in zip(params, grads):
-                p -= lr * min(1.0, max_grad_norm / (float(norm) + 1e-6)) * g
+                p -= lr * min(1.0, RUNS[run].max_grad_norm / (float(norm) + 1e-6)) * g
         logs.append(dict(loss=loss.item(), grad_norm=norm.item(), learning_rate=lr))
     return dict(logs=logs, weights=_weights(model), model=model)
 
@@ -206,14 +236,13 @@ def _eval_reference(run: str, dealt: list[list], model) -> float:
     """Trainer's evaluation loss without CP, of the trained ``model``: per step, each replica's
     batch loss (its token sum over the step's labelled tokens, times the replicas, where they are
     averaged), one value per row, the padding rows of the last step dropped, the rows' mean."""
-    _, _, _, _, average = RUNS[run]
     rows = []
     with torch.no_grad():
         for step in zip(*dealt):
             sums = [_token_sum(model, batch) for batch in step]
             total = sum(n for _, n in sums)
             for (s, n), batch in zip(sums, step):
-                value = s / total * len(step) if average else s / n
+                value = s / total * len(step) if RUNS[run].average else s / n
                 rows += [value.item()] * batch[0].shape[0]
     return sum(rows[:EVAL_EXAMPLES]) / EVAL_EXAMPLES
 
@@ -254,7 +283,7 @@ def test_trainer_matches_trainer_without_cp(ranks, run):
 REFUSED = {
     "not enabled": "enable it",
     "label smoothing": "label_smoothing_factor=0.1",
-    "compute_loss_func": "compute_loss_func= is not supported",
+    "compute_loss_func": "does not support compute_loss_func=",
     "padding": "padding masks are not supported",
     "extra key": "batch keys ['token_type_ids']",
     "no labels": "needs labels in the batch",
@@ -268,3 +297,10 @@ REFUSED = {
 def test_what_the_trainer_cannot_train_exactly_is_refused_on_every_rank(ranks, case):
     for result in ranks:
         assert REFUSED[case] in result["refusals"][case]
+
+
+def test_a_run_resumed_from_its_checkpoint_trains_the_same_bits(ranks):
+    for result in ranks:
+        assert torch.equal(result["resumed"]["whole"], result["resumed"]["resumed"])
+        whole, resumed = result["resumed"]["logs"]
+        assert len(whole) == STEPS and whole == resumed

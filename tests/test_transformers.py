@@ -336,7 +336,7 @@ def test_labels_or_a_loss_argument_on_one_rank_is_refused_on_every_rank_together
         assert kind == "refused", detail
         assert ("num_items_in_batch= is not supported" if rank == 1 else "another rank of the CP group refused") \
             in detail, detail
-        assert rank != 1 or "transformers' Trainer passes it, and is not supported" in detail, detail
+        assert rank != 1 or "or train with ctxpar.integrations.transformers.ContextParallelTrainer" in detail, detail
 
 
 def test_shards_of_different_batches_are_refused_on_every_rank() -> None:

@@ -58,8 +58,8 @@ def loss_refusal(labels, rows: tuple[int, ...], *, num_items_in_batch=None, igno
     if num_items_in_batch is not None:
         return ("num_items_in_batch= is not supported under context parallelism (is it this rank's count or the "
                 "global one?); compute the loss with ctxpar.parallelize.cp_loss and scale it yourself, or train with "
-                "ctxpar.integrations.transformers.trainer.ContextParallelTrainer (transformers' Trainer passes it, "
-                "and does not sum the ranks' gradient shares over the CP group)")
+                "ctxpar.integrations.transformers.ContextParallelTrainer (transformers' Trainer passes it, and does "
+                "not sum the ranks' gradient shares over the CP group)")
     if ignore_index != IGNORE_INDEX:
         return (f"ignore_index={ignore_index} is not supported under context parallelism; mark unlabelled tokens "
                 f"with {IGNORE_INDEX}")

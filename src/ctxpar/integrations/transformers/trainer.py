@@ -59,9 +59,6 @@ class ContextParallelTrainer(Trainer):
 
     def __init__(self, model=None, args=None, *positional, **kwargs) -> None:
         settings = _settings(model)
-        if kwargs.get("compute_loss_func") is not None:
-            raise ValueError("ContextParallelTrainer computes the loss itself (a CP loss sharded over the group); "
-                             "compute_loss_func= is not supported")
         super().__init__(model, args, *positional, **kwargs)
         self._layout = settings.layout
         peers = settings.peers()
@@ -73,6 +70,7 @@ class ContextParallelTrainer(Trainer):
         args, accelerator = self.args, self.accelerator
         refusals = [
             (args.label_smoothing_factor != 0, f"label_smoothing_factor={args.label_smoothing_factor}"),
+            (self.compute_loss_func is not None, "compute_loss_func= (it computes the loss itself, sharded)"),
             (args.n_gpu > 1, f"torch.nn.DataParallel over {args.n_gpu} GPUs of one process (launch a process per GPU)"),
             (self.is_deepspeed_enabled, "DeepSpeed"),
             (self.is_fsdp_enabled, "FSDP through accelerate"),
