@@ -19,6 +19,7 @@ from hf_families import tiny_llama
 
 WORLD = 4
 SEQ = 16
+PACKING = (5, 7, 4)  # the documents of a packed row
 STEPS, ACCUMULATE, BATCH, LR = 2, 2, 2, 0.5
 TRAIN_EXAMPLES, EVAL_EXAMPLES = 20, 7  # 7: the last evaluation batch is cut (and padded on a second replica)
 # what torchrun gives each process, which accelerate reads to see the processes
@@ -33,6 +34,7 @@ class Run(NamedTuple):
     max_grad_norm: float = 100.0  # never reached, but 1
     average: bool = True  # average_tokens_across_devices
     checkpointing: bool = False  # gradient_checkpointing
+    packed: bool = False  # rows packing documents of PACKING tokens
 
 
 RUNS = {
@@ -41,19 +43,26 @@ RUNS = {
     "dp2xcp2": Run(((0, 2), (1, 3)), "allgather", "zigzag", max_grad_norm=1.0),
     "dp2xcp2 own tokens": Run(((0, 2), (1, 3)), "ring", "contiguous", average=False),
     "dp2 x hybrid": Run(MESH, "hybrid", "striped", checkpointing=True),
+    "dp2xcp2 packed": Run(((0, 1), (2, 3)), "ring", "zigzag", packed=True),
 }
 
 
-def examples(count: int, seed: int) -> list[dict]:
+def examples(count: int, seed: int, packed: bool = False) -> list[dict]:
     """Rows of SEQ tokens whose first 1-9 labels are -100 (a prompt), so that batches hold different
-    numbers of labelled tokens and a mean per batch differs from the mean per token."""
+    numbers of labelled tokens and a mean per batch differs from the mean per token. ``packed``:
+    each row packs documents of PACKING tokens, position_ids restarting at 0 in each, the first
+    label of each -100 (as DataCollatorWithFlattening gives them)."""
     g = torch.Generator().manual_seed(seed)
+    starts = [sum(PACKING[:i]) for i in range(len(PACKING))]
     rows = []
     for _ in range(count):
         ids = torch.randint(0, 128, (SEQ,), generator=g)
         labels = ids.clone()
         labels[:int(torch.randint(1, 10, (), generator=g))] = -100
         rows.append(dict(input_ids=ids, labels=labels))
+        if packed:
+            labels[starts] = -100
+            rows[-1]["position_ids"] = torch.cat([torch.arange(n) for n in PACKING])
     return rows
 
 
@@ -82,16 +91,17 @@ def _train(rank: int, world: int, run: str, output_dir: str) -> dict:
 
     class Recording(ContextParallelTrainer):
         def compute_loss(self, model, inputs, *args, **kwargs):
-            seen[model.training].append((inputs["input_ids"].clone(), inputs["labels"].clone()))
+            seen[model.training].append((inputs["input_ids"].clone(), inputs["labels"].clone(),
+                                         inputs.get("position_ids")))
             return super().compute_loss(model, inputs, *args, **kwargs)
 
     model = enable_context_parallel(tiny_llama(), layout=RUNS[run].layout, group=group, mesh=mesh,
                                     strategy=RUNS[run].strategy)
     args = _arguments(output_dir, max_grad_norm=RUNS[run].max_grad_norm,
                       average_tokens_across_devices=RUNS[run].average, gradient_checkpointing=RUNS[run].checkpointing)
-    trainer = Recording(model=model, args=args, train_dataset=examples(TRAIN_EXAMPLES, 1))
+    trainer = Recording(model=model, args=args, train_dataset=examples(TRAIN_EXAMPLES, 1, RUNS[run].packed))
     trainer.train()
-    evaluated = trainer.evaluate(examples(EVAL_EXAMPLES, 2))
+    evaluated = trainer.evaluate(examples(EVAL_EXAMPLES, 2, RUNS[run].packed))
     return dict(logs=[log for log in trainer.state.log_history if "loss" in log], eval_loss=evaluated["eval_loss"],
                 weights=_weights(model), train=seen[True],
                 eval=seen[False], replica=trainer._replica)
@@ -138,6 +148,12 @@ def _refusals(rank: int, world: int, output_dir: str) -> dict:
     padded[0]["attention_mask"][-2:] = 0
     extra = [dict(row, token_type_ids=torch.zeros(SEQ, dtype=torch.int64)) for row in data]
     unlabelled = [dict(input_ids=row["input_ids"]) for row in data]
+    packed = examples(4, 3, packed=True)
+    packed_apart = [dict(row, position_ids=torch.arange(SEQ)) if i == 1 else row for i, row in enumerate(packed)]
+    shifted = [dict(row, position_ids=row["position_ids"] + 1) for row in packed]
+    counting_on = [dict(row, position_ids=torch.tensor([0, 1, 2, 3, 0, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15]))
+                   for row in packed]
+    labelled_start = [dict(row, labels=row["input_ids"]) for row in packed]
 
     class Stream(torch.utils.data.IterableDataset):
         def __iter__(self):
@@ -156,6 +172,10 @@ def _refusals(rank: int, world: int, output_dir: str) -> dict:
         "extra key": attempt(lambda: train(extra, remove_unused_columns=False)),
         "no labels": attempt(lambda: train(unlabelled)),
         "iterable dataset": attempt(lambda: train(Stream())),
+        "packed rows apart": attempt(lambda: train(packed_apart)),
+        "packed from 1": attempt(lambda: train(shifted)),
+        "packed counting on": attempt(lambda: train(counting_on)),
+        "document start labelled": attempt(lambda: train(labelled_start)),
         "predictions": attempt(lambda: ContextParallelTrainer(
             model=enabled, args=_arguments(output_dir), compute_metrics=lambda p: {}).evaluate(data)),
         # the plain Trainer on the enabled model: its num_items_in_batch= is refused
@@ -199,12 +219,18 @@ spawned.declare("hf_trainer", run, WORLD, timeout_s=60)
 
 
 def _token_sum(model, batch) -> tuple[torch.Tensor, int]:
-    """The summed next-token loss of a batch and its number of labelled targets, unsplit."""
-    ids, labels = batch
-    logits = model(input_ids=ids, use_cache=False).logits[:, :-1]
-    targets = labels[:, 1:]
-    return F.cross_entropy(logits.flatten(0, 1), targets.flatten(), ignore_index=-100, reduction="sum"), \
-        int((targets != -100).sum())
+    """The summed next-token loss of a batch and its number of labelled targets, unsplit; a packed
+    batch's documents each a sequence of its own."""
+    ids, labels, positions = batch
+    starts = [0] if positions is None else (positions[0] == 0).nonzero().flatten().tolist()
+    total, count = 0, 0
+    for a, b in zip(starts, starts[1:] + [ids.shape[1]]):
+        logits = model(input_ids=ids[:, a:b], use_cache=False).logits[:, :-1]
+        targets = labels[:, a + 1:b]
+        total = total + F.cross_entropy(logits.flatten(0, 1), targets.flatten(), ignore_index=-100, reduction="sum")
+        count += int((targets != -100).sum())
+    assert count == int((labels[:, 1:] != -100).sum())  # Trainer's count: a document's first label is -100
+    return total, count
 
 
 def _reference(run: str, dealt: list[list]) -> dict:
@@ -264,7 +290,7 @@ def test_trainer_matches_trainer_without_cp(ranks, run):
         for part in ("train", "eval"):
             mine = dealt[part][result["replica"]]
             assert len(result[part]) == len(mine)
-            assert all(torch.equal(a[0], b[0]) and torch.equal(a[1], b[1]) for a, b in zip(result[part], mine))
+            assert all(all(x is y or torch.equal(x, y) for x, y in zip(a, b)) for a, b in zip(result[part], mine))
     if len(replicas) > 1:  # the replicas were dealt different examples
         firsts = [tuple(map(tuple, dealt["train"][k][0][0].tolist())) for k in replicas]
         assert len(set(firsts)) == len(firsts)
@@ -288,6 +314,10 @@ REFUSED = {
     "extra key": "batch keys ['token_type_ids']",
     "no labels": "needs labels in the batch",
     "iterable dataset": "use a dataset with a length",
+    "packed rows apart": "whose rows pack different documents",
+    "packed from 1": "position_ids starting at 1",
+    "packed counting on": "do not count 0, 1, 2, ... within each document",
+    "document start labelled": "a label on the first token of a packed document",
     "predictions": "evaluates the loss only",
     "plain Trainer": "num_items_in_batch= is not supported",
 }

@@ -23,6 +23,8 @@ Evaluation computes the loss alike, one copy per replica gathered; predictions (
 a shard) are refused, as are features whose CP form is not built: label smoothing, a
 ``compute_loss_func``, DeepSpeed and FSDP through accelerate, accelerate's own
 ``parallelism_config``, an iterable dataset, batch rebalancing, DataParallel, padding masks.
+Packed rows (``position_ids`` restarting at 0 in each document, every row of a batch alike)
+attend and predict within each document (``shard_inputs(..., documents=)``).
 """
 
 from __future__ import annotations
@@ -34,11 +36,34 @@ from transformers import Trainer
 from ctxpar import comm
 from ctxpar.integrations.transformers import shard_inputs
 from ctxpar.integrations.transformers.attention import PADDING_REFUSED, Settings
+from ctxpar.masks import positions_in_documents
 from ctxpar.parallelize import IGNORE_INDEX
 
 __all__ = ["ContextParallelTrainer"]
 
-_INPUTS = ("input_ids", "labels", "attention_mask")  # what a batch may hold
+_INPUTS = ("input_ids", "labels", "attention_mask", "position_ids")  # what a batch may hold
+
+
+def _packed(positions: torch.Tensor, labels: torch.Tensor) -> tuple[int, ...]:
+    """The lengths of the documents packed into every row of a batch, from ``position_ids``
+    (B, T) that restart at 0 in each (TRL's packing, transformers' DataCollatorWithFlattening)."""
+    row = positions[0]
+    starts = (row == 0).nonzero().flatten().tolist()
+    if not starts or starts[0] != 0:
+        raise ValueError(f"ContextParallelTrainer got position_ids starting at {int(row[0])}: packed rows restart at "
+                         f"0 in each document, the first included")
+    lengths = tuple(b - a for a, b in zip(starts, starts[1:] + [row.numel()]))
+    if not torch.equal(row, positions_in_documents(torch.arange(row.numel(), device=row.device), lengths)):
+        raise ValueError("ContextParallelTrainer got position_ids that do not count 0, 1, 2, ... within each "
+                         "document: only packed documents (positions restarting at 0) are taken")
+    if not bool((positions == row).all()):
+        raise ValueError("ContextParallelTrainer got a batch whose rows pack different documents; ctxpar's documents= "
+                         "describes every row alike: per_device_train_batch_size=1 (and eval) gives one row a batch")
+    if bool((labels[:, starts[1:]] != IGNORE_INDEX).any()):
+        raise ValueError(f"ContextParallelTrainer got a label on the first token of a packed document; set them to "
+                         f"{IGNORE_INDEX} (as DataCollatorWithFlattening does): without CP the model would learn to "
+                         f"predict each document's first token from the one before, which CP does not do")
+    return lengths
 
 
 def _settings(model) -> Settings:
@@ -132,14 +157,17 @@ class ContextParallelTrainer(Trainer):
         unknown = sorted(set(inputs) - set(_INPUTS))
         if unknown:
             raise ValueError(f"ContextParallelTrainer got batch keys {unknown}; it shards {list(_INPUTS)} (a "
-                             f"collator adding others, position_ids of packed rows, is not supported)")
+                             f"collator adding others is not supported)")
         labels, mask = inputs.get("labels"), inputs.get("attention_mask")
         if labels is None:
             raise ValueError("ContextParallelTrainer needs labels in the batch (for next-token prediction, a copy of "
                              "input_ids with unlabelled tokens set to -100, unshifted: the model shifts them)")
         if mask is not None and not bool(mask.all()):
             raise ValueError(PADDING_REFUSED)
-        sharded, shifted = shard_inputs(inputs["input_ids"], layout=self._layout, rank=self._cp_rank, labels=labels)
+        positions = inputs.get("position_ids")
+        documents = None if positions is None else _packed(positions, labels)
+        sharded, shifted = shard_inputs(inputs["input_ids"], layout=self._layout, rank=self._cp_rank, labels=labels,
+                                        documents=documents)
         outputs = model(**sharded, labels=shifted)
         loss = outputs.loss  # the micro-batch's token mean over the CP group, the same on every CP rank
         if num_items_in_batch is not None:  # as Trainer without CP: the sum over the accumulated batch's tokens
