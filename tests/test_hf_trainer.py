@@ -154,6 +154,15 @@ def _refusals(rank: int, world: int, output_dir: str) -> dict:
     counting_on = [dict(row, position_ids=torch.tensor([0, 1, 2, 3, 0, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15]))
                    for row in packed]
     labelled_start = [dict(row, labels=row["input_ids"]) for row in packed]
+    replica_group = None  # 2 replicas of CP 2: the 4 rows of a step's first micro-batches, 2 on each
+    for ranks in ((0, 2), (1, 3)):
+        made = dist.new_group(list(ranks))
+        replica_group = made if rank in ranks else replica_group
+    on_replicas = enable_context_parallel(tiny_llama(), layout="zigzag", group=replica_group)
+    one_padded = [dict(row, attention_mask=torch.ones(SEQ, dtype=torch.int64)) for row in data]
+    one_padded[0]["attention_mask"][-2:] = 0
+    one_out_of_vocabulary = [dict(row) for row in data]
+    one_out_of_vocabulary[0]["labels"] = torch.full((SEQ,), 500)
 
     class Stream(torch.utils.data.IterableDataset):
         def __iter__(self):
@@ -176,6 +185,9 @@ def _refusals(rank: int, world: int, output_dir: str) -> dict:
         "packed from 1": attempt(lambda: train(shifted)),
         "packed counting on": attempt(lambda: train(counting_on)),
         "document start labelled": attempt(lambda: train(labelled_start)),
+        # one replica's batch refused: the other's ranks hear it, not wait for it (in DDP's broadcast or all-reduce)
+        "padding on one replica": attempt(lambda: train(one_padded, model=on_replicas)),
+        "label out of vocabulary on one replica": attempt(lambda: train(one_out_of_vocabulary, model=on_replicas)),
         "predictions": attempt(lambda: ContextParallelTrainer(
             model=enabled, args=_arguments(output_dir), compute_metrics=lambda p: {}).evaluate(data)),
         # the plain Trainer on the enabled model: its num_items_in_batch= is refused
@@ -334,3 +346,17 @@ def test_a_run_resumed_from_its_checkpoint_trains_the_same_bits(ranks):
         assert torch.equal(result["resumed"]["whole"], result["resumed"]["resumed"])
         whole, resumed = result["resumed"]["logs"]
         assert len(whole) == STEPS and whole == resumed
+
+
+ONE_REPLICA_REFUSED = {
+    "padding on one replica": ("padding masks are not supported", "rejected their ContextParallelTrainer batch"),
+    "label out of vocabulary on one replica": ("labels= got token ids",
+                                               "rejected their ContextParallelTrainer forward"),
+}
+
+
+@pytest.mark.parametrize("case", list(ONE_REPLICA_REFUSED))
+def test_a_refusal_on_one_replica_reaches_every_rank(ranks, case):
+    refused, heard = ONE_REPLICA_REFUSED[case]
+    messages = [result["refusals"][case] for result in ranks]
+    assert sum(refused in m for m in messages) == 2 and sum(heard in m for m in messages) == 2, messages

@@ -33,7 +33,7 @@ import torch
 import torch.distributed as dist
 from transformers import Trainer
 
-from ctxpar import comm
+from ctxpar import agreement, comm
 from ctxpar.integrations.transformers import shard_inputs
 from ctxpar.integrations.transformers.attention import PADDING_REFUSED, Settings
 from ctxpar.masks import positions_in_documents
@@ -154,21 +154,15 @@ class ContextParallelTrainer(Trainer):
     def compute_loss(self, model, inputs: dict, return_outputs: bool = False, num_items_in_batch=None):
         """Shard the whole batch over the CP group and return the loss ``Trainer`` would
         compute without CP, whose gradient is this rank's share scaled by P."""
-        unknown = sorted(set(inputs) - set(_INPUTS))
-        if unknown:
-            raise ValueError(f"ContextParallelTrainer got batch keys {unknown}; it shards {list(_INPUTS)} (a "
-                             f"collator adding others is not supported)")
-        labels, mask = inputs.get("labels"), inputs.get("attention_mask")
-        if labels is None:
-            raise ValueError("ContextParallelTrainer needs labels in the batch (for next-token prediction, a copy of "
-                             "input_ids with unlabelled tokens set to -100, unshifted: the model shifts them)")
-        if mask is not None and not bool(mask.all()):
-            raise ValueError(PADDING_REFUSED)
-        positions = inputs.get("position_ids")
-        documents = None if positions is None else _packed(positions, labels)
-        sharded, shifted = shard_inputs(inputs["input_ids"], layout=self._layout, rank=self._cp_rank, labels=labels,
-                                        documents=documents)
-        outputs = model(**sharded, labels=shifted)
+        # the replicas hold different batches: one refusing, the others would wait for it in DDP's buffer broadcast
+        # (the forward's start), its gradient all-reduce or evaluation's gather; every rank hears it first
+        with agreement.Refusal() as refusal:
+            labels = inputs.get("labels")
+            sharded, shifted = self._shard(inputs, labels)
+        self._join(refusal, "batch")
+        with agreement.Refusal() as refusal:  # the forward refuses on every rank of a CP group together
+            outputs = model(**sharded, labels=shifted)
+        self._join(refusal, "forward")
         loss = outputs.loss  # the micro-batch's token mean over the CP group, the same on every CP rank
         if num_items_in_batch is not None:  # as Trainer without CP: the sum over the accumulated batch's tokens
             if self.args.average_tokens_across_devices:
@@ -179,6 +173,30 @@ class ContextParallelTrainer(Trainer):
         # DDP averages over every rank, P per replica, each holding its share: P times the gradient, the same value
         loss = loss + (self._cp - 1) * (loss - loss.detach())
         return (loss, outputs) if return_outputs else loss
+
+    def _shard(self, inputs: dict, labels) -> tuple[dict, torch.Tensor]:
+        """This rank's model inputs and shifted labels of the whole batch ``inputs``."""
+        unknown = sorted(set(inputs) - set(_INPUTS))
+        if unknown:
+            raise ValueError(f"ContextParallelTrainer got batch keys {unknown}; it shards {list(_INPUTS)} (a "
+                             f"collator adding others is not supported)")
+        if labels is None:
+            raise ValueError("ContextParallelTrainer needs labels in the batch (for next-token prediction, a copy of "
+                             "input_ids with unlabelled tokens set to -100, unshifted: the model shifts them)")
+        mask, positions = inputs.get("attention_mask"), inputs.get("position_ids")
+        if mask is not None and not bool(mask.all()):
+            raise ValueError(PADDING_REFUSED)
+        documents = None if positions is None else _packed(positions, labels)
+        return shard_inputs(inputs["input_ids"], layout=self._layout, rank=self._cp_rank, labels=labels,
+                            documents=documents)
+
+    def _join(self, refusal: agreement.Refusal, what: str) -> None:
+        """Raise on every rank where a rank refused its ``what``; one replica alone needs no exchange
+        (its ranks hold the same batch, and the forward refuses on all of them together)."""
+        if self._replicas > 1:
+            refusal.join(lambda: {}, None, f"ContextParallelTrainer {what}", world_size=self.accelerator.num_processes)
+        elif refusal.error is not None:
+            raise refusal.error
 
     def prediction_step(self, model, inputs: dict, prediction_loss_only: bool, ignore_keys=None):
         if not prediction_loss_only:
