@@ -71,7 +71,8 @@ def _arguments(output_dir: str, **changes):
 
     settings = dict(use_cpu=True, report_to=[], save_strategy="no", max_steps=STEPS, per_device_train_batch_size=BATCH,
                     per_device_eval_batch_size=BATCH, gradient_accumulation_steps=ACCUMULATE, logging_steps=1,
-                    optim="sgd", learning_rate=LR, max_grad_norm=100.0, disable_tqdm=True, seed=0)
+                    optim="sgd", learning_rate=LR, max_grad_norm=100.0, disable_tqdm=True, seed=0,
+                    include_num_input_tokens_seen="all")
     return TrainingArguments(output_dir=output_dir, **{**settings, **changes})
 
 
@@ -313,6 +314,7 @@ def test_trainer_matches_trainer_without_cp(ranks, run):
             assert got["loss"] == pytest.approx(expected["loss"], rel=1e-5)
             assert got["grad_norm"] == pytest.approx(expected["grad_norm"], rel=1e-4)
             assert got["learning_rate"] == pytest.approx(expected["learning_rate"])
+        assert result["logs"][-1]["num_input_tokens_seen"] == STEPS * ACCUMULATE * BATCH * SEQ * len(replicas)
         moved = (want["weights"] - _weights(tiny_llama().double())).abs().max()
         assert (result["weights"].double() - want["weights"]).abs().max() < 1e-4 * moved
         assert result["eval_loss"] == pytest.approx(_eval_reference(run, dealt["eval"], want["model"]), rel=1e-5)

@@ -137,6 +137,12 @@ class ContextParallelTrainer(Trainer):
         rank by it, and the world size by it for the data-parallel batch size."""
         return self._cp
 
+    def _track_num_input_tokens(self, inputs) -> None:
+        """Trainer's count of the tokens seen, gathered over every rank: each replica's counted once."""
+        before = self.state.num_input_tokens_seen
+        super()._track_num_input_tokens(inputs)
+        self.state.num_input_tokens_seen = before + (self.state.num_input_tokens_seen - before) // self._cp
+
     def _get_dataloader(self, *args, **kwargs):
         loader = super()._get_dataloader(*args, **kwargs)
         sampler = getattr(loader, "batch_sampler", None)
