@@ -48,7 +48,7 @@ RUNS = {
 
 
 def examples(count: int, seed: int, packed: bool = False) -> list[dict]:
-    """Rows of SEQ tokens whose first 1-9 labels are -100 (a prompt), so that batches hold different
+    """Rows of SEQ tokens whose first 0-9 labels are -100 (a prompt), so that batches hold different
     numbers of labelled tokens and a mean per batch differs from the mean per token. ``packed``:
     each row packs documents of PACKING tokens, position_ids restarting at 0 in each, the first
     label of each -100 (as DataCollatorWithFlattening gives them)."""
@@ -58,7 +58,7 @@ def examples(count: int, seed: int, packed: bool = False) -> list[dict]:
     for _ in range(count):
         ids = torch.randint(0, 128, (SEQ,), generator=g)
         labels = ids.clone()
-        labels[:int(torch.randint(1, 10, (), generator=g))] = -100
+        labels[:int(torch.randint(0, 10, (), generator=g))] = -100  # 0: a row labelled from its first token
         rows.append(dict(input_ids=ids, labels=labels))
         if packed:
             labels[starts] = -100
@@ -104,8 +104,10 @@ def _train(rank: int, world: int, run: str, output_dir: str) -> dict:
     trainer.train()
     evaluated = trainer.evaluate(examples(EVAL_EXAMPLES, 2, RUNS[run].packed))
     return dict(logs=[log for log in trainer.state.log_history if "loss" in log], eval_loss=evaluated["eval_loss"],
-                weights=_weights(model), train=seen[True],
-                eval=seen[False], replica=trainer._replica)
+                weights=_weights(model), train=seen[True], eval=seen[False], replica=trainer._replica,
+                flos=trainer.state.total_flos,
+                # the rank loader workers are seeded by (these ranks are daemons, which cannot start workers)
+                worker_seed_rank=trainer.get_train_dataloader().base_dataloader.worker_init_fn.keywords["rank"])
 
 
 def _weights(model) -> torch.Tensor:
@@ -131,17 +133,26 @@ def _resumed(rank: int, world: int, output_dir: str) -> dict:
         [log["loss"] for log in t.state.log_history if "loss" in log] for t in (whole, resumed)])
 
 
+def _refusal(fn) -> str:
+    """What ``fn()`` raised (a ValueError), or "no error"."""
+    try:
+        fn()
+    except ValueError as e:
+        return str(e)
+    return "no error"
+
+
+def _trainer_without_launch_variables(output_dir: str):
+    from ctxpar.integrations.transformers import ContextParallelTrainer, enable_context_parallel
+
+    return ContextParallelTrainer(model=enable_context_parallel(tiny_llama(), layout="zigzag"),
+                                  args=_arguments(output_dir), train_dataset=examples(4, 3))
+
+
 def _refusals(rank: int, world: int, output_dir: str) -> dict:
     from transformers import Trainer
 
     from ctxpar.integrations.transformers import ContextParallelTrainer, enable_context_parallel
-
-    def attempt(fn) -> str:
-        try:
-            fn()
-        except ValueError as e:
-            return str(e)
-        return "no error"
 
     data = examples(4, 3)
     enabled = enable_context_parallel(tiny_llama(), layout="zigzag")
@@ -160,6 +171,8 @@ def _refusals(rank: int, world: int, output_dir: str) -> dict:
         made = dist.new_group(list(ranks))
         replica_group = made if rank in ranks else replica_group
     on_replicas = enable_context_parallel(tiny_llama(), layout="zigzag", group=replica_group)
+    pair = dist.new_group([0, 1])  # ranks 0 and 1 in a CP group of 2, ranks 2 and 3 in WORLD's of 4
+    two_sizes = enable_context_parallel(tiny_llama(), layout="zigzag", group=pair if rank < 2 else None)
     one_padded = [dict(row, attention_mask=torch.ones(SEQ, dtype=torch.int64)) for row in data]
     one_padded[0]["attention_mask"][-2:] = 0
     one_out_of_vocabulary = [dict(row) for row in data]
@@ -174,25 +187,32 @@ def _refusals(rank: int, world: int, output_dir: str) -> dict:
         return ContextParallelTrainer(model=model, args=args, train_dataset=dataset).train()
 
     return {
-        "not enabled": attempt(lambda: train(data, model=tiny_llama())),
-        "label smoothing": attempt(lambda: train(data, label_smoothing_factor=0.1)),
-        "compute_loss_func": attempt(lambda: ContextParallelTrainer(model=enabled, args=_arguments(output_dir),
+        "not enabled": _refusal(lambda: train(data, model=tiny_llama())),
+        "label smoothing": _refusal(lambda: train(data, label_smoothing_factor=0.1)),
+        "compute_loss_func": _refusal(lambda: ContextParallelTrainer(model=enabled, args=_arguments(output_dir),
                                                                     compute_loss_func=lambda *a, **k: 0)),
-        "padding": attempt(lambda: train(padded)),
-        "extra key": attempt(lambda: train(extra, remove_unused_columns=False)),
-        "no labels": attempt(lambda: train(unlabelled)),
-        "iterable dataset": attempt(lambda: train(Stream())),
-        "packed rows apart": attempt(lambda: train(packed_apart)),
-        "packed from 1": attempt(lambda: train(shifted)),
-        "packed counting on": attempt(lambda: train(counting_on)),
-        "document start labelled": attempt(lambda: train(labelled_start)),
+        "padding": _refusal(lambda: train(padded)),
+        "extra key": _refusal(lambda: train(extra, remove_unused_columns=False)),
+        "no labels": _refusal(lambda: train(unlabelled)),
+        "iterable dataset": _refusal(lambda: train(Stream())),
+        "packed rows apart": _refusal(lambda: train(packed_apart)),
+        "packed from 1": _refusal(lambda: train(shifted)),
+        "packed counting on": _refusal(lambda: train(counting_on)),
+        "document start labelled": _refusal(lambda: train(labelled_start)),
+        "batch rebalance": _refusal(lambda: train(data, train_sampling_strategy="batch_rebalance")),
+        "neftune": _refusal(lambda: train(data, neftune_noise_alpha=5.0)),
+        "dispatch batches": _refusal(lambda: train(data, accelerator_config={"dispatch_batches": True})),
+        "model_init": _refusal(lambda: ContextParallelTrainer(model_init=lambda: enabled, args=_arguments(output_dir))),
+        "evaluate without labels": _refusal(lambda: ContextParallelTrainer(
+            model=enabled, args=_arguments(output_dir)).evaluate(unlabelled)),
+        "groups of two sizes": _refusal(lambda: train(data, model=two_sizes)),
         # one replica's batch refused: the other's ranks hear it, not wait for it (in DDP's broadcast or all-reduce)
-        "padding on one replica": attempt(lambda: train(one_padded, model=on_replicas)),
-        "label out of vocabulary on one replica": attempt(lambda: train(one_out_of_vocabulary, model=on_replicas)),
-        "predictions": attempt(lambda: ContextParallelTrainer(
+        "padding on one replica": _refusal(lambda: train(one_padded, model=on_replicas)),
+        "label out of vocabulary on one replica": _refusal(lambda: train(one_out_of_vocabulary, model=on_replicas)),
+        "predictions": _refusal(lambda: ContextParallelTrainer(
             model=enabled, args=_arguments(output_dir), compute_metrics=lambda p: {}).evaluate(data)),
         # the plain Trainer on the enabled model: its num_items_in_batch= is refused
-        "plain Trainer": attempt(lambda: Trainer(model=enabled, args=_arguments(output_dir),
+        "plain Trainer": _refusal(lambda: Trainer(model=enabled, args=_arguments(output_dir),
                                                  train_dataset=data).train()),
     }
 
@@ -205,18 +225,23 @@ def run(rank: int, world: int) -> dict:
 
     logging.set_verbosity_error()
     warnings.filterwarnings("ignore")
-    saved = {key: os.environ.get(key) for key in LAUNCH_VARS}
-    os.environ.update(RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank), LOCAL_WORLD_SIZE=str(world),
-                      MASTER_ADDR="127.0.0.1", MASTER_PORT="0", OMP_NUM_THREADS=str(torch.get_num_threads()))
+    saved = {key: os.environ.pop(key, None) for key in LAUNCH_VARS}
     out = {}
     try:
         with tempfile.TemporaryDirectory() as output_dir:  # Trainer's, where nothing is saved (save_strategy="no")
+            # first without the variables, which accelerate reads once (then afresh): it sees one process
+            AcceleratorState._reset_state(reset_partial_state=True)
+            unseen = _refusal(lambda: _trainer_without_launch_variables(output_dir))
+            AcceleratorState._reset_state(reset_partial_state=True)
+            os.environ.update(RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank),
+                              LOCAL_WORLD_SIZE=str(world), MASTER_ADDR="127.0.0.1", MASTER_PORT="0",
+                              OMP_NUM_THREADS=str(torch.get_num_threads()))
             for name in RUNS:
                 try:
                     out[name] = _train(rank, world, name, output_dir)
                 except Exception:  # noqa: BLE001  reported by its own test
                     out[name] = f"rank {rank} raised\n{traceback.format_exc()}"
-            out["refusals"] = _refusals(rank, world, output_dir)
+            out["refusals"] = {**_refusals(rank, world, output_dir), "no torchrun variables": unseen}
             out["resumed"] = _resumed(rank, world, output_dir)
     finally:
         AcceleratorState._reset_state(reset_partial_state=True)  # the group's later batches: no accelerate state
@@ -286,6 +311,12 @@ def _eval_reference(run: str, dealt: list[list], model) -> float:
     return sum(rows[:EVAL_EXAMPLES]) / EVAL_EXAMPLES
 
 
+# the rows of each evaluation batch, per replica, as Trainer deals them without CP to R processes: in one, the
+# last batch short; over 2, batch k to replica k mod 2, the last one padded with the first row (accelerate's even
+# batches, whose padding evaluation's gather drops)
+EVAL_DEAL = {1: [[[0, 1], [2, 3], [4, 5], [6]]], 2: [[[0, 1], [4, 5]], [[2, 3], [6, 0]]]}
+
+
 @pytest.fixture(scope="module")
 def ranks() -> list[dict]:
     return spawned.results("hf_trainer")
@@ -307,6 +338,10 @@ def test_trainer_matches_trainer_without_cp(ranks, run):
     if len(replicas) > 1:  # the replicas were dealt different examples
         firsts = [tuple(map(tuple, dealt["train"][k][0][0].tolist())) for k in replicas]
         assert len(set(firsts)) == len(firsts)
+    rows = examples(EVAL_EXAMPLES, 2, RUNS[run].packed)
+    for replica, batches in enumerate(EVAL_DEAL[len(replicas)]):  # evaluation's batches: Trainer's without CP
+        assert [batch[0].tolist() for batch in dealt["eval"][replica]] == \
+            [[rows[i]["input_ids"].tolist() for i in batch] for batch in batches]
     want = _reference(run, dealt["train"])
     for result in results:
         assert len(result["logs"]) == STEPS
@@ -314,7 +349,10 @@ def test_trainer_matches_trainer_without_cp(ranks, run):
             assert got["loss"] == pytest.approx(expected["loss"], rel=1e-5)
             assert got["grad_norm"] == pytest.approx(expected["grad_norm"], rel=1e-4)
             assert got["learning_rate"] == pytest.approx(expected["learning_rate"])
-        assert result["logs"][-1]["num_input_tokens_seen"] == STEPS * ACCUMULATE * BATCH * SEQ * len(replicas)
+        assert result["worker_seed_rank"] == result["replica"]  # a random dataset's draws alike on a replica's ranks
+        tokens = STEPS * ACCUMULATE * BATCH * SEQ * len(replicas)
+        assert result["logs"][-1]["num_input_tokens_seen"] == tokens
+        assert result["flos"] == 6 * tokens * tiny_llama().num_parameters(exclude_embeddings=True)  # Trainer's rule
         moved = (want["weights"] - _weights(tiny_llama().double())).abs().max()
         assert (result["weights"].double() - want["weights"]).abs().max() < 1e-4 * moved
         assert result["eval_loss"] == pytest.approx(_eval_reference(run, dealt["eval"], want["model"]), rel=1e-5)
@@ -332,6 +370,13 @@ REFUSED = {
     "packed from 1": "position_ids starting at 1",
     "packed counting on": "do not count 0, 1, 2, ... within each document",
     "document start labelled": "a label on the first token of a packed document",
+    "batch rebalance": "train_sampling_strategy='batch_rebalance'",
+    "neftune": "neftune_noise_alpha=5.0",
+    "dispatch batches": "dispatch_batches=True",
+    "model_init": "model_init= (a model made anew for each trial) is not supported",
+    "evaluate without labels": "needs labels in the batch",
+    "groups of two sizes": "do not split WORLD into replicas of one size",
+    "no torchrun variables": "accelerate sees 1 process(es) where torch.distributed has 4",
     "predictions": "evaluates the loss only",
     "plain Trainer": "num_items_in_batch= is not supported",
 }

@@ -19,15 +19,19 @@ same steps. Three things differ from a plain ``Trainer`` under ``torchrun``:
   share of the replica's gradient; the loss's gradient is scaled by P (its value is not:
   the losses logged are ``Trainer``'s), so the average is the replicas' mean, as without CP.
 
-Evaluation computes the loss alike, one copy per replica gathered; predictions (logits of
-a shard) are refused, as are features whose CP form is not built: label smoothing, a
-``compute_loss_func``, DeepSpeed and FSDP through accelerate, accelerate's own
-``parallelism_config``, an iterable dataset, batch rebalancing, DataParallel, padding masks.
+Evaluation computes the loss alike, one copy per replica gathered; Trainer's counts of tokens
+seen and floating-point operations count each replica's batch once; loader workers are seeded
+by replica. Predictions (logits of a shard) are refused, as are features whose CP form is not
+built: label smoothing, NEFTune, a ``compute_loss_func``, ``model_init``, DeepSpeed and FSDP
+through accelerate, accelerate's own ``parallelism_config`` and ``dispatch_batches``, an
+iterable dataset, batch rebalancing, DataParallel, padding masks.
 Packed rows (``position_ids`` restarting at 0 in each document, every row of a batch alike)
 attend and predict within each document (``shard_inputs(..., documents=)``).
 """
 
 from __future__ import annotations
+
+import functools
 
 import torch
 import torch.distributed as dist
@@ -42,6 +46,8 @@ from ctxpar.parallelize import IGNORE_INDEX
 __all__ = ["ContextParallelTrainer"]
 
 _INPUTS = ("input_ids", "labels", "attention_mask", "position_ids")  # what a batch may hold
+_NO_LABELS = ("ContextParallelTrainer needs labels in the batch (for next-token prediction, a copy of input_ids with "
+              "unlabelled tokens set to -100, unshifted: the model shifts them)")
 
 
 def _packed(positions: torch.Tensor, labels: torch.Tensor) -> tuple[int, ...]:
@@ -66,7 +72,10 @@ def _packed(positions: torch.Tensor, labels: torch.Tensor) -> tuple[int, ...]:
     return lengths
 
 
-def _settings(model) -> Settings:
+def _settings(model, model_init) -> Settings:
+    if model is None and model_init is not None:
+        raise ValueError("ContextParallelTrainer takes model=, a model enable_context_parallel was applied to; "
+                         "model_init= (a model made anew for each trial) is not supported")
     found = next((m.ctxpar_settings for m in model.modules()
                   if isinstance(getattr(m, "ctxpar_settings", None), Settings)), None) if model is not None else None
     if found is None:
@@ -83,7 +92,7 @@ class ContextParallelTrainer(Trainer):
     the CP groups must split WORLD into data-parallel replicas of equal size."""
 
     def __init__(self, model=None, args=None, *positional, **kwargs) -> None:
-        settings = _settings(model)
+        settings = _settings(model, kwargs.get("model_init"))
         super().__init__(model, args, *positional, **kwargs)
         self._layout = settings.layout
         peers = settings.peers()
@@ -102,6 +111,10 @@ class ContextParallelTrainer(Trainer):
             (getattr(accelerator, "parallelism_config", None) is not None,
              "accelerate's parallelism_config (its own context, tensor and sequence parallelism)"),
             (args.train_sampling_strategy == "batch_rebalance", "train_sampling_strategy='batch_rebalance'"),
+            (args.neftune_noise_alpha is not None, f"neftune_noise_alpha={args.neftune_noise_alpha} (its noise is "
+             f"scaled by the length of each rank's shard: sqrt(P) times too large)"),
+            (accelerator.dispatch_batches is True, "dispatch_batches=True (batches sent out from rank 0 over every "
+             "rank, not over the data-parallel replicas)"),
         ]
         refused = [what for bad, what in refusals if bad]
         if refused:
@@ -121,21 +134,27 @@ class ContextParallelTrainer(Trainer):
         members = dist.get_process_group_ranks(settings.group or dist.group.WORLD) if settings.mesh is None else \
             settings.mesh.mesh.flatten().tolist()
         leader = min(members)
-        mine = torch.tensor([leader], dtype=torch.int64, device=comm.collective_device(None))
+        mine = torch.tensor([leader, self._cp], dtype=torch.int64, device=comm.collective_device(None))
         everyone = [torch.empty_like(mine) for _ in range(world)]
         dist.all_gather(everyone, mine)
-        leaders = [int(t) for t in everyone]
+        leaders, sizes = zip(*(t.tolist() for t in everyone))
         replicas = sorted(set(leaders))
-        if any(leaders.count(r) != self._cp for r in replicas):
-            raise ValueError(f"the CP groups do not split WORLD into replicas of {self._cp} ranks (each rank's group's "
-                             f"first rank: {leaders}); ContextParallelTrainer needs every rank in one CP group of "
-                             f"the same size")
-        return replicas.index(leader), len(replicas), leaders
+        # judged from what every rank gathered, so that every rank refuses alike
+        if len(set(sizes)) > 1 or any(leaders.count(r) != sizes[0] for r in replicas):
+            raise ValueError(f"the CP groups do not split WORLD into replicas of one size (each rank's group's first "
+                             f"rank {list(leaders)}, its size {list(sizes)}); ContextParallelTrainer needs every rank "
+                             f"in one CP group of the same size")
+        return replicas.index(leader), len(replicas), list(leaders)
 
     def get_cp_size(self) -> int:
         """The ranks sharing each batch: ``Trainer`` divides the token count gathered over every
         rank by it, and the world size by it for the data-parallel batch size."""
         return self._cp
+
+    def floating_point_ops(self, inputs: dict) -> int:
+        """Trainer's estimate for the whole batch, which every CP rank holds, shared out: summed
+        over every rank, each replica's batch counted once."""
+        return super().floating_point_ops(inputs) // self._cp
 
     def _track_num_input_tokens(self, inputs) -> None:
         """Trainer's count of the tokens seen, gathered over every rank: each replica's counted once."""
@@ -151,10 +170,19 @@ class ContextParallelTrainer(Trainer):
         if self.accelerator.num_processes > 1:
             if not hasattr(sampler, "num_processes"):
                 raise ValueError(f"ContextParallelTrainer deals batches out over the data-parallel replicas and cannot "
-                                 f"with {type(loader).__name__} over {type(loader.dataset).__name__} (an iterable "
-                                 f"dataset, or batches dispatched from rank 0): use a dataset with a length")
+                                 f"with {type(loader).__name__} over {type(loader.dataset).__name__}, an iterable "
+                                 f"dataset: use a dataset with a length")
             # as Trainer does for its own rank-aware sampler: accelerate shards over every rank, we over the replicas
             sampler.num_processes, sampler.process_index = self._replicas, self._replica
+            if self._replicas == 1:  # as Trainer in one process, which accelerate does not shard: a short last
+                sampler.even_batches = False  # batch stays short, not padded with the epoch's first rows
+            # Trainer seeds each worker by global rank: by replica, a random dataset or collator gives every CP
+            # rank of a replica the same batch (as Trainer without CP seeds replica r's workers)
+            base = getattr(loader, "base_dataloader", loader)  # accelerate's adapter forwards reads, not writes
+            seed = getattr(base, "worker_init_fn", None)
+            if isinstance(seed, functools.partial) and "rank" in seed.keywords:
+                base.worker_init_fn = functools.partial(seed.func, *seed.args, **{**seed.keywords,
+                                                                                  "rank": self._replica})
         return loader
 
     def compute_loss(self, model, inputs: dict, return_outputs: bool = False, num_items_in_batch=None):
@@ -187,8 +215,7 @@ class ContextParallelTrainer(Trainer):
             raise ValueError(f"ContextParallelTrainer got batch keys {unknown}; it shards {list(_INPUTS)} (a "
                              f"collator adding others is not supported)")
         if labels is None:
-            raise ValueError("ContextParallelTrainer needs labels in the batch (for next-token prediction, a copy of "
-                             "input_ids with unlabelled tokens set to -100, unshifted: the model shifts them)")
+            raise ValueError(_NO_LABELS)
         mask, positions = inputs.get("attention_mask"), inputs.get("position_ids")
         if mask is not None and not bool(mask.all()):
             raise ValueError(PADDING_REFUSED)
@@ -205,6 +232,8 @@ class ContextParallelTrainer(Trainer):
             raise refusal.error
 
     def prediction_step(self, model, inputs: dict, prediction_loss_only: bool, ignore_keys=None):
+        if "labels" not in inputs:  # Trainer would run the model on the whole batch, unsharded
+            raise ValueError(_NO_LABELS)
         if not prediction_loss_only:
             raise ValueError("ContextParallelTrainer evaluates the loss only: a rank's logits are its shard's, not the "
                              "batch's (pass no compute_metrics, or prediction_loss_only=True)")
