@@ -25,6 +25,7 @@ TRAIN_EXAMPLES, EVAL_EXAMPLES = 20, 7  # 7: the last evaluation batch is cut (an
 # what torchrun gives each process, which accelerate reads to see the processes
 LAUNCH_VARS = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT", "OMP_NUM_THREADS")
 MESH = "dp 2 x (ring 1, ulysses 2)"  # 2 replicas, each a hybrid mesh
+STRIDED = ((0, 2), (1, 3))  # 2 replicas of CP 2: replica 0 is ranks 0 and 2, replica 1 ranks 1 and 3
 
 
 class Run(NamedTuple):
@@ -39,9 +40,8 @@ class Run(NamedTuple):
 
 RUNS = {
     "cp4": Run(None, "ring", "zigzag"),
-    # strided groups: replica 0 is ranks 0 and 2, replica 1 ranks 1 and 3
-    "dp2xcp2": Run(((0, 2), (1, 3)), "allgather", "zigzag", max_grad_norm=1.0),
-    "dp2xcp2 own tokens": Run(((0, 2), (1, 3)), "ring", "contiguous", average=False),
+    "dp2xcp2": Run(STRIDED, "allgather", "zigzag", max_grad_norm=1.0),
+    "dp2xcp2 own tokens": Run(STRIDED, "ring", "contiguous", average=False),
     "dp2 x hybrid": Run(MESH, "hybrid", "striped", checkpointing=True),
     "dp2xcp2 packed": Run(((0, 1), (2, 3)), "ring", "zigzag", packed=True),
 }
@@ -85,9 +85,8 @@ def _train(rank: int, world: int, run: str, output_dir: str) -> dict:
     group = mesh = None
     if groups == MESH:
         mesh = init_device_mesh("cpu", (2, 1, 2), mesh_dim_names=("dp", "ring", "ulysses"))["ring", "ulysses"]
-    for ranks in groups if groups not in (None, MESH) else ():
-        made = dist.new_group(list(ranks))  # every rank makes every group
-        group = made if rank in ranks else group
+    elif groups is not None:
+        group = _cp_group(rank, groups)
     seen = {True: [], False: []}  # the batches compute_loss was given, training and evaluating
 
     class Recording(ContextParallelTrainer):
@@ -105,9 +104,18 @@ def _train(rank: int, world: int, run: str, output_dir: str) -> dict:
     evaluated = trainer.evaluate(examples(EVAL_EXAMPLES, 2, RUNS[run].packed))
     return dict(logs=[log for log in trainer.state.log_history if "loss" in log], eval_loss=evaluated["eval_loss"],
                 weights=_weights(model), train=seen[True], eval=seen[False], replica=trainer._replica,
-                flos=trainer.state.total_flos,
+                flos=trainer.state.total_flos, checkpointing=model.is_gradient_checkpointing,
                 # the rank loader workers are seeded by (these ranks are daemons, which cannot start workers)
                 worker_seed_rank=trainer.get_train_dataloader().base_dataloader.worker_init_fn.keywords["rank"])
+
+
+def _cp_group(rank: int, groups: tuple[tuple[int, ...], ...]) -> dist.ProcessGroup | None:
+    """This rank's group of ``groups``, none where it is in none: every rank makes every group."""
+    mine = None
+    for ranks in groups:
+        made = dist.new_group(list(ranks))
+        mine = made if rank in ranks else mine
+    return mine
 
 
 def _weights(model) -> torch.Tensor:
@@ -115,15 +123,18 @@ def _weights(model) -> torch.Tensor:
 
 
 def _resumed(rank: int, world: int, output_dir: str) -> dict:
-    """Two steps of AdamW (Trainer's default), and again, resumed from the checkpoint saved after the first."""
+    """Two steps of AdamW (Trainer's default) over 2 replicas of CP 2, and again, resumed from the
+    checkpoint saved after the first (mid-epoch: the deal over the replicas resumed too)."""
     from ctxpar.integrations.transformers import ContextParallelTrainer, enable_context_parallel
 
     shared = [output_dir]
     dist.broadcast_object_list(shared, src=0)  # Trainer saves where every rank reads, as on a shared file system
 
+    group = _cp_group(rank, STRIDED)
+
     def trainer():
         args = _arguments(shared[0], optim="adamw_torch", learning_rate=1e-2, save_strategy="steps", save_steps=1)
-        model = enable_context_parallel(tiny_llama(), layout="zigzag")
+        model = enable_context_parallel(tiny_llama(), layout="zigzag", group=group)
         return ContextParallelTrainer(model=model, args=args, train_dataset=examples(TRAIN_EXAMPLES, 1))
 
     whole, resumed = trainer(), trainer()
@@ -158,7 +169,7 @@ def _refusals(rank: int, world: int, output_dir: str) -> dict:
     enabled = enable_context_parallel(tiny_llama(), layout="zigzag")
     padded = [dict(row, attention_mask=torch.ones(SEQ, dtype=torch.int64)) for row in data]
     padded[0]["attention_mask"][-2:] = 0
-    extra = [dict(row, token_type_ids=torch.zeros(SEQ, dtype=torch.int64)) for row in data]
+    extra = [dict(row, special_tokens_mask=torch.zeros(SEQ, dtype=torch.int64)) for row in data]
     unlabelled = [dict(input_ids=row["input_ids"]) for row in data]
     packed = examples(4, 3, packed=True)
     packed_apart = [dict(row, position_ids=torch.arange(SEQ)) if i == 1 else row for i, row in enumerate(packed)]
@@ -166,15 +177,13 @@ def _refusals(rank: int, world: int, output_dir: str) -> dict:
     counting_on = [dict(row, position_ids=torch.tensor([0, 1, 2, 3, 0, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15]))
                    for row in packed]
     labelled_start = [dict(row, labels=row["input_ids"]) for row in packed]
-    replica_group = None  # 2 replicas of CP 2: the 4 rows of a step's first micro-batches, 2 on each
-    for ranks in ((0, 2), (1, 3)):
-        made = dist.new_group(list(ranks))
-        replica_group = made if rank in ranks else replica_group
-    on_replicas = enable_context_parallel(tiny_llama(), layout="zigzag", group=replica_group)
+    # 2 replicas of CP 2: the 4 rows of a step's first micro-batches, 2 on each
+    on_replicas = enable_context_parallel(tiny_llama(), layout="zigzag", group=_cp_group(rank, STRIDED))
     pair = dist.new_group([0, 1])  # ranks 0 and 1 in a CP group of 2, ranks 2 and 3 in WORLD's of 4
     two_sizes = enable_context_parallel(tiny_llama(), layout="zigzag", group=pair if rank < 2 else None)
-    one_padded = [dict(row, attention_mask=torch.ones(SEQ, dtype=torch.int64)) for row in data]
-    one_padded[0]["attention_mask"][-2:] = 0
+    # each group of 2, led by rank 0 or 1, but ranks 2 and 3 in different groups led by 1, which is in neither
+    made = [dist.new_group(list(ranks)) for ranks in ((0, 1), (1, 2), (1, 3))]
+    crossing = enable_context_parallel(tiny_llama(), layout="zigzag", group=made[0] if rank < 2 else made[rank - 1])
     one_out_of_vocabulary = [dict(row) for row in data]
     one_out_of_vocabulary[0]["labels"] = torch.full((SEQ,), 500)
 
@@ -206,8 +215,9 @@ def _refusals(rank: int, world: int, output_dir: str) -> dict:
         "evaluate without labels": _refusal(lambda: ContextParallelTrainer(
             model=enabled, args=_arguments(output_dir)).evaluate(unlabelled)),
         "groups of two sizes": _refusal(lambda: train(data, model=two_sizes)),
+        "groups crossing": _refusal(lambda: train(data, model=crossing)),
         # one replica's batch refused: the other's ranks hear it, not wait for it (in DDP's broadcast or all-reduce)
-        "padding on one replica": _refusal(lambda: train(one_padded, model=on_replicas)),
+        "padding on one replica": _refusal(lambda: train(padded, model=on_replicas)),
         "label out of vocabulary on one replica": _refusal(lambda: train(one_out_of_vocabulary, model=on_replicas)),
         "predictions": _refusal(lambda: ContextParallelTrainer(
             model=enabled, args=_arguments(output_dir), compute_metrics=lambda p: {}).evaluate(data)),
@@ -335,15 +345,21 @@ def test_trainer_matches_trainer_without_cp(ranks, run):
             mine = dealt[part][result["replica"]]
             assert len(result[part]) == len(mine)
             assert all(all(x is y or torch.equal(x, y) for x, y in zip(a, b)) for a, b in zip(result[part], mine))
-    if len(replicas) > 1:  # the replicas were dealt different examples
-        firsts = [tuple(map(tuple, dealt["train"][k][0][0].tolist())) for k in replicas]
-        assert len(set(firsts)) == len(firsts)
+    # the epoch's examples dealt once each (STEPS * ACCUMULATE * BATCH rows of each replica's fit in it)
+    trained = [tuple(row) for replica in dealt["train"] for batch in replica for row in batch[0].tolist()]
+    assert len(trained) == len(set(trained)) == STEPS * ACCUMULATE * BATCH * len(replicas) <= TRAIN_EXAMPLES
     rows = examples(EVAL_EXAMPLES, 2, RUNS[run].packed)
     for replica, batches in enumerate(EVAL_DEAL[len(replicas)]):  # evaluation's batches: Trainer's without CP
         assert [batch[0].tolist() for batch in dealt["eval"][replica]] == \
             [[rows[i]["input_ids"].tolist() for i in batch] for batch in batches]
     want = _reference(run, dealt["train"])
+    if RUNS[run].max_grad_norm < 100:  # clipped indeed
+        assert want["logs"][0]["grad_norm"] > RUNS[run].max_grad_norm
+    moved = (want["weights"] - _weights(tiny_llama().double())).abs().max()
+    flops = 6 * tiny_llama().num_parameters(exclude_embeddings=True)  # per token: Trainer's rule
+    eval_loss = _eval_reference(run, dealt["eval"], want["model"])
     for result in results:
+        assert result["checkpointing"] == RUNS[run].checkpointing
         assert len(result["logs"]) == STEPS
         for got, expected in zip(result["logs"], want["logs"]):
             assert got["loss"] == pytest.approx(expected["loss"], rel=1e-5)
@@ -352,10 +368,9 @@ def test_trainer_matches_trainer_without_cp(ranks, run):
         assert result["worker_seed_rank"] == result["replica"]  # a random dataset's draws alike on a replica's ranks
         tokens = STEPS * ACCUMULATE * BATCH * SEQ * len(replicas)
         assert result["logs"][-1]["num_input_tokens_seen"] == tokens
-        assert result["flos"] == 6 * tokens * tiny_llama().num_parameters(exclude_embeddings=True)  # Trainer's rule
-        moved = (want["weights"] - _weights(tiny_llama().double())).abs().max()
+        assert result["flos"] == flops * tokens
         assert (result["weights"].double() - want["weights"]).abs().max() < 1e-4 * moved
-        assert result["eval_loss"] == pytest.approx(_eval_reference(run, dealt["eval"], want["model"]), rel=1e-5)
+        assert result["eval_loss"] == pytest.approx(eval_loss, rel=1e-5)
 
 
 REFUSED = {
@@ -363,7 +378,7 @@ REFUSED = {
     "label smoothing": "label_smoothing_factor=0.1",
     "compute_loss_func": "does not support compute_loss_func=",
     "padding": "padding masks are not supported",
-    "extra key": "batch keys ['token_type_ids']",
+    "extra key": "batch keys ['special_tokens_mask']",
     "no labels": "needs labels in the batch",
     "iterable dataset": "use a dataset with a length",
     "packed rows apart": "whose rows pack different documents",
@@ -373,9 +388,10 @@ REFUSED = {
     "batch rebalance": "train_sampling_strategy='batch_rebalance'",
     "neftune": "neftune_noise_alpha=5.0",
     "dispatch batches": "dispatch_batches=True",
-    "model_init": "model_init= (a model made anew for each trial) is not supported",
+    "model_init": "(model_init=, a model made anew for each trial, is not supported)",
     "evaluate without labels": "needs labels in the batch",
     "groups of two sizes": "do not split WORLD into replicas of one size",
+    "groups crossing": "do not split WORLD into replicas of one size",
     "no torchrun variables": "accelerate sees 1 process(es) where torch.distributed has 4",
     "predictions": "evaluates the loss only",
     "plain Trainer": "num_items_in_batch= is not supported",

@@ -155,6 +155,13 @@ def of(group: dist.ProcessGroup | None, mesh, who: str, mesh_is: str = "",
     return from_mesh(mesh, group_also) if mesh is not None else from_group(group, who)
 
 
+def global_ranks(group: dist.ProcessGroup | None, mesh=None) -> list[int]:
+    """The global ranks of a CP group: ``mesh``'s where given, else ``group``'s (None: WORLD)."""
+    if mesh is not None:
+        return mesh.mesh.flatten().tolist()
+    return dist.get_process_group_ranks(group or dist.group.WORLD)
+
+
 def all_reduce(tensor, topo: Topology) -> None:
     """Sum ``tensor`` in place over every rank of the CP group: for a hybrid mesh, over its
     ulysses groups, then over its ring groups, which sum those sums over the whole grid."""

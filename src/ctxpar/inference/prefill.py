@@ -182,7 +182,7 @@ def check_inference_strategy(model: nn.Module, rank: int, world_size: int, strat
             raise ValueError("strategy='hybrid' takes mesh= (a 2D DeviceMesh with dims 'ulysses' and 'ring' over the "
                              "cache's ranks)")
         topo = topology.from_mesh(mesh)
-        in_mesh = sorted(mesh.mesh.flatten().tolist())
+        in_mesh = sorted(topology.global_ranks(None, mesh))
         cache_group, fix = (("group= (generate builds the KV cache on it)",
                              "pass group= the process group of the mesh's ranks (for a mesh taken from a larger one, "
                              "each rank's own: dist.new_subgroups_by_enumeration makes them on every rank)")
@@ -191,7 +191,7 @@ def check_inference_strategy(model: nn.Module, rank: int, world_size: int, strat
         if topo.world_size != world_size:
             raise ValueError(f"the hybrid mesh holds {topo.world_size} ranks but {cache_group} holds {world_size}; "
                              f"{fix}")
-        in_group = sorted(dist.get_process_group_ranks(group or dist.group.WORLD))
+        in_group = sorted(topology.global_ranks(group))
         if in_mesh != in_group:  # attention would run on the mesh's ranks, the cache's logits on the group's
             raise ValueError(f"the hybrid mesh spans global ranks {in_mesh} but {cache_group} holds {in_group}; "
                              f"{fix}, or build the mesh over the group's ranks")

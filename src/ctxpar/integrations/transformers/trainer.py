@@ -37,47 +37,46 @@ import torch
 import torch.distributed as dist
 from transformers import Trainer
 
-from ctxpar import agreement, comm
+from ctxpar import agreement, comm, topology
 from ctxpar.integrations.transformers import shard_inputs
 from ctxpar.integrations.transformers.attention import PADDING_REFUSED, Settings
-from ctxpar.masks import positions_in_documents
 from ctxpar.parallelize import IGNORE_INDEX
 
 __all__ = ["ContextParallelTrainer"]
 
-_INPUTS = ("input_ids", "labels", "attention_mask", "position_ids")  # what a batch may hold
+_INPUTS = ("input_ids", "labels", "attention_mask", "position_ids", "token_type_ids")  # what a batch may hold
 _NO_LABELS = ("ContextParallelTrainer needs labels in the batch (for next-token prediction, a copy of input_ids with "
               "unlabelled tokens set to -100, unshifted: the model shifts them)")
 
 
-def _packed(positions: torch.Tensor, labels: torch.Tensor) -> tuple[int, ...]:
-    """The lengths of the documents packed into every row of a batch, from ``position_ids``
-    (B, T) that restart at 0 in each (TRL's packing, transformers' DataCollatorWithFlattening)."""
-    row = positions[0]
-    starts = (row == 0).nonzero().flatten().tolist()
+_PACKED_APART = ("ContextParallelTrainer got a batch whose rows pack different documents; ctxpar's documents= "
+                 "describes every row alike: per_device_train_batch_size=1 (and eval) gives one row a batch")
+_DOCUMENT_START_LABELLED = (f"ContextParallelTrainer got a label on the first token of a packed document; set them to "
+                            f"{IGNORE_INDEX} (as DataCollatorWithFlattening does): without CP the model would learn to "
+                            f"predict each document's first token from the one before, which CP does not do")
+
+
+def _packing(positions: torch.Tensor) -> tuple[int, ...]:
+    """The lengths of the documents packed into a row, from its ``position_ids`` (T,), which
+    restart at 0 in each (TRL's packing, transformers' DataCollatorWithFlattening); one host read."""
+    row = positions.tolist()
+    starts = [i for i, p in enumerate(row) if p == 0]
     if not starts or starts[0] != 0:
-        raise ValueError(f"ContextParallelTrainer got position_ids starting at {int(row[0])}: packed rows restart at "
-                         f"0 in each document, the first included")
-    lengths = tuple(b - a for a, b in zip(starts, starts[1:] + [row.numel()]))
-    if not torch.equal(row, positions_in_documents(torch.arange(row.numel(), device=row.device), lengths)):
+        raise ValueError(f"ContextParallelTrainer got position_ids starting at {row[0]}: packed rows restart at 0 in "
+                         f"each document, the first included")
+    lengths = tuple(b - a for a, b in zip(starts, starts[1:] + [len(row)]))
+    if row != [p for n in lengths for p in range(n)]:
         raise ValueError("ContextParallelTrainer got position_ids that do not count 0, 1, 2, ... within each "
                          "document: only packed documents (positions restarting at 0) are taken")
-    if not bool((positions == row).all()):
-        raise ValueError("ContextParallelTrainer got a batch whose rows pack different documents; ctxpar's documents= "
-                         "describes every row alike: per_device_train_batch_size=1 (and eval) gives one row a batch")
-    if bool((labels[:, starts[1:]] != IGNORE_INDEX).any()):
-        raise ValueError(f"ContextParallelTrainer got a label on the first token of a packed document; set them to "
-                         f"{IGNORE_INDEX} (as DataCollatorWithFlattening does): without CP the model would learn to "
-                         f"predict each document's first token from the one before, which CP does not do")
     return lengths
 
 
-def _settings(model, model_init) -> Settings:
-    if model is None and model_init is not None:
-        raise ValueError("ContextParallelTrainer takes model=, a model enable_context_parallel was applied to; "
-                         "model_init= (a model made anew for each trial) is not supported")
+def _settings(model) -> Settings:
+    if model is None:
+        raise ValueError("ContextParallelTrainer takes model=, a model enable_context_parallel was applied to "
+                         "(model_init=, a model made anew for each trial, is not supported)")
     found = next((m.ctxpar_settings for m in model.modules()
-                  if isinstance(getattr(m, "ctxpar_settings", None), Settings)), None) if model is not None else None
+                  if isinstance(getattr(m, "ctxpar_settings", None), Settings)), None)
     if found is None:
         raise ValueError("ContextParallelTrainer trains a model enable_context_parallel was applied to; enable it "
                          "(ctxpar.integrations.transformers.enable_context_parallel) before building the trainer")
@@ -92,13 +91,14 @@ class ContextParallelTrainer(Trainer):
     the CP groups must split WORLD into data-parallel replicas of equal size."""
 
     def __init__(self, model=None, args=None, *positional, **kwargs) -> None:
-        settings = _settings(model, kwargs.get("model_init"))
+        settings = _settings(model)
         super().__init__(model, args, *positional, **kwargs)
         self._layout = settings.layout
         peers = settings.peers()
         self._cp, self._cp_rank = peers.world_size, peers.rank
         self._check_set_up()
-        self._replica, self._replicas, self._leaders = self._replicas_of(settings)
+        self._replica, self._leaders = self._replicas_of(settings)
+        self._replicas = len(self._leaders)
 
     def _check_set_up(self) -> None:
         args, accelerator = self.args, self.accelerator
@@ -125,26 +125,26 @@ class ContextParallelTrainer(Trainer):
                              f"{world}: launch with torchrun (or set RANK, WORLD_SIZE, LOCAL_RANK, MASTER_ADDR and "
                              f"MASTER_PORT before TrainingArguments), so that DDP sums the CP ranks' gradient shares")
 
-    def _replicas_of(self, settings: Settings) -> tuple[int, int, list[int]]:
-        """(this rank's data-parallel replica, their number, every rank's CP-group leader): a
-        replica is a CP group, led by its lowest global rank."""
+    def _replicas_of(self, settings: Settings) -> tuple[int, list[int]]:
+        """(this rank's data-parallel replica, each replica's leader): a replica is a CP group,
+        led by its lowest global rank, and numbered in their order."""
         world = self.accelerator.num_processes
         if world == 1:
-            return 0, 1, [0]
-        members = dist.get_process_group_ranks(settings.group or dist.group.WORLD) if settings.mesh is None else \
-            settings.mesh.mesh.flatten().tolist()
-        leader = min(members)
-        mine = torch.tensor([leader, self._cp], dtype=torch.int64, device=comm.collective_device(None))
+            return 0, [0]
+        members = sorted(topology.global_ranks(settings.group, settings.mesh))
+        mine = torch.tensor([members[0], len(members), agreement.text_code(str(members))], dtype=torch.int64,
+                            device=comm.collective_device(None))
         everyone = [torch.empty_like(mine) for _ in range(world)]
         dist.all_gather(everyone, mine)
-        leaders, sizes = zip(*(t.tolist() for t in everyone))
+        leaders, sizes, groups = zip(*(t.tolist() for t in everyone))
         replicas = sorted(set(leaders))
-        # judged from what every rank gathered, so that every rank refuses alike
-        if len(set(sizes)) > 1 or any(leaders.count(r) != sizes[0] for r in replicas):
+        # judged from what every rank gathered, so that every rank refuses alike: a leader's ranks name one group
+        if len(set(sizes)) > 1 or any(len({g for g, r in zip(groups, leaders) if r == leader}) > 1
+                                      or leaders.count(leader) != sizes[0] for leader in replicas):
             raise ValueError(f"the CP groups do not split WORLD into replicas of one size (each rank's group's first "
                              f"rank {list(leaders)}, its size {list(sizes)}); ContextParallelTrainer needs every rank "
-                             f"in one CP group of the same size")
-        return replicas.index(leader), len(replicas), list(leaders)
+                             f"in exactly one CP group, all of one size")
+        return replicas.index(members[0]), replicas
 
     def get_cp_size(self) -> int:
         """The ranks sharing each batch: ``Trainer`` divides the token count gathered over every
@@ -164,9 +164,7 @@ class ContextParallelTrainer(Trainer):
 
     def _get_dataloader(self, *args, **kwargs):
         loader = super()._get_dataloader(*args, **kwargs)
-        sampler = getattr(loader, "batch_sampler", None)
-        while hasattr(sampler, "batch_sampler") and not hasattr(sampler, "num_processes"):
-            sampler = sampler.batch_sampler  # a resumed epoch's SkipBatchSampler
+        sampler = getattr(loader, "batch_sampler", None)  # a resumed epoch's skipping wraps it later
         if self.accelerator.num_processes > 1:
             if not hasattr(sampler, "num_processes"):
                 raise ValueError(f"ContextParallelTrainer deals batches out over the data-parallel replicas and cannot "
@@ -203,9 +201,11 @@ class ContextParallelTrainer(Trainer):
                 loss = loss * self._replicas  # DDP averages over the replicas
             else:  # this replica's count, which Trainer divides by get_cp_size() as if gathered over every rank
                 num_items_in_batch = num_items_in_batch * self._cp
+            # times the micro-batch's labelled targets, as Trainer counts them (a document's first label is -100)
             loss = loss * (labels[..., 1:] != IGNORE_INDEX).sum() / num_items_in_batch
         # DDP averages over every rank, P per replica, each holding its share: P times the gradient, the same value
-        loss = loss + (self._cp - 1) * (loss - loss.detach())
+        if loss.requires_grad:
+            loss = loss + (self._cp - 1) * (loss - loss.detach())
         return (loss, outputs) if return_outputs else loss
 
     def _shard(self, inputs: dict, labels) -> tuple[dict, torch.Tensor]:
@@ -217,11 +217,20 @@ class ContextParallelTrainer(Trainer):
         if labels is None:
             raise ValueError(_NO_LABELS)
         mask, positions = inputs.get("attention_mask"), inputs.get("position_ids")
-        if mask is not None and not bool(mask.all()):
-            raise ValueError(PADDING_REFUSED)
-        documents = None if positions is None else _packed(positions, labels)
+        documents = None if positions is None else _packing(positions[0])
+        checks = {}  # what the batch's device tensors must not hold, read in one copy to the host
+        if mask is not None:
+            checks[PADDING_REFUSED] = ~mask.bool().all()
+        if documents is not None:
+            checks[_PACKED_APART] = (positions != positions[0]).any()
+            starts = torch.tensor(documents[:-1], device=labels.device).cumsum(0)
+            checks[_DOCUMENT_START_LABELLED] = (labels[:, starts] != IGNORE_INDEX).any()
+        if checks:
+            for refusal, found in zip(checks, torch.stack(list(checks.values())).tolist()):
+                if found:
+                    raise ValueError(refusal)
         return shard_inputs(inputs["input_ids"], layout=self._layout, rank=self._cp_rank, labels=labels,
-                            documents=documents)
+                            documents=documents, token_type_ids=inputs.get("token_type_ids"))
 
     def _join(self, refusal: agreement.Refusal, what: str) -> None:
         """Raise on every rank where a rank refused its ``what``; one replica alone needs no exchange
@@ -240,18 +249,14 @@ class ContextParallelTrainer(Trainer):
         return super().prediction_step(model, inputs, True, ignore_keys)
 
     def evaluation_loop(self, *args, **kwargs):
-        gather = self.gather_function
-        self.gather_function = self._gather_replicas
-        try:
-            return super().evaluation_loop(*args, **kwargs)
-        finally:
-            self.gather_function = gather
+        self.gather_function = self._gather_replicas  # which Trainer's loop sets back to gather_for_metrics at its end
+        return super().evaluation_loop(*args, **kwargs)
 
     def _gather_replicas(self, tensor: torch.Tensor) -> torch.Tensor:
         """``gather_for_metrics`` over the replicas: every rank's rows gathered, one CP rank's
         kept per replica (the others hold the same), and the last batch's padding dropped."""
-        everyone = self.accelerator.gather(tensor).unflatten(0, (len(self._leaders), -1))
-        kept = everyone[[rank for rank, leader in enumerate(self._leaders) if rank == leader]].flatten(0, 1)
+        everyone = self.accelerator.gather(tensor).unflatten(0, (self.accelerator.num_processes, -1))
+        kept = everyone[self._leaders].flatten(0, 1)
         state = self.accelerator.gradient_state
         if state.end_of_dataloader and state.remainder > 0:
             kept = kept[:state.remainder]
