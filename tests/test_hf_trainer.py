@@ -216,6 +216,7 @@ def _refusals(rank: int, world: int, output_dir: str) -> dict:
             model=enabled, args=_arguments(output_dir)).evaluate(unlabelled)),
         "groups of two sizes": _refusal(lambda: train(data, model=two_sizes)),
         "groups crossing": _refusal(lambda: train(data, model=crossing)),
+        "workers in a daemon": _refusal(lambda: train(data, dataloader_num_workers=1)),
         # one replica's batch refused: the other's ranks hear it, not wait for it (in DDP's broadcast or all-reduce)
         "padding on one replica": _refusal(lambda: train(padded, model=on_replicas)),
         "label out of vocabulary on one replica": _refusal(lambda: train(one_out_of_vocabulary, model=on_replicas)),
@@ -392,6 +393,7 @@ REFUSED = {
     "evaluate without labels": "needs labels in the batch",
     "groups of two sizes": "do not split WORLD into replicas of one size",
     "groups crossing": "do not split WORLD into replicas of one size",
+    "workers in a daemon": "dataloader_num_workers=1 in a daemonic process",
     "no torchrun variables": "accelerate sees 1 process(es) where torch.distributed has 4",
     "predictions": "evaluates the loss only",
     "plain Trainer": "num_items_in_batch= is not supported",

@@ -32,6 +32,7 @@ attend and predict within each document (``shard_inputs(..., documents=)``).
 from __future__ import annotations
 
 import functools
+import multiprocessing
 
 import torch
 import torch.distributed as dist
@@ -116,6 +117,10 @@ class ContextParallelTrainer(Trainer):
             (accelerator.dispatch_batches is True, "dispatch_batches=True (batches sent out from rank 0 over every "
              "rank, not over the data-parallel replicas)"),
         ]
+        if args.dataloader_num_workers > 0 and multiprocessing.current_process().daemon:
+            refusals.append((True, f"dataloader_num_workers={args.dataloader_num_workers} in a daemonic process (a "
+                                   f"rank of ctxpar.launch.run_local is one), which cannot start the loader's workers: "
+                                   f"launch with torchrun, or set dataloader_num_workers=0"))
         refused = [what for bad, what in refusals if bad]
         if refused:
             raise ValueError(f"ContextParallelTrainer does not support {', '.join(refused)}")
