@@ -102,9 +102,12 @@ def _train(rank: int, world: int, run: str, output_dir: str) -> dict:
     trainer = Recording(model=model, args=args, train_dataset=examples(TRAIN_EXAMPLES, 1, RUNS[run].packed))
     trainer.train()
     evaluated = trainer.evaluate(examples(EVAL_EXAMPLES, 2, RUNS[run].packed))
+    evaluation = list(seen[False])  # predict's batches are the same
+    predicted = trainer.predict(examples(EVAL_EXAMPLES, 2, RUNS[run].packed))
     return dict(logs=[log for log in trainer.state.log_history if "loss" in log], eval_loss=evaluated["eval_loss"],
-                weights=_weights(model), train=seen[True], eval=seen[False], replica=trainer._replica,
+                weights=_weights(model), train=seen[True], eval=evaluation, replica=trainer._replica,
                 flos=trainer.state.total_flos, checkpointing=model.is_gradient_checkpointing,
+                predictions=torch.from_numpy(predicted.predictions), test_loss=predicted.metrics["test_loss"],
                 # the rank loader workers are seeded by (these ranks are daemons, which cannot start workers)
                 worker_seed_rank=trainer.get_train_dataloader().base_dataloader.worker_init_fn.keywords["rank"])
 
@@ -216,12 +219,12 @@ def _refusals(rank: int, world: int, output_dir: str) -> dict:
             model=enabled, args=_arguments(output_dir)).evaluate(unlabelled)),
         "groups of two sizes": _refusal(lambda: train(data, model=two_sizes)),
         "groups crossing": _refusal(lambda: train(data, model=crossing)),
+        "output not per token": _refusal(lambda: ContextParallelTrainer(
+            model=enabled, args=_arguments(output_dir))._whole(torch.zeros(2), SEQ)),
         "workers in a daemon": _refusal(lambda: train(data, dataloader_num_workers=1)),
         # one replica's batch refused: the other's ranks hear it, not wait for it (in DDP's broadcast or all-reduce)
         "padding on one replica": _refusal(lambda: train(padded, model=on_replicas)),
         "label out of vocabulary on one replica": _refusal(lambda: train(one_out_of_vocabulary, model=on_replicas)),
-        "predictions": _refusal(lambda: ContextParallelTrainer(
-            model=enabled, args=_arguments(output_dir), compute_metrics=lambda p: {}).evaluate(data)),
         # the plain Trainer on the enabled model: its num_items_in_batch= is refused
         "plain Trainer": _refusal(lambda: Trainer(model=enabled, args=_arguments(output_dir),
                                                  train_dataset=data).train()),
@@ -267,16 +270,22 @@ def run(rank: int, world: int) -> dict:
 spawned.declare("hf_trainer", run, WORLD, timeout_s=60)
 
 
-def _token_sum(model, batch) -> tuple[torch.Tensor, int]:
-    """The summed next-token loss of a batch and its number of labelled targets, unsplit; a packed
-    batch's documents each a sequence of its own."""
-    ids, labels, positions = batch
+def _logits(model, ids: torch.Tensor, positions: torch.Tensor | None) -> list[tuple[int, int, torch.Tensor]]:
+    """(start, end, logits) of each document of a batch, unsplit: a packed batch's documents each a
+    sequence of its own, else the whole rows."""
     starts = [0] if positions is None else (positions[0] == 0).nonzero().flatten().tolist()
+    return [(a, b, model(input_ids=ids[:, a:b], use_cache=False).logits)
+            for a, b in zip(starts, starts[1:] + [ids.shape[1]])]
+
+
+def _token_sum(model, batch) -> tuple[torch.Tensor, int]:
+    """The summed next-token loss of a batch and its number of labelled targets, unsplit."""
+    ids, labels, positions = batch
     total, count = 0, 0
-    for a, b in zip(starts, starts[1:] + [ids.shape[1]]):
-        logits = model(input_ids=ids[:, a:b], use_cache=False).logits[:, :-1]
+    for a, b, logits in _logits(model, ids, positions):
         targets = labels[:, a + 1:b]
-        total = total + F.cross_entropy(logits.flatten(0, 1), targets.flatten(), ignore_index=-100, reduction="sum")
+        total = total + F.cross_entropy(logits[:, :-1].flatten(0, 1), targets.flatten(), ignore_index=-100,
+                                        reduction="sum")
         count += int((targets != -100).sum())
     assert count == int((labels[:, 1:] != -100).sum())  # Trainer's count: a document's first label is -100
     return total, count
@@ -359,6 +368,11 @@ def test_trainer_matches_trainer_without_cp(ranks, run):
     moved = (want["weights"] - _weights(tiny_llama().double())).abs().max()
     flops = 6 * tiny_llama().num_parameters(exclude_embeddings=True)  # per token: Trainer's rule
     eval_loss = _eval_reference(run, dealt["eval"], want["model"])
+    with torch.no_grad():  # predict()'s logits: the evaluation rows' in order, each row's whole sequence
+        rows = examples(EVAL_EXAMPLES, 2, RUNS[run].packed)
+        ids = torch.stack([row["input_ids"] for row in rows])
+        positions = torch.stack([row["position_ids"] for row in rows]) if RUNS[run].packed else None
+        logits = torch.cat([piece for _, _, piece in _logits(want["model"], ids, positions)], dim=1)
     for result in results:
         assert result["checkpointing"] == RUNS[run].checkpointing
         assert len(result["logs"]) == STEPS
@@ -372,6 +386,9 @@ def test_trainer_matches_trainer_without_cp(ranks, run):
         assert result["flos"] == flops * tokens
         assert (result["weights"].double() - want["weights"]).abs().max() < 1e-4 * moved
         assert result["eval_loss"] == pytest.approx(eval_loss, rel=1e-5)
+        assert result["test_loss"] == pytest.approx(eval_loss, rel=1e-5)
+        assert result["predictions"].shape == logits.shape
+        assert (result["predictions"].double() - logits).abs().max() < 1e-4 * logits.abs().max()
 
 
 REFUSED = {
@@ -393,9 +410,9 @@ REFUSED = {
     "evaluate without labels": "needs labels in the batch",
     "groups of two sizes": "do not split WORLD into replicas of one size",
     "groups crossing": "do not split WORLD into replicas of one size",
+    "output not per token": "cannot put the model's output (2,) back in sequence order",
     "workers in a daemon": "dataloader_num_workers=1 in a daemonic process",
     "no torchrun variables": "accelerate sees 1 process(es) where torch.distributed has 4",
-    "predictions": "evaluates the loss only",
     "plain Trainer": "num_items_in_batch= is not supported",
 }
 

@@ -19,14 +19,15 @@ same steps. Three things differ from a plain ``Trainer`` under ``torchrun``:
   share of the replica's gradient; the loss's gradient is scaled by P (its value is not:
   the losses logged are ``Trainer``'s), so the average is the replicas' mean, as without CP.
 
-Evaluation computes the loss alike, one copy per replica gathered; Trainer's counts of tokens
-seen and floating-point operations count each replica's batch once; loader workers are seeded
-by replica. Predictions (logits of a shard) are refused, as are features whose CP form is not
-built: label smoothing, NEFTune, a ``compute_loss_func``, ``model_init``, DeepSpeed and FSDP
-through accelerate, accelerate's own ``parallelism_config`` and ``dispatch_batches``, an
-iterable dataset, batch rebalancing, DataParallel, padding masks.
-Packed rows (``position_ids`` restarting at 0 in each document, every row of a batch alike)
-attend and predict within each document (``shard_inputs(..., documents=)``).
+Evaluation computes the loss alike, one copy per replica gathered, and its predictions are
+the sequence's logits (each rank's shard gathered over the CP group, in order); Trainer's
+counts of tokens seen and floating-point operations count each replica's batch once; loader
+workers are seeded by replica. Refused, as their CP form is not built: label smoothing,
+NEFTune, a ``compute_loss_func``, ``model_init``, DeepSpeed and FSDP through accelerate,
+accelerate's own ``parallelism_config`` and ``dispatch_batches``, an iterable dataset, batch
+rebalancing, DataParallel, padding masks. Packed rows (``position_ids`` restarting at 0 in
+each document, every row of a batch alike) attend and predict within each document
+(``shard_inputs(..., documents=)``).
 """
 
 from __future__ import annotations
@@ -94,9 +95,8 @@ class ContextParallelTrainer(Trainer):
     def __init__(self, model=None, args=None, *positional, **kwargs) -> None:
         settings = _settings(model)
         super().__init__(model, args, *positional, **kwargs)
-        self._layout = settings.layout
-        peers = settings.peers()
-        self._cp, self._cp_rank = peers.world_size, peers.rank
+        self._layout, self._peers = settings.layout, settings.peers()
+        self._cp, self._cp_rank = self._peers.world_size, self._peers.rank
         self._check_set_up()
         self._replica, self._leaders = self._replicas_of(settings)
         self._replicas = len(self._leaders)
@@ -246,12 +246,25 @@ class ContextParallelTrainer(Trainer):
             raise refusal.error
 
     def prediction_step(self, model, inputs: dict, prediction_loss_only: bool, ignore_keys=None):
+        """Trainer's (loss, logits, labels), the logits the whole sequence's: every rank's
+        shard gathered over the CP group and put back in sequence order."""
         if "labels" not in inputs:  # Trainer would run the model on the whole batch, unsharded
             raise ValueError(_NO_LABELS)
-        if not prediction_loss_only:
-            raise ValueError("ContextParallelTrainer evaluates the loss only: a rank's logits are its shard's, not the "
-                             "batch's (pass no compute_metrics, or prediction_loss_only=True)")
-        return super().prediction_step(model, inputs, True, ignore_keys)
+        loss, logits, labels = super().prediction_step(model, inputs, prediction_loss_only, ignore_keys)
+        if logits is not None:
+            logits = self._whole(logits, inputs["input_ids"].shape[1])
+        return loss, logits, labels
+
+    def _whole(self, local, length: int):
+        """An output of this rank's shard, (B, T/P, ...), or a tuple of them -> the sequence's (B, T, ...)."""
+        if isinstance(local, (tuple, list)):
+            return type(local)(self._whole(one, length) for one in local)
+        if not isinstance(local, torch.Tensor) or local.dim() < 2 or local.shape[1] * self._cp != length:
+            shown = tuple(local.shape) if isinstance(local, torch.Tensor) else type(local).__name__
+            raise ValueError(f"ContextParallelTrainer cannot put the model's output {shown} back in sequence order "
+                             f"(one row per token of a shard of {length // self._cp}); pass its key in ignore_keys, "
+                             f"or evaluate the loss only (prediction_loss_only=True)")
+        return self._layout.unshard(list(topology.all_gather(local.contiguous(), self._peers)), dim=1)
 
     def evaluation_loop(self, *args, **kwargs):
         self.gather_function = self._gather_replicas  # which Trainer's loop sets back to gather_for_metrics at its end
