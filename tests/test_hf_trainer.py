@@ -35,34 +35,35 @@ class Run(NamedTuple):
     max_grad_norm: float = 100.0  # never reached, but 1
     average: bool = True  # average_tokens_across_devices
     checkpointing: bool = False  # gradient_checkpointing
-    packed: bool = False  # rows packing documents of PACKING tokens
+    packing: tuple[int, ...] | None = None  # the documents each row packs (examples)
 
 
 RUNS = {
-    "cp4": Run(None, "ring", "zigzag"),
+    "cp4": Run(None, "ring", "zigzag", packing=(SEQ,)),
     "dp2xcp2": Run(STRIDED, "allgather", "zigzag", max_grad_norm=1.0),
     "dp2xcp2 own tokens": Run(STRIDED, "ring", "contiguous", average=False),
     "dp2 x hybrid": Run(MESH, "hybrid", "striped", checkpointing=True),
-    "dp2xcp2 packed": Run(((0, 1), (2, 3)), "ring", "zigzag", packed=True),
+    "dp2xcp2 packed": Run(((0, 1), (2, 3)), "ring", "zigzag", packing=PACKING),
 }
 
 
-def examples(count: int, seed: int, packed: bool = False) -> list[dict]:
+def examples(count: int, seed: int, packing: tuple[int, ...] | None = None) -> list[dict]:
     """Rows of SEQ tokens whose first 0-9 labels are -100 (a prompt), so that batches hold different
-    numbers of labelled tokens and a mean per batch differs from the mean per token. ``packed``:
-    each row packs documents of PACKING tokens, position_ids restarting at 0 in each, the first
-    label of each -100 (as DataCollatorWithFlattening gives them)."""
+    numbers of labelled tokens and a mean per batch differs from the mean per token. ``packing``:
+    each row packs documents of these lengths, position_ids restarting at 0 in each, the first
+    label of each but the row's -100 (as DataCollatorWithFlattening gives them); (SEQ,): one
+    document, position_ids 0..SEQ-1, as collators add them."""
     g = torch.Generator().manual_seed(seed)
-    starts = [sum(PACKING[:i]) for i in range(len(PACKING))]
+    starts = [sum(packing[:i]) for i in range(1, len(packing))] if packing else []
     rows = []
     for _ in range(count):
         ids = torch.randint(0, 128, (SEQ,), generator=g)
         labels = ids.clone()
         labels[:int(torch.randint(0, 10, (), generator=g))] = -100  # 0: a row labelled from its first token
         rows.append(dict(input_ids=ids, labels=labels))
-        if packed:
+        if packing:
             labels[starts] = -100
-            rows[-1]["position_ids"] = torch.cat([torch.arange(n) for n in PACKING])
+            rows[-1]["position_ids"] = torch.cat([torch.arange(n) for n in packing])
     return rows
 
 
@@ -99,11 +100,11 @@ def _train(rank: int, world: int, run: str, output_dir: str) -> dict:
                                     strategy=RUNS[run].strategy)
     args = _arguments(output_dir, max_grad_norm=RUNS[run].max_grad_norm,
                       average_tokens_across_devices=RUNS[run].average, gradient_checkpointing=RUNS[run].checkpointing)
-    trainer = Recording(model=model, args=args, train_dataset=examples(TRAIN_EXAMPLES, 1, RUNS[run].packed))
+    trainer = Recording(model=model, args=args, train_dataset=examples(TRAIN_EXAMPLES, 1, RUNS[run].packing))
     trainer.train()
-    evaluated = trainer.evaluate(examples(EVAL_EXAMPLES, 2, RUNS[run].packed))
+    evaluated = trainer.evaluate(examples(EVAL_EXAMPLES, 2, RUNS[run].packing))
     evaluation = list(seen[False])  # predict's batches are the same
-    predicted = trainer.predict(examples(EVAL_EXAMPLES, 2, RUNS[run].packed))
+    predicted = trainer.predict(examples(EVAL_EXAMPLES, 2, RUNS[run].packing))
     return dict(logs=[log for log in trainer.state.log_history if "loss" in log], eval_loss=evaluated["eval_loss"],
                 weights=_weights(model), train=seen[True], eval=evaluation, replica=trainer._replica,
                 flos=trainer.state.total_flos, checkpointing=model.is_gradient_checkpointing,
@@ -147,6 +148,18 @@ def _resumed(rank: int, world: int, output_dir: str) -> dict:
         [log["loss"] for log in t.state.log_history if "loss" in log] for t in (whole, resumed)])
 
 
+def _hidden_states(output_dir: str) -> tuple[torch.Tensor, ...]:
+    """predict()'s outputs of a model returning its hidden states too: logits, then one (B, T, d)
+    per layer and the embeddings', each put back in sequence order."""
+    from ctxpar.integrations.transformers import ContextParallelTrainer, enable_context_parallel
+
+    model = enable_context_parallel(tiny_llama(), layout="zigzag")
+    model.config.output_hidden_states = True
+    logits, hidden = ContextParallelTrainer(model=model, args=_arguments(output_dir)).predict(
+        examples(EVAL_EXAMPLES, 2)).predictions
+    return (torch.from_numpy(logits), *map(torch.from_numpy, hidden))
+
+
 def _refusal(fn) -> str:
     """What ``fn()`` raised (a ValueError), or "no error"."""
     try:
@@ -174,12 +187,15 @@ def _refusals(rank: int, world: int, output_dir: str) -> dict:
     padded[0]["attention_mask"][-2:] = 0
     extra = [dict(row, special_tokens_mask=torch.zeros(SEQ, dtype=torch.int64)) for row in data]
     unlabelled = [dict(input_ids=row["input_ids"]) for row in data]
-    packed = examples(4, 3, packed=True)
+    packed = examples(4, 3, PACKING)
     packed_apart = [dict(row, position_ids=torch.arange(SEQ)) if i == 1 else row for i, row in enumerate(packed)]
     shifted = [dict(row, position_ids=row["position_ids"] + 1) for row in packed]
     counting_on = [dict(row, position_ids=torch.tensor([0, 1, 2, 3, 0, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15]))
                    for row in packed]
     labelled_start = [dict(row, labels=row["input_ids"]) for row in packed]
+    positions_3d = [dict(row, position_ids=torch.arange(SEQ).expand(3, SEQ)) for row in data]  # (3, T): mrope's
+    routed = enable_context_parallel(tiny_llama(), layout="zigzag")
+    routed.config.output_router_logits = True
     # 2 replicas of CP 2: the 4 rows of a step's first micro-batches, 2 on each
     on_replicas = enable_context_parallel(tiny_llama(), layout="zigzag", group=_cp_group(rank, STRIDED))
     pair = dist.new_group([0, 1])  # ranks 0 and 1 in a CP group of 2, ranks 2 and 3 in WORLD's of 4
@@ -211,6 +227,8 @@ def _refusals(rank: int, world: int, output_dir: str) -> dict:
         "packed from 1": _refusal(lambda: train(shifted)),
         "packed counting on": _refusal(lambda: train(counting_on)),
         "document start labelled": _refusal(lambda: train(labelled_start)),
+        "position_ids not (B, T)": _refusal(lambda: train(positions_3d)),
+        "router logits": _refusal(lambda: train(data, model=routed)),
         "batch rebalance": _refusal(lambda: train(data, train_sampling_strategy="batch_rebalance")),
         "neftune": _refusal(lambda: train(data, neftune_noise_alpha=5.0)),
         "dispatch batches": _refusal(lambda: train(data, accelerator_config={"dispatch_batches": True})),
@@ -220,7 +238,10 @@ def _refusals(rank: int, world: int, output_dir: str) -> dict:
         "groups of two sizes": _refusal(lambda: train(data, model=two_sizes)),
         "groups crossing": _refusal(lambda: train(data, model=crossing)),
         "output not per token": _refusal(lambda: ContextParallelTrainer(
-            model=enabled, args=_arguments(output_dir))._whole(torch.zeros(2), SEQ)),
+            model=enabled, args=_arguments(output_dir))._whole(torch.zeros(2), BATCH, SEQ)),
+        # (B * T/P, E) as a MoE's router logits, whose E * P is T here
+        "output flattened over tokens": _refusal(lambda: ContextParallelTrainer(
+            model=enabled, args=_arguments(output_dir))._whole(torch.zeros(BATCH * SEQ // world, world), BATCH, SEQ)),
         "workers in a daemon": _refusal(lambda: train(data, dataloader_num_workers=1)),
         # one replica's batch refused: the other's ranks hear it, not wait for it (in DDP's broadcast or all-reduce)
         "padding on one replica": _refusal(lambda: train(padded, model=on_replicas)),
@@ -257,6 +278,7 @@ def run(rank: int, world: int) -> dict:
                     out[name] = f"rank {rank} raised\n{traceback.format_exc()}"
             out["refusals"] = {**_refusals(rank, world, output_dir), "no torchrun variables": unseen}
             out["resumed"] = _resumed(rank, world, output_dir)
+            out["hidden"] = _hidden_states(output_dir)
     finally:
         AcceleratorState._reset_state(reset_partial_state=True)  # the group's later batches: no accelerate state
         for key, value in saved.items():
@@ -358,7 +380,7 @@ def test_trainer_matches_trainer_without_cp(ranks, run):
     # the epoch's examples dealt once each (STEPS * ACCUMULATE * BATCH rows of each replica's fit in it)
     trained = [tuple(row) for replica in dealt["train"] for batch in replica for row in batch[0].tolist()]
     assert len(trained) == len(set(trained)) == STEPS * ACCUMULATE * BATCH * len(replicas) <= TRAIN_EXAMPLES
-    rows = examples(EVAL_EXAMPLES, 2, RUNS[run].packed)
+    rows = examples(EVAL_EXAMPLES, 2, RUNS[run].packing)
     for replica, batches in enumerate(EVAL_DEAL[len(replicas)]):  # evaluation's batches: Trainer's without CP
         assert [batch[0].tolist() for batch in dealt["eval"][replica]] == \
             [[rows[i]["input_ids"].tolist() for i in batch] for batch in batches]
@@ -369,9 +391,9 @@ def test_trainer_matches_trainer_without_cp(ranks, run):
     flops = 6 * tiny_llama().num_parameters(exclude_embeddings=True)  # per token: Trainer's rule
     eval_loss = _eval_reference(run, dealt["eval"], want["model"])
     with torch.no_grad():  # predict()'s logits: the evaluation rows' in order, each row's whole sequence
-        rows = examples(EVAL_EXAMPLES, 2, RUNS[run].packed)
+        rows = examples(EVAL_EXAMPLES, 2, RUNS[run].packing)
         ids = torch.stack([row["input_ids"] for row in rows])
-        positions = torch.stack([row["position_ids"] for row in rows]) if RUNS[run].packed else None
+        positions = torch.stack([row["position_ids"] for row in rows]) if RUNS[run].packing else None
         logits = torch.cat([piece for _, _, piece in _logits(want["model"], ids, positions)], dim=1)
     for result in results:
         assert result["checkpointing"] == RUNS[run].checkpointing
@@ -403,6 +425,8 @@ REFUSED = {
     "packed from 1": "position_ids starting at 1",
     "packed counting on": "do not count 0, 1, 2, ... within each document",
     "document start labelled": "a label on the first token of a packed document",
+    "position_ids not (B, T)": "position_ids must be (B, T), one per token",
+    "router logits": "output_router_logits=True",
     "batch rebalance": "train_sampling_strategy='batch_rebalance'",
     "neftune": "neftune_noise_alpha=5.0",
     "dispatch batches": "dispatch_batches=True",
@@ -411,6 +435,7 @@ REFUSED = {
     "groups of two sizes": "do not split WORLD into replicas of one size",
     "groups crossing": "do not split WORLD into replicas of one size",
     "output not per token": "cannot put the model's output (2,) back in sequence order",
+    "output flattened over tokens": "cannot put the model's output (8, 4) back in sequence order",
     "workers in a daemon": "dataloader_num_workers=1 in a daemonic process",
     "no torchrun variables": "accelerate sees 1 process(es) where torch.distributed has 4",
     "plain Trainer": "num_items_in_batch= is not supported",
@@ -442,3 +467,16 @@ def test_a_refusal_on_one_replica_reaches_every_rank(ranks, case):
     refused, heard = ONE_REPLICA_REFUSED[case]
     messages = [result["refusals"][case] for result in ranks]
     assert sum(refused in m for m in messages) == 2 and sum(heard in m for m in messages) == 2, messages
+
+
+def test_predictions_hold_every_output_of_the_sequence_in_order(ranks):
+    rows = examples(EVAL_EXAMPLES, 2)
+    with torch.no_grad():
+        want = tiny_llama()(input_ids=torch.stack([row["input_ids"] for row in rows]), use_cache=False,
+                            output_hidden_states=True)
+    for result in ranks:
+        got = result["hidden"]
+        assert len(got) == 1 + len(want.hidden_states)
+        for mine, theirs in zip(got, (want.logits, *want.hidden_states)):
+            assert mine.shape == theirs.shape
+            assert (mine - theirs).abs().max() < 1e-4 * theirs.abs().max()

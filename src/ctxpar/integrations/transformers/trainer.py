@@ -23,7 +23,7 @@ Evaluation computes the loss alike, one copy per replica gathered, and its predi
 the sequence's logits (each rank's shard gathered over the CP group, in order); Trainer's
 counts of tokens seen and floating-point operations count each replica's batch once; loader
 workers are seeded by replica. Refused, as their CP form is not built: label smoothing,
-NEFTune, a ``compute_loss_func``, ``model_init``, DeepSpeed and FSDP through accelerate,
+NEFTune, a router's auxiliary loss, a ``compute_loss_func``, ``model_init``, DeepSpeed and FSDP through accelerate,
 accelerate's own ``parallelism_config`` and ``dispatch_batches``, an iterable dataset, batch
 rebalancing, DataParallel, padding masks. Packed rows (``position_ids`` restarting at 0 in
 each document, every row of a batch alike) attend and predict within each document
@@ -37,6 +37,7 @@ import multiprocessing
 
 import torch
 import torch.distributed as dist
+from accelerate.utils import recursively_apply
 from transformers import Trainer
 
 from ctxpar import agreement, comm, topology
@@ -96,6 +97,7 @@ class ContextParallelTrainer(Trainer):
         settings = _settings(model)
         super().__init__(model, args, *positional, **kwargs)
         self._layout, self._peers = settings.layout, settings.peers()
+        self._output_keys: list[str] = []  # the model's outputs besides the loss, as evaluation last saw them
         self._cp, self._cp_rank = self._peers.world_size, self._peers.rank
         self._check_set_up()
         self._replica, self._leaders = self._replicas_of(settings)
@@ -114,6 +116,9 @@ class ContextParallelTrainer(Trainer):
             (args.train_sampling_strategy == "batch_rebalance", "train_sampling_strategy='batch_rebalance'"),
             (args.neftune_noise_alpha is not None, f"neftune_noise_alpha={args.neftune_noise_alpha} (its noise is "
              f"scaled by the length of each rank's shard: sqrt(P) times too large)"),
+            (any(getattr(getattr(m, "config", None), "output_router_logits", False) for m in self.model.modules()),
+             "output_router_logits=True (Trainer adds the router's auxiliary loss at its own scale, which the "
+             "loss's scaling here does not keep apart)"),
             (accelerator.dispatch_batches is True, "dispatch_batches=True (batches sent out from rank 0 over every "
              "rank, not over the data-parallel replicas)"),
         ]
@@ -211,6 +216,8 @@ class ContextParallelTrainer(Trainer):
         # DDP averages over every rank, P per replica, each holding its share: P times the gradient, the same value
         if loss.requires_grad:
             loss = loss + (self._cp - 1) * (loss - loss.detach())
+        if return_outputs:  # to name them where predictions cannot be put back in order
+            self._output_keys = [key for key in outputs.keys() if key != "loss"] if hasattr(outputs, "keys") else []
         return (loss, outputs) if return_outputs else loss
 
     def _shard(self, inputs: dict, labels) -> tuple[dict, torch.Tensor]:
@@ -222,13 +229,16 @@ class ContextParallelTrainer(Trainer):
         if labels is None:
             raise ValueError(_NO_LABELS)
         mask, positions = inputs.get("attention_mask"), inputs.get("position_ids")
+        if positions is not None and tuple(positions.shape) != tuple(inputs["input_ids"].shape):
+            raise ValueError(f"ContextParallelTrainer got position_ids {tuple(positions.shape)} for input_ids "
+                             f"{tuple(inputs['input_ids'].shape)}: position_ids must be (B, T), one per token")
         documents = None if positions is None else _packing(positions[0])
         checks = {}  # what the batch's device tensors must not hold, read in one copy to the host
         if mask is not None:
             checks[PADDING_REFUSED] = ~mask.bool().all()
         if documents is not None:
             checks[_PACKED_APART] = (positions != positions[0]).any()
-            starts = torch.tensor(documents[:-1], device=labels.device).cumsum(0)
+            starts = torch.tensor(documents[:-1], dtype=torch.int64, device=labels.device).cumsum(0)
             checks[_DOCUMENT_START_LABELLED] = (labels[:, starts] != IGNORE_INDEX).any()
         if checks:
             for refusal, found in zip(checks, torch.stack(list(checks.values())).tolist()):
@@ -252,30 +262,33 @@ class ContextParallelTrainer(Trainer):
             raise ValueError(_NO_LABELS)
         loss, logits, labels = super().prediction_step(model, inputs, prediction_loss_only, ignore_keys)
         if logits is not None:
-            logits = self._whole(logits, inputs["input_ids"].shape[1])
+            logits = self._whole(logits, *inputs["input_ids"].shape)
         return loss, logits, labels
 
-    def _whole(self, local, length: int):
+    def _whole(self, local, batch: int, length: int):
         """An output of this rank's shard, (B, T/P, ...), or a tuple of them -> the sequence's (B, T, ...)."""
         if isinstance(local, (tuple, list)):
-            return type(local)(self._whole(one, length) for one in local)
-        if not isinstance(local, torch.Tensor) or local.dim() < 2 or local.shape[1] * self._cp != length:
+            return type(local)(self._whole(one, batch, length) for one in local)
+        if not isinstance(local, torch.Tensor) or local.dim() < 2 or local.shape[0] != batch or \
+                local.shape[1] * self._cp != length:
             shown = tuple(local.shape) if isinstance(local, torch.Tensor) else type(local).__name__
             raise ValueError(f"ContextParallelTrainer cannot put the model's output {shown} back in sequence order "
-                             f"(one row per token of a shard of {length // self._cp}); pass its key in ignore_keys, "
-                             f"or evaluate the loss only (prediction_loss_only=True)")
+                             f"(not (B={batch}, {length // self._cp} tokens of a shard, ...)); the outputs besides the "
+                             f"loss: {', '.join(self._output_keys)}: pass the others than logits in ignore_keys, or "
+                             f"evaluate the loss only (prediction_loss_only=True)")
         return self._layout.unshard(list(topology.all_gather(local.contiguous(), self._peers)), dim=1)
 
     def evaluation_loop(self, *args, **kwargs):
         self.gather_function = self._gather_replicas  # which Trainer's loop sets back to gather_for_metrics at its end
         return super().evaluation_loop(*args, **kwargs)
 
-    def _gather_replicas(self, tensor: torch.Tensor) -> torch.Tensor:
+    def _gather_replicas(self, tensor):
         """``gather_for_metrics`` over the replicas: every rank's rows gathered, one CP rank's
         kept per replica (the others hold the same), and the last batch's padding dropped."""
-        everyone = self.accelerator.gather(tensor).unflatten(0, (self.accelerator.num_processes, -1))
-        kept = everyone[self._leaders].flatten(0, 1)
         state = self.accelerator.gradient_state
-        if state.end_of_dataloader and state.remainder > 0:
-            kept = kept[:state.remainder]
-        return kept
+        cut = state.remainder if state.end_of_dataloader and state.remainder > 0 else None
+
+        def kept(everyone: torch.Tensor) -> torch.Tensor:
+            return everyone.unflatten(0, (self.accelerator.num_processes, -1))[self._leaders].flatten(0, 1)[:cut]
+
+        return recursively_apply(kept, self.accelerator.gather(tensor))  # nested outputs too, as gather_for_metrics
