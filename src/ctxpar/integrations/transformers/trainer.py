@@ -101,7 +101,11 @@ class ContextParallelTrainer(Trainer):
         self._cp, self._cp_rank = self._peers.world_size, self._peers.rank
         self._check_set_up()
         self._replica, self._leaders = self._replicas_of(settings)
-        self._replicas = len(self._leaders)
+
+    @property
+    def _replicas(self) -> int:
+        """The data-parallel replicas: the CP groups."""
+        return len(self._leaders)
 
     def _check_set_up(self) -> None:
         args, accelerator = self.args, self.accelerator
@@ -121,11 +125,11 @@ class ContextParallelTrainer(Trainer):
              "loss's scaling here does not keep apart)"),
             (accelerator.dispatch_batches is True, "dispatch_batches=True (batches sent out from rank 0 over every "
              "rank, not over the data-parallel replicas)"),
+            (args.dataloader_num_workers > 0 and multiprocessing.current_process().daemon,
+             f"dataloader_num_workers={args.dataloader_num_workers} in a daemonic process (a rank of "
+             f"ctxpar.launch.run_local is one), which cannot start the loader's workers: launch with torchrun, or set "
+             f"dataloader_num_workers=0"),
         ]
-        if args.dataloader_num_workers > 0 and multiprocessing.current_process().daemon:
-            refusals.append((True, f"dataloader_num_workers={args.dataloader_num_workers} in a daemonic process (a "
-                                   f"rank of ctxpar.launch.run_local is one), which cannot start the loader's workers: "
-                                   f"launch with torchrun, or set dataloader_num_workers=0"))
         refused = [what for bad, what in refusals if bad]
         if refused:
             raise ValueError(f"ContextParallelTrainer does not support {', '.join(refused)}")
