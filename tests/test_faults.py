@@ -75,6 +75,12 @@ def kill_one_rank_mid_run(rank: int, world: int, victim: int) -> None:
     dist.all_reduce(torch.ones(4))
 
 
+def load_with_two_workers(rank: int, world: int) -> list[int]:
+    from torch.utils.data import DataLoader
+
+    return [int(batch.sum()) for batch in DataLoader(list(range(8)), batch_size=2, num_workers=2)]
+
+
 def freeze_one_rank(rank: int, world: int, frozen: int) -> None:
     dist.barrier()
     if rank == frozen:
@@ -735,6 +741,12 @@ def test_each_rank_gets_its_own_copy_of_a_tensor_argument_and_a_view_comes_back_
         assert back.untyped_storage().nbytes() == view.numel() * 4
 
 
+def test_a_rank_can_start_processes_of_its_own() -> None:
+    """A DataLoader's workers: the ranks were daemonic processes, which multiprocessing forbids
+    to start any (its bare assertion from the DataLoader's first iteration)."""
+    assert run_local(load_with_two_workers, 2, timeout_s=60) == [[1, 5, 9, 13]] * 2
+
+
 def test_a_result_the_parent_cannot_unpickle_is_that_ranks_failure() -> None:
     """It escaped run_local as the unpickler's own exception, naming no rank."""
     with pytest.raises(launch.RankFailure, match="rank 1 failed:\nits result could not be unpickled in the parent"):
@@ -780,8 +792,12 @@ def test_run_local_refuses_what_its_ranks_could_not_start_with(monkeypatch) -> N
         launch.run(sleep_then_return, 2.5, (0,))
 
     with monkeypatch.context() as inside_a_rank:
-        inside_a_rank.setitem(multiprocessing.current_process()._config, "daemon", True)  # as a rank's process is
-        with pytest.raises(ValueError, match="a daemonic process .* ranks cannot spawn ranks; start one run_local"):
+        inside_a_rank.setattr(launch, "_in_local_rank", True)  # as _worker sets it
+        with pytest.raises(ValueError, match="a rank of another run_local: ranks cannot spawn ranks; start one"):
+            run_local(sleep_then_return, 1, (0,))
+    with monkeypatch.context() as in_a_pool:
+        in_a_pool.setitem(multiprocessing.current_process()._config, "daemon", True)  # as a pool's worker is
+        with pytest.raises(ValueError, match="a daemonic process .*, which cannot start processes: call run_local"):
             run_local(sleep_then_return, 1, (0,))
 
     def defined_in_a_notebook(rank: int, world: int) -> None:

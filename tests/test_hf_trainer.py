@@ -109,7 +109,7 @@ def _train(rank: int, world: int, run: str, output_dir: str) -> dict:
                 weights=_weights(model), train=seen[True], eval=evaluation, replica=trainer._replica,
                 flos=trainer.state.total_flos, checkpointing=model.is_gradient_checkpointing,
                 predictions=torch.from_numpy(predicted.predictions), test_loss=predicted.metrics["test_loss"],
-                # the rank loader workers are seeded by (these ranks are daemons, which cannot start workers)
+                # the rank loader workers are seeded by
                 worker_seed_rank=trainer.get_train_dataloader().base_dataloader.worker_init_fn.keywords["rank"])
 
 
@@ -158,6 +158,40 @@ def _hidden_states(output_dir: str) -> tuple[torch.Tensor, ...]:
     logits, hidden = ContextParallelTrainer(model=model, args=_arguments(output_dir)).predict(
         examples(EVAL_EXAMPLES, 2)).predictions
     return (torch.from_numpy(logits), *map(torch.from_numpy, hidden))
+
+
+class RandomRows(torch.utils.data.Dataset):
+    """Rows drawn anew at each read, from the loader worker's random state (as a random crop of a
+    long text is)."""
+
+    def __len__(self) -> int:
+        return TRAIN_EXAMPLES
+
+    def __getitem__(self, index: int) -> dict:
+        ids = torch.randint(0, 128, (SEQ,))
+        return dict(input_ids=ids, labels=ids.clone())
+
+
+def _drawn_by_workers(rank: int, world: int, output_dir: str) -> list[torch.Tensor] | str:
+    """The batches a run of 2 replicas of CP 2 drew from ``RandomRows`` in a loader worker per
+    rank, or what it raised: a replica's ranks must draw alike (or the forward refuses their
+    shards, as of different batches)."""
+    from ctxpar.integrations.transformers import ContextParallelTrainer, enable_context_parallel
+
+    drawn = []
+
+    class Recording(ContextParallelTrainer):
+        def compute_loss(self, model, inputs, *args, **kwargs):
+            drawn.append(inputs["input_ids"].clone())
+            return super().compute_loss(model, inputs, *args, **kwargs)
+
+    model = enable_context_parallel(tiny_llama(), layout="zigzag", group=_cp_group(rank, ((0, 1), (2, 3))))
+    try:
+        Recording(model=model, args=_arguments(output_dir, max_steps=1, dataloader_num_workers=1),
+                  train_dataset=RandomRows()).train()
+    except Exception:  # noqa: BLE001  reported by its test
+        return f"rank {rank} raised\n{traceback.format_exc()}"
+    return drawn
 
 
 def _refusal(fn) -> str:
@@ -242,7 +276,6 @@ def _refusals(rank: int, world: int, output_dir: str) -> dict:
         # (B * T/P, E) as a MoE's router logits, whose E * P is T here
         "output flattened over tokens": _refusal(lambda: ContextParallelTrainer(
             model=enabled, args=_arguments(output_dir))._whole(torch.zeros(BATCH * SEQ // world, world), BATCH, SEQ)),
-        "workers in a daemon": _refusal(lambda: train(data, dataloader_num_workers=1)),
         # one replica's batch refused: the other's ranks hear it, not wait for it (in DDP's broadcast or all-reduce)
         "padding on one replica": _refusal(lambda: train(padded, model=on_replicas)),
         "label out of vocabulary on one replica": _refusal(lambda: train(one_out_of_vocabulary, model=on_replicas)),
@@ -279,6 +312,7 @@ def run(rank: int, world: int) -> dict:
             out["refusals"] = {**_refusals(rank, world, output_dir), "no torchrun variables": unseen}
             out["resumed"] = _resumed(rank, world, output_dir)
             out["hidden"] = _hidden_states(output_dir)
+            out["drawn by workers"] = _drawn_by_workers(rank, world, output_dir)
     finally:
         AcceleratorState._reset_state(reset_partial_state=True)  # the group's later batches: no accelerate state
         for key, value in saved.items():
@@ -436,7 +470,6 @@ REFUSED = {
     "groups crossing": "do not split WORLD into replicas of one size",
     "output not per token": "cannot put the model's output (2,) back in sequence order",
     "output flattened over tokens": "cannot put the model's output (8, 4) back in sequence order",
-    "workers in a daemon": "dataloader_num_workers=1 in a daemonic process",
     "no torchrun variables": "accelerate sees 1 process(es) where torch.distributed has 4",
     "plain Trainer": "num_items_in_batch= is not supported",
 }
@@ -467,6 +500,17 @@ def test_a_refusal_on_one_replica_reaches_every_rank(ranks, case):
     refused, heard = ONE_REPLICA_REFUSED[case]
     messages = [result["refusals"][case] for result in ranks]
     assert sum(refused in m for m in messages) == 2 and sum(heard in m for m in messages) == 2, messages
+
+
+def test_a_random_dataset_read_by_loader_workers_gives_a_replica_one_batch(ranks):
+    """Workers seeded by replica, not by rank: each CP rank's worker draws the batch its replica's
+    other ranks draw, and the two replicas draw different ones."""
+    drawn = [result["drawn by workers"] for result in ranks]
+    assert not any(isinstance(d, str) for d in drawn), next(d for d in drawn if isinstance(d, str))
+    assert len(drawn[0]) == ACCUMULATE
+    for a, b in ((0, 1), (2, 3)):
+        assert all(torch.equal(x, y) for x, y in zip(drawn[a], drawn[b]))
+    assert not torch.equal(drawn[0][0], drawn[2][0])
 
 
 def test_predictions_hold_every_output_of_the_sequence_in_order(ranks):

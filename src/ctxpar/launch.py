@@ -103,6 +103,7 @@ _PR_SET_PDEATHSIG = 1  # <linux/prctl.h>
 _collective_timeout: datetime.timedelta | None = None  # this process's, once it joined a group
 _launch_store: dist.Store | None = None  # torchrun's store, unprefixed: it lasts as long as the launch
 _joins = 0  # torchrun groups this process joined
+_in_local_rank = False  # this process is a rank run_local started
 
 
 class StopRun(Exception):
@@ -612,6 +613,11 @@ def _is_timeout(e: BaseException) -> bool:
 
 def _worker(rank, world_size, port, threads, timeout_s, parent_pid, backend, device, stack_writer, fn, args,
             conn) -> None:
+    global _in_local_rank
+    _in_local_rank = True
+    # daemonic to this process's parent, which stops it at its exit; not to itself, so that fn may start
+    # processes (a DataLoader's workers), which end with it (the finally below)
+    mp.current_process().daemon = False
     _die_with_parent(parent_pid)
     _dump_stack_on_request(stack_writer)
     # Ctrl-C reaches every process of the terminal's group; the parent alone handles it
@@ -827,14 +833,17 @@ def run_local(
 
 
 def _check_can_spawn() -> None:
-    """Refuse to start ranks from a daemonic process (a rank of run_local is one): multiprocessing
-    forbids it, with a bare assertion at the first start."""
+    """Refuse to start ranks from a rank of run_local (one run_local starts every rank a job
+    needs), or from a daemonic process, which multiprocessing forbids to start any, with a bare
+    assertion at the first start."""
     this = mp.current_process()
-    if this.daemon:
-        raise ValueError(f"run_local called in {this.name!r}, a daemonic process (a rank of another run_local, or a "
-                         f"multiprocessing pool's worker), which cannot start processes: ranks cannot spawn ranks; "
+    if _in_local_rank:
+        raise ValueError(f"run_local called in {this.name!r}, a rank of another run_local: ranks cannot spawn ranks; "
                          f"start one run_local with all the ranks the job needs, and split them with dist.new_group "
                          f"inside fn")
+    if this.daemon:
+        raise ValueError(f"run_local called in {this.name!r}, a daemonic process (a multiprocessing pool's worker, "
+                         f"say), which cannot start processes: call run_local from the main process")
 
 
 def _check_importable(fn) -> None:

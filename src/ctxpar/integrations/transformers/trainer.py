@@ -33,7 +33,6 @@ each document, every row of a batch alike) attend and predict within each docume
 from __future__ import annotations
 
 import functools
-import multiprocessing
 
 import torch
 import torch.distributed as dist
@@ -125,10 +124,6 @@ class ContextParallelTrainer(Trainer):
              "loss's scaling here does not keep apart)"),
             (accelerator.dispatch_batches is True, "dispatch_batches=True (batches sent out from rank 0 over every "
              "rank, not over the data-parallel replicas)"),
-            (args.dataloader_num_workers > 0 and multiprocessing.current_process().daemon,
-             f"dataloader_num_workers={args.dataloader_num_workers} in a daemonic process (a rank of "
-             f"ctxpar.launch.run_local is one), which cannot start the loader's workers: launch with torchrun, or set "
-             f"dataloader_num_workers=0"),
         ]
         refused = [what for bad, what in refusals if bad]
         if refused:
