@@ -75,10 +75,11 @@ def kill_one_rank_mid_run(rank: int, world: int, victim: int) -> None:
     dist.all_reduce(torch.ones(4))
 
 
-def load_with_two_workers(rank: int, world: int) -> list[int]:
+def load_with_two_workers(rank: int, world: int) -> tuple[str, list[int]]:
     from torch.utils.data import DataLoader
 
-    return [int(batch.sum()) for batch in DataLoader(list(range(8)), batch_size=2, num_workers=2)]
+    sums = [int(batch.sum()) for batch in DataLoader(list(range(8)), batch_size=2, num_workers=2)]
+    return multiprocessing.get_start_method(), sums
 
 
 def freeze_one_rank(rank: int, world: int, frozen: int) -> None:
@@ -743,8 +744,11 @@ def test_each_rank_gets_its_own_copy_of_a_tensor_argument_and_a_view_comes_back_
 
 def test_a_rank_can_start_processes_of_its_own() -> None:
     """A DataLoader's workers: the ranks were daemonic processes, which multiprocessing forbids
-    to start any (its bare assertion from the DataLoader's first iteration)."""
-    assert run_local(load_with_two_workers, 2, timeout_s=60) == [[1, 5, 9, 13]] * 2
+    to start any (its bare assertion from the DataLoader's first iteration). They start by the
+    platform's default method, as under torchrun (spawned, as the ranks were, each took seconds
+    importing torch, and a lambda in the loader could not be pickled for them)."""
+    default = multiprocessing.get_all_start_methods()[0]  # a fresh interpreter's
+    assert run_local(load_with_two_workers, 2, timeout_s=60) == [(default, [1, 5, 9, 13])] * 2
 
 
 def test_a_result_the_parent_cannot_unpickle_is_that_ranks_failure() -> None:

@@ -616,8 +616,10 @@ def _worker(rank, world_size, port, threads, timeout_s, parent_pid, backend, dev
     global _in_local_rank
     _in_local_rank = True
     # daemonic to this process's parent, which stops it at its exit; not to itself, so that fn may start
-    # processes (a DataLoader's workers), which end with it (the finally below)
+    # processes (a DataLoader's workers), which end with it (the finally below), by the platform's default
+    # start method, as under torchrun (spawn's start of this process set spawn: each worker imported torch anew)
     mp.current_process().daemon = False
+    mp.set_start_method(None, force=True)
     _die_with_parent(parent_pid)
     _dump_stack_on_request(stack_writer)
     # Ctrl-C reaches every process of the terminal's group; the parent alone handles it
