@@ -109,7 +109,7 @@ def _train(rank: int, world: int, run: str, output_dir: str) -> dict:
                 weights=_weights(model), train=seen[True], eval=evaluation, replica=trainer._replica,
                 flos=trainer.state.total_flos, checkpointing=model.is_gradient_checkpointing,
                 predictions=torch.from_numpy(predicted.predictions), test_loss=predicted.metrics["test_loss"],
-                # the rank loader workers are seeded by
+                # the rank Trainer's seed function seeds the loader's workers by
                 worker_seed_rank=trainer.get_train_dataloader().base_dataloader.worker_init_fn.keywords["rank"])
 
 
