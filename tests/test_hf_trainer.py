@@ -78,7 +78,7 @@ def _arguments(output_dir: str, **changes):
 
 
 def _train(rank: int, world: int, run: str, output_dir: str) -> dict:
-    from ctxpar.integrations.transformers import ContextParallelTrainer, enable_context_parallel
+    from ctxpar.integrations.transformers import enable_context_parallel
 
     from torch.distributed.device_mesh import init_device_mesh
 
@@ -89,18 +89,11 @@ def _train(rank: int, world: int, run: str, output_dir: str) -> dict:
     elif groups is not None:
         group = _cp_group(rank, groups)
     seen = {True: [], False: []}  # the batches compute_loss was given, training and evaluating
-
-    class Recording(ContextParallelTrainer):
-        def compute_loss(self, model, inputs, *args, **kwargs):
-            seen[model.training].append((inputs["input_ids"].clone(), inputs["labels"].clone(),
-                                         inputs.get("position_ids")))
-            return super().compute_loss(model, inputs, *args, **kwargs)
-
     model = enable_context_parallel(tiny_llama(), layout=RUNS[run].layout, group=group, mesh=mesh,
                                     strategy=RUNS[run].strategy)
     args = _arguments(output_dir, max_grad_norm=RUNS[run].max_grad_norm,
                       average_tokens_across_devices=RUNS[run].average, gradient_checkpointing=RUNS[run].checkpointing)
-    trainer = Recording(model=model, args=args, train_dataset=examples(TRAIN_EXAMPLES, 1, RUNS[run].packing))
+    trainer = _recording(seen)(model=model, args=args, train_dataset=examples(TRAIN_EXAMPLES, 1, RUNS[run].packing))
     trainer.train()
     evaluated = trainer.evaluate(examples(EVAL_EXAMPLES, 2, RUNS[run].packing))
     evaluation = list(seen[False])  # predict's batches are the same
@@ -111,6 +104,20 @@ def _train(rank: int, world: int, run: str, output_dir: str) -> dict:
                 predictions=torch.from_numpy(predicted.predictions), test_loss=predicted.metrics["test_loss"],
                 # the rank Trainer's seed function seeds the loader's workers by
                 worker_seed_rank=trainer.get_train_dataloader().base_dataloader.worker_init_fn.keywords["rank"])
+
+
+def _recording(seen: dict[bool, list]):
+    """ContextParallelTrainer recording the batches compute_loss is given in ``seen[model.training]``:
+    (input_ids, labels, position_ids or None)."""
+    from ctxpar.integrations.transformers import ContextParallelTrainer
+
+    class Recording(ContextParallelTrainer):
+        def compute_loss(self, model, inputs, *args, **kwargs):
+            seen[model.training].append((inputs["input_ids"].clone(), inputs["labels"].clone(),
+                                         inputs.get("position_ids")))
+            return super().compute_loss(model, inputs, *args, **kwargs)
+
+    return Recording
 
 
 def _cp_group(rank: int, groups: tuple[tuple[int, ...], ...]) -> dist.ProcessGroup | None:
@@ -176,22 +183,16 @@ def _drawn_by_workers(rank: int, world: int, output_dir: str) -> list[torch.Tens
     """The batches a run of 2 replicas of CP 2 drew from ``RandomRows`` in a loader worker per
     rank, or what it raised: a replica's ranks must draw alike (or the forward refuses their
     shards, as of different batches)."""
-    from ctxpar.integrations.transformers import ContextParallelTrainer, enable_context_parallel
+    from ctxpar.integrations.transformers import enable_context_parallel
 
-    drawn = []
-
-    class Recording(ContextParallelTrainer):
-        def compute_loss(self, model, inputs, *args, **kwargs):
-            drawn.append(inputs["input_ids"].clone())
-            return super().compute_loss(model, inputs, *args, **kwargs)
-
+    seen = {True: [], False: []}
     model = enable_context_parallel(tiny_llama(), layout="zigzag", group=_cp_group(rank, ((0, 1), (2, 3))))
     try:
-        Recording(model=model, args=_arguments(output_dir, max_steps=1, dataloader_num_workers=1),
-                  train_dataset=RandomRows()).train()
+        _recording(seen)(model=model, args=_arguments(output_dir, max_steps=1, dataloader_num_workers=1),
+                         train_dataset=RandomRows()).train()
     except Exception:  # noqa: BLE001  reported by its test
         return f"rank {rank} raised\n{traceback.format_exc()}"
-    return drawn
+    return [ids for ids, _, _ in seen[True]]
 
 
 def _refusal(fn) -> str:
@@ -425,7 +426,6 @@ def test_trainer_matches_trainer_without_cp(ranks, run):
     flops = 6 * tiny_llama().num_parameters(exclude_embeddings=True)  # per token: Trainer's rule
     eval_loss = _eval_reference(run, dealt["eval"], want["model"])
     with torch.no_grad():  # predict()'s logits: the evaluation rows' in order, each row's whole sequence
-        rows = examples(EVAL_EXAMPLES, 2, RUNS[run].packing)
         ids = torch.stack([row["input_ids"] for row in rows])
         positions = torch.stack([row["position_ids"] for row in rows]) if RUNS[run].packing else None
         logits = torch.cat([piece for _, _, piece in _logits(want["model"], ids, positions)], dim=1)

@@ -97,9 +97,13 @@ class ContextParallelTrainer(Trainer):
         super().__init__(model, args, *positional, **kwargs)
         self._layout, self._peers = settings.layout, settings.peers()
         self._output_keys: list[str] = []  # the model's outputs besides the loss, as evaluation last saw them
-        self._cp, self._cp_rank = self._peers.world_size, self._peers.rank
         self._check_set_up()
         self._replica, self._leaders = self._replicas_of(settings)
+
+    @property
+    def _cp(self) -> int:
+        """The ranks of a CP group, which share each batch."""
+        return self._peers.world_size
 
     @property
     def _replicas(self) -> int:
@@ -243,7 +247,7 @@ class ContextParallelTrainer(Trainer):
             for refusal, found in zip(checks, torch.stack(list(checks.values())).tolist()):
                 if found:
                     raise ValueError(refusal)
-        return shard_inputs(inputs["input_ids"], layout=self._layout, rank=self._cp_rank, labels=labels,
+        return shard_inputs(inputs["input_ids"], layout=self._layout, rank=self._peers.rank, labels=labels,
                             documents=documents, token_type_ids=inputs.get("token_type_ids"))
 
     def _join(self, refusal: agreement.Refusal, what: str) -> None:
