@@ -68,9 +68,16 @@ def parent_death_signal(rank: int, world: int) -> int:
     return sig.value
 
 
-def kill_one_rank_mid_run(rank: int, world: int, victim: int) -> None:
+def kill_one_rank_mid_run(rank: int, world: int, victim: int, forked: str | None = None) -> None:
+    """With ``forked``, the victim first forks a child that outlives it (its pid written there)."""
     dist.barrier()
     if rank == victim:
+        if forked is not None:
+            child = os.fork()
+            if child == 0:
+                time.sleep(300)
+                os._exit(0)
+            Path(forked).write_text(str(child))
         os.kill(os.getpid(), signal.SIGKILL)
     dist.all_reduce(torch.ones(4))
 
@@ -451,10 +458,19 @@ def test_an_optional_deadline_stops_the_run_and_says_so() -> None:
 # -- item 8: dead and frozen ranks -----------------------------------------------------------
 
 
-def test_a_rank_killed_mid_run_is_named_at_once() -> None:
+@pytest.mark.parametrize("forks", [False, True])
+def test_a_rank_killed_mid_run_is_named_at_once(forks: bool, tmp_path) -> None:
+    """``forks``: the rank forked a child first, which holds what the rank held open (its end
+    of the pipe whose closing told the parent it exited, its report pipe, its peers' sockets):
+    the death went unseen until the child ended (62 s in a trial with a 60 s child)."""
+    forked = tmp_path / "forked"
     start = time.monotonic()
-    with pytest.raises(RuntimeError, match="rank 1 died during the run: killed by SIGKILL") as e:
-        run_local(kill_one_rank_mid_run, 2, (1,), timeout_s=120)
+    try:
+        with pytest.raises(RuntimeError, match="rank 1 died during the run: killed by SIGKILL") as e:
+            run_local(kill_one_rank_mid_run, 2, (1, str(forked) if forks else None), timeout_s=120)
+    finally:
+        if forked.exists() and alive(int(forked.read_text())):
+            os.kill(int(forked.read_text()), signal.SIGKILL)
     assert e.value.died == {1: "killed by SIGKILL"}
     assert time.monotonic() - start < 60  # not the 120 s collective timeout
 

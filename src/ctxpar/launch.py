@@ -74,6 +74,9 @@ DEFAULT_TIMEOUT_S = 600.0
 # also how long a stopped rank gets to end.
 GRACE_S = 2.0
 PARENT_POLL_S = 1.0
+# The parent reads a rank's exit status this often besides waiting on its sentinel: a process the
+# rank forked holds the sentinel open, and the rank's death went unseen until that one ended.
+EXIT_POLL_S = 0.5
 PROBE_S = 0.5  # for a stuck rank to write where it is
 MAX_TIMEOUT_S = 7 * 24 * 3600.0  # beyond a week it is no longer a timeout
 # Below a second a healthy run fails: ranks connect at the rendezvous and reach each
@@ -732,14 +735,16 @@ def _stop(procs: list) -> None:
             if hasattr(signal, "SIGCONT"):  # a rank frozen by SIGSTOP takes the SIGTERM only once continued
                 with contextlib.suppress(ProcessLookupError):
                     os.kill(p.pid, signal.SIGCONT)
+    deadline = time.monotonic() + GRACE_S
     for p in procs:
         if p.pid is None:  # never started
             continue
-        p.join(timeout=GRACE_S)
-        if p.is_alive():
+        while p.exitcode is None and time.monotonic() < deadline:  # not join(timeout): see EXIT_POLL_S
+            time.sleep(0.01)
+        if p.exitcode is None:
             p.kill()
-            p.join()
-        _end(started.get(p.pid, []))
+            p.join()  # waitpid, which a sentinel held open does not delay
+    _end([process for p in procs for process in started.get(p.pid, [])])  # one grace period for them all
 
 
 def run_local(
@@ -1000,16 +1005,16 @@ def _collect(procs: list, readers: list, stacks: list[connection.Connection], ti
             failed[r] = (kind, value)
 
     while pending:
-        wait = None if give_up is None else max(0.0, give_up - time.monotonic())
+        wait = EXIT_POLL_S if give_up is None else max(0.0, min(EXIT_POLL_S, give_up - time.monotonic()))
         watched = [readers[r] for r in pending if r not in silent] + [procs[r].sentinel for r in pending]
         ready = set(connection.wait(watched, wait))
-        if not ready:
+        if not ready and give_up is not None and time.monotonic() >= give_up:
             break
         for r in sorted(pending):
             if readers[r] in ready:
                 read(r)
         for r in sorted(pending):
-            if procs[r].sentinel in ready:
+            if procs[r].sentinel in ready or procs[r].exitcode is not None:  # the status: see EXIT_POLL_S
                 read(r)  # a rank that reported and then exited: its report is in the pipe
                 if r in pending:
                     pending.discard(r)
