@@ -82,6 +82,23 @@ def kill_one_rank_mid_run(rank: int, world: int, victim: int, forked: str | None
     dist.all_reduce(torch.ones(4))
 
 
+def start_state_of_rank(rank: int, world: int, seconds: float = 0.0) -> tuple:
+    """What a rank took at its start (and its parent, the server that forked it or the caller), after ``seconds``."""
+    import resource
+
+    time.sleep(seconds)
+    umask = os.umask(0)
+    os.umask(umask)
+    return (os.environ.get("CTXPAR_TEST_PROBE"), resource.getrlimit(resource.RLIMIT_NOFILE)[0], umask,
+            os.getppid())
+
+
+def draw_from_numpy(rank: int, world: int) -> int:
+    import numpy
+
+    return int(numpy.random.randint(2**62))
+
+
 def load_with_two_workers(rank: int, world: int) -> tuple[str, list[int]]:
     from torch.utils.data import DataLoader
 
@@ -363,19 +380,21 @@ def alive(pid: int) -> bool:
 
 
 def workers_of(parent: int) -> list[int]:
-    """Pids of the spawned ranks (not multiprocessing's resource tracker) whose parent is ``parent``."""
-    found = []
+    """Pids of the ranks ``parent`` started: those its rank server (ctxpar.rank_server) forked, or
+    it spawned (not multiprocessing's resource tracker)."""
+    processes = {}  # pid -> (parent pid, command line)
     for entry in Path("/proc").iterdir():
         if not entry.name.isdigit():
             continue
         try:
             ppid = int((entry / "stat").read_text().rsplit(")", 1)[1].split()[1])
-            cmdline = (entry / "cmdline").read_bytes()
+            processes[int(entry.name)] = ppid, (entry / "cmdline").read_bytes()
         except (FileNotFoundError, ProcessLookupError, IndexError):
             continue
-        if ppid == parent and b"spawn_main" in cmdline:
-            found.append(int(entry.name))
-    return sorted(found)
+    servers = {pid for pid, (ppid, cmdline) in processes.items()
+               if ppid == parent and b"ctxpar.rank_server" in cmdline}
+    return sorted(pid for pid, (ppid, cmdline) in processes.items()
+                  if ppid in servers or (ppid == parent and b"spawn_main" in cmdline))
 
 
 def has_socket(pid: int) -> bool:
@@ -1004,9 +1023,9 @@ def test_ctrl_c_while_run_local_starts_its_ranks_stops_the_run_once_they_are_sta
     store's) was lost: the run went on to its end (and the demo's Ctrl-C test hung 60 s
     under load, its interrupt landing in that window). A caller that ignores SIGINT (nohup,
     a shell's background job) goes on ignoring it: the run is not interrupted."""
-    import multiprocessing.context
+    import multiprocessing.process
 
-    started, start = [], multiprocessing.context.SpawnProcess.start
+    started, start = [], multiprocessing.process.BaseProcess.start
 
     def start_then_ctrl_c(process) -> None:
         start(process)
@@ -1015,7 +1034,7 @@ def test_ctrl_c_while_run_local_starts_its_ranks_stops_the_run_once_they_are_sta
             os.kill(os.getpid(), signal.SIGINT)
             time.sleep(0.2)  # delivered now, to whichever thread takes it
 
-    monkeypatch.setattr(multiprocessing.context.SpawnProcess, "start", start_then_ctrl_c)
+    monkeypatch.setattr(multiprocessing.process.BaseProcess, "start", start_then_ctrl_c)
     # set either way: a suite run in the background starts with SIGINT ignored (the first case failed there, its run
     # going on to its end), in a terminal with Python's handler
     ignored = caller_sigint == "ignored"
@@ -1086,6 +1105,160 @@ def test_ctrl_c_to_the_whole_group_while_the_ranks_start_gives_one_message() -> 
         assert "Traceback" not in err and "KeyboardInterrupt" not in err, err
     finally:
         proc.kill()
+
+
+# -- ranks forked from a rank server (ctxpar.rank_server) -------------------------------------
+
+
+RANKS_PRINT_WHERE_THE_CALLERS_OUTPUT_GOES_NOW = """
+import os, sys
+if __name__ != "__main__":  # a rank importing the script, before run_local's worker runs
+    print("a rank imports the script", flush=True)
+    print("a rank imports the script, on stderr", file=sys.stderr, flush=True)
+from ctxpar.launch import run_local
+
+
+def fn(rank, world):
+    print(f"rank {rank} says", flush=True)
+    print(f"rank {rank} warns", file=sys.stderr, flush=True)
+    return os.getppid()
+
+
+if __name__ == "__main__":
+    run_local(fn, 2)  # the server starts, its output where the caller's is now
+    saved = os.dup(1), os.dup(2)
+    with open(sys.argv[1], "w") as out, open(sys.argv[2], "w") as err:
+        os.dup2(out.fileno(), 1)
+        os.dup2(err.fileno(), 2)
+        parents = run_local(fn, 2)
+    os.dup2(saved[0], 1)
+    os.dup2(saved[1], 2)
+    print("forked:", all(parent != os.getpid() for parent in parents))
+"""
+
+
+def test_a_forked_ranks_output_goes_where_the_callers_goes_when_it_starts(tmp_path) -> None:
+    """A server forks each rank with the standard output and error it was started with: a caller
+    that redirected its own since (a test's capture, a log file) lost its ranks' output to the old
+    place. The caller's present ones are put in place before the rank imports the caller's script."""
+    script, out, err = tmp_path / "script.py", tmp_path / "out", tmp_path / "err"
+    script.write_text(RANKS_PRINT_WHERE_THE_CALLERS_OUTPUT_GOES_NOW)
+    done = subprocess.run([sys.executable, str(script), str(out), str(err)], capture_output=True, text=True,
+                          timeout=120)
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.count("a rank imports the script\n") == 2 and "forked: True" in done.stdout, done.stdout
+    assert sorted(out.read_text().splitlines()) == ["a rank imports the script"] * 2 + ["rank 0 says", "rank 1 says"]
+    assert sorted(err.read_text().splitlines()) == (["a rank imports the script, on stderr"] * 2
+                                                    + ["rank 0 warns", "rank 1 warns"])
+
+
+@pytest.mark.parametrize("changed", ["environment", "resource limit", "umask"])
+def test_forked_ranks_take_the_callers_present_environment_limits_and_umask(changed: str, monkeypatch) -> None:
+    """What a process takes at its start comes from the server's start: a server started under
+    another environment, resource limits or umask is replaced, so that a rank sees the caller's
+    as a spawned one does (glibc reads MALLOC_* only at a process's start)."""
+    import resource
+
+    before = run_local(start_state_of_rank, 2)
+    assert before[0][3] != os.getpid()  # forked by a server
+    limits, umask = resource.getrlimit(resource.RLIMIT_NOFILE), os.umask(0o022)
+    os.umask(umask)
+    expected = {"environment": ("changed", limits[0], umask), "resource limit": (None, limits[0] - 1, umask),
+                "umask": (None, limits[0], umask ^ 0o070)}[changed]
+    if changed == "environment":
+        monkeypatch.setenv("CTXPAR_TEST_PROBE", "changed")
+    elif changed == "resource limit":
+        resource.setrlimit(resource.RLIMIT_NOFILE, (limits[0] - 1, limits[1]))
+    else:
+        os.umask(umask ^ 0o070)
+    try:
+        after = run_local(start_state_of_rank, 2)
+    finally:
+        monkeypatch.delenv("CTXPAR_TEST_PROBE", raising=False)
+        resource.setrlimit(resource.RLIMIT_NOFILE, limits)
+        os.umask(umask)
+    assert [state[:3] for state in after] == [expected] * 2
+    assert after[0][3] not in (before[0][3], os.getpid())  # a server started anew
+    assert [state[:3] for state in run_local(start_state_of_rank, 2)] == [(None, *limits[:1], umask)] * 2
+
+
+def test_a_run_beside_one_on_a_server_of_another_state_spawns(monkeypatch) -> None:
+    """A server still running another run's ranks is not replaced (its ranks would die with it):
+    a run that needs another state spawns its ranks meanwhile."""
+    beside: list = []
+    thread = threading.Thread(target=lambda: beside.extend(run_local(start_state_of_rank, 1, (3.0,))))
+    thread.start()
+    try:
+        wait_for(lambda: launch.rank_server._server is not None and launch.rank_server._server.runs, 60,
+                 "the run beside to start")
+        monkeypatch.setenv("CTXPAR_TEST_PROBE", "beside")
+        spawned = run_local(start_state_of_rank, 1)
+        assert spawned[0][0] == "beside" and spawned[0][3] == os.getpid()
+    finally:
+        thread.join()
+    assert beside[0][0] is None and beside[0][3] != os.getpid()
+    assert run_local(start_state_of_rank, 1)[0][3] not in (beside[0][3], os.getpid())  # a new server, once free
+
+
+def test_forked_ranks_draw_their_own_numpy_numbers() -> None:
+    """Forked, every rank started from the server's numpy random state and drew the same numbers
+    (a spawned rank seeds its own)."""
+    first, second = run_local(draw_from_numpy, 2), run_local(draw_from_numpy, 2)
+    assert len({*first, *second}) == 4
+
+
+def test_a_server_that_died_is_started_again_and_its_folder_removed() -> None:
+    server = run_local(start_state_of_rank, 1)[0][3]
+    folder = Path(launch.rank_server._server.folder)
+    assert (folder / "server").is_socket() and folder.stat().st_mode & 0o077 == 0  # this user's alone
+    os.kill(server, signal.SIGKILL)
+    wait_for(lambda: not alive(server), 10, "the server to die")
+    assert run_local(start_state_of_rank, 1)[0][3] not in (server, os.getpid())
+    assert not folder.exists()
+
+
+A_CALLER_WHOSE_FORK_KEEPS_THE_SERVER = """
+import os, sys, time
+from ctxpar.launch import run_local
+
+
+def fn(rank, world, seconds):
+    time.sleep(seconds)
+
+
+if __name__ == "__main__":
+    run_local(fn, 1, (0,))  # the server starts
+    child = os.fork()  # a copy of the caller holds the server's "alive" pipe: the server outlives the caller
+    if child == 0:
+        time.sleep(300)
+        os._exit(0)
+    print(child, flush=True)
+    run_local(fn, 2, (300,))
+"""
+
+
+def test_forked_ranks_die_with_the_caller_while_its_server_lives_on(tmp_path) -> None:
+    """A server ends once nobody holds its "alive" pipe, and its ranks then by PDEATHSIG; a copy of
+    the caller forked after the server started holds it. The ranks watch the caller itself."""
+    script = tmp_path / "script.py"
+    script.write_text(A_CALLER_WHOSE_FORK_KEEPS_THE_SERVER)
+    proc = subprocess.Popen([sys.executable, str(script)], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    copy = None
+    try:
+        copy = int(proc.stdout.readline())
+        workers = wait_for(lambda: len(workers_of(proc.pid)) == 2 and workers_of(proc.pid), 60, "2 workers", proc)
+        server = int(Path(f"/proc/{workers[0]}/stat").read_text().rsplit(")", 1)[1].split()[1])
+        os.kill(proc.pid, signal.SIGKILL)
+        proc.wait(timeout=10)
+        assert_all_die(workers, within=3.0)
+        assert alive(server)  # what the ranks' own watch ended them without
+        os.kill(copy, signal.SIGKILL)
+        assert_all_die([server])
+    finally:
+        if copy is not None and alive(copy):
+            os.kill(copy, signal.SIGKILL)
+        proc.kill()
+        proc.communicate()  # once the copy, and then the server, no longer hold its output pipes
 
 
 # -- item 9: the environment -----------------------------------------------------------------

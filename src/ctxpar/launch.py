@@ -1,15 +1,16 @@
 """Starting P ranks: local CPU processes with gloo, or the ranks torchrun launched.
 
-``run_local(fn, nproc, ...)`` spawns ``nproc`` processes on this machine, joins them in
-a gloo group on 127.0.0.1, calls ``fn(rank, world_size, *args)`` in each and returns
-the list of results (rank order). What it guarantees:
+``run_local(fn, nproc, ...)`` starts ``nproc`` processes on this machine (on Linux forked
+from a server process that imported torch once, ``ctxpar.rank_server``; elsewhere spawned),
+joins them in a gloo group on 127.0.0.1, calls ``fn(rank, world_size, *args)`` in each and
+returns the list of results (rank order). What it guarantees:
 
 - No wall-clock limit by default: a healthy run takes as long as it takes. ``timeout_s``
   bounds one wait at one collective (and the rendezvous); ``deadline_s`` optionally bounds
   the whole run.
 - Workers die with the parent, however it ends (SIGTERM, SIGINT, SIGKILL): on Linux the
-  kernel kills them (``PR_SET_PDEATHSIG``); elsewhere a thread in each worker notices the
-  parent is gone within ``PARENT_POLL_S``.
+  kernel kills them (``PR_SET_PDEATHSIG``, as their server ends with the parent); a thread in
+  each worker also notices the parent is gone within ``PARENT_POLL_S``.
 - A rank that dies is noticed at once (the parent waits on every worker's exit as well as
   on its results), reported with its exit code or signal, and the others are stopped.
 - A rank that never arrives where the others wait is named: they time out after
@@ -62,7 +63,7 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 from torch.distributed import distributed_c10d
 
-from ctxpar import heap
+from ctxpar import heap, rank_server
 from ctxpar.limits import as_real, whole
 
 # The longest one wait at one collective may last: torch's own default for NCCL. A healthy
@@ -84,7 +85,7 @@ MAX_TIMEOUT_S = 7 * 24 * 3600.0  # beyond a week it is no longer a timeout
 # localhost connection times out, with torch's error instead of the launcher's).
 MIN_TIMEOUT_S = 1.0
 # Local ranks: at least 8 (tests of a few ranks on a small machine), else 4 per core; past
-# that, spawning alone (a torch import each) takes minutes and the memory of several GiB.
+# that, the ranks' own imports and groups take minutes and the memory of several GiB.
 MIN_RANKS_CAP = 8
 RANKS_PER_CORE = 4
 # Torch threads per local rank: past the cores they only time-share them, and by the thousands
@@ -431,17 +432,30 @@ def _watch_parent(parent_pid: int, interval: float = PARENT_POLL_S) -> None:
     os._exit(1)  # from any thread, even while the main one is blocked in a collective
 
 
-def _die_with_parent(parent_pid: int) -> None:
-    """Make this worker end when the launching process does, however that one ends."""
+def _watch_caller(pid: int, start: str, interval: float = PARENT_POLL_S) -> None:
+    """Exit this process once process ``pid``, started at ``start`` (``_stat``), has ended."""
+    while _is_running(pid, start):
+        time.sleep(interval)
+    os._exit(1)
+
+
+def _die_with_parent(parent_pid: int, caller: tuple[int, str | None]) -> None:
+    """Make this worker end when the process that called run_local does, however that one ends.
+    ``parent_pid``: this worker's parent, the caller or the server that forked it
+    (``rank_server``), which ends with the caller; ``caller``: its (pid, start time), the start
+    time None where there is no /proc."""
     if sys.platform.startswith("linux"):
-        # The kernel sends SIGKILL to this process when the thread that spawned it ends: it
+        # The kernel sends SIGKILL to this process when the thread that started it ends: it
         # works even when the parent is SIGKILLed and this process is blocked in C++.
         ctypes.CDLL(None, use_errno=True).prctl(_PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)
     if os.getppid() != parent_pid:  # the parent died before the line above took effect
         os._exit(1)
-    # A thread that notices re-parenting within a second: the only mechanism outside Linux,
-    # and on Linux a second one (PDEATHSIG follows the spawning *thread*, not the process).
-    threading.Thread(target=_watch_parent, args=(parent_pid,), daemon=True, name="ctxpar-parent-watch").start()
+    # A thread that notices the caller gone within a second: the only mechanism outside Linux,
+    # and on Linux a second one (PDEATHSIG follows the starting *thread*, not the process, and
+    # a server outlives the caller while a process the caller forked holds its "alive" pipe).
+    pid, start = caller
+    watch, args = (_watch_caller, (pid, start)) if start is not None else (_watch_parent, (parent_pid,))
+    threading.Thread(target=watch, args=args, daemon=True, name="ctxpar-parent-watch").start()
 
 
 # Asked of a rank still running when a run is given up: where its main thread is. Inside
@@ -614,16 +628,16 @@ def _is_timeout(e: BaseException) -> bool:
                                             or _whereabouts(_frames_of(e)).in_collective)
 
 
-def _worker(rank, world_size, port, threads, timeout_s, parent_pid, backend, device, stack_writer, fn, args,
-            conn) -> None:
+def _worker(rank, world_size, port, threads, timeout_s, parent_pid, caller, backend, device, stack_writer, fn,
+            args, conn) -> None:
     global _in_local_rank
     _in_local_rank = True
     # daemonic to this process's parent, which stops it at its exit; not to itself, so that fn may start
     # processes (a DataLoader's workers), which end with it (the finally below), by the platform's default
-    # start method, as under torchrun (spawn's start of this process set spawn: each worker imported torch anew)
+    # start method, as under torchrun (this process's start set its own: spawn's each worker imported torch anew)
     mp.current_process().daemon = False
     mp.set_start_method(None, force=True)
-    _die_with_parent(parent_pid)
+    _die_with_parent(parent_pid, caller)
     _dump_stack_on_request(stack_writer)
     # Ctrl-C reaches every process of the terminal's group; the parent alone handles it
     # (and stops the workers), so that one interrupt gives one message. Started with SIGINT
@@ -704,13 +718,17 @@ def _descendants(pid: int) -> list[tuple[int, str]]:
     return found
 
 
+def _is_running(pid: int, start: str) -> bool:
+    """Whether process ``pid``, started at ``start`` (``_stat``), runs (a pid reused since is another process)."""
+    return bool(fields := _stat(pid)) and fields[19:20] == [start] and fields[0] not in ("Z", "X")
+
+
 def _end(processes: list[tuple[int, str]]) -> None:
     """End what a rank forked or spawned and left running (``_descendants``), as the rank ends:
     it outlived the run, re-parented, a forked copy holding the rank's memory and sockets.
     SIGTERM, then SIGKILL to what still runs ``GRACE_S`` later."""
     def running() -> list[int]:
-        return [pid for pid, start in processes if (fields := _stat(pid)) and fields[19:20] == [start]
-                and fields[0] not in ("Z", "X")]
+        return [pid for pid, start in processes if _is_running(pid, start)]
 
     def send(pids: list[int], sent: signal.Signals) -> None:
         for pid in pids:
@@ -787,18 +805,13 @@ def run_local(
         raise ValueError(f"run_local's args must be a tuple (or list) of fn's arguments after (rank, nproc), not "
                          f"{type(args).__name__!r}; for one argument x, args=(x,)")
     threads = threads or max(1, cores // nproc)
-    ctx = mp.get_context("spawn")
-    pipes = [ctx.Pipe(duplex=False) for _ in range(nproc)]
-    stack_pipes = [ctx.Pipe(duplex=False) for _ in range(nproc)]
+    pipes = [mp.Pipe(duplex=False) for _ in range(nproc)]
+    stack_pipes = [mp.Pipe(duplex=False) for _ in range(nproc)]
     store, port = _local_store(timeout_s)
-    procs = []
+    caller = (os.getpid(), next(iter(_stat(os.getpid())[19:20]), None))  # its start time: None without /proc
+    procs: list = []
+    process_class = None
     try:
-        procs = [
-            ctx.Process(target=_worker, name=f"ctxpar-rank-{r}", daemon=True,
-                        args=(r, nproc, port, threads, timeout_s, os.getpid(), backend, devices[r], stack_pipes[r][1],
-                              _ForRanks(fn, "fn"), _ForRanks(args, "args"), pipes[r][1]))
-            for r in range(nproc)
-        ]
         # Ctrl-C waits until every worker is started: one interrupted halfway through a start
         # would run on untracked, holding the terminal's pipes, until it notices the parent gone.
         # The workers inherit SIGINT blocked (until _worker ignores it): a Ctrl-C while they still
@@ -814,12 +827,18 @@ def run_local(
         blocked = None
         try:
             blocked = signal.pthread_sigmask(signal.SIG_BLOCK, ())  # the caller's mask, put back below
-            for p, (_, writer), (_, stack_writer) in zip(procs, pipes, stack_pipes):
+            for r, ((_, writer), (_, stack_writer)) in enumerate(zip(pipes, stack_pipes)):
                 # multiprocessing's resource tracker, started (first, or again if it died) within a start,
                 # unblocks SIGINT and SIGTERM in this thread before the rank is spawned: started here first
                 resource_tracker.ensure_running()
                 signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGINT})
-                p.start()
+                if process_class is None:  # a rank server started now has SIGINT blocked, as has every rank it forks
+                    process_class, server = rank_server.acquire()
+                procs.append(process_class(
+                    target=_worker, name=f"ctxpar-rank-{r}", daemon=True,
+                    args=(r, nproc, port, threads, timeout_s, server or os.getpid(), caller, backend, devices[r],
+                          stack_writer, _ForRanks(fn, "fn"), _ForRanks(args, "args"), writer)))
+                procs[-1].start()
                 writer.close()  # the worker holds the only writer: its end of file means it is gone
                 stack_writer.close()
         finally:
@@ -833,6 +852,8 @@ def run_local(
                         deadline_s)
     finally:
         _stop(procs)
+        if process_class is not None:
+            rank_server.release(process_class)
         del store  # its server stops, and its port is free again
         for pipe in (*pipes, *stack_pipes):
             for end in pipe:

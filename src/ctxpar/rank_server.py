@@ -1,0 +1,244 @@
+"""Local ranks forked from a server process that imported torch once.
+
+A spawned rank is a fresh interpreter that imports torch: 2-3 s each, 3-8 s for a run of 2-4
+ranks on 2 cores, paid by every ``run_local``. Instead ``run_local`` has a server process fork
+each rank: multiprocessing's forkserver loop, in a server of ctxpar's own (the process-wide one
+preloads the caller's ``__main__``, where a script that touches CUDA at import would initialise
+it in the server and no forked rank could use the GPU; and it may be someone else's, with their
+preloads). The server imports torch and ctxpar's launcher, nothing else, and lives as long as
+the process that started it.
+
+A forked rank starts from the server's state, not the caller's as a spawned one does. What the
+process takes at its start is kept equal: the environment (glibc reads ``MALLOC_*`` at its start,
+torch's threads ``OMP_*``), resource limits, CPU affinity, umask, the blocked and ignored signals
+and ``sys.path`` are compared with the server's at each run, and a server started under others
+is replaced (a concurrent run still using it: that run spawns); the caller's standard output and
+error, which a test's capture or a redirect may have moved since, are handed to each rank and
+put in place before the rank runs any code of its own. Where the server cannot be used (not
+Linux, no ``/proc``), ranks are spawned.
+"""
+
+from __future__ import annotations
+
+import io
+import os
+import resource
+import shutil
+import signal
+import socket
+import sys
+import tempfile
+import threading
+from dataclasses import dataclass
+from multiprocessing import forkserver, popen_forkserver, reduction, spawn, util
+from multiprocessing import context as mp_context
+from typing import Any
+
+import torch.multiprocessing as mp
+
+# what the server imports before it forks: what every rank imports first (torch alone is 2-3 s)
+PRELOAD = ("torch", "torch.distributed", "ctxpar.launch")
+# a key of the preparation data a rank unpickles first, before multiprocessing imports the caller's
+# script in it: its reconstructor puts the caller's standard output and error in place
+_STDIO_KEY = "ctxpar_stdio"
+
+
+@dataclass
+class _Server:
+    forkserver: forkserver.ForkServer
+    folder: str  # its socket's, which it removes as it ends
+    started_under: tuple  # _start_state() at its start
+    runs: int = 0  # runs starting or running ranks on it
+
+
+_lock = threading.Lock()
+_server: _Server | None = None
+
+
+def usable() -> bool:
+    """Whether ranks can be forked from a server here: Linux, with /proc (a forked rank's parent
+    is the server: it watches the caller by its pid and start time there) and descriptor passing."""
+    return sys.platform.startswith("linux") and os.path.exists("/proc/self/stat") and reduction.HAVE_SEND_HANDLE
+
+
+def acquire() -> tuple[type, int | None]:
+    """(the Process class to start this run's ranks with, the pid of their parent when it is not
+    this process): a server started under this process's present state, or spawn's. Pair with
+    ``release``; call it with SIGINT blocked in this thread (a server started now inherits the
+    mask, and every rank it forks: see run_local)."""
+    global _server
+    if not usable():
+        return mp.get_context("spawn").Process, None
+    state = _start_state()
+    with _lock:
+        if _server is not None and not _alive(_server):
+            _server = None
+        if _server is not None and _server.started_under != state:
+            if _server.runs:  # another run's ranks are its children: stopping it would kill them
+                return mp.get_context("spawn").Process, None
+            os.close(_server.forkserver._forkserver_alive_fd)  # it ends, removing its folder
+            os.waitpid(_server.forkserver._forkserver_pid, 0)
+            _server = None
+        if _server is None:
+            _server = _start(state)
+        _server.runs += 1
+        return _RankProcess, _server.forkserver._forkserver_pid
+
+
+def release(process_class: type) -> None:
+    """This run's ranks have ended (``acquire``)."""
+    if process_class is _RankProcess:
+        with _lock:
+            if _server is not None:
+                _server.runs -= 1
+
+
+def _alive(server: _Server) -> bool:
+    pid, _ = os.waitpid(server.forkserver._forkserver_pid, os.WNOHANG)  # reaped if it has exited
+    if pid:  # killed (its own end removes the folder)
+        os.close(server.forkserver._forkserver_alive_fd)
+        shutil.rmtree(server.folder, ignore_errors=True)
+    return not pid
+
+
+def _start_state() -> tuple:
+    """What a process takes from its parent at its start, as this process (and thread) has it now."""
+    rlimits = tuple((name, resource.getrlimit(getattr(resource, name))) for name in sorted(dir(resource))
+                    if name.startswith("RLIMIT_"))
+    with open("/proc/self/status") as f:  # Linux 4.7 on; os.umask would set it, for every thread, a moment
+        umask = next((line for line in f if line.startswith("Umask:")), None)
+    # SIGINT aside: run_local holds it (blocked, its own handler) while the ranks start, and they ignore it
+    blocked = signal.pthread_sigmask(signal.SIG_BLOCK, ()) - {signal.SIGINT}
+    ignored = {s for s in signal.valid_signals() if s != signal.SIGINT and signal.getsignal(s) is signal.SIG_IGN}
+    # which of stdout and stderr are open: in a server started without one, its number may be another file
+    # in a rank, which the caller's must not replace
+    stdio = tuple(_is_open(fd) for fd in (1, 2))
+    return (tuple(sorted(os.environ.items())), rlimits, umask, tuple(sorted(os.sched_getaffinity(0))),
+            tuple(sorted(blocked)), tuple(sorted(ignored)), tuple(_absolute_sys_path()), stdio)
+
+
+def _absolute_sys_path() -> list[str]:
+    return [os.path.abspath(entry) if entry else os.getcwd() for entry in sys.path]
+
+
+def _start(state: tuple) -> _Server:
+    """Start a server: multiprocessing's forkserver loop (``serve``), with this process's sys.path
+    (the stdlib's server of Python 3.11 ignores the one it is given). It ends once every copy of
+    the "alive" pipe's writer is closed: this process's at its exit, and each rank closes the one
+    it inherits (``_settle_forked_rank``), so that the server, and by PDEATHSIG its ranks, die
+    with this process. Its socket is a file only this user can open (a socket of the abstract
+    namespace any local user could ask to fork code of theirs), in a folder it removes as it ends:
+    a caller ended by SIGTERM removes nothing."""
+    server = forkserver.ForkServer()
+    server.set_forkserver_preload(list(PRELOAD))  # were the stdlib to restart it
+    folder = tempfile.mkdtemp(prefix="ctxpar-ranks-")
+    try:
+        address = os.path.join(folder, "server")
+        with socket.socket(socket.AF_UNIX) as listener:
+            listener.bind(address)
+            os.chmod(address, 0o600)
+            listener.listen()
+            alive_r, alive_w = os.pipe()
+            try:
+                command = (f"import sys; sys.path[:] = {_absolute_sys_path()!r}; from ctxpar.rank_server import serve; "
+                           f"serve({listener.fileno()}, {alive_r}, {folder!r})")
+                executable = spawn.get_executable()
+                pid = util.spawnv_passfds(executable, [executable, *util._args_from_interpreter_flags(), "-c", command],
+                                          [listener.fileno(), alive_r])
+            except BaseException:
+                os.close(alive_w)
+                raise
+            finally:
+                os.close(alive_r)
+    except BaseException:
+        shutil.rmtree(folder, ignore_errors=True)
+        raise
+    server._forkserver_address, server._forkserver_alive_fd, server._forkserver_pid = address, alive_w, pid
+    return _Server(server, folder, state)
+
+
+def serve(listener_fd: int, alive_r: int, folder: str) -> None:
+    """A server's main: multiprocessing's forkserver loop, preloading PRELOAD, until the "alive"
+    pipe closes; then, or at a SIGTERM or SIGHUP (a signal to the caller's whole group), it
+    removes its folder."""
+    for sig in _ENDING_SIGNALS:
+        if signal.getsignal(sig) is signal.SIG_DFL:  # not over one the caller ignores (nohup)
+            signal.signal(sig, _end_server)
+    try:
+        forkserver.main(listener_fd, alive_r, list(PRELOAD))
+    finally:
+        shutil.rmtree(folder, ignore_errors=True)
+
+
+_ENDING_SIGNALS = (signal.SIGTERM, signal.SIGHUP)
+
+
+def _end_server(signum: int, frame: Any) -> None:
+    sys.exit(128 + signum)
+
+
+class _CallersStdio:
+    """This process's standard output and error (descriptors 1 and 2) as they are now, for a rank:
+    put in place as the rank unpickles this, before it runs any code of the caller's."""
+
+    def __reduce__(self):
+        return _settle_forked_rank, tuple(reduction.DupFd(fd) if _is_open(fd) else None for fd in (1, 2))
+
+
+def _is_open(fd: int) -> bool:
+    try:
+        os.fstat(fd)
+    except OSError:
+        return False
+    return True
+
+
+def _settle_forked_rank(stdout: Any, stderr: Any) -> None:
+    """The first thing a forked rank runs: the caller's stdout and stderr in place of the server's
+    (one the caller has closed, the server had closed too: ``_start_state``); the server's "alive"
+    writer closed (held here, it kept the server, and so this rank, alive after the caller died);
+    numpy's global random state drawn anew, as a spawned rank's is (forked, every rank would draw
+    the server's numbers); SIGTERM and SIGHUP at their defaults, as in a spawned rank."""
+    for sig in _ENDING_SIGNALS:
+        if signal.getsignal(sig) is _end_server:
+            signal.signal(sig, signal.SIG_DFL)
+    for target, inherited in ((1, stdout), (2, stderr)):
+        if inherited is not None:
+            fd = inherited.detach()
+            if fd != target:
+                os.dup2(fd, target)
+                os.close(fd)
+    alive = forkserver._forkserver._forkserver_alive_fd
+    if alive is not None:
+        os.close(alive)
+        forkserver._forkserver._forkserver_alive_fd = None
+    numpy_random = sys.modules.get("numpy.random")
+    if numpy_random is not None:
+        numpy_random.seed()
+
+
+class _RankPopen(popen_forkserver.Popen):
+    """multiprocessing's forkserver start, on ctxpar's server, handing the rank the caller's stdio."""
+
+    def _launch(self, process_obj) -> None:
+        prep_data = {_STDIO_KEY: _CallersStdio(), **spawn.get_preparation_data(process_obj._name)}
+        buffer = io.BytesIO()
+        mp_context.set_spawning_popen(self)
+        try:
+            reduction.dump(prep_data, buffer)
+            reduction.dump(process_obj, buffer)
+        finally:
+            mp_context.set_spawning_popen(None)
+        self.sentinel, w = _server.forkserver.connect_to_new_process(self._fds)
+        # the rank's mp.parent_process() watches this writer, as forkserver's start keeps it
+        parent_w = os.dup(w)
+        self.finalizer = util.Finalize(self, util.close_fds, (parent_w, self.sentinel))
+        with open(w, "wb", closefd=True) as f:
+            f.write(buffer.getbuffer())
+        self.pid = forkserver.read_signed(self.sentinel)
+
+
+class _RankProcess(mp_context.ForkServerProcess):
+    @staticmethod
+    def _Popen(process_obj):
+        return _RankPopen(process_obj)
