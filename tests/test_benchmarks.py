@@ -85,6 +85,8 @@ REFUSED = [
     ("plan_vs_measured", ["--strategies", "ring,foo"], "--strategies"),
     ("plan_vs_measured", ["--strategies", "hybrid", "--nprocs", "4", "--ulysses-degree", "3"], "--ulysses-degree"),
     ("plan_vs_measured", ["--repeat", "0"], "--repeat"),
+    ("rank_start", ["--repeat", "0"], "--repeat"),
+    ("rank_start", ["--nprocs", "2,0"], "--nprocs"),
 ]
 
 

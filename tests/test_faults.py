@@ -82,15 +82,19 @@ def kill_one_rank_mid_run(rank: int, world: int, victim: int, forked: str | None
     dist.all_reduce(torch.ones(4))
 
 
-def start_state_of_rank(rank: int, world: int, seconds: float = 0.0) -> tuple:
-    """What a rank took at its start (and its parent, the server that forked it or the caller), after ``seconds``."""
+def start_state_of_rank(rank: int, world: int, seconds: float = 0.0) -> dict:
+    """What a rank took at its start, after ``seconds``: the environment it started with is the one
+    glibc read (/proc/self/environ: for a forked rank, its server's at the server's start)."""
     import resource
 
     time.sleep(seconds)
     umask = os.umask(0)
     os.umask(umask)
-    return (os.environ.get("CTXPAR_TEST_PROBE"), resource.getrlimit(resource.RLIMIT_NOFILE)[0], umask,
-            os.getppid())
+    started_with = dict(entry.split("=", 1) for entry in Path("/proc/self/environ").read_text().split("\0")
+                        if "=" in entry)
+    return dict(probe=os.environ.get("CTXPAR_TEST_PROBE"), arenas=os.environ.get("MALLOC_ARENA_MAX"),
+                arenas_at_start=started_with.get("MALLOC_ARENA_MAX"),
+                files=resource.getrlimit(resource.RLIMIT_NOFILE)[0], umask=umask, parent=os.getppid())
 
 
 def draw_from_numpy(rank: int, world: int) -> int:
@@ -1112,15 +1116,22 @@ def test_ctrl_c_to_the_whole_group_while_the_ranks_start_gives_one_message() -> 
 
 RANKS_PRINT_WHERE_THE_CALLERS_OUTPUT_GOES_NOW = """
 import os, sys
+
+
+def say(stream, line):  # one write per line: print writes the newline apart, unbuffered (PYTHONUNBUFFERED)
+    stream.write(line + "\\n")
+    stream.flush()
+
+
 if __name__ != "__main__":  # a rank importing the script, before run_local's worker runs
-    print("a rank imports the script", flush=True)
-    print("a rank imports the script, on stderr", file=sys.stderr, flush=True)
+    say(sys.stdout, "a rank imports the script")
+    say(sys.stderr, "a rank imports the script, on stderr")
 from ctxpar.launch import run_local
 
 
 def fn(rank, world):
-    print(f"rank {rank} says", flush=True)
-    print(f"rank {rank} warns", file=sys.stderr, flush=True)
+    say(sys.stdout, f"rank {rank} says")
+    say(sys.stderr, f"rank {rank} warns")
     return os.getppid()
 
 
@@ -1152,34 +1163,48 @@ def test_a_forked_ranks_output_goes_where_the_callers_goes_when_it_starts(tmp_pa
                                                     + ["rank 0 warns", "rank 1 warns"])
 
 
-@pytest.mark.parametrize("changed", ["environment", "resource limit", "umask"])
+CHANGES = ["a variable read at start", "another variable", "a resource limit", "the umask"]
+
+
+@pytest.mark.parametrize("changed", CHANGES)
 def test_forked_ranks_take_the_callers_present_environment_limits_and_umask(changed: str, monkeypatch) -> None:
     """What a process takes at its start comes from the server's start: a server started under
-    another environment, resource limits or umask is replaced, so that a rank sees the caller's
-    as a spawned one does (glibc reads MALLOC_* only at a process's start)."""
+    other environment variables read at start (glibc reads MALLOC_* only as a process starts),
+    resource limits or umask is replaced, so that a rank has the caller's as a spawned one does;
+    the rest of the environment each rank takes as it starts, from the same server."""
     import resource
 
-    before = run_local(start_state_of_rank, 2)
-    assert before[0][3] != os.getpid()  # forked by a server
-    limits, umask = resource.getrlimit(resource.RLIMIT_NOFILE), os.umask(0o022)
-    os.umask(umask)
-    expected = {"environment": ("changed", limits[0], umask), "resource limit": (None, limits[0] - 1, umask),
-                "umask": (None, limits[0], umask ^ 0o070)}[changed]
-    if changed == "environment":
+    before = run_local(start_state_of_rank, 2)[0]
+    assert before["parent"] != os.getpid()  # forked by a server
+    limits = resource.getrlimit(resource.RLIMIT_NOFILE)
+    umask = before["umask"]
+    expected = {**before}
+    if changed == "a variable read at start":
+        monkeypatch.setenv("MALLOC_ARENA_MAX", "2")
+        expected.update(arenas="2", arenas_at_start="2")
+    elif changed == "another variable":
         monkeypatch.setenv("CTXPAR_TEST_PROBE", "changed")
-    elif changed == "resource limit":
+        expected.update(probe="changed")
+    elif changed == "a resource limit":
         resource.setrlimit(resource.RLIMIT_NOFILE, (limits[0] - 1, limits[1]))
+        expected.update(files=limits[0] - 1)
     else:
         os.umask(umask ^ 0o070)
+        expected.update(umask=umask ^ 0o070)
     try:
         after = run_local(start_state_of_rank, 2)
     finally:
+        monkeypatch.delenv("MALLOC_ARENA_MAX", raising=False)
         monkeypatch.delenv("CTXPAR_TEST_PROBE", raising=False)
         resource.setrlimit(resource.RLIMIT_NOFILE, limits)
         os.umask(umask)
-    assert [state[:3] for state in after] == [expected] * 2
-    assert after[0][3] not in (before[0][3], os.getpid())  # a server started anew
-    assert [state[:3] for state in run_local(start_state_of_rank, 2)] == [(None, *limits[:1], umask)] * 2
+    if changed == "another variable":  # the same server
+        assert after == [expected] * 2
+    else:  # a server started anew
+        assert [{**state, "parent": None} for state in after] == [{**expected, "parent": None}] * 2
+        assert after[0]["parent"] not in (before["parent"], os.getpid())
+    again = run_local(start_state_of_rank, 2)
+    assert [{**state, "parent": None} for state in again] == [{**before, "parent": None}] * 2
 
 
 def test_a_run_beside_one_on_a_server_of_another_state_spawns(monkeypatch) -> None:
@@ -1191,13 +1216,18 @@ def test_a_run_beside_one_on_a_server_of_another_state_spawns(monkeypatch) -> No
     try:
         wait_for(lambda: launch.rank_server._server is not None and launch.rank_server._server.runs, 60,
                  "the run beside to start")
-        monkeypatch.setenv("CTXPAR_TEST_PROBE", "beside")
-        spawned = run_local(start_state_of_rank, 1)
-        assert spawned[0][0] == "beside" and spawned[0][3] == os.getpid()
+        monkeypatch.setenv("MALLOC_ARENA_MAX", "2")
+        spawned = run_local(start_state_of_rank, 1)[0]
+        assert spawned["arenas_at_start"] == "2" and spawned["parent"] == os.getpid()
     finally:
         thread.join()
-    assert beside[0][0] is None and beside[0][3] != os.getpid()
-    assert run_local(start_state_of_rank, 1)[0][3] not in (beside[0][3], os.getpid())  # a new server, once free
+    assert beside[0]["arenas_at_start"] is None and beside[0]["parent"] != os.getpid()
+    assert run_local(start_state_of_rank, 1)[0]["parent"] not in (beside[0]["parent"], os.getpid())  # once free
+
+
+def test_the_off_switch_spawns_every_rank(monkeypatch) -> None:
+    monkeypatch.setenv("CTXPAR_RANK_SERVER", "0")
+    assert [state["parent"] for state in run_local(start_state_of_rank, 2)] == [os.getpid()] * 2  # the caller's
 
 
 def test_forked_ranks_draw_their_own_numpy_numbers() -> None:
@@ -1208,12 +1238,12 @@ def test_forked_ranks_draw_their_own_numpy_numbers() -> None:
 
 
 def test_a_server_that_died_is_started_again_and_its_folder_removed() -> None:
-    server = run_local(start_state_of_rank, 1)[0][3]
+    server = run_local(start_state_of_rank, 1)[0]["parent"]
     folder = Path(launch.rank_server._server.folder)
     assert (folder / "server").is_socket() and folder.stat().st_mode & 0o077 == 0  # this user's alone
     os.kill(server, signal.SIGKILL)
     wait_for(lambda: not alive(server), 10, "the server to die")
-    assert run_local(start_state_of_rank, 1)[0][3] not in (server, os.getpid())
+    assert run_local(start_state_of_rank, 1)[0]["parent"] not in (server, os.getpid())
     assert not folder.exists()
 
 

@@ -1,21 +1,22 @@
 """Local ranks forked from a server process that imported torch once.
 
-A spawned rank is a fresh interpreter that imports torch: 2-3 s each, 3-8 s for a run of 2-4
-ranks on 2 cores, paid by every ``run_local``. Instead ``run_local`` has a server process fork
-each rank: multiprocessing's forkserver loop, in a server of ctxpar's own (the process-wide one
-preloads the caller's ``__main__``, where a script that touches CUDA at import would initialise
-it in the server and no forked rank could use the GPU; and it may be someone else's, with their
-preloads). The server imports torch and ctxpar's launcher, nothing else, and lives as long as
-the process that started it.
+A spawned rank is a fresh interpreter that imports torch: 2-3 s for a run of 2 ranks on 2
+cores, 4-7 s for 4, paid by every ``run_local`` (``benchmarks/rank_start.py``). Instead
+``run_local`` has a server process fork each rank: multiprocessing's forkserver loop, in a
+server of ctxpar's own (the process-wide one preloads the caller's ``__main__``, where a script
+that touches CUDA at import would initialise it in the server and no forked rank could use the
+GPU; and it may be someone else's, with their preloads). The server imports torch and ctxpar's
+launcher, nothing else, and lives as long as the process that started it.
 
 A forked rank starts from the server's state, not the caller's as a spawned one does. What the
-process takes at its start is kept equal: the environment (glibc reads ``MALLOC_*`` at its start,
-torch's threads ``OMP_*``), resource limits, CPU affinity, umask, the blocked and ignored signals
-and ``sys.path`` are compared with the server's at each run, and a server started under others
-is replaced (a concurrent run still using it: that run spawns); the caller's standard output and
-error, which a test's capture or a redirect may have moved since, are handed to each rank and
-put in place before the rank runs any code of its own. Where the server cannot be used (not
-Linux, no ``/proc``), ranks are spawned.
+process takes at its start is kept equal: the environment variables read at start
+(``READ_AT_START``: glibc reads ``MALLOC_*`` as the process starts, OpenMP ``OMP_*`` as torch
+loads), resource limits, CPU affinity, umask, the blocked and ignored signals and ``sys.path``
+are compared with the server's at each run, and a server started under others is replaced (a
+concurrent run still using it: that run spawns); the caller's whole environment and its standard
+output and error, which a test's capture or a redirect may have moved since, are handed to each
+rank and put in place before the rank runs any code of its own. Where the server cannot be used (not
+Linux, no ``/proc``), or where the environment sets ``CTXPAR_RANK_SERVER=0``, ranks are spawned.
 """
 
 from __future__ import annotations
@@ -34,13 +35,21 @@ from multiprocessing import forkserver, popen_forkserver, reduction, spawn, util
 from multiprocessing import context as mp_context
 from typing import Any
 
-import torch.multiprocessing as mp
+import multiprocessing as mp
 
 # what the server imports before it forks: what every rank imports first (torch alone is 2-3 s)
 PRELOAD = ("torch", "torch.distributed", "ctxpar.launch")
+OFF_SWITCH = "CTXPAR_RANK_SERVER"  # "0": spawn every rank
 # a key of the preparation data a rank unpickles first, before multiprocessing imports the caller's
-# script in it: its reconstructor puts the caller's standard output and error in place
-_STDIO_KEY = "ctxpar_stdio"
+# script in it: its reconstructor gives the rank the caller's environment, standard output and error
+_CALLER_KEY = "ctxpar_caller"
+# Environment variables read as a process starts or as the server imports PRELOAD: by glibc's heap,
+# the dynamic loader, Python, OpenMP and the BLAS libraries, numpy, torch, CUDA and NCCL (at import or
+# at their start), the locale. A rank forked from a server started under other values of these would
+# run with the server's: the server is replaced. The rest of the caller's environment a rank takes
+# whole as it starts (``_settle_forked_rank``): pytest alone changes PYTEST_CURRENT_TEST at every test.
+READ_AT_START = ("MALLOC_", "GLIBC_", "LD_", "PYTHON", "OMP_", "KMP_", "GOMP_", "MKL_", "OPENBLAS_", "NPY_",
+                 "TORCH", "PYTORCH_", "CUDA_", "NCCL_", "LANG", "LC_")
 
 
 @dataclass
@@ -56,9 +65,11 @@ _server: _Server | None = None
 
 
 def usable() -> bool:
-    """Whether ranks can be forked from a server here: Linux, with /proc (a forked rank's parent
-    is the server: it watches the caller by its pid and start time there) and descriptor passing."""
-    return sys.platform.startswith("linux") and os.path.exists("/proc/self/stat") and reduction.HAVE_SEND_HANDLE
+    """Whether ranks are forked from a server here: Linux, with /proc (a forked rank's parent is the
+    server: it watches the caller by its pid and start time there) and descriptor passing, unless
+    the environment sets ``CTXPAR_RANK_SERVER=0``."""
+    return (os.environ.get(OFF_SWITCH) != "0" and sys.platform.startswith("linux") and os.path.exists("/proc/self/stat")
+            and reduction.HAVE_SEND_HANDLE)
 
 
 def acquire() -> tuple[type, int | None]:
@@ -113,7 +124,8 @@ def _start_state() -> tuple:
     # which of stdout and stderr are open: in a server started without one, its number may be another file
     # in a rank, which the caller's must not replace
     stdio = tuple(_is_open(fd) for fd in (1, 2))
-    return (tuple(sorted(os.environ.items())), rlimits, umask, tuple(sorted(os.sched_getaffinity(0))),
+    read_at_start = sorted((name, value) for name, value in os.environ.items() if name.startswith(READ_AT_START))
+    return (tuple(read_at_start), rlimits, umask, tuple(sorted(os.sched_getaffinity(0))),
             tuple(sorted(blocked)), tuple(sorted(ignored)), tuple(_absolute_sys_path()), stdio)
 
 
@@ -177,12 +189,13 @@ def _end_server(signum: int, frame: Any) -> None:
     sys.exit(128 + signum)
 
 
-class _CallersStdio:
-    """This process's standard output and error (descriptors 1 and 2) as they are now, for a rank:
-    put in place as the rank unpickles this, before it runs any code of the caller's."""
+class _FromTheCaller:
+    """This process's environment and standard output and error (descriptors 1 and 2) as they are
+    now, for a rank: put in place as the rank unpickles this, before it runs any code of the caller's."""
 
     def __reduce__(self):
-        return _settle_forked_rank, tuple(reduction.DupFd(fd) if _is_open(fd) else None for fd in (1, 2))
+        return _settle_forked_rank, (dict(os.environ), *(reduction.DupFd(fd) if _is_open(fd) else None
+                                                         for fd in (1, 2)))
 
 
 def _is_open(fd: int) -> bool:
@@ -193,15 +206,19 @@ def _is_open(fd: int) -> bool:
     return True
 
 
-def _settle_forked_rank(stdout: Any, stderr: Any) -> None:
-    """The first thing a forked rank runs: the caller's stdout and stderr in place of the server's
-    (one the caller has closed, the server had closed too: ``_start_state``); the server's "alive"
+def _settle_forked_rank(environment: dict[str, str], stdout: Any, stderr: Any) -> None:
+    """The first thing a forked rank runs: the caller's environment in place of the server's (those
+    of its variables read at start are the server's: ``READ_AT_START``); the caller's stdout and
+    stderr in place of the server's (one the caller has closed, the server had closed too:
+    ``_start_state``); the server's "alive"
     writer closed (held here, it kept the server, and so this rank, alive after the caller died);
     numpy's global random state drawn anew, as a spawned rank's is (forked, every rank would draw
     the server's numbers); SIGTERM and SIGHUP at their defaults, as in a spawned rank."""
     for sig in _ENDING_SIGNALS:
         if signal.getsignal(sig) is _end_server:
             signal.signal(sig, signal.SIG_DFL)
+    os.environ.clear()
+    os.environ.update(environment)
     for target, inherited in ((1, stdout), (2, stderr)):
         if inherited is not None:
             fd = inherited.detach()
@@ -218,10 +235,11 @@ def _settle_forked_rank(stdout: Any, stderr: Any) -> None:
 
 
 class _RankPopen(popen_forkserver.Popen):
-    """multiprocessing's forkserver start, on ctxpar's server, handing the rank the caller's stdio."""
+    """multiprocessing's forkserver start, on ctxpar's server, handing the rank the caller's
+    environment and stdio."""
 
     def _launch(self, process_obj) -> None:
-        prep_data = {_STDIO_KEY: _CallersStdio(), **spawn.get_preparation_data(process_obj._name)}
+        prep_data = {_CALLER_KEY: _FromTheCaller(), **spawn.get_preparation_data(process_obj._name)}
         buffer = io.BytesIO()
         mp_context.set_spawning_popen(self)
         try:
