@@ -810,7 +810,7 @@ def run_local(
     store, port = _local_store(timeout_s)
     caller = (os.getpid(), next(iter(_stat(os.getpid())[19:20]), None))  # its start time: None without /proc
     procs: list = []
-    process_class = None
+    process_class = server = None
     try:
         # Ctrl-C waits until every worker is started: one interrupted halfway through a start
         # would run on untracked, holding the terminal's pipes, until it notices the parent gone.
@@ -836,8 +836,8 @@ def run_local(
                     process_class, server = rank_server.acquire()
                 procs.append(process_class(
                     target=_worker, name=f"ctxpar-rank-{r}", daemon=True,
-                    args=(r, nproc, port, threads, timeout_s, server or os.getpid(), caller, backend, devices[r],
-                          stack_writer, _ForRanks(fn, "fn"), _ForRanks(args, "args"), writer)))
+                    args=(r, nproc, port, threads, timeout_s, server.pid if server else os.getpid(), caller, backend,
+                          devices[r], stack_writer, _ForRanks(fn, "fn"), _ForRanks(args, "args"), writer)))
                 procs[-1].start()
                 writer.close()  # the worker holds the only writer: its end of file means it is gone
                 stack_writer.close()
@@ -852,8 +852,7 @@ def run_local(
                         deadline_s)
     finally:
         _stop(procs)
-        if process_class is not None:
-            rank_server.release(process_class)
+        rank_server.release(server)
         del store  # its server stops, and its port is free again
         for pipe in (*pipes, *stack_pipes):
             for end in pipe:

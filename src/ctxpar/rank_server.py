@@ -59,6 +59,10 @@ class _Server:
     started_under: tuple  # _start_state() at its start
     runs: int = 0  # runs starting or running ranks on it
 
+    @property
+    def pid(self) -> int:
+        return self.forkserver._forkserver_pid
+
 
 _lock = threading.Lock()
 _server: _Server | None = None
@@ -72,44 +76,44 @@ def usable() -> bool:
             and reduction.HAVE_SEND_HANDLE)
 
 
-def acquire() -> tuple[type, int | None]:
-    """(the Process class to start this run's ranks with, the pid of their parent when it is not
-    this process): a server started under this process's present state, or spawn's. Pair with
-    ``release``; call it with SIGINT blocked in this thread (a server started now inherits the
-    mask, and every rank it forks: see run_local)."""
+def acquire() -> tuple[type, _Server | None]:
+    """(the Process class to start this run's ranks with, the server that forks them): a server
+    started under this process's present state, or spawn's and None. Pair with ``release``; call
+    it with SIGINT blocked in this thread (a server started now inherits the mask, and every rank
+    it forks: see run_local)."""
     global _server
     if not usable():
         return mp.get_context("spawn").Process, None
     state = _start_state()
     with _lock:
-        if _server is not None and not _alive(_server):
+        if _server is not None and _ended(_server):
             _server = None
         if _server is not None and _server.started_under != state:
             if _server.runs:  # another run's ranks are its children: stopping it would kill them
                 return mp.get_context("spawn").Process, None
             os.close(_server.forkserver._forkserver_alive_fd)  # it ends, removing its folder
-            os.waitpid(_server.forkserver._forkserver_pid, 0)
+            os.waitpid(_server.pid, 0)
             _server = None
         if _server is None:
             _server = _start(state)
         _server.runs += 1
-        return _RankProcess, _server.forkserver._forkserver_pid
+        return _RankProcess, _server
 
 
-def release(process_class: type) -> None:
-    """This run's ranks have ended (``acquire``)."""
-    if process_class is _RankProcess:
+def release(server: _Server | None) -> None:
+    """The ranks of a run that ``acquire`` gave ``server`` have ended."""
+    if server is not None:
         with _lock:
-            if _server is not None:
-                _server.runs -= 1
+            server.runs -= 1
 
 
-def _alive(server: _Server) -> bool:
-    pid, _ = os.waitpid(server.forkserver._forkserver_pid, os.WNOHANG)  # reaped if it has exited
-    if pid:  # killed (its own end removes the folder)
+def _ended(server: _Server) -> bool:
+    """Whether ``server`` has ended (killed: its own end removes its folder), reaped and cleaned up if so."""
+    pid, _ = os.waitpid(server.pid, os.WNOHANG)
+    if pid:
         os.close(server.forkserver._forkserver_alive_fd)
         shutil.rmtree(server.folder, ignore_errors=True)
-    return not pid
+    return bool(pid)
 
 
 def _start_state() -> tuple:
