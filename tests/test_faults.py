@@ -1247,8 +1247,9 @@ def test_a_server_that_died_is_started_again_and_its_folder_removed() -> None:
     assert not folder.exists()
 
 
-A_CALLER_WHOSE_FORK_KEEPS_THE_SERVER = """
-import os, sys, time
+A_CALLER_WHOSE_CHILD_KEEPS_THE_SERVER = """
+import subprocess, sys, time
+from ctxpar import rank_server
 from ctxpar.launch import run_local
 
 
@@ -1258,37 +1259,77 @@ def fn(rank, world, seconds):
 
 if __name__ == "__main__":
     run_local(fn, 1, (0,))  # the server starts
-    child = os.fork()  # a copy of the caller holds the server's "alive" pipe: the server outlives the caller
-    if child == 0:
-        time.sleep(300)
-        os._exit(0)
-    print(child, flush=True)
+    # a child holding the server's "alive" writer (as one a C library forks would) keeps the server alive
+    alive = rank_server._server.forkserver._forkserver_alive_fd
+    child = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(300)"], pass_fds=[alive])
+    print(child.pid, flush=True)
     run_local(fn, 2, (300,))
 """
 
 
 def test_forked_ranks_die_with_the_caller_while_its_server_lives_on(tmp_path) -> None:
-    """A server ends once nobody holds its "alive" pipe, and its ranks then by PDEATHSIG; a copy of
-    the caller forked after the server started holds it. The ranks watch the caller itself."""
+    """A server ends once nobody holds its "alive" pipe, and its ranks then by PDEATHSIG; a child
+    of the caller that inherited the pipe keeps it alive (a copy of the caller made by os.fork
+    closes it). The ranks watch the caller itself."""
     script = tmp_path / "script.py"
-    script.write_text(A_CALLER_WHOSE_FORK_KEEPS_THE_SERVER)
+    script.write_text(A_CALLER_WHOSE_CHILD_KEEPS_THE_SERVER)
     proc = subprocess.Popen([sys.executable, str(script)], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-    copy = None
+    child = None
     try:
-        copy = int(proc.stdout.readline())
+        child = int(proc.stdout.readline())
         workers = wait_for(lambda: len(workers_of(proc.pid)) == 2 and workers_of(proc.pid), 60, "2 workers", proc)
         server = int(Path(f"/proc/{workers[0]}/stat").read_text().rsplit(")", 1)[1].split()[1])
         os.kill(proc.pid, signal.SIGKILL)
         proc.wait(timeout=10)
         assert_all_die(workers, within=3.0)
         assert alive(server)  # what the ranks' own watch ended them without
-        os.kill(copy, signal.SIGKILL)
+        os.kill(child, signal.SIGKILL)
         assert_all_die([server])
     finally:
-        if copy is not None and alive(copy):
-            os.kill(copy, signal.SIGKILL)
+        if child is not None and alive(child):
+            os.kill(child, signal.SIGKILL)
         proc.kill()
-        proc.communicate()  # once the copy, and then the server, no longer hold its output pipes
+        proc.communicate()  # once the child, and then the server, no longer hold its output pipes
+
+
+A_CALLER_THAT_FORKS = """
+import os, sys, time
+from ctxpar.launch import run_local
+
+
+def fn(rank, world):
+    return os.getppid()
+
+
+if __name__ == "__main__":
+    first = run_local(fn, 1)[0]  # the server starts
+    copy = os.fork()
+    if copy == 0:  # its own server: the first is not its child, and the copy must not keep it alive
+        os._exit(0 if run_local(fn, 1)[0] not in (first, os.getpid()) else 1)
+    _, status = os.waitpid(copy, 0)
+    with open(sys.argv[1], "w") as f:
+        f.write(f"the copy ran on a server of its own: {os.waitstatus_to_exitcode(status) == 0}")
+    time.sleep(300)  # while the copy, had it kept the first server's "alive" pipe, outlived this process
+"""
+
+
+def test_a_copy_of_the_caller_made_by_fork_starts_its_own_server_and_keeps_none_alive(tmp_path) -> None:
+    script, said = tmp_path / "script.py", tmp_path / "said"
+    script.write_text(A_CALLER_THAT_FORKS)
+    proc = subprocess.Popen([sys.executable, str(script), str(said)], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                            text=True)
+    try:
+        wait_for(lambda: said.exists() and said.read_text(), 60, "the copy's run", proc)
+        assert said.read_text() == "the copy ran on a server of its own: True"
+        servers = [pid for pid in map(int, Path(f"/proc/{proc.pid}/task/{proc.pid}/children").read_text().split())
+                   if b"ctxpar.rank_server" in Path(f"/proc/{pid}/cmdline").read_bytes()]
+        assert len(servers) == 1
+        os.kill(proc.pid, signal.SIGKILL)
+        proc.wait(timeout=10)
+        assert_all_die(servers)  # nothing else held its "alive" pipe
+    finally:
+        proc.kill()
+        proc.communicate()
 
 
 # -- item 9: the environment -----------------------------------------------------------------

@@ -68,6 +68,20 @@ _lock = threading.Lock()
 _server: _Server | None = None
 
 
+def _forget_the_parents_server() -> None:
+    """In a copy of this process made by os.fork: the server is the original's, not this copy's child
+    (it could not wait for it), and the copy of its "alive" writer held here would keep it alive,
+    and its ranks, after the original ended."""
+    global _lock, _server
+    _lock = threading.Lock()  # another thread may have held it at the fork
+    if _server is not None:
+        os.close(_server.forkserver._forkserver_alive_fd)
+        _server = None
+
+
+os.register_at_fork(after_in_child=_forget_the_parents_server)
+
+
 def usable() -> bool:
     """Whether ranks are forked from a server here: Linux, with /proc (a forked rank's parent is the
     server: it watches the caller by its pid and start time there) and descriptor passing, unless
