@@ -225,13 +225,13 @@ def _is_open(fd: int) -> bool:
 
 
 def _settle_forked_rank(environment: dict[str, str], stdout: Any, stderr: Any) -> None:
-    """The first thing a forked rank runs: the caller's environment in place of the server's (those
-    of its variables read at start are the server's: ``READ_AT_START``); the caller's stdout and
-    stderr in place of the server's (one the caller has closed, the server had closed too:
-    ``_start_state``); the server's "alive"
-    writer closed (held here, it kept the server, and so this rank, alive after the caller died);
-    numpy's global random state drawn anew, as a spawned rank's is (forked, every rank would draw
-    the server's numbers); SIGTERM and SIGHUP at their defaults, as in a spawned rank."""
+    """The first thing a forked rank runs: SIGTERM and SIGHUP at their defaults, as in a spawned
+    rank; the caller's environment in place of the server's (those of its variables read at start
+    are the server's already: ``READ_AT_START``); the caller's stdout and stderr in place of the
+    server's (one the caller has closed, the server had closed too: ``_start_state``); the
+    server's "alive" writer closed (held here, it kept the server, and so this rank, alive after
+    the caller died); numpy's global random state drawn anew, as a spawned rank's is (forked,
+    every rank would draw the server's numbers)."""
     for sig in _ENDING_SIGNALS:
         if signal.getsignal(sig) is _end_server:
             signal.signal(sig, signal.SIG_DFL)
