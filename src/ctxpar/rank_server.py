@@ -23,7 +23,6 @@ from __future__ import annotations
 
 import io
 import os
-import resource
 import shutil
 import signal
 import socket
@@ -31,7 +30,7 @@ import sys
 import tempfile
 import threading
 from dataclasses import dataclass
-from multiprocessing import forkserver, popen_forkserver, reduction, spawn, util
+from multiprocessing import forkserver, reduction, spawn, util
 from multiprocessing import context as mp_context
 from typing import Any
 
@@ -132,6 +131,8 @@ def _ended(server: _Server) -> bool:
 
 def _start_state() -> tuple:
     """What a process takes from its parent at its start, as this process (and thread) has it now."""
+    import resource  # POSIX's: usable() is False elsewhere
+
     rlimits = tuple((name, resource.getrlimit(getattr(resource, name))) for name in sorted(dir(resource))
                     if name.startswith("RLIMIT_"))
     with open("/proc/self/status") as f:  # Linux 4.7 on; os.umask would set it, for every thread, a moment
@@ -200,7 +201,7 @@ def serve(listener_fd: int, alive_r: int, folder: str) -> None:
         shutil.rmtree(folder, ignore_errors=True)
 
 
-_ENDING_SIGNALS = (signal.SIGTERM, signal.SIGHUP)
+_ENDING_SIGNALS = tuple(getattr(signal, name) for name in ("SIGTERM", "SIGHUP") if hasattr(signal, name))
 
 
 def _end_server(signum: int, frame: Any) -> None:
@@ -252,7 +253,13 @@ def _settle_forked_rank(environment: dict[str, str], stdout: Any, stderr: Any) -
         numpy_random.seed()
 
 
-class _RankPopen(popen_forkserver.Popen):
+if sys.platform != "win32":  # multiprocessing's forkserver start is POSIX's (usable() is False elsewhere)
+    from multiprocessing.popen_forkserver import Popen as _ForkServerPopen
+else:
+    _ForkServerPopen = object
+
+
+class _RankPopen(_ForkServerPopen):
     """multiprocessing's forkserver start, on ctxpar's server, handing the rank the caller's
     environment and stdio."""
 
@@ -274,7 +281,7 @@ class _RankPopen(popen_forkserver.Popen):
         self.pid = forkserver.read_signed(self.sentinel)
 
 
-class _RankProcess(mp_context.ForkServerProcess):
+class _RankProcess(getattr(mp_context, "ForkServerProcess", mp_context.Process)):
     @staticmethod
     def _Popen(process_obj):
         return _RankPopen(process_obj)
