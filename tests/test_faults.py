@@ -1247,6 +1247,27 @@ def test_a_server_that_died_is_started_again_and_its_folder_removed() -> None:
     assert not folder.exists()
 
 
+def test_a_run_whose_server_is_killed_names_it() -> None:
+    """A rank's status comes from the server that forked it, which reaps it: a server killed mid-run
+    takes its ranks with it (PDEATHSIG) and cannot say how they ended (the stdlib read that as an
+    exit with status 255)."""
+    def kill_the_server() -> None:
+        wait_for(lambda: len(workers_of(os.getpid())) == 2, 60, "the ranks to start")
+        os.kill(launch.rank_server._server.pid, signal.SIGKILL)
+
+    killer = threading.Thread(target=kill_the_server)
+    killer.start()
+    try:
+        with pytest.raises(RuntimeError, match=r"rank \d died (during the run|before joining the process group): "
+                                               r"killed by SIGKILL when its rank server \(ctxpar.rank_server\) "
+                                               r"ended") as e:
+            run_local(sleep_then_return, 2, (300,), deadline_s=60)
+    finally:
+        killer.join()
+    assert "its error is on stderr" not in str(e.value)  # the hint for a rank dying as it starts
+    assert run_local(sleep_then_return, 2, (0,)) == [0, 1]  # on a new server
+
+
 A_CALLER_WHOSE_CHILD_KEEPS_THE_SERVER = """
 import subprocess, sys, time
 from ctxpar import rank_server

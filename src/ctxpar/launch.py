@@ -1040,6 +1040,8 @@ def _collect(procs: list, readers: list, stacks: list[connection.Connection], ti
                     pending.discard(r)
                     procs[r].join(timeout=GRACE_S)  # its pipe closes an instant before it can be reaped
                     died[r] = _exit_reason(procs[r].exitcode)
+                    if getattr(procs[r]._popen, "server_ended", False):
+                        died[r] += _WITH_ITS_SERVER
         if died:  # a process gone without a word was killed or crashed: that is the cause, stop now
             break
         if failed and pending and not grace_started:
@@ -1059,6 +1061,10 @@ def _collect(procs: list, readers: list, stacks: list[connection.Connection], ti
     message = _failure_message(failed, died, stuck, joined, whereabouts, timeout_s, deadline_s,
                                time.monotonic() - start, returned=frozenset(outputs))
     raise RankFailure(message, {r: tb for r, (_, tb) in failed.items()}, died, stuck)
+
+
+_WITH_ITS_SERVER = (" when its rank server (ctxpar.rank_server) ended, killed by another process: the kernel ends a "
+                    "rank with the server that forked it")
 
 
 def _failure_message(
@@ -1084,7 +1090,7 @@ def _failure_message(
              "run_local without an if __name__ == '__main__': guard, or could not import fn or its arguments")
     lines = [f"rank {r} died {'during the run' if r in joined else 'before joining the process group'}: "
              f"{why}{why_signal.get(why, '')}; it reported no result"
-             f"{'' if r in joined else early}" for r, why in died.items()]
+             f"{'' if r in joined or why.endswith(_WITH_ITS_SERVER) else early}" for r, why in died.items()]
     timed_out = sorted(r for r, (kind, _) in failed.items() if kind == "timeout")
     for r in stuck if not died else []:
         seen = whereabouts.get(r)

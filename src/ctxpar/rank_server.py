@@ -30,7 +30,7 @@ import sys
 import tempfile
 import threading
 from dataclasses import dataclass
-from multiprocessing import forkserver, reduction, spawn, util
+from multiprocessing import connection, forkserver, reduction, spawn, util
 from multiprocessing import context as mp_context
 from typing import Any
 
@@ -278,7 +278,25 @@ class _RankPopen(_ForkServerPopen):
         self.finalizer = util.Finalize(self, util.close_fds, (parent_w, self.sentinel))
         with open(w, "wb", closefd=True) as f:
             f.write(buffer.getbuffer())
-        self.pid = forkserver.read_signed(self.sentinel)
+        try:
+            self.pid = forkserver.read_signed(self.sentinel)
+        except EOFError:
+            raise RuntimeError(f"ctxpar's rank server (pid {_server.pid}) ended before it started {process_obj.name}, "
+                               f"killed by another process; the next run starts a new one") from None
+
+    server_ended = False  # before it could say how the rank ended: the kernel killed the rank with it
+
+    def poll(self, flag: int = os.WNOHANG) -> int | None:
+        """The rank's exit status, which the server writes once it has reaped it; where the server
+        ended first (killed), the rank's end by PDEATHSIG, SIGKILL (the stdlib says 255, as for an exit)."""
+        if self.returncode is None:
+            if not connection.wait([self.sentinel], 0 if flag == os.WNOHANG else None):
+                return None
+            try:
+                self.returncode = forkserver.read_signed(self.sentinel)
+            except (OSError, EOFError):
+                self.returncode, self.server_ended = -signal.SIGKILL, True
+        return self.returncode
 
 
 class _RankProcess(getattr(mp_context, "ForkServerProcess", mp_context.Process)):
