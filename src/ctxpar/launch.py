@@ -452,7 +452,7 @@ def _die_with_parent(parent_pid: int, caller: tuple[int, str | None]) -> None:
         os._exit(1)
     # A thread that notices the caller gone within a second: the only mechanism outside Linux,
     # and on Linux a second one (PDEATHSIG follows the starting *thread*, not the process, and
-    # a server outlives the caller while a process the caller forked holds its "alive" pipe).
+    # a server outlives the caller while a child that inherited its "alive" pipe holds it).
     pid, start = caller
     watch, args = (_watch_caller, (pid, start)) if start is not None else (_watch_parent, (parent_pid,))
     threading.Thread(target=watch, args=args, daemon=True, name="ctxpar-parent-watch").start()
@@ -634,7 +634,8 @@ def _worker(rank, world_size, port, threads, timeout_s, parent_pid, caller, back
     _in_local_rank = True
     # daemonic to this process's parent, which stops it at its exit; not to itself, so that fn may start
     # processes (a DataLoader's workers), which end with it (the finally below), by the platform's default
-    # start method, as under torchrun (this process's start set its own: spawn's each worker imported torch anew)
+    # start method, as under torchrun (the method that started this process set itself as the default: spawn's had
+    # each worker import torch anew)
     mp.current_process().daemon = False
     mp.set_start_method(None, force=True)
     _die_with_parent(parent_pid, caller)
