@@ -1247,6 +1247,29 @@ def test_a_server_that_died_is_started_again_and_its_folder_removed() -> None:
     assert not folder.exists()
 
 
+def test_a_run_starts_its_ranks_on_the_server_it_was_given() -> None:
+    """The server its acquire gave it, not whichever the module holds as a rank starts: another
+    thread's acquire may have replaced it meanwhile (finding it killed, or under other state)."""
+    server_module = launch.rank_server
+    make, given = server_module.acquire()
+    with server_module._lock:
+        server_module._server = None  # as another thread's acquire does with a server it found killed
+    _, other = server_module.acquire()
+    rank = make(target=time.sleep, args=(60,), daemon=True)
+    try:
+        rank.start()
+        parent = int(Path(f"/proc/{rank.pid}/stat").read_text().rsplit(")", 1)[1].split()[1])
+        assert (parent, other.pid != given.pid) == (given.pid, True)
+    finally:
+        if rank.pid is not None:
+            rank.kill()
+            rank.join()
+        server_module.release(other)
+        server_module.release(given)
+        os.close(given.forkserver._forkserver_alive_fd)  # the server the module no longer holds ends
+        os.waitpid(given.pid, 0)
+
+
 def test_a_run_whose_server_is_killed_names_it() -> None:
     """A rank's status comes from the server that forked it, which reaps it: a server killed mid-run
     takes its ranks with it (PDEATHSIG) and cannot say how they ended (the stdlib read that as an

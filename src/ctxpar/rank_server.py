@@ -21,6 +21,7 @@ Linux, no ``/proc``), or where the environment sets ``CTXPAR_RANK_SERVER=0``, ra
 
 from __future__ import annotations
 
+import functools
 import io
 import os
 import shutil
@@ -32,7 +33,7 @@ import threading
 from dataclasses import dataclass
 from multiprocessing import connection, forkserver, reduction, spawn, util
 from multiprocessing import context as mp_context
-from typing import Any
+from typing import Any, NamedTuple
 
 import multiprocessing as mp
 
@@ -51,11 +52,24 @@ READ_AT_START = ("MALLOC_", "GLIBC_", "LD_", "PYTHON", "OMP_", "KMP_", "GOMP_", 
                  "TORCH", "PYTORCH_", "CUDA_", "NCCL_", "LANG", "LC_")
 
 
+class _StartState(NamedTuple):
+    """What a process takes from its parent at its start (``_start_state``)."""
+
+    read_at_start: tuple
+    rlimits: tuple
+    umask: str | None
+    affinity: tuple
+    blocked: tuple
+    ignored: tuple
+    sys_path: tuple  # absolute: a server started in another working directory reads "" or "." elsewhere
+    stdio_open: tuple
+
+
 @dataclass
 class _Server:
     forkserver: forkserver.ForkServer
     folder: str  # its socket's, which it removes as it ends
-    started_under: tuple  # _start_state() at its start
+    started_under: _StartState
     runs: int = 0  # runs starting or running ranks on it
 
     @property
@@ -89,8 +103,8 @@ def usable() -> bool:
             and reduction.HAVE_SEND_HANDLE)
 
 
-def acquire() -> tuple[type, _Server | None]:
-    """(the Process class to start this run's ranks with, the server that forks them): a server
+def acquire() -> tuple[Any, _Server | None]:
+    """(what makes this run's ranks, as a Process class does, the server that forks them): a server
     started under this process's present state, or spawn's and None. Pair with ``release``; call
     it with SIGINT blocked in this thread (a server started now inherits the mask, and every rank
     it forks: see run_local)."""
@@ -110,7 +124,7 @@ def acquire() -> tuple[type, _Server | None]:
         if _server is None:
             _server = _start(state)
         _server.runs += 1
-        return _RankProcess, _server
+        return functools.partial(_RankProcess, _server), _server
 
 
 def release(server: _Server | None) -> None:
@@ -129,7 +143,7 @@ def _ended(server: _Server) -> bool:
     return bool(pid)
 
 
-def _start_state() -> tuple:
+def _start_state() -> _StartState:
     """What a process takes from its parent at its start, as this process (and thread) has it now."""
     import resource  # POSIX's: usable() is False elsewhere
 
@@ -144,15 +158,12 @@ def _start_state() -> tuple:
     # in a rank, which the caller's must not replace
     stdio = tuple(_is_open(fd) for fd in (1, 2))
     read_at_start = sorted((name, value) for name, value in os.environ.items() if name.startswith(READ_AT_START))
-    return (tuple(read_at_start), rlimits, umask, tuple(sorted(os.sched_getaffinity(0))),
-            tuple(sorted(blocked)), tuple(sorted(ignored)), tuple(_absolute_sys_path()), stdio)
+    sys_path = tuple(os.path.abspath(entry) if entry else os.getcwd() for entry in sys.path)
+    return _StartState(tuple(read_at_start), rlimits, umask, tuple(sorted(os.sched_getaffinity(0))),
+                       tuple(sorted(blocked)), tuple(sorted(ignored)), sys_path, stdio)
 
 
-def _absolute_sys_path() -> list[str]:
-    return [os.path.abspath(entry) if entry else os.getcwd() for entry in sys.path]
-
-
-def _start(state: tuple) -> _Server:
+def _start(state: _StartState) -> _Server:
     """Start a server: multiprocessing's forkserver loop (``serve``), with this process's sys.path
     (the stdlib's server of Python 3.11 ignores the one it is given). It ends once every copy of
     the "alive" pipe's writer is closed: this process's at its exit, and each rank closes the one
@@ -171,7 +182,7 @@ def _start(state: tuple) -> _Server:
             listener.listen()
             alive_r, alive_w = os.pipe()
             try:
-                command = (f"import sys; sys.path[:] = {_absolute_sys_path()!r}; from ctxpar.rank_server import serve; "
+                command = (f"import sys; sys.path[:] = {list(state.sys_path)!r}; from ctxpar.rank_server import serve; "
                            f"serve({listener.fileno()}, {alive_r}, {folder!r})")
                 executable = spawn.get_executable()
                 pid = util.spawnv_passfds(executable, [executable, *util._args_from_interpreter_flags(), "-c", command],
@@ -260,10 +271,11 @@ else:
 
 
 class _RankPopen(_ForkServerPopen):
-    """multiprocessing's forkserver start, on ctxpar's server, handing the rank the caller's
-    environment and stdio."""
+    """multiprocessing's forkserver start, on the server the run was given, handing the rank the
+    caller's environment and stdio."""
 
     def _launch(self, process_obj) -> None:
+        server = process_obj.rank_server
         prep_data = {_CALLER_KEY: _FromTheCaller(), **spawn.get_preparation_data(process_obj._name)}
         buffer = io.BytesIO()
         mp_context.set_spawning_popen(self)
@@ -272,7 +284,7 @@ class _RankPopen(_ForkServerPopen):
             reduction.dump(process_obj, buffer)
         finally:
             mp_context.set_spawning_popen(None)
-        self.sentinel, w = _server.forkserver.connect_to_new_process(self._fds)
+        self.sentinel, w = server.forkserver.connect_to_new_process(self._fds)
         # the rank's mp.parent_process() watches this writer, as forkserver's start keeps it
         parent_w = os.dup(w)
         self.finalizer = util.Finalize(self, util.close_fds, (parent_w, self.sentinel))
@@ -281,7 +293,7 @@ class _RankPopen(_ForkServerPopen):
         try:
             self.pid = forkserver.read_signed(self.sentinel)
         except EOFError:
-            raise RuntimeError(f"ctxpar's rank server (pid {_server.pid}) ended before it started {process_obj.name}, "
+            raise RuntimeError(f"ctxpar's rank server (pid {server.pid}) ended before it started {process_obj.name}, "
                                f"killed by another process; the next run starts a new one") from None
 
     server_ended = False  # before it could say how the rank ended: the kernel killed the rank with it
@@ -300,6 +312,18 @@ class _RankPopen(_ForkServerPopen):
 
 
 class _RankProcess(getattr(mp_context, "ForkServerProcess", mp_context.Process)):
+    """A rank forked from ``rank_server``, the server ``acquire`` gave its run (the module's current
+    one may be another by the time it starts: a killed server is replaced at the next acquire)."""
+
+    def __init__(self, rank_server: _Server, **kwargs) -> None:
+        super().__init__(**kwargs)
+        self.rank_server = rank_server
+
+    def __getstate__(self) -> dict:  # sent to the rank, which has no use for the server (nor could unpickle it)
+        state = dict(self.__dict__)
+        del state["rank_server"]
+        return state
+
     @staticmethod
     def _Popen(process_obj):
         return _RankPopen(process_obj)
