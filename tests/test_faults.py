@@ -604,6 +604,9 @@ def test_a_frozen_rank_is_named_when_the_others_time_out() -> None:
         run_local(freeze_one_rank, 2, (1,), timeout_s=5)
     assert e.value.stuck == [1]
     assert time.monotonic() - start < 60  # the frozen rank sleeps 300 s: it was stopped
+    back = pickle.loads(pickle.dumps(e.value))  # as a pool's worker running the run sends it back
+    assert [type(back), str(back), back.failed, back.died, back.stuck] == [
+        launch.RankFailure, str(e.value), e.value.failed, e.value.died, [1]]
 
 
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads the process state from /proc")

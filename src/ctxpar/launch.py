@@ -129,6 +129,9 @@ class RankFailure(RuntimeError):
         super().__init__(message)
         self.failed, self.died, self.stuck = failed, died, stuck
 
+    def __reduce__(self):  # to another process (a pool's worker running a sweep): the default passes the message alone
+        return type(self), (self.args[0], self.failed, self.died, self.stuck), self.__dict__
+
 
 def _local_store(timeout_s: float) -> tuple[dist.TCPStore, int]:
     """The rendezvous store of a local run, served by the parent on 127.0.0.1 alone (a store
