@@ -384,8 +384,9 @@ def alive(pid: int) -> bool:
 
 
 def workers_of(parent: int) -> list[int]:
-    """Pids of the ranks ``parent`` started: those its rank server (ctxpar.rank_server) forked, or
-    it spawned (not multiprocessing's resource tracker)."""
+    """Pids of the ranks ``parent`` started: those its rank server forked (a new interpreter running
+    ctxpar.rank_server, or a copy of ``parent`` made by fork: ``rank_server.start_here``), or it
+    spawned (not multiprocessing's resource tracker)."""
     processes = {}  # pid -> (parent pid, command line)
     for entry in Path("/proc").iterdir():
         if not entry.name.isdigit():
@@ -395,8 +396,9 @@ def workers_of(parent: int) -> list[int]:
             processes[int(entry.name)] = ppid, (entry / "cmdline").read_bytes()
         except (FileNotFoundError, ProcessLookupError, IndexError):
             continue
+    own = processes.get(parent, (0, b""))[1]  # a server made by fork runs the parent's command line
     servers = {pid for pid, (ppid, cmdline) in processes.items()
-               if ppid == parent and b"ctxpar.rank_server" in cmdline}
+               if ppid == parent and (b"ctxpar.rank_server" in cmdline or cmdline == own)}
     return sorted(pid for pid, (ppid, cmdline) in processes.items()
                   if ppid in servers or (ppid == parent and b"spawn_main" in cmdline))
 
@@ -1377,6 +1379,64 @@ def test_a_copy_of_the_caller_made_by_fork_starts_its_own_server_and_keeps_none_
     finally:
         proc.kill()
         proc.communicate()
+
+
+A_CALLER_THAT_STARTS_ITS_SERVER_BY_FORK = """
+import json, os, signal, sys, time
+from ctxpar import rank_server
+from ctxpar.launch import run_local
+
+
+def fn(rank, world):
+    return os.getppid()
+
+
+if __name__ == "__main__":
+    signal.signal(signal.SIGTERM, lambda *_: None)  # the caller's handler: the server must not keep it
+    signal.signal(signal.SIGHUP, signal.SIG_IGN)  # as nohup: the server must keep it ignored
+    held_r, held_w = os.pipe()  # a descriptor the server must not hold
+    rank_server.start_here()
+    server = rank_server._server
+    os.close(held_w)
+    parents = run_local(fn, 2)
+    status = open(f"/proc/{server.pid}/status").read()
+    ignored = int(status.split("SigIgn:")[1].split()[0], 16)
+    os.set_blocking(held_r, False)
+    try:
+        pipe_closed = os.read(held_r, 1) == b""
+    except BlockingIOError:  # a writer is open still
+        pipe_closed = False
+    said = dict(
+        forked=open(f"/proc/{server.pid}/cmdline", "rb").read() == open("/proc/self/cmdline", "rb").read(),
+        parents=parents, server=server.pid, kept=rank_server._server is server, pipe_closed=pipe_closed,
+        hup_ignored=bool(ignored >> (signal.SIGHUP - 1) & 1))
+    os.kill(server.pid, signal.SIGTERM)  # the server's own handler ends it and removes its folder
+    for _ in range(100):
+        pid, status = os.waitpid(server.pid, os.WNOHANG)
+        if pid:
+            said.update(status=os.waitstatus_to_exitcode(status), folder_left=os.path.exists(server.folder))
+            break
+        time.sleep(0.1)
+    else:
+        os.kill(server.pid, signal.SIGKILL)
+        said.update(status="still running 10 s after its SIGTERM")
+    print(json.dumps(said))
+"""
+
+
+def test_a_server_started_by_fork_is_the_caller_with_only_what_a_new_interpreter_holds(tmp_path) -> None:
+    """rank_server.start_here (the ctxpar command at its start): the server is a copy of the caller
+    made by fork, not a new interpreter importing torch; its ranks run on it; it holds no
+    descriptor of the caller's beyond standard input, output and error (a pipe's other end sees
+    its end), takes the caller's ignored signals and not its handlers (SIGTERM ends it as it ends
+    a new one), and a run under the same state keeps it."""
+    script = tmp_path / "script.py"
+    script.write_text(A_CALLER_THAT_STARTS_ITS_SERVER_BY_FORK)
+    proc = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr
+    said = json.loads(proc.stdout)
+    assert said == dict(forked=True, parents=[said["server"]] * 2, server=said["server"], kept=True, pipe_closed=True,
+                        hup_ignored=True, status=128 + signal.SIGTERM, folder_left=False), said
 
 
 # -- item 9: the environment -----------------------------------------------------------------

@@ -17,6 +17,7 @@ import ctxpar
 from ctxpar import calibrate as calibration_
 from ctxpar import launch
 from ctxpar import plan as planning
+from ctxpar import rank_server
 from ctxpar.demo import DTYPES, DemoConfig, format_report, run_demo
 from ctxpar.inference import command as generation
 from ctxpar.layout import LAYOUT_NAMES, get_layout
@@ -592,6 +593,7 @@ def entry() -> NoReturn:
     """The ``ctxpar`` console script, ``python -m ctxpar`` and ``python -m ctxpar.cli``: ``main``'s status as the
     process's. A torchrun rank's process ends through ``launch.exit_torchrun_rank``."""
     if not launch.launched_by_torchrun():
+        rank_server.start_here()  # before anything runs: the local ranks start without importing torch again
         sys.exit(main())
     try:
         status = main()

@@ -30,6 +30,7 @@ import socket
 import sys
 import tempfile
 import threading
+import traceback
 from dataclasses import dataclass
 from multiprocessing import connection, forkserver, reduction, spawn, util
 from multiprocessing import context as mp_context
@@ -127,6 +128,25 @@ def acquire() -> tuple[Any, _Server | None]:
         return functools.partial(_RankProcess, _server), _server
 
 
+def start_here() -> None:
+    """Start this process's server now, as a copy of this process made by fork, instead of a new
+    interpreter importing torch when the first run needs one (2-4 s of CPU on 2 cores, on that
+    run's critical path). Only for a process that has imported what its ranks need and done
+    nothing else yet (no thread of its own, no accelerator initialised, no torch op run), as the
+    ``ctxpar`` command at its start: the server, and every rank it forks, is this process as it is
+    now. A no-op where a server runs already, or where ranks are spawned (``usable``)."""
+    global _server
+    if not usable():
+        return
+    blocked = signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGINT})  # as acquire's: the server and its ranks
+    try:
+        with _lock:
+            if _server is None:
+                _server = _start(_start_state(), fork=True)
+    finally:
+        signal.pthread_sigmask(signal.SIG_SETMASK, blocked)
+
+
 def release(server: _Server | None) -> None:
     """The ranks of a run that ``acquire`` gave ``server`` have ended."""
     if server is not None:
@@ -163,9 +183,10 @@ def _start_state() -> _StartState:
                        tuple(sorted(blocked)), tuple(sorted(ignored)), sys_path, stdio)
 
 
-def _start(state: _StartState) -> _Server:
-    """Start a server: multiprocessing's forkserver loop (``serve``), with this process's sys.path
-    (the stdlib's server of Python 3.11 ignores the one it is given). It ends once every copy of
+def _start(state: _StartState, *, fork: bool = False) -> _Server:
+    """Start a server: multiprocessing's forkserver loop (``serve``), in a new interpreter with this
+    process's sys.path (the stdlib's server of Python 3.11 ignores the one it is given), or with
+    ``fork`` in a copy of this process (``start_here``). It ends once every copy of
     the "alive" pipe's writer is closed: this process's at its exit, and each rank closes the one
     it inherits (``_settle_forked_rank``), so that the server, and by PDEATHSIG its ranks, die
     with this process. Its socket is a file only this user can open (a socket of the abstract
@@ -182,11 +203,15 @@ def _start(state: _StartState) -> _Server:
             listener.listen()
             alive_r, alive_w = os.pipe()
             try:
-                command = (f"import sys; sys.path[:] = {list(state.sys_path)!r}; from ctxpar.rank_server import serve; "
-                           f"serve({listener.fileno()}, {alive_r}, {folder!r})")
-                executable = spawn.get_executable()
-                pid = util.spawnv_passfds(executable, [executable, *util._args_from_interpreter_flags(), "-c", command],
-                                          [listener.fileno(), alive_r])
+                if fork:
+                    pid = _serve_in_a_fork(listener.fileno(), alive_r, folder)
+                else:
+                    command = (f"import sys; sys.path[:] = {list(state.sys_path)!r}; from ctxpar.rank_server import "
+                               f"serve; serve({listener.fileno()}, {alive_r}, {folder!r})")
+                    executable = spawn.get_executable()
+                    pid = util.spawnv_passfds(executable,
+                                              [executable, *util._args_from_interpreter_flags(), "-c", command],
+                                              [listener.fileno(), alive_r])
             except BaseException:
                 os.close(alive_w)
                 raise
@@ -197,6 +222,36 @@ def _start(state: _StartState) -> _Server:
         raise
     server._forkserver_address, server._forkserver_alive_fd, server._forkserver_pid = address, alive_w, pid
     return _Server(server, folder, state)
+
+
+def _serve_in_a_fork(listener_fd: int, alive_r: int, folder: str) -> int:
+    """The pid of a copy of this process that runs ``serve``, holding what the new interpreter of
+    ``_start`` would: standard input, output and error, the listener and the "alive" reader and no
+    other descriptor (this process's "alive" writer among them), and the signal dispositions exec
+    leaves (ignored ones kept, handled ones reset; SIGINT Python's own)."""
+    pid = os.fork()
+    if pid:
+        return pid
+    status = 1
+    try:
+        for fd in map(int, os.listdir("/proc/self/fd")):
+            if fd not in (0, 1, 2, listener_fd, alive_r):
+                try:
+                    os.close(fd)
+                except OSError:  # the listing's own, closed already
+                    pass
+        signal.set_wakeup_fd(-1)
+        for sig in signal.valid_signals():
+            if callable(signal.getsignal(sig)):
+                signal.signal(sig, signal.default_int_handler if sig == signal.SIGINT else signal.SIG_DFL)
+        serve(listener_fd, alive_r, folder)
+        status = 0
+    except SystemExit as e:  # the loop's end (the "alive" pipe closed), or _end_server's
+        status = e.code if isinstance(e.code, int) else 0
+    except BaseException:
+        traceback.print_exc()  # as the interpreter of a server that failed would
+    finally:
+        os._exit(status)
 
 
 def serve(listener_fd: int, alive_r: int, folder: str) -> None:
