@@ -26,13 +26,12 @@ VARIABLES = ("MALLOC_MMAP_THRESHOLD_", "MALLOC_TRIM_THRESHOLD_", "GLIBC_TUNABLES
 
 
 def _heap() -> tuple[int, int]:
-    """[start, end) of this process's brk heap, glibc's main arena."""
+    """[start, end) of this process's brk heap, glibc's main arena: in pieces where the kernel lists
+    it so (a forked rank's, the part its server had, then what the rank grew it by)."""
     with open("/proc/self/maps") as f:
-        for line in f:
-            if line.rstrip().endswith("[heap]"):
-                start, end = line.split()[0].split("-")
-                return int(start, 16), int(end, 16)
-    return 0, 0
+        pieces = [[int(bound, 16) for bound in line.split()[0].split("-")] for line in f
+                  if line.rstrip().endswith("[heap]")]
+    return (pieces[0][0], pieces[-1][1]) if pieces else (0, 0)
 
 
 def _resident() -> int:

@@ -22,6 +22,8 @@ Linux, no ``/proc``), or where the environment sets ``CTXPAR_RANK_SERVER=0``, ra
 from __future__ import annotations
 
 import functools
+import gc
+import importlib
 import io
 import os
 import shutil
@@ -38,8 +40,9 @@ from typing import Any, NamedTuple
 
 import multiprocessing as mp
 
-# what the server imports before it forks: what every rank imports first (torch alone is 2-3 s)
-PRELOAD = ("torch", "torch.distributed", "ctxpar.launch")
+# what the server imports before it forks: what every rank imports first (torch alone is 2-3 s), and what a rank's
+# first backward imports (sympy, for symbolic shapes: 0.9 s a rank)
+PRELOAD = ("torch", "torch.distributed", "ctxpar.launch", "torch.fx.experimental.symbolic_shapes")
 OFF_SWITCH = "CTXPAR_RANK_SERVER"  # "0": spawn every rank
 # a key of the preparation data a rank unpickles first, before multiprocessing imports the caller's
 # script in it: its reconstructor gives the rank the caller's environment, standard output and error
@@ -128,13 +131,14 @@ def acquire() -> tuple[Any, _Server | None]:
         return functools.partial(_RankProcess, _server), _server
 
 
-def start_here() -> None:
+def start_here(preload: tuple[str, ...] = ()) -> None:
     """Start this process's server now, as a copy of this process made by fork, instead of a new
     interpreter importing torch when the first run needs one (2-4 s of CPU on 2 cores, on that
     run's critical path). Only for a process that has imported what its ranks need and done
     nothing else yet (no thread of its own, no accelerator initialised, no torch op run), as the
     ``ctxpar`` command at its start: the server, and every rank it forks, is this process as it is
-    now. A no-op where a server runs already, or where ranks are spawned (``usable``)."""
+    now, with PRELOAD and ``preload`` imported (by the server, while this process goes on). A
+    no-op where a server runs already, or where ranks are spawned (``usable``)."""
     global _server
     if not usable():
         return
@@ -142,7 +146,7 @@ def start_here() -> None:
     try:
         with _lock:
             if _server is None:
-                _server = _start(_start_state(), fork=True)
+                _server = _start(_start_state(), fork=preload)
     finally:
         signal.pthread_sigmask(signal.SIG_SETMASK, blocked)
 
@@ -183,10 +187,10 @@ def _start_state() -> _StartState:
                        tuple(sorted(blocked)), tuple(sorted(ignored)), sys_path, stdio)
 
 
-def _start(state: _StartState, *, fork: bool = False) -> _Server:
+def _start(state: _StartState, *, fork: tuple[str, ...] | None = None) -> _Server:
     """Start a server: multiprocessing's forkserver loop (``serve``), in a new interpreter with this
-    process's sys.path (the stdlib's server of Python 3.11 ignores the one it is given), or with
-    ``fork`` in a copy of this process (``start_here``). It ends once every copy of
+    process's sys.path (the stdlib's server of Python 3.11 ignores the one it is given), or, with
+    ``fork`` (what it imports besides PRELOAD), in a copy of this process (``start_here``). It ends once every copy of
     the "alive" pipe's writer is closed: this process's at its exit, and each rank closes the one
     it inherits (``_settle_forked_rank``), so that the server, and by PDEATHSIG its ranks, die
     with this process. Its socket is a file only this user can open (a socket of the abstract
@@ -203,8 +207,8 @@ def _start(state: _StartState, *, fork: bool = False) -> _Server:
             listener.listen()
             alive_r, alive_w = os.pipe()
             try:
-                if fork:
-                    pid = _serve_in_a_fork(listener.fileno(), alive_r, folder)
+                if fork is not None:
+                    pid = _serve_in_a_fork(listener.fileno(), alive_r, folder, fork)
                 else:
                     command = (f"import sys; sys.path[:] = {list(state.sys_path)!r}; from ctxpar.rank_server import "
                                f"serve; serve({listener.fileno()}, {alive_r}, {folder!r})")
@@ -224,8 +228,8 @@ def _start(state: _StartState, *, fork: bool = False) -> _Server:
     return _Server(server, folder, state)
 
 
-def _serve_in_a_fork(listener_fd: int, alive_r: int, folder: str) -> int:
-    """The pid of a copy of this process that runs ``serve``, holding what the new interpreter of
+def _serve_in_a_fork(listener_fd: int, alive_r: int, folder: str, preload: tuple[str, ...]) -> int:
+    """The pid of a copy of this process that runs ``serve`` with ``preload``, holding what the new interpreter of
     ``_start`` would: standard input, output and error, the listener and the "alive" reader and no
     other descriptor (this process's "alive" writer among them), and the signal dispositions exec
     leaves (ignored ones kept, handled ones reset; SIGINT Python's own)."""
@@ -244,7 +248,7 @@ def _serve_in_a_fork(listener_fd: int, alive_r: int, folder: str) -> int:
         for sig in signal.valid_signals():
             if callable(signal.getsignal(sig)):
                 signal.signal(sig, signal.default_int_handler if sig == signal.SIGINT else signal.SIG_DFL)
-        serve(listener_fd, alive_r, folder)
+        serve(listener_fd, alive_r, folder, preload)
         status = 0
     except SystemExit as e:  # the loop's end (the "alive" pipe closed), or _end_server's
         status = e.code if isinstance(e.code, int) else 0
@@ -254,14 +258,19 @@ def _serve_in_a_fork(listener_fd: int, alive_r: int, folder: str) -> int:
         os._exit(status)
 
 
-def serve(listener_fd: int, alive_r: int, folder: str) -> None:
-    """A server's main: multiprocessing's forkserver loop, preloading PRELOAD, until the "alive"
-    pipe closes; then, or at a SIGTERM or SIGHUP (a signal to the caller's whole group), it
-    removes its folder."""
+def serve(listener_fd: int, alive_r: int, folder: str, preload: tuple[str, ...] = ()) -> None:
+    """A server's main: multiprocessing's forkserver loop, preloading PRELOAD and ``preload``, until
+    the "alive" pipe closes; then, or at a SIGTERM or SIGHUP (a signal to the caller's whole group),
+    it removes its folder."""
     for sig in _ENDING_SIGNALS:
         if signal.getsignal(sig) is signal.SIG_DFL:  # not over one the caller ignores (nohup)
             signal.signal(sig, _end_server)
     try:
+        for name in (*PRELOAD, *preload):
+            importlib.import_module(name)
+        # what every rank starts with is never garbage: a rank's full collection skips it (torch's objects alone
+        # took 0.16 s to scan, and scanning wrote to every page of them, each then copied from the server)
+        gc.freeze()
         forkserver.main(listener_fd, alive_r, list(PRELOAD))
     finally:
         shutil.rmtree(folder, ignore_errors=True)
