@@ -38,7 +38,7 @@ import torch
 import torch.distributed as dist
 
 import ctxpar
-from ctxpar import launch
+from ctxpar import launch, rank_server
 from ctxpar.launch import run_local
 
 pytestmark = pytest.mark.skipif(not sys.platform.startswith("linux"), reason="checks processes through /proc")
@@ -653,11 +653,11 @@ def test_a_rank_stopped_by_a_signal_is_named_as_such(tmp_path) -> None:
 def test_an_exit_status_reads_as_an_exit_or_a_signal() -> None:
     """A rank's exit status in a failure report: 0 is an exit like any other, a negative one
     the signal (``multiprocessing``'s convention), by name where Python knows it."""
-    assert launch._exit_reason(0) == "exited with code 0"
-    assert launch._exit_reason(3) == "exited with code 3"
-    assert launch._exit_reason(None) == "exited with code None"
-    assert launch._exit_reason(-signal.SIGKILL) == "killed by SIGKILL"
-    assert launch._exit_reason(-200) == "killed by signal 200"
+    assert rank_server.exit_reason(0) == "exited with code 0"
+    assert rank_server.exit_reason(3) == "exited with code 3"
+    assert rank_server.exit_reason(None) == "exited with code None"
+    assert rank_server.exit_reason(-signal.SIGKILL) == "killed by SIGKILL"
+    assert rank_server.exit_reason(-200) == "killed by signal 200"
 
 
 def test_a_local_rank_sees_no_launcher_variable(monkeypatch) -> None:
@@ -1288,12 +1288,45 @@ def test_a_run_whose_server_is_killed_names_it() -> None:
     try:
         with pytest.raises(RuntimeError, match=r"rank \d died (during the run|before joining the process group): "
                                                r"killed by SIGKILL when its rank server \(ctxpar.rank_server\) "
-                                               r"ended") as e:
+                                               r"ended \(killed by SIGKILL, by another process\): the kernel") as e:
             run_local(sleep_then_return, 2, (300,), deadline_s=60)
     finally:
         killer.join()
     assert "its error is on stderr" not in str(e.value)  # the hint for a rank dying as it starts
     assert run_local(sleep_then_return, 2, (0,)) == [0, 1]  # on a new server
+
+
+A_CALLER_WHOSE_SERVER_FAILS = """
+import sys
+sys.path.insert(0, sys.argv[1])  # its sympy.py fails: the server imports sympy before it forks
+from ctxpar.launch import run_local
+
+
+def fn(rank, world):
+    return rank
+
+
+if __name__ == "__main__":
+    try:
+        run_local(fn, 1)
+    except RuntimeError as e:
+        print(e)
+"""
+
+
+@pytest.mark.parametrize("failure, said", [
+    ("import os; os.abort()", "killed by SIGABRT; its error is on stderr"),
+    ("import sys; sys.exit(3)", "exited with code 3; its error is on stderr"),
+])
+def test_a_server_that_fails_as_it_starts_is_said_to_have_so(tmp_path, failure: str, said: str) -> None:
+    """A server that crashed or exited as it started (here importing a broken sympy) is said to have
+    done so, not to have been killed by another process with a new one for the next run."""
+    (tmp_path / "sympy.py").write_text(failure)
+    script = tmp_path / "script.py"
+    script.write_text(A_CALLER_WHOSE_SERVER_FAILS)
+    proc = subprocess.run([sys.executable, str(script), str(tmp_path)], capture_output=True, text=True, timeout=120)
+    assert re.fullmatch(rf"ctxpar's rank server \(pid \d+\) ended before it started ctxpar-rank-0: {said}\n",
+                        proc.stdout), proc.stdout + proc.stderr
 
 
 A_CALLER_WHOSE_CHILD_KEEPS_THE_SERVER = """

@@ -692,15 +692,6 @@ def _stay_until_all_joined(store: dist.Store, world_size: int, timeout: datetime
         pass  # the parent has this rank's report, and the others' failure to say
 
 
-def _exit_reason(exitcode: int | None) -> str:
-    if exitcode is not None and exitcode < 0:
-        try:
-            return f"killed by {signal.Signals(-exitcode).name}"
-        except ValueError:
-            return f"killed by signal {-exitcode}"
-    return f"exited with code {exitcode}"
-
-
 def _descendants(pid: int) -> list[tuple[int, str]]:
     """The processes ``pid`` started and theirs, still running, each as (pid, start time): the
     pair names the process even once its pid is reused (Linux's /proc; none elsewhere)."""
@@ -999,6 +990,7 @@ def _collect(procs: list, readers: list, stacks: list[connection.Connection], ti
     failed: dict[int, tuple[str, str]] = {}  # rank -> (kind, traceback), in the order they arrived
     raised_at: dict[int, _Whereabouts] = {}  # of the ranks that raised: where, by the frames of what they raised
     died: dict[int, str] = {}
+    with_their_server: set[int] = set()  # of the dead, those the kernel killed as their rank server ended
     give_up = start + deadline_s if deadline_s is not None else None
     grace_started = False
 
@@ -1043,9 +1035,12 @@ def _collect(procs: list, readers: list, stacks: list[connection.Connection], ti
                 if r in pending:
                     pending.discard(r)
                     procs[r].join(timeout=GRACE_S)  # its pipe closes an instant before it can be reaped
-                    died[r] = _exit_reason(procs[r].exitcode)
+                    died[r] = rank_server.exit_reason(procs[r].exitcode)
                     if getattr(procs[r]._popen, "server_ended", False):
-                        died[r] += _WITH_ITS_SERVER
+                        with_their_server.add(r)
+                        died[r] += (f" when its rank server (ctxpar.rank_server) ended "
+                                    f"({rank_server.how_it_ended(procs[r].rank_server)}): the kernel ends a rank with "
+                                    f"the server that forked it")
         if died:  # a process gone without a word was killed or crashed: that is the cause, stop now
             break
         if failed and pending and not grace_started:
@@ -1063,23 +1058,21 @@ def _collect(procs: list, readers: list, stacks: list[connection.Connection], ti
     stuck = sorted(pending)
     whereabouts = {**raised_at, **(_probe(procs, stuck, stacks) if stuck and not died else {})}
     message = _failure_message(failed, died, stuck, joined, whereabouts, timeout_s, deadline_s,
-                               time.monotonic() - start, returned=frozenset(outputs))
+                               time.monotonic() - start, returned=frozenset(outputs),
+                               with_their_server=frozenset(with_their_server))
     raise RankFailure(message, {r: tb for r, (_, tb) in failed.items()}, died, stuck)
-
-
-_WITH_ITS_SERVER = (" when its rank server (ctxpar.rank_server) ended, killed by another process: the kernel ends a "
-                    "rank with the server that forked it")
 
 
 def _failure_message(
     failed: dict[int, tuple[str, str]], died: dict[int, str], stuck: list[int], joined: set[int],
     whereabouts: dict[int, _Whereabouts], timeout_s: float, deadline_s: float | None, elapsed: float,
-    returned: frozenset[int] = frozenset(),
+    returned: frozenset[int] = frozenset(), with_their_server: frozenset[int] = frozenset(),
 ) -> str:
     """Root cause first: the dead, then the ranks the others waited for, then what the ranks raised in the
     order it came: the first crash's traceback, the last line of later ones, and a ``StopRun``'s message
     once for all the ranks that raised it. Where every rank that raised did so waiting in a collective
-    and some rank had left ``fn`` (``returned`` its result, or called sys.exit), that rank is the cause."""
+    and some rank had left ``fn`` (``returned`` its result, or called sys.exit), that rank is the cause.
+    ``with_their_server``: the dead the kernel killed as their rank server ended (not dead at start-up)."""
     left = _left_early(failed, died, stuck, whereabouts, returned)
     if left:
         return left
@@ -1094,7 +1087,7 @@ def _failure_message(
              "run_local without an if __name__ == '__main__': guard, or could not import fn or its arguments")
     lines = [f"rank {r} died {'during the run' if r in joined else 'before joining the process group'}: "
              f"{why}{why_signal.get(why, '')}; it reported no result"
-             f"{'' if r in joined or why.endswith(_WITH_ITS_SERVER) else early}" for r, why in died.items()]
+             f"{'' if r in joined or r in with_their_server else early}" for r, why in died.items()]
     timed_out = sorted(r for r, (kind, _) in failed.items() if kind == "timeout")
     for r in stuck if not died else []:
         seen = whereabouts.get(r)

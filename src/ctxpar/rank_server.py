@@ -32,6 +32,7 @@ import socket
 import sys
 import tempfile
 import threading
+import time
 import traceback
 from dataclasses import dataclass
 from multiprocessing import connection, forkserver, reduction, spawn, util
@@ -75,6 +76,7 @@ class _Server:
     folder: str  # its socket's, which it removes as it ends
     started_under: _StartState
     runs: int = 0  # runs starting or running ranks on it
+    exitcode: int | None = None  # once it has ended and been reaped: as a Process's (-N: killed by signal N)
 
     @property
     def pid(self) -> int:
@@ -159,12 +161,47 @@ def release(server: _Server | None) -> None:
 
 
 def _ended(server: _Server) -> bool:
-    """Whether ``server`` has ended (killed: its own end removes its folder), reaped and cleaned up if so."""
-    pid, _ = os.waitpid(server.pid, os.WNOHANG)
-    if pid:
+    """Whether ``server`` has ended (killed: its own end removes its folder), reaped and cleaned up if so;
+    call with ``_lock`` held."""
+    if server.exitcode is None:
+        pid, status = os.waitpid(server.pid, os.WNOHANG)
+        if not pid:
+            return False
+        server.exitcode = os.waitstatus_to_exitcode(status)
         os.close(server.forkserver._forkserver_alive_fd)
         shutil.rmtree(server.folder, ignore_errors=True)
-    return bool(pid)
+    return True
+
+
+def how_it_ended(server: _Server, wait_s: float = 2.0) -> str:
+    """How ``server``, found gone (its connection to a rank closed), ended: "killed by SIGKILL, by another
+    process", "exited with code 1; its error is on stderr"; "ended" if it is still running ``wait_s`` later."""
+    give_up = time.monotonic() + wait_s
+    while True:
+        with _lock:
+            if _ended(server):
+                break
+        if time.monotonic() >= give_up:
+            return "ended"
+        time.sleep(0.01)
+    how = exit_reason(server.exitcode)
+    if killed_by_another(server):
+        return f"{how}, by another process"
+    return f"{how}; its error is on stderr"  # a preload that failed, a crash
+
+
+def killed_by_another(server: _Server) -> bool:
+    return server.exitcode in (-signal.SIGKILL, -signal.SIGTERM, -signal.SIGHUP)
+
+
+def exit_reason(exitcode: int | None) -> str:
+    """How a process ended, from its exit code as multiprocessing gives it."""
+    if exitcode is not None and exitcode < 0:
+        try:
+            return f"killed by {signal.Signals(-exitcode).name}"
+        except ValueError:
+            return f"killed by signal {-exitcode}"
+    return f"exited with code {exitcode}"
 
 
 def _start_state() -> _StartState:
@@ -267,7 +304,10 @@ def serve(listener_fd: int, alive_r: int, folder: str, preload: tuple[str, ...] 
             signal.signal(sig, _end_server)
     try:
         for name in (*PRELOAD, *preload):
-            importlib.import_module(name)
+            try:
+                importlib.import_module(name)
+            except ImportError:  # as the stdlib's server: a rank that needs it raises it itself
+                pass
         # what every rank starts with is never garbage: a rank's full collection skips it (torch's objects alone
         # took 0.16 s to scan, and scanning wrote to every page of them, each then copied from the server)
         gc.freeze()
@@ -357,8 +397,10 @@ class _RankPopen(_ForkServerPopen):
         try:
             self.pid = forkserver.read_signed(self.sentinel)
         except EOFError:
-            raise RuntimeError(f"ctxpar's rank server (pid {server.pid}) ended before it started {process_obj.name}, "
-                               f"killed by another process; the next run starts a new one") from None
+            how = how_it_ended(server)
+            raise RuntimeError(f"ctxpar's rank server (pid {server.pid}) ended before it started {process_obj.name}: "
+                               f"{how}{'; the next run starts a new one' if killed_by_another(server) else ''}"
+                               ) from None
 
     server_ended = False  # before it could say how the rank ended: the kernel killed the rank with it
 
