@@ -21,7 +21,11 @@ $(STAMP): pyproject.toml constraints.txt
 demo: $(STAMP)
 	$(VENV)/bin/ctxpar demo $(ARGS)
 
+# compileall: ctxpar's and the tests' bytecode, written once here, where the environment may forbid Python to
+# write it as it imports (PYTHONDONTWRITEBYTECODE): every command, rank server and rank the suite starts compiled
+# the modules it imports from source again (0.4 s of CPU for the command's alone)
 test: $(STAMP)
+	$(PY) -m compileall -q src tests
 	$(PY) -m pytest -q
 
 bench: $(STAMP)
