@@ -125,7 +125,7 @@ def acquire() -> tuple[Any, _Server | None]:
             if _server.runs:  # another run's ranks are its children: stopping it would kill them
                 return mp.get_context("spawn").Process, None
             os.close(_server.forkserver._forkserver_alive_fd)  # it ends, removing its folder
-            os.waitpid(_server.pid, 0)
+            _server.exitcode = os.waitstatus_to_exitcode(os.waitpid(_server.pid, 0)[1])
             _server = None
         if _server is None:
             _server = _start(state)
@@ -185,12 +185,12 @@ def how_it_ended(server: _Server, wait_s: float = 2.0) -> str:
             return "ended"
         time.sleep(0.01)
     how = exit_reason(server.exitcode)
-    if killed_by_another(server):
+    if _killed_by_another(server):
         return f"{how}, by another process"
     return f"{how}; its error is on stderr"  # a preload that failed, a crash
 
 
-def killed_by_another(server: _Server) -> bool:
+def _killed_by_another(server: _Server) -> bool:
     return server.exitcode in (-signal.SIGKILL, -signal.SIGTERM, -signal.SIGHUP)
 
 
@@ -311,7 +311,7 @@ def serve(listener_fd: int, alive_r: int, folder: str, preload: tuple[str, ...] 
         # what every rank starts with is never garbage: a rank's full collection skips it (torch's objects alone
         # took 0.16 s to scan, and scanning wrote to every page of them, each then copied from the server)
         gc.freeze()
-        forkserver.main(listener_fd, alive_r, list(PRELOAD))
+        forkserver.main(listener_fd, alive_r, [])  # imported above
     finally:
         shutil.rmtree(folder, ignore_errors=True)
 
@@ -399,7 +399,7 @@ class _RankPopen(_ForkServerPopen):
         except EOFError:
             how = how_it_ended(server)
             raise RuntimeError(f"ctxpar's rank server (pid {server.pid}) ended before it started {process_obj.name}: "
-                               f"{how}{'; the next run starts a new one' if killed_by_another(server) else ''}"
+                               f"{how}{'; the next run starts a new one' if _killed_by_another(server) else ''}"
                                ) from None
 
     server_ended = False  # before it could say how the rank ended: the kernel killed the rank with it
