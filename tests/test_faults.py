@@ -1421,17 +1421,17 @@ from ctxpar.launch import run_local
 
 
 def fn(rank, world):
-    return os.getppid()
+    return os.getppid(), "xml.dom.minidom" in sys.modules
 
 
 if __name__ == "__main__":
     signal.signal(signal.SIGTERM, lambda *_: None)  # the caller's handler: the server must not keep it
     signal.signal(signal.SIGHUP, signal.SIG_IGN)  # as nohup: the server must keep it ignored
     held_r, held_w = os.pipe()  # a descriptor the server must not hold
-    rank_server.start_here()
+    rank_server.start_here(("xml.dom.minidom",))  # a module the ranks find imported, by the server alone
     server = rank_server._server
     os.close(held_w)
-    parents = run_local(fn, 2)
+    parents, preloaded = zip(*run_local(fn, 2))
     status = open(f"/proc/{server.pid}/status").read()
     ignored = int(status.split("SigIgn:")[1].split()[0], 16)
     os.set_blocking(held_r, False)
@@ -1442,7 +1442,8 @@ if __name__ == "__main__":
     said = dict(
         forked=open(f"/proc/{server.pid}/cmdline", "rb").read() == open("/proc/self/cmdline", "rb").read(),
         parents=parents, server=server.pid, kept=rank_server._server is server, pipe_closed=pipe_closed,
-        hup_ignored=bool(ignored >> (signal.SIGHUP - 1) & 1))
+        hup_ignored=bool(ignored >> (signal.SIGHUP - 1) & 1), preloaded=preloaded,
+        by_the_caller="xml.dom.minidom" in sys.modules)
     os.kill(server.pid, signal.SIGTERM)  # the server's own handler ends it and removes its folder
     for _ in range(100):
         pid, status = os.waitpid(server.pid, os.WNOHANG)
@@ -1462,14 +1463,16 @@ def test_a_server_started_by_fork_is_the_caller_with_only_what_a_new_interpreter
     made by fork, not a new interpreter importing torch; its ranks run on it; it holds no
     descriptor of the caller's beyond standard input, output and error (a pipe's other end sees
     its end), takes the caller's ignored signals and not its handlers (SIGTERM ends it as it ends
-    a new one), and a run under the same state keeps it."""
+    a new one), imports what it is asked to for the ranks (not the caller), and a run under the
+    same state keeps it."""
     script = tmp_path / "script.py"
     script.write_text(A_CALLER_THAT_STARTS_ITS_SERVER_BY_FORK)
     proc = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=120)
     assert proc.returncode == 0, proc.stderr
     said = json.loads(proc.stdout)
     assert said == dict(forked=True, parents=[said["server"]] * 2, server=said["server"], kept=True, pipe_closed=True,
-                        hup_ignored=True, status=128 + signal.SIGTERM, folder_left=False), said
+                        hup_ignored=True, preloaded=[True, True], by_the_caller=False, status=128 + signal.SIGTERM,
+                        folder_left=False), said
 
 
 # -- item 9: the environment -----------------------------------------------------------------
