@@ -10,20 +10,36 @@ of one module's file only that module's batches (``-k`` selects tests, not the b
 modules collected). A group that failed or hung is cached too: every test that needs one of
 its batches reports the same failure, naming the batch that raised, instead of spawning (and
 waiting) again.
+
+A whole-suite run spawns its CPU groups in the background (``run_in_background``): one
+process runs them, one after another, while pytest runs the tests that need none, and the
+tests that read them run last; on 2 cores the groups' ranks and the other tests' processes
+(mostly launchers waiting on timeouts and commands importing torch) share the machine
+instead of taking turns. A run of only the modules that read groups spawns them as it needs
+them, as before.
 """
 
 from __future__ import annotations
 
 import gc
 import importlib
+import os
+import pickle
+import signal
+import subprocess
 import sys
+import threading
+import time
+import traceback
 import warnings
 from collections.abc import Callable
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 import torch
 
+from ctxpar import rank_server
 from ctxpar.launch import run_local
 
 
@@ -62,26 +78,141 @@ def _same_group(a: _Batch, b: _Batch) -> bool:
 def results(key: str) -> list[Any]:
     """The per-rank results of the declared batch ``key``."""
     if key not in _groups:
-        asked = _declared[key]
-        keys = sorted((k for k, b in _declared.items() if _same_group(b, asked) and k not in _groups),
-                      key=lambda k: not _declared[k].first)  # stable: the rest in the order declared
-        batches = [(_declared[k].module, _declared[k].name) for k in keys]
-        # gloo ranks get one thread each: the cases' ops are tiny, and OpenMP threads on a loaded machine spin at
-        # every op's barrier (milliseconds per 2 x 32 matmul); on 2 or more ranks of 2 cores, one is the default
-        threads = 1 if asked.device_type is None else None
-        timeout_s = max(_declared[k].timeout_s for k in keys)
-        try:
-            per_rank = run_local(_run_batches, asked.world, (batches,), timeout_s=timeout_s, threads=threads,
-                                 device_type=asked.device_type)
-            for i, k in enumerate(keys):
-                _groups[k] = (True, [ranks_results[i] for ranks_results in per_rank])
-        except Exception as e:  # noqa: BLE001  re-raised by every test that asks
-            for k in keys:
-                _groups[k] = (False, e)
+        if _background is not None and key in _background.keys:
+            keys, outcome = _background.outcome(key)
+        else:
+            keys = _group_of(key)
+            outcome = _spawn(keys)
+        for k, got in zip(keys, _per_batch(outcome, keys)):
+            _groups[k] = got
     ok, value = _groups[key]
     if not ok:  # chained, not re-raised: each raise would add its frames to the one exception's traceback
         raise RuntimeError(f"the spawned group running batch {key!r} failed") from value
     return value
+
+
+def _group_of(key: str) -> list[str]:
+    """The batches not yet run of ``key``'s group: the ``first`` one first, the rest in the order declared."""
+    asked = _declared[key]
+    return sorted((k for k, b in _declared.items() if _same_group(b, asked) and k not in _groups),
+                  key=lambda k: not _declared[k].first)
+
+
+def _spawn(keys: list[str]) -> tuple[bool, Any]:
+    """(True, each rank's list of the batches' results), or (False, the exception) of one group
+    running ``keys``."""
+    asked = _declared[keys[0]]
+    batches = [(_declared[k].module, _declared[k].name) for k in keys]
+    # gloo ranks get one thread each: the cases' ops are tiny, and OpenMP threads on a loaded machine spin at
+    # every op's barrier (milliseconds per 2 x 32 matmul); on 2 or more ranks of 2 cores, one is the default
+    threads = 1 if asked.device_type is None else None
+    try:
+        return True, run_local(_run_batches, asked.world, (batches,), threads=threads, device_type=asked.device_type,
+                               timeout_s=max(_declared[k].timeout_s for k in keys))
+    except Exception as e:  # noqa: BLE001  re-raised by every test that asks
+        return False, e
+
+
+def _per_batch(outcome: tuple[bool, Any], keys: list[str]) -> list[tuple[bool, Any]]:
+    ok, value = outcome
+    if not ok:
+        return [outcome] * len(keys)
+    return [(True, [ranks_results[i] for ranks_results in value]) for i in range(len(keys))]
+
+
+def reads_groups(module) -> bool:
+    """Whether a test module reads spawned groups: it imports this module, or a module that does."""
+    this = sys.modules[__name__]
+    return module is not None and any(m is this or getattr(m, "spawned", None) is this for m in vars(module).values())
+
+
+class _Background:
+    """A process that runs ``groups`` (lists of batch keys), one after another, each group's
+    outcome pickled to ``folder``/<n>.pickle as it ends."""
+
+    def __init__(self, groups: list[list[str]], folder: Path) -> None:
+        self.groups, self.folder = groups, folder
+        self.keys = {k for group in groups for k in group}
+        (folder / "groups.pickle").write_bytes(pickle.dumps([[(k, _declared[k]) for k in g] for g in groups]))
+        here = str(Path(__file__).parent)
+        env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [here, os.environ.get("PYTHONPATH")]))}
+        command = [sys.executable, "-c", f"import spawned; spawned._run_groups({str(folder)!r})"]
+        with open(folder / "log", "wb") as log:  # the ranks' output: shown where a group fails
+            # stdin: a pipe only this process holds, whose end tells the runner that pytest is gone
+            self.process = subprocess.Popen(command, stdin=subprocess.PIPE, stdout=log, stderr=subprocess.STDOUT,
+                                            env=env)
+
+    def outcome(self, key: str) -> tuple[list[str], tuple[bool, Any]]:
+        """The batches of ``key``'s group and its outcome, waited for."""
+        number, keys = next((n, group) for n, group in enumerate(self.groups) if key in group)
+        path = self.folder / f"{number}.pickle"
+        while not path.exists():
+            if self.process.poll() is not None and not path.exists():
+                error = RuntimeError(f"the background process running the spawned groups ended (status "
+                                     f"{self.process.returncode}) before the group of {key!r}; its output:\n"
+                                     f"{_tail(self.folder / 'log')}")
+                return keys, (False, error)
+            time.sleep(0.1)
+        ok, value = pickle.loads(path.read_bytes())
+        if not ok:
+            value = RuntimeError(f"{value}\nthe ranks' output (of every group):\n{_tail(self.folder / 'log')}")
+        return keys, (ok, value)
+
+    def stop(self) -> None:
+        self.process.stdin.close()
+        try:
+            self.process.wait(timeout=30)
+        except subprocess.TimeoutExpired:
+            self.process.kill()
+            self.process.wait()
+
+
+_background: _Background | None = None
+
+
+def _tail(path: Path, chars: int = 20_000) -> str:
+    return path.read_text(errors="replace")[-chars:]
+
+
+def run_in_background(folder: Path) -> None:
+    """Start running every declared CPU group that no test has read yet, largest first, in a
+    process of its own: ``results`` then waits for the group's outcome there."""
+    global _background
+    worlds = sorted({b.world for k, b in _declared.items() if b.device_type is None and k not in _groups}, reverse=True)
+    groups = [_group_of(next(k for k, b in _declared.items() if b.device_type is None and b.world == w))
+              for w in worlds]
+    if groups:
+        _background = _Background(groups, folder)
+
+
+def stop_background() -> None:
+    """End the background process: its groups are done, or the session is cut short."""
+    global _background
+    if _background is not None:
+        _background.stop()
+        _background = None
+
+
+def _run_groups(folder: str) -> None:
+    """The background process: run each group of ``folder``/groups.pickle and pickle its outcome
+    there; end with the pytest process (the end of stdin)."""
+    def end_with_pytest() -> None:
+        while os.read(0, 4096):  # unbuffered: a daemon thread in a buffered read aborts the interpreter's end
+            pass
+        os.kill(os.getpid(), signal.SIGTERM)  # its ranks are tied to it and end with it
+
+    rank_server.start_here()  # before anything runs: the ranks are forks of this process, not of a new interpreter
+    threading.Thread(target=end_with_pytest, daemon=True).start()
+    folder = Path(folder)
+    groups = pickle.loads((folder / "groups.pickle").read_bytes())
+    for number, group in enumerate(groups):
+        _declared.update(group)
+        ok, value = _spawn([k for k, _ in group])
+        if not ok:  # its traceback, as text: an exception's frames do not survive pickling
+            value = "".join(traceback.format_exception(value))
+        partial = folder / f"{number}.partial"
+        partial.write_bytes(pickle.dumps((ok, value)))
+        partial.rename(folder / f"{number}.pickle")
 
 
 def _run_batches(rank: int, world: int, batches: list[tuple[str, str]], *device) -> list[Any]:
