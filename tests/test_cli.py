@@ -14,8 +14,8 @@ import pytest
 import torch
 
 import ctxpar
-from ctxpar import launch
-from ctxpar.cli import COMMANDS, main
+from ctxpar import launch, rank_server
+from ctxpar.cli import COMMANDS, RANK_IMPORTS, entry, main
 from ctxpar import calibrate
 
 
@@ -905,3 +905,22 @@ def test_a_stderr_closed_or_full_costs_the_run_nothing(tmp_path) -> None:
                                   preexec_fn=(lambda: os.close(2)) if stderr is None else None)
         assert proc.returncode == 0, (name, proc.stdout)
         assert "step-000002" in os.listdir(directory) and json.loads(report.read_text())["loss"], name
+
+
+@pytest.mark.parametrize("argv, imports", [
+    (("plan", "--head-dim", "0"), None),
+    (("plan", "--calibrate", "--head-dim", "0"), ()),
+    (("demo", "--nproc", "0"), ()),
+    (("generate", "--nproc", "0"), ()),
+    (("train", "--steps", "0"), RANK_IMPORTS["train"]),
+    (("--help",), None),
+], ids=lambda v: " ".join(v) if isinstance(v, tuple) and all(isinstance(w, str) for w in v) else None)
+def test_a_command_starts_a_rank_server_only_where_it_runs_local_ranks(argv, imports, monkeypatch, capsys) -> None:
+    """ctxpar plan forked a server (and the server imported what ranks import: 1.3 s of CPU) that
+    only --calibrate uses; the command that runs ranks starts it with what they import."""
+    started = []
+    monkeypatch.setattr(rank_server, "start_here", lambda preload=(): started.append(preload))
+    monkeypatch.setattr(sys, "argv", ["ctxpar", *argv])
+    with pytest.raises(SystemExit):
+        entry()
+    assert started == ([] if imports is None else [imports])

@@ -1475,6 +1475,33 @@ def test_a_server_started_by_fork_is_the_caller_with_only_what_a_new_interpreter
                         folder_left=False), said
 
 
+A_CALLER_THAT_ENDS_WHILE_ITS_SERVER_IMPORTS = """
+import json
+from ctxpar import rank_server
+
+rank_server.start_here(("slow_to_import",))
+print(json.dumps(dict(server=rank_server._server.pid, folder=rank_server._server.folder)))
+"""
+
+
+def test_a_server_still_importing_ends_with_its_caller(tmp_path) -> None:
+    """A caller that ends (a command refused at once) ends its server at once, its folder removed:
+    the server went on with its imports (1-2 s of CPU for ctxpar train's) until it read the end of
+    the "alive" pipe."""
+    (tmp_path / "slow_to_import.py").write_text("import time\ntime.sleep(300)\n")
+    script = tmp_path / "script.py"
+    script.write_text(A_CALLER_THAT_ENDS_WHILE_ITS_SERVER_IMPORTS)
+    proc = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr
+    said = json.loads(proc.stdout)
+    try:
+        wait_for(lambda: not alive(said["server"]) and not os.path.exists(said["folder"]), 30,
+                 "the server to end and remove its folder")
+    finally:
+        if alive(said["server"]):
+            os.kill(said["server"], signal.SIGKILL)
+
+
 # -- item 9: the environment -----------------------------------------------------------------
 
 

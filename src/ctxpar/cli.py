@@ -523,9 +523,11 @@ def _run_generate(args: argparse.Namespace) -> int:
     return 0 if report.get("tokens_match", True) else 1
 
 
-# what a command's ranks import beyond the rank server's PRELOAD (a training rank's FSDP, DTensor and the optimizer's
-# torch._dynamo: 2.4 s of CPU a rank on 2 cores), imported once by the server the command starts
-RANK_IMPORTS = {"train": ("torch._dynamo", "torch.distributed.fsdp", "torch.distributed.tensor")}
+# the commands that run local ranks, and what their ranks import beyond the rank server's PRELOAD (a training rank's
+# FSDP, DTensor and the optimizer's torch._dynamo: 2.4 s of CPU a rank on 2 cores), imported once by the server the
+# command starts; "plan" runs ranks only to measure this machine (--calibrate)
+RANK_IMPORTS = {"demo": (), "train": ("torch._dynamo", "torch.distributed.fsdp", "torch.distributed.tensor"),
+                "generate": (), "plan --calibrate": ()}
 
 COMMANDS = {
     "demo": (_demo_parser, _run_demo),
@@ -598,8 +600,12 @@ def entry() -> NoReturn:
     process's. A torchrun rank's process ends through ``launch.exit_torchrun_rank``."""
     if not launch.launched_by_torchrun():
         # before anything runs: the local ranks start without importing torch again, nor what the command's ranks import
+        # (argv read before argparse: a wrong guess costs time, never a result)
         command = next((word for word in sys.argv[1:] if not word.startswith("-")), None)
-        rank_server.start_here(RANK_IMPORTS.get(command, ()))
+        if command == "plan" and "--calibrate" in sys.argv:
+            command = "plan --calibrate"
+        if command in RANK_IMPORTS:
+            rank_server.start_here(RANK_IMPORTS[command])
         sys.exit(main())
     try:
         status = main()
