@@ -907,14 +907,17 @@ def test_a_stderr_closed_or_full_costs_the_run_nothing(tmp_path) -> None:
         assert "step-000002" in os.listdir(directory) and json.loads(report.read_text())["loss"], name
 
 
-@pytest.mark.parametrize("argv, imports", [
+RANK_SERVER_STARTS = [
     (("plan", "--head-dim", "0"), None),
     (("plan", "--calibrate", "--head-dim", "0"), ()),
     (("demo", "--nproc", "0"), ()),
     (("generate", "--nproc", "0"), ()),
     (("train", "--steps", "0"), RANK_IMPORTS["train"]),
     (("--help",), None),
-], ids=lambda v: " ".join(v) if isinstance(v, tuple) and all(isinstance(w, str) for w in v) else None)
+]
+
+
+@pytest.mark.parametrize("argv, imports", RANK_SERVER_STARTS, ids=[" ".join(argv) for argv, _ in RANK_SERVER_STARTS])
 def test_a_command_starts_a_rank_server_only_where_it_runs_local_ranks(argv, imports, monkeypatch, capsys) -> None:
     """ctxpar plan forked a server (and the server imported what ranks import: 1.3 s of CPU) that
     only --calibrate uses; the command that runs ranks starts it with what they import."""

@@ -527,7 +527,16 @@ def _run_generate(args: argparse.Namespace) -> int:
 # FSDP, DTensor and the optimizer's torch._dynamo: 2.4 s of CPU a rank on 2 cores), imported once by the server the
 # command starts; "plan" runs ranks only to measure this machine (--calibrate)
 RANK_IMPORTS = {"demo": (), "train": ("torch._dynamo", "torch.distributed.fsdp", "torch.distributed.tensor"),
-                "generate": (), "plan --calibrate": ()}
+                "generate": (), "plan": ()}
+
+
+def _rank_imports(argv: list[str]) -> tuple[str, ...] | None:
+    """What the ranks of the command ``argv`` runs import, or None where it runs no local rank; read
+    before argparse reads ``argv`` (a wrong guess costs time, never a result)."""
+    command = next((word for word in argv if not word.startswith("-")), None)
+    if command == "plan" and "--calibrate" not in argv:
+        return None
+    return RANK_IMPORTS.get(command)
 
 COMMANDS = {
     "demo": (_demo_parser, _run_demo),
@@ -600,12 +609,9 @@ def entry() -> NoReturn:
     process's. A torchrun rank's process ends through ``launch.exit_torchrun_rank``."""
     if not launch.launched_by_torchrun():
         # before anything runs: the local ranks start without importing torch again, nor what the command's ranks import
-        # (argv read before argparse: a wrong guess costs time, never a result)
-        command = next((word for word in sys.argv[1:] if not word.startswith("-")), None)
-        if command == "plan" and "--calibrate" in sys.argv:
-            command = "plan --calibrate"
-        if command in RANK_IMPORTS:
-            rank_server.start_here(RANK_IMPORTS[command])
+        imports = _rank_imports(sys.argv[1:])
+        if imports is not None:
+            rank_server.start_here(imports)
         sys.exit(main())
     try:
         status = main()

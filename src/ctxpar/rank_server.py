@@ -105,14 +105,20 @@ os.register_at_fork(after_in_child=_forget_the_parents_server)
 def _end_own_server() -> None:
     """At this process's exit, end its server now: it would end once it read the "alive" pipe's
     end, after what it was still importing (a command refused at once left its server 1-2 s of
-    CPU of imports to finish). Its SIGTERM handler removes its folder (a server under a caller
-    that ignores SIGTERM ignores it too, and ends by the pipe)."""
-    server = _server
-    if server is not None and server.exitcode is None:  # not reaped here: its pid, or its zombie's
-        try:
-            os.kill(server.pid, signal.SIGTERM)
-        except ProcessLookupError:  # reaped by a waitpid of the caller's own
-            pass
+    CPU of imports to finish). SIGTERM ends it, by its handler or, before the handler is in place,
+    by the default action, which leaves its folder: removed here (a server under a caller that
+    ignores SIGTERM ignores it too, and ends by the pipe)."""
+    if not _lock.acquire(timeout=1):  # another thread starting a run as the process ends: the pipe ends the server
+        return
+    try:
+        if _server is None or _ended(_server):
+            return
+        os.kill(_server.pid, signal.SIGTERM)
+        shutil.rmtree(_server.folder, ignore_errors=True)
+    except ChildProcessError:  # reaped by a wait of the caller's own: its pid may be another process's now
+        pass
+    finally:
+        _lock.release()
 
 
 atexit.register(_end_own_server)
@@ -261,16 +267,12 @@ def _start(state: _StartState, *, fork: tuple[str, ...] | None = None) -> _Serve
             os.chmod(address, 0o600)
             listener.listen()
             alive_r, alive_w = os.pipe()
-            # the server starts with SIGTERM and SIGHUP blocked, until its handlers, which remove its folder, are in
-            # place: one sent as it starts (by this process's end: _end_own_server) killed it and left the folder
-            caller_blocked = signal.pthread_sigmask(signal.SIG_BLOCK, _ENDING_SIGNALS)
-            held = [int(sig) for sig in _ENDING_SIGNALS if sig not in caller_blocked]
             try:
                 if fork is not None:
-                    pid = _serve_in_a_fork(listener.fileno(), alive_r, folder, fork, held)
+                    pid = _serve_in_a_fork(listener.fileno(), alive_r, folder, fork)
                 else:
                     command = (f"import sys; sys.path[:] = {list(state.sys_path)!r}; from ctxpar.rank_server import "
-                               f"serve; serve({listener.fileno()}, {alive_r}, {folder!r}, held={held!r})")
+                               f"serve; serve({listener.fileno()}, {alive_r}, {folder!r})")
                     executable = spawn.get_executable()
                     pid = util.spawnv_passfds(executable,
                                               [executable, *util._args_from_interpreter_flags(), "-c", command],
@@ -279,7 +281,6 @@ def _start(state: _StartState, *, fork: tuple[str, ...] | None = None) -> _Serve
                 os.close(alive_w)
                 raise
             finally:
-                signal.pthread_sigmask(signal.SIG_SETMASK, caller_blocked)
                 os.close(alive_r)
     except BaseException:
         shutil.rmtree(folder, ignore_errors=True)
@@ -288,7 +289,7 @@ def _start(state: _StartState, *, fork: tuple[str, ...] | None = None) -> _Serve
     return _Server(server, folder, state)
 
 
-def _serve_in_a_fork(listener_fd: int, alive_r: int, folder: str, preload: tuple[str, ...], held: list[int]) -> int:
+def _serve_in_a_fork(listener_fd: int, alive_r: int, folder: str, preload: tuple[str, ...]) -> int:
     """The pid of a copy of this process that runs ``serve`` with ``preload``, holding what the new interpreter of
     ``_start`` would: standard input, output and error, the listener and the "alive" reader and no
     other descriptor (this process's "alive" writer among them), and the signal dispositions exec
@@ -308,7 +309,7 @@ def _serve_in_a_fork(listener_fd: int, alive_r: int, folder: str, preload: tuple
         for sig in signal.valid_signals():
             if callable(signal.getsignal(sig)):
                 signal.signal(sig, signal.default_int_handler if sig == signal.SIGINT else signal.SIG_DFL)
-        serve(listener_fd, alive_r, folder, preload, held)
+        serve(listener_fd, alive_r, folder, preload)
         status = 0
     except SystemExit as e:  # the loop's end (the "alive" pipe closed), or _end_server's
         status = e.code if isinstance(e.code, int) else 0
@@ -318,15 +319,14 @@ def _serve_in_a_fork(listener_fd: int, alive_r: int, folder: str, preload: tuple
         os._exit(status)
 
 
-def serve(listener_fd: int, alive_r: int, folder: str, preload: tuple[str, ...] = (), held: list[int] = ()) -> None:
+def serve(listener_fd: int, alive_r: int, folder: str, preload: tuple[str, ...] = ()) -> None:
     """A server's main: multiprocessing's forkserver loop, preloading PRELOAD and ``preload``, until
     the "alive" pipe closes; then, or at a SIGTERM or SIGHUP (a signal to the caller's whole group),
-    it removes its folder. ``held``: the signals its starter blocked until the handlers are in place."""
+    it removes its folder."""
     for sig in _ENDING_SIGNALS:
         if signal.getsignal(sig) is signal.SIG_DFL:  # not over one the caller ignores (nohup)
             signal.signal(sig, _end_server)
     try:
-        signal.pthread_sigmask(signal.SIG_UNBLOCK, held)  # one that came meanwhile ends it here
         for name in (*PRELOAD, *preload):
             try:
                 importlib.import_module(name)
