@@ -11,16 +11,18 @@ modules collected). A group that failed or hung is cached too: every test that n
 its batches reports the same failure, naming the batch that raised, instead of spawning (and
 waiting) again.
 
-A whole-suite run spawns its CPU groups in the background (``run_in_background``): one
-process runs them, one after another, while pytest runs the tests that need none, and the
-tests that read them run last; on 2 cores the groups' ranks and the other tests' processes
-(mostly launchers waiting on timeouts and commands importing torch) share the machine
-instead of taking turns. A run of only the modules that read groups spawns them as it needs
-them, as before.
+A run of the whole suite (every test collected, some reading groups and some not) spawns its
+CPU groups in the background (``run_in_background``, called by conftest.py): one process runs
+them, one after another, at a lower priority, while pytest runs the tests that read none, and
+the tests that read them run last. On 2 cores the groups' ranks take the CPU that the other
+tests, one after another, leave (their commands' and launchers' waits), instead of the two
+taking turns. Other runs spawn the groups as their tests ask for them. The ranks' output of a
+group run in the background is shown where that group fails.
 """
 
 from __future__ import annotations
 
+import functools
 import gc
 import importlib
 import os
@@ -35,6 +37,7 @@ import warnings
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
+from types import ModuleType
 from typing import Any
 
 import torch
@@ -120,10 +123,13 @@ def _per_batch(outcome: tuple[bool, Any], keys: list[str]) -> list[tuple[bool, A
     return [(True, [ranks_results[i] for ranks_results in value]) for i in range(len(keys))]
 
 
-def reads_groups(module) -> bool:
-    """Whether a test module reads spawned groups: it imports this module, or a module that does."""
+@functools.cache
+def reads_groups(module: ModuleType | None) -> bool:
+    """Whether a test module reads spawned groups: it imports this module, or a module that
+    imports it (as ``spawned``)."""
     this = sys.modules[__name__]
-    return module is not None and any(m is this or getattr(m, "spawned", None) is this for m in vars(module).values())
+    return module is not None and any(m is this or getattr(m, "spawned", None) is this
+                                      for m in vars(module).values() if isinstance(m, ModuleType))
 
 
 class _Background:
@@ -178,9 +184,8 @@ def run_in_background(folder: Path) -> None:
     """Start running every declared CPU group that no test has read yet, largest first, in a
     process of its own: ``results`` then waits for the group's outcome there."""
     global _background
-    worlds = sorted({b.world for k, b in _declared.items() if b.device_type is None and k not in _groups}, reverse=True)
-    groups = [_group_of(next(k for k, b in _declared.items() if b.device_type is None and b.world == w))
-              for w in worlds]
+    first_of_each = {b.world: k for k, b in reversed(_declared.items()) if b.device_type is None and k not in _groups}
+    groups = [_group_of(first_of_each[world]) for world in sorted(first_of_each, reverse=True)]
     if groups:
         _background = _Background(groups, folder)
 
@@ -201,6 +206,9 @@ def _run_groups(folder: str) -> None:
             pass
         os.kill(os.getpid(), signal.SIGTERM)  # its ranks are tied to it and end with it
 
+    # the tests beside it run one after another, each waiting on the last: they are the run's critical path, and the
+    # groups take the CPU they leave (their ranks inherit this)
+    os.nice(10)
     rank_server.start_here()  # before anything runs: the ranks are forks of this process, not of a new interpreter
     threading.Thread(target=end_with_pytest, daemon=True).start()
     folder = Path(folder)
