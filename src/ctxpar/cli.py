@@ -538,6 +538,7 @@ def _rank_imports(argv: list[str]) -> tuple[str, ...] | None:
         return None
     return RANK_IMPORTS.get(command)
 
+
 COMMANDS = {
     "demo": (_demo_parser, _run_demo),
     "train": (_train_parser, _run_train),
