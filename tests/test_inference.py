@@ -6,6 +6,7 @@ from __future__ import annotations
 import importlib
 import re
 
+import numpy as np
 import pytest
 import torch
 
@@ -393,6 +394,10 @@ def test_cache_allocates_a_pth_of_the_capacity_and_refuses_bad_shapes() -> None:
             cache.next_positions(new, rank)
     with pytest.raises(ValueError, match="capacity must be an int between 1"):
         KVCache(layers=3, batch=2, kv_heads=2, head_dim=4, capacity=0)
+    # numpy integers, as generate takes them
+    sized = KVCache(layers=np.int64(3), batch=np.int32(2), kv_heads=2, head_dim=4, capacity=np.uint16(10))
+    assert (sized.nbytes, type(sized.batch), sized.next_positions(np.int64(3), np.int64(0)).tolist()) == (
+        cache.nbytes * 2, int, [0, 1, 2])  # float32 against bfloat16
     with pytest.raises(ValueError, match="do not fit the cache"):
         cache.write(0, 0, torch.zeros(2, 4, 1, 4), torch.zeros(2, 4, 1, 4))
     latents = KVCache(layers=1, batch=2, kv_heads=1, head_dim=6, value_dim=2, capacity=10)  # MLA's: K and V widths
@@ -405,6 +410,27 @@ def test_cache_allocates_a_pth_of_the_capacity_and_refuses_bad_shapes() -> None:
         latents.write(0, 3, k, k)
     with pytest.raises(ValueError, match="value_dim must be an int between 1"):
         KVCache(layers=1, batch=2, kv_heads=1, head_dim=6, value_dim=0, capacity=10)
+
+
+def test_a_cache_built_outside_inference_mode_runs_each_call_in_or_out_of_it_exactly() -> None:
+    """A cache built outside torch.inference_mode() (what the refusal of one built inside it
+    advises), prefilled inside it: the token record its first commit made there was an
+    inference tensor, and every later decode step or chunk outside inference mode raised
+    torch's in-place error after its collectives had run."""
+    model, prompt = cases.build(), cases.prompt_tokens()
+
+    def steps(prefill_mode) -> list[torch.Tensor]:
+        cache = KVCache.for_model(model.cfg, batch=prompt.shape[0], capacity=cases.PROMPT_LEN + 8)
+        with prefill_mode():
+            logits = [prefill(model, cache, prompt[:, :16], layout="zigzag")]
+        logits.append(decode_step(model, cache, prompt[:, 16]))
+        logits.append(partial_prefill(model, cache, prompt[:, 17:20]))
+        with torch.inference_mode():
+            logits.append(decode_step(model, cache, prompt[:, 20]))
+        return logits
+
+    for got, want in zip(steps(torch.inference_mode), steps(torch.no_grad), strict=True):
+        assert torch.equal(got, want)
 
 
 @pytest.mark.parametrize("message", ["CUDA out of memory. Tried to allocate 8 GiB\nmore", ""])
@@ -434,6 +460,8 @@ def test_rewind_forgets_the_later_positions_and_the_next_chunk_continues_there()
     for bad in (-1, cases.PROMPT_LEN + 6, 2.0, True):
         with pytest.raises(ValueError, match="rewind to"):
             cache.rewind(bad)
+    cache.rewind(np.int64(cases.PROMPT_LEN - 2))  # a numpy integer is an integer: "5: a length between 0 and 12"
+    assert (cache.seq_len, type(cache.seq_len)) == (cases.PROMPT_LEN - 2, int)
 
 
 def test_a_caches_history_is_its_tokens_however_they_were_fed_and_rewound() -> None:
@@ -626,8 +654,6 @@ def test_generate_takes_numpy_integers_and_refuses_a_prompt_or_model_on_another_
     """new_tokens and seed as numpy integers (the CLI's config takes them) were refused while a
     numpy temperature ran; a prompt or model on the meta device met torch's "Tensor.item()
     cannot be called on meta tensors" from the token-range check, not a word on its device."""
-    import numpy as np
-
     from ctxpar.limits import MAX_COUNT
 
     model, prompt = cases.build(), cases.prompt_tokens()

@@ -81,10 +81,12 @@ class KVCache:
                  group: dist.ProcessGroup | None = None, dtype: torch.dtype = torch.float32,
                  device: torch.device | str = "cpu", value_dim: int | None = None, mesh=None) -> None:
         value_dim = head_dim if value_dim is None else value_dim
-        for name, value in (("layers", layers), ("batch", batch), ("kv_heads", kv_heads), ("head_dim", head_dim),
-                            ("value_dim", value_dim), ("capacity", capacity)):
-            if isinstance(value, bool) or not isinstance(value, int) or not 1 <= value <= limits.MAX_COUNT:
+        counts = dict(layers=layers, batch=batch, kv_heads=kv_heads, head_dim=head_dim, value_dim=value_dim,
+                      capacity=capacity)
+        for name, value in counts.items():
+            if not 1 <= (limits.whole(value) or 0) <= limits.MAX_COUNT:  # numpy integers taken, as generate takes them
                 raise ValueError(f"KVCache {name} must be an int between 1 and {limits.MAX_COUNT}, got {value!r}")
+        layers, batch, kv_heads, head_dim, value_dim, capacity = map(limits.whole, counts.values())
         if not isinstance(dtype, torch.dtype) or not dtype.is_floating_point:
             raise ValueError(f"KVCache dtype must be a floating-point torch.dtype (the model's, e.g. torch.bfloat16), "
                              f"got {dtype!r}")
@@ -158,10 +160,11 @@ class KVCache:
     def next_positions(self, new: int, rank: int) -> torch.Tensor:
         """(int64) the positions among the next ``new`` after the ``seq_len`` held that ``rank``
         keeps (``owner``: p mod P), ascending."""
-        if isinstance(new, bool) or not isinstance(new, int) or new < 0:
+        if limits.whole(new) is None or new < 0:
             raise ValueError(f"next_positions: new must be a count of positions >= 0, got {new!r}")
-        if isinstance(rank, bool) or not isinstance(rank, int) or not 0 <= rank < self.world_size:
+        if limits.whole(rank) is None or not 0 <= rank < self.world_size:
             raise ValueError(f"next_positions: rank must be one of 0..{self.world_size - 1}, got {rank!r}")
+        new, rank = int(new), int(rank)
         first = self.seq_len + (rank - self.seq_len) % self.world_size
         return torch.tensor(range(first, self.seq_len + new, self.world_size), dtype=torch.int64)
 
@@ -196,8 +199,10 @@ class KVCache:
         and the sequence as ``seq_len`` long; ``tokens``, the (B, n) token ids of its last n
         positions (ctxpar's prefill, decode_step and partial_prefill pass them), for ``history``."""
         if tokens is not None:
-            if self._tokens is None:
-                self._tokens = torch.zeros((self.batch, self.capacity), dtype=torch.int64, device=self.device)
+            if self._tokens is None:  # made as the K/V were, inference tensors or not: a call in the other mode
+                # made it otherwise, and torch refused every later write outside inference mode
+                with torch.inference_mode(self.made_in_inference_mode):
+                    self._tokens = torch.zeros((self.batch, self.capacity), dtype=torch.int64, device=self.device)
             self._tokens[:, seq_len - tokens.shape[1]: seq_len] = tokens
         n = positions.numel()
         self._positions[self.length: self.length + n] = positions.cpu()
@@ -222,8 +227,10 @@ class KVCache:
     def rewind(self, seq_len: int) -> None:
         """Forget the positions from ``seq_len`` on (a turn taken back, or the same chunk
         timed again): every rank alike, no communication; the next call continues there."""
-        if isinstance(seq_len, bool) or not isinstance(seq_len, int) or not 0 <= seq_len <= self.seq_len:
-            raise ValueError(f"rewind to {seq_len!r}: a length between 0 and the {self.seq_len} positions held")
+        if limits.whole(seq_len) is None or not 0 <= seq_len <= self.seq_len:
+            raise ValueError(f"rewind to {seq_len!r}: a length between 0 and the {self.seq_len} positions held "
+                             f"(an integer)")
+        seq_len = int(seq_len)
         keep = int((self._positions[: self.length] < seq_len).sum())  # positions ascend in slot order
         self._positions[keep:] = -1
         self.length, self.seq_len = keep, seq_len
