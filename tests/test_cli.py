@@ -199,6 +199,8 @@ def test_generate_equals_the_single_process_tokens_and_writes_the_documented_jso
     assert report["kv_cache_bytes_per_rank"] == [36 * 2 * 2 * 2 * 2 * 16 * 4] * 2
     assert report["strategy_chosen"] == {}  # an explicit strategy asks the planner nothing
     assert report["prompt_tail"] is None and "partial_prefill" not in proc.stdout  # striped splits 64 over 2
+    # what ran, as the demo's says (the config's device is the flag: None)
+    assert (report["device"], report["backend"], report["config"]["device"]) == ("cpu", "gloo", None)
 
 
 def test_generate_with_strategy_auto_equals_the_single_process_tokens_and_reports_its_choice(tmp_path) -> None:
@@ -904,7 +906,9 @@ def test_a_stderr_closed_or_full_costs_the_run_nothing(tmp_path) -> None:
             proc = subprocess.run(argv, stdout=subprocess.PIPE, stderr=err, text=True, timeout=300,
                                   preexec_fn=(lambda: os.close(2)) if stderr is None else None)
         assert proc.returncode == 0, (name, proc.stdout)
-        assert "step-000002" in os.listdir(directory) and json.loads(report.read_text())["loss"], name
+        report = json.loads(report.read_text())
+        assert "step-000002" in os.listdir(directory) and report["loss"], name
+        assert (report["device"], report["backend"]) == ("cpu", "gloo"), name
 
 
 RANK_SERVER_STARTS = [

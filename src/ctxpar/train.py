@@ -382,7 +382,7 @@ def _train_rank(rank: int, world: int, cfg: TrainConfig, resume_from: checkpoint
                 resumed_from=resumed.path if resumed else None,
                 skipped_checkpoints=[asdict(s) for s in resumed.skipped] if resumed else [],
                 rank_peak_growth_bytes=growth, peak_memory_source=profile.peak_memory(device)[1],
-                strategy_chosen=chosen, **history)
+                strategy_chosen=chosen, device=str(device), backend=dist.get_backend(), **history)
 
 
 def _after_a_failed_save(cfg: TrainConfig, sealed: int | None) -> str:

@@ -99,7 +99,8 @@ def generate_rank(rank: int, world: int, cfg: GenerateConfig, device: torch.devi
         return None
     return dict(config=dict(asdict(cfg), nproc=world), tokens=result.tokens.tolist(), ttft_s=result.ttft_s,
                 tpot_s=result.tpot_s, kv_cache_bytes_per_rank=per_rank, strategy_chosen=chosen,
-                prompt_tail=asdict(result.tail) if result.tail else None)
+                prompt_tail=asdict(result.tail) if result.tail else None,
+                device=str(device), backend=dist.get_backend())  # what ran: config's device is the flag, or None
 
 
 def run_generate(cfg: GenerateConfig, *, timeout_s: float = launch.DEFAULT_TIMEOUT_S) -> dict | None:
