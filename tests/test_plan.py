@@ -2024,6 +2024,10 @@ def test_cli_inference_table_and_json(tmp_path, capsys) -> None:
                                                  "outputs returned")
     assert row("crossover")[-2:] == [str(inference.partial_prefill_crossover(hw=hw, **chunk)), "on"]
     assert lines[-1].startswith("At CP 8: prefill 8.00x faster than CP 1") and "-45.2%" in lines[-1]
+    # a link slow enough that CP loses: once "prefill 0.38x faster than CP 1 (1.459 s -> 3.849 s)"
+    assert main(["plan", "--inference", "--seq", "32768", "--cp", "8", "--bandwidth", "1GB/s"]) == 0
+    slow = capsys.readouterr().out.splitlines()[-1]
+    assert slow.startswith("At CP 8: prefill 2.64x slower than CP 1 (1.459 s -> 3.849 s)"), slow
 
     report = json.loads(out.read_text())
     assert set(report) == {"inputs", "hardware", "conventions", "degrees", "skipped_degrees", "partial_prefill",
