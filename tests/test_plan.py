@@ -2004,6 +2004,23 @@ def test_latency_units() -> None:
         parse_latency("5")
 
 
+def test_a_crossover_holds_at_every_length_swept_past_it_when_documents_make_the_gain_uneven(capsys) -> None:
+    """Documents drawn per length (--doc-dist) cut each length's rows otherwise, so CP-16 can
+    win at 8K, lose at 16K and win again: the crossover stopped at the first win (7936), which
+    the table calls "faster from T on" though its own sweep had CP-16 slower at 16384."""
+    assert main(["plan", "--model", "small", "--seq", "32768", "--cp", "4", "--doc-dist", "lognormal:2048,1.5",
+                 "--json", "-"]) == 0
+    report = json.loads(capsys.readouterr().out)
+    slower = {(p["cp"], p["strategy"], p["seq"]) for p in report["sweep"] if p["step_seconds"] >= p["cp1_step_seconds"]}
+    assert (16, "ring", 16384) in slower  # the unevenness this test is about
+    for c in report["crossovers"]:
+        later = [p["seq"] for p in report["sweep"] if (p["cp"], p["strategy"]) == (c["cp"], c["strategy"])
+                 and c["faster_from"] is not None and p["seq"] >= c["faster_from"]]
+        assert not [seq for seq in later if (c["cp"], c["strategy"], seq) in slower], c
+        wins_at_the_end = (c["cp"], c["strategy"], c["searched_to"]) not in slower
+        assert (c["faster_from"] is not None) == wins_at_the_end, c
+
+
 def test_cli_inference_table_and_json(tmp_path, capsys) -> None:
     out = tmp_path / "serve.json"
     assert main(["plan", *SERVED, "--json", str(out)]) == 0

@@ -50,8 +50,9 @@ class SweepPoint:
 
 @dataclass(frozen=True)
 class Crossover:
-    """``faster_from``: first length where CP-P beats CP-1 (None: never up to ``searched_to``);
-    equal to ``searched_from``, it is a bound: CP-P may be faster below it too."""
+    """``faster_from``: the length from which CP-P beats CP-1 at every length searched up to
+    ``searched_to`` (None: it loses at ``searched_to``); equal to ``searched_from``, it is a
+    bound: CP-P may be faster below it too."""
 
     strategy: str
     cp: int
@@ -168,19 +169,18 @@ def fits_up_to(w: Workload, hw: Hardware) -> int:
 
 
 def crossover(w: Workload, hw: Hardware, seqs: list[int]) -> Crossover:
-    """Where CP-P starts to beat CP-1 (bisected between grid points: ``seqs`` padded as the
-    sweep pads them), and how far it fits."""
+    """From where CP-P beats CP-1 at every length of the grid (``seqs`` padded as the sweep
+    pads them): bisected between the last length it loses at and the next; and how far it
+    fits. Not the first win: documents drawn per length (--doc-dist) can make it win at 8K,
+    lose at 16K and win again."""
     step = w.seq_multiple  # CP-1's multiple divides it
-    faster = None
-    previous = 0
     grid = sorted({w.padded(s, w.cp) for s in seqs})
-    for seq in grid:
-        if _faster(w.with_(seq=seq), hw):
-            k = _first_true(previous // step, seq // step, lambda k: _faster(w.with_(seq=k * step), hw)) \
-                if previous else seq // step
-            faster = k * step
-            break
-        previous = seq
+    wins = [_faster(w.with_(seq=seq), hw) for seq in grid]
+    faster = None
+    if wins[-1]:
+        last_loss = max((i for i, won in enumerate(wins) if not won), default=None)
+        faster = grid[0] if last_loss is None else step * _first_true(
+            grid[last_loss] // step, grid[last_loss + 1] // step, lambda k: _faster(w.with_(seq=k * step), hw))
     return Crossover(w.strategy, w.cp, faster, grid[-1], fits_up_to(w, hw), grid[0])
 
 

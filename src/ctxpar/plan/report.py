@@ -546,7 +546,7 @@ def _crossovers(plan: Plan) -> list[str]:
     limit, w = plan.cp1_fits_up_to, plan.workload
     cp1 = f"CP-1 at TP={w.tp}, checkpointing {w.checkpointing}"
     lines = [f"Crossovers (T searched {format_tokens(smallest)}..{format_tokens(largest)}): CP-P's step is faster "
-             f"than CP-1's from T on; the longest T that fits",
+             f"than CP-1's from T on (at every T searched); the longest T that fits",
              f"  {cp1} fits up to T={limit}; beyond it, CP or another configuration without CP (below) is needed"
              if limit else f"  {cp1} does not fit at any length: CP or another configuration without CP (below) "
                            f"is needed",
