@@ -354,9 +354,14 @@ def test_mask_values_are_refused_naming_the_flag() -> None:
         masked(64, 2, window=0)
     with pytest.raises(ValueError, match="--window 8 is a causal sliding window; drop --no-causal or --window"):
         masked(64, 2, window=8, causal=False)
-    with pytest.raises(ValueError, match="--documents must be a non-empty tuple"):
-        masked(64, 2, documents=(8, 0))
-    assert masked(64, 2, documents=[8, 8]) == masked(64, 2, documents=(8, 8))  # a list, as the masks take
+    for bad in ((8, 0), (8, 8.0), (), "88", np.array([8.0, 8.0]), 8, torch.tensor([8, 8])):
+        with pytest.raises(ValueError, match=r"--documents must be a non-empty sequence of document lengths, "
+                                             r"integers between 1 and \d+, got .+"):
+            masked(64, 2, documents=bad)
+    # a list, as the masks take; numpy integers (once refused, and an array "got None"), as the counts take
+    for given in ([8, 8], [np.int64(8), np.int32(8)], np.array([8, 8])):
+        w = masked(64, 2, documents=given)
+        assert w == masked(64, 2, documents=(8, 8)) and all(type(n) is int for n in w.documents)
     with pytest.raises(ValueError, match=r"--documents '8,x' must be comma-separated document lengths"):
         parse_lengths("8,x")
     for text, message in (("zipf:1.1", "unknown distribution 'zipf'"), ("fixed:0", "fixed takes one length"),

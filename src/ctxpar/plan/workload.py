@@ -19,9 +19,10 @@ from __future__ import annotations
 import math
 from dataclasses import asdict, dataclass, replace
 from functools import cached_property, lru_cache
+from typing import NoReturn
 
 from ctxpar.layout import LAYOUT_NAMES, Layout, get_layout
-from ctxpar.limits import MAX_COUNT, check_count, check_splits, plain_values
+from ctxpar.limits import MAX_COUNT, check_count, check_splits, plain_values, whole
 from ctxpar.masks import Mask, make_mask
 from ctxpar.models.config import ModelConfig, get_config
 from ctxpar.plan.documents import describe, pack
@@ -142,10 +143,10 @@ class Workload:
             check_count("window", self.window)
             if not self.causal:
                 raise ValueError(f"--window {self.window} is a causal sliding window; drop --no-causal or --window")
-        if isinstance(self.documents, (list, tuple)) and type(self.documents) is not Lengths:
-            object.__setattr__(self, "documents", Lengths(self.documents))
+        if self.documents is not None and type(self.documents) is not Lengths:
+            object.__setattr__(self, "documents", _as_lengths(self.documents))
         if self.documents is not None:
-            _check_documents(self.documents if isinstance(self.documents, tuple) else None)
+            _check_documents(self.documents)
         check_splits(self.layout_obj, self.seq)
         self._check_parallel()
         u = ulysses_degree(self.strategy, self.cp, self.ulysses, name="--ulysses-degree")
@@ -357,13 +358,28 @@ class Lengths(tuple):
         return self.__dict__["hash"]
 
 
+def _as_lengths(documents) -> Lengths:
+    """Document lengths given as any sequence of integers (a list, a tuple, a range, a numpy
+    array of them: numpy integers were refused, and an array "got None"), as Python ints."""
+    try:
+        lengths = None if isinstance(documents, (str, bytes)) else [whole(n) for n in documents]
+    except TypeError:  # not iterable
+        lengths = None
+    if lengths is None or None in lengths:
+        _refuse_documents(documents)
+    return Lengths(lengths)
+
+
 @lru_cache(maxsize=16)
-def _check_documents(documents: tuple[int, ...]) -> None:
+def _check_documents(documents: Lengths) -> None:
     """Cached: the sweep builds hundreds of workloads around the same documents."""
-    if documents is None or not documents or not all(
-            isinstance(n, int) and not isinstance(n, bool) and 1 <= n <= MAX_COUNT for n in documents):
-        raise ValueError(f"--documents must be a non-empty tuple of document lengths between 1 and {MAX_COUNT}, got "
-                         f"{str(documents)[:80]}")
+    if not documents or not all(1 <= n <= MAX_COUNT for n in documents):
+        _refuse_documents(documents)
+
+
+def _refuse_documents(documents) -> NoReturn:
+    raise ValueError(f"--documents must be a non-empty sequence of document lengths, integers between 1 and "
+                     f"{MAX_COUNT}, got {str(documents)[:80]}")
 
 
 def default_ulysses(heads: int, cp: int, gpus_per_node: int, tp: int = 1) -> int | None:
