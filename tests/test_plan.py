@@ -354,12 +354,12 @@ def test_mask_values_are_refused_naming_the_flag() -> None:
         masked(64, 2, window=0)
     with pytest.raises(ValueError, match="--window 8 is a causal sliding window; drop --no-causal or --window"):
         masked(64, 2, window=8, causal=False)
-    for bad in ((8, 0), (8, 8.0), (), "88", np.array([8.0, 8.0]), 8, torch.tensor([8, 8])):
+    for bad in ((8, 0), (8, 8.0), (), "88", np.array([8.0, 8.0]), 8, {8, 16}, iter([8, 8])):  # a set has no order
         with pytest.raises(ValueError, match=r"--documents must be a non-empty sequence of document lengths, "
                                              r"integers between 1 and \d+, got .+"):
             masked(64, 2, documents=bad)
-    # a list, as the masks take; numpy integers (once refused, and an array "got None"), as the counts take
-    for given in ([8, 8], [np.int64(8), np.int32(8)], np.array([8, 8])):
+    # what ctxpar.attention's documents= takes: numpy integers and arrays were refused (an array "got None")
+    for given in ([8, 8], [np.int64(8), np.int32(8)], np.array([8, 8]), torch.tensor([8, 8])):
         w = masked(64, 2, documents=given)
         assert w == masked(64, 2, documents=(8, 8)) and all(type(n) is int for n in w.documents)
     with pytest.raises(ValueError, match=r"--documents '8,x' must be comma-separated document lengths"):
@@ -2010,9 +2010,10 @@ def test_latency_units() -> None:
 
 
 def test_a_crossover_holds_at_every_length_swept_past_it_when_documents_make_the_gain_uneven(capsys) -> None:
-    """Documents drawn per length (--doc-dist) cut each length's rows otherwise, so CP-16 can
-    win at 8K, lose at 16K and win again: the crossover stopped at the first win (7936), which
-    the table calls "faster from T on" though its own sweep had CP-16 slower at 16384."""
+    """Each T's row is the first T tokens of one document stream (--doc-dist), so its mix of
+    documents changes with T and CP-16 can win at 8K, lose at 16K and win again: the crossover
+    stopped at the first win (7936), which the table calls "faster from T on" though its own
+    sweep had CP-16 slower at 16384."""
     assert main(["plan", "--model", "small", "--seq", "32768", "--cp", "4", "--doc-dist", "lognormal:2048,1.5",
                  "--json", "-"]) == 0
     report = json.loads(capsys.readouterr().out)

@@ -109,11 +109,10 @@ _ONE_PACKING = ("one packing describes every row of the batch alike; rows packed
                 "(B=1), each with its own documents=")
 
 
-def document_lengths(documents, seq_len: int) -> tuple[int, ...]:
-    """Document lengths from what a user passes: lengths (a sequence or 1-D tensor summing
-    to ``seq_len``) or ``cu_seqlens`` (a 1-D tensor or sequence starting at 0 and ending
-    at ``seq_len``, as flash-attn's varlen functions take), numpy's integers and arrays
-    and 0-d integer tensors included. ValueError for anything else."""
+def integer_values(documents) -> list[int]:
+    """``documents`` as Python ints: a sequence, or a 1-D numpy array or tensor, of integers
+    (numpy's integers and 0-d integer tensors included), non-empty. ValueError for anything
+    else: a set or an iterator too (no order to read lengths in)."""
     if hasattr(documents, "__array__") and not isinstance(documents, torch.Tensor):  # a numpy array
         documents = _as_tensor(documents, "documents= must be lengths or cu_seqlens")
     if isinstance(documents, torch.Tensor):
@@ -137,6 +136,15 @@ def document_lengths(documents, seq_len: int) -> tuple[int, ...]:
             raise ValueError(f"documents= must hold integers, got {values[:8]}"
                              + (f": {_ONE_PACKING}" if nested else ""))
         values = [int(x) for x in values]
+    return values
+
+
+def document_lengths(documents, seq_len: int) -> tuple[int, ...]:
+    """Document lengths from what a user passes: lengths (a sequence or 1-D tensor summing
+    to ``seq_len``) or ``cu_seqlens`` (a 1-D tensor or sequence starting at 0 and ending
+    at ``seq_len``, as flash-attn's varlen functions take), numpy's integers and arrays
+    and 0-d integer tensors included. ValueError for anything else."""
+    values = integer_values(documents)
     if values[0] == 0:  # cu_seqlens: a document can't have length 0, so a leading 0 says which
         if values[-1] != seq_len:
             read_as = (f"; read as lengths (they sum to {seq_len}), it holds an empty document, which has no tokens"

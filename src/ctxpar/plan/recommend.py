@@ -171,7 +171,8 @@ def fits_up_to(w: Workload, hw: Hardware) -> int:
 def crossover(w: Workload, hw: Hardware, seqs: list[int]) -> Crossover:
     """From where CP-P beats CP-1 at every length of the grid (``seqs`` padded as the sweep
     pads them): bisected between the last length it loses at and the next; and how far it
-    fits. Not the first win: documents drawn per length (--doc-dist) can make it win at 8K,
+    fits. Not the first win: each T's row is the first T tokens of one document stream
+    (--documents, --doc-dist), so its mix of documents changes with T, and CP can win at 8K,
     lose at 16K and win again."""
     step = w.seq_multiple  # CP-1's multiple divides it
     grid = sorted({w.padded(s, w.cp) for s in seqs})

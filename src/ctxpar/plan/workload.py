@@ -22,8 +22,8 @@ from functools import cached_property, lru_cache
 from typing import NoReturn
 
 from ctxpar.layout import LAYOUT_NAMES, Layout, get_layout
-from ctxpar.limits import MAX_COUNT, check_count, check_splits, plain_values, whole
-from ctxpar.masks import Mask, make_mask
+from ctxpar.limits import MAX_COUNT, check_count, check_splits, plain_values
+from ctxpar.masks import Mask, integer_values, make_mask
 from ctxpar.models.config import ModelConfig, get_config
 from ctxpar.plan.documents import describe, pack
 from ctxpar.strategy_rules import check_heads_split, kv_copies, ulysses_degree
@@ -359,17 +359,13 @@ class Lengths(tuple):
 
 
 def _as_lengths(documents) -> Lengths:
-    """Document lengths given as any sequence of integers (a list, a tuple, a range, a numpy
-    array of them: numpy integers were refused, and an array "got None"), as Python ints."""
-    if isinstance(documents, (list, tuple)) and all(type(n) is int for n in documents):
-        return Lengths(documents)  # a million drawn by --doc-dist: converted one by one, 1 s more of its plan
+    """Document lengths as ``ctxpar.attention``'s ``documents=`` takes them (a sequence, a 1-D
+    numpy array or tensor of integers: numpy integers were refused here, and an array "got
+    None"), as Python ints."""
     try:
-        lengths = None if isinstance(documents, (str, bytes)) else [whole(n) for n in documents]
-    except TypeError:  # not iterable
-        lengths = None
-    if lengths is None or None in lengths:
+        return Lengths(integer_values(documents))
+    except ValueError:
         _refuse_documents(documents)
-    return Lengths(lengths)
 
 
 @lru_cache(maxsize=16)
