@@ -906,9 +906,7 @@ def test_a_stderr_closed_or_full_costs_the_run_nothing(tmp_path) -> None:
             proc = subprocess.run(argv, stdout=subprocess.PIPE, stderr=err, text=True, timeout=300,
                                   preexec_fn=(lambda: os.close(2)) if stderr is None else None)
         assert proc.returncode == 0, (name, proc.stdout)
-        report = json.loads(report.read_text())
-        assert "step-000002" in os.listdir(directory) and report["loss"], name
-        assert (report["device"], report["backend"]) == ("cpu", "gloo"), name
+        assert "step-000002" in os.listdir(directory) and json.loads(report.read_text())["loss"], name
 
 
 RANK_SERVER_STARTS = [

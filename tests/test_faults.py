@@ -1825,6 +1825,8 @@ def test_a_restart_of_a_launch_refused_at_first_refuses_again(tmp_path) -> None:
     proc, fresh = train(1, 2, tmp_path / "empty")
     assert proc.returncode == 0, proc.stderr
     assert fresh["start_step"] == 0 and fresh["loss"] == first["loss"]
+    # what ran, as the demo's report says (the config's device is the flag: None)
+    assert (fresh["device"], fresh["backend"], fresh["config"]["device"]) == ("cpu", "gloo", None)
 
 
 RANK_FAILING_IN_ITS_FIRST_SAVE = """

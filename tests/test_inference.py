@@ -460,7 +460,7 @@ def test_rewind_forgets_the_later_positions_and_the_next_chunk_continues_there()
     for bad in (-1, cases.PROMPT_LEN + 6, 2.0, True):
         with pytest.raises(ValueError, match="rewind to"):
             cache.rewind(bad)
-    cache.rewind(np.int64(cases.PROMPT_LEN - 2))  # a numpy integer is an integer: "5: a length between 0 and 12"
+    cache.rewind(np.int64(cases.PROMPT_LEN - 2))  # numpy integers, as generate takes them: once refused
     assert (cache.seq_len, type(cache.seq_len)) == (cases.PROMPT_LEN - 2, int)
 
 

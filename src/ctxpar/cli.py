@@ -504,8 +504,8 @@ def _generate_parser(sub) -> None:
                    help="also generate in one process without cache or CP and check the tokens are equal")
     p.add_argument("--no-progress", dest="progress", action="store_false", help="no progress bar")
     p.add_argument("--json", metavar="PATH",
-                   help="write tokens, reference_tokens, ttft_s, tpot_s, kv_cache_bytes_per_rank, strategy_chosen "
-                        "as JSON" + TO_STDOUT)
+                   help="write tokens, reference_tokens, ttft_s, tpot_s, kv_cache_bytes_per_rank, strategy_chosen, "
+                        "prompt_tail, device, backend as JSON" + TO_STDOUT)
 
 
 def _run_generate(args: argparse.Namespace) -> int:

@@ -84,9 +84,10 @@ class KVCache:
         counts = dict(layers=layers, batch=batch, kv_heads=kv_heads, head_dim=head_dim, value_dim=value_dim,
                       capacity=capacity)
         for name, value in counts.items():
-            if not 1 <= (limits.whole(value) or 0) <= limits.MAX_COUNT:  # numpy integers taken, as generate takes them
+            counts[name] = limits.whole(value)  # numpy integers too, as generate takes them
+            if counts[name] is None or not 1 <= counts[name] <= limits.MAX_COUNT:
                 raise ValueError(f"KVCache {name} must be an int between 1 and {limits.MAX_COUNT}, got {value!r}")
-        layers, batch, kv_heads, head_dim, value_dim, capacity = map(limits.whole, counts.values())
+        layers, batch, kv_heads, head_dim, value_dim, capacity = counts.values()
         if not isinstance(dtype, torch.dtype) or not dtype.is_floating_point:
             raise ValueError(f"KVCache dtype must be a floating-point torch.dtype (the model's, e.g. torch.bfloat16), "
                              f"got {dtype!r}")
@@ -160,11 +161,11 @@ class KVCache:
     def next_positions(self, new: int, rank: int) -> torch.Tensor:
         """(int64) the positions among the next ``new`` after the ``seq_len`` held that ``rank``
         keeps (``owner``: p mod P), ascending."""
-        if limits.whole(new) is None or new < 0:
-            raise ValueError(f"next_positions: new must be a count of positions >= 0, got {new!r}")
-        if limits.whole(rank) is None or not 0 <= rank < self.world_size:
-            raise ValueError(f"next_positions: rank must be one of 0..{self.world_size - 1}, got {rank!r}")
-        new, rank = int(new), int(rank)
+        given, new, rank = (new, rank), limits.whole(new), limits.whole(rank)
+        if new is None or new < 0:
+            raise ValueError(f"next_positions: new must be a count of positions >= 0, got {given[0]!r}")
+        if rank is None or not 0 <= rank < self.world_size:
+            raise ValueError(f"next_positions: rank must be one of 0..{self.world_size - 1}, got {given[1]!r}")
         first = self.seq_len + (rank - self.seq_len) % self.world_size
         return torch.tensor(range(first, self.seq_len + new, self.world_size), dtype=torch.int64)
 
@@ -227,10 +228,10 @@ class KVCache:
     def rewind(self, seq_len: int) -> None:
         """Forget the positions from ``seq_len`` on (a turn taken back, or the same chunk
         timed again): every rank alike, no communication; the next call continues there."""
-        if limits.whole(seq_len) is None or not 0 <= seq_len <= self.seq_len:
-            raise ValueError(f"rewind to {seq_len!r}: a length between 0 and the {self.seq_len} positions held "
+        given, seq_len = seq_len, limits.whole(seq_len)
+        if seq_len is None or not 0 <= seq_len <= self.seq_len:
+            raise ValueError(f"rewind to {given!r}: a length between 0 and the {self.seq_len} positions held "
                              f"(an integer)")
-        seq_len = int(seq_len)
         keep = int((self._positions[: self.length] < seq_len).sum())  # positions ascend in slot order
         self._positions[keep:] = -1
         self.length, self.seq_len = keep, seq_len

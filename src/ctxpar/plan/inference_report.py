@@ -57,8 +57,10 @@ def summary(plan: InferencePlan) -> str:
     if w.cp == 1 or one is None:
         return "CP=1: nothing is split; give --cp P to compare"
     speedup = plan.speedup(w.cp)
-    prefill = f"{speedup:.2f}x faster" if speedup >= 1 else f"{1 / speedup:.2f}x slower"  # once "0.38x faster"
-    line = (f"At CP {w.cp}: prefill {prefill} than CP 1 ({format_seconds(one.prefill_seconds)} -> "
+    ratio = f"{max(speedup, 1 / speedup):.2f}x"
+    prefill = ("as fast as" if ratio == "1.00x" else f"{ratio} faster than" if speedup > 1
+               else f"{ratio} slower than")  # a slowdown once read "0.38x faster"
+    line = (f"At CP {w.cp}: prefill {prefill} CP 1 ({format_seconds(one.prefill_seconds)} -> "
             f"{format_seconds(here.prefill_seconds)})")
     change = decode_change(plan, w.cp)
     if change is None:
