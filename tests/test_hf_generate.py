@@ -296,6 +296,11 @@ def test_position_ids_over_the_sharded_cache_are_checked_in_every_row_and_the_ro
             model(input_ids=tokens, position_ids=shifted, cache=ShardedCache(layers=2, batch=2, capacity=16))
         cache = ShardedCache(layers=2, batch=2, capacity=16)
         model(input_ids=tokens, position_ids=torch.arange(8).repeat(2, 1), cache=cache)  # the right ones run
+        # a decode step's mask covers the cached tokens too (a mask of the new token alone masked the cache's
+        # keys without CP, 0.54 off, and ran unmasked here)
+        with pytest.raises(ValueError, match=re.escape("got an attention_mask of shape (2, 1), for 9 tokens in each "
+                                                       "of 2 rows; pass the mask of the whole sequence so far")):
+            model(input_ids=tokens[:, :1], attention_mask=torch.ones(2, 1), cache=cache)
         with pytest.raises(ValueError, match=re.escape("got position_ids (row 0) [3] for positions 8..8")):
             model(input_ids=tokens[:, :1], position_ids=torch.tensor([[3], [8]]), cache=cache)
         model(input_ids=tokens[:, :1], position_ids=torch.tensor([[8], [8]]), cache=cache)

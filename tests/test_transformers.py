@@ -145,6 +145,11 @@ def test_padding_masks_and_foreign_positions_are_refused() -> None:
     with pytest.raises(ValueError, match="padding masks are not supported"):
         model(**inputs, attention_mask=padding)
     model(**inputs, attention_mask=torch.ones(1, 8, dtype=torch.long))  # all-ones is fine
+    # of another length or batch: transformers masks the keys past a short mask's end, which ctxpar ran unmasked
+    for shape in ((1, 4), (1, 20), (2, 8)):
+        with pytest.raises(ValueError, match=re.escape(f"got an attention_mask of shape {shape}, for 8 tokens in each "
+                                                       f"of 1 rows; pass this rank's shard of an all-ones mask")):
+            model(**inputs, attention_mask=torch.ones(shape, dtype=torch.long))
 
     shifted = dict(inputs, position_ids=inputs["position_ids"] + 3)  # not this rank's global positions
     # ascending: another layout's (shard_inputs with another layout), once told of packed documents

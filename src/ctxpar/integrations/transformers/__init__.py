@@ -159,7 +159,8 @@ def _check_positions(name: str, settings: Settings, bound: dict, documents: tupl
                          f"each declared document {list(documents)[:8]} (use shard_inputs(..., documents=...))")
 
 
-def _check_call(name: str, bound: dict, extra: dict, *, cached: bool = False) -> None:
+def _check_call(name: str, bound: dict, extra: dict, *, mask_lengths: tuple[int, ...] = (),
+                cached: bool = False) -> None:
     """Refuse in the forward, where every rank's verdict is agreed (``_refuse_together``, or
     the cached forward's own exchange), what a layer or the LM head would get wrong on one
     shard: a padding or custom mask (after sharding, a left-padded row's zeros sit on one
@@ -167,7 +168,9 @@ def _check_call(name: str, bound: dict, extra: dict, *, cached: bool = False) ->
     a rank's logits cover its shard) and logits_to_keep (a shard's last rows are not the
     sequence's last positions). ``cached``: a forward over ctxpar's ``ShardedCache``, which
     returns the logits of the sequence's last position, so logits_to_keep=1 (generate's) is
-    what it does."""
+    what it does. ``mask_lengths``: the lengths an all-ones 2-D attention_mask may have (a
+    shorter one reads to transformers as padding past its end, a longer one as another
+    sequence's)."""
     mask = bound.get("attention_mask", extra.get("attention_mask"))
     if mask is not None:
         if not isinstance(mask, torch.Tensor) or mask.dim() != 2:
@@ -177,6 +180,14 @@ def _check_call(name: str, bound: dict, extra: dict, *, cached: bool = False) ->
                              f"refused")
         if not bool(mask.all()):
             raise ValueError(f"{name}: {GENERATE_PADDING_REFUSED if cached else PADDING_REFUSED}")
+        rows = _tokens(bound)
+        if mask_lengths and (mask.shape[1] not in mask_lengths or rows is not None and mask.shape[0] != rows.shape[0]):
+            # ignored here, it once ran unmasked where the model without CP masks the keys past its end
+            said = " or ".join(map(str, sorted(set(mask_lengths))))
+            raise ValueError(f"{name} got an attention_mask of shape {tuple(mask.shape)}, for {said} tokens in each "
+                             f"of {rows.shape[0] if rows is not None else 'the'} rows; "
+                             + ("pass the mask of the whole sequence so far (the cached tokens and these), or none"
+                                if cached else "pass this rank's shard of an all-ones mask, or none"))
     types, ids = bound.get("token_type_ids", extra.get("token_type_ids")), bound.get("input_ids")
     if isinstance(types, torch.Tensor) and isinstance(ids, torch.Tensor) and types.shape[-1:] != ids.shape[-1:]:
         # the whole batch's beside a shard's ids: (2, 8) logits for one (1, 8) row, or torch's broadcast error
@@ -364,7 +375,9 @@ def _wrap_forward(model, settings: Settings, loss: CPCausalLMLoss | None = None)
             # what the forward below refuses, refused alike over the cache (every rank together in cached_forward)
             with agreement.Refusal() as held:
                 check_implementation(name, models)
-                _check_call(name, bound, extra, cached=True)
+                rows = _tokens(bound)
+                _check_call(name, bound, extra, cached=True,
+                            mask_lengths=() if rows is None else (sharded[0].get_seq_length() + rows.shape[1],))
                 check_token_ids(name, model, bound.get("input_ids"))
                 if _router_logits_asked(model, bound, extra) and not sharded[0].made_by_generate:
                     raise ValueError(f"{name} got output_router_logits=True (in the call or its config) with "
@@ -385,7 +398,10 @@ def _wrap_forward(model, settings: Settings, loss: CPCausalLMLoss | None = None)
                                      f"forward takes no KV cache but the one model.generate() builds (ctxpar's "
                                      f"ShardedCache, for the model enable_context_parallel was applied to), and "
                                      f"documents= do not go with it")
-            _check_call(name, bound, extra)
+            rows = _tokens(bound)
+            # this rank's shard, or the whole sequence's (all ones: one layout's positions are as good as another's)
+            _check_call(name, bound, extra, mask_lengths=() if rows is None else (
+                rows.shape[1], rows.shape[1] * settings.layout.world_size))
             check_token_ids(name, model, bound.get("input_ids"))
             if labels is not None and head_loss(model) not in CAUSAL_LM_LOSSES:
                 raise ValueError(f"{name} got labels=, which under context parallelism are shard_inputs' labels, "
@@ -393,7 +409,6 @@ def _wrap_forward(model, settings: Settings, loss: CPCausalLMLoss | None = None)
                                  f"token against its own label; compute the loss from the logits: "
                                  f"ctxpar.parallelize.cp_loss(model(**inputs).logits, layout.shard(labels, rank, "
                                  f"dim=1), group=...)")
-            rows = _tokens(bound)
             if labels is not None and rows is not None:  # what the loss would refuse, refused together
                 passed = {**extra, **bound}
                 refusal = loss_refusal(labels, tuple(rows.shape[:2]),
