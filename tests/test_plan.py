@@ -2027,6 +2027,22 @@ def test_a_crossover_holds_at_every_length_swept_past_it_when_documents_make_the
         assert (c["faster_from"] is not None) == wins_at_the_end, c
 
 
+def test_a_crossover_that_loses_at_the_longest_length_says_so_where_it_wins_below_it() -> None:
+    """"never" said of a degree that wins at some lengths of the sweep but not at the longest
+    read as a degree that never wins; "not at T" says where it stops."""
+    from dataclasses import replace
+
+    from ctxpar.plan.report import _crossovers
+
+    plan = make_plan(worked(), get_hardware("H100-SXM"), max_cp=8)
+    won = next(c for c in plan.crossovers if c.faster_from is not None)
+    lost = replace(won, faster_from=None)
+    never = replace(won, faster_from=None, cp=3)  # no sweep point of this degree
+    lines = _crossovers(replace(plan, crossovers=[lost, never]))
+    assert lines[-2].split()[:5] == [str(won.cp), won.strategy, "not", "at", str(won.searched_to)], lines
+    assert lines[-1].split()[:3] == ["3", won.strategy, "never"], lines
+
+
 def test_cli_inference_table_and_json(tmp_path, capsys) -> None:
     out = tmp_path / "serve.json"
     assert main(["plan", *SERVED, "--json", str(out)]) == 0

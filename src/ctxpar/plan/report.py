@@ -552,8 +552,12 @@ def _crossovers(plan: Plan) -> list[str]:
                            f"is needed",
              f"  {'CP':>4} {'strategy':<10} {'faster from T':>14} {'fits up to T':>13}"]
     for c in plan.crossovers:
-        faster = "never" if c.faster_from is None else (f"<= {c.faster_from}" if c.faster_from <= c.searched_from
-                                                          else str(c.faster_from))
+        if c.faster_from is None:  # slower at the longest T searched: "never" hid where it wins below it
+            wins = any((p.cp, p.strategy) == (c.cp, c.strategy) and p.step_seconds < p.cp1_step_seconds
+                       for p in plan.sweep)
+            faster = f"not at {c.searched_to}" if wins else "never"
+        else:
+            faster = f"<= {c.faster_from}" if c.faster_from <= c.searched_from else str(c.faster_from)
         fits = c.fits_up_to or "never"  # 0: not at the layout's shortest length either
         lines.append(f"  {c.cp:>4} {c.strategy:<10} {faster:>14} {fits:>13}")
     return lines
