@@ -11,7 +11,7 @@ import pytest
 import torch
 
 import ctxpar
-from ctxpar.layout import LAYOUT_NAMES, get_layout
+from ctxpar.layout import LAYOUT_NAMES, get_layout, positions_mismatch, written_positions
 from ctxpar.masks import Mask
 from ctxpar.plan.documents import DocDist, sample_lengths
 from ctxpar.plan.work import rank_pairs
@@ -53,6 +53,20 @@ def test_zigzag_shard_holds_chunk_r_and_its_mirror() -> None:
     x = torch.arange(24).view(1, 24)
     layout = ctxpar.ZigzagLayout(3)  # 6 chunks of 4
     assert layout.shard(x, 1, dim=1).tolist() == [[4, 5, 6, 7, 16, 17, 18, 19]]
+
+
+def test_positions_are_written_as_their_runs_and_a_mismatch_names_its_first_token() -> None:
+    striped = ctxpar.StripedLayout(4).positions(64, 1)
+    assert written_positions(striped) == "1, 5, 9, 13, 17, 21, ..."
+    assert written_positions(torch.tensor([3, 4, 7, 8, 9, 12])) == "3, 4, 7..9, 12"
+    zigzag = ctxpar.ZigzagLayout(2).positions(16, 0)
+    assert positions_mismatch(zigzag + 1, zigzag, 2) == "1..4, 13..16, where this rank's are 0..3, 12..15 (its " \
+                                                        "token 0 is at 0, not 1)"
+    whole = torch.arange(8, dtype=torch.int32)  # int32 ids: the hint compares values, not dtypes
+    assert positions_mismatch(whole, zigzag, 2).endswith("(its token 4 is at 12, not 4); numbered from 0 to 7, they "
+                                                         "read as the whole sequence passed on each rank, where each "
+                                                         "of the 2 ranks passes its shard of T/2 tokens")
+    assert "numbered" not in positions_mismatch(whole, zigzag, 1)  # one rank: a length of its own
 
 
 @pytest.mark.parametrize("name", LAYOUT_NAMES)

@@ -131,6 +131,7 @@ def _group_cases(rank: int, world: int) -> dict:
     with torch.no_grad():
         return dict(group_rank=dist.get_rank(group), by_place_in_the_list=_attempt(lambda: model(by_place.tokens,
                                                                                                  by_place.positions)),
+                    whole_sequence=_attempt(lambda: model(tokens, torch.arange(SEQ))),
                     cp_loss_on_a_dp_cp_mesh=_attempt(lambda: cp_loss(torch.randn(1, 4, 8), torch.zeros(
                         1, 4, dtype=torch.long), mesh=dp_cp)))
 
@@ -276,6 +277,21 @@ def test_a_shard_taken_by_the_place_in_new_groups_list_is_refused_naming_the_gro
                f"zigzag layout"
         assert want in r["by_place_in_the_list"], (rank, r["by_place_in_the_list"])
         assert f"shard_batch(tokens, layout=layout, rank={rank // 2})" in r["by_place_in_the_list"], rank
+        # written as runs, where the first positions of each, cut to a list of 6, once read alike
+        mine, theirs = ("8..23", "0..7, 24..31") if rank // 2 else ("0..7, 24..31", "8..23")
+        want = f"got {theirs}, where this rank's are {mine} (its token 0 is at {mine[0]}, not {theirs[0]}): "
+        assert want in r["by_place_in_the_list"], (rank, r["by_place_in_the_list"])
+
+
+def test_the_whole_sequence_passed_on_every_rank_is_named_as_such() -> None:
+    """Read as the shard of a sequence twice as long: the refusal said only that the positions
+    were not this rank's, quoting two lists that began alike."""
+    for rank, res in enumerate(results()):
+        mine = "16..47" if rank // 2 else "0..15, 48..63"
+        want = f"got 0..31, where this rank's are {mine} (its token {0 if rank // 2 else 16} is at " \
+               f"{16 if rank // 2 else 48}, not {0 if rank // 2 else 16}); numbered from 0 to 31, they read as the " \
+               f"whole sequence passed on each rank, where each of the 2 ranks passes its shard of T/2 tokens"
+        assert want in res["groups"]["whole_sequence"], (rank, res["groups"]["whole_sequence"])
 
 
 def test_cp_loss_on_a_dp_cp_mesh_names_the_groups_to_pass() -> None:

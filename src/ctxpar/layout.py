@@ -481,6 +481,34 @@ def fingerprint(layout: Layout) -> str:
     return getattr(layout, "fingerprint", f"{layout.name}/{layout.world_size}")
 
 
+def written_positions(positions: torch.Tensor, most: int = 6) -> str:
+    """1-D positions as their runs of consecutive ones, ``0..7, 24..31``: a zigzag shard's 16
+    positions read whole where a list cut to its first few reads as another rank's. At most
+    ``most`` runs, then ``...``."""
+    values = positions.reshape(-1).tolist()
+    runs: list[list[int]] = []
+    for value in values:
+        if runs and value == runs[-1][1] + 1:
+            runs[-1][1] = value
+        else:
+            runs.append([value, value])
+    text = ", ".join(str(a) if a == b else f"{a}, {b}" if b == a + 1 else f"{a}..{b}" for a, b in runs[:most])
+    return text + (", ..." if len(runs) > most else "")
+
+
+def positions_mismatch(given: torch.Tensor, want: torch.Tensor, world_size: int) -> str:
+    """Where ``given`` positions first differ from ``want``, this rank's (both 1-D, one length),
+    and, where they number the tokens 0..S-1 on P > 1 ranks, what that means: the whole
+    sequence passed on each rank, read as the shard of a P times longer one."""
+    first = int((given != want).nonzero()[0, 0])
+    text = (f"{written_positions(given)}, where this rank's are {written_positions(want)} (its token {first} is at "
+            f"{int(want[first])}, not {int(given[first])})")
+    if world_size > 1 and bool((given == torch.arange(given.numel())).all()):
+        text += (f"; numbered from 0 to {given.numel() - 1}, they read as the whole sequence passed on each rank, "
+                 f"where each of the {world_size} ranks passes its shard of T/{world_size} tokens")
+    return text
+
+
 def checked_deal(layout: Layout, seq_len: int) -> torch.Tensor:
     """(T,) int64: every rank's positions for a sequence of ``seq_len``, rank after rank;
     refused unless each rank's are T/P strictly ascending int64 positions and together they

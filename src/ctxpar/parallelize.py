@@ -31,7 +31,7 @@ from torch.overrides import TorchFunctionMode
 
 from ctxpar import agreement, comm, limits, topology
 from ctxpar.attention import attention, check_settings, is_dtensor, loaded_class
-from ctxpar.layout import Layout, get_layout
+from ctxpar.layout import Layout, get_layout, positions_mismatch
 from ctxpar.masks import document_lengths, positions_in_documents
 from ctxpar.models.config import ModelConfig
 from ctxpar.models.llama import causal_sdpa
@@ -548,10 +548,12 @@ class _PositionsGuard(_KeptWithTheModel):
         if positions is None:
             raise ValueError(f"{name} got no positions under context parallelism, so it would number this "
                              f"rank's tokens from 0; pass the global positions{where} of this rank, {holder}: {fix}")
-        if not positions.is_meta and not bool((positions.reshape(-1, local).cpu() == want).all()):
-            raise ValueError(f"positions must be the global positions{where} of {holder} under "
-                             f"the {placed.name} layout given to apply_context_parallel (they begin "
-                             f"{want[:6].tolist()}): {fix}")
+        rows = None if positions.is_meta else positions.reshape(-1, local).cpu()
+        if rows is not None and not bool((rows == want).all()):
+            wrong = rows[(rows != want).any(1)][0]
+            raise ValueError(f"positions must be the global positions{where} of {holder} under the {placed.name} "
+                             f"layout given to apply_context_parallel, got "
+                             f"{positions_mismatch(wrong, want, topo.world_size)}: {fix}")
 
 
 def _token_embedding(module: nn.Module) -> nn.Embedding | None:

@@ -82,7 +82,7 @@ from ctxpar.integrations.transformers.loss import (CAUSAL_LM_LOSSES, LOSS_KEYWOR
 from ctxpar.integrations.transformers.moe import global_aux_loss
 from ctxpar import agreement, limits, topology
 from ctxpar.attention import check_settings
-from ctxpar.layout import Layout
+from ctxpar.layout import Layout, positions_mismatch
 from ctxpar.masks import document_lengths, positions_in_documents
 from ctxpar.parallelize import IGNORE_INDEX, batch_code, model_code, pickling_refused, shard_batch, weights_code
 
@@ -148,9 +148,10 @@ def _check_positions(name: str, settings: Settings, bound: dict, documents: tupl
         wrong = int((rows != want).any(1).nonzero()[0, 0])
         given, name_row = rows[wrong], f"position_ids (row {wrong})" if rows.shape[0] > 1 else "position_ids"
         if documents is None and bool((given.diff() > 0).all()):  # ascending: another layout's, or none's
-            raise ValueError(f"{name_row} {given[:8].tolist()} are not this rank's positions under the "
-                             f"{settings.layout.name} layout enable_context_parallel was given "
-                             f"({want[:8].tolist()}); shard the batch with shard_inputs(..., layout=) that layout")
+            raise ValueError(f"{name_row} must be this rank's positions under the {settings.layout.name} layout "
+                             f"enable_context_parallel was given, got "
+                             f"{positions_mismatch(given, want, settings.layout.world_size)}; shard the batch with "
+                             f"shard_inputs(..., layout=) that layout")
         if documents is None:
             raise ValueError(f"{name_row} must be this rank's global layout positions (use shard_inputs); "
                              f"positions that restart mean packed documents, which ctxpar cannot infer from one "

@@ -74,6 +74,7 @@ from ctxpar.inference.generate import prefilled_length
 from ctxpar.inference.prefill import last_position_owner
 from ctxpar.integrations.transformers.attention import (CACHED, Settings, check_dynamic_rope, check_implementation,
                                                         check_rope_lengths, installed)
+from ctxpar.layout import written_positions
 from ctxpar.parallelize import SAME_MODEL, SAME_WEIGHTS, model_code, weights_code
 
 try:
@@ -514,7 +515,7 @@ def _check_position_ids(name: str, given, want: torch.Tensor, past: int) -> None
         row = int(wrong[0])
         index = tuple(int(i) for i in torch.unravel_index(torch.tensor(row), given.shape[:-1]))
         which = f" (row {index[0] if len(index) == 1 else index})" if len(rows) > 1 else ""
-        raise ValueError(f"{name} got position_ids{which} {rows[row][:8].tolist()} for {span}")
+        raise ValueError(f"{name} got position_ids{which} {written_positions(rows[row])} for {span}")
 
 
 _CRC_DEPTH = 5  # containers nested deeper are compared by type and length alone: a cycle ends
