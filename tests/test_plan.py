@@ -2406,6 +2406,28 @@ def test_fixed_costs_from_the_cli(tmp_path) -> None:
     assert hw["matmul_flops"] == pytest.approx(1979e12 * 794.5 / 989)
 
 
+def test_the_attention_heading_gives_the_forward_and_backward_fixed_costs_where_they_differ() -> None:
+    """A calibrated cost per byte sent charges the backward's larger messages more: the heading
+    gave the forward's figure as every stage's, beside a backward total that used another."""
+    path = Path(__file__).resolve().parents[1] / "docs" / "plan_vs_measured_tiles_26.json"
+    calibrated = local_hardware(calibrate.plan_calibration("local", measure=False, path=str(path)))
+    w = Workload(resolve_model("tiny"), batch=1, seq=8192, dtype="float32", cp=2)
+    for hw in (calibrated, replace(get_hardware("H100-SXM"), step_overhead=1e-4)):
+        plan = make_plan(w, hw)
+        fwd, bwd = plan.step.attention.forward, plan.step.attention.backward
+        assert bwd.seconds == pytest.approx(bwd.stages * (bwd.compute + bwd.overhead) + bwd.exposed)
+        heading = format_plan(plan).split("Attention per layer")[1].splitlines()[0]
+        if hw is calibrated:
+            assert bwd.overhead > 1.5 * fwd.overhead > 0
+            assert heading.endswith(f"; every stage + fixed: {format_seconds(fwd.overhead)} forward, "
+                                    f"{format_seconds(bwd.overhead)} backward")
+        else:  # --step-overhead has no part per byte
+            assert bwd.overhead == fwd.overhead > 0 and heading.endswith(f"every stage + "
+                                                                         f"{format_seconds(fwd.overhead)} fixed")
+    assert "fixed" not in format_plan(make_plan(w, get_hardware("H100-SXM"))).split("Attention per layer")[1] \
+        .splitlines()[0]
+
+
 def test_calibration_gives_three_rates_and_the_launch_overhead(monkeypatch) -> None:
     monkeypatch.setattr(calibrate, "measure_link", lambda: dict(bandwidth=1e9, latency=1e-5, seconds=0.02,
                                                                 message_bytes=2**24))

@@ -453,9 +453,13 @@ def _dp_traffic(plan: Plan) -> list[str]:
 def _attention(plan: Plan) -> list[str]:
     w, attn = plan.workload, plan.step.attention
     hw = plan.hardware
+    fixed = attn.forward.overhead, attn.backward.overhead
+    # a calibrated cost per byte sent makes the backward's (its messages are larger) the higher
+    fixed_words = ("" if not any(fixed) else f"; every stage + {format_seconds(fixed[0])} fixed"
+                   if fixed[0] == fixed[1] else
+                   f"; every stage + fixed: {format_seconds(fixed[0])} forward, {format_seconds(fixed[1])} backward")
     lines = [f"Attention per layer, busiest rank: 4·B·D·(pairs·heads) FLOPs forward at "
-             f"{format_flops(hw.forward_flops)}, 2.5x backward at {format_flops(hw.backward_flops)}"
-             + (f"; every stage + {format_seconds(attn.forward.overhead)} fixed" if attn.forward.overhead else ""),
+             f"{format_flops(hw.forward_flops)}, 2.5x backward at {format_flops(hw.backward_flops)}{fixed_words}",
              f"  {'':<10}{'stages':>6} {'compute/stage':>14} {'transfer/stage':>15} {'exposed':>10} {'total':>11}"
              f"  transfer hidden"]
     for name, p in (("forward", attn.forward), ("backward", attn.backward)):
