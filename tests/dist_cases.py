@@ -626,7 +626,7 @@ def _check_auto(rank: int, world: int) -> dict:
         finally:
             auto.set_hardware(None)
 
-    differ = predicted(None) != predicted(h100)  # the CPU default and an H100 choose differently here
+    on_cpu, on_h100 = predicted(None), predicted(h100)  # the CPU default and an H100 choose differently here
     if rank == world - 1:
         auto.set_hardware(h100)
     try:
@@ -637,7 +637,7 @@ def _check_auto(rank: int, world: int) -> dict:
         disagreeing = str(e)
     finally:
         auto.set_hardware(None)
-    return dict(error=error, choices=choices, differ=differ, disagreeing=disagreeing,
+    return dict(error=error, choices=choices, predicted=(on_cpu, on_h100), disagreeing=disagreeing,
                 refused_choices=refused.strategy_choices)
 
 

@@ -103,12 +103,14 @@ def test_shard_without_dim_refuses_instead_of_splitting_heads() -> None:
 # -- item 5: ranks that disagree ------------------------------------------------------
 
 DISAGREEMENTS = {  # case -> what the ranks that called correctly are told
-    "kv_shape_same_bytes": "different local_len, head_dim",
+    # each rank's value where the signature holds it as such, by value (it said only which field differed)
+    "kv_shape_same_bytes": "different local_len (4 on ranks 0, 1, 2; 8 on rank 3), head_dim (8 on ranks 0, 1, 2; 4 "
+                           "on rank 3)",
     "layout": "different layout",
-    "causal": "different causal",
-    "scale": "different scale",
+    "causal": "different causal (True on ranks 0, 1, 2; False on rank 3)",
+    "scale": f"different scale ({8 ** -0.5!r} on ranks 0, 1, 2; 0.5 on rank 3)",
     "strategy_invalid": "rejected their attention inputs",
-    "strategy_other": "different strategy",
+    "strategy_other": "different strategy (ring on ranks 0, 1, 2; allgather on rank 3; or the one",
     "requires_grad": "different requires_grad",
     "sinks_requires_grad": "rank 2: q, k, v; rank 3: q, k, v, sinks)",  # once accepted: sinks.grad None elsewhere
     "hybrid_one_rank_invalid": "rejected their attention inputs",
@@ -121,10 +123,10 @@ DISAGREEMENTS = {  # case -> what the ranks that called correctly are told
     "k_sparse": "rejected their attention inputs",
     "q_nested": "rejected their attention inputs",
     "sinks_values": "different sinks",
-    "dtype_same_bytes": "different dtype",
+    "dtype_same_bytes": "different dtype (torch.bfloat16 on ranks 0, 1, 2; torch.float16 on rank 3)",
     "window": "different documents/window",
-    "batch": "different batch",
-    "kv_heads": "different kv_heads",
+    "batch": "different batch (1 on ranks 0, 1, 2; 2 on rank 3)",
+    "kv_heads": "different kv_heads (2 on ranks 0, 1, 2; 1 on rank 3)",
     "window_with_documents": "different documents/window",
     "sinks_values_bf16": "different sinks",  # 1.001 against 1.0, both bfloat16's 1.0
     "grad_mode": "different requires_grad",

@@ -25,6 +25,7 @@ import torch.distributed as dist
 
 from ctxpar import profile
 from ctxpar.comm import all_gather_into, collective_device
+from ctxpar.strategy_rules import CALL_STRATEGIES
 from ctxpar.topology import Topology
 
 # bits of the first field: what this rank knows went wrong so far
@@ -183,15 +184,42 @@ def _agree(mine: list[int], groups: list[dist.ProcessGroup | None], what: str, n
 
 
 def _described(field: str, column: list[int], group: dist.ProcessGroup | None) -> str:
-    """A field that differs between ranks, named; for ``requires_grad``, which tensors each rank's
-    backward would reach (``grad_flags``'s bits)."""
-    if field == "strategy":  # every rank may have passed "auto" and the planner chosen differently
-        return ("strategy (or the one strategy='auto' chose, which follows whether a backward will run and the "
-                "planner's hardware: requires_grad and ctxpar.auto.set_hardware must be alike on every rank)")
-    if field != "requires_grad":
+    """A field that differs between ranks, named, with each rank's value where the signature
+    holds it readably (a shape, the dtype, causal, the scale, the strategy); for
+    ``requires_grad``, which tensors each rank's backward would reach (``grad_flags``'s bits)."""
+    if field == "requires_grad":
+        by_rank = "; ".join(f"rank {_global_rank(group, i)}: {grad_names(flags)}" for i, flags in enumerate(column))
+        return f"requires_grad (of q, k, v, sinks: {by_rank})"
+    shown = _shown_values(field)
+    if shown is None:  # a checksum (layout, documents/window, sinks): it says only that they differ
         return field
-    by_rank = "; ".join(f"rank {_global_rank(group, i)}: {grad_names(flags)}" for i, flags in enumerate(column))
-    return f"requires_grad (of q, k, v, sinks: {by_rank})"
+    ranks: dict[str, list[int]] = {}
+    for i, code in enumerate(column):
+        ranks.setdefault("unreadable" if code == -1 else shown(code), []).append(_global_rank(group, i))
+    values = "; ".join(f"{value} on rank{'s' if len(held) > 1 else ''} {', '.join(map(str, held))}"
+                       for value, held in ranks.items())
+    if field == "strategy":  # every rank may have passed "auto" and the planner chosen differently
+        return (f"strategy ({values}; or the one strategy='auto' chose, which follows whether a backward will run "
+                f"and the planner's hardware: requires_grad and ctxpar.auto.set_hardware must be alike on every "
+                f"rank)")
+    return f"{field} ({values})"
+
+
+def _shown_values(field: str) -> Callable[[int], str] | None:
+    """How ``signature``'s code for ``field`` reads back as the value a rank passed, or None
+    where it is a checksum of no value to show."""
+    if field in ("batch", "heads", "kv_heads", "local_len", "head_dim"):
+        return str
+    if field == "causal":
+        return lambda code: str(bool(code))
+    if field == "scale":
+        return lambda code: repr(Real.shown(code))
+    names = {"dtype": [str(d) for d in vars(torch).values() if isinstance(d, torch.dtype)],
+             "strategy": list(CALL_STRATEGIES)}.get(field)
+    if names is None:
+        return None
+    by_code = {text_code(name): name for name in names}
+    return lambda code: by_code.get(code, "?")
 
 
 def sums_of(code: int) -> list[int]:
