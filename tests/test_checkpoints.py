@@ -579,6 +579,11 @@ def test_the_checkpoint_api_refuses_what_would_lose_or_mix_work(tmp_path) -> Non
     refused(lambda: checkpoint.save(model, optimizer, directory, 1, {**SETTINGS, "--seed": 1}),
             "holds a checkpoint sealed by another run (--seed 0 there, 1 here), which is not replaced")
     assert sorted(os.listdir(directory)) == [checkpoint.SAVE_LOCK, "step-000001"]  # nothing written by the refusals
+    blocked = tmp_path / "blocked"
+    (blocked / checkpoint.SAVE_LOCK).mkdir(parents=True)  # once "step 2 could not be written to .../step-000002"
+    refused(lambda: checkpoint.save(model, optimizer, str(blocked), 2, SETTINGS),
+            f"the checkpoint directory's save lock {blocked / checkpoint.SAVE_LOCK} cannot be opened (Is a directory)")
+    assert os.listdir(blocked) == [checkpoint.SAVE_LOCK]
     found = checkpoint.find_resumable(directory, SETTINGS)
     assert (found.step, found.skipped) == (1, ())  # the lock is not a stray entry
     checkpoint.load(model, optimizer, path)
@@ -887,3 +892,11 @@ def test_a_run_on_a_directory_a_live_run_holds_is_refused_before_any_rank_starts
     (odd / checkpoint.RUN_LOCK).mkdir(parents=True)  # a lock that cannot be taken: once the run went unlocked
     with pytest.raises(ValueError, match=f"its run lock {re.escape(str(odd / checkpoint.RUN_LOCK))} cannot be taken"):
         run_train(TrainConfig(steps=2, checkpoint_dir=str(odd), **COMMON))
+    # the save lock too: once found at the first save, after the training, and named as the step's path
+    for kind, make in (("a directory", os.mkdir), ("a link to nowhere", lambda p: os.symlink(tmp_path / "no/lock", p))):
+        odd = tmp_path / f"odd {kind}"
+        odd.mkdir()
+        make(odd / checkpoint.SAVE_LOCK)
+        with pytest.raises(ValueError, match=f"its save lock {re.escape(str(odd / checkpoint.SAVE_LOCK))} cannot be "
+                                             f"opened"):
+            run_train(TrainConfig(steps=2, checkpoint_dir=str(odd), **COMMON))

@@ -979,7 +979,9 @@ def test_killing_the_parent_of_train_kills_its_workers(tmp_path) -> None:
                      "--save-every", "1", "--no-progress")
     try:
         workers = wait_for(lambda: len(workers_of(proc.pid)) == 2 and workers_of(proc.pid), 60, "2 workers", proc)
-        wait_for(lambda: ckpt.is_dir() and any(ckpt.iterdir()), 60, "a first checkpoint", proc)
+        # a step's directory: the run's lock files are there from its start
+        wait_for(lambda: ckpt.is_dir() and any(p.name.startswith("step-") for p in ckpt.iterdir()), 60,
+                 "a first checkpoint", proc)
         os.kill(proc.pid, signal.SIGKILL)
         proc.wait(timeout=10)
         assert_all_die(workers)

@@ -144,6 +144,12 @@ def check_directory(directory: str, *, resuming: bool, checkpoint_bytes: int = 0
     except OSError as e:
         raise ValueError(f"--checkpoint-dir {directory!r} is not writable ({e.strerror or e}); pass a "
                          "directory this user can create files in, or drop --checkpoint-dir") from e
+    save_lock = os.path.join(directory, SAVE_LOCK)
+    try:  # every save takes it: one that cannot be opened failed the first save, after the training
+        os.close(os.open(save_lock, os.O_RDWR | os.O_CREAT, 0o644))
+    except OSError as e:
+        raise ValueError(f"--checkpoint-dir {directory!r}: its save lock {save_lock} cannot be opened "
+                         f"({e.strerror or e}); remove it if it is no file, or make it writable") from None
     room = os.statvfs(directory)
     free = room.f_bavail * room.f_frsize
     if free < checkpoint_bytes:
@@ -742,13 +748,17 @@ def _claim(directory: str, path: str, step: int, run: dict[str, Any]) -> int | N
     None where the file system has no locks."""
     _refuse_what_is_no_directory(directory, "checkpoint directory")
     os.makedirs(directory, exist_ok=True)
+    save_lock = os.path.join(directory, SAVE_LOCK)
     try:
         # None on a file system without locks: saves go unlocked there, as they did before the
         # lock; a sealed checkpoint of another run is still refused below
-        lock = _flock(os.path.join(directory, SAVE_LOCK))
+        lock = _flock(save_lock)
     except BlockingIOError:
         raise ValueError(f"another process is saving a checkpoint into {directory} right now; give each run a "
                          f"--checkpoint-dir of its own") from None
+    except OSError as e:  # not the step's path, which nothing was written to
+        raise ValueError(f"the checkpoint directory's save lock {save_lock} cannot be opened ({e.strerror or e}); "
+                         f"remove it if it is no file, or make it writable") from None
     try:
         manifest, _ = _read_manifest(path, step)
         if manifest is not None and manifest["run"] != run:
