@@ -18,6 +18,7 @@ from __future__ import annotations
 import ctypes
 import functools
 import inspect
+import itertools
 import json
 import multiprocessing
 import os
@@ -1252,6 +1253,36 @@ def test_a_server_that_died_is_started_again_and_its_folder_removed() -> None:
     wait_for(lambda: not alive(server), 10, "the server to die")
     assert run_local(start_state_of_rank, 1)[0]["parent"] not in (server, os.getpid())
     assert not folder.exists()
+
+
+def test_a_server_ended_as_it_starts_removes_its_folder() -> None:
+    """A SIGTERM as a server's interpreter started (a launcher ending a rank that had started a
+    server of its own: a script calling ctxpar without a main guard, re-run by each rank) killed
+    it by the default action, leaving its folder in the temporary directory at each such run.
+    The starter holds the signal until the server's handler is in place, then the server takes
+    the starter's mask."""
+    def masked(pid: int, field: str) -> int:
+        status = Path(f"/proc/{pid}/status").read_text()
+        return int(re.search(rf"^{field}:\s*([0-9a-f]+)$", status, re.M).group(1), 16)
+
+    term = 1 << signal.SIGTERM - 1
+    mask = signal.pthread_sigmask(signal.SIG_BLOCK, ())
+    state = rank_server._start_state()
+    for fork, delay in itertools.product((None, ()), (0.0, 0.01, None)):  # a new interpreter, a copy of this one
+        server = rank_server._start(state, fork=fork)
+        try:
+            if delay is None:  # left to start: it handles the signal, no longer holding it
+                wait_for(lambda: masked(server.pid, "SigCgt") & term and not masked(server.pid, "SigBlk") & term, 30,
+                         "the server to handle SIGTERM, unblocked")
+            else:
+                time.sleep(delay)
+            os.kill(server.pid, signal.SIGTERM)
+            _, status = os.waitpid(server.pid, 0)
+        finally:
+            os.close(server.forkserver._forkserver_alive_fd)
+        assert os.waitstatus_to_exitcode(status) == 128 + signal.SIGTERM, (fork, delay, status)
+        assert not os.path.exists(server.folder), (fork, delay)
+    assert signal.pthread_sigmask(signal.SIG_BLOCK, ()) == mask  # the starter's own, as it was
 
 
 def test_a_run_starts_its_ranks_on_the_server_it_was_given() -> None:

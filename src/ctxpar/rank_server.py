@@ -267,12 +267,14 @@ def _start(state: _StartState, *, fork: tuple[str, ...] | None = None) -> _Serve
             os.chmod(address, 0o600)
             listener.listen()
             alive_r, alive_w = os.pipe()
+            # held (blocked) from before the fork until the server's handler is in place: a SIGTERM
+            # as it started killed it by the default action, leaving its folder
+            held = set(_ENDING_SIGNALS) - signal.pthread_sigmask(signal.SIG_BLOCK, _ENDING_SIGNALS)
             try:
                 if fork is not None:
-                    pid = _serve_in_a_fork(listener.fileno(), alive_r, folder, fork)
+                    pid = _serve_in_a_fork(listener.fileno(), alive_r, folder, fork, held)
                 else:
-                    command = (f"import sys; sys.path[:] = {list(state.sys_path)!r}; from ctxpar.rank_server import "
-                               f"serve; serve({listener.fileno()}, {alive_r}, {folder!r})")
+                    command = _server_command(listener.fileno(), alive_r, folder, state.sys_path, held)
                     executable = spawn.get_executable()
                     pid = util.spawnv_passfds(executable,
                                               [executable, *util._args_from_interpreter_flags(), "-c", command],
@@ -282,6 +284,7 @@ def _start(state: _StartState, *, fork: tuple[str, ...] | None = None) -> _Serve
                 raise
             finally:
                 os.close(alive_r)
+                signal.pthread_sigmask(signal.SIG_UNBLOCK, held)
     except BaseException:
         shutil.rmtree(folder, ignore_errors=True)
         raise
@@ -289,7 +292,30 @@ def _start(state: _StartState, *, fork: tuple[str, ...] | None = None) -> _Serve
     return _Server(server, folder, state)
 
 
-def _serve_in_a_fork(listener_fd: int, alive_r: int, folder: str, preload: tuple[str, ...]) -> int:
+def _server_command(listener_fd: int, alive_r: int, folder: str, sys_path: tuple, held: set[int]) -> str:
+    """A new interpreter's code that runs ``serve``. Its SIGTERM and SIGHUP end it as ``serve``'s
+    handler does from its first line, not from the end of its imports (1-2 s of torch), and
+    ``held``, those the starter blocked for it, are unblocked once that handler is in place: a
+    launcher ending a rank that had started a server of its own (a script calling ``ctxpar``
+    without a main guard, re-run by the rank) killed the server as it started, leaving its
+    folder. The folder is removed however the code ends."""
+    return "\n".join([
+        "import shutil, signal, sys",
+        "ending = [s for s in (signal.SIGTERM, signal.SIGHUP) if signal.getsignal(s) is signal.SIG_DFL]",
+        "for s in ending:",
+        "    signal.signal(s, lambda signum, frame: sys.exit(128 + signum))",
+        "try:",
+        f"    signal.pthread_sigmask(signal.SIG_UNBLOCK, {sorted(map(int, held))!r})  # one held ends it here",
+        f"    sys.path[:] = {list(sys_path)!r}",
+        "    from ctxpar.rank_server import serve",
+        f"    serve({listener_fd}, {alive_r}, {folder!r}, ending=ending)",
+        "finally:",
+        f"    shutil.rmtree({folder!r}, ignore_errors=True)",
+    ])
+
+
+def _serve_in_a_fork(listener_fd: int, alive_r: int, folder: str, preload: tuple[str, ...], held: set[int]
+                     ) -> int:
     """The pid of a copy of this process that runs ``serve`` with ``preload``, holding what the new interpreter of
     ``_start`` would: standard input, output and error, the listener and the "alive" reader and no
     other descriptor (this process's "alive" writer among them), and the signal dispositions exec
@@ -309,7 +335,7 @@ def _serve_in_a_fork(listener_fd: int, alive_r: int, folder: str, preload: tuple
         for sig in signal.valid_signals():
             if callable(signal.getsignal(sig)):
                 signal.signal(sig, signal.default_int_handler if sig == signal.SIGINT else signal.SIG_DFL)
-        serve(listener_fd, alive_r, folder, preload)
+        serve(listener_fd, alive_r, folder, preload, held=held)
         status = 0
     except SystemExit as e:  # the loop's end (the "alive" pipe closed), or _end_server's
         status = e.code if isinstance(e.code, int) else 0
@@ -319,14 +345,19 @@ def _serve_in_a_fork(listener_fd: int, alive_r: int, folder: str, preload: tuple
         os._exit(status)
 
 
-def serve(listener_fd: int, alive_r: int, folder: str, preload: tuple[str, ...] = ()) -> None:
+def serve(listener_fd: int, alive_r: int, folder: str, preload: tuple[str, ...] = (),
+          ending: list[int] | None = None, held: set[int] = frozenset()) -> None:
     """A server's main: multiprocessing's forkserver loop, preloading PRELOAD and ``preload``, until
     the "alive" pipe closes; then, or at a SIGTERM or SIGHUP (a signal to the caller's whole group),
-    it removes its folder."""
-    for sig in _ENDING_SIGNALS:
-        if signal.getsignal(sig) is signal.SIG_DFL:  # not over one the caller ignores (nohup)
-            signal.signal(sig, _end_server)
+    it removes its folder. ``ending``: the signals its start handles already (``_server_command``),
+    else those at their default action (not one the caller ignores: nohup). ``held``: those its
+    starter blocked until this handler is in place (``_start``)."""
+    if ending is None:
+        ending = [sig for sig in _ENDING_SIGNALS if signal.getsignal(sig) is signal.SIG_DFL]
+    for sig in ending:
+        signal.signal(sig, _end_server)  # the handler each forked rank resets to the default
     try:
+        signal.pthread_sigmask(signal.SIG_UNBLOCK, held)  # one held ends it here, its folder removed
         for name in (*PRELOAD, *preload):
             try:
                 importlib.import_module(name)
