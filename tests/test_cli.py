@@ -366,6 +366,9 @@ def bad_values(tmp: Path) -> list[tuple[tuple[str, ...], str]]:
            (("train", "--device", "cuda"), "--device cuda: this process sees no CUDA device")]
           if not torch.cuda.is_available() else []),
         (("train", "--nproc", "0"), "--nproc 0 must be >= 1"),
+        (("train", "--nproc", "2", "--dp", "-2"), "--dp -2 must be a whole number >= 1 dividing the 2 ranks"),
+        (("train", "--nproc", "1", "--model", "llama-3-405b"), "--model llama-3-405b on 1 rank with --seq 2048 and "
+                                                               "--batch 1 needs at least"),
         (("train", "--timeout", "-1"), "--timeout -1.0 must be a number of seconds"),
         (("train", "--timeout", "0.001"), "--timeout 0.001 must be a number of seconds from 1 to"),
         (("demo", "--timeout", "0.5"), "--timeout 0.5 must be a number of seconds from 1 to"),

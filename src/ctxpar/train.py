@@ -74,7 +74,8 @@ class TrainConfig:
         value (``seq_flag``: the flag the length came from, a benchmark's ``--short-seq``)."""
         limits.plain_values(self)
         if self.dp < 1 or world % self.dp:
-            raise ValueError(f"--dp {self.dp} must divide the {world} ranks (CP degree = ranks / dp)")
+            raise ValueError(f"--dp {self.dp} must be a whole number >= 1 dividing the {world} ranks (CP degree = "
+                             f"ranks / dp)")
         if self.strategy not in TRAIN_STRATEGIES:
             raise ValueError(f"--strategy {self.strategy!r} is not supported by train; use one of "
                              f"{', '.join(TRAIN_STRATEGIES)}")
@@ -117,9 +118,9 @@ class TrainConfig:
     def check_memory(self, ranks: int) -> None:
         """Refuse a run this machine cannot hold (``memory_needed``)."""
         launch.check_local_memory(
-            self.memory_needed(ranks), f"--model {self.model} on {ranks} ranks with --seq {self.seq} and --batch "
-            f"{self.batch}", "choose a smaller --model, or lower --seq, --batch or the ranks on this machine "
-            "(--nproc, or torchrun's --nproc-per-node)")
+            self.memory_needed(ranks), f"--model {self.model} on {ranks} rank{'s' if ranks > 1 else ''} with --seq "
+            f"{self.seq} and --batch {self.batch}", "choose a smaller --model, or lower --seq, --batch or the ranks on "
+            "this machine (--nproc, or torchrun's --nproc-per-node)")
 
     def checkpoint_settings(self) -> dict:
         """What a resumed run must share with the run that saved: what it trains on and with.
