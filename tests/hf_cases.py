@@ -311,7 +311,14 @@ def _one_rank_refuses(rank: int, world: int) -> dict:
     except ValueError as e:
         refused = str(e)
     after = tuple(model(**inputs).logits.shape)
-    return dict(refused=refused, group_rank=dist.get_rank(group), after=after)
+    halves, _ = shard_inputs(input_ids, layout=layout, rank=dist.get_rank(group), documents=(SWEEP_TOKENS // 2,) * 2)
+    halves.pop("documents")  # on both ranks: rank 0's positions still ascend (0..3, 4..7)
+    try:
+        model(**halves)
+        undeclared = "ran"
+    except ValueError as e:
+        undeclared = str(e)
+    return dict(refused=refused, group_rank=dist.get_rank(group), after=after, undeclared=undeclared)
 
 
 def _hybrid(rank: int, world: int) -> dict:

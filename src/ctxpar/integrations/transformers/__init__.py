@@ -148,10 +148,13 @@ def _check_positions(name: str, settings: Settings, bound: dict, documents: tupl
         wrong = int((rows != want).any(1).nonzero()[0, 0])
         given, name_row = rows[wrong], f"position_ids (row {wrong})" if rows.shape[0] > 1 else "position_ids"
         if documents is None and bool((given.diff() > 0).all()):  # ascending: another layout's, or none's
+            # or a packed row's, restarting on another rank: that rank says so, this one may not see it
+            behind = bool((given <= want).all())
             raise ValueError(f"{name_row} must be this rank's positions under the {settings.layout.name} layout "
                              f"enable_context_parallel was given, got "
                              f"{positions_mismatch(given, want, settings.layout.world_size)}; shard the batch with "
-                             f"shard_inputs(..., layout=) that layout")
+                             f"shard_inputs(..., layout=) that layout"
+                             + (f" (or, where they restart at packed documents, {_declare_fix()})" if behind else ""))
         if documents is None:
             raise ValueError(f"{name_row} must be this rank's global layout positions (use shard_inputs); "
                              f"positions that restart mean packed documents, which ctxpar cannot infer from one "
