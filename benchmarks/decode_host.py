@@ -88,9 +88,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--json", metavar="PATH", type=flags.output_file)
     args = p.parse_args(argv)
     with flags.refusals(p):
-        if args.hidden % args.heads or args.heads % args.kv_heads:
-            raise ValueError(f"--heads {args.heads} must divide --hidden {args.hidden}, and --kv-heads "
-                             f"{args.kv_heads} --heads")
+        if args.hidden % args.heads:
+            raise ValueError(f"--heads {args.heads} must divide --hidden {args.hidden}")
+        if args.heads % args.kv_heads:
+            raise ValueError(f"--kv-heads {args.kv_heads} must divide --heads {args.heads}")
         if args.baseline:
             check_baseline(args.baseline)
     return args

@@ -21,6 +21,8 @@ import argparse
 
 import ctxpar
 from ctxpar import launch
+from ctxpar.layout import LAYOUT_NAMES
+from ctxpar.models.config import PRESETS
 from ctxpar.train import TRAIN_STRATEGIES, TrainConfig, run_train
 import flags
 from report import write_json
@@ -37,14 +39,14 @@ def step_growth(nproc: int, seq: int, args: argparse.Namespace) -> int:
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     """The flags, every run they make checked as ``ctxpar train`` checks it, before the first starts."""
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--model", default="small")
+    p.add_argument("--model", choices=sorted(PRESETS), default="small")
     p.add_argument("--seq", type=flags.count, default=16384)
     p.add_argument("--short-seq", type=flags.count, default=1024, help="T0, the short run subtracted (< --seq)")
     p.add_argument("--nprocs", type=flags.ranks_list, default="1,2,4",
                    help="P, 1 among them: each sequence part is compared with P=1's")
     # not hybrid: its all-to-all degree would have to divide every P of --nprocs, 1 among them
     p.add_argument("--strategy", choices=[s for s in TRAIN_STRATEGIES if s != "hybrid"], default="ring")
-    p.add_argument("--layout", default="zigzag")
+    p.add_argument("--layout", choices=LAYOUT_NAMES, default="zigzag")
     p.add_argument("--activation-checkpointing", action="store_true")
     p.add_argument("--budget-gib", type=flags.positive, default=4.0,
                    help="per-rank memory budget for the largest-T estimate (at most 2**30 GiB)")

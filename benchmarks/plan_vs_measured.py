@@ -88,7 +88,7 @@ def measure(cfgs: list[DemoConfig], repeat: int) -> list[list[dict]]:
     does not model, so it is dropped.
     """
     for cfg in cfgs:
-        cfg.validate(cfg.nproc)
+        cfg.validate(cfg.nproc, seq_flag="--seqs")
     measured = []
     for cfg, reports in zip(cfgs, run_local(repeated_demo, cfgs[0].nproc, (cfgs, repeat + 1))[0]):
         if not all(report["ok"] for report in reports):
@@ -208,7 +208,7 @@ def parse_args(argv: list[str] | None = None) -> tuple[argparse.Namespace, list[
     with flags.refusals(p):
         for cfgs in cases:
             for cfg in cfgs:
-                cfg.validate(cfg.nproc)
+                cfg.validate(cfg.nproc, seq_flag="--seqs")
     return args, cases
 
 

@@ -127,7 +127,7 @@ def parse_args(argv: list[str] | None = None) -> tuple[argparse.Namespace, list[
     calibration = None
     with flags.refusals(p):
         for cfg in cfgs:
-            cfg.validate(cfg.nproc)
+            cfg.validate(cfg.nproc, seq_flag="--seqs")
         if args.calibration is not None:
             calibration = load_calibration(args.calibration)
             try:

@@ -5,12 +5,15 @@ from __future__ import annotations
 
 import importlib
 import json
+import os
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 import torch
+
+from ctxpar import calibrate
 
 BENCHMARKS = Path(__file__).resolve().parents[1] / "benchmarks"
 sys.path.insert(0, str(BENCHMARKS))
@@ -19,7 +22,7 @@ sys.path.insert(0, str(BENCHMARKS))
 REFUSED = [
     ("rank_work", ["--repeat", "0"], "--repeat"),  # was inf timings, -100% errors, exit 0
     ("rank_work", ["--repeat", "-3"], "--repeat"),
-    ("rank_work", ["--nprocs", "3", "--seqs", "100"], "--seq"),  # was a traceback
+    ("rank_work", ["--nprocs", "3", "--seqs", "100"], "--seqs: sequence length 100"),  # a traceback, then "--seq:"
     ("rank_work", ["--strategies", "alltoall"], "--strategies"),
     ("rank_work", ["--window", "0"], "--window"),
     ("rank_work", ["--doc-len", "0"], "--doc-len"),
@@ -46,6 +49,8 @@ REFUSED = [
     ("memory", ["--strategy", "foo"], "--strategy"),
     ("memory", ["--strategy", "hybrid"], "invalid choice: 'hybrid'"),  # once asked for a flag memory.py has not
     ("memory", ["--seq", "1000"], "--seq"),
+    ("memory", ["--model", "foo"], "--model: invalid choice: 'foo'"),  # once named no flag
+    ("memory", ["--layout", "foo"], "--layout: invalid choice: 'foo'"),
     # refused inside the run, naming --batch and --nproc, which memory.py has not
     ("memory", ["--model", "llama-3-405b", "--seq", "2048", "--short-seq", "1024"], "on 1 rank with --short-seq "
      "1024 needs at least 1,512.4 GiB, more than this machine's"),
@@ -78,6 +83,7 @@ REFUSED = [
     ("decode_host", ["--baseline", "/nonexistent"], "--baseline"),
     ("decode_host", ["--baseline", str(BENCHMARKS / ".." / "src")], "is this checkout's ctxpar"),
     ("decode_host", ["--heads", "3"], "--heads 3 must divide --hidden 64"),
+    ("decode_host", ["--heads", "4", "--kv-heads", "3"], "--kv-heads 3 must divide --heads 4"),  # once cut short
     ("decode_host", ["--layers", "4,0"], "--layers"),
     ("plan_walk", ["--plan-repeat", "0"], "--plan-repeat"),
     ("gpu_check", ["--tests-timeout", "nan"], "--tests-timeout"),
@@ -85,6 +91,7 @@ REFUSED = [
     ("plan_vs_measured", ["--strategies", "ring,foo"], "--strategies"),
     ("plan_vs_measured", ["--strategies", "hybrid", "--nprocs", "4", "--ulysses-degree", "3"], "--ulysses-degree"),
     ("plan_vs_measured", ["--repeat", "0"], "--repeat"),
+    ("plan_vs_measured", ["--nprocs", "3"], "--seqs: sequence length 4096 is not a multiple of 2*P=6"),
     ("rank_start", ["--repeat", "0"], "--repeat"),
     ("rank_start", ["--nprocs", "2,0"], "--nprocs"),
 ]
@@ -173,7 +180,10 @@ def test_decode_host_times_the_step_and_the_plain_forward(tmp_path) -> None:
     proc = subprocess.run([sys.executable, "decode_host.py", "--layers", "1,3", "--repeat", "3", "--json", str(path)],
                           cwd=BENCHMARKS, capture_output=True, text=True, timeout=120)
     assert proc.returncode == 0, proc.stdout + proc.stderr
-    rows = json.loads(path.read_text())["rows"]
+    report = json.loads(path.read_text())
+    rows = report["rows"]
     assert [row["layers"] for row in rows] == [1, 3]
+    # the machine as docs/benchmarks.md states machines (every benchmark's JSON once said "x86_64" alone)
+    assert report["machine"] == calibrate.machine() and f"{os.cpu_count()} cores" in report["machine"]
     for row in rows:  # figures, not asserted against each other (timings are the benchmark's to report)
         assert row["after_step"] > 0 and row["after_forward"] > 0 and row["identical"] is None

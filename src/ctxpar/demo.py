@@ -40,13 +40,14 @@ class DemoConfig:
     ulysses_degree: int | None = None  # hybrid only; the ring degree is nproc / ulysses_degree
     device: str | None = None  # "cpu" | "cuda"; None: launch.resolve_device_type's default
 
-    def validate(self, world: int) -> None:
-        """Reject a bad configuration before any communication (``world`` = ranks used)."""
+    def validate(self, world: int, seq_flag: str = "--seq") -> None:
+        """Reject a bad configuration before any communication (``world`` = ranks used;
+        ``seq_flag``: the flag the length came from, a benchmark's ``--seqs``)."""
         limits.plain_values(self)
         for field in ("seq", "heads", "kv_heads", "head_dim", "batch"):
             limits.check_count(field, getattr(self, field))
         limits.check_seed(self.seed)
-        limits.check_splits(ctxpar.get_layout(self.layout, world), self.seq)
+        limits.check_splits(ctxpar.get_layout(self.layout, world), self.seq, seq_flag)
         if self.heads % self.kv_heads:
             raise ValueError(f"--heads {self.heads} must be a multiple of --kv-heads {self.kv_heads}")
         u = strategy_rules.call_ulysses_degree(self.strategy, world, self.ulysses_degree, name="--ulysses-degree")
