@@ -1783,6 +1783,20 @@ def test_a_real_torchrun_launch_joins_torchruns_group(tmp_path) -> None:
     assert json.loads(out.read_text())["config"]["nproc"] == 2
 
 
+def test_train_compare_under_torchrun_runs_its_reference_after_the_launch(tmp_path) -> None:
+    """The reference run came after the launch's group was gone, and its loss refused it as a
+    torchrun rank that had not joined: every step trained, then exit status 2 and no report."""
+    out = tmp_path / "train.json"
+    torchrun = Path(sys.executable).with_name("torchrun")
+    proc = subprocess.run([str(torchrun), "--nnodes", "1", "--nproc-per-node", "2", "--master-addr", "127.0.0.1",
+                           "--master-port", str(free_port()), "-m", "ctxpar.cli", "train", "--seq", "128", "--steps",
+                           "2", "--compare", "--no-progress", "--json", str(out)],
+                          capture_output=True, text=True, timeout=180)
+    assert proc.returncode == 0, proc.stderr
+    report = json.loads(out.read_text())
+    assert report["losses_match"] and report["gradients_match"] and len(report["reference_loss"]) == 2, report
+
+
 FAKE_TORCHRUN_RANK = """
 import atexit, sys
 from ctxpar import cli

@@ -11,7 +11,9 @@ which is the global rank for ``init_device_mesh(device, (R, U), mesh_dim_names=(
 
 from __future__ import annotations
 
+import contextlib
 import os
+from collections.abc import Iterator
 from dataclasses import dataclass
 
 import torch
@@ -45,6 +47,22 @@ def _initialised() -> bool:
     return dist.is_available() and dist.is_initialized()
 
 
+_alone = 0  # ``alone()`` blocks entered and not left
+
+
+@contextlib.contextmanager
+def alone() -> Iterator[None]:
+    """Within it, this process computes on its own on purpose (``ctxpar train --compare``'s
+    reference, after a torchrun launch's group is gone): a call without a process group is
+    one rank's, not refused as one that forgot to join its torchrun launch."""
+    global _alone
+    _alone += 1
+    try:
+        yield
+    finally:
+        _alone -= 1
+
+
 def from_group(group: dist.ProcessGroup | None, who: str, axis: str = "ring") -> Topology:
     """One CP group used along one axis ("ring": K/V move around the group; "ulysses":
     the whole group does all-to-alls), as ``who`` (the entry called, named in refusals) was
@@ -54,7 +72,7 @@ def from_group(group: dist.ProcessGroup | None, who: str, axis: str = "ring") ->
     if not _initialised():
         if group is not None:
             raise ValueError("a process group was given but torch.distributed is not initialised")
-        if launched_by_torchrun() and int(os.environ["WORLD_SIZE"]) > 1:
+        if launched_by_torchrun() and int(os.environ["WORLD_SIZE"]) > 1 and not _alone:
             # one rank would attend over its own shard alone: wrong results on every rank, silently
             raise ValueError(f"{who} was called in rank {os.environ['RANK']} of a torchrun launch of "
                              f"{os.environ['WORLD_SIZE']} processes, but torch.distributed is not initialised here; "

@@ -21,7 +21,7 @@ import torch
 import torch.distributed as dist
 
 import ctxpar
-from ctxpar import checkpoint, limits, profile, strategy_rules
+from ctxpar import checkpoint, limits, profile, strategy_rules, topology
 from ctxpar.attention import is_dtensor
 from ctxpar.data import RecallTask
 from ctxpar import launch
@@ -207,6 +207,28 @@ def _run_steps(
     return history
 
 
+# what each rank may hold of its own: the bar (rank 0's alone shows), a test's switch, the ranks
+# spawned (torchrun's flag, not this one, starts them)
+OWN_SETTINGS = ("progress", "return_parameters", "nproc")
+
+
+def check_ranks_share(cfg: TrainConfig) -> None:
+    """Refuse, on every rank (collective), ranks given other settings: torchrun starts each
+    with its own command line, so a wrapper per rank may give them other flags. Ranks given
+    other --lr values trained silently apart, each FSDP shard at its own rate, and --resume
+    on one rank alone left the others waiting until the timeout."""
+    mine = {name: value for name, value in asdict(cfg).items() if name not in OWN_SETTINGS}
+    every: list = [None] * dist.get_world_size()
+    dist.all_gather_object(every, mine)
+    differing = [name for name in mine if len({repr(settings[name]) for settings in every}) > 1]
+    if differing:
+        told = "; ".join(f"--{name.replace('_', '-')} " + ", ".join(f"{settings[name]!r} on rank {rank}"
+                                                                   for rank, settings in enumerate(every))
+                         for name in differing)
+        raise ValueError(f"the ranks were given different settings ({told}); give every rank of the launch the "
+                         f"same flags")
+
+
 def _within_a_torchrun_launch(cfg: TrainConfig, rank: int, holds: list[int]) -> checkpoint.Resumable | None:
     """Where a torchrun rank starts, decided by the ranks together (collective): the checkpoint
     to continue from, or None. Rank 0 holds the directory for the run (``checkpoint.hold_for_run``),
@@ -299,6 +321,7 @@ def _train_rank(rank: int, world: int, cfg: TrainConfig, resume_from: checkpoint
 
     device = device or torch.device("cpu")
     cfg.validate(world)
+    check_ranks_share(cfg)
     cp = cfg.cp(world)
     if cfg.strategy == "hybrid":
         u = cfg.ulysses_degree
@@ -396,9 +419,15 @@ def _after_a_failed_save(cfg: TrainConfig, sealed: int | None) -> str:
 
 
 def train_reference(cfg: TrainConfig) -> dict:
-    """The same training on unsplit sequences in this process (no process group)."""
+    """The same training on unsplit sequences in this process (no process group; under
+    torchrun, rank 0 alone, once the launch's group is gone)."""
     if dist.is_initialized():
         raise RuntimeError("the reference run must not share a process group")
+    with topology.alone():  # cp_loss refused it as a torchrun rank that forgot to join its launch
+        return _train_reference(cfg)
+
+
+def _train_reference(cfg: TrainConfig) -> dict:
     model = build_model(cfg, torch.device("cpu"))
     optimizer = _optimizer(model, cfg)
     task = cfg.task()
