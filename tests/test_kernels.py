@@ -189,8 +189,14 @@ def test_a_non_finite_result_is_a_non_finite_error_that_no_tolerance_passes(bad:
         poisoned = ref[name].clone(memory_format=torch.contiguous_format)
         poisoned.view(-1)[3] = bad
         errors = verify.max_abs_errors(dict(ref, **{name: poisoned}), ref)
-        assert not errors[name] <= tol[name] and not math.isfinite(errors[name]), (name, errors)
+        # inf, NaN included: a NaN error passed a check written "error > tolerance"
+        assert errors[name] == math.inf and errors[name] > tol[name], (name, errors)
+        assert verify.max_abs_errors(poisoned_both := dict(ref, **{name: poisoned}), poisoned_both)[name] == (
+            0.0 if math.isinf(bad) else math.inf), name  # an infinity equal on both sides is no error, a NaN is
         assert all(errors[other] == 0.0 for other in verify.TENSORS if other != name), (name, errors)
+        baseline = dict.fromkeys(verify.TENSORS, 1e-3) | {name: errors[name]}  # the unsplit bf16 op's, overflowed
+        with pytest.raises(ValueError, match="the single-process baseline's errors are not all finite"):
+            verify.tolerances(torch.bfloat16, ref, baseline)  # an infinite tolerance would pass any result
         off = ref[name].clone(memory_format=torch.contiguous_format)
         off.view(-1)[-1] += 0.5  # the last batch element's: an error measured on the first alone read 0.0
         assert verify.max_abs_errors(dict(ref, **{name: off}), ref)[name] == pytest.approx(0.5), name

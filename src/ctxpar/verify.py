@@ -13,6 +13,8 @@ Used by the tests and by ``ctxpar demo``. Tolerances:
 
 from __future__ import annotations
 
+import math
+
 import torch
 import torch.nn.functional as F
 
@@ -73,7 +75,9 @@ def _check_results(what: str, results: dict[str, torch.Tensor]) -> None:
 
 def max_abs_errors(got: dict[str, torch.Tensor], ref: dict[str, torch.Tensor]) -> dict[str, float]:
     """Max |got - ref| of each of ``TENSORS``, which must have the same shapes in both (torch
-    would broadcast one row of ``got`` against every row of ``ref``, a plausible error)."""
+    would broadcast one row of ``got`` against every row of ``ref``, a plausible error).
+    Equal values (infinities alike) differ by 0; a NaN on either side by inf, which no
+    tolerance passes whichever way it is compared (a NaN error passed ``error > tol``)."""
     _check_results("got", got)
     _check_results("ref", ref)
     differ = [f"{name} {tuple(got[name].shape)} against {tuple(ref[name].shape)}" for name in TENSORS
@@ -81,7 +85,11 @@ def max_abs_errors(got: dict[str, torch.Tensor], ref: dict[str, torch.Tensor]) -
     if differ:
         raise ValueError(f"got and ref differ in shape: {'; '.join(differ)}; compare them alike (a rank's shard "
                          f"against the reference sharded the same way, or the unsharded result)")
-    return {name: (got[name].double() - ref[name].double()).abs().max().item() for name in TENSORS}
+    return {name: _max_abs_error(got[name].double(), ref[name].double()) for name in TENSORS}
+
+
+def _max_abs_error(got: torch.Tensor, ref: torch.Tensor) -> float:
+    return torch.where(got == ref, 0.0, (got - ref).abs()).nan_to_num(nan=math.inf, posinf=math.inf).max().item()
 
 
 def rounded_partials_on(block: torch.Tensor, world: int) -> int:
@@ -118,6 +126,9 @@ def tolerances(
     if dtype in (torch.bfloat16, torch.float16):
         if baseline is None:
             raise ValueError(f"{dtype} tolerances need the single-process baseline errors")
+        if not all(math.isfinite(baseline[name]) for name in TENSORS):  # an infinite tolerance would pass anything
+            raise ValueError(f"the single-process baseline's errors are not all finite ({baseline}): its {dtype} "
+                             f"attention overflowed, so it sets no tolerance")
         roundoff = UNIT_ROUNDOFF[dtype] * rounded_partials
         tol = {name: LOW_PRECISION_FACTOR * baseline[name] + tol[name] + (name != "lse") * roundoff * magnitude[name]
                for name in TENSORS}
