@@ -131,9 +131,11 @@ def leave_children_behind(rank: int, world: int, pids: str, fail: bool) -> None:
     """Rank 0 forks a copy of itself that ignores SIGTERM, rank 1 spawns a shell that spawns a
     program (the rank's grandchild, whose pid is written); neither waits. Each rank also
     spawns a program from a thread that stays, waiting for it (a loader's or a server's
-    thread): Linux lists that child under the thread, not the rank's main thread. Each
-    child's pid goes to the file ``pids``; then, with ``fail``, rank 1 raises and rank 0
-    sleeps, to be stopped by the launcher."""
+    thread): Linux lists that child under the thread, not the rank's main thread; and a shell
+    that starts a program in the background and exits, orphaning it (a daemon's double fork:
+    once re-parented to init, out of the rank's reach). Each child's pid goes to the file
+    ``pids``; then, with ``fail``, rank 1 raises and rank 0 sleeps, to be stopped by the
+    launcher."""
     def sleeper() -> subprocess.Popen:  # each outlives the test's wait: it ends only if the run ends it
         return subprocess.Popen([sys.executable, "-c", "import time; time.sleep(300)"])
 
@@ -157,8 +159,10 @@ def leave_children_behind(rank: int, world: int, pids: str, fail: bool) -> None:
 
     threading.Thread(target=spawn_and_wait, daemon=True).start()
     started.wait()
+    orphaned = subprocess.run(["sh", "-c", f"{shlex.quote(sys.executable)} -c 'import time; time.sleep(300)' "
+                               f"> /dev/null & echo $!"], stdout=subprocess.PIPE, text=True, check=True)
     with open(pids, "a") as f:
-        f.write(f"{pid}\n{from_thread[0].pid}\n")
+        f.write(f"{pid}\n{from_thread[0].pid}\n{int(orphaned.stdout)}\n")
     dist.barrier()  # both written
     if fail and rank == 1:
         raise RuntimeError("rank 1 fails")
@@ -627,7 +631,7 @@ def test_what_a_rank_forks_or_spawns_ends_with_the_run(tmp_path) -> None:
             run_local(leave_children_behind, 2, (str(pids), fail), timeout_s=60)
         children = [int(pid) for pid in pids.read_text().split()]
         try:
-            assert len(children) == 4
+            assert len(children) == 6
             # a rank ends its own as it exits, a SIGTERM-ignoring copy GRACE_S later: 10 s passed under load 8 on
             # 2 cores; each sleeps 300 s, so one the run did not end is still there
             wait_for(lambda: not any(alive(pid) for pid in children), 60, f"children {children} to end")

@@ -103,7 +103,7 @@ LAUNCHER_VARS = (*TORCHRUN_VARS, "GROUP_RANK", "GROUP_WORLD_SIZE", "ROLE_RANK", 
                  "TORCHELASTIC_RESTART_COUNT", "TORCHELASTIC_MAX_RESTARTS", "TORCHELASTIC_USE_AGENT_STORE",
                  "GLOO_SOCKET_IFNAME")
 
-_PR_SET_PDEATHSIG = 1  # <linux/prctl.h>
+_PR_SET_PDEATHSIG, _PR_SET_CHILD_SUBREAPER = 1, 36  # <linux/prctl.h>
 _collective_timeout: datetime.timedelta | None = None  # this process's, once it joined a group
 _launch_store: dist.Store | None = None  # torchrun's store, unprefixed: it lasts as long as the launch
 _joins = 0  # torchrun groups this process joined
@@ -450,7 +450,11 @@ def _die_with_parent(parent_pid: int, caller: tuple[int, str | None]) -> None:
     if sys.platform.startswith("linux"):
         # The kernel sends SIGKILL to this process when the thread that started it ends: it
         # works even when the parent is SIGKILLed and this process is blocked in C++.
-        ctypes.CDLL(None, use_errno=True).prctl(_PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)
+        prctl = ctypes.CDLL(None, use_errno=True).prctl
+        prctl(_PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)
+        # What its children orphan (a daemon's double fork) is re-parented to this worker, not to
+        # init, so that the end of the run finds it among the worker's descendants and ends it.
+        prctl(_PR_SET_CHILD_SUBREAPER, 1, 0, 0, 0)
     if os.getppid() != parent_pid:  # the parent died before the line above took effect
         os._exit(1)
     # A thread that notices the caller gone within a second: the only mechanism outside Linux,
