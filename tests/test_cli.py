@@ -139,6 +139,24 @@ def demo_verdicts_with_one_tensor_wrong(rank: int, world: int) -> dict | None:
     return verdicts if rank == 0 else None
 
 
+def demo_with_a_layout_of_each_rank(rank: int, world: int) -> str:
+    from ctxpar import demo
+
+    try:
+        demo.demo_rank(rank, world, demo.DemoConfig(nproc=world, seq=64, heads=4, kv_heads=2, head_dim=16,
+                                                    layout=("zigzag", "contiguous")[rank]))
+    except ValueError as e:
+        return str(e)
+    return "ran"
+
+
+def test_ranks_given_other_layouts_are_told_of_the_layout_alone() -> None:
+    """Flags per rank (a torchrun wrapper's): the demo's first, untimed call was of each layout's
+    shortest length, so the refusal named other local lengths too, which no flag had set."""
+    for said in launch.run_local(demo_with_a_layout_of_each_rank, 2, timeout_s=120):
+        assert "the ranks of the CP group called attention with different layout; every rank" in said, said
+
+
 def test_the_demo_says_mismatch_when_any_one_tensor_is_wrong() -> None:
     """Each of out, lse, dq, dk, dv off on one rank fails the verdict, that tensor alone past its
     tolerance (a verdict that skipped lse said OK of a wrong lse)."""

@@ -16,6 +16,7 @@ import torch
 import torch.distributed as dist
 
 import ctxpar
+from ctxpar.layout import LAYOUT_NAMES
 from ctxpar.masks import Mask
 from ctxpar.plan.work import union_pairs
 from ctxpar import launch, limits, strategy_rules
@@ -175,10 +176,11 @@ def _to_cpu(tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
 
 
 def _warm_up(cfg: DemoConfig, device: torch.device, kwargs: dict) -> None:
-    """A tiny call first, so that connecting the peers and lazy imports are not timed."""
-    layout = kwargs["layout"]
-    q = torch.zeros((1, cfg.heads, layout.multiple // layout.world_size, cfg.head_dim), device=device,
-                    dtype=DTYPES[cfg.dtype], requires_grad=True)
+    """A tiny call first, so that connecting the peers and lazy imports are not timed. Of a length
+    every layout splits: ranks given other --layout values were told of other local lengths too."""
+    world = kwargs["layout"].world_size
+    local = max(ctxpar.get_layout(name, world).multiple for name in LAYOUT_NAMES) // world
+    q = torch.zeros((1, cfg.heads, local, cfg.head_dim), device=device, dtype=DTYPES[cfg.dtype], requires_grad=True)
     kv = torch.zeros((1, cfg.kv_heads, *q.shape[2:]), device=device, dtype=q.dtype, requires_grad=True)
     out = ctxpar.attention(q, kv, kv, **kwargs)
     out.backward(torch.ones_like(out))  # the first backward with a given gradient imports sympy: ~1 s
