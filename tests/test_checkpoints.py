@@ -582,7 +582,8 @@ def test_the_checkpoint_api_refuses_what_would_lose_or_mix_work(tmp_path) -> Non
     blocked = tmp_path / "blocked"
     (blocked / checkpoint.SAVE_LOCK).mkdir(parents=True)  # once "step 2 could not be written to .../step-000002"
     refused(lambda: checkpoint.save(model, optimizer, str(blocked), 2, SETTINGS),
-            f"the checkpoint directory's save lock {blocked / checkpoint.SAVE_LOCK} cannot be opened (Is a directory)")
+            f"the checkpoint directory's save lock {blocked / checkpoint.SAVE_LOCK} cannot be opened or locked (Is a "
+            f"directory)")
     assert os.listdir(blocked) == [checkpoint.SAVE_LOCK]
     found = checkpoint.find_resumable(directory, SETTINGS)
     assert (found.step, found.skipped) == (1, ())  # the lock is not a stray entry

@@ -1284,7 +1284,10 @@ def test_a_server_ended_as_it_starts_removes_its_folder() -> None:
             _, status = os.waitpid(server.pid, 0)
         finally:
             os.close(server.forkserver._forkserver_alive_fd)
-        assert os.waitstatus_to_exitcode(status) == 128 + signal.SIGTERM, (fork, delay, status)
+        server.exitcode = os.waitstatus_to_exitcode(status)
+        assert server.exitcode == 128 + signal.SIGTERM, (fork, delay, status)
+        # its handler's exit: once "exited with code 143; its error is on stderr"
+        assert rank_server.how_it_ended(server) == "ended by SIGTERM, by another process"
         assert not os.path.exists(server.folder), (fork, delay)
     assert signal.pthread_sigmask(signal.SIG_BLOCK, ()) == mask  # the starter's own, as it was
 

@@ -63,9 +63,9 @@ def test_positions_are_written_as_their_runs_and_a_mismatch_names_its_first_toke
     assert positions_mismatch(zigzag + 1, zigzag, 2) == "1..4, 13..16, where this rank's are 0..3, 12..15 (its " \
                                                         "token 0 is at 0, not 1)"
     whole = torch.arange(8, dtype=torch.int32)  # int32 ids: the hint compares values, not dtypes
-    assert positions_mismatch(whole, zigzag, 2).endswith("(its token 4 is at 12, not 4); numbered from 0 to 7, they "
-                                                         "read as the whole sequence passed on each rank, where each "
-                                                         "of the 2 ranks passes its shard of T/2 tokens")
+    assert positions_mismatch(whole, zigzag, 2).endswith("(its token 4 is at 12, not 4); numbered from 0 to 7: if "
+                                                         "they are the whole sequence's, passed on each rank, each of "
+                                                         "the 2 ranks must pass its shard of T/2 tokens instead")
     assert "numbered" not in positions_mismatch(whole, zigzag, 1)  # one rank: a length of its own
 
 

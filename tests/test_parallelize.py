@@ -289,8 +289,8 @@ def test_the_whole_sequence_passed_on_every_rank_is_named_as_such() -> None:
     for rank, res in enumerate(results()):
         mine = "16..47" if rank // 2 else "0..15, 48..63"
         want = f"got 0..31, where this rank's are {mine} (its token {0 if rank // 2 else 16} is at " \
-               f"{16 if rank // 2 else 48}, not {0 if rank // 2 else 16}); numbered from 0 to 31, they read as the " \
-               f"whole sequence passed on each rank, where each of the 2 ranks passes its shard of T/2 tokens"
+               f"{16 if rank // 2 else 48}, not {0 if rank // 2 else 16}); numbered from 0 to 31: if they are the " \
+               f"whole sequence's, passed on each rank, each of the 2 ranks must pass its shard of T/2 tokens instead"
         assert want in res["groups"]["whole_sequence"], (rank, res["groups"]["whole_sequence"])
 
 

@@ -22,8 +22,8 @@ from ctxpar.layout import get_layout
 from ctxpar.models import Transformer, get_config
 from ctxpar.models.llama import compute_dtype
 from ctxpar.parallelize import IGNORE_INDEX, cp_loss, shard_batch, shift_labels
-from ctxpar.train import (TrainConfig, build_model, check_ranks_share, compare_with_reference, format_report,
-                          run_train, train_rank, train_reference)
+from ctxpar.train import (TrainConfig, build_model, compare_with_reference, format_report, run_train, train_rank,
+                          train_reference)
 
 BASE = dict(nproc=4, seq=256, steps=10, model="tiny", compare=True, progress=False, return_parameters=True)
 # the 4-rank runs the tests below judge, trained one after another in one spawned group (a spawn of 4 ranks costs
@@ -196,26 +196,27 @@ def test_an_infinite_loss_stops_the_run_before_its_step_is_saved() -> None:
     assert saved == []
 
 
-def _settings_of_each_rank(rank: int, world: int) -> list[str]:
-    said = []
-    for own in (dict(lr=0.1 if rank else 3e-3, resume=rank == 0), {}):  # flags per rank, as a torchrun wrapper may
-        try:
-            check_ranks_share(TrainConfig(nproc=2, progress=rank == 0, **own))  # the bar is each rank's own
-            said.append("ok")
-        except ValueError as e:
-            said.append(str(e))
-    return said
+def _train_with_settings_of_each_rank(rank: int, world: int) -> str:
+    from ctxpar import launch
+
+    launch.joined_torchrun = lambda: True  # as torchrun's ranks, each started with its own command line
+    try:  # the progress bar is each rank's own: not compared
+        train_rank(rank, world, TrainConfig(nproc=2, seq=64, steps=(20, 3)[rank], lr=(3e-3, 0.1)[rank],
+                                            progress=rank == 0))
+    except ValueError as e:
+        return str(e)
+    return "ran"
 
 
 def test_ranks_given_other_settings_are_refused_on_every_rank() -> None:
-    """torchrun starts each rank with its own command line: ranks given other --lr values trained
-    silently apart (each FSDP shard at its own rate), and --resume on rank 0 alone left rank 1
-    waiting until the timeout."""
+    """torchrun starts each rank with its own command line (a wrapper per rank may give it its own
+    flags): ranks given other --lr values trained silently apart, each FSDP shard at its own
+    rate, and --resume on rank 0 alone left rank 1 waiting until the timeout."""
     from ctxpar import launch
 
-    want = ("the ranks were given different settings (--lr 0.003 on rank 0, 0.1 on rank 1; --resume True on rank "
-            "0, False on rank 1); give every rank of the launch the same flags")
-    assert launch.run_local(_settings_of_each_rank, 2, timeout_s=60) == [[want, "ok"]] * 2
+    want = ("the ranks were given different settings (--steps 20 on rank 0; 3 on rank 1 / --lr 0.003 on rank 0; 0.1 "
+            "on rank 1); give every rank of the launch the same flags")
+    assert launch.run_local(_train_with_settings_of_each_rank, 2, timeout_s=60) == [want] * 2
 
 
 def test_the_memory_a_run_needs_counts_the_logits_of_the_global_batch() -> None:

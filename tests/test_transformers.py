@@ -284,8 +284,8 @@ def test_a_refusal_on_one_rank_is_a_refusal_on_every_rank() -> None:
         # documents dropped on both ranks: the rank whose positions ascend (0..3, 4..7 for 0..3, 12..15) names
         # packing too, where it said only that they were not the layout's (numbered from 0, they may be the
         # whole sequence's as well: both are said)
-        wants = (["got 0..7, where this rank's are 0..3, 12..15 (its token 4 is at 12, not 4); numbered from 0 to 7, "
-                  "they read as the whole sequence passed on each rank",
+        wants = (["got 0..7, where this rank's are 0..3, 12..15 (its token 4 is at 12, not 4); numbered from 0 to 7: "
+                  "if they are the whole sequence's, passed on each rank",
                   "that layout (or, where they restart at packed documents, for a packed row, declare its documents"]
                  if got["group_rank"] == 0 else ["positions that restart mean packed documents"])
         assert all(want in got["undeclared"] for want in wants), (got["group_rank"], got["undeclared"])

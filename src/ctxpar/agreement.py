@@ -137,10 +137,11 @@ def check_ranks_agree(sig: list[int], topo: Topology, error: Exception | None) -
 
 
 def _attention_differences(differing: dict[str, list[int]], group: dist.ProcessGroup | None) -> dict[str, str]:
-    """The differing fields of attention's signature, keyed by their descriptions: requires_grad's
-    names each group's ranks, so a hybrid mesh's row and column each say theirs."""
-    return {description: description
-            for description in (_described(name, column, group) for name, column in differing.items())}
+    """The differing fields of attention's signature described, keyed by field (the first group
+    that sees a field names its ranks' values), but requires_grad by its description: a hybrid
+    mesh's row and column each say which tensors their ranks' backward reaches."""
+    return {description if name == "requires_grad" else name: description
+            for name, description in ((name, _described(name, column, group)) for name, column in differing.items())}
 
 
 def _agree(mine: list[int], groups: list[dist.ProcessGroup | None], what: str, names: tuple[str, ...],
@@ -193,16 +194,22 @@ def _described(field: str, column: list[int], group: dist.ProcessGroup | None) -
     shown = _shown_values(field)
     if shown is None:  # a checksum (layout, documents/window, sinks): it says only that they differ
         return field
-    ranks: dict[str, list[int]] = {}
-    for i, code in enumerate(column):
-        ranks.setdefault("unreadable" if code == -1 else shown(code), []).append(_global_rank(group, i))
-    values = "; ".join(f"{value} on rank{'s' if len(held) > 1 else ''} {', '.join(map(str, held))}"
-                       for value, held in ranks.items())
+    values = by_value({_global_rank(group, i): "unreadable" if code == -1 else shown(code)
+                       for i, code in enumerate(column)})
     if field == "strategy":  # every rank may have passed "auto" and the planner chosen differently
         return (f"strategy ({values}; or the one strategy='auto' chose, which follows whether a backward will run "
                 f"and the planner's hardware: requires_grad and ctxpar.auto.set_hardware must be alike on every "
                 f"rank)")
     return f"{field} ({values})"
+
+
+def by_value(values: dict[int, str]) -> str:
+    """Each rank's value, the ranks grouped by value: "4 on ranks 0, 1, 2; 8 on rank 3"."""
+    ranks: dict[str, list[int]] = {}
+    for rank, value in values.items():
+        ranks.setdefault(value, []).append(rank)
+    return "; ".join(f"{value} on rank{'s' if len(held) > 1 else ''} {', '.join(map(str, held))}"
+                     for value, held in ranks.items())
 
 
 def _shown_values(field: str) -> Callable[[int], str] | None:

@@ -757,8 +757,8 @@ def _claim(directory: str, path: str, step: int, run: dict[str, Any]) -> int | N
         raise ValueError(f"another process is saving a checkpoint into {directory} right now; give each run a "
                          f"--checkpoint-dir of its own") from None
     except OSError as e:  # not the step's path, which nothing was written to
-        raise ValueError(f"the checkpoint directory's save lock {save_lock} cannot be opened ({e.strerror or e}); "
-                         f"remove it if it is no file, or make it writable") from None
+        raise ValueError(f"the checkpoint directory's save lock {save_lock} cannot be opened or locked "
+                         f"({e.strerror or e}); remove it if it is no file, or make it writable") from None
     try:
         manifest, _ = _read_manifest(path, step)
         if manifest is not None and manifest["run"] != run:

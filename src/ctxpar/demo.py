@@ -8,6 +8,7 @@ float64 (inputs cast up).
 
 from __future__ import annotations
 
+import math
 import os
 import time
 from dataclasses import asdict, dataclass
@@ -179,7 +180,7 @@ def _warm_up(cfg: DemoConfig, device: torch.device, kwargs: dict) -> None:
     """A tiny call first, so that connecting the peers and lazy imports are not timed. Of a length
     every layout splits: ranks given other --layout values were told of other local lengths too."""
     world = kwargs["layout"].world_size
-    local = max(ctxpar.get_layout(name, world).multiple for name in LAYOUT_NAMES) // world
+    local = math.lcm(*(ctxpar.get_layout(name, world).multiple for name in LAYOUT_NAMES)) // world
     q = torch.zeros((1, cfg.heads, local, cfg.head_dim), device=device, dtype=DTYPES[cfg.dtype], requires_grad=True)
     kv = torch.zeros((1, cfg.kv_heads, *q.shape[2:]), device=device, dtype=q.dtype, requires_grad=True)
     out = ctxpar.attention(q, kv, kv, **kwargs)

@@ -7,7 +7,7 @@ returns the list of results (rank order). What it guarantees:
 
 - No wall-clock limit by default: a healthy run takes as long as it takes. ``timeout_s``
   bounds one wait at one collective (and the rendezvous); ``deadline_s`` optionally bounds
-  the run from the moment every rank has started (their start-up is not counted).
+  the run from the moment every rank's process is launched (a rank server's start not counted).
 - Workers die with the parent, however it ends (SIGTERM, SIGINT, SIGKILL): on Linux the
   kernel kills them (``PR_SET_PDEATHSIG``, as their server ends with the parent); a thread in
   each worker also notices the parent is gone within ``PARENT_POLL_S``.
@@ -780,7 +780,8 @@ def run_local(
     ``threads`` per rank (at most ``THREADS_PER_CORE`` per core) defaults to the machine's
     cores shared out between the ranks.
     ``timeout_s`` bounds each collective and the rendezvous; ``deadline_s`` (default: none)
-    bounds the run from the moment every rank has started (not their start itself). ``device_type`` None: a gloo group and ``fn(rank, nproc, *args)``;
+    bounds the run from the moment every rank's process is launched (a rank server's start
+    not counted). ``device_type`` None: a gloo group and ``fn(rank, nproc, *args)``;
     "cpu" or "cuda": the placement of ``local_placement`` and ``fn(rank, nproc, *args,
     device)``. Raises ``RankFailure`` naming every rank that failed, died or never
     finished; the other ranks are stopped first.
@@ -1179,7 +1180,7 @@ def run(
     stderr says which. ``device_type`` ("cpu" | "cuda", default: see
     ``resolve_device_type``) picks the device and so the backend: NCCL on one GPU per rank,
     gloo otherwise. ``timeout_s`` bounds each collective; ``deadline_s`` (local ranks only,
-    default none) the run from the moment every rank has started.
+    default none) the run from the moment every rank's process is launched.
     """
     check_timeout(timeout_s)
     device_type = resolve_device_type(device_type)

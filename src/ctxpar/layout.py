@@ -485,11 +485,12 @@ def written_positions(positions: torch.Tensor, most: int = 6) -> str:
     """1-D positions as their runs of consecutive ones, ``0..7, 24..31``: a zigzag shard's 16
     positions read whole where a list cut to its first few reads as another rank's. At most
     ``most`` runs, then ``...``."""
-    values = positions.reshape(-1).tolist()
     runs: list[list[int]] = []
-    for value in values:
+    for value in positions.reshape(-1).tolist():
         if runs and value == runs[-1][1] + 1:
             runs[-1][1] = value
+        elif len(runs) > most:  # one more than shown: the "..."
+            break
         else:
             runs.append([value, value])
     text = ", ".join(str(a) if a == b else f"{a}, {b}" if b == a + 1 else f"{a}..{b}" for a, b in runs[:most])
@@ -498,14 +499,14 @@ def written_positions(positions: torch.Tensor, most: int = 6) -> str:
 
 def positions_mismatch(given: torch.Tensor, want: torch.Tensor, world_size: int) -> str:
     """Where ``given`` positions first differ from ``want``, this rank's (both 1-D, one length),
-    and, where they number the tokens 0..S-1 on P > 1 ranks, what that means: the whole
+    and, where they number the tokens 0..S-1 on P > 1 ranks, what that may mean: the whole
     sequence passed on each rank, read as the shard of a P times longer one."""
     first = int((given != want).nonzero()[0, 0])
     text = (f"{written_positions(given)}, where this rank's are {written_positions(want)} (its token {first} is at "
             f"{int(want[first])}, not {int(given[first])})")
     if world_size > 1 and bool((given == torch.arange(given.numel())).all()):
-        text += (f"; numbered from 0 to {given.numel() - 1}, they read as the whole sequence passed on each rank, "
-                 f"where each of the {world_size} ranks passes its shard of T/{world_size} tokens")
+        text += (f"; numbered from 0 to {given.numel() - 1}: if they are the whole sequence's, passed on each "
+                 f"rank, each of the {world_size} ranks must pass its shard of T/{world_size} tokens instead")
     return text
 
 

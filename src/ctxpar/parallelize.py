@@ -548,9 +548,9 @@ class _PositionsGuard(_KeptWithTheModel):
         if positions is None:
             raise ValueError(f"{name} got no positions under context parallelism, so it would number this "
                              f"rank's tokens from 0; pass the global positions{where} of this rank, {holder}: {fix}")
-        rows = None if positions.is_meta else positions.reshape(-1, local).cpu()
-        if rows is not None and not bool((rows == want).all()):
-            wrong = rows[(rows != want).any(1)][0]
+        given = None if positions.is_meta else positions.reshape(-1, local).cpu()
+        if given is not None and not bool((given == want).all()):
+            wrong = given[(given != want).any(1)][0]
             raise ValueError(f"positions must be the global positions{where} of {holder} under the {placed.name} "
                              f"layout given to apply_context_parallel, got "
                              f"{positions_mismatch(wrong, want, topo.world_size)}: {fix}")

@@ -105,8 +105,9 @@ os.register_at_fork(after_in_child=_forget_the_parents_server)
 def _end_own_server() -> None:
     """At this process's exit, end its server now: it would end once it read the "alive" pipe's
     end, after what it was still importing (a command refused at once left its server 1-2 s of
-    CPU of imports to finish). SIGTERM ends it, by its handler or, before the handler is in place,
-    by the default action, which leaves its folder: removed here (a server under a caller that
+    CPU of imports to finish). SIGTERM ends it by its handler, which removes its folder (the
+    signal is held from before the server starts until the handler is in place: ``_start``);
+    removed here too, as the handler may still be running (a server under a caller that
     ignores SIGTERM ignores it too, and ends by the pipe)."""
     if not _lock.acquire(timeout=1):  # another thread starting a run as the process ends: the pipe ends the server
         return
@@ -196,6 +197,9 @@ def _ended(server: _Server) -> bool:
     return True
 
 
+BY_ANOTHER = ", by another process"
+
+
 def how_it_ended(server: _Server, wait_s: float = 2.0) -> str:
     """How ``server``, found gone (its connection to a rank closed), ended: "killed by SIGKILL, by another
     process", "exited with code 1; its error is on stderr"; "ended" if it is still running ``wait_s`` later."""
@@ -207,14 +211,13 @@ def how_it_ended(server: _Server, wait_s: float = 2.0) -> str:
         if time.monotonic() >= give_up:
             return "ended"
         time.sleep(0.01)
+    handled = {128 + sig: sig for sig in _ENDING_SIGNALS}  # its handler's exit: ``_end_server``
+    if server.exitcode in handled:
+        return f"ended by {signal.Signals(handled[server.exitcode]).name}{BY_ANOTHER}"
     how = exit_reason(server.exitcode)
-    if _killed_by_another(server):
-        return f"{how}, by another process"
+    if server.exitcode in (-signal.SIGKILL, *(-sig for sig in _ENDING_SIGNALS)):
+        return f"{how}{BY_ANOTHER}"
     return f"{how}; its error is on stderr"  # a preload that failed, a crash
-
-
-def _killed_by_another(server: _Server) -> bool:
-    return server.exitcode in (-signal.SIGKILL, -signal.SIGTERM, -signal.SIGHUP)
 
 
 def exit_reason(exitcode: int | None) -> str:
@@ -301,7 +304,7 @@ def _server_command(listener_fd: int, alive_r: int, folder: str, sys_path: tuple
     folder. The folder is removed however the code ends."""
     return "\n".join([
         "import shutil, signal, sys",
-        "ending = [s for s in (signal.SIGTERM, signal.SIGHUP) if signal.getsignal(s) is signal.SIG_DFL]",
+        f"ending = [s for s in {sorted(map(int, _ENDING_SIGNALS))!r} if signal.getsignal(s) is signal.SIG_DFL]",
         "for s in ending:",
         "    signal.signal(s, lambda signum, frame: sys.exit(128 + signum))",
         "try:",
@@ -454,7 +457,7 @@ class _RankPopen(_ForkServerPopen):
         except EOFError:
             how = how_it_ended(server)
             raise RuntimeError(f"ctxpar's rank server (pid {server.pid}) ended before it started {process_obj.name}: "
-                               f"{how}{'; the next run starts a new one' if _killed_by_another(server) else ''}"
+                               f"{how}{'; the next run starts a new one' if how.endswith(BY_ANOTHER) else ''}"
                                ) from None
 
     server_ended = False  # before it could say how the rank ended: the kernel killed the rank with it

@@ -21,7 +21,7 @@ import torch
 import torch.distributed as dist
 
 import ctxpar
-from ctxpar import checkpoint, limits, profile, strategy_rules, topology
+from ctxpar import agreement, checkpoint, limits, profile, strategy_rules, topology
 from ctxpar.attention import is_dtensor
 from ctxpar.data import RecallTask
 from ctxpar import launch
@@ -222,9 +222,9 @@ def check_ranks_share(cfg: TrainConfig) -> None:
     dist.all_gather_object(every, mine)
     differing = [name for name in mine if len({repr(settings[name]) for settings in every}) > 1]
     if differing:
-        told = "; ".join(f"--{name.replace('_', '-')} " + ", ".join(f"{settings[name]!r} on rank {rank}"
-                                                                   for rank, settings in enumerate(every))
-                         for name in differing)
+        told = " / ".join(f"--{name.replace('_', '-')} "
+                          + agreement.by_value({rank: repr(settings[name]) for rank, settings in enumerate(every)})
+                          for name in differing)
         raise ValueError(f"the ranks were given different settings ({told}); give every rank of the launch the "
                          f"same flags")
 
@@ -321,7 +321,8 @@ def _train_rank(rank: int, world: int, cfg: TrainConfig, resume_from: checkpoint
 
     device = device or torch.device("cpu")
     cfg.validate(world)
-    check_ranks_share(cfg)
+    if launch.joined_torchrun():  # local ranks are given one configuration
+        check_ranks_share(cfg)
     cp = cfg.cp(world)
     if cfg.strategy == "hybrid":
         u = cfg.ulysses_degree

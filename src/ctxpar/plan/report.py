@@ -453,11 +453,12 @@ def _dp_traffic(plan: Plan) -> list[str]:
 def _attention(plan: Plan) -> list[str]:
     w, attn = plan.workload, plan.step.attention
     hw = plan.hardware
-    fixed = attn.forward.overhead, attn.backward.overhead
-    # a calibrated cost per byte sent makes the backward's (its messages are larger) the higher
-    fixed_words = ("" if not any(fixed) else f"; every stage + {format_seconds(fixed[0])} fixed"
-                   if fixed[0] == fixed[1] else
-                   f"; every stage + fixed: {format_seconds(fixed[0])} forward, {format_seconds(fixed[1])} backward")
+    forward, backward = format_seconds(attn.forward.overhead), format_seconds(attn.backward.overhead)
+    fixed_words = ""
+    if attn.forward.overhead or attn.backward.overhead:
+        # a calibrated cost per byte sent makes the backward's (its messages are larger) the higher
+        fixed_words = (f"; every stage + {forward} fixed" if forward == backward else
+                       f"; every stage + fixed: {forward} forward, {backward} backward")
     lines = [f"Attention per layer, busiest rank: 4·B·D·(pairs·heads) FLOPs forward at "
              f"{format_flops(hw.forward_flops)}, 2.5x backward at {format_flops(hw.backward_flops)}{fixed_words}",
              f"  {'':<10}{'stages':>6} {'compute/stage':>14} {'transfer/stage':>15} {'exposed':>10} {'total':>11}"
