@@ -1778,21 +1778,10 @@ def test_a_gpu_without_a_uuid_joins_unchecked(monkeypatch) -> None:
     assert launch.init_from_env(30, "cuda") == torch.device("cuda", 1) and joined == [1]
 
 
-def test_a_real_torchrun_launch_joins_torchruns_group(tmp_path) -> None:
-    out = tmp_path / "demo.json"
-    torchrun = Path(sys.executable).with_name("torchrun")
-    proc = subprocess.run([str(torchrun), "--nnodes", "1", "--nproc-per-node", "2", "--master-addr", "127.0.0.1",
-                           "--master-port", str(free_port()), "-m", "ctxpar.cli", "demo", *TINY_DEMO,
-                           "--json", str(out)], capture_output=True, text=True, timeout=120)
-    assert proc.returncode == 0, proc.stderr
-    backend = "nccl" if torch.cuda.is_available() else "gloo"
-    assert f"ctxpar: joining torchrun's group of 2 ranks with backend {backend}" in proc.stderr
-    assert json.loads(out.read_text())["config"]["nproc"] == 2
-
-
-def test_train_compare_under_torchrun_runs_its_reference_after_the_launch(tmp_path) -> None:
-    """The reference run came after the launch's group was gone, and its loss refused it as a
-    torchrun rank that had not joined: every step trained, then exit status 2 and no report."""
+def test_a_real_torchrun_launch_joins_torchruns_group_and_train_compare_runs_its_reference_after_it(tmp_path) -> None:
+    """The launch joins torchrun's group; train --compare's reference came after the group was
+    gone, and its loss refused it as a torchrun rank that had not joined: every step trained,
+    then exit status 2 and no report."""
     out = tmp_path / "train.json"
     torchrun = Path(sys.executable).with_name("torchrun")
     proc = subprocess.run([str(torchrun), "--nnodes", "1", "--nproc-per-node", "2", "--master-addr", "127.0.0.1",
@@ -1800,8 +1789,11 @@ def test_train_compare_under_torchrun_runs_its_reference_after_the_launch(tmp_pa
                            "2", "--compare", "--no-progress", "--json", str(out)],
                           capture_output=True, text=True, timeout=180)
     assert proc.returncode == 0, proc.stderr
+    backend = "nccl" if torch.cuda.is_available() else "gloo"
+    assert f"ctxpar: joining torchrun's group of 2 ranks with backend {backend}" in proc.stderr
     report = json.loads(out.read_text())
-    assert report["losses_match"] and report["gradients_match"] and len(report["reference_loss"]) == 2, report
+    assert report["config"]["nproc"] == 2 and report["losses_match"] and report["gradients_match"], report
+    assert len(report["reference_loss"]) == 2
 
 
 FAKE_TORCHRUN_RANK = """
