@@ -161,13 +161,13 @@ class KVCache:
     def next_positions(self, new: int, rank: int) -> torch.Tensor:
         """(int64) the positions among the next ``new`` after the ``seq_len`` held that ``rank``
         keeps (``owner``: p mod P), ascending."""
-        given, new, rank = (new, rank), limits.whole(new), limits.whole(rank)
-        if new is None or new < 0:
-            raise ValueError(f"next_positions: new must be a count of positions >= 0, got {given[0]!r}")
-        if rank is None or not 0 <= rank < self.world_size:
-            raise ValueError(f"next_positions: rank must be one of 0..{self.world_size - 1}, got {given[1]!r}")
-        first = self.seq_len + (rank - self.seq_len) % self.world_size
-        return torch.tensor(range(first, self.seq_len + new, self.world_size), dtype=torch.int64)
+        count, index = limits.whole(new), limits.whole(rank)  # Python ints (numpy's taken), None if not integers
+        if count is None or count < 0:
+            raise ValueError(f"next_positions: new must be a count of positions >= 0, got {new!r}")
+        if index is None or not 0 <= index < self.world_size:
+            raise ValueError(f"next_positions: rank must be one of 0..{self.world_size - 1}, got {rank!r}")
+        first = self.seq_len + (index - self.seq_len) % self.world_size
+        return torch.tensor(range(first, self.seq_len + count, self.world_size), dtype=torch.int64)
 
     def keys(self, layer: int, length: int | None = None) -> torch.Tensor:
         """(B, H_kv, n, D) view of this rank's keys of ``layer`` (n = ``length``, default all held)."""
@@ -228,13 +228,13 @@ class KVCache:
     def rewind(self, seq_len: int) -> None:
         """Forget the positions from ``seq_len`` on (a turn taken back, or the same chunk
         timed again): every rank alike, no communication; the next call continues there."""
-        given, seq_len = seq_len, limits.whole(seq_len)
-        if seq_len is None or not 0 <= seq_len <= self.seq_len:
-            raise ValueError(f"rewind to {given!r}: a length between 0 and the {self.seq_len} positions held "
+        length = limits.whole(seq_len)  # a Python int (numpy's taken), None if not an integer
+        if length is None or not 0 <= length <= self.seq_len:
+            raise ValueError(f"rewind to {seq_len!r}: a length between 0 and the {self.seq_len} positions held "
                              f"(an integer)")
-        keep = int((self._positions[: self.length] < seq_len).sum())  # positions ascend in slot order
+        keep = int((self._positions[: self.length] < length).sum())  # positions ascend in slot order
         self._positions[keep:] = -1
-        self.length, self.seq_len = keep, seq_len
+        self.length, self.seq_len = keep, length
         self.prompt_len = min(self.prompt_len, seq_len)
         if seq_len < self._history[0]:
             self._history = (0, 0)
